@@ -1,0 +1,71 @@
+"""Every environment variable gemmtune reads, in one place, read lazily.
+
+Each knob is read when asked for (never at import time), so tests can set variables with
+``monkeypatch.setenv`` and see the effect. The seeds' ``AITER_*`` names are accepted as aliases;
+when both are set the ``GEMMTUNE_*`` name wins.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"", "0", "false", "no", "off"}
+
+
+def _first_set(*names: str) -> str | None:
+    for name in names:
+        value = os.environ.get(name)
+        if value is not None:
+            return value
+    return None
+
+
+def _flag(*names: str) -> bool:
+    value = _first_set(*names)
+    if value is None:
+        return False
+    lowered = value.strip().lower()
+    if lowered in _TRUE:
+        return True
+    if lowered in _FALSE:
+        return False
+    raise ValueError(f"{names[0]}={value!r}: expected one of 1/0, true/false, yes/no, on/off")
+
+
+def cache_dir() -> Path:
+    """Where merged tables, capture shards and memos live; never inside the installed package."""
+    value = os.environ.get("GEMMTUNE_CACHE_DIR")
+    return Path(value).expanduser() if value else Path.home() / ".cache" / "gemmtune"
+
+
+def capture_enabled() -> bool:
+    """``GEMMTUNE_TUNE_GEMM=1`` (alias ``AITER_TUNE_GEMM``): record every new shape an op meets."""
+    return _flag("GEMMTUNE_TUNE_GEMM", "AITER_TUNE_GEMM")
+
+
+def capture_dir() -> Path:
+    """Folder of per-process capture shards (``GEMMTUNE_CAPTURE_DIR``, default under the cache)."""
+    value = os.environ.get("GEMMTUNE_CAPTURE_DIR")
+    return Path(value).expanduser() if value else cache_dir() / "capture"
+
+
+def log_tuned_config() -> bool:
+    """``GEMMTUNE_LOG_TUNED_CONFIG=1`` (alias ``AITER_LOG_TUNED_CONFIG``): log each decision once."""
+    return _flag("GEMMTUNE_LOG_TUNED_CONFIG", "AITER_LOG_TUNED_CONFIG")
+
+
+def replace_shipped_tables() -> bool:
+    """``GEMMTUNE_CONFIG_REPLACE=1``: user tables replace the shipped ones instead of adding to them."""
+    return _flag("GEMMTUNE_CONFIG_REPLACE", "AITER_CONFIG_REPLACE")
+
+
+def table_overlay(env_names: tuple[str, ...]) -> str | None:
+    """The colon-separated overlay paths of one family (first of its names that is set)."""
+    return _first_set(*env_names)
+
+
+def device_override() -> str | None:
+    """``GEMMTUNE_DEVICE=ARCH:CU_NUM`` (e.g. ``sm_90:132``): act as that GPU when matching table rows."""
+    return os.environ.get("GEMMTUNE_DEVICE") or None
