@@ -1,0 +1,275 @@
+"""``gemmtune``: one entry point, one verb per step of the workflow (capture → tune → use → check)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+EPILOG = """workflow:
+  gemmtune shapes --model llama3-70b --tp 8 -o shapes/      # or: gemmtune capture -o shapes/ -- python serve.py
+  gemmtune lookup bf16 M=100 N=4096 K=4096                   # which row a call would use, and why
+  gemmtune check --model llama3-8b                           # run the ops on the model's shapes
+"""
+
+
+def _key_value(text: str) -> tuple[str, str]:
+    name, sep, value = text.partition("=")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected KEY=VALUE, e.g. M=128")
+    return name.strip(), value.strip()
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.replace(" ", "").split(",") if v]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated integers, e.g. "
+                                         "1,16,128") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected positive integers")
+    return values
+
+
+def _family_names() -> list[str]:
+    from gemmtune.tables.schema import Family
+
+    return [f.value.replace("_", "-") for f in Family] + [f.value for f in Family if "_" in f.value]
+
+
+# ---------------------------------------------------------------------------------------- lookup
+def _cmd_lookup(args) -> int:
+    from gemmtune.device import DeviceId, current_device
+    from gemmtune.ops._dispatch import table_index
+    from gemmtune.tables.schema import schema_for
+    from gemmtune.tables.values import BadValue
+
+    schema = schema_for(args.family)
+    given = dict(args.key)
+    unknown = sorted(set(given) - set(schema.key_names))
+    if unknown:
+        print(f"error: {schema.family.value} has no key column(s) {', '.join(unknown)}; its key "
+              f"is {', '.join(schema.key_names)}", file=sys.stderr)
+        return 2
+    key = []
+    for col in schema.key:
+        text = given.get(col.name, col.default)
+        if text is None:
+            print(f"error: {col.name}=... is required (key: {', '.join(schema.key_names)})",
+                  file=sys.stderr)
+            return 2
+        try:
+            key.append(col.parse(text))
+        except BadValue as e:
+            print(f"error: {col.name}: {e}", file=sys.stderr)
+            return 2
+    device = DeviceId.parse(args.device) if args.device else current_device()
+    dispatcher = _dispatcher_for(schema.family)
+    if dispatcher is not None:
+        decision = dispatcher.decide(tuple(key), device)
+        rule, kernel_name, row = decision.rule, decision.kernel_name, decision.row
+    else:
+        match = table_index(schema.family, device).find(tuple(key))
+        rule, row = match.rule, match.row
+        kernel_name = (row.kernel_names(schema) or ("",))[0] if row else \
+            "(family default; this family's op has not landed yet)"
+    print(f"device:     {device}")
+    print("shape:      " + " ".join(f"{n}={v}" for n, v in zip(schema.key_names, key)))
+    print(f"rule:       {rule.value}")
+    print(f"kernelName: {kernel_name}")
+    if row is not None:
+        print(f"row:        {row.source}")
+        print("            " + " ".join(f"{n}={v}" for n, v in zip(schema.key_names, row.key))
+              + f" us={row.us:g}")
+    return 0
+
+
+def _dispatcher_for(family):
+    from gemmtune.tables.schema import Family
+
+    if family is Family.bf16:
+        from gemmtune.ops.gemm_a16w16 import DISPATCH
+
+        return DISPATCH
+    return None
+
+
+# --------------------------------------------------------------------------------------- capture
+def _cmd_capture(args) -> int:
+    from gemmtune import _env
+    from gemmtune.tables.capture import merge_captures
+
+    out = Path(args.output)
+    if args.command:
+        command = args.command[1:] if args.command[0] == "--" else args.command
+        shard_dir = Path(tempfile.mkdtemp(prefix="gemmtune-capture-"))
+        env = dict(os.environ, GEMMTUNE_TUNE_GEMM="1", GEMMTUNE_CAPTURE_DIR=str(shard_dir))
+        print(f"capturing shapes of: {' '.join(command)}", file=sys.stderr)
+        status = subprocess.call(command, env=env)
+        if status != 0:
+            print(f"warning: the command exited with status {status}; merging what it captured",
+                  file=sys.stderr)
+    else:
+        shard_dir = Path(args.shards) if args.shards else _env.capture_dir()
+        status = 0
+    reports = merge_captures(shard_dir, out)
+    if not reports:
+        print(f"no captured shapes under {shard_dir} (was GEMMTUNE_TUNE_GEMM=1 set while the "
+              f"ops ran?)", file=sys.stderr)
+    for r in reports:
+        print(f"{r.family.value}: {r.new_shapes} new shape(s) from {r.shards} shard(s) -> "
+              f"{r.output} ({r.total_shapes} in all)")
+        for e in r.errors:
+            print(f"  skipped bad shard line: {e}", file=sys.stderr)
+    return status
+
+
+# ---------------------------------------------------------------------------------------- shapes
+def _cmd_shapes(args) -> int:
+    from gemmtune.models.shapes import load_model_dir, load_preset, untuned_rows
+    from gemmtune.tables.schema import schema_for
+    from gemmtune.tables.store import parse_rows, render_rows, update_table
+
+    spec = load_model_dir(args.model_dir) if args.model_dir else load_preset(args.model)
+    out = Path(args.output)
+    for family, rows in untuned_rows(spec, args.tp, args.nsets).items():
+        if args.families and family not in args.families:
+            continue
+        schema = schema_for(family)
+        header = list(schema.key_names)
+        text = ",".join(header) + "\n" + "".join(
+            ",".join(r[c] for c in header) + "\n" for r in rows)
+        parsed = parse_rows(text, f"<{spec.name} shapes>", schema, untuned=True).rows
+        path = out / schema.untuned_file
+        written = update_table(path, schema, parsed, untuned=True, replace=False)
+        print(f"{family}: {len(parsed)} shape(s) of {spec.name} tp={args.tp} -> {path} "
+              f"({len(written)} in the file)")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------- tables
+def _cmd_tables(args) -> int:
+    from gemmtune.device import current_device
+    from gemmtune.ops._dispatch import table_index
+    from gemmtune.tables.schema import SCHEMAS
+    from gemmtune.tables.sources import merged_cache_path, table_sources
+
+    device = current_device()
+    print(f"device {device}")
+    for family, schema in SCHEMAS.items():
+        sources = table_sources(schema)
+        index = table_index(family, device)
+        print(f"{family.value:<16} {len(index):>6} row(s) for this device from "
+              f"{len(sources.paths)} file(s)" + (" (shipped tables replaced)"
+                                                 if sources.replaced_shipped else ""))
+        for p in sources.paths:
+            print(f"{'':<18}{p}")
+        if sources.paths:
+            print(f"{'':<18}merged copy: {merged_cache_path(schema)}")
+    return 0
+
+
+# ----------------------------------------------------------------------------------------- check
+def _cmd_check(args) -> int:
+    from gemmtune.check import run_check
+
+    return run_check(args.model, args.tp, args.M, args.dtype)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="gemmtune", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Per-shape tuned GEMM and fused-MoE dispatch for NVIDIA GPUs: capture the "
+                    "shapes a workload runs, tune them, dispatch from CSV tables.",
+        epilog=EPILOG)
+    sub = parser.add_subparsers(dest="verb", metavar="COMMAND")
+    sub.required = True
+
+    p = sub.add_parser("lookup", help="show the table row a call would use and the rule that "
+                                      "found it (exact, padded, coarse, nearest, default)",
+                       description="Show the row a call with this shape would dispatch to. Key "
+                                   "columns not given take the family's defaults.",
+                       epilog="example: gemmtune lookup bf16 M=100 N=4096 K=4096")
+    p.add_argument("family", choices=_family_names(), help="table family")
+    p.add_argument("key", nargs="+", type=_key_value, metavar="KEY=VALUE",
+                   help="shape columns, e.g. M=100 N=4096 K=4096 dtype=bf16")
+    p.add_argument("--device", metavar="ARCH:CU_NUM",
+                   help="match rows of this GPU instead of the current one, e.g. sm_90:132")
+    p.set_defaults(func=_cmd_lookup)
+
+    p = sub.add_parser("capture", help="record the shapes a program runs into untuned CSVs",
+                       description="Run COMMAND with shape capture on and merge what it met into "
+                                   "OUTPUT/<family untuned file>; or, with --merge, merge shards "
+                                   "left by processes run with GEMMTUNE_TUNE_GEMM=1.",
+                       epilog="examples:\n  gemmtune capture -o shapes/ -- python serve.py\n"
+                              "  GEMMTUNE_TUNE_GEMM=1 python serve.py; gemmtune capture --merge "
+                              "-o shapes/",
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("-o", "--output", required=True, metavar="DIR",
+                   help="folder of the untuned CSVs (rows already there are kept)")
+    p.add_argument("--merge", action="store_true",
+                   help="only merge existing shards (default when no COMMAND is given)")
+    p.add_argument("--shards", metavar="DIR",
+                   help="shard folder to merge (default: $GEMMTUNE_CAPTURE_DIR or "
+                        "~/.cache/gemmtune/capture)")
+    p.add_argument("command", nargs=argparse.REMAINDER, metavar="-- COMMAND ...",
+                   help="program to run with capture on")
+    p.set_defaults(func=_cmd_capture)
+
+    p = sub.add_parser("shapes", help="write a model's GEMM and MoE shapes into untuned CSVs",
+                       description="Generate the untuned tables of a model from its config.json "
+                                   "(read locally; nothing is downloaded) or a bundled preset.")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", metavar="NAME", help="bundled preset (see --list)")
+    src.add_argument("--model_dir", "--model-dir", metavar="DIR",
+                     help="folder holding a Hugging Face config.json")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (default 1)")
+    p.add_argument("--nsets", type=_int_list, metavar="M,M,...",
+                   default=None, help="token counts M (default 1,16,32,...,8192)")
+    p.add_argument("--families", type=lambda t: [f.strip() for f in t.split(",")],
+                   metavar="F,F", help="only these families (default: bf16, and fmoe for MoE "
+                                       "models)")
+    p.add_argument("-o", "--output", required=True, metavar="DIR",
+                   help="folder of the untuned CSVs (rows already there are kept)")
+    p.set_defaults(func=_cmd_shapes)
+
+    p = sub.add_parser("tables", help="list the tables in force for this device",
+                       description="Each family's table files (shipped, model_configs, "
+                                   "GEMMTUNE_CONFIG_* overlays) and its rows for this device.")
+    p.set_defaults(func=_cmd_tables)
+
+    p = sub.add_parser("check", help="run gemm_a16w16 on a model's shapes: correctness, rule, "
+                                     "kernel and time per shape",
+                       description="Run gemm_a16w16 on every dense projection of a model preset "
+                                   "and compare with an fp32 reference. Runs on the CPU when there "
+                                   "is no GPU (and says so).")
+    p.add_argument("--model", default="llama3-8b", help="model preset (default llama3-8b)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (default 1)")
+    p.add_argument("--M", type=_int_list, default=None, metavar="M,M,...",
+                   help="token counts (default 1,16,128,1024,4096 on a GPU; 1,16 on the CPU)")
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    p.set_defaults(func=_cmd_check)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "verb", None) == "shapes":
+        from gemmtune.models.shapes import DEFAULT_M
+
+        args.nsets = args.nsets or list(DEFAULT_M)
+    if getattr(args, "verb", None) == "capture" and not args.command and not args.merge:
+        args.merge = True
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"gemmtune {args.verb}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,6 @@
+"""Public ops, each dispatched per shape through its family's tuned table."""
+
+from gemmtune.ops._dispatch import Decision, Miss, format_misses, report_misses, reset
+from gemmtune.ops.gemm_a16w16 import gemm_a16w16
+
+__all__ = ["gemm_a16w16", "report_misses", "format_misses", "reset", "Decision", "Miss"]

@@ -1,0 +1,230 @@
+"""Plan once per shape, run many: the table look-up behind every op.
+
+The first call with a new shape key resolves the row (exact → padded → coarse → nearest →
+default), turns its ``kernelName`` into a callable, logs the decision if asked and records the
+shape when capturing. Every later call with that key is one dict hit. A row whose kernel name no
+longer parses, or whose backend is missing, falls back to the family default with one warning.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+import warnings
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from gemmtune import _env
+from gemmtune.device import DeviceId, current_device
+from gemmtune.tables.capture import record_shape
+from gemmtune.tables.lookup import Rule, TableIndex
+from gemmtune.tables.schema import Family, Schema, schema_for
+from gemmtune.tables.sources import load_merged
+from gemmtune.tables.store import Row
+
+log = logging.getLogger("gemmtune")
+
+
+class KernelNameError(ValueError):
+    """A ``kernelName`` that no registered backend can turn into a kernel."""
+
+
+class KernelRegistry:
+    """Backends of one family: a name prefix (the part before ``:``) and a parser that turns a
+    whole name into a callable. The name is the whole truth about a solution (DESIGN: Core idea)."""
+
+    def __init__(self, family: Family):
+        self.family = family
+        self._parsers: dict[str, Callable[[str], Callable]] = {}
+        self._resolved: dict[str, Callable] = {}
+
+    def register(self, prefix: str, parser: Callable[[str], Callable]) -> None:
+        self._parsers[prefix] = parser
+
+    @property
+    def prefixes(self) -> tuple[str, ...]:
+        return tuple(self._parsers)
+
+    def resolve(self, name: str) -> Callable:
+        kernel = self._resolved.get(name)
+        if kernel is None:
+            prefix = name.split(":", 1)[0]
+            parser = self._parsers.get(prefix)
+            if parser is None:
+                raise KernelNameError(
+                    f"{self.family.value}: no backend for kernelName {name!r}; known prefixes: "
+                    f"{', '.join(self._parsers)}")
+            try:
+                kernel = parser(name)
+            except (ValueError, ImportError, RuntimeError) as e:
+                raise KernelNameError(f"{self.family.value}: kernelName {name!r}: {e}") from e
+            self._resolved[name] = kernel
+        return kernel
+
+
+@dataclass(frozen=True)
+class Decision:
+    family: Family
+    key: tuple  # canonical table key (shape columns, schema order)
+    rule: Rule
+    kernel_name: str
+    row: Row | None
+    note: str = ""
+
+    def describe(self, schema: Schema) -> str:
+        shape = " ".join(f"{n}={v}" for n, v in zip(schema.key_names, self.key))
+        where = f" from {self.row.source}" if self.row is not None and self.row.source else ""
+        note = f" ({self.note})" if self.note else ""
+        return (f"{self.family.value} {shape}: rule={self.rule.value} "
+                f"kernelName={self.kernel_name}{where}{note}")
+
+
+@dataclass(frozen=True)
+class Plan:
+    decision: Decision
+    run: Callable
+    miss: bool  # counted on every call: the shape fell back from an exact row
+
+
+# Shared by all dispatchers: one table index per family, the miss counts, and a lock so that two
+# threads planning at once build each index once.
+_indexes: dict[Family, TableIndex] = {}
+_misses: Counter = Counter()
+_decisions: dict[tuple[Family, tuple], Decision] = {}
+_dispatchers: list["Dispatcher"] = []
+_lock = threading.RLock()
+
+
+def table_index(family: Family, device: DeviceId | None = None) -> TableIndex:
+    device = device or current_device()
+    with _lock:
+        index = _indexes.get(family)
+        if index is None or index.device != device:
+            index = TableIndex(schema_for(family), load_merged(schema_for(family)), device)
+            _indexes[family] = index
+        return index
+
+
+class Dispatcher:
+    """Plans for one family. ``to_table_key`` maps the op's raw hot-path key (plain values and
+    torch dtypes) to the canonical table key; ``default_kernel`` names the always-valid fallback
+    for a canonical key."""
+
+    def __init__(self, family: Family, registry: KernelRegistry,
+                 to_table_key: Callable[[tuple], tuple],
+                 default_kernel: Callable[[tuple, DeviceId], str]):
+        self.family = family
+        self.schema = schema_for(family)
+        self.registry = registry
+        self.to_table_key = to_table_key
+        self.default_kernel = default_kernel
+        self.plans: dict[tuple, Plan] = {}
+        with _lock:
+            _dispatchers.append(self)
+
+    def plan(self, raw_key: tuple) -> Plan:
+        plan = self.plans.get(raw_key)
+        if plan is None:
+            plan = self._make_plan(raw_key)
+        return plan
+
+    def decide(self, key: tuple, device: DeviceId | None = None) -> Decision:
+        """The row and rule that a call with canonical ``key`` would use (no side effects)."""
+        device = device or current_device()
+        match = table_index(self.family, device).find(key)
+        if match.row is None:
+            return Decision(self.family, key, Rule.default, self.default_kernel(key, device), None)
+        names = match.row.kernel_names(self.schema)
+        return Decision(self.family, key, match.rule, names[0] if names else "", match.row)
+
+    def _make_plan(self, raw_key: tuple) -> Plan:
+        key = self.to_table_key(raw_key)
+        device = current_device()
+        decision = self.decide(key, device)
+        try:
+            run = self.registry.resolve(decision.kernel_name)
+        except KernelNameError as e:
+            fallback = self.default_kernel(key, device)
+            source = decision.row.source if decision.row is not None else None
+            _warn_unusable_row(str(e), str(source) if source else "")
+            decision = Decision(self.family, key, Rule.default, fallback, decision.row,
+                                note=f"row kernel unusable: {decision.kernel_name}")
+            run = self.registry.resolve(fallback)
+        plan = Plan(decision, run, miss=decision.rule is not Rule.exact)
+        with _lock:
+            self.plans[raw_key] = plan
+            _decisions[(self.family, key)] = decision
+        if _env.log_tuned_config():
+            _ensure_log_handler()
+            log.info("gemmtune: %s", decision.describe(self.schema))
+        if _env.capture_enabled():
+            record_shape(self.schema, key)
+        return plan
+
+
+def count_miss(plan: Plan) -> None:
+    _misses[(plan.decision.family, plan.decision.key)] += 1
+
+
+@functools.cache
+def _warn_unusable_row(message: str, source: str) -> None:
+    where = f" (row {source})" if source else ""
+    warnings.warn(f"{message}{where}; using the family default instead. Retune this shape or "
+                  f"remove the row.", stacklevel=4)
+
+
+@functools.cache
+def _ensure_log_handler() -> None:
+    # Users asking for decision logs should see them without configuring logging themselves.
+    if not log.handlers and not logging.getLogger().handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("[%(name)s] %(message)s"))
+        log.addHandler(handler)
+    log.setLevel(logging.INFO)
+
+
+@dataclass(frozen=True)
+class Miss:
+    family: Family
+    shape: dict
+    rule: Rule
+    kernel_name: str
+    calls: int
+
+
+def report_misses() -> list[Miss]:
+    """Shapes that were not found exactly in a table, how often each was called, and the rule that
+    served them instead, most frequent first."""
+    with _lock:
+        items = list(_misses.items())
+    report = []
+    for (family, key), calls in sorted(items, key=lambda kv: -kv[1]):
+        decision = _decisions[(family, key)]
+        names = schema_for(family).key_names
+        report.append(Miss(family, dict(zip(names, key)), decision.rule, decision.kernel_name,
+                           calls))
+    return report
+
+
+def format_misses(misses: list[Miss]) -> str:
+    if not misses:
+        return "no misses: every call found an exact table row"
+    lines = [f"{'calls':>8}  {'family':<16} {'rule':<8} shape -> kernel"]
+    for m in misses:
+        shape = " ".join(f"{k}={v}" for k, v in m.shape.items())
+        lines.append(f"{m.calls:>8}  {m.family.value:<16} {m.rule.value:<8} {shape} -> "
+                     f"{m.kernel_name}")
+    return "\n".join(lines)
+
+
+def reset() -> None:
+    """Forget loaded tables, plans and miss counts (after changing tables or variables)."""
+    with _lock:
+        _indexes.clear()
+        _misses.clear()
+        _decisions.clear()
+        for d in _dispatchers:
+            d.plans.clear()
+    _warn_unusable_row.cache_clear()

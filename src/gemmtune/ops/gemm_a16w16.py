@@ -1,0 +1,142 @@
+"""``gemm_a16w16(x, w, bias, otype, scale_a, scale_b) = x @ w.T (+ bias)``, dispatched per shape.
+
+The table key is ``M, N, K, bias, dtype, outdtype, scaleAB, bpreshuffle`` (``bf16_tuned_gemm.csv``).
+Eager calls go straight to the planned kernel; under ``torch.compile`` or autograd the call goes
+through the registered custom op ``torch.ops.gemmtune.gemm_a16w16``, whose fake implementation
+gives shapes only, so ``torch.compile(fullgraph=True)`` traces it without a graph break.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from gemmtune.device import DeviceId
+from gemmtune.kernels.torch_ref import TORCH_LINEAR, parse_torch_kernel
+from gemmtune.ops._dispatch import Dispatcher, KernelRegistry, count_miss
+from gemmtune.tables.schema import Family
+from gemmtune.tables.values import DTYPE_NAMES
+
+_INPUT_DTYPES = {torch.bfloat16, torch.float16, torch.float32}
+_FP8_DTYPES = {getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n)}
+
+
+def _parse_triton_tile(name: str):
+    from gemmtune.kernels.triton.gemm_tile import TileConfig, gemm_tile
+
+    config = TileConfig.from_name(name)
+
+    def run(x, w, bias, out_dtype, scale_a, scale_b):
+        return gemm_tile(x, w, bias, out_dtype, scale_a, scale_b, config=config)
+
+    return run
+
+
+REGISTRY = KernelRegistry(Family.bf16)
+REGISTRY.register("torch.linear", parse_torch_kernel)
+REGISTRY.register("triton.tile", _parse_triton_tile)
+
+
+def _to_table_key(raw: tuple) -> tuple:
+    m, n, k, has_bias, dtype, out_dtype, scaled, preshuffled = raw
+    return (m, n, k, has_bias, DTYPE_NAMES[dtype], DTYPE_NAMES[out_dtype], scaled, preshuffled)
+
+
+def _default_kernel(key: tuple, device: DeviceId) -> str:
+    # cuBLAS's own heuristic is right for every shape and the baseline tuned rows must beat;
+    # a shape without a row should never be slower than plain torch.
+    return TORCH_LINEAR
+
+
+DISPATCH = Dispatcher(Family.bf16, REGISTRY, _to_table_key, _default_kernel)
+
+
+def _out_dtype(dtype: torch.dtype, otype: Optional[torch.dtype]) -> torch.dtype:
+    if otype is not None:
+        return otype
+    return torch.bfloat16 if dtype in _FP8_DTYPES else dtype
+
+
+def _check(x: torch.Tensor, w: torch.Tensor, bias, scale_a, scale_b) -> None:
+    if w.dim() != 2 or x.dim() < 1 or x.shape[-1] != w.shape[1]:
+        raise ValueError(
+            f"gemm_a16w16: x {tuple(x.shape)} and w {tuple(w.shape)} do not multiply; expected "
+            f"x (..., K) and w (N, K) (w as stored by nn.Linear)")
+    if x.dtype != w.dtype:
+        raise TypeError(f"gemm_a16w16: x is {x.dtype} but w is {w.dtype}; cast one to match")
+    scaled = scale_a is not None or scale_b is not None
+    if x.dtype not in _INPUT_DTYPES and not (scaled and x.dtype in _FP8_DTYPES):
+        raise TypeError(
+            f"gemm_a16w16: {x.dtype} inputs are not supported; use bf16, fp16 or fp32 (fp8 "
+            f"e4m3fn/e5m2 only with per-tensor scale_a/scale_b)")
+    if x.device != w.device:
+        raise ValueError(f"gemm_a16w16: x is on {x.device} but w is on {w.device}")
+    if bias is not None and bias.shape != (w.shape[0],):
+        raise ValueError(f"gemm_a16w16: bias has shape {tuple(bias.shape)}; expected ({w.shape[0]},)")
+    for name, s in (("scale_a", scale_a), ("scale_b", scale_b)):
+        if s is not None and s.numel() != 1:
+            raise ValueError(f"gemm_a16w16: {name} must be a one-element per-tensor scale, got "
+                             f"shape {tuple(s.shape)}")
+
+
+def _run(x, w, bias, otype, scale_a, scale_b):
+    _check(x, w, bias, scale_a, scale_b)
+    n, k = w.shape
+    x2 = x.reshape(-1, k)
+    out_dtype = _out_dtype(x.dtype, otype)
+    key = (x2.shape[0], n, k, bias is not None, x.dtype, out_dtype,
+           scale_a is not None or scale_b is not None, False)
+    plan = DISPATCH.plans.get(key) or DISPATCH.plan(key)
+    if plan.miss:
+        count_miss(plan)
+    y = plan.run(x2, w, bias, out_dtype, scale_a, scale_b)
+    return y.view(*x.shape[:-1], n)
+
+
+@torch.library.custom_op("gemmtune::gemm_a16w16", mutates_args=())
+def _gemm_a16w16_op(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor],
+                    otype: Optional[torch.dtype], scale_a: Optional[torch.Tensor],
+                    scale_b: Optional[torch.Tensor]) -> torch.Tensor:
+    return _run(x, w, bias, otype, scale_a, scale_b)
+
+
+@_gemm_a16w16_op.register_fake
+def _(x, w, bias, otype, scale_a, scale_b):
+    return x.new_empty((*x.shape[:-1], w.shape[0]), dtype=_out_dtype(x.dtype, otype))
+
+
+def _setup_context(ctx, inputs, output):
+    x, w, bias, otype, scale_a, scale_b = inputs
+    ctx.save_for_backward(x, w)
+    ctx.has_bias = bias is not None
+    ctx.scaled = scale_a is not None or scale_b is not None
+
+
+def _backward(ctx, grad):
+    if ctx.scaled:
+        raise RuntimeError("gemm_a16w16: no gradient through per-tensor-scaled (fp8) inputs")
+    x, w = ctx.saved_tensors
+    g = grad.reshape(-1, grad.shape[-1]).to(x.dtype)  # (M, N)
+    grad_x = (g @ w).view(x.shape) if ctx.needs_input_grad[0] else None
+    grad_w = g.t() @ x.reshape(-1, x.shape[-1]) if ctx.needs_input_grad[1] else None
+    grad_b = g.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+    return grad_x, grad_w, grad_b, None, None, None
+
+
+_gemm_a16w16_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def gemm_a16w16(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                otype: Optional[torch.dtype] = None, scale_a: Optional[torch.Tensor] = None,
+                scale_b: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``x @ w.T (+ bias)`` with the kernel the tables name for this shape on this GPU.
+
+    x: (..., K) bf16/fp16/fp32 (or fp8 with per-tensor ``scale_a``/``scale_b``); w: (N, K);
+    bias: (N,); otype: output dtype (default: x's, bf16 for fp8 inputs). Returns (..., N).
+    """
+    needs_graph = torch.is_grad_enabled() and (
+        x.requires_grad or w.requires_grad or (bias is not None and bias.requires_grad))
+    if needs_graph or torch.compiler.is_compiling():
+        return _gemm_a16w16_op(x, w, bias, otype, scale_a, scale_b)
+    return _run(x, w, bias, otype, scale_a, scale_b)

@@ -1,0 +1,319 @@
+"""Table formats, merge of sources and overlays, malformed files, look-up order."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+
+import pytest
+
+from gemmtune.device import DeviceId
+from gemmtune.tables import sources
+from gemmtune.tables.lookup import Rule, TableIndex, coarse_m, padded_m
+from gemmtune.tables.schema import Family, schema_for
+from gemmtune.tables.store import TableError, read_table, update_table
+
+BF16 = schema_for(Family.bf16)
+H100 = DeviceId("sm_90", 132)
+HEADER = "arch,cu_num,M,N,K,bias,dtype,outdtype,scaleAB,bpreshuffle,libtype,solidx,splitK,us,kernelName,err_ratio,tflops,bw\n"
+
+
+def bf16_row(m, n=4096, k=4096, us=10.0, kernel="torch.linear", arch="sm_90", cu=132,
+             dtype="torch.bfloat16"):
+    return (f"{arch},{cu},{m},{n},{k},False,{dtype},{dtype},False,False,torch,0,0,{us},"
+            f"{kernel},0.0,1.0,1.0\n")
+
+
+def write(path: Path, *rows: str, header: str = HEADER) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(header + "".join(rows))
+    return path
+
+
+def key(m, n=4096, k=4096, dtype="torch.bfloat16"):
+    return (m, n, k, False, dtype, dtype, False, False)
+
+
+# ------------------------------------------------------------------------------ padding rules
+@pytest.mark.parametrize("m, expected", [
+    (1, 16), (16, 16), (17, 32), (100, 112), (256, 256), (257, 288), (1000, 1024),
+    (1025, 1088), (4096, 4096), (4097, 4224), (9000, 9088),
+])
+def test_padded_m(m, expected):
+    assert padded_m(m) == expected
+
+
+@pytest.mark.parametrize("m, n, expected", [
+    (1, 4096, 1), (3, 4096, 4), (100, 4096, 128), (1025, 4096, 2048), (9000, 4096, 16384),
+    (9000, 8192, 8192), (20000, 14336, 8192),
+])
+def test_coarse_m(m, n, expected):
+    assert coarse_m(m, n) == expected
+
+
+# ------------------------------------------------------------------------------- look-up order
+def index_of(tmp_path, *rows, device=H100):
+    path = write(tmp_path / "t.csv", *rows)
+    return TableIndex(BF16, read_table(path, BF16).rows, device)
+
+
+def test_lookup_exact(tmp_path):
+    idx = index_of(tmp_path, bf16_row(100, us=1.0), bf16_row(112, us=2.0))
+    match = idx.find(key(100))
+    assert match.rule is Rule.exact and match.row.us == 1.0
+
+
+def test_lookup_padded_before_coarse(tmp_path):
+    idx = index_of(tmp_path, bf16_row(112, us=2.0), bf16_row(128, us=3.0))
+    match = idx.find(key(100))
+    assert match.rule is Rule.padded and match.row.key[0] == 112
+
+
+def test_lookup_coarse(tmp_path):
+    idx = index_of(tmp_path, bf16_row(128, us=3.0), bf16_row(96, us=4.0))
+    match = idx.find(key(100))
+    assert match.rule is Rule.coarse and match.row.key[0] == 128
+
+
+def test_lookup_coarse_caps_large_m_wide_n_at_8192(tmp_path):
+    idx = index_of(tmp_path, bf16_row(8192, n=14336), bf16_row(16384, n=14336))
+    match = idx.find(key(12000, n=14336))
+    assert match.rule is Rule.coarse and match.row.key[0] == 8192
+
+
+def test_lookup_nearest(tmp_path):
+    idx = index_of(tmp_path, bf16_row(64), bf16_row(512), bf16_row(100, n=2048))
+    match = idx.find(key(100))
+    assert match.rule is Rule.nearest and match.row.key[0] == 64
+    assert idx.find(key(400)).row.key[0] == 512
+    assert idx.find(key(9999)).row.key[0] == 512
+
+
+def test_lookup_nearest_tie_takes_larger(tmp_path):
+    idx = index_of(tmp_path, bf16_row(64), bf16_row(192))
+    assert idx.find(key(128)).row.key[0] == 192  # 128 has no padded/coarse row: 64 and 192 tie
+
+
+def test_lookup_default_when_other_key_columns_differ(tmp_path):
+    idx = index_of(tmp_path, bf16_row(100), bf16_row(100, dtype="torch.float16"))
+    assert idx.find(key(100, n=1024)).rule is Rule.default
+    assert idx.find(key(100, dtype="torch.float32")).rule is Rule.default
+
+
+def test_lookup_only_rows_of_this_device(tmp_path):
+    idx = index_of(tmp_path, bf16_row(100, cu=114), bf16_row(100, arch="sm_80", cu=132))
+    assert len(idx) == 0
+    assert idx.find(key(100)).rule is Rule.default
+
+
+def test_lookup_archless_row_matches_by_cu_num_and_arch_row_wins(tmp_path):
+    idx = index_of(tmp_path, bf16_row(100, arch="", us=5.0))
+    assert idx.find(key(100)).row.us == 5.0
+    idx = index_of(tmp_path, bf16_row(100, arch="", us=5.0), bf16_row(100, us=9.0))
+    assert idx.find(key(100)).row.us == 9.0
+
+
+# ---------------------------------------------------------------------- spellings and aliases
+def test_seed_spellings_and_column_aliases(tmp_path):
+    header = "gfx,cu_num,M,N,K,bias,dtype,outdtype,scaleAB,bpreshuffle,libtype,kernelId,splitK,us,kernelName,errRatio,tflops,bw,_tag\n"
+    path = write(tmp_path / "seed.csv",
+                 "sm_90,132,1,8,16,0,dtypes.bf16,torch.float32,false,False,torch,7,0,3.5,torch.linear,0.25,1,2,mine\n",
+                 header=header)
+    (row,) = read_table(path, BF16).rows
+    assert row.arch == "sm_90"
+    assert row.key == (1, 8, 16, False, "torch.bfloat16", "torch.float32", False, False)
+    assert row.results["solidx"] == 7 and row.results["err_ratio"] == 0.25
+    assert row.extra == {"_tag": "mine"}
+
+
+@pytest.mark.parametrize("spelling", ["dtypes.bf16", "torch.bfloat16", "bf16", "bfloat16"])
+def test_dtype_spellings(tmp_path, spelling):
+    path = write(tmp_path / "t.csv", bf16_row(1, dtype=spelling))
+    assert read_table(path, BF16).rows[0].key[4] == "torch.bfloat16"
+
+
+def test_fp8_alias_is_e4m3fn():
+    from gemmtune.tables.values import parse_dtype
+    assert parse_dtype("dtypes.fp8") == "torch.float8_e4m3fn"
+    assert parse_dtype("torch.float8_e4m3fnuz") == "torch.float8_e4m3fnuz"
+
+
+def test_fmoe_enum_spellings(tmp_path):
+    schema = schema_for(Family.fmoe)
+    header = ("cu_num,token,model_dim,inter_dim,expert,topk,act_type,dtype,q_dtype_a,q_dtype_w,"
+              "q_type,use_g1u1,doweight_stage1,block_m,ksplit,us1,kernelName1,err1,us2,"
+              "kernelName2,err2,us,run_1stage,tflops,bw\n")
+    path = write(tmp_path / "tuned_fmoe.csv",
+                 "132,4,2304,1536,8,2,ActivationType.Gelu,torch.bfloat16,dtypes.fp8,dtypes.fp8,"
+                 "QuantType.per_Token,1,1,32,0,17.8,k1,0.0%,14.5,k2,0.3%,32.3,0,5.26,2629.41\n",
+                 header=header)
+    (row,) = read_table(path, schema).rows
+    assert row.key[5] == "ActivationType.Gelu" and row.key[9] == "QuantType.per_Token"
+    assert row.key[7] == "torch.float8_e4m3fn"
+    assert row.kernel_names(schema) == ("k1", "k2") and row.results["err2"] == 0.3
+
+
+# ------------------------------------------------------------------------------ malformed files
+def test_missing_column_names_file_and_column(tmp_path):
+    path = write(tmp_path / "t.csv", "132,1,4096,10.0,torch.linear\n",
+                 header="cu_num,M,K,us,kernelName\n")
+    with pytest.raises(TableError, match=r"t\.csv:1: missing required column\(s\) N"):
+        read_table(path, BF16)
+
+
+def test_unknown_dtype_names_line(tmp_path):
+    path = write(tmp_path / "t.csv", bf16_row(1), bf16_row(2, dtype="torch.bfloat17"))
+    with pytest.raises(TableError, match=r"t\.csv:3: column dtype: unknown dtype 'torch.bfloat17'"):
+        read_table(path, BF16)
+
+
+def test_non_numeric_m_names_line(tmp_path):
+    path = write(tmp_path / "t.csv", bf16_row("abc"))
+    with pytest.raises(TableError, match=r"t\.csv:2: column M: expected an integer, got 'abc'"):
+        read_table(path, BF16)
+
+
+@pytest.mark.parametrize("bad, message", [
+    (bf16_row(-4), "column M: -4 is negative"),
+    (bf16_row(4, us="nan"), "column us: nan is not a finite time"),
+    (bf16_row(4, us="-1"), "column us: -1.0 is not a finite time"),
+    ("sm_90,132,1,2,3\n", "5 values for 18 columns"),
+])
+def test_bad_rows(tmp_path, bad, message):
+    path = write(tmp_path / "t.csv", bad)
+    with pytest.raises(TableError, match=r"t\.csv:2: " + message):
+        read_table(path, BF16)
+
+
+def test_empty_file(tmp_path):
+    path = tmp_path / "empty.csv"
+    path.write_text("")
+    with pytest.raises(TableError, match=r"empty\.csv:1: the file is empty"):
+        read_table(path, BF16)
+
+
+def test_header_only_file_has_no_rows(tmp_path):
+    assert read_table(write(tmp_path / "t.csv"), BF16).rows == []
+
+
+def test_non_strict_read_keeps_good_rows_and_reports_bad(tmp_path):
+    path = write(tmp_path / "t.csv", bf16_row(1), bf16_row("x"), bf16_row(3))
+    result = read_table(path, BF16, strict=False)
+    assert [r.key[0] for r in result.rows] == [1, 3]
+    assert [e.line for e in result.errors] == [3]
+
+
+# --------------------------------------------------------------------- merge and overlays
+@pytest.fixture
+def shipped(tmp_path, monkeypatch):
+    """A fake package configs/ folder with a shipped table and a model_configs overlay."""
+    configs = tmp_path / "configs"
+    write(configs / "bf16_tuned_gemm.csv", bf16_row(1, us=10.0), bf16_row(2, us=10.0))
+    write(configs / "model_configs" / "bf16_tuned_gemm_llama.csv", bf16_row(3, us=10.0),
+          bf16_row(2, us=4.0))
+    write(configs / "model_configs" / "bf16_untuned_gemm_llama.csv", bf16_row(99))
+    write(configs / "model_configs" / "a8w8_tuned_gemm_x.csv", bf16_row(98))
+    monkeypatch.setattr(sources, "configs_dir", lambda: configs)
+    return configs
+
+
+def ms(rows):
+    return sorted(r.key[0] for r in rows)
+
+
+def test_merge_shipped_and_model_configs_keeps_lowest_us_with_one_warning(shipped):
+    with pytest.warns(UserWarning, match="1 duplicate key") as record:
+        rows = sources.load_merged(BF16)
+    assert len([w for w in record if "duplicate" in str(w.message)]) == 1
+    assert ms(rows) == [1, 2, 3]
+    assert next(r for r in rows if r.key[0] == 2).us == 4.0
+
+
+def test_overlay_adds_and_aiter_alias(shipped, tmp_path, monkeypatch):
+    user = write(tmp_path / "user.csv", bf16_row(5), bf16_row(1, us=1.0))
+    other = write(tmp_path / "other.csv", bf16_row(6))
+    monkeypatch.setenv("AITER_CONFIG_GEMM_BF16", f"{user}:{other}")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        rows = sources.load_merged(BF16)
+    assert ms(rows) == [1, 2, 3, 5, 6]
+    assert next(r for r in rows if r.key[0] == 1).us == 1.0
+
+
+def test_gemmtune_name_wins_over_aiter_alias(shipped, tmp_path, monkeypatch):
+    monkeypatch.setenv("AITER_CONFIG_GEMM_BF16", str(write(tmp_path / "a.csv", bf16_row(7))))
+    monkeypatch.setenv("GEMMTUNE_CONFIG_BF16", str(write(tmp_path / "g.csv", bf16_row(8))))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert 8 in ms(sources.load_merged(BF16)) and 7 not in ms(sources.load_merged(BF16))
+
+
+def test_replace_prefix_drops_shipped(shipped, tmp_path, monkeypatch):
+    user = write(tmp_path / "user.csv", bf16_row(5))
+    monkeypatch.setenv("GEMMTUNE_CONFIG_BF16", f"replace:{user}")
+    assert ms(sources.load_merged(BF16)) == [5]
+
+
+def test_replace_variable_drops_shipped(shipped, tmp_path, monkeypatch):
+    monkeypatch.setenv("GEMMTUNE_CONFIG_BF16", str(write(tmp_path / "user.csv", bf16_row(5))))
+    monkeypatch.setenv("GEMMTUNE_CONFIG_REPLACE", "1")
+    assert ms(sources.load_merged(BF16)) == [5]
+
+
+def test_missing_overlay_file_is_a_clear_error(shipped, monkeypatch):
+    monkeypatch.setenv("GEMMTUNE_CONFIG_BF16", "/nonexistent/table.csv")
+    with pytest.raises(FileNotFoundError, match="GEMMTUNE_CONFIG_BF16 names /nonexistent/table.csv"):
+        sources.load_merged(BF16)
+
+
+def test_merge_never_rewrites_sources_and_writes_cache(shipped):
+    before = {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in shipped.rglob("*.csv")}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        rows = sources.load_merged(BF16)
+    after = {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in shipped.rglob("*.csv")}
+    assert before == after
+    cached = sources.merged_cache_path(BF16)
+    assert cached.is_relative_to(Path(os.environ["GEMMTUNE_CACHE_DIR"]))
+    assert ms(read_table(cached, BF16).rows) == ms(rows)
+
+
+# ----------------------------------------------------------------------------------- writing
+def test_write_round_trip_keeps_unknown_columns(tmp_path):
+    header = HEADER.rstrip("\n") + ",_tag\n"
+    src = write(tmp_path / "src.csv", bf16_row(1).rstrip("\n") + ",keep-me\n", header=header)
+    rows = read_table(src, BF16).rows
+    out = tmp_path / "out.csv"
+    update_table(out, BF16, rows)
+    again = read_table(out, BF16).rows
+    assert [(r.key, dict(r.results), dict(r.extra)) for r in again] == \
+        [(r.key, dict(r.results), dict(r.extra)) for r in rows]
+
+
+def _add_rows(path: str, start: int, count: int) -> None:
+    from gemmtune.tables.schema import Family, schema_for
+    from gemmtune.tables.store import Row, update_table
+
+    schema = schema_for(Family.bf16)
+    for m in range(start, start + count):
+        row = Row("sm_90", 132, (m, 64, 64, False, "torch.bfloat16", "torch.bfloat16", False,
+                                 False), {"us": 1.0, "kernelName": "torch.linear", "libtype": "torch",
+                                          "solidx": 0, "splitK": 0, "err_ratio": 0.0,
+                                          "tflops": 0.0, "bw": 0.0, "timing": "", "spread": 0.0,
+                                          "env": ""})
+        update_table(path, schema, [row])
+
+
+def test_concurrent_writers_lose_no_rows(tmp_path):
+    import multiprocessing as mp
+
+    path = str(tmp_path / "out.csv")
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_add_rows, args=(path, 1 + 20 * i, 20)) for i in range(4)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+        assert p.exitcode == 0
+    assert ms(read_table(path, BF16).rows) == list(range(1, 81))
