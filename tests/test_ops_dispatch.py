@@ -1,0 +1,282 @@
+"""gemm_a16w16 dispatch through the tables, logging, misses, capture, torch.compile, nn patching."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import gemmtune
+from gemmtune.kernels.torch_ref import gemm_a16w16_ref
+from gemmtune.ops.gemm_a16w16 import DISPATCH
+from gemmtune.tables.lookup import Rule
+from gemmtune.tables.schema import Family, schema_for
+from gemmtune.tables.store import read_table
+
+HEADER = "arch,cu_num,M,N,K,bias,dtype,outdtype,scaleAB,bpreshuffle,libtype,solidx,splitK,us,kernelName,err_ratio,tflops,bw\n"
+TILE = "triton.tile:BM16.BN16.BK16.G1.W4.S1"
+
+
+def row(m, n, k, kernel, dtype="torch.float32", bias=False, us=1.0):
+    return f"cpu,0,{m},{n},{k},{bias},{dtype},{dtype},False,False,x,0,0,{us},{kernel},0,0,0\n"
+
+
+@pytest.fixture
+def user_table(tmp_path, monkeypatch):
+    """Install a user table (replacing the shipped ones) and return a writer for its rows."""
+    path = tmp_path / "bf16_user.csv"
+
+    def install(*rows: str) -> Path:
+        path.write_text(HEADER + "".join(rows))
+        monkeypatch.setenv("GEMMTUNE_CONFIG_BF16", f"replace:{path}")
+        gemmtune.reset()
+        return path
+
+    return install
+
+
+def fresh(*shape, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g).to(dtype)
+
+
+def plan_for(m, n, k, dtype=torch.float32, bias=False):
+    return DISPATCH.plans[(m, n, k, bias, dtype, dtype, False, False)]
+
+
+def test_default_is_torch_and_matches_reference():
+    x, w, b = fresh(3, 5, 24), fresh(40, 24, seed=1), fresh(40, seed=2)
+    y = gemmtune.gemm_a16w16(x, w, b)
+    assert y.shape == (3, 5, 40)
+    torch.testing.assert_close(y, gemm_a16w16_ref(x, w, b), rtol=1e-5, atol=1e-5)
+    plan = plan_for(15, 40, 24, bias=True)
+    assert plan.decision.rule is Rule.default and plan.decision.kernel_name == "torch.linear"
+
+
+def test_row_routes_to_triton_kernel(user_table, monkeypatch):
+    user_table(row(16, 40, 24, TILE))
+    calls = []
+    import gemmtune.kernels.triton.gemm_tile as tile
+
+    real = tile.gemm_tile
+    monkeypatch.setattr(tile, "gemm_tile", lambda *a, **kw: calls.append(kw["config"]) or real(*a, **kw))
+    x, w = fresh(13, 24), fresh(40, 24, seed=1)  # M=13 pads to the M=16 row
+    y = gemmtune.gemm_a16w16(x, w)
+    torch.testing.assert_close(y, gemm_a16w16_ref(x, w), rtol=1e-4, atol=1e-4)
+    assert plan_for(13, 40, 24).decision.rule is Rule.padded
+    assert [c.name for c in calls] == [TILE]
+
+
+def test_unparseable_kernel_name_falls_back_with_one_warning(user_table):
+    path = user_table(row(8, 16, 16, "triton.tile:BM16.BOGUS"))
+    x, w = fresh(8, 16), fresh(16, 16, seed=1)
+    with pytest.warns(UserWarning, match=r"BOGUS.*bf16_user\.csv:2.*family default") as record:
+        y1 = gemmtune.gemm_a16w16(x, w)
+        y2 = gemmtune.gemm_a16w16(x, w)
+    assert len(record) == 1
+    torch.testing.assert_close(y1, gemm_a16w16_ref(x, w))
+    torch.testing.assert_close(y2, y1)
+    decision = plan_for(8, 16, 16).decision
+    assert decision.rule is Rule.default and decision.kernel_name == "torch.linear"
+    assert path.exists()
+
+
+def test_unknown_backend_falls_back(user_table):
+    user_table(row(8, 16, 16, "cutlass.sm90:foo"))
+    with pytest.warns(UserWarning, match="no backend for kernelName 'cutlass.sm90:foo'"):
+        gemmtune.gemm_a16w16(fresh(8, 16), fresh(16, 16, seed=1))
+
+
+def test_misses_counted_per_call():
+    w = fresh(16, 16)
+    for _ in range(3):
+        gemmtune.gemm_a16w16(fresh(2, 16), w)
+    gemmtune.gemm_a16w16(fresh(5, 16), w)
+    misses = gemmtune.report_misses()
+    assert [(m.shape["M"], m.calls, m.rule) for m in misses] == [(2, 3, Rule.default),
+                                                                  (5, 1, Rule.default)]
+    assert "torch.linear" in gemmtune.format_misses(misses)
+
+
+def test_exact_hits_are_not_misses(user_table):
+    user_table(row(4, 16, 16, "torch.linear"))
+    gemmtune.gemm_a16w16(fresh(4, 16), fresh(16, 16))
+    assert gemmtune.report_misses() == []
+
+
+def test_log_each_decision_once(user_table, monkeypatch, caplog):
+    user_table(row(4, 16, 16, "torch.linear"))
+    monkeypatch.setenv("AITER_LOG_TUNED_CONFIG", "1")
+    with caplog.at_level(logging.INFO, logger="gemmtune"):
+        for _ in range(3):
+            gemmtune.gemm_a16w16(fresh(4, 16), fresh(16, 16))
+    lines = [r.getMessage() for r in caplog.records if r.name == "gemmtune"]
+    assert len(lines) == 1
+    assert "bf16 M=4 N=16 K=16" in lines[0] and "rule=exact" in lines[0]
+    assert "kernelName=torch.linear" in lines[0] and "bf16_user.csv:2" in lines[0]
+
+
+def test_bad_inputs_have_clear_errors():
+    with pytest.raises(ValueError, match=r"x \(2, 8\) and w \(4, 9\) do not multiply"):
+        gemmtune.gemm_a16w16(fresh(2, 8), fresh(4, 9))
+    with pytest.raises(TypeError, match="cast one to match"):
+        gemmtune.gemm_a16w16(fresh(2, 8), fresh(4, 8, dtype=torch.float16))
+    with pytest.raises(ValueError, match=r"bias has shape \(3,\); expected \(4,\)"):
+        gemmtune.gemm_a16w16(fresh(2, 8), fresh(4, 8), fresh(3))
+
+
+def test_output_dtype_and_scales():
+    x, w = fresh(3, 32, dtype=torch.bfloat16), fresh(8, 32, seed=1, dtype=torch.bfloat16)
+    y = gemmtune.gemm_a16w16(x, w, otype=torch.float32)
+    assert y.dtype == torch.float32
+    torch.testing.assert_close(y, gemm_a16w16_ref(x, w, out_dtype=torch.float32))
+    xq, wq = x.to(torch.float8_e4m3fn), w.to(torch.float8_e4m3fn)
+    sa, sb = torch.tensor([0.5]), torch.tensor([2.0])
+    y = gemmtune.gemm_a16w16(xq, wq, scale_a=sa, scale_b=sb)
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y, gemm_a16w16_ref(xq, wq, None, torch.bfloat16, sa, sb))
+
+
+def test_gradients_flow_through_the_op():
+    x = fresh(4, 8).requires_grad_()
+    w = fresh(6, 8, seed=1).requires_grad_()
+    b = fresh(6, seed=2).requires_grad_()
+    gemmtune.gemm_a16w16(x, w, b).square().sum().backward()
+    x2, w2, b2 = (t.detach().clone().requires_grad_() for t in (x, w, b))
+    torch.nn.functional.linear(x2, w2, b2).square().sum().backward()
+    for got, want in ((x.grad, x2.grad), (w.grad, w2.grad), (b.grad, b2.grad)):
+        torch.testing.assert_close(got, want)
+
+
+# --------------------------------------------------------------------------------------- nn
+class Tiny(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(16, 32)
+        self.act = nn.GELU()
+        self.blocks = nn.Sequential(nn.Linear(32, 32, bias=False), nn.ReLU())
+        self.down = nn.Linear(32, 8)
+
+    def forward(self, x):
+        return self.down(self.blocks(self.act(self.up(x))))
+
+
+def test_patch_linear_shares_weights_and_matches():
+    torch.manual_seed(0)
+    model = Tiny().eval()
+    x = torch.randn(3, 7, 16)
+    with torch.no_grad():
+        want = model(x)
+    weights = [m.weight for m in model.modules() if isinstance(m, nn.Linear)]
+    assert gemmtune.patch_linear(model) == 3
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    assert all(type(m) is gemmtune.TunedLinear for m in linears)
+    assert all(a is b for a, b in zip(weights, (m.weight for m in linears)))
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), want, rtol=1e-5, atol=1e-5)
+    assert len(gemmtune.report_misses()) == 3  # every call went through the dispatcher
+
+
+def test_torch_compile_fullgraph_with_tuned_linear():
+    torch.manual_seed(0)
+    model = Tiny().eval()
+    gemmtune.patch_linear(model)
+    x = torch.randn(5, 16)
+    with torch.no_grad():
+        want = model(x)
+        compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+        got = compiled(x)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_custom_op_is_registered_with_fake():
+    x, w = fresh(2, 3, 8), fresh(5, 8)
+    y = torch.ops.gemmtune.gemm_a16w16(x, w, None, None, None, None)
+    torch.testing.assert_close(y, gemm_a16w16_ref(x, w))
+    torch.library.opcheck(torch.ops.gemmtune.gemm_a16w16.default, (x, w, None, None, None, None))
+
+
+# ---------------------------------------------------------------------------------- capture
+CAPTURE_SCRIPT = textwrap.dedent("""
+    import sys, torch, gemmtune
+    worker = int(sys.argv[1])
+    w = torch.randn(16, 8)
+    for m in range(1, 26):            # 25 shapes shared by all workers
+        gemmtune.gemm_a16w16(torch.randn(m, 8), w)
+        gemmtune.gemm_a16w16(torch.randn(m, 8), w)   # a repeat must not be recorded twice
+    gemmtune.gemm_a16w16(torch.randn(100 + worker, 8), w)   # one shape of its own
+""")
+
+
+def _env_for_children(**extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("GEMMTUNE_", "AITER_"))}
+    env["GEMMTUNE_CACHE_DIR"] = os.environ["GEMMTUNE_CACHE_DIR"]
+    env.update(extra)
+    return env
+
+
+def test_capture_from_four_concurrent_processes_loses_no_shape(tmp_path):
+    script = tmp_path / "work.py"
+    script.write_text(CAPTURE_SCRIPT)
+    shards = tmp_path / "shards"
+    env = _env_for_children(GEMMTUNE_TUNE_GEMM="1", GEMMTUNE_CAPTURE_DIR=str(shards))
+    procs = [subprocess.Popen([sys.executable, str(script), str(i)], env=env) for i in range(4)]
+    assert [p.wait(300) for p in procs] == [0, 0, 0, 0]
+    assert len(list((shards / "bf16").glob("*.csv"))) == 4
+    out = tmp_path / "captured"
+    from gemmtune.tables.capture import merge_captures
+
+    (report,) = merge_captures(shards, out)
+    assert report.new_shapes == 29 and report.errors == []
+    rows = read_table(out / "bf16_untuned_gemm.csv", schema_for(Family.bf16), untuned=True).rows
+    assert sorted(r.key[0] for r in rows) == list(range(1, 26)) + [100, 101, 102, 103]
+    assert {r.key[1:] for r in rows} == {(16, 8, False, "torch.float32", "torch.float32", False,
+                                          False)}
+    assert not list((shards / "bf16").glob("*.csv"))  # merged shards are removed
+
+
+def test_capture_off_records_nothing(tmp_path):
+    script = tmp_path / "work.py"
+    script.write_text(CAPTURE_SCRIPT)
+    shards = tmp_path / "shards"
+    env = _env_for_children(GEMMTUNE_CAPTURE_DIR=str(shards))
+    assert subprocess.call([sys.executable, str(script), "0"], env=env) == 0
+    assert not shards.exists()
+
+
+def test_cli_capture_runs_command_and_merges_into_existing(tmp_path):
+    script = tmp_path / "work.py"
+    script.write_text(CAPTURE_SCRIPT)
+    out = tmp_path / "shapes"
+    out.mkdir()
+    (out / "bf16_untuned_gemm.csv").write_text(
+        "M,N,K,bias,dtype,outdtype,scaleAB,bpreshuffle\n7777,1,1,False,dtypes.bf16,dtypes.bf16,"
+        "False,False\n")
+    result = subprocess.run(
+        [sys.executable, "-m", "gemmtune.cli", "capture", "-o", str(out), "--", sys.executable,
+         str(script), "0"], env=_env_for_children(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "bf16: 26 new shape(s)" in result.stdout
+    rows = read_table(out / "bf16_untuned_gemm.csv", schema_for(Family.bf16), untuned=True).rows
+    assert sorted(r.key[0] for r in rows) == list(range(1, 26)) + [100, 7777]
+
+
+def test_truncated_shard_line_is_reported_and_skipped(tmp_path):
+    shards = tmp_path / "shards" / "bf16"
+    shards.mkdir(parents=True)
+    (shards / "host-1.csv").write_text(
+        "M,N,K,bias,dtype,outdtype,scaleAB,bpreshuffle\n"
+        "3,8,8,False,torch.float32,torch.float32,False,False\n4,8,8,Fal")
+    from gemmtune.tables.capture import merge_captures
+
+    (report,) = merge_captures(tmp_path / "shards", tmp_path / "out")
+    assert report.new_shapes == 1 and len(report.errors) == 1
+    assert "host-1.csv:3" in str(report.errors[0])
