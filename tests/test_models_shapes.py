@@ -14,9 +14,7 @@ from pathlib import Path
 import pytest
 
 from gemmtune.models.shapes import (
-    BF16_COLUMNS,
     DEFAULT_M,
-    FMOE_COLUMNS,
     PRESETS,
     ModelConfigError,
     ModelSpec,
@@ -30,6 +28,7 @@ from gemmtune.models.shapes import (
     untuned_rows,
     valid_tp,
 )
+from gemmtune.tables.schema import Family, schema_for
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
@@ -325,45 +324,46 @@ def test_tp_that_does_not_divide_expert_width():
 # ---------------------------------------------------------------- untuned rows
 
 
+def shaped(family, rows):
+    """Rows as dicts of column name -> value, through the family's schema."""
+    names = schema_for(family).key_names
+    return [dict(zip(names, r.key)) for r in rows]
+
+
 def test_bf16_rows_columns_order_and_values():
     spec = load_model_dir(FIXTURES / "tiny-llama")
     rows = untuned_rows(spec, 2, m_values=(16, 1, 16))
-    assert set(rows) == {"bf16"}
-    bf16 = rows["bf16"]
-    assert all(tuple(r) == BF16_COLUMNS for r in bf16)
-    assert BF16_COLUMNS == ("M", "N", "K", "bias", "dtype", "outdtype", "scaleAB", "bpreshuffle")
+    assert set(rows) == {Family.bf16}
+    bf16 = shaped(Family.bf16, rows[Family.bf16])
     # tp=2 shapes sorted by (N, K): (768,1024) (1024,512) (1024,1408) (2816,1024) (16000,1024); M 1 then 16.
     assert [(r["M"], r["N"], r["K"]) for r in bf16] == [
-        ("1", "768", "1024"), ("16", "768", "1024"),
-        ("1", "1024", "512"), ("16", "1024", "512"),
-        ("1", "1024", "1408"), ("16", "1024", "1408"),
-        ("1", "2816", "1024"), ("16", "2816", "1024"),
-        ("1", "16000", "1024"), ("16", "16000", "1024"),
+        (1, 768, 1024), (16, 768, 1024),
+        (1, 1024, 512), (16, 1024, 512),
+        (1, 1024, 1408), (16, 1024, 1408),
+        (1, 2816, 1024), (16, 2816, 1024),
+        (1, 16000, 1024), (16, 16000, 1024),
     ]
-    assert bf16[0] == {"M": "1", "N": "768", "K": "1024", "bias": "False", "dtype": "torch.bfloat16",
-                       "outdtype": "torch.bfloat16", "scaleAB": "False", "bpreshuffle": "False"}
+    assert bf16[0] == {"M": 1, "N": 768, "K": 1024, "bias": False, "dtype": "torch.bfloat16",
+                       "outdtype": "torch.bfloat16", "scaleAB": False, "bpreshuffle": False}
 
 
 def test_fmoe_rows_columns_and_values():
     rows = untuned_rows(load_model_dir(FIXTURES / "tiny-mla-moe"), 2)
-    fmoe = rows["fmoe"]
-    assert FMOE_COLUMNS == ("token", "model_dim", "inter_dim", "expert", "topk", "act_type", "dtype",
-                            "q_dtype_a", "q_dtype_w", "q_type", "use_g1u1", "doweight_stage1")
-    assert all(tuple(r) == FMOE_COLUMNS for r in fmoe)
-    assert [r["token"] for r in fmoe] == [str(m) for m in DEFAULT_M]
+    fmoe = shaped(Family.fmoe, rows[Family.fmoe])
+    assert [r["token"] for r in fmoe] == list(DEFAULT_M)
     assert fmoe[0] == {
-        "token": "1", "model_dim": "2048", "inter_dim": "352", "expert": "64", "topk": "6",
+        "token": 1, "model_dim": 2048, "inter_dim": 352, "expert": 64, "topk": 6,
         "act_type": "ActivationType.Silu", "dtype": "torch.bfloat16", "q_dtype_a": "torch.bfloat16",
-        "q_dtype_w": "torch.bfloat16", "q_type": "QuantType.No", "use_g1u1": "1", "doweight_stage1": "0",
+        "q_dtype_w": "torch.bfloat16", "q_type": "QuantType.No", "use_g1u1": 1, "doweight_stage1": 0,
     }
     # 10 distinct projections at tp=2 (see test_tiny_mla_moe_tp2) x 11 default M.
-    assert len(rows["bf16"]) == 10 * len(DEFAULT_M)
+    assert len(rows[Family.bf16]) == 10 * len(DEFAULT_M)
 
 
 def test_rows_have_no_duplicates():
     for name in PRESETS:
         for family, rows in untuned_rows(load_preset(name), 8).items():
-            keys = [tuple(r.values()) for r in rows]
+            keys = [r.key for r in rows]
             assert len(keys) == len(set(keys)), (name, family)
 
 

@@ -130,22 +130,19 @@ def _cmd_capture(args) -> int:
 # ---------------------------------------------------------------------------------------- shapes
 def _cmd_shapes(args) -> int:
     from gemmtune.models.shapes import load_model_dir, load_preset, untuned_rows
-    from gemmtune.tables.schema import schema_for
-    from gemmtune.tables.store import parse_rows, render_rows, update_table
+    from gemmtune.tables.schema import Family, schema_for
+    from gemmtune.tables.store import update_table
 
     spec = load_model_dir(args.model_dir) if args.model_dir else load_preset(args.model)
+    wanted = {Family.from_str(f) for f in args.families} if args.families else None
     out = Path(args.output)
     for family, rows in untuned_rows(spec, args.tp, args.nsets).items():
-        if args.families and family not in args.families:
+        if wanted is not None and family not in wanted:
             continue
         schema = schema_for(family)
-        header = list(schema.key_names)
-        text = ",".join(header) + "\n" + "".join(
-            ",".join(r[c] for c in header) + "\n" for r in rows)
-        parsed = parse_rows(text, f"<{spec.name} shapes>", schema, untuned=True).rows
         path = out / schema.untuned_file
-        written = update_table(path, schema, parsed, untuned=True, replace=False)
-        print(f"{family}: {len(parsed)} shape(s) of {spec.name} tp={args.tp} -> {path} "
+        written = update_table(path, schema, rows, untuned=True, replace=False)
+        print(f"{family.value}: {len(rows)} shape(s) of {spec.name} tp={args.tp} -> {path} "
               f"({len(written)} in the file)")
     return 0
 

@@ -17,12 +17,12 @@ from importlib import resources
 from pathlib import Path
 from typing import Iterable, Sequence
 
+from gemmtune.tables.schema import Family
+from gemmtune.tables.store import Row
 from gemmtune.tables.values import ActivationType, QuantType
 
 __all__ = [
-    "BF16_COLUMNS",
     "DEFAULT_M",
-    "FMOE_COLUMNS",
     "MlaDims",
     "ModelConfigError",
     "ModelSpec",
@@ -51,11 +51,6 @@ PRESETS: tuple[str, ...] = (
 # Decode (1..256) and prefill (512..8192) token counts; the look-up pads other M to these buckets.
 DEFAULT_M: tuple[int, ...] = (1, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
-BF16_COLUMNS: tuple[str, ...] = ("M", "N", "K", "bias", "dtype", "outdtype", "scaleAB", "bpreshuffle")
-FMOE_COLUMNS: tuple[str, ...] = (
-    "token", "model_dim", "inter_dim", "expert", "topk", "act_type", "dtype",
-    "q_dtype_a", "q_dtype_w", "q_type", "use_g1u1", "doweight_stage1",
-)
 
 _BF16 = "torch.bfloat16"
 
@@ -386,27 +381,25 @@ def _m_values(m_values: Iterable[int]) -> list[int]:
 
 def untuned_rows(
     spec: ModelSpec, tp: int = 1, m_values: Sequence[int] = DEFAULT_M
-) -> dict[str, list[dict[str, str]]]:
-    """Untuned-table rows per family (``bf16``, and ``fmoe`` for MoE models) as canonical strings.
+) -> dict[Family, list[Row]]:
+    """Untuned-table rows per family (bf16, and fmoe for MoE models), keys in schema order.
 
     Rows are ordered by (N, K) then M (fmoe: by shape, then token) and hold no duplicates.
     """
     ms = _m_values(m_values)
     gemm_keys = sorted({(p.N, p.K) for p in dense_projections(spec, tp)})
-    rows: dict[str, list[dict[str, str]]] = {
-        "bf16": [
-            dict(zip(BF16_COLUMNS, (str(m), str(n), str(k), "False", _BF16, _BF16, "False", "False")))
+    rows: dict[Family, list[Row]] = {
+        Family.bf16: [
+            Row("", 0, (m, n, k, False, _BF16, _BF16, False, False))
             for n, k in gemm_keys
             for m in ms
         ]
     }
     moe = sorted({(s.model_dim, s.inter_dim, s.expert, s.topk) for s in moe_shapes(spec, tp)})
     if moe:
-        rows["fmoe"] = [
-            dict(zip(FMOE_COLUMNS, (
-                str(m), str(model_dim), str(inter_dim), str(expert), str(topk),
-                ActivationType.Silu.canonical, _BF16, _BF16, _BF16, QuantType.No.canonical, "1", "0",
-            )))
+        rows[Family.fmoe] = [
+            Row("", 0, (m, model_dim, inter_dim, expert, topk, ActivationType.Silu.canonical,
+                        _BF16, _BF16, _BF16, QuantType.No.canonical, 1, 0))
             for model_dim, inter_dim, expert, topk in moe
             for m in ms
         ]

@@ -1,0 +1,124 @@
+"""The ``gemmtune`` command line: help texts, lookup, shapes, tables, check."""
+
+from __future__ import annotations
+
+import pytest
+
+from gemmtune.cli import build_parser, main
+from gemmtune.tables.schema import Family, schema_for
+from gemmtune.tables.store import read_table
+
+VERBS = ["lookup", "capture", "shapes", "tables", "check"]
+
+
+def test_help_lists_every_verb(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert all(v in out for v in VERBS) and "workflow:" in out
+
+
+@pytest.mark.parametrize("verb", VERBS)
+def test_each_verb_explains_itself(verb, capsys):
+    with pytest.raises(SystemExit) as e:
+        main([verb, "--help"])
+    assert e.value.code == 0
+    assert len(capsys.readouterr().out.splitlines()) > 4
+
+
+def _write_table(tmp_path, monkeypatch, *rows):
+    path = tmp_path / "t.csv"
+    path.write_text("arch,cu_num,M,N,K,us,kernelName\n" + "".join(rows))
+    monkeypatch.setenv("GEMMTUNE_CONFIG_BF16", f"replace:{path}")
+    return path
+
+
+@pytest.mark.parametrize("m, rule, row_m", [
+    (128, "exact", 128), (100, "padded", 112), (70, "coarse", 128), (600, "nearest", 128),
+])
+def test_lookup_prints_rule_and_row(tmp_path, monkeypatch, capsys, m, rule, row_m):
+    path = _write_table(tmp_path, monkeypatch, "sm_90,132,128,4096,4096,5.5,triton.tile:BM16.BN16.BK16.G1.W4.S1\n",
+                        "sm_90,132,112,4096,4096,4.5,torch.linear\n")
+    assert main(["lookup", "bf16", f"M={m}", "N=4096", "K=4096", "--device", "sm_90:132"]) == 0
+    out = capsys.readouterr().out
+    assert f"rule:       {rule}" in out
+    assert f"M={row_m} N=4096 K=4096" in out.split("row:")[1]
+    assert str(path) in out
+
+
+def test_lookup_default_on_other_device(tmp_path, monkeypatch, capsys):
+    _write_table(tmp_path, monkeypatch, "sm_90,132,128,4096,4096,5.5,torch.linear\n")
+    assert main(["lookup", "bf16", "M=128", "N=4096", "K=4096", "--device", "sm_90:114"]) == 0
+    out = capsys.readouterr().out
+    assert "rule:       default" in out and "kernelName: torch.linear" in out
+
+
+def test_lookup_errors_are_one_line(capsys):
+    assert main(["lookup", "bf16", "M=1", "N=2", "Q=3"]) == 2
+    assert "has no key column(s) Q" in capsys.readouterr().err
+    assert main(["lookup", "bf16", "M=1", "N=2"]) == 2
+    assert "K=... is required" in capsys.readouterr().err
+    assert main(["lookup", "bf16", "M=x", "N=2", "K=2"]) == 2
+    assert "expected an integer" in capsys.readouterr().err
+
+
+def test_shapes_writes_and_merges_without_duplicates(tmp_path, capsys):
+    out = tmp_path / "shapes"
+    assert main(["shapes", "--model", "mixtral-8x7b", "--tp", "2", "--nsets", "1,16", "-o",
+                 str(out)]) == 0
+    assert main(["shapes", "--model", "mixtral-8x7b", "--tp", "2", "--nsets", "16,32", "-o",
+                 str(out)]) == 0
+    bf16 = read_table(out / "bf16_untuned_gemm.csv", schema_for(Family.bf16), untuned=True).rows
+    # Mixtral tp=2: qkv N=(16+2*4)*128=3072, o K=2048, lm_head N=16000, all K or N = 4096.
+    assert sorted({(r.key[1], r.key[2]) for r in bf16}) == [(3072, 4096), (4096, 2048),
+                                                           (16000, 4096)]
+    assert sorted({r.key[0] for r in bf16}) == [1, 16, 32]
+    assert len(bf16) == 9
+    fmoe = read_table(out / "untuned_fmoe.csv", schema_for(Family.fmoe), untuned=True).rows
+    assert {r.key[1:5] for r in fmoe} == {(4096, 7168, 8, 2)}
+
+
+def test_shapes_from_model_dir_and_family_filter(tmp_path, capsys):
+    cfg = tmp_path / "m"
+    cfg.mkdir()
+    (cfg / "config.json").write_text(
+        '{"model_type": "llama", "hidden_size": 256, "intermediate_size": 512, '
+        '"num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1000}')
+    assert main(["shapes", "--model_dir", str(cfg), "--nsets", "8", "--families", "bf16", "-o",
+                 str(tmp_path / "o")]) == 0
+    rows = read_table(tmp_path / "o" / "bf16_untuned_gemm.csv", schema_for(Family.bf16),
+                      untuned=True).rows
+    # head_dim 64: qkv N=(4+2*2)*64=512; o 256x256; gate_up N=1024; down K=512; lm_head N=1000.
+    assert sorted((r.key[1], r.key[2]) for r in rows) == [(256, 256), (256, 512), (512, 256),
+                                                          (1000, 256), (1024, 256)]
+
+
+def test_shapes_bad_input_is_an_error_not_a_traceback(tmp_path, capsys):
+    assert main(["shapes", "--model_dir", str(tmp_path), "-o", str(tmp_path / "o")]) == 2
+    assert "config.json" in capsys.readouterr().err
+
+
+def test_tables_lists_sources(tmp_path, monkeypatch, capsys):
+    path = _write_table(tmp_path, monkeypatch, "cpu,0,1,2,3,1.0,torch.linear\n")
+    assert main(["tables"]) == 0
+    out = capsys.readouterr().out
+    assert "bf16" in out and str(path) in out and "shipped tables replaced" in out
+
+
+def test_check_runs_on_cpu_and_says_so(monkeypatch, capsys):
+    from pathlib import Path
+
+    import torch
+
+    import gemmtune.check
+    from gemmtune.models.shapes import load_model_dir
+
+    if torch.cuda.is_available():
+        pytest.skip("checks the CPU message")
+    tiny = load_model_dir(Path(__file__).parent / "fixtures" / "tiny-llama")
+    monkeypatch.setattr(gemmtune.check, "load_preset", lambda name: tiny)
+    assert main(["check", "--M", "1,5"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("no GPU found: running on the CPU")
+    assert "10/10 shapes correct" in out and "torch.linear" in out
