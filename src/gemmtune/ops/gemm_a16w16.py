@@ -81,17 +81,35 @@ def _check(x: torch.Tensor, w: torch.Tensor, bias, scale_a, scale_b) -> None:
 
 
 def _run(x, w, bias, otype, scale_a, scale_b):
-    _check(x, w, bias, scale_a, scale_b)
-    n, k = w.shape
-    x2 = x.reshape(-1, k)
-    out_dtype = _out_dtype(x.dtype, otype)
-    key = (x2.shape[0], n, k, bias is not None, x.dtype, out_dtype,
+    # Hot path: full validation runs once per shape key (on a plan miss); a cached call pays only
+    # for what the key does not pin (w's K and dtype, bias length). Measured on the CPU with a
+    # 1x16x16 GEMM: this function adds ~3 us to F.linear's ~3 us for 2-D x.
+    try:
+        n, k = w.shape
+        if x.dim() == 2:
+            m, xk = x.shape
+            x2 = x
+        else:
+            xk = x.shape[-1]
+            x2 = x.reshape(-1, xk)
+            m = x2.shape[0]
+    except (ValueError, IndexError, RuntimeError):
+        _check(x, w, bias, scale_a, scale_b)
+        raise
+    dtype = x.dtype
+    out_dtype = _out_dtype(dtype, otype)
+    key = (m, n, xk, bias is not None, dtype, out_dtype,
            scale_a is not None or scale_b is not None, False)
-    plan = DISPATCH.plans.get(key) or DISPATCH.plan(key)
+    plan = DISPATCH.plans.get(key)
+    if plan is None:
+        _check(x, w, bias, scale_a, scale_b)
+        plan = DISPATCH.plan(key)
+    elif k != xk or w.dtype != dtype or (bias is not None and bias.shape[0] != n):
+        _check(x, w, bias, scale_a, scale_b)
     if plan.miss:
         count_miss(plan)
     y = plan.run(x2, w, bias, out_dtype, scale_a, scale_b)
-    return y.view(*x.shape[:-1], n)
+    return y if x2 is x else y.view(x.shape[:-1] + (n,))
 
 
 @torch.library.custom_op("gemmtune::gemm_a16w16", mutates_args=())

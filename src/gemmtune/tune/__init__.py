@@ -1,0 +1,1 @@
+"""Tuning: timing and (as they land) the engine and one module per family."""
