@@ -13,7 +13,14 @@ PY
 }
 
 if system_has_cuda_torch; then
-    [ -d "$VENV" ] || python3 -m venv --system-site-packages "$VENV"
+    if [ ! -d "$VENV" ]; then
+        # The system python may itself be a venv, whose packages --system-site-packages would not
+        # show: point the new venv at its site folders with a .pth file instead.
+        outer=$(python3 -c 'import sysconfig; p = sysconfig.get_paths(); print(p["purelib"]); print(p["platlib"])')
+        python3 -m venv "$VENV"
+        inner=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+        printf '%s\n' "$outer" > "$inner/_gemmtune_system_torch.pth"
+    fi
     . "$VENV/bin/activate"
     python -m pip install -q --no-build-isolation --no-deps -e ".${EXTRAS}"
 else

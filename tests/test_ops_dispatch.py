@@ -66,8 +66,8 @@ def test_row_routes_to_triton_kernel(user_table, monkeypatch):
     calls = []
     import gemmtune.kernels.triton.gemm_tile as tile
 
-    real = tile.gemm_tile
-    monkeypatch.setattr(tile, "gemm_tile", lambda *a, **kw: calls.append(kw["config"]) or real(*a, **kw))
+    real = tile.launch_gemm_tile
+    monkeypatch.setattr(tile, "launch_gemm_tile", lambda *a: calls.append(a[-1]) or real(*a))
     x, w = fresh(13, 24), fresh(40, 24, seed=1)  # M=13 pads to the M=16 row
     y = gemmtune.gemm_a16w16(x, w)
     torch.testing.assert_close(y, gemm_a16w16_ref(x, w), rtol=1e-4, atol=1e-4)
@@ -280,3 +280,27 @@ def test_truncated_shard_line_is_reported_and_skipped(tmp_path):
     (report,) = merge_captures(tmp_path / "shards", tmp_path / "out")
     assert report.new_shapes == 1 and len(report.errors) == 1
     assert "host-1.csv:3" in str(report.errors[0])
+
+
+def test_row_whose_config_cannot_run_the_shape_falls_back(user_table):
+    too_big = "triton.tile:BM256.BN256.BK256.G1.W8.S8"  # shared memory far beyond 227 KiB
+    user_table(row(8, 16, 16, too_big))
+    x, w = fresh(8, 16), fresh(16, 16, seed=1)
+    with pytest.warns(UserWarning, match=r"cannot run this shape: accumulator needs"):
+        y = gemmtune.gemm_a16w16(x, w)
+    torch.testing.assert_close(y, gemm_a16w16_ref(x, w))
+    assert plan_for(8, 16, 16).decision.kernel_name == "torch.linear"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_row_with_leading_dims_and_bias(user_table, dtype):
+    name = {torch.float32: "torch.float32", torch.bfloat16: "torch.bfloat16"}[dtype]
+    user_table(row(6, 24, 40, TILE, dtype=name, bias=True))
+    x, w, b = fresh(2, 3, 40, dtype=dtype), fresh(24, 40, seed=1, dtype=dtype), fresh(24, seed=2)
+    y = gemmtune.gemm_a16w16(x, w, b.to(dtype))
+    assert y.shape == (2, 3, 24) and y.dtype == dtype
+    assert plan_for(6, 24, 40, dtype=dtype, bias=True).decision.kernel_name == TILE
+    # bf16 output: rounding to 8 mantissa bits (2^-8 relative) bounds the error.
+    tol = 1e-5 if dtype == torch.float32 else 2**-7
+    torch.testing.assert_close(y.float(), gemm_a16w16_ref(x, w, b.to(dtype), torch.float32),
+                               rtol=tol, atol=tol)

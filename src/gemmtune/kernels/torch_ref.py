@@ -26,7 +26,7 @@ def _default_out_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.bfloat16 if dtype in _FP8 else dtype
 
 
-def linear_torch(x, w, bias, out_dtype, scale_a, scale_b):  # x (M, K), w (N, K) -> (M, N)
+def linear_torch(x, w, bias, out_dtype, scale_a, scale_b):  # x (..., K), w (N, K) -> (..., N)
     """cuBLAS through torch, as a model would call it. Unusual combinations (fp32 output from
     16-bit inputs on the CPU, per-tensor scales on 16-bit inputs) take the fp32 reference path:
     correct, and rare enough that their speed does not matter."""
@@ -39,17 +39,19 @@ def linear_torch(x, w, bias, out_dtype, scale_a, scale_b):  # x (M, K), w (N, K)
         # torch._scaled_mm needs 16-aligned K and N; other shapes take the reference path.
         one = torch.ones((), device=x.device, dtype=torch.float32)
         y = torch._scaled_mm(
-            x, w.t(),
+            x.reshape(-1, x.shape[-1]), w.t(),
             scale_a=scale_a if scale_a is not None else one,
             scale_b=scale_b if scale_b is not None else one,
             out_dtype=torch.float32 if bias is not None else out_dtype,
         )
-        return (y + bias.float()).to(out_dtype) if bias is not None else y
+        y = (y + bias.float()).to(out_dtype) if bias is not None else y
+        return y.view(*x.shape[:-1], w.shape[0])
     if not scaled and x.is_cuda and out_dtype == torch.float32 and x.dtype in (
             torch.bfloat16, torch.float16):
         # cuBLAS writes the fp32 accumulator directly: no rounding through the input dtype.
-        y = torch.mm(x, w.t(), out_dtype=torch.float32)
-        return y + bias.float() if bias is not None else y
+        y = torch.mm(x.reshape(-1, x.shape[-1]), w.t(), out_dtype=torch.float32)
+        y = y + bias.float() if bias is not None else y
+        return y.view(*x.shape[:-1], w.shape[0])
     return gemm_a16w16_ref(x, w, bias, out_dtype, scale_a, scale_b)
 
 

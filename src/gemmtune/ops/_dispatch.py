@@ -145,6 +145,12 @@ class Dispatcher:
         decision = self.decide(key, device)
         try:
             run = self.registry.resolve(decision.kernel_name)
+            # A kernel may refuse a shape it cannot serve (a config too large for this dtype):
+            # checked once here, so each call can skip its own checks.
+            problem = run.check(key) if hasattr(run, "check") else None
+            if problem:
+                raise KernelNameError(f"{self.family.value}: {decision.kernel_name} cannot run "
+                                      f"this shape: {problem}")
         except KernelNameError as e:
             fallback = self.default_kernel(key, device)
             source = decision.row.source if decision.row is not None else None

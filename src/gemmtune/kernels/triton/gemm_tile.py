@@ -114,6 +114,17 @@ def why_not_fits(config: TileConfig, M: int, N: int, K: int, dtype: torch.dtype)
     return None
 
 
+def why_not_supported(config: TileConfig, M: int, N: int, K: int, dtype: torch.dtype,
+                      out_dtype: torch.dtype) -> str | None:
+    """Like ``why_not_fits``, also rejecting dtypes the kernel does not take: what a dispatch plan
+    checks once per shape so that each later call can go straight to ``launch_gemm_tile``."""
+    if dtype not in _INPUT_DTYPES:
+        return f"input dtype {dtype} is not one of {[str(d) for d in _INPUT_DTYPES]}"
+    if out_dtype not in _OUT_DTYPES:
+        return f"output dtype {out_dtype} is not one of {[str(d) for d in _OUT_DTYPES]}"
+    return why_not_fits(config, M, N, K, dtype)
+
+
 def fits(config: TileConfig, M: int, N: int, K: int, dtype: torch.dtype) -> bool:
     """The one validity predicate of this family, shared by the pruner, heuristic and tables."""
     return why_not_fits(config, M, N, K, dtype) is None
@@ -299,7 +310,15 @@ def gemm_tile(
                              f"{x.dtype}): {problem}")
     if M == 0 or N == 0:
         return out
+    return launch_gemm_tile(x, w, bias, out, scale_a, scale_b, config)
 
+
+def launch_gemm_tile(x, w, bias, out, scale_a, scale_b, config: TileConfig) -> torch.Tensor:
+    """The launch alone, for callers that validated once per shape (dispatch plans): saves the
+    ~5 µs of host checks ``gemm_tile`` does on every call. ``out`` is (M, N) with M, N > 0."""
+    M, K = x.shape
+    N = w.shape[0]
+    has_scales = scale_a is not None
     # fp32 operands: tf32 only where torch itself would use it, so results match torch.mm.
     # 16-bit and fp8 operands ignore the setting; "tf32" is Triton's default for them.
     if x.dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:
