@@ -25,8 +25,15 @@ HEADER = "arch,cu_num,M,N,K,bias,dtype,outdtype,scaleAB,bpreshuffle,libtype,soli
 TILE = "triton.tile:BM16.BN16.BK16.G1.W4.S1"
 
 
+# Without a GPU the Triton kernels run in the interpreter on CPU tensors; on a GPU machine the
+# same tests run the real kernels on the GPU.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def row(m, n, k, kernel, dtype="torch.float32", bias=False, us=1.0):
-    return f"cpu,0,{m},{n},{k},{bias},{dtype},{dtype},False,False,x,0,0,{us},{kernel},0,0,0\n"
+    dev = gemmtune.current_device()
+    return (f"{dev.arch},{dev.cu_num},{m},{n},{k},{bias},{dtype},{dtype},False,False,x,0,0,{us},"
+            f"{kernel},0,0,0\n")
 
 
 @pytest.fixture
@@ -44,8 +51,8 @@ def user_table(tmp_path, monkeypatch):
 
 
 def fresh(*shape, dtype=torch.float32, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(*shape, generator=g).to(dtype)
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
+    return torch.randn(*shape, generator=g, device=DEVICE).to(dtype)
 
 
 def plan_for(m, n, k, dtype=torch.float32, bias=False):
@@ -139,7 +146,7 @@ def test_output_dtype_and_scales():
     assert y.dtype == torch.float32
     torch.testing.assert_close(y, gemm_a16w16_ref(x, w, out_dtype=torch.float32))
     xq, wq = x.to(torch.float8_e4m3fn), w.to(torch.float8_e4m3fn)
-    sa, sb = torch.tensor([0.5]), torch.tensor([2.0])
+    sa, sb = torch.tensor([0.5], device=DEVICE), torch.tensor([2.0], device=DEVICE)
     y = gemmtune.gemm_a16w16(xq, wq, scale_a=sa, scale_b=sb)
     assert y.dtype == torch.bfloat16
     torch.testing.assert_close(y, gemm_a16w16_ref(xq, wq, None, torch.bfloat16, sa, sb))
