@@ -311,3 +311,20 @@ def test_triton_row_with_leading_dims_and_bias(user_table, dtype):
     tol = 1e-5 if dtype == torch.float32 else 2**-7
     torch.testing.assert_close(y.float(), gemm_a16w16_ref(x, w, b.to(dtype), torch.float32),
                                rtol=tol, atol=tol)
+
+
+def test_cached_calls_read_no_variables(monkeypatch):
+    """Capture and logging are decided when a shape is planned; a cached call never looks at the
+    environment, so with capture off the hot path pays nothing for it."""
+    from gemmtune import _env
+
+    x, w = fresh(4, 16), fresh(16, 16, seed=1)
+    gemmtune.gemm_a16w16(x, w)  # plans the shape
+
+    def forbidden():
+        raise AssertionError("a cached call read an environment variable")
+
+    for name in ("capture_enabled", "log_tuned_config", "table_overlay", "device_override"):
+        monkeypatch.setattr(_env, name, forbidden)
+    for _ in range(3):
+        gemmtune.gemm_a16w16(x, w)
