@@ -34,7 +34,7 @@ else
     uv_args=(--compile-bytecode)
     [ -n "$links" ] && uv_args+=(--find-links "$links")
     if ! uv pip install -q "${uv_args[@]}" "torch==2.13.0+cpu" "triton>=3.8" -e ".${EXTRAS}"; then
-        echo "note: the CPU build torch==2.13.0+cpu is not available here; installing torch from the index" >&2
-        uv pip install -q "${uv_args[@]}" torch "triton>=3.8" -e ".${EXTRAS}"
+        echo "note: torch==2.13.0+cpu is not in the local wheels; installing a CPU build of torch from PyTorch's index" >&2
+        uv pip install -q "${uv_args[@]}" --torch-backend cpu torch "triton>=3.8" -e ".${EXTRAS}"
     fi
 fi

@@ -6,6 +6,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/_venv.sh
 MODEL=${MODEL:-llama3-8b}
-gemmtune shapes --model "$MODEL" -o shapes/
+gemmtune shapes --model "$MODEL" -o out/shapes/
 gemmtune tables
 gemmtune check --model "$MODEL"

@@ -70,11 +70,11 @@ def test_shapes_writes_and_merges_without_duplicates(tmp_path, capsys):
     assert main(["shapes", "--model", "mixtral-8x7b", "--tp", "2", "--nsets", "16,32", "-o",
                  str(out)]) == 0
     bf16 = read_table(out / "bf16_untuned_gemm.csv", schema_for(Family.bf16), untuned=True).rows
-    # Mixtral tp=2: qkv N=(16+2*4)*128=3072, o K=2048, lm_head N=16000, all K or N = 4096.
-    assert sorted({(r.key[1], r.key[2]) for r in bf16}) == [(3072, 4096), (4096, 2048),
-                                                           (16000, 4096)]
+    # Mixtral tp=2: qkv N=(16+2*4)*128=3072, o K=2048, router N=8 experts, lm_head N=16000.
+    assert sorted({(r.key[1], r.key[2]) for r in bf16}) == [(8, 4096), (3072, 4096),
+                                                           (4096, 2048), (16000, 4096)]
     assert sorted({r.key[0] for r in bf16}) == [1, 16, 32]
-    assert len(bf16) == 9
+    assert len(bf16) == 12
     fmoe = read_table(out / "untuned_fmoe.csv", schema_for(Family.fmoe), untuned=True).rows
     assert {r.key[1:5] for r in fmoe} == {(4096, 7168, 8, 2)}
 

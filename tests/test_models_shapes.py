@@ -99,6 +99,7 @@ def test_tiny_mla_moe_tp1():
         "down": (2048, 5632),
         "shared_gate_up": (2816, 2048),  # 2 * (2 * 704)
         "shared_down": (2048, 1408),  # 2 * 704
+        "router": (64, 2048),  # one score per routed expert, replicated
         "lm_head": (102400, 2048),
     }
     assert moe_shapes(spec, 1) == [MoeShape(model_dim=2048, inter_dim=704, expert=64, topk=6)]
@@ -116,6 +117,7 @@ def test_tiny_mla_moe_tp2():
         "down": (2048, 2816),
         "shared_gate_up": (1408, 2048),
         "shared_down": (2048, 704),
+        "router": (64, 2048),  # replicated: not divided by tp
         "lm_head": (51200, 2048),
     }
     assert moe_shapes(spec, 2) == [MoeShape(2048, 352, 64, 6)]
@@ -206,6 +208,7 @@ def test_deepseek_v3_tp1():
         "down": (7168, 18432),
         "shared_gate_up": (4096, 7168),  # 1 shared expert: 2 * 2048
         "shared_down": (7168, 2048),
+        "router": (256, 7168),  # 256 routed experts
         "lm_head": (129280, 7168),
     }
     assert moe_shapes(spec, 1) == [MoeShape(7168, 2048, 256, 8)]
@@ -228,6 +231,7 @@ def test_mixtral_has_no_dense_mlp_and_experts_are_intermediate_size_wide():
     assert nk(dense_projections(spec, 2)) == {
         "qkv": (3072, 4096),  # (16 + 2*4) * 128
         "o": (4096, 2048),
+        "router": (8, 4096),
         "lm_head": (16000, 4096),
     }
     assert moe_shapes(spec, 2) == [MoeShape(4096, 7168, 8, 2)]  # 14336 / 2
@@ -238,6 +242,7 @@ def test_qwen3_30b_a3b_every_layer_is_moe():
     assert nk(dense_projections(spec, 4)) == {
         "qkv": (1280, 2048),  # (32/4 + 2*1) * 128
         "o": (2048, 1024),
+        "router": (128, 2048),
         "lm_head": (37984, 2048),
     }
     assert moe_shapes(spec, 4) == [MoeShape(2048, 192, 128, 8)]  # 768 / 4
@@ -356,8 +361,8 @@ def test_fmoe_rows_columns_and_values():
         "act_type": "ActivationType.Silu", "dtype": "torch.bfloat16", "q_dtype_a": "torch.bfloat16",
         "q_dtype_w": "torch.bfloat16", "q_type": "QuantType.No", "use_g1u1": 1, "doweight_stage1": 0,
     }
-    # 10 distinct projections at tp=2 (see test_tiny_mla_moe_tp2) x 11 default M.
-    assert len(rows[Family.bf16]) == 10 * len(DEFAULT_M)
+    # 11 distinct projections at tp=2 (see test_tiny_mla_moe_tp2) x 11 default M.
+    assert len(rows[Family.bf16]) == 11 * len(DEFAULT_M)
 
 
 def test_rows_have_no_duplicates():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -56,7 +57,8 @@ def fresh(*shape, dtype=torch.float32, seed=0):
 
 
 def plan_for(m, n, k, dtype=torch.float32, bias=False):
-    return DISPATCH.plans[(m, n, k, bias, dtype, dtype, False, False)]
+    device_index = torch.empty(0, device=DEVICE).get_device()
+    return DISPATCH.plans[(m, n, k, bias, dtype, dtype, False, False, device_index)]
 
 
 def test_default_is_torch_and_matches_reference():
@@ -70,16 +72,17 @@ def test_default_is_torch_and_matches_reference():
 
 def test_row_routes_to_triton_kernel(user_table, monkeypatch):
     user_table(row(16, 40, 24, TILE))
-    calls = []
-    import gemmtune.kernels.triton.gemm_tile as tile
-
-    real = tile.launch_gemm_tile
-    monkeypatch.setattr(tile, "launch_gemm_tile", lambda *a: calls.append(a[-1]) or real(*a))
     x, w = fresh(13, 24), fresh(40, 24, seed=1)  # M=13 pads to the M=16 row
     y = gemmtune.gemm_a16w16(x, w)
     torch.testing.assert_close(y, gemm_a16w16_ref(x, w), rtol=1e-4, atol=1e-4)
-    assert plan_for(13, 40, 24).decision.rule is Rule.padded
-    assert [c.name for c in calls] == [TILE]
+    plan = plan_for(13, 40, 24)
+    assert plan.decision.rule is Rule.padded and plan.run.config.name == TILE
+    launches = []
+    real = plan.run._launch
+    monkeypatch.setattr(plan.run, "_launch", lambda *a: launches.append(a[-1]) or real(*a))
+    y2 = gemmtune.gemm_a16w16(x, w)
+    assert [c.name for c in launches] == [TILE]
+    torch.testing.assert_close(y2, y)
 
 
 def test_unparseable_kernel_name_falls_back_with_one_warning(user_table):
@@ -136,7 +139,7 @@ def test_bad_inputs_have_clear_errors():
         gemmtune.gemm_a16w16(fresh(2, 8), fresh(4, 9))
     with pytest.raises(TypeError, match="cast one to match"):
         gemmtune.gemm_a16w16(fresh(2, 8), fresh(4, 8, dtype=torch.float16))
-    with pytest.raises(ValueError, match=r"bias has shape \(3,\); expected \(4,\)"):
+    with pytest.raises(ValueError, match=r"bias has shape \(3,\) on .*; expected \(4,\)"):
         gemmtune.gemm_a16w16(fresh(2, 8), fresh(4, 8), fresh(3))
 
 
@@ -182,26 +185,58 @@ def test_patch_linear_shares_weights_and_matches():
     x = torch.randn(3, 7, 16)
     with torch.no_grad():
         want = model(x)
-    weights = [m.weight for m in model.modules() if isinstance(m, nn.Linear)]
+    before = [(m, m.weight) for m in model.modules() if isinstance(m, nn.Linear)]
     assert gemmtune.patch_linear(model) == 3
-    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
-    assert all(type(m) is gemmtune.TunedLinear for m in linears)
-    assert all(a is b for a, b in zip(weights, (m.weight for m in linears)))
+    after = [(m, m.weight) for m in model.modules() if isinstance(m, nn.Linear)]
+    assert all(type(m) is gemmtune.TunedLinear for m, _ in after)
+    assert all(a is b and wa is wb for (a, wa), (b, wb) in zip(before, after))
     with torch.no_grad():
         torch.testing.assert_close(model(x), want, rtol=1e-5, atol=1e-5)
     assert len(gemmtune.report_misses()) == 3  # every call went through the dispatcher
+    assert gemmtune.patch_linear(model) == 0  # idempotent
+
+
+def test_patch_linear_keeps_hooks_and_skips_wrapped_layers():
+    model = Tiny().eval()
+    seen = []
+    model.up.register_forward_hook(lambda mod, inp, out: seen.append(out.shape))
+    original = model.down.forward
+    model.down.forward = lambda x: original(x) * 2  # an offloading-style wrapper
+    assert gemmtune.patch_linear(model) == 2
+    assert type(model.down) is nn.Linear
+    with torch.no_grad():
+        model(torch.randn(2, 16))
+    assert seen == [torch.Size([2, 32])]
+
+
+def test_patch_linear_under_autocast_matches_linear():
+    torch.manual_seed(0)
+    model = Tiny().eval()
+    x = torch.randn(4, 16)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        want = model(x)
+        gemmtune.patch_linear(model)
+        got = model(x)
+    assert got.dtype == want.dtype == torch.bfloat16
+    torch.testing.assert_close(got, want)
 
 
 def test_torch_compile_fullgraph_with_tuned_linear():
     torch.manual_seed(0)
     model = Tiny().eval()
     gemmtune.patch_linear(model)
-    x = torch.randn(5, 16)
+    ops_in_graph = []
+
+    def counting_backend(gm, example_inputs):
+        ops_in_graph.extend(n.target for n in gm.graph.nodes if n.op == "call_function")
+        return gm.forward
+
+    compiled = torch.compile(model, fullgraph=True, backend=counting_backend, dynamic=True)
     with torch.no_grad():
-        want = model(x)
-        compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
-        got = compiled(x)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        for m in (5, 9):  # a second M runs through the fake implementation's symbolic shapes
+            x = torch.randn(m, 16)
+            torch.testing.assert_close(compiled(x), model(x), rtol=1e-5, atol=1e-5)
+    assert ops_in_graph.count(torch.ops.gemmtune.gemm_a16w16.default) == 3
 
 
 def test_custom_op_is_registered_with_fake():
@@ -286,7 +321,7 @@ def test_truncated_shard_line_is_reported_and_skipped(tmp_path):
 
     (report,) = merge_captures(tmp_path / "shards", tmp_path / "out")
     assert report.new_shapes == 1 and len(report.errors) == 1
-    assert "host-1.csv:3" in str(report.errors[0])
+    assert re.search(r"host-1\.csv\.\d+\.merging:3: 4 values for 8 columns", str(report.errors[0]))
 
 
 def test_row_whose_config_cannot_run_the_shape_falls_back(user_table):
@@ -328,3 +363,74 @@ def test_cached_calls_read_no_variables(monkeypatch):
         monkeypatch.setattr(_env, name, forbidden)
     for _ in range(3):
         gemmtune.gemm_a16w16(x, w)
+
+
+def test_cached_shape_still_rejects_a_bad_scale(user_table):
+    xq = fresh(4, 32, dtype=torch.bfloat16).to(torch.float8_e4m3fn)
+    wq = fresh(16, 32, seed=1, dtype=torch.bfloat16).to(torch.float8_e4m3fn)
+    one = torch.ones(1, device=DEVICE)
+    gemmtune.gemm_a16w16(xq, wq, scale_a=one, scale_b=one)  # plans the shape
+    with pytest.raises(ValueError, match=r"scale_a must be a one-element float32"):
+        gemmtune.gemm_a16w16(xq, wq, scale_a=torch.ones(4, 1, device=DEVICE), scale_b=one)
+    with pytest.raises(ValueError, match=r"scale_b must be a one-element float32"):
+        gemmtune.gemm_a16w16(xq, wq, scale_a=one, scale_b=one.to(torch.bfloat16))
+
+
+def test_a_bad_switch_fails_every_call_not_just_the_first(monkeypatch):
+    monkeypatch.setenv("GEMMTUNE_LOG_TUNED_CONFIG", "2")
+    for _ in range(2):
+        with pytest.raises(ValueError, match="GEMMTUNE_LOG_TUNED_CONFIG='2'"):
+            gemmtune.gemm_a16w16(fresh(3, 8), fresh(4, 8))
+
+
+def test_unwritable_capture_dir_warns_once_and_the_op_still_works(tmp_path, monkeypatch):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    monkeypatch.setenv("GEMMTUNE_TUNE_GEMM", "1")
+    monkeypatch.setenv("GEMMTUNE_CAPTURE_DIR", str(blocker))
+    with pytest.warns(UserWarning, match="shape capture could not write") as record:
+        gemmtune.gemm_a16w16(fresh(3, 8), fresh(4, 8))
+        gemmtune.gemm_a16w16(fresh(5, 8), fresh(4, 8))
+    assert len(record) == 1
+
+
+def test_lookup_shows_what_the_op_runs_for_an_unusable_row(user_table, capsys):
+    from gemmtune.cli import main
+
+    user_table(row(8, 16, 16, "triton.tile:BM512.BN16.BK16.G1.W4.S1"))
+    dev = gemmtune.current_device()
+    with pytest.warns(UserWarning, match="cannot run this shape"):
+        assert main(["lookup", "bf16", "M=8", "N=16", "K=16", "dtype=fp32", "outdtype=fp32",
+                     "--device", str(dev)]) == 0
+    out = capsys.readouterr().out
+    assert "rule:       default" in out and "kernelName: torch.linear" in out
+    assert "row kernel unusable: triton.tile:BM512" in out
+    gemmtune.gemm_a16w16(fresh(8, 16), fresh(16, 16))
+    assert plan_for(8, 16, 16).decision.kernel_name == "torch.linear"
+
+
+def test_capture_threads_of_one_process_and_a_merge_during_writing(tmp_path):
+    import threading
+
+    from gemmtune.tables.capture import merge_captures, record_shape
+
+    schema = schema_for(Family.bf16)
+    shards, out = tmp_path / "shards", tmp_path / "out"
+
+    def writer(start):
+        for m in range(start, start + 50):
+            record_shape(schema, (m, 8, 8, False, "torch.float32", "torch.float32", False, False),
+                         shards)
+
+    threads = [threading.Thread(target=writer, args=(1 + 50 * i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    reports = []
+    while any(t.is_alive() for t in threads):
+        reports += merge_captures(shards, out)  # merging while the writers append
+    for t in threads:
+        t.join()
+    reports += merge_captures(shards, out)
+    assert all(not r.errors for r in reports)  # no duplicated header, no torn line
+    rows = read_table(out / "bf16_untuned_gemm.csv", schema, untuned=True).rows
+    assert sorted(r.key[0] for r in rows) == list(range(1, 401))

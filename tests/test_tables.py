@@ -317,3 +317,45 @@ def test_concurrent_writers_lose_no_rows(tmp_path):
         p.join(120)
         assert p.exitcode == 0
     assert ms(read_table(path, BF16).rows) == list(range(1, 81))
+
+
+# ------------------------------------------------------------------- more malformed inputs
+def test_byte_order_mark_does_not_hide_the_arch_column(tmp_path):
+    path = tmp_path / "bom.csv"
+    path.write_bytes(b"\xef\xbb\xbf" + (HEADER + bf16_row(1, arch="sm_80")).encode())
+    (row,) = read_table(path, BF16).rows
+    assert row.arch == "sm_80"
+
+
+def test_misspelled_key_column_warns(tmp_path):
+    header = HEADER.replace("outdtype", "out_dtype")
+    path = write(tmp_path / "t.csv", bf16_row(1), header=header)
+    with pytest.warns(UserWarning, match=r"t\.csv:1: unknown column 'out_dtype'.*'outdtype' takes its default"):
+        read_table(path, BF16)
+
+
+@pytest.mark.parametrize("bad, message", [
+    (bf16_row(4, kernel=""), "column kernelName: is empty"),
+    (bf16_row("1e30"), "column M: expected an integer, got '1e30'"),
+])
+def test_more_bad_rows(tmp_path, bad, message):
+    with pytest.raises(TableError, match=r"t\.csv:2: " + message):
+        read_table(write(tmp_path / "t.csv", bad), BF16)
+
+
+def test_integral_float_m_is_accepted(tmp_path):
+    assert read_table(write(tmp_path / "t.csv", bf16_row("16.0")), BF16).rows[0].key[0] == 16
+
+
+def test_non_utf8_file_names_file_and_line(tmp_path):
+    path = tmp_path / "latin1.csv"
+    path.write_bytes((HEADER + bf16_row(1)).encode() + b"sm_90,132,2,4096,4096,False,\xe9\n")
+    with pytest.raises(TableError, match=r"latin1\.csv:3: not UTF-8"):
+        read_table(path, BF16)
+
+
+def test_replace_variable_leaves_families_without_overlay_alone(shipped, tmp_path, monkeypatch):
+    monkeypatch.setenv("GEMMTUNE_CONFIG_REPLACE", "1")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert ms(sources.load_merged(BF16)) == [1, 2, 3]  # no bf16 overlay: shipped rows stay

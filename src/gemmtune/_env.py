@@ -57,7 +57,8 @@ def log_tuned_config() -> bool:
 
 
 def replace_shipped_tables() -> bool:
-    """``GEMMTUNE_CONFIG_REPLACE=1``: user tables replace the shipped ones instead of adding to them."""
+    """``GEMMTUNE_CONFIG_REPLACE=1``: a family's user tables replace its shipped ones instead of
+    adding to them."""
     return _flag("GEMMTUNE_CONFIG_REPLACE", "AITER_CONFIG_REPLACE")
 
 

@@ -60,7 +60,7 @@ def check_shape(name: str, m: int, n: int, k: int, dtype: torch.dtype, device: s
     ref = gemm_a16w16_ref(x, w, out_dtype=torch.float32)
     rel = ((y.float() - ref).norm() / ref.norm().clamp_min(1e-30)).item()
     ok = bool(torch.isfinite(y).all()) and rel <= REL_NORM_BOUND[dtype]
-    decision = DISPATCH.plans[(m, n, k, False, dtype, dtype, False, False)].decision
+    decision = DISPATCH.plans[(m, n, k, False, dtype, dtype, False, False, x.get_device())].decision
     us = _time_us(x, w)
     return CheckResult(name, m, n, k, decision.rule.value, decision.kernel_name, us, rel, ok)
 

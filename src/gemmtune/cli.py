@@ -34,6 +34,12 @@ def _int_list(text: str) -> list[int]:
     return values
 
 
+def _presets() -> tuple[str, ...]:
+    from gemmtune.models.shapes import PRESETS
+
+    return PRESETS
+
+
 def _family_names() -> list[str]:
     from gemmtune.tables.schema import Family
 
@@ -80,6 +86,8 @@ def _cmd_lookup(args) -> int:
     print("shape:      " + " ".join(f"{n}={v}" for n, v in zip(schema.key_names, key)))
     print(f"rule:       {rule.value}")
     print(f"kernelName: {kernel_name}")
+    if dispatcher is not None and decision.note:
+        print(f"note:       {decision.note}")
     if row is not None:
         print(f"row:        {row.source}")
         print("            " + " ".join(f"{n}={v}" for n, v in zip(schema.key_names, row.key))
@@ -100,21 +108,27 @@ def _dispatcher_for(family):
 # --------------------------------------------------------------------------------------- capture
 def _cmd_capture(args) -> int:
     from gemmtune import _env
-    from gemmtune.tables.capture import merge_captures
 
     out = Path(args.output)
-    if args.command:
-        command = args.command[1:] if args.command[0] == "--" else args.command
-        shard_dir = Path(tempfile.mkdtemp(prefix="gemmtune-capture-"))
-        env = dict(os.environ, GEMMTUNE_TUNE_GEMM="1", GEMMTUNE_CAPTURE_DIR=str(shard_dir))
+    if not args.command:
+        return _merge_and_report(Path(args.shards) if args.shards else _env.capture_dir(), out)
+    command = args.command[1:] if args.command[0] == "--" else args.command
+    with tempfile.TemporaryDirectory(prefix="gemmtune-capture-") as shards:
+        env = dict(os.environ, GEMMTUNE_TUNE_GEMM="1", GEMMTUNE_CAPTURE_DIR=shards)
         print(f"capturing shapes of: {' '.join(command)}", file=sys.stderr)
         status = subprocess.call(command, env=env)
         if status != 0:
             print(f"warning: the command exited with status {status}; merging what it captured",
                   file=sys.stderr)
-    else:
-        shard_dir = Path(args.shards) if args.shards else _env.capture_dir()
-        status = 0
+        merged = _merge_and_report(Path(shards), out)
+    # A child killed by a signal reports -N; a shell reports 128 + N.
+    status = 128 - status if status < 0 else status
+    return status or merged
+
+
+def _merge_and_report(shard_dir: Path, out: Path) -> int:
+    from gemmtune.tables.capture import merge_captures
+
     reports = merge_captures(shard_dir, out)
     if not reports:
         print(f"no captured shapes under {shard_dir} (was GEMMTUNE_TUNE_GEMM=1 set while the "
@@ -124,7 +138,7 @@ def _cmd_capture(args) -> int:
               f"{r.output} ({r.total_shapes} in all)")
         for e in r.errors:
             print(f"  skipped bad shard line: {e}", file=sys.stderr)
-    return status
+    return 0
 
 
 # ---------------------------------------------------------------------------------------- shapes
@@ -136,7 +150,11 @@ def _cmd_shapes(args) -> int:
     spec = load_model_dir(args.model_dir) if args.model_dir else load_preset(args.model)
     wanted = {Family.from_str(f) for f in args.families} if args.families else None
     out = Path(args.output)
-    for family, rows in untuned_rows(spec, args.tp, args.nsets).items():
+    generated = untuned_rows(spec, args.tp, args.nsets)
+    for family in sorted(wanted - set(generated), key=lambda f: f.value) if wanted else ():
+        print(f"{family.value}: no shapes: {spec.name} generates "
+              f"{', '.join(f.value for f in generated)}", file=sys.stderr)
+    for family, rows in generated.items():
         if wanted is not None and family not in wanted:
             continue
         schema = schema_for(family)
@@ -167,6 +185,14 @@ def _cmd_tables(args) -> int:
         if sources.paths:
             print(f"{'':<18}merged copy: {merged_cache_path(schema)}")
     return 0
+
+
+# ------------------------------------------------------------------------------------------ tune
+def _cmd_tune(args) -> int:
+    from gemmtune.tune.command import run_tune
+    from gemmtune.tune.families import factory
+
+    return run_tune(factory(args.family), args)
 
 
 # ----------------------------------------------------------------------------------------- check
@@ -220,7 +246,8 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Generate the untuned tables of a model from its config.json "
                                    "(read locally; nothing is downloaded) or a bundled preset.")
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--model", metavar="NAME", help="bundled preset (see --list)")
+    src.add_argument("--model", metavar="NAME", choices=_presets(),
+                     help="bundled preset: " + ", ".join(_presets()))
     src.add_argument("--model_dir", "--model-dir", metavar="DIR",
                      help="folder holding a Hugging Face config.json")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (default 1)")
@@ -233,6 +260,23 @@ def build_parser() -> argparse.ArgumentParser:
                    help="folder of the untuned CSVs (rows already there are kept)")
     p.set_defaults(func=_cmd_shapes)
 
+    from gemmtune.tune.command import add_tune_arguments
+    from gemmtune.tune.families import TUNABLE
+
+    p = sub.add_parser("tune", help="tune every shape of an untuned CSV across backends and write "
+                                    "the winners into a tuned table",
+                       description="Check every candidate of every backend against an fp32 "
+                                   "reference, time the valid ones as deployed (CUDA-graph "
+                                   "replay, cold weights) and write the fastest per shape. "
+                                   "Candidates run in worker processes: one that raises, hangs "
+                                   "or crashes is recorded and the run goes on. Killed and "
+                                   "restarted with the same command, it resumes.",
+                       epilog="example: gemmtune tune bf16 -i shapes/bf16_untuned_gemm.csv "
+                              "-o bf16_tuned.csv -o2 profile.csv")
+    p.add_argument("family", choices=TUNABLE, help="table family to tune")
+    add_tune_arguments(p)
+    p.set_defaults(func=_cmd_tune)
+
     p = sub.add_parser("tables", help="list the tables in force for this device",
                        description="Each family's table files (shipped, model_configs, "
                                    "GEMMTUNE_CONFIG_* overlays) and its rows for this device.")
@@ -243,7 +287,8 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Run gemm_a16w16 on every dense projection of a model preset "
                                    "and compare with an fp32 reference. Runs on the CPU when there "
                                    "is no GPU (and says so).")
-    p.add_argument("--model", default="llama3-8b", help="model preset (default llama3-8b)")
+    p.add_argument("--model", default="llama3-8b", choices=_presets(),
+                   help="model preset (default llama3-8b)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (default 1)")
     p.add_argument("--M", type=_int_list, default=None, metavar="M,M,...",
                    help="token counts (default 1,16,128,1024,4096 on a GPU; 1,16 on the CPU)")

@@ -36,15 +36,18 @@ def _detect(index: int) -> DeviceId:
     return DeviceId(f"sm_{props.major}{props.minor}", props.multi_processor_count)
 
 
-def current_device() -> DeviceId:
-    """The device whose rows dispatch uses: ``GEMMTUNE_DEVICE`` if set, else the current CUDA GPU,
-    else ``cpu:0`` so that tables, dispatch and tests work without a GPU."""
+def current_device(index: int | None = None) -> DeviceId:
+    """The device whose rows dispatch uses: ``GEMMTUNE_DEVICE`` if set; else CUDA device ``index``
+    (a tensor's ``get_device()``; -1 means the CPU), by default the current one; ``cpu:0``
+    without a GPU, so that tables, dispatch and tests work there too."""
     override = _env.device_override()
     if override:
         return DeviceId.parse(override)
-    if torch.cuda.is_available():
-        return _detect(torch.cuda.current_device())
-    return DeviceId(CPU_ARCH, 0)
+    if index is None:
+        index = torch.cuda.current_device() if torch.cuda.is_available() else -1
+    if index < 0:
+        return DeviceId(CPU_ARCH, 0)
+    return _detect(index)
 
 
 def has_gpu() -> bool:

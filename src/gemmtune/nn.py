@@ -16,27 +16,16 @@ class TunedLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return gemm_a16w16(x, self.weight, self.bias)
 
-    @classmethod
-    def from_linear(cls, linear: nn.Linear) -> "TunedLinear":
-        """A TunedLinear sharing ``linear``'s weight and bias tensors (no copy, no new memory)."""
-        tuned = cls.__new__(cls)
-        nn.Module.__init__(tuned)
-        tuned.in_features = linear.in_features
-        tuned.out_features = linear.out_features
-        tuned.weight = linear.weight
-        tuned.bias = linear.bias
-        tuned.train(linear.training)
-        return tuned
-
 
 def patch_linear(model: nn.Module) -> int:
-    """Replace every plain ``nn.Linear`` inside ``model`` by a weight-sharing TunedLinear, in
-    place. Returns how many layers were replaced. Subclasses of nn.Linear with their own forward
-    (quantised or LoRA layers) are left alone: their forward is not a plain ``x @ W.T + b``."""
-    replaced = 0
-    for parent in model.modules():
-        for name, child in list(parent.named_children()):
-            if type(child) is nn.Linear:
-                setattr(parent, name, TunedLinear.from_linear(child))
-                replaced += 1
-    return replaced
+    """Turn every plain ``nn.Linear`` inside ``model`` (itself included) into a TunedLinear in
+    place and return how many were changed. Only the class changes: the module object, its
+    parameters, buffers and hooks stay exactly as they were. Left alone: subclasses of nn.Linear
+    (quantised or LoRA layers compute something else) and layers whose ``forward`` was replaced
+    on the instance (offloading wrappers), since those wrappers call the original forward."""
+    patched = 0
+    for module in model.modules():
+        if type(module) is nn.Linear and "forward" not in module.__dict__:
+            module.__class__ = TunedLinear
+            patched += 1
+    return patched

@@ -351,6 +351,9 @@ def dense_projections(spec: ModelSpec, tp: int = 1) -> list[Projection]:
         layers += _mlp("", hidden, spec.dense_intermediate_size, tp)
     if spec.shared_expert_intermediate_size:
         layers += _mlp("shared_", hidden, spec.shared_expert_intermediate_size, tp)
+    if spec.is_moe:
+        # The router scores every token against every expert on every rank: replicated.
+        layers.append(Projection("router", spec.num_experts, hidden))
     # Engines pad the vocabulary so every rank holds the same number of rows.
     layers.append(Projection("lm_head", -(-spec.vocab_size // tp), hidden))
     seen: set[tuple[int, int]] = set()

@@ -124,25 +124,27 @@ class Dispatcher:
         with _lock:
             _dispatchers.append(self)
 
-    def plan(self, raw_key: tuple) -> Plan:
+    def plan(self, raw_key: tuple, device_index: int | None = None) -> Plan:
+        """The plan for ``raw_key`` on the device of a tensor with ``get_device() == device_index``
+        (part of the raw key, so CPU and GPU tensors of one shape get their own plans)."""
         plan = self.plans.get(raw_key)
         if plan is None:
-            plan = self._make_plan(raw_key)
+            plan = self._make_plan(raw_key, device_index)
         return plan
 
     def decide(self, key: tuple, device: DeviceId | None = None) -> Decision:
-        """The row and rule that a call with canonical ``key`` would use (no side effects)."""
-        device = device or current_device()
+        """The row and rule that a call with canonical ``key`` would use, after checking that the
+        row's kernel can run it (falling back to the default as a call would). No side effects
+        besides loading the tables."""
+        return self._decide_and_resolve(key, device or current_device())[0]
+
+    def _decide_and_resolve(self, key: tuple, device: DeviceId) -> tuple[Decision, Callable]:
         match = table_index(self.family, device).find(key)
         if match.row is None:
-            return Decision(self.family, key, Rule.default, self.default_kernel(key, device), None)
+            name = self.default_kernel(key, device)
+            return Decision(self.family, key, Rule.default, name, None), self.registry.resolve(name)
         names = match.row.kernel_names(self.schema)
-        return Decision(self.family, key, match.rule, names[0] if names else "", match.row)
-
-    def _make_plan(self, raw_key: tuple) -> Plan:
-        key = self.to_table_key(raw_key)
-        device = current_device()
-        decision = self.decide(key, device)
+        decision = Decision(self.family, key, match.rule, names[0] if names else "", match.row)
         try:
             run = self.registry.resolve(decision.kernel_name)
             # A kernel may refuse a shape it cannot serve (a config too large for this dtype):
@@ -152,21 +154,32 @@ class Dispatcher:
                 raise KernelNameError(f"{self.family.value}: {decision.kernel_name} cannot run "
                                       f"this shape: {problem}")
         except KernelNameError as e:
-            fallback = self.default_kernel(key, device)
             source = decision.row.source if decision.row is not None else None
             _warn_unusable_row(str(e), str(source) if source else "")
+            fallback = self.default_kernel(key, device)
             decision = Decision(self.family, key, Rule.default, fallback, decision.row,
                                 note=f"row kernel unusable: {decision.kernel_name}")
             run = self.registry.resolve(fallback)
+        return decision, run
+
+    def _make_plan(self, raw_key: tuple, device_index: int | None) -> Plan:
+        # Read the switches first: a bad value raises here, before anything is cached, so every
+        # call raises the same error rather than only the first.
+        log_it, capture_it = _env.log_tuned_config(), _env.capture_enabled()
+        key = self.to_table_key(raw_key)
+        decision, run = self._decide_and_resolve(key, current_device(device_index))
         plan = Plan(decision, run, miss=decision.rule is not Rule.exact)
+        if log_it:
+            _ensure_log_handler()
+            log.info("gemmtune: %s", decision.describe(self.schema))
+        if capture_it:
+            try:
+                record_shape(self.schema, key)
+            except OSError as e:
+                _warn_capture_failed(str(e))
         with _lock:
             self.plans[raw_key] = plan
             _decisions[(self.family, key)] = decision
-        if _env.log_tuned_config():
-            _ensure_log_handler()
-            log.info("gemmtune: %s", decision.describe(self.schema))
-        if _env.capture_enabled():
-            record_shape(self.schema, key)
         return plan
 
 
@@ -178,7 +191,13 @@ def count_miss(plan: Plan) -> None:
 def _warn_unusable_row(message: str, source: str) -> None:
     where = f" (row {source})" if source else ""
     warnings.warn(f"{message}{where}; using the family default instead. Retune this shape or "
-                  f"remove the row.", stacklevel=4)
+                  f"remove the row.", stacklevel=2)
+
+
+@functools.cache
+def _warn_capture_failed(message: str) -> None:
+    warnings.warn(f"gemmtune: shape capture could not write its shard ({message}); shapes are "
+                  f"not being recorded. Check GEMMTUNE_CAPTURE_DIR.", stacklevel=2)
 
 
 @functools.cache
@@ -234,3 +253,4 @@ def reset() -> None:
         for d in _dispatchers:
             d.plans.clear()
     _warn_unusable_row.cache_clear()
+    _warn_capture_failed.cache_clear()

@@ -20,43 +20,67 @@ from gemmtune.tables.schema import Family
 from gemmtune.tables.values import DTYPE_NAMES, to_torch_dtype
 
 _INPUT_DTYPES = {torch.bfloat16, torch.float16, torch.float32}
-_FP8_DTYPES = {getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n)}
+# e4m3fn only: the Triton kernel takes no other, and torch._scaled_mm has no e5m2 x e5m2 GEMM.
+_FP8_DTYPES = {torch.float8_e4m3fn}
 
 
-class _TritonTileKernel:
-    """A ``triton.tile:...`` row's kernel: checked once per shape (``check``), then each call only
-    allocates the output and launches."""
+class _TritonKernel:
+    """A ``triton.<family>:...`` row's kernel: checked once per shape (``check``), then each call
+    only allocates the output and launches. ``module`` is the kernel family's file: it provides
+    ``why_not_supported``, a ``gemm_*`` launcher that validates and a ``launch_gemm_*`` that
+    does not, and the config class ``config_cls`` that parses the name."""
 
-    def __init__(self, name: str):
-        from gemmtune.kernels.triton import gemm_tile
-
-        self._tile = gemm_tile
-        self.config = gemm_tile.TileConfig.from_name(name)
+    def __init__(self, name: str, module, config_cls, launch, validating_launch):
+        self._module = module
+        self._launch = launch
+        self._validating_launch = validating_launch
+        self.config = config_cls.from_name(name)
 
     def check(self, key: tuple) -> str | None:
         m, n, k, _, dtype, out_dtype, _, _ = key
-        return self._tile.why_not_supported(self.config, m, n, k, to_torch_dtype(dtype),
-                                            to_torch_dtype(out_dtype))
+        return self._module.why_not_supported(self.config, m, n, k, to_torch_dtype(dtype),
+                                              to_torch_dtype(out_dtype))
 
-    def __call__(self, x, w, bias, out_dtype, scale_a, scale_b):  # x (..., K), w (N, K)
+    def __call__(self, x, w, bias, out_dtype, scale_a, scale_b, out=None):  # x (..., K), w (N, K)
         if (scale_a is None) != (scale_b is None):
-            # gemm_tile's checks explain what is wrong.
-            return self._tile.gemm_tile(x, w, bias, out_dtype, scale_a, scale_b, self.config)
+            # The validating launcher explains what is wrong.
+            return self._validating_launch(x, w, bias, out_dtype, scale_a, scale_b, self.config)
         n = w.shape[0]
         x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-        out = torch.empty((x2.shape[0], n), dtype=out_dtype, device=x.device)
-        if out.numel():
-            self._tile.launch_gemm_tile(x2, w, bias, out, scale_a, scale_b, self.config)
-        return out if x2 is x else out.view(x.shape[:-1] + (n,))
+        y = torch.empty((x2.shape[0], n), dtype=out_dtype, device=x.device) if out is None \
+            else out.view(x2.shape[0], n)
+        if y.numel():
+            self._launch(x2, w, bias, y, scale_a, scale_b, self.config)
+        return y if x2 is x else y.view(x.shape[:-1] + (n,))
+
+
+def _parse_triton_tile(name: str) -> _TritonKernel:
+    from gemmtune.kernels.triton import gemm_tile as m
+
+    return _TritonKernel(name, m, m.TileConfig, m.launch_gemm_tile, m.gemm_tile)
+
+
+def _parse_triton_splitk(name: str) -> _TritonKernel:
+    from gemmtune.kernels.triton import gemm_splitk as m
+
+    return _TritonKernel(name, m, m.SplitKConfig, m.launch_gemm_splitk, m.gemm_splitk)
+
+
+def _parse_cublaslt(name: str):
+    from gemmtune.kernels.cublaslt import CublasLtKernel
+
+    return CublasLtKernel(name)
 
 
 REGISTRY = KernelRegistry(Family.bf16)
 REGISTRY.register("torch.linear", parse_torch_kernel)
-REGISTRY.register("triton.tile", _TritonTileKernel)
+REGISTRY.register("triton.tile", _parse_triton_tile)
+REGISTRY.register("triton.splitk", _parse_triton_splitk)
+REGISTRY.register("cublaslt", _parse_cublaslt)
 
 
 def _to_table_key(raw: tuple) -> tuple:
-    m, n, k, has_bias, dtype, out_dtype, scaled, preshuffled = raw
+    m, n, k, has_bias, dtype, out_dtype, scaled, preshuffled, _device = raw
     return (m, n, k, has_bias, DTYPE_NAMES[dtype], DTYPE_NAMES[out_dtype], scaled, preshuffled)
 
 
@@ -86,15 +110,21 @@ def _check(x: torch.Tensor, w: torch.Tensor, bias, scale_a, scale_b) -> None:
     if x.dtype not in _INPUT_DTYPES and not (scaled and x.dtype in _FP8_DTYPES):
         raise TypeError(
             f"gemm_a16w16: {x.dtype} inputs are not supported; use bf16, fp16 or fp32 (fp8 "
-            f"e4m3fn/e5m2 only with per-tensor scale_a/scale_b)")
+            f"e4m3fn only with per-tensor scale_a/scale_b)")
     if x.device != w.device:
         raise ValueError(f"gemm_a16w16: x is on {x.device} but w is on {w.device}")
-    if bias is not None and bias.shape != (w.shape[0],):
-        raise ValueError(f"gemm_a16w16: bias has shape {tuple(bias.shape)}; expected ({w.shape[0]},)")
+    if bias is not None and (bias.shape != (w.shape[0],) or bias.device != x.device):
+        raise ValueError(f"gemm_a16w16: bias has shape {tuple(bias.shape)} on {bias.device}; "
+                         f"expected ({w.shape[0]},) on {x.device}")
+    _check_scales(x, scale_a, scale_b)
+
+
+def _check_scales(x: torch.Tensor, scale_a, scale_b) -> None:
     for name, s in (("scale_a", scale_a), ("scale_b", scale_b)):
-        if s is not None and s.numel() != 1:
-            raise ValueError(f"gemm_a16w16: {name} must be a one-element per-tensor scale, got "
-                             f"shape {tuple(s.shape)}")
+        if s is not None and (s.numel() != 1 or s.dtype != torch.float32 or s.device != x.device):
+            raise ValueError(
+                f"gemm_a16w16: {name} must be a one-element float32 per-tensor scale on "
+                f"{x.device}, got shape {tuple(s.shape)} {s.dtype} on {s.device}")
 
 
 def _run(x, w, bias, otype, scale_a, scale_b):
@@ -112,14 +142,16 @@ def _run(x, w, bias, otype, scale_a, scale_b):
     m = x.numel() // xk if xk else math.prod(x.shape[:-1])
     dtype = x.dtype
     out_dtype = _out_dtype(dtype, otype)
-    key = (m, n, xk, bias is not None, dtype, out_dtype,
-           scale_a is not None or scale_b is not None, False)
+    scaled = scale_a is not None or scale_b is not None
+    key = (m, n, xk, bias is not None, dtype, out_dtype, scaled, False, x.get_device())
     plan = DISPATCH.plans.get(key)
     if plan is None:
         _check(x, w, bias, scale_a, scale_b)
-        plan = DISPATCH.plan(key)
+        plan = DISPATCH.plan(key, key[-1])
     elif k != xk or w.dtype != dtype or (bias is not None and bias.shape[0] != n):
         _check(x, w, bias, scale_a, scale_b)
+    elif scaled:
+        _check_scales(x, scale_a, scale_b)
     if plan.miss:
         count_miss(plan)
     return plan.run(x, w, bias, out_dtype, scale_a, scale_b)
@@ -166,8 +198,23 @@ def gemm_a16w16(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] =
     x: (..., K) bf16/fp16/fp32 (or fp8 with per-tensor ``scale_a``/``scale_b``); w: (N, K);
     bias: (N,); otype: output dtype (default: x's, bf16 for fp8 inputs). Returns (..., N).
     """
-    needs_graph = torch.is_grad_enabled() and (
-        x.requires_grad or w.requires_grad or (bias is not None and bias.requires_grad))
-    if needs_graph or torch.compiler.is_compiling():
+    if torch.compiler.is_compiling():
+        x, w, bias = _autocast(x, w, bias, scale_a, scale_b)
+        return _gemm_a16w16_op(x, w, bias, otype, scale_a, scale_b)
+    if torch._C._is_any_autocast_enabled():  # ~0.05 µs; the device-specific check costs more
+        x, w, bias = _autocast(x, w, bias, scale_a, scale_b)
+    if torch.is_grad_enabled() and (
+            x.requires_grad or w.requires_grad or (bias is not None and bias.requires_grad)):
         return _gemm_a16w16_op(x, w, bias, otype, scale_a, scale_b)
     return _run(x, w, bias, otype, scale_a, scale_b)
+
+
+def _autocast(x, w, bias, scale_a, scale_b):
+    """Cast like ``F.linear`` under ``torch.autocast``: float inputs to the autocast dtype."""
+    device = x.device.type
+    if scale_a is not None or scale_b is not None or not torch.is_autocast_enabled(device):
+        return x, w, bias
+    dtype = torch.get_autocast_dtype(device)
+    cast = [t if t is None or not t.is_floating_point() or t.dtype == dtype else t.to(dtype)
+            for t in (x, w, bias)]
+    return cast[0], cast[1], cast[2]

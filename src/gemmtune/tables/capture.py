@@ -10,9 +10,11 @@ the hot path does not even read the variable.
 from __future__ import annotations
 
 import csv
+import fcntl
 import io
 import os
 import socket
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,20 +34,47 @@ def shard_path(schema: Schema, capture_dir: Path | None = None) -> Path:
     return base / schema.family.value / f"{socket.gethostname()}-{os.getpid()}.csv"
 
 
+_append_lock = threading.Lock()
+
+
 def record_shape(schema: Schema, key: tuple, capture_dir: Path | None = None) -> None:
-    """Append one shape to this process's shard. A single ``O_APPEND`` write of one short line,
-    so a crash can at worst truncate the last line, which the merge reports and skips."""
+    """Append one shape to this process's shard: one ``O_APPEND`` write of one short line (a
+    crash can at worst truncate the last line, which the merge reports and skips).
+
+    A merge renames shards away while processes may still append. The writer therefore holds an
+    ``flock`` on the shard while it writes and checks, under the lock, that the file it opened is
+    still the one at the shard's path; the merge takes the same lock after renaming, so it reads
+    only once any write into the renamed file has finished. The thread lock keeps two threads of
+    one process from both writing the header of a new shard."""
     path = shard_path(schema, capture_dir)
-    path.parent.mkdir(parents=True, exist_ok=True)
     kinds = [c.kind for c in schema.key]
     line = _csv_line([format_value(k, v) for k, v in zip(kinds, key)])
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    with _append_lock:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        while True:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                if not _is_current(fd, path):
+                    continue  # renamed by a merge between open and lock: open the new shard
+                text = line if os.fstat(fd).st_size else _csv_line(list(schema.key_names)) + line
+                os.write(fd, text.encode())
+                return
+            finally:
+                os.close(fd)  # also releases the flock
+
+
+def _is_current(fd: int, path: Path) -> bool:
     try:
-        if os.fstat(fd).st_size == 0:
-            line = _csv_line(list(schema.key_names)) + line
-        os.write(fd, line.encode())
-    finally:
-        os.close(fd)
+        return os.stat(path).st_ino == os.fstat(fd).st_ino
+    except FileNotFoundError:
+        return False
+
+
+def _read_when_no_writer(shard: Path) -> str:
+    with open(shard, "rb") as f:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        return f.read().decode("utf-8", errors="replace")
 
 
 @dataclass
@@ -70,11 +99,18 @@ def merge_captures(capture_dir: Path, out_dir: Path, *, remove_shards: bool = Tr
             schema = schema_for(family_dir.name)
         except ValueError:
             continue
-        shards = sorted(family_dir.glob("*.csv"))
+        # Take each shard out of its writer's way first: a process still capturing reopens its
+        # shard by name and starts a new one, so no line is appended between read and delete.
+        # Files left ".merging" by an interrupted merge are picked up here too.
+        for shard in family_dir.glob("*.csv"):
+            shard.rename(shard.with_name(f"{shard.name}.{os.getpid()}.merging"))
+        shards = sorted(family_dir.glob("*.merging"))
+        if not shards:
+            continue
         rows: list[Row] = []
         errors: list[TableError] = []
         for shard in shards:
-            text = shard.read_text(encoding="utf-8")
+            text = _read_when_no_writer(shard)
             if not text.strip():
                 continue
             read = parse_rows(text, str(shard), schema, untuned=True)

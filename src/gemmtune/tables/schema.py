@@ -8,6 +8,7 @@ Column names are the seeds' (AITER's) names; the few places where seeds spell a 
 from __future__ import annotations
 
 import enum
+import re
 from dataclasses import dataclass
 
 from gemmtune.tables.values import ActivationType, BadValue, QuantType, parse_bool, parse_dtype
@@ -21,20 +22,21 @@ class Kind(enum.Enum):
     ACTIVATION = "ActivationType"
     QUANT = "QuantType"
     TEXT = "text"
+    NAME = "kernel name"  # non-empty text
+
+
+_INTEGRAL_FLOAT = re.compile(r"[+-]?\d+\.0*")
 
 
 def _parse_int(text: str) -> int:
+    raw = text.strip()
     try:
-        return int(text.strip())
+        return int(raw)
     except ValueError:
-        # Seeds sometimes write integers as "16.0"; accept them only when exact.
-        try:
-            value = float(text)
-        except ValueError:
-            raise BadValue(f"expected an integer, got {text!r}") from None
-        if not value.is_integer():
-            raise BadValue(f"expected an integer, got {text!r}") from None
-        return int(value)
+        # Seeds sometimes write integers as "16.0"; accept exactly that form, nothing like 1e30.
+        if _INTEGRAL_FLOAT.fullmatch(raw):
+            return int(raw.split(".")[0])
+        raise BadValue(f"expected an integer, got {text!r}") from None
 
 
 def _parse_float(text: str) -> float:
@@ -45,6 +47,13 @@ def _parse_float(text: str) -> float:
         raise BadValue(f"expected a number, got {text!r}") from None
 
 
+def _parse_name(text: str) -> str:
+    name = text.strip()
+    if not name:
+        raise BadValue("is empty; a row must name the kernel it dispatches to")
+    return name
+
+
 _PARSERS = {
     Kind.INT: _parse_int,
     Kind.FLOAT: _parse_float,
@@ -53,6 +62,7 @@ _PARSERS = {
     Kind.ACTIVATION: lambda t: ActivationType.from_str(t).canonical,
     Kind.QUANT: lambda t: QuantType.from_str(t).canonical,
     Kind.TEXT: lambda t: t.strip(),
+    Kind.NAME: lambda t: _parse_name(t),
 }
 
 
@@ -110,7 +120,7 @@ GEMM_RESULT_COLUMNS = (
     Column("solidx", Kind.INT, default="0", aliases=("kernelId",)),
     Column("splitK", Kind.INT, default="0"),
     Column("us", Kind.FLOAT),
-    Column("kernelName", Kind.TEXT),
+    Column("kernelName", Kind.NAME),
     Column("err_ratio", Kind.FLOAT, default="0", aliases=("errRatio",)),
     Column("tflops", Kind.FLOAT, default="0"),
     Column("bw", Kind.FLOAT, default="0"),
@@ -120,7 +130,7 @@ FMOE_RESULT_COLUMNS = (
     Column("block_m", Kind.INT, default="0"),
     Column("ksplit", Kind.INT, default="0"),
     Column("us1", Kind.FLOAT, default="0"),
-    Column("kernelName1", Kind.TEXT),
+    Column("kernelName1", Kind.NAME),
     Column("err1", Kind.FLOAT, default="0"),
     Column("us2", Kind.FLOAT, default="0"),
     Column("kernelName2", Kind.TEXT, default=""),

@@ -47,7 +47,7 @@ def shipped_paths(schema: Schema) -> list[Path]:
 def overlay_paths(schema: Schema) -> tuple[list[Path], bool]:
     """The user's overlay files and whether they replace the shipped tables."""
     value = _env.table_overlay(schema.env_names)
-    replace = _env.replace_shipped_tables()
+    replace = False
     paths = []
     for part in (value or "").split(":"):
         part = part.strip()
@@ -63,7 +63,9 @@ def overlay_paths(schema: Schema) -> tuple[list[Path], bool]:
                 f"{schema.env_names[0]} names {path}, which does not exist; fix the variable "
                 f"or create the table")
         paths.append(path)
-    return paths, replace
+    # GEMMTUNE_CONFIG_REPLACE=1 applies to the families that have an overlay: a family the user
+    # gave no table for keeps its shipped rows rather than losing all of them.
+    return paths, replace or (bool(paths) and _env.replace_shipped_tables())
 
 
 def table_sources(schema: Schema) -> TableSources:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import difflib
 import io
 import os
 import tempfile
@@ -91,7 +92,22 @@ def _resolve_header(path, header: list[str], columns: Sequence[Column]):
         )
     known = {i for i in positions.values() if i is not None}
     extra = {names[i]: i for i in range(len(names)) if i not in known and names[i]}
+    _warn_likely_misspellings(path, extra, [c for c in columns if positions[c.name] is None])
     return positions, extra
+
+
+def _warn_likely_misspellings(path, extra: dict[str, int], defaulted: list[Column]) -> None:
+    """An unknown column close to a column that took its default is most likely a misspelling
+    (``out_dtype`` for ``outdtype``): say so, since the default is being used instead."""
+    names = [c.name for c in defaulted]
+    for unknown in extra:
+        close = difflib.get_close_matches(unknown.lower(), [n.lower() for n in names], n=1,
+                                          cutoff=0.75)
+        if close:
+            meant = next(n for n in names if n.lower() == close[0])
+            warnings.warn(f"{path}:1: unknown column {unknown!r} is kept as an extra column and "
+                          f"{meant!r} takes its default; rename it to {meant!r} if that is what "
+                          f"it means", stacklevel=4)
 
 
 def _columns(schema: Schema, untuned: bool) -> tuple[Column, ...]:
@@ -160,13 +176,21 @@ def read_table(path: str | os.PathLike, schema: Schema, *, untuned: bool = False
     ``errors`` and the good rows returned (the tuner tunes what it can and reports the rest)."""
     path = str(path)
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        # utf-8-sig: a byte-order mark from a spreadsheet export must not rename the first column.
+        text = Path(path).read_text(encoding="utf-8-sig")
     except FileNotFoundError:
         raise FileNotFoundError(f"{path}: no such table file") from None
+    except UnicodeDecodeError as e:
+        raise TableError(path, text_line_of(Path(path).read_bytes(), e.start),
+                         f"not UTF-8 text (byte {e.start}); save the table as UTF-8 CSV") from None
     result = parse_rows(text, path, schema, untuned=untuned)
     if strict and result.errors:
         raise result.errors[0]
     return result
+
+
+def text_line_of(data: bytes, offset: int) -> int:
+    return data.count(b"\n", 0, offset) + 1
 
 
 def full_key(row: Row) -> tuple:

@@ -1,0 +1,513 @@
+"""Split-K GEMM in Triton for small M (decode): ``y = (x @ w.T) * scale_a * scale_b + bias``.
+
+A decode GEMM (M <= 64) is bound by reading w once, and one program per output tile leaves HBM
+idle: 576x7168 has 9 tiles of 64 columns for 132 SMs. Here K is split as well, over a second grid
+axis, so tiles x split_k programs stream w. Each program writes its fp32 partial tile to a
+workspace and counts itself in on the tile's counter; the one that arrives last sums the partials
+in split order (the result does not depend on arrival order: bitwise deterministic), applies
+scales and bias, writes the output and resets the counter. One launch; split_k == 1 needs no
+workspace and writes directly.
+
+Measured on H100 SXM (benchmarks/splitk_sweep.py; bf16, graph replay, cold w; 9 decode (N, K) x
+M 1-64): the best candidate per shape reached 0.58 of the roofline floor (geomean; 0.60 without
+the counter memset) where torch reached 0.64. With one split it ran at 0.85-1.06x torch's speed;
+where K was split, at 0.74-0.97x (1.03x at 4096x14336, M = 1): the split's tail (store,
+release, counter atomic, loads of the partials) is a chain of dependent L2 round trips after the
+last K step. Even one launch sits >= 3.2 µs above the floor (8192x1024, torch alike), which is
+what caps efficiency on the smallest shapes (576x7168: floor 2.7 µs).
+
+The family's config space (``SplitKConfig``, ``fits``, ``candidates``, ``default_config``), the
+``@triton.jit`` kernel and its launchers ``gemm_splitk`` (validates) and ``launch_gemm_splitk``
+(launches only). Operands as in ``gemm_tile``: ``x`` (M, K) and ``w`` (N, K) with any strides, in
+fp16, bf16, fp32 or per-tensor-scaled float8_e4m3fn; accumulation is always fp32.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+KERNEL_PREFIX = "triton.splitk"
+
+# Hopper (sm_90) allows 227 KiB of shared memory per block; the largest of the GPUs we tune for.
+SMEM_LIMIT_BYTES = 227 * 1024
+# The fp32 accumulator lives in registers: BM*BN/(32*num_warps) of them per thread. A thread has at
+# most 255, and the operand fragments and addresses need the rest; above 128 ptxas starts spilling.
+MAX_ACC_REGS_PER_THREAD = 128
+# The last program of a tile sums SPLIT_CHUNK partials per load: at most this many fp32 registers
+# per thread, so the reduction never needs more registers than the accumulator may have.
+REDUCE_REGS_PER_THREAD = 64
+# Grid: tiles on axis 0 (int32 program id), splits on axis 1 (at most 65535 in CUDA); more than
+# 64 splits only adds partials to sum, never bandwidth.
+MAX_PROGRAMS = 2**31 - 1
+MAX_SPLIT_K = 64
+# SM count the candidate space and the default are sized for: H100 SXM (H100 PCIe has 114).
+NUM_SMS = 132
+
+_VALID_WARPS = (1, 2, 4, 8)
+_MIN_BLOCK = 16  # tl.dot needs every tile dimension >= 16
+_MAX_BLOCK = 256
+_MAX_STAGES = 8
+
+_INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float8_e4m3fn)
+_OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_FP8_DTYPES = (torch.float8_e4m3fn,)
+
+_NAME_FORMAT = f"{KERNEL_PREFIX}:BM<int>.BN<int>.BK<int>.SK<int>.W<int>.S<int>"
+_NAME_FIELDS = (("BM", "block_m"), ("BN", "block_n"), ("BK", "block_k"), ("SK", "split_k"),
+                ("W", "num_warps"), ("S", "num_stages"))
+
+
+@dataclass(frozen=True)
+class SplitKConfig:
+    """One point of the split-K kernel's config space; ``name`` is how tables and the CLI
+    spell it."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    split_k: int
+    num_warps: int
+    num_stages: int
+
+    @property
+    def name(self) -> str:
+        return (f"{KERNEL_PREFIX}:BM{self.block_m}.BN{self.block_n}.BK{self.block_k}"
+                f".SK{self.split_k}.W{self.num_warps}.S{self.num_stages}")
+
+    @classmethod
+    def from_name(cls, name: str) -> "SplitKConfig":
+        """Parse ``name`` (e.g. ``triton.splitk:BM16.BN64.BK256.SK8.W4.S3``) back into a config."""
+        prefix, sep, body = name.partition(":")
+        if not sep or prefix != KERNEL_PREFIX:
+            raise ValueError(f"split-K config {name!r}: prefix {prefix!r} is not "
+                             f"{KERNEL_PREFIX!r}; expected {_NAME_FORMAT}")
+        parts = body.split(".")
+        if len(parts) != len(_NAME_FIELDS):
+            raise ValueError(f"split-K config {name!r}: has {len(parts)} dot-separated fields, "
+                             f"expected {len(_NAME_FIELDS)}: {_NAME_FORMAT}")
+        values = {}
+        for part, (tag, field) in zip(parts, _NAME_FIELDS):
+            match = re.fullmatch(rf"{tag}([0-9]+)", part)
+            if match is None:
+                raise ValueError(f"split-K config {name!r}: bad field {part!r}, expected "
+                                 f"{tag}<int>; expected {_NAME_FORMAT}")
+            values[field] = int(match.group(1))
+        return cls(**values)
+
+
+def _is_pow2(v: int) -> bool:
+    return v > 0 and v & (v - 1) == 0
+
+
+def _next_pow2(v: int) -> int:
+    return 1 << max(0, v - 1).bit_length()
+
+
+def smem_bytes(config: SplitKConfig, dtype: torch.dtype) -> int:
+    """Shared memory the software pipeline holds: ``num_stages`` copies of one x and one w tile."""
+    return config.num_stages * (config.block_m * config.block_k
+                                + config.block_k * config.block_n) * dtype.itemsize
+
+
+def num_tiles(config: SplitKConfig, M: int, N: int) -> int:
+    """Output tiles, i.e. programs per split, and the int32 tile counters a launch needs."""
+    return triton.cdiv(M, config.block_m) * triton.cdiv(N, config.block_n)
+
+
+def split_chunk(config: SplitKConfig) -> int:
+    """Partials the last program of a tile sums per load: one load of many partials costs one
+    L2 round trip where a load per split would cost split_k of them (~0.2 µs each)."""
+    per_load = REDUCE_REGS_PER_THREAD * 32 * config.num_warps // (config.block_m * config.block_n)
+    return max(1, min(MAX_SPLIT_K, per_load))
+
+
+def why_not_fits(config: SplitKConfig, M: int, N: int, K: int, dtype: torch.dtype) -> str | None:
+    """The first constraint ``config`` breaks for an (M, N, K) GEMM on ``dtype`` inputs, or None."""
+    for field in ("block_m", "block_n", "block_k"):
+        v = getattr(config, field)
+        if not _is_pow2(v) or not _MIN_BLOCK <= v <= _MAX_BLOCK:
+            return f"{field}={v} must be a power of two in [{_MIN_BLOCK}, {_MAX_BLOCK}]"
+    if not 1 <= config.split_k <= MAX_SPLIT_K:
+        return f"split_k={config.split_k} must be in [1, {MAX_SPLIT_K}]"
+    if config.num_warps not in _VALID_WARPS:
+        return f"num_warps={config.num_warps} must be one of {_VALID_WARPS}"
+    if not 1 <= config.num_stages <= _MAX_STAGES:
+        return f"num_stages={config.num_stages} must be in [1, {_MAX_STAGES}]"
+    # Each split must get at least one full BLOCK_K step: split_k * block_k <= K rounded up to
+    # block_k. Splits beyond that would only add programs that write zero partials.
+    k_steps = triton.cdiv(K, config.block_k)
+    if config.split_k > max(1, k_steps):
+        return (f"split_k={config.split_k} leaves splits without a block_k step: K={K} is "
+                f"{k_steps} steps of block_k={config.block_k}; use split_k <= {max(1, k_steps)}")
+    acc_regs = config.block_m * config.block_n // (32 * config.num_warps)
+    if acc_regs > MAX_ACC_REGS_PER_THREAD:
+        return (f"accumulator needs {acc_regs} registers per thread (> {MAX_ACC_REGS_PER_THREAD}); "
+                f"use smaller blocks or more warps")
+    smem = smem_bytes(config, dtype)
+    if smem > SMEM_LIMIT_BYTES:
+        return (f"shared memory {smem} B > {SMEM_LIMIT_BYTES} B; "
+                f"reduce block sizes or num_stages")
+    programs = num_tiles(config, M, N)
+    if programs > MAX_PROGRAMS:
+        return f"{programs} tiles exceed the grid limit {MAX_PROGRAMS}; use larger blocks"
+    return None
+
+
+def why_not_supported(config: SplitKConfig, M: int, N: int, K: int, dtype: torch.dtype,
+                      out_dtype: torch.dtype) -> str | None:
+    """Like ``why_not_fits``, also rejecting dtypes the kernel does not take: what a dispatch plan
+    checks once per shape so that each later call can go straight to ``launch_gemm_splitk``."""
+    if dtype not in _INPUT_DTYPES:
+        return f"input dtype {dtype} is not one of {[str(d) for d in _INPUT_DTYPES]}"
+    if out_dtype not in _OUT_DTYPES:
+        return f"output dtype {out_dtype} is not one of {[str(d) for d in _OUT_DTYPES]}"
+    return why_not_fits(config, M, N, K, dtype)
+
+
+def fits(config: SplitKConfig, M: int, N: int, K: int, dtype: torch.dtype) -> bool:
+    """The one validity predicate of this family, shared by the pruner, heuristic and tables."""
+    return why_not_fits(config, M, N, K, dtype) is None
+
+
+_SPLITS = (1, 2, 3, 4, 6, 8, 12, 16)
+
+
+def _block_m_choices(M: int) -> tuple[int, ...]:
+    # One M tile up to M = 64, so w is read once; above, 64-row tiles (the M tiles of one w tile
+    # run side by side, so w comes from HBM once and from L2 after).
+    return (min(64, max(16, _next_pow2(M))),)
+
+
+def _splits_around_one_wave(tiles: int, k_steps: int, num_sms: int) -> tuple[int, ...]:
+    """The split that first gives a full wave of programs and the next one up: fewer leaves SMs
+    without a stream of w, more only adds partials (each program then has fewer K steps)."""
+    allowed = [s for s in _SPLITS if s <= max(1, k_steps)]
+    first = next((i for i, s in enumerate(allowed) if tiles * s >= num_sms), len(allowed) - 1)
+    return tuple(allowed[first:first + 2])
+
+
+# Each thread moves 8 to 16 16-byte vectors of the w tile per stage: fewer leave warps idle
+# waiting on a long dependent load chain, more cost registers (ptxas for sm_90: BM64.BN128 at 2
+# warps needs 255 registers). And 16 to 64 KiB of w in flight per program (stages - 1 tiles):
+# HBM latency x bandwidth / SMs is ~25 KiB per SM.
+_VECTORS_PER_THREAD = (8, 16)
+_W_IN_FLIGHT_BYTES = (16 * 1024, 64 * 1024)
+# Rows of at least 256 B of K per tile: on H100 (bf16) BK 64 won none of 36 decode shapes.
+_MIN_ROW_BYTES = 256
+# The sweep's winners sat at the narrow, few-warp edge of BN {32, 64, 128} x warps {2, 4, 8}
+# (BN 32 and 2 warps in 30 of 36): BN 16 and 1 warp extend the space past that edge.
+_BLOCK_N = (16, 32, 64, 128)
+_WARPS = (1, 2, 4, 8)
+
+
+def candidates(M: int, N: int, K: int, dtype: torch.dtype,
+               num_sms: int = NUM_SMS) -> list[SplitKConfig]:
+    """The pruned search space for tuning one shape: a few dozen to ~150 configs, all fitting.
+
+    Pruning, each rule a reason: block_m covers M in one tile up to 64 (``_block_m_choices``);
+    split_k reaches one to two waves of programs (``_splits_around_one_wave``); num_warps and
+    num_stages keep ``_VECTORS_PER_THREAD`` and ``_W_IN_FLIGHT_BYTES``; a pipeline no deeper than
+    the K steps of one split; ``_MIN_ROW_BYTES``.
+    """
+    elem = dtype.itemsize
+    found = []
+    for bm in _block_m_choices(M):
+        for bn in _BLOCK_N:
+            tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
+            for bk in (64, 128, 256):
+                if bk * elem < _MIN_ROW_BYTES:
+                    continue
+                k_steps = triton.cdiv(K, bk)
+                w_tile = bn * bk * elem
+                warps_ok = [wp for wp in _WARPS if _VECTORS_PER_THREAD[0]
+                            <= w_tile // (16 * 32 * wp) <= _VECTORS_PER_THREAD[1]]
+                for sk in _splits_around_one_wave(tiles, k_steps, num_sms):
+                    steps = max(1, k_steps // sk)
+                    stages_ok = [st for st in (2, 3, 4, 5) if st - 1 <= steps and
+                                 _W_IN_FLIGHT_BYTES[0] <= (st - 1) * w_tile
+                                 <= _W_IN_FLIGHT_BYTES[1]]
+                    for warps in warps_ok:
+                        for stages in stages_ok:
+                            cfg = SplitKConfig(bm, bn, bk, sk, warps, stages)
+                            if fits(cfg, M, N, K, dtype):
+                                found.append(cfg)
+    if not found:
+        found.append(default_config(M, N, K, dtype, num_sms))
+    return found
+
+
+def default_config(M: int, N: int, K: int, dtype: torch.dtype,
+                   num_sms: int = NUM_SMS) -> SplitKConfig:
+    """A config that always fits and is reasonable without tuning (the fallback on a table miss).
+
+    Read off benchmarks/splitk_sweep.py on H100 SXM (bf16, triton 3.6, CUDA-graph replay, cold
+    w; 9 decode (N, K) x M 1/16/32/64, every candidate timed): the fastest had 32 columns and 2
+    warps in 30 of 36; rows of 256 B of K (BK 128 for bf16) with 4-5 stages at M <= 16 and
+    M = 64, rows of 512 B with 3 stages at M = 32 (8 of 9); and the split that first gives a full
+    wave of programs, or the next. The earlier default (BN 64, 4-8 warps, two waves of programs)
+    reached 0.43 of the roofline floor (geomean) where the fastest candidates reached 0.58.
+    The launcher trusts it without calling ``fits`` again; the tests check that it fits.
+    """
+    elem = dtype.itemsize
+    bm = min(64, max(16, _next_pow2(M)))
+    row_bytes, stages = (512, 3) if 16 < M <= 32 else (256, 5 if M <= 16 else 4)
+    bk = min(_MAX_BLOCK, row_bytes // elem)
+    # Above M = 64 this is gemm_tile's territory; wider tiles keep the tile count sane.
+    bn, warps = (32, 2) if M <= 64 else (64, 4)
+    tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
+    split = _splits_around_one_wave(tiles, triton.cdiv(K, bk), num_sms)[0]
+    cfg = SplitKConfig(bm, bn, bk, split, warps, stages)
+    while why_not_fits(cfg, M, N, K, dtype) is not None and cfg.num_stages > 1:
+        cfg = SplitKConfig(bm, bn, bk, split, warps, cfg.num_stages - 1)
+    return cfg  # tests/test_kernel_gemm_splitk.py::test_default_config_fits checks fits()
+
+
+@triton.jit
+def _epilogue_store(acc, offs_m, offs_n, cols, y_ptr, bias_ptr, scale_a_ptr, scale_b_ptr,
+                    M, N, stride_ym, stride_yn, stride_bias,
+                    HAS_BIAS: tl.constexpr, HAS_SCALES: tl.constexpr):
+    if HAS_SCALES:
+        acc = acc * (tl.load(scale_a_ptr) * tl.load(scale_b_ptr))
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + cols * stride_bias).to(tl.float32)
+        acc = acc + bias[None, :]
+    y_ptrs = (y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym
+              + offs_n.to(tl.int64)[None, :] * stride_yn)
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+# M and SPLIT_K are not specialised (M == 1, SPLIT_K % 16 == 0 would each double the compiled
+# variants the tuner pays for, to save a compare per program).
+@triton.jit(do_not_specialize=["M", "SPLIT_K"])
+def gemm_splitk_kernel(
+    x_ptr,  # (M, K)
+    w_ptr,  # (N, K)
+    y_ptr,  # (M, N)
+    bias_ptr,  # (N,); unused unless HAS_BIAS
+    scale_a_ptr,  # (1,) fp32; unused unless HAS_SCALES
+    scale_b_ptr,  # (1,) fp32; unused unless HAS_SCALES
+    part_ptr,  # (tiles, SPLIT_K, BLOCK_M, BLOCK_N) fp32 partials; unused unless USE_WORKSPACE
+    count_ptr,  # (tiles,) int32, zero on entry and left zero; unused unless USE_WORKSPACE
+    M, N, K,
+    SPLIT_K,
+    stride_xm, stride_xk,
+    stride_wn, stride_wk,
+    stride_ym, stride_yn,
+    stride_bias,
+    HAS_BIAS: tl.constexpr,
+    HAS_SCALES: tl.constexpr,
+    USE_WORKSPACE: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT_CHUNK: tl.constexpr,
+):
+    # Axis 0: output tiles, M fastest, so the M tiles that share a w tile run side by side and
+    # all but the first read it from L2. Axis 1: the split of K.
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    pid_m = pid % num_pid_m
+    pid_n = pid // num_pid_m
+    # Balanced split of the K steps: split s takes steps [s*n/S, (s+1)*n/S), which differ in
+    # length by at most one and are never empty while SPLIT_K <= n (what fits() asks).
+    k_steps = tl.cdiv(K, BLOCK_K)
+    step_lo = split * k_steps // SPLIT_K
+    step_hi = (split + 1) * k_steps // SPLIT_K
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    # Rows/columns past the edge re-read row/column 0 instead of being masked (as in gemm_tile):
+    # the loads in the K loop then need only the K mask, and the stores drop those lanes.
+    rows = tl.where(offs_m < M, offs_m, 0).to(tl.int64)
+    cols = tl.where(offs_n < N, offs_n, 0).to(tl.int64)
+    # int64 offsets: row * stride reaches 2^31 at M*K = 2^31, and a transposed view has
+    # stride_xk = M.
+    ks = (step_lo * BLOCK_K).to(tl.int64) + offs_k.to(tl.int64)
+    x_ptrs = x_ptr + rows[:, None] * stride_xm + ks[None, :] * stride_xk  # (BM, BK)
+    w_ptrs = w_ptr + ks[:, None] * stride_wk + cols[None, :] * stride_wn  # (BK, BN): w.T's tile
+    # tl.cast, not .to(): a stride of 1 arrives as a constexpr, which has no .to().
+    x_step = tl.cast(stride_xk, tl.int64) * BLOCK_K
+    w_step = tl.cast(stride_wk, tl.int64) * BLOCK_K
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for step in range(step_lo, step_hi):
+        k_left = K - step * BLOCK_K
+        a = tl.load(x_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
+        b = tl.load(w_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+        x_ptrs += x_step
+        w_ptrs += w_step
+
+    if USE_WORKSPACE:
+        # Partials are stored tile-major, [tile][split][BM][BN], and only where the output is.
+        local = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+        inside = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+        tile_parts = part_ptr + pid.to(tl.int64) * SPLIT_K * (BLOCK_M * BLOCK_N)
+        tl.store(tile_parts + split.to(tl.int64) * (BLOCK_M * BLOCK_N) + local, acc, mask=inside)
+        # All threads' stores happen before one thread's release (the barrier orders them; the
+        # gpu-scope release makes them visible with it), as CUTLASS's arrive_inc does.
+        tl.debug_barrier()
+        arrived = tl.atomic_add(count_ptr + pid, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:
+            # Last of the tile: the acquire above makes every split's partial visible. Sum them
+            # in split order, SPLIT_CHUNK per load (.cg reads L2, where the partials are).
+            offs_s = tl.arange(0, SPLIT_CHUNK)
+            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for s0 in range(0, SPLIT_K, SPLIT_CHUNK):
+                ss = s0 + offs_s
+                ptrs = tile_parts + ss.to(tl.int64)[:, None, None] * (BLOCK_M * BLOCK_N) \
+                    + local[None, :, :]
+                mask = (ss[:, None, None] < SPLIT_K) & inside[None, :, :]
+                parts = tl.load(ptrs, mask=mask, other=0.0, cache_modifier=".cg")
+                total += tl.sum(parts, axis=0)
+            tl.store(count_ptr + pid, 0)  # leave the counter zero for the next launch
+            _epilogue_store(total, offs_m, offs_n, cols, y_ptr, bias_ptr, scale_a_ptr,
+                            scale_b_ptr, M, N, stride_ym, stride_yn, stride_bias,
+                            HAS_BIAS, HAS_SCALES)
+    else:
+        _epilogue_store(acc, offs_m, offs_n, cols, y_ptr, bias_ptr, scale_a_ptr, scale_b_ptr,
+                        M, N, stride_ym, stride_yn, stride_bias, HAS_BIAS, HAS_SCALES)
+
+
+# Under TRITON_INTERPRET=1 triton.jit returns an InterpretedFunction, which runs on CPU tensors.
+_INTERPRETED = not isinstance(gemm_splitk_kernel, triton.runtime.JITFunction)
+
+
+def _check_scale(name: str, s: torch.Tensor, device: torch.device) -> None:
+    if s.numel() != 1 or s.dtype != torch.float32 or s.device != device:
+        raise ValueError(f"{name}: expected a one-element float32 tensor on {device}, got "
+                         f"shape {tuple(s.shape)} {s.dtype} on {s.device}; "
+                         f"pass e.g. torch.tensor([s], dtype=torch.float32, "
+                         f"device={str(device)!r})")
+
+
+def gemm_splitk(
+    x: torch.Tensor,  # (M, K)
+    w: torch.Tensor,  # (N, K)
+    bias: torch.Tensor | None = None,  # (N,)
+    out_dtype: torch.dtype | None = None,
+    scale_a: torch.Tensor | None = None,  # (1,) fp32
+    scale_b: torch.Tensor | None = None,  # (1,) fp32
+    config: SplitKConfig | None = None,
+    out: torch.Tensor | None = None,  # (M, N)
+) -> torch.Tensor:  # (M, N)
+    """``y = (x @ w.T) * scale_a * scale_b + bias``, accumulated in fp32, written as ``out_dtype``.
+
+    ``out_dtype`` defaults to ``x.dtype`` (bf16 for fp8 inputs); ``config`` to ``default_config``.
+    No host synchronisation, so a call can be captured in a CUDA graph.
+    """
+    if x.dim() != 2 or w.dim() != 2:
+        raise ValueError(f"gemm_splitk: expected x (M, K) and w (N, K), got x {tuple(x.shape)} "
+                         f"and w {tuple(w.shape)}; reshape batched inputs to 2-D first")
+    M, K = x.shape
+    N, Kw = w.shape
+    if K != Kw:
+        raise ValueError(f"gemm_splitk: x is (M={M}, K={K}) but w is (N={N}, K={Kw}); "
+                         f"w must be (N, K) (pass w, not w.T)")
+    if x.dtype != w.dtype or x.dtype not in _INPUT_DTYPES:
+        raise TypeError(f"gemm_splitk: x {x.dtype} and w {w.dtype} must share one dtype of "
+                        f"{[str(d) for d in _INPUT_DTYPES]}")
+    if w.device != x.device:
+        raise ValueError(f"gemm_splitk: x is on {x.device} but w is on {w.device}; "
+                         f"move both to one device")
+    if x.device.type != "cuda" and not _INTERPRETED:
+        raise ValueError(f"gemm_splitk: tensors on {x.device} need TRITON_INTERPRET=1, set "
+                         f"before gemmtune's triton kernels are imported; or move them to a "
+                         f"CUDA device")
+    if (scale_a is None) != (scale_b is None):
+        raise ValueError("gemm_splitk: pass both scale_a and scale_b or neither")
+    if scale_a is not None:
+        _check_scale("scale_a", scale_a, x.device)
+        _check_scale("scale_b", scale_b, x.device)
+    elif x.dtype in _FP8_DTYPES:
+        raise ValueError(f"gemm_splitk: {x.dtype} inputs need per-tensor scale_a and scale_b; "
+                         f"pass torch.ones(1, device=...) for unscaled values")
+    if out_dtype is None:
+        out_dtype = torch.bfloat16 if x.dtype in _FP8_DTYPES else x.dtype
+    if out_dtype not in _OUT_DTYPES:
+        raise TypeError(f"gemm_splitk: out_dtype {out_dtype} not supported; "
+                        f"use one of {[str(d) for d in _OUT_DTYPES]}")
+    if bias is not None:
+        if bias.shape != (N,) or not bias.is_floating_point() or bias.device != x.device:
+            raise ValueError(f"gemm_splitk: bias must be a float (N={N},) tensor on {x.device}, "
+                             f"got shape {tuple(bias.shape)} {bias.dtype} on {bias.device}")
+    if out is None:
+        out = torch.empty((M, N), dtype=out_dtype, device=x.device)
+    elif out.shape != (M, N) or out.dtype != out_dtype or out.device != x.device:
+        raise ValueError(f"gemm_splitk: out must be ({M}, {N}) {out_dtype} on {x.device}, got "
+                         f"{tuple(out.shape)} {out.dtype} on {out.device}")
+    if config is None:
+        config = default_config(M, N, K, x.dtype)
+    else:
+        problem = why_not_fits(config, M, N, K, x.dtype)
+        if problem is not None:
+            raise ValueError(f"gemm_splitk: {config.name} does not fit (M={M}, N={N}, K={K}, "
+                             f"{x.dtype}): {problem}")
+    if M == 0 or N == 0:
+        return out
+    return launch_gemm_splitk(x, w, bias, out, scale_a, scale_b, config)
+
+
+def launch_gemm_splitk(x, w, bias, out, scale_a, scale_b, config: SplitKConfig,
+                       counters: torch.Tensor | None = None) -> torch.Tensor:
+    """The launch alone, for callers that validated once per shape (dispatch plans). ``out`` is
+    (M, N) with M, N > 0.
+
+    With split_k > 1 it allocates the fp32 partials (``torch.empty``) and, unless ``counters`` is
+    given, zeroed tile counters (``torch.zeros``: a memset in the stream, so a CUDA graph replays
+    it too). That memset cost 0.8-1.8 µs per call under graph replay on H100 (median ~1.2 µs,
+    benchmarks/splitk_sweep.py), 10-15% of a small decode GEMM. ``counters`` lets a caller own
+    them instead: an int32 tensor of at least ``num_tiles(config, M, N)`` zeros on x's device,
+    never used by two launches at once (one stream at a time); each launch leaves it zero again.
+    """
+    M, K = x.shape
+    N = w.shape[0]
+    has_scales = scale_a is not None
+    # fp32 operands: tf32 only where torch itself would use it, so results match torch.mm.
+    # 16-bit and fp8 operands ignore the setting; "tf32" is Triton's default for them.
+    if x.dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:
+        precision = "ieee"
+    else:
+        precision = "tf32"
+    tiles = num_tiles(config, M, N)
+    use_workspace = config.split_k > 1
+    if use_workspace:
+        parts = torch.empty(tiles * config.split_k * config.block_m * config.block_n,
+                            dtype=torch.float32, device=x.device)
+        if counters is None:
+            counters = torch.zeros(tiles, dtype=torch.int32, device=x.device)
+    else:
+        parts = counters = out  # never read: USE_WORKSPACE is False
+    gemm_splitk_kernel[(tiles, config.split_k)](
+        x, w, out,
+        bias if bias is not None else x,
+        scale_a if has_scales else x,
+        scale_b if has_scales else x,
+        parts, counters,
+        M, N, K,
+        config.split_k,
+        x.stride(0), x.stride(1),
+        w.stride(0), w.stride(1),
+        out.stride(0), out.stride(1),
+        bias.stride(0) if bias is not None else 0,
+        HAS_BIAS=bias is not None,
+        HAS_SCALES=has_scales,
+        USE_WORKSPACE=use_workspace,
+        INPUT_PRECISION=precision,
+        BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k,
+        SPLIT_CHUNK=split_chunk(config),
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+    return out

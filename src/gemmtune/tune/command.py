@@ -1,0 +1,86 @@
+"""``gemmtune tune FAMILY``: the engine's command line, with the seeds' (AITER's) flag names."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from gemmtune.tune.engine import TuneConfig, Tuner, default_gpus
+from gemmtune.tune.family import TuneOptions
+
+LIBTYPES = ("torch", "triton", "cublaslt")
+
+
+def _libtypes(text: str) -> frozenset[str]:
+    names = {t.strip() for t in text.split(",") if t.strip()}
+    if names == {"all"}:
+        return frozenset(LIBTYPES)
+    unknown = names - set(LIBTYPES)
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown libtype(s) {', '.join(sorted(unknown))}; "
+                                         f"expected all or a comma list of {', '.join(LIBTYPES)}")
+    return frozenset(names)
+
+
+def add_tune_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-i", "--untune_file", "--input_file", dest="input", required=True,
+                   metavar="CSV", help="shapes to tune (an untuned CSV: key columns)")
+    p.add_argument("-o", "--tune_file", "--tuned_file", dest="output", required=True,
+                   metavar="CSV", help="tuned table to write; rows already there are kept and "
+                                       "their shapes skipped unless --all")
+    p.add_argument("-o2", "--profile_file", dest="profile", metavar="CSV",
+                   help="also append every candidate's result (status, us, error) here")
+    p.add_argument("--mp", type=int, default=None, metavar="N",
+                   help="worker processes (default: one per visible GPU, or 1)")
+    p.add_argument("--errRatio", type=float, default=0.05, metavar="R",
+                   help="largest fraction of output elements allowed outside tolerance "
+                        "(default 0.05)")
+    p.add_argument("--batch", type=int, default=10, metavar="N",
+                   help="checkpoint the output every N tuned shapes (default 10)")
+    p.add_argument("--all", action="store_true", help="retune shapes already in the output")
+    p.add_argument("--last", action="store_true", help="tune only the last input row")
+    p.add_argument("--sort", action="store_true",
+                   help="tune in (N, K, ...) then M order instead of input order")
+    p.add_argument("--warmup", type=int, default=3, help="warm-up calls before timing (default 3)")
+    p.add_argument("--iters", type=int, default=20,
+                   help="timed graph replays in the screen (default 20; the best few are re-timed "
+                        "with 5x as many)")
+    p.add_argument("--timeout", type=float, default=60.0, metavar="S",
+                   help="seconds a candidate may take (compile included) before its worker is "
+                        "killed and it is recorded as hung (default 60)")
+    p.add_argument("-v", "--verbose", action="store_true", help="print every candidate's result")
+    p.add_argument("--libtype", type=_libtypes, default=frozenset(), metavar="L,L",
+                   help="backends to try: all or a comma list of torch,triton,cublaslt "
+                        "(default: every backend available here)")
+    p.add_argument("--compare", action="store_true",
+                   help="print old vs new time for shapes that already had a row")
+    p.add_argument("--update_improved", action="store_true",
+                   help="retune shapes that have a row, replacing it only if the new winner is "
+                        "faster by --min_improvement_pct")
+    p.add_argument("--min_improvement_pct", type=float, default=3.0, metavar="P",
+                   help="gain needed by --update_improved (default 3)")
+
+
+def config_from_args(args: argparse.Namespace) -> TuneConfig:
+    gpus = default_gpus()
+    workers = args.mp if args.mp is not None else max(1, len(gpus))
+    if workers < 1 or args.batch < 1 or args.timeout <= 0 or args.iters < 1:
+        raise ValueError("--mp, --batch and --iters must be >= 1 and --timeout > 0")
+    if not Path(args.input).exists():
+        raise FileNotFoundError(f"{args.input}: no such untuned file (make one with gemmtune "
+                                f"shapes or gemmtune capture)")
+    return TuneConfig(
+        input=Path(args.input), output=Path(args.output),
+        profile=Path(args.profile) if args.profile else None, workers=workers,
+        options=TuneOptions(err_ratio=args.errRatio, warmup=args.warmup, iters=args.iters,
+                            accurate_iters=5 * args.iters),
+        batch=args.batch, retune_all=args.all, last_only=args.last, sort=args.sort,
+        timeout=args.timeout, verbose=args.verbose, libtypes=args.libtype,
+        compare=args.compare, update_improved=args.update_improved,
+        min_improvement_pct=args.min_improvement_pct, gpus=gpus)
+
+
+def run_tune(factory: Callable, args: argparse.Namespace, out=sys.stderr) -> int:
+    return Tuner(factory, config_from_args(args), out=out).run().exit_code

@@ -1,0 +1,342 @@
+"""The tuning engine shared by every family.
+
+For each untuned shape: ask a worker for the candidates, check each one against the fp32
+reference and give it a quick timing (the screen), re-time the best few accurately, keep the
+fastest unless the simplest valid candidate is within the measured noise of it, and write the row.
+Rows are checkpointed every ``--batch`` shapes into the output table (atomic, under its lock, merged
+with what is there), so a run killed at any moment and started again with the same command skips
+what is done and loses nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import secrets
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from gemmtune.tables.schema import Schema, schema_for
+from gemmtune.tables.store import Row, TableError, full_key, read_table, update_table
+from gemmtune.tune.family import (CRASHING, Candidate, Evaluation, Status, TuneFamily,
+                                  TuneOptions)
+from gemmtune.tune.progress import Progress
+from gemmtune.tune.records import CrashMemo, ProfileLog
+from gemmtune.tune.workers import Worker, WorkerLost, WorkerSpec
+
+# A candidate must beat the simplest valid one by more than this (or than the measured spread,
+# whichever is larger) to be kept: below it, run-to-run drift on a shared GPU decides.
+MIN_NOISE = 0.02
+
+
+@dataclass(frozen=True)
+class TuneConfig:
+    input: Path
+    output: Path
+    profile: Path | None = None
+    workers: int = 1
+    options: TuneOptions = TuneOptions()
+    batch: int = 10
+    retune_all: bool = False
+    last_only: bool = False
+    sort: bool = False
+    timeout: float = 60.0
+    verbose: bool = False
+    libtypes: frozenset[str] = frozenset()
+    topk: int = 4
+    compare: bool = False
+    update_improved: bool = False
+    min_improvement_pct: float = 3.0
+    gpus: tuple[str, ...] = ()  # CUDA_VISIBLE_DEVICES value per worker; empty: no pinning
+
+
+@dataclass
+class ShapeResult:
+    key: tuple
+    row: Row | None
+    evaluations: list[Evaluation]
+    reason: str = ""
+
+
+@dataclass
+class RunSummary:
+    tuned: int = 0
+    failed: list[tuple] = field(default_factory=list)
+    skipped: int = 0
+    kept_old: int = 0
+    bad_input: list[TableError] = field(default_factory=list)
+    statuses: Counter = field(default_factory=Counter)
+    wall_s: float = 0.0
+    compared: list[tuple[tuple, float | None, float]] = field(default_factory=list)
+
+    @property
+    def exit_code(self) -> int:
+        return 1 if self.failed or self.bad_input else 0
+
+
+class Tuner:
+    def __init__(self, factory: Callable[[], TuneFamily], config: TuneConfig,
+                 out=sys.stderr):
+        self.factory = factory
+        self.family = factory()  # families construct without touching the GPU
+        self.schema: Schema = schema_for(self.family.family)
+        self.config = config
+        self.out = out
+        self.memo = CrashMemo(self.schema)
+        self.profile = ProfileLog(config.profile, self.schema) if config.profile else None
+        self.summary = RunSummary()
+        self._pending: list[Row] = []
+        self._lock = threading.RLock()  # _record checkpoints while holding it
+        self.device: tuple[str, int] = ("", 0)
+        self.env = ""
+
+    # ------------------------------------------------------------------------------- the run
+    def run(self) -> RunSummary:
+        start = time.monotonic()
+        keys = self._read_input()
+        workers = [Worker(self._spec(i), f"worker{i}") for i in range(max(1, self.config.workers))]
+        try:
+            arch, cu_num, self.env = workers[0].call("device", timeout=None)
+            self.device = (arch, cu_num)
+            existing = self._existing_rows()
+            todo = self._select(keys, existing)
+            self._say(f"tuning {len(todo)} shape(s) of {self.schema.family.value} on "
+                      f"{arch}:{cu_num} with {len(workers)} worker(s); "
+                      f"{self.summary.skipped} already tuned")
+            self._tune_all(todo, workers, existing)
+        finally:
+            for w in workers:
+                w.close()
+            self._checkpoint()
+            self.summary.wall_s = time.monotonic() - start
+        self._report()
+        return self.summary
+
+    def _spec(self, index: int) -> WorkerSpec:
+        if self.config.gpus:
+            env = (("CUDA_VISIBLE_DEVICES", self.config.gpus[index % len(self.config.gpus)]),)
+        else:
+            # No GPU: Triton candidates run in its CPU interpreter (slow, and bf16 results are
+            # wrong there: the correctness gate rejects them).
+            env = (("TRITON_INTERPRET", "1"),)
+        return WorkerSpec(self.factory, env)
+
+    def _read_input(self) -> list[tuple]:
+        read = read_table(self.config.input, self.schema, untuned=True, strict=False)
+        for error in read.errors:
+            self._say(f"bad input row, skipped: {error}")
+        self.summary.bad_input = read.errors
+        keys = list(dict.fromkeys(r.key for r in read.rows))  # unique, first-seen order
+        if self.config.last_only:
+            keys = keys[-1:]
+        if self.config.sort:
+            keys.sort(key=self._sort_key)
+        return keys
+
+    def _sort_key(self, key: tuple) -> tuple:
+        # Group shapes that share a weight (all but M), M ascending within a group.
+        m = self.schema.m_index
+        return tuple(str(v) for v in key[:m] + key[m + 1:]) + (key[m],)
+
+    def _existing_rows(self) -> dict[tuple, Row]:
+        if not self.config.output.exists():
+            return {}
+        rows = read_table(self.config.output, self.schema).rows
+        return {full_key(r): r for r in rows}
+
+    def _select(self, keys: list[tuple], existing: dict[tuple, Row]) -> list[tuple]:
+        if self.config.retune_all or self.config.update_improved:
+            return keys
+        todo = [k for k in keys if self.device + k not in existing]
+        self.summary.skipped = len(keys) - len(todo)
+        return todo
+
+    def _tune_all(self, todo: list[tuple], workers: list[Worker],
+                  existing: dict[tuple, Row]) -> None:
+        tasks: queue.Queue = queue.Queue()
+        for key in todo:
+            tasks.put(key)
+        progress = Progress(len(todo), f"tune {self.schema.family.value}", self.out)
+        errors: list[BaseException] = []
+
+        def drain(worker: Worker) -> None:
+            while True:
+                try:
+                    key = tasks.get_nowait()
+                except queue.Empty:
+                    return
+                try:
+                    result = self.tune_shape(worker, key)
+                except BaseException as e:  # a bug in the engine itself: stop, keep the rows
+                    errors.append(e)
+                    return
+                self._record(result, existing.get(self.device + key), progress)
+
+        threads = [threading.Thread(target=drain, args=(w,), daemon=True) for w in workers]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
+
+    # --------------------------------------------------------------------------- one shape
+    def tune_shape(self, worker: Worker, key: tuple) -> ShapeResult:
+        device = f"{self.device[0]}:{self.device[1]}"
+        try:
+            candidates = worker.call("candidates", key, self.config.libtypes,
+                                     timeout=max(self.config.timeout, 300.0))
+        except (WorkerLost, RuntimeError) as e:
+            self._recover(worker)
+            return ShapeResult(key, None, [], f"could not list candidates: {e}")
+        if not candidates:
+            return ShapeResult(key, None, [], "no candidate of the allowed backends fits")
+        seed = secrets.randbits(31)  # fresh inputs for every shape and every run
+        evaluations = [self._evaluate(worker, device, key, c, seed) for c in candidates]
+        by_name = {c.name: c for c in candidates}
+        passing = [e for e in evaluations if e.ok]
+        if not passing:
+            failures = Counter(e.status.value for e in evaluations)
+            return ShapeResult(key, None, evaluations,
+                               "no candidate passed: " + ", ".join(f"{n} {s}" for s, n in
+                                                                  failures.items()))
+        finalists = self._retime(worker, device, key, seed, passing, by_name)
+        best = self._choose(finalists, by_name)
+        fields = self.family.result_fields(key, by_name[best.name], best, self.env)
+        row = Row(self.device[0], self.device[1], key, fields)
+        return ShapeResult(key, row, evaluations)
+
+    def _evaluate(self, worker: Worker, device: str, key: tuple, candidate: Candidate,
+                  seed: int) -> Evaluation:
+        if (device, key, candidate.name) in self.memo:
+            return Evaluation(candidate.name, Status.skipped, detail="crashed in an earlier run")
+        return self._call_candidate(worker, device, key, candidate.name, "evaluate", seed)
+
+    def _call_candidate(self, worker: Worker, device: str, key: tuple, name: str, method: str,
+                        seed: int) -> Evaluation:
+        try:
+            ev = worker.call(method, key, name, seed, self.config.options,
+                             timeout=self.config.timeout)
+        except WorkerLost as e:
+            ev = Evaluation(name, e.status, detail=e.detail)
+        except RuntimeError as e:  # the worker's own plumbing failed: treat as a crash
+            ev = Evaluation(name, Status.crash, detail=str(e))
+        if ev.status in CRASHING or ev.fatal:
+            self.memo.add(device, key, name, f"{ev.status.value}: {ev.detail}")
+            self._recover(worker)
+        if self.config.verbose:
+            self._say(f"  {name}: {ev.status.value} us={ev.us:.3f} spread={ev.spread:.3f} "
+                      f"err_ratio={ev.err_ratio:.4f} {ev.detail}")
+        return ev
+
+    def _recover(self, worker: Worker) -> None:
+        try:
+            worker.restart()
+        except RuntimeError as e:
+            raise RuntimeError(f"cannot replace a lost worker, stopping: {e}") from e
+
+    def _retime(self, worker: Worker, device: str, key: tuple, seed: int,
+                passing: list[Evaluation], by_name: dict[str, Candidate]) -> list[Evaluation]:
+        """Re-time the fastest few of the screen, and the simplest valid candidate, accurately."""
+        ranked = sorted(passing, key=lambda e: e.us)
+        chosen = {e.name: e for e in ranked[: self.config.topk]}
+        simplest = min(passing, key=lambda e: (by_name[e.name].simplicity, e.us))
+        chosen.setdefault(simplest.name, simplest)
+        finalists = []
+        for screened in chosen.values():
+            ev = self._call_candidate(worker, device, key, screened.name, "retime", seed)
+            if ev.ok:
+                ev.err_ratio, ev.rel_err = screened.err_ratio, screened.rel_err
+                finalists.append(ev)
+        return finalists or [ranked[0]]
+
+    def _choose(self, finalists: list[Evaluation], by_name: dict[str, Candidate]) -> Evaluation:
+        """Fastest, unless a simpler candidate is within the measured noise of it."""
+        fastest = min(finalists, key=lambda e: e.us)
+        for simplicity in range(by_name[fastest.name].simplicity):
+            simpler = [e for e in finalists if by_name[e.name].simplicity == simplicity]
+            if not simpler:
+                continue
+            best_simple = min(simpler, key=lambda e: e.us)
+            noise = max(MIN_NOISE, fastest.spread, best_simple.spread)
+            if best_simple.us <= fastest.us * (1 + noise):
+                return best_simple
+        return fastest
+
+    # ------------------------------------------------------------------------- bookkeeping
+    def _record(self, result: ShapeResult, old: Row | None, progress: Progress) -> None:
+        with self._lock:
+            for ev in result.evaluations:
+                self.summary.statuses[ev.status.value] += 1
+            if self.profile is not None and result.evaluations:
+                self.profile.append(self.device, result.key, result.evaluations)
+            shape = " ".join(f"{n}={v}" for n, v in zip(self.schema.key_names, result.key))
+            if result.row is None:
+                self.summary.failed.append(result.key)
+                progress.note(f"FAILED {shape}: {result.reason}")
+                progress.update(shape, ok=False)
+                return
+            new_us = result.row.us
+            if self.config.compare:
+                self.summary.compared.append((result.key, old.us if old else None, new_us))
+            if self._keep_old(old, new_us):
+                self.summary.kept_old += 1
+            else:
+                self._pending.append(result.row)
+                self.summary.tuned += 1
+            progress.update(f"{shape} -> {result.row.results['kernelName']} {new_us:.2f} us",
+                            ok=True)
+            if len(self._pending) >= self.config.batch:
+                self._checkpoint()
+
+    def _keep_old(self, old: Row | None, new_us: float) -> bool:
+        if old is None or not self.config.update_improved:
+            return False
+        return new_us >= old.us * (1 - self.config.min_improvement_pct / 100)
+
+    def _checkpoint(self) -> None:
+        with self._lock:
+            if self._pending:
+                update_table(self.config.output, self.schema, self._pending)
+                self._pending = []
+
+    def _say(self, text: str) -> None:
+        self.out.write(text + "\n")
+        self.out.flush()
+
+    def _report(self) -> None:
+        s = self.summary
+        shapes = s.tuned + s.kept_old + len(s.failed)
+        per_shape = s.wall_s / shapes if shapes else 0.0
+        statuses = ", ".join(f"{n} {k}" for k, n in sorted(s.statuses.items()))
+        self._say(f"done in {s.wall_s:.1f} s ({per_shape:.1f} s/shape): {s.tuned} tuned, "
+                  f"{len(s.failed)} failed, {s.skipped} already tuned"
+                  + (f", {s.kept_old} kept (no {self.config.min_improvement_pct:g}% gain)"
+                     if s.kept_old else "")
+                  + (f", {len(s.bad_input)} bad input row(s)" if s.bad_input else "")
+                  + f"; candidates: {statuses or 'none'}; output {self.config.output}")
+        for key in s.failed:
+            self._say("  failed: " + " ".join(f"{n}={v}" for n, v in
+                                              zip(self.schema.key_names, key)))
+        if s.compared:
+            self._say(f"{'shape':<40} {'old us':>10} {'new us':>10}")
+            for key, old, new in s.compared:
+                shape = " ".join(str(v) for v in key[:3])
+                self._say(f"{shape:<40} {old if old is not None else '-':>10} {new:>10.3f}")
+
+
+def default_gpus() -> tuple[str, ...]:
+    """One worker per visible GPU; none pinned without CUDA."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return ()
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible:
+        return tuple(v.strip() for v in visible.split(",") if v.strip())
+    return tuple(str(i) for i in range(torch.cuda.device_count()))

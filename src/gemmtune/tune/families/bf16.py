@@ -1,0 +1,176 @@
+"""``gemmtune tune bf16``: candidates, inputs and timing for gemm_a16w16's table.
+
+Key: (M, N, K, bias, dtype, outdtype, scaleAB, bpreshuffle). Every candidate is called exactly as
+dispatch calls it (the registry resolves the same ``kernelName``), so what is timed is what runs.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from gemmtune.kernels.torch_ref import TORCH_LINEAR, gemm_a16w16_ref
+from gemmtune.ops.gemm_a16w16 import REGISTRY
+from gemmtune.tables.schema import Family
+from gemmtune.tables.values import to_torch_dtype
+from gemmtune.tune.family import Candidate, Prepared, TuneFamily
+from gemmtune.tune.timing import copies_to_exceed_l2, graph_replay_us
+
+# (atol, rtol, ||out - ref|| / ||ref|| bound) by output dtype, for outputs of unit scale (inputs
+# are N(0, 1) and W is scaled by 1/sqrt(K)). bf16 output rounding alone is 2^-9 relative per
+# element (rel. norm ~2e-3); fp16's 2^-12; fp32 without tf32 accumulates exactly to ~1e-6.
+TOLERANCES = {
+    torch.bfloat16: (1e-2, 1e-2, 1e-2),
+    torch.float16: (2e-3, 2e-3, 2e-3),
+    torch.float32: (1e-4, 1e-4, 1e-4),
+}
+
+
+def _triton_tile_candidates(m: int, n: int, k: int, dtype: torch.dtype) -> list[Candidate]:
+    from gemmtune.kernels.triton.gemm_tile import TileConfig, why_not_supported
+
+    configs = set()
+    bm_max = max(16, 1 << (m - 1).bit_length())
+    for bm in (16, 32, 64, 128):
+        if bm > bm_max:
+            continue
+        for bn in (64, 128, 256):
+            for bk in (32, 64, 128):
+                for warps in (4, 8):
+                    for stages in (3, 4):
+                        configs.add(TileConfig(bm, bn, bk, 8, warps, stages))
+    return [Candidate(c.name, "triton") for c in sorted(configs, key=lambda c: c.name)
+            if why_not_supported(c, m, n, k, dtype, dtype) is None]
+
+
+def _triton_splitk_candidates(m: int, n: int, k: int, dtype: torch.dtype,
+                              out_dtype: torch.dtype) -> list[Candidate]:
+    if m > 256:  # enough tiles without splitting K: the tile kernel's ground
+        return []
+    from gemmtune.kernels.triton import gemm_splitk
+
+    return [Candidate(c.name, "triton", splitk=c.split_k)
+            for c in gemm_splitk.candidates(m, n, k, dtype)
+            if gemm_splitk.why_not_supported(c, m, n, k, dtype, out_dtype) is None]
+
+
+def _cublaslt_candidates(m: int, n: int, k: int, dtype: torch.dtype, out_dtype: torch.dtype,
+                         has_bias: bool) -> list[Candidate]:
+    from gemmtune.kernels import cublaslt
+
+    if cublaslt.nvmath_missing() or dtype not in (torch.bfloat16, torch.float16):
+        return []
+    algos = cublaslt.enumerate_algos(m, n, k, dtype, out_dtype, has_bias)
+    # The heuristic's first choice is what cuBLASLt would pick itself: "simpler" than the rest.
+    return [Candidate(a.name, "cublaslt", simplicity=1 if i == 0 else 2, splitk=a.split_k)
+            for i, a in enumerate(algos)]
+
+
+class Bf16Family(TuneFamily):
+    family = Family.bf16
+
+    def __init__(self):
+        # Constructed in the parent too (for result rows): no CUDA work here.
+        self.timing_label = "graph.coldL2" if torch.cuda.is_available() else "cpu.wall"
+
+    @staticmethod
+    def _unpack(key: tuple):
+        m, n, k, has_bias, dtype, out_dtype, scaled, preshuffled = key
+        if preshuffled:
+            raise ValueError("bpreshuffle=True: no bf16 kernel here gains from a pre-packed "
+                             "weight layout, so such rows are not tuned; use bpreshuffle=False")
+        return m, n, k, has_bias, to_torch_dtype(dtype), to_torch_dtype(out_dtype), scaled
+
+    def candidates(self, key: tuple, libtypes: frozenset[str]) -> list[Candidate]:
+        m, n, k, has_bias, dtype, out_dtype, scaled = self._unpack(key)
+        wanted = libtypes or frozenset({"torch", "triton", "cublaslt"})
+        gpu = torch.cuda.is_available()
+        found = []
+        if "torch" in wanted:
+            found.append(Candidate(TORCH_LINEAR, "torch", simplicity=0))
+        if "cublaslt" in wanted and gpu and not scaled:
+            found += _cublaslt_candidates(m, n, k, dtype, out_dtype, has_bias)
+        if "triton" in wanted:
+            triton = _triton_tile_candidates(m, n, k, dtype) + _triton_splitk_candidates(
+                m, n, k, dtype, out_dtype)
+            # On the CPU (interpreter) a few configs are enough to exercise the path.
+            found += triton if gpu else triton[:2]
+        for i, c in enumerate(found):
+            found[i] = Candidate(c.name, c.libtype, c.simplicity, c.splitk, solidx=i)
+        return found
+
+    def prepare(self, key: tuple, seed: int) -> Prepared:
+        m, n, k, has_bias, dtype, out_dtype, scaled = self._unpack(key)
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        gen = torch.Generator(device=device).manual_seed(seed)
+
+        def randn(*shape, scale=1.0):
+            return (torch.randn(*shape, generator=gen, device=device) * scale).to(dtype)
+
+        x, w = randn(m, k), randn(n, k, scale=k ** -0.5)
+        bias = randn(n) if has_bias else None
+        sa = sb = None
+        if scaled:
+            sa = torch.rand(1, generator=gen, device=device) + 0.5
+            sb = torch.rand(1, generator=gen, device=device) + 0.5
+        inputs = (x, w, bias, out_dtype, sa, sb)
+        ref = gemm_a16w16_ref(x, w, bias, torch.float32, sa, sb)
+        return Prepared(key, seed, inputs, ref)
+
+    def _kernel(self, name: str, key: tuple):
+        kernel = REGISTRY.resolve(name)
+        problem = kernel.check(key) if hasattr(kernel, "check") else None
+        if problem:
+            raise ValueError(f"{name} cannot run {key}: {problem}")
+        return kernel
+
+    def run(self, name: str, prepared: Prepared) -> torch.Tensor:
+        kernel = self._kernel(name, prepared.key)
+        x, w, bias, out_dtype, sa, sb = prepared.inputs
+        out = torch.full((x.shape[0], w.shape[0]), float("nan"), dtype=out_dtype, device=x.device)
+        result = kernel(x, w, bias, out_dtype, sa, sb, out=out)
+        if result.data_ptr() != out.data_ptr():
+            raise RuntimeError(f"{name} did not write into the output it was given")
+        return out
+
+    def tolerance(self, key: tuple) -> tuple[float, float, float]:
+        return TOLERANCES[to_torch_dtype(key[5])]
+
+    def time(self, name: str, prepared: Prepared, iters: int, warmup: int) -> tuple[float, float]:
+        kernel = self._kernel(name, prepared.key)
+        x, w, bias, out_dtype, sa, sb = prepared.inputs
+        if not x.is_cuda:
+            return _cpu_time(lambda: kernel(x, w, bias, out_dtype, sa, sb), iters, warmup)
+        sets = prepared.extra.get("rotating")
+        if sets is None:
+            copies = copies_to_exceed_l2(w.numel() * w.element_size())
+            sets = [(x.clone(), w.clone(), None if bias is None else bias.clone())
+                    for _ in range(copies)]
+            prepared.extra["rotating"] = sets
+        for _ in range(warmup):
+            kernel(x, w, bias, out_dtype, sa, sb)
+        return graph_replay_us(lambda s: kernel(s[0], s[1], s[2], out_dtype, sa, sb), sets,
+                               replays=iters)
+
+    def metrics(self, key: tuple, us: float) -> tuple[float, float]:
+        m, n, k, has_bias, dtype, out_dtype, _ = self._unpack(key)
+        size_in = to_torch_dtype(key[4]).itemsize
+        size_out = to_torch_dtype(key[5]).itemsize
+        flops = 2.0 * m * n * k
+        nbytes = (m * k + n * k) * size_in + m * n * size_out + (n * size_in if has_bias else 0)
+        return flops / us / 1e6, nbytes / us / 1e3
+
+
+def _cpu_time(fn, iters: int, warmup: int) -> tuple[float, float]:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(max(3, iters // 10)):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e6)
+    times.sort()
+    median = statistics.median(times)
+    return median, (times[-1] - times[0]) / median if median else 0.0

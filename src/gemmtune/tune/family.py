@@ -1,0 +1,137 @@
+"""What the tuning engine needs from a family: candidates, inputs, a checked run, a timer.
+
+A family object lives in a worker process (it may hold CUDA state); the engine in the parent only
+exchanges picklable values with it: keys (tuples), candidate names, and the dataclasses below.
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from gemmtune.tables.schema import Family
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One solution for a shape. ``name`` is its ``kernelName``, the whole truth about it.
+    ``simplicity`` ranks what to keep when timings tie within noise: 0 the family's baseline
+    (torch), 1 a library's own default choice, 2 anything tuned."""
+
+    name: str
+    libtype: str
+    simplicity: int = 2
+    splitk: int = 0
+    solidx: int = 0
+
+
+class Status(str, enum.Enum):
+    ok = "ok"
+    wrong = "wrong"  # ran, but failed the correctness gate
+    error = "error"  # raised
+    timeout = "timeout"  # did not answer within --timeout; its worker was killed
+    crash = "crash"  # killed its worker process (abort, segfault, os._exit, illegal address)
+    skipped = "skipped"  # a known crasher from an earlier run
+
+
+CRASHING = (Status.timeout, Status.crash)
+
+
+@dataclass
+class Evaluation:
+    name: str
+    status: Status
+    err_ratio: float = math.nan  # fraction of elements outside atol + rtol * |ref|
+    rel_err: float = math.nan  # ||out - ref|| / ||ref||
+    us: float = math.inf
+    spread: float = 0.0  # (p90 - p10) / median of the timed repetitions
+    detail: str = ""
+    fatal: bool = False  # the worker's CUDA context is unusable afterwards: replace it
+
+    @property
+    def ok(self) -> bool:
+        return self.status is Status.ok
+
+
+@dataclass(frozen=True)
+class TuneOptions:
+    err_ratio: float = 0.05
+    warmup: int = 3
+    iters: int = 20
+    accurate_iters: int = 100
+
+
+@dataclass
+class Prepared:
+    """Inputs and fp32 reference of one shape, kept in the worker between candidates."""
+
+    key: tuple
+    seed: int
+    inputs: Any
+    reference: torch.Tensor
+    extra: dict = field(default_factory=dict)
+
+
+class TuneFamily(abc.ABC):
+    """The per-family half of tuning. Implementations must keep their own promises: ``run``
+    writes into an output poisoned with NaN (so an unwritten output can never pass), inputs are
+    fresh random data (never zeros)."""
+
+    family: Family
+    # How ``time`` measures, stored in each row's ``timing`` column.
+    timing_label = "graph.coldL2"
+
+    def device_info(self) -> tuple[str, int, str]:
+        """(arch, cu_num, environment fingerprint) of the device this worker tunes on."""
+        from gemmtune.device import current_device
+        from gemmtune.tune.fingerprint import fingerprint
+
+        dev = current_device()
+        return dev.arch, dev.cu_num, fingerprint()
+
+    @abc.abstractmethod
+    def candidates(self, key: tuple, libtypes: frozenset[str]) -> list[Candidate]:
+        """Every candidate of the allowed backends that can run ``key``, pruned by shape."""
+
+    @abc.abstractmethod
+    def prepare(self, key: tuple, seed: int) -> Prepared:
+        """Fresh random inputs for ``key`` (from ``seed``) and their fp32 reference."""
+
+    @abc.abstractmethod
+    def run(self, name: str, prepared: Prepared) -> torch.Tensor:
+        """Run candidate ``name`` once on the prepared inputs into a NaN-poisoned output."""
+
+    @abc.abstractmethod
+    def tolerance(self, key: tuple) -> tuple[float, float, float]:
+        """(atol, rtol, bound on ||out - ref|| / ||ref||) for this key's output dtype."""
+
+    @abc.abstractmethod
+    def time(self, name: str, prepared: Prepared, iters: int, warmup: int) -> tuple[float, float]:
+        """(median µs per call, spread) as deployed: CUDA-graph replay, cold operands."""
+
+    def is_fatal(self, error: BaseException) -> bool:
+        """Whether ``error`` leaves the worker unusable (a sticky CUDA error): then it is replaced
+        and the candidate remembered as a crasher."""
+        text = str(error)
+        return "illegal memory access" in text or "CUDA error" in text or "misaligned" in text
+
+    def metrics(self, key: tuple, us: float) -> tuple[float, float]:
+        """(TFLOP/s, GB/s) of a call of ``key`` taking ``us``."""
+        return 0.0, 0.0
+
+    def result_fields(self, key: tuple, candidate: Candidate, evaluation: Evaluation,
+                      env: str) -> dict:
+        """The result columns of a GEMM table row for the winning candidate."""
+        tflops, bw = self.metrics(key, evaluation.us)
+        return {
+            "libtype": candidate.libtype, "solidx": candidate.solidx, "splitK": candidate.splitk,
+            "us": round(evaluation.us, 4), "kernelName": candidate.name,
+            "err_ratio": round(evaluation.err_ratio, 6), "tflops": round(tflops, 2),
+            "bw": round(bw, 2), "timing": self.timing_label,
+            "spread": round(evaluation.spread, 4), "env": env,
+        }

@@ -1,0 +1,79 @@
+"""What a tuning run leaves behind besides the tuned table: the crash memo and the profile file."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import threading
+from pathlib import Path
+
+from gemmtune import _env
+from gemmtune.tables.schema import Schema
+from gemmtune.tables.store import lock_for
+from gemmtune.tune.family import Evaluation
+
+
+class CrashMemo:
+    """Candidates that hung or killed their worker, per device and shape, so a rerun skips them
+    instead of paying the timeout or the crash again. JSON lines, appended under a lock."""
+
+    def __init__(self, schema: Schema, path: Path | None = None):
+        self.path = path or _env.cache_dir() / "crash_memo" / f"{schema.family.value}.jsonl"
+        self._known: set[tuple] = set()
+        self._lock = threading.Lock()
+        if self.path.exists():
+            for line in self.path.read_text(encoding="utf-8").splitlines():
+                try:
+                    entry = json.loads(line)
+                    self._known.add(self._id(entry["device"], entry["key"], entry["name"]))
+                except (ValueError, KeyError, TypeError):
+                    continue  # a torn last line from a killed run: the candidate is retried
+
+    @staticmethod
+    def _id(device: str, key, name: str) -> tuple:
+        return device, tuple(key), name
+
+    def __contains__(self, item: tuple) -> bool:
+        device, key, name = item
+        return self._id(device, key, name) in self._known
+
+    def add(self, device: str, key: tuple, name: str, reason: str) -> None:
+        with self._lock:
+            self._known.add(self._id(device, key, name))
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            line = json.dumps({"device": device, "key": list(key), "name": name,
+                               "reason": reason}) + "\n"
+            with lock_for(self.path), open(self.path, "a", encoding="utf-8") as f:
+                f.write(line)
+
+
+PROFILE_COLUMNS = ("kernelName", "status", "us", "spread", "err_ratio", "rel_err", "detail")
+
+
+class ProfileLog:
+    """``-o2/--profile_file``: one line per candidate evaluation, appended per shape under a lock
+    (a log, not a table: several tuners may append to it)."""
+
+    def __init__(self, path: Path, schema: Schema):
+        self.path = path
+        self.schema = schema
+
+    def append(self, device: tuple[str, int], key: tuple, evaluations: list[Evaluation]) -> None:
+        out = io.StringIO()
+        writer = csv.writer(out, lineterminator="\n")
+        for ev in evaluations:
+            writer.writerow([*device, *key, ev.name, ev.status.value, _num(ev.us),
+                             _num(ev.spread), _num(ev.err_ratio), _num(ev.rel_err), ev.detail])
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with lock_for(self.path):
+            new = not self.path.exists() or self.path.stat().st_size == 0
+            with open(self.path, "a", encoding="utf-8", newline="") as f:
+                if new:
+                    f.write(",".join(("arch", "cu_num", *self.schema.key_names,
+                                      *PROFILE_COLUMNS)) + "\n")
+                f.write(out.getvalue())
+
+
+def _num(value: float) -> str:
+    return format(value, ".6g")

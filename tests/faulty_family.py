@@ -1,0 +1,81 @@
+"""A test-only tuning family whose candidates misbehave in every way a real kernel can.
+
+Lives in tests/ (never in the package). Workers import it by name: the spawned worker inherits
+the parent's sys.path, which pytest has extended with this folder.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import torch
+
+from gemmtune.tables.schema import Family
+from gemmtune.tune.family import Candidate, Prepared, TuneFamily
+
+# name -> synthetic µs for the candidates that compute the right answer
+GOOD = {"torch.linear": 10.0, "good.fast": 5.0, "good.slow": 8.0}
+FAULTS = ("fault.raise", "fault.hang", "fault.exit", "fault.abort", "fault.segv", "fault.wrong",
+          "fault.nan", "fault.unwritten", "fault.cudaerr")
+
+
+class FaultyFamily(TuneFamily):
+    family = Family.bf16
+    timing_label = "synthetic"
+
+    def device_info(self):
+        return "cpu", 0, "test"
+
+    def candidates(self, key, libtypes):
+        names = list(GOOD)
+        if os.environ.get("FAULTY_WITH_FAULTS", "1") == "1":
+            names += FAULTS
+        if os.environ.get("FAULTY_CANDIDATES"):
+            names = os.environ["FAULTY_CANDIDATES"].split(",")
+        return [Candidate(n, n.split(".")[0], simplicity=0 if n == "torch.linear" else 2,
+                          solidx=i) for i, n in enumerate(names)]
+
+    def prepare(self, key, seed):
+        m, n, k = key[:3]
+        gen = torch.Generator().manual_seed(seed)
+        x = torch.randn(m, k, generator=gen)
+        w = torch.randn(n, k, generator=gen) / k ** 0.5
+        return Prepared(key, seed, (x, w), x @ w.t())
+
+    def run(self, name, prepared):
+        x, w = prepared.inputs
+        out = torch.full((x.shape[0], w.shape[0]), float("nan"))
+        if name in GOOD:
+            return torch.matmul(x, w.t(), out=out)
+        if name == "fault.raise":
+            raise ValueError("this candidate always raises")
+        if name == "fault.hang":
+            time.sleep(3600)
+        if name == "fault.exit":
+            os._exit(3)
+        if name == "fault.abort":
+            os.abort()
+        if name == "fault.segv":
+            os.kill(os.getpid(), signal.SIGSEGV)
+            time.sleep(10)
+        if name == "fault.wrong":
+            return torch.matmul(x, w.t(), out=out).add_(0.5)
+        if name == "fault.nan":
+            torch.matmul(x, w.t(), out=out)
+            out[0, 0] = float("nan")
+            return out
+        if name == "fault.unwritten":
+            return out
+        if name == "fault.cudaerr":
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        raise ValueError(f"unknown candidate {name}")
+
+    def tolerance(self, key):
+        return 1e-4, 1e-4, 1e-4
+
+    def time(self, name, prepared, iters, warmup):
+        time.sleep(float(os.environ.get("FAULTY_TIME_SLEEP", "0")))
+        # Deterministic per shape, so interrupted and uninterrupted runs give the same rows.
+        return GOOD[name] + prepared.key[0] / 1000, 0.01

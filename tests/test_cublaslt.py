@@ -1,0 +1,325 @@
+"""cuBLASLt backend: names (CPU), import without nvmath (CPU), and on the GPU every enumerated
+algorithm against an fp64 reference, names rebuilding the heuristic's algorithms bit for bit,
+CUDA-graph capture, bias, fp32 output and odd layouts."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from gemmtune.kernels import cublaslt
+from gemmtune.kernels.cublaslt import (
+    INSTALL_HINT,
+    KERNEL_PREFIX,
+    CublasLtKernel,
+    LtAlgo,
+    enumerate_algos,
+)
+
+NAMES = [
+    "cublaslt:id66.tile64x8.stages64xAUTO.sk4.red2.swz0.co1.cl1x2x1.in0",
+    "cublaslt:id66.tile128x256.stages64xAUTO.sk1.red0.swz1.co0.cl2x1x1.in0",
+    "cublaslt:id21.tile128x128.stages32x5.sk8.red1.swz2.co3.clAUTO.in4",
+    "cublaslt:id0.tileUNDEFINED.stagesUNDEFINED.sk1.red0.swz0.co0.clAUTO.in0",
+    "cublaslt:id66.tile8x1024.stages768xAUTO.sk32.red4.swz0.co15.cl16x1x1.in0",
+]
+
+BF16_KEY = (16, 4096, 4096, False, "torch.bfloat16", "torch.bfloat16", False, False)
+
+
+# --------------------------------------------------------------------------------------------
+# Names (CPU)
+# --------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", NAMES)
+def test_name_round_trip(name):
+    algo = LtAlgo.from_name(name)
+    assert algo.name == name
+    assert LtAlgo.from_name(algo.name) == algo
+    assert name.startswith(KERNEL_PREFIX + ":")
+
+
+def test_fields_read_back():
+    algo = LtAlgo.from_name(NAMES[0])
+    assert algo == LtAlgo(algo_id=66, tile="64x8", stages="64xAUTO", split_k=4, reduction=2,
+                          swizzle=0, custom=1, cluster="1x2x1", inner=0)
+
+
+@pytest.mark.parametrize("bad, says", [
+    ("triton.tile:BM16.BN16.BK16.G1.W4.S2", "prefix"),
+    ("cublaslt", "prefix"),
+    ("cublaslt:id66.tile64x8.stages64xAUTO.sk4.red2.swz0.co1.cl1x2x1", "fields"),
+    ("cublaslt:id66.tile64x8.stages64xAUTO.sk4.red2.swz0.co1.cl1x2x1.in0.x1", "fields"),
+    ("cublaslt:id66.tileBIG.stages64xAUTO.sk4.red2.swz0.co1.cl1x2x1.in0", "tileBIG"),
+    ("cublaslt:id66.stages64xAUTO.tile64x8.sk4.red2.swz0.co1.cl1x2x1.in0", "stages64xAUTO"),
+    ("cublaslt:id66.tile64x8.stages64xAUTO.sk-1.red2.swz0.co1.cl1x2x1.in0", "sk-1"),
+    ("cublaslt:id66.tile64x8.stages64xAUTO.sk4.red3.swz0.co1.cl1x2x1.in0", "reduction"),
+    ("cublaslt:id66.tile64x8.stages64xAUTO.sk4.red2.swz0.co1.cl1x2.in0", "cl1x2"),
+    ("cublaslt:ID66.tile64x8.stages64xAUTO.sk4.red2.swz0.co1.cl1x2x1.in0", "ID66"),
+])
+def test_bad_names_say_what_is_expected(bad, says):
+    with pytest.raises(ValueError) as info:
+        LtAlgo.from_name(bad)
+    message = str(info.value)
+    assert says in message
+    assert "cublaslt:id<int>" in message  # the accepted form is shown
+
+
+def test_bad_field_values_are_refused():
+    with pytest.raises(ValueError, match="cluster"):
+        LtAlgo(66, "64x8", "64xAUTO", 4, 2, 0, 1, "1x2", 0)
+    with pytest.raises(ValueError, match="algo_id"):
+        LtAlgo(True, "64x8", "64xAUTO", 4, 2, 0, 1, "AUTO", 0)
+
+
+def test_kernel_parses_its_name_without_a_gpu():
+    kernel = cublaslt.parse_cublaslt_kernel(NAMES[0])
+    assert isinstance(kernel, CublasLtKernel)
+    assert kernel.name == NAMES[0]
+    with pytest.raises(ValueError, match="expected"):
+        cublaslt.parse_cublaslt_kernel("cublaslt:nope")
+
+
+def test_split_k_values_surround_the_heuristic():
+    assert cublaslt._split_k_values(5, 7168) == [4, 6, 3, 7, 2, 1, 10]
+    assert cublaslt._split_k_values(1, 4096) == [2, 3]
+    # Splits shorter than 128 along K are not tried.
+    assert cublaslt._split_k_values(2, 520) == [1, 3, 4]
+
+
+def test_wanted_tiles_follow_m():
+    labels = ["64x8", "64x16", "128x16", "128x32", "256x64", "64x256", "96x16", "UNDEFINED"]
+    assert cublaslt._wanted_tiles(13, set(), labels) == ["64x8", "64x16", "128x16", "128x32"]
+    assert cublaslt._wanted_tiles(1, {"96x16"}, labels) == ["64x8", "64x16", "128x16", "96x16"]
+
+
+# --------------------------------------------------------------------------------------------
+# Without nvmath, without a GPU (CPU)
+# --------------------------------------------------------------------------------------------
+
+def test_imports_and_explains_without_nvmath_or_gpu():
+    # A fresh interpreter where `import nvmath` fails and no GPU is visible.
+    script = textwrap.dedent(f"""
+        import sys
+        sys.modules["nvmath"] = None  # makes `import nvmath...` raise ImportError
+        from gemmtune.kernels import cublaslt
+        k = cublaslt.CublasLtKernel({NAMES[0]!r})
+        why = k.check({BF16_KEY!r})
+        assert {INSTALL_HINT!r} in why, why
+        try:
+            cublaslt.enumerate_algos(16, 64, 64, "torch.bfloat16", "torch.bfloat16", False)
+        except ImportError as e:
+            assert {INSTALL_HINT!r} in str(e), e
+        else:
+            raise AssertionError("enumerate_algos ran without nvmath")
+        print("ok")
+    """)
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "ok"
+
+
+@pytest.mark.parametrize("key, says", [
+    ((16, 64, 64, False, "torch.bfloat16", "torch.bfloat16", True, False), "scale"),
+    ((16, 64, 64, False, "torch.bfloat16", "torch.bfloat16", False, True), "shuffled"),
+    ((16, 64, 64, False, "torch.float32", "torch.float32", False, False), "float32"),
+    ((16, 64, 64, False, "torch.float8_e4m3fn", "torch.bfloat16", False, False), "float8"),
+    ((16, 64, 64, False, "torch.bfloat16", "torch.float16", False, False), "float16"),
+    ((16, 64, 64, False, "not-a-dtype", "torch.bfloat16", False, False), "not-a-dtype"),
+])
+def test_check_refuses_unsupported_keys_with_a_reason(key, says):
+    why = CublasLtKernel(NAMES[0]).check(key)
+    assert isinstance(why, str) and says in why
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only answer")
+def test_check_on_a_cpu_machine_gives_a_reason():
+    why = CublasLtKernel(NAMES[0]).check(BF16_KEY)
+    assert isinstance(why, str) and ("GPU" in why or INSTALL_HINT in why)
+
+
+def test_labels_cover_every_cublaslt_enum():
+    """Every tile/stages/cluster label nvmath knows fits the name's pattern (CPU; needs nvmath)."""
+    L = pytest.importorskip("nvmath.bindings.cublasLt", reason="nvmath-python not installed")
+    base = LtAlgo.from_name(NAMES[0])
+    for enum_cls, prefix, field in ((L.MatmulTile, "TILE_", "tile"),
+                                    (L.MatmulStages, "STAGES_", "stages"),
+                                    (L.ClusterShape, "SHAPE_", "cluster")):
+        for member in enum_cls:
+            label = cublaslt._label(enum_cls, prefix, int(member))
+            algo = LtAlgo(**{**base.__dict__, field: label})
+            assert LtAlgo.from_name(algo.name) == algo
+            assert cublaslt._enum_value(enum_cls, prefix, label, field) == int(member)
+
+
+# --------------------------------------------------------------------------------------------
+# GPU
+# --------------------------------------------------------------------------------------------
+
+SHAPES = [(1, 576, 7168), (16, 4096, 4096), (13, 1000, 520), (128, 4096, 4096),
+          (1024, 4096, 4096)]
+
+# Relative Frobenius error against an fp64 reference. bf16 output rounds each element to nearest
+# (half an ulp = 2^-9 relative), so the norm ratio is <= 2^-9 ~ 2e-3; 1e-2 leaves 5x for fp32
+# accumulation-order effects. fp32 output is the fp32 accumulator: K adds of ~2^-24 each give
+# ~sqrt(K) * 2^-24 ~ 4e-6 for K = 7168 in practice; 1e-4 leaves 25x.
+REL_TOL = {torch.bfloat16: 1e-2, torch.float16: 1e-2, torch.float32: 1e-4}
+
+
+@pytest.fixture
+def nvmath_lt():
+    return pytest.importorskip(
+        "nvmath.bindings.cublasLt",
+        reason=f"nvmath-python is not importable; `{INSTALL_HINT}` to run the cuBLASLt tests")
+
+
+def _inputs(m, n, k, dtype=torch.bfloat16, seed=0, bias=False):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(m, k, generator=gen, device="cuda").to(dtype)
+    w = (torch.randn(n, k, generator=gen, device="cuda") / k ** 0.5).to(dtype)
+    b = torch.randn(n, generator=gen, device="cuda").to(dtype) if bias else None
+    return x, w, b
+
+
+def _ref(x, w, b=None):
+    y = x.double() @ w.double().t()
+    return y + b.double() if b is not None else y
+
+
+def _rel_err(y, ref):
+    return ((y.double() - ref).norm() / ref.norm()).item()
+
+
+def _run_poisoned(kernel, x, w, b, out_dtype):
+    out = torch.full((*x.shape[:-1], w.shape[0]), float("nan"), dtype=out_dtype, device="cuda")
+    got = kernel(x, w, b, out_dtype, None, None, out=out)
+    assert got is out
+    torch.cuda.synchronize()
+    return out
+
+
+def _check_all(m, n, k, out_dtype, bias):
+    x, w, b = _inputs(m, n, k, bias=bias)
+    ref = _ref(x, w, b)
+    algos = enumerate_algos(m, n, k, x.dtype, out_dtype, bias)
+    assert algos, f"no algorithms for {m}x{n}x{k}"
+    assert len({a.name for a in algos}) == len(algos)
+    bad = []
+    for algo in algos:
+        kernel = CublasLtKernel(algo.name)
+        assert kernel.check((m, n, k, bias, "torch.bfloat16", str(out_dtype), False, False)) \
+            is None
+        y = _run_poisoned(kernel, x, w, b, out_dtype)
+        nans = int(torch.isnan(y).sum())
+        err = _rel_err(y, ref) if not nans else float("nan")
+        if nans or not err < REL_TOL[out_dtype]:
+            bad.append(f"{algo.name}: {nans} NaN, rel err {err:.2e}")
+    assert not bad, f"{len(bad)}/{len(algos)} algorithms wrong for {m}x{n}x{k}:\n" + \
+        "\n".join(bad)
+    return algos
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m, n, k", SHAPES)
+def test_every_enumerated_algo_is_correct(nvmath_lt, m, n, k):
+    algos = _check_all(m, n, k, torch.bfloat16, bias=False)
+    heuristic = cublaslt.heuristic_algos(m, n, k, torch.bfloat16, torch.bfloat16, False)
+    assert algos[0] == heuristic[0]  # the heuristic's pick is always a candidate, first
+    assert len(algos) > len(heuristic)  # and the enumeration goes beyond it
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m, n, k", SHAPES)
+def test_every_enumerated_algo_with_bias(nvmath_lt, m, n, k):
+    _check_all(m, n, k, torch.bfloat16, bias=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m, n, k", [(1, 576, 7168), (13, 1000, 520), (128, 4096, 4096)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_fp32_output(nvmath_lt, m, n, k, bias):
+    _check_all(m, n, k, torch.float32, bias=bias)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m, n, k", SHAPES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_names_rebuild_the_heuristic_bit_for_bit(nvmath_lt, m, n, k, bias):
+    x, w, b = _inputs(m, n, k, seed=1, bias=bias)
+    raw_kernels = cublaslt.heuristic_kernels(m, n, k, x.dtype, x.dtype, bias)
+    assert raw_kernels
+    for raw in raw_kernels:
+        named = CublasLtKernel(raw.name)
+        assert named is not raw
+        assert cublaslt.algo_bytes(named, m, n, k, x.dtype, x.dtype, bias) == \
+            cublaslt.algo_bytes(raw, m, n, k, x.dtype, x.dtype, bias), raw.name
+        y_raw = _run_poisoned(raw, x, w, b, x.dtype)
+        y_named = _run_poisoned(named, x, w, b, x.dtype)
+        assert torch.equal(y_raw, y_named), raw.name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m, n, k", [(16, 4096, 4096), (1, 576, 7168)])
+def test_cuda_graph_replays_on_new_inputs(nvmath_lt, m, n, k):
+    algos = enumerate_algos(m, n, k, torch.bfloat16, torch.bfloat16, True)
+    split = [a for a in algos if a.split_k > 1][:1]
+    for algo in [algos[0]] + split:
+        kernel = CublasLtKernel(algo.name)
+        x, w, b = _inputs(m, n, k, seed=2, bias=True)
+        kernel(x, w, b, x.dtype, None, None)  # plan before capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y = kernel(x, w, b, x.dtype, None, None)
+        x2, w2, b2 = _inputs(m, n, k, seed=3, bias=True)
+        x.copy_(x2)
+        w.copy_(w2)
+        b.copy_(b2)
+        y.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert not torch.isnan(y).any(), f"{algo.name}: replay wrote nothing"
+        assert _rel_err(y, _ref(x2, w2, b2)) < REL_TOL[torch.bfloat16], algo.name
+
+
+@pytest.mark.gpu
+def test_leading_dims_strides_and_misaligned_views(nvmath_lt):
+    m, n, k = 16, 1000, 520
+    kernel = CublasLtKernel(cublaslt.heuristic_algos(m, n, k, torch.bfloat16, torch.bfloat16,
+                                                     False)[0].name)
+    x, w, _ = _inputs(m, n, k, seed=4)
+    ref = _ref(x, w)
+    y3 = kernel(x.view(2, 8, k), w, None, x.dtype, None, None)
+    assert y3.shape == (2, 8, n)
+    assert _rel_err(y3.view(m, n), ref) < 1e-2
+    wide = torch.zeros(m, k + 8, dtype=x.dtype, device="cuda")
+    wide[:, 3:3 + k] = x  # non-contiguous rows and an address 6 bytes off alignment
+    y = kernel(wide[:, 3:3 + k], w, None, x.dtype, None, None)
+    assert _rel_err(y, ref) < 1e-2
+    flat = torch.zeros(m * k + 1, dtype=x.dtype, device="cuda")
+    flat[1:].copy_(x.flatten())  # contiguous but misaligned by one element
+    y = kernel(flat[1:].view(m, k), w, None, x.dtype, None, None)
+    assert _rel_err(y, ref) < 1e-2
+    fp16 = CublasLtKernel(cublaslt.heuristic_algos(m, n, k, torch.float16, torch.float16,
+                                                   False)[0].name)
+    xh, wh = x.half(), w.half()
+    assert _rel_err(fp16(xh, wh, None, torch.float16, None, None), _ref(xh, wh)) < 1e-2
+
+
+@pytest.mark.gpu
+def test_check_on_the_gpu(nvmath_lt):
+    m, n, k = BF16_KEY[:3]
+    best = cublaslt.heuristic_algos(m, n, k, torch.bfloat16, torch.bfloat16, False)[0]
+    assert CublasLtKernel(best.name).check(BF16_KEY) is None
+    # A configuration cuBLASLt refuses (id 66 rejects an AUTO cluster shape) is a reason.
+    refused = LtAlgo(**{**best.__dict__, "cluster": "AUTO"})
+    why = CublasLtKernel(refused.name).check(BF16_KEY)
+    assert isinstance(why, str) and refused.name in why
+    with pytest.raises(ValueError, match="scale"):
+        CublasLtKernel(best.name)(*_inputs(m, n, k)[:2], None, torch.bfloat16,
+                                  torch.ones((), device="cuda"), None)

@@ -1,0 +1,227 @@
+"""The tuning engine under fault injection: candidates that raise, hang, exit, abort, segfault,
+return wrong values, NaN or nothing; kill -9 and resume; concurrent tuners; bad input rows."""
+
+from __future__ import annotations
+
+import csv
+import io
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from faulty_family import FaultyFamily
+from gemmtune.tables.schema import Family, schema_for
+from gemmtune.tables.store import read_table
+from gemmtune.tune.engine import TuneConfig, Tuner
+from gemmtune.tune.family import Candidate, Evaluation, Status, TuneOptions
+
+BF16 = schema_for(Family.bf16)
+HEADER = "M,N,K,bias,dtype,outdtype,scaleAB,bpreshuffle\n"
+TESTS = Path(__file__).parent
+
+
+def untuned(path: Path, ms, extra: str = "") -> Path:
+    path.write_text(HEADER + "".join(f"{m},24,40,False,torch.float32,torch.float32,False,False\n"
+                                     for m in ms) + extra)
+    return path
+
+
+def tune(tmp_path, inp, **overrides) -> tuple[Tuner, str]:
+    out = io.StringIO()
+    config = TuneConfig(input=inp, output=tmp_path / "tuned.csv", profile=tmp_path / "prof.csv",
+                        timeout=overrides.pop("timeout", 4.0), **overrides)
+    tuner = Tuner(FaultyFamily, config, out=out)
+    tuner.run()
+    return tuner, out.getvalue()
+
+
+def profile(tmp_path) -> dict[str, str]:
+    with open(tmp_path / "prof.csv") as f:
+        return {r["kernelName"]: r["status"] for r in csv.DictReader(f)}
+
+
+def rows(path) -> list[tuple]:
+    return sorted((r.key, r.results["kernelName"], r.us) for r in read_table(path, BF16).rows)
+
+
+def test_every_fault_is_recorded_and_the_correct_winner_kept(tmp_path):
+    start = time.monotonic()
+    tuner, log = tune(tmp_path, untuned(tmp_path / "u.csv", [7]))
+    wall = time.monotonic() - start
+    assert tuner.summary.exit_code == 0 and tuner.summary.tuned == 1
+    (row,) = read_table(tmp_path / "tuned.csv", BF16).rows
+    assert row.results["kernelName"] == "good.fast" and row.us == pytest.approx(5.007)
+    assert row.results["timing"] == "synthetic" and row.results["env"] == "test"
+    statuses = profile(tmp_path)
+    assert statuses == {
+        "torch.linear": "ok", "good.fast": "ok", "good.slow": "ok",
+        "fault.raise": "error", "fault.hang": "timeout", "fault.exit": "crash",
+        "fault.abort": "crash", "fault.segv": "crash", "fault.wrong": "wrong",
+        "fault.nan": "wrong", "fault.unwritten": "wrong", "fault.cudaerr": "error",
+    }
+    # One hang costs the 4 s timeout, not an hour; five lost workers cost a respawn each.
+    assert wall < 90
+    detail = (tmp_path / "prof.csv").read_text()
+    assert "killed by signal SIGSEGV" in detail and "killed by signal SIGABRT" in detail
+    assert "exited with status 3" in detail and "no answer within 4 s" in detail
+
+
+def test_known_crashers_are_skipped_on_a_rerun(tmp_path):
+    inp = untuned(tmp_path / "u.csv", [7])
+    tune(tmp_path, inp)
+    (tmp_path / "prof.csv").unlink()
+    start = time.monotonic()
+    tuner, _ = tune(tmp_path, inp, retune_all=True)
+    assert time.monotonic() - start < 30  # no timeout paid again
+    statuses = profile(tmp_path)
+    for name in ("fault.hang", "fault.exit", "fault.abort", "fault.segv", "fault.cudaerr"):
+        assert statuses[name] == "skipped", name
+    assert statuses["fault.raise"] == "error"  # a plain exception is not a crasher
+    assert tuner.summary.tuned == 1
+
+
+def test_shape_with_no_valid_candidate_fails_the_run(tmp_path, monkeypatch):
+    monkeypatch.setenv("FAULTY_CANDIDATES", "fault.wrong,fault.raise,fault.unwritten")
+    tuner, log = tune(tmp_path, untuned(tmp_path / "u.csv", [3]))
+    assert tuner.summary.exit_code == 1 and len(tuner.summary.failed) == 1
+    assert "FAILED M=3 N=24 K=40" in log and "no candidate passed" in log
+    assert not (tmp_path / "tuned.csv").exists()
+
+
+def test_bad_input_rows_are_reported_and_the_rest_tuned(tmp_path, monkeypatch):
+    monkeypatch.setenv("FAULTY_WITH_FAULTS", "0")
+    inp = untuned(tmp_path / "u.csv", [1, 2],
+                  extra="zz,24,40,False,torch.float32,torch.float32,False,False\n"
+                        "4,24,40,False,torch.float33,torch.float32,False,False\n")
+    tuner, log = tune(tmp_path, inp)
+    assert "u.csv:4: column M: expected an integer, got 'zz'" in log
+    assert "u.csv:5: column dtype: unknown dtype 'torch.float33'" in log
+    assert [r[0][0] for r in rows(tmp_path / "tuned.csv")] == [1, 2]
+    assert tuner.summary.exit_code == 1  # the user must see that rows were skipped
+
+
+def test_already_tuned_shapes_are_skipped_unless_all(tmp_path, monkeypatch):
+    monkeypatch.setenv("FAULTY_WITH_FAULTS", "0")
+    inp = untuned(tmp_path / "u.csv", [1, 2])
+    tune(tmp_path, inp)
+    tuner, log = tune(tmp_path, untuned(tmp_path / "u2.csv", [1, 2, 3]))
+    assert tuner.summary.skipped == 2 and tuner.summary.tuned == 1
+    tuner, _ = tune(tmp_path, inp, retune_all=True)
+    assert tuner.summary.tuned == 2 and len(rows(tmp_path / "tuned.csv")) == 3
+
+
+def test_simpler_candidate_kept_within_noise():
+    tuner = Tuner.__new__(Tuner)
+    by_name = {"torch.linear": Candidate("torch.linear", "torch", simplicity=0),
+               "k": Candidate("k", "triton")}
+    near = [Evaluation("torch.linear", Status.ok, us=10.0, spread=0.01),
+            Evaluation("k", Status.ok, us=9.9, spread=0.01)]
+    assert tuner._choose(near, by_name).name == "torch.linear"  # 1% faster: within 2% noise
+    far = [Evaluation("torch.linear", Status.ok, us=10.0, spread=0.01),
+           Evaluation("k", Status.ok, us=9.0, spread=0.01)]
+    assert tuner._choose(far, by_name).name == "k"
+    noisy = [Evaluation("torch.linear", Status.ok, us=10.0, spread=0.15),
+             Evaluation("k", Status.ok, us=9.0, spread=0.01)]
+    assert tuner._choose(noisy, by_name).name == "torch.linear"  # 10% gain inside 15% spread
+
+
+def test_update_improved_keeps_rows_without_enough_gain(tmp_path, monkeypatch):
+    monkeypatch.setenv("FAULTY_WITH_FAULTS", "0")
+    inp = untuned(tmp_path / "u.csv", [1, 2])
+    tune(tmp_path, inp)
+    path = tmp_path / "tuned.csv"
+    text = path.read_text().replace(",5.001,", ",5.1,").replace(",5.002,", ",4.0,")
+    path.write_text(text)
+    tuner, log = tune(tmp_path, inp, update_improved=True, min_improvement_pct=1.0, compare=True)
+    assert {r[0][0]: r[2] for r in rows(path)} == {1: 5.001, 2: 4.0}
+    assert tuner.summary.kept_old == 1 and tuner.summary.tuned == 1
+    assert "old us" in log
+
+
+# ------------------------------------------------------------------------ whole-process runs
+@pytest.fixture(autouse=True)
+def _no_leftover_tuners():
+    """A failing test must not leave tuner processes running."""
+    yield
+    for proc in _started:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    _started.clear()
+
+
+_started: list[subprocess.Popen] = []
+
+
+def _runner(args, env_extra=None) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
+               FAULTY_WITH_FAULTS="0", FAULTY_TIME_SLEEP="0.1", **(env_extra or {}))
+    proc = subprocess.Popen([sys.executable, str(TESTS / "run_faulty_tuner.py"), *args], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    _started.append(proc)
+    return proc
+
+
+def test_kill_9_at_random_moments_then_resume_gives_the_same_rows(tmp_path):
+    inp = untuned(tmp_path / "u.csv", range(1, 13))
+    ref_out, out = tmp_path / "ref.csv", tmp_path / "resumed.csv"
+    assert _runner(["-i", str(inp), "-o", str(ref_out), "--batch", "2"]).wait(300) == 0
+    rng = random.Random(1234)
+    kills = 0
+    for _ in range(20):
+        proc = _runner(["-i", str(inp), "-o", str(out), "--batch", "2"])
+        try:
+            code = proc.wait(timeout=rng.uniform(2.5, 6.0))
+        except subprocess.TimeoutExpired:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()
+            kills += 1
+            continue
+        assert code == 0
+        break
+    else:
+        pytest.fail("the resumed tuner never finished")
+    assert kills >= 1
+    assert rows(out) == rows(ref_out)
+    assert len(rows(out)) == 12
+
+
+def test_two_tuners_writing_one_output_lose_no_rows(tmp_path):
+    a = untuned(tmp_path / "a.csv", range(1, 7))
+    b = untuned(tmp_path / "b.csv", range(101, 107))
+    out = tmp_path / "shared.csv"
+    procs = [_runner(["-i", str(p), "-o", str(out), "--batch", "1"]) for p in (a, b)]
+    assert [p.wait(300) for p in procs] == [0, 0]
+    assert sorted(r[0][0] for r in rows(out)) == [*range(1, 7), *range(101, 107)]
+
+
+def test_plain_progress_lines_without_a_terminal(tmp_path, monkeypatch):
+    monkeypatch.setenv("FAULTY_WITH_FAULTS", "0")
+    _, log = tune(tmp_path, untuned(tmp_path / "u.csv", [1, 2]))
+    lines = [ln for ln in log.splitlines() if ln.startswith("tune bf16 ")]
+    assert [ln.split()[2] for ln in lines] == ["1/2", "2/2"] and "\r" not in log
+    assert "2 tuned, 0 failed" in log
+
+
+def test_real_bf16_family_on_cpu(tmp_path):
+    """The bf16 family itself on the CPU: torch wins (the interpreter is slow) and the Triton
+    candidates are checked; fp32 ones pass the gate."""
+    from gemmtune.tune.families.bf16 import Bf16Family
+
+    inp = untuned(tmp_path / "u.csv", [5])
+    out = io.StringIO()
+    config = TuneConfig(input=inp, output=tmp_path / "t.csv", profile=tmp_path / "prof.csv",
+                        timeout=120, options=TuneOptions(iters=3, warmup=1))
+    tuner = Tuner(Bf16Family, config, out=out)
+    assert tuner.run().exit_code == 0, out.getvalue()
+    (row,) = read_table(tmp_path / "t.csv", BF16).rows
+    assert row.arch == "cpu" and row.results["timing"] == "cpu.wall"
+    statuses = profile(tmp_path)
+    assert statuses["torch.linear"] == "ok"
+    assert [s for n, s in statuses.items() if n.startswith("triton.tile")] == ["ok", "ok"]
