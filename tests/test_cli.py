@@ -8,7 +8,7 @@ from gemmtune.cli import build_parser, main
 from gemmtune.tables.schema import Family, schema_for
 from gemmtune.tables.store import read_table
 
-VERBS = ["lookup", "capture", "shapes", "tables", "check"]
+VERBS = ["lookup", "capture", "shapes", "tables", "tune", "bench"]
 
 
 def test_help_lists_every_verb(capsys):
@@ -106,19 +106,36 @@ def test_tables_lists_sources(tmp_path, monkeypatch, capsys):
     assert "bf16" in out and str(path) in out and "shipped tables replaced" in out
 
 
-def test_check_runs_on_cpu_and_says_so(monkeypatch, capsys):
-    from pathlib import Path
+def test_bench_on_cpu_says_so_and_writes_csv_and_plot(tmp_path, capsys):
+    import csv
 
     import torch
 
-    import gemmtune.check
-    from gemmtune.models.shapes import load_model_dir
-
     if torch.cuda.is_available():
         pytest.skip("checks the CPU message")
-    tiny = load_model_dir(Path(__file__).parent / "fixtures" / "tiny-llama")
-    monkeypatch.setattr(gemmtune.check, "load_preset", lambda name: tiny)
-    assert main(["check", "--M", "1,5"]) == 0
+    shapes = tmp_path / "shapes.csv"
+    shapes.write_text("M,N,K\n1,64,48\n16,64,48\n3,40,24\n")
+    assert main(["bench", "bf16", "--shapes", str(shapes), "-o", str(tmp_path / "b")]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("no GPU found: running on the CPU")
-    assert "10/10 shapes correct" in out and "torch.linear" in out
+    assert out.startswith("no GPU found: benchmarking on the CPU")
+    assert "M<=64" in out and "speed-up geomean" in out
+    with open(tmp_path / "b" / "bench_bf16.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["M"], r["N"], r["K"]) for r in rows] == [("1", "64", "48"), ("16", "64", "48"),
+                                                        ("3", "40", "24")]
+    assert all(r["ok"] == "True" and r["kernel"] == "torch.linear" for r in rows)
+    assert all(float(r["torch_us"]) > 0 and float(r["floor_us"]) > 0 for r in rows)
+    png = tmp_path / "b" / "bench_bf16.png"
+    pytest.importorskip("matplotlib")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_geomean_and_summary_by_m_range():
+    from gemmtune.bench import BenchRow, geomean, summarize
+
+    assert geomean([2.0, 8.0]) == pytest.approx(4.0)
+    rows = [BenchRow("a", m, 8, 8, 10.0, 5.0 * f, 2.0 * f, 2.0, 0.4, 0.2, "exact", "k", 0.0, True)
+            for m, f in ((1, 1.0), (16, 4.0), (2048, 1.0))]
+    lines = summarize(rows)
+    assert lines[0].startswith("M<=64") and "geomean 4.000" in lines[0] and "2 shapes" in lines[0]
+    assert lines[1].startswith("M>=1024") and "1 shapes" in lines[1]

@@ -12,7 +12,7 @@ from pathlib import Path
 EPILOG = """workflow:
   gemmtune shapes --model llama3-70b --tp 8 -o shapes/      # or: gemmtune capture -o shapes/ -- python serve.py
   gemmtune lookup bf16 M=100 N=4096 K=4096                   # which row a call would use, and why
-  gemmtune check --model llama3-8b                           # run the ops on the model's shapes
+  gemmtune bench bf16 --model llama3-8b                      # tuned vs torch vs roofline, checked
 """
 
 
@@ -195,11 +195,29 @@ def _cmd_tune(args) -> int:
     return run_tune(factory(args.family), args)
 
 
-# ----------------------------------------------------------------------------------------- check
-def _cmd_check(args) -> int:
-    from gemmtune.check import run_check
+# ----------------------------------------------------------------------------------------- bench
+def _cmd_bench(args) -> int:
+    import torch
 
-    return run_check(args.model, args.tp, args.M, args.dtype)
+    from gemmtune.bench import run_bench
+
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    shapes, title = _bench_shapes(args, dtype, gpu=torch.cuda.is_available())
+    return run_bench(shapes, dtype, Path(args.output), title)
+
+
+def _bench_shapes(args, dtype, gpu: bool) -> tuple[list[tuple[str, int, int, int]], str]:
+    from gemmtune.models.shapes import DEFAULT_M, dense_projections, load_preset
+    from gemmtune.tables.schema import Family, schema_for
+    from gemmtune.tables.store import read_table
+
+    if args.shapes:
+        rows = read_table(args.shapes, schema_for(Family.bf16), untuned=True).rows
+        return [("csv", r.key[0], r.key[1], r.key[2]) for r in rows], f"{args.shapes}"
+    ms = args.M or (list(DEFAULT_M) if gpu else [1, 16])
+    projections = dense_projections(load_preset(args.model), args.tp)
+    return ([(p.name, m, p.N, p.K) for p in projections for m in ms],
+            f"{args.model} tp={args.tp} {args.dtype}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -282,18 +300,27 @@ def build_parser() -> argparse.ArgumentParser:
                                    "GEMMTUNE_CONFIG_* overlays) and its rows for this device.")
     p.set_defaults(func=_cmd_tables)
 
-    p = sub.add_parser("check", help="run gemm_a16w16 on a model's shapes: correctness, rule, "
-                                     "kernel and time per shape",
-                       description="Run gemm_a16w16 on every dense projection of a model preset "
-                                   "and compare with an fp32 reference. Runs on the CPU when there "
-                                   "is no GPU (and says so).")
-    p.add_argument("--model", default="llama3-8b", choices=_presets(),
-                   help="model preset (default llama3-8b)")
+    p = sub.add_parser("bench", help="time tuned vs torch vs the roofline per shape; check "
+                                     "every tuned result; table, CSV and plot",
+                       description="In one run on one device: per shape, torch's default and the "
+                                   "tuned op (through the tables in force) timed alike (CUDA-graph "
+                                   "replay, cold weights), the speed-up, the roofline efficiency "
+                                   "(ceilings measured in the same run) and the chosen kernel; the "
+                                   "tuned output is checked against an fp32 reference. Runs on "
+                                   "the CPU when there is no GPU (and says so).",
+                       epilog="example: gemmtune bench bf16 --model llama3-70b --tp 8 --M 1,16,64")
+    p.add_argument("family", choices=["bf16"], help="op family")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--model", default="llama3-8b", choices=_presets(),
+                     help="model preset whose dense projections to run (default llama3-8b)")
+    src.add_argument("--shapes", metavar="CSV", help="an untuned CSV of shapes instead")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (default 1)")
     p.add_argument("--M", type=_int_list, default=None, metavar="M,M,...",
-                   help="token counts (default 1,16,128,1024,4096 on a GPU; 1,16 on the CPU)")
+                   help="token counts (default 1,16,...,8192 on a GPU; 1,16 on the CPU)")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
-    p.set_defaults(func=_cmd_check)
+    p.add_argument("-o", "--output", default="out/bench", metavar="DIR",
+                   help="folder for bench_bf16.csv and bench_bf16.png (default out/bench)")
+    p.set_defaults(func=_cmd_bench)
     return parser
 
 
