@@ -124,9 +124,8 @@ def bench_shape(name: str, m: int, n: int, k: int, dtype: torch.dtype, ceilings:
                               ].decision
     torch_us, tuned_us = _time_pair(x, w, dtype)
     floor = floor_us(m, n, k, dtype.itemsize, ceilings)
-    return BenchRow(name, m, n, k, round(torch_us, 3), round(tuned_us, 3),
-                    round(torch_us / tuned_us, 4), round(floor, 3), round(floor / tuned_us, 4),
-                    round(floor / torch_us, 4), decision.rule.value, decision.kernel_name,
+    return BenchRow(name, m, n, k, torch_us, tuned_us, torch_us / tuned_us, floor,
+                    floor / tuned_us, floor / torch_us, decision.rule.value, decision.kernel_name,
                     rel, ok)
 
 
@@ -155,7 +154,8 @@ def write_csv(rows: list[BenchRow], path: Path) -> None:
     with open(path, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(asdict(rows[0])))
         writer.writeheader()
-        writer.writerows(asdict(r) for r in rows)
+        writer.writerows({k: format(v, ".6g") if isinstance(v, float) else v
+                          for k, v in asdict(r).items()} for r in rows)
 
 
 def plot(rows: list[BenchRow], path: Path, title: str) -> str | None:
@@ -212,7 +212,7 @@ def run_bench(shapes: list[tuple[str, int, int, int]], dtype: torch.dtype, out_d
     for r in rows:
         flag = "" if r.ok else "  WRONG"
         print(f"{r.name:<14} {r.M:>5} {r.N:>6} {r.K:>6} {r.torch_us:>9.2f} {r.tuned_us:>9.2f} "
-              f"{r.speedup:>7.3f} {r.floor_us:>8.2f} {r.efficiency:>5.2f} {r.rule:<8} "
+              f"{r.speedup:>7.3f} {r.floor_us:>8.2f} {r.efficiency:>5.3f} {r.rule:<8} "
               f"{r.kernel}{flag}")
     for line in summarize(rows):
         print(line)
