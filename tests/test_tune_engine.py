@@ -236,3 +236,18 @@ def test_real_bf16_family_on_cpu(tmp_path):
     statuses = profile(tmp_path)
     assert statuses["torch.linear"] == "ok"
     assert [s for n, s in statuses.items() if n.startswith("triton.tile")] == ["ok", "ok"]
+
+
+def test_refused_key_fails_that_shape_only(tmp_path):
+    from gemmtune.tune.families.bf16 import Bf16Family
+
+    inp = tmp_path / "u.csv"
+    inp.write_text(HEADER + "4,8,16,False,torch.float32,torch.float32,False,True\n"
+                            "4,8,16,False,torch.float32,torch.float32,False,False\n")
+    out = io.StringIO()
+    config = TuneConfig(input=inp, output=tmp_path / "t.csv", timeout=120,
+                        libtypes=frozenset({"torch"}), options=TuneOptions(iters=3, warmup=1))
+    summary = Tuner(Bf16Family, config, out=out).run()
+    assert summary.tuned == 1 and len(summary.failed) == 1 and summary.exit_code == 1
+    assert "bpreshuffle=True: no bf16 kernel here gains from a pre-packed weight layout" in \
+        out.getvalue()

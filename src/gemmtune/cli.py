@@ -192,7 +192,11 @@ def _cmd_tune(args) -> int:
     from gemmtune.tune.command import run_tune
     from gemmtune.tune.families import factory
 
-    return run_tune(factory(args.family), args)
+    try:
+        return run_tune(factory(args.family), args)
+    except RuntimeError as e:  # a worker could not start (no GPU driver, broken install, ...)
+        print(f"gemmtune tune: error: {e}", file=sys.stderr)
+        return 2
 
 
 # ----------------------------------------------------------------------------------------- bench

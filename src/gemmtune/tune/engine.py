@@ -191,8 +191,10 @@ class Tuner:
         try:
             candidates = worker.call("candidates", key, self.config.libtypes,
                                      timeout=max(self.config.timeout, 300.0))
-        except (WorkerLost, RuntimeError) as e:
+        except WorkerLost as e:
             self._recover(worker)
+            return ShapeResult(key, None, [], f"could not list candidates: {e}")
+        except RuntimeError as e:  # the family refused the key (e.g. bpreshuffle=True)
             return ShapeResult(key, None, [], f"could not list candidates: {e}")
         if not candidates:
             return ShapeResult(key, None, [], "no candidate of the allowed backends fits")
