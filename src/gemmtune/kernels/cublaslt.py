@@ -32,6 +32,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from gemmtune.kernels._names import Field, NameCodec, NamedConfig
+
 KERNEL_PREFIX = "cublaslt"
 INSTALL_HINT = "pip install gemmtune[cublaslt]"
 
@@ -54,30 +56,29 @@ _INPUT_DTYPES = (torch.bfloat16, torch.float16)
 # The name: every attribute of the algorithm, readable.
 # ---------------------------------------------------------------------------------------------
 
-_NAME_FORMAT = (f"{KERNEL_PREFIX}:id<int>.tile<R>x<C>.stages<D>x<S|AUTO>.sk<int>.red<int>"
-                f".swz<int>.co<int>.cl<X>x<Y>x<Z>|AUTO.in<int>, e.g. "
-                f"{KERNEL_PREFIX}:id66.tile64x8.stages64xAUTO.sk4.red2.swz0.co1.cl1x2x1.in0")
-_INT = r"[0-9]+"
-# (tag in the name, dataclass field, pattern of the value)
-_NAME_FIELDS = (
-    ("id", "algo_id", _INT),
-    ("tile", "tile", r"[0-9]+x[0-9]+|UNDEFINED"),
-    ("stages", "stages", r"[0-9]+x(?:[0-9]+|AUTO)|UNDEFINED"),
-    ("sk", "split_k", _INT),
-    ("red", "reduction", _INT),
-    ("swz", "swizzle", _INT),
-    ("co", "custom", _INT),
-    ("cl", "cluster", r"[0-9]+x[0-9]+x[0-9]+|AUTO"),
-    ("in", "inner", _INT),
-)
-_LABEL_FIELDS = {"tile", "stages", "cluster"}
+_NAME_CODEC = NameCodec("cuBLASLt algorithm", KERNEL_PREFIX, (
+    Field("id", "algo_id"),
+    Field("tile", "tile", r"[0-9]+x[0-9]+|UNDEFINED", str),
+    Field("stages", "stages", r"[0-9]+x(?:[0-9]+|AUTO)|UNDEFINED", str),
+    Field("sk", "split_k"),
+    Field("red", "reduction"),
+    Field("swz", "swizzle"),
+    Field("co", "custom"),
+    Field("cl", "cluster", r"[0-9]+x[0-9]+x[0-9]+|AUTO", str),
+    Field("in", "inner"),
+), form=(f"{KERNEL_PREFIX}:id<int>.tile<R>x<C>.stages<D>x<S|AUTO>.sk<int>.red<int>.swz<int>"
+         f".co<int>.cl<X>x<Y>x<Z>|AUTO.in<int>, e.g. "
+         f"{KERNEL_PREFIX}:id66.tile64x8.stages64xAUTO.sk4.red2.swz0.co1.cl1x2x1.in0"))
 
 
 @dataclass(frozen=True)
-class LtAlgo:
+class LtAlgo(NamedConfig):
     """One cuBLASLt algorithm. ``tile``, ``stages`` and ``cluster`` are the labels of cuBLASLt's
     enums without their prefix (``64x8`` for ``CUBLASLT_MATMUL_TILE_64x8``, ``64xAUTO``,
-    ``1x2x1`` or ``AUTO``); the other fields are the attribute values as cuBLASLt stores them."""
+    ``1x2x1`` or ``AUTO``); the other fields are the attribute values as cuBLASLt stores them.
+    ``from_name`` needs no nvmath or GPU."""
+
+    NAME_CODEC = _NAME_CODEC
 
     algo_id: int
     tile: str
@@ -90,49 +91,18 @@ class LtAlgo:
     inner: int
 
     def __post_init__(self):
-        for tag, field, pattern in _NAME_FIELDS:
-            value = getattr(self, field)
-            if field in _LABEL_FIELDS:
-                ok = isinstance(value, str) and re.fullmatch(pattern, value)
+        for field in self.NAME_CODEC.fields:
+            value = getattr(self, field.attr)
+            if field.parse is str:  # an enum label: tile, stages, cluster
+                ok = isinstance(value, str) and re.fullmatch(field.pattern, value)
             else:
                 ok = isinstance(value, int) and not isinstance(value, bool) and value >= 0
             if not ok:
-                raise ValueError(f"LtAlgo.{field}={value!r} is not a valid value; the name form "
-                                 f"is {_NAME_FORMAT}")
+                raise ValueError(f"LtAlgo.{field.attr}={value!r} is not a valid value; the name "
+                                 f"form is {self.NAME_CODEC.form}")
         if self.reduction not in _REDUCTION_SCHEMES:
             raise ValueError(f"LtAlgo.reduction={self.reduction} must be one of "
                              f"{_REDUCTION_SCHEMES} (none, in-place, compute type, output type)")
-
-    @property
-    def name(self) -> str:
-        return (f"{KERNEL_PREFIX}:id{self.algo_id}.tile{self.tile}.stages{self.stages}"
-                f".sk{self.split_k}.red{self.reduction}.swz{self.swizzle}.co{self.custom}"
-                f".cl{self.cluster}.in{self.inner}")
-
-    @classmethod
-    def from_name(cls, name: str) -> "LtAlgo":
-        """Parse a ``kernelName`` back into the algorithm (no nvmath or GPU needed)."""
-        prefix, sep, body = name.partition(":")
-        if not sep or prefix != KERNEL_PREFIX:
-            raise ValueError(f"cuBLASLt algorithm {name!r}: prefix {prefix!r} is not "
-                             f"{KERNEL_PREFIX!r}; expected {_NAME_FORMAT}")
-        parts = body.split(".")
-        if len(parts) != len(_NAME_FIELDS):
-            raise ValueError(f"cuBLASLt algorithm {name!r}: has {len(parts)} dot-separated "
-                             f"fields, expected {len(_NAME_FIELDS)}: {_NAME_FORMAT}")
-        values = {}
-        for part, (tag, field, pattern) in zip(parts, _NAME_FIELDS):
-            match = re.fullmatch(rf"{tag}({pattern})", part)
-            if match is None:
-                raise ValueError(f"cuBLASLt algorithm {name!r}: bad field {part!r}, expected "
-                                 f"{tag}<{pattern}>; expected {_NAME_FORMAT}")
-            text = match.group(1)
-            values[field] = text if field in _LABEL_FIELDS else int(text)
-        try:
-            return cls(**values)
-        except ValueError as e:
-            raise ValueError(f"cuBLASLt algorithm {name!r}: {e}; expected {_NAME_FORMAT}") \
-                from None
 
 
 # ---------------------------------------------------------------------------------------------

@@ -24,48 +24,34 @@ fp16, bf16, fp32 or per-tensor-scaled float8_e4m3fn; accumulation is always fp32
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from gemmtune.kernels._names import Field, NameCodec, NamedConfig
+from gemmtune.kernels.triton import _checks
+
 KERNEL_PREFIX = "triton.splitk"
 
-# Hopper (sm_90) allows 227 KiB of shared memory per block; the largest of the GPUs we tune for.
-SMEM_LIMIT_BYTES = 227 * 1024
-# The fp32 accumulator lives in registers: BM*BN/(32*num_warps) of them per thread. A thread has at
-# most 255, and the operand fragments and addresses need the rest; above 128 ptxas starts spilling.
-MAX_ACC_REGS_PER_THREAD = 128
 # The last program of a tile sums SPLIT_CHUNK partials per load: at most this many fp32 registers
 # per thread, so the reduction never needs more registers than the accumulator may have.
 REDUCE_REGS_PER_THREAD = 64
-# Grid: tiles on axis 0 (int32 program id), splits on axis 1 (at most 65535 in CUDA); more than
-# 64 splits only adds partials to sum, never bandwidth.
-MAX_PROGRAMS = 2**31 - 1
+# Grid: tiles on axis 0 (at most _checks.MAX_PROGRAMS), splits on axis 1 (at most 65535 in CUDA);
+# more than 64 splits only adds partials to sum, never bandwidth.
 MAX_SPLIT_K = 64
 # SM count the candidate space and the default are sized for: H100 SXM (H100 PCIe has 114).
 NUM_SMS = 132
 
-_VALID_WARPS = (1, 2, 4, 8)
-_MIN_BLOCK = 16  # tl.dot needs every tile dimension >= 16
-_MAX_BLOCK = 256
-_MAX_STAGES = 8
-
-_INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float8_e4m3fn)
-_OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_FP8_DTYPES = (torch.float8_e4m3fn,)
-
-_NAME_FORMAT = f"{KERNEL_PREFIX}:BM<int>.BN<int>.BK<int>.SK<int>.W<int>.S<int>"
-_NAME_FIELDS = (("BM", "block_m"), ("BN", "block_n"), ("BK", "block_k"), ("SK", "split_k"),
-                ("W", "num_warps"), ("S", "num_stages"))
-
-
 @dataclass(frozen=True)
-class SplitKConfig:
+class SplitKConfig(NamedConfig):
     """One point of the split-K kernel's config space; ``name`` is how tables and the CLI
-    spell it."""
+    spell it, e.g. ``triton.splitk:BM16.BN64.BK256.SK8.W4.S3``."""
+
+    NAME_CODEC = NameCodec("split-K config", KERNEL_PREFIX, (
+        Field("BM", "block_m"), Field("BN", "block_n"), Field("BK", "block_k"),
+        Field("SK", "split_k"), Field("W", "num_warps"), Field("S", "num_stages")))
 
     block_m: int
     block_n: int
@@ -74,44 +60,9 @@ class SplitKConfig:
     num_warps: int
     num_stages: int
 
-    @property
-    def name(self) -> str:
-        return (f"{KERNEL_PREFIX}:BM{self.block_m}.BN{self.block_n}.BK{self.block_k}"
-                f".SK{self.split_k}.W{self.num_warps}.S{self.num_stages}")
-
-    @classmethod
-    def from_name(cls, name: str) -> "SplitKConfig":
-        """Parse ``name`` (e.g. ``triton.splitk:BM16.BN64.BK256.SK8.W4.S3``) back into a config."""
-        prefix, sep, body = name.partition(":")
-        if not sep or prefix != KERNEL_PREFIX:
-            raise ValueError(f"split-K config {name!r}: prefix {prefix!r} is not "
-                             f"{KERNEL_PREFIX!r}; expected {_NAME_FORMAT}")
-        parts = body.split(".")
-        if len(parts) != len(_NAME_FIELDS):
-            raise ValueError(f"split-K config {name!r}: has {len(parts)} dot-separated fields, "
-                             f"expected {len(_NAME_FIELDS)}: {_NAME_FORMAT}")
-        values = {}
-        for part, (tag, field) in zip(parts, _NAME_FIELDS):
-            match = re.fullmatch(rf"{tag}([0-9]+)", part)
-            if match is None:
-                raise ValueError(f"split-K config {name!r}: bad field {part!r}, expected "
-                                 f"{tag}<int>; expected {_NAME_FORMAT}")
-            values[field] = int(match.group(1))
-        return cls(**values)
-
-
-def _is_pow2(v: int) -> bool:
-    return v > 0 and v & (v - 1) == 0
-
 
 def _next_pow2(v: int) -> int:
     return 1 << max(0, v - 1).bit_length()
-
-
-def smem_bytes(config: SplitKConfig, dtype: torch.dtype) -> int:
-    """Shared memory the software pipeline holds: ``num_stages`` copies of one x and one w tile."""
-    return config.num_stages * (config.block_m * config.block_k
-                                + config.block_k * config.block_n) * dtype.itemsize
 
 
 def num_tiles(config: SplitKConfig, M: int, N: int) -> int:
@@ -128,33 +79,26 @@ def split_chunk(config: SplitKConfig) -> int:
 
 def why_not_fits(config: SplitKConfig, M: int, N: int, K: int, dtype: torch.dtype) -> str | None:
     """The first constraint ``config`` breaks for an (M, N, K) GEMM on ``dtype`` inputs, or None."""
-    for field in ("block_m", "block_n", "block_k"):
-        v = getattr(config, field)
-        if not _is_pow2(v) or not _MIN_BLOCK <= v <= _MAX_BLOCK:
-            return f"{field}={v} must be a power of two in [{_MIN_BLOCK}, {_MAX_BLOCK}]"
+    problem = _checks.why_not_blocks(config)
+    if problem is not None:
+        return problem
     if not 1 <= config.split_k <= MAX_SPLIT_K:
         return f"split_k={config.split_k} must be in [1, {MAX_SPLIT_K}]"
-    if config.num_warps not in _VALID_WARPS:
-        return f"num_warps={config.num_warps} must be one of {_VALID_WARPS}"
-    if not 1 <= config.num_stages <= _MAX_STAGES:
-        return f"num_stages={config.num_stages} must be in [1, {_MAX_STAGES}]"
+    problem = _checks.why_not_warps_stages(config)
+    if problem is not None:
+        return problem
     # Each split must get at least one full BLOCK_K step: split_k * block_k <= K rounded up to
     # block_k. Splits beyond that would only add programs that write zero partials.
     k_steps = triton.cdiv(K, config.block_k)
     if config.split_k > max(1, k_steps):
         return (f"split_k={config.split_k} leaves splits without a block_k step: K={K} is "
                 f"{k_steps} steps of block_k={config.block_k}; use split_k <= {max(1, k_steps)}")
-    acc_regs = config.block_m * config.block_n // (32 * config.num_warps)
-    if acc_regs > MAX_ACC_REGS_PER_THREAD:
-        return (f"accumulator needs {acc_regs} registers per thread (> {MAX_ACC_REGS_PER_THREAD}); "
-                f"use smaller blocks or more warps")
-    smem = smem_bytes(config, dtype)
-    if smem > SMEM_LIMIT_BYTES:
-        return (f"shared memory {smem} B > {SMEM_LIMIT_BYTES} B; "
-                f"reduce block sizes or num_stages")
+    problem = _checks.why_not_resources(config, dtype)
+    if problem is not None:
+        return problem
     programs = num_tiles(config, M, N)
-    if programs > MAX_PROGRAMS:
-        return f"{programs} tiles exceed the grid limit {MAX_PROGRAMS}; use larger blocks"
+    if programs > _checks.MAX_PROGRAMS:
+        return f"{programs} tiles exceed the grid limit {_checks.MAX_PROGRAMS}; use larger blocks"
     return None
 
 
@@ -162,11 +106,7 @@ def why_not_supported(config: SplitKConfig, M: int, N: int, K: int, dtype: torch
                       out_dtype: torch.dtype) -> str | None:
     """Like ``why_not_fits``, also rejecting dtypes the kernel does not take: what a dispatch plan
     checks once per shape so that each later call can go straight to ``launch_gemm_splitk``."""
-    if dtype not in _INPUT_DTYPES:
-        return f"input dtype {dtype} is not one of {[str(d) for d in _INPUT_DTYPES]}"
-    if out_dtype not in _OUT_DTYPES:
-        return f"output dtype {out_dtype} is not one of {[str(d) for d in _OUT_DTYPES]}"
-    return why_not_fits(config, M, N, K, dtype)
+    return _checks.why_not_dtypes(dtype, out_dtype) or why_not_fits(config, M, N, K, dtype)
 
 
 def fits(config: SplitKConfig, M: int, N: int, K: int, dtype: torch.dtype) -> bool:
@@ -256,7 +196,7 @@ def default_config(M: int, N: int, K: int, dtype: torch.dtype,
     elem = dtype.itemsize
     bm = min(64, max(16, _next_pow2(M)))
     row_bytes, stages = (512, 3) if 16 < M <= 32 else (256, 5 if M <= 16 else 4)
-    bk = min(_MAX_BLOCK, row_bytes // elem)
+    bk = min(_checks.MAX_BLOCK, row_bytes // elem)
     # Above M = 64 this is gemm_tile's territory; wider tiles keep the tile count sane.
     bn, warps = (32, 2) if M <= 64 else (64, 4)
     tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
@@ -378,18 +318,6 @@ def gemm_splitk_kernel(
                         M, N, stride_ym, stride_yn, stride_bias, HAS_BIAS, HAS_SCALES)
 
 
-# Under TRITON_INTERPRET=1 triton.jit returns an InterpretedFunction, which runs on CPU tensors.
-_INTERPRETED = not isinstance(gemm_splitk_kernel, triton.runtime.JITFunction)
-
-
-def _check_scale(name: str, s: torch.Tensor, device: torch.device) -> None:
-    if s.numel() != 1 or s.dtype != torch.float32 or s.device != device:
-        raise ValueError(f"{name}: expected a one-element float32 tensor on {device}, got "
-                         f"shape {tuple(s.shape)} {s.dtype} on {s.device}; "
-                         f"pass e.g. torch.tensor([s], dtype=torch.float32, "
-                         f"device={str(device)!r})")
-
-
 def gemm_splitk(
     x: torch.Tensor,  # (M, K)
     w: torch.Tensor,  # (N, K)
@@ -405,53 +333,10 @@ def gemm_splitk(
     ``out_dtype`` defaults to ``x.dtype`` (bf16 for fp8 inputs); ``config`` to ``default_config``.
     No host synchronisation, so a call can be captured in a CUDA graph.
     """
-    if x.dim() != 2 or w.dim() != 2:
-        raise ValueError(f"gemm_splitk: expected x (M, K) and w (N, K), got x {tuple(x.shape)} "
-                         f"and w {tuple(w.shape)}; reshape batched inputs to 2-D first")
-    M, K = x.shape
-    N, Kw = w.shape
-    if K != Kw:
-        raise ValueError(f"gemm_splitk: x is (M={M}, K={K}) but w is (N={N}, K={Kw}); "
-                         f"w must be (N, K) (pass w, not w.T)")
-    if x.dtype != w.dtype or x.dtype not in _INPUT_DTYPES:
-        raise TypeError(f"gemm_splitk: x {x.dtype} and w {w.dtype} must share one dtype of "
-                        f"{[str(d) for d in _INPUT_DTYPES]}")
-    if w.device != x.device:
-        raise ValueError(f"gemm_splitk: x is on {x.device} but w is on {w.device}; "
-                         f"move both to one device")
-    if x.device.type != "cuda" and not _INTERPRETED:
-        raise ValueError(f"gemm_splitk: tensors on {x.device} need TRITON_INTERPRET=1, set "
-                         f"before gemmtune's triton kernels are imported; or move them to a "
-                         f"CUDA device")
-    if (scale_a is None) != (scale_b is None):
-        raise ValueError("gemm_splitk: pass both scale_a and scale_b or neither")
-    if scale_a is not None:
-        _check_scale("scale_a", scale_a, x.device)
-        _check_scale("scale_b", scale_b, x.device)
-    elif x.dtype in _FP8_DTYPES:
-        raise ValueError(f"gemm_splitk: {x.dtype} inputs need per-tensor scale_a and scale_b; "
-                         f"pass torch.ones(1, device=...) for unscaled values")
-    if out_dtype is None:
-        out_dtype = torch.bfloat16 if x.dtype in _FP8_DTYPES else x.dtype
-    if out_dtype not in _OUT_DTYPES:
-        raise TypeError(f"gemm_splitk: out_dtype {out_dtype} not supported; "
-                        f"use one of {[str(d) for d in _OUT_DTYPES]}")
-    if bias is not None:
-        if bias.shape != (N,) or not bias.is_floating_point() or bias.device != x.device:
-            raise ValueError(f"gemm_splitk: bias must be a float (N={N},) tensor on {x.device}, "
-                             f"got shape {tuple(bias.shape)} {bias.dtype} on {bias.device}")
-    if out is None:
-        out = torch.empty((M, N), dtype=out_dtype, device=x.device)
-    elif out.shape != (M, N) or out.dtype != out_dtype or out.device != x.device:
-        raise ValueError(f"gemm_splitk: out must be ({M}, {N}) {out_dtype} on {x.device}, got "
-                         f"{tuple(out.shape)} {out.dtype} on {out.device}")
-    if config is None:
-        config = default_config(M, N, K, x.dtype)
-    else:
-        problem = why_not_fits(config, M, N, K, x.dtype)
-        if problem is not None:
-            raise ValueError(f"gemm_splitk: {config.name} does not fit (M={M}, N={N}, K={K}, "
-                             f"{x.dtype}): {problem}")
+    M, N, K, out_dtype, out = _checks.validate_gemm_args("gemm_splitk", x, w, bias, out_dtype,
+                                                         scale_a, scale_b, out)
+    config = _checks.fitting_config("gemm_splitk", config, default_config, why_not_fits, M, N, K,
+                                    x.dtype)
     if M == 0 or N == 0:
         return out
     return launch_gemm_splitk(x, w, bias, out, scale_a, scale_b, config)
@@ -472,12 +357,6 @@ def launch_gemm_splitk(x, w, bias, out, scale_a, scale_b, config: SplitKConfig,
     M, K = x.shape
     N = w.shape[0]
     has_scales = scale_a is not None
-    # fp32 operands: tf32 only where torch itself would use it, so results match torch.mm.
-    # 16-bit and fp8 operands ignore the setting; "tf32" is Triton's default for them.
-    if x.dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:
-        precision = "ieee"
-    else:
-        precision = "tf32"
     tiles = num_tiles(config, M, N)
     use_workspace = config.split_k > 1
     if use_workspace:
@@ -502,7 +381,7 @@ def launch_gemm_splitk(x, w, bias, out, scale_a, scale_b, config: SplitKConfig,
         HAS_BIAS=bias is not None,
         HAS_SCALES=has_scales,
         USE_WORKSPACE=use_workspace,
-        INPUT_PRECISION=precision,
+        INPUT_PRECISION=_checks.input_precision(x.dtype),
         BLOCK_M=config.block_m,
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,

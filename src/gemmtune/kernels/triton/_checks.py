@@ -1,0 +1,175 @@
+"""What every Triton GEMM family checks the same way: the hardware limits a config must respect
+(block sizes, warps, stages, registers, shared memory), the launchers' argument validation, and
+the dot precision a launch asks for.
+
+Each family's ``why_not_fits`` chains these with its own constraints; each validating launcher
+(``gemm_tile``, ``gemm_splitk``) starts with ``validate_gemm_args``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+# Hopper (sm_90) allows 227 KiB of shared memory per block; the largest of the GPUs we tune for.
+SMEM_LIMIT_BYTES = 227 * 1024
+# The fp32 accumulator lives in registers: BM*BN/(32*num_warps) of them per thread. A thread has at
+# most 255, and the operand fragments and addresses need the rest; above 128 ptxas starts spilling.
+MAX_ACC_REGS_PER_THREAD = 128
+# Programs along grid axis 0, whose program id is an int32.
+MAX_PROGRAMS = 2**31 - 1
+
+VALID_WARPS = (1, 2, 4, 8)
+MIN_BLOCK = 16  # tl.dot needs every tile dimension >= 16
+MAX_BLOCK = 256
+MAX_STAGES = 8
+
+INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float8_e4m3fn)
+OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+FP8_DTYPES = (torch.float8_e4m3fn,)
+
+
+@triton.jit
+def _probe():
+    pass
+
+
+# Under TRITON_INTERPRET=1 triton.jit returns an InterpretedFunction, which runs on CPU tensors.
+# The setting is read at decoration, so this probe answers for every kernel decorated after it.
+INTERPRETED = not isinstance(_probe, triton.runtime.JITFunction)
+
+
+def is_pow2(v: int) -> bool:
+    return v > 0 and v & (v - 1) == 0
+
+
+def smem_bytes(config, dtype: torch.dtype) -> int:
+    """Shared memory the software pipeline holds: ``num_stages`` copies of one x and one w tile."""
+    return config.num_stages * (config.block_m * config.block_k
+                                + config.block_k * config.block_n) * dtype.itemsize
+
+
+def why_not_blocks(config) -> str | None:
+    """The first of block_m, block_n, block_k that tl.dot cannot tile with, or None."""
+    for field in ("block_m", "block_n", "block_k"):
+        v = getattr(config, field)
+        if not is_pow2(v) or not MIN_BLOCK <= v <= MAX_BLOCK:
+            return f"{field}={v} must be a power of two in [{MIN_BLOCK}, {MAX_BLOCK}]"
+    return None
+
+
+def why_not_warps_stages(config) -> str | None:
+    if config.num_warps not in VALID_WARPS:
+        return f"num_warps={config.num_warps} must be one of {VALID_WARPS}"
+    if not 1 <= config.num_stages <= MAX_STAGES:
+        return f"num_stages={config.num_stages} must be in [1, {MAX_STAGES}]"
+    return None
+
+
+def why_not_resources(config, dtype: torch.dtype) -> str | None:
+    """Registers of the accumulator, then shared memory of the pipeline; None when both fit."""
+    acc_regs = config.block_m * config.block_n // (32 * config.num_warps)
+    if acc_regs > MAX_ACC_REGS_PER_THREAD:
+        return (f"accumulator needs {acc_regs} registers per thread (> {MAX_ACC_REGS_PER_THREAD}); "
+                f"use smaller blocks or more warps")
+    smem = smem_bytes(config, dtype)
+    if smem > SMEM_LIMIT_BYTES:
+        return (f"shared memory {smem} B > {SMEM_LIMIT_BYTES} B; "
+                f"reduce block sizes or num_stages")
+    return None
+
+
+def why_not_dtypes(dtype: torch.dtype, out_dtype: torch.dtype) -> str | None:
+    """The input or output dtype a Triton GEMM kernel does not take, or None."""
+    if dtype not in INPUT_DTYPES:
+        return f"input dtype {dtype} is not one of {[str(d) for d in INPUT_DTYPES]}"
+    if out_dtype not in OUT_DTYPES:
+        return f"output dtype {out_dtype} is not one of {[str(d) for d in OUT_DTYPES]}"
+    return None
+
+
+def input_precision(dtype: torch.dtype) -> str:
+    """tl.dot's ``input_precision`` for ``dtype`` operands, read at each launch (the setting can
+    change between calls): fp32 operands use tf32 only where torch itself would, so results match
+    torch.mm. 16-bit and fp8 operands ignore it; "tf32" is Triton's default for them."""
+    if dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32:
+        return "ieee"
+    return "tf32"
+
+
+def _check_scale(name: str, s: torch.Tensor, device: torch.device) -> None:
+    if s.numel() != 1 or s.dtype != torch.float32 or s.device != device:
+        raise ValueError(f"{name}: expected a one-element float32 tensor on {device}, got "
+                         f"shape {tuple(s.shape)} {s.dtype} on {s.device}; "
+                         f"pass e.g. torch.tensor([s], dtype=torch.float32, "
+                         f"device={str(device)!r})")
+
+
+def validate_gemm_args(
+    kernel_name: str,
+    x: torch.Tensor,  # (M, K)
+    w: torch.Tensor,  # (N, K)
+    bias: torch.Tensor | None,  # (N,)
+    out_dtype: torch.dtype | None,
+    scale_a: torch.Tensor | None,  # (1,) fp32
+    scale_b: torch.Tensor | None,  # (1,) fp32
+    out: torch.Tensor | None,  # (M, N)
+) -> tuple[int, int, int, torch.dtype, torch.Tensor]:
+    """Check the operands of ``y = (x @ w.T) * scale_a * scale_b + bias`` for a Triton kernel;
+    return ``(M, N, K, out_dtype, out)`` with ``out_dtype`` defaulted (``x.dtype``, bf16 for fp8
+    inputs) and ``out`` allocated when not given. Errors start with ``kernel_name``."""
+    if x.dim() != 2 or w.dim() != 2:
+        raise ValueError(f"{kernel_name}: expected x (M, K) and w (N, K), got x {tuple(x.shape)} "
+                         f"and w {tuple(w.shape)}; reshape batched inputs to 2-D first")
+    M, K = x.shape
+    N, Kw = w.shape
+    if K != Kw:
+        raise ValueError(f"{kernel_name}: x is (M={M}, K={K}) but w is (N={N}, K={Kw}); "
+                         f"w must be (N, K) (pass w, not w.T)")
+    if x.dtype != w.dtype or x.dtype not in INPUT_DTYPES:
+        raise TypeError(f"{kernel_name}: x {x.dtype} and w {w.dtype} must share one dtype of "
+                        f"{[str(d) for d in INPUT_DTYPES]}")
+    if w.device != x.device:
+        raise ValueError(f"{kernel_name}: x is on {x.device} but w is on {w.device}; "
+                         f"move both to one device")
+    if x.device.type != "cuda" and not INTERPRETED:
+        raise ValueError(f"{kernel_name}: tensors on {x.device} need TRITON_INTERPRET=1, set "
+                         f"before gemmtune's triton kernels are imported; or move them to a "
+                         f"CUDA device")
+    if (scale_a is None) != (scale_b is None):
+        raise ValueError(f"{kernel_name}: pass both scale_a and scale_b or neither")
+    if scale_a is not None:
+        _check_scale("scale_a", scale_a, x.device)
+        _check_scale("scale_b", scale_b, x.device)
+    elif x.dtype in FP8_DTYPES:
+        raise ValueError(f"{kernel_name}: {x.dtype} inputs need per-tensor scale_a and scale_b; "
+                         f"pass torch.ones(1, device=...) for unscaled values")
+    if out_dtype is None:
+        out_dtype = torch.bfloat16 if x.dtype in FP8_DTYPES else x.dtype
+    if out_dtype not in OUT_DTYPES:
+        raise TypeError(f"{kernel_name}: out_dtype {out_dtype} not supported; "
+                        f"use one of {[str(d) for d in OUT_DTYPES]}")
+    if bias is not None:
+        if bias.shape != (N,) or not bias.is_floating_point() or bias.device != x.device:
+            raise ValueError(f"{kernel_name}: bias must be a float (N={N},) tensor on "
+                             f"{x.device}, got shape {tuple(bias.shape)} {bias.dtype} on "
+                             f"{bias.device}")
+    if out is None:
+        out = torch.empty((M, N), dtype=out_dtype, device=x.device)
+    elif out.shape != (M, N) or out.dtype != out_dtype or out.device != x.device:
+        raise ValueError(f"{kernel_name}: out must be ({M}, {N}) {out_dtype} on {x.device}, got "
+                         f"{tuple(out.shape)} {out.dtype} on {out.device}")
+    return M, N, K, out_dtype, out
+
+
+def fitting_config(kernel_name: str, config, default_config, why_not_fits,
+                   M: int, N: int, K: int, dtype: torch.dtype):
+    """``config``, or the family's ``default_config`` when None; ValueError if ``config`` breaks
+    one of the family's ``why_not_fits`` constraints (the default is trusted: tests check it)."""
+    if config is None:
+        return default_config(M, N, K, dtype)
+    problem = why_not_fits(config, M, N, K, dtype)
+    if problem is not None:
+        raise ValueError(f"{kernel_name}: {config.name} does not fit (M={M}, N={N}, K={K}, "
+                         f"{dtype}): {problem}")
+    return config

@@ -1,0 +1,246 @@
+"""What the GEMM kernel tests share: the fp32 reference check with its tolerance table, seeded
+input makers, NaN-poisoned outputs, and the checks every validating launcher (``gemm_tile``,
+``gemm_splitk``) must pass the same way. Imported by the test files as ``from gemm_checks import``.
+
+The checks below the primitives take the launcher, ``launch(x, w, bias=, out_dtype=, scale_a=,
+scale_b=, config=, out=)``, and assert; ``LAUNCHER_CHECKS`` are those that need nothing else, which
+each launcher's test file runs as one parametrized test.
+"""
+
+import pytest
+import torch
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+# Error bound: |y - ref| <= TOLERANCES[out_dtype] * |ref| + ACC_EPS * (K + 2) * mag, where
+# mag = |x| @ |w|.T (times |scales|) + |bias|. Bounding by mag and not just |ref| is what makes it
+# hold where cancellation makes |ref| small.
+# fp32 accumulation: a dot of length K takes K - 1 additions in any order, split over K or not
+# (split-K regroups them into per-split sums and a sum of partials; adding a zero partial is
+# exact); each rounds by at most 2^-24 of the running magnitude, in the kernel and in the torch
+# reference alike, plus the scale multiply and bias add: 2 * 2^-24 * (K + 2) * mag.
+# Inputs need no term: the reference uses the very same rounded inputs, upcast exactly.
+ACC_EPS = 2 * 2**-24
+TOLERANCES = {
+    # Round-to-nearest of the output: half an ulp = 2^-p relative for p significand bits.
+    torch.float32: 2**-24,  # p = 24; the fp32 output is the accumulator itself
+    torch.float16: 2**-11,  # p = 11
+    torch.bfloat16: 2**-8,  # p = 8
+}
+
+DTYPE_PAIRS = [  # (input dtype, output dtype)
+    (torch.bfloat16, torch.bfloat16),
+    (torch.float16, torch.float16),
+    (torch.float32, torch.float32),
+    (torch.bfloat16, torch.float32),
+    (torch.float16, torch.bfloat16),
+]
+
+# Per-tensor scales of the fp8 tests, and their product, which the reference multiplies by.
+SCALE_A, SCALE_B = 0.37, 1.9
+FP8_SCALE = SCALE_A * SCALE_B
+
+
+def generator(seed):
+    return torch.Generator(device=DEVICE).manual_seed(seed)
+
+
+def randn(*shape, gen, dtype=torch.float32):
+    return torch.randn(*shape, generator=gen, device=DEVICE).to(dtype)
+
+
+def poisoned(M, N, dtype):
+    """An (M, N) output full of NaN: any element the kernel does not write shows up."""
+    return torch.full((M, N), float("nan"), dtype=dtype, device=DEVICE)
+
+
+def fp8_operands(M, N, K, gen):
+    """e4m3fn x and w spread over the format's range (|x| up to ~160, |w| up to ~12) and the
+    one-element fp32 scales ``SCALE_A``, ``SCALE_B``: ``(x8, w8, scale_a, scale_b)``."""
+    x8 = (randn(M, K, gen=gen) * 40).to(torch.float8_e4m3fn)
+    w8 = (randn(N, K, gen=gen) * 3).to(torch.float8_e4m3fn)
+    scale_a = torch.tensor([SCALE_A], device=DEVICE)
+    scale_b = torch.tensor([SCALE_B], device=DEVICE)
+    return x8, w8, scale_a, scale_b
+
+
+def layouts(M, N, K, dtype, gen):
+    """x and w as transposed views and strided slices of larger tensors: no contiguous copies."""
+    x_t = randn(K, M, gen=gen, dtype=dtype).T  # strides (1, M)
+    x_s = randn(M, 2 * K + 3, gen=gen, dtype=dtype)[:, 1:2 * K + 1:2]  # strides (2K+3, 2)
+    w_t = randn(K, N, gen=gen, dtype=dtype).T  # strides (1, N)
+    w_s = randn(2 * N, K + 5, gen=gen, dtype=dtype)[::2, 3:K + 3]  # strides (2(K+5), 1)
+    return {"x_t": x_t, "x_s": x_s}, {"w_t": w_t, "w_s": w_s}
+
+
+def assert_matches_reference(y, x, w, bias=None, scale=1.0):
+    """Every element written, and within the TOLERANCES bound of the fp32 reference."""
+    assert not torch.isnan(y).any(), f"{int(torch.isnan(y).sum())} of {y.numel()} outputs unwritten"
+    xf, wf = x.float(), w.float()
+    ref = (xf @ wf.T) * scale
+    mag = (xf.abs() @ wf.abs().T) * abs(scale)
+    if bias is not None:
+        ref = ref + bias.float()
+        mag = mag + bias.float().abs()
+    bound = TOLERANCES[y.dtype] * ref.abs() + ACC_EPS * (x.shape[1] + 2) * mag
+    err = (y.float() - ref).abs()
+    worst = int((err - bound).argmax())
+    assert (err <= bound).all(), (
+        f"max excess at flat index {worst}: |y - ref| = {err.flatten()[worst]:.3g} > bound "
+        f"{bound.flatten()[worst]:.3g} (ref {ref.flatten()[worst]:.4g}, "
+        f"y {y.flatten()[worst]:.4g})")
+
+
+def assert_within_torch_error(y, x, w, what=""):
+    """Also within twice torch's own bf16 error: both round one fp32 accumulator to bf16."""
+    ref = x.float() @ w.float().T
+    torch_err = (torch.mm(x, w.T).float() - ref).abs().max()
+    assert (y.float() - ref).abs().max() <= 2 * torch_err, what
+
+
+def name_round_trip(config, prefix):
+    assert config.name.startswith(prefix + ":")
+    assert type(config).from_name(config.name) == config
+
+
+def assert_bad_name(parse, name, says, form):
+    """``parse(name)`` raises ValueError saying what is wrong (``says``) and the accepted form."""
+    with pytest.raises(ValueError) as info:
+        parse(name)
+    message = str(info.value)
+    assert says in message
+    assert form in message
+
+
+# --- checks every validating launcher passes ------------------------------------------------
+
+
+def default_out_dtype_and_config(launch):
+    gen = generator(1)
+    x, w = randn(13, 70, gen=gen, dtype=torch.bfloat16), randn(65, 70, gen=gen,
+                                                               dtype=torch.bfloat16)
+    y = launch(x, w)
+    assert y.dtype == torch.bfloat16 and y.shape == (13, 65)
+    assert_matches_reference(y, x, w)
+
+
+def ragged_shape(launch, M, N, K, dtype, out_dtype, with_bias, config):
+    gen = generator(M * 1000 + N + K)
+    x, w = randn(M, K, gen=gen, dtype=dtype), randn(N, K, gen=gen, dtype=dtype)
+    bias = randn(N, gen=gen, dtype=dtype) if with_bias else None
+    y = launch(x, w, bias=bias, out_dtype=out_dtype, config=config,
+               out=poisoned(M, N, out_dtype))
+    assert_matches_reference(y, x, w, bias)
+
+
+def non_contiguous_inputs(launch, M, N, K, dtype, x_kind, w_kind, config):
+    xs, ws = layouts(M, N, K, dtype, generator(3))
+    x, w = xs[x_kind], ws[w_kind]
+    assert not x.is_contiguous() and not w.is_contiguous()
+    y = launch(x, w, config=config, out=poisoned(M, N, dtype))
+    assert_matches_reference(y, x, w)
+
+
+def non_contiguous_output(launch, config):
+    gen = generator(4)
+    x, w = randn(13, 70, gen=gen, dtype=torch.float16), randn(65, 70, gen=gen,
+                                                              dtype=torch.float16)
+    out = torch.full((65, 13), float("nan"), dtype=torch.float16, device=DEVICE).T
+    y = launch(x, w, config=config, out=out)
+    assert y.data_ptr() == out.data_ptr()
+    assert_matches_reference(y, x, w)
+
+
+def fp8_per_tensor_scaled(launch, M, N, K, out_dtype, config):
+    gen = generator(6)
+    x8, w8, scale_a, scale_b = fp8_operands(M, N, K, gen)
+    bias = randn(N, gen=gen, dtype=torch.bfloat16)
+    y = launch(x8, w8, bias=bias, out_dtype=out_dtype, scale_a=scale_a, scale_b=scale_b,
+               config=config, out=poisoned(M, N, out_dtype))
+    assert_matches_reference(y, x8, w8, bias, scale=FP8_SCALE)
+
+
+def fp8_defaults_to_bf16_output(launch):
+    gen = generator(7)
+    x8 = randn(1, 33, gen=gen).to(torch.float8_e4m3fn)
+    w8 = randn(17, 33, gen=gen).to(torch.float8_e4m3fn)
+    one = torch.ones(1, device=DEVICE)
+    y = launch(x8, w8, scale_a=one, scale_b=one)
+    assert y.dtype == torch.bfloat16
+    assert_matches_reference(y, x8, w8)
+
+
+def empty_k_gives_bias(launch):
+    gen = generator(8)
+    x = torch.empty(13, 0, dtype=torch.float16, device=DEVICE)
+    w = torch.empty(17, 0, dtype=torch.float16, device=DEVICE)
+    bias = randn(17, gen=gen)
+    y = launch(x, w, bias=bias, out=poisoned(13, 17, torch.float16))
+    assert torch.equal(y, bias.to(torch.float16).expand(13, 17))
+
+
+def empty_m_returns_empty(launch):
+    x = torch.empty(0, 32, dtype=torch.bfloat16, device=DEVICE)
+    w = torch.ones(16, 32, dtype=torch.bfloat16, device=DEVICE)
+    assert launch(x, w).shape == (0, 16)
+
+
+def deterministic(launch, M, N, K, config):
+    gen = generator(9)
+    x, w = randn(M, K, gen=gen, dtype=torch.bfloat16), randn(N, K, gen=gen, dtype=torch.bfloat16)
+    assert torch.equal(launch(x, w, config=config), launch(x, w, config=config))
+
+
+def rejects_bad_arguments(launch):
+    bf = dict(dtype=torch.bfloat16, device=DEVICE)
+    x, w = torch.ones(4, 32, **bf), torch.ones(8, 32, **bf)
+    with pytest.raises(ValueError, match="pass w, not w.T"):
+        launch(x, torch.ones(32, 8, **bf))
+    with pytest.raises(ValueError, match=r"expected x \(M, K\)"):
+        launch(x[None], w)
+    with pytest.raises(TypeError, match="share one dtype"):
+        launch(x, w.half())
+    with pytest.raises(TypeError, match="share one dtype"):
+        launch(x.double(), w.double())
+    with pytest.raises(TypeError, match="out_dtype"):
+        launch(x, w, out_dtype=torch.float64)
+    with pytest.raises(ValueError, match="bias must be"):
+        launch(x, w, bias=torch.ones(4, **bf))
+    with pytest.raises(ValueError, match="out must be"):
+        launch(x, w, out=torch.empty(8, 4, **bf))
+    with pytest.raises(ValueError, match="both scale_a and scale_b"):
+        launch(x, w, scale_a=torch.ones(1, device=DEVICE))
+    with pytest.raises(ValueError, match="one-element float32"):
+        launch(x, w, scale_a=torch.ones(2, device=DEVICE), scale_b=torch.ones(1, device=DEVICE))
+    x8 = x.to(torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="need per-tensor scale_a and scale_b"):
+        launch(x8, w.to(torch.float8_e4m3fn))
+
+
+def cuda_graph_replay_on_new_data(launch, M, N, K):
+    """Capture one call with bias, then replay it on new x: the output must follow (GPU only)."""
+    gen = generator(10)
+    static_x = randn(M, K, gen=gen, dtype=torch.bfloat16)
+    w = randn(N, K, gen=gen, dtype=torch.bfloat16)
+    bias = randn(N, gen=gen, dtype=torch.bfloat16)
+    # Compile outside the capture: capture must see only allocations and launches.
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        launch(static_x, w, bias=bias)
+    torch.cuda.current_stream().wait_stream(side)
+
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_y = launch(static_x, w, bias=bias)
+    for seed in (11, 12):
+        new_x = randn(M, K, gen=generator(seed), dtype=torch.bfloat16)
+        static_x.copy_(new_x)
+        static_y.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_matches_reference(static_y, new_x, w, bias)
+
+
+LAUNCHER_CHECKS = (default_out_dtype_and_config, fp8_defaults_to_bf16_output, empty_k_gives_bias,
+                   empty_m_returns_empty, rejects_bad_arguments)
