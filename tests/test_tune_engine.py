@@ -251,3 +251,22 @@ def test_refused_key_fails_that_shape_only(tmp_path):
     assert summary.tuned == 1 and len(summary.failed) == 1 and summary.exit_code == 1
     assert "bpreshuffle=True: no bf16 kernel here gains from a pre-packed weight layout" in \
         out.getvalue()
+
+
+def test_run_config_benchmarks_the_op_from_the_table(tmp_path, capsys):
+    import torch
+
+    from gemmtune.cli import main
+
+    if torch.cuda.is_available():
+        pytest.skip("checks the CPU path")
+    table = tmp_path / "tuned.csv"
+    table.write_text(
+        "arch,cu_num,M,N,K,bias,dtype,outdtype,scaleAB,bpreshuffle,us,kernelName\n"
+        "cpu,0,4,64,32,False,bf16,bf16,False,False,1.0,torch.linear\n"
+        "cpu,0,16,64,32,False,bf16,bf16,False,False,1.0,torch.linear\n")
+    assert main(["tune", "bf16", "--run_config", "-i", str(table), "-o",
+                 str(tmp_path / "rc")]) == 0
+    out = capsys.readouterr().out
+    assert out.count(" exact ") == 2  # both shapes dispatched from the table's own rows
+    assert (tmp_path / "rc" / "bench_bf16.csv").exists()

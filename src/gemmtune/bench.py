@@ -1,8 +1,8 @@
 """``gemmtune bench bf16``: tuned vs torch vs the roofline, per shape, in one run on one device.
 
 For every shape: torch's default (``F.linear``) and the tuned op (``gemm_a16w16`` through the
-tables in force) are timed the same way (CUDA-graph replay over weight copies larger than L2, i.e.
-cold weights as in decode); the tuned output is checked against an fp32 reference; the floor is
+tables in force) are timed the same way, in alternation (CUDA-graph replay over weight copies
+larger than L2, i.e. cold weights as in decode); the tuned output is checked against an fp32 reference; the floor is
 max(FLOPs / peak, bytes / bandwidth) with both ceilings measured in the same run (bandwidth as a
 streaming read, which a GEMM's weight read is; a copy's read+write rate would overstate the floor).
 """
@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from gemmtune.device import current_device
 from gemmtune.kernels.torch_ref import gemm_a16w16_ref
 from gemmtune.ops.gemm_a16w16 import DISPATCH, gemm_a16w16
-from gemmtune.tune.timing import copies_to_exceed_l2, graph_replay_us
+from gemmtune.tune.timing import copies_to_exceed_l2, interleaved_graph_us
 
 # ||out - ref|| / ||ref|| bounds by output dtype (bf16 rounding is 2^-9 relative per element).
 REL_NORM_BOUND = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-4}
@@ -106,8 +106,8 @@ def _time_pair(x, w, dtype) -> tuple[float, float]:
 
         return wall(lambda: F.linear(x, w)), wall(lambda: gemm_a16w16(x, w))
     sets = [(x, w.clone()) for _ in range(copies_to_exceed_l2(w.numel() * w.element_size()))]
-    torch_us = graph_replay_us(lambda s: F.linear(*s), sets)[0]
-    tuned_us = graph_replay_us(lambda s: gemm_a16w16(*s), sets)[0]
+    (torch_us, _), (tuned_us, _) = interleaved_graph_us(
+        [lambda s: F.linear(*s), lambda s: gemm_a16w16(*s)], sets)
     return torch_us, tuned_us
 
 

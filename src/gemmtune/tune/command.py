@@ -27,7 +27,7 @@ def _libtypes(text: str) -> frozenset[str]:
 def add_tune_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-i", "--untune_file", "--input_file", dest="input", required=True,
                    metavar="CSV", help="shapes to tune (an untuned CSV: key columns)")
-    p.add_argument("-o", "--tune_file", "--tuned_file", dest="output", required=True,
+    p.add_argument("-o", "--tune_file", "--tuned_file", dest="output",
                    metavar="CSV", help="tuned table to write; rows already there are kept and "
                                        "their shapes skipped unless --all")
     p.add_argument("-o2", "--profile_file", dest="profile", metavar="CSV",
@@ -61,9 +61,15 @@ def add_tune_arguments(p: argparse.ArgumentParser) -> None:
                         "faster by --min_improvement_pct")
     p.add_argument("--min_improvement_pct", type=float, default=3.0, metavar="P",
                    help="gain needed by --update_improved (default 3)")
+    p.add_argument("--run_config", action="store_true",
+                   help="instead of tuning, benchmark the production op with -i as its only "
+                        "table (a tuned table): each row's shape against torch and the roofline "
+                        "(gemmtune bench); -o names the result folder (default out/run_config)")
 
 
 def config_from_args(args: argparse.Namespace) -> TuneConfig:
+    if not args.output:
+        raise ValueError("-o/--tune_file is required: the tuned table to write")
     gpus = default_gpus()
     workers = args.mp if args.mp is not None else max(1, len(gpus))
     if workers < 1 or args.batch < 1 or args.timeout <= 0 or args.iters < 1:
@@ -83,4 +89,33 @@ def config_from_args(args: argparse.Namespace) -> TuneConfig:
 
 
 def run_tune(factory: Callable, args: argparse.Namespace, out=sys.stderr) -> int:
+    if getattr(args, "run_config", False):
+        return run_config(factory, args)
     return Tuner(factory, config_from_args(args), out=out).run().exit_code
+
+
+def run_config(factory: Callable, args: argparse.Namespace) -> int:
+    """``--run_config``: the op as production runs it, dispatched from the table ``-i`` alone."""
+    import os
+
+    import torch
+
+    from gemmtune.bench import run_bench
+    from gemmtune.ops import reset
+    from gemmtune.tables.schema import schema_for
+    from gemmtune.tables.store import read_table
+
+    schema = schema_for(factory.family)
+    rows = read_table(args.input, schema).rows
+    if not rows:
+        raise ValueError(f"{args.input}: no rows to run")
+    dtypes = {r.key[4] for r in rows}
+    if len(dtypes) != 1 or dtypes != {"torch.bfloat16"}:
+        raise ValueError(f"{args.input}: --run_config benchmarks bf16 rows only; found "
+                         f"{', '.join(sorted(dtypes))}")
+    os.environ[schema.env_names[0]] = f"replace:{Path(args.input).resolve()}"
+    reset()
+    shapes = sorted({("row", r.key[0], r.key[1], r.key[2]) for r in rows},
+                    key=lambda s: (s[2], s[3], s[1]))
+    return run_bench(shapes, torch.bfloat16, Path(args.output or "out/run_config"),
+                     f"{args.input} (run_config)")
