@@ -70,6 +70,9 @@ def test_every_fault_is_recorded_and_the_correct_winner_kept(tmp_path):
     detail = (tmp_path / "prof.csv").read_text()
     assert "killed by signal SIGSEGV" in detail and "killed by signal SIGABRT" in detail
     assert "exited with status 3" in detail and "no answer within 4 s" in detail
+    with open(tmp_path / "prof.csv") as f:
+        seconds = {r["kernelName"]: float(r["seconds"]) for r in csv.DictReader(f)}
+    assert 4.0 <= seconds["fault.hang"] < 10.0  # waited for the timeout, not longer
 
 
 def test_known_crashers_are_skipped_on_a_rerun(tmp_path):
@@ -209,6 +212,23 @@ def test_two_tuners_writing_one_output_lose_no_rows(tmp_path):
     procs = [_runner(["-i", str(p), "-o", str(out), "--batch", "1"]) for p in (a, b)]
     assert [p.wait(300) for p in procs] == [0, 0]
     assert sorted(r[0][0] for r in rows(out)) == [*range(1, 7), *range(101, 107)]
+
+
+def test_progress_bar_on_a_terminal():
+    from gemmtune.tune.progress import Progress
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    term = Terminal()
+    progress = Progress(2, "tune bf16", term)
+    progress.update("M=1", ok=True)
+    progress.note("FAILED M=2: no candidate passed")
+    progress.update("M=2", ok=False)
+    text = term.getvalue()
+    assert text.count("\r") == 2 and "[###############...............] 1/2" in text
+    assert "2/2 (1 failed)" in text and "\nFAILED M=2" in text and text.endswith("\n")
 
 
 def test_plain_progress_lines_without_a_terminal(tmp_path, monkeypatch):

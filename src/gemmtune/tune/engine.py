@@ -221,6 +221,7 @@ class Tuner:
 
     def _call_candidate(self, worker: Worker, device: str, key: tuple, name: str, method: str,
                         seed: int) -> Evaluation:
+        started = time.monotonic()
         try:
             ev = worker.call(method, key, name, seed, self.config.options,
                              timeout=self.config.timeout)
@@ -228,6 +229,7 @@ class Tuner:
             ev = Evaluation(name, e.status, detail=e.detail)
         except RuntimeError as e:  # the worker's own plumbing failed: treat as a crash
             ev = Evaluation(name, Status.crash, detail=str(e))
+        ev.seconds = time.monotonic() - started
         if ev.status in CRASHING or ev.fatal:
             self.memo.add(device, key, name, f"{ev.status.value}: {ev.detail}")
             self._recover(worker)

@@ -52,6 +52,7 @@ class Evaluation:
     spread: float = 0.0  # (p90 - p10) / median of the timed repetitions
     detail: str = ""
     fatal: bool = False  # the worker's CUDA context is unusable afterwards: replace it
+    seconds: float = 0.0  # wall time of the evaluation as the tuner saw it (compile included)
 
     @property
     def ok(self) -> bool:

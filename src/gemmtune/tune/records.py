@@ -48,7 +48,8 @@ class CrashMemo:
                 f.write(line)
 
 
-PROFILE_COLUMNS = ("kernelName", "status", "us", "spread", "err_ratio", "rel_err", "detail")
+PROFILE_COLUMNS = ("kernelName", "status", "us", "spread", "err_ratio", "rel_err", "seconds",
+                   "detail")
 
 
 class ProfileLog:
@@ -64,7 +65,8 @@ class ProfileLog:
         writer = csv.writer(out, lineterminator="\n")
         for ev in evaluations:
             writer.writerow([*device, *key, ev.name, ev.status.value, _num(ev.us),
-                             _num(ev.spread), _num(ev.err_ratio), _num(ev.rel_err), ev.detail])
+                             _num(ev.spread), _num(ev.err_ratio), _num(ev.rel_err),
+                             format(ev.seconds, ".3f"), ev.detail])
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with lock_for(self.path):
             new = not self.path.exists() or self.path.stat().st_size == 0
