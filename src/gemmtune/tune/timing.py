@@ -21,22 +21,7 @@ def graph_replay_us(fn: Callable, inputs: Sequence, replays: int = 20) -> tuple[
     """Median and spread ((p90-p10)/median) of the GPU time per call of ``fn(inp)``, captured once
     per input set into one CUDA graph and replayed: no host launch cost, cold operands when the
     input sets together exceed L2. ``fn`` must be warm (compiled, planned) before the capture."""
-    fn(inputs[0])
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for inp in inputs:
-            fn(inp)
-    graph.replay()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / len(inputs))
-    return _median_spread(times)
+    return interleaved_graph_us([fn], inputs, rounds=1, replays=replays)[0]
 
 
 def interleaved_graph_us(fns: Sequence[Callable], inputs: Sequence, rounds: int = 5,
