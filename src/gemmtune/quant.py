@@ -1,0 +1,329 @@
+"""Quantisation helpers: produce the FP8 / INT8 inputs of the a8w8 ops, and their fp32 references.
+
+Schemes (``QuantType`` is their spelling in tables and on the command line), for t (..., M, K):
+
+    per_tensor_fp8/int8(t)           scale ()                            QuantType.per_Tensor
+    per_token_fp8/int8(x)            scale (..., M, 1)                   QuantType.per_Token
+    per_channel_fp8/int8(w)          scale (..., N, 1)                   QuantType.per_Token
+    per_block_fp8(x, ACT_BLOCK)      scale (..., M, ceil(K/128))         QuantType.per_1x128
+    per_block_fp8(w, WEIGHT_BLOCK)   scale (..., ceil(N/128), ceil(K/128))  QuantType.per_128x128
+
+Conventions shared by every function here:
+
+* A scale is float32 and is the *dequantisation* multiplier: ``t ~= q.float() * scale``. It is
+  ``amax / qmax`` of its group (qmax = 448 for e4m3fn, 127 for int8), with amax floored at
+  ``AMAX_FLOOR`` so an all-zero group gets a finite scale and quantises to zeros.
+* Quantising divides by the scale in fp32 and rounds once, as the hardware converts:
+  FP8 is ``cvt.rn.satfinite`` (nearest even, saturate to +-448, NaN stays NaN);
+  INT8 is ``cvt.rni`` then saturation to the *symmetric* range [-127, 127].
+  A kernel that multiplies by a precomputed ``1 / scale`` instead of dividing may land one step
+  away on rare exact ties; compare such kernels to these references with that allowance.
+* Non-finite inputs: FP8 propagates them. A NaN or +-Inf makes its group's amax, hence its scale,
+  NaN or Inf, so the whole group (row, block or tensor) dequantises to NaN: loud, never a silently
+  wrong finite number, and with no host sync. (A kernel's max-reduction must propagate NaN to
+  match, e.g. ``tl.maximum(..., propagate_nan=tl.PropagateNan.ALL)``; CUDA's ``fmaxf`` drops NaN.)
+  INT8 has no NaN to carry it, so the int8 functions raise ValueError instead (a host sync).
+* Inputs are bf16, fp16 or fp32 (exactly representable in fp32, so the one fp32 rounding is the
+  only one); any strides. Outputs are contiguous.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from gemmtune.tables.values import QuantType
+
+__all__ = [
+    "AMAX_FLOOR", "FP8_DTYPE", "FP8_MAX", "INT8_MAX", "ACT_BLOCK", "WEIGHT_BLOCK", "BLOCK_SHAPES",
+    "per_tensor_fp8", "per_token_fp8", "per_channel_fp8", "per_block_fp8",
+    "per_tensor_int8", "per_token_int8", "per_channel_int8",
+    "quantize_fp8", "quantize_int8", "dequant", "dequant_per_block",
+    "quantize", "dequantize",
+]
+
+FP8_DTYPE = torch.float8_e4m3fn  # Hopper's FP8 compute format (no e4m3fnuz on NVIDIA)
+FP8_MAX = 448.0  # largest finite e4m3fn: 1.75 * 2**8 (e4m3fn has no Inf; S.1111.111 is NaN)
+# Symmetric int8: -128 is never produced, so -q is always representable and amax maps to +-127
+# whichever its sign.
+INT8_MAX = 127.0
+
+# Floor on amax. 1e-12 keeps the scale (>= 2.2e-15 for FP8) a normal fp32 number whose reciprocal
+# (<= 4.5e14) is finite, so a kernel that multiplies by 1/scale never meets Inf or a flushed
+# denormal. The price: a group whose every |value| is below 1e-12 quantises relative to 1e-12
+# (and mostly to zeros); next to real activations (~1e-3 .. 1e3) such a group is zero anyway.
+AMAX_FLOOR = 1e-12
+
+ACT_BLOCK = (1, 128)  # activations: one scale per token per 128 of K (DeepSeek-V3 style)
+WEIGHT_BLOCK = (128, 128)  # weights: one scale per 128x128 tile of (N, K)
+BLOCK_SHAPES: dict[QuantType, tuple[int, int]] = {
+    QuantType.per_1x128: ACT_BLOCK,
+    QuantType.per_128x128: WEIGHT_BLOCK,
+}
+
+_INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_QMAX: dict[torch.dtype, float] = {FP8_DTYPE: FP8_MAX, torch.int8: INT8_MAX}
+
+
+# --------------------------------------------------------------------------------------------
+# Validation
+# --------------------------------------------------------------------------------------------
+
+def _check_input(t: torch.Tensor, what: str, min_ndim: int) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{what}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in _INPUT_DTYPES:
+        hint = " (it is already quantised)" if t.dtype in _QMAX else ""
+        raise ValueError(
+            f"{what}: expected a bf16, fp16 or fp32 tensor, got {t.dtype}{hint}; "
+            f"cast with .to(torch.bfloat16) or .float() first")
+    if t.ndim < min_ndim:
+        shape = {1: "(..., K)", 2: "(..., N, K)"}[min_ndim]
+        raise ValueError(f"{what}: expected a tensor of shape {shape} (at least {min_ndim}-D), "
+                         f"got shape {tuple(t.shape)}")
+    if t.ndim and t.shape[-1] == 0:
+        raise ValueError(f"{what}: the last dimension (K) is 0; there is nothing to quantise "
+                         f"along it (got shape {tuple(t.shape)})")
+
+
+def _check_finite_for_int8(t: torch.Tensor, what: str) -> None:
+    # int8 has no NaN/Inf: a NaN would become an arbitrary integer. One host sync per call.
+    if not bool(torch.isfinite(t).all()):
+        raise ValueError(f"{what}: input has NaN or Inf, which int8 cannot represent; "
+                         f"find where it came from, or quantise to FP8 (which propagates NaN)")
+
+
+def _check_scale(scale: torch.Tensor, shape: torch.Size, what: str) -> None:
+    if not isinstance(scale, torch.Tensor) or scale.dtype != torch.float32:
+        got = scale.dtype if isinstance(scale, torch.Tensor) else type(scale).__name__
+        raise ValueError(f"{what}: scale must be a float32 tensor, got {got}")
+    ok = scale.ndim <= len(shape) and all(
+        s in (1, n) for s, n in zip(reversed(scale.shape), reversed(shape)))
+    if not ok:
+        raise ValueError(
+            f"{what}: scale of shape {tuple(scale.shape)} does not broadcast to the data's shape "
+            f"{tuple(shape)}; expected () per tensor or (..., M, 1) per row "
+            f"(block scales go to dequant_per_block)")
+
+
+def _check_block(block: tuple[int, int]) -> tuple[int, int]:
+    if (not isinstance(block, (tuple, list)) or len(block) != 2
+            or not all(isinstance(b, int) and b > 0 for b in block)):
+        raise ValueError(f"block must be two positive ints (rows, cols), e.g. {ACT_BLOCK} for "
+                         f"activations or {WEIGHT_BLOCK} for weights; got {block!r}")
+    return int(block[0]), int(block[1])
+
+
+def _check_quantised(q: torch.Tensor, what: str) -> None:
+    if not isinstance(q, torch.Tensor) or q.dtype not in _QMAX:
+        got = q.dtype if isinstance(q, torch.Tensor) else type(q).__name__
+        raise ValueError(f"{what}: expected a float8_e4m3fn or int8 tensor, got {got}")
+
+
+# --------------------------------------------------------------------------------------------
+# The two conversions (given a scale) and the scale rule
+# --------------------------------------------------------------------------------------------
+
+def _scale_from_amax(amax: torch.Tensor, qmax: float) -> torch.Tensor:
+    # clamp keeps NaN (a NaN group stays loud); the division is correctly rounded fp32.
+    return amax.float().clamp(min=AMAX_FLOOR) / qmax
+
+
+def _saturating_fp8(v: torch.Tensor) -> torch.Tensor:  # v fp32, in scaled units
+    # cvt.rn.satfinite: torch's cast rounds to nearest even, but whether it saturates or gives
+    # NaN for |v| > 448 depends on the torch version and device, so clamp first. clamp maps
+    # +-Inf to +-448 (as satfinite does) and keeps NaN.
+    return v.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
+def _saturating_int8(v: torch.Tensor) -> torch.Tensor:  # v fp32, finite, in scaled units
+    # torch.round is round-half-to-even (cvt.rni); clamp after rounding so 127.4 -> 127 and
+    # 127.6 -> 128 -> 127 both saturate to the symmetric bound.
+    return torch.round(v).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
+
+
+def quantize_fp8(t: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``t / scale`` rounded to e4m3fn, saturating at +-448: static quantisation with a given
+    (e.g. calibrated) float32 scale of shape () or broadcastable per row. NaN stays NaN."""
+    _check_input(t, "quantize_fp8", min_ndim=0)
+    _check_scale(scale, t.shape, "quantize_fp8")
+    return _saturating_fp8(t.float() / scale).contiguous()
+
+
+def quantize_int8(t: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``t / scale`` rounded half-to-even to int8, saturating at +-127; raises on NaN/Inf."""
+    _check_input(t, "quantize_int8", min_ndim=0)
+    _check_scale(scale, t.shape, "quantize_int8")
+    _check_finite_for_int8(t, "quantize_int8")
+    return _saturating_int8(t.float() / scale).contiguous()
+
+
+# --------------------------------------------------------------------------------------------
+# Per tensor and per row (token / channel)
+# --------------------------------------------------------------------------------------------
+
+def _per_tensor(t: torch.Tensor, q_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    tf = t.float()
+    # amax of an empty tensor (an expert that got no tokens) is 0: the floor gives its scale.
+    amax = tf.abs().amax() if tf.numel() else tf.new_zeros(())
+    scale = _scale_from_amax(amax, _QMAX[q_dtype])
+    cast = _saturating_fp8 if q_dtype == FP8_DTYPE else _saturating_int8
+    return cast(tf / scale).contiguous(), scale
+
+
+def _per_row(t: torch.Tensor, q_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    tf = t.float()
+    scale = _scale_from_amax(tf.abs().amax(dim=-1, keepdim=True), _QMAX[q_dtype])  # (..., 1)
+    cast = _saturating_fp8 if q_dtype == FP8_DTYPE else _saturating_int8
+    return cast(tf / scale).contiguous(), scale.contiguous()
+
+
+def per_tensor_fp8(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One scale for the whole tensor: ``(q e4m3fn, same shape as t; scale fp32, shape ())``."""
+    _check_input(t, "per_tensor_fp8", min_ndim=0)
+    return _per_tensor(t, FP8_DTYPE)
+
+
+def per_token_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # x (..., M, K)
+    """One scale per row of the activations: ``(xq e4m3fn (..., M, K), scale fp32 (..., M, 1))``."""
+    _check_input(x, "per_token_fp8", min_ndim=1)
+    return _per_row(x, FP8_DTYPE)
+
+
+def per_channel_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # w (..., N, K)
+    """One scale per output row of the weight: ``(wq e4m3fn (..., N, K), scale fp32 (..., N, 1))``.
+    Leading dims are experts (MoE weights (E, N, K))."""
+    _check_input(w, "per_channel_fp8", min_ndim=2)
+    return _per_row(w, FP8_DTYPE)
+
+
+def per_tensor_int8(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8, one scale: ``(q int8, same shape as t; scale fp32, shape ())``."""
+    _check_input(t, "per_tensor_int8", min_ndim=0)
+    _check_finite_for_int8(t, "per_tensor_int8")
+    return _per_tensor(t, torch.int8)
+
+
+def per_token_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # x (..., M, K)
+    """Symmetric int8, one scale per row: ``(xq int8 (..., M, K), scale fp32 (..., M, 1))``."""
+    _check_input(x, "per_token_int8", min_ndim=1)
+    _check_finite_for_int8(x, "per_token_int8")
+    return _per_row(x, torch.int8)
+
+
+def per_channel_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # w (..., N, K)
+    """Symmetric int8, one scale per output row:
+    ``(wq int8 (..., N, K), scale fp32 (..., N, 1))``."""
+    _check_input(w, "per_channel_int8", min_ndim=2)
+    _check_finite_for_int8(w, "per_channel_int8")
+    return _per_row(w, torch.int8)
+
+
+# --------------------------------------------------------------------------------------------
+# Per block (FP8 only: 1x128 activations, 128x128 weights)
+# --------------------------------------------------------------------------------------------
+
+def _expand_block_scale(scale: torch.Tensor, shape: torch.Size,
+                        block: tuple[int, int]) -> torch.Tensor:
+    """Block scales (..., ceil(M/bm), ceil(K/bk)) repeated to one per element (..., M, K)."""
+    bm, bk = block
+    m, k = shape[-2], shape[-1]
+    return scale.repeat_interleave(bm, dim=-2)[..., :m, :].repeat_interleave(bk, dim=-1)[..., :k]
+
+
+def per_block_fp8(t: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """One scale per ``block`` = (rows, cols) tile of the last two dims of ``t`` (..., M, K).
+
+    ``per_block_fp8(x, ACT_BLOCK)`` gives activation scales (..., M, ceil(K/128));
+    ``per_block_fp8(w, WEIGHT_BLOCK)`` gives weight scales (..., ceil(N/128), ceil(K/128)).
+    M and K need not be multiples of the block: the last block is partial and its amax covers only
+    its real elements. A 1-D ``t`` (K,) is one row, allowed when the block has one row.
+    Returns ``(q e4m3fn, same shape as t; scale fp32)``.
+    """
+    bm, bk = _check_block(block)
+    if bm == 1 and isinstance(t, torch.Tensor) and t.ndim == 1:
+        q, scale = per_block_fp8(t.unsqueeze(0), block)
+        return q[0], scale[0]
+    _check_input(t, "per_block_fp8", min_ndim=2)
+    *lead, m, k = t.shape
+    mb, kb = math.ceil(m / bm), math.ceil(k / bk)
+    tf = t.float()
+    # Padding |t| with zeros never raises a block's amax (|x| >= 0), so a partial block's amax is
+    # that of its real elements only; NaN still propagates through amax.
+    padded = F.pad(tf.abs(), (0, kb * bk - k, 0, mb * bm - m))
+    amax = padded.reshape(*lead, mb, bm, kb, bk).amax(dim=(-3, -1))  # (..., mb, kb)
+    scale = _scale_from_amax(amax, FP8_MAX).contiguous()
+    q = _saturating_fp8(tf / _expand_block_scale(scale, t.shape, (bm, bk)))
+    return q.contiguous(), scale
+
+
+# --------------------------------------------------------------------------------------------
+# Dequantisation references (fp32)
+# --------------------------------------------------------------------------------------------
+
+def dequant(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``q.float() * scale`` in fp32, for a per-tensor (shape ()) or per-row ((..., M, 1)) scale."""
+    _check_quantised(q, "dequant")
+    _check_scale(scale, q.shape, "dequant")
+    return q.float() * scale
+
+
+def dequant_per_block(q: torch.Tensor, scale: torch.Tensor,
+                      block: tuple[int, int]) -> torch.Tensor:
+    """``q.float()`` times each element's block scale, in fp32 (inverse of ``per_block_fp8``)."""
+    bm, bk = _check_block(block)
+    _check_quantised(q, "dequant_per_block")
+    if bm == 1 and q.ndim == 1 and isinstance(scale, torch.Tensor):
+        return dequant_per_block(q.unsqueeze(0), scale.unsqueeze(0), block)[0]
+    if q.ndim < 2:
+        raise ValueError(f"dequant_per_block: expected q of shape (..., M, K), "
+                         f"got {tuple(q.shape)}")
+    *lead, m, k = q.shape
+    want = (*lead, math.ceil(m / bm), math.ceil(k / bk))
+    if not isinstance(scale, torch.Tensor) or scale.dtype != torch.float32 \
+            or tuple(scale.shape) != want:
+        got = (f"{scale.dtype} {tuple(scale.shape)}" if isinstance(scale, torch.Tensor)
+               else type(scale).__name__)
+        raise ValueError(f"dequant_per_block: for q {tuple(q.shape)} and block {block} expected a "
+                         f"float32 scale of shape {want}, got {got}")
+    return q.float() * _expand_block_scale(scale, q.shape, (bm, bk))
+
+
+# --------------------------------------------------------------------------------------------
+# By QuantType (as a table row or the CLI names the scheme)
+# --------------------------------------------------------------------------------------------
+
+def _quant_type(q_type: QuantType | str) -> QuantType:
+    return q_type if isinstance(q_type, QuantType) else QuantType.from_str(q_type)
+
+
+def quantize(t: torch.Tensor, q_type: QuantType | str,
+             q_dtype: torch.dtype = FP8_DTYPE) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantise ``t`` by a table's scheme. ``per_Token`` means one scale per row: per token for
+    activations, per output channel for weights (the same rule). Block schemes are FP8 only."""
+    qt = _quant_type(q_type)
+    if q_dtype not in _QMAX:
+        raise ValueError(f"q_dtype must be torch.float8_e4m3fn or torch.int8, got {q_dtype}")
+    if qt == QuantType.per_Tensor:
+        return per_tensor_fp8(t) if q_dtype == FP8_DTYPE else per_tensor_int8(t)
+    if qt == QuantType.per_Token:
+        return per_token_fp8(t) if q_dtype == FP8_DTYPE else per_token_int8(t)
+    if qt in BLOCK_SHAPES:
+        if q_dtype != FP8_DTYPE:
+            raise ValueError(f"{qt.canonical} is FP8 only; got q_dtype={q_dtype}")
+        return per_block_fp8(t, BLOCK_SHAPES[qt])
+    valid = (QuantType.per_Tensor, QuantType.per_Token, *BLOCK_SHAPES)
+    raise ValueError(f"quantize does not implement {qt.canonical}; expected one of "
+                     f"{', '.join(v.canonical for v in valid)}")
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, q_type: QuantType | str) -> torch.Tensor:
+    """fp32 reference of what ``quantize(t, q_type)`` returned."""
+    qt = _quant_type(q_type)
+    if qt in BLOCK_SHAPES:
+        return dequant_per_block(q, scale, BLOCK_SHAPES[qt])
+    if qt in (QuantType.per_Tensor, QuantType.per_Token):
+        return dequant(q, scale)
+    raise ValueError(f"dequantize does not implement {qt.canonical}")
