@@ -18,7 +18,7 @@ from gemmtune.tune.family import Candidate, Prepared, TuneFamily
 # name -> synthetic µs for the candidates that compute the right answer
 GOOD = {"torch.linear": 10.0, "good.fast": 5.0, "good.slow": 8.0}
 FAULTS = ("fault.raise", "fault.hang", "fault.exit", "fault.abort", "fault.segv", "fault.wrong",
-          "fault.nan", "fault.unwritten", "fault.cudaerr")
+          "fault.nan", "fault.unwritten", "fault.cudaerr", "fault.build")
 
 
 class FaultyFamily(TuneFamily):
@@ -43,6 +43,10 @@ class FaultyFamily(TuneFamily):
         x = torch.randn(m, k, generator=gen)
         w = torch.randn(n, k, generator=gen) / k ** 0.5
         return Prepared(key, seed, (x, w), x @ w.t())
+
+    def precompile(self, name, prepared):
+        if name == "fault.build":
+            raise RuntimeError("this candidate does not compile")
 
     def run(self, name, prepared):
         x, w = prepared.inputs

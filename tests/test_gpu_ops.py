@@ -87,3 +87,17 @@ def test_interleaved_timing_of_one_kernel_twice_agrees():
     floor_us = w.numel() * 2 / 3.4e12 * 1e6  # above any H100/H200 bandwidth: a real time
     assert a > floor_us and b > floor_us
     assert abs(a - b) / min(a, b) < 0.2 and spread_a < 1 and spread_b < 1
+
+
+def test_precompile_builds_without_running_then_the_candidate_runs():
+    from gemmtune.tune.families.bf16 import Bf16Family
+
+    family = Bf16Family()
+    key = (16, 576, 7168, False, "torch.bfloat16", "torch.bfloat16", False, False)
+    prepared = family.prepare(key, seed=3)
+    for name in ("triton.tile:BM16.BN64.BK128.G8.W4.S4",
+                 "triton.splitk:BM16.BN32.BK128.SK8.W2.S5"):
+        family.precompile(name, prepared)
+        torch.cuda.synchronize()
+        out = family.run(name, prepared)
+        assert _rel_err(out, prepared.reference) < 1e-2

@@ -64,6 +64,7 @@ def test_every_fault_is_recorded_and_the_correct_winner_kept(tmp_path):
         "fault.raise": "error", "fault.hang": "timeout", "fault.exit": "crash",
         "fault.abort": "crash", "fault.segv": "crash", "fault.wrong": "wrong",
         "fault.nan": "wrong", "fault.unwritten": "wrong", "fault.cudaerr": "error",
+        "fault.build": "error",
     }
     # One hang costs the 4 s timeout, not an hour; five lost workers cost a respawn each.
     assert wall < 90
@@ -73,6 +74,7 @@ def test_every_fault_is_recorded_and_the_correct_winner_kept(tmp_path):
     with open(tmp_path / "prof.csv") as f:
         seconds = {r["kernelName"]: float(r["seconds"]) for r in csv.DictReader(f)}
     assert 4.0 <= seconds["fault.hang"] < 10.0  # waited for the timeout, not longer
+    assert "building: RuntimeError: this candidate does not compile" in detail
 
 
 def test_known_crashers_are_skipped_on_a_rerun(tmp_path):
@@ -117,6 +119,17 @@ def test_already_tuned_shapes_are_skipped_unless_all(tmp_path, monkeypatch):
     assert tuner.summary.skipped == 2 and tuner.summary.tuned == 1
     tuner, _ = tune(tmp_path, inp, retune_all=True)
     assert tuner.summary.tuned == 2 and len(rows(tmp_path / "tuned.csv")) == 3
+
+
+def test_several_workers_on_one_device_give_the_same_rows(tmp_path, monkeypatch):
+    monkeypatch.setenv("FAULTY_WITH_FAULTS", "0")
+    inp = untuned(tmp_path / "u.csv", range(1, 7))
+    tune(tmp_path, inp)
+    one = rows(tmp_path / "tuned.csv")
+    (tmp_path / "tuned.csv").unlink()
+    tuner, log = tune(tmp_path, inp, workers=3)
+    assert "with 3 worker(s)" in log and tuner.summary.tuned == 6
+    assert rows(tmp_path / "tuned.csv") == one
 
 
 def test_simpler_candidate_kept_within_noise():

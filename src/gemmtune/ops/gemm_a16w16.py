@@ -41,6 +41,13 @@ class _TritonKernel:
         return self._module.why_not_supported(self.config, m, n, k, to_torch_dtype(dtype),
                                               to_torch_dtype(out_dtype))
 
+    def warmup(self, x, w, bias, out_dtype, scale_a, scale_b) -> None:
+        """Compile for this call's arguments without running anything on the GPU."""
+        x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+        y = torch.empty((x2.shape[0], w.shape[0]), dtype=out_dtype, device=x.device)
+        if y.numel() and not self._module._checks.INTERPRETED:
+            self._launch(x2, w, bias, y, scale_a, scale_b, self.config, warmup=True)
+
     def __call__(self, x, w, bias, out_dtype, scale_a, scale_b, out=None):  # x (..., K), w (N, K)
         if (scale_a is None) != (scale_b is None):
             # The validating launcher explains what is wrong.

@@ -33,7 +33,9 @@ def add_tune_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-o2", "--profile_file", dest="profile", metavar="CSV",
                    help="also append every candidate's result (status, us, error) here")
     p.add_argument("--mp", type=int, default=None, metavar="N",
-                   help="worker processes (default: one per visible GPU, or 1)")
+                   help="worker processes (default: one per visible GPU, or 1); more than the "
+                        "GPUs compile Triton candidates in parallel while GPU work (checks, "
+                        "timing) stays one worker per GPU at a time")
     p.add_argument("--errRatio", type=float, default=0.05, metavar="R",
                    help="largest fraction of output elements allowed outside tolerance "
                         "(default 0.05)")

@@ -100,6 +100,9 @@ class Tuner:
         start = time.monotonic()
         keys = self._read_input()
         workers = [Worker(self._spec(i), f"worker{i}") for i in range(max(1, self.config.workers))]
+        for i, w in enumerate(workers):
+            w.gpu = self.config.gpus[i % len(self.config.gpus)] if self.config.gpus else "cpu"
+        self._gpu_locks = {w.gpu: threading.Lock() for w in workers}
         try:
             arch, cu_num, self.env = workers[0].call("device", timeout=None)
             self.device = (arch, cu_num)
@@ -217,7 +220,18 @@ class Tuner:
                   seed: int) -> Evaluation:
         if (device, key, candidate.name) in self.memo:
             return Evaluation(candidate.name, Status.skipped, detail="crashed in an earlier run")
-        return self._call_candidate(worker, device, key, candidate.name, "evaluate", seed)
+        # Build (compile) in parallel with the other workers; run, check and time one worker per
+        # GPU at a time, so no candidate is timed while another shares its GPU.
+        built = self._call_candidate(worker, device, key, candidate.name, "precompile", seed)
+        if not built.ok:
+            return built
+        with self._gpu_lock(worker):
+            ev = self._call_candidate(worker, device, key, candidate.name, "evaluate", seed)
+        ev.seconds += built.seconds
+        return ev
+
+    def _gpu_lock(self, worker: Worker) -> threading.Lock:
+        return self._gpu_locks[worker.gpu]
 
     def _call_candidate(self, worker: Worker, device: str, key: tuple, name: str, method: str,
                         seed: int) -> Evaluation:
@@ -253,7 +267,8 @@ class Tuner:
         chosen.setdefault(simplest.name, simplest)
         finalists = []
         for screened in chosen.values():
-            ev = self._call_candidate(worker, device, key, screened.name, "retime", seed)
+            with self._gpu_lock(worker):
+                ev = self._call_candidate(worker, device, key, screened.name, "retime", seed)
             if ev.ok:
                 ev.err_ratio, ev.rel_err = screened.err_ratio, screened.rel_err
                 finalists.append(ev)

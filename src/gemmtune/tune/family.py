@@ -103,6 +103,11 @@ class TuneFamily(abc.ABC):
     def prepare(self, key: tuple, seed: int) -> Prepared:
         """Fresh random inputs for ``key`` (from ``seed``) and their fp32 reference."""
 
+    def precompile(self, name: str, prepared: Prepared) -> None:
+        """Build candidate ``name`` for these inputs without running it on the GPU (a Triton
+        compile). The engine calls this outside the per-GPU lock that serialises ``run`` and
+        ``time``, so several workers sharing a GPU compile at once. Default: nothing to build."""
+
     @abc.abstractmethod
     def run(self, name: str, prepared: Prepared) -> torch.Tensor:
         """Run candidate ``name`` once on the prepared inputs into a NaN-poisoned output."""

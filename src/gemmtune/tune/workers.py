@@ -60,6 +60,14 @@ class _WorkerState:
     def candidates(self, key, libtypes):
         return self.family.candidates(key, libtypes)
 
+    def precompile(self, key: tuple, name: str, seed: int, options: TuneOptions) -> Evaluation:
+        try:
+            self.family.precompile(name, self.prepared_for(key, seed))
+            return Evaluation(name, Status.ok)
+        except Exception as e:
+            return Evaluation(name, Status.error, detail="building: " + _describe(e),
+                              fatal=self.family.is_fatal(e))
+
     def evaluate(self, key: tuple, name: str, seed: int, options: TuneOptions) -> Evaluation:
         """Check ``name`` against the fp32 reference, then give it a quick timing."""
         family = self.family
@@ -139,6 +147,7 @@ class Worker:
         self._proc = None
         self._conn = None
         self.restarts = 0
+        self.gpu = "cpu"  # which device it runs on: workers sharing one take turns to time
 
     @property
     def alive(self) -> bool:

@@ -8,6 +8,8 @@ Each family's ``why_not_fits`` chains these with its own constraints; each valid
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 
@@ -173,3 +175,10 @@ def fitting_config(kernel_name: str, config, default_config, why_not_fits,
         raise ValueError(f"{kernel_name}: {config.name} does not fit (M={M}, N={N}, K={K}, "
                          f"{dtype}): {problem}")
     return config
+
+
+def start(kernel, grid: tuple, warmup: bool):
+    """``kernel[grid]``, or with ``warmup`` Triton's compile-without-launch for the same
+    arguments: the tuner compiles candidates in several processes at once, outside the lock that
+    keeps their GPU timings apart, so compiles stop being the serial cost of tuning."""
+    return functools.partial(kernel.warmup, grid=grid) if warmup else kernel[grid]

@@ -343,7 +343,8 @@ def gemm_splitk(
 
 
 def launch_gemm_splitk(x, w, bias, out, scale_a, scale_b, config: SplitKConfig,
-                       counters: torch.Tensor | None = None) -> torch.Tensor:
+                       counters: torch.Tensor | None = None, warmup: bool = False
+                       ) -> torch.Tensor:
     """The launch alone, for callers that validated once per shape (dispatch plans). ``out`` is
     (M, N) with M, N > 0.
 
@@ -353,6 +354,7 @@ def launch_gemm_splitk(x, w, bias, out, scale_a, scale_b, config: SplitKConfig,
     benchmarks/splitk_sweep.py), 10-15% of a small decode GEMM. ``counters`` lets a caller own
     them instead: an int32 tensor of at least ``num_tiles(config, M, N)`` zeros on x's device,
     never used by two launches at once (one stream at a time); each launch leaves it zero again.
+    ``warmup``: compile for these arguments without launching (and without the memset).
     """
     M, K = x.shape
     N = w.shape[0]
@@ -363,10 +365,11 @@ def launch_gemm_splitk(x, w, bias, out, scale_a, scale_b, config: SplitKConfig,
         parts = torch.empty(tiles * config.split_k * config.block_m * config.block_n,
                             dtype=torch.float32, device=x.device)
         if counters is None:
-            counters = torch.zeros(tiles, dtype=torch.int32, device=x.device)
+            counters = (torch.empty if warmup else torch.zeros)(tiles, dtype=torch.int32,
+                                                                 device=x.device)
     else:
         parts = counters = out  # never read: USE_WORKSPACE is False
-    gemm_splitk_kernel[(tiles, config.split_k)](
+    _checks.start(gemm_splitk_kernel, (tiles, config.split_k), warmup)(
         x, w, out,
         bias if bias is not None else x,
         scale_a if has_scales else x,

@@ -195,14 +195,16 @@ def gemm_tile(
     return launch_gemm_tile(x, w, bias, out, scale_a, scale_b, config)
 
 
-def launch_gemm_tile(x, w, bias, out, scale_a, scale_b, config: TileConfig) -> torch.Tensor:
+def launch_gemm_tile(x, w, bias, out, scale_a, scale_b, config: TileConfig,
+                     warmup: bool = False) -> torch.Tensor:
     """The launch alone, for callers that validated once per shape (dispatch plans): saves the
-    ~5 µs of host checks ``gemm_tile`` does on every call. ``out`` is (M, N) with M, N > 0."""
+    ~5 µs of host checks ``gemm_tile`` does on every call. ``out`` is (M, N) with M, N > 0.
+    ``warmup``: compile for these arguments without launching."""
     M, K = x.shape
     N = w.shape[0]
     has_scales = scale_a is not None
     grid = (triton.cdiv(M, config.block_m) * triton.cdiv(N, config.block_n),)
-    gemm_tile_kernel[grid](
+    _checks.start(gemm_tile_kernel, grid, warmup)(
         x, w, out,
         bias if bias is not None else x,
         scale_a if has_scales else x,

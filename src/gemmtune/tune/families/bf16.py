@@ -126,6 +126,11 @@ class Bf16Family(TuneFamily):
             raise ValueError(f"{name} cannot run {key}: {problem}")
         return kernel
 
+    def precompile(self, name: str, prepared: Prepared) -> None:
+        kernel = self._kernel(name, prepared.key)
+        if hasattr(kernel, "warmup"):
+            kernel.warmup(*prepared.inputs)
+
     def run(self, name: str, prepared: Prepared) -> torch.Tensor:
         kernel = self._kernel(name, prepared.key)
         x, w, bias, out_dtype, sa, sb = prepared.inputs
