@@ -18,7 +18,10 @@ from gemmtune.tune.family import Candidate, Prepared, TuneFamily
 # name -> synthetic µs for the candidates that compute the right answer
 GOOD = {"torch.linear": 10.0, "good.fast": 5.0, "good.slow": 8.0}
 FAULTS = ("fault.raise", "fault.hang", "fault.exit", "fault.abort", "fault.segv", "fault.wrong",
-          "fault.nan", "fault.unwritten", "fault.cudaerr", "fault.build")
+          "fault.nan", "fault.unwritten", "fault.cudaerr", "fault.build", "fault.nantime",
+          "fault.retimecrash")
+# Right answers, bad timings: a NaN time, and the fastest screen that crashes when re-timed.
+TIMING_FAULTS = {"fault.nantime": float("nan"), "fault.retimecrash": 1.0}
 
 
 class FaultyFamily(TuneFamily):
@@ -51,7 +54,7 @@ class FaultyFamily(TuneFamily):
     def run(self, name, prepared):
         x, w = prepared.inputs
         out = torch.full((x.shape[0], w.shape[0]), float("nan"))
-        if name in GOOD:
+        if name in GOOD or name in TIMING_FAULTS:
             return torch.matmul(x, w.t(), out=out)
         if name == "fault.raise":
             raise ValueError("this candidate always raises")
@@ -80,6 +83,15 @@ class FaultyFamily(TuneFamily):
         return 1e-4, 1e-4, 1e-4
 
     def time(self, name, prepared, iters, warmup):
+        start = time.time()
         time.sleep(float(os.environ.get("FAULTY_TIME_SLEEP", "0")))
+        log = os.environ.get("FAULTY_TIMING_LOG")
+        if log:  # to check that no two workers time at once
+            with open(log, "a") as f:
+                f.write(f"{start} {time.time()}\n")
+        if name in TIMING_FAULTS:
+            if name == "fault.retimecrash" and iters > 20:
+                os._exit(5)
+            return TIMING_FAULTS[name], 0.01
         # Deterministic per shape, so interrupted and uninterrupted runs give the same rows.
         return GOOD[name] + prepared.key[0] / 1000, 0.01

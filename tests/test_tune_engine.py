@@ -64,7 +64,7 @@ def test_every_fault_is_recorded_and_the_correct_winner_kept(tmp_path):
         "fault.raise": "error", "fault.hang": "timeout", "fault.exit": "crash",
         "fault.abort": "crash", "fault.segv": "crash", "fault.wrong": "wrong",
         "fault.nan": "wrong", "fault.unwritten": "wrong", "fault.cudaerr": "error",
-        "fault.build": "error",
+        "fault.build": "error", "fault.nantime": "error", "fault.retimecrash": "ok",
     }
     # One hang costs the 4 s timeout, not an hour; five lost workers cost a respawn each.
     assert wall < 90
@@ -75,6 +75,9 @@ def test_every_fault_is_recorded_and_the_correct_winner_kept(tmp_path):
         seconds = {r["kernelName"]: float(r["seconds"]) for r in csv.DictReader(f)}
     assert 4.0 <= seconds["fault.hang"] < 10.0  # waited for the timeout, not longer
     assert "building: RuntimeError: this candidate does not compile" in detail
+    assert "timer returned us=nan" in detail
+    # fault.retimecrash had the fastest screen (1 us) but crashed when re-timed: it is in the
+    # crash memo and did not win (the row above is good.fast).
 
 
 def test_known_crashers_are_skipped_on_a_rerun(tmp_path):
@@ -177,7 +180,8 @@ _started: list[subprocess.Popen] = []
 
 def _runner(args, env_extra=None) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
-               FAULTY_WITH_FAULTS="0", FAULTY_TIME_SLEEP="0.1", **(env_extra or {}))
+               FAULTY_WITH_FAULTS="0", FAULTY_TIME_SLEEP="0.1")
+    env.update(env_extra or {})
     proc = subprocess.Popen([sys.executable, str(TESTS / "run_faulty_tuner.py"), *args], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     _started.append(proc)
@@ -303,3 +307,44 @@ def test_run_config_benchmarks_the_op_from_the_table(tmp_path, capsys):
     out = capsys.readouterr().out
     assert out.count(" exact ") == 2  # both shapes dispatched from the table's own rows
     assert (tmp_path / "rc" / "bench_bf16.csv").exists()
+
+
+def test_ctrl_c_keeps_finished_rows_and_blames_no_candidate(tmp_path):
+    inp = untuned(tmp_path / "u.csv", range(1, 9))
+    out, cache = tmp_path / "o.csv", tmp_path / "cache"
+    args = ["-i", str(inp), "-o", str(out), "--batch", "1"]
+    proc = _runner(args, {"FAULTY_TIME_SLEEP": "0.3", "GEMMTUNE_CACHE_DIR": str(cache)})
+    deadline = time.monotonic() + 120
+    while _count_rows(out) < 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(60) == 130
+    saved = _count_rows(out)
+    assert 1 <= saved < 8
+    memo = list(cache.glob("crash_memo/*.jsonl"))
+    assert not memo or not memo[0].read_text().strip()
+    assert _runner(args, {"GEMMTUNE_CACHE_DIR": str(cache)}).wait(300) == 0
+    assert _count_rows(out) == 8
+
+
+def test_workers_sharing_a_device_never_time_at_once(tmp_path, monkeypatch):
+    log = tmp_path / "timing.log"
+    monkeypatch.setenv("FAULTY_WITH_FAULTS", "0")
+    monkeypatch.setenv("FAULTY_TIME_SLEEP", "0.05")
+    monkeypatch.setenv("FAULTY_TIMING_LOG", str(log))
+    tune(tmp_path, untuned(tmp_path / "u.csv", range(1, 7)), workers=3)
+    spans = sorted(tuple(map(float, line.split())) for line in log.read_text().splitlines())
+    assert len(spans) == 6 * 3 * 2  # 6 shapes x 3 candidates x (screen + re-time)
+    assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:]))
+
+
+def test_last_takes_the_last_row_and_sort_orders_numbers(tmp_path, monkeypatch):
+    monkeypatch.setenv("FAULTY_WITH_FAULTS", "0")
+    inp = tmp_path / "u.csv"
+    inp.write_text(HEADER + "".join(f"{m},{n},40,False,torch.float32,torch.float32,False,False\n"
+                                    for m, n in ((1, 24), (2, 24), (1, 24))))
+    tuner, _ = tune(tmp_path, inp, last_only=True)
+    assert [r[0][:2] for r in rows(tmp_path / "tuned.csv")] == [(1, 24)]
+    keys = [(m, n, 8, False, "torch.bfloat16", "torch.bfloat16", False, False)
+            for m, n in ((16, 4096), (1, 256), (1, 1024), (8, 256))]
+    assert sorted(keys, key=tuner._sort_key) == [keys[1], keys[3], keys[2], keys[0]]

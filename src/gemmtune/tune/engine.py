@@ -10,9 +10,11 @@ what is done and loses nothing.
 
 from __future__ import annotations
 
+import math
 import os
 import queue
 import secrets
+import signal
 import sys
 import threading
 import time
@@ -22,12 +24,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from gemmtune.tables.schema import Schema, schema_for
-from gemmtune.tables.store import Row, TableError, full_key, read_table, update_table
+from gemmtune.tables.store import (Row, TableError, full_key, read_table, update_table,
+                                   write_table)
 from gemmtune.tune.family import (CRASHING, Candidate, Evaluation, Status, TuneFamily,
                                   TuneOptions)
 from gemmtune.tune.progress import Progress
 from gemmtune.tune.records import CrashMemo, ProfileLog
-from gemmtune.tune.workers import Worker, WorkerLost, WorkerSpec
+from gemmtune.tune.workers import START_TIMEOUT_S, Worker, WorkerLost, WorkerSpec
 
 # A candidate must beat the simplest valid one by more than this (or than the measured spread,
 # whichever is larger) to be kept: below it, run-to-run drift on a shared GPU decides.
@@ -73,9 +76,12 @@ class RunSummary:
     statuses: Counter = field(default_factory=Counter)
     wall_s: float = 0.0
     compared: list[tuple[tuple, float | None, float]] = field(default_factory=list)
+    interrupted: bool = False
 
     @property
     def exit_code(self) -> int:
+        if self.interrupted:
+            return 130
         return 1 if self.failed or self.bad_input else 0
 
 
@@ -92,6 +98,7 @@ class Tuner:
         self.summary = RunSummary()
         self._pending: list[Row] = []
         self._lock = threading.RLock()  # _record checkpoints while holding it
+        self._stop = threading.Event()
         self.device: tuple[str, int] = ("", 0)
         self.env = ""
 
@@ -103,8 +110,9 @@ class Tuner:
         for i, w in enumerate(workers):
             w.gpu = self.config.gpus[i % len(self.config.gpus)] if self.config.gpus else "cpu"
         self._gpu_locks = {w.gpu: threading.Lock() for w in workers}
+        restore = self._handle_stop_signals()
         try:
-            arch, cu_num, self.env = workers[0].call("device", timeout=None)
+            arch, cu_num, self.env = workers[0].call("device", timeout=START_TIMEOUT_S)
             self.device = (arch, cu_num)
             existing = self._existing_rows()
             todo = self._select(keys, existing)
@@ -112,13 +120,44 @@ class Tuner:
                       f"{arch}:{cu_num} with {len(workers)} worker(s); "
                       f"{self.summary.skipped} already tuned")
             self._tune_all(todo, workers, existing)
+        except KeyboardInterrupt:
+            self.summary.interrupted = True
         finally:
+            self._stop.set()  # threads still inside a call must not take its end for a crash
             for w in workers:
                 w.close()
-            self._checkpoint()
+            restore()
+            self._save_pending()
             self.summary.wall_s = time.monotonic() - start
         self._report()
         return self.summary
+
+    def _handle_stop_signals(self) -> Callable[[], None]:
+        """Ctrl-C / SIGTERM: stop handing out shapes, keep every finished row, and leave the
+        candidates that were running out of the crash memo (their worker did not crash)."""
+        if threading.current_thread() is not threading.main_thread():
+            return lambda: None
+
+        def stop(signum, frame):
+            self._stop.set()
+            self.summary.interrupted = True
+            raise KeyboardInterrupt
+
+        old = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+        return lambda: [signal.signal(sig, handler) for sig, handler in old.items()]
+
+    def _save_pending(self) -> None:
+        try:
+            self._checkpoint()
+        except Exception as e:
+            # Never lose tuned rows: put them beside the output for a later merge.
+            rescue = self.config.output.with_name(
+                f"{self.config.output.name}.pending-{os.getpid()}.csv")
+            write_table(rescue, self.schema, self._pending)
+            self._say(f"could not write {self.config.output} ({e}); {len(self._pending)} tuned "
+                      f"row(s) saved to {rescue}: merge them with GEMMTUNE_CONFIG_BF16 or copy "
+                      f"their lines into the output")
+            raise
 
     def _spec(self, index: int) -> WorkerSpec:
         if self.config.gpus:
@@ -134,9 +173,10 @@ class Tuner:
         for error in read.errors:
             self._say(f"bad input row, skipped: {error}")
         self.summary.bad_input = read.errors
-        keys = list(dict.fromkeys(r.key for r in read.rows))  # unique, first-seen order
         if self.config.last_only:
-            keys = keys[-1:]
+            keys = [read.rows[-1].key] if read.rows else []
+        else:
+            keys = list(dict.fromkeys(r.key for r in read.rows))  # unique, first-seen order
         if self.config.sort:
             keys.sort(key=self._sort_key)
         return keys
@@ -144,7 +184,10 @@ class Tuner:
     def _sort_key(self, key: tuple) -> tuple:
         # Group shapes that share a weight (all but M), M ascending within a group.
         m = self.schema.m_index
-        return tuple(str(v) for v in key[:m] + key[m + 1:]) + (key[m],)
+        rest = key[:m] + key[m + 1:]
+        # Numbers compare as numbers; strings (dtypes) among themselves: (is_str, value) pairs.
+        return tuple((isinstance(v, str), v if isinstance(v, str) else int(v)) for v in rest) \
+            + ((False, key[m]),)
 
     def _existing_rows(self) -> dict[tuple, Row]:
         if not self.config.output.exists():
@@ -168,23 +211,27 @@ class Tuner:
         errors: list[BaseException] = []
 
         def drain(worker: Worker) -> None:
-            while True:
+            while not self._stop.is_set():
                 try:
                     key = tasks.get_nowait()
                 except queue.Empty:
                     return
                 try:
                     result = self.tune_shape(worker, key)
-                except BaseException as e:  # a bug in the engine itself: stop, keep the rows
+                    if self._stop.is_set():
+                        return  # interrupted mid-shape: its result may be partial
+                    self._record(result, existing.get(self.device + key), progress)
+                except BaseException as e:  # the engine itself failed: stop, keep the rows
                     errors.append(e)
+                    self._stop.set()
                     return
-                self._record(result, existing.get(self.device + key), progress)
 
         threads = [threading.Thread(target=drain, args=(w,), daemon=True) for w in workers]
         for t in threads:
             t.start()
         for t in threads:
-            t.join()
+            while t.is_alive():
+                t.join(0.2)  # short joins keep the main thread responsive to Ctrl-C
         if errors:
             raise errors[0]
 
@@ -202,7 +249,19 @@ class Tuner:
         if not candidates:
             return ShapeResult(key, None, [], "no candidate of the allowed backends fits")
         seed = secrets.randbits(31)  # fresh inputs for every shape and every run
-        evaluations = [self._evaluate(worker, device, key, c, seed) for c in candidates]
+        try:
+            # Inputs and reference first, on their own clock: their cost must never be charged
+            # to (and memoised against) the first candidate.
+            worker.call("prepare", key, seed, timeout=max(self.config.timeout, 300.0))
+        except (WorkerLost, RuntimeError) as e:
+            if isinstance(e, WorkerLost):
+                self._recover(worker)
+            return ShapeResult(key, None, [], f"could not prepare inputs: {e}")
+        evaluations = []
+        for c in candidates:
+            if self._stop.is_set():
+                return ShapeResult(key, None, evaluations, "interrupted")
+            evaluations.append(self._evaluate(worker, device, key, c, seed))
         by_name = {c.name: c for c in candidates}
         passing = [e for e in evaluations if e.ok]
         if not passing:
@@ -211,6 +270,8 @@ class Tuner:
                                "no candidate passed: " + ", ".join(f"{n} {s}" for s, n in
                                                                   failures.items()))
         finalists = self._retime(worker, device, key, seed, passing, by_name)
+        if not finalists:
+            return ShapeResult(key, None, evaluations, "every finalist failed its re-timing")
         best = self._choose(finalists, by_name)
         fields = self.family.result_fields(key, by_name[best.name], best, self.env)
         row = Row(self.device[0], self.device[1], key, fields)
@@ -244,6 +305,12 @@ class Tuner:
         except RuntimeError as e:  # the worker's own plumbing failed: treat as a crash
             ev = Evaluation(name, Status.crash, detail=str(e))
         ev.seconds = time.monotonic() - started
+        if self._stop.is_set() and ev.status in CRASHING:
+            return ev  # its worker was closed under it by an interrupt: not the candidate's fault
+        if ev.ok and method != "precompile" and not (0 < ev.us < math.inf
+                                                     and math.isfinite(ev.spread)):
+            ev = Evaluation(name, Status.error, detail=f"timer returned us={ev.us} "
+                                                       f"spread={ev.spread}")
         if ev.status in CRASHING or ev.fatal:
             self.memo.add(device, key, name, f"{ev.status.value}: {ev.detail}")
             self._recover(worker)
@@ -272,7 +339,7 @@ class Tuner:
             if ev.ok:
                 ev.err_ratio, ev.rel_err = screened.err_ratio, screened.rel_err
                 finalists.append(ev)
-        return finalists or [ranked[0]]
+        return finalists
 
     def _choose(self, finalists: list[Evaluation], by_name: dict[str, Candidate]) -> Evaluation:
         """Fastest, unless a simpler candidate is within the measured noise of it."""
@@ -330,6 +397,9 @@ class Tuner:
 
     def _report(self) -> None:
         s = self.summary
+        if s.interrupted:
+            self._say(f"interrupted: {s.tuned} shape(s) tuned and saved in {self.config.output}; "
+                      f"run the same command again to continue")
         shapes = s.tuned + s.kept_old + len(s.failed)
         per_shape = s.wall_s / shapes if shapes else 0.0
         statuses = ", ".join(f"{n} {k}" for k, n in sorted(s.statuses.items()))

@@ -57,6 +57,9 @@ class _WorkerState:
     def device(self):
         return self.family.device_info()
 
+    def prepare(self, key: tuple, seed: int) -> None:
+        self.prepared_for(key, seed)
+
     def candidates(self, key, libtypes):
         return self.family.candidates(key, libtypes)
 
@@ -147,6 +150,7 @@ class Worker:
         self._proc = None
         self._conn = None
         self.restarts = 0
+        self._closed = False
         self.gpu = "cpu"  # which device it runs on: workers sharing one take turns to time
 
     @property
@@ -180,6 +184,8 @@ class Worker:
     def call(self, method: str, *args, timeout: float | None):
         """Run ``method(*args)`` in the worker. Raises WorkerLost (and leaves the worker dead) if
         it does not answer within ``timeout`` seconds or dies meanwhile."""
+        if self._closed:
+            raise WorkerLost(Status.crash, f"{self.label} was closed")
         if not self.alive:
             self.start()
         try:
@@ -215,6 +221,7 @@ class Worker:
         self._proc = self._conn = None
 
     def close(self) -> None:
+        self._closed = True
         if self.alive:
             try:
                 self._conn.send(None)
