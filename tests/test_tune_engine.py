@@ -87,11 +87,17 @@ def test_known_crashers_are_skipped_on_a_rerun(tmp_path):
     start = time.monotonic()
     tuner, _ = tune(tmp_path, inp, retune_all=True)
     assert time.monotonic() - start < 30  # no timeout paid again
+    assert "crash_memo" in (tmp_path / "prof.csv").read_text()  # the skip names the memo file
     statuses = profile(tmp_path)
     for name in ("fault.hang", "fault.exit", "fault.abort", "fault.segv", "fault.cudaerr"):
         assert statuses[name] == "skipped", name
     assert statuses["fault.raise"] == "error"  # a plain exception is not a crasher
     assert tuner.summary.tuned == 1
+    # A longer --timeout gives the hung candidate another chance; crashes stay skipped.
+    (tmp_path / "prof.csv").unlink()
+    tune(tmp_path, inp, retune_all=True, timeout=5.0)
+    statuses = profile(tmp_path)
+    assert statuses["fault.hang"] == "timeout" and statuses["fault.segv"] == "skipped"
 
 
 def test_shape_with_no_valid_candidate_fails_the_run(tmp_path, monkeypatch):

@@ -99,6 +99,7 @@ class Tuner:
         self._pending: list[Row] = []
         self._lock = threading.RLock()  # _record checkpoints while holding it
         self._stop = threading.Event()
+        self._progress: Progress | None = None
         self.device: tuple[str, int] = ("", 0)
         self.env = ""
 
@@ -208,6 +209,7 @@ class Tuner:
         for key in todo:
             tasks.put(key)
         progress = Progress(len(todo), f"tune {self.schema.family.value}", self.out)
+        self._progress = progress
         errors: list[BaseException] = []
 
         def drain(worker: Worker) -> None:
@@ -279,8 +281,9 @@ class Tuner:
 
     def _evaluate(self, worker: Worker, device: str, key: tuple, candidate: Candidate,
                   seed: int) -> Evaluation:
-        if (device, key, candidate.name) in self.memo:
-            return Evaluation(candidate.name, Status.skipped, detail="crashed in an earlier run")
+        if self.memo.skips(device, key, candidate.name, self.config.timeout):
+            return Evaluation(candidate.name, Status.skipped,
+                              detail=f"crashed or hung in an earlier run (see {self.memo.path})")
         # Build (compile) in parallel with the other workers; run, check and time one worker per
         # GPU at a time, so no candidate is timed while another shares its GPU.
         built = self._call_candidate(worker, device, key, candidate.name, "precompile", seed)
@@ -312,11 +315,13 @@ class Tuner:
             ev = Evaluation(name, Status.error, detail=f"timer returned us={ev.us} "
                                                        f"spread={ev.spread}")
         if ev.status in CRASHING or ev.fatal:
-            self.memo.add(device, key, name, f"{ev.status.value}: {ev.detail}")
+            hung_under = self.config.timeout if ev.status is Status.timeout else math.inf
+            self.memo.add(device, key, name, f"{ev.status.value}: {ev.detail}", hung_under)
             self._recover(worker)
         if self.config.verbose:
-            self._say(f"  {name}: {ev.status.value} us={ev.us:.3f} spread={ev.spread:.3f} "
-                      f"err_ratio={ev.err_ratio:.4f} {ev.detail}")
+            line = (f"  {name}: {ev.status.value} us={ev.us:.3f} spread={ev.spread:.3f} "
+                    f"err_ratio={ev.err_ratio:.4f} {ev.detail}")
+            self._progress.note(line) if self._progress else self._say(line)
         return ev
 
     def _recover(self, worker: Worker) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import math
 import threading
 from pathlib import Path
 
@@ -20,13 +21,16 @@ class CrashMemo:
 
     def __init__(self, schema: Schema, path: Path | None = None):
         self.path = path or _env.cache_dir() / "crash_memo" / f"{schema.family.value}.jsonl"
-        self._known: set[tuple] = set()
+        # id -> the --timeout it hung under (inf for crashes): a later run with a longer timeout
+        # gives a hung candidate another chance, a crash is never retried.
+        self._known: dict[tuple, float] = {}
         self._lock = threading.Lock()
         if self.path.exists():
             for line in self.path.read_text(encoding="utf-8").splitlines():
                 try:
                     entry = json.loads(line)
-                    self._known.add(self._id(entry["device"], entry["key"], entry["name"]))
+                    self._known[self._id(entry["device"], entry["key"], entry["name"])] = float(
+                        entry.get("timeout") or math.inf)
                 except (ValueError, KeyError, TypeError):
                     continue  # a torn last line from a killed run: the candidate is retried
 
@@ -34,16 +38,20 @@ class CrashMemo:
     def _id(device: str, key, name: str) -> tuple:
         return device, tuple(key), name
 
-    def __contains__(self, item: tuple) -> bool:
-        device, key, name = item
-        return self._id(device, key, name) in self._known
+    def skips(self, device: str, key: tuple, name: str, timeout: float) -> bool:
+        """Whether to skip ``name``: it crashed before, or hung under a timeout at least as long
+        as ``timeout``."""
+        hung_under = self._known.get(self._id(device, key, name))
+        return hung_under is not None and hung_under >= timeout
 
-    def add(self, device: str, key: tuple, name: str, reason: str) -> None:
+    def add(self, device: str, key: tuple, name: str, reason: str,
+            timeout: float = math.inf) -> None:
         with self._lock:
-            self._known.add(self._id(device, key, name))
+            self._known[self._id(device, key, name)] = timeout
             self.path.parent.mkdir(parents=True, exist_ok=True)
             line = json.dumps({"device": device, "key": list(key), "name": name,
-                               "reason": reason}) + "\n"
+                               "reason": reason,
+                               "timeout": None if math.isinf(timeout) else timeout}) + "\n"
             with lock_for(self.path), open(self.path, "a", encoding="utf-8") as f:
                 f.write(line)
 

@@ -11,10 +11,21 @@ import torch
 L2_BYTES_H100 = 50 * 2**20
 
 
-def copies_to_exceed_l2(bytes_per_set: int, l2_bytes: int = L2_BYTES_H100, cap: int = 64) -> int:
+def l2_bytes() -> int:
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size
+    return L2_BYTES_H100
+
+
+def copies_to_exceed_l2(bytes_per_set: int, l2: int | None = None, cap: int = 64,
+                        max_total_bytes: int = 4 << 30) -> int:
     """How many input sets to rotate through so that each call reads its operands cold from HBM
-    (twice the L2 size in all), at least 2 and at most ``cap``."""
-    return max(2, min(cap, -(-2 * l2_bytes // max(1, bytes_per_set))))
+    (twice the L2 size in all): at least 2, at most ``cap``, and no more than fit in
+    ``max_total_bytes`` (a large-M prefill shape is cold anyway: its operands dwarf L2)."""
+    l2 = l2 if l2 is not None else l2_bytes()
+    wanted = -(-2 * l2 // max(1, bytes_per_set))
+    affordable = max(1, max_total_bytes // max(1, bytes_per_set))
+    return max(2, min(cap, wanted, affordable))
 
 
 def graph_replay_us(fn: Callable, inputs: Sequence, replays: int = 20) -> tuple[float, float]:

@@ -87,7 +87,8 @@ class _WorkerState:
             us, spread = family.time(name, prepared, options.iters, options.warmup)
             return Evaluation(name, Status.ok, result.err_ratio, result.rel_err, us, spread)
         except Exception as e:  # the candidate's own failure: report it, keep the worker
-            return Evaluation(name, Status.error, detail=_describe(e), fatal=family.is_fatal(e))
+            return Evaluation(name, Status.error, detail=_describe(e),
+                              fatal=family.is_fatal(e) or not _device_healthy())
 
     def retime(self, key: tuple, name: str, seed: int, options: TuneOptions) -> Evaluation:
         try:
@@ -97,6 +98,21 @@ class _WorkerState:
         except Exception as e:
             return Evaluation(name, Status.error, detail=_describe(e),
                               fatal=self.family.is_fatal(e))
+
+
+def _device_healthy() -> bool:
+    """After a candidate raised: can this process still use its GPU? A sticky CUDA error (an
+    illegal address) makes every later call fail, whatever the first message said."""
+    import torch
+
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return True
+    try:
+        torch.cuda.synchronize()
+        torch.ones(1, device="cuda").add_(1).item()
+        return True
+    except Exception:
+        return False
 
 
 def _describe(e: BaseException) -> str:

@@ -150,7 +150,8 @@ class Bf16Family(TuneFamily):
             return _cpu_time(lambda: kernel(x, w, bias, out_dtype, sa, sb), iters, warmup)
         sets = prepared.extra.get("rotating")
         if sets is None:
-            copies = copies_to_exceed_l2(w.numel() * w.element_size())
+            per_set = sum(t.numel() * t.element_size() for t in (x, w, bias) if t is not None)
+            copies = copies_to_exceed_l2(per_set)
             sets = [(x.clone(), w.clone(), None if bias is None else bias.clone())
                     for _ in range(copies)]
             prepared.extra["rotating"] = sets
