@@ -13,7 +13,8 @@ L2_BYTES_H100 = 50 * 2**20
 
 def l2_bytes() -> int:
     if torch.cuda.is_available():
-        return torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        return int(getattr(props, "L2_cache_size", L2_BYTES_H100))
     return L2_BYTES_H100
 
 
