@@ -354,3 +354,10 @@ def test_last_takes_the_last_row_and_sort_orders_numbers(tmp_path, monkeypatch):
     keys = [(m, n, 8, False, "torch.bfloat16", "torch.bfloat16", False, False)
             for m, n in ((16, 4096), (1, 256), (1, 1024), (8, 256))]
     assert sorted(keys, key=tuner._sort_key) == [keys[1], keys[3], keys[2], keys[0]]
+
+
+def test_every_candidate_raising_alike_points_at_the_family(tmp_path, monkeypatch):
+    monkeypatch.setenv("FAULTY_CANDIDATES", "fault.raise,fault.raise2,fault.raise3")
+    tuner, log = tune(tmp_path, untuned(tmp_path / "u.csv", [3]))
+    assert tuner.summary.exit_code == 1
+    assert "all raised ValueError: that looks like a bug in the bf16 family" in log

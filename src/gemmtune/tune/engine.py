@@ -254,7 +254,8 @@ class Tuner:
         try:
             # Inputs and reference first, on their own clock: their cost must never be charged
             # to (and memoised against) the first candidate.
-            worker.call("prepare", key, seed, timeout=max(self.config.timeout, 300.0))
+            with self._gpu_lock(worker):  # random inputs and the reference GEMM run on the GPU
+                worker.call("prepare", key, seed, timeout=max(self.config.timeout, 300.0))
         except (WorkerLost, RuntimeError) as e:
             if isinstance(e, WorkerLost):
                 self._recover(worker)
@@ -268,9 +269,14 @@ class Tuner:
         passing = [e for e in evaluations if e.ok]
         if not passing:
             failures = Counter(e.status.value for e in evaluations)
-            return ShapeResult(key, None, evaluations,
-                               "no candidate passed: " + ", ".join(f"{n} {s}" for s, n in
-                                                                  failures.items()))
+            reason = "no candidate passed: " + ", ".join(f"{n} {s}" for s, n in failures.items())
+            details = {e.detail.split(":")[0] for e in evaluations if e.status is Status.error}
+            if len(evaluations) > 2 and failures == {"error": len(evaluations)} and \
+                    len(details) == 1:
+                reason += (f"; all raised {details.pop()}: that looks like a bug in the "
+                           f"{self.schema.family.value} family rather than in its candidates "
+                           f"(run with -v for the messages)")
+            return ShapeResult(key, None, evaluations, reason)
         finalists = self._retime(worker, device, key, seed, passing, by_name)
         if not finalists:
             return ShapeResult(key, None, evaluations, "every finalist failed its re-timing")
