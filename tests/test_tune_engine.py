@@ -361,3 +361,27 @@ def test_every_candidate_raising_alike_points_at_the_family(tmp_path, monkeypatc
     tuner, log = tune(tmp_path, untuned(tmp_path / "u.csv", [3]))
     assert tuner.summary.exit_code == 1
     assert "all raised ValueError: that looks like a bug in the bf16 family" in log
+
+
+def test_interrupted_retune_all_resumes_and_cleans_up(tmp_path, monkeypatch):
+    monkeypatch.setenv("FAULTY_WITH_FAULTS", "0")
+    inp = untuned(tmp_path / "u.csv", range(1, 9))
+    out = tmp_path / "o.csv"
+    assert _runner(["-i", str(inp), "-o", str(out)]).wait(300) == 0
+    args = ["-i", str(inp), "-o", str(out), "--all", "--batch", "1"]
+    proc = _runner(args, {"FAULTY_TIME_SLEEP": "0.3"})
+    deadline = time.monotonic() + 120
+    while not list(tmp_path.glob("o.csv.retune-*.jsonl")) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.3)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    (log,) = tmp_path.glob("o.csv.retune-*.jsonl")
+    finished = len(log.read_text().splitlines())
+    assert 1 <= finished < 8
+    out_text = io.StringIO()
+    config = TuneConfig(input=inp, output=out, retune_all=True, timeout=4.0)
+    summary = Tuner(FaultyFamily, config, out=out_text).run()
+    assert summary.skipped == finished and summary.tuned == 8 - finished
+    assert not list(tmp_path.glob("o.csv.retune-*.jsonl"))  # a complete run removes the log
+    assert len(rows(out)) == 8

@@ -10,6 +10,8 @@ what is done and loses nothing.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 import os
 import queue
@@ -85,6 +87,36 @@ class RunSummary:
         return 1 if self.failed or self.bad_input else 0
 
 
+class RetuneLog:
+    """Shapes finished by an ``--all`` / ``--update_improved`` run, beside the output and named
+    after the run's input and flags, so only the same command resumes from it."""
+
+    def __init__(self, config: TuneConfig):
+        self.active = config.retune_all or config.update_improved
+        ident = hashlib.sha1(repr((str(config.input.resolve()), config.retune_all,
+                                   config.update_improved, config.min_improvement_pct,
+                                   sorted(config.libtypes))).encode()).hexdigest()[:12]
+        self.path = config.output.with_name(f"{config.output.name}.retune-{ident}.jsonl")
+
+    def done(self) -> set[tuple]:
+        if not self.path.exists():
+            return set()
+        keys = set()
+        for line in self.path.read_text(encoding="utf-8").splitlines():
+            try:
+                keys.add(tuple(json.loads(line)))
+            except ValueError:
+                continue  # a torn last line: that shape is simply tuned again
+        return keys
+
+    def add(self, keys: list[tuple]) -> None:
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write("".join(json.dumps(list(k)) + "\n" for k in keys))
+
+    def remove(self) -> None:
+        self.path.unlink(missing_ok=True)
+
+
 class Tuner:
     def __init__(self, factory: Callable[[], TuneFamily], config: TuneConfig,
                  out=sys.stderr):
@@ -100,6 +132,8 @@ class Tuner:
         self._lock = threading.RLock()  # _record checkpoints while holding it
         self._stop = threading.Event()
         self._progress: Progress | None = None
+        self._finished_keys: list[tuple] = []
+        self._retune_log = RetuneLog(config)
         self.device: tuple[str, int] = ("", 0)
         self.env = ""
 
@@ -130,6 +164,8 @@ class Tuner:
             restore()
             self._save_pending()
             self.summary.wall_s = time.monotonic() - start
+        if not self.summary.interrupted:
+            self._retune_log.remove()
         self._report()
         return self.summary
 
@@ -198,8 +234,13 @@ class Tuner:
 
     def _select(self, keys: list[tuple], existing: dict[tuple, Row]) -> list[tuple]:
         if self.config.retune_all or self.config.update_improved:
-            return keys
-        todo = [k for k in keys if self.device + k not in existing]
+            # Retuning rows that exist: the output cannot tell what this run already did, so a
+            # sidecar lists the shapes it finished; the same command after an interruption skips
+            # them. It is removed when the run completes.
+            done = self._retune_log.done()
+            todo = [k for k in keys if k not in done]
+        else:
+            todo = [k for k in keys if self.device + k not in existing]
         self.summary.skipped = len(keys) - len(todo)
         return todo
 
@@ -373,6 +414,7 @@ class Tuner:
             if self.profile is not None and result.evaluations:
                 self.profile.append(self.device, result.key, result.evaluations)
             shape = " ".join(f"{n}={v}" for n, v in zip(self.schema.key_names, result.key))
+            self._finished_keys.append(result.key)
             if result.row is None:
                 self.summary.failed.append(result.key)
                 progress.note(f"FAILED {shape}: {result.reason}")
@@ -401,6 +443,9 @@ class Tuner:
             if self._pending:
                 update_table(self.config.output, self.schema, self._pending)
                 self._pending = []
+            if self._finished_keys and self._retune_log.active:
+                self._retune_log.add(self._finished_keys)  # only once their rows are saved
+            self._finished_keys = []
 
     def _say(self, text: str) -> None:
         self.out.write(text + "\n")
