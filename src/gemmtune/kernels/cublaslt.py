@@ -280,22 +280,24 @@ class _Problem:
         return workspace, float(result["waves_count"][0])
 
 
-def _config(raw, attr) -> int:
-    L, np = bindings(), _np()
-    value = _scalar(L.get_matmul_algo_config_attribute_dtype(attr))
-    written = np.zeros(1, dtype=np.uint64)
-    L.matmul_algo_config_get_attribute(raw.ctypes.data, int(attr), value.ctypes.data,
-                                       value.itemsize, written.ctypes.data)
+def _read_attr(raw, attr, dtype_of, getter) -> int:
+    """One scalar attribute of an algorithm, sized by its own dtype query (some are uint16)."""
+    value = _scalar(dtype_of(attr))
+    written = _np().zeros(1, dtype=_np().uint64)
+    getter(raw.ctypes.data, int(attr), value.ctypes.data, value.itemsize, written.ctypes.data)
     return int(value[0])
+
+
+def _config(raw, attr) -> int:
+    L = bindings()
+    return _read_attr(raw, attr, L.get_matmul_algo_config_attribute_dtype,
+                      L.matmul_algo_config_get_attribute)
 
 
 def _cap(raw, attr) -> int:
-    L, np = bindings(), _np()
-    value = _scalar(L.get_matmul_algo_cap_attribute_dtype(attr))
-    written = np.zeros(1, dtype=np.uint64)
-    L.matmul_algo_cap_get_attribute(raw.ctypes.data, int(attr), value.ctypes.data,
-                                    value.itemsize, written.ctypes.data)
-    return int(value[0])
+    L = bindings()
+    return _read_attr(raw, attr, L.get_matmul_algo_cap_attribute_dtype,
+                      L.matmul_algo_cap_get_attribute)
 
 
 def _cap_list(raw, attr) -> list[int]:
