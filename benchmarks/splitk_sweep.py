@@ -1,13 +1,14 @@
-"""Split-K kernel on decode shapes: torch F.linear vs gemm_splitk's default and best candidate.
+"""Split-K kernel on decode shapes: torch F.linear vs gemm_splitk, with and without PDL.
 
-For each (N, K) and M in 1, 16, 32, 64 (bf16): CUDA-graph replay over input copies larger than
-2x L2 (cold weights, as in decode) of F.linear, of ``default_config``, and of every config of
-``candidates`` (a quick screen, then the best few re-timed; every screen time goes to
-splitk_profile.csv). Each split-K config is timed as the launcher runs it (tile counters zeroed
-by a memset per call) and, for the default and the best, also with caller-owned counters (no
-memset) to show what that memset costs. Roofline floor =
-max(2MNK / 790 TFLOP/s, bytes / 3.08 TB/s), bytes = 2 (MK + NK + MN). Writes CSV to $OUT (or
-./out) and prints a table last.
+For each (N, K) and M in 1, 16, 32, 64 (bf16), CUDA-graph replay over input copies larger than
+2x L2 (cold weights, as in decode): F.linear; a screen of every ``candidates`` config with
+programmatic dependent launch and L2 prefetch of w (``PDL_PREFETCH``), then the best few re-timed
+in all three launch modes (``PDL_OFF``, ``PDL_WAIT``, ``PDL_PREFETCH``) interleaved with torch.
+A graph of back-to-back GEMMs is what a model's consecutive projections look like to PDL; the
+"after torch" columns put a torch elementwise kernel on x before every GEMM (a predecessor that
+never triggers its dependents early), so PDL can only save the launch gap there.
+Roofline floor = max(2MNK / 790 TFLOP/s, bytes / 3.08 TB/s), bytes = 2 (MK + NK + MN). Writes
+CSV to $OUT (or ./out) and prints a table last.
 
     PYTHONPATH=src python3 benchmarks/splitk_sweep.py --precompile-only --jobs 14   # fill the cache
     PYTHONPATH=src python3 benchmarks/splitk_sweep.py --deadline 150
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures as cf
 import csv
+import dataclasses
 import math
 import multiprocessing as mp
 import os
@@ -28,13 +30,15 @@ import torch
 import torch.nn.functional as F
 
 from gemmtune.kernels.triton.gemm_splitk import (
+    PDL_OFF,
+    PDL_PREFETCH,
+    PDL_WAIT,
     SplitKConfig,
     candidates,
     default_config,
     launch_gemm_splitk,
-    num_tiles,
 )
-from gemmtune.tune.timing import copies_to_exceed_l2, graph_replay_us
+from gemmtune.tune.timing import copies_to_exceed_l2, graph_replay_us, interleaved_graph_us
 
 SHAPES = [(576, 7168), (1536, 7168), (4096, 4096), (6144, 4096), (28672, 4096), (4096, 14336),
           (1280, 8192), (8192, 1024), (7168, 2048)]  # (N, K)
@@ -48,10 +52,14 @@ def floor_us(m: int, n: int, k: int) -> float:
     return max(2 * m * n * k / PEAK_FLOPS, 2 * (m * k + n * k + m * n) / PEAK_BYTES) * 1e6
 
 
+MODES = {"off": PDL_OFF, "wait": PDL_WAIT, "prefetch": PDL_PREFETCH}
+
+
 def compile_key(cfg: SplitKConfig) -> tuple:
-    # M and SPLIT_K are not specialised by the kernel, so a binary depends on the tile shape and
-    # whether the workspace path is on; all shapes here have N, K and strides divisible by 16.
-    return (cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages, cfg.split_k > 1)
+    # M and SPLIT_K are not specialised by the kernel, so a binary depends on the tile shape,
+    # whether the workspace path is on, and the launch mode.
+    return (cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages, cfg.split_k > 1,
+            cfg.pdl)
 
 
 def _compile_worker(keys: list[tuple]) -> list[str]:
@@ -64,8 +72,8 @@ def _compile_worker(keys: list[tuple]) -> list[str]:
     x = torch.randn(m, k, device="cuda", dtype=DTYPE)
     w = torch.randn(n, k, device="cuda", dtype=DTYPE)
     out = torch.empty(m, n, device="cuda", dtype=DTYPE)
-    for bm, bn, bk, warps, stages, split in keys:
-        cfg = SplitKConfig(bm, bn, bk, 2 if split else 1, warps, stages)
+    for bm, bn, bk, warps, stages, split, pdl in keys:
+        cfg = SplitKConfig(bm, bn, bk, 2 if split else 1, warps, stages, pdl)
         try:
             launch_gemm_splitk(x, w, None, out, None, None, cfg)
         except OutOfResources as exc:
@@ -74,9 +82,15 @@ def _compile_worker(keys: list[tuple]) -> list[str]:
     return failed
 
 
+def _configs(m: int, n: int, k: int) -> list[SplitKConfig]:
+    return candidates(m, n, k, DTYPE, pdl=PDL_PREFETCH) + [
+        dataclasses.replace(default_config(m, n, k, DTYPE), pdl=PDL_PREFETCH)]
+
+
 def precompile(jobs: int) -> None:
-    keys = sorted({compile_key(c) for n, k in SHAPES for m in MS
-                   for c in candidates(m, n, k, DTYPE) + [default_config(m, n, k, DTYPE)]})
+    keys = {compile_key(c) for n, k in SHAPES for m in MS for c in _configs(m, n, k)}
+    # The re-timed finalists also run without PDL and with PDL but no prefetch.
+    keys = sorted(keys | {key[:-1] + (mode,) for key in keys for mode in (PDL_OFF, PDL_WAIT)})
     t0 = time.time()
     chunks = [keys[i::jobs] for i in range(jobs)]
     with cf.ProcessPoolExecutor(jobs, mp_context=mp.get_context("spawn")) as pool:
@@ -94,14 +108,20 @@ def _sets(m: int, n: int, k: int) -> list[tuple]:
              torch.empty(m, n, device="cuda", dtype=DTYPE)) for _ in range(copies)]
 
 
-def time_splitk(cfg: SplitKConfig, sets: list[tuple], replays: int, owned: bool = False) -> float:
-    counters = None
-    if owned:
-        m, n = sets[0][2].shape
-        counters = torch.zeros(num_tiles(cfg, m, n), dtype=torch.int32, device="cuda")
-    return graph_replay_us(
-        lambda s: launch_gemm_splitk(s[0], s[1], None, s[2], None, None, cfg, counters),
-        sets, replays)[0]
+def _splitk(cfg: SplitKConfig, after_torch: bool = False):
+    def call(s):
+        if after_torch:
+            s[0].mul_(1.0)
+        launch_gemm_splitk(s[0], s[1], None, s[2], None, None, cfg)
+    return call
+
+
+def _torch(after_torch: bool = False):
+    def call(s):
+        if after_torch:
+            s[0].mul_(1.0)
+        torch.mm(s[0], s[1].T, out=s[2])
+    return call
 
 
 def rel_err(cfg: SplitKConfig, s: tuple) -> float:
@@ -109,7 +129,8 @@ def rel_err(cfg: SplitKConfig, s: tuple) -> float:
     out.fill_(float("nan"))
     launch_gemm_splitk(x, w, None, out, None, None, cfg)
     ref = x.float() @ w.float().T
-    return ((out.float() - ref).norm() / ref.norm()).item()
+    err = ((out.float() - ref).norm() / ref.norm()).item()
+    return err if math.isfinite(err) else math.inf
 
 
 def sweep(deadline_s: float, top: int) -> tuple[list[dict], list[dict]]:
@@ -119,37 +140,39 @@ def sweep(deadline_s: float, top: int) -> tuple[list[dict], list[dict]]:
     for n, k in SHAPES:
         for m in MS:
             sets = _sets(m, n, k)
-            torch_us = graph_replay_us(lambda s: F.linear(s[0], s[1]), sets, 20)[0]
-            torch_err = ((F.linear(sets[0][0], sets[0][1]).float()
-                          - sets[0][0].float() @ sets[0][1].float().T).norm()
-                         / (sets[0][0].float() @ sets[0][1].float().T).norm()).item()
-            dflt = default_config(m, n, k, DTYPE)
-            dflt_us = time_splitk(dflt, sets, 20)
-            dflt_owned_us = time_splitk(dflt, sets, 20, owned=True)
-            cands = candidates(m, n, k, DTYPE)
+            configs = _configs(m, n, k)
             screened = []
-            for cfg in cands:
-                if time.time() - t_start > deadline_s:
+            for cfg in configs:
+                if time.time() - t_start > deadline_s and screened:
                     break
-                screened.append((time_splitk(cfg, sets, 3), cfg))
+                screened.append((graph_replay_us(_splitk(cfg), sets, 3)[0], cfg))
             profile += [dict(M=m, N=n, K=k, config=cfg.name, screen_us=us) for us, cfg in screened]
             screened.sort(key=lambda t: t[0])
-            finals = [(time_splitk(cfg, sets, 20), cfg) for _, cfg in screened[:top]]
-            best_us, best = min(finals + [(dflt_us, dflt)], key=lambda t: t[0])
-            best_owned_us = time_splitk(best, sets, 20, owned=True)
+            finalists = [cfg for _, cfg in screened[:top]]
+            variants = [dataclasses.replace(c, pdl=mode) for c in finalists
+                        for mode in MODES.values()]
+            timed = interleaved_graph_us([_torch()] + [_splitk(c) for c in variants], sets)
+            torch_us = timed[0][0]
+            by_mode = {}
+            for cfg, (us, _) in zip(variants, timed[1:]):
+                label = next(k for k, v in MODES.items() if v == cfg.pdl)
+                if label not in by_mode or us < by_mode[label][0]:
+                    by_mode[label] = (us, cfg)
+            best_us, best = by_mode["prefetch"]
+            after = interleaved_graph_us([_torch(True), _splitk(best, True)], sets)
             fl = floor_us(m, n, k)
-            row = dict(M=m, N=n, K=k, floor_us=fl, torch_us=torch_us, default_cfg=dflt.name,
-                       default_us=dflt_us, default_owned_us=dflt_owned_us, best_cfg=best.name,
-                       best_us=best_us, best_owned_us=best_owned_us,
-                       candidates=len(cands), timed=len(screened),
-                       torch_err=torch_err, default_err=rel_err(dflt, sets[0]),
-                       best_err=rel_err(best, sets[0]),
-                       eff_torch=fl / torch_us, eff_default=fl / dflt_us, eff_best=fl / best_us,
-                       eff_best_owned=fl / best_owned_us)
+            row = dict(M=m, N=n, K=k, floor_us=fl, torch_us=torch_us,
+                       off_us=by_mode["off"][0], wait_us=by_mode["wait"][0],
+                       prefetch_us=best_us, best_cfg=best.name,
+                       after_torch_torch_us=after[0][0], after_torch_splitk_us=after[1][0],
+                       candidates=len(configs), timed=len(screened),
+                       best_err=max(rel_err(c, sets[0]) for c in variants),
+                       eff_torch=fl / torch_us, eff_off=fl / by_mode["off"][0],
+                       eff_wait=fl / by_mode["wait"][0], eff_prefetch=fl / best_us)
             rows.append(row)
-            print(f"{m:>3} {n:>6} {k:>6}  torch {torch_us:6.2f}  default {dflt_us:6.2f}  best "
-                  f"{best_us:6.2f} {best.name} ({len(screened)}/{len(cands)})  "
-                  f"[{time.time() - t_start:.0f} s]", flush=True)
+            print(f"{m:>3} {n:>6} {k:>6}  torch {torch_us:6.2f}  off {row['off_us']:6.2f}  wait "
+                  f"{row['wait_us']:6.2f}  prefetch {best_us:6.2f} {best.name} "
+                  f"({len(screened)}/{len(configs)})  [{time.time() - t_start:.0f} s]", flush=True)
             del sets
     return rows, profile
 
@@ -180,19 +203,22 @@ def main() -> None:
             writer.writerows(table)
     print(f"\n{torch.cuda.get_device_name()}  torch {torch.__version__}  "
           f"triton {__import__('triton').__version__}  (µs per call, CUDA-graph replay, cold w)")
-    print(f"{'M':>3} {'N':>6} {'K':>6} | {'floor':>6} {'torch':>6} | {'default':>7} "
-          f"{'no-memset':>9} | {'best':>6} {'no-memset':>9} {'best config':<42} {'timed':>7} | "
-          f"{'eff torch':>9} {'eff best':>8}")
+    print(f"{'M':>3} {'N':>6} {'K':>6} | {'floor':>6} {'torch':>6} | {'off':>6} {'wait':>6} "
+          f"{'prefetch':>8} {'x torch':>7} | {'after torch: torch':>18} {'splitk':>6} | "
+          f"{'best config':<44}")
     for r in rows:
         print(f"{r['M']:>3} {r['N']:>6} {r['K']:>6} | {r['floor_us']:6.2f} {r['torch_us']:6.2f} | "
-              f"{r['default_us']:7.2f} {r['default_owned_us']:9.2f} | {r['best_us']:6.2f} "
-              f"{r['best_owned_us']:9.2f} {r['best_cfg']:<42} "
-              f"{r['timed']:>3}/{r['candidates']:<3} | {r['eff_torch']:9.2f} {r['eff_best']:8.2f}")
-    for label, key in [("torch", "eff_torch"), ("default", "eff_default"),
-                       ("best", "eff_best"), ("best, no memset", "eff_best_owned")]:
+              f"{r['off_us']:6.2f} {r['wait_us']:6.2f} {r['prefetch_us']:8.2f} "
+              f"{r['torch_us'] / r['prefetch_us']:7.2f} | {r['after_torch_torch_us']:18.2f} "
+              f"{r['after_torch_splitk_us']:6.2f} | {r['best_cfg']:<44}")
+    for label, key in [("torch", "eff_torch"), ("split-K, no PDL", "eff_off"),
+                       ("split-K, PDL", "eff_wait"), ("split-K, PDL + prefetch", "eff_prefetch")]:
         print(f"geomean roofline efficiency, {label}: {geomean(r[key] for r in rows):.3f}")
-    print(f"worst rel. error: torch {max(r['torch_err'] for r in rows):.2e}, split-K "
-          f"{max(max(r['default_err'], r['best_err']) for r in rows):.2e}")
+    print(f"geomean speed-up over torch: PDL + prefetch "
+          f"{geomean(r['torch_us'] / r['prefetch_us'] for r in rows):.3f}, no PDL "
+          f"{geomean(r['torch_us'] / r['off_us'] for r in rows):.3f}, after a torch kernel "
+          f"{geomean(r['after_torch_torch_us'] / r['after_torch_splitk_us'] for r in rows):.3f}")
+    print(f"worst rel. error of split-K: {max(r['best_err'] for r in rows):.2e}")
 
 
 if __name__ == "__main__":

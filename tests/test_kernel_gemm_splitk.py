@@ -12,6 +12,9 @@ import gemm_checks
 from gemm_checks import DEVICE, DTYPE_PAIRS, assert_matches_reference, generator, poisoned, randn
 from gemmtune.kernels.triton.gemm_splitk import (
     KERNEL_PREFIX,
+    PDL_OFF,
+    PDL_PREFETCH,
+    PDL_WAIT,
     SplitKConfig,
     candidates,
     default_config,
@@ -19,6 +22,8 @@ from gemmtune.kernels.triton.gemm_splitk import (
     gemm_splitk,
     launch_gemm_splitk,
     num_tiles,
+    prefetch_row_bytes,
+    stream_counters,
     why_not_fits,
     why_not_supported,
 )
@@ -128,10 +133,17 @@ def test_name_round_trip(config):
 
 def test_name_format():
     assert SplitKConfig(16, 64, 256, 8, 4, 3).name == "triton.splitk:BM16.BN64.BK256.SK8.W4.S3"
+    # The launch mode is spelled only where it is not the default, so older names keep parsing.
+    assert SplitKConfig(16, 64, 256, 8, 4, 3, PDL_PREFETCH).name == \
+        "triton.splitk:BM16.BN64.BK256.SK8.W4.S3.P2"
+    assert SplitKConfig.from_name("triton.splitk:BM16.BN64.BK256.SK8.W4.S3").pdl == PDL_OFF
+    assert SplitKConfig.from_name("triton.splitk:BM16.BN64.BK256.SK8.W4.S3.P1").pdl == PDL_WAIT
 
 
 @pytest.mark.parametrize("name,bad_part", [
-    ("triton.splitk:BM16.BN64.BK256.SK8.W4", "5 dot-separated fields"),
+    ("triton.splitk:BM16.BN64.BK256.SK8.W4", "5 dot-separated fields, expected 6 to 7"),
+    ("triton.splitk:BM16.BN64.BK256.SK8.W4.S3.P1.P1", "8 dot-separated fields"),
+    ("triton.splitk:BM16.BN64.BK256.SK8.W4.S3.Q1", "'Q1'"),
     ("triton.tile:BM16.BN64.BK256.SK8.W4.S3", "'triton.tile'"),
     ("BM16.BN64.BK256.SK8.W4.S3", "prefix"),
     ("triton.splitk:BM16.BN64.BK256.G8.W4.S3", "'G8'"),
@@ -140,7 +152,8 @@ def test_name_format():
 ])
 def test_from_name_rejects_bad_names(name, bad_part):
     gemm_checks.assert_bad_name(SplitKConfig.from_name, name, bad_part,
-                                "triton.splitk:BM<int>.BN<int>.BK<int>.SK<int>.W<int>.S<int>")
+                                "triton.splitk:BM<int>.BN<int>.BK<int>.SK<int>.W<int>.S<int>"
+                                ".[P<int>]")
 
 
 @pytest.mark.parametrize("config,reason", [
@@ -152,6 +165,7 @@ def test_from_name_rejects_bad_names(name, bad_part):
     (SplitKConfig(16, 64, 256, 17, 4, 3), "split_k <= 16"),  # 4096 / 256 = 16 steps
     (SplitKConfig(16, 64, 64, 2, 3, 3), "num_warps=3"),
     (SplitKConfig(16, 64, 64, 2, 4, 0), "num_stages=0"),
+    (SplitKConfig(16, 64, 64, 2, 4, 3, 3), "pdl=3"),
     (SplitKConfig(256, 256, 64, 2, 4, 2), "registers"),  # 512 accumulator registers per thread
     (SplitKConfig(64, 256, 256, 2, 8, 4), "shared memory"),  # 640 KiB of bf16 stages
 ])
@@ -206,6 +220,36 @@ def test_default_config_fits(dtype, M):
         assert fits(default_config(M, N, K, dtype), M, N, K, dtype)
 
 
+def test_candidates_carry_the_launch_mode():
+    found = candidates(16, 4096, 4096, torch.bfloat16, pdl=PDL_PREFETCH)
+    assert found and all(c.pdl == PDL_PREFETCH for c in found)
+    assert all(c.pdl == PDL_OFF for c in candidates(16, 4096, 4096, torch.bfloat16))
+
+
+@pytest.mark.parametrize("pdl", [PDL_WAIT, PDL_PREFETCH])
+def test_pdl_configs_compute_the_same_result(pdl):
+    # Off the GPU (and before sm_90) a PDL config launches plainly: same numbers, no error.
+    M, N, K = 13, 65, 200
+    gen = generator(pdl)
+    x, w = randn(M, K, gen=gen), randn(N, K, gen=gen)
+    config = SplitKConfig(16, 32, 32, 3, 4, 2, pdl)
+    y = gemm_splitk(x, w, config=config, out=poisoned(M, N, torch.float32))
+    assert_matches_reference(y, x, w)
+
+
+def test_prefetch_row_bytes():
+    w = torch.empty(576, 7168, dtype=torch.bfloat16)
+    # 8 MiB of w fits the 16 MiB budget: each split may prefetch all of its slice of each row.
+    assert prefetch_row_bytes(w, 14) >= 7168 * 2 / 14
+    # 235 MiB does not: an equal share of the budget per row and split, in 16-byte units.
+    big = torch.empty(28672, 4096, dtype=torch.bfloat16)
+    share = prefetch_row_bytes(big, 2)
+    assert share % 16 == 0 and 0 < share and share * 28672 * 2 <= 16 * 2**20
+    # The bulk prefetch needs contiguous, 16-byte aligned rows.
+    assert prefetch_row_bytes(w.T.contiguous().T, 4) == 0
+    assert prefetch_row_bytes(torch.empty(64, 100, dtype=torch.bfloat16)[:, :99], 1) == 0
+
+
 def test_launcher_rejects_a_config_that_does_not_fit():
     x = torch.ones(16, 32, dtype=torch.bfloat16, device=DEVICE)
     with pytest.raises(ValueError, match="num_warps=3"):
@@ -226,7 +270,10 @@ def test_gpu_bf16_decode_sizes(M, N, K):
                                                              dtype=torch.bfloat16)
     config = default_config(M, N, K, torch.bfloat16)
     for cfg in {config, SplitKConfig(config.block_m, 64, 128, 1, 4, 3),
-                SplitKConfig(config.block_m, 32, 64, 16, 4, 4)}:
+                SplitKConfig(config.block_m, 32, 64, 16, 4, 4),
+                SplitKConfig(config.block_m, 32, 128, 4, 2, 4, PDL_WAIT),
+                SplitKConfig(config.block_m, 32, 128, 4, 2, 4, PDL_PREFETCH),
+                SplitKConfig(config.block_m, 64, 128, 1, 4, 3, PDL_PREFETCH)}:
         y = gemm_splitk(x, w, config=cfg, out=poisoned(M, N, torch.bfloat16))
         assert_matches_reference(y, x, w)
         gemm_checks.assert_within_torch_error(y, x, w, cfg.name)
@@ -270,3 +317,67 @@ def test_gpu_cuda_graph_replay_on_new_data(M):
     N, K = 1536, 7168
     assert default_config(M, N, K, torch.bfloat16).split_k > 1  # the workspace path is captured
     gemm_checks.cuda_graph_replay_on_new_data(gemm_splitk, M, N, K)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pdl", [PDL_WAIT, PDL_PREFETCH])
+@pytest.mark.parametrize("graph", [False, True])
+def test_gpu_pdl_chain_reads_its_input_after_the_producer(pdl, graph):
+    # Each GEMM's x is the previous GEMM's output, poisoned (NaN) until that GEMM writes it: a
+    # launch that read x before its griddepcontrol.wait would see NaN or an old value. Outputs
+    # are also inputs' neighbours in the allocator, and the last GEMM of a link writes while the
+    # next one is already resident.
+    M, K, links = 16, 2048, 12
+    gen = generator(40 + pdl)
+    ws = [randn(K, K, gen=gen, dtype=torch.bfloat16) for _ in range(links)]
+    x0 = randn(M, K, gen=gen, dtype=torch.bfloat16)
+    ys = [poisoned(M, K, torch.bfloat16) for _ in range(links)]
+    config = SplitKConfig(16, 32, 128, 4, 2, 4, pdl)
+
+    def chain():
+        x = x0
+        for w, y in zip(ws, ys):
+            launch_gemm_splitk(x, w, None, y, None, None, config)
+            x = y
+
+    chain()  # compiles, and allocates this stream's tile counters
+    for y in ys:
+        y.fill_(float("nan"))
+    if graph:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            chain()
+        for y in ys:
+            y.fill_(float("nan"))
+        g.replay()
+    else:
+        chain()
+    torch.cuda.synchronize()
+    x = x0
+    for w, y in zip(ws, ys):
+        assert_matches_reference(y, x, w)
+        x = y
+
+
+@pytest.mark.gpu
+def test_gpu_stream_counters_are_per_stream_and_left_zero():
+    M, N, K = 16, 576, 7168
+    gen = generator(50)
+    x, w = randn(M, K, gen=gen, dtype=torch.bfloat16), randn(N, K, gen=gen,
+                                                             dtype=torch.bfloat16)
+    config = SplitKConfig(16, 32, 256, 8, 2, 3, PDL_PREFETCH)
+    side = torch.cuda.Stream()
+    outs = []
+    for stream in (torch.cuda.current_stream(), side):
+        with torch.cuda.stream(stream):
+            out = poisoned(M, N, torch.bfloat16)
+            launch_gemm_splitk(x, w, None, out, None, None, config)
+            outs.append(out)
+    torch.cuda.synchronize()
+    for out in outs:
+        assert_matches_reference(out, x, w)
+    main_counters = stream_counters(x.device, 1)
+    with torch.cuda.stream(side):
+        side_counters = stream_counters(x.device, 1)
+    assert main_counters.data_ptr() != side_counters.data_ptr()
+    assert not main_counters.any() and not side_counters.any()

@@ -278,7 +278,8 @@ def test_real_bf16_family_on_cpu(tmp_path):
     assert row.arch == "cpu" and row.results["timing"] == "cpu.wall"
     statuses = profile(tmp_path)
     assert statuses["torch.linear"] == "ok"
-    assert [s for n, s in statuses.items() if n.startswith("triton.tile")] == ["ok", "ok"]
+    # M = 5 is split-K's ground (the tile kernel starts at M = 65); two configs on the CPU.
+    assert [s for n, s in statuses.items() if n.startswith("triton.")] == ["ok", "ok"]
 
 
 def test_refused_key_fails_that_shape_only(tmp_path):

@@ -25,11 +25,16 @@ class Field:
     attr: str
     pattern: str = INT
     parse: Callable[[str], object] = int
+    # A trailing field with a default may be left out of a name, and is left out when it holds
+    # the default: names written before the field existed keep their meaning.
+    default: object = None
 
     @property
     def form(self) -> str:
-        """How errors show this field: ``BM<int>``, or the pattern itself where it is not INT."""
-        return f"{self.tag}<{'int' if self.pattern == INT else self.pattern}>"
+        """How errors show this field: ``BM<int>``, or the pattern itself where it is not INT;
+        in brackets where it may be left out."""
+        text = f"{self.tag}<{'int' if self.pattern == INT else self.pattern}>"
+        return text if self.default is None else f"[{text}]"
 
 
 class NameCodec:
@@ -42,13 +47,17 @@ class NameCodec:
     def __init__(self, what: str, prefix: str, fields: tuple[Field, ...], form: str | None = None):
         self.what = what
         self.prefix = prefix
+        optional = [f.default is not None for f in fields]
+        if optional != sorted(optional):
+            raise ValueError(f"{what}: fields with a default must come last")
         self.fields = fields
         self.form = form or f"{prefix}:" + ".".join(f.form for f in fields)
         self._patterns = tuple(re.compile(rf"{f.tag}({f.pattern})") for f in fields)
 
     def format(self, config) -> str:
-        return f"{self.prefix}:" + ".".join(f"{f.tag}{getattr(config, f.attr)}"
-                                            for f in self.fields)
+        return f"{self.prefix}:" + ".".join(
+            f"{f.tag}{getattr(config, f.attr)}" for f in self.fields
+            if f.default is None or getattr(config, f.attr) != f.default)
 
     def parse(self, cls, name: str):
         """``cls(**fields of name)``; ValueError naming what is wrong and the accepted form, also
@@ -58,10 +67,13 @@ class NameCodec:
             raise ValueError(f"{self.what} {name!r}: prefix {prefix!r} is not {self.prefix!r}; "
                              f"expected {self.form}")
         parts = body.split(".")
-        if len(parts) != len(self.fields):
+        required = sum(1 for f in self.fields if f.default is None)
+        if not required <= len(parts) <= len(self.fields):
+            count = (f"{required} to {len(self.fields)}" if required < len(self.fields)
+                     else str(required))
             raise ValueError(f"{self.what} {name!r}: has {len(parts)} dot-separated fields, "
-                             f"expected {len(self.fields)}: {self.form}")
-        values = {}
+                             f"expected {count}: {self.form}")
+        values = {f.attr: f.default for f in self.fields[len(parts):]}
         for part, field, pattern in zip(parts, self.fields, self._patterns):
             match = pattern.fullmatch(part)
             if match is None:

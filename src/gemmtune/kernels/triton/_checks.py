@@ -177,8 +177,11 @@ def fitting_config(kernel_name: str, config, default_config, why_not_fits,
     return config
 
 
-def start(kernel, grid: tuple, warmup: bool):
+def start(kernel, grid: tuple, warmup: bool, launch_pdl: bool = False):
     """``kernel[grid]``, or with ``warmup`` Triton's compile-without-launch for the same
     arguments: the tuner compiles candidates in several processes at once, outside the lock that
-    keeps their GPU timings apart, so compiles stop being the serial cost of tuning."""
-    return functools.partial(kernel.warmup, grid=grid) if warmup else kernel[grid]
+    keeps their GPU timings apart, so compiles stop being the serial cost of tuning.
+    ``launch_pdl`` launches with programmatic dependent launch (only asked for where supported:
+    the interpreter takes no such option)."""
+    launch = functools.partial(kernel.warmup, grid=grid) if warmup else kernel[grid]
+    return functools.partial(launch, launch_pdl=True) if launch_pdl else launch

@@ -24,6 +24,8 @@ fp16, bf16, fp32 or per-tensor-scaled float8_e4m3fn; accumulation is always fp32
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -44,6 +46,18 @@ MAX_SPLIT_K = 64
 # SM count the candidate space and the default are sized for: H100 SXM (H100 PCIe has 114).
 NUM_SMS = 132
 
+# Programmatic dependent launch (Hopper+), a config field because it changes what a launch overlaps
+# with: PDL_OFF launches plainly; PDL_WAIT launches with PDL, so the grid is scheduled while the
+# previous kernel drains and waits (griddepcontrol.wait) before touching memory; PDL_PREFETCH
+# also asks L2 for the first bytes of its w slice before that wait, so the weight stream starts
+# under the previous kernel's tail (w never depends on the previous kernel; x, the partials and
+# the output are only touched after the wait).
+PDL_OFF, PDL_WAIT, PDL_PREFETCH = 0, 1, 2
+# The w bytes one launch may prefetch into L2 (H100: 50 MiB): more would evict its own prefetched
+# lines, or the previous kernel's working set, before they are read.
+PREFETCH_BUDGET_BYTES = 16 * 2**20
+
+
 @dataclass(frozen=True)
 class SplitKConfig(NamedConfig):
     """One point of the split-K kernel's config space; ``name`` is how tables and the CLI
@@ -51,7 +65,8 @@ class SplitKConfig(NamedConfig):
 
     NAME_CODEC = NameCodec("split-K config", KERNEL_PREFIX, (
         Field("BM", "block_m"), Field("BN", "block_n"), Field("BK", "block_k"),
-        Field("SK", "split_k"), Field("W", "num_warps"), Field("S", "num_stages")))
+        Field("SK", "split_k"), Field("W", "num_warps"), Field("S", "num_stages"),
+        Field("P", "pdl", default=PDL_OFF)))
 
     block_m: int
     block_n: int
@@ -59,6 +74,7 @@ class SplitKConfig(NamedConfig):
     split_k: int
     num_warps: int
     num_stages: int
+    pdl: int = PDL_OFF  # PDL_OFF, PDL_WAIT or PDL_PREFETCH (see launch_gemm_splitk)
 
 
 def _next_pow2(v: int) -> int:
@@ -87,6 +103,9 @@ def why_not_fits(config: SplitKConfig, M: int, N: int, K: int, dtype: torch.dtyp
     problem = _checks.why_not_warps_stages(config)
     if problem is not None:
         return problem
+    if config.pdl not in (PDL_OFF, PDL_WAIT, PDL_PREFETCH):
+        return (f"pdl={config.pdl} must be {PDL_OFF} (off), {PDL_WAIT} (wait) or "
+                f"{PDL_PREFETCH} (prefetch w, then wait)")
     # Each split must get at least one full BLOCK_K step: split_k * block_k <= K rounded up to
     # block_k. Splits beyond that would only add programs that write zero partials.
     k_steps = triton.cdiv(K, config.block_k)
@@ -146,13 +165,13 @@ _WARPS = (1, 2, 4, 8)
 
 
 def candidates(M: int, N: int, K: int, dtype: torch.dtype,
-               num_sms: int = NUM_SMS) -> list[SplitKConfig]:
+               num_sms: int = NUM_SMS, pdl: int = PDL_OFF) -> list[SplitKConfig]:
     """The pruned search space for tuning one shape: a few dozen to ~150 configs, all fitting.
 
     Pruning, each rule a reason: block_m covers M in one tile up to 64 (``_block_m_choices``);
     split_k reaches one to two waves of programs (``_splits_around_one_wave``); num_warps and
     num_stages keep ``_VECTORS_PER_THREAD`` and ``_W_IN_FLIGHT_BYTES``; a pipeline no deeper than
-    the K steps of one split; ``_MIN_ROW_BYTES``.
+    the K steps of one split; ``_MIN_ROW_BYTES``. Every config gets ``pdl``.
     """
     elem = dtype.itemsize
     found = []
@@ -173,11 +192,11 @@ def candidates(M: int, N: int, K: int, dtype: torch.dtype,
                                  <= _W_IN_FLIGHT_BYTES[1]]
                     for warps in warps_ok:
                         for stages in stages_ok:
-                            cfg = SplitKConfig(bm, bn, bk, sk, warps, stages)
+                            cfg = SplitKConfig(bm, bn, bk, sk, warps, stages, pdl)
                             if fits(cfg, M, N, K, dtype):
                                 found.append(cfg)
     if not found:
-        found.append(default_config(M, N, K, dtype, num_sms))
+        found.append(dataclasses.replace(default_config(M, N, K, dtype, num_sms), pdl=pdl))
     return found
 
 
@@ -222,6 +241,17 @@ def _epilogue_store(acc, offs_m, offs_n, cols, y_ptr, bias_ptr, scale_a_ptr, sca
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _prefetch_rows_to_l2(row_ptrs, nbytes):
+    """One bulk L2 prefetch per row (sm_90 ``cp.async.bulk.prefetch.L2``): ``row_ptrs`` 16-byte
+    aligned, ``nbytes`` a multiple of 16; lanes with ``nbytes == 0`` issue nothing. A hint only:
+    L2 is the GPU's point of coherence, so it can never make a later load see stale data."""
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.u32 p, $2, 0; "
+        "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+        "=r,l,r", [row_ptrs, nbytes], dtype=tl.int32, is_pure=False, pack=1)
+
+
 # M and SPLIT_K are not specialised (M == 1, SPLIT_K % 16 == 0 would each double the compiled
 # variants the tuner pays for, to save a compare per program).
 @triton.jit(do_not_specialize=["M", "SPLIT_K"])
@@ -236,6 +266,7 @@ def gemm_splitk_kernel(
     count_ptr,  # (tiles,) int32, zero on entry and left zero; unused unless USE_WORKSPACE
     M, N, K,
     SPLIT_K,
+    prefetch_row_bytes,  # w bytes per row of the slice to prefetch; used when PDL == 2
     stride_xm, stride_xk,
     stride_wn, stride_wk,
     stride_ym, stride_yn,
@@ -248,6 +279,8 @@ def gemm_splitk_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     SPLIT_CHUNK: tl.constexpr,
+    PDL: tl.constexpr,
+    W_ELEM_BYTES: tl.constexpr,
 ):
     # Axis 0: output tiles, M fastest, so the M tiles that share a w tile run side by side and
     # all but the first read it from L2. Axis 1: the split of K.
@@ -277,6 +310,18 @@ def gemm_splitk_kernel(
     # tl.cast, not .to(): a stride of 1 arrives as a constexpr, which has no .to().
     x_step = tl.cast(stride_xk, tl.int64) * BLOCK_K
     w_step = tl.cast(stride_wk, tl.int64) * BLOCK_K
+
+    if PDL == 2:
+        # The rows of this program's w slice, from its first K step: one thread per row.
+        slice_bytes = (tl.minimum(step_hi * BLOCK_K, K) - step_lo * BLOCK_K) * W_ELEM_BYTES
+        nbytes = tl.minimum(slice_bytes, prefetch_row_bytes) // 16 * 16
+        row_ptrs = w_ptr + cols * stride_wn + (step_lo * BLOCK_K).to(tl.int64)
+        _prefetch_rows_to_l2(row_ptrs, tl.where(offs_n < N, nbytes, 0))
+    if PDL != 0:
+        # Let the next kernel's grid be scheduled now (it waits for this grid to finish before
+        # touching memory, as this one does below): its launch and w stream overlap this tail.
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for step in range(step_lo, step_hi):
@@ -342,18 +387,68 @@ def gemm_splitk(
     return launch_gemm_splitk(x, w, bias, out, scale_a, scale_b, config)
 
 
+# (device index, stream handle) -> zeroed int32 tile counters, grown on demand.
+_STREAM_COUNTERS: dict[tuple[int, int], torch.Tensor] = {}
+# Outgrown counter buffers: a CUDA graph captured before the growth still points at them.
+_RETIRED_COUNTERS: list[torch.Tensor] = []
+
+
+def stream_counters(device: torch.device, tiles: int) -> torch.Tensor:
+    """At least ``tiles`` zeroed counters owned by the current stream of ``device``: launches on
+    one stream run one after another (a PDL launch touches them only after its wait), so they
+    can share one buffer. The first launch on a stream allocates it (a memset); under graph
+    capture that memset is recorded once into the graph, and the buffer comes from the graph's
+    pool, kept alive here."""
+    stream = torch.cuda.current_stream(device)
+    key = (stream.device_index, stream.cuda_stream)
+    found = _STREAM_COUNTERS.get(key)
+    if found is not None and found.numel() >= tiles:
+        return found
+    grown = torch.zeros(max(tiles, 2 * found.numel() if found is not None else 1024),
+                        dtype=torch.int32, device=device)
+    if found is not None:
+        _RETIRED_COUNTERS.append(found)
+    _STREAM_COUNTERS[key] = grown
+    return grown
+
+
+@functools.lru_cache(maxsize=None)
+def _capability_major(device_index: int) -> int:
+    return torch.cuda.get_device_capability(device_index)[0]
+
+
+def pdl_supported(device: torch.device) -> bool:
+    """Programmatic dependent launch needs sm_90+ (and a compiled, not interpreted, kernel);
+    elsewhere a PDL config runs as a plain launch, which computes the same result."""
+    return (not _checks.INTERPRETED and device.type == "cuda"
+            and _capability_major(device.index if device.index is not None
+                                  else torch.cuda.current_device()) >= 9)
+
+
+def prefetch_row_bytes(w: torch.Tensor, split_k: int) -> int:
+    """The most bytes of one w row's slice (its K range in one split) to prefetch: the equal
+    share of ``PREFETCH_BUDGET_BYTES`` over rows and splits, so every slice is prefetched whole
+    while all of w fits the budget (the kernel caps it at the slice); 0 where the bulk
+    prefetch's 16-byte alignment does not hold (rows not contiguous, or not 16-byte aligned)."""
+    elem = w.element_size()
+    if w.stride(1) != 1 or (w.stride(0) * elem) % 16 or w.data_ptr() % 16:
+        return 0
+    share = PREFETCH_BUDGET_BYTES // max(1, w.shape[0] * split_k)
+    return min(share, w.shape[1] * elem) // 16 * 16
+
+
 def launch_gemm_splitk(x, w, bias, out, scale_a, scale_b, config: SplitKConfig,
                        counters: torch.Tensor | None = None, warmup: bool = False
                        ) -> torch.Tensor:
     """The launch alone, for callers that validated once per shape (dispatch plans). ``out`` is
     (M, N) with M, N > 0.
 
-    With split_k > 1 it allocates the fp32 partials (``torch.empty``) and, unless ``counters`` is
-    given, zeroed tile counters (``torch.zeros``: a memset in the stream, so a CUDA graph replays
-    it too). That memset cost 0.8-1.8 µs per call under graph replay on H100 (median ~1.2 µs,
-    benchmarks/splitk_sweep.py), 10-15% of a small decode GEMM. ``counters`` lets a caller own
-    them instead: an int32 tensor of at least ``num_tiles(config, M, N)`` zeros on x's device,
-    never used by two launches at once (one stream at a time); each launch leaves it zero again.
+    With split_k > 1 it allocates the fp32 partials (``torch.empty``) and takes tile counters
+    from ``counters``, else from ``stream_counters`` (kept per stream, zero at rest: each launch
+    leaves them zero). Zeroing counters per call instead cost a memset of 0.8-1.8 µs per call
+    under graph replay on H100 (benchmarks/splitk_sweep.py) and would break a PDL chain.
+    ``counters``: an int32 tensor of at least ``num_tiles(config, M, N)`` zeros on x's device,
+    never used by two launches at once (one stream at a time).
     ``warmup``: compile for these arguments without launching (and without the memset).
     """
     M, K = x.shape
@@ -364,12 +459,15 @@ def launch_gemm_splitk(x, w, bias, out, scale_a, scale_b, config: SplitKConfig,
     if use_workspace:
         parts = torch.empty(tiles * config.split_k * config.block_m * config.block_n,
                             dtype=torch.float32, device=x.device)
+        if counters is None and not warmup and x.is_cuda:
+            counters = stream_counters(x.device, tiles)
         if counters is None:
             counters = (torch.empty if warmup else torch.zeros)(tiles, dtype=torch.int32,
                                                                  device=x.device)
     else:
         parts = counters = out  # never read: USE_WORKSPACE is False
-    _checks.start(gemm_splitk_kernel, (tiles, config.split_k), warmup)(
+    pdl = config.pdl if pdl_supported(x.device) else PDL_OFF
+    _checks.start(gemm_splitk_kernel, (tiles, config.split_k), warmup, launch_pdl=pdl != PDL_OFF)(
         x, w, out,
         bias if bias is not None else x,
         scale_a if has_scales else x,
@@ -377,6 +475,7 @@ def launch_gemm_splitk(x, w, bias, out, scale_a, scale_b, config: SplitKConfig,
         parts, counters,
         M, N, K,
         config.split_k,
+        prefetch_row_bytes(w, config.split_k) if pdl == PDL_PREFETCH else 0,
         x.stride(0), x.stride(1),
         w.stride(0), w.stride(1),
         out.stride(0), out.stride(1),
@@ -389,6 +488,8 @@ def launch_gemm_splitk(x, w, bias, out, scale_a, scale_b, config: SplitKConfig,
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
         SPLIT_CHUNK=split_chunk(config),
+        PDL=pdl,
+        W_ELEM_BYTES=w.element_size(),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )

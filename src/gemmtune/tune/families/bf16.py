@@ -28,31 +28,41 @@ TOLERANCES = {
 }
 
 
-def _triton_tile_candidates(m: int, n: int, k: int, dtype: torch.dtype) -> list[Candidate]:
+# Up to M = 64 the split-K kernel's space holds every tile config worth timing (split 1 is a
+# plain tile GEMM with one M tile); the tile kernel starts above it.
+TILE_MIN_M = 65
+# From M = 512 on there are enough output tiles without splitting K.
+SPLITK_MAX_M = 256
+
+
+def _triton_tile_candidates(m: int, n: int, k: int, dtype: torch.dtype,
+                            out_dtype: torch.dtype) -> list[Candidate]:
+    if m < TILE_MIN_M:
+        return []
     from gemmtune.kernels.triton.gemm_tile import TileConfig, why_not_supported
 
-    configs = set()
+    # 64 B of K per row at least (BK 32 won no shape on H100), wide N tiles, 4-8 warps.
     bm_max = max(16, 1 << (m - 1).bit_length())
-    for bm in (16, 32, 64, 128):
-        if bm > bm_max:
-            continue
-        for bn in (64, 128, 256):
-            for bk in (32, 64, 128):
-                for warps in (4, 8):
-                    for stages in (3, 4):
-                        configs.add(TileConfig(bm, bn, bk, 8, warps, stages))
+    configs = {TileConfig(bm, bn, bk, 8, warps, stages)
+               for bm in (64, 128) if bm <= bm_max
+               for bn in (128, 256) for bk in (64, 128)
+               for warps in (4, 8) for stages in (3, 4)}
     return [Candidate(c.name, "triton") for c in sorted(configs, key=lambda c: c.name)
-            if why_not_supported(c, m, n, k, dtype, dtype) is None]
+            if why_not_supported(c, m, n, k, dtype, out_dtype) is None]
 
 
 def _triton_splitk_candidates(m: int, n: int, k: int, dtype: torch.dtype,
                               out_dtype: torch.dtype) -> list[Candidate]:
-    if m > 256:  # enough tiles without splitting K: the tile kernel's ground
+    if m > SPLITK_MAX_M:
         return []
     from gemmtune.kernels.triton import gemm_splitk
 
+    # With programmatic dependent launch where the GPU has it: consecutive GEMMs then overlap
+    # one's launch and weight stream with the previous one's tail (benchmarks/splitk_sweep.py).
+    pdl = (gemm_splitk.PDL_WAIT if torch.cuda.is_available()
+           and gemm_splitk.pdl_supported(torch.device("cuda")) else gemm_splitk.PDL_OFF)
     return [Candidate(c.name, "triton", splitk=c.split_k)
-            for c in gemm_splitk.candidates(m, n, k, dtype)
+            for c in gemm_splitk.candidates(m, n, k, dtype, pdl=pdl)
             if gemm_splitk.why_not_supported(c, m, n, k, dtype, out_dtype) is None]
 
 
@@ -93,8 +103,8 @@ class Bf16Family(TuneFamily):
         if "cublaslt" in wanted and gpu and not scaled:
             found += _cublaslt_candidates(m, n, k, dtype, out_dtype, has_bias)
         if "triton" in wanted:
-            triton = _triton_tile_candidates(m, n, k, dtype) + _triton_splitk_candidates(
-                m, n, k, dtype, out_dtype)
+            triton = _triton_tile_candidates(m, n, k, dtype, out_dtype) + \
+                _triton_splitk_candidates(m, n, k, dtype, out_dtype)
             # On the CPU (interpreter) a few configs are enough to exercise the path.
             found += triton if gpu else triton[:2]
         for i, c in enumerate(found):

@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# One call on the GPU machine: the checks and timings of a session, each stage under its own
+# time limit so one stuck stage cannot eat the others. Full results go under $OUT; the short
+# tables print last.
+#
+#   bash benchmarks/gpu_session.sh tests sweep cost      # stages to run, in this order
+#
+# Stages: tests (scripts/test.sh: the whole suite, gpu-marked tests included), sweep
+# (benchmarks/splitk_sweep.py, kernels precompiled in parallel first), cost
+# (benchmarks/tune_cost.py, then `gemmtune tune bf16` on one (N, K) x 8 M with a cold Triton
+# cache: the tuning-cost figure), presets (scripts/tune_presets.sh into the shipped table, cut
+# off after PRESETS_LIMIT seconds; run again to resume), bench:MODEL[:TP] (gemmtune bench bf16 on
+# the shipped table).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-out}
+mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then  # carried wheels (nvmath-python for cuBLASLt)
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/nvmath*.whl .whl/pytest_timeout*.whl .whl/filelock*.whl
+    export PYTHONPATH=/tmp/site:src
+else
+    export PYTHONPATH=src
+fi
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
+summary="$OUT/summary.txt"
+: > "$summary"
+
+stage() {  # stage NAME SECONDS CMD...: run CMD under a limit, log to $OUT/NAME.log
+    local name=$1 limit=$2
+    shift 2
+    local t0=$SECONDS
+    timeout --kill-after=10 "$limit" "$@" > "$OUT/$name.log" 2>&1
+    local rc=$?
+    echo "== $name: rc=$rc in $((SECONDS - t0)) s" | tee -a "$summary"
+    tail -n "${TAIL:-25}" "$OUT/$name.log" >> "$summary"
+}
+
+for what in "$@"; do
+    case $what in
+        tests)
+            stage tests 420 bash scripts/test.sh -x -p no:cacheprovider --timeout 300 ;;
+        sweep)
+            stage precompile 200 python3 benchmarks/splitk_sweep.py --precompile-only --jobs 14
+            TAIL=50 stage sweep 330 python3 benchmarks/splitk_sweep.py --deadline 200 ;;
+        cost)
+            stage cost 240 python3 benchmarks/tune_cost.py --nk 4096,4096 \
+                --M 1,16,32,64,128,256,512,1024
+            printf 'M,N,K,bias,dtype,outdtype,scaleAB,bpreshuffle\n' > "$OUT/cost_untuned.csv"
+            for m in 1 16 32 64 128 256 512 1024; do
+                echo "$m,6144,4096,False,bf16,bf16,False,False" >> "$OUT/cost_untuned.csv"
+            done
+            TRITON_CACHE_DIR=$(mktemp -d) stage tune_cold 420 python3 -m gemmtune.cli tune bf16 \
+                -i "$OUT/cost_untuned.csv" -o "$OUT/cost_tuned.csv" -o2 "$OUT/cost_profile.csv" \
+                --mp "${MP:-8}" --timeout 60 ;;
+        presets)  # resumable: carry the partial table back in with the next call
+            GEMMTUNE="python3 -m gemmtune.cli" OUTPUT=src/gemmtune/configs/bf16_tuned_gemm.csv \
+                PROFILE="$OUT/presets_profile.csv" SHAPES_DIR="$OUT/presets" \
+                EXTRA="--mp ${MP:-8} --timeout 60" \
+                stage presets "${PRESETS_LIMIT:-540}" bash scripts/tune_presets.sh
+            cp src/gemmtune/configs/bf16_tuned_gemm.csv "$OUT/" ;;
+        bench:*)
+            spec=${what#bench:}
+            model=${spec%%:*}
+            tp=1; [[ $spec == *:* ]] && tp=${spec##*:}
+            TAIL=40 stage "bench_$model" 400 python3 -m gemmtune.cli bench bf16 --model "$model" \
+                --tp "$tp" -o "$OUT/bench_${model}_tp$tp" ;;
+        *) echo "unknown stage $what" | tee -a "$summary" ;;
+    esac
+done
+echo
+cat "$summary"
