@@ -9,6 +9,8 @@ streaming read, which a GEMM's weight read is; a copy's read+write rate would ov
 
 from __future__ import annotations
 
+import contextlib
+
 import csv
 import math
 import statistics
@@ -23,6 +25,7 @@ from gemmtune.device import current_device
 from gemmtune.kernels.torch_ref import gemm_a16w16_ref
 from gemmtune.ops.gemm_a16w16 import DISPATCH, gemm_a16w16
 from gemmtune.tune.families.bf16 import TOLERANCES
+from gemmtune.tune.gpulock import GpuLock, gpu_label
 from gemmtune.tune.timing import copies_to_exceed_l2, interleaved_graph_us
 
 
@@ -188,6 +191,16 @@ def plot(rows: list[BenchRow], path: Path, title: str) -> str | None:
     return None
 
 
+def _measure_all(shapes: list[tuple[str, int, int, int]], dtype: torch.dtype,
+                 gpu: bool) -> list[BenchRow]:
+    ceilings = measure_ceilings(dtype)
+    print(f"ceilings measured now: {ceilings.bytes_per_s / 1e9:.0f} GB/s streaming read, "
+          f"{ceilings.flops_per_s / 1e12:.1f} TFLOP/s"
+          + ("" if gpu else " (CPU: fp32, rough; efficiencies are indicative only)"))
+    gen = torch.Generator(device="cuda" if gpu else "cpu").manual_seed(0)
+    return [bench_shape(name, m, n, k, dtype, ceilings, gen) for name, m, n, k in shapes]
+
+
 def run_bench(shapes: list[tuple[str, int, int, int]], dtype: torch.dtype, out_dir: Path,
               title: str) -> int:
     gpu = torch.cuda.is_available()
@@ -195,14 +208,9 @@ def run_bench(shapes: list[tuple[str, int, int, int]], dtype: torch.dtype, out_d
     print(f"GPU: {torch.cuda.get_device_name()} ({dev})" if gpu else
           f"no GPU found: benchmarking on the CPU ({dev}); GPU table rows do not apply, times are "
           f"CPU wall times")
-    ceilings = measure_ceilings(dtype)
-    print(f"ceilings measured now: {ceilings.bytes_per_s / 1e9:.0f} GB/s streaming read, "
-          f"{ceilings.flops_per_s / 1e12:.1f} TFLOP/s"
-          + ("" if gpu else " (CPU: fp32, rough; efficiencies are indicative only)"))
-    gen = torch.Generator(device="cuda" if gpu else "cpu").manual_seed(0)
-    rows = []
-    for name, m, n, k in shapes:
-        rows.append(bench_shape(name, m, n, k, dtype, ceilings, gen))
+    # No tuner may time on this GPU meanwhile (nor this bench disturb one).
+    with GpuLock(gpu_label(torch.cuda.current_device())) if gpu else contextlib.nullcontext():
+        rows = _measure_all(shapes, dtype, gpu)
     csv_path, png_path = out_dir / "bench_bf16.csv", out_dir / "bench_bf16.png"
     write_csv(rows, csv_path)
     why_no_plot = plot(rows, png_path, title)
