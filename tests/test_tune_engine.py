@@ -332,6 +332,28 @@ def test_real_bf16_family_on_cpu(tmp_path):
     assert [s for n, s in statuses.items() if n.startswith("triton.")] == ["ok", "ok"]
 
 
+def test_real_a8w8_family_on_cpu(tmp_path):
+    """The a8w8 family on the CPU, FP8 and INT8: every candidate passes the gate against the
+    dequantised fp32 reference, and a bad q_dtype_w fails that shape only."""
+    from gemmtune.tune.families.a8w8 import A8w8Family
+
+    inp = tmp_path / "u.csv"
+    inp.write_text("M,N,K,q_dtype_w\n5,48,64,torch.float8_e4m3fn\n20,32,96,torch.int8\n"
+                   "4,16,32,torch.bfloat16\n")
+    out = io.StringIO()
+    config = TuneConfig(input=inp, output=tmp_path / "t.csv", profile=tmp_path / "prof.csv",
+                        timeout=120, options=TuneOptions(iters=3, warmup=1))
+    summary = Tuner(A8w8Family, config, out=out).run()
+    assert summary.tuned == 2 and len(summary.failed) == 1, out.getvalue()
+    assert "a8w8 tunes torch.float8_e4m3fn and torch.int8 weights" in out.getvalue()
+    rows = read_table(tmp_path / "t.csv", schema_for(Family.a8w8)).rows
+    assert sorted(r.key[3] for r in rows) == ["torch.float8_e4m3fn", "torch.int8"]
+    with open(tmp_path / "prof.csv") as f:
+        statuses = [(r["kernelName"], r["status"]) for r in csv.DictReader(f)]
+    assert len(statuses) == 6 and all(s == "ok" for _, s in statuses), statuses
+    assert sum(1 for n, _ in statuses if n.startswith("triton.splitk:")) == 4
+
+
 def test_refused_key_fails_that_shape_only(tmp_path):
     from gemmtune.tune.families.bf16 import Bf16Family
 
