@@ -10,6 +10,8 @@ each launcher's test file runs as one parametrized test.
 import pytest
 import torch
 
+from gemmtune import quant
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 # Error bound: |y - ref| <= TOLERANCES[out_dtype] * |ref| + ACC_EPS * (K + 2) * mag, where
@@ -74,11 +76,13 @@ def layouts(M, N, K, dtype, gen):
 
 
 def assert_matches_reference(y, x, w, bias=None, scale=1.0):
-    """Every element written, and within the TOLERANCES bound of the fp32 reference."""
+    """Every element written, and within the TOLERANCES bound of the fp32 reference. ``scale``
+    multiplies x @ w.T: a number, or a tensor that broadcasts to (M, N) (row and column scales
+    of quantised operands)."""
     assert not torch.isnan(y).any(), f"{int(torch.isnan(y).sum())} of {y.numel()} outputs unwritten"
     xf, wf = x.float(), w.float()
     ref = (xf @ wf.T) * scale
-    mag = (xf.abs() @ wf.abs().T) * abs(scale)
+    mag = (xf.abs() @ wf.abs().T) * (scale.abs() if torch.is_tensor(scale) else abs(scale))
     if bias is not None:
         ref = ref + bias.float()
         mag = mag + bias.float().abs()
@@ -160,6 +164,38 @@ def fp8_per_tensor_scaled(launch, M, N, K, out_dtype, config):
     assert_matches_reference(y, x8, w8, bias, scale=FP8_SCALE)
 
 
+# How the activation and weight scales of a quantised GEMM are laid out: per tensor, per token
+# (a value per row of x) and per channel (a value per row of w).
+SCALE_LAYOUTS = {
+    "tensor": (quant.per_tensor_fp8, quant.per_tensor_fp8, quant.per_tensor_int8,
+               quant.per_tensor_int8),
+    "token_channel": (quant.per_token_fp8, quant.per_channel_fp8, quant.per_token_int8,
+                      quant.per_channel_int8),
+    "token_tensor": (quant.per_token_fp8, quant.per_tensor_fp8, quant.per_token_int8,
+                     quant.per_tensor_int8),
+}
+
+
+def quantised_operands(M, N, K, q_dtype, layout, gen):
+    """x and w drawn in fp32, quantised with ``gemmtune.quant`` as ``layout`` says:
+    ``(xq, wq, x_scale, w_scale)`` with the scales flattened as the kernels take them."""
+    qx_fp8, qw_fp8, qx_int8, qw_int8 = SCALE_LAYOUTS[layout]
+    qx, qw = (qx_fp8, qw_fp8) if q_dtype == torch.float8_e4m3fn else (qx_int8, qw_int8)
+    xq, x_scale = qx(randn(M, K, gen=gen) * 3)
+    wq, w_scale = qw(randn(N, K, gen=gen) / K ** 0.5)
+    return xq, wq, x_scale.reshape(-1), w_scale.reshape(-1)
+
+
+def quantised_scaled(launch, M, N, K, q_dtype, layout, out_dtype, config, with_bias=True):
+    gen = generator(M * 7 + N)
+    xq, wq, x_scale, w_scale = quantised_operands(M, N, K, q_dtype, layout, gen)
+    bias = randn(N, gen=gen, dtype=torch.bfloat16) if with_bias else None
+    y = launch(xq, wq, bias=bias, out_dtype=out_dtype, scale_a=x_scale, scale_b=w_scale,
+               config=config, out=poisoned(M, N, out_dtype))
+    scale = x_scale.reshape(-1, 1) * w_scale.reshape(1, -1)
+    assert_matches_reference(y, xq, wq, bias, scale=scale)
+
+
 def fp8_defaults_to_bf16_output(launch):
     gen = generator(7)
     x8 = randn(1, 33, gen=gen).to(torch.float8_e4m3fn)
@@ -210,11 +246,16 @@ def rejects_bad_arguments(launch):
         launch(x, w, out=torch.empty(8, 4, **bf))
     with pytest.raises(ValueError, match="both scale_a and scale_b"):
         launch(x, w, scale_a=torch.ones(1, device=DEVICE))
-    with pytest.raises(ValueError, match="one-element float32"):
+    with pytest.raises(ValueError, match=r"one float32 value \(per tensor\) or 4 contiguous"):
         launch(x, w, scale_a=torch.ones(2, device=DEVICE), scale_b=torch.ones(1, device=DEVICE))
+    with pytest.raises(ValueError, match="or 8 contiguous ones \\(one per row of w\\)"):
+        launch(x, w, scale_a=torch.ones(1, device=DEVICE),
+               scale_b=torch.ones(16, device=DEVICE)[::2])
     x8 = x.to(torch.float8_e4m3fn)
-    with pytest.raises(ValueError, match="need per-tensor scale_a and scale_b"):
+    with pytest.raises(ValueError, match="need scale_a and scale_b"):
         launch(x8, w.to(torch.float8_e4m3fn))
+    with pytest.raises(ValueError, match="need scale_a and scale_b"):
+        launch(x.to(torch.int8), w.to(torch.int8))
 
 
 def cuda_graph_replay_on_new_data(launch, M, N, K):

@@ -130,6 +130,29 @@ def test_bench_on_cpu_says_so_and_writes_csv_and_plot(tmp_path, capsys):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.parametrize("dtype", ["fp8", "int8"])
+def test_bench_a8w8_checks_and_writes_csv(tmp_path, capsys, dtype):
+    import csv
+
+    shapes = tmp_path / "shapes.csv"
+    shapes.write_text("M,N,K,q_dtype_w\n1,64,48,torch.float8_e4m3fn\n17,32,64,torch.int8\n")
+    out_dir = tmp_path / "b"
+    assert main(["bench", "a8w8", "--dtype", dtype, "--shapes", str(shapes), "-o",
+                 str(out_dir)]) == 0
+    assert "speed-up geomean" in capsys.readouterr().out
+    with open(out_dir / "bench_a8w8.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [(r["M"], r["N"]) for r in rows] == [("1", "64"), ("17", "32")]
+    assert all(r["ok"] == "True" and r["kernel"] == "torch.scaled_mm" for r in rows)
+
+
+def test_bench_refuses_a_dtype_of_another_family(capsys):
+    assert main(["bench", "a8w8", "--dtype", "fp16", "--M", "1"]) == 2
+    assert "a8w8 benches --dtype fp8 or int8, not fp16" in capsys.readouterr().err
+    assert main(["bench", "bf16", "--dtype", "int8", "--M", "1"]) == 2
+    assert "bf16 benches --dtype bf16, fp16 or fp32, not int8" in capsys.readouterr().err
+
+
 def test_geomean_and_summary_by_m_range():
     from gemmtune.bench import BenchRow, geomean, summarize
 

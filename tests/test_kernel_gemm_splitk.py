@@ -102,6 +102,15 @@ def test_fp8_per_tensor_scaled(M, N, K, split_k, out_dtype):
                                       SplitKConfig(16, 32, 32, split_k, 4, 2))
 
 
+@pytest.mark.parametrize("M,N,K,split_k", [(13, 65, 200, 3), (1, 40, 129, 1), (33, 40, 129, 2)])
+@pytest.mark.parametrize("q_dtype", [torch.float8_e4m3fn, torch.int8])
+@pytest.mark.parametrize("layout", list(gemm_checks.SCALE_LAYOUTS))
+def test_quantised_with_row_and_column_scales(M, N, K, split_k, q_dtype, layout):
+    # int8 partials leave the int32 accumulator as fp32 before the split reduction.
+    gemm_checks.quantised_scaled(gemm_splitk, M, N, K, q_dtype, layout, torch.bfloat16,
+                                 SplitKConfig(16, 32, 32, split_k, 4, 2))
+
+
 def test_deterministic():
     gemm_checks.deterministic(gemm_splitk, 33, 40, 129, SplitKConfig(32, 32, 16, 4, 4, 2))
 

@@ -80,6 +80,14 @@ def test_fp8_per_tensor_scaled(M, N, K, out_dtype):
                                       TileConfig(16, 32, 32, 2, 4, 2))
 
 
+@pytest.mark.parametrize("M,N,K", [(13, 65, 70), (33, 96, 64)])
+@pytest.mark.parametrize("q_dtype", [torch.float8_e4m3fn, torch.int8])
+@pytest.mark.parametrize("layout", list(gemm_checks.SCALE_LAYOUTS))
+def test_quantised_with_row_and_column_scales(M, N, K, q_dtype, layout):
+    gemm_checks.quantised_scaled(gemm_tile, M, N, K, q_dtype, layout, torch.bfloat16,
+                                 TileConfig(16, 32, 32, 2, 4, 2))
+
+
 def test_deterministic():
     gemm_checks.deterministic(gemm_tile, 67, 40, 129, TileConfig(32, 32, 32, 2, 4, 2))
 

@@ -20,6 +20,8 @@ from gemmtune.tables.schema import Family, schema_for
 from gemmtune.tables.store import TableError, read_table
 from gemmtune.tune.engine import TuneConfig, Tuner
 from gemmtune.tune.family import Candidate, Evaluation, Status, TuneOptions
+from gemmtune.tune.gpulock import GpuLock
+from gemmtune.tune.records import CrashMemo
 
 BF16 = schema_for(Family.bf16)
 HEADER = "M,N,K,bias,dtype,outdtype,scaleAB,bpreshuffle\n"
@@ -78,6 +80,54 @@ def test_every_fault_is_recorded_and_the_correct_winner_kept(tmp_path):
     assert "timer returned us=nan" in detail
     # fault.retimecrash had the fastest screen (1 us) but crashed when re-timed: it is in the
     # crash memo and did not win (the row above is good.fast).
+
+
+def test_finalists_are_timed_together(tmp_path, monkeypatch):
+    group_log = tmp_path / "groups.txt"
+    monkeypatch.setenv("FAULTY_GROUP_LOG", str(group_log))
+    monkeypatch.setenv("FAULTY_WITH_FAULTS", "0")
+    tuner, _ = tune(tmp_path, untuned(tmp_path / "u.csv", [7]))
+    assert tuner.summary.tuned == 1
+    # One joint re-timing of the three correct candidates (top 4 of the screen + the simplest).
+    assert group_log.read_text().splitlines() == ["good.fast,good.slow,torch.linear"]
+
+
+def test_a_crash_in_the_joint_retiming_falls_back_to_one_by_one(tmp_path, monkeypatch):
+    # fault.retimecrash kills the worker in the joint re-timing; each finalist is then timed
+    # alone, which pins the crash on it, and the winner is still the fastest correct one.
+    group_log = tmp_path / "groups.txt"
+    monkeypatch.setenv("FAULTY_GROUP_LOG", str(group_log))
+    monkeypatch.setenv("FAULTY_CANDIDATES", "torch.linear,good.fast,fault.retimecrash")
+    tuner, _ = tune(tmp_path, untuned(tmp_path / "u.csv", [7]))
+    assert tuner.summary.tuned == 1
+    (row,) = read_table(tmp_path / "tuned.csv", BF16).rows
+    assert row.results["kernelName"] == "good.fast"
+    assert len(group_log.read_text().splitlines()) == 1
+    memo = CrashMemo(BF16)
+    assert memo.skips("cpu:0", row.key, "fault.retimecrash", 4.0)
+    assert not memo.skips("cpu:0", row.key, "good.fast", 4.0)
+
+
+def test_gpu_lock_is_shared_with_other_processes(tmp_path, monkeypatch):
+    monkeypatch.setenv("GEMMTUNE_LOCK_DIR", str(tmp_path))
+    holder = subprocess.Popen(
+        [sys.executable, "-c",
+         "import sys, time\n"
+         "from gemmtune.tune.gpulock import GpuLock\n"
+         "with GpuLock('7'):\n"
+         "    print('held', flush=True)\n"
+         "    time.sleep(1.5)\n"],
+        stdout=subprocess.PIPE, text=True, env=os.environ.copy())
+    assert holder.stdout.readline().strip() == "held"
+    start = time.monotonic()
+    with GpuLock("7"):
+        waited = time.monotonic() - start
+    holder.wait(10)
+    assert waited >= 0.5  # it waited for the other process to let go
+    start = time.monotonic()
+    with GpuLock("6"):  # another GPU is not held
+        assert time.monotonic() - start < 0.5
+    assert GpuLock("cpu").path is None
 
 
 def test_known_crashers_are_skipped_on_a_rerun(tmp_path):
@@ -280,6 +330,28 @@ def test_real_bf16_family_on_cpu(tmp_path):
     assert statuses["torch.linear"] == "ok"
     # M = 5 is split-K's ground (the tile kernel starts at M = 65); two configs on the CPU.
     assert [s for n, s in statuses.items() if n.startswith("triton.")] == ["ok", "ok"]
+
+
+def test_real_a8w8_family_on_cpu(tmp_path):
+    """The a8w8 family on the CPU, FP8 and INT8: every candidate passes the gate against the
+    dequantised fp32 reference, and a bad q_dtype_w fails that shape only."""
+    from gemmtune.tune.families.a8w8 import A8w8Family
+
+    inp = tmp_path / "u.csv"
+    inp.write_text("M,N,K,q_dtype_w\n5,48,64,torch.float8_e4m3fn\n20,32,96,torch.int8\n"
+                   "4,16,32,torch.bfloat16\n")
+    out = io.StringIO()
+    config = TuneConfig(input=inp, output=tmp_path / "t.csv", profile=tmp_path / "prof.csv",
+                        timeout=120, options=TuneOptions(iters=3, warmup=1))
+    summary = Tuner(A8w8Family, config, out=out).run()
+    assert summary.tuned == 2 and len(summary.failed) == 1, out.getvalue()
+    assert "a8w8 tunes torch.float8_e4m3fn and torch.int8 weights" in out.getvalue()
+    rows = read_table(tmp_path / "t.csv", schema_for(Family.a8w8)).rows
+    assert sorted(r.key[3] for r in rows) == ["torch.float8_e4m3fn", "torch.int8"]
+    with open(tmp_path / "prof.csv") as f:
+        statuses = [(r["kernelName"], r["status"]) for r in csv.DictReader(f)]
+    assert len(statuses) == 6 and all(s == "ok" for _, s in statuses), statuses
+    assert sum(1 for n, _ in statuses if n.startswith("triton.splitk:")) == 4
 
 
 def test_refused_key_fails_that_shape_only(tmp_path):

@@ -1,18 +1,22 @@
-"""``gemmtune bench bf16``: tuned vs torch vs the roofline, per shape, in one run on one device.
+"""``gemmtune bench bf16|a8w8``: tuned vs torch vs the roofline, per shape, in one run on one device.
 
-For every shape: torch's default (``F.linear``) and the tuned op (``gemm_a16w16`` through the
-tables in force) are timed the same way, in alternation (CUDA-graph replay over weight copies
-larger than L2, i.e. cold weights as in decode); the tuned output is checked against an fp32 reference; the floor is
-max(FLOPs / peak, bytes / bandwidth) with both ceilings measured in the same run (bandwidth as a
-streaming read, which a GEMM's weight read is; a copy's read+write rate would overstate the floor).
+For every shape: torch's default (``F.linear`` for bf16, ``torch._scaled_mm`` row-wise / ``_int_mm``
+for a8w8) and the tuned op (through the tables in force) are timed the same way, in alternation
+(CUDA-graph replay over weight copies larger than L2, i.e. cold weights as in decode); the tuned
+output is checked against an fp32 reference; the floor is max(FLOPs / peak, bytes / bandwidth)
+with both ceilings measured in the same run (bandwidth as a streaming read, which a GEMM's weight
+read is; a copy's read+write rate would overstate the floor; peak as a large GEMM of the
+benchmarked input dtype).
 """
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import math
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -21,10 +25,15 @@ import torch.nn.functional as F
 
 from gemmtune.device import current_device
 from gemmtune.kernels.torch_ref import gemm_a16w16_ref
-from gemmtune.ops.gemm_a16w16 import DISPATCH, gemm_a16w16
-from gemmtune.tune.families.bf16 import TOLERANCES
+from gemmtune.ops._dispatch import Decision
+from gemmtune.ops.gemm_a8w8 import DISPATCH as A8W8_DISPATCH
+from gemmtune.ops.gemm_a8w8 import gemm_a8w8, gemm_a8w8_ref, scaled_mm_torch
+from gemmtune.ops.gemm_a16w16 import DISPATCH as A16W16_DISPATCH
+from gemmtune.ops.gemm_a16w16 import gemm_a16w16
+from gemmtune.tables.values import DTYPE_NAMES
+from gemmtune.tune.families._gemm import TOLERANCES
+from gemmtune.tune.gpulock import GpuLock, gpu_label
 from gemmtune.tune.timing import copies_to_exceed_l2, interleaved_graph_us
-
 
 
 @dataclass(frozen=True)
@@ -69,31 +78,94 @@ def _device_time_us(fn, reps: int) -> float:
     return (time.perf_counter() - t0) * 1e6 / reps
 
 
-def measure_ceilings(dtype: torch.dtype) -> Ceilings:
-    """Bandwidth: sum over a buffer far larger than L2 (2 GiB on a GPU); peak: an 8192^3 GEMM
-    (1024^3 on the CPU) on random data (zeros run faster than real data)."""
+def measure_ceilings(op: BenchOp) -> Ceilings:
+    """Bandwidth: sum over a buffer far larger than L2 (2 GiB on a GPU); peak: ``op``'s own
+    8192^3 GEMM through torch (1024^3 in fp32 on the CPU) on random data (zeros run faster)."""
     gpu = torch.cuda.is_available()
     device = "cuda" if gpu else "cpu"
     # The CPU has no fast bf16 reduction or GEMM: measure its ceilings in fp32 (rough numbers).
-    buf_dtype, mm_dtype = (torch.bfloat16, dtype) if gpu else (torch.float32, torch.float32)
+    buf_dtype = torch.bfloat16 if gpu else torch.float32
     nbytes = (2 << 30) if gpu else (256 << 20)
     buf = torch.randn(nbytes // buf_dtype.itemsize, device=device).to(buf_dtype)
     read_us = _device_time_us(lambda: buf.sum(dtype=torch.float32), 10 if gpu else 3)
     del buf
     n = 8192 if gpu else 1024
-    a = torch.randn(n, n, device=device).to(mm_dtype)
-    b = torch.randn(n, n, device=device).to(mm_dtype)
-    mm_us = _device_time_us(lambda: a @ b, 10 if gpu else 2)
+    if gpu:
+        args = op.inputs(n, n, n, torch.Generator(device=device).manual_seed(1))
+        mm_us = _device_time_us(lambda: op.torch(args), 10)
+    else:
+        a, b = torch.randn(n, n), torch.randn(n, n)
+        mm_us = _device_time_us(lambda: a @ b, 2)
     return Ceilings(nbytes / (read_us * 1e-6), 2.0 * n ** 3 / (mm_us * 1e-6))
 
 
-def floor_us(m: int, n: int, k: int, elem: int, c: Ceilings) -> float:
-    nbytes = (m * k + n * k + m * n) * elem
+def floor_us(m: int, n: int, k: int, op: BenchOp, c: Ceilings) -> float:
+    nbytes = (m * k + n * k) * op.in_bytes + m * n * op.out_bytes
     return max(2.0 * m * n * k / c.flops_per_s, nbytes / c.bytes_per_s) * 1e6
 
 
-def _time_pair(x, w, dtype) -> tuple[float, float]:
-    if not x.is_cuda:
+@dataclass(frozen=True)
+class BenchOp:
+    """One op family as the bench runs it. ``inputs(m, n, k, gen)`` gives the call's arguments,
+    ``w`` (the weight) at ``w_index``; ``torch``/``tuned``/``reference`` run on those arguments;
+    ``table_key(m, n, k)`` is the key the tuned op looks up."""
+
+    family: str
+    in_bytes: int
+    out_bytes: int
+    w_index: int
+    inputs: Callable[[int, int, int, torch.Generator], tuple]
+    torch: Callable[[tuple], torch.Tensor]
+    tuned: Callable[[tuple], torch.Tensor]
+    reference: Callable[[tuple], torch.Tensor]
+    table_key: Callable[[int, int, int], tuple]
+    decide: Callable[[tuple], Decision]
+    rel_bound: float
+
+
+def bf16_op(dtype: torch.dtype) -> BenchOp:
+    def inputs(m, n, k, gen):
+        device = gen.device
+        x = torch.randn(m, k, generator=gen, device=device).to(dtype)
+        w = (torch.randn(n, k, generator=gen, device=device) / k ** 0.5).to(dtype)
+        return x, w
+
+    name = DTYPE_NAMES[dtype]
+    return BenchOp(
+        "bf16", dtype.itemsize, dtype.itemsize, 1, inputs,
+        torch=lambda a: F.linear(*a), tuned=lambda a: gemm_a16w16(*a),
+        reference=lambda a: gemm_a16w16_ref(*a, out_dtype=torch.float32),
+        table_key=lambda m, n, k: (m, n, k, False, name, name, False, False),
+        decide=A16W16_DISPATCH.decide, rel_bound=TOLERANCES[dtype][2])
+
+
+def a8w8_op_for(q_dtype: torch.dtype) -> BenchOp:
+    """Per-token activations x per-channel weights, bf16 output: FP8/INT8 serving's layout."""
+    from gemmtune import quant
+
+    per_token, per_channel = ((quant.per_token_fp8, quant.per_channel_fp8)
+                              if q_dtype == torch.float8_e4m3fn
+                              else (quant.per_token_int8, quant.per_channel_int8))
+
+    def inputs(m, n, k, gen):
+        device = gen.device
+        xq, xs = per_token(torch.randn(m, k, generator=gen, device=device))
+        wq, ws = per_channel(torch.randn(n, k, generator=gen, device=device) / k ** 0.5)
+        return xq, wq, xs.reshape(-1), ws.reshape(-1)
+
+    def torch_call(a):
+        return scaled_mm_torch(a[0], a[1], None, torch.bfloat16, a[2], a[3])
+
+    name = DTYPE_NAMES[q_dtype]
+    return BenchOp(
+        "a8w8", 1, 2, 1, inputs, torch=torch_call, tuned=lambda a: gemm_a8w8(*a),
+        reference=lambda a: gemm_a8w8_ref(*a, out_dtype=torch.float32),
+        table_key=lambda m, n, k: (m, n, k, name),
+        decide=A8W8_DISPATCH.decide, rel_bound=TOLERANCES[torch.bfloat16][2])
+
+
+def _time_pair(op: BenchOp, args: tuple) -> tuple[float, float]:
+    if not args[0].is_cuda:
         def wall(fn):
             fn()
             times = []
@@ -103,26 +175,24 @@ def _time_pair(x, w, dtype) -> tuple[float, float]:
                 times.append((time.perf_counter() - t0) * 1e6)
             return statistics.median(times)
 
-        return wall(lambda: F.linear(x, w)), wall(lambda: gemm_a16w16(x, w))
-    sets = [(x, w.clone()) for _ in range(copies_to_exceed_l2(w.numel() * w.element_size()))]
-    (torch_us, _), (tuned_us, _) = interleaved_graph_us(
-        [lambda s: F.linear(*s), lambda s: gemm_a16w16(*s)], sets)
+        return wall(lambda: op.torch(args)), wall(lambda: op.tuned(args))
+    w = args[op.w_index]
+    sets = [args[:op.w_index] + (w.clone(),) + args[op.w_index + 1:]
+            for _ in range(copies_to_exceed_l2(w.numel() * w.element_size()))]
+    (torch_us, _), (tuned_us, _) = interleaved_graph_us([op.torch, op.tuned], sets)
     return torch_us, tuned_us
 
 
-def bench_shape(name: str, m: int, n: int, k: int, dtype: torch.dtype, ceilings: Ceilings,
+def bench_shape(name: str, m: int, n: int, k: int, op: BenchOp, ceilings: Ceilings,
                 gen: torch.Generator) -> BenchRow:
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    x = torch.randn(m, k, generator=gen, device=device).to(dtype)
-    w = (torch.randn(n, k, generator=gen, device=device) / k ** 0.5).to(dtype)
-    y = gemm_a16w16(x, w)
-    ref = gemm_a16w16_ref(x, w, out_dtype=torch.float32)
+    args = op.inputs(m, n, k, gen)
+    y = op.tuned(args)
+    ref = op.reference(args)
     rel = float((y.float() - ref).norm() / ref.norm().clamp_min(1e-30))
-    ok = bool(torch.isfinite(y).all()) and rel <= TOLERANCES[dtype][2]  # the tuner's own bound
-    decision = DISPATCH.plans[(m, n, k, False, dtype, dtype, False, False, x.get_device())
-                              ].decision
-    torch_us, tuned_us = _time_pair(x, w, dtype)
-    floor = floor_us(m, n, k, dtype.itemsize, ceilings)
+    ok = bool(torch.isfinite(y).all()) and rel <= op.rel_bound  # the tuner's own bound
+    decision = op.decide(op.table_key(m, n, k))
+    torch_us, tuned_us = _time_pair(op, args)
+    floor = floor_us(m, n, k, op, ceilings)
     return BenchRow(name, m, n, k, torch_us, tuned_us, torch_us / tuned_us, floor,
                     floor / tuned_us, floor / torch_us, decision.rule.value, decision.kernel_name,
                     rel, ok)
@@ -188,22 +258,28 @@ def plot(rows: list[BenchRow], path: Path, title: str) -> str | None:
     return None
 
 
-def run_bench(shapes: list[tuple[str, int, int, int]], dtype: torch.dtype, out_dir: Path,
+def _measure_all(shapes: list[tuple[str, int, int, int]], op: BenchOp,
+                 gpu: bool) -> list[BenchRow]:
+    ceilings = measure_ceilings(op)
+    print(f"ceilings measured now: {ceilings.bytes_per_s / 1e9:.0f} GB/s streaming read, "
+          f"{ceilings.flops_per_s / 1e12:.1f} TFLOP/s"
+          + ("" if gpu else " (CPU: fp32, rough; efficiencies are indicative only)"))
+    gen = torch.Generator(device="cuda" if gpu else "cpu").manual_seed(0)
+    return [bench_shape(name, m, n, k, op, ceilings, gen) for name, m, n, k in shapes]
+
+
+def run_bench(shapes: list[tuple[str, int, int, int]], op: BenchOp, out_dir: Path,
               title: str) -> int:
     gpu = torch.cuda.is_available()
     dev = current_device()
     print(f"GPU: {torch.cuda.get_device_name()} ({dev})" if gpu else
           f"no GPU found: benchmarking on the CPU ({dev}); GPU table rows do not apply, times are "
           f"CPU wall times")
-    ceilings = measure_ceilings(dtype)
-    print(f"ceilings measured now: {ceilings.bytes_per_s / 1e9:.0f} GB/s streaming read, "
-          f"{ceilings.flops_per_s / 1e12:.1f} TFLOP/s"
-          + ("" if gpu else " (CPU: fp32, rough; efficiencies are indicative only)"))
-    gen = torch.Generator(device="cuda" if gpu else "cpu").manual_seed(0)
-    rows = []
-    for name, m, n, k in shapes:
-        rows.append(bench_shape(name, m, n, k, dtype, ceilings, gen))
-    csv_path, png_path = out_dir / "bench_bf16.csv", out_dir / "bench_bf16.png"
+    # No tuner may time on this GPU meanwhile (nor this bench disturb one).
+    with GpuLock(gpu_label(torch.cuda.current_device())) if gpu else contextlib.nullcontext():
+        rows = _measure_all(shapes, op, gpu)
+    csv_path = out_dir / f"bench_{op.family}.csv"
+    png_path = out_dir / f"bench_{op.family}.png"
     write_csv(rows, csv_path)
     why_no_plot = plot(rows, png_path, title)
     print(f"{'shape':<14} {'M':>5} {'N':>6} {'K':>6} {'torch us':>9} {'tuned us':>9} "

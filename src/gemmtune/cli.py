@@ -102,6 +102,10 @@ def _dispatcher_for(family):
         from gemmtune.ops.gemm_a16w16 import DISPATCH
 
         return DISPATCH
+    if family is Family.a8w8:
+        from gemmtune.ops.gemm_a8w8 import DISPATCH
+
+        return DISPATCH
     return None
 
 
@@ -203,20 +207,36 @@ def _cmd_tune(args) -> int:
 def _cmd_bench(args) -> int:
     import torch
 
-    from gemmtune.bench import run_bench
+    from gemmtune.bench import a8w8_op_for, bf16_op, run_bench
 
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
-    shapes, title = _bench_shapes(args, dtype, gpu=torch.cuda.is_available())
-    return run_bench(shapes, dtype, Path(args.output), title)
+    if args.family == "bf16":
+        dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+        if args.dtype not in dtypes:
+            print(f"gemmtune bench: error: bf16 benches --dtype bf16, fp16 or fp32, not "
+                  f"{args.dtype}", file=sys.stderr)
+            return 2
+        op = bf16_op(dtypes[args.dtype])
+    else:
+        dtypes = {"fp8": torch.float8_e4m3fn, "int8": torch.int8}
+        dtype_name = args.dtype if args.dtype != "bf16" else "fp8"  # bf16 is the flag's default
+        if dtype_name not in dtypes:
+            print(f"gemmtune bench: error: a8w8 benches --dtype fp8 or int8, not {args.dtype}",
+                  file=sys.stderr)
+            return 2
+        args.dtype = dtype_name
+        op = a8w8_op_for(dtypes[dtype_name])
+    shapes, title = _bench_shapes(args, gpu=torch.cuda.is_available())
+    return run_bench(shapes, op, Path(args.output), title)
 
 
-def _bench_shapes(args, dtype, gpu: bool) -> tuple[list[tuple[str, int, int, int]], str]:
+def _bench_shapes(args, gpu: bool) -> tuple[list[tuple[str, int, int, int]], str]:
     from gemmtune.models.shapes import DEFAULT_M, dense_projections, load_preset
     from gemmtune.tables.schema import Family, schema_for
     from gemmtune.tables.store import read_table
 
     if args.shapes:
-        rows = read_table(args.shapes, schema_for(Family.bf16), untuned=True).rows
+        rows = read_table(args.shapes, schema_for(Family.from_str(args.family)),
+                          untuned=True).rows
         return [("csv", r.key[0], r.key[1], r.key[2]) for r in rows], f"{args.shapes}"
     ms = args.M or (list(DEFAULT_M) if gpu else [1, 16])
     projections = dense_projections(load_preset(args.model), args.tp)
@@ -313,7 +333,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "tuned output is checked against an fp32 reference. Runs on "
                                    "the CPU when there is no GPU (and says so).",
                        epilog="example: gemmtune bench bf16 --model llama3-70b --tp 8 --M 1,16,64")
-    p.add_argument("family", choices=["bf16"], help="op family")
+    p.add_argument("family", choices=["bf16", "a8w8"], help="op family")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--model", default="llama3-8b", choices=_presets(),
                      help="model preset whose dense projections to run (default llama3-8b)")
@@ -321,7 +341,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (default 1)")
     p.add_argument("--M", type=_int_list, default=None, metavar="M,M,...",
                    help="token counts (default 1,16,...,8192 on a GPU; 1,16 on the CPU)")
-    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32", "fp8", "int8"],
+                   help="bf16: bf16 (default), fp16 or fp32; a8w8: fp8 (default) or int8")
     p.add_argument("-o", "--output", default="out/bench", metavar="DIR",
                    help="folder for bench_bf16.csv and bench_bf16.png (default out/bench)")
     p.set_defaults(func=_cmd_bench)

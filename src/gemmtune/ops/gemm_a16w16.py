@@ -16,6 +16,7 @@ import torch
 from gemmtune.device import DeviceId
 from gemmtune.kernels.torch_ref import TORCH_LINEAR, parse_torch_kernel
 from gemmtune.ops._dispatch import Dispatcher, KernelRegistry, count_miss
+from gemmtune.ops._triton import TritonKernel
 from gemmtune.tables.schema import Family
 from gemmtune.tables.values import DTYPE_NAMES, to_torch_dtype
 
@@ -24,53 +25,17 @@ _INPUT_DTYPES = {torch.bfloat16, torch.float16, torch.float32}
 _FP8_DTYPES = {torch.float8_e4m3fn}
 
 
-class _TritonKernel:
-    """A ``triton.<family>:...`` row's kernel: checked once per shape (``check``), then each call
-    only allocates the output and launches. ``module`` is the kernel family's file: it provides
-    ``why_not_supported``, a ``gemm_*`` launcher that validates and a ``launch_gemm_*`` that
-    does not, and the config class ``config_cls`` that parses the name."""
-
-    def __init__(self, name: str, module, config_cls, launch, validating_launch):
-        self._module = module
-        self._launch = launch
-        self._validating_launch = validating_launch
-        self.config = config_cls.from_name(name)
-
-    def check(self, key: tuple) -> str | None:
-        m, n, k, _, dtype, out_dtype, _, _ = key
-        return self._module.why_not_supported(self.config, m, n, k, to_torch_dtype(dtype),
-                                              to_torch_dtype(out_dtype))
-
-    def warmup(self, x, w, bias, out_dtype, scale_a, scale_b) -> None:
-        """Compile for this call's arguments without running anything on the GPU."""
-        x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-        y = torch.empty((x2.shape[0], w.shape[0]), dtype=out_dtype, device=x.device)
-        if y.numel() and not self._module._checks.INTERPRETED:
-            self._launch(x2, w, bias, y, scale_a, scale_b, self.config, warmup=True)
-
-    def __call__(self, x, w, bias, out_dtype, scale_a, scale_b, out=None):  # x (..., K), w (N, K)
-        if (scale_a is None) != (scale_b is None):
-            # The validating launcher explains what is wrong.
-            return self._validating_launch(x, w, bias, out_dtype, scale_a, scale_b, self.config)
-        n = w.shape[0]
-        x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-        y = torch.empty((x2.shape[0], n), dtype=out_dtype, device=x.device) if out is None \
-            else out.view(x2.shape[0], n)
-        if y.numel():
-            self._launch(x2, w, bias, y, scale_a, scale_b, self.config)
-        return y if x2 is x else y.view(x.shape[:-1] + (n,))
+def _shape_of(key: tuple) -> tuple:
+    m, n, k, _, dtype, out_dtype, _, _ = key
+    return m, n, k, to_torch_dtype(dtype), to_torch_dtype(out_dtype)
 
 
-def _parse_triton_tile(name: str) -> _TritonKernel:
-    from gemmtune.kernels.triton import gemm_tile as m
-
-    return _TritonKernel(name, m, m.TileConfig, m.launch_gemm_tile, m.gemm_tile)
+def _parse_triton_tile(name: str) -> TritonKernel:
+    return TritonKernel.tile(name, _shape_of)
 
 
-def _parse_triton_splitk(name: str) -> _TritonKernel:
-    from gemmtune.kernels.triton import gemm_splitk as m
-
-    return _TritonKernel(name, m, m.SplitKConfig, m.launch_gemm_splitk, m.gemm_splitk)
+def _parse_triton_splitk(name: str) -> TritonKernel:
+    return TritonKernel.splitk(name, _shape_of)
 
 
 def _parse_cublaslt(name: str):

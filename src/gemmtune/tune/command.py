@@ -102,7 +102,7 @@ def run_config(factory: Callable, args: argparse.Namespace) -> int:
 
     import torch
 
-    from gemmtune.bench import run_bench
+    from gemmtune.bench import bf16_op, run_bench
     from gemmtune.ops import reset
     from gemmtune.tables.schema import schema_for
     from gemmtune.tables.store import read_table
@@ -119,5 +119,5 @@ def run_config(factory: Callable, args: argparse.Namespace) -> int:
     reset()
     shapes = sorted({("row", r.key[0], r.key[1], r.key[2]) for r in rows},
                     key=lambda s: (s[2], s[3], s[1]))
-    return run_bench(shapes, torch.bfloat16, Path(args.output or "out/run_config"),
+    return run_bench(shapes, bf16_op(torch.bfloat16), Path(args.output or "out/run_config"),
                      f"{args.input} (run_config)")

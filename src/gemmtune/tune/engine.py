@@ -30,6 +30,7 @@ from gemmtune.tables.store import (Row, TableError, full_key, read_table, update
                                    write_table)
 from gemmtune.tune.family import (CRASHING, Candidate, Evaluation, Status, TuneFamily,
                                   TuneOptions)
+from gemmtune.tune.gpulock import GpuLock
 from gemmtune.tune.progress import Progress
 from gemmtune.tune.records import CrashMemo, ProfileLog
 from gemmtune.tune.workers import START_TIMEOUT_S, Worker, WorkerLost, WorkerSpec
@@ -144,7 +145,7 @@ class Tuner:
         workers = [Worker(self._spec(i), f"worker{i}") for i in range(max(1, self.config.workers))]
         for i, w in enumerate(workers):
             w.gpu = self.config.gpus[i % len(self.config.gpus)] if self.config.gpus else "cpu"
-        self._gpu_locks = {w.gpu: threading.Lock() for w in workers}
+        self._gpu_locks = {w.gpu: GpuLock(w.gpu) for w in workers}
         restore = self._handle_stop_signals()
         try:
             arch, cu_num, self.env = workers[0].call("device", timeout=START_TIMEOUT_S)
@@ -341,7 +342,7 @@ class Tuner:
         ev.seconds += built.seconds
         return ev
 
-    def _gpu_lock(self, worker: Worker) -> threading.Lock:
+    def _gpu_lock(self, worker: Worker) -> GpuLock:
         return self._gpu_locks[worker.gpu]
 
     def _call_candidate(self, worker: Worker, device: str, key: tuple, name: str, method: str,
@@ -384,13 +385,45 @@ class Tuner:
         chosen = {e.name: e for e in ranked[: self.config.topk]}
         simplest = min(passing, key=lambda e: (by_name[e.name].simplicity, e.us))
         chosen.setdefault(simplest.name, simplest)
-        finalists = []
+        finalists = self._retime_together(worker, key, seed, chosen)
+        if finalists is not None:
+            return finalists
+        if self._stop.is_set():
+            return []
+        finalists = []  # one of them failed the joint timing: time each alone to find which
         for screened in chosen.values():
             with self._gpu_lock(worker):
                 ev = self._call_candidate(worker, device, key, screened.name, "retime", seed)
             if ev.ok:
                 ev.err_ratio, ev.rel_err = screened.err_ratio, screened.rel_err
                 finalists.append(ev)
+        return finalists
+
+    def _retime_together(self, worker: Worker, key: tuple, seed: int,
+                         chosen: dict[str, Evaluation]) -> list[Evaluation] | None:
+        """All finalists timed in one measurement, alternating, so that drift of the GPU's clocks
+        hits each alike; None if that failed (the caller then times them one by one, which
+        isolates a crasher)."""
+        names = list(chosen)
+        try:
+            with self._gpu_lock(worker):
+                timed = worker.call("retime_many", key, names, seed, self.config.options,
+                                    timeout=self.config.timeout * len(names))
+        except WorkerLost:
+            if not self._stop.is_set():
+                self._recover(worker)
+            return None
+        except RuntimeError:
+            return None
+        finalists = []
+        for ev in timed:
+            if not (0 < ev.us < math.inf and math.isfinite(ev.spread)):
+                return None
+            ev.err_ratio, ev.rel_err = chosen[ev.name].err_ratio, chosen[ev.name].rel_err
+            finalists.append(ev)
+            if self.config.verbose:
+                line = f"  {ev.name}: re-timed us={ev.us:.3f} spread={ev.spread:.3f}"
+                self._progress.note(line) if self._progress else self._say(line)
         return finalists
 
     def _choose(self, finalists: list[Evaluation], by_name: dict[str, Candidate]) -> Evaluation:

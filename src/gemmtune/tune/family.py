@@ -120,6 +120,13 @@ class TuneFamily(abc.ABC):
     def time(self, name: str, prepared: Prepared, iters: int, warmup: int) -> tuple[float, float]:
         """(median µs per call, spread) as deployed: CUDA-graph replay, cold operands."""
 
+    def time_many(self, names: list[str], prepared: Prepared, iters: int,
+                  warmup: int) -> list[tuple[float, float]]:
+        """``time`` of each of ``names``, compared with each other. Families whose timings can
+        alternate between candidates override this (drift then hits all of them alike); this
+        default times them one after another."""
+        return [self.time(name, prepared, iters, warmup) for name in names]
+
     def is_fatal(self, error: BaseException) -> bool:
         """Whether ``error`` leaves the worker unusable (a sticky CUDA error): then it is replaced
         and the candidate remembered as a crasher."""

@@ -100,6 +100,16 @@ class _WorkerState:
                               fatal=self.family.is_fatal(e))
 
 
+    def retime_many(self, key: tuple, names: list[str], seed: int,
+                    options: TuneOptions) -> list[Evaluation]:
+        """Time ``names`` against each other (``TuneFamily.time_many``); raises on any failure,
+        so that the engine falls back to timing each alone."""
+        prepared = self.prepared_for(key, seed)
+        timed = self.family.time_many(names, prepared, options.accurate_iters, options.warmup)
+        return [Evaluation(name, Status.ok, us=us, spread=spread)
+                for name, (us, spread) in zip(names, timed, strict=True)]
+
+
 def _device_healthy() -> bool:
     """After a candidate raised: can this process still use its GPU? A sticky CUDA error (an
     illegal address) makes every later call fail, whatever the first message said."""

@@ -26,9 +26,10 @@ MIN_BLOCK = 16  # tl.dot needs every tile dimension >= 16
 MAX_BLOCK = 256
 MAX_STAGES = 8
 
-INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float8_e4m3fn)
+INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float8_e4m3fn, torch.int8)
 OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-FP8_DTYPES = (torch.float8_e4m3fn,)
+# Quantised inputs: they need scales, and their output defaults to bf16.
+QUANT_DTYPES = (torch.float8_e4m3fn, torch.int8)
 
 
 @triton.jit
@@ -99,12 +100,15 @@ def input_precision(dtype: torch.dtype) -> str:
     return "tf32"
 
 
-def _check_scale(name: str, s: torch.Tensor, device: torch.device) -> None:
-    if s.numel() != 1 or s.dtype != torch.float32 or s.device != device:
-        raise ValueError(f"{name}: expected a one-element float32 tensor on {device}, got "
-                         f"shape {tuple(s.shape)} {s.dtype} on {s.device}; "
-                         f"pass e.g. torch.tensor([s], dtype=torch.float32, "
-                         f"device={str(device)!r})")
+def _check_scale(name: str, s: torch.Tensor, device: torch.device, length: int,
+                 per: str) -> None:
+    """A scale is one fp32 value (per tensor) or ``length`` contiguous ones (one per ``per``)."""
+    if s.numel() not in (1, length) or s.dtype != torch.float32 or s.device != device or \
+            (s.numel() > 1 and not s.is_contiguous()):
+        raise ValueError(f"{name}: expected one float32 value (per tensor) or {length} "
+                         f"contiguous ones (one per {per}) on {device}, got shape "
+                         f"{tuple(s.shape)} {s.dtype} on {s.device}; pass e.g. "
+                         f"torch.tensor([s], dtype=torch.float32, device={str(device)!r})")
 
 
 def validate_gemm_args(
@@ -141,13 +145,13 @@ def validate_gemm_args(
     if (scale_a is None) != (scale_b is None):
         raise ValueError(f"{kernel_name}: pass both scale_a and scale_b or neither")
     if scale_a is not None:
-        _check_scale("scale_a", scale_a, x.device)
-        _check_scale("scale_b", scale_b, x.device)
-    elif x.dtype in FP8_DTYPES:
-        raise ValueError(f"{kernel_name}: {x.dtype} inputs need per-tensor scale_a and scale_b; "
+        _check_scale("scale_a", scale_a, x.device, M, "row of x")
+        _check_scale("scale_b", scale_b, x.device, N, "row of w")
+    elif x.dtype in QUANT_DTYPES:
+        raise ValueError(f"{kernel_name}: {x.dtype} inputs need scale_a and scale_b; "
                          f"pass torch.ones(1, device=...) for unscaled values")
     if out_dtype is None:
-        out_dtype = torch.bfloat16 if x.dtype in FP8_DTYPES else x.dtype
+        out_dtype = torch.bfloat16 if x.dtype in QUANT_DTYPES else x.dtype
     if out_dtype not in OUT_DTYPES:
         raise TypeError(f"{kernel_name}: out_dtype {out_dtype} not supported; "
                         f"use one of {[str(d) for d in OUT_DTYPES]}")

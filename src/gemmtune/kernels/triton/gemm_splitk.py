@@ -34,6 +34,7 @@ import triton.language as tl
 
 from gemmtune.kernels._names import Field, NameCodec, NamedConfig
 from gemmtune.kernels.triton import _checks
+from gemmtune.kernels.triton._epilogue import scale_mode, store_tile
 
 KERNEL_PREFIX = "triton.splitk"
 
@@ -227,21 +228,6 @@ def default_config(M: int, N: int, K: int, dtype: torch.dtype,
 
 
 @triton.jit
-def _epilogue_store(acc, offs_m, offs_n, cols, y_ptr, bias_ptr, scale_a_ptr, scale_b_ptr,
-                    M, N, stride_ym, stride_yn, stride_bias,
-                    HAS_BIAS: tl.constexpr, HAS_SCALES: tl.constexpr):
-    if HAS_SCALES:
-        acc = acc * (tl.load(scale_a_ptr) * tl.load(scale_b_ptr))
-    if HAS_BIAS:
-        bias = tl.load(bias_ptr + cols * stride_bias).to(tl.float32)
-        acc = acc + bias[None, :]
-    y_ptrs = (y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym
-              + offs_n.to(tl.int64)[None, :] * stride_yn)
-    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
 def _prefetch_rows_to_l2(row_ptrs, nbytes):
     """One bulk L2 prefetch per row (sm_90 ``cp.async.bulk.prefetch.L2``): ``row_ptrs`` 16-byte
     aligned, ``nbytes`` a multiple of 16; lanes with ``nbytes == 0`` issue nothing. A hint only:
@@ -260,8 +246,8 @@ def gemm_splitk_kernel(
     w_ptr,  # (N, K)
     y_ptr,  # (M, N)
     bias_ptr,  # (N,); unused unless HAS_BIAS
-    scale_a_ptr,  # (1,) fp32; unused unless HAS_SCALES
-    scale_b_ptr,  # (1,) fp32; unused unless HAS_SCALES
+    scale_a_ptr,  # (1,) or (M,) fp32, as SCALE_A says
+    scale_b_ptr,  # (1,) or (N,) fp32, as SCALE_B says
     part_ptr,  # (tiles, SPLIT_K, BLOCK_M, BLOCK_N) fp32 partials; unused unless USE_WORKSPACE
     count_ptr,  # (tiles,) int32, zero on entry and left zero; unused unless USE_WORKSPACE
     M, N, K,
@@ -272,7 +258,8 @@ def gemm_splitk_kernel(
     stride_ym, stride_yn,
     stride_bias,
     HAS_BIAS: tl.constexpr,
-    HAS_SCALES: tl.constexpr,
+    SCALE_A: tl.constexpr,  # _epilogue.NO_SCALE, PER_TENSOR or PER_VECTOR
+    SCALE_B: tl.constexpr,
     USE_WORKSPACE: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -323,7 +310,9 @@ def gemm_splitk_kernel(
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
 
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # int8 x int8 accumulates exactly in int32; everything else in fp32.
+    acc = tl.zeros((BLOCK_M, BLOCK_N),
+                   dtype=tl.int32 if x_ptr.dtype.element_ty == tl.int8 else tl.float32)
     for step in range(step_lo, step_hi):
         k_left = K - step * BLOCK_K
         a = tl.load(x_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
@@ -337,7 +326,8 @@ def gemm_splitk_kernel(
         local = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
         inside = (offs_m[:, None] < M) & (offs_n[None, :] < N)
         tile_parts = part_ptr + pid.to(tl.int64) * SPLIT_K * (BLOCK_M * BLOCK_N)
-        tl.store(tile_parts + split.to(tl.int64) * (BLOCK_M * BLOCK_N) + local, acc, mask=inside)
+        tl.store(tile_parts + split.to(tl.int64) * (BLOCK_M * BLOCK_N) + local,
+                 acc.to(tl.float32), mask=inside)
         # All threads' stores happen before one thread's release (the barrier orders them; the
         # gpu-scope release makes them visible with it), as CUTLASS's arrive_inc does.
         tl.debug_barrier()
@@ -355,12 +345,12 @@ def gemm_splitk_kernel(
                 parts = tl.load(ptrs, mask=mask, other=0.0, cache_modifier=".cg")
                 total += tl.sum(parts, axis=0)
             tl.store(count_ptr + pid, 0)  # leave the counter zero for the next launch
-            _epilogue_store(total, offs_m, offs_n, cols, y_ptr, bias_ptr, scale_a_ptr,
-                            scale_b_ptr, M, N, stride_ym, stride_yn, stride_bias,
-                            HAS_BIAS, HAS_SCALES)
+            store_tile(total, offs_m, offs_n, rows, cols, y_ptr, bias_ptr, scale_a_ptr,
+                       scale_b_ptr, M, N, stride_ym, stride_yn, stride_bias,
+                       HAS_BIAS, SCALE_A, SCALE_B)
     else:
-        _epilogue_store(acc, offs_m, offs_n, cols, y_ptr, bias_ptr, scale_a_ptr, scale_b_ptr,
-                        M, N, stride_ym, stride_yn, stride_bias, HAS_BIAS, HAS_SCALES)
+        store_tile(acc, offs_m, offs_n, rows, cols, y_ptr, bias_ptr, scale_a_ptr, scale_b_ptr,
+                   M, N, stride_ym, stride_yn, stride_bias, HAS_BIAS, SCALE_A, SCALE_B)
 
 
 def gemm_splitk(
@@ -453,7 +443,6 @@ def launch_gemm_splitk(x, w, bias, out, scale_a, scale_b, config: SplitKConfig,
     """
     M, K = x.shape
     N = w.shape[0]
-    has_scales = scale_a is not None
     tiles = num_tiles(config, M, N)
     use_workspace = config.split_k > 1
     if use_workspace:
@@ -470,8 +459,8 @@ def launch_gemm_splitk(x, w, bias, out, scale_a, scale_b, config: SplitKConfig,
     _checks.start(gemm_splitk_kernel, (tiles, config.split_k), warmup, launch_pdl=pdl != PDL_OFF)(
         x, w, out,
         bias if bias is not None else x,
-        scale_a if has_scales else x,
-        scale_b if has_scales else x,
+        scale_a if scale_a is not None else x,
+        scale_b if scale_b is not None else x,
         parts, counters,
         M, N, K,
         config.split_k,
@@ -481,7 +470,8 @@ def launch_gemm_splitk(x, w, bias, out, scale_a, scale_b, config: SplitKConfig,
         out.stride(0), out.stride(1),
         bias.stride(0) if bias is not None else 0,
         HAS_BIAS=bias is not None,
-        HAS_SCALES=has_scales,
+        SCALE_A=scale_mode(scale_a),
+        SCALE_B=scale_mode(scale_b),
         USE_WORKSPACE=use_workspace,
         INPUT_PRECISION=_checks.input_precision(x.dtype),
         BLOCK_M=config.block_m,

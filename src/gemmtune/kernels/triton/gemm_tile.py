@@ -15,6 +15,7 @@ import triton.language as tl
 
 from gemmtune.kernels._names import Field, NameCodec, NamedConfig
 from gemmtune.kernels.triton import _checks
+from gemmtune.kernels.triton._epilogue import scale_mode, store_tile
 
 KERNEL_PREFIX = "triton.tile"
 
@@ -107,15 +108,16 @@ def gemm_tile_kernel(
     w_ptr,  # (N, K)
     y_ptr,  # (M, N)
     bias_ptr,  # (N,); unused unless HAS_BIAS
-    scale_a_ptr,  # (1,) fp32; unused unless HAS_SCALES
-    scale_b_ptr,  # (1,) fp32; unused unless HAS_SCALES
+    scale_a_ptr,  # (1,) or (M,) fp32, as SCALE_A says
+    scale_b_ptr,  # (1,) or (N,) fp32, as SCALE_B says
     M, N, K,
     stride_xm, stride_xk,
     stride_wn, stride_wk,
     stride_ym, stride_yn,
     stride_bias,
     HAS_BIAS: tl.constexpr,
-    HAS_SCALES: tl.constexpr,
+    SCALE_A: tl.constexpr,  # _epilogue.NO_SCALE, PER_TENSOR or PER_VECTOR
+    SCALE_B: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -150,7 +152,9 @@ def gemm_tile_kernel(
     x_step = tl.cast(stride_xk, tl.int64) * BLOCK_K
     w_step = tl.cast(stride_wk, tl.int64) * BLOCK_K
 
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # int8 x int8 accumulates exactly in int32; everything else in fp32.
+    acc = tl.zeros((BLOCK_M, BLOCK_N),
+                   dtype=tl.int32 if x_ptr.dtype.element_ty == tl.int8 else tl.float32)
     for k in range(0, tl.cdiv(K, BLOCK_K)):
         k_left = K - k * BLOCK_K
         a = tl.load(x_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
@@ -159,16 +163,8 @@ def gemm_tile_kernel(
         x_ptrs += x_step
         w_ptrs += w_step
 
-    if HAS_SCALES:
-        acc = acc * (tl.load(scale_a_ptr) * tl.load(scale_b_ptr))
-    if HAS_BIAS:
-        bias = tl.load(bias_ptr + cols * stride_bias).to(tl.float32)
-        acc = acc + bias[None, :]
-
-    y_ptrs = (y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym
-              + offs_n.to(tl.int64)[None, :] * stride_yn)
-    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+    store_tile(acc, offs_m, offs_n, rows, cols, y_ptr, bias_ptr, scale_a_ptr, scale_b_ptr,
+               M, N, stride_ym, stride_yn, stride_bias, HAS_BIAS, SCALE_A, SCALE_B)
 
 
 def gemm_tile(
@@ -202,20 +198,20 @@ def launch_gemm_tile(x, w, bias, out, scale_a, scale_b, config: TileConfig,
     ``warmup``: compile for these arguments without launching."""
     M, K = x.shape
     N = w.shape[0]
-    has_scales = scale_a is not None
     grid = (triton.cdiv(M, config.block_m) * triton.cdiv(N, config.block_n),)
     _checks.start(gemm_tile_kernel, grid, warmup)(
         x, w, out,
         bias if bias is not None else x,
-        scale_a if has_scales else x,
-        scale_b if has_scales else x,
+        scale_a if scale_a is not None else x,
+        scale_b if scale_b is not None else x,
         M, N, K,
         x.stride(0), x.stride(1),
         w.stride(0), w.stride(1),
         out.stride(0), out.stride(1),
         bias.stride(0) if bias is not None else 0,
         HAS_BIAS=bias is not None,
-        HAS_SCALES=has_scales,
+        SCALE_A=scale_mode(scale_a),
+        SCALE_B=scale_mode(scale_b),
         INPUT_PRECISION=_checks.input_precision(x.dtype),
         BLOCK_M=config.block_m,
         BLOCK_N=config.block_n,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-TUNABLE = ("bf16",)
+TUNABLE = ("bf16", "a8w8")
 
 
 def factory(name: str) -> Callable:
@@ -14,4 +14,8 @@ def factory(name: str) -> Callable:
         from gemmtune.tune.families.bf16 import Bf16Family
 
         return Bf16Family
+    if normalized == "a8w8":
+        from gemmtune.tune.families.a8w8 import A8w8Family
+
+        return A8w8Family
     raise ValueError(f"no tuner for family {name!r} yet; tunable: {', '.join(TUNABLE)}")

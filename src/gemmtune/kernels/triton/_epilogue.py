@@ -1,0 +1,47 @@
+"""The output step every Triton GEMM here ends with: scales, bias, cast, masked store.
+
+``y = acc * scale_a * scale_b + bias``: ``scale_a`` per tensor (one value) or per row of x (M
+values: per-token activation scales), ``scale_b`` per tensor or per column of y (N values:
+per-channel weight scales), fp32 either way; ``acc`` is the fp32 (or int32, for int8 inputs)
+accumulator of one (BLOCK_M, BLOCK_N) tile.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# How a launch passes a scale: the kernels' SCALE_A / SCALE_B constexprs.
+NO_SCALE, PER_TENSOR, PER_VECTOR = 0, 1, 2
+
+
+def scale_mode(scale: torch.Tensor | None) -> int:
+    """NO_SCALE, PER_TENSOR (one value) or PER_VECTOR (a value per row of x / column of y)."""
+    if scale is None:
+        return NO_SCALE
+    return PER_TENSOR if scale.numel() == 1 else PER_VECTOR
+
+
+@triton.jit
+def store_tile(acc, offs_m, offs_n, rows, cols, y_ptr, bias_ptr, scale_a_ptr, scale_b_ptr,
+               M, N, stride_ym, stride_yn, stride_bias,
+               HAS_BIAS: tl.constexpr, SCALE_A: tl.constexpr, SCALE_B: tl.constexpr):
+    """``rows``/``cols`` are the tile's row/column indices clamped into range (as the K loop
+    read them), ``offs_m``/``offs_n`` the unclamped ones the store masks with."""
+    acc = acc.to(tl.float32)
+    if SCALE_A == 1:
+        acc = acc * tl.load(scale_a_ptr)
+    if SCALE_A == 2:
+        acc = acc * tl.load(scale_a_ptr + rows)[:, None]
+    if SCALE_B == 1:
+        acc = acc * tl.load(scale_b_ptr)
+    if SCALE_B == 2:
+        acc = acc * tl.load(scale_b_ptr + cols)[None, :]
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + cols * stride_bias).to(tl.float32)
+        acc = acc + bias[None, :]
+    y_ptrs = (y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym
+              + offs_n.to(tl.int64)[None, :] * stride_yn)
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)

@@ -1,0 +1,183 @@
+"""What the GEMM families' tuners share: the Triton candidate spaces, and running, checking and
+timing a candidate exactly as dispatch calls it (``kernel(x, w, bias, out_dtype, scale_a,
+scale_b, out=)``, resolved from the family's registry by ``kernelName``).
+
+A family gives its registry, its key's ``shape`` and ``prepare``; ``prepare`` puts
+``(x, w, bias, out_dtype, scale_a, scale_b)`` in ``Prepared.inputs``.
+"""
+
+from __future__ import annotations
+
+import abc
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+from gemmtune.ops._dispatch import KernelRegistry
+from gemmtune.tune.family import Candidate, Prepared, TuneFamily
+from gemmtune.tune.timing import copies_to_exceed_l2, graph_replay_us, interleaved_graph_us
+
+# (atol, rtol, ||out - ref|| / ||ref|| bound) by output dtype, for outputs of unit scale (inputs
+# are N(0, 1) and W is scaled by 1/sqrt(K)). bf16 output rounding alone is 2^-9 relative per
+# element (rel. norm ~2e-3); fp16's 2^-12; fp32 without tf32 accumulates exactly to ~1e-6.
+TOLERANCES = {
+    torch.bfloat16: (1e-2, 1e-2, 1e-2),
+    torch.float16: (2e-3, 2e-3, 2e-3),
+    torch.float32: (1e-4, 1e-4, 1e-4),
+}
+
+
+
+@dataclass(frozen=True)
+class GemmShape:
+    m: int
+    n: int
+    k: int
+    dtype: torch.dtype  # of x and w
+    out_dtype: torch.dtype
+    has_bias: bool
+
+
+# Up to M = 64 the split-K kernel's space holds every tile config worth timing (split 1 is a
+# plain tile GEMM with one M tile); the tile kernel starts above it.
+TILE_MIN_M = 65
+# From M = 512 on there are enough output tiles without splitting K.
+SPLITK_MAX_M = 256
+
+
+def triton_tile_candidates(m: int, n: int, k: int, dtype: torch.dtype,
+                            out_dtype: torch.dtype) -> list[Candidate]:
+    if m < TILE_MIN_M:
+        return []
+    from gemmtune.kernels.triton.gemm_tile import TileConfig, why_not_supported
+
+    # 64 B of K per row at least (BK 32 won no shape on H100), wide N tiles, 4-8 warps.
+    bm_max = max(16, 1 << (m - 1).bit_length())
+    configs = {TileConfig(bm, bn, bk, 8, warps, stages)
+               for bm in (64, 128) if bm <= bm_max
+               for bn in (128, 256) for bk in (64, 128)
+               for warps in (4, 8) for stages in (3, 4)}
+    return [Candidate(c.name, "triton") for c in sorted(configs, key=lambda c: c.name)
+            if why_not_supported(c, m, n, k, dtype, out_dtype) is None]
+
+
+def triton_splitk_candidates(m: int, n: int, k: int, dtype: torch.dtype,
+                              out_dtype: torch.dtype) -> list[Candidate]:
+    if m > SPLITK_MAX_M:
+        return []
+    from gemmtune.kernels.triton import gemm_splitk
+
+    # With programmatic dependent launch where the GPU has it: consecutive GEMMs then overlap
+    # one's launch and weight stream with the previous one's tail (benchmarks/splitk_sweep.py).
+    pdl = (gemm_splitk.PDL_WAIT if torch.cuda.is_available()
+           and gemm_splitk.pdl_supported(torch.device("cuda")) else gemm_splitk.PDL_OFF)
+    return [Candidate(c.name, "triton", splitk=c.split_k)
+            for c in gemm_splitk.candidates(m, n, k, dtype, pdl=pdl)
+            if gemm_splitk.why_not_supported(c, m, n, k, dtype, out_dtype) is None]
+
+
+def triton_candidates(m: int, n: int, k: int, dtype: torch.dtype,
+                      out_dtype: torch.dtype) -> list[Candidate]:
+    found = triton_tile_candidates(m, n, k, dtype, out_dtype) + \
+        triton_splitk_candidates(m, n, k, dtype, out_dtype)
+    # On the CPU (interpreter) a few configs are enough to exercise the path.
+    return found if torch.cuda.is_available() else found[:2]
+
+
+def number_candidates(found: list[Candidate]) -> list[Candidate]:
+    """Each candidate's ``solidx``: its place in the list (the seeds' column)."""
+    return [Candidate(c.name, c.libtype, c.simplicity, c.splitk, solidx=i)
+            for i, c in enumerate(found)]
+
+
+class GemmFamily(TuneFamily):
+    registry: KernelRegistry
+
+    def __init__(self):
+        # Constructed in the parent too (for result rows): no CUDA work here.
+        self.timing_label = "graph.coldL2" if torch.cuda.is_available() else "cpu.wall"
+
+    @abc.abstractmethod
+    def shape(self, key: tuple) -> GemmShape:
+        """The GEMM a table key describes."""
+
+    def _kernel(self, name: str, key: tuple):
+        kernel = self.registry.resolve(name)
+        problem = kernel.check(key) if hasattr(kernel, "check") else None
+        if problem:
+            raise ValueError(f"{name} cannot run {key}: {problem}")
+        return kernel
+
+    def precompile(self, name: str, prepared: Prepared) -> None:
+        kernel = self._kernel(name, prepared.key)
+        if hasattr(kernel, "warmup"):
+            kernel.warmup(*prepared.inputs)
+
+    def run(self, name: str, prepared: Prepared) -> torch.Tensor:
+        kernel = self._kernel(name, prepared.key)
+        x, w, bias, out_dtype, sa, sb = prepared.inputs
+        out = torch.full((x.shape[0], w.shape[0]), float("nan"), dtype=out_dtype, device=x.device)
+        result = kernel(x, w, bias, out_dtype, sa, sb, out=out)
+        if result.data_ptr() != out.data_ptr():
+            raise RuntimeError(f"{name} did not write into the output it was given")
+        return out
+
+    def time(self, name: str, prepared: Prepared, iters: int, warmup: int) -> tuple[float, float]:
+        kernel = self._kernel(name, prepared.key)
+        x, w, bias, out_dtype, sa, sb = prepared.inputs
+        if not x.is_cuda:
+            return _cpu_time(lambda: kernel(x, w, bias, out_dtype, sa, sb), iters, warmup)
+        for _ in range(warmup):
+            kernel(x, w, bias, out_dtype, sa, sb)
+        return graph_replay_us(lambda s: kernel(s[0], s[1], s[2], out_dtype, sa, sb),
+                               _rotating(prepared), replays=iters)
+
+    def time_many(self, names: list[str], prepared: Prepared, iters: int,
+                  warmup: int) -> list[tuple[float, float]]:
+        x, w, bias, out_dtype, sa, sb = prepared.inputs
+        if not x.is_cuda:
+            return super().time_many(names, prepared, iters, warmup)
+        kernels = [self._kernel(name, prepared.key) for name in names]
+        for kernel in kernels:
+            for _ in range(warmup):
+                kernel(x, w, bias, out_dtype, sa, sb)
+        calls = [lambda s, k=k: k(s[0], s[1], s[2], out_dtype, sa, sb) for k in kernels]
+        rounds = 5
+        return interleaved_graph_us(calls, _rotating(prepared), rounds=rounds,
+                                    replays=max(1, iters // rounds))
+
+    def metrics(self, key: tuple, us: float) -> tuple[float, float]:
+        s = self.shape(key)
+        size_in, size_out = s.dtype.itemsize, s.out_dtype.itemsize
+        flops = 2.0 * s.m * s.n * s.k
+        nbytes = ((s.m * s.k + s.n * s.k) * size_in + s.m * s.n * size_out
+                  + (s.n * 2 if s.has_bias else 0))
+        return flops / us / 1e6, nbytes / us / 1e3
+
+
+def _rotating(prepared: Prepared) -> list[tuple]:
+    """Copies of (x, w, bias) that together exceed L2, made once per shape: each timed call then
+    reads its operands from HBM, as decode does."""
+    sets = prepared.extra.get("rotating")
+    if sets is None:
+        x, w, bias = prepared.inputs[:3]
+        per_set = sum(t.numel() * t.element_size() for t in (x, w, bias) if t is not None)
+        sets = [(x.clone(), w.clone(), None if bias is None else bias.clone())
+                for _ in range(copies_to_exceed_l2(per_set))]
+        prepared.extra["rotating"] = sets
+    return sets
+
+
+def _cpu_time(fn, iters: int, warmup: int) -> tuple[float, float]:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(max(3, iters // 10)):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e6)
+    times.sort()
+    median = statistics.median(times)
+    return median, (times[-1] - times[0]) / median if median else 0.0

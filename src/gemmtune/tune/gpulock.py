@@ -1,0 +1,66 @@
+"""Exclusive use of one GPU while candidates run and are timed.
+
+Workers of one tuner take turns through a thread lock; other processes (a second tuner on the
+same GPU, `gemmtune bench`) through an advisory file lock per GPU, which the kernel releases if
+the holder dies. A GPU is named as CUDA_VISIBLE_DEVICES names it (an index or a UUID), so
+processes that name one GPU differently do not see each other's lock.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import re
+import tempfile
+import threading
+from pathlib import Path
+
+
+def gpu_label(index: int) -> str:
+    """How CUDA_VISIBLE_DEVICES names the process's CUDA device ``index`` (its own index when
+    the variable is unset): the name the tuner's workers lock their GPU under."""
+    visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")
+               if v.strip()]
+    return visible[index] if index < len(visible) else str(index)
+
+
+def lock_dir() -> Path:
+    """Shared by every user of the machine, like the GPUs: the system temp folder."""
+    return Path(os.environ.get("GEMMTUNE_LOCK_DIR") or tempfile.gettempdir()) / "gemmtune-gpus"
+
+
+class GpuLock:
+    """``with lock:`` holds GPU ``gpu`` for this thread and process. ``gpu == "cpu"`` takes only
+    the thread lock: CPU timings of interpreted kernels are not shared-resource sensitive."""
+
+    def __init__(self, gpu: str):
+        self.gpu = gpu
+        self._thread_lock = threading.Lock()
+        self._fd: int | None = None
+        safe = re.sub(r"[^A-Za-z0-9_.-]", "_", gpu)
+        self.path = None if gpu == "cpu" else lock_dir() / f"gpu-{safe}.lock"
+
+    def __enter__(self) -> GpuLock:
+        self._thread_lock.acquire()
+        if self.path is None:
+            return self
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path, os.O_CREAT | os.O_RDWR, 0o666)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            except BaseException:
+                os.close(fd)
+                raise
+            self._fd = fd
+        except BaseException:
+            self._thread_lock.release()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
+        self._thread_lock.release()
