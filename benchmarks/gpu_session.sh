@@ -5,7 +5,8 @@
 #
 #   bash benchmarks/gpu_session.sh tests sweep cost      # stages to run, in this order
 #
-# Stages: tests (scripts/test.sh: the whole suite, gpu-marked tests included), sweep
+# Stages: tests (scripts/test.sh: the whole suite, gpu-marked tests included), gputests (only the
+# gpu-marked kernel, op and dispatch tests), a8w8 (tune 16 FP8 shapes, bench them), sweep
 # (benchmarks/splitk_sweep.py, kernels precompiled in parallel first), cost
 # (benchmarks/tune_cost.py, then `gemmtune tune bf16` on one (N, K) x 8 M with a cold Triton
 # cache: the tuning-cost figure), presets (scripts/tune_presets.sh into the shipped table, cut
@@ -40,6 +41,22 @@ for what in "$@"; do
     case $what in
         tests)
             stage tests 420 bash scripts/test.sh -x -p no:cacheprovider --timeout 300 ;;
+        gputests)  # the gpu-marked tests of the kernels, ops and tuner: the quick check
+            stage gputests 240 python3 -m pytest -q -x -p no:cacheprovider --timeout 200 -m gpu \
+                tests/test_kernel_gemm_splitk.py tests/test_kernel_gemm_tile.py \
+                tests/test_ops_a8w8.py tests/test_gpu_ops.py ;;
+        a8w8)  # tune FP8 a8w8 on decode and prefill shapes, then bench them through that table
+            printf 'M,N,K,q_dtype_w\n' > "$OUT/a8w8_untuned.csv"
+            for nk in 576,7168 4096,4096 28672,4096 1280,8192; do
+                for m in 1 16 64 1024; do
+                    echo "$m,$nk,torch.float8_e4m3fn" >> "$OUT/a8w8_untuned.csv"
+                done
+            done
+            stage a8w8_tune 300 python3 -m gemmtune.cli tune a8w8 -i "$OUT/a8w8_untuned.csv" \
+                -o "$OUT/a8w8_tuned.csv" -o2 "$OUT/a8w8_profile.csv" --mp "${MP:-8}" --timeout 60
+            GEMMTUNE_CONFIG_A8W8="replace:$OUT/a8w8_tuned.csv" TAIL=30 stage a8w8_bench 200 \
+                python3 -m gemmtune.cli bench a8w8 --dtype fp8 --shapes "$OUT/a8w8_untuned.csv" \
+                -o "$OUT/bench_a8w8" ;;
         sweep)
             stage precompile 200 python3 benchmarks/splitk_sweep.py --precompile-only --jobs 14
             TAIL=50 stage sweep 330 python3 benchmarks/splitk_sweep.py --deadline 200 ;;
