@@ -85,5 +85,9 @@ for what in "$@"; do
         *) echo "unknown stage $what" | tee -a "$summary" ;;
     esac
 done
+# Only a few files come back from the GPU machine: pack everything into one archive.
+rm -f "$OUT"/*.lock "$OUT"/*/*.lock
+tar czf /tmp/gpu_session.tgz -C "$OUT" . && mv /tmp/gpu_session.tgz "$OUT/all.tgz"
+find "$OUT" -mindepth 1 -not -name all.tgz -not -name summary.txt -delete
 echo
 cat "$summary"
