@@ -36,12 +36,15 @@ def graph_replay_us(fn: Callable, inputs: Sequence, replays: int = 20) -> tuple[
     return interleaved_graph_us([fn], inputs, rounds=1, replays=replays)[0]
 
 
-def interleaved_graph_us(fns: Sequence[Callable], inputs: Sequence, rounds: int = 5,
-                         replays: int = 10) -> list[tuple[float, float]]:
+def interleaved_graph_us(fns: Sequence[Callable], inputs: Sequence, rounds: int = 25,
+                         replays: int = 2) -> list[tuple[float, float]]:
     """Like ``graph_replay_us`` for several functions compared with each other: one graph each,
     replayed in alternation (``rounds`` x ``replays``), so clock and power drift during the
     measurement hits all of them alike instead of whichever ran last. Measured on H100: timing
-    the same 4096x28672x4096 GEMM twice one after the other differed by 11%."""
+    the same 4096x28672x4096 GEMM twice one after the other differed by 11%; alternating in
+    blocks of 10 replays still left up to 7% between two graphs of the same torch kernel on
+    multi-ms shapes (bench, 2026-11-26), so the blocks are short (2 replays) and every other
+    round runs the functions in reverse order (ABBA): drift within a round cancels too."""
     graphs = []
     for fn in fns:
         fn(inputs[0])
@@ -53,8 +56,9 @@ def interleaved_graph_us(fns: Sequence[Callable], inputs: Sequence, rounds: int 
         graph.replay()
         graphs.append(graph)
     times: list[list[float]] = [[] for _ in graphs]
-    for _ in range(rounds):
-        for graph, per_fn in zip(graphs, times):
+    for r in range(rounds):
+        order = list(zip(graphs, times))
+        for graph, per_fn in (order if r % 2 == 0 else order[::-1]):
             for _ in range(replays):
                 start = torch.cuda.Event(enable_timing=True)
                 end = torch.cuda.Event(enable_timing=True)

@@ -144,9 +144,9 @@ class GemmFamily(TuneFamily):
             for _ in range(warmup):
                 kernel(x, w, bias, out_dtype, sa, sb)
         calls = [lambda s, k=k: k(s[0], s[1], s[2], out_dtype, sa, sb) for k in kernels]
-        rounds = 5
-        return interleaved_graph_us(calls, _rotating(prepared), rounds=rounds,
-                                    replays=max(1, iters // rounds))
+        replays = 2
+        return interleaved_graph_us(calls, _rotating(prepared), rounds=max(1, iters // replays),
+                                    replays=replays)
 
     def metrics(self, key: tuple, us: float) -> tuple[float, float]:
         s = self.shape(key)
