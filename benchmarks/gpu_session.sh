@@ -9,8 +9,8 @@
 # gpu-marked kernel, op and dispatch tests), a8w8 (tune 16 FP8 shapes, bench them), sweep
 # (benchmarks/splitk_sweep.py, kernels precompiled in parallel first), cost
 # (benchmarks/tune_cost.py, then `gemmtune tune bf16` on one (N, K) x 8 M with a cold Triton
-# cache: the tuning-cost figure), presets (scripts/tune_presets.sh into the shipped table, cut
-# off after PRESETS_LIMIT seconds; run again to resume), bench:MODEL[:TP] (gemmtune bench bf16 on
+# cache: the tuning-cost figure), presets[:FAMILY] (scripts/tune_presets.sh into the shipped
+# table of FAMILY, bf16 or a8w8, cut off after PRESETS_LIMIT seconds; run again to resume), bench:MODEL[:TP] (gemmtune bench bf16 on
 # the shipped table).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -70,18 +70,25 @@ for what in "$@"; do
             TRITON_CACHE_DIR=$(mktemp -d) stage tune_cold 420 python3 -m gemmtune.cli tune bf16 \
                 -i "$OUT/cost_untuned.csv" -o "$OUT/cost_tuned.csv" -o2 "$OUT/cost_profile.csv" \
                 --mp "${MP:-8}" --timeout 60 ;;
-        presets)  # resumable: carry the partial table back in with the next call
-            GEMMTUNE="python3 -m gemmtune.cli" OUTPUT=src/gemmtune/configs/bf16_tuned_gemm.csv \
+        presets|presets:*)  # resumable: carry the partial table back in with the next call
+            family=bf16; [[ $what == presets:* ]] && family=${what#presets:}
+            GEMMTUNE="python3 -m gemmtune.cli" FAMILY=$family \
                 PROFILE="$OUT/presets_profile.csv" SHAPES_DIR="$OUT/presets" \
                 EXTRA="--mp ${MP:-8} --timeout 60" \
                 stage presets "${PRESETS_LIMIT:-540}" bash scripts/tune_presets.sh
-            cp src/gemmtune/configs/bf16_tuned_gemm.csv "$OUT/" ;;
+            cp "src/gemmtune/configs/${family}_tuned_gemm.csv" "$OUT/" ;;
         bench:*)
             spec=${what#bench:}
             model=${spec%%:*}
             tp=1; [[ $spec == *:* ]] && tp=${spec##*:}
             TAIL=40 stage "bench_$model" 400 python3 -m gemmtune.cli bench bf16 --model "$model" \
                 --tp "$tp" -o "$OUT/bench_${model}_tp$tp" ;;
+        bench8:*)  # the same for a8w8 (FP8 per-token x per-channel) through its shipped table
+            spec=${what#bench8:}
+            model=${spec%%:*}
+            tp=1; [[ $spec == *:* ]] && tp=${spec##*:}
+            TAIL=40 stage "bench8_$model" 400 python3 -m gemmtune.cli bench a8w8 --dtype fp8 \
+                --model "$model" --tp "$tp" -o "$OUT/bench8_${model}_tp$tp" ;;
         *) echo "unknown stage $what" | tee -a "$summary" ;;
     esac
 done

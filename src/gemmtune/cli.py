@@ -152,14 +152,16 @@ def _cmd_shapes(args) -> int:
     from gemmtune.tables.store import update_table
 
     spec = load_model_dir(args.model_dir) if args.model_dir else load_preset(args.model)
-    wanted = {Family.from_str(f) for f in args.families} if args.families else None
+    wanted = ({Family.from_str(f) for f in args.families} if args.families
+              else {Family.bf16, Family.fmoe})
     out = Path(args.output)
     generated = untuned_rows(spec, args.tp, args.nsets)
-    for family in sorted(wanted - set(generated), key=lambda f: f.value) if wanted else ():
+    asked = wanted if args.families else set()  # the default asks fmoe only of MoE models
+    for family in sorted(asked - set(generated), key=lambda f: f.value):
         print(f"{family.value}: no shapes: {spec.name} generates "
               f"{', '.join(f.value for f in generated)}", file=sys.stderr)
     for family, rows in generated.items():
-        if wanted is not None and family not in wanted:
+        if family not in wanted:
             continue
         schema = schema_for(family)
         path = out / schema.untuned_file
@@ -297,7 +299,7 @@ def build_parser() -> argparse.ArgumentParser:
                    default=None, help="token counts M (default 1,16,32,...,8192)")
     p.add_argument("--families", type=lambda t: [f.strip() for f in t.split(",")],
                    metavar="F,F", help="only these families (default: bf16, and fmoe for MoE "
-                                       "models)")
+                                       "models; a8w8 gives the same GEMMs with FP8 weights)")
     p.add_argument("-o", "--output", required=True, metavar="DIR",
                    help="folder of the untuned CSVs (rows already there are kept)")
     p.set_defaults(func=_cmd_shapes)

@@ -53,6 +53,7 @@ DEFAULT_M: tuple[int, ...] = (1, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 81
 
 
 _BF16 = "torch.bfloat16"
+_FP8 = "torch.float8_e4m3fn"
 
 
 class ModelConfigError(ValueError):
@@ -385,7 +386,8 @@ def _m_values(m_values: Iterable[int]) -> list[int]:
 def untuned_rows(
     spec: ModelSpec, tp: int = 1, m_values: Sequence[int] = DEFAULT_M
 ) -> dict[Family, list[Row]]:
-    """Untuned-table rows per family (bf16, and fmoe for MoE models), keys in schema order.
+    """Untuned-table rows per family (bf16; a8w8 with FP8 weights, the same GEMMs quantised;
+    and fmoe for MoE models), keys in schema order.
 
     Rows are ordered by (N, K) then M (fmoe: by shape, then token) and hold no duplicates.
     """
@@ -396,7 +398,8 @@ def untuned_rows(
             Row("", 0, (m, n, k, False, _BF16, _BF16, False, False))
             for n, k in gemm_keys
             for m in ms
-        ]
+        ],
+        Family.a8w8: [Row("", 0, (m, n, k, _FP8)) for n, k in gemm_keys for m in ms],
     }
     moe = sorted({(s.model_dim, s.inter_dim, s.expert, s.topk) for s in moe_shapes(spec, tp)})
     if moe:
