@@ -44,7 +44,7 @@ for what in "$@"; do
         gputests)  # the gpu-marked tests of the kernels, ops and tuner: the quick check
             stage gputests 240 python3 -m pytest -q -x -p no:cacheprovider --timeout 200 -m gpu \
                 tests/test_kernel_gemm_splitk.py tests/test_kernel_gemm_tile.py \
-                tests/test_ops_a8w8.py tests/test_gpu_ops.py ;;
+                tests/test_ops_a8w8.py tests/test_ops_a8w8_blockscale.py tests/test_gpu_ops.py ;;
         a8w8)  # tune FP8 a8w8 on decode and prefill shapes, then bench them through that table
             printf 'M,N,K,q_dtype_w\n' > "$OUT/a8w8_untuned.csv"
             for nk in 576,7168 4096,4096 28672,4096 1280,8192; do
@@ -76,13 +76,19 @@ for what in "$@"; do
                 PROFILE="$OUT/presets_profile.csv" SHAPES_DIR="$OUT/presets" \
                 EXTRA="--mp ${MP:-8} --timeout 60" \
                 stage presets "${PRESETS_LIMIT:-540}" bash scripts/tune_presets.sh
-            cp "src/gemmtune/configs/${family}_tuned_gemm.csv" "$OUT/" ;;
+            cp "src/gemmtune/configs/${family//-/_}_tuned_gemm.csv" "$OUT/" ;;
         bench:*)
             spec=${what#bench:}
             model=${spec%%:*}
             tp=1; [[ $spec == *:* ]] && tp=${spec##*:}
             TAIL=40 stage "bench_$model" 400 python3 -m gemmtune.cli bench bf16 --model "$model" \
                 --tp "$tp" -o "$OUT/bench_${model}_tp$tp" ;;
+        benchbs:*)  # the same for a8w8-blockscale through its shipped table
+            spec=${what#benchbs:}
+            model=${spec%%:*}
+            tp=1; [[ $spec == *:* ]] && tp=${spec##*:}
+            TAIL=40 stage "benchbs_$model" 400 python3 -m gemmtune.cli bench a8w8-blockscale \
+                --model "$model" --tp "$tp" -o "$OUT/benchbs_${model}_tp$tp" ;;
         bench8:*)  # the same for a8w8 (FP8 per-token x per-channel) through its shipped table
             spec=${what#bench8:}
             model=${spec%%:*}

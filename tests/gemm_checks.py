@@ -196,6 +196,27 @@ def quantised_scaled(launch, M, N, K, q_dtype, layout, out_dtype, config, with_b
     assert_matches_reference(y, xq, wq, bias, scale=scale)
 
 
+def block_scaled_operands(M, N, K, gen):
+    """FP8 x and w with DeepSeek-style block scales: ``(xq, wq, x_scale (M, ceil(K/128)),
+    w_scale (ceil(N/128), ceil(K/128)))``; magnitudes vary by token and along K, so every block
+    has its own scale."""
+    x = randn(M, K, gen=gen) * (1 + 4 * torch.rand(M, 1, generator=gen, device=DEVICE)) \
+        * (1 + torch.rand(1, K, generator=gen, device=DEVICE))
+    xq, x_scale = quant.per_block_fp8(x, quant.ACT_BLOCK)
+    wq, w_scale = quant.per_block_fp8(randn(N, K, gen=gen) / K ** 0.5, quant.WEIGHT_BLOCK)
+    return xq, wq, x_scale, w_scale
+
+
+def block_scaled(launch, M, N, K, config):
+    gen = generator(M + 3 * N + K)
+    xq, wq, x_scale, w_scale = block_scaled_operands(M, N, K, gen)
+    y = launch(xq, wq, scale_a=x_scale, scale_b=w_scale, config=config, block_scales=True,
+               out=poisoned(M, N, torch.bfloat16))
+    x_deq = quant.dequant_per_block(xq, x_scale, quant.ACT_BLOCK)
+    w_deq = quant.dequant_per_block(wq, w_scale, quant.WEIGHT_BLOCK)
+    assert_matches_reference(y, x_deq, w_deq)
+
+
 def fp8_defaults_to_bf16_output(launch):
     gen = generator(7)
     x8 = randn(1, 33, gen=gen).to(torch.float8_e4m3fn)

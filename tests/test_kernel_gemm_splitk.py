@@ -390,3 +390,25 @@ def test_gpu_stream_counters_are_per_stream_and_left_zero():
         side_counters = stream_counters(x.device, 1)
     assert main_counters.data_ptr() != side_counters.data_ptr()
     assert not main_counters.any() and not side_counters.any()
+
+
+# N 130 and 200: w's last row block is partial; K 300: so is the last K block.
+@pytest.mark.parametrize("M,N,K", [(5, 200, 300), (33, 130, 256)])
+@pytest.mark.parametrize("config", [SplitKConfig(16, 32, 64, 3, 4, 2), SplitKConfig(32, 64, 128, 1, 4, 2)], ids=lambda c: c.name)
+def test_fp8_block_scales(M, N, K, config):
+    gemm_checks.block_scaled(gemm_splitk, M, N, K, config)
+
+
+def test_block_scales_need_block_k_dividing_128_and_fp8():
+    gen = generator(2)
+    xq, wq, x_scale, w_scale = gemm_checks.block_scaled_operands(16, 64, 512, gen)
+    config = SplitKConfig(16, 32, 256, 1, 4, 2)
+    with pytest.raises(ValueError, match="block_k=256 must divide 128"):
+        gemm_splitk(xq, wq, scale_a=x_scale, scale_b=w_scale, config=config, block_scales=True)
+    with pytest.raises(ValueError, match=r"w_scale must be a contiguous float32 \(1, 4\)"):
+        gemm_splitk(xq, wq, scale_a=x_scale, scale_b=w_scale.t(), block_scales=True)
+    with pytest.raises(TypeError, match="block scales need float8_e4m3fn"):
+        gemm_splitk(xq.float(), wq.float(), scale_a=x_scale, scale_b=w_scale, block_scales=True)
+    # Without a config, the default gets a block_k that a block-scaled K step allows.
+    y = gemm_splitk(xq, wq, scale_a=x_scale, scale_b=w_scale, block_scales=True)
+    assert y.shape == (16, 64) and not torch.isnan(y).any()

@@ -185,3 +185,25 @@ def test_gpu_fp8_real_size(M):
 @pytest.mark.gpu
 def test_gpu_cuda_graph_replay_on_new_data():
     gemm_checks.cuda_graph_replay_on_new_data(gemm_tile, 64, 4096, 4096)
+
+
+# N 130 and 200: w's last row block is partial; K 300: so is the last K block.
+@pytest.mark.parametrize("M,N,K", [(5, 200, 300), (33, 130, 256)])
+@pytest.mark.parametrize("config", [TileConfig(16, 32, 128, 2, 4, 2), TileConfig(32, 64, 64, 2, 4, 2)], ids=lambda c: c.name)
+def test_fp8_block_scales(M, N, K, config):
+    gemm_checks.block_scaled(gemm_tile, M, N, K, config)
+
+
+def test_block_scales_need_block_k_dividing_128_and_fp8():
+    gen = generator(2)
+    xq, wq, x_scale, w_scale = gemm_checks.block_scaled_operands(16, 64, 512, gen)
+    config = TileConfig(16, 32, 256, 2, 4, 2)
+    with pytest.raises(ValueError, match="block_k=256 must divide 128"):
+        gemm_tile(xq, wq, scale_a=x_scale, scale_b=w_scale, config=config, block_scales=True)
+    with pytest.raises(ValueError, match=r"w_scale must be a contiguous float32 \(1, 4\)"):
+        gemm_tile(xq, wq, scale_a=x_scale, scale_b=w_scale.t(), block_scales=True)
+    with pytest.raises(TypeError, match="block scales need float8_e4m3fn"):
+        gemm_tile(xq.float(), wq.float(), scale_a=x_scale, scale_b=w_scale, block_scales=True)
+    # Without a config, the default gets a block_k that a block-scaled K step allows.
+    y = gemm_tile(xq, wq, scale_a=x_scale, scale_b=w_scale, block_scales=True)
+    assert y.shape == (16, 64) and not torch.isnan(y).any()

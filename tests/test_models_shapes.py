@@ -338,11 +338,13 @@ def shaped(family, rows):
 def test_bf16_rows_columns_order_and_values():
     spec = load_model_dir(FIXTURES / "tiny-llama")
     rows = untuned_rows(spec, 2, m_values=(16, 1, 16))
-    assert set(rows) == {Family.bf16, Family.a8w8}  # dense model: no fmoe
+    assert set(rows) == {Family.bf16, Family.a8w8, Family.a8w8_blockscale}  # dense: no fmoe
     bf16 = shaped(Family.bf16, rows[Family.bf16])
     # a8w8: the same GEMMs with FP8 weights, in the same order.
     assert [r.key for r in rows[Family.a8w8]] == [
         (r["M"], r["N"], r["K"], "torch.float8_e4m3fn") for r in bf16]
+    assert [r.key for r in rows[Family.a8w8_blockscale]] == [
+        (r["M"], r["N"], r["K"]) for r in bf16]
     # tp=2 shapes sorted by (N, K): (768,1024) (1024,512) (1024,1408) (2816,1024) (16000,1024); M 1 then 16.
     assert [(r["M"], r["N"], r["K"]) for r in bf16] == [
         (1, 768, 1024), (16, 768, 1024),

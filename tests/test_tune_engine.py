@@ -354,6 +354,24 @@ def test_real_a8w8_family_on_cpu(tmp_path):
     assert sum(1 for n, _ in statuses if n.startswith("triton.splitk:")) == 4
 
 
+def test_real_a8w8_blockscale_family_on_cpu(tmp_path):
+    """The block-scale family on the CPU: torch and two Triton configs (block_k dividing 128)
+    pass the gate against the dequantised fp32 reference."""
+    from gemmtune.tune.families.a8w8_blockscale import A8w8BlockscaleFamily
+
+    inp = tmp_path / "u.csv"
+    inp.write_text("M,N,K\n5,200,300\n")
+    out = io.StringIO()
+    config = TuneConfig(input=inp, output=tmp_path / "t.csv", profile=tmp_path / "prof.csv",
+                        timeout=120, options=TuneOptions(iters=3, warmup=1))
+    summary = Tuner(A8w8BlockscaleFamily, config, out=out).run()
+    assert summary.tuned == 1 and not summary.failed, out.getvalue()
+    with open(tmp_path / "prof.csv") as f:
+        statuses = [(r["kernelName"], r["status"]) for r in csv.DictReader(f)]
+    assert [s for _, s in statuses] == ["ok"] * 3, statuses
+    assert all("BK64." in n or "BK128." in n for n, _ in statuses[1:]), statuses
+
+
 def test_refused_key_fails_that_shape_only(tmp_path):
     from gemmtune.tune.families.bf16 import Bf16Family
 

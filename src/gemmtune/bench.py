@@ -1,7 +1,7 @@
-"""``gemmtune bench bf16|a8w8``: tuned vs torch vs the roofline, per shape, in one run on one device.
+"""``gemmtune bench bf16|a8w8|a8w8-blockscale``: tuned vs torch vs the roofline, per shape, in one run on one device.
 
 For every shape: torch's default (``F.linear`` for bf16, ``torch._scaled_mm`` row-wise / ``_int_mm``
-for a8w8) and the tuned op (through the tables in force) are timed the same way, in alternation
+for a8w8, its block-wise mode for a8w8-blockscale) and the tuned op (through the tables in force) are timed the same way, in alternation
 (CUDA-graph replay over weight copies larger than L2, i.e. cold weights as in decode); the tuned
 output is checked against an fp32 reference; the floor is max(FLOPs / peak, bytes / bandwidth)
 with both ceilings measured in the same run (bandwidth as a streaming read, which a GEMM's weight
@@ -28,6 +28,9 @@ from gemmtune.kernels.torch_ref import gemm_a16w16_ref
 from gemmtune.ops._dispatch import Decision
 from gemmtune.ops.gemm_a8w8 import DISPATCH as A8W8_DISPATCH
 from gemmtune.ops.gemm_a8w8 import gemm_a8w8, gemm_a8w8_ref, scaled_mm_torch
+from gemmtune.ops.gemm_a8w8_blockscale import DISPATCH as BLOCKSCALE_DISPATCH
+from gemmtune.ops.gemm_a8w8_blockscale import (blockscale_torch, gemm_a8w8_blockscale,
+                                               gemm_a8w8_blockscale_ref, torch_blockscale_path)
 from gemmtune.ops.gemm_a16w16 import DISPATCH as A16W16_DISPATCH
 from gemmtune.ops.gemm_a16w16 import gemm_a16w16
 from gemmtune.tables.values import DTYPE_NAMES
@@ -164,6 +167,27 @@ def a8w8_op_for(q_dtype: torch.dtype) -> BenchOp:
         decide=A8W8_DISPATCH.decide, rel_bound=TOLERANCES[torch.bfloat16][2])
 
 
+def a8w8_blockscale_op() -> BenchOp:
+    """FP8 with DeepSeek-style block scales (x per 1x128, w per 128x128), bf16 output."""
+    from gemmtune import quant
+
+    def inputs(m, n, k, gen):
+        device = gen.device
+        xq, xs = quant.per_block_fp8(torch.randn(m, k, generator=gen, device=device),
+                                     quant.ACT_BLOCK)
+        wq, ws = quant.per_block_fp8(torch.randn(n, k, generator=gen, device=device) / k ** 0.5,
+                                     quant.WEIGHT_BLOCK)
+        return xq, wq, xs, ws
+
+    return BenchOp(
+        "a8w8_blockscale", 1, 2, 1, inputs,
+        torch=lambda a: blockscale_torch(a[0], a[1], None, torch.bfloat16, a[2], a[3]),
+        tuned=lambda a: gemm_a8w8_blockscale(*a),
+        reference=lambda a: gemm_a8w8_blockscale_ref(*a, out_dtype=torch.float32),
+        table_key=lambda m, n, k: (m, n, k),
+        decide=BLOCKSCALE_DISPATCH.decide, rel_bound=TOLERANCES[torch.bfloat16][2])
+
+
 def _time_pair(op: BenchOp, args: tuple) -> tuple[float, float]:
     if not args[0].is_cuda:
         def wall(fn):
@@ -278,6 +302,8 @@ def run_bench(shapes: list[tuple[str, int, int, int]], op: BenchOp, out_dir: Pat
     # No tuner may time on this GPU meanwhile (nor this bench disturb one).
     with GpuLock(gpu_label(torch.cuda.current_device())) if gpu else contextlib.nullcontext():
         rows = _measure_all(shapes, op, gpu)
+    if op.family == "a8w8_blockscale":
+        print(f"torch backend: {torch_blockscale_path()}")
     csv_path = out_dir / f"bench_{op.family}.csv"
     png_path = out_dir / f"bench_{op.family}.png"
     write_csv(rows, csv_path)

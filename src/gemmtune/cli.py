@@ -106,6 +106,10 @@ def _dispatcher_for(family):
         from gemmtune.ops.gemm_a8w8 import DISPATCH
 
         return DISPATCH
+    if family is Family.a8w8_blockscale:
+        from gemmtune.ops.gemm_a8w8_blockscale import DISPATCH
+
+        return DISPATCH
     return None
 
 
@@ -209,9 +213,11 @@ def _cmd_tune(args) -> int:
 def _cmd_bench(args) -> int:
     import torch
 
-    from gemmtune.bench import a8w8_op_for, bf16_op, run_bench
+    from gemmtune.bench import a8w8_blockscale_op, a8w8_op_for, bf16_op, run_bench
 
-    if args.family == "bf16":
+    if args.family == "a8w8-blockscale":
+        op = a8w8_blockscale_op()
+    elif args.family == "bf16":
         dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
         if args.dtype not in dtypes:
             print(f"gemmtune bench: error: bf16 benches --dtype bf16, fp16 or fp32, not "
@@ -335,7 +341,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "tuned output is checked against an fp32 reference. Runs on "
                                    "the CPU when there is no GPU (and says so).",
                        epilog="example: gemmtune bench bf16 --model llama3-70b --tp 8 --M 1,16,64")
-    p.add_argument("family", choices=["bf16", "a8w8"], help="op family")
+    p.add_argument("family", choices=["bf16", "a8w8", "a8w8-blockscale"], help="op family")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--model", default="llama3-8b", choices=_presets(),
                      help="model preset whose dense projections to run (default llama3-8b)")

@@ -386,8 +386,8 @@ def _m_values(m_values: Iterable[int]) -> list[int]:
 def untuned_rows(
     spec: ModelSpec, tp: int = 1, m_values: Sequence[int] = DEFAULT_M
 ) -> dict[Family, list[Row]]:
-    """Untuned-table rows per family (bf16; a8w8 with FP8 weights, the same GEMMs quantised;
-    and fmoe for MoE models), keys in schema order.
+    """Untuned-table rows per family (bf16; a8w8 and a8w8_blockscale, the same GEMMs with FP8
+    weights; and fmoe for MoE models), keys in schema order.
 
     Rows are ordered by (N, K) then M (fmoe: by shape, then token) and hold no duplicates.
     """
@@ -400,6 +400,7 @@ def untuned_rows(
             for m in ms
         ],
         Family.a8w8: [Row("", 0, (m, n, k, _FP8)) for n, k in gemm_keys for m in ms],
+        Family.a8w8_blockscale: [Row("", 0, (m, n, k)) for n, k in gemm_keys for m in ms],
     }
     moe = sorted({(s.model_dim, s.inter_dim, s.expert, s.topk) for s in moe_shapes(spec, tp)})
     if moe:

@@ -8,6 +8,7 @@ Each family's ``why_not_fits`` chains these with its own constraints; each valid
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -120,6 +121,7 @@ def validate_gemm_args(
     scale_a: torch.Tensor | None,  # (1,) fp32
     scale_b: torch.Tensor | None,  # (1,) fp32
     out: torch.Tensor | None,  # (M, N)
+    block_scales: bool = False,
 ) -> tuple[int, int, int, torch.dtype, torch.Tensor]:
     """Check the operands of ``y = (x @ w.T) * scale_a * scale_b + bias`` for a Triton kernel;
     return ``(M, N, K, out_dtype, out)`` with ``out_dtype`` defaulted (``x.dtype``, bf16 for fp8
@@ -144,7 +146,9 @@ def validate_gemm_args(
                          f"CUDA device")
     if (scale_a is None) != (scale_b is None):
         raise ValueError(f"{kernel_name}: pass both scale_a and scale_b or neither")
-    if scale_a is not None:
+    if block_scales:
+        validate_block_scales(kernel_name, x, w, scale_a, scale_b)
+    elif scale_a is not None:
         _check_scale("scale_a", scale_a, x.device, M, "row of x")
         _check_scale("scale_b", scale_b, x.device, N, "row of w")
     elif x.dtype in QUANT_DTYPES:
@@ -168,12 +172,46 @@ def validate_gemm_args(
     return M, N, K, out_dtype, out
 
 
+def why_not_block_scaled(config, dtype: torch.dtype) -> str | None:
+    """What keeps ``config`` from an FP8 block-scaled GEMM (scales per 128 of K), or None."""
+    if dtype != torch.float8_e4m3fn:
+        return f"block scales need float8_e4m3fn inputs, not {dtype}"
+    if 128 % config.block_k:
+        return (f"block_k={config.block_k} must divide 128, the K extent of one block scale "
+                f"(one K step must lie in one block)")
+    return None
+
+
+def validate_block_scales(kernel_name: str, x: torch.Tensor, w: torch.Tensor,
+                          x_scale: torch.Tensor, w_scale: torch.Tensor) -> None:
+    """x (M, K) and w (N, K) float8_e4m3fn; x_scale (M, ceil(K/128)) and w_scale
+    (ceil(N/128), ceil(K/128)), contiguous fp32 on x's device (``gemmtune.quant.per_block_fp8``
+    with ACT_BLOCK and WEIGHT_BLOCK makes them)."""
+    if x.dtype != torch.float8_e4m3fn or w.dtype != torch.float8_e4m3fn:
+        raise TypeError(f"{kernel_name}: block scales need float8_e4m3fn x and w, got {x.dtype} "
+                        f"and {w.dtype}; quantise with gemmtune.quant.per_block_fp8")
+    m, k = x.shape[-2] if x.dim() >= 2 else 1, x.shape[-1]
+    n = w.shape[0]
+    kb = -(-k // 128)
+    for name, s, want in (("x_scale", x_scale, (m, kb)), ("w_scale", w_scale, (-(-n // 128), kb))):
+        if (not isinstance(s, torch.Tensor) or tuple(s.shape) != want
+                or s.dtype != torch.float32 or s.device != x.device or not s.is_contiguous()):
+            got = (f"{tuple(s.shape)} {s.dtype} on {s.device}" if isinstance(s, torch.Tensor)
+                   else type(s).__name__)
+            raise ValueError(f"{kernel_name}: {name} must be a contiguous float32 {want} on "
+                             f"{x.device} (one scale per 1x128 of x / 128x128 of w), got {got}")
+
+
 def fitting_config(kernel_name: str, config, default_config, why_not_fits,
-                   M: int, N: int, K: int, dtype: torch.dtype):
-    """``config``, or the family's ``default_config`` when None; ValueError if ``config`` breaks
-    one of the family's ``why_not_fits`` constraints (the default is trusted: tests check it)."""
+                   M: int, N: int, K: int, dtype: torch.dtype, block_scales: bool = False):
+    """``config``, or the family's ``default_config`` when None (with block_k 128 for block
+    scales); ValueError if ``config`` breaks one of the family's ``why_not_fits`` constraints
+    (the default is trusted: tests check it)."""
     if config is None:
-        return default_config(M, N, K, dtype)
+        config = default_config(M, N, K, dtype)
+        if block_scales and 128 % config.block_k:
+            config = dataclasses.replace(config, block_k=128)
+        return config
     problem = why_not_fits(config, M, N, K, dtype)
     if problem is not None:
         raise ValueError(f"{kernel_name}: {config.name} does not fit (M={M}, N={N}, K={K}, "

@@ -1,4 +1,5 @@
-"""The output step every Triton GEMM here ends with: scales, bias, cast, masked store.
+"""The output step every Triton GEMM here ends with (scales, bias, cast, masked store), and the
+block-scaled K step of FP8 block-scale GEMMs.
 
 ``y = acc * scale_a * scale_b + bias``: ``scale_a`` per tensor (one value) or per row of x (M
 values: per-token activation scales), ``scale_b`` per tensor or per column of y (N values:
@@ -12,8 +13,17 @@ import torch
 import triton
 import triton.language as tl
 
-# How a launch passes a scale: the kernels' SCALE_A / SCALE_B constexprs.
-NO_SCALE, PER_TENSOR, PER_VECTOR = 0, 1, 2
+# How a launch passes a scale: the kernels' SCALE_A / SCALE_B constexprs. PER_BLOCK (FP8
+# DeepSeek-style block scales: x per 1x128, w per 128x128 of K) is applied in the K loop, one
+# K block at a time, so store_tile leaves it alone.
+NO_SCALE, PER_TENSOR, PER_VECTOR, PER_BLOCK = 0, 1, 2, 3
+SCALE_BLOCK = 128  # K (and w-row) extent of one block scale
+
+
+def scale_modes(scale_a, scale_b, block_scales: bool) -> tuple[int, int]:
+    if block_scales:
+        return PER_BLOCK, PER_BLOCK
+    return scale_mode(scale_a), scale_mode(scale_b)
 
 
 def scale_mode(scale: torch.Tensor | None) -> int:
@@ -45,3 +55,15 @@ def store_tile(acc, offs_m, offs_n, rows, cols, y_ptr, bias_ptr, scale_a_ptr, sc
               + offs_n.to(tl.int64)[None, :] * stride_yn)
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def block_scaled_dot(a, b, acc, step, rows, cols, scale_a_ptr, scale_b_ptr, k_blocks,
+                     BLOCK_K: tl.constexpr):
+    """``acc + (a @ b) * sa[row, kb] * sb[col // 128, kb]`` for the K step ``step`` (BLOCK_K
+    divides 128, so the step lies in one scale block ``kb``). Scales are contiguous fp32:
+    x's (M, k_blocks), w's (ceil(N / 128), k_blocks)."""
+    kb = (step * BLOCK_K) // 128
+    sa = tl.load(scale_a_ptr + rows * k_blocks + kb)
+    sb = tl.load(scale_b_ptr + (cols // 128) * k_blocks + kb)
+    return acc + tl.dot(a, b) * sa[:, None] * sb[None, :]

@@ -34,7 +34,8 @@ import triton.language as tl
 
 from gemmtune.kernels._names import Field, NameCodec, NamedConfig
 from gemmtune.kernels.triton import _checks
-from gemmtune.kernels.triton._epilogue import scale_mode, store_tile
+from gemmtune.kernels.triton._epilogue import (SCALE_BLOCK, block_scaled_dot, scale_modes,
+                                               store_tile)
 
 KERNEL_PREFIX = "triton.splitk"
 
@@ -166,21 +167,23 @@ _WARPS = (1, 2, 4, 8)
 
 
 def candidates(M: int, N: int, K: int, dtype: torch.dtype,
-               num_sms: int = NUM_SMS, pdl: int = PDL_OFF) -> list[SplitKConfig]:
+               num_sms: int = NUM_SMS, pdl: int = PDL_OFF,
+               block_ks: tuple[int, ...] | None = None) -> list[SplitKConfig]:
     """The pruned search space for tuning one shape: a few dozen to ~150 configs, all fitting.
 
     Pruning, each rule a reason: block_m covers M in one tile up to 64 (``_block_m_choices``);
     split_k reaches one to two waves of programs (``_splits_around_one_wave``); num_warps and
     num_stages keep ``_VECTORS_PER_THREAD`` and ``_W_IN_FLIGHT_BYTES``; a pipeline no deeper than
-    the K steps of one split; ``_MIN_ROW_BYTES``. Every config gets ``pdl``.
+    the K steps of one split; ``_MIN_ROW_BYTES``. Every config gets ``pdl``. ``block_ks``
+    replaces the block_k choices and the row-bytes rule (block scales need block_k | 128).
     """
     elem = dtype.itemsize
     found = []
     for bm in _block_m_choices(M):
         for bn in _BLOCK_N:
             tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
-            for bk in (64, 128, 256):
-                if bk * elem < _MIN_ROW_BYTES:
+            for bk in block_ks or (64, 128, 256):
+                if bk * elem < _MIN_ROW_BYTES and block_ks is None:
                     continue
                 k_steps = triton.cdiv(K, bk)
                 w_tile = bn * bk * elem
@@ -247,10 +250,11 @@ def gemm_splitk_kernel(
     y_ptr,  # (M, N)
     bias_ptr,  # (N,); unused unless HAS_BIAS
     scale_a_ptr,  # (1,) or (M,) fp32, as SCALE_A says
-    scale_b_ptr,  # (1,) or (N,) fp32, as SCALE_B says
+    scale_b_ptr,  # (1,) or (N,) fp32, as SCALE_B says; PER_BLOCK: see block_scaled_dot
     part_ptr,  # (tiles, SPLIT_K, BLOCK_M, BLOCK_N) fp32 partials; unused unless USE_WORKSPACE
     count_ptr,  # (tiles,) int32, zero on entry and left zero; unused unless USE_WORKSPACE
     M, N, K,
+    scale_k_blocks,  # ceil(K / 128): columns of the block scales (PER_BLOCK only)
     SPLIT_K,
     prefetch_row_bytes,  # w bytes per row of the slice to prefetch; used when PDL == 2
     stride_xm, stride_xk,
@@ -258,7 +262,7 @@ def gemm_splitk_kernel(
     stride_ym, stride_yn,
     stride_bias,
     HAS_BIAS: tl.constexpr,
-    SCALE_A: tl.constexpr,  # _epilogue.NO_SCALE, PER_TENSOR or PER_VECTOR
+    SCALE_A: tl.constexpr,  # _epilogue.NO_SCALE, PER_TENSOR, PER_VECTOR or PER_BLOCK
     SCALE_B: tl.constexpr,
     USE_WORKSPACE: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
@@ -317,7 +321,11 @@ def gemm_splitk_kernel(
         k_left = K - step * BLOCK_K
         a = tl.load(x_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
         b = tl.load(w_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
-        acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION, out_dtype=acc.dtype)
+        if SCALE_A == 3:
+            acc = block_scaled_dot(a, b, acc, step, rows, cols, scale_a_ptr, scale_b_ptr,
+                                   scale_k_blocks, BLOCK_K)
+        else:
+            acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION, out_dtype=acc.dtype)
         x_ptrs += x_step
         w_ptrs += w_step
 
@@ -362,6 +370,7 @@ def gemm_splitk(
     scale_b: torch.Tensor | None = None,  # (1,) fp32
     config: SplitKConfig | None = None,
     out: torch.Tensor | None = None,  # (M, N)
+    block_scales: bool = False,
 ) -> torch.Tensor:  # (M, N)
     """``y = (x @ w.T) * scale_a * scale_b + bias``, accumulated in fp32, written as ``out_dtype``.
 
@@ -369,12 +378,14 @@ def gemm_splitk(
     No host synchronisation, so a call can be captured in a CUDA graph.
     """
     M, N, K, out_dtype, out = _checks.validate_gemm_args("gemm_splitk", x, w, bias, out_dtype,
-                                                         scale_a, scale_b, out)
+                                                         scale_a, scale_b, out, block_scales)
     config = _checks.fitting_config("gemm_splitk", config, default_config, why_not_fits, M, N, K,
-                                    x.dtype)
+                                    x.dtype, block_scales)
+    if block_scales and (problem := _checks.why_not_block_scaled(config, x.dtype)):
+        raise ValueError(f"gemm_splitk: {config.name}: {problem}")
     if M == 0 or N == 0:
         return out
-    return launch_gemm_splitk(x, w, bias, out, scale_a, scale_b, config)
+    return launch_gemm_splitk(x, w, bias, out, scale_a, scale_b, config, block_scales=block_scales)
 
 
 # (device index, stream handle) -> zeroed int32 tile counters, grown on demand.
@@ -428,8 +439,8 @@ def prefetch_row_bytes(w: torch.Tensor, split_k: int) -> int:
 
 
 def launch_gemm_splitk(x, w, bias, out, scale_a, scale_b, config: SplitKConfig,
-                       counters: torch.Tensor | None = None, warmup: bool = False
-                       ) -> torch.Tensor:
+                       counters: torch.Tensor | None = None, warmup: bool = False,
+                       block_scales: bool = False) -> torch.Tensor:
     """The launch alone, for callers that validated once per shape (dispatch plans). ``out`` is
     (M, N) with M, N > 0.
 
@@ -440,6 +451,7 @@ def launch_gemm_splitk(x, w, bias, out, scale_a, scale_b, config: SplitKConfig,
     ``counters``: an int32 tensor of at least ``num_tiles(config, M, N)`` zeros on x's device,
     never used by two launches at once (one stream at a time).
     ``warmup``: compile for these arguments without launching (and without the memset).
+    ``block_scales``: ``scale_a``/``scale_b`` are FP8 block scales (see ``block_scaled_dot``).
     """
     M, K = x.shape
     N = w.shape[0]
@@ -456,6 +468,7 @@ def launch_gemm_splitk(x, w, bias, out, scale_a, scale_b, config: SplitKConfig,
     else:
         parts = counters = out  # never read: USE_WORKSPACE is False
     pdl = config.pdl if pdl_supported(x.device) else PDL_OFF
+    modes = scale_modes(scale_a, scale_b, block_scales)
     _checks.start(gemm_splitk_kernel, (tiles, config.split_k), warmup, launch_pdl=pdl != PDL_OFF)(
         x, w, out,
         bias if bias is not None else x,
@@ -463,6 +476,7 @@ def launch_gemm_splitk(x, w, bias, out, scale_a, scale_b, config: SplitKConfig,
         scale_b if scale_b is not None else x,
         parts, counters,
         M, N, K,
+        triton.cdiv(K, SCALE_BLOCK),
         config.split_k,
         prefetch_row_bytes(w, config.split_k) if pdl == PDL_PREFETCH else 0,
         x.stride(0), x.stride(1),
@@ -470,8 +484,8 @@ def launch_gemm_splitk(x, w, bias, out, scale_a, scale_b, config: SplitKConfig,
         out.stride(0), out.stride(1),
         bias.stride(0) if bias is not None else 0,
         HAS_BIAS=bias is not None,
-        SCALE_A=scale_mode(scale_a),
-        SCALE_B=scale_mode(scale_b),
+        SCALE_A=modes[0],
+        SCALE_B=modes[1],
         USE_WORKSPACE=use_workspace,
         INPUT_PRECISION=_checks.input_precision(x.dtype),
         BLOCK_M=config.block_m,

@@ -15,7 +15,8 @@ import triton.language as tl
 
 from gemmtune.kernels._names import Field, NameCodec, NamedConfig
 from gemmtune.kernels.triton import _checks
-from gemmtune.kernels.triton._epilogue import scale_mode, store_tile
+from gemmtune.kernels.triton._epilogue import (SCALE_BLOCK, block_scaled_dot, scale_modes,
+                                               store_tile)
 
 KERNEL_PREFIX = "triton.tile"
 
@@ -109,14 +110,15 @@ def gemm_tile_kernel(
     y_ptr,  # (M, N)
     bias_ptr,  # (N,); unused unless HAS_BIAS
     scale_a_ptr,  # (1,) or (M,) fp32, as SCALE_A says
-    scale_b_ptr,  # (1,) or (N,) fp32, as SCALE_B says
+    scale_b_ptr,  # (1,) or (N,) fp32, as SCALE_B says; PER_BLOCK: see block_scaled_dot
     M, N, K,
+    scale_k_blocks,  # ceil(K / 128): columns of the block scales (PER_BLOCK only)
     stride_xm, stride_xk,
     stride_wn, stride_wk,
     stride_ym, stride_yn,
     stride_bias,
     HAS_BIAS: tl.constexpr,
-    SCALE_A: tl.constexpr,  # _epilogue.NO_SCALE, PER_TENSOR or PER_VECTOR
+    SCALE_A: tl.constexpr,  # _epilogue.NO_SCALE, PER_TENSOR, PER_VECTOR or PER_BLOCK
     SCALE_B: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -159,7 +161,11 @@ def gemm_tile_kernel(
         k_left = K - k * BLOCK_K
         a = tl.load(x_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
         b = tl.load(w_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
-        acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION, out_dtype=acc.dtype)
+        if SCALE_A == 3:
+            acc = block_scaled_dot(a, b, acc, k, rows, cols, scale_a_ptr, scale_b_ptr,
+                                   scale_k_blocks, BLOCK_K)
+        else:
+            acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION, out_dtype=acc.dtype)
         x_ptrs += x_step
         w_ptrs += w_step
 
@@ -176,6 +182,7 @@ def gemm_tile(
     scale_b: torch.Tensor | None = None,  # (1,) fp32
     config: TileConfig | None = None,
     out: torch.Tensor | None = None,  # (M, N)
+    block_scales: bool = False,
 ) -> torch.Tensor:  # (M, N)
     """``y = (x @ w.T) * scale_a * scale_b + bias`` with fp32 accumulation, written as ``out_dtype``.
 
@@ -183,19 +190,23 @@ def gemm_tile(
     No host synchronisation, so a call can be captured in a CUDA graph.
     """
     M, N, K, out_dtype, out = _checks.validate_gemm_args("gemm_tile", x, w, bias, out_dtype,
-                                                         scale_a, scale_b, out)
+                                                         scale_a, scale_b, out, block_scales)
     config = _checks.fitting_config("gemm_tile", config, default_config, why_not_fits, M, N, K,
-                                    x.dtype)
+                                    x.dtype, block_scales)
+    if block_scales and (problem := _checks.why_not_block_scaled(config, x.dtype)):
+        raise ValueError(f"gemm_tile: {config.name}: {problem}")
     if M == 0 or N == 0:
         return out
-    return launch_gemm_tile(x, w, bias, out, scale_a, scale_b, config)
+    return launch_gemm_tile(x, w, bias, out, scale_a, scale_b, config, block_scales=block_scales)
 
 
 def launch_gemm_tile(x, w, bias, out, scale_a, scale_b, config: TileConfig,
-                     warmup: bool = False) -> torch.Tensor:
+                     warmup: bool = False, block_scales: bool = False) -> torch.Tensor:
     """The launch alone, for callers that validated once per shape (dispatch plans): saves the
     ~5 µs of host checks ``gemm_tile`` does on every call. ``out`` is (M, N) with M, N > 0.
-    ``warmup``: compile for these arguments without launching."""
+    ``warmup``: compile for these arguments without launching. ``block_scales``:
+    ``scale_a``/``scale_b`` are FP8 block scales (see ``block_scaled_dot``)."""
+    modes = scale_modes(scale_a, scale_b, block_scales)
     M, K = x.shape
     N = w.shape[0]
     grid = (triton.cdiv(M, config.block_m) * triton.cdiv(N, config.block_n),)
@@ -205,13 +216,14 @@ def launch_gemm_tile(x, w, bias, out, scale_a, scale_b, config: TileConfig,
         scale_a if scale_a is not None else x,
         scale_b if scale_b is not None else x,
         M, N, K,
+        triton.cdiv(K, SCALE_BLOCK),
         x.stride(0), x.stride(1),
         w.stride(0), w.stride(1),
         out.stride(0), out.stride(1),
         bias.stride(0) if bias is not None else 0,
         HAS_BIAS=bias is not None,
-        SCALE_A=scale_mode(scale_a),
-        SCALE_B=scale_mode(scale_b),
+        SCALE_A=modes[0],
+        SCALE_B=modes[1],
         INPUT_PRECISION=_checks.input_precision(x.dtype),
         BLOCK_M=config.block_m,
         BLOCK_N=config.block_n,

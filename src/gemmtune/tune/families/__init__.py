@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-TUNABLE = ("bf16", "a8w8")
+TUNABLE = ("bf16", "a8w8", "a8w8-blockscale")
 
 
 def factory(name: str) -> Callable:
@@ -18,4 +18,8 @@ def factory(name: str) -> Callable:
         from gemmtune.tune.families.a8w8 import A8w8Family
 
         return A8w8Family
+    if normalized == "a8w8_blockscale":
+        from gemmtune.tune.families.a8w8_blockscale import A8w8BlockscaleFamily
+
+        return A8w8BlockscaleFamily
     raise ValueError(f"no tuner for family {name!r} yet; tunable: {', '.join(TUNABLE)}")

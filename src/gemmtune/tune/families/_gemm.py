@@ -48,9 +48,10 @@ SPLITK_MAX_M = 256
 
 
 def triton_tile_candidates(m: int, n: int, k: int, dtype: torch.dtype,
-                            out_dtype: torch.dtype) -> list[Candidate]:
+                           out_dtype: torch.dtype, block_scales: bool = False) -> list[Candidate]:
     if m < TILE_MIN_M:
         return []
+    from gemmtune.kernels.triton._checks import why_not_block_scaled
     from gemmtune.kernels.triton.gemm_tile import TileConfig, why_not_supported
 
     # 64 B of K per row at least (BK 32 won no shape on H100), wide N tiles, 4-8 warps.
@@ -60,28 +61,33 @@ def triton_tile_candidates(m: int, n: int, k: int, dtype: torch.dtype,
                for bn in (128, 256) for bk in (64, 128)
                for warps in (4, 8) for stages in (3, 4)}
     return [Candidate(c.name, "triton") for c in sorted(configs, key=lambda c: c.name)
-            if why_not_supported(c, m, n, k, dtype, out_dtype) is None]
+            if why_not_supported(c, m, n, k, dtype, out_dtype) is None
+            and not (block_scales and why_not_block_scaled(c, dtype))]
 
 
 def triton_splitk_candidates(m: int, n: int, k: int, dtype: torch.dtype,
-                              out_dtype: torch.dtype) -> list[Candidate]:
+                             out_dtype: torch.dtype, block_scales: bool = False
+                             ) -> list[Candidate]:
     if m > SPLITK_MAX_M:
         return []
     from gemmtune.kernels.triton import gemm_splitk
+    from gemmtune.kernels.triton._checks import why_not_block_scaled
 
     # With programmatic dependent launch where the GPU has it: consecutive GEMMs then overlap
     # one's launch and weight stream with the previous one's tail (benchmarks/splitk_sweep.py).
     pdl = (gemm_splitk.PDL_WAIT if torch.cuda.is_available()
            and gemm_splitk.pdl_supported(torch.device("cuda")) else gemm_splitk.PDL_OFF)
     return [Candidate(c.name, "triton", splitk=c.split_k)
-            for c in gemm_splitk.candidates(m, n, k, dtype, pdl=pdl)
-            if gemm_splitk.why_not_supported(c, m, n, k, dtype, out_dtype) is None]
+            for c in gemm_splitk.candidates(m, n, k, dtype, pdl=pdl,
+                                            block_ks=(64, 128) if block_scales else None)
+            if gemm_splitk.why_not_supported(c, m, n, k, dtype, out_dtype) is None
+            and not (block_scales and why_not_block_scaled(c, dtype))]
 
 
 def triton_candidates(m: int, n: int, k: int, dtype: torch.dtype,
-                      out_dtype: torch.dtype) -> list[Candidate]:
-    found = triton_tile_candidates(m, n, k, dtype, out_dtype) + \
-        triton_splitk_candidates(m, n, k, dtype, out_dtype)
+                      out_dtype: torch.dtype, block_scales: bool = False) -> list[Candidate]:
+    found = triton_tile_candidates(m, n, k, dtype, out_dtype, block_scales) + \
+        triton_splitk_candidates(m, n, k, dtype, out_dtype, block_scales)
     # On the CPU (interpreter) a few configs are enough to exercise the path.
     return found if torch.cuda.is_available() else found[:2]
 

@@ -1,0 +1,161 @@
+"""``gemm_a8w8_blockscale(xq, wq, x_scale, w_scale, dtype)``: FP8 GEMM with DeepSeek-style block
+scales, x per 1x128 and w per 128x128 of K, applied per K block in the main loop.
+
+xq (..., K) and wq (N, K) float8_e4m3fn; x_scale (..., ceil(K/128)), w_scale (ceil(N/128),
+ceil(K/128)), fp32 (``gemmtune.quant.per_block_fp8`` with ACT_BLOCK / WEIGHT_BLOCK makes them).
+Dispatched per shape through ``a8w8_blockscale_tuned_gemm.csv`` (key M, N, K); a shape without
+a row runs the torch backend. Registered as ``torch.ops.gemmtune.gemm_a8w8_blockscale``.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import torch
+
+from gemmtune.device import DeviceId
+from gemmtune.ops._dispatch import Dispatcher, KernelRegistry, count_miss
+from gemmtune.ops._triton import TritonKernel
+from gemmtune.tables.schema import Family
+
+TORCH_BLOCKSCALE = "torch.scaled_mm_blockwise"
+OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_BLOCK = 128
+
+
+def gemm_a8w8_blockscale_ref(xq, wq, x_scale, w_scale, out_dtype=torch.bfloat16):
+    """The dequantised product in fp32 (each element times its block's scale), cast."""
+    k, n = xq.shape[-1], wq.shape[0]
+    x2, xs = xq.reshape(-1, k).float(), x_scale.reshape(-1, x_scale.shape[-1])
+    x_deq = x2 * xs.repeat_interleave(_BLOCK, dim=1)[:, :k]
+    w_deq = wq.float() * w_scale.repeat_interleave(_BLOCK, dim=0)[:n].repeat_interleave(
+        _BLOCK, dim=1)[:, :k]
+    return (x_deq @ w_deq.t()).to(out_dtype).view(*xq.shape[:-1], n)
+
+
+# Whether torch._scaled_mm took block scales on this process's GPU: None until first tried.
+_cublas_blockwise: bool | None = None
+
+
+def torch_blockscale_path() -> str:
+    """Which path the torch backend has taken: cuBLAS block-wise or the dequantised reference."""
+    return {None: "not run yet", True: "torch._scaled_mm block-wise (cuBLAS)",
+            False: "dequantised fp32 reference (this torch has no block-wise _scaled_mm)"}[
+        _cublas_blockwise]
+
+
+def blockscale_torch(xq, wq, bias, out_dtype, x_scale, w_scale, out=None):
+    """The torch backend: ``torch._scaled_mm`` with 1x128 x 128x128 scales (cuBLAS >= 12.9 on
+    sm_90: x's scales M-major, w's as (K/128, N/128), M padded to a multiple of 4, K and N
+    multiples of 128); elsewhere the dequantised fp32 reference, with one warning."""
+    global _cublas_blockwise
+    k, n = xq.shape[-1], wq.shape[0]
+    x2, xs = xq.reshape(-1, k), x_scale.reshape(-1, x_scale.shape[-1])
+    m = x2.shape[0]
+    y = None
+    if xq.is_cuda and k % _BLOCK == 0 and n % _BLOCK == 0 and _cublas_blockwise is not False:
+        pad = -m % 4
+        if pad:
+            x2 = torch.cat([x2, x2.new_zeros(pad, k)])
+            xs = torch.cat([xs, xs.new_ones(pad, xs.shape[1])])
+        try:
+            y = torch._scaled_mm(x2, wq.t(), scale_a=xs.t().contiguous().t(),
+                                 scale_b=w_scale.t(), out_dtype=out_dtype)[:m]
+            _cublas_blockwise = True
+        except (RuntimeError, ValueError) as e:
+            _cublas_blockwise = False
+            warnings.warn(f"gemm_a8w8_blockscale: torch._scaled_mm refused block scales ({e}); "
+                          f"the torch backend uses the dequantised reference", stacklevel=2)
+    if y is None:
+        y = gemm_a8w8_blockscale_ref(x2[:m], wq, xs[:m], w_scale, out_dtype)
+    y = y.view(*xq.shape[:-1], n)
+    return y if out is None else out.copy_(y)
+
+
+def _parse_torch(name: str):
+    if name != TORCH_BLOCKSCALE:
+        raise ValueError(f"unknown torch kernel {name!r}; expected {TORCH_BLOCKSCALE!r}")
+    return blockscale_torch
+
+
+def _shape_of(key: tuple) -> tuple:
+    m, n, k = key
+    return m, n, k, torch.float8_e4m3fn, torch.bfloat16
+
+
+REGISTRY = KernelRegistry(Family.a8w8_blockscale)
+REGISTRY.register("torch.scaled_mm_blockwise", _parse_torch)
+REGISTRY.register("triton.tile",
+                  lambda name: TritonKernel.tile(name, _shape_of, block_scales=True))
+REGISTRY.register("triton.splitk",
+                  lambda name: TritonKernel.splitk(name, _shape_of, block_scales=True))
+
+
+def _default_kernel(key: tuple, device: DeviceId) -> str:
+    return TORCH_BLOCKSCALE
+
+
+DISPATCH = Dispatcher(Family.a8w8_blockscale, REGISTRY, lambda raw: raw[:3], _default_kernel)
+
+
+def _check(xq, wq, x_scale, w_scale, dtype) -> None:
+    # Imported here, not at the top: importing a Triton kernel module fixes, for the process,
+    # whether its kernels are interpreted (TRITON_INTERPRET), and tuner workers import this
+    # module before they set that variable.
+    from gemmtune.kernels.triton._checks import validate_block_scales
+
+    if wq.dim() != 2 or xq.dim() < 1 or xq.shape[-1] != wq.shape[1]:
+        raise ValueError(f"gemm_a8w8_blockscale: xq {tuple(xq.shape)} and wq {tuple(wq.shape)} "
+                         f"do not multiply; expected xq (..., K) and wq (N, K)")
+    if dtype not in OUT_DTYPES:
+        raise TypeError(f"gemm_a8w8_blockscale: dtype {dtype} is not an output dtype; use one of "
+                        f"{', '.join(str(d) for d in OUT_DTYPES)}")
+    if wq.device != xq.device:
+        raise ValueError(f"gemm_a8w8_blockscale: xq is on {xq.device} but wq on {wq.device}")
+    x2 = xq.reshape(-1, xq.shape[-1])
+    xs = x_scale.reshape(-1, x_scale.shape[-1]) if isinstance(x_scale, torch.Tensor) \
+        and x_scale.dim() >= 1 else x_scale
+    validate_block_scales("gemm_a8w8_blockscale", x2, wq, xs, w_scale)
+
+
+def _run(xq, wq, x_scale, w_scale, dtype):
+    try:
+        k = xq.shape[-1]
+        m = xq.numel() // k if k else math.prod(xq.shape[:-1])
+        key = (m, wq.shape[0], k, xq.dtype, wq.dtype, wq.shape[-1], wq.get_device(),
+               tuple(x_scale.shape), x_scale.dtype, x_scale.get_device(),
+               tuple(w_scale.shape), w_scale.dtype, w_scale.get_device(), dtype, xq.get_device())
+    except (AttributeError, IndexError, ValueError):
+        _check(xq, wq, x_scale, w_scale, dtype)
+        raise
+    plan = DISPATCH.plans.get(key)
+    if plan is None:
+        _check(xq, wq, x_scale, w_scale, dtype)
+        plan = DISPATCH.plan(key, key[-1])
+    if plan.miss:
+        count_miss(plan)
+    xs = x_scale.reshape(-1, x_scale.shape[-1])
+    return plan.run(xq, wq, None, dtype, xs, w_scale)
+
+
+@torch.library.custom_op("gemmtune::gemm_a8w8_blockscale", mutates_args=())
+def _gemm_a8w8_blockscale_op(xq: torch.Tensor, wq: torch.Tensor, x_scale: torch.Tensor,
+                             w_scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return _run(xq, wq, x_scale, w_scale, dtype)
+
+
+@_gemm_a8w8_blockscale_op.register_fake
+def _(xq, wq, x_scale, w_scale, dtype):
+    return xq.new_empty((*xq.shape[:-1], wq.shape[0]), dtype=dtype)
+
+
+def gemm_a8w8_blockscale(xq: torch.Tensor, wq: torch.Tensor, x_scale: torch.Tensor,
+                         w_scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16
+                         ) -> torch.Tensor:
+    """``xq @ wq.T`` with each 1x128 block of x and 128x128 block of w scaled by its own fp32
+    scale, using the kernel the a8w8_blockscale table names for this shape on this GPU.
+    Returns (..., N) in ``dtype``."""
+    if torch.compiler.is_compiling():
+        return _gemm_a8w8_blockscale_op(xq, wq, x_scale, w_scale, dtype)
+    return _run(xq, wq, x_scale, w_scale, dtype)
