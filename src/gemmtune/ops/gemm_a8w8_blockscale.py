@@ -47,8 +47,9 @@ def torch_blockscale_path() -> str:
 
 def blockscale_torch(xq, wq, bias, out_dtype, x_scale, w_scale, out=None):
     """The torch backend: ``torch._scaled_mm`` with 1x128 x 128x128 scales (cuBLAS >= 12.9 on
-    sm_90: x's scales M-major, w's as (K/128, N/128), M padded to a multiple of 4, K and N
-    multiples of 128); elsewhere the dequantised fp32 reference, with one warning."""
+    sm_90: x's scales M-major, w's as (K/128, N/128), M and the scales' leading dimensions
+    padded to multiples of 4, K and N multiples of 128); elsewhere the dequantised fp32
+    reference, with one warning."""
     global _cublas_blockwise
     k, n = xq.shape[-1], wq.shape[0]
     x2, xs = xq.reshape(-1, k), x_scale.reshape(-1, x_scale.shape[-1])
@@ -59,9 +60,17 @@ def blockscale_torch(xq, wq, bias, out_dtype, x_scale, w_scale, out=None):
         if pad:
             x2 = torch.cat([x2, x2.new_zeros(pad, k)])
             xs = torch.cat([xs, xs.new_ones(pad, xs.shape[1])])
+        # cuBLAS reads each scale matrix with a 16-byte aligned leading dimension: w's, seen as
+        # (K/128, N/128) K-major, needs K/128 padded to a multiple of 4 (unpadded, K = 256 and
+        # 2304 gave wrong results on H100 with no error).
+        kb = w_scale.shape[1]
+        ws = w_scale
+        if kb % 4:
+            ws = w_scale.new_empty(w_scale.shape[0], kb + (-kb % 4))[:, :kb]
+            ws.copy_(w_scale)
         try:
             y = torch._scaled_mm(x2, wq.t(), scale_a=xs.t().contiguous().t(),
-                                 scale_b=w_scale.t(), out_dtype=out_dtype)[:m]
+                                 scale_b=ws.t(), out_dtype=out_dtype)[:m]
             _cublas_blockwise = True
         except (RuntimeError, ValueError) as e:
             _cublas_blockwise = False
