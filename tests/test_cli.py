@@ -146,6 +146,21 @@ def test_bench_a8w8_checks_and_writes_csv(tmp_path, capsys, dtype):
     assert all(r["ok"] == "True" and r["kernel"] == "torch.scaled_mm" for r in rows)
 
 
+def test_bench_a8w8_blockscale_on_cpu(tmp_path, capsys):
+    import csv
+
+    shapes = tmp_path / "shapes.csv"
+    shapes.write_text("M,N,K\n1,256,384\n20,128,256\n")
+    assert main(["bench", "a8w8-blockscale", "--shapes", str(shapes), "-o",
+                 str(tmp_path / "b")]) == 0
+    out = capsys.readouterr().out
+    assert "torch backend: cuBLAS block-wise, except the dequantised fp32 reference" in out
+    with open(tmp_path / "b" / "bench_a8w8_blockscale.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [r["ok"] for r in rows] == ["True", "True"]
+    assert all(r["kernel"] == "torch.scaled_mm_blockwise" for r in rows)
+
+
 def test_bench_refuses_a_dtype_of_another_family(capsys):
     assert main(["bench", "a8w8", "--dtype", "fp16", "--M", "1"]) == 2
     assert "a8w8 benches --dtype fp8 or int8, not fp16" in capsys.readouterr().err

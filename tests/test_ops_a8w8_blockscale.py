@@ -117,16 +117,25 @@ def test_gpu_real_sizes(blockscale_table, M, kernel):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("N,K", [(7168, 256), (7168, 2304), (576, 7168)])
-def test_gpu_torch_block_wise_path(blockscale_table, N, K):
-    # K/128 = 2 and 18 need the padded scale layout; without it cuBLAS returned wrong numbers.
-    from gemmtune.ops.gemm_a8w8_blockscale import torch_blockscale_path
+@pytest.mark.parametrize("N,K", [(7168, 256), (7168, 2304), (576, 7168), (1536, 7168)])
+def test_gpu_torch_backend_is_right_for_every_shape(blockscale_table, N, K):
+    # cuBLAS block-wise where it takes the shape; K/128 = 2 and 18 (wrong numbers from cuBLAS,
+    # no error) and N = 576 take the reference.
+    from gemmtune.ops.gemm_a8w8_blockscale import cublas_block_wise
 
     blockscale_table()
     for M in (1, 13, 64):
         xq, wq, xs, ws = operands(M, N, K, seed=M)
         assert_close_to_reference(gemmtune.gemm_a8w8_blockscale(xq, wq, xs, ws), xq, wq, xs, ws)
-    assert torch_blockscale_path().startswith("torch._scaled_mm block-wise")
+    assert cublas_block_wise(N, K) == ((N, K) == (1536, 7168))
+
+
+def test_cublas_block_wise_rule():
+    from gemmtune.ops.gemm_a8w8_blockscale import cublas_block_wise
+
+    assert cublas_block_wise(7168, 2048) and cublas_block_wise(1536, 7168)
+    assert not cublas_block_wise(7168, 256) and not cublas_block_wise(7168, 2304)
+    assert not cublas_block_wise(576, 7168)
 
 
 @pytest.mark.gpu

@@ -30,7 +30,7 @@ from gemmtune.ops.gemm_a8w8 import DISPATCH as A8W8_DISPATCH
 from gemmtune.ops.gemm_a8w8 import gemm_a8w8, gemm_a8w8_ref, scaled_mm_torch
 from gemmtune.ops.gemm_a8w8_blockscale import DISPATCH as BLOCKSCALE_DISPATCH
 from gemmtune.ops.gemm_a8w8_blockscale import (blockscale_torch, gemm_a8w8_blockscale,
-                                               gemm_a8w8_blockscale_ref, torch_blockscale_path)
+                                               cublas_block_wise, gemm_a8w8_blockscale_ref)
 from gemmtune.ops.gemm_a16w16 import DISPATCH as A16W16_DISPATCH
 from gemmtune.ops.gemm_a16w16 import gemm_a16w16
 from gemmtune.tables.values import DTYPE_NAMES
@@ -303,7 +303,9 @@ def run_bench(shapes: list[tuple[str, int, int, int]], op: BenchOp, out_dir: Pat
     with GpuLock(gpu_label(torch.cuda.current_device())) if gpu else contextlib.nullcontext():
         rows = _measure_all(shapes, op, gpu)
     if op.family == "a8w8_blockscale":
-        print(f"torch backend: {torch_blockscale_path()}")
+        slow = sorted({(r.N, r.K) for r in rows if not cublas_block_wise(r.N, r.K)})
+        print("torch backend: cuBLAS block-wise, except the dequantised fp32 reference (slow) "
+              f"for (N, K) {slow}" if slow else "torch backend: cuBLAS block-wise for every shape")
     csv_path = out_dir / f"bench_{op.family}.csv"
     png_path = out_dir / f"bench_{op.family}.png"
     write_csv(rows, csv_path)

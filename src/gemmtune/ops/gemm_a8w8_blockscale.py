@@ -34,48 +34,39 @@ def gemm_a8w8_blockscale_ref(xq, wq, x_scale, w_scale, out_dtype=torch.bfloat16)
     return (x_deq @ w_deq.t()).to(out_dtype).view(*xq.shape[:-1], n)
 
 
-# Whether torch._scaled_mm took block scales on this process's GPU: None until first tried.
-_cublas_blockwise: bool | None = None
+# (N, K) whose block-wise torch._scaled_mm raised here: they take the reference from then on.
+_refused: set[tuple[int, int]] = set()
 
 
-def torch_blockscale_path() -> str:
-    """Which path the torch backend has taken: cuBLAS block-wise or the dequantised reference."""
-    return {None: "not run yet", True: "torch._scaled_mm block-wise (cuBLAS)",
-            False: "dequantised fp32 reference (this torch has no block-wise _scaled_mm)"}[
-        _cublas_blockwise]
+def cublas_block_wise(n: int, k: int) -> bool:
+    """Whether the torch backend runs (N, K) through cuBLAS's block-wise FP8 GEMM. Measured on
+    H100 (torch 2.11, cuBLAS 13.1): it needs N and K multiples of 128 and K/128 a multiple of 4
+    (K = 256 and 2304 returned wrong numbers with no error; padding w's scale rows to 4 was
+    refused as an invalid scaling configuration)."""
+    return n % _BLOCK == 0 and k % (4 * _BLOCK) == 0 and (n, k) not in _refused
 
 
 def blockscale_torch(xq, wq, bias, out_dtype, x_scale, w_scale, out=None):
-    """The torch backend: ``torch._scaled_mm`` with 1x128 x 128x128 scales (cuBLAS >= 12.9 on
-    sm_90: x's scales M-major, w's as (K/128, N/128), M and the scales' leading dimensions
-    padded to multiples of 4, K and N multiples of 128); elsewhere the dequantised fp32
-    reference, with one warning."""
-    global _cublas_blockwise
+    """The torch backend: ``torch._scaled_mm`` with 1x128 x 128x128 scales where cuBLAS takes
+    the shape (``cublas_block_wise``; x's scales M-major with M padded to a multiple of 4, w's
+    as (K/128, N/128)); elsewhere the dequantised fp32 reference, correct and slow."""
     k, n = xq.shape[-1], wq.shape[0]
     x2, xs = xq.reshape(-1, k), x_scale.reshape(-1, x_scale.shape[-1])
     m = x2.shape[0]
     y = None
-    if xq.is_cuda and k % _BLOCK == 0 and n % _BLOCK == 0 and _cublas_blockwise is not False:
+    if xq.is_cuda and cublas_block_wise(n, k):
         pad = -m % 4
         if pad:
             x2 = torch.cat([x2, x2.new_zeros(pad, k)])
             xs = torch.cat([xs, xs.new_ones(pad, xs.shape[1])])
-        # cuBLAS reads each scale matrix with a 16-byte aligned leading dimension: w's, seen as
-        # (K/128, N/128) K-major, needs K/128 padded to a multiple of 4 (unpadded, K = 256 and
-        # 2304 gave wrong results on H100 with no error).
-        kb = w_scale.shape[1]
-        ws = w_scale
-        if kb % 4:
-            ws = w_scale.new_empty(w_scale.shape[0], kb + (-kb % 4))[:, :kb]
-            ws.copy_(w_scale)
         try:
             y = torch._scaled_mm(x2, wq.t(), scale_a=xs.t().contiguous().t(),
-                                 scale_b=ws.t(), out_dtype=out_dtype)[:m]
-            _cublas_blockwise = True
+                                 scale_b=w_scale.t(), out_dtype=out_dtype)[:m]
         except (RuntimeError, ValueError) as e:
-            _cublas_blockwise = False
-            warnings.warn(f"gemm_a8w8_blockscale: torch._scaled_mm refused block scales ({e}); "
-                          f"the torch backend uses the dequantised reference", stacklevel=2)
+            _refused.add((n, k))
+            warnings.warn(f"gemm_a8w8_blockscale: torch._scaled_mm refused block scales for "
+                          f"N={n} K={k} ({e}); the torch backend uses the dequantised reference "
+                          f"for this shape", stacklevel=2)
     if y is None:
         y = gemm_a8w8_blockscale_ref(x2[:m], wq, xs[:m], w_scale, out_dtype)
     y = y.view(*xq.shape[:-1], n)
