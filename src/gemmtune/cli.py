@@ -209,6 +209,16 @@ def _cmd_tune(args) -> int:
         return 2
 
 
+def _cmd_tune_triton(args) -> int:
+    from gemmtune.tune.tune_triton import run
+
+    try:
+        return run(args)
+    except ValueError as e:  # a bad --space file
+        print(f"gemmtune tune-triton: error: {e}", file=sys.stderr)
+        return 2
+
+
 # ----------------------------------------------------------------------------------------- bench
 def _cmd_bench(args) -> int:
     import torch
@@ -326,6 +336,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("family", choices=TUNABLE, help="table family to tune")
     add_tune_arguments(p)
     p.set_defaults(func=_cmd_tune)
+
+    p = sub.add_parser("tune-triton", help="tune a Triton kernel's per-(N, K) JSON configs",
+                       description="Per (N, K) and M bucket, the fastest config of an editable "
+                                   "search space that matches torch; writes "
+                                   "{arch}-GEMM-{TAG}-N={N}-K={K}.json per (N, K) and a "
+                                   "{arch}-GEMM-{TAG}.json default. Dispatch uses a per-(N, K) "
+                                   "file for shapes without a CSV row (folders in "
+                                   "$GEMMTUNE_TRITON_CONFIG_DIR, then the shipped ones).",
+                       epilog="example: gemmtune tune-triton splitk --nk 4096,4096 --nk 576,7168 "
+                              "--m 1,16,32,64 -o configs")
+    from gemmtune.tune.tune_triton import add_arguments as add_tune_triton_arguments
+
+    add_tune_triton_arguments(p)
+    p.set_defaults(func=_cmd_tune_triton)
 
     p = sub.add_parser("tables", help="list the tables in force for this device",
                        description="Each family's table files (shipped, model_configs, "

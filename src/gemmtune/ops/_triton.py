@@ -68,3 +68,28 @@ class TritonKernel:
         if y.numel():
             self._launch(x2, w, bias, y, scale_a, scale_b, self.config, **self._launch_kwargs)
         return y if x2 is x else y.view(x.shape[:-1] + (n,))
+
+
+def json_config_or(fallback: str, registry, key: tuple, arch: str, tag: str, m: int, n: int,
+                   k: int) -> str:
+    """The kernel a per-(N, K) Triton JSON config file names for M's bucket, if there is one and
+    it can run ``key``; else ``fallback``. A broken file warns once and is ignored."""
+    import warnings
+
+    from gemmtune.ops._dispatch import KernelNameError
+    from gemmtune.tables import triton_json
+
+    try:
+        name = triton_json.lookup(arch, tag, n, k, m)
+        if name is None:
+            return fallback
+        kernel = registry.resolve(name)
+        problem = kernel.check(key) if hasattr(kernel, "check") else None
+    except (ValueError, OSError, KernelNameError) as e:
+        warnings.warn(f"gemmtune: Triton JSON config for N={n} K={k} ignored: {e}", stacklevel=2)
+        return fallback
+    if problem:
+        warnings.warn(f"gemmtune: Triton JSON config {name} for N={n} K={k} cannot run M={m}: "
+                      f"{problem}; using {fallback}", stacklevel=2)
+        return fallback
+    return name

@@ -16,7 +16,7 @@ import torch
 from gemmtune.device import DeviceId
 from gemmtune.kernels.torch_ref import TORCH_LINEAR, parse_torch_kernel
 from gemmtune.ops._dispatch import Dispatcher, KernelRegistry, count_miss
-from gemmtune.ops._triton import TritonKernel
+from gemmtune.ops._triton import TritonKernel, json_config_or
 from gemmtune.tables.schema import Family
 from gemmtune.tables.values import DTYPE_NAMES, to_torch_dtype
 
@@ -56,10 +56,18 @@ def _to_table_key(raw: tuple) -> tuple:
     return (m, n, k, has_bias, DTYPE_NAMES[dtype], DTYPE_NAMES[out_dtype], scaled, preshuffled)
 
 
+# Tags of the Triton JSON config files (gemmtune tune-triton) a shape without a row may use.
+_JSON_TAGS = {"torch.bfloat16": "A16W16", "torch.float16": "A16W16_FP16"}
+
+
 def _default_kernel(key: tuple, device: DeviceId) -> str:
     # cuBLAS's own heuristic is right for every shape and the baseline tuned rows must beat;
-    # a shape without a row should never be slower than plain torch.
-    return TORCH_LINEAR
+    # a shape without a row runs it, unless a per-(N, K) Triton JSON config file names a kernel.
+    m, n, k, _, dtype, out_dtype, scaled, preshuffled = key
+    tag = _JSON_TAGS.get(dtype)
+    if tag is None or out_dtype != dtype or scaled or preshuffled:
+        return TORCH_LINEAR
+    return json_config_or(TORCH_LINEAR, REGISTRY, key, device.arch, tag, m, n, k)
 
 
 DISPATCH = Dispatcher(Family.bf16, REGISTRY, _to_table_key, _default_kernel)

@@ -16,7 +16,7 @@ import torch
 
 from gemmtune.device import DeviceId
 from gemmtune.ops._dispatch import Dispatcher, KernelRegistry, count_miss
-from gemmtune.ops._triton import TritonKernel
+from gemmtune.ops._triton import TritonKernel, json_config_or
 from gemmtune.tables.schema import Family
 from gemmtune.tables.values import DTYPE_NAMES, to_torch_dtype
 
@@ -86,8 +86,16 @@ def _to_table_key(raw: tuple) -> tuple:
     return m, n, k, DTYPE_NAMES[q_dtype]
 
 
+_JSON_TAGS = {"torch.float8_e4m3fn": "A8W8", "torch.int8": "A8W8_INT8"}
+
+
 def _default_kernel(key: tuple, device: DeviceId) -> str:
-    return TORCH_SCALED_MM
+    # torch, unless a per-(N, K) Triton JSON config file (gemmtune tune-triton) names a kernel.
+    m, n, k, q_dtype = key
+    tag = _JSON_TAGS.get(q_dtype)
+    if tag is None:
+        return TORCH_SCALED_MM
+    return json_config_or(TORCH_SCALED_MM, REGISTRY, key, device.arch, tag, m, n, k)
 
 
 DISPATCH = Dispatcher(Family.a8w8, REGISTRY, _to_table_key, _default_kernel)

@@ -1,0 +1,105 @@
+"""Triton per-kernel JSON configs (the seed's Triton tuning guide): one file per (N, K),
+``{arch}-GEMM-{TAG}-N={N}-K={K}.json``, holding one config per M bucket, and a per-arch default
+``{arch}-GEMM-{TAG}.json`` (the most common winner per bucket over the tuned (N, K)).
+
+Dispatch uses a per-(N, K) file for a shape that has no CSV row (``lookup``); the default file
+is what ``gemmtune tune-triton`` reports as the best config for untuned (N, K). Files are read
+from ``$GEMMTUNE_TRITON_CONFIG_DIR`` (colon-separated folders, first match wins) and then from
+the package's ``configs/triton/``.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from gemmtune.tables.store import atomic_write_text
+
+# (bucket, largest M it holds), in order; "any" holds whatever the others do not.
+BUCKETS: tuple[tuple[str, int], ...] = (
+    ("small", 16), ("medium_M32", 32), ("medium_M64", 64), ("medium_M128", 128),
+    ("large", 256), ("xlarge", 1 << 62),
+)
+ANY = "any"
+SHIPPED_DIR = Path(__file__).resolve().parent.parent / "configs" / "triton"
+# The JSON keys of one config, as the seed's guide spells them.
+KEYS = ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "num_warps",
+        "num_stages", "NUM_KSPLIT", "cache_modifier")
+
+
+def bucket_of(m: int) -> str:
+    for name, top in BUCKETS:
+        if m <= top:
+            return name
+    return BUCKETS[-1][0]
+
+
+def file_name(arch: str, tag: str, n: int | None = None, k: int | None = None) -> str:
+    base = f"{arch}-GEMM-{tag}"
+    return f"{base}.json" if n is None else f"{base}-N={n}-K={k}.json"
+
+
+@dataclass(frozen=True)
+class BucketConfig:
+    """One bucket's config: the guide's keys plus ``kernel``, our ``kernelName`` for it."""
+
+    kernel: str
+    params: dict
+
+    def to_json(self) -> dict:
+        return {**{key: self.params.get(key) for key in KEYS}, "kernel": self.kernel}
+
+
+def write_configs(path: Path, configs: dict[str, BucketConfig]) -> None:
+    """Write one file's buckets (and ``any``) atomically."""
+    unknown = set(configs) - {b for b, _ in BUCKETS} - {ANY}
+    if unknown:
+        raise ValueError(f"{path}: unknown bucket(s) {sorted(unknown)}; buckets are "
+                         f"{[b for b, _ in BUCKETS] + [ANY]}")
+    text = json.dumps({b: c.to_json() for b, c in configs.items()}, indent=2, sort_keys=False)
+    atomic_write_text(path, text + "\n")
+
+
+def read_configs(path: Path) -> dict[str, BucketConfig]:
+    """A file's buckets; ValueError naming the file and what is wrong."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}:{e.lineno}: not valid JSON: {e.msg}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected an object of buckets, got {type(data).__name__}")
+    configs = {}
+    for bucket, entry in data.items():
+        if bucket not in {b for b, _ in BUCKETS} | {ANY}:
+            raise ValueError(f"{path}: unknown bucket {bucket!r}; buckets are "
+                             f"{[b for b, _ in BUCKETS] + [ANY]}")
+        if not isinstance(entry, dict) or not isinstance(entry.get("kernel"), str):
+            raise ValueError(f"{path}: bucket {bucket!r} needs a \"kernel\" name (e.g. "
+                             f"\"triton.splitk:BM16.BN32.BK256.SK4.W2.S4\")")
+        configs[bucket] = BucketConfig(entry["kernel"], {k: entry.get(k) for k in KEYS})
+    return configs
+
+
+def search_dirs() -> list[Path]:
+    user = os.environ.get("GEMMTUNE_TRITON_CONFIG_DIR", "")
+    return [Path(p).expanduser() for p in user.split(os.pathsep) if p] + [SHIPPED_DIR]
+
+
+@functools.lru_cache(maxsize=256)
+def _load(path: Path, mtime_ns: int) -> dict[str, BucketConfig]:  # mtime in the cache key
+    return read_configs(path)
+
+
+def lookup(arch: str, tag: str, n: int, k: int, m: int) -> str | None:
+    """The kernel name the per-(N, K) file gives M's bucket (or its ``any``), or None."""
+    name = file_name(arch, tag, n, k)
+    for folder in search_dirs():
+        path = folder / name
+        if path.is_file():
+            configs = _load(path, path.stat().st_mtime_ns)
+            found = configs.get(bucket_of(m)) or configs.get(ANY)
+            return found.kernel if found else None
+    return None

@@ -1,0 +1,279 @@
+"""``gemmtune tune-triton KERNEL --nk N,K ... --m 16,32,...``: per-kernel JSON config tuning.
+
+For each (N, K) and M, every config of an editable search space (pruned to what fits) is run,
+checked against torch (``--atol``/``--rtol``) and timed (``--iters``; CUDA-graph replay over
+weight copies larger than L2 on a GPU, wall time in the interpreter on the CPU). Per M bucket
+the config with the best geometric-mean time relative to each M's fastest is written to
+``{arch}-GEMM-{TAG}-N={N}-K={K}.json``; ``{arch}-GEMM-{TAG}.json`` gets the most common bucket
+winner over all (N, K). Configs that fail to compile, run out of resources or give wrong results
+are skipped and listed at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+import torch
+
+from gemmtune.tables import triton_json
+from gemmtune.tune.progress import Progress
+
+KERNELS = ("splitk", "tile")
+# --dtype -> (torch dtype, TAG of the JSON files)
+DTYPES = {
+    "bf16": (torch.bfloat16, "A16W16"), "fp16": (torch.float16, "A16W16_FP16"),
+    "fp8": (torch.float8_e4m3fn, "A8W8"), "int8": (torch.int8, "A8W8_INT8"),
+}
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    """Values to try per parameter, as the seed's guide names them; ``--space FILE.json``
+    replaces any of them. The split-K kernel has no GROUP_SIZE_M (it walks M fastest) and the
+    tile kernel no NUM_KSPLIT: each ignores the other's key."""
+
+    BLOCK_SIZE_M: tuple = (16, 32, 64)
+    BLOCK_SIZE_N: tuple = (32, 64, 128)
+    BLOCK_SIZE_K: tuple = (64, 128, 256)
+    GROUP_SIZE_M: tuple = (1, 8)
+    num_warps: tuple = (2, 4, 8)
+    num_stages: tuple = (2, 3, 4)
+    NUM_KSPLIT: tuple = (1, 2, 4, 8)
+    cache_modifier: tuple = (None,)
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> SearchSpace:
+        try:
+            data = json.loads(Path(path).read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{e.lineno}: not valid JSON: {e.msg}") from None
+        known = {f.name for f in fields(cls)}
+        if not isinstance(data, dict) or set(data) - known:
+            raise ValueError(f"{path}: expected an object with keys among {sorted(known)}, got "
+                             f"{sorted(data) if isinstance(data, dict) else type(data).__name__}")
+        values = {k: tuple(v if isinstance(v, list) else [v]) for k, v in data.items()}
+        if any(c is not None for c in values.get("cache_modifier", (None,))):
+            raise ValueError(f"{path}: cache_modifier: the kernels here take no cache modifier "
+                             f"(their loads use the default); use null")
+        return cls(**values)
+
+
+def kernel_configs(kernel: str, space: SearchSpace, m: int, n: int, k: int,
+                   dtype: torch.dtype) -> list:
+    """The space's configs of ``kernel`` that fit (M, N, K) on ``dtype``, each once."""
+    if kernel == "splitk":
+        from gemmtune.kernels.triton.gemm_splitk import SplitKConfig as cls
+        from gemmtune.kernels.triton.gemm_splitk import fits
+        make = [cls(bm, bn, bk, sk, w, s) for bm in space.BLOCK_SIZE_M
+                for bn in space.BLOCK_SIZE_N for bk in space.BLOCK_SIZE_K
+                for sk in space.NUM_KSPLIT for w in space.num_warps for s in space.num_stages]
+    else:
+        from gemmtune.kernels.triton.gemm_tile import TileConfig as cls
+        from gemmtune.kernels.triton.gemm_tile import fits
+        make = [cls(bm, bn, bk, g, w, s) for bm in space.BLOCK_SIZE_M
+                for bn in space.BLOCK_SIZE_N for bk in space.BLOCK_SIZE_K
+                for g in space.GROUP_SIZE_M for w in space.num_warps for s in space.num_stages]
+    return [c for c in dict.fromkeys(make) if fits(c, m, n, k, dtype)]
+
+
+def params_of(config) -> dict:
+    """A config in the guide's JSON keys."""
+    return {"BLOCK_SIZE_M": config.block_m, "BLOCK_SIZE_N": config.block_n,
+            "BLOCK_SIZE_K": config.block_k, "GROUP_SIZE_M": getattr(config, "group_m", 1),
+            "num_warps": config.num_warps, "num_stages": config.num_stages,
+            "NUM_KSPLIT": getattr(config, "split_k", 1), "cache_modifier": None}
+
+
+@dataclass
+class Failure:
+    n: int
+    k: int
+    m: int
+    config: str
+    why: str
+
+
+class Operands:
+    """x and w of one (M, N, K), torch's result to check against, and the launch of a config."""
+
+    def __init__(self, kernel: str, m: int, n: int, k: int, dtype: torch.dtype, seed: int):
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        gen = torch.Generator(device=device).manual_seed(seed)
+        x = torch.randn(m, k, generator=gen, device=device)
+        w = torch.randn(n, k, generator=gen, device=device) / math.sqrt(k)
+        self.scales = None
+        if dtype in (torch.float8_e4m3fn, torch.int8):
+            from gemmtune import quant
+
+            per_token, per_channel = ((quant.per_token_fp8, quant.per_channel_fp8)
+                                      if dtype == torch.float8_e4m3fn
+                                      else (quant.per_token_int8, quant.per_channel_int8))
+            (x, xs), (w, ws) = per_token(x), per_channel(w)
+            self.scales = (xs.reshape(-1), ws.reshape(-1))
+        else:
+            x, w = x.to(dtype), w.to(dtype)
+        self.x, self.w = x, w
+        self.out_dtype = torch.bfloat16 if self.scales else dtype
+        if self.scales:
+            from gemmtune.ops.gemm_a8w8 import scaled_mm_torch
+
+            self.reference = scaled_mm_torch(x, w, None, self.out_dtype, *self.scales).float()
+        else:
+            self.reference = torch.nn.functional.linear(x, w).float()
+        if kernel == "splitk":
+            from gemmtune.kernels.triton.gemm_splitk import launch_gemm_splitk as launch
+        else:
+            from gemmtune.kernels.triton.gemm_tile import launch_gemm_tile as launch
+        self._launch = launch
+
+    def run(self, config, x=None, w=None) -> torch.Tensor:
+        x = self.x if x is None else x
+        w = self.w if w is None else w
+        out = torch.full((x.shape[0], w.shape[0]), float("nan"), dtype=self.out_dtype,
+                         device=x.device)
+        sa, sb = self.scales or (None, None)
+        return self._launch(x, w, None, out, sa, sb, config)
+
+
+def time_config(ops: Operands, config, iters: int) -> float:
+    """µs per call: CUDA-graph replay over weight copies beyond L2, or CPU wall time."""
+    if not ops.x.is_cuda:
+        start = time.perf_counter()
+        ops.run(config)
+        return (time.perf_counter() - start) * 1e6
+    from gemmtune.tune.timing import copies_to_exceed_l2, graph_replay_us
+
+    sets = ops.__dict__.setdefault("_sets", [
+        ops.w.clone() for _ in range(copies_to_exceed_l2(ops.w.numel() * ops.w.element_size()))])
+    return graph_replay_us(lambda w: ops.run(config, w=w), sets, replays=iters)[0]
+
+
+def tune_nk(kernel: str, space: SearchSpace, n: int, k: int, ms: list[int], dtype: torch.dtype,
+            atol: float, rtol: float, iters: int, failures: list[Failure]) -> dict[int, dict]:
+    """{M: {config name: µs}} of the configs that ran and matched torch."""
+    from triton.runtime.errors import OutOfResources
+
+    timings: dict[int, dict] = {}
+    for m in ms:
+        ops = Operands(kernel, m, n, k, dtype, seed=m * 7919 + n)
+        timings[m] = {}
+        for config in kernel_configs(kernel, space, m, n, k, dtype):
+            try:
+                y = ops.run(config).float()
+            except (OutOfResources, RuntimeError, ValueError) as e:  # compile or launch failed
+                failures.append(Failure(n, k, m, config.name, f"{type(e).__name__}: {e}"[:200]))
+                continue
+            bad = ~torch.isclose(y, ops.reference, atol=atol, rtol=rtol)
+            if bool(bad.any()):
+                failures.append(Failure(n, k, m, config.name,
+                                        f"{int(bad.sum())} of {bad.numel()} elements differ from "
+                                        f"torch beyond atol={atol} rtol={rtol}"))
+                continue
+            timings[m][config.name] = time_config(ops, config, iters)
+    return timings
+
+
+def pick_buckets(timings: dict[int, dict], configs_by_name: dict) -> dict:
+    """Per bucket: the config with the lowest geometric mean of time / fastest over the bucket's
+    M values (among configs that ran at all of them); ``any``: the most common bucket winner."""
+    chosen = {}
+    for bucket, _ in triton_json.BUCKETS:
+        ms = [m for m in timings if triton_json.bucket_of(m) == bucket and timings[m]]
+        if not ms:
+            continue
+        common = set.intersection(*(set(timings[m]) for m in ms))
+        if not common:
+            continue
+
+        def score(name):
+            return statistics.fmean(math.log(timings[m][name] / min(timings[m].values()))
+                                    for m in ms)
+
+        chosen[bucket] = min(sorted(common), key=score)
+    if chosen:
+        chosen[triton_json.ANY] = Counter(chosen.values()).most_common(1)[0][0]
+    return {b: triton_json.BucketConfig(name, params_of(configs_by_name[name]))
+            for b, name in chosen.items()}
+
+
+def run(args: argparse.Namespace, out=None) -> int:
+    from gemmtune.device import current_device
+
+    out = out or sys.stderr
+    dtype, tag = DTYPES[args.dtype]
+    space = SearchSpace.from_file(args.space) if args.space else SearchSpace()
+    arch = current_device().arch
+    out_dir = Path(args.output)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    failures: list[Failure] = []
+    winners: dict[str, Counter] = {}
+    configs_by_name: dict = {}
+    progress = Progress(len(args.nk), f"tune-triton {args.kernel} {tag}", out)
+    written, missing = [], []
+    for n, k in args.nk:
+        started = time.monotonic()
+        timings = tune_nk(args.kernel, space, n, k, args.m, dtype, args.atol, args.rtol,
+                          args.iters, failures)
+        for m in args.m:
+            for c in kernel_configs(args.kernel, space, m, n, k, dtype):
+                configs_by_name[c.name] = c
+        chosen = pick_buckets(timings, configs_by_name)
+        if chosen:
+            path = out_dir / triton_json.file_name(arch, tag, n, k)
+            triton_json.write_configs(path, chosen)
+            written.append(path)
+            for bucket, cfg in chosen.items():
+                winners.setdefault(bucket, Counter())[cfg.kernel] += 1
+        else:
+            missing.append((n, k))
+        progress.update(f"N={n} K={k}: {len(chosen)} bucket(s) in "
+                        f"{time.monotonic() - started:.1f}s", ok=bool(chosen))
+    if winners:
+        default = {b: triton_json.BucketConfig(c.most_common(1)[0][0],
+                                               params_of(configs_by_name[c.most_common(1)[0][0]]))
+                   for b, c in winners.items()}
+        path = out_dir / triton_json.file_name(arch, tag)
+        triton_json.write_configs(path, default)
+        written.append(path)
+    for f in failures:
+        out.write(f"skipped N={f.n} K={f.k} M={f.m} {f.config}: {f.why}\n")
+    out.write(f"wrote {len(written)} file(s) to {out_dir}; {len(failures)} config run(s) "
+              f"skipped\n")
+    for n, k in missing:
+        out.write(f"no config of the search space ran correctly for N={n} K={k}: no file\n")
+    return 1 if missing else 0
+
+
+def _nk(text: str) -> tuple[int, int]:
+    try:
+        n, k = (int(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--nk expects N,K (e.g. 4096,4096), got {text!r}")
+    if n <= 0 or k <= 0:
+        raise argparse.ArgumentTypeError(f"--nk: N and K must be positive, got {text!r}")
+    return n, k
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("kernel", choices=KERNELS, help="Triton kernel family")
+    p.add_argument("--nk", type=_nk, action="append", required=True, metavar="N,K",
+                   help="a weight shape; repeat for several")
+    p.add_argument("--m", type=lambda t: [int(v) for v in t.split(",")],
+                   default=[1, 16, 32, 64, 128, 256, 1024], metavar="M,M,...",
+                   help="token counts (default 1,16,32,64,128,256,1024)")
+    p.add_argument("--dtype", choices=list(DTYPES), default="bf16")
+    p.add_argument("--space", metavar="JSON", help="search space: lists per key of "
+                   "SearchSpace (BLOCK_SIZE_M/N/K, GROUP_SIZE_M, num_warps, num_stages, "
+                   "NUM_KSPLIT, cache_modifier)")
+    p.add_argument("--atol", type=float, default=1e-2)
+    p.add_argument("--rtol", type=float, default=1e-2)
+    p.add_argument("--iters", type=int, default=20, help="timed graph replays per config")
+    p.add_argument("-o", "--output", default="out/triton_configs", metavar="DIR")

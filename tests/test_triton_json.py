@@ -1,0 +1,137 @@
+"""Triton JSON configs: buckets, the file format, look-up order, dispatch on a table miss, and a
+tiny `gemmtune tune-triton` run end to end (in the interpreter on the CPU)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import gemmtune
+from gemmtune.cli import main
+from gemmtune.ops.gemm_a16w16 import DISPATCH
+from gemmtune.tables import triton_json
+from gemmtune.tables.triton_json import BucketConfig, bucket_of, lookup, read_configs, write_configs
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+SPLITK = "triton.splitk:BM16.BN32.BK32.SK2.W4.S2"
+TILE = "triton.tile:BM16.BN32.BK32.G1.W4.S2"
+
+
+@pytest.mark.parametrize("m,bucket", [(1, "small"), (16, "small"), (17, "medium_M32"),
+                                      (32, "medium_M32"), (64, "medium_M64"),
+                                      (65, "medium_M128"), (128, "medium_M128"), (129, "large"),
+                                      (256, "large"), (257, "xlarge"), (65536, "xlarge")])
+def test_buckets(m, bucket):
+    assert bucket_of(m) == bucket
+
+
+def test_file_names():
+    assert triton_json.file_name("sm_90", "A16W16", 4096, 512) == "sm_90-GEMM-A16W16-N=4096-K=512.json"
+    assert triton_json.file_name("sm_90", "A8W8") == "sm_90-GEMM-A8W8.json"
+
+
+def test_round_trip_and_any_fallback(tmp_path, monkeypatch):
+    path = tmp_path / triton_json.file_name("cpu", "A16W16", 40, 64)
+    write_configs(path, {"small": BucketConfig(SPLITK, {"BLOCK_SIZE_M": 16}),
+                         "any": BucketConfig(TILE, {})})
+    back = read_configs(path)
+    assert back["small"].kernel == SPLITK and back["small"].params["BLOCK_SIZE_M"] == 16
+    monkeypatch.setenv("GEMMTUNE_TRITON_CONFIG_DIR", str(tmp_path))
+    assert lookup("cpu", "A16W16", 40, 64, 3) == SPLITK
+    assert lookup("cpu", "A16W16", 40, 64, 500) == TILE  # no xlarge bucket: "any"
+    assert lookup("cpu", "A16W16", 41, 64, 3) is None  # no file for this (N, K)
+
+
+def test_first_folder_wins(tmp_path, monkeypatch):
+    first, second = tmp_path / "a", tmp_path / "b"
+    for folder, kernel in ((first, SPLITK), (second, TILE)):
+        write_configs(folder / triton_json.file_name("cpu", "A16W16", 8, 8),
+                      {"any": BucketConfig(kernel, {})})
+    monkeypatch.setenv("GEMMTUNE_TRITON_CONFIG_DIR", f"{first}:{second}")
+    assert lookup("cpu", "A16W16", 8, 8, 1) == SPLITK
+
+
+@pytest.mark.parametrize("text,says", [
+    ("{\n  \"small\": {\"kernel\": 3}\n}", "needs a \"kernel\" name"),
+    ("{\"huge\": {\"kernel\": \"x\"}}", "unknown bucket 'huge'"),
+    ("{\n\n  oops\n}", ":3: not valid JSON"),
+    ("[1, 2]", "expected an object of buckets"),
+])
+def test_bad_files_say_where(tmp_path, text, says):
+    path = tmp_path / "f.json"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=says):
+        read_configs(path)
+
+
+def test_dispatch_uses_a_json_config_on_a_table_miss(tmp_path, monkeypatch):
+    dev = gemmtune.current_device()
+    write_configs(tmp_path / triton_json.file_name(dev.arch, "A16W16_FP16", 40, 64),
+                  {"small": BucketConfig(SPLITK, {}),
+                   "medium_M32": BucketConfig("triton.splitk:BM16.BN32.BK256.SK9.W4.S2", {})})
+    monkeypatch.setenv("GEMMTUNE_TRITON_CONFIG_DIR", str(tmp_path))
+    gemmtune.reset()
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    x = torch.randn(5, 64, generator=gen, device=DEVICE).half()
+    w = torch.randn(40, 64, generator=gen, device=DEVICE).half()
+    y = gemmtune.gemm_a16w16(x, w)
+    torch.testing.assert_close(y.float(), x.float() @ w.float().T, atol=2e-2, rtol=2e-2)
+    (plan,) = DISPATCH.plans.values()
+    assert plan.decision.kernel_name == SPLITK
+    # A config that cannot run the shape (9 splits of 64 = 1 step of 256) is refused: torch.
+    with pytest.warns(UserWarning, match="cannot run M=20"):
+        gemmtune.gemm_a16w16(torch.randn(20, 64, device=DEVICE).half(), w)
+    names = {p.decision.kernel_name for p in DISPATCH.plans.values()}
+    assert names == {SPLITK, "torch.linear"}
+
+
+def tiny_space(tmp_path, **extra) -> str:
+    path = tmp_path / "space.json"
+    path.write_text(json.dumps({"BLOCK_SIZE_M": [16], "BLOCK_SIZE_N": [32], "BLOCK_SIZE_K": [32],
+                                "num_warps": [4], "num_stages": [2], "NUM_KSPLIT": [1, 2],
+                                **extra}))
+    return str(path)
+
+
+def test_tune_triton_end_to_end(tmp_path, capsys):
+    out_dir = tmp_path / "cfg"
+    assert main(["tune-triton", "splitk", "--nk", "40,64", "--nk", "24,96", "--m", "1,20",
+                 "--dtype", "fp16", "--space", tiny_space(tmp_path), "-o", str(out_dir)]) == 0
+    arch = gemmtune.current_device().arch
+    files = sorted(p.name for p in out_dir.iterdir())
+    assert files == [f"{arch}-GEMM-A16W16_FP16-N=24-K=96.json",
+                     f"{arch}-GEMM-A16W16_FP16-N=40-K=64.json", f"{arch}-GEMM-A16W16_FP16.json"]
+    per_nk = read_configs(out_dir / files[1])
+    assert set(per_nk) == {"small", "medium_M32", "any"}
+    assert all(c.kernel.startswith("triton.splitk:BM16.BN32.BK32.SK") for c in per_nk.values())
+    assert per_nk["small"].params["NUM_KSPLIT"] in (1, 2)
+    err = capsys.readouterr().err
+    assert "tune-triton splitk A16W16_FP16 2/2" in err and "wrote 3 file(s)" in err
+
+
+def test_tune_triton_reports_configs_that_fail(tmp_path, monkeypatch, capsys):
+    from gemmtune.tune import tune_triton
+
+    real_run = tune_triton.Operands.run
+
+    def run(self, config, x=None, w=None):
+        if config.split_k == 2:
+            raise RuntimeError("out of resources: shared memory (simulated)")
+        return real_run(self, config, x, w)
+
+    monkeypatch.setattr(tune_triton.Operands, "run", run)
+    assert main(["tune-triton", "splitk", "--nk", "40,64", "--m", "1", "--dtype", "fp16",
+                 "--space", tiny_space(tmp_path), "-o", str(tmp_path / "cfg")]) == 0
+    err = capsys.readouterr().err
+    assert "skipped N=40 K=64 M=1 triton.splitk:BM16.BN32.BK32.SK2.W4.S2: RuntimeError: out of " \
+           "resources" in err
+    (cfg,) = {c.kernel for c in read_configs(next((tmp_path / "cfg").glob("*N=40*"))).values()}
+    assert cfg == "triton.splitk:BM16.BN32.BK32.SK1.W4.S2"
+
+
+def test_tune_triton_refuses_a_cache_modifier(tmp_path, capsys):
+    assert main(["tune-triton", "splitk", "--nk", "40,64", "--m", "1", "--space",
+                 tiny_space(tmp_path, cache_modifier=[".cg"]), "-o", str(tmp_path)]) == 2
+    assert "take no cache modifier" in capsys.readouterr().err
