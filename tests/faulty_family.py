@@ -84,12 +84,20 @@ class FaultyFamily(TuneFamily):
         if log:  # which finalists were timed together
             with open(log, "a") as f:
                 f.write(",".join(names) + "\n")
+        if os.environ.get("FAULTY_GROUP_POISONS") == "1":
+            # A sticky error: this process fails every later call, as after an illegal address.
+            FaultyFamily.poisoned = True
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
         return super().time_many(names, prepared, iters, warmup)
+
+    poisoned = False
 
     def tolerance(self, key):
         return 1e-4, 1e-4, 1e-4
 
     def time(self, name, prepared, iters, warmup):
+        if FaultyFamily.poisoned:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
         start = time.time()
         time.sleep(float(os.environ.get("FAULTY_TIME_SLEEP", "0")))
         log = os.environ.get("FAULTY_TIMING_LOG")

@@ -140,7 +140,7 @@ def test_bench_a8w8_checks_and_writes_csv(tmp_path, capsys, dtype):
     assert main(["bench", "a8w8", "--dtype", dtype, "--shapes", str(shapes), "-o",
                  str(out_dir)]) == 0
     assert "speed-up geomean" in capsys.readouterr().out
-    with open(out_dir / "bench_a8w8.csv") as f:
+    with open(out_dir / ("bench_a8w8.csv" if dtype == "fp8" else "bench_a8w8_int8.csv")) as f:
         rows = list(csv.DictReader(f))
     assert [(r["M"], r["N"]) for r in rows] == [("1", "64"), ("17", "32")]
     assert all(r["ok"] == "True" and r["kernel"] == "torch.scaled_mm" for r in rows)
@@ -154,7 +154,7 @@ def test_bench_a8w8_blockscale_on_cpu(tmp_path, capsys):
     assert main(["bench", "a8w8-blockscale", "--shapes", str(shapes), "-o",
                  str(tmp_path / "b")]) == 0
     out = capsys.readouterr().out
-    assert "torch backend: cuBLAS block-wise, except the dequantised fp32 reference" in out
+    assert "torch column = the dequantised fp32 reference" in out
     with open(tmp_path / "b" / "bench_a8w8_blockscale.csv") as f:
         rows = list(csv.DictReader(f))
     assert [r["ok"] for r in rows] == ["True", "True"]
@@ -166,6 +166,8 @@ def test_bench_refuses_a_dtype_of_another_family(capsys):
     assert "a8w8 benches --dtype fp8 or int8, not fp16" in capsys.readouterr().err
     assert main(["bench", "bf16", "--dtype", "int8", "--M", "1"]) == 2
     assert "bf16 benches --dtype bf16, fp16 or fp32, not int8" in capsys.readouterr().err
+    assert main(["bench", "a8w8-blockscale", "--dtype", "int8", "--M", "1"]) == 2
+    assert "a8w8-blockscale benches fp8 only, not int8" in capsys.readouterr().err
 
 
 def test_geomean_and_summary_by_m_range():

@@ -160,3 +160,12 @@ def test_gpu_cuda_graph_replay(a8w8_table, kernel):
     graph.replay()
     torch.cuda.synchronize()
     assert_close_to_reference(y, xq, wq, xs, ws)
+
+
+def test_a_cached_plan_still_refuses_what_the_checks_refuse():
+    xq, wq, xs, ws = operands(4, 16, 32, torch.int8, "token_channel")
+    gemmtune.gemm_a8w8(xq, wq, xs, ws, bias=torch.ones(16, device=DEVICE))
+    with pytest.raises(ValueError, match="do not multiply"):
+        gemmtune.gemm_a8w8(xq, wq.view(16, 1, 32), xs, ws)
+    with pytest.raises(ValueError, match="bias must be"):
+        gemmtune.gemm_a8w8(xq, wq, xs, ws, bias=torch.ones(16, 3, device=DEVICE))

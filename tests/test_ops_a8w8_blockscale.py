@@ -153,3 +153,10 @@ def test_gpu_cuda_graph_replay(blockscale_table):
     graph.replay()
     torch.cuda.synchronize()
     assert_close_to_reference(y, xq, wq, xs, ws)
+
+
+def test_a_cached_plan_still_refuses_column_major_scales():
+    xq, wq, xs, ws = operands(13, 130, 384)
+    gemmtune.gemm_a8w8_blockscale(xq, wq, xs, ws)
+    with pytest.raises(ValueError, match="x_scale must be a contiguous float32"):
+        gemmtune.gemm_a8w8_blockscale(xq, wq, xs.t().contiguous().t(), ws)

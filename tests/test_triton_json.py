@@ -116,10 +116,10 @@ def test_tune_triton_reports_configs_that_fail(tmp_path, monkeypatch, capsys):
 
     real_run = tune_triton.Operands.run
 
-    def run(self, config, x=None, w=None):
+    def run(self, config, x=None, w=None, out=None):
         if config.split_k == 2:
             raise RuntimeError("out of resources: shared memory (simulated)")
-        return real_run(self, config, x, w)
+        return real_run(self, config, x, w, out)
 
     monkeypatch.setattr(tune_triton.Operands, "run", run)
     assert main(["tune-triton", "splitk", "--nk", "40,64", "--m", "1", "--dtype", "fp16",
@@ -135,3 +135,11 @@ def test_tune_triton_refuses_a_cache_modifier(tmp_path, capsys):
     assert main(["tune-triton", "splitk", "--nk", "40,64", "--m", "1", "--space",
                  tiny_space(tmp_path, cache_modifier=[".cg"]), "-o", str(tmp_path)]) == 2
     assert "take no cache modifier" in capsys.readouterr().err
+
+
+def test_finer_m_leq_buckets_win(tmp_path, monkeypatch):
+    path = tmp_path / triton_json.file_name("cpu", "A16W16", 8, 8)
+    path.write_text(json.dumps({"M_LEQ_4": {"kernel": TILE}, "small": {"kernel": SPLITK}}))
+    monkeypatch.setenv("GEMMTUNE_TRITON_CONFIG_DIR", str(tmp_path))
+    assert lookup("cpu", "A16W16", 8, 8, 3) == TILE
+    assert lookup("cpu", "A16W16", 8, 8, 5) == SPLITK

@@ -108,6 +108,19 @@ def test_a_crash_in_the_joint_retiming_falls_back_to_one_by_one(tmp_path, monkey
     assert not memo.skips("cpu:0", row.key, "good.fast", 4.0)
 
 
+def test_a_joint_retiming_that_poisons_the_worker_blames_no_finalist(tmp_path, monkeypatch):
+    # The joint re-timing raises a sticky CUDA error: the worker is replaced before the finalists
+    # are timed one by one, so none of them is taken for a crasher.
+    monkeypatch.setenv("FAULTY_GROUP_POISONS", "1")
+    monkeypatch.setenv("FAULTY_WITH_FAULTS", "0")
+    tuner, _ = tune(tmp_path, untuned(tmp_path / "u.csv", [7]))
+    assert tuner.summary.tuned == 1
+    (row,) = read_table(tmp_path / "tuned.csv", BF16).rows
+    assert row.results["kernelName"] == "good.fast"
+    memo = CrashMemo(BF16)
+    assert not any(memo.skips("cpu:0", row.key, n, 4.0) for n in ("good.fast", "good.slow"))
+
+
 def test_gpu_lock_is_shared_with_other_processes(tmp_path, monkeypatch):
     monkeypatch.setenv("GEMMTUNE_LOCK_DIR", str(tmp_path))
     holder = subprocess.Popen(

@@ -27,7 +27,7 @@ from gemmtune.device import current_device
 from gemmtune.kernels.torch_ref import gemm_a16w16_ref
 from gemmtune.ops._dispatch import Decision
 from gemmtune.ops.gemm_a8w8 import DISPATCH as A8W8_DISPATCH
-from gemmtune.ops.gemm_a8w8 import gemm_a8w8, gemm_a8w8_ref, scaled_mm_torch
+from gemmtune.ops.gemm_a8w8 import gemm_a8w8, gemm_a8w8_ref, scaled_mm_torch, torch_fast_path
 from gemmtune.ops.gemm_a8w8_blockscale import DISPATCH as BLOCKSCALE_DISPATCH
 from gemmtune.ops.gemm_a8w8_blockscale import (blockscale_torch, gemm_a8w8_blockscale,
                                                cublas_block_wise, gemm_a8w8_blockscale_ref)
@@ -124,6 +124,10 @@ class BenchOp:
     table_key: Callable[[int, int, int], tuple]
     decide: Callable[[tuple], Decision]
     rel_bound: float
+    # File stem of the CSV and PNG (family and, where it has several, dtype).
+    label: str = ""
+    # (M, N, K) -> True where the torch column runs the fp32 reference, not a fast kernel.
+    torch_is_reference: Callable[[int, int, int], bool] = lambda m, n, k: False
 
 
 def bf16_op(dtype: torch.dtype) -> BenchOp:
@@ -160,11 +164,14 @@ def a8w8_op_for(q_dtype: torch.dtype) -> BenchOp:
         return scaled_mm_torch(a[0], a[1], None, torch.bfloat16, a[2], a[3])
 
     name = DTYPE_NAMES[q_dtype]
+    gpu = torch.cuda.is_available()
     return BenchOp(
         "a8w8", 1, 2, 1, inputs, torch=torch_call, tuned=lambda a: gemm_a8w8(*a),
         reference=lambda a: gemm_a8w8_ref(*a, out_dtype=torch.float32),
         table_key=lambda m, n, k: (m, n, k, name),
-        decide=A8W8_DISPATCH.decide, rel_bound=TOLERANCES[torch.bfloat16][2])
+        decide=A8W8_DISPATCH.decide, rel_bound=TOLERANCES[torch.bfloat16][2],
+        label="a8w8" if q_dtype == torch.float8_e4m3fn else "a8w8_int8",
+        torch_is_reference=lambda m, n, k: not torch_fast_path(m, n, k, q_dtype, gpu))
 
 
 def a8w8_blockscale_op() -> BenchOp:
@@ -185,7 +192,9 @@ def a8w8_blockscale_op() -> BenchOp:
         tuned=lambda a: gemm_a8w8_blockscale(*a),
         reference=lambda a: gemm_a8w8_blockscale_ref(*a, out_dtype=torch.float32),
         table_key=lambda m, n, k: (m, n, k),
-        decide=BLOCKSCALE_DISPATCH.decide, rel_bound=TOLERANCES[torch.bfloat16][2])
+        decide=BLOCKSCALE_DISPATCH.decide, rel_bound=TOLERANCES[torch.bfloat16][2],
+        torch_is_reference=lambda m, n, k: not (torch.cuda.is_available()
+                                                 and cublas_block_wise(n, k)))
 
 
 def _time_pair(op: BenchOp, args: tuple) -> tuple[float, float]:
@@ -302,12 +311,13 @@ def run_bench(shapes: list[tuple[str, int, int, int]], op: BenchOp, out_dir: Pat
     # No tuner may time on this GPU meanwhile (nor this bench disturb one).
     with GpuLock(gpu_label(torch.cuda.current_device())) if gpu else contextlib.nullcontext():
         rows = _measure_all(shapes, op, gpu)
-    if op.family == "a8w8_blockscale":
-        slow = sorted({(r.N, r.K) for r in rows if not cublas_block_wise(r.N, r.K)})
-        print("torch backend: cuBLAS block-wise, except the dequantised fp32 reference (slow) "
-              f"for (N, K) {slow}" if slow else "torch backend: cuBLAS block-wise for every shape")
-    csv_path = out_dir / f"bench_{op.family}.csv"
-    png_path = out_dir / f"bench_{op.family}.png"
+    slow = [f"{r.M}x{r.N}x{r.K}" for r in rows if op.torch_is_reference(r.M, r.N, r.K)]
+    if slow:
+        print(f"torch column = the dequantised fp32 reference (no fast torch kernel takes the "
+              f"shape; speed-ups there are not against cuBLAS): {', '.join(slow)}")
+    stem = op.label or op.family
+    csv_path = out_dir / f"bench_{stem}.csv"
+    png_path = out_dir / f"bench_{stem}.png"
     write_csv(rows, csv_path)
     why_no_plot = plot(rows, png_path, title)
     print(f"{'shape':<14} {'M':>5} {'N':>6} {'K':>6} {'torch us':>9} {'tuned us':>9} "

@@ -226,6 +226,10 @@ def _cmd_bench(args) -> int:
     from gemmtune.bench import a8w8_blockscale_op, a8w8_op_for, bf16_op, run_bench
 
     if args.family == "a8w8-blockscale":
+        if args.dtype not in ("bf16", "fp8"):  # bf16 is the flag's default: not given
+            print(f"gemmtune bench: error: a8w8-blockscale benches fp8 only, not {args.dtype}",
+                  file=sys.stderr)
+            return 2
         op = a8w8_blockscale_op()
     elif args.family == "bf16":
         dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -376,7 +380,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32", "fp8", "int8"],
                    help="bf16: bf16 (default), fp16 or fp32; a8w8: fp8 (default) or int8")
     p.add_argument("-o", "--output", default="out/bench", metavar="DIR",
-                   help="folder for bench_bf16.csv and bench_bf16.png (default out/bench)")
+                   help="folder for bench_<family>.csv and .png (default out/bench)")
     p.set_defaults(func=_cmd_bench)
     return parser
 

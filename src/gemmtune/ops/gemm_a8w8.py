@@ -35,6 +35,16 @@ def gemm_a8w8_ref(xq, wq, x_scale, w_scale, bias=None, out_dtype=torch.bfloat16)
     return y.to(out_dtype).view(*xq.shape[:-1], n)
 
 
+def torch_fast_path(m: int, n: int, k: int, q_dtype: torch.dtype, cuda: bool = True) -> bool:
+    """Whether the torch backend runs (M, N, K) through cuBLAS (``_scaled_mm`` needs N and K
+    multiples of 16, ``_int_mm`` M > 16 and N, K multiples of 8), not the fp32 reference."""
+    if not cuda:
+        return False
+    if q_dtype == torch.float8_e4m3fn:
+        return k % 16 == 0 and n % 16 == 0
+    return m > 16 and k % 8 == 0 and n % 8 == 0
+
+
 def scaled_mm_torch(xq, wq, bias, out_dtype, x_scale, w_scale, out=None):  # xq (..., K), wq (N, K)
     """The torch backend: ``torch._scaled_mm`` (FP8; tensor-wise or row-wise scales) and
     ``torch._int_mm`` (INT8) on CUDA where their shape rules hold, the fp32 reference elsewhere.
@@ -43,7 +53,8 @@ def scaled_mm_torch(xq, wq, bias, out_dtype, x_scale, w_scale, out=None):  # xq 
     x2 = xq.reshape(-1, k)
     m = x2.shape[0]
     y = None
-    if xq.is_cuda and xq.dtype == torch.float8_e4m3fn and k % 16 == 0 and n % 16 == 0:
+    fast = torch_fast_path(m, n, k, xq.dtype, xq.is_cuda)
+    if fast and xq.dtype == torch.float8_e4m3fn:
         sa, sb = x_scale.reshape(-1), w_scale.reshape(-1)
         if sa.numel() == 1 and sb.numel() == 1:
             sa, sb = sa.reshape(()), sb.reshape(())
@@ -52,7 +63,7 @@ def scaled_mm_torch(xq, wq, bias, out_dtype, x_scale, w_scale, out=None):  # xq 
             sb = sb.reshape(1, -1).expand(1, n).contiguous()
         y = torch._scaled_mm(x2.contiguous(), wq.contiguous().t(), scale_a=sa, scale_b=sb,
                              out_dtype=out_dtype if bias is None else torch.float32)
-    elif xq.is_cuda and xq.dtype == torch.int8 and m > 16 and k % 8 == 0 and n % 8 == 0:
+    elif fast:
         acc = torch._int_mm(x2.contiguous(), wq.contiguous().t())  # int32, exact
         y = acc.float() * x_scale.reshape(-1, 1) * w_scale.reshape(1, -1)
         y = y if bias is not None else y.to(out_dtype)
@@ -135,11 +146,11 @@ def _run(xq, wq, x_scale, w_scale, bias, dtype):
         m = xq.numel() // k if k else math.prod(xq.shape[:-1])
         # The plan key holds everything the checks depend on (but the scales' contiguity, which
         # reshape(-1) below makes good), so a cached call needs no checks.
-        key = (m, wq.shape[0], k, xq.dtype, wq.dtype, wq.shape[-1], wq.get_device(),
+        key = (m, wq.shape[0], k, xq.dtype, wq.dtype, wq.dim(), wq.shape[-1], wq.get_device(),
                x_scale.numel(), x_scale.dtype, x_scale.get_device(),
                w_scale.numel(), w_scale.dtype, w_scale.get_device(),
-               None if bias is None else (bias.dtype, bias.shape[0], bias.get_device()), dtype,
-               xq.get_device())
+               None if bias is None else (bias.dtype, tuple(bias.shape), bias.get_device()),
+               dtype, xq.get_device())
     except (AttributeError, IndexError, ValueError):
         _check(xq, wq, x_scale, w_scale, bias, dtype)
         raise

@@ -123,9 +123,12 @@ def _run(xq, wq, x_scale, w_scale, dtype):
     try:
         k = xq.shape[-1]
         m = xq.numel() // k if k else math.prod(xq.shape[:-1])
-        key = (m, wq.shape[0], k, xq.dtype, wq.dtype, wq.shape[-1], wq.get_device(),
+        # Everything _check depends on, so that a cached plan never runs what it would refuse
+        # (a column-major scale would be read as row-major by the kernels).
+        key = (m, wq.shape[0], k, xq.dtype, wq.dtype, wq.dim(), wq.shape[-1], wq.get_device(),
                tuple(x_scale.shape), x_scale.dtype, x_scale.get_device(),
-               tuple(w_scale.shape), w_scale.dtype, w_scale.get_device(), dtype, xq.get_device())
+               x_scale.is_contiguous(), tuple(w_scale.shape), w_scale.dtype,
+               w_scale.get_device(), w_scale.is_contiguous(), dtype, xq.get_device())
     except (AttributeError, IndexError, ValueError):
         _check(xq, wq, x_scale, w_scale, dtype)
         raise

@@ -1,6 +1,7 @@
 """Triton per-kernel JSON configs (the seed's Triton tuning guide): one file per (N, K),
 ``{arch}-GEMM-{TAG}-N={N}-K={K}.json``, holding one config per M bucket, and a per-arch default
-``{arch}-GEMM-{TAG}.json`` (the most common winner per bucket over the tuned (N, K)).
+``{arch}-GEMM-{TAG}.json`` (the most common winner per bucket over the tuned (N, K)). Files may
+also hold the guide's optional finer ``M_LEQ_<x>`` buckets.
 
 Dispatch uses a per-(N, K) file for a shape that has no CSV row (``lookup``); the default file
 is what ``gemmtune tune-triton`` reports as the best config for untuned (N, K). Files are read
@@ -13,6 +14,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +26,8 @@ BUCKETS: tuple[tuple[str, int], ...] = (
     ("large", 256), ("xlarge", 1 << 62),
 )
 ANY = "any"
+# Optional finer buckets, ``M_LEQ_<x>``: the smallest x >= M wins over the standard buckets.
+_FINE = re.compile(r"M_LEQ_([0-9]+)")
 SHIPPED_DIR = Path(__file__).resolve().parent.parent / "configs" / "triton"
 # The JSON keys of one config, as the seed's guide spells them.
 KEYS = ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "num_warps",
@@ -55,10 +59,10 @@ class BucketConfig:
 
 def write_configs(path: Path, configs: dict[str, BucketConfig]) -> None:
     """Write one file's buckets (and ``any``) atomically."""
-    unknown = set(configs) - {b for b, _ in BUCKETS} - {ANY}
+    unknown = {b for b in configs if not _is_bucket(b)}
     if unknown:
         raise ValueError(f"{path}: unknown bucket(s) {sorted(unknown)}; buckets are "
-                         f"{[b for b, _ in BUCKETS] + [ANY]}")
+                         f"{[b for b, _ in BUCKETS] + [ANY]} and M_LEQ_<int>")
     text = json.dumps({b: c.to_json() for b, c in configs.items()}, indent=2, sort_keys=False)
     atomic_write_text(path, text + "\n")
 
@@ -73,9 +77,9 @@ def read_configs(path: Path) -> dict[str, BucketConfig]:
         raise ValueError(f"{path}: expected an object of buckets, got {type(data).__name__}")
     configs = {}
     for bucket, entry in data.items():
-        if bucket not in {b for b, _ in BUCKETS} | {ANY}:
+        if not _is_bucket(bucket):
             raise ValueError(f"{path}: unknown bucket {bucket!r}; buckets are "
-                             f"{[b for b, _ in BUCKETS] + [ANY]}")
+                             f"{[b for b, _ in BUCKETS] + [ANY]} and M_LEQ_<int>")
         if not isinstance(entry, dict) or not isinstance(entry.get("kernel"), str):
             raise ValueError(f"{path}: bucket {bucket!r} needs a \"kernel\" name (e.g. "
                              f"\"triton.splitk:BM16.BN32.BK256.SK4.W2.S4\")")
@@ -99,7 +103,20 @@ def lookup(arch: str, tag: str, n: int, k: int, m: int) -> str | None:
     for folder in search_dirs():
         path = folder / name
         if path.is_file():
-            configs = _load(path, path.stat().st_mtime_ns)
-            found = configs.get(bucket_of(m)) or configs.get(ANY)
+            found = pick(_load(path, path.stat().st_mtime_ns), m)
             return found.kernel if found else None
     return None
+
+
+def pick(configs: dict[str, BucketConfig], m: int) -> BucketConfig | None:
+    """M's config in one file: the smallest ``M_LEQ_x`` with x >= M, else M's standard bucket,
+    else ``any``."""
+    fine = sorted((int(match.group(1)), b) for b in configs
+                  if (match := _FINE.fullmatch(b)) and int(match.group(1)) >= m)
+    if fine:
+        return configs[fine[0][1]]
+    return configs.get(bucket_of(m)) or configs.get(ANY)
+
+
+def _is_bucket(name: str) -> bool:
+    return name == ANY or name in {b for b, _ in BUCKETS} or _FINE.fullmatch(name) is not None

@@ -409,11 +409,11 @@ class Tuner:
             with self._gpu_lock(worker):
                 timed = worker.call("retime_many", key, names, seed, self.config.options,
                                     timeout=self.config.timeout * len(names))
-        except WorkerLost:
+        except (WorkerLost, RuntimeError):
+            # A raising family call may have left the process unusable (a sticky CUDA error): a
+            # fresh worker, so the one-by-one timings below blame only their own candidate.
             if not self._stop.is_set():
                 self._recover(worker)
-            return None
-        except RuntimeError:
             return None
         finalists = []
         for ev in timed:

@@ -45,8 +45,7 @@ class GpuLock:
         if self.path is None:
             return self
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(self.path, os.O_CREAT | os.O_RDWR, 0o666)
+            fd = self._open()
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX)
             except BaseException:
@@ -58,9 +57,33 @@ class GpuLock:
             raise
         return self
 
+    def _open(self) -> int:
+        """The lock file, created for everyone: the folder sticky and world-writable like /tmp,
+        the file world-readable; flock needs only a read descriptor, so another user's lock file
+        serves as well."""
+        folder = self.path.parent
+        try:
+            if not folder.is_dir():
+                folder.mkdir(parents=True, exist_ok=True)
+                _chmod_quietly(folder, 0o1777)
+            fd = os.open(self.path, os.O_RDONLY | os.O_CREAT, 0o666)
+        except PermissionError as e:
+            raise RuntimeError(f"cannot open the GPU lock {self.path} ({e}): another user's "
+                               f"lock folder? Set GEMMTUNE_LOCK_DIR to a folder every tuner on "
+                               f"this machine can write") from e
+        _chmod_quietly(self.path, 0o666)
+        return fd
+
     def __exit__(self, *exc) -> None:
         if self._fd is not None:
             fd, self._fd = self._fd, None
             fcntl.flock(fd, fcntl.LOCK_UN)
             os.close(fd)
         self._thread_lock.release()
+
+
+def _chmod_quietly(path: Path, mode: int) -> None:
+    try:
+        os.chmod(path, mode)
+    except OSError:  # not ours: its owner set it up already
+        pass

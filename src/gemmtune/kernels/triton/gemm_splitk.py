@@ -399,7 +399,12 @@ def stream_counters(device: torch.device, tiles: int) -> torch.Tensor:
     one stream run one after another (a PDL launch touches them only after its wait), so they
     can share one buffer. The first launch on a stream allocates it (a memset); under graph
     capture that memset is recorded once into the graph, and the buffer comes from the graph's
-    pool, kept alive here."""
+    pool, kept alive here.
+
+    Limit: a graph uses the buffer of the stream it was captured on, and ``torch.cuda.graph``
+    captures on one shared stream unless given ``stream=``. Graphs with split-K launches that
+    are replayed at the same time on different streams must therefore be captured on different
+    streams; replayed one after another (as serving engines do), they may share one."""
     stream = torch.cuda.current_stream(device)
     key = (stream.device_index, stream.cuda_stream)
     found = _STREAM_COUNTERS.get(key)
