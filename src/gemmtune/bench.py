@@ -150,9 +150,7 @@ def a8w8_op_for(q_dtype: torch.dtype) -> BenchOp:
     """Per-token activations x per-channel weights, bf16 output: FP8/INT8 serving's layout."""
     from gemmtune import quant
 
-    per_token, per_channel = ((quant.per_token_fp8, quant.per_channel_fp8)
-                              if q_dtype == torch.float8_e4m3fn
-                              else (quant.per_token_int8, quant.per_channel_int8))
+    per_token, per_channel = quant.token_channel_quantisers(q_dtype)
 
     def inputs(m, n, k, gen):
         device = gen.device

@@ -42,6 +42,7 @@ __all__ = [
     "per_tensor_int8", "per_token_int8", "per_channel_int8",
     "quantize_fp8", "quantize_int8", "dequant", "dequant_per_block",
     "quantize", "dequantize",
+    "token_channel_quantisers",
 ]
 
 FP8_DTYPE = torch.float8_e4m3fn  # Hopper's FP8 compute format (no e4m3fnuz on NVIDIA)
@@ -219,6 +220,17 @@ def per_channel_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # w
     _check_input(w, "per_channel_int8", min_ndim=2)
     _check_finite_for_int8(w, "per_channel_int8")
     return _per_row(w, torch.int8)
+
+
+def token_channel_quantisers(q_dtype: torch.dtype):
+    """``(per_token, per_channel)`` for ``q_dtype`` (float8_e4m3fn or int8): the activation and
+    weight quantisers of a per-token x per-channel GEMM."""
+    if q_dtype == FP8_DTYPE:
+        return per_token_fp8, per_channel_fp8
+    if q_dtype == torch.int8:
+        return per_token_int8, per_channel_int8
+    raise ValueError(f"no per-token/per-channel quantisers for {q_dtype}; use "
+                     f"{FP8_DTYPE} or torch.int8")
 
 
 # --------------------------------------------------------------------------------------------

@@ -68,9 +68,3 @@ def _linear_torch(x, w, bias, out_dtype, scale_a, scale_b):
         y = y + bias.float() if bias is not None else y
         return y.view(*x.shape[:-1], n)
     return gemm_a16w16_ref(x, w, bias, out_dtype, scale_a, scale_b)
-
-
-def parse_torch_kernel(name: str):
-    if name != TORCH_LINEAR:
-        raise ValueError(f"unknown torch kernel {name!r}; expected {TORCH_LINEAR!r}")
-    return linear_torch

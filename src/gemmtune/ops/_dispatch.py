@@ -43,6 +43,16 @@ class KernelRegistry:
     def register(self, prefix: str, parser: Callable[[str], Callable]) -> None:
         self._parsers[prefix] = parser
 
+    def register_exact(self, name: str, kernel: Callable) -> None:
+        """A backend with one kernel and no config, named ``name`` exactly (``torch.linear``)."""
+
+        def parse(given: str) -> Callable:
+            if given != name:
+                raise ValueError(f"unknown kernel {given!r}; expected {name!r}")
+            return kernel
+
+        self.register(name.split(":", 1)[0], parse)
+
     @property
     def prefixes(self) -> tuple[str, ...]:
         return tuple(self._parsers)

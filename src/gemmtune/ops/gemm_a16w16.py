@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 
 from gemmtune.device import DeviceId
-from gemmtune.kernels.torch_ref import TORCH_LINEAR, parse_torch_kernel
+from gemmtune.kernels.torch_ref import TORCH_LINEAR, linear_torch
 from gemmtune.ops._dispatch import Dispatcher, KernelRegistry, count_miss
 from gemmtune.ops._triton import TritonKernel, json_config_or
 from gemmtune.tables.schema import Family
@@ -45,7 +45,7 @@ def _parse_cublaslt(name: str):
 
 
 REGISTRY = KernelRegistry(Family.bf16)
-REGISTRY.register("torch.linear", parse_torch_kernel)
+REGISTRY.register_exact(TORCH_LINEAR, linear_torch)
 REGISTRY.register("triton.tile", _parse_triton_tile)
 REGISTRY.register("triton.splitk", _parse_triton_splitk)
 REGISTRY.register("cublaslt", _parse_cublaslt)

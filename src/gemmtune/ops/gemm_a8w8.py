@@ -75,19 +75,13 @@ def scaled_mm_torch(xq, wq, bias, out_dtype, x_scale, w_scale, out=None):  # xq 
     return y if out is None else out.copy_(y)
 
 
-def _parse_torch(name: str):
-    if name != TORCH_SCALED_MM:
-        raise ValueError(f"unknown torch kernel {name!r}; expected {TORCH_SCALED_MM!r}")
-    return scaled_mm_torch
-
-
 def _shape_of(key: tuple) -> tuple:
     m, n, k, q_dtype = key
     return m, n, k, to_torch_dtype(q_dtype), torch.bfloat16
 
 
 REGISTRY = KernelRegistry(Family.a8w8)
-REGISTRY.register("torch.scaled_mm", _parse_torch)
+REGISTRY.register_exact(TORCH_SCALED_MM, scaled_mm_torch)
 REGISTRY.register("triton.tile", lambda name: TritonKernel.tile(name, _shape_of))
 REGISTRY.register("triton.splitk", lambda name: TritonKernel.splitk(name, _shape_of))
 

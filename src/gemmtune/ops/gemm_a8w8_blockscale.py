@@ -73,19 +73,13 @@ def blockscale_torch(xq, wq, bias, out_dtype, x_scale, w_scale, out=None):
     return y if out is None else out.copy_(y)
 
 
-def _parse_torch(name: str):
-    if name != TORCH_BLOCKSCALE:
-        raise ValueError(f"unknown torch kernel {name!r}; expected {TORCH_BLOCKSCALE!r}")
-    return blockscale_torch
-
-
 def _shape_of(key: tuple) -> tuple:
     m, n, k = key
     return m, n, k, torch.float8_e4m3fn, torch.bfloat16
 
 
 REGISTRY = KernelRegistry(Family.a8w8_blockscale)
-REGISTRY.register("torch.scaled_mm_blockwise", _parse_torch)
+REGISTRY.register_exact(TORCH_BLOCKSCALE, blockscale_torch)
 REGISTRY.register("triton.tile",
                   lambda name: TritonKernel.tile(name, _shape_of, block_scales=True))
 REGISTRY.register("triton.splitk",

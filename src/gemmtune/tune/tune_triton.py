@@ -113,9 +113,7 @@ class Operands:
         if dtype in (torch.float8_e4m3fn, torch.int8):
             from gemmtune import quant
 
-            per_token, per_channel = ((quant.per_token_fp8, quant.per_channel_fp8)
-                                      if dtype == torch.float8_e4m3fn
-                                      else (quant.per_token_int8, quant.per_channel_int8))
+            per_token, per_channel = quant.token_channel_quantisers(dtype)
             (x, xs), (w, ws) = per_token(x), per_channel(w)
             self.scales = (xs.reshape(-1), ws.reshape(-1))
         else:

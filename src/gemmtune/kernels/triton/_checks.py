@@ -205,8 +205,8 @@ def validate_block_scales(kernel_name: str, x: torch.Tensor, w: torch.Tensor,
 def fitting_config(kernel_name: str, config, default_config, why_not_fits,
                    M: int, N: int, K: int, dtype: torch.dtype, block_scales: bool = False):
     """``config``, or the family's ``default_config`` when None (with block_k 128 for block
-    scales); ValueError if ``config`` breaks one of the family's ``why_not_fits`` constraints
-    (the default is trusted: tests check it)."""
+    scales); ValueError if ``config`` breaks one of the family's ``why_not_fits`` constraints or,
+    with ``block_scales``, ``why_not_block_scaled`` (the default is trusted: tests check it)."""
     if config is None:
         config = default_config(M, N, K, dtype)
         if block_scales and 128 % config.block_k:
@@ -216,7 +216,22 @@ def fitting_config(kernel_name: str, config, default_config, why_not_fits,
     if problem is not None:
         raise ValueError(f"{kernel_name}: {config.name} does not fit (M={M}, N={N}, K={K}, "
                          f"{dtype}): {problem}")
+    if block_scales and (problem := why_not_block_scaled(config, dtype)):
+        raise ValueError(f"{kernel_name}: {config.name}: {problem}")
     return config
+
+
+def validated_launch(kernel_name: str, launch, default_config, why_not_fits,
+                     x, w, bias, out_dtype, scale_a, scale_b, config, out, block_scales):
+    """What each family's validating launcher (``gemm_tile``, ``gemm_splitk``) does: check the
+    arguments, settle the config, then ``launch`` (the family's launch-only function)."""
+    M, N, K, out_dtype, out = validate_gemm_args(kernel_name, x, w, bias, out_dtype, scale_a,
+                                                 scale_b, out, block_scales)
+    config = fitting_config(kernel_name, config, default_config, why_not_fits, M, N, K, x.dtype,
+                            block_scales)
+    if M == 0 or N == 0:
+        return out
+    return launch(x, w, bias, out, scale_a, scale_b, config, block_scales=block_scales)
 
 
 def start(kernel, grid: tuple, warmup: bool, launch_pdl: bool = False):

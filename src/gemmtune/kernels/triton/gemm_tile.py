@@ -189,15 +189,9 @@ def gemm_tile(
     ``out_dtype`` defaults to ``x.dtype`` (bf16 for fp8 inputs); ``config`` to ``default_config``.
     No host synchronisation, so a call can be captured in a CUDA graph.
     """
-    M, N, K, out_dtype, out = _checks.validate_gemm_args("gemm_tile", x, w, bias, out_dtype,
-                                                         scale_a, scale_b, out, block_scales)
-    config = _checks.fitting_config("gemm_tile", config, default_config, why_not_fits, M, N, K,
-                                    x.dtype, block_scales)
-    if block_scales and (problem := _checks.why_not_block_scaled(config, x.dtype)):
-        raise ValueError(f"gemm_tile: {config.name}: {problem}")
-    if M == 0 or N == 0:
-        return out
-    return launch_gemm_tile(x, w, bias, out, scale_a, scale_b, config, block_scales=block_scales)
+    return _checks.validated_launch(
+        "gemm_tile", launch_gemm_tile, default_config, why_not_fits,
+        x, w, bias, out_dtype, scale_a, scale_b, config, out, block_scales)
 
 
 def launch_gemm_tile(x, w, bias, out, scale_a, scale_b, config: TileConfig,

@@ -19,10 +19,7 @@ from gemmtune.tune.family import Candidate, Prepared
 
 # The output the tuner times: bf16, what FP8/INT8 serving writes.
 OUT_DTYPE = torch.bfloat16
-_QUANTISERS = {
-    torch.float8_e4m3fn: (quant.per_token_fp8, quant.per_channel_fp8),
-    torch.int8: (quant.per_token_int8, quant.per_channel_int8),
-}
+_Q_DTYPES = (torch.float8_e4m3fn, torch.int8)
 
 
 class A8w8Family(GemmFamily):
@@ -33,9 +30,9 @@ class A8w8Family(GemmFamily):
     def _unpack(key: tuple) -> tuple[int, int, int, torch.dtype]:
         m, n, k, q_dtype = key
         dtype = to_torch_dtype(q_dtype)
-        if dtype not in _QUANTISERS:
+        if dtype not in _Q_DTYPES:
             raise ValueError(f"q_dtype_w={q_dtype}: a8w8 tunes "
-                             f"{' and '.join(str(d) for d in _QUANTISERS)} weights")
+                             f"{' and '.join(str(d) for d in _Q_DTYPES)} weights")
         return m, n, k, dtype
 
     def shape(self, key: tuple) -> GemmShape:
@@ -56,7 +53,7 @@ class A8w8Family(GemmFamily):
         m, n, k, dtype = self._unpack(key)
         device = "cuda" if torch.cuda.is_available() else "cpu"
         gen = torch.Generator(device=device).manual_seed(seed)
-        per_token, per_channel = _QUANTISERS[dtype]
+        per_token, per_channel = quant.token_channel_quantisers(dtype)
         # Activations with a few outlier tokens (as in LLMs): per-token scales then differ.
         x = torch.randn(m, k, generator=gen, device=device) \
             * (1 + 4 * torch.rand(m, 1, generator=gen, device=device))
