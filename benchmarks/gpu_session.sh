@@ -95,6 +95,17 @@ for what in "$@"; do
             tp=1; [[ $spec == *:* ]] && tp=${spec##*:}
             TAIL=40 stage "bench8_$model" 400 python3 -m gemmtune.cli bench a8w8 --dtype fp8 \
                 --model "$model" --tp "$tp" -o "$OUT/bench8_${model}_tp$tp" ;;
+        clock)  # does a shape timed right after idle read slow? (benchmarks/clock_warmup.py)
+            stage clock 120 python3 benchmarks/clock_warmup.py ;;
+        triton:*)  # tune-triton split-K JSONs for the presets' (N, K); resumable
+            dtype=${what#triton:}
+            mkdir -p "$OUT/triton"
+            cp src/gemmtune/configs/triton/*.json "$OUT/triton/" 2>/dev/null
+            nks=$(python3 -c "import csv; print(' '.join(f'--nk {n},{k}' for n, k in sorted({(int(r['N']), int(r['K'])) for r in csv.DictReader(open('src/gemmtune/configs/bf16_tuned_gemm.csv'))})))")
+            TAIL=40 stage "triton_$dtype" "${TRITON_LIMIT:-420}" python3 -m gemmtune.cli \
+                tune-triton splitk --dtype "$dtype" $nks --m 16,32,64,128,256 \
+                --space "benchmarks/spaces/splitk_$dtype.json" --jobs 14 --resume \
+                -o "$OUT/triton" ;;
         *) echo "unknown stage $what" | tee -a "$summary" ;;
     esac
 done

@@ -104,7 +104,8 @@ def test_tune_triton_end_to_end(tmp_path, capsys):
     assert files == [f"{arch}-GEMM-A16W16_FP16-N=24-K=96.json",
                      f"{arch}-GEMM-A16W16_FP16-N=40-K=64.json", f"{arch}-GEMM-A16W16_FP16.json"]
     per_nk = read_configs(out_dir / files[1])
-    assert set(per_nk) == {"small", "medium_M32", "any"}
+    assert set(per_nk) == {"small", "medium_M32"}  # no "any": M = 500 keeps torch
+    assert "any" in read_configs(out_dir / files[2])
     assert all(c.kernel.startswith("triton.splitk:BM16.BN32.BK32.SK") for c in per_nk.values())
     assert per_nk["small"].params["NUM_KSPLIT"] in (1, 2)
     err = capsys.readouterr().err
@@ -143,3 +144,26 @@ def test_finer_m_leq_buckets_win(tmp_path, monkeypatch):
     monkeypatch.setenv("GEMMTUNE_TRITON_CONFIG_DIR", str(tmp_path))
     assert lookup("cpu", "A16W16", 8, 8, 3) == TILE
     assert lookup("cpu", "A16W16", 8, 8, 5) == SPLITK
+
+
+def test_tune_triton_resume_keeps_finished_files(tmp_path, monkeypatch, capsys):
+    from gemmtune.tune import tune_triton
+
+    out_dir = tmp_path / "cfg"
+    common = ["--m", "1", "--dtype", "fp16", "--space", tiny_space(tmp_path), "-o", str(out_dir)]
+    assert main(["tune-triton", "splitk", "--nk", "40,64", *common]) == 0
+    first = (out_dir / triton_json.file_name(gemmtune.current_device().arch, "A16W16_FP16", 40,
+                                              64)).read_text()
+    tuned = []
+    real = tune_triton.tune_and_pick
+    monkeypatch.setattr(tune_triton, "tune_and_pick",
+                        lambda args, space, n, k, *rest: tuned.append((n, k))
+                        or real(args, space, n, k, *rest))
+    assert main(["tune-triton", "splitk", "--nk", "40,64", "--nk", "24,96", "--resume",
+                 *common]) == 0
+    assert tuned == [(24, 96)]  # the finished (N, K) is not tuned again
+    arch = gemmtune.current_device().arch
+    assert (out_dir / triton_json.file_name(arch, "A16W16_FP16", 40, 64)).read_text() == first
+    default = read_configs(out_dir / triton_json.file_name(arch, "A16W16_FP16"))
+    assert set(default) == {"small", "any"}
+    assert "kept from an earlier run" in capsys.readouterr().err

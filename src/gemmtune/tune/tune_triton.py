@@ -68,17 +68,25 @@ class SearchSpace:
 
 def kernel_configs(kernel: str, space: SearchSpace, m: int, n: int, k: int,
                    dtype: torch.dtype) -> list:
-    """The space's configs of ``kernel`` that fit (M, N, K) on ``dtype``, each once."""
+    """The space's configs of ``kernel`` that fit (M, N, K) on ``dtype``, each once. A block_m
+    taller than M needs (16 or M's next power of two) only computes padding rows: pruned, unless
+    nothing else is left. Split-K configs get programmatic dependent launch where the GPU has
+    it, as the tuner's candidates do."""
+    bms = [bm for bm in space.BLOCK_SIZE_M if bm <= max(16, 1 << (m - 1).bit_length())] \
+        or [min(space.BLOCK_SIZE_M)]
     if kernel == "splitk":
+        from gemmtune.kernels.triton import gemm_splitk
         from gemmtune.kernels.triton.gemm_splitk import SplitKConfig as cls
         from gemmtune.kernels.triton.gemm_splitk import fits
-        make = [cls(bm, bn, bk, sk, w, s) for bm in space.BLOCK_SIZE_M
+        pdl = (gemm_splitk.PDL_WAIT if torch.cuda.is_available()
+               and gemm_splitk.pdl_supported(torch.device("cuda")) else gemm_splitk.PDL_OFF)
+        make = [cls(bm, bn, bk, sk, w, s, pdl) for bm in bms
                 for bn in space.BLOCK_SIZE_N for bk in space.BLOCK_SIZE_K
                 for sk in space.NUM_KSPLIT for w in space.num_warps for s in space.num_stages]
     else:
         from gemmtune.kernels.triton.gemm_tile import TileConfig as cls
         from gemmtune.kernels.triton.gemm_tile import fits
-        make = [cls(bm, bn, bk, g, w, s) for bm in space.BLOCK_SIZE_M
+        make = [cls(bm, bn, bk, g, w, s) for bm in bms
                 for bn in space.BLOCK_SIZE_N for bk in space.BLOCK_SIZE_K
                 for g in space.GROUP_SIZE_M for w in space.num_warps for s in space.num_stages]
     return [c for c in dict.fromkeys(make) if fits(c, m, n, k, dtype)]
@@ -160,6 +168,47 @@ def time_config(ops: Operands, config, iters: int) -> float:
         return graph_replay_us(lambda w: ops.run(config, w=w, out=out), sets, replays=iters)[0]
 
 
+def _compile_worker(kernel: str, n: int, k: int, m: int, dtype: torch.dtype,
+                    configs: list) -> int:
+    """Compile ``configs`` for (M, N, K) into Triton's on-disk cache; how many compiled. Errors
+    are left for the timing pass, which reports them."""
+    ops = Operands(kernel, m, n, k, dtype, seed=0)
+    out = torch.empty(m, n, dtype=ops.out_dtype, device=ops.x.device)
+    sa, sb = ops.scales or (None, None)
+    done = 0
+    for config in configs:
+        try:
+            ops._launch(ops.x, ops.w, None, out, sa, sb, config, warmup=True)
+            done += 1
+        except Exception:  # reported by the timing pass, with its message
+            pass
+    return done
+
+
+def precompile(kernel: str, space: SearchSpace, nks: list[tuple[int, int]], ms: list[int],
+               dtype: torch.dtype, jobs: int, out) -> None:
+    """Compile every config of every (N, K) in ``jobs`` processes before timing: Triton compiles
+    one kernel at a time per process, and a few hundred configs would otherwise take most of
+    the run. The timing pass then loads them from the cache."""
+    import concurrent.futures as cf
+    import multiprocessing as mp
+
+    started = time.monotonic()
+    tasks = []
+    for n, k in nks:
+        configs = list(dict.fromkeys(c for m in ms
+                                     for c in kernel_configs(kernel, space, m, n, k, dtype)))
+        per_task = max(1, -(-len(configs) // jobs))
+        tasks += [(kernel, n, k, max(ms), dtype, configs[i:i + per_task])
+                  for i in range(0, len(configs), per_task)]
+    compiled = 0
+    with cf.ProcessPoolExecutor(jobs, mp_context=mp.get_context("spawn")) as pool:
+        for done in pool.map(_compile_worker, *zip(*tasks)):
+            compiled += done
+    out.write(f"precompiled {compiled} (config, N, K) in {time.monotonic() - started:.0f} s with "
+              f"{jobs} processes\n")
+
+
 def tune_nk(kernel: str, space: SearchSpace, n: int, k: int, ms: list[int], dtype: torch.dtype,
             atol: float, rtol: float, iters: int, failures: list[Failure]) -> dict[int, dict]:
     """{M: {config name: µs}} of the configs that ran and matched torch."""
@@ -187,7 +236,9 @@ def tune_nk(kernel: str, space: SearchSpace, n: int, k: int, ms: list[int], dtyp
 
 def pick_buckets(timings: dict[int, dict], configs_by_name: dict) -> dict:
     """Per bucket: the config with the lowest geometric mean of time / fastest over the bucket's
-    M values (among configs that ran at all of them); ``any``: the most common bucket winner."""
+    M values (among configs that ran at all of them). No ``any``: a bucket that no tuned M fell
+    into keeps torch rather than a config picked for other M (a split-K config tuned at M <= 256
+    would run M = 4096 far slower than cuBLAS)."""
     chosen = {}
     for bucket, _ in triton_json.BUCKETS:
         ms = [m for m in timings if triton_json.bucket_of(m) == bucket and timings[m]]
@@ -202,10 +253,17 @@ def pick_buckets(timings: dict[int, dict], configs_by_name: dict) -> dict:
                                     for m in ms)
 
         chosen[bucket] = min(sorted(common), key=score)
-    if chosen:
-        chosen[triton_json.ANY] = Counter(chosen.values()).most_common(1)[0][0]
     return {b: triton_json.BucketConfig(name, params_of(configs_by_name[name]))
             for b, name in chosen.items()}
+
+
+def tune_and_pick(args: argparse.Namespace, space: SearchSpace, n: int, k: int,
+                  dtype: torch.dtype, failures: list[Failure]) -> dict:
+    timings = tune_nk(args.kernel, space, n, k, args.m, dtype, args.atol, args.rtol,
+                      args.iters, failures)
+    configs_by_name = {c.name: c for m in args.m
+                       for c in kernel_configs(args.kernel, space, m, n, k, dtype)}
+    return pick_buckets(timings, configs_by_name)
 
 
 def run(args: argparse.Namespace, out=None) -> int:
@@ -219,31 +277,41 @@ def run(args: argparse.Namespace, out=None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     failures: list[Failure] = []
     winners: dict[str, Counter] = {}
-    configs_by_name: dict = {}
+    params_by_name: dict[str, dict] = {}
+    todo = [(n, k) for n, k in args.nk
+            if not (args.resume and (out_dir / triton_json.file_name(arch, tag, n, k)).is_file())]
+    if args.jobs > 1 and todo and torch.cuda.is_available():
+        precompile(args.kernel, space, todo, args.m, dtype, args.jobs, out)
     progress = Progress(len(args.nk), f"tune-triton {args.kernel} {tag}", out)
     written, missing = [], []
     for n, k in args.nk:
         started = time.monotonic()
-        timings = tune_nk(args.kernel, space, n, k, args.m, dtype, args.atol, args.rtol,
-                          args.iters, failures)
-        for m in args.m:
-            for c in kernel_configs(args.kernel, space, m, n, k, dtype):
-                configs_by_name[c.name] = c
-        chosen = pick_buckets(timings, configs_by_name)
-        if chosen:
-            path = out_dir / triton_json.file_name(arch, tag, n, k)
-            triton_json.write_configs(path, chosen)
-            written.append(path)
-            for bucket, cfg in chosen.items():
-                winners.setdefault(bucket, Counter())[cfg.kernel] += 1
+        path = out_dir / triton_json.file_name(arch, tag, n, k)
+        if (n, k) not in todo:  # --resume: a file from an earlier run counts as tuned
+            chosen = triton_json.read_configs(path)
+            note = "kept from an earlier run"
         else:
-            missing.append((n, k))
-        progress.update(f"N={n} K={k}: {len(chosen)} bucket(s) in "
-                        f"{time.monotonic() - started:.1f}s", ok=bool(chosen))
+            chosen = tune_and_pick(args, space, n, k, dtype, failures)
+            if chosen:
+                triton_json.write_configs(path, chosen)
+                written.append(path)
+            else:
+                missing.append((n, k))
+            note = f"{len(chosen)} bucket(s) in {time.monotonic() - started:.1f}s"
+        for bucket, cfg in chosen.items():
+            if bucket != triton_json.ANY:
+                winners.setdefault(bucket, Counter())[cfg.kernel] += 1
+                params_by_name[cfg.kernel] = cfg.params
+        progress.update(f"N={n} K={k}: {note}", ok=bool(chosen))
     if winners:
         default = {b: triton_json.BucketConfig(c.most_common(1)[0][0],
-                                               params_of(configs_by_name[c.most_common(1)[0][0]]))
+                                               params_by_name[c.most_common(1)[0][0]])
                    for b, c in winners.items()}
+        # The arch default also names the most common winner over all buckets, for a reader
+        # that wants one config.
+        overall = Counter(name for c in winners.values() for name in c.elements())
+        best = overall.most_common(1)[0][0]
+        default[triton_json.ANY] = triton_json.BucketConfig(best, params_by_name[best])
         path = out_dir / triton_json.file_name(arch, tag)
         triton_json.write_configs(path, default)
         written.append(path)
@@ -280,4 +348,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--atol", type=float, default=1e-2)
     p.add_argument("--rtol", type=float, default=1e-2)
     p.add_argument("--iters", type=int, default=20, help="timed graph replays per config")
+    p.add_argument("--resume", action="store_true",
+                   help="keep the per-(N, K) files already in the output folder (a run cut off "
+                        "goes on where it stopped); the default file counts them too")
+    p.add_argument("--jobs", type=int, default=1, metavar="J",
+                   help="compile the configs in J processes before timing (GPU only)")
     p.add_argument("-o", "--output", default="out/triton_configs", metavar="DIR")
