@@ -95,8 +95,8 @@ for what in "$@"; do
             tp=1; [[ $spec == *:* ]] && tp=${spec##*:}
             TAIL=40 stage "bench8_$model" 400 python3 -m gemmtune.cli bench a8w8 --dtype fp8 \
                 --model "$model" --tp "$tp" -o "$OUT/bench8_${model}_tp$tp" ;;
-        clock)  # does a shape timed right after idle read slow? (benchmarks/clock_warmup.py)
-            stage clock 120 python3 benchmarks/clock_warmup.py ;;
+        smallm)  # one split-K config over M = 1..16 and one-change variants
+            stage smallm 120 python3 benchmarks/small_m.py ;;
         triton:*)  # tune-triton split-K JSONs for the presets' (N, K); resumable
             dtype=${what#triton:}
             mkdir -p "$OUT/triton"
