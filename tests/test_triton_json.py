@@ -167,3 +167,19 @@ def test_tune_triton_resume_keeps_finished_files(tmp_path, monkeypatch, capsys):
     default = read_configs(out_dir / triton_json.file_name(arch, "A16W16_FP16"))
     assert set(default) == {"small", "any"}
     assert "kept from an earlier run" in capsys.readouterr().err
+
+
+def test_pick_buckets_leaves_a_bucket_to_torch_where_torch_is_faster():
+    from gemmtune.kernels.triton.gemm_splitk import SplitKConfig
+    from gemmtune.tune.tune_triton import pick_buckets
+
+    fast, slow = SplitKConfig(16, 32, 64, 1, 2, 3), SplitKConfig(16, 64, 64, 2, 2, 3)
+    configs = {c.name: c for c in (fast, slow)}
+    timings = {1: {fast.name: 5.0, slow.name: 6.0}, 16: {fast.name: 5.5, slow.name: 6.0},
+               64: {fast.name: 9.0, slow.name: 8.0}}
+    torch_us = {1: 7.0, 16: 7.0, 64: 7.5}
+    chosen, notes = pick_buckets(timings, configs, torch_us)
+    assert {b: c.kernel for b, c in chosen.items()} == {"small": fast.name}
+    assert notes == ["medium_M64 left to torch (best config 1.07x its time)"]
+    chosen, notes = pick_buckets(timings, configs)  # without torch's times: every bucket
+    assert chosen["medium_M64"].kernel == slow.name and notes == []

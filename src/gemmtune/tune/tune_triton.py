@@ -150,12 +150,22 @@ class Operands:
         sa, sb = self.scales or (None, None)
         return self._launch(x, w, None, out, sa, sb, config)
 
+    def run_torch(self, w=None) -> torch.Tensor:
+        """What a shape without any config runs: torch's kernel (the reference's call)."""
+        w = self.w if w is None else w
+        if self.scales:
+            from gemmtune.ops.gemm_a8w8 import scaled_mm_torch
+
+            return scaled_mm_torch(self.x, w, None, self.out_dtype, *self.scales)
+        return torch.nn.functional.linear(self.x, w)
+
 
 def time_config(ops: Operands, config, iters: int) -> float:
-    """µs per call: CUDA-graph replay over weight copies beyond L2, or CPU wall time."""
+    """µs per call of ``config`` (or of torch's kernel, for None): CUDA-graph replay over weight
+    copies beyond L2, or CPU wall time."""
     if not ops.x.is_cuda:
         start = time.perf_counter()
-        ops.run(config)
+        ops.run(config) if config is not None else ops.run_torch()
         return (time.perf_counter() - start) * 1e6
     from gemmtune.tune.gpulock import GpuLock, gpu_label
     from gemmtune.tune.timing import copies_to_exceed_l2, graph_replay_us
@@ -165,7 +175,9 @@ def time_config(ops: Operands, config, iters: int) -> float:
     # One preallocated output: the poisoning fill of run() would be timed with the kernel.
     out = torch.empty(ops.x.shape[0], ops.w.shape[0], dtype=ops.out_dtype, device=ops.x.device)
     with GpuLock(gpu_label(torch.cuda.current_device())):  # no tuner times on it meanwhile
-        return graph_replay_us(lambda w: ops.run(config, w=w, out=out), sets, replays=iters)[0]
+        call = ((lambda w: ops.run(config, w=w, out=out)) if config is not None
+                else (lambda w: ops.run_torch(w)))
+        return graph_replay_us(call, sets, replays=iters)[0]
 
 
 def _compile_worker(kernel: str, n: int, k: int, m: int, dtype: torch.dtype,
@@ -210,12 +222,15 @@ def precompile(kernel: str, space: SearchSpace, nks: list[tuple[int, int]], ms: 
 
 
 def tune_nk(kernel: str, space: SearchSpace, n: int, k: int, ms: list[int], dtype: torch.dtype,
-            atol: float, rtol: float, iters: int, failures: list[Failure]) -> dict[int, dict]:
-    """{M: {config name: µs}} of the configs that ran and matched torch."""
+            atol: float, rtol: float, iters: int, failures: list[Failure]
+            ) -> tuple[dict[int, dict], dict[int, float]]:
+    """{M: {config name: µs}} of the configs that ran and matched torch, and {M: torch's µs}."""
     timings: dict[int, dict] = {}
+    torch_us: dict[int, float] = {}
     for m in ms:
         ops = Operands(kernel, m, n, k, dtype, seed=m * 7919 + n)
         timings[m] = {}
+        torch_us[m] = time_config(ops, None, iters)
         for config in kernel_configs(kernel, space, m, n, k, dtype):
             try:
                 y = ops.run(config).float()
@@ -231,15 +246,18 @@ def tune_nk(kernel: str, space: SearchSpace, n: int, k: int, ms: list[int], dtyp
                                         f"torch beyond atol={atol} rtol={rtol}"))
                 continue
             timings[m][config.name] = time_config(ops, config, iters)
-    return timings
+    return timings, torch_us
 
 
-def pick_buckets(timings: dict[int, dict], configs_by_name: dict) -> dict:
+def pick_buckets(timings: dict[int, dict], configs_by_name: dict,
+                 torch_us: dict[int, float] | None = None) -> tuple[dict, list[str]]:
     """Per bucket: the config with the lowest geometric mean of time / fastest over the bucket's
-    M values (among configs that ran at all of them). No ``any``: a bucket that no tuned M fell
-    into keeps torch rather than a config picked for other M (a split-K config tuned at M <= 256
-    would run M = 4096 far slower than cuBLAS)."""
-    chosen = {}
+    M values (among configs that ran at all of them), and notes on the buckets left out. A
+    bucket whose pick is slower than torch there (geometric mean over its M) is left out: a
+    shape without a CSV row then runs torch, as it would without the file. No ``any``: a bucket
+    that no tuned M fell into keeps torch too, rather than a config picked for other M (a
+    split-K config tuned at M <= 256 would run M = 4096 far slower than cuBLAS)."""
+    chosen, notes = {}, []
     for bucket, _ in triton_json.BUCKETS:
         ms = [m for m in timings if triton_json.bucket_of(m) == bucket and timings[m]]
         if not ms:
@@ -252,18 +270,26 @@ def pick_buckets(timings: dict[int, dict], configs_by_name: dict) -> dict:
             return statistics.fmean(math.log(timings[m][name] / min(timings[m].values()))
                                     for m in ms)
 
-        chosen[bucket] = min(sorted(common), key=score)
-    return {b: triton_json.BucketConfig(name, params_of(configs_by_name[name]))
-            for b, name in chosen.items()}
+        best = min(sorted(common), key=score)
+        if torch_us:
+            vs_torch = math.exp(statistics.fmean(math.log(timings[m][best] / torch_us[m])
+                                                 for m in ms))
+            if vs_torch > 1.0:
+                notes.append(f"{bucket} left to torch (best config {vs_torch:.2f}x its time)")
+                continue
+        chosen[bucket] = best
+    return ({b: triton_json.BucketConfig(name, params_of(configs_by_name[name]))
+             for b, name in chosen.items()}, notes)
 
 
 def tune_and_pick(args: argparse.Namespace, space: SearchSpace, n: int, k: int,
-                  dtype: torch.dtype, failures: list[Failure]) -> dict:
-    timings = tune_nk(args.kernel, space, n, k, args.m, dtype, args.atol, args.rtol,
-                      args.iters, failures)
+                  dtype: torch.dtype, failures: list[Failure]) -> tuple[dict, list[str]]:
+    timings, torch_us = tune_nk(args.kernel, space, n, k, args.m, dtype, args.atol, args.rtol,
+                                args.iters, failures)
     configs_by_name = {c.name: c for m in args.m
                        for c in kernel_configs(args.kernel, space, m, n, k, dtype)}
-    return pick_buckets(timings, configs_by_name)
+    # On the CPU both are interpreter wall times: no basis to leave a bucket to torch.
+    return pick_buckets(timings, configs_by_name, torch_us if torch.cuda.is_available() else None)
 
 
 def run(args: argparse.Namespace, out=None) -> int:
@@ -291,18 +317,19 @@ def run(args: argparse.Namespace, out=None) -> int:
             chosen = triton_json.read_configs(path)
             note = "kept from an earlier run"
         else:
-            chosen = tune_and_pick(args, space, n, k, dtype, failures)
+            chosen, left_out = tune_and_pick(args, space, n, k, dtype, failures)
             if chosen:
                 triton_json.write_configs(path, chosen)
                 written.append(path)
-            else:
+            elif not left_out:
                 missing.append((n, k))
-            note = f"{len(chosen)} bucket(s) in {time.monotonic() - started:.1f}s"
+            note = "; ".join([f"{len(chosen)} bucket(s) in {time.monotonic() - started:.1f}s",
+                              *left_out])
         for bucket, cfg in chosen.items():
             if bucket != triton_json.ANY:
                 winners.setdefault(bucket, Counter())[cfg.kernel] += 1
                 params_by_name[cfg.kernel] = cfg.params
-        progress.update(f"N={n} K={k}: {note}", ok=bool(chosen))
+        progress.update(f"N={n} K={k}: {note}", ok=(n, k) not in missing)
     if winners:
         default = {b: triton_json.BucketConfig(c.most_common(1)[0][0],
                                                params_by_name[c.most_common(1)[0][0]])
