@@ -70,12 +70,14 @@ for what in "$@"; do
             TRITON_CACHE_DIR=$(mktemp -d) stage tune_cold 420 python3 -m gemmtune.cli tune bf16 \
                 -i "$OUT/cost_untuned.csv" -o "$OUT/cost_tuned.csv" -o2 "$OUT/cost_profile.csv" \
                 --mp "${MP:-8}" --timeout 60 ;;
-        presets|presets:*)  # resumable: carry the partial table back in with the next call
-            family=bf16; [[ $what == presets:* ]] && family=${what#presets:}
+        presets|presets:*)  # presets[:FAMILY[:MP]]; resumable: carry the partial table back in
+            spec=bf16; [[ $what == presets:* ]] && spec=${what#presets:}
+            family=${spec%%:*}
+            mp=${MP:-8}; [[ $spec == *:* ]] && mp=${spec##*:}
             GEMMTUNE="python3 -m gemmtune.cli" FAMILY=$family \
                 PROFILE="$OUT/presets_profile.csv" SHAPES_DIR="$OUT/presets" \
-                EXTRA="--mp ${MP:-8} --timeout 60" \
-                stage presets "${PRESETS_LIMIT:-540}" bash scripts/tune_presets.sh
+                EXTRA="--mp $mp --timeout 60" \
+                stage "presets_$family" "${PRESETS_LIMIT:-540}" bash scripts/tune_presets.sh
             cp "src/gemmtune/configs/${family//-/_}_tuned_gemm.csv" "$OUT/" ;;
         bench:*)
             spec=${what#bench:}

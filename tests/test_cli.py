@@ -139,10 +139,15 @@ def test_bench_a8w8_checks_and_writes_csv(tmp_path, capsys, dtype):
     out_dir = tmp_path / "b"
     assert main(["bench", "a8w8", "--dtype", dtype, "--shapes", str(shapes), "-o",
                  str(out_dir)]) == 0
-    assert "speed-up geomean" in capsys.readouterr().out
+    out = capsys.readouterr().out
     with open(out_dir / ("bench_a8w8.csv" if dtype == "fp8" else "bench_a8w8_int8.csv")) as f:
         rows = list(csv.DictReader(f))
     assert [(r["M"], r["N"]) for r in rows] == [("1", "64"), ("17", "32")]
+    # Shapes where torch's column is the reference (FP8 on the CPU) stay out of the speed-up.
+    if any(r["torch_is_reference"] == "True" for r in rows):
+        assert "with torch = reference left out of speed-up" in out
+    if not all(r["torch_is_reference"] == "True" for r in rows):
+        assert "speed-up geomean" in out
     assert all(r["ok"] == "True" and r["kernel"] == "torch.scaled_mm" for r in rows)
 
 
@@ -179,3 +184,9 @@ def test_geomean_and_summary_by_m_range():
     lines = summarize(rows)
     assert lines[0].startswith("M<=64") and "geomean 4.000" in lines[0] and "2 shapes" in lines[0]
     assert lines[1].startswith("M>=1024") and "1 shapes" in lines[1]
+    # A shape whose torch column is the fp32 reference stays out of the speed-up.
+    rows.append(BenchRow("b", 32, 8, 8, 1000.0, 5.0, 200.0, 2.0, 0.4, 0.002, "exact", "k", 0.0,
+                         True, torch_is_reference=True))
+    lines = summarize(rows)
+    assert "3 shapes" in lines[0] and "geomean 4.000" in lines[0]
+    assert "1 with torch = reference left out" in lines[0]

@@ -289,8 +289,11 @@ def gemm_splitk_kernel(
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
-    # Rows/columns past the edge re-read row/column 0 instead of being masked (as in gemm_tile):
-    # the loads in the K loop then need only the K mask, and the stores drop those lanes.
+    # Columns past the edge re-read column 0 instead of being masked (as in gemm_tile): w's
+    # loads then need only the K mask, and the stores drop those lanes. Rows of x past M are
+    # masked instead: re-reading row 0 made M = 1 run 1.4x slower than M = 16 with the same
+    # config (FP8 6144x4096 on H100, benchmarks/small_m.py), every padding row of every program
+    # hitting the same L2 lines.
     rows = tl.where(offs_m < M, offs_m, 0).to(tl.int64)
     cols = tl.where(offs_n < N, offs_n, 0).to(tl.int64)
     # int64 offsets: row * stride reaches 2^31 at M*K = 2^31, and a transposed view has
@@ -319,7 +322,7 @@ def gemm_splitk_kernel(
                    dtype=tl.int32 if x_ptr.dtype.element_ty == tl.int8 else tl.float32)
     for step in range(step_lo, step_hi):
         k_left = K - step * BLOCK_K
-        a = tl.load(x_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
+        a = tl.load(x_ptrs, mask=(offs_m[:, None] < M) & (offs_k[None, :] < k_left), other=0.0)
         b = tl.load(w_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
         if SCALE_A == 3:
             acc = block_scaled_dot(a, b, acc, step, rows, cols, scale_a_ptr, scale_b_ptr,
