@@ -108,6 +108,15 @@ for what in "$@"; do
                 tune-triton splitk --dtype "$dtype" $nks --m 16,32,64,128,256 \
                 --space "benchmarks/spaces/splitk_$dtype.json" --jobs 14 --resume \
                 -o "$OUT/triton" ;;
+        json8)  # FP8 shapes with no table row: dispatch takes the shipped Triton JSON or torch
+            printf 'M,N,K,q_dtype_w\n' > "$OUT/json8_shapes.csv"
+            for nk in 576,7168 7168,2048 4096,4096 6144,4096 4096,14336 28672,4096; do
+                for m in 8 24 48 100 200; do
+                    echo "$m,$nk,torch.float8_e4m3fn" >> "$OUT/json8_shapes.csv"
+                done
+            done
+            TAIL=40 stage json8 200 python3 -m gemmtune.cli bench a8w8 --dtype fp8 \
+                --shapes "$OUT/json8_shapes.csv" -o "$OUT/bench_json8" ;;
         *) echo "unknown stage $what" | tee -a "$summary" ;;
     esac
 done

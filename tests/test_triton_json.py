@@ -183,3 +183,20 @@ def test_pick_buckets_leaves_a_bucket_to_torch_where_torch_is_faster():
     assert notes == ["medium_M64 left to torch (best config 1.07x its time)"]
     chosen, notes = pick_buckets(timings, configs)  # without torch's times: every bucket
     assert chosen["medium_M64"].kernel == slow.name and notes == []
+
+
+def test_shipped_json_configs_parse_and_name_kernels_that_exist():
+    from gemmtune.ops.gemm_a8w8 import REGISTRY as A8W8
+    from gemmtune.ops.gemm_a16w16 import REGISTRY as A16W16
+
+    registries = {"A8W8": A8W8, "A8W8_INT8": A8W8, "A16W16": A16W16, "A16W16_FP16": A16W16}
+    files = sorted(triton_json.SHIPPED_DIR.glob("*.json"))
+    assert files, "no shipped Triton JSON configs"
+    for path in files:
+        tag = path.stem.split("-GEMM-")[1].split("-N=")[0]
+        for bucket, cfg in read_configs(path).items():
+            kernel = registries[tag].resolve(cfg.kernel)  # raises on a name no backend parses
+            assert kernel is not None
+            # The guide's keys agree with the kernel name they sit beside.
+            assert f"BM{cfg.params['BLOCK_SIZE_M']}.BN{cfg.params['BLOCK_SIZE_N']}." \
+                   f"BK{cfg.params['BLOCK_SIZE_K']}" in cfg.kernel, (path.name, bucket)
