@@ -97,6 +97,8 @@ for what in "$@"; do
             tp=1; [[ $spec == *:* ]] && tp=${spec##*:}
             TAIL=40 stage "bench8_$model" 400 python3 -m gemmtune.cli bench a8w8 --dtype fp8 \
                 --model "$model" --tp "$tp" -o "$OUT/bench8_${model}_tp$tp" ;;
+        ltprobe)  # cuBLASLt FP8 with per-tensor and per-row scales: supported here? right?
+            stage ltprobe 120 python3 benchmarks/cublaslt_fp8_probe.py ;;
         smallm)  # one split-K config over M = 1..16 and one-change variants
             stage smallm 120 python3 benchmarks/small_m.py ;;
         triton:*)  # tune-triton split-K JSONs for the presets' (N, K); resumable
