@@ -44,7 +44,8 @@ for what in "$@"; do
         gputests)  # the gpu-marked tests of the kernels, ops and tuner: the quick check
             stage gputests 240 python3 -m pytest -q -x -p no:cacheprovider --timeout 200 -m gpu \
                 tests/test_kernel_gemm_splitk.py tests/test_kernel_gemm_tile.py \
-                tests/test_ops_a8w8.py tests/test_ops_a8w8_blockscale.py tests/test_gpu_ops.py ;;
+                tests/test_ops_a8w8.py tests/test_ops_a8w8_blockscale.py tests/test_gpu_ops.py \
+                tests/test_cublaslt.py ;;
         a8w8)  # tune FP8 a8w8 on decode and prefill shapes, then bench them through that table
             printf 'M,N,K,q_dtype_w\n' > "$OUT/a8w8_untuned.csv"
             for nk in 576,7168 4096,4096 28672,4096 1280,8192; do

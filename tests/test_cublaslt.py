@@ -320,3 +320,127 @@ def test_check_on_the_gpu(nvmath_lt):
     with pytest.raises(ValueError, match="scale"):
         CublasLtKernel(best.name)(*_inputs(m, n, k)[:2], None, torch.bfloat16,
                                   torch.ones((), device="cuda"), None)
+
+
+# --------------------------------------------------------------------------------------------
+# FP8 with scales (the a8w8 table's cublaslt rows)
+# --------------------------------------------------------------------------------------------
+
+def test_scaled_kernel_refuses_what_it_cannot_run_with_a_reason():
+    from gemmtune.kernels.cublaslt import CublasLtScaledKernel
+
+    kernel = CublasLtScaledKernel("cublaslt:id66.tile128x128.stages128xAUTO.sk1.red0.swz0.co7."
+                                  "cl1x1x1.in0")
+    assert "FP8 (e4m3) only" in kernel.check((16, 64, 64, "torch.int8"))
+    assert "not-a-dtype" in kernel.check((16, 64, 64, "not-a-dtype"))
+    assert cublaslt.why_not_types(torch.float8_e4m3fn, torch.bfloat16, "") is not None
+    assert cublaslt.why_not_types(torch.bfloat16, torch.bfloat16, "outer") is not None
+    assert cublaslt.why_not_types(torch.float8_e4m3fn, torch.bfloat16, "outer") is None
+    assert "output" in cublaslt.why_not_types(torch.float8_e4m3fn, torch.int8, "tensor")
+
+
+def test_a8w8_registry_resolves_cublaslt_names():
+    from gemmtune.kernels.cublaslt import CublasLtScaledKernel
+    from gemmtune.ops.gemm_a8w8 import REGISTRY
+
+    name = "cublaslt:id66.tile128x128.stages128xAUTO.sk1.red0.swz0.co7.cl1x1x1.in0"
+    assert isinstance(REGISTRY.resolve(name), CublasLtScaledKernel)
+
+
+def _fp8_inputs(m, n, k, layout, seed=0, bias=False):
+    from gemmtune import quant
+
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    per_token, per_channel = quant.token_channel_quantisers(torch.float8_e4m3fn)
+    # A few outlier tokens, so per-token scales differ a lot.
+    x = torch.randn(m, k, generator=gen, device="cuda") \
+        * (1 + 4 * torch.rand(m, 1, generator=gen, device="cuda"))
+    (xq, xs), (wq, ws) = per_token(x), per_channel(torch.randn(n, k, generator=gen,
+                                                                device="cuda") / k ** 0.5)
+    xs, ws = xs.reshape(-1), ws.reshape(-1)
+    if layout in ("tensor", "tensor-x"):
+        xs = xs.max().reshape(1)
+    if layout in ("tensor", "tensor-w"):
+        ws = ws.max().reshape(1)
+    b = torch.randn(n, generator=gen, device="cuda").to(torch.bfloat16) if bias else None
+    return xq, wq, xs, ws, b
+
+
+def _fp8_ref(xq, wq, xs, ws, b):
+    y = (xq.double() @ wq.double().t()) * xs.double().reshape(-1, 1) \
+        * ws.double().reshape(1, -1)
+    return y + b.double() if b is not None else y
+
+
+FP8_SHAPES = [(1, 576, 7168), (16, 4096, 4096), (13, 1008, 512), (200, 4096, 4096)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m, n, k", FP8_SHAPES)
+def test_fp8_enumerated_algos_are_correct_in_every_scale_layout(nvmath_lt, m, n, k):
+    from gemmtune.kernels.cublaslt import CublasLtScaledKernel
+
+    algos = enumerate_algos(m, n, k, torch.float8_e4m3fn, torch.bfloat16, False,
+                            scaling="outer")
+    assert algos, f"no FP8 algorithms for {m}x{n}x{k}"
+    bad = []
+    for algo in algos:
+        kernel = CublasLtScaledKernel(algo.name)
+        if kernel.check((m, n, k, "torch.float8_e4m3fn")) is not None:
+            continue  # not plannable per tensor: the tuner's check drops it the same way
+        for layout in ("outer", "tensor", "tensor-x", "tensor-w"):
+            for bias in (False, True):
+                xq, wq, xs, ws, b = _fp8_inputs(m, n, k, layout, seed=m, bias=bias)
+                out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+                got = kernel(xq, wq, b, torch.bfloat16, xs, ws, out=out)
+                torch.cuda.synchronize()
+                err = _rel_err(got, _fp8_ref(xq, wq, xs, ws, b))
+                if got is not out or not err < REL_TOL[torch.bfloat16]:
+                    bad.append(f"{algo.name} {layout} bias={bias}: rel err {err:.2e}")
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.gpu
+def test_fp8_cuda_graph_replays_with_new_scales(nvmath_lt):
+    from gemmtune.kernels.cublaslt import CublasLtScaledKernel
+
+    m, n, k = 16, 4096, 4096
+    algo = enumerate_algos(m, n, k, torch.float8_e4m3fn, torch.bfloat16, False,
+                           scaling="outer")[0]
+    kernel = CublasLtScaledKernel(algo.name)
+    xq, wq, xs, ws, _ = _fp8_inputs(m, n, k, "outer", seed=5)
+    kernel(xq, wq, None, torch.bfloat16, xs, ws)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = kernel(xq, wq, None, torch.bfloat16, xs, ws)
+    xq2, wq2, xs2, ws2, _ = _fp8_inputs(m, n, k, "outer", seed=6)
+    for dst, src in ((xq, xq2), (wq, wq2), (xs, xs2), (ws, ws2)):
+        dst.copy_(src)
+    y.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert _rel_err(y, _fp8_ref(xq2, wq2, xs2, ws2, None)) < REL_TOL[torch.bfloat16]
+
+
+@pytest.mark.gpu
+def test_fp8_row_dispatches_through_gemm_a8w8(nvmath_lt, tmp_path, monkeypatch):
+    import gemmtune
+    from gemmtune.ops.gemm_a8w8 import DISPATCH
+
+    m, n, k = 16, 4096, 4096
+    algo = enumerate_algos(m, n, k, torch.float8_e4m3fn, torch.bfloat16, False,
+                           scaling="outer")[0]
+    dev = gemmtune.current_device()
+    table = tmp_path / "a8w8.csv"
+    table.write_text("arch,cu_num,M,N,K,q_dtype_w,libtype,solidx,splitK,us,kernelName,"
+                     "err_ratio,tflops,bw\n"
+                     f"{dev.arch},{dev.cu_num},{m},{n},{k},torch.float8_e4m3fn,cublaslt,0,1,1.0,"
+                     f"{algo.name},0,0,0\n")
+    monkeypatch.setenv("GEMMTUNE_CONFIG_A8W8", f"replace:{table}")
+    gemmtune.reset()
+    xq, wq, xs, ws, b = _fp8_inputs(m, n, k, "outer", seed=7, bias=True)
+    y = gemmtune.gemm_a8w8(xq, wq, xs.reshape(-1, 1), ws.reshape(-1, 1), b)
+    assert _rel_err(y, _fp8_ref(xq, wq, xs, ws, b)) < REL_TOL[torch.bfloat16]
+    (plan,) = DISPATCH.plans.values()
+    assert plan.decision.kernel_name == algo.name

@@ -4,6 +4,7 @@ tiny `gemmtune tune-triton` run end to end (in the interpreter on the CPU)."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -126,10 +127,11 @@ def test_tune_triton_reports_configs_that_fail(tmp_path, monkeypatch, capsys):
     assert main(["tune-triton", "splitk", "--nk", "40,64", "--m", "1", "--dtype", "fp16",
                  "--space", tiny_space(tmp_path), "-o", str(tmp_path / "cfg")]) == 0
     err = capsys.readouterr().err
-    assert "skipped N=40 K=64 M=1 triton.splitk:BM16.BN32.BK32.SK2.W4.S2: RuntimeError: out of " \
-           "resources" in err
+    # On a GPU with programmatic dependent launch the names end in ".P1".
+    assert re.search(r"skipped N=40 K=64 M=1 triton\.splitk:BM16\.BN32\.BK32\.SK2\.W4\.S2(\.P1)?: "
+                     r"RuntimeError: out of resources", err)
     (cfg,) = {c.kernel for c in read_configs(next((tmp_path / "cfg").glob("*N=40*"))).values()}
-    assert cfg == "triton.splitk:BM16.BN32.BK32.SK1.W4.S2"
+    assert re.fullmatch(r"triton\.splitk:BM16\.BN32\.BK32\.SK1\.W4\.S2(\.P1)?", cfg)
 
 
 def test_tune_triton_refuses_a_cache_modifier(tmp_path, capsys):

@@ -86,6 +86,15 @@ REGISTRY.register("triton.tile", lambda name: TritonKernel.tile(name, _shape_of)
 REGISTRY.register("triton.splitk", lambda name: TritonKernel.splitk(name, _shape_of))
 
 
+def _parse_cublaslt(name: str):
+    from gemmtune.kernels.cublaslt import CublasLtScaledKernel
+
+    return CublasLtScaledKernel(name)
+
+
+REGISTRY.register("cublaslt", _parse_cublaslt)
+
+
 def _to_table_key(raw: tuple) -> tuple:
     m, n, k, q_dtype = raw[:4]
     return m, n, k, DTYPE_NAMES[q_dtype]

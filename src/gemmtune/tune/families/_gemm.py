@@ -84,6 +84,20 @@ def triton_splitk_candidates(m: int, n: int, k: int, dtype: torch.dtype,
             and not (block_scales and why_not_block_scaled(c, dtype))]
 
 
+def cublaslt_candidates(m: int, n: int, k: int, dtype: torch.dtype, out_dtype: torch.dtype,
+                        has_bias: bool, scaling: str = "") -> list[Candidate]:
+    """cuBLASLt algorithms for the shape (none without nvmath-python). ``scaling``: FP8's scale
+    mode as timed (kernels.cublaslt.SCALINGS), or "" for bf16/fp16."""
+    from gemmtune.kernels import cublaslt
+
+    if cublaslt.nvmath_missing() or cublaslt.why_not_types(dtype, out_dtype, scaling):
+        return []
+    algos = cublaslt.enumerate_algos(m, n, k, dtype, out_dtype, has_bias, scaling=scaling)
+    # The heuristic's first choice is what cuBLASLt would pick itself: "simpler" than the rest.
+    return [Candidate(a.name, "cublaslt", simplicity=1 if i == 0 else 2, splitk=a.split_k)
+            for i, a in enumerate(algos)]
+
+
 def triton_candidates(m: int, n: int, k: int, dtype: torch.dtype,
                       out_dtype: torch.dtype, block_scales: bool = False) -> list[Candidate]:
     found = triton_tile_candidates(m, n, k, dtype, out_dtype, block_scales) + \

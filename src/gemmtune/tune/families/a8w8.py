@@ -13,7 +13,8 @@ from gemmtune import quant
 from gemmtune.ops.gemm_a8w8 import REGISTRY, TORCH_SCALED_MM, gemm_a8w8_ref
 from gemmtune.tables.schema import Family
 from gemmtune.tables.values import to_torch_dtype
-from gemmtune.tune.families._gemm import (TOLERANCES, GemmFamily, GemmShape, number_candidates,
+from gemmtune.tune.families._gemm import (TOLERANCES, GemmFamily, GemmShape,
+                                          cublaslt_candidates, number_candidates,
                                           triton_candidates)
 from gemmtune.tune.family import Candidate, Prepared
 
@@ -41,10 +42,13 @@ class A8w8Family(GemmFamily):
 
     def candidates(self, key: tuple, libtypes: frozenset[str]) -> list[Candidate]:
         m, n, k, dtype = self._unpack(key)
-        wanted = libtypes or frozenset({"torch", "triton"})
+        wanted = libtypes or frozenset({"torch", "triton", "cublaslt"})
         found = []
         if "torch" in wanted:
             found.append(Candidate(TORCH_SCALED_MM, "torch", simplicity=0))
+        if "cublaslt" in wanted and torch.cuda.is_available():
+            # Timed with per-row scales; a row's check also plans per-tensor ones.
+            found += cublaslt_candidates(m, n, k, dtype, OUT_DTYPE, False, scaling="outer")
         if "triton" in wanted:
             found += triton_candidates(m, n, k, dtype, OUT_DTYPE)
         return number_candidates(found)

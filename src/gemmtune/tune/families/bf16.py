@@ -12,23 +12,12 @@ from gemmtune.kernels.torch_ref import TORCH_LINEAR, gemm_a16w16_ref
 from gemmtune.ops.gemm_a16w16 import REGISTRY
 from gemmtune.tables.schema import Family
 from gemmtune.tables.values import to_torch_dtype
-from gemmtune.tune.families._gemm import (TOLERANCES, GemmFamily, GemmShape, number_candidates,
+from gemmtune.tune.families._gemm import (TOLERANCES, GemmFamily, GemmShape,
+                                          cublaslt_candidates, number_candidates,
                                           triton_candidates)
 from gemmtune.tune.family import Candidate, Prepared
 
 __all__ = ["Bf16Family", "TOLERANCES"]
-
-def _cublaslt_candidates(m: int, n: int, k: int, dtype: torch.dtype, out_dtype: torch.dtype,
-                         has_bias: bool) -> list[Candidate]:
-    from gemmtune.kernels import cublaslt
-
-    if cublaslt.nvmath_missing() or dtype not in (torch.bfloat16, torch.float16):
-        return []
-    algos = cublaslt.enumerate_algos(m, n, k, dtype, out_dtype, has_bias)
-    # The heuristic's first choice is what cuBLASLt would pick itself: "simpler" than the rest.
-    return [Candidate(a.name, "cublaslt", simplicity=1 if i == 0 else 2, splitk=a.split_k)
-            for i, a in enumerate(algos)]
-
 
 class Bf16Family(GemmFamily):
     family = Family.bf16
@@ -50,7 +39,7 @@ class Bf16Family(GemmFamily):
         if "torch" in wanted:
             found.append(Candidate(TORCH_LINEAR, "torch", simplicity=0))
         if "cublaslt" in wanted and gpu and not scaled:
-            found += _cublaslt_candidates(m, n, k, dtype, out_dtype, has_bias)
+            found += cublaslt_candidates(m, n, k, dtype, out_dtype, has_bias)
         if "triton" in wanted:
             found += triton_candidates(m, n, k, dtype, out_dtype)
         return number_candidates(found)
