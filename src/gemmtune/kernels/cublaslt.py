@@ -210,6 +210,11 @@ class _Problem:
             _set_attr(*set_desc, self.desc, desc_attr.B_SCALE_MODE, mode)
             self._scale_attrs = (int(desc_attr.A_SCALE_POINTER), int(desc_attr.B_SCALE_POINTER))
             self._scale_buf = _scalar(L.get_matmul_desc_attribute_dtype(desc_attr.A_SCALE_POINTER))
+            # The heuristic and algo_check refuse a scaled descriptor without scale pointers
+            # (H100, cuBLASLt 13.1: no algorithm at all); calls replace these with their own.
+            self._placeholder = torch.ones(max(m, n), dtype=torch.float32,
+                                           device=torch.device("cuda", device))
+            self.set_scales(self._placeholder.data_ptr(), self._placeholder.data_ptr())
         if has_bias:
             _set_attr(*set_desc, self.desc, desc_attr.EPILOGUE, _EPILOGUE_BIAS)
             _set_attr(*set_desc, self.desc, desc_attr.BIAS_DATA_TYPE, self.out_type)
