@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from faulty_family import FaultyFamily
 from gemmtune.tables.schema import Family, schema_for
@@ -363,8 +364,16 @@ def test_real_a8w8_family_on_cpu(tmp_path):
     assert sorted(r.key[3] for r in rows) == ["torch.float8_e4m3fn", "torch.int8"]
     with open(tmp_path / "prof.csv") as f:
         statuses = [(r["kernelName"], r["status"]) for r in csv.DictReader(f)]
-    assert len(statuses) == 6 and all(s == "ok" for _, s in statuses), statuses
-    assert sum(1 for n, _ in statuses if n.startswith("triton.splitk:")) == 4
+    assert all(s == "ok" for _, s in statuses), statuses
+    assert [n for n, _ in statuses].count("torch.scaled_mm") == 2
+    splitk = sum(1 for n, _ in statuses if n.startswith("triton.splitk:"))
+    lt = sum(1 for n, _ in statuses if n.startswith("cublaslt:"))
+    if torch.cuda.is_available():  # the whole split-K space, and cuBLASLt for the FP8 shape
+        from gemmtune.kernels import cublaslt
+
+        assert splitk >= 4 and (lt > 0) == (cublaslt.nvmath_missing() is None), statuses
+    else:  # the interpreter runs two Triton configs per shape; no cuBLASLt off the GPU
+        assert len(statuses) == 6 and splitk == 4 and lt == 0, statuses
 
 
 def test_real_a8w8_blockscale_family_on_cpu(tmp_path):
@@ -381,7 +390,9 @@ def test_real_a8w8_blockscale_family_on_cpu(tmp_path):
     assert summary.tuned == 1 and not summary.failed, out.getvalue()
     with open(tmp_path / "prof.csv") as f:
         statuses = [(r["kernelName"], r["status"]) for r in csv.DictReader(f)]
-    assert [s for _, s in statuses] == ["ok"] * 3, statuses
+    assert all(s == "ok" for _, s in statuses) and statuses[0][0].startswith("torch."), statuses
+    # The interpreter runs two Triton configs; a GPU the whole (pruned) space.
+    assert len(statuses) == 3 if not torch.cuda.is_available() else len(statuses) >= 3, statuses
     assert all("BK64." in n or "BK128." in n for n, _ in statuses[1:]), statuses
 
 
