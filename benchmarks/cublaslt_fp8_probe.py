@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from gemmtune import quant
+from gemmtune.bench import _device_time_us as events_us
 from gemmtune.kernels import cublaslt as lt
 from gemmtune.ops.gemm_a8w8 import gemm_a8w8_ref, scaled_mm_torch
 
@@ -22,18 +23,6 @@ SHAPES = ((1, 6144, 4096), (16, 4096, 4096), (64, 28672, 4096), (1024, 4096, 409
 def set_desc(L, desc, attr, value) -> None:
     lt._set_attr(L.matmul_desc_set_attribute, L.get_matmul_desc_attribute_dtype, desc, attr,
                  value)
-
-
-def events_us(fn, calls: int = 200) -> float:
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(calls):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3 / calls
 
 
 def probe(mode: str, m: int, n: int, k: int) -> str:
@@ -88,8 +77,8 @@ def probe(mode: str, m: int, n: int, k: int) -> str:
         return f"{mode:<6} {m}x{n}x{k}: {count} algorithm(s), the top one fails to run ({e})"
     rel = float((out.float() - ref).norm() / ref.norm())
     name = lt.algo_of(algo)
-    t_lt = events_us(run)
-    t_torch = events_us(lambda: scaled_mm_torch(xq, wq, None, torch.bfloat16, xs, ws))
+    t_lt = events_us(run, 200)
+    t_torch = events_us(lambda: scaled_mm_torch(xq, wq, None, torch.bfloat16, xs, ws), 200)
     return (f"{mode:<6} {m}x{n}x{k}: {count} algorithm(s); top {name.name if name else '?'}; "
             f"rel err {rel:.2e}; {t_lt:.2f} us vs torch._scaled_mm {t_torch:.2f} us (hot)")
 
