@@ -383,11 +383,12 @@ def test_fp8_enumerated_algos_are_correct_in_every_scale_layout(nvmath_lt, m, n,
     algos = enumerate_algos(m, n, k, torch.float8_e4m3fn, torch.bfloat16, False,
                             scaling="outer")
     assert algos, f"no FP8 algorithms for {m}x{n}x{k}"
-    bad = []
+    bad, exercised = [], 0
     for algo in algos:
         kernel = CublasLtScaledKernel(algo.name)
         if kernel.check((m, n, k, "torch.float8_e4m3fn")) is not None:
             continue  # not plannable per tensor: the tuner's check drops it the same way
+        exercised += 1
         for layout in ("outer", "tensor", "tensor-x", "tensor-w"):
             for bias in (False, True):
                 xq, wq, xs, ws, b = _fp8_inputs(m, n, k, layout, seed=m, bias=bias)
@@ -397,7 +398,31 @@ def test_fp8_enumerated_algos_are_correct_in_every_scale_layout(nvmath_lt, m, n,
                 err = _rel_err(got, _fp8_ref(xq, wq, xs, ws, b))
                 if got is not out or not err < REL_TOL[torch.bfloat16]:
                     bad.append(f"{algo.name} {layout} bias={bias}: rel err {err:.2e}")
-    assert not bad, "\n".join(bad)
+    assert exercised and not bad, "\n".join(bad) or "no algorithm passed check()"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("out_dtype", [torch.float16, torch.float32])
+def test_fp8_other_outputs_with_bias_run_or_fall_back_to_torch(nvmath_lt, out_dtype):
+    """check() plans bf16 output without bias (what rows are tuned for); any other call either
+    plans too or runs torch with one warning, never fails."""
+    import warnings
+
+    from gemmtune.kernels.cublaslt import CublasLtScaledKernel
+
+    m, n, k = 16, 4096, 4096
+    algo = enumerate_algos(m, n, k, torch.float8_e4m3fn, torch.bfloat16, False,
+                           scaling="outer")[0]
+    kernel = CublasLtScaledKernel(algo.name)
+    xq, wq, xs, ws, _ = _fp8_inputs(m, n, k, "outer", seed=8)
+    b = torch.randn(n, device="cuda", dtype=out_dtype)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            y = kernel(xq, wq, b, out_dtype, xs, ws)
+            assert y.dtype == out_dtype
+            assert _rel_err(y, _fp8_ref(xq, wq, xs, ws, b)) < REL_TOL[torch.bfloat16]
+    assert len(caught) <= 1  # a refusal warns once, not per call
 
 
 @pytest.mark.gpu

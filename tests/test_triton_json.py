@@ -202,3 +202,25 @@ def test_shipped_json_configs_parse_and_name_kernels_that_exist():
             # The guide's keys agree with the kernel name they sit beside.
             assert f"BM{cfg.params['BLOCK_SIZE_M']}.BN{cfg.params['BLOCK_SIZE_N']}." \
                    f"BK{cfg.params['BLOCK_SIZE_K']}" in cfg.kernel, (path.name, bucket)
+
+
+def test_tune_triton_resume_retunes_a_corrupt_file_and_drops_a_stale_one(tmp_path, monkeypatch,
+                                                                          capsys):
+    from gemmtune.tune import tune_triton
+
+    out_dir = tmp_path / "cfg"
+    out_dir.mkdir()
+    arch = gemmtune.current_device().arch
+    corrupt = out_dir / triton_json.file_name(arch, "A16W16_FP16", 40, 64)
+    corrupt.write_text("{ not json")
+    common = ["--m", "1", "--dtype", "fp16", "--space", tiny_space(tmp_path), "-o", str(out_dir)]
+    assert main(["tune-triton", "splitk", "--nk", "40,64", "--resume", *common]) == 0
+    err = capsys.readouterr().err
+    assert "not valid JSON" in err and "; tuning this (N, K) again" in err
+    assert set(read_configs(corrupt)) == {"small"}  # re-tuned and rewritten
+    # A re-run where torch wins every bucket removes the older file instead of keeping it.
+    monkeypatch.setattr(tune_triton, "tune_and_pick",
+                        lambda *a: ({}, ["small left to torch (best config 1.20x its time)"]))
+    assert main(["tune-triton", "splitk", "--nk", "40,64", *common]) == 0
+    assert not corrupt.exists()
+    assert "small left to torch" in capsys.readouterr().err

@@ -252,10 +252,10 @@ def summarize(rows: list[BenchRow]) -> list[str]:
                    else "no shape with a fast torch kernel")
         apart = (f"; {len(sel) - len(fast)} with torch = reference left out of speed-up and "
                  f"torch efficiency" if len(fast) < len(sel) else "")
+        torch_eff = f"{geomean([r.torch_efficiency for r in fast]):.3f}" if fast else "n/a"
         lines.append(
             f"{label:<11} {len(sel):>4} shapes: {against}; efficiency tuned "
-            f"{geomean([r.efficiency for r in sel]):.3f}, torch "
-            f"{geomean([r.torch_efficiency for r in fast]):.3f}{apart}")
+            f"{geomean([r.efficiency for r in sel]):.3f}, torch {torch_eff}{apart}")
     return lines
 
 

@@ -693,6 +693,10 @@ class CublasLtScaledKernel(CublasLtKernel):
     pointers, as it holds the bias pointer: one shape should not be called from several
     threads at once."""
 
+    def __init__(self, name: str):
+        super().__init__(name)
+        self._refused: set[tuple] = set()  # call keys cuBLASLt refused: they run torch
+
     def check(self, key: tuple) -> str | None:
         """Why this algorithm cannot run the a8w8 key ``(M, N, K, q_dtype_w)`` here, or None;
         both scale modes are planned, since the table key does not say which a call brings."""
@@ -724,11 +728,25 @@ class CublasLtScaledKernel(CublasLtKernel):
         dev = x.get_device()
         per_tensor = scale_a.numel() == 1 and scale_b.numel() == 1
         scaling = "tensor" if per_tensor else "outer"
-        plan = self._plans.get((m, n, k, bias is not None, x.dtype, out_dtype, scaling, dev))
+        key = (m, n, k, bias is not None, x.dtype, out_dtype, scaling, dev)
+        plan = self._plans.get(key)
         if plan is None:
-            if min(m, n, k) < 1 or dev < 0:
-                return _degenerate_scaled(x, w, bias, out_dtype, scale_a, scale_b, out)
-            plan = self._plan(m, n, k, bias is not None, x.dtype, out_dtype, dev, scaling)
+            if min(m, n, k) < 1 or dev < 0 or key in self._refused:
+                return self._fallback(x, w, bias, out_dtype, scale_a, scale_b, out)
+            try:
+                plan = self._plan(*key[:6], dev, scaling)
+            except ValueError as e:
+                # check() planned what the table row was tuned for (bf16 out, no bias); another
+                # output dtype or a bias can be refused (cuBLASLt takes no fp32 bias with FP8):
+                # such calls run torch, with one warning, rather than fail every time.
+                import warnings
+
+                self._refused.add(key)
+                warnings.warn(f"gemmtune: {self.name} cannot run M={m} N={n} K={k} with "
+                              f"{'a bias, ' if bias is not None else ''}{out_dtype} output and "
+                              f"{scaling} scales ({e}); these calls run torch.scaled_mm",
+                              stacklevel=2)
+                return self._fallback(x, w, bias, out_dtype, scale_a, scale_b, out)
         if not per_tensor:
             scale_a, scale_b = scale_a.reshape(-1), scale_b.reshape(-1)
             if scale_a.numel() != m:
@@ -740,6 +758,15 @@ class CublasLtScaledKernel(CublasLtKernel):
         if ptrs != plan.problem.scale_ptrs:
             plan.problem.set_scales(*ptrs)
         return self._run_plan(plan, x, w, bias, out_dtype, out, m, n, dev)
+
+
+    @staticmethod
+    def _fallback(x, w, bias, out_dtype, scale_a, scale_b, out):
+        if x.is_cuda and min(x.numel(), w.numel()):
+            from gemmtune.ops.gemm_a8w8 import scaled_mm_torch
+
+            return scaled_mm_torch(x, w, bias, out_dtype, scale_a, scale_b, out=out)
+        return _degenerate_scaled(x, w, bias, out_dtype, scale_a, scale_b, out)
 
 
 def _aligned_dense(scale: torch.Tensor) -> torch.Tensor:

@@ -112,8 +112,23 @@ class Failure:
 class Operands:
     """x and w of one (M, N, K), torch's result to check against, and the launch of a config."""
 
-    def __init__(self, kernel: str, m: int, n: int, k: int, dtype: torch.dtype, seed: int):
+    def __init__(self, kernel: str, m: int, n: int, k: int, dtype: torch.dtype, seed: int,
+                 values: bool = True):
+        """``values=False``: uninitialised operands and no reference, enough to compile."""
         device = "cuda" if torch.cuda.is_available() else "cpu"
+        if kernel == "splitk":
+            from gemmtune.kernels.triton.gemm_splitk import launch_gemm_splitk as launch
+        else:
+            from gemmtune.kernels.triton.gemm_tile import launch_gemm_tile as launch
+        self._launch = launch
+        scaled = dtype in (torch.float8_e4m3fn, torch.int8)
+        self.out_dtype = torch.bfloat16 if scaled else dtype
+        if not values:
+            self.x = torch.empty(m, k, dtype=dtype, device=device)
+            self.w = torch.empty(n, k, dtype=dtype, device=device)
+            self.scales = (torch.empty(m, device=device), torch.empty(n, device=device)) \
+                if scaled else None
+            return
         gen = torch.Generator(device=device).manual_seed(seed)
         x = torch.randn(m, k, generator=gen, device=device)
         w = torch.randn(n, k, generator=gen, device=device) / math.sqrt(k)
@@ -127,18 +142,12 @@ class Operands:
         else:
             x, w = x.to(dtype), w.to(dtype)
         self.x, self.w = x, w
-        self.out_dtype = torch.bfloat16 if self.scales else dtype
         if self.scales:
             from gemmtune.ops.gemm_a8w8 import scaled_mm_torch
 
             self.reference = scaled_mm_torch(x, w, None, self.out_dtype, *self.scales).float()
         else:
             self.reference = torch.nn.functional.linear(x, w).float()
-        if kernel == "splitk":
-            from gemmtune.kernels.triton.gemm_splitk import launch_gemm_splitk as launch
-        else:
-            from gemmtune.kernels.triton.gemm_tile import launch_gemm_tile as launch
-        self._launch = launch
 
     def run(self, config, x=None, w=None, out=None) -> torch.Tensor:
         """Into ``out``, or into a fresh NaN-poisoned output (for the correctness check)."""
@@ -184,7 +193,7 @@ def _compile_worker(kernel: str, n: int, k: int, m: int, dtype: torch.dtype,
                     configs: list) -> int:
     """Compile ``configs`` for (M, N, K) into Triton's on-disk cache; how many compiled. Errors
     are left for the timing pass, which reports them."""
-    ops = Operands(kernel, m, n, k, dtype, seed=0)
+    ops = Operands(kernel, m, n, k, dtype, seed=0, values=False)
     out = torch.empty(m, n, dtype=ops.out_dtype, device=ops.x.device)
     sa, sb = ops.scales or (None, None)
     done = 0
@@ -214,9 +223,16 @@ def precompile(kernel: str, space: SearchSpace, nks: list[tuple[int, int]], ms: 
         tasks += [(kernel, n, k, max(ms), dtype, configs[i:i + per_task])
                   for i in range(0, len(configs), per_task)]
     compiled = 0
-    with cf.ProcessPoolExecutor(jobs, mp_context=mp.get_context("spawn")) as pool:
-        for done in pool.map(_compile_worker, *zip(*tasks)):
-            compiled += done
+    try:
+        with cf.ProcessPoolExecutor(jobs, mp_context=mp.get_context("spawn")) as pool:
+            for done in pool.map(_compile_worker, *zip(*tasks)):
+                compiled += done
+    # An optional speed-up: whatever stops it (a worker out of memory or killed), the timing
+    # pass compiles what is missing itself.
+    except Exception as e:
+        out.write(f"precompiling stopped ({type(e).__name__}: {str(e)[:200]}); the rest "
+                  f"compiles while timing\n")
+        return
     out.write(f"precompiled {compiled} (config, N, K) in {time.monotonic() - started:.0f} s with "
               f"{jobs} processes\n")
 
@@ -304,8 +320,12 @@ def run(args: argparse.Namespace, out=None) -> int:
     failures: list[Failure] = []
     winners: dict[str, Counter] = {}
     params_by_name: dict[str, dict] = {}
-    todo = [(n, k) for n, k in args.nk
-            if not (args.resume and (out_dir / triton_json.file_name(arch, tag, n, k)).is_file())]
+    kept: dict[tuple[int, int], dict] = {}
+    for nk in args.nk if args.resume else []:
+        configs = _readable(out_dir / triton_json.file_name(arch, tag, *nk), out)
+        if configs is not None:
+            kept[nk] = configs
+    todo = [nk for nk in args.nk if nk not in kept]
     if args.jobs > 1 and todo and torch.cuda.is_available():
         precompile(args.kernel, space, todo, args.m, dtype, args.jobs, out)
     progress = Progress(len(args.nk), f"tune-triton {args.kernel} {tag}", out)
@@ -313,16 +333,20 @@ def run(args: argparse.Namespace, out=None) -> int:
     for n, k in args.nk:
         started = time.monotonic()
         path = out_dir / triton_json.file_name(arch, tag, n, k)
-        if (n, k) not in todo:  # --resume: a file from an earlier run counts as tuned
-            chosen = triton_json.read_configs(path)
+        if (n, k) in kept:  # --resume: a file from an earlier run counts as tuned
+            chosen = kept[(n, k)]
             note = "kept from an earlier run"
         else:
             chosen, left_out = tune_and_pick(args, space, n, k, dtype, failures)
             if chosen:
                 triton_json.write_configs(path, chosen)
                 written.append(path)
-            elif not left_out:
-                missing.append((n, k))
+            else:
+                # No config beat torch (or none ran): an older file for this (N, K) must not
+                # keep sending shapes to configs this run found slower.
+                path.unlink(missing_ok=True)
+                if not left_out:
+                    missing.append((n, k))
             note = "; ".join([f"{len(chosen)} bucket(s) in {time.monotonic() - started:.1f}s",
                               *left_out])
         for bucket, cfg in chosen.items():
@@ -349,6 +373,17 @@ def run(args: argparse.Namespace, out=None) -> int:
     for n, k in missing:
         out.write(f"no config of the search space ran correctly for N={n} K={k}: no file\n")
     return 1 if missing else 0
+
+
+def _readable(path: Path, out) -> dict | None:
+    """The configs of an earlier run's file, or None (missing, or unreadable: said, re-tuned)."""
+    if not path.is_file():
+        return None
+    try:
+        return triton_json.read_configs(path)
+    except ValueError as e:
+        out.write(f"{e}; tuning this (N, K) again\n")
+        return None
 
 
 def _nk(text: str) -> tuple[int, int]:
