@@ -119,10 +119,10 @@ def assert_bad_name(parse, name, says, form):
 # --- checks every validating launcher passes ------------------------------------------------
 
 
-def default_out_dtype_and_config(launch):
+def default_out_dtype_and_config(launch, K=70):
     gen = generator(1)
-    x, w = randn(13, 70, gen=gen, dtype=torch.bfloat16), randn(65, 70, gen=gen,
-                                                               dtype=torch.bfloat16)
+    x, w = randn(13, K, gen=gen, dtype=torch.bfloat16), randn(65, K, gen=gen,
+                                                              dtype=torch.bfloat16)
     y = launch(x, w)
     assert y.dtype == torch.bfloat16 and y.shape == (13, 65)
     assert_matches_reference(y, x, w)
@@ -145,10 +145,20 @@ def non_contiguous_inputs(launch, M, N, K, dtype, x_kind, w_kind, config):
     assert_matches_reference(y, x, w)
 
 
-def non_contiguous_output(launch, config):
+def configs_cover_ragged_edges(launch, config, K=129):
+    M, N = 67, 40
+    gen = generator(5)
+    x, w = randn(M, K, gen=gen, dtype=torch.bfloat16), randn(N, K, gen=gen,
+                                                             dtype=torch.bfloat16)
+    bias = randn(N, gen=gen)
+    y = launch(x, w, bias=bias, config=config, out=poisoned(M, N, torch.bfloat16))
+    assert_matches_reference(y, x, w, bias)
+
+
+def non_contiguous_output(launch, config, K=70):
     gen = generator(4)
-    x, w = randn(13, 70, gen=gen, dtype=torch.float16), randn(65, 70, gen=gen,
-                                                              dtype=torch.float16)
+    x, w = randn(13, K, gen=gen, dtype=torch.float16), randn(65, K, gen=gen,
+                                                             dtype=torch.float16)
     out = torch.full((65, 13), float("nan"), dtype=torch.float16, device=DEVICE).T
     y = launch(x, w, config=config, out=out)
     assert y.data_ptr() == out.data_ptr()
@@ -217,10 +227,10 @@ def block_scaled(launch, M, N, K, config):
     assert_matches_reference(y, x_deq, w_deq)
 
 
-def fp8_defaults_to_bf16_output(launch):
+def fp8_defaults_to_bf16_output(launch, K=33):
     gen = generator(7)
-    x8 = randn(1, 33, gen=gen).to(torch.float8_e4m3fn)
-    w8 = randn(17, 33, gen=gen).to(torch.float8_e4m3fn)
+    x8 = randn(1, K, gen=gen).to(torch.float8_e4m3fn)
+    w8 = randn(17, K, gen=gen).to(torch.float8_e4m3fn)
     one = torch.ones(1, device=DEVICE)
     y = launch(x8, w8, scale_a=one, scale_b=one)
     assert y.dtype == torch.bfloat16

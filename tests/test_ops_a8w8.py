@@ -17,6 +17,7 @@ HEADER = "arch,cu_num,M,N,K,q_dtype_w,libtype,solidx,splitK,us,kernelName,err_ra
 Q_DTYPES = [torch.float8_e4m3fn, torch.int8]
 SPLITK = "triton.splitk:BM16.BN32.BK32.SK3.W4.S2"
 TILE = "triton.tile:BM16.BN32.BK32.G2.W4.S2"
+PERSISTENT = "triton.persistent:BM16.BN32.BK32.G2.W4.S2"
 
 
 @pytest.fixture
@@ -61,7 +62,7 @@ def test_default_is_torch_and_matches_reference(q_dtype, layout):
     assert plan.decision.rule is Rule.default and plan.decision.kernel_name == TORCH_SCALED_MM
 
 
-@pytest.mark.parametrize("kernel", [SPLITK, TILE])
+@pytest.mark.parametrize("kernel", [SPLITK, TILE, PERSISTENT])
 @pytest.mark.parametrize("q_dtype", Q_DTYPES)
 def test_table_row_picks_the_triton_kernel(a8w8_table, kernel, q_dtype):
     M, N, K = 13, 40, 96

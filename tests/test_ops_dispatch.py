@@ -334,14 +334,18 @@ def test_row_whose_config_cannot_run_the_shape_falls_back(user_table):
     assert plan_for(8, 16, 16).decision.kernel_name == "torch.linear"
 
 
+PERSISTENT = "triton.persistent:BM16.BN16.BK16.G1.W4.S1"
+
+
+@pytest.mark.parametrize("kernel", [TILE, PERSISTENT])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_triton_row_with_leading_dims_and_bias(user_table, dtype):
+def test_triton_row_with_leading_dims_and_bias(user_table, dtype, kernel):
     name = {torch.float32: "torch.float32", torch.bfloat16: "torch.bfloat16"}[dtype]
-    user_table(row(6, 24, 40, TILE, dtype=name, bias=True))
+    user_table(row(6, 24, 40, kernel, dtype=name, bias=True))
     x, w, b = fresh(2, 3, 40, dtype=dtype), fresh(24, 40, seed=1, dtype=dtype), fresh(24, seed=2)
     y = gemmtune.gemm_a16w16(x, w, b.to(dtype))
     assert y.shape == (2, 3, 24) and y.dtype == dtype
-    assert plan_for(6, 24, 40, dtype=dtype, bias=True).decision.kernel_name == TILE
+    assert plan_for(6, 24, 40, dtype=dtype, bias=True).decision.kernel_name == kernel
     # bf16 output: rounding to 8 mantissa bits (2^-8 relative) bounds the error.
     tol = 1e-5 if dtype == torch.float32 else 2**-7
     torch.testing.assert_close(y.float(), gemm_a16w16_ref(x, w, b.to(dtype), torch.float32),

@@ -1,5 +1,6 @@
-"""A table row naming one of our Triton kernels (``triton.tile:...``, ``triton.splitk:...``) as
-a callable for dispatch: checked once per shape, then each call only allocates and launches."""
+"""A table row naming one of our Triton kernels (``triton.tile:...``, ``triton.splitk:...``,
+``triton.persistent:...``) as a callable for dispatch: checked once per shape, then each call
+only allocates and launches."""
 
 from __future__ import annotations
 
@@ -40,6 +41,13 @@ class TritonKernel:
 
         return cls(name, m, m.SplitKConfig, m.launch_gemm_splitk, m.gemm_splitk, shape_of,
                    block_scales)
+
+    @classmethod
+    def persistent(cls, name: str, shape_of: Callable[[tuple], tuple]) -> TritonKernel:
+        from gemmtune.kernels.triton import gemm_persistent as m
+
+        return cls(name, m, m.PersistentConfig, m.launch_gemm_persistent, m.gemm_persistent,
+                   shape_of)
 
     def check(self, key: tuple) -> str | None:
         m, n, k, dtype, out_dtype = self._shape_of(key)

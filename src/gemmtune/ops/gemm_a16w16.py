@@ -48,6 +48,7 @@ REGISTRY = KernelRegistry(Family.bf16)
 REGISTRY.register_exact(TORCH_LINEAR, linear_torch)
 REGISTRY.register("triton.tile", _parse_triton_tile)
 REGISTRY.register("triton.splitk", _parse_triton_splitk)
+REGISTRY.register("triton.persistent", lambda name: TritonKernel.persistent(name, _shape_of))
 REGISTRY.register("cublaslt", _parse_cublaslt)
 
 

@@ -84,6 +84,7 @@ REGISTRY = KernelRegistry(Family.a8w8)
 REGISTRY.register_exact(TORCH_SCALED_MM, scaled_mm_torch)
 REGISTRY.register("triton.tile", lambda name: TritonKernel.tile(name, _shape_of))
 REGISTRY.register("triton.splitk", lambda name: TritonKernel.splitk(name, _shape_of))
+REGISTRY.register("triton.persistent", lambda name: TritonKernel.persistent(name, _shape_of))
 
 
 def _parse_cublaslt(name: str):

@@ -104,6 +104,19 @@ def default_config(M: int, N: int, K: int, dtype: torch.dtype) -> TileConfig:
 
 
 @triton.jit
+def grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    """(pid_m, pid_n) of output tile number ``tile`` in grouped order: consecutive tiles walk
+    GROUP_M tile rows down one tile column, so the w tile and those GROUP_M x row panels are
+    reused from L2 instead of re-read from HBM."""
+    num_pid_in_group = GROUP_M * num_pid_n
+    first_pid_m = tile // num_pid_in_group * GROUP_M
+    group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + (tile % num_pid_in_group) % group_size_m
+    pid_n = (tile % num_pid_in_group) // group_size_m
+    return pid_m, pid_n
+
+
+@triton.jit
 def gemm_tile_kernel(
     x_ptr,  # (M, K)
     w_ptr,  # (N, K)
@@ -126,17 +139,8 @@ def gemm_tile_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):
-    # Grouped ordering: consecutive programs walk GROUP_M tile rows down one tile column, so the
-    # w tile and those GROUP_M x row panels are reused from L2 instead of re-read from HBM.
-    pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    num_pid_in_group = GROUP_M * num_pid_n
-    group_id = pid // num_pid_in_group
-    first_pid_m = group_id * GROUP_M
-    group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
-    pid_m = first_pid_m + ((pid % num_pid_in_group) % group_size_m)
-    pid_n = (pid % num_pid_in_group) // group_size_m
+    pid_m, pid_n = grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N),
+                                GROUP_M)
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)

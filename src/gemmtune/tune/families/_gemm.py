@@ -65,6 +65,25 @@ def triton_tile_candidates(m: int, n: int, k: int, dtype: torch.dtype,
             and not (block_scales and why_not_block_scaled(c, dtype))]
 
 
+# The persistent TMA kernel pays (if anywhere) where output tiles outnumber the SMs many times.
+PERSISTENT_MIN_M = 512
+
+
+def triton_persistent_candidates(m: int, n: int, k: int, dtype: torch.dtype,
+                                 out_dtype: torch.dtype, block_scales: bool = False
+                                 ) -> list[Candidate]:
+    if m < PERSISTENT_MIN_M or block_scales:
+        return []
+    from gemmtune.kernels.triton.gemm_persistent import PersistentConfig, why_not_supported
+
+    # 128 B of K per row (256 B for 1-byte types), the large tiles of the tile kernel's winners.
+    bk = {1: 128, 2: 64, 4: 32}[dtype.itemsize]
+    configs = [PersistentConfig(bm, bn, bk, 8, 8, stages)
+               for bm, bn in ((128, 128), (128, 256), (256, 128)) for stages in (3, 4)]
+    return [Candidate(c.name, "triton") for c in configs
+            if why_not_supported(c, m, n, k, dtype, out_dtype) is None]
+
+
 def triton_splitk_candidates(m: int, n: int, k: int, dtype: torch.dtype,
                              out_dtype: torch.dtype, block_scales: bool = False
                              ) -> list[Candidate]:
@@ -101,7 +120,8 @@ def cublaslt_candidates(m: int, n: int, k: int, dtype: torch.dtype, out_dtype: t
 def triton_candidates(m: int, n: int, k: int, dtype: torch.dtype,
                       out_dtype: torch.dtype, block_scales: bool = False) -> list[Candidate]:
     found = triton_tile_candidates(m, n, k, dtype, out_dtype, block_scales) + \
-        triton_splitk_candidates(m, n, k, dtype, out_dtype, block_scales)
+        triton_splitk_candidates(m, n, k, dtype, out_dtype, block_scales) + \
+        triton_persistent_candidates(m, n, k, dtype, out_dtype, block_scales)
     # On the CPU (interpreter) a few configs are enough to exercise the path.
     return found if torch.cuda.is_available() else found[:2]
 
