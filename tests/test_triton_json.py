@@ -224,3 +224,12 @@ def test_tune_triton_resume_retunes_a_corrupt_file_and_drops_a_stale_one(tmp_pat
     assert main(["tune-triton", "splitk", "--nk", "40,64", *common]) == 0
     assert not corrupt.exists()
     assert "small left to torch" in capsys.readouterr().err
+
+
+def test_tune_triton_persistent_kernel(tmp_path):
+    out_dir = tmp_path / "cfg"
+    assert main(["tune-triton", "persistent", "--nk", "40,64", "--m", "20", "--dtype", "bf16",
+                 "--space", tiny_space(tmp_path, GROUP_SIZE_M=[1, 4]), "-o", str(out_dir)]) == 0
+    arch = gemmtune.current_device().arch
+    (cfg,) = read_configs(out_dir / triton_json.file_name(arch, "A16W16", 40, 64)).values()
+    assert cfg.kernel.startswith("triton.persistent:BM16.BN32.BK32.G")

@@ -26,7 +26,7 @@ import torch
 from gemmtune.tables import triton_json
 from gemmtune.tune.progress import Progress
 
-KERNELS = ("splitk", "tile")
+KERNELS = ("splitk", "tile", "persistent")
 # --dtype -> (torch dtype, TAG of the JSON files)
 DTYPES = {
     "bf16": (torch.bfloat16, "A16W16"), "fp16": (torch.float16, "A16W16_FP16"),
@@ -38,7 +38,7 @@ DTYPES = {
 class SearchSpace:
     """Values to try per parameter, as the seed's guide names them; ``--space FILE.json``
     replaces any of them. The split-K kernel has no GROUP_SIZE_M (it walks M fastest) and the
-    tile kernel no NUM_KSPLIT: each ignores the other's key."""
+    tile and persistent kernels no NUM_KSPLIT: each ignores the other's key."""
 
     BLOCK_SIZE_M: tuple = (16, 32, 64)
     BLOCK_SIZE_N: tuple = (32, 64, 128)
@@ -84,8 +84,12 @@ def kernel_configs(kernel: str, space: SearchSpace, m: int, n: int, k: int,
                 for bn in space.BLOCK_SIZE_N for bk in space.BLOCK_SIZE_K
                 for sk in space.NUM_KSPLIT for w in space.num_warps for s in space.num_stages]
     else:
-        from gemmtune.kernels.triton.gemm_tile import TileConfig as cls
-        from gemmtune.kernels.triton.gemm_tile import fits
+        if kernel == "tile":
+            from gemmtune.kernels.triton.gemm_tile import TileConfig as cls
+            from gemmtune.kernels.triton.gemm_tile import fits
+        else:
+            from gemmtune.kernels.triton.gemm_persistent import PersistentConfig as cls
+            from gemmtune.kernels.triton.gemm_persistent import fits
         make = [cls(bm, bn, bk, g, w, s) for bm in bms
                 for bn in space.BLOCK_SIZE_N for bk in space.BLOCK_SIZE_K
                 for g in space.GROUP_SIZE_M for w in space.num_warps for s in space.num_stages]
@@ -109,6 +113,17 @@ class Failure:
     why: str
 
 
+def _launcher(kernel: str):
+    """The launch-only function of a kernel family (what dispatch plans call)."""
+    if kernel == "splitk":
+        from gemmtune.kernels.triton.gemm_splitk import launch_gemm_splitk as launch
+    elif kernel == "tile":
+        from gemmtune.kernels.triton.gemm_tile import launch_gemm_tile as launch
+    else:
+        from gemmtune.kernels.triton.gemm_persistent import launch_gemm_persistent as launch
+    return launch
+
+
 class Operands:
     """x and w of one (M, N, K), torch's result to check against, and the launch of a config."""
 
@@ -116,11 +131,7 @@ class Operands:
                  values: bool = True):
         """``values=False``: uninitialised operands and no reference, enough to compile."""
         device = "cuda" if torch.cuda.is_available() else "cpu"
-        if kernel == "splitk":
-            from gemmtune.kernels.triton.gemm_splitk import launch_gemm_splitk as launch
-        else:
-            from gemmtune.kernels.triton.gemm_tile import launch_gemm_tile as launch
-        self._launch = launch
+        self._launch = _launcher(kernel)
         scaled = dtype in (torch.float8_e4m3fn, torch.int8)
         self.out_dtype = torch.bfloat16 if scaled else dtype
         if not values:
