@@ -117,6 +117,9 @@ def test_fits_asks_what_tma_needs():
     assert fits(SMALL, 64, 64, 40, torch.bfloat16)  # 80 B rows
     assert "multiple of 16 B" in why_not_fits(SMALL, 64, 64, 40, torch.float8_e4m3fn)
     assert fits(SMALL, 64, 64, 48, torch.float8_e4m3fn)
+    # Hopper's 8-bit dot needs K tiles of 32+ (the interpreter would run 16; the GPU would not).
+    assert "block_k >= 32" in why_not_fits(PersistentConfig(16, 16, 16, 1, 4, 2), 64, 64, 64,
+                                           torch.int8)
     assert "power of two" in why_not_fits(PersistentConfig(16, 24, 32, 1, 4, 2), 64, 64, 64,
                                           torch.bfloat16)
 

@@ -70,6 +70,14 @@ def why_not_warps_stages(config) -> str | None:
     return None
 
 
+def why_not_dot_k(config, dtype: torch.dtype) -> str | None:
+    """Hopper's 8-bit dot takes K tiles of 32 or more (triton's ``min_dot_size``; the
+    interpreter does not check it, the GPU compile fails)."""
+    if dtype.itemsize == 1 and config.block_k < 32:
+        return f"block_k={config.block_k}: {dtype} dots need block_k >= 32"
+    return None
+
+
 def why_not_resources(config, dtype: torch.dtype) -> str | None:
     """Registers of the accumulator, then shared memory of the pipeline; None when both fit."""
     acc_regs = config.block_m * config.block_n // (32 * config.num_warps)

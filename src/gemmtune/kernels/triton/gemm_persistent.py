@@ -2,8 +2,10 @@
 
 One program per SM walks the output tiles (grouped order, as ``gemm_tile``) and loads its x and w
 tiles through tensor-memory-accelerator descriptors: the copy engine fetches whole boxes, zero-
-filled past the edges, so the K loop has no address arithmetic or masks, and a program's
-epilogue overlaps the next tile's first loads. Same dtypes and scale layouts as ``gemm_tile``
+filled past the edges, so the K loop has no address arithmetic or masks, and no program waits
+for a launch slot. (Only the K loop is pipelined: the tile loop is not flattened, so an epilogue
+does not overlap the next tile's loads; ``tl.range(..., flatten=True)`` is what to try on the
+GPU.) Same dtypes and scale layouts as ``gemm_tile``
 (fp16, bf16, fp32, FP8 and INT8 with per-tensor or per-row/column scales); no FP8 block scales.
 
 TMA asks for 16-byte aligned rows: K * itemsize a multiple of 16 (``why_not_fits``), and a
@@ -44,6 +46,7 @@ def why_not_fits(config: PersistentConfig, M: int, N: int, K: int,
     problem = (_checks.why_not_blocks(config)
                or (f"group_m={config.group_m} must be >= 1" if config.group_m < 1 else None)
                or _checks.why_not_warps_stages(config)
+               or _checks.why_not_dot_k(config, dtype)
                or _checks.why_not_resources(config, dtype))
     if problem is not None:
         return problem

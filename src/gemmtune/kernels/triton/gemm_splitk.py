@@ -114,7 +114,7 @@ def why_not_fits(config: SplitKConfig, M: int, N: int, K: int, dtype: torch.dtyp
     if config.split_k > max(1, k_steps):
         return (f"split_k={config.split_k} leaves splits without a block_k step: K={K} is "
                 f"{k_steps} steps of block_k={config.block_k}; use split_k <= {max(1, k_steps)}")
-    problem = _checks.why_not_resources(config, dtype)
+    problem = _checks.why_not_dot_k(config, dtype) or _checks.why_not_resources(config, dtype)
     if problem is not None:
         return problem
     programs = num_tiles(config, M, N)

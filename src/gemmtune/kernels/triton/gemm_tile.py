@@ -46,6 +46,7 @@ def why_not_fits(config: TileConfig, M: int, N: int, K: int, dtype: torch.dtype)
     problem = (_checks.why_not_blocks(config)
                or (f"group_m={config.group_m} must be >= 1" if config.group_m < 1 else None)
                or _checks.why_not_warps_stages(config)
+               or _checks.why_not_dot_k(config, dtype)
                or _checks.why_not_resources(config, dtype))
     if problem is not None:
         return problem
