@@ -73,6 +73,15 @@ def test_misaligned_view_is_copied_for_tma():
     assert_matches_reference(y, x, w)
 
 
+def test_expanded_x_is_copied_for_tma():
+    gen = generator(6)
+    row, w = randn(1, 64, gen=gen, dtype=torch.bfloat16), randn(40, 64, gen=gen,
+                                                                dtype=torch.bfloat16)
+    x = row.expand(33, 64)  # stride (0, 1): rows overlap, which TMA cannot describe
+    y = gemm_persistent(x, w, config=SMALL, out=poisoned(33, 40, torch.bfloat16))
+    assert_matches_reference(y, x.contiguous(), w)
+
+
 def test_non_contiguous_output():
     gemm_checks.non_contiguous_output(gemm_persistent, PersistentConfig(16, 16, 32, 1, 1, 1),
                                       K=64)

@@ -149,7 +149,9 @@ def _num_sms(device_index: int) -> int:
 def _tma_ready(t: torch.Tensor) -> torch.Tensor:
     """``t`` as TMA takes it: dense rows, 16-byte aligned pitch and base; a copy where it is not
     (a fresh copy is aligned, and its pitch K * itemsize is, by ``why_not_fits``)."""
-    if t.stride(-1) == 1 and (t.stride(0) * t.element_size()) % _TMA_ALIGN == 0 \
+    # Rows must not overlap either: an expanded (stride-0) x is copied too.
+    if t.stride(-1) == 1 and t.stride(0) >= t.shape[1] \
+            and (t.stride(0) * t.element_size()) % _TMA_ALIGN == 0 \
             and t.data_ptr() % _TMA_ALIGN == 0:
         return t
     return t.clone(memory_format=torch.contiguous_format)
@@ -166,9 +168,10 @@ def launch_gemm_persistent(x, w, bias, out, scale_a, scale_b, config: Persistent
     modes = scale_modes(scale_a, scale_b, False)
     M, K = x.shape
     N = w.shape[0]
-    if K == 0:  # an empty sum: TMA cannot describe a zero-width tensor
-        out.copy_((bias if bias is not None else torch.zeros((), device=out.device))
-                  .to(out.dtype).expand(M, N))
+    if K == 0:  # an empty sum: TMA cannot describe a zero-width tensor, and nothing compiles
+        if not warmup:
+            out.copy_((bias if bias is not None else torch.zeros((), device=out.device))
+                      .to(out.dtype).expand(M, N))
         return out
     x, w = _tma_ready(x), _tma_ready(w)
     x_desc = TensorDescriptor.from_tensor(x, [config.block_m, config.block_k])
