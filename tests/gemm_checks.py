@@ -227,6 +227,35 @@ def block_scaled(launch, M, N, K, config):
     assert_matches_reference(y, x_deq, w_deq)
 
 
+def block_scales_refusals(launch, config_with_block_k_256):
+    """A block-scaled launch refuses block_k not dividing 128, a transposed w_scale and non-FP8
+    inputs, each with what to do; without a config the default takes a block_k that divides 128."""
+    gen = generator(2)
+    xq, wq, x_scale, w_scale = block_scaled_operands(16, 64, 512, gen)
+    with pytest.raises(ValueError, match="block_k=256 must divide 128"):
+        launch(xq, wq, scale_a=x_scale, scale_b=w_scale, config=config_with_block_k_256,
+               block_scales=True)
+    with pytest.raises(ValueError, match=r"w_scale must be a contiguous float32 \(1, 4\)"):
+        launch(xq, wq, scale_a=x_scale, scale_b=w_scale.t(), block_scales=True)
+    with pytest.raises(TypeError, match="block scales need float8_e4m3fn"):
+        launch(xq.float(), wq.float(), scale_a=x_scale, scale_b=w_scale, block_scales=True)
+    y = launch(xq, wq, scale_a=x_scale, scale_b=w_scale, block_scales=True)
+    assert y.shape == (16, 64) and not torch.isnan(y).any()
+
+
+def install_user_table(monkeypatch, path, env_var: str, header: str, rows) -> None:
+    """Write ``rows`` (key columns..., kernelName) for the current GPU under ``header`` and make
+    that file replace the family's shipped table (``env_var``)."""
+    import gemmtune
+
+    dev = gemmtune.current_device()
+    path.write_text(header + "".join(
+        ",".join([dev.arch, str(dev.cu_num), *map(str, row[:-1])]) + f",x,0,0,1.0,{row[-1]},0,0,0\n"
+        for row in rows))
+    monkeypatch.setenv(env_var, f"replace:{path}")
+    gemmtune.reset()
+
+
 def fp8_defaults_to_bf16_output(launch, K=33):
     gen = generator(7)
     x8 = randn(1, K, gen=gen).to(torch.float8_e4m3fn)

@@ -10,7 +10,7 @@ import textwrap
 import pytest
 import torch
 
-from gemm_checks import assert_bad_name
+from gemm_checks import assert_bad_name, install_user_table
 from gemmtune.kernels import cublaslt
 from gemmtune.kernels.cublaslt import (
     INSTALL_HINT,
@@ -456,14 +456,10 @@ def test_fp8_row_dispatches_through_gemm_a8w8(nvmath_lt, tmp_path, monkeypatch):
     m, n, k = 16, 4096, 4096
     algo = enumerate_algos(m, n, k, torch.float8_e4m3fn, torch.bfloat16, False,
                            scaling="outer")[0]
-    dev = gemmtune.current_device()
-    table = tmp_path / "a8w8.csv"
-    table.write_text("arch,cu_num,M,N,K,q_dtype_w,libtype,solidx,splitK,us,kernelName,"
-                     "err_ratio,tflops,bw\n"
-                     f"{dev.arch},{dev.cu_num},{m},{n},{k},torch.float8_e4m3fn,cublaslt,0,1,1.0,"
-                     f"{algo.name},0,0,0\n")
-    monkeypatch.setenv("GEMMTUNE_CONFIG_A8W8", f"replace:{table}")
-    gemmtune.reset()
+    install_user_table(monkeypatch, tmp_path / "a8w8.csv", "GEMMTUNE_CONFIG_A8W8",
+                       "arch,cu_num,M,N,K,q_dtype_w,libtype,solidx,splitK,us,kernelName,"
+                       "err_ratio,tflops,bw\n",
+                       [(m, n, k, "torch.float8_e4m3fn", algo.name)])
     xq, wq, xs, ws, b = _fp8_inputs(m, n, k, "outer", seed=7, bias=True)
     y = gemmtune.gemm_a8w8(xq, wq, xs.reshape(-1, 1), ws.reshape(-1, 1), b)
     assert _rel_err(y, _fp8_ref(xq, wq, xs, ws, b)) < REL_TOL[torch.bfloat16]

@@ -400,15 +400,4 @@ def test_fp8_block_scales(M, N, K, config):
 
 
 def test_block_scales_need_block_k_dividing_128_and_fp8():
-    gen = generator(2)
-    xq, wq, x_scale, w_scale = gemm_checks.block_scaled_operands(16, 64, 512, gen)
-    config = SplitKConfig(16, 32, 256, 1, 4, 2)
-    with pytest.raises(ValueError, match="block_k=256 must divide 128"):
-        gemm_splitk(xq, wq, scale_a=x_scale, scale_b=w_scale, config=config, block_scales=True)
-    with pytest.raises(ValueError, match=r"w_scale must be a contiguous float32 \(1, 4\)"):
-        gemm_splitk(xq, wq, scale_a=x_scale, scale_b=w_scale.t(), block_scales=True)
-    with pytest.raises(TypeError, match="block scales need float8_e4m3fn"):
-        gemm_splitk(xq.float(), wq.float(), scale_a=x_scale, scale_b=w_scale, block_scales=True)
-    # Without a config, the default gets a block_k that a block-scaled K step allows.
-    y = gemm_splitk(xq, wq, scale_a=x_scale, scale_b=w_scale, block_scales=True)
-    assert y.shape == (16, 64) and not torch.isnan(y).any()
+    gemm_checks.block_scales_refusals(gemm_splitk, SplitKConfig(16, 32, 256, 1, 4, 2))

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import gemmtune
-from gemm_checks import SCALE_LAYOUTS, quantised_operands
+from gemm_checks import SCALE_LAYOUTS, install_user_table, quantised_operands
 from gemmtune import quant
 from gemmtune.ops.gemm_a8w8 import DISPATCH, TORCH_SCALED_MM, gemm_a8w8_ref
 from gemmtune.tables.lookup import Rule
@@ -23,15 +23,9 @@ PERSISTENT = "triton.persistent:BM16.BN32.BK32.G2.W4.S2"
 @pytest.fixture
 def a8w8_table(tmp_path, monkeypatch):
     """Install a user a8w8 table (replacing the shipped one) with the given rows."""
-    path = tmp_path / "a8w8_user.csv"
-
-    def install(*rows: tuple) -> None:
-        dev = gemmtune.current_device()
-        path.write_text(HEADER + "".join(
-            f"{dev.arch},{dev.cu_num},{m},{n},{k},{q},x,0,0,1.0,{kernel},0,0,0\n"
-            for m, n, k, q, kernel in rows))
-        monkeypatch.setenv("GEMMTUNE_CONFIG_A8W8", f"replace:{path}")
-        gemmtune.reset()
+    def install(*rows: tuple) -> None:  # (M, N, K, q_dtype_w, kernelName)
+        install_user_table(monkeypatch, tmp_path / "a8w8_user.csv", "GEMMTUNE_CONFIG_A8W8",
+                           HEADER, rows)
 
     return install
 

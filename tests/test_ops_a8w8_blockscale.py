@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import gemmtune
-from gemm_checks import block_scaled_operands
+from gemm_checks import block_scaled_operands, install_user_table
 from gemmtune.ops.gemm_a8w8_blockscale import (DISPATCH, TORCH_BLOCKSCALE,
                                                gemm_a8w8_blockscale_ref)
 from gemmtune.tables.lookup import Rule
@@ -18,14 +18,9 @@ HEADER = "arch,cu_num,M,N,K,libtype,solidx,splitK,us,kernelName,err_ratio,tflops
 
 @pytest.fixture
 def blockscale_table(tmp_path, monkeypatch):
-    path = tmp_path / "bs_user.csv"
-
-    def install(*rows: tuple) -> None:
-        dev = gemmtune.current_device()
-        path.write_text(HEADER + "".join(f"{dev.arch},{dev.cu_num},{m},{n},{k},x,0,0,1.0,"
-                                         f"{kernel},0,0,0\n" for m, n, k, kernel in rows))
-        monkeypatch.setenv("GEMMTUNE_CONFIG_A8W8_BLOCKSCALE", f"replace:{path}")
-        gemmtune.reset()
+    def install(*rows: tuple) -> None:  # (M, N, K, kernelName)
+        install_user_table(monkeypatch, tmp_path / "bs_user.csv",
+                           "GEMMTUNE_CONFIG_A8W8_BLOCKSCALE", HEADER, rows)
 
     return install
 

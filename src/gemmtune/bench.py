@@ -319,7 +319,7 @@ def run_bench(shapes: list[tuple[str, int, int, int]], op: BenchOp, out_dir: Pat
     # No tuner may time on this GPU meanwhile (nor this bench disturb one).
     with GpuLock(gpu_label(torch.cuda.current_device())) if gpu else contextlib.nullcontext():
         rows = _measure_all(shapes, op, gpu)
-    slow = [f"{r.M}x{r.N}x{r.K}" for r in rows if op.torch_is_reference(r.M, r.N, r.K)]
+    slow = [f"{r.M}x{r.N}x{r.K}" for r in rows if r.torch_is_reference]
     if slow:
         print(f"torch column = the dequantised fp32 reference (no fast torch kernel takes the "
               f"shape; speed-ups there are not against cuBLAS): {', '.join(slow)}")

@@ -16,6 +16,7 @@ import torch
 
 from gemmtune.device import DeviceId
 from gemmtune.ops._dispatch import Dispatcher, KernelRegistry, count_miss
+from gemmtune.ops._operands import check_multiply, check_out_dtype_and_device
 from gemmtune.ops._triton import TritonKernel, json_config_or
 from gemmtune.tables.schema import Family
 from gemmtune.tables.values import DTYPE_NAMES, to_torch_dtype
@@ -117,17 +118,11 @@ DISPATCH = Dispatcher(Family.a8w8, REGISTRY, _to_table_key, _default_kernel)
 
 
 def _check(xq, wq, x_scale, w_scale, bias, dtype) -> None:
-    if wq.dim() != 2 or xq.dim() < 1 or xq.shape[-1] != wq.shape[1]:
-        raise ValueError(f"gemm_a8w8: xq {tuple(xq.shape)} and wq {tuple(wq.shape)} do not "
-                         f"multiply; expected xq (..., K) and wq (N, K)")
+    check_multiply("gemm_a8w8", xq, wq)
     if xq.dtype not in Q_DTYPES or wq.dtype != xq.dtype:
         raise TypeError(f"gemm_a8w8: xq is {xq.dtype} and wq {wq.dtype}; both must be one of "
                         f"{', '.join(str(d) for d in Q_DTYPES)} (quantise with gemmtune.quant)")
-    if dtype not in OUT_DTYPES:
-        raise TypeError(f"gemm_a8w8: dtype {dtype} is not an output dtype; use one of "
-                        f"{', '.join(str(d) for d in OUT_DTYPES)}")
-    if wq.device != xq.device:
-        raise ValueError(f"gemm_a8w8: xq is on {xq.device} but wq on {wq.device}")
+    check_out_dtype_and_device("gemm_a8w8", xq, wq, dtype, OUT_DTYPES)
     m = math.prod(xq.shape[:-1])
     for name, s, count, per in (("x_scale", x_scale, m, "token (row of xq)"),
                                 ("w_scale", w_scale, wq.shape[0], "channel (row of wq)")):

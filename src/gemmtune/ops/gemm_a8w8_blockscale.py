@@ -16,6 +16,7 @@ import torch
 
 from gemmtune.device import DeviceId
 from gemmtune.ops._dispatch import Dispatcher, KernelRegistry, count_miss
+from gemmtune.ops._operands import check_multiply, check_out_dtype_and_device
 from gemmtune.ops._triton import TritonKernel
 from gemmtune.tables.schema import Family
 
@@ -99,14 +100,8 @@ def _check(xq, wq, x_scale, w_scale, dtype) -> None:
     # module before they set that variable.
     from gemmtune.kernels.triton._checks import validate_block_scales
 
-    if wq.dim() != 2 or xq.dim() < 1 or xq.shape[-1] != wq.shape[1]:
-        raise ValueError(f"gemm_a8w8_blockscale: xq {tuple(xq.shape)} and wq {tuple(wq.shape)} "
-                         f"do not multiply; expected xq (..., K) and wq (N, K)")
-    if dtype not in OUT_DTYPES:
-        raise TypeError(f"gemm_a8w8_blockscale: dtype {dtype} is not an output dtype; use one of "
-                        f"{', '.join(str(d) for d in OUT_DTYPES)}")
-    if wq.device != xq.device:
-        raise ValueError(f"gemm_a8w8_blockscale: xq is on {xq.device} but wq on {wq.device}")
+    check_multiply("gemm_a8w8_blockscale", xq, wq)
+    check_out_dtype_and_device("gemm_a8w8_blockscale", xq, wq, dtype, OUT_DTYPES)
     x2 = xq.reshape(-1, xq.shape[-1])
     xs = x_scale.reshape(-1, x_scale.shape[-1]) if isinstance(x_scale, torch.Tensor) \
         and x_scale.dim() >= 1 else x_scale

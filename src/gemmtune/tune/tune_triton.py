@@ -250,15 +250,18 @@ def precompile(kernel: str, space: SearchSpace, nks: list[tuple[int, int]], ms: 
 
 def tune_nk(kernel: str, space: SearchSpace, n: int, k: int, ms: list[int], dtype: torch.dtype,
             atol: float, rtol: float, iters: int, failures: list[Failure]
-            ) -> tuple[dict[int, dict], dict[int, float]]:
-    """{M: {config name: µs}} of the configs that ran and matched torch, and {M: torch's µs}."""
+            ) -> tuple[dict[int, dict], dict[int, float], dict]:
+    """{M: {config name: µs}} of the configs that ran and matched torch, {M: torch's µs}, and
+    {config name: config} of every config tried."""
     timings: dict[int, dict] = {}
     torch_us: dict[int, float] = {}
+    configs_by_name: dict = {}
     for m in ms:
         ops = Operands(kernel, m, n, k, dtype, seed=m * 7919 + n)
         timings[m] = {}
         torch_us[m] = time_config(ops, None, iters)
         for config in kernel_configs(kernel, space, m, n, k, dtype):
+            configs_by_name[config.name] = config
             try:
                 y = ops.run(config).float()
             # Any failure to compile (CompilationError, PTXASError, OutOfResources are Triton's
@@ -273,7 +276,7 @@ def tune_nk(kernel: str, space: SearchSpace, n: int, k: int, ms: list[int], dtyp
                                         f"torch beyond atol={atol} rtol={rtol}"))
                 continue
             timings[m][config.name] = time_config(ops, config, iters)
-    return timings, torch_us
+    return timings, torch_us, configs_by_name
 
 
 def pick_buckets(timings: dict[int, dict], configs_by_name: dict,
@@ -311,10 +314,8 @@ def pick_buckets(timings: dict[int, dict], configs_by_name: dict,
 
 def tune_and_pick(args: argparse.Namespace, space: SearchSpace, n: int, k: int,
                   dtype: torch.dtype, failures: list[Failure]) -> tuple[dict, list[str]]:
-    timings, torch_us = tune_nk(args.kernel, space, n, k, args.m, dtype, args.atol, args.rtol,
-                                args.iters, failures)
-    configs_by_name = {c.name: c for m in args.m
-                       for c in kernel_configs(args.kernel, space, m, n, k, dtype)}
+    timings, torch_us, configs_by_name = tune_nk(args.kernel, space, n, k, args.m, dtype,
+                                                 args.atol, args.rtol, args.iters, failures)
     # On the CPU both are interpreter wall times: no basis to leave a bucket to torch.
     return pick_buckets(timings, configs_by_name, torch_us if torch.cuda.is_available() else None)
 
