@@ -22,6 +22,8 @@ FAULTS = ("fault.raise", "fault.hang", "fault.exit", "fault.abort", "fault.segv"
           "fault.retimecrash")
 # Right answers, bad timings: a NaN time, and the fastest screen that crashes when re-timed.
 TIMING_FAULTS = {"fault.nantime": float("nan"), "fault.retimecrash": 1.0}
+# Right answers after running out of GPU memory: on the first call in a worker, or on every one.
+OUT_OF_MEMORY = {"oom.once": 3.0, "oom.always": 2.0}
 
 
 class FaultyFamily(TuneFamily):
@@ -54,7 +56,10 @@ class FaultyFamily(TuneFamily):
     def run(self, name, prepared):
         x, w = prepared.inputs
         out = torch.full((x.shape[0], w.shape[0]), float("nan"))
-        if name in GOOD or name in TIMING_FAULTS:
+        if name in OUT_OF_MEMORY and (name == "oom.always" or name not in self.ran_out):
+            self.ran_out.add(name)
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+        if name in GOOD or name in TIMING_FAULTS or name in OUT_OF_MEMORY:
             return torch.matmul(x, w.t(), out=out)
         if name.startswith("fault.raise"):
             raise ValueError("this candidate always raises")
@@ -91,6 +96,7 @@ class FaultyFamily(TuneFamily):
         return super().time_many(names, prepared, iters, warmup)
 
     poisoned = False
+    ran_out: set[str] = set()  # per worker process
 
     def tolerance(self, key):
         return 1e-4, 1e-4, 1e-4
@@ -109,4 +115,4 @@ class FaultyFamily(TuneFamily):
                 os._exit(5)
             return TIMING_FAULTS[name], 0.01
         # Deterministic per shape, so interrupted and uninterrupted runs give the same rows.
-        return GOOD[name] + prepared.key[0] / 1000, 0.01
+        return {**GOOD, **OUT_OF_MEMORY}[name] + prepared.key[0] / 1000, 0.01

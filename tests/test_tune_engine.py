@@ -19,7 +19,7 @@ import torch
 from faulty_family import FaultyFamily
 from gemmtune.tables.schema import Family, schema_for
 from gemmtune.tables.store import TableError, read_table
-from gemmtune.tune.engine import TuneConfig, Tuner
+from gemmtune.tune.engine import TuneConfig, Tuner, default_gpus
 from gemmtune.tune.family import Candidate, Evaluation, Status, TuneOptions
 from gemmtune.tune.gpulock import GpuLock
 from gemmtune.tune.records import CrashMemo
@@ -47,6 +47,12 @@ def tune(tmp_path, inp, **overrides) -> tuple[Tuner, str]:
 def profile(tmp_path) -> dict[str, str]:
     with open(tmp_path / "prof.csv") as f:
         return {r["kernelName"]: r["status"] for r in csv.DictReader(f)}
+
+
+def not_ok(profiled: list[dict]) -> str:
+    """The profile rows of candidates that did not pass, one line each with the reason."""
+    return "\n".join(f"{r['M']}x{r['N']}x{r['K']} {r['kernelName']}: {r['status']} {r['detail']}"
+                     for r in profiled if r["status"] != "ok")
 
 
 def rows(path) -> list[tuple]:
@@ -81,6 +87,32 @@ def test_every_fault_is_recorded_and_the_correct_winner_kept(tmp_path):
     assert "timer returned us=nan" in detail
     # fault.retimecrash had the fastest screen (1 us) but crashed when re-timed: it is in the
     # crash memo and did not win (the row above is good.fast).
+
+
+def test_a_candidate_that_ran_out_of_gpu_memory_gets_a_second_try(tmp_path, monkeypatch):
+    # Workers share one GPU: memory another worker held may be free a moment later. A second
+    # out-of-memory is recorded as such, and the run says what to do about it.
+    monkeypatch.setenv("FAULTY_CANDIDATES", "torch.linear,good.fast,oom.once,oom.always")
+    tuner, log = tune(tmp_path, untuned(tmp_path / "u.csv", [7]))
+    assert tuner.summary.tuned == 1 and tuner.summary.exit_code == 0
+    assert profile(tmp_path) == {"torch.linear": "ok", "good.fast": "ok", "oom.once": "ok",
+                                 "oom.always": "oom"}
+    (row,) = read_table(tmp_path / "tuned.csv", BF16).rows
+    assert row.results["kernelName"] == "oom.once"  # the fastest, once it had its memory
+    assert "1 candidate(s) ran out of GPU memory even on a second try" in log
+    assert "--mp" in log
+    assert "OutOfMemoryError: CUDA out of memory" in (tmp_path / "prof.csv").read_text()
+
+
+def test_a_tuner_given_no_gpu_hides_the_machines_gpus_from_its_workers(tmp_path):
+    # Its Triton candidates run in the interpreter, which takes CPU tensors only: a worker that
+    # saw a GPU would put the inputs there (seen on H100: every Triton candidate raised).
+    config = TuneConfig(input=untuned(tmp_path / "u.csv", [1]), output=tmp_path / "t.csv")
+    env = dict(Tuner(FaultyFamily, config, out=io.StringIO())._spec(0).env)
+    assert env == {"TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
+    pinned = TuneConfig(input=config.input, output=config.output, gpus=("3", "5"), workers=2)
+    assert dict(Tuner(FaultyFamily, pinned, out=io.StringIO())._spec(1).env) == {
+        "CUDA_VISIBLE_DEVICES": "5"}
 
 
 def test_finalists_are_timed_together(tmp_path, monkeypatch):
@@ -346,9 +378,10 @@ def test_real_bf16_family_on_cpu(tmp_path):
     assert [s for n, s in statuses.items() if n.startswith("triton.")] == ["ok", "ok"]
 
 
-def test_real_a8w8_family_on_cpu(tmp_path):
-    """The a8w8 family on the CPU, FP8 and INT8: every candidate passes the gate against the
-    dequantised fp32 reference, and a bad q_dtype_w fails that shape only."""
+def test_real_a8w8_family(tmp_path):
+    """The a8w8 family on this machine's device (the CPU interpreter, or every GPU), FP8 and
+    INT8: every candidate passes the gate against the dequantised fp32 reference, and a bad
+    q_dtype_w fails that shape only."""
     from gemmtune.tune.families.a8w8 import A8w8Family
 
     inp = tmp_path / "u.csv"
@@ -356,15 +389,17 @@ def test_real_a8w8_family_on_cpu(tmp_path):
                    "4,16,32,torch.bfloat16\n")
     out = io.StringIO()
     config = TuneConfig(input=inp, output=tmp_path / "t.csv", profile=tmp_path / "prof.csv",
-                        timeout=120, options=TuneOptions(iters=3, warmup=1))
+                        timeout=120, options=TuneOptions(iters=3, warmup=1),
+                        gpus=default_gpus(), workers=4 if default_gpus() else 1)
     summary = Tuner(A8w8Family, config, out=out).run()
     assert summary.tuned == 2 and len(summary.failed) == 1, out.getvalue()
     assert "a8w8 tunes torch.float8_e4m3fn and torch.int8 weights" in out.getvalue()
     rows = read_table(tmp_path / "t.csv", schema_for(Family.a8w8)).rows
     assert sorted(r.key[3] for r in rows) == ["torch.float8_e4m3fn", "torch.int8"]
     with open(tmp_path / "prof.csv") as f:
-        statuses = [(r["kernelName"], r["status"]) for r in csv.DictReader(f)]
-    assert all(s == "ok" for _, s in statuses), statuses
+        profiled = list(csv.DictReader(f))
+    statuses = [(r["kernelName"], r["status"]) for r in profiled]
+    assert all(s == "ok" for _, s in statuses), not_ok(profiled)
     assert [n for n, _ in statuses].count("torch.scaled_mm") == 2
     splitk = sum(1 for n, _ in statuses if n.startswith("triton.splitk:"))
     lt = sum(1 for n, _ in statuses if n.startswith("cublaslt:"))
@@ -376,21 +411,25 @@ def test_real_a8w8_family_on_cpu(tmp_path):
         assert len(statuses) == 6 and splitk == 4 and lt == 0, statuses
 
 
-def test_real_a8w8_blockscale_family_on_cpu(tmp_path):
-    """The block-scale family on the CPU: torch and two Triton configs (block_k dividing 128)
-    pass the gate against the dequantised fp32 reference."""
+def test_real_a8w8_blockscale_family(tmp_path):
+    """The block-scale family on this machine's device: torch and the Triton configs (two in
+    the interpreter; block_k dividing 128) pass the gate against the dequantised fp32
+    reference."""
     from gemmtune.tune.families.a8w8_blockscale import A8w8BlockscaleFamily
 
     inp = tmp_path / "u.csv"
     inp.write_text("M,N,K\n5,200,300\n")
     out = io.StringIO()
     config = TuneConfig(input=inp, output=tmp_path / "t.csv", profile=tmp_path / "prof.csv",
-                        timeout=120, options=TuneOptions(iters=3, warmup=1))
+                        timeout=120, options=TuneOptions(iters=3, warmup=1),
+                        gpus=default_gpus(), workers=4 if default_gpus() else 1)
     summary = Tuner(A8w8BlockscaleFamily, config, out=out).run()
     assert summary.tuned == 1 and not summary.failed, out.getvalue()
     with open(tmp_path / "prof.csv") as f:
-        statuses = [(r["kernelName"], r["status"]) for r in csv.DictReader(f)]
-    assert all(s == "ok" for _, s in statuses) and statuses[0][0].startswith("torch."), statuses
+        profiled = list(csv.DictReader(f))
+    statuses = [(r["kernelName"], r["status"]) for r in profiled]
+    assert all(s == "ok" for _, s in statuses), not_ok(profiled)
+    assert statuses[0][0].startswith("torch."), statuses
     # The interpreter runs two Triton configs; a GPU the whole (pruned) space.
     assert len(statuses) == 3 if not torch.cuda.is_available() else len(statuses) >= 3, statuses
     assert all("BK64." in n or "BK128." in n for n, _ in statuses[1:]), statuses

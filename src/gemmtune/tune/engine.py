@@ -202,8 +202,9 @@ class Tuner:
             env = (("CUDA_VISIBLE_DEVICES", self.config.gpus[index % len(self.config.gpus)]),)
         else:
             # No GPU: Triton candidates run in its CPU interpreter (slow, and bf16 results are
-            # wrong there: the correctness gate rejects them).
-            env = (("TRITON_INTERPRET", "1"),)
+            # wrong there: the correctness gate rejects them). A GPU the machine has stays hidden,
+            # or torch would put the inputs on it, where interpreted kernels cannot run.
+            env = (("TRITON_INTERPRET", "1"), ("CUDA_VISIBLE_DEVICES", ""))
         return WorkerSpec(self.factory, env)
 
     def _read_input(self) -> list[tuple]:
@@ -307,6 +308,8 @@ class Tuner:
             if self._stop.is_set():
                 return ShapeResult(key, None, evaluations, "interrupted")
             evaluations.append(self._evaluate(worker, device, key, c, seed))
+        evaluations = self._retry_out_of_memory(worker, device, key, candidates, evaluations,
+                                                seed)
         by_name = {c.name: c for c in candidates}
         passing = [e for e in evaluations if e.ok]
         if not passing:
@@ -326,6 +329,20 @@ class Tuner:
         fields = self.family.result_fields(key, by_name[best.name], best, self.env)
         row = Row(self.device[0], self.device[1], key, fields)
         return ShapeResult(key, row, evaluations)
+
+    def _retry_out_of_memory(self, worker: Worker, device: str, key: tuple,
+                             candidates: list[Candidate], evaluations: list[Evaluation],
+                             seed: int) -> list[Evaluation]:
+        """One more try for the candidates that ran out of GPU memory: what the other workers held
+        at that moment (their own shapes' inputs) may be gone by now."""
+        retried = []
+        for candidate, ev in zip(candidates, evaluations, strict=True):
+            if ev.status is Status.oom and not self._stop.is_set():
+                first_seconds = ev.seconds
+                ev = self._evaluate(worker, device, key, candidate, seed)
+                ev.seconds += first_seconds
+            retried.append(ev)
+        return retried
 
     def _evaluate(self, worker: Worker, device: str, key: tuple, candidate: Candidate,
                   seed: int) -> Evaluation:
@@ -498,6 +515,9 @@ class Tuner:
                      if s.kept_old else "")
                   + (f", {len(s.bad_input)} bad input row(s)" if s.bad_input else "")
                   + f"; candidates: {statuses or 'none'}; output {self.config.output}")
+        if s.statuses[Status.oom.value]:
+            self._say(f"{s.statuses[Status.oom.value]} candidate(s) ran out of GPU memory even on "
+                      f"a second try: with fewer workers (--mp) each has more")
         for key in s.failed:
             self._say("  failed: " + " ".join(f"{n}={v}" for n, v in
                                               zip(self.schema.key_names, key)))
