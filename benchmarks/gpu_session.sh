@@ -40,12 +40,32 @@ stage() {  # stage NAME SECONDS CMD...: run CMD under a limit, log to $OUT/NAME.
 for what in "$@"; do
     case $what in
         tests)
-            stage tests 420 bash scripts/test.sh -x -p no:cacheprovider --timeout 300 ;;
+            stage tests 560 bash scripts/test.sh -p no:cacheprovider --timeout 300 ;;
         gputests)  # the gpu-marked tests of the kernels, ops and tuner: the quick check
             stage gputests 240 python3 -m pytest -q -x -p no:cacheprovider --timeout 200 -m gpu \
                 tests/test_kernel_gemm_splitk.py tests/test_kernel_gemm_tile.py \
                 tests/test_ops_a8w8.py tests/test_ops_a8w8_blockscale.py tests/test_gpu_ops.py \
-                tests/test_cublaslt.py ;;
+                tests/test_cublaslt.py tests/test_kernel_gemm_persistent.py ;;
+        pytest:*)  # pytest:FILE[:KEYWORDS]: one test file, or its tests matching -k KEYWORDS
+            spec=${what#pytest:}
+            file=${spec%%:*}
+            keywords=""; [[ $spec == *:* ]] && keywords=${spec#*:}
+            stage "pytest_$(basename "$file" .py)" 300 python3 -m pytest -q -p no:cacheprovider \
+                --timeout 200 "$file" ${keywords:+-k "$keywords"} ;;
+        smallk)  # tiny and ragged K through the tuners: which candidates fail there, and why
+            printf 'M,N,K,q_dtype_w\n5,48,64,torch.float8_e4m3fn\n20,32,96,torch.int8\n' \
+                > "$OUT/smallk_a8w8.csv"
+            printf 'M,N,K\n5,200,300\n' > "$OUT/smallk_blockscale.csv"
+            stage smallk_a8w8 200 python3 -m gemmtune.cli tune a8w8 -i "$OUT/smallk_a8w8.csv" \
+                -o "$OUT/smallk_a8w8_tuned.csv" -o2 "$OUT/smallk_a8w8_profile.csv" --mp 14
+            stage smallk_blockscale 200 python3 -m gemmtune.cli tune a8w8-blockscale \
+                -i "$OUT/smallk_blockscale.csv" -o "$OUT/smallk_blockscale_tuned.csv" \
+                -o2 "$OUT/smallk_blockscale_profile.csv" --mp 14
+            grep -hv ',ok,' "$OUT"/smallk_*_profile.csv | cut -c1-400 | head -40 >> "$summary" ;;
+        persistent)  # the persistent TMA kernel: its gpu tests, then correctness and time vs tile
+            stage persistent_tests 240 python3 -m pytest -q -p no:cacheprovider --timeout 200 \
+                -m gpu tests/test_kernel_gemm_persistent.py
+            stage persistent 240 python3 benchmarks/persistent_check.py ;;
         a8w8)  # tune FP8 a8w8 on decode and prefill shapes, then bench them through that table
             printf 'M,N,K,q_dtype_w\n' > "$OUT/a8w8_untuned.csv"
             for nk in 576,7168 4096,4096 28672,4096 1280,8192; do

@@ -5,4 +5,4 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/_venv.sh "[test]"
-python -m pytest -q -ra "$@"
+exec python -m pytest -q -ra "$@"  # exec: a time limit's signal then reaches pytest itself
