@@ -90,7 +90,9 @@ class _WorkerState:
             us, spread = family.time(name, prepared, options.iters, options.warmup)
             return Evaluation(name, Status.ok, result.err_ratio, result.rel_err, us, spread)
         except Exception as e:  # the candidate's own failure: report it, keep the worker
-            return Evaluation(name, _failed_status(e), detail=_describe(e),
+            if _out_of_memory(e):  # never sticky: not a reason to replace the worker
+                return Evaluation(name, Status.oom, detail=_describe(e))
+            return Evaluation(name, Status.error, detail=_describe(e),
                               fatal=family.is_fatal(e) or not _device_healthy())
         finally:
             _release_cached_gpu_memory()
@@ -101,8 +103,8 @@ class _WorkerState:
             us, spread = self.family.time(name, prepared, options.accurate_iters, options.warmup)
             return Evaluation(name, Status.ok, us=us, spread=spread)
         except Exception as e:
-            return Evaluation(name, _failed_status(e), detail=_describe(e),
-                              fatal=self.family.is_fatal(e))
+            return Evaluation(name, Status.oom if _out_of_memory(e) else Status.error,
+                              detail=_describe(e), fatal=self.family.is_fatal(e))
         finally:
             _release_cached_gpu_memory()
 
@@ -127,13 +129,16 @@ def _release_cached_gpu_memory() -> None:
     import torch
 
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.empty_cache()
+        try:
+            torch.cuda.empty_cache()
+        except RuntimeError:  # a sticky CUDA error: the caller's own result already says so
+            pass
 
 
-def _failed_status(e: BaseException) -> Status:
+def _out_of_memory(e: BaseException) -> bool:
     import torch
 
-    return Status.oom if isinstance(e, torch.OutOfMemoryError) else Status.error
+    return isinstance(e, torch.OutOfMemoryError)
 
 
 def _device_healthy() -> bool:
