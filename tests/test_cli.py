@@ -190,3 +190,14 @@ def test_geomean_and_summary_by_m_range():
     lines = summarize(rows)
     assert "3 shapes" in lines[0] and "geomean 4.000" in lines[0]
     assert "1 with torch = reference left out" in lines[0]
+    assert not any(line.startswith("below") for line in lines)
+    # Shapes slower than 0.98x torch are named; where both columns ran torch's own kernel the
+    # line says the gap is measurement spread.
+    rows += [BenchRow("c", 64, 8, 8, 10.0, 10.5, 10.0 / 10.5, 2.0, 0.2, 0.2, "exact",
+                      "torch.linear", 0.0, True, same_kernel=True),
+             BenchRow("d", 128, 8, 8, 10.0, 11.0, 10.0 / 11.0, 2.0, 0.2, 0.2, "exact",
+                      "triton.tile:x", 0.0, True)]
+    below = summarize(rows)[-1]
+    assert below.startswith("below 0.98x torch: 2 shape(s)"), below
+    assert "c M=64 0.952 (torch's own kernel in both columns)" in below
+    assert "d M=128 0.909;" in below and "1 of them measurement spread" in below

@@ -24,13 +24,15 @@ import torch
 import torch.nn.functional as F
 
 from gemmtune.device import current_device
-from gemmtune.kernels.torch_ref import gemm_a16w16_ref
+from gemmtune.kernels.torch_ref import TORCH_LINEAR, gemm_a16w16_ref
 from gemmtune.ops._dispatch import Decision
 from gemmtune.ops.gemm_a8w8 import DISPATCH as A8W8_DISPATCH
-from gemmtune.ops.gemm_a8w8 import gemm_a8w8, gemm_a8w8_ref, scaled_mm_torch, torch_fast_path
+from gemmtune.ops.gemm_a8w8 import (TORCH_SCALED_MM, gemm_a8w8, gemm_a8w8_ref, scaled_mm_torch,
+                                    torch_fast_path)
 from gemmtune.ops.gemm_a8w8_blockscale import DISPATCH as BLOCKSCALE_DISPATCH
-from gemmtune.ops.gemm_a8w8_blockscale import (blockscale_torch, gemm_a8w8_blockscale,
-                                               cublas_block_wise, gemm_a8w8_blockscale_ref)
+from gemmtune.ops.gemm_a8w8_blockscale import (TORCH_BLOCKSCALE, blockscale_torch,
+                                               cublas_block_wise, gemm_a8w8_blockscale,
+                                               gemm_a8w8_blockscale_ref)
 from gemmtune.ops.gemm_a16w16 import DISPATCH as A16W16_DISPATCH
 from gemmtune.ops.gemm_a16w16 import gemm_a16w16
 from gemmtune.tables.values import DTYPE_NAMES
@@ -62,6 +64,9 @@ class BenchRow:
     rel_err: float
     ok: bool
     torch_is_reference: bool = False  # torch's column ran the fp32 reference, not cuBLAS
+    # The tuned op dispatched to the torch backend itself: both columns ran one function, so the
+    # speed-up is 1 but for the spread between two CUDA graphs of the same kernel.
+    same_kernel: bool = False
 
 
 def _device_time_us(fn, reps: int) -> float:
@@ -129,6 +134,8 @@ class BenchOp:
     label: str = ""
     # (M, N, K) -> True where the torch column runs the fp32 reference, not a fast kernel.
     torch_is_reference: Callable[[int, int, int], bool] = lambda m, n, k: False
+    # The table's name for the torch backend, which runs what the torch column runs.
+    torch_kernel: str = TORCH_LINEAR
 
 
 def bf16_op(dtype: torch.dtype) -> BenchOp:
@@ -167,7 +174,7 @@ def a8w8_op_for(q_dtype: torch.dtype) -> BenchOp:
     return BenchOp(
         "a8w8", 1, 2, 1, inputs, torch=torch_call, tuned=lambda a: gemm_a8w8(*a),
         reference=lambda a: gemm_a8w8_ref(*a, out_dtype=torch.float32),
-        table_key=lambda m, n, k: (m, n, k, name),
+        table_key=lambda m, n, k: (m, n, k, name), torch_kernel=TORCH_SCALED_MM,
         decide=A8W8_DISPATCH.decide, rel_bound=TOLERANCES[torch.bfloat16][2],
         label="a8w8" if q_dtype == torch.float8_e4m3fn else "a8w8_int8",
         torch_is_reference=lambda m, n, k: not torch_fast_path(m, n, k, q_dtype, gpu))
@@ -190,7 +197,7 @@ def a8w8_blockscale_op() -> BenchOp:
         torch=lambda a: blockscale_torch(a[0], a[1], None, torch.bfloat16, a[2], a[3]),
         tuned=lambda a: gemm_a8w8_blockscale(*a),
         reference=lambda a: gemm_a8w8_blockscale_ref(*a, out_dtype=torch.float32),
-        table_key=lambda m, n, k: (m, n, k),
+        table_key=lambda m, n, k: (m, n, k), torch_kernel=TORCH_BLOCKSCALE,
         decide=BLOCKSCALE_DISPATCH.decide, rel_bound=TOLERANCES[torch.bfloat16][2],
         torch_is_reference=lambda m, n, k: not (torch.cuda.is_available()
                                                  and cublas_block_wise(n, k)))
@@ -227,7 +234,8 @@ def bench_shape(name: str, m: int, n: int, k: int, op: BenchOp, ceilings: Ceilin
     floor = floor_us(m, n, k, op, ceilings)
     return BenchRow(name, m, n, k, torch_us, tuned_us, torch_us / tuned_us, floor,
                     floor / tuned_us, floor / torch_us, decision.rule.value, decision.kernel_name,
-                    rel, ok, op.torch_is_reference(m, n, k))
+                    rel, ok, op.torch_is_reference(m, n, k),
+                    same_kernel=decision.kernel_name == op.torch_kernel)
 
 
 def geomean(values: list[float]) -> float:
@@ -235,6 +243,8 @@ def geomean(values: list[float]) -> float:
 
 
 M_RANGES = (("M<=64", 1, 64), ("64<M<1024", 65, 1023), ("M>=1024", 1024, 1 << 62))
+# The issues' floor for every shape: the tuned op at least this fraction of torch's speed.
+SLOWER_THAN_TORCH = 0.98
 
 
 def summarize(rows: list[BenchRow]) -> list[str]:
@@ -256,6 +266,14 @@ def summarize(rows: list[BenchRow]) -> list[str]:
         lines.append(
             f"{label:<11} {len(sel):>4} shapes: {against}; efficiency tuned "
             f"{geomean([r.efficiency for r in sel]):.3f}, torch {torch_eff}{apart}")
+    slower = [r for r in rows if r.speedup < SLOWER_THAN_TORCH and not r.torch_is_reference]
+    if slower:
+        noise = sum(r.same_kernel for r in slower)
+        lines.append(f"below {SLOWER_THAN_TORCH}x torch: {len(slower)} shape(s), "
+                     + ", ".join(f"{r.name} M={r.M} {r.speedup:.3f}"
+                                 + (" (torch's own kernel in both columns)" if r.same_kernel
+                                    else "") for r in slower)
+                     + (f"; {noise} of them measurement spread" if noise else ""))
     return lines
 
 
