@@ -11,7 +11,10 @@
 # (benchmarks/tune_cost.py, then `gemmtune tune bf16` on one (N, K) x 8 M with a cold Triton
 # cache: the tuning-cost figure), presets[:FAMILY] (scripts/tune_presets.sh into the shipped
 # table of FAMILY, bf16 or a8w8, cut off after PRESETS_LIMIT seconds; run again to resume), bench:MODEL[:TP] (gemmtune bench bf16 on
-# the shipped table).
+# the shipped table), persistent (the persistent TMA kernel's gpu tests and
+# benchmarks/persistent_check.py), smallk (tiny and ragged K through the a8w8 tuners),
+# pytest:FILE[:KEYWORDS] (one test file, or its tests matching `-k KEYWORDS`; not node ids).
+# The other stages are described where they are defined below.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}

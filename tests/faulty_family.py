@@ -52,6 +52,8 @@ class FaultyFamily(TuneFamily):
     def precompile(self, name, prepared):
         if name == "fault.build":
             raise RuntimeError("this candidate does not compile")
+        if name == "oom.build":
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
     def run(self, name, prepared):
         x, w = prepared.inputs
@@ -59,6 +61,8 @@ class FaultyFamily(TuneFamily):
         if name in OUT_OF_MEMORY and (name == "oom.always" or name not in self.ran_out):
             self.ran_out.add(name)
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+        if name == "oom.text":  # as Triton reports a failed allocation: a plain RuntimeError
+            raise RuntimeError("Triton Error [CUDA]: out of memory")
         if name in GOOD or name in TIMING_FAULTS or name in OUT_OF_MEMORY:
             return torch.matmul(x, w.t(), out=out)
         if name.startswith("fault.raise"):

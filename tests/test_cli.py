@@ -199,5 +199,5 @@ def test_geomean_and_summary_by_m_range():
                       "triton.tile:x", 0.0, True)]
     below = summarize(rows)[-1]
     assert below.startswith("below 0.98x torch: 2 shape(s)"), below
-    assert "c M=64 0.952 (torch's own kernel in both columns)" in below
-    assert "d M=128 0.909;" in below and "1 of them measurement spread" in below
+    assert "c 64x8x8 0.952 (torch's own kernel in both columns)" in below
+    assert "d 128x8x8 0.909;" in below and "1 of them measurement spread" in below

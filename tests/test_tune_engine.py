@@ -92,18 +92,21 @@ def test_every_fault_is_recorded_and_the_correct_winner_kept(tmp_path):
 def test_a_candidate_that_ran_out_of_gpu_memory_gets_a_second_try(tmp_path, monkeypatch):
     # Workers share one GPU: memory another worker held may be free a moment later. A second
     # out-of-memory is recorded as such, and the run says what to do about it.
-    monkeypatch.setenv("FAULTY_CANDIDATES", "torch.linear,good.fast,oom.once,oom.always")
+    monkeypatch.setenv("FAULTY_CANDIDATES",
+                       "torch.linear,good.fast,oom.once,oom.always,oom.build,oom.text")
     tuner, log = tune(tmp_path, untuned(tmp_path / "u.csv", [7]))
     assert tuner.summary.tuned == 1 and tuner.summary.exit_code == 0
     assert profile(tmp_path) == {"torch.linear": "ok", "good.fast": "ok", "oom.once": "ok",
-                                 "oom.always": "oom"}
+                                 "oom.always": "oom", "oom.build": "oom", "oom.text": "oom"}
     (row,) = read_table(tmp_path / "tuned.csv", BF16).rows
     assert row.results["kernelName"] == "oom.once"  # the fastest, once it had its memory
-    assert "1 candidate(s) ran out of GPU memory even on a second try" in log
-    assert "--mp" in log
+    assert "3 candidate(s) ran out of GPU memory even on a second try" in log
+    assert "rows chosen without them (re-tune these shapes with --all and a smaller --mp" in log
+    assert tuner.summary.short_of_memory == [row.key]
     assert "OutOfMemoryError: CUDA out of memory" in (tmp_path / "prof.csv").read_text()
     # Not a crasher: a later run with more memory free tries it again.
-    assert not CrashMemo(BF16).skips("cpu:0", row.key, "oom.always", 4.0)
+    assert not any(CrashMemo(BF16).skips("cpu:0", row.key, name, 4.0)
+                   for name in ("oom.always", "oom.build", "oom.text"))
 
 
 def test_a_tuner_given_no_gpu_hides_the_machines_gpus_from_its_workers(tmp_path):

@@ -250,7 +250,7 @@ SLOWER_THAN_TORCH = 0.98
 def summarize(rows: list[BenchRow]) -> list[str]:
     """Per M range: speed-up and efficiency geomeans. Shapes whose torch column ran the fp32
     reference are left out of the speed-up and of torch's efficiency (neither says anything
-    about cuBLAS there) and counted apart."""
+    about cuBLAS there) and counted apart. Last, if any: the shapes below 0.98x torch."""
     lines = []
     for label, lo, hi in M_RANGES:
         sel = [r for r in rows if lo <= r.M <= hi]
@@ -270,7 +270,7 @@ def summarize(rows: list[BenchRow]) -> list[str]:
     if slower:
         noise = sum(r.same_kernel for r in slower)
         lines.append(f"below {SLOWER_THAN_TORCH}x torch: {len(slower)} shape(s), "
-                     + ", ".join(f"{r.name} M={r.M} {r.speedup:.3f}"
+                     + ", ".join(f"{r.name} {r.M}x{r.N}x{r.K} {r.speedup:.3f}"
                                  + (" (torch's own kernel in both columns)" if r.same_kernel
                                     else "") for r in slower)
                      + (f"; {noise} of them measurement spread" if noise else ""))

@@ -58,7 +58,8 @@ class TuneConfig:
     compare: bool = False
     update_improved: bool = False
     min_improvement_pct: float = 3.0
-    gpus: tuple[str, ...] = ()  # CUDA_VISIBLE_DEVICES value per worker; empty: no pinning
+    # CUDA_VISIBLE_DEVICES value per worker; empty: no GPU (hidden; Triton's CPU interpreter)
+    gpus: tuple[str, ...] = ()
 
 
 @dataclass
@@ -80,6 +81,8 @@ class RunSummary:
     wall_s: float = 0.0
     compared: list[tuple[tuple, float | None, float]] = field(default_factory=list)
     interrupted: bool = False
+    # Shapes tuned without some candidates that ran out of GPU memory twice.
+    short_of_memory: list[tuple] = field(default_factory=list)
 
     @property
     def exit_code(self) -> int:
@@ -310,6 +313,8 @@ class Tuner:
             evaluations.append(self._evaluate(worker, device, key, c, seed))
         evaluations = self._retry_out_of_memory(worker, device, key, candidates, evaluations,
                                                 seed)
+        if self._stop.is_set():
+            return ShapeResult(key, None, evaluations, "interrupted")
         by_name = {c.name: c for c in candidates}
         passing = [e for e in evaluations if e.ok]
         if not passing:
@@ -461,6 +466,9 @@ class Tuner:
         with self._lock:
             for ev in result.evaluations:
                 self.summary.statuses[ev.status.value] += 1
+            if result.row is not None and any(ev.status is Status.oom
+                                              for ev in result.evaluations):
+                self.summary.short_of_memory.append(result.key)
             if self.profile is not None and result.evaluations:
                 self.profile.append(self.device, result.key, result.evaluations)
             shape = " ".join(f"{n}={v}" for n, v in zip(self.schema.key_names, result.key))
@@ -517,7 +525,13 @@ class Tuner:
                   + f"; candidates: {statuses or 'none'}; output {self.config.output}")
         if s.statuses[Status.oom.value]:
             self._say(f"{s.statuses[Status.oom.value]} candidate(s) ran out of GPU memory even on "
-                      f"a second try: with fewer workers (--mp) each has more")
+                      f"a second try; with fewer workers (--mp) each has more")
+        if s.short_of_memory:
+            self._say("  rows chosen without them (re-tune these shapes with --all and a smaller "
+                      "--mp to let them compete):")
+            for key in s.short_of_memory:
+                self._say("    " + " ".join(f"{n}={v}" for n, v in
+                                            zip(self.schema.key_names, key)))
         for key in s.failed:
             self._say("  failed: " + " ".join(f"{n}={v}" for n, v in
                                               zip(self.schema.key_names, key)))

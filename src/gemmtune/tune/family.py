@@ -37,7 +37,7 @@ class Status(str, enum.Enum):
     timeout = "timeout"  # did not answer within --timeout; its worker was killed
     crash = "crash"  # killed its worker process (abort, segfault, os._exit, illegal address)
     skipped = "skipped"  # a known crasher from an earlier run
-    oom = "oom"  # ran out of GPU memory (twice: once among the other workers, once retried)
+    oom = "oom"  # ran out of GPU memory when built or checked, and again when tried once more
 
 
 CRASHING = (Status.timeout, Status.crash)

@@ -67,12 +67,18 @@ class _WorkerState:
         return self.family.candidates(key, libtypes)
 
     def precompile(self, key: tuple, name: str, seed: int, options: TuneOptions) -> Evaluation:
+        # Outside the GPU lock, but a warm-up launch (or inputs rebuilt after a restart) still
+        # allocates on the GPU: the cache goes back here too.
         try:
             self.family.precompile(name, self.prepared_for(key, seed))
             return Evaluation(name, Status.ok)
         except Exception as e:
+            if _out_of_memory(e):
+                return Evaluation(name, Status.oom, detail="building: " + _describe(e))
             return Evaluation(name, Status.error, detail="building: " + _describe(e),
                               fatal=self.family.is_fatal(e))
+        finally:
+            _release_cached_gpu_memory()
 
     def evaluate(self, key: tuple, name: str, seed: int, options: TuneOptions) -> Evaluation:
         """Check ``name`` against the fp32 reference, then give it a quick timing."""
@@ -128,17 +134,20 @@ def _release_cached_gpu_memory() -> None:
     cache (seen on H100: 8 workers, lm_head at M = 8192, 148 candidates lost)."""
     import torch
 
+    # A sticky CUDA error raised here reaches the engine as a failure of the call just made,
+    # which caused it, rather than of the next candidate.
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        try:
-            torch.cuda.empty_cache()
-        except RuntimeError:  # a sticky CUDA error: the caller's own result already says so
-            pass
+        torch.cuda.empty_cache()
 
 
 def _out_of_memory(e: BaseException) -> bool:
+    """torch's own allocation failures, and the ones Triton, cuBLAS(Lt) and nvmath report as
+    plain errors; none leaves the CUDA context unusable."""
     import torch
 
-    return isinstance(e, torch.OutOfMemoryError)
+    text = str(e).lower()
+    return isinstance(e, torch.OutOfMemoryError) or "out of memory" in text \
+        or "alloc_failed" in text
 
 
 def _device_healthy() -> bool:
