@@ -12,7 +12,8 @@
 # cache: the tuning-cost figure), presets[:FAMILY] (scripts/tune_presets.sh into the shipped
 # table of FAMILY, bf16 or a8w8, cut off after PRESETS_LIMIT seconds; run again to resume), bench:MODEL[:TP] (gemmtune bench bf16 on
 # the shipped table), persistent (the persistent TMA kernel's gpu tests and
-# benchmarks/persistent_check.py), smallk (tiny and ragged K through the a8w8 tuners),
+# benchmarks/persistent_check.py), smallk (tiny and ragged K through the a8w8 tuners), fp8acc
+# (benchmarks/fp8_accumulation.py: promoted FP8 accumulation, error and time),
 # pytest:FILE[:KEYWORDS] (one test file, or its tests matching `-k KEYWORDS`; not node ids).
 # The other stages are described where they are defined below.
 set -uo pipefail
@@ -69,6 +70,8 @@ for what in "$@"; do
             stage persistent_tests 240 python3 -m pytest -q -p no:cacheprovider --timeout 200 \
                 -m gpu tests/test_kernel_gemm_persistent.py
             stage persistent 240 python3 benchmarks/persistent_check.py ;;
+        fp8acc)  # the Triton FP8 rows' error and time with and without promoted accumulation
+            TAIL=12 stage fp8acc 420 python3 benchmarks/fp8_accumulation.py --out "$OUT" ;;
         a8w8)  # tune FP8 a8w8 on decode and prefill shapes, then bench them through that table
             printf 'M,N,K,q_dtype_w\n' > "$OUT/a8w8_untuned.csv"
             for nk in 576,7168 4096,4096 28672,4096 1280,8192; do

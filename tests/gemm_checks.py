@@ -7,6 +7,8 @@ scale_b=, config=, out=)``, and assert; ``LAUNCHER_CHECKS`` are those that need 
 each launcher's test file runs as one parametrized test.
 """
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -225,6 +227,70 @@ def block_scaled(launch, M, N, K, config):
     x_deq = quant.dequant_per_block(xq, x_scale, quant.ACT_BLOCK)
     w_deq = quant.dequant_per_block(wq, w_scale, quant.WEIGHT_BLOCK)
     assert_matches_reference(y, x_deq, w_deq)
+
+
+def promoted_fp8(launch, config, M=13, N=65, K=300):
+    """An FP8 config with ``promote_k`` > 0 matches the reference at ragged sizes, per-token x
+    and per-channel w with bias (the interpreter computes every dot in fp32, so there this checks
+    the plumbing; ``promoted_accumulation_is_precise`` checks the precision on the GPU)."""
+    assert config.promote_k > 0
+    quantised_scaled(launch, M, N, K, torch.float8_e4m3fn, "token_channel", torch.bfloat16,
+                     config)
+
+
+def promote_k_refusals(launch, config, block_scales=True):
+    """``promote_k`` needs FP8 inputs, a multiple of 32 that divides block_k, and no block
+    scales (``block_scales``: the launcher takes them): each launch that breaks one says which,
+    and what to use."""
+    assert config.promote_k > 0 and config.block_k % 64 == 0
+    gen = generator(4)
+    x, w = randn(16, 256, gen=gen, dtype=torch.bfloat16), randn(64, 256, gen=gen,
+                                                                dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="applies to float8_e4m3fn inputs only"):
+        launch(x, w, config=config)
+    xq, wq, x_scale, w_scale = quantised_operands(16, 64, 256, torch.int8, "token_channel", gen)
+    with pytest.raises(ValueError, match="applies to float8_e4m3fn inputs only"):
+        launch(xq, wq, scale_a=x_scale, scale_b=w_scale, config=config)
+    xq, wq, x_scale, w_scale = quantised_operands(16, 64, 256, torch.float8_e4m3fn,
+                                                  "token_channel", gen)
+    for bad in (48, 2 * config.block_k):
+        with pytest.raises(ValueError, match=f"promote_k={bad} must be a multiple of 32 that "
+                                             f"divides block_k={config.block_k}"):
+            launch(xq, wq, scale_a=x_scale, scale_b=w_scale,
+                   config=dataclasses.replace(config, promote_k=bad))
+    if not block_scales:
+        return
+    xq, wq, x_scale, w_scale = block_scaled_operands(16, 64, 256, gen)
+    blocked = dataclasses.replace(config, block_k=64, promote_k=64)
+    with pytest.raises(ValueError, match="promote_k must be 0 with block scales"):
+        launch(xq, wq, scale_a=x_scale, scale_b=w_scale, config=blocked, block_scales=True)
+
+
+def promoted_accumulation_is_precise(launch, config, M, N, K):
+    """GPU: Hopper's FP8 tensor cores accumulate with reduced precision. Over a long K that error
+    shows next to cuBLAS without fast accumulation (torch._scaled_mm's default); promoting every
+    ``promote_k`` removes it. fp32 outputs, so no output rounding hides the accumulation."""
+    assert config.promote_k == 0
+    gen = generator(K)
+    xq, wq, x_scale, w_scale = quantised_operands(M, N, K, torch.float8_e4m3fn,
+                                                  "token_channel", gen)
+    scale = x_scale.reshape(-1, 1) * w_scale.reshape(1, -1)
+    ref = (xq.double() @ wq.double().T) * scale.double()
+
+    def rel_err(y):
+        return float((y.double() - ref).norm() / ref.norm())
+
+    cublas = rel_err(torch._scaled_mm(xq, wq.T, scale_a=x_scale.reshape(-1, 1),
+                                      scale_b=w_scale.reshape(1, -1), out_dtype=torch.float32))
+    errors = {}
+    for promote_k in (0, min(config.block_k, 128)):
+        y = launch(xq, wq, scale_a=x_scale, scale_b=w_scale, out_dtype=torch.float32,
+                   config=dataclasses.replace(config, promote_k=promote_k),
+                   out=poisoned(M, N, torch.float32))
+        errors[promote_k] = rel_err(y)
+    fast, promoted = errors.values()
+    assert promoted <= 1.5 * cublas + 1e-7, f"promoted {promoted:.2e} vs cuBLAS {cublas:.2e}"
+    assert promoted < fast, f"promoted {promoted:.2e} vs fast {fast:.2e} (cuBLAS {cublas:.2e})"
 
 
 def block_scales_refusals(launch, config_with_block_k_256):

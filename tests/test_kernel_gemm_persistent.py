@@ -159,3 +159,28 @@ def test_gpu_bf16_real_sizes(M, N, K):
 @pytest.mark.gpu
 def test_gpu_cuda_graph_replay_on_new_data():
     gemm_checks.cuda_graph_replay_on_new_data(gemm_persistent, 1024, 4096, 4096)
+
+
+# --- FP8 accumulation promoted into fp32 (promote_k) -----------------------------------------
+
+
+def test_promoted_fp8_matches_reference():
+    gemm_checks.promoted_fp8(gemm_persistent, PersistentConfig(16, 32, 64, 2, 4, 2, promote_k=64),
+                             K=320)  # TMA: rows of a multiple of 16 B
+
+
+def test_promote_k_refusals():
+    gemm_checks.promote_k_refusals(
+        gemm_persistent, PersistentConfig(16, 32, 128, 2, 4, 2, promote_k=128), block_scales=False)
+
+
+def test_promote_k_name():
+    config = PersistentConfig(128, 128, 128, 8, 8, 3, promote_k=128)
+    assert config.name == "triton.persistent:BM128.BN128.BK128.G8.W8.S3.PK128"
+    gemm_checks.name_round_trip(config, KERNEL_PREFIX)
+
+
+@pytest.mark.gpu
+def test_gpu_promoted_fp8_accumulation_is_precise():
+    gemm_checks.promoted_accumulation_is_precise(
+        gemm_persistent, PersistentConfig(128, 128, 128, 8, 8, 3), 256, 512, 16384)

@@ -150,8 +150,8 @@ def test_name_format():
 
 
 @pytest.mark.parametrize("name,bad_part", [
-    ("triton.splitk:BM16.BN64.BK256.SK8.W4", "5 dot-separated fields, expected 6 to 7"),
-    ("triton.splitk:BM16.BN64.BK256.SK8.W4.S3.P1.P1", "8 dot-separated fields"),
+    ("triton.splitk:BM16.BN64.BK256.SK8.W4", "5 dot-separated fields, expected 6 to 8"),
+    ("triton.splitk:BM16.BN64.BK256.SK8.W4.S3.P1.PK0.P1", "9 dot-separated fields"),
     ("triton.splitk:BM16.BN64.BK256.SK8.W4.S3.Q1", "'Q1'"),
     ("triton.tile:BM16.BN64.BK256.SK8.W4.S3", "'triton.tile'"),
     ("BM16.BN64.BK256.SK8.W4.S3", "prefix"),
@@ -162,7 +162,7 @@ def test_name_format():
 def test_from_name_rejects_bad_names(name, bad_part):
     gemm_checks.assert_bad_name(SplitKConfig.from_name, name, bad_part,
                                 "triton.splitk:BM<int>.BN<int>.BK<int>.SK<int>.W<int>.S<int>"
-                                ".[P<int>]")
+                                ".[P<int>].[PK<int>]")
 
 
 @pytest.mark.parametrize("config,reason", [
@@ -401,3 +401,33 @@ def test_fp8_block_scales(M, N, K, config):
 
 def test_block_scales_need_block_k_dividing_128_and_fp8():
     gemm_checks.block_scales_refusals(gemm_splitk, SplitKConfig(16, 32, 256, 1, 4, 2))
+
+
+# --- FP8 accumulation promoted into fp32 (promote_k) -----------------------------------------
+
+
+@pytest.mark.parametrize("config", [SplitKConfig(16, 32, 64, 3, 4, 2, promote_k=64),
+                                    SplitKConfig(32, 64, 128, 1, 4, 2, promote_k=32)],
+                         ids=lambda c: c.name)
+def test_promoted_fp8_matches_reference(config):
+    gemm_checks.promoted_fp8(gemm_splitk, config)
+
+
+def test_promote_k_refusals():
+    gemm_checks.promote_k_refusals(gemm_splitk,
+                                   SplitKConfig(16, 32, 128, 1, 4, 2, promote_k=128))
+
+
+def test_promote_k_name_follows_pdl():
+    config = SplitKConfig(16, 64, 256, 4, 4, 3, promote_k=128)
+    # The optional fields are positional: a promoted config spells pdl too, even when off.
+    assert config.name == "triton.splitk:BM16.BN64.BK256.SK4.W4.S3.P0.PK128"
+    gemm_checks.name_round_trip(config, KERNEL_PREFIX)
+    assert SplitKConfig.from_name("triton.splitk:BM16.BN64.BK256.SK4.W4.S3.P1").promote_k == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("split_k", [1, 4])
+def test_gpu_promoted_fp8_accumulation_is_precise(split_k):
+    gemm_checks.promoted_accumulation_is_precise(
+        gemm_splitk, SplitKConfig(16, 64, 256, split_k, 4, 3), 16, 512, 16384)

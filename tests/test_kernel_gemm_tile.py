@@ -4,6 +4,8 @@ On CPU the kernel runs in Triton's interpreter (~0.1-1 s per launch), so grids s
 ``gpu``-marked tests run real sizes and CUDA-graph capture on the GPU machine.
 """
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -190,3 +192,40 @@ def test_fp8_block_scales(M, N, K, config):
 
 def test_block_scales_need_block_k_dividing_128_and_fp8():
     gemm_checks.block_scales_refusals(gemm_tile, TileConfig(16, 32, 256, 2, 4, 2))
+
+
+# --- FP8 accumulation promoted into fp32 (promote_k) -----------------------------------------
+
+
+@pytest.mark.parametrize("config", [TileConfig(16, 32, 64, 2, 4, 2, promote_k=64),
+                                    TileConfig(32, 64, 128, 2, 4, 2, promote_k=32)],
+                         ids=lambda c: c.name)
+def test_promoted_fp8_matches_reference(config):
+    gemm_checks.promoted_fp8(gemm_tile, config)
+
+
+def test_promote_k_refusals():
+    gemm_checks.promote_k_refusals(gemm_tile, TileConfig(16, 32, 128, 2, 4, 2, promote_k=128))
+
+
+def test_promote_k_name():
+    config = TileConfig(64, 64, 128, 8, 4, 3, promote_k=128)
+    assert config.name == "triton.tile:BM64.BN64.BK128.G8.W4.S3.PK128"
+    gemm_checks.name_round_trip(config, KERNEL_PREFIX)
+    # Names written before the field existed mean what they meant: no promotion.
+    assert TileConfig.from_name("triton.tile:BM64.BN64.BK128.G8.W4.S3").promote_k == 0
+
+
+def test_promote_k_doubles_accumulator_registers():
+    fp8 = torch.float8_e4m3fn
+    assert fits(TileConfig(128, 128, 128, 8, 8, 3, promote_k=128), 4096, 4096, 4096, fp8)
+    wide = TileConfig(128, 256, 128, 8, 8, 3)  # 128 accumulator registers per thread
+    assert fits(wide, 4096, 4096, 4096, fp8)
+    assert "needs 256 registers" in why_not_fits(dataclasses.replace(wide, promote_k=128),
+                                                 4096, 4096, 4096, fp8)
+
+
+@pytest.mark.gpu
+def test_gpu_promoted_fp8_accumulation_is_precise():
+    gemm_checks.promoted_accumulation_is_precise(gemm_tile, TileConfig(64, 64, 128, 8, 4, 3),
+                                                 128, 256, 16384)

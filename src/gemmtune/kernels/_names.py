@@ -55,9 +55,13 @@ class NameCodec:
         self._patterns = tuple(re.compile(rf"{f.tag}({f.pattern})") for f in fields)
 
     def format(self, config) -> str:
-        return f"{self.prefix}:" + ".".join(
-            f"{f.tag}{getattr(config, f.attr)}" for f in self.fields
-            if f.default is None or getattr(config, f.attr) != f.default)
+        """Every field, less the trailing ones that hold their defaults (fields are positional:
+        an optional field before a spelled one is spelled too)."""
+        shown = list(self.fields)
+        while shown and shown[-1].default is not None and \
+                getattr(config, shown[-1].attr) == shown[-1].default:
+            shown.pop()
+        return f"{self.prefix}:" + ".".join(f"{f.tag}{getattr(config, f.attr)}" for f in shown)
 
     def parse(self, cls, name: str):
         """``cls(**fields of name)``; ValueError naming what is wrong and the accepted form, also

@@ -78,9 +78,34 @@ def why_not_dot_k(config, dtype: torch.dtype) -> str | None:
     return None
 
 
+def why_not_promote(config, dtype: torch.dtype) -> str | None:
+    """``promote_k`` (configs that have it): 0, or for FP8 inputs a multiple of 32 (one wgmma's
+    K) that divides block_k. Hopper's FP8 tensor cores accumulate with reduced precision (about
+    14 mantissa bits, DeepSeek-V3 report), and Triton lets them run over the whole K by default
+    (``max_num_imprecise_acc`` 2^30 on sm_90): every ``promote_k`` elements of K the kernel adds
+    their partial sum into a true fp32 accumulator instead, as cuBLAS without fast accumulation
+    and DeepGEMM (every 128) do."""
+    promote_k = getattr(config, "promote_k", 0)
+    if promote_k == 0:
+        return None
+    if dtype != torch.float8_e4m3fn:
+        return f"promote_k={promote_k} applies to float8_e4m3fn inputs only, not {dtype}; use 0"
+    if promote_k % 32 or config.block_k % promote_k:
+        return (f"promote_k={promote_k} must be a multiple of 32 that divides "
+                f"block_k={config.block_k}")
+    return None
+
+
+def accumulator_registers(config) -> int:
+    """fp32 registers per thread that the accumulator takes; a promoted FP8 dot keeps a second
+    one of the same size for the tensor cores' partial sums."""
+    per_copy = config.block_m * config.block_n // (32 * config.num_warps)
+    return per_copy * (2 if getattr(config, "promote_k", 0) else 1)
+
+
 def why_not_resources(config, dtype: torch.dtype) -> str | None:
     """Registers of the accumulator, then shared memory of the pipeline; None when both fit."""
-    acc_regs = config.block_m * config.block_n // (32 * config.num_warps)
+    acc_regs = accumulator_registers(config)
     if acc_regs > MAX_ACC_REGS_PER_THREAD:
         return (f"accumulator needs {acc_regs} registers per thread (> {MAX_ACC_REGS_PER_THREAD}); "
                 f"use smaller blocks or more warps")
@@ -187,6 +212,9 @@ def why_not_block_scaled(config, dtype: torch.dtype) -> str | None:
     if 128 % config.block_k:
         return (f"block_k={config.block_k} must divide 128, the K extent of one block scale "
                 f"(one K step must lie in one block)")
+    if getattr(config, "promote_k", 0):
+        return ("promote_k must be 0 with block scales: each K step's dot already starts from "
+                "zero and is added into the fp32 accumulator once scaled")
     return None
 
 

@@ -37,7 +37,8 @@ class PersistentConfig(TileConfig):
 
     NAME_CODEC = NameCodec("persistent config", KERNEL_PREFIX, (
         Field("BM", "block_m"), Field("BN", "block_n"), Field("BK", "block_k"),
-        Field("G", "group_m"), Field("W", "num_warps"), Field("S", "num_stages")))
+        Field("G", "group_m"), Field("W", "num_warps"), Field("S", "num_stages"),
+        Field("PK", "promote_k", default=0)))
 
 
 def why_not_fits(config: PersistentConfig, M: int, N: int, K: int,
@@ -47,6 +48,7 @@ def why_not_fits(config: PersistentConfig, M: int, N: int, K: int,
                or (f"group_m={config.group_m} must be >= 1" if config.group_m < 1 else None)
                or _checks.why_not_warps_stages(config)
                or _checks.why_not_dot_k(config, dtype)
+               or _checks.why_not_promote(config, dtype)
                or _checks.why_not_resources(config, dtype))
     if problem is not None:
         return problem
@@ -87,6 +89,7 @@ def gemm_persistent_kernel(
     SCALE_A: tl.constexpr,  # _epilogue.NO_SCALE, PER_TENSOR or PER_VECTOR
     SCALE_B: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
+    MAX_IMPRECISE_ACC: tl.constexpr,  # None (Triton's default) or the config's promote_k
     ACC_INT32: tl.constexpr,  # int8 x int8 accumulates exactly in int32
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -102,7 +105,8 @@ def gemm_persistent_kernel(
         for kk in range(k_tiles):
             a = x_desc.load([pid_m * BLOCK_M, kk * BLOCK_K])
             b = w_desc.load([pid_n * BLOCK_N, kk * BLOCK_K])
-            acc = tl.dot(a, b.T, acc, input_precision=INPUT_PRECISION, out_dtype=acc.dtype)
+            acc = tl.dot(a, b.T, acc, input_precision=INPUT_PRECISION, out_dtype=acc.dtype,
+                         max_num_imprecise_acc=MAX_IMPRECISE_ACC)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rows = tl.where(offs_m < M, offs_m, 0).to(tl.int64)
@@ -191,6 +195,7 @@ def launch_gemm_persistent(x, w, bias, out, scale_a, scale_b, config: Persistent
         SCALE_A=modes[0],
         SCALE_B=modes[1],
         INPUT_PRECISION=_checks.input_precision(x.dtype),
+        MAX_IMPRECISE_ACC=config.promote_k or None,
         ACC_INT32=x.dtype == torch.int8,
         BLOCK_M=config.block_m,
         BLOCK_N=config.block_n,

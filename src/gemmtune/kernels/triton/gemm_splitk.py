@@ -68,7 +68,7 @@ class SplitKConfig(NamedConfig):
     NAME_CODEC = NameCodec("split-K config", KERNEL_PREFIX, (
         Field("BM", "block_m"), Field("BN", "block_n"), Field("BK", "block_k"),
         Field("SK", "split_k"), Field("W", "num_warps"), Field("S", "num_stages"),
-        Field("P", "pdl", default=PDL_OFF)))
+        Field("P", "pdl", default=PDL_OFF), Field("PK", "promote_k", default=0)))
 
     block_m: int
     block_n: int
@@ -77,6 +77,7 @@ class SplitKConfig(NamedConfig):
     num_warps: int
     num_stages: int
     pdl: int = PDL_OFF  # PDL_OFF, PDL_WAIT or PDL_PREFETCH (see launch_gemm_splitk)
+    promote_k: int = 0  # FP8: add the tensor cores' sums into fp32 every promote_k of K (0: never)
 
 
 def _next_pow2(v: int) -> int:
@@ -114,7 +115,8 @@ def why_not_fits(config: SplitKConfig, M: int, N: int, K: int, dtype: torch.dtyp
     if config.split_k > max(1, k_steps):
         return (f"split_k={config.split_k} leaves splits without a block_k step: K={K} is "
                 f"{k_steps} steps of block_k={config.block_k}; use split_k <= {max(1, k_steps)}")
-    problem = _checks.why_not_dot_k(config, dtype) or _checks.why_not_resources(config, dtype)
+    problem = (_checks.why_not_dot_k(config, dtype) or _checks.why_not_promote(config, dtype)
+               or _checks.why_not_resources(config, dtype))
     if problem is not None:
         return problem
     programs = num_tiles(config, M, N)
@@ -266,6 +268,7 @@ def gemm_splitk_kernel(
     SCALE_B: tl.constexpr,
     USE_WORKSPACE: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
+    MAX_IMPRECISE_ACC: tl.constexpr,  # None (Triton's default) or the config's promote_k
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -328,7 +331,8 @@ def gemm_splitk_kernel(
             acc = block_scaled_dot(a, b, acc, step, rows, cols, scale_a_ptr, scale_b_ptr,
                                    scale_k_blocks, BLOCK_K)
         else:
-            acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION, out_dtype=acc.dtype)
+            acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION, out_dtype=acc.dtype,
+                         max_num_imprecise_acc=MAX_IMPRECISE_ACC)
         x_ptrs += x_step
         w_ptrs += w_step
 
@@ -490,6 +494,7 @@ def launch_gemm_splitk(x, w, bias, out, scale_a, scale_b, config: SplitKConfig,
         SCALE_B=modes[1],
         USE_WORKSPACE=use_workspace,
         INPUT_PRECISION=_checks.input_precision(x.dtype),
+        MAX_IMPRECISE_ACC=config.promote_k or None,
         BLOCK_M=config.block_m,
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,

@@ -28,7 +28,8 @@ class TileConfig(NamedConfig):
 
     NAME_CODEC = NameCodec("tile config", KERNEL_PREFIX, (
         Field("BM", "block_m"), Field("BN", "block_n"), Field("BK", "block_k"),
-        Field("G", "group_m"), Field("W", "num_warps"), Field("S", "num_stages")))
+        Field("G", "group_m"), Field("W", "num_warps"), Field("S", "num_stages"),
+        Field("PK", "promote_k", default=0)))
 
     block_m: int
     block_n: int
@@ -36,6 +37,7 @@ class TileConfig(NamedConfig):
     group_m: int
     num_warps: int
     num_stages: int
+    promote_k: int = 0  # FP8: add the tensor cores' sums into fp32 every promote_k of K (0: never)
 
 
 def why_not_fits(config: TileConfig, M: int, N: int, K: int, dtype: torch.dtype) -> str | None:
@@ -47,6 +49,7 @@ def why_not_fits(config: TileConfig, M: int, N: int, K: int, dtype: torch.dtype)
                or (f"group_m={config.group_m} must be >= 1" if config.group_m < 1 else None)
                or _checks.why_not_warps_stages(config)
                or _checks.why_not_dot_k(config, dtype)
+               or _checks.why_not_promote(config, dtype)
                or _checks.why_not_resources(config, dtype))
     if problem is not None:
         return problem
@@ -135,6 +138,7 @@ def gemm_tile_kernel(
     SCALE_A: tl.constexpr,  # _epilogue.NO_SCALE, PER_TENSOR, PER_VECTOR or PER_BLOCK
     SCALE_B: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
+    MAX_IMPRECISE_ACC: tl.constexpr,  # None (Triton's default) or the config's promote_k
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -172,7 +176,8 @@ def gemm_tile_kernel(
             acc = block_scaled_dot(a, b, acc, k, rows, cols, scale_a_ptr, scale_b_ptr,
                                    scale_k_blocks, BLOCK_K)
         else:
-            acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION, out_dtype=acc.dtype)
+            acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION, out_dtype=acc.dtype,
+                         max_num_imprecise_acc=MAX_IMPRECISE_ACC)
         x_ptrs += x_step
         w_ptrs += w_step
 
@@ -226,6 +231,7 @@ def launch_gemm_tile(x, w, bias, out, scale_a, scale_b, config: TileConfig,
         SCALE_A=modes[0],
         SCALE_B=modes[1],
         INPUT_PRECISION=_checks.input_precision(x.dtype),
+        MAX_IMPRECISE_ACC=config.promote_k or None,
         BLOCK_M=config.block_m,
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
