@@ -71,7 +71,7 @@ for what in "$@"; do
                 -m gpu tests/test_kernel_gemm_persistent.py
             stage persistent 240 python3 benchmarks/persistent_check.py ;;
         fp8acc)  # the Triton FP8 rows' error and time with and without promoted accumulation
-            TAIL=12 stage fp8acc 420 python3 benchmarks/fp8_accumulation.py --out "$OUT" ;;
+            TAIL=12 stage fp8acc "${FP8ACC_LIMIT:-540}" python3 benchmarks/fp8_accumulation.py --out "$OUT" ;;
         a8w8)  # tune FP8 a8w8 on decode and prefill shapes, then bench them through that table
             printf 'M,N,K,q_dtype_w\n' > "$OUT/a8w8_untuned.csv"
             for nk in 576,7168 4096,4096 28672,4096 1280,8192; do

@@ -253,17 +253,34 @@ def promote_k_refusals(launch, config, block_scales=True):
         launch(xq, wq, scale_a=x_scale, scale_b=w_scale, config=config)
     xq, wq, x_scale, w_scale = quantised_operands(16, 64, 256, torch.float8_e4m3fn,
                                                   "token_channel", gen)
-    for bad in (48, 2 * config.block_k):
+    for bad in (48, -32, 2 * config.block_k):
         with pytest.raises(ValueError, match=f"promote_k={bad} must be a multiple of 32 that "
                                              f"divides block_k={config.block_k}"):
             launch(xq, wq, scale_a=x_scale, scale_b=w_scale,
                    config=dataclasses.replace(config, promote_k=bad))
+    small = dataclasses.replace(config, block_m=32)
+    with pytest.raises(ValueError, match="applies to wgmma dots only"):
+        launch(xq, wq, scale_a=x_scale, scale_b=w_scale, config=small)
     if not block_scales:
         return
     xq, wq, x_scale, w_scale = block_scaled_operands(16, 64, 256, gen)
     blocked = dataclasses.replace(config, block_k=64, promote_k=64)
     with pytest.raises(ValueError, match="promote_k must be 0 with block scales"):
         launch(xq, wq, scale_a=x_scale, scale_b=w_scale, config=blocked, block_scales=True)
+
+
+def promote_k_reaches_the_dot(launch_only, config):
+    """The launch-only function (no config checks) hands ``promote_k`` to tl.dot as
+    ``max_num_imprecise_acc``: Triton itself refuses a value above the dot's K, which is how this
+    shows on the CPU too, where the interpreter computes every dot exactly."""
+    assert config.promote_k > config.block_k
+    gen = generator(5)
+    xq, wq, x_scale, w_scale = quantised_operands(64, 64, 256, torch.float8_e4m3fn,
+                                                  "token_channel", gen)
+    out = poisoned(64, 64, torch.bfloat16)
+    with pytest.raises(Exception, match=rf"max_num_imprecise_acc \({config.promote_k}\) must "
+                                        rf"be <= K \({config.block_k}\)"):
+        launch_only(xq, wq, None, out, x_scale, w_scale, config)
 
 
 def promoted_accumulation_is_precise(launch, config, M, N, K):

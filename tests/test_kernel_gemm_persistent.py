@@ -17,6 +17,7 @@ from gemmtune.kernels.triton.gemm_persistent import (
     default_config,
     fits,
     gemm_persistent,
+    launch_gemm_persistent,
     why_not_fits,
 )
 
@@ -165,13 +166,18 @@ def test_gpu_cuda_graph_replay_on_new_data():
 
 
 def test_promoted_fp8_matches_reference():
-    gemm_checks.promoted_fp8(gemm_persistent, PersistentConfig(16, 32, 64, 2, 4, 2, promote_k=64),
+    gemm_checks.promoted_fp8(gemm_persistent, PersistentConfig(64, 32, 64, 2, 4, 2, promote_k=64),
                              K=320)  # TMA: rows of a multiple of 16 B
 
 
 def test_promote_k_refusals():
     gemm_checks.promote_k_refusals(
-        gemm_persistent, PersistentConfig(16, 32, 128, 2, 4, 2, promote_k=128), block_scales=False)
+        gemm_persistent, PersistentConfig(64, 32, 128, 2, 4, 2, promote_k=128), block_scales=False)
+
+
+def test_promote_k_reaches_the_dot():
+    gemm_checks.promote_k_reaches_the_dot(launch_gemm_persistent,
+                                          PersistentConfig(64, 32, 64, 2, 4, 2, promote_k=128))
 
 
 def test_promote_k_name():

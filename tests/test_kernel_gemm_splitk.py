@@ -406,8 +406,9 @@ def test_block_scales_need_block_k_dividing_128_and_fp8():
 # --- FP8 accumulation promoted into fp32 (promote_k) -----------------------------------------
 
 
-@pytest.mark.parametrize("config", [SplitKConfig(16, 32, 64, 3, 4, 2, promote_k=64),
-                                    SplitKConfig(32, 64, 128, 1, 4, 2, promote_k=32)],
+# wgmma tiles (block_m of 64, 4 warps): the only dots promote_k applies to.
+@pytest.mark.parametrize("config", [SplitKConfig(64, 32, 64, 3, 4, 2, promote_k=64),
+                                    SplitKConfig(64, 64, 128, 1, 8, 2, promote_k=32)],
                          ids=lambda c: c.name)
 def test_promoted_fp8_matches_reference(config):
     gemm_checks.promoted_fp8(gemm_splitk, config)
@@ -415,13 +416,18 @@ def test_promoted_fp8_matches_reference(config):
 
 def test_promote_k_refusals():
     gemm_checks.promote_k_refusals(gemm_splitk,
-                                   SplitKConfig(16, 32, 128, 1, 4, 2, promote_k=128))
+                                   SplitKConfig(64, 32, 128, 1, 4, 2, promote_k=128))
+
+
+def test_promote_k_reaches_the_dot():
+    gemm_checks.promote_k_reaches_the_dot(launch_gemm_splitk,
+                                          SplitKConfig(64, 32, 64, 2, 4, 2, promote_k=128))
 
 
 def test_promote_k_name_follows_pdl():
-    config = SplitKConfig(16, 64, 256, 4, 4, 3, promote_k=128)
+    config = SplitKConfig(64, 64, 256, 4, 4, 3, promote_k=128)
     # The optional fields are positional: a promoted config spells pdl too, even when off.
-    assert config.name == "triton.splitk:BM16.BN64.BK256.SK4.W4.S3.P0.PK128"
+    assert config.name == "triton.splitk:BM64.BN64.BK256.SK4.W4.S3.P0.PK128"
     gemm_checks.name_round_trip(config, KERNEL_PREFIX)
     assert SplitKConfig.from_name("triton.splitk:BM16.BN64.BK256.SK4.W4.S3.P1").promote_k == 0
 
@@ -430,4 +436,4 @@ def test_promote_k_name_follows_pdl():
 @pytest.mark.parametrize("split_k", [1, 4])
 def test_gpu_promoted_fp8_accumulation_is_precise(split_k):
     gemm_checks.promoted_accumulation_is_precise(
-        gemm_splitk, SplitKConfig(16, 64, 256, split_k, 4, 3), 16, 512, 16384)
+        gemm_splitk, SplitKConfig(64, 64, 256, split_k, 4, 3), 64, 512, 16384)

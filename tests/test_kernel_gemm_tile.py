@@ -17,6 +17,7 @@ from gemmtune.kernels.triton.gemm_tile import (
     default_config,
     fits,
     gemm_tile,
+    launch_gemm_tile,
     why_not_fits,
 )
 
@@ -197,15 +198,21 @@ def test_block_scales_need_block_k_dividing_128_and_fp8():
 # --- FP8 accumulation promoted into fp32 (promote_k) -----------------------------------------
 
 
-@pytest.mark.parametrize("config", [TileConfig(16, 32, 64, 2, 4, 2, promote_k=64),
-                                    TileConfig(32, 64, 128, 2, 4, 2, promote_k=32)],
+# wgmma tiles (block_m of 64, 4 warps): the only dots promote_k applies to.
+@pytest.mark.parametrize("config", [TileConfig(64, 32, 64, 2, 4, 2, promote_k=64),
+                                    TileConfig(64, 64, 128, 2, 8, 2, promote_k=32)],
                          ids=lambda c: c.name)
 def test_promoted_fp8_matches_reference(config):
     gemm_checks.promoted_fp8(gemm_tile, config)
 
 
 def test_promote_k_refusals():
-    gemm_checks.promote_k_refusals(gemm_tile, TileConfig(16, 32, 128, 2, 4, 2, promote_k=128))
+    gemm_checks.promote_k_refusals(gemm_tile, TileConfig(64, 32, 128, 2, 4, 2, promote_k=128))
+
+
+def test_promote_k_reaches_the_dot():
+    gemm_checks.promote_k_reaches_the_dot(launch_gemm_tile,
+                                          TileConfig(64, 32, 64, 2, 4, 2, promote_k=128))
 
 
 def test_promote_k_name():

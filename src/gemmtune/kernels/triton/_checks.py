@@ -79,20 +79,26 @@ def why_not_dot_k(config, dtype: torch.dtype) -> str | None:
 
 
 def why_not_promote(config, dtype: torch.dtype) -> str | None:
-    """``promote_k`` (configs that have it): 0, or for FP8 inputs a multiple of 32 (one wgmma's
-    K) that divides block_k. Hopper's FP8 tensor cores accumulate with reduced precision (about
-    14 mantissa bits, DeepSeek-V3 report), and Triton lets them run over the whole K by default
-    (``max_num_imprecise_acc`` 2^30 on sm_90): every ``promote_k`` elements of K the kernel adds
-    their partial sum into a true fp32 accumulator instead, as cuBLAS without fast accumulation
-    and DeepGEMM (every 128) do."""
+    """``promote_k`` (configs that have it): 0, or for FP8 inputs on a wgmma dot a multiple of 32
+    (one wgmma's K) that divides block_k. Hopper's FP8 wgmma accumulates with reduced precision
+    (about 14 mantissa bits, DeepSeek-V3 report), and Triton lets it run over the whole K by
+    default (``max_num_imprecise_acc`` 2^30 on sm_90): every ``promote_k`` elements of K the
+    kernel adds its partial sum into a true fp32 accumulator instead, as cuBLAS without fast
+    accumulation and DeepGEMM (every 128) do. Triton takes wgmma only for block_m a multiple of
+    64 and num_warps a multiple of 4; smaller dots run mma.sync, which converts FP8 to fp16 and
+    accumulates in fp32 (exact products, no promotion needed, and the setting is ignored)."""
     promote_k = getattr(config, "promote_k", 0)
     if promote_k == 0:
         return None
     if dtype != torch.float8_e4m3fn:
         return f"promote_k={promote_k} applies to float8_e4m3fn inputs only, not {dtype}; use 0"
-    if promote_k % 32 or config.block_k % promote_k:
+    if promote_k < 0 or promote_k % 32 or config.block_k % promote_k:
         return (f"promote_k={promote_k} must be a multiple of 32 that divides "
                 f"block_k={config.block_k}")
+    if config.block_m % 64 or config.num_warps % 4:
+        return (f"promote_k={promote_k} applies to wgmma dots only (block_m a multiple of 64, "
+                f"num_warps of 4); block_m={config.block_m} with num_warps={config.num_warps} "
+                f"runs mma.sync, which accumulates FP8 products in fp32 already: use 0")
     return None
 
 
