@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from gemmtune.kernels.triton import _checks
+from gemmtune.kernels.triton import _checks, gemm_persistent, gemm_splitk, gemm_tile
 from gemmtune.kernels.triton.gemm_persistent import PersistentConfig, launch_gemm_persistent
 from gemmtune.kernels.triton.gemm_splitk import SplitKConfig
 from gemmtune.kernels.triton.gemm_tile import TileConfig, launch_gemm_tile
@@ -35,6 +35,8 @@ from gemmtune.tune.timing import interleaved_graph_us
 TABLE = Path(__file__).resolve().parents[1] / "src/gemmtune/configs/a8w8_tuned_gemm.csv"
 CONFIGS = {"triton.splitk": SplitKConfig, "triton.tile": TileConfig,
            "triton.persistent": PersistentConfig}
+WHY_NOT_FITS = {"triton.splitk": gemm_splitk.why_not_fits, "triton.tile": gemm_tile.why_not_fits,
+                "triton.persistent": gemm_persistent.why_not_fits}
 FP8 = "torch.float8_e4m3fn"
 # Long-K decode shapes beside the table's rows: the error of a fast accumulation grows with K.
 # wgmma tiles (block_m 64, 4 warps): smaller split-K tiles run mma.sync, exact in fp32 already.
@@ -55,8 +57,7 @@ def promoted(name: str, m: int, n: int, k: int):
     prefix = name.partition(":")[0]
     config = CONFIGS[prefix].from_name(name)
     config = dataclasses.replace(config, promote_k=min(config.block_k, 128))
-    why = (_checks.why_not_promote(config, torch.float8_e4m3fn)
-           or _checks.why_not_resources(config, torch.float8_e4m3fn))
+    why = WHY_NOT_FITS[prefix](config, m, n, k, torch.float8_e4m3fn)
     return (None, why) if why else (config.name, "")
 
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from gemmtune import quant
+from gemmtune.ops.gemm_a8w8 import scaled_mm_torch
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -297,8 +298,7 @@ def promoted_accumulation_is_precise(launch, config, M, N, K):
     def rel_err(y):
         return float((y.double() - ref).norm() / ref.norm())
 
-    cublas = rel_err(torch._scaled_mm(xq, wq.T, scale_a=x_scale.reshape(-1, 1),
-                                      scale_b=w_scale.reshape(1, -1), out_dtype=torch.float32))
+    cublas = rel_err(scaled_mm_torch(xq, wq, None, torch.float32, x_scale, w_scale))
     errors = {}
     for promote_k in (0, min(config.block_k, 128)):
         y = launch(xq, wq, scale_a=x_scale, scale_b=w_scale, out_dtype=torch.float32,
