@@ -1,11 +1,23 @@
-"""The ``torch`` backend (the floor every tuned kernel must beat) and the fp32 references."""
+"""The ``torch`` backends (the floor every tuned kernel must beat) and the fp32 references of
+every GEMM op: ``gemm_a16w16`` (``F.linear``), ``gemm_a8w8`` (``torch._scaled_mm`` /
+``torch._int_mm``) and ``gemm_a8w8_blockscale`` (``torch._scaled_mm`` with block scales).
+
+A backend is called as dispatch calls every kernel: ``(x, w, bias, out_dtype, scale_a, scale_b,
+out=None)`` with x (..., K) and w (N, K); ``out`` (the tuner's NaN-poisoned buffer) receives a
+copy. A ``*_ref`` function computes the same product in fp32, cast to ``out_dtype``.
+"""
 
 from __future__ import annotations
+
+import warnings
 
 import torch
 import torch.nn.functional as F
 
+# The names tables give the torch backends (kernelName).
 TORCH_LINEAR = "torch.linear"
+TORCH_SCALED_MM = "torch.scaled_mm"
+TORCH_BLOCKSCALE = "torch.scaled_mm_blockwise"
 
 _FP8 = {getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n)}
 # torch.mm(..., out_dtype=) (bf16/fp16 in, fp32 out) arrived in torch 2.8; older ones take the
@@ -68,3 +80,105 @@ def _linear_torch(x, w, bias, out_dtype, scale_a, scale_b):
         y = y + bias.float() if bias is not None else y
         return y.view(*x.shape[:-1], n)
     return gemm_a16w16_ref(x, w, bias, out_dtype, scale_a, scale_b)
+
+
+def gemm_a8w8_ref(xq, wq, x_scale, w_scale, bias=None, out_dtype=torch.bfloat16):
+    """The dequantised product in fp32, cast to ``out_dtype``: what every backend must match."""
+    k, n = xq.shape[-1], wq.shape[0]
+    y = (xq.reshape(-1, k).float() @ wq.float().t()) * x_scale.reshape(-1, 1).float() \
+        * w_scale.reshape(1, -1).float()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(out_dtype).view(*xq.shape[:-1], n)
+
+
+def torch_fast_path(m: int, n: int, k: int, q_dtype: torch.dtype, cuda: bool = True) -> bool:
+    """Whether the torch backend runs (M, N, K) through cuBLAS (``_scaled_mm`` needs N and K
+    multiples of 16, ``_int_mm`` M > 16 and N, K multiples of 8), not the fp32 reference."""
+    if not cuda:
+        return False
+    if q_dtype == torch.float8_e4m3fn:
+        return k % 16 == 0 and n % 16 == 0
+    return m > 16 and k % 8 == 0 and n % 8 == 0
+
+
+def scaled_mm_torch(xq, wq, bias, out_dtype, x_scale, w_scale, out=None):  # xq (..., K), wq (N, K)
+    """The torch backend: ``torch._scaled_mm`` (FP8; tensor-wise or row-wise scales) and
+    ``torch._int_mm`` (INT8) on CUDA where their shape rules hold, the fp32 reference elsewhere.
+    Bias is added after the product (``_scaled_mm``'s own bias does not take every scale layout)."""
+    k, n = xq.shape[-1], wq.shape[0]
+    x2 = xq.reshape(-1, k)
+    m = x2.shape[0]
+    y = None
+    fast = torch_fast_path(m, n, k, xq.dtype, xq.is_cuda)
+    if fast and xq.dtype == torch.float8_e4m3fn:
+        sa, sb = x_scale.reshape(-1), w_scale.reshape(-1)
+        if sa.numel() == 1 and sb.numel() == 1:
+            sa, sb = sa.reshape(()), sb.reshape(())
+        else:  # row-wise: an (M, 1) and a (1, N) scale
+            sa = sa.reshape(-1, 1).expand(m, 1).contiguous()
+            sb = sb.reshape(1, -1).expand(1, n).contiguous()
+        y = torch._scaled_mm(x2.contiguous(), wq.contiguous().t(), scale_a=sa, scale_b=sb,
+                             out_dtype=out_dtype if bias is None else torch.float32)
+    elif fast:
+        acc = torch._int_mm(x2.contiguous(), wq.contiguous().t())  # int32, exact
+        y = acc.float() * x_scale.reshape(-1, 1) * w_scale.reshape(1, -1)
+        y = y if bias is not None else y.to(out_dtype)
+    if y is None:
+        y = gemm_a8w8_ref(x2, wq, x_scale, w_scale, bias, out_dtype)
+    elif bias is not None:
+        y = (y + bias.float()).to(out_dtype)
+    y = y.view(*xq.shape[:-1], n)
+    return y if out is None else out.copy_(y)
+
+
+_BLOCK = 128  # K extent of an FP8 block scale (x per 1x128, w per 128x128)
+
+
+def gemm_a8w8_blockscale_ref(xq, wq, x_scale, w_scale, out_dtype=torch.bfloat16):
+    """The dequantised product in fp32 (each element times its block's scale), cast."""
+    k, n = xq.shape[-1], wq.shape[0]
+    x2, xs = xq.reshape(-1, k).float(), x_scale.reshape(-1, x_scale.shape[-1])
+    x_deq = x2 * xs.repeat_interleave(_BLOCK, dim=1)[:, :k]
+    w_deq = wq.float() * w_scale.repeat_interleave(_BLOCK, dim=0)[:n].repeat_interleave(
+        _BLOCK, dim=1)[:, :k]
+    return (x_deq @ w_deq.t()).to(out_dtype).view(*xq.shape[:-1], n)
+
+
+# (N, K) whose block-wise torch._scaled_mm raised here: they take the reference from then on.
+_refused: set[tuple[int, int]] = set()
+
+
+def cublas_block_wise(n: int, k: int) -> bool:
+    """Whether the torch backend runs (N, K) through cuBLAS's block-wise FP8 GEMM. Measured on
+    H100 (torch 2.11, cuBLAS 13.1): it needs N and K multiples of 128 and K/128 a multiple of 4
+    (K = 256 and 2304 returned wrong numbers with no error; padding w's scale rows to 4 was
+    refused as an invalid scaling configuration)."""
+    return n % _BLOCK == 0 and k % (4 * _BLOCK) == 0 and (n, k) not in _refused
+
+
+def blockscale_torch(xq, wq, bias, out_dtype, x_scale, w_scale, out=None):
+    """The torch backend: ``torch._scaled_mm`` with 1x128 x 128x128 scales where cuBLAS takes
+    the shape (``cublas_block_wise``; x's scales M-major with M padded to a multiple of 4, w's
+    as (K/128, N/128)); elsewhere the dequantised fp32 reference, correct and slow."""
+    k, n = xq.shape[-1], wq.shape[0]
+    x2, xs = xq.reshape(-1, k), x_scale.reshape(-1, x_scale.shape[-1])
+    m = x2.shape[0]
+    y = None
+    if xq.is_cuda and cublas_block_wise(n, k):
+        pad = -m % 4
+        if pad:
+            x2 = torch.cat([x2, x2.new_zeros(pad, k)])
+            xs = torch.cat([xs, xs.new_ones(pad, xs.shape[1])])
+        try:
+            y = torch._scaled_mm(x2, wq.t(), scale_a=xs.t().contiguous().t(),
+                                 scale_b=w_scale.t(), out_dtype=out_dtype)[:m]
+        except (RuntimeError, ValueError) as e:
+            _refused.add((n, k))
+            warnings.warn(f"gemm_a8w8_blockscale: torch._scaled_mm refused block scales for "
+                          f"N={n} K={k} ({e}); the torch backend uses the dequantised reference "
+                          f"for this shape", stacklevel=2)
+    if y is None:
+        y = gemm_a8w8_blockscale_ref(x2[:m], wq, xs[:m], w_scale, out_dtype)
+    y = y.view(*xq.shape[:-1], n)
+    return y if out is None else out.copy_(y)

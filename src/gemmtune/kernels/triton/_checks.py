@@ -21,6 +21,9 @@ SMEM_LIMIT_BYTES = 227 * 1024
 MAX_ACC_REGS_PER_THREAD = 128
 # Programs along grid axis 0, whose program id is an int32.
 MAX_PROGRAMS = 2**31 - 1
+# SMs to size grids for where there is no GPU to ask (the interpreter): H100 SXM's, the GPU the
+# shipped tables were tuned on, so CPU tests see the choices made there.
+REFERENCE_SMS = 132
 
 VALID_WARPS = (1, 2, 4, 8)
 MIN_BLOCK = 16  # tl.dot needs every tile dimension >= 16
@@ -41,6 +44,22 @@ def _probe():
 # Under TRITON_INTERPRET=1 triton.jit returns an InterpretedFunction, which runs on CPU tensors.
 # The setting is read at decoration, so this probe answers for every kernel decorated after it.
 INTERPRETED = not isinstance(_probe, triton.runtime.JITFunction)
+
+
+@functools.lru_cache(maxsize=16)
+def _device_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device: torch.device | None = None) -> int:
+    """SMs of ``device`` (default: the current CUDA device); REFERENCE_SMS without a GPU."""
+    if device is not None and device.type != "cuda":
+        return REFERENCE_SMS
+    if not torch.cuda.is_available():
+        return REFERENCE_SMS
+    index = device.index if device is not None and device.index is not None \
+        else torch.cuda.current_device()
+    return _device_sms(index)
 
 
 def is_pow2(v: int) -> bool:

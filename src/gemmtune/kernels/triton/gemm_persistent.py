@@ -14,7 +14,6 @@ dense inner dimension (the launcher copies a strided or misaligned operand first
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -145,11 +144,6 @@ def _fitting_default(M: int, N: int, K: int, dtype: torch.dtype) -> PersistentCo
     return config
 
 
-@functools.lru_cache(maxsize=16)
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def _tma_ready(t: torch.Tensor) -> torch.Tensor:
     """``t`` as TMA takes it: dense rows, 16-byte aligned pitch and base; a copy where it is not
     (a fresh copy is aligned, and its pitch K * itemsize is, by ``why_not_fits``)."""
@@ -181,7 +175,7 @@ def launch_gemm_persistent(x, w, bias, out, scale_a, scale_b, config: Persistent
     x_desc = TensorDescriptor.from_tensor(x, [config.block_m, config.block_k])
     w_desc = TensorDescriptor.from_tensor(w, [config.block_n, config.block_k])
     tiles = triton.cdiv(M, config.block_m) * triton.cdiv(N, config.block_n)
-    programs = min(tiles, _num_sms(x.device.index) if x.is_cuda else 4)
+    programs = min(tiles, _checks.sm_count(x.device) if x.is_cuda else 4)
     _checks.start(gemm_persistent_kernel, (programs,), warmup)(
         x_desc, w_desc, out,
         bias if bias is not None else x,

@@ -45,8 +45,6 @@ REDUCE_REGS_PER_THREAD = 64
 # Grid: tiles on axis 0 (at most _checks.MAX_PROGRAMS), splits on axis 1 (at most 65535 in CUDA);
 # more than 64 splits only adds partials to sum, never bandwidth.
 MAX_SPLIT_K = 64
-# SM count the candidate space and the default are sized for: H100 SXM (H100 PCIe has 114).
-NUM_SMS = 132
 
 # Programmatic dependent launch (Hopper+), a config field because it changes what a launch overlaps
 # with: PDL_OFF launches plainly; PDL_WAIT launches with PDL, so the grid is scheduled while the
@@ -169,7 +167,7 @@ _WARPS = (1, 2, 4, 8)
 
 
 def candidates(M: int, N: int, K: int, dtype: torch.dtype,
-               num_sms: int = NUM_SMS, pdl: int = PDL_OFF,
+               num_sms: int | None = None, pdl: int = PDL_OFF,
                block_ks: tuple[int, ...] | None = None) -> list[SplitKConfig]:
     """The pruned search space for tuning one shape: a few dozen to ~150 configs, all fitting.
 
@@ -178,7 +176,9 @@ def candidates(M: int, N: int, K: int, dtype: torch.dtype,
     num_stages keep ``_VECTORS_PER_THREAD`` and ``_W_IN_FLIGHT_BYTES``; a pipeline no deeper than
     the K steps of one split; ``_MIN_ROW_BYTES``. Every config gets ``pdl``. ``block_ks``
     replaces the block_k choices and the row-bytes rule (block scales need block_k | 128).
+    ``num_sms``: the SMs to fill (default: the current GPU's, ``_checks.sm_count``).
     """
+    num_sms = num_sms or _checks.sm_count()
     elem = dtype.itemsize
     found = []
     for bm in _block_m_choices(M):
@@ -207,7 +207,7 @@ def candidates(M: int, N: int, K: int, dtype: torch.dtype,
 
 
 def default_config(M: int, N: int, K: int, dtype: torch.dtype,
-                   num_sms: int = NUM_SMS) -> SplitKConfig:
+                   num_sms: int | None = None) -> SplitKConfig:
     """A config that always fits and is reasonable without tuning (the fallback on a table miss).
 
     Read off benchmarks/splitk_sweep.py on H100 SXM (bf16, triton 3.6, CUDA-graph replay, cold
@@ -217,7 +217,9 @@ def default_config(M: int, N: int, K: int, dtype: torch.dtype,
     wave of programs, or the next. The earlier default (BN 64, 4-8 warps, two waves of programs)
     reached 0.43 of the roofline floor (geomean) where the fastest candidates reached 0.58.
     The launcher trusts it without calling ``fits`` again; the tests check that it fits.
+    ``num_sms``: the SMs to fill (default: the current GPU's, ``_checks.sm_count``).
     """
+    num_sms = num_sms or _checks.sm_count()
     elem = dtype.itemsize
     bm = min(64, max(16, _next_pow2(M)))
     row_bytes, stages = (512, 3) if 16 < M <= 32 else (256, 5 if M <= 16 else 4)

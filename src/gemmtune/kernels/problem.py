@@ -1,0 +1,35 @@
+"""The plain description of a GEMM that kernels check once per shape: sizes, dtypes and flags.
+
+Families turn their table key into a ``GemmProblem``; a kernel never sees a table key, so kernels
+know nothing of tables or of how a family spells its columns.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+
+
+class Scaling(str, enum.Enum):
+    """How a call scales the product ``x @ w.T``."""
+
+    none = "none"
+    tensor = "tensor"  # one fp32 value per operand (gemm_a16w16's scale_a / scale_b)
+    rowwise = "rowwise"  # per tensor or per row of x / of w, as each call brings (gemm_a8w8)
+    block = "block"  # FP8 block scales: x per 1x128, w per 128x128 of K
+
+
+@dataclass(frozen=True)
+class GemmProblem:
+    """``y (M, N) = x (M, K) @ w (N, K).T``, scaled as ``scaling`` says, plus a bias of N."""
+
+    m: int
+    n: int
+    k: int
+    dtype: torch.dtype  # of x and w
+    out_dtype: torch.dtype
+    has_bias: bool = False
+    scaling: Scaling = Scaling.none
+    preshuffled: bool = False  # w stored in a kernel-specific packed layout

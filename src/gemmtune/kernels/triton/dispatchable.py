@@ -1,0 +1,97 @@
+"""A Triton config name (``triton.tile:...``, ``triton.splitk:...``, ``triton.persistent:...``)
+as a callable for dispatch: checked once per problem, then each call only allocates and
+launches. Called as every backend is: ``kernel(x, w, bias, out_dtype, scale_a, scale_b, out=)``
+with x (..., K) and w (N, K).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from types import ModuleType
+from typing import NamedTuple
+
+import torch
+
+from gemmtune.kernels.problem import GemmProblem, Scaling
+
+PREFIXES = ("triton.tile", "triton.splitk", "triton.persistent")
+
+
+class _KernelFamily(NamedTuple):
+    module: ModuleType  # why_not_supported and _checks
+    config_cls: type  # parses a name
+    launch: Callable  # launch only (the plan checked the problem)
+    validating_launch: Callable  # checks every argument, then launches
+
+
+def _kernel_family(prefix: str) -> _KernelFamily:
+    """Imported on first use, not with this module: importing a kernel module fixes for the
+    process whether its kernels are interpreted (TRITON_INTERPRET), and tuner workers import the
+    families before they set that variable."""
+    if prefix == "triton.tile":
+        from gemmtune.kernels.triton import gemm_tile as m
+
+        return _KernelFamily(m, m.TileConfig, m.launch_gemm_tile, m.gemm_tile)
+    if prefix == "triton.splitk":
+        from gemmtune.kernels.triton import gemm_splitk as m
+
+        return _KernelFamily(m, m.SplitKConfig, m.launch_gemm_splitk, m.gemm_splitk)
+    if prefix == "triton.persistent":
+        from gemmtune.kernels.triton import gemm_persistent as m
+
+        return _KernelFamily(m, m.PersistentConfig, m.launch_gemm_persistent,
+                             m.gemm_persistent)
+    raise ValueError(f"{prefix!r}: not a Triton kernel; prefixes: {', '.join(PREFIXES)}")
+
+
+class TritonKernel:
+    """One named config of one Triton kernel family. ``block_scales``: the kernel applies FP8
+    block scales (``gemm_a8w8_blockscale``), which its launch must be told."""
+
+    def __init__(self, name: str, block_scales: bool = False):
+        family = _kernel_family(name.split(":", 1)[0])
+        self._module = family.module
+        self._launch = family.launch
+        self._validating_launch = family.validating_launch
+        self.config = family.config_cls.from_name(name)
+        self.name = self.config.name
+        # Only block-scaled kernels pass the flag: the common launch stays as short as it was.
+        self._launch_kwargs = {"block_scales": True} if block_scales else {}
+
+    def __repr__(self) -> str:
+        return f"TritonKernel({self.name!r})"
+
+    def check(self, problem: GemmProblem) -> str | None:
+        """Why this config cannot run ``problem``, or None."""
+        blocks = bool(self._launch_kwargs)
+        if blocks != (problem.scaling is Scaling.block):
+            return (f"{self.name} was built {'with' if blocks else 'without'} block scales; the "
+                    f"problem has {problem.scaling.value} scales")
+        if problem.preshuffled:
+            return "pre-shuffled weights are not supported by the Triton kernels"
+        why = self._module.why_not_supported(self.config, problem.m, problem.n, problem.k,
+                                             problem.dtype, problem.out_dtype)
+        if why is None and blocks:
+            why = self._module._checks.why_not_block_scaled(self.config, problem.dtype)
+        return why
+
+    def warmup(self, x, w, bias, out_dtype, scale_a, scale_b) -> None:
+        """Compile for this call's arguments without running anything on the GPU."""
+        x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+        y = torch.empty((x2.shape[0], w.shape[0]), dtype=out_dtype, device=x.device)
+        if y.numel() and not self._module._checks.INTERPRETED:
+            self._launch(x2, w, bias, y, scale_a, scale_b, self.config, warmup=True,
+                         **self._launch_kwargs)
+
+    def __call__(self, x, w, bias, out_dtype, scale_a, scale_b, out=None):  # x (..., K), w (N, K)
+        if (scale_a is None) != (scale_b is None):
+            # The validating launcher explains what is wrong.
+            return self._validating_launch(x, w, bias, out_dtype, scale_a, scale_b, self.config,
+                                           **self._launch_kwargs)
+        n = w.shape[0]
+        x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+        y = torch.empty((x2.shape[0], n), dtype=out_dtype, device=x.device) if out is None \
+            else out.view(x2.shape[0], n)
+        if y.numel():
+            self._launch(x2, w, bias, y, scale_a, scale_b, self.config, **self._launch_kwargs)
+        return y if x2 is x else y.view(x.shape[:-1] + (n,))
