@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from gemmtune.kernels import cublaslt
 from gemmtune.kernels.cublaslt import CublasLtKernel, enumerate_algos, heuristic_algos
-from gemmtune.tune.timing import copies_to_exceed_l2, graph_replay_us, host_us_per_call
+from gemmtune.measure.timing import copies_to_exceed_l2, graph_replay_us, host_us_per_call
 
 SHAPES = [(1, 576, 7168), (16, 4096, 4096), (13, 1000, 520), (128, 4096, 4096),
           (1024, 4096, 4096)]

@@ -12,9 +12,9 @@ import numpy as np
 import torch
 
 from gemmtune import quant
-from gemmtune.bench import _device_time_us as events_us
+from gemmtune.measure.timing import events_us
 from gemmtune.kernels import cublaslt as lt
-from gemmtune.ops.gemm_a8w8 import gemm_a8w8_ref, scaled_mm_torch
+from gemmtune.kernels.torch_ref import gemm_a8w8_ref, scaled_mm_torch
 
 CUDA_R_8F_E4M3 = 28
 SHAPES = ((1, 6144, 4096), (16, 4096, 4096), (64, 28672, 4096), (1024, 4096, 4096))

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 import gemmtune
 from gemmtune.kernels.triton.gemm_tile import TileConfig, default_config
-from gemmtune.tune.timing import copies_to_exceed_l2, graph_replay_us, host_us_per_call
+from gemmtune.measure.timing import copies_to_exceed_l2, graph_replay_us, host_us_per_call
 
 SHAPES = [(1, 576, 7168), (16, 576, 7168), (16, 4096, 4096), (128, 4096, 4096),
           (1024, 4096, 4096), (4096, 4096, 4096)]

@@ -27,10 +27,10 @@ from gemmtune.kernels.triton import _checks, gemm_persistent, gemm_splitk, gemm_
 from gemmtune.kernels.triton.gemm_persistent import PersistentConfig, launch_gemm_persistent
 from gemmtune.kernels.triton.gemm_splitk import SplitKConfig
 from gemmtune.kernels.triton.gemm_tile import TileConfig, launch_gemm_tile
-from gemmtune.tune.accuracy import gate
-from gemmtune.tune.families._gemm import _rotating
-from gemmtune.tune.families.a8w8 import A8w8Family
-from gemmtune.tune.timing import interleaved_graph_us
+from gemmtune.measure.accuracy import gate
+from gemmtune.families._gemm_tuner import _rotating
+from gemmtune.families.a8w8.tuner import A8w8Tuner
+from gemmtune.measure.timing import interleaved_graph_us
 
 TABLE = Path(__file__).resolve().parents[1] / "src/gemmtune/configs/a8w8_tuned_gemm.csv"
 CONFIGS = {"triton.splitk": SplitKConfig, "triton.tile": TileConfig,
@@ -61,7 +61,7 @@ def promoted(name: str, m: int, n: int, k: int):
     return (None, why) if why else (config.name, "")
 
 
-def measure(family: A8w8Family, key: tuple, names: list[str]) -> list[dict]:
+def measure(family: A8w8Tuner, key: tuple, names: list[str]) -> list[dict]:
     prepared = family.prepare(key, seed=0)
     atol, rtol, bound = family.tolerance(key)
     results = []
@@ -77,7 +77,7 @@ def measure(family: A8w8Family, key: tuple, names: list[str]) -> list[dict]:
     return results
 
 
-def wide_tiles_unchecked(family: A8w8Family, rows: list) -> list[str]:
+def wide_tiles_unchecked(family: A8w8Tuner, rows: list) -> list[str]:
     """The wide-tile configs ``why_not_resources`` refuses promotion for (two accumulators of
     128 registers per thread), launched anyway past the checks: does the rule match ptxas?"""
     lines = []
@@ -117,7 +117,7 @@ FIELDS = ["M", "N", "K", "kernel", "promoted"] + [f"{who}_{what}" for who in (
     "torch", "fast", "promoted") for what in ("rel_err", "err_ratio", "us")]
 
 
-def measure_row(family: A8w8Family, m: str, n: str, k: str, name: str) -> dict | None:
+def measure_row(family: A8w8Tuner, m: str, n: str, k: str, name: str) -> dict | None:
     """One table row: torch, the row's config and its promoted twin; None (reported) if one of
     them fails."""
     key = (int(m), int(n), int(k), FP8)
@@ -144,7 +144,7 @@ def main() -> None:
     parser.add_argument("--limit", type=int, default=0, help="first N rows only (0: all)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    family = A8w8Family()
+    family = A8w8Tuner()
     rows = shipped_rows()[:args.limit or None]
     print(f"{torch.cuda.get_device_name()}: {len(rows)} FP8 rows", flush=True)
     wide = wide_tiles_unchecked(family, rows)

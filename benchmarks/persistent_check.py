@@ -12,7 +12,7 @@ import triton
 from gemmtune import quant
 from gemmtune.kernels.triton.gemm_persistent import PersistentConfig, gemm_persistent
 from gemmtune.kernels.triton.gemm_tile import TileConfig, gemm_tile
-from gemmtune.ops.gemm_a8w8 import scaled_mm_torch
+from gemmtune.kernels.torch_ref import scaled_mm_torch
 
 SHAPES = ((4096, 4096, 4096), (2048, 28672, 4096), (8192, 7168, 2048))
 

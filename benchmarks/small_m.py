@@ -14,7 +14,7 @@ import torch
 
 from gemmtune import quant
 from gemmtune.kernels.triton.gemm_splitk import SplitKConfig, launch_gemm_splitk
-from gemmtune.tune.timing import copies_to_exceed_l2, interleaved_graph_us
+from gemmtune.measure.timing import copies_to_exceed_l2, interleaved_graph_us
 
 N, K = 6144, 4096
 FP8 = SplitKConfig(16, 32, 256, 1, 1, 5, 1)

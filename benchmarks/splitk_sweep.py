@@ -38,7 +38,7 @@ from gemmtune.kernels.triton.gemm_splitk import (
     default_config,
     launch_gemm_splitk,
 )
-from gemmtune.tune.timing import copies_to_exceed_l2, graph_replay_us, interleaved_graph_us
+from gemmtune.measure.timing import copies_to_exceed_l2, graph_replay_us, interleaved_graph_us
 
 SHAPES = [(576, 7168), (1536, 7168), (4096, 4096), (6144, 4096), (28672, 4096), (4096, 14336),
           (1280, 8192), (8192, 1024), (7168, 2048)]  # (N, K)

@@ -1,6 +1,6 @@
 """Where the bf16 tuner's time per candidate goes: the family's phases, in one process.
 
-For one (N, K) over a list of M: every candidate of ``Bf16Family`` is built (``precompile``),
+For one (N, K) over a list of M: every candidate of ``Bf16Tuner`` is built (``precompile``),
 run once and checked against the fp32 reference (``run`` + the gate), and screen-timed
 (``time``), each phase on its own clock; sums per phase and backend are printed, and every
 candidate's phases go to tune_cost.csv under $OUT (or ./out). The tuner adds worker round trips
@@ -19,15 +19,15 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from gemmtune.tune.accuracy import gate
-from gemmtune.tune.families.bf16 import Bf16Family
+from gemmtune.measure.accuracy import gate
+from gemmtune.families.bf16.tuner import Bf16Tuner
 from gemmtune.tune.family import TuneOptions
 
 PHASES = ("precompile", "check", "time")
 
 
 def measure(n: int, k: int, ms: list[int]) -> list[dict]:
-    family = Bf16Family()
+    family = Bf16Tuner()
     options = TuneOptions()
     rows = []
     for m in ms:

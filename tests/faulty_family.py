@@ -12,8 +12,8 @@ import time
 
 import torch
 
-from gemmtune.tables.schema import Family
-from gemmtune.tune.family import Candidate, Prepared, TuneFamily
+from gemmtune.families import get_family
+from gemmtune.tune.family import Candidate, FamilyTuner, Prepared
 
 # name -> synthetic µs for the candidates that compute the right answer
 GOOD = {"torch.linear": 10.0, "good.fast": 5.0, "good.slow": 8.0}
@@ -26,8 +26,8 @@ TIMING_FAULTS = {"fault.nantime": float("nan"), "fault.retimecrash": 1.0}
 OUT_OF_MEMORY = {"oom.once": 3.0, "oom.always": 2.0}
 
 
-class FaultyFamily(TuneFamily):
-    family = Family.bf16
+class FaultyFamily(FamilyTuner):
+    schema = get_family("bf16").schema
     timing_label = "synthetic"
 
     def device_info(self):
@@ -43,7 +43,7 @@ class FaultyFamily(TuneFamily):
                           solidx=i) for i, n in enumerate(names)]
 
     def prepare(self, key, seed):
-        m, n, k = key[:3]
+        m, n, k = key.M, key.N, key.K
         gen = torch.Generator().manual_seed(seed)
         x = torch.randn(m, k, generator=gen)
         w = torch.randn(n, k, generator=gen) / k ** 0.5
@@ -119,4 +119,4 @@ class FaultyFamily(TuneFamily):
                 os._exit(5)
             return TIMING_FAULTS[name], 0.01
         # Deterministic per shape, so interrupted and uninterrupted runs give the same rows.
-        return {**GOOD, **OUT_OF_MEMORY}[name] + prepared.key[0] / 1000, 0.01
+        return {**GOOD, **OUT_OF_MEMORY}[name] + prepared.key.M / 1000, 0.01

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from gemmtune import quant
-from gemmtune.ops.gemm_a8w8 import scaled_mm_torch
+from gemmtune.kernels.torch_ref import scaled_mm_torch
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

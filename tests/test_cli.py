@@ -5,8 +5,11 @@ from __future__ import annotations
 import pytest
 
 from gemmtune.cli import build_parser, main
-from gemmtune.tables.schema import Family, schema_for
+from gemmtune.families import get_family
 from gemmtune.tables.store import read_table
+
+BF16_SCHEMA = get_family("bf16").schema
+FMOE_SCHEMA = get_family("fmoe").schema
 
 VERBS = ["lookup", "capture", "shapes", "tables", "tune", "bench"]
 
@@ -69,14 +72,14 @@ def test_shapes_writes_and_merges_without_duplicates(tmp_path, capsys):
                  str(out)]) == 0
     assert main(["shapes", "--model", "mixtral-8x7b", "--tp", "2", "--nsets", "16,32", "-o",
                  str(out)]) == 0
-    bf16 = read_table(out / "bf16_untuned_gemm.csv", schema_for(Family.bf16), untuned=True).rows
+    bf16 = read_table(out / "bf16_untuned_gemm.csv", BF16_SCHEMA, untuned=True).rows
     # Mixtral tp=2: qkv N=(16+2*4)*128=3072, o K=2048, router N=8 experts, lm_head N=16000.
-    assert sorted({(r.key[1], r.key[2]) for r in bf16}) == [(8, 4096), (3072, 4096),
+    assert sorted({(r.key.N, r.key.K) for r in bf16}) == [(8, 4096), (3072, 4096),
                                                            (4096, 2048), (16000, 4096)]
-    assert sorted({r.key[0] for r in bf16}) == [1, 16, 32]
+    assert sorted({r.key.M for r in bf16}) == [1, 16, 32]
     assert len(bf16) == 12
-    fmoe = read_table(out / "untuned_fmoe.csv", schema_for(Family.fmoe), untuned=True).rows
-    assert {r.key[1:5] for r in fmoe} == {(4096, 7168, 8, 2)}
+    fmoe = read_table(out / "untuned_fmoe.csv", FMOE_SCHEMA, untuned=True).rows
+    assert {(r.key.model_dim, r.key.inter_dim, r.key.expert, r.key.topk) for r in fmoe} == {(4096, 7168, 8, 2)}
 
 
 def test_shapes_from_model_dir_and_family_filter(tmp_path, capsys):
@@ -87,10 +90,10 @@ def test_shapes_from_model_dir_and_family_filter(tmp_path, capsys):
         '"num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1000}')
     assert main(["shapes", "--model_dir", str(cfg), "--nsets", "8", "--families", "bf16", "-o",
                  str(tmp_path / "o")]) == 0
-    rows = read_table(tmp_path / "o" / "bf16_untuned_gemm.csv", schema_for(Family.bf16),
+    rows = read_table(tmp_path / "o" / "bf16_untuned_gemm.csv", BF16_SCHEMA,
                       untuned=True).rows
     # head_dim 64: qkv N=(4+2*2)*64=512; o 256x256; gate_up N=1024; down K=512; lm_head N=1000.
-    assert sorted((r.key[1], r.key[2]) for r in rows) == [(256, 256), (256, 512), (512, 256),
+    assert sorted((r.key.N, r.key.K) for r in rows) == [(256, 256), (256, 512), (512, 256),
                                                           (1000, 256), (1024, 256)]
 
 
@@ -124,7 +127,9 @@ def test_bench_on_cpu_says_so_and_writes_csv_and_plot(tmp_path, capsys):
     assert [(r["M"], r["N"], r["K"]) for r in rows] == [("1", "64", "48"), ("16", "64", "48"),
                                                         ("3", "40", "24")]
     assert all(r["ok"] == "True" and r["kernel"] == "torch.linear" for r in rows)
-    assert all(float(r["torch_us"]) > 0 and float(r["floor_us"]) > 0 for r in rows)
+    assert all(float(r["torch_us"]) > 0 and float(r["roofline_us"]) > 0 for r in rows)
+    # No GPU: no CUDA graph to time t_launch with, so the attainable floor is the roofline.
+    assert all(r["attainable_us"] == r["roofline_us"] for r in rows)
     png = tmp_path / "b" / "bench_bf16.png"
     pytest.importorskip("matplotlib")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -172,32 +177,56 @@ def test_bench_refuses_a_dtype_of_another_family(capsys):
     assert main(["bench", "bf16", "--dtype", "int8", "--M", "1"]) == 2
     assert "bf16 benches --dtype bf16, fp16 or fp32, not int8" in capsys.readouterr().err
     assert main(["bench", "a8w8-blockscale", "--dtype", "int8", "--M", "1"]) == 2
-    assert "a8w8-blockscale benches fp8 only, not int8" in capsys.readouterr().err
+    assert "a8w8-blockscale benches --dtype fp8 only, not int8" in capsys.readouterr().err
+
+
+def bench_row(name, m, torch_us, tuned_us, roofline_us=2.0, launch_us=0.0, kernel="k",
+              **flags):
+    from gemmtune.bench import BenchRow
+
+    attainable = roofline_us + launch_us
+    return BenchRow(name, m, 8, 8, torch_us, tuned_us, torch_us / tuned_us, roofline_us,
+                    attainable, roofline_us / tuned_us, attainable / tuned_us,
+                    roofline_us / torch_us, attainable / torch_us, "exact", kernel, 0.0, True,
+                    **flags)
 
 
 def test_geomean_and_summary_by_m_range():
-    from gemmtune.bench import BenchRow, geomean, summarize
+    from gemmtune.bench import geomean, summarize
 
     assert geomean([2.0, 8.0]) == pytest.approx(4.0)
-    rows = [BenchRow("a", m, 8, 8, 10.0, 5.0 * f, 2.0 * f, 2.0, 0.4, 0.2, "exact", "k", 0.0, True)
-            for m, f in ((1, 1.0), (16, 4.0), (2048, 1.0))]
+    rows = [bench_row("a", m, 10.0, us) for m, us in ((1, 5.0), (16, 1.25), (2048, 5.0))]
     lines = summarize(rows)
-    assert lines[0].startswith("M<=64") and "geomean 4.000" in lines[0] and "2 shapes" in lines[0]
+    # speed-ups 2 and 8; roofline efficiencies 0.4 and 1.6, counted as 1.0: geomean sqrt(0.4)
+    assert lines[0].startswith("M<=64") and "speed-up geomean 4.000" in lines[0]
+    assert "2 shapes" in lines[0] and "tuned 0.632 / 0.632, torch 0.200 / 0.200" in lines[0]
     assert lines[1].startswith("M>=1024") and "1 shapes" in lines[1]
     # A shape whose torch column is the fp32 reference stays out of the speed-up.
-    rows.append(BenchRow("b", 32, 8, 8, 1000.0, 5.0, 200.0, 2.0, 0.4, 0.002, "exact", "k", 0.0,
-                         True, torch_is_reference=True))
+    rows.append(bench_row("b", 32, 1000.0, 5.0, torch_is_reference=True))
     lines = summarize(rows)
-    assert "3 shapes" in lines[0] and "geomean 4.000" in lines[0]
+    assert "3 shapes" in lines[0] and "speed-up geomean 4.000" in lines[0]
     assert "1 with torch = reference left out" in lines[0]
     assert not any(line.startswith("below") for line in lines)
     # Shapes slower than 0.98x torch are named; where both columns ran torch's own kernel the
     # line says the gap is measurement spread.
-    rows += [BenchRow("c", 64, 8, 8, 10.0, 10.5, 10.0 / 10.5, 2.0, 0.2, 0.2, "exact",
-                      "torch.linear", 0.0, True, same_kernel=True),
-             BenchRow("d", 128, 8, 8, 10.0, 11.0, 10.0 / 11.0, 2.0, 0.2, 0.2, "exact",
-                      "triton.tile:x", 0.0, True)]
+    rows += [bench_row("c", 64, 10.0, 10.5, kernel="torch.linear", same_kernel=True),
+             bench_row("d", 128, 10.0, 11.0, kernel="triton.tile:x")]
     below = summarize(rows)[-1]
     assert below.startswith("below 0.98x torch: 2 shape(s)"), below
     assert "c 64x8x8 0.952 (torch's own kernel in both columns)" in below
     assert "d 128x8x8 0.909;" in below and "1 of them measurement spread" in below
+
+
+def test_both_floors_and_capped_efficiency_geomeans():
+    from gemmtune.bench import summarize
+
+    # t_launch 2 us: the attainable floor is 4 us where the roofline is 2 us. The first row ran
+    # below the attainable floor (a launch overlapped with PDL): flagged, counted as 1.0.
+    fast = bench_row("pdl", 1, 8.0, 3.0, launch_us=2.0)
+    slow = bench_row("slow", 16, 8.0, 16.0, launch_us=2.0)
+    assert fast.below_floor and not slow.below_floor
+    assert fast.attainable_efficiency == pytest.approx(4 / 3)
+    lines = summarize([fast, slow])
+    # roofline: min(1, 2/3) and 2/16 -> sqrt(0.667 * 0.125); attainable: 1.0 (capped) and 0.25
+    assert f"tuned {(2 / 3 * 0.125) ** 0.5:.3f} / {0.25 ** 0.5:.3f}" in lines[0], lines[0]
+    assert lines[1].startswith("faster than the attainable floor") and "pdl 1x8x8" in lines[1]

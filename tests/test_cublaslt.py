@@ -341,7 +341,7 @@ def test_scaled_kernel_refuses_what_it_cannot_run_with_a_reason():
 
 def test_a8w8_registry_resolves_cublaslt_names():
     from gemmtune.kernels.cublaslt import CublasLtScaledKernel
-    from gemmtune.ops.gemm_a8w8 import REGISTRY
+    from gemmtune.families.a8w8.op import REGISTRY
 
     name = "cublaslt:id66.tile128x128.stages128xAUTO.sk1.red0.swz0.co7.cl1x1x1.in0"
     assert isinstance(REGISTRY.resolve(name), CublasLtScaledKernel)
@@ -451,7 +451,7 @@ def test_fp8_cuda_graph_replays_with_new_scales(nvmath_lt):
 @pytest.mark.gpu
 def test_fp8_row_dispatches_through_gemm_a8w8(nvmath_lt, tmp_path, monkeypatch):
     import gemmtune
-    from gemmtune.ops.gemm_a8w8 import DISPATCH
+    from gemmtune.families.a8w8.op import DISPATCH
 
     m, n, k = 16, 4096, 4096
     algo = enumerate_algos(m, n, k, torch.float8_e4m3fn, torch.bfloat16, False,

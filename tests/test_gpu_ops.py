@@ -7,7 +7,7 @@ import torch
 
 import gemmtune
 from gemmtune.kernels.torch_ref import gemm_a16w16_ref
-from gemmtune.ops.gemm_a16w16 import DISPATCH
+from gemmtune.families.bf16.op import DISPATCH
 
 pytestmark = pytest.mark.gpu
 
@@ -77,7 +77,7 @@ def test_torch_compile_inductor_fullgraph_on_gpu(triton_rows):
 
 
 def test_interleaved_timing_of_one_kernel_twice_agrees():
-    from gemmtune.tune.timing import copies_to_exceed_l2, interleaved_graph_us
+    from gemmtune.measure.timing import copies_to_exceed_l2, interleaved_graph_us
 
     w = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
     x = torch.randn(16, 4096, device="cuda", dtype=torch.bfloat16)
@@ -90,9 +90,9 @@ def test_interleaved_timing_of_one_kernel_twice_agrees():
 
 
 def test_precompile_builds_without_running_then_the_candidate_runs():
-    from gemmtune.tune.families.bf16 import Bf16Family
+    from gemmtune.families.bf16.tuner import Bf16Tuner
 
-    family = Bf16Family()
+    family = Bf16Tuner()
     key = (16, 576, 7168, False, "torch.bfloat16", "torch.bfloat16", False, False)
     prepared = family.prepare(key, seed=3)
     for name in ("triton.tile:BM16.BN64.BK128.G8.W4.S4",

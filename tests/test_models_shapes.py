@@ -28,7 +28,7 @@ from gemmtune.models.shapes import (
     untuned_rows,
     valid_tp,
 )
-from gemmtune.tables.schema import Family, schema_for
+from gemmtune.families import get_family
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
@@ -331,19 +331,19 @@ def test_tp_that_does_not_divide_expert_width():
 
 def shaped(family, rows):
     """Rows as dicts of column name -> value, through the family's schema."""
-    names = schema_for(family).key_names
-    return [dict(zip(names, r.key)) for r in rows]
+    assert all(type(r.key) is get_family(family).schema.key_type for r in rows)
+    return [r.key._asdict() for r in rows]
 
 
 def test_bf16_rows_columns_order_and_values():
     spec = load_model_dir(FIXTURES / "tiny-llama")
     rows = untuned_rows(spec, 2, m_values=(16, 1, 16))
-    assert set(rows) == {Family.bf16, Family.a8w8, Family.a8w8_blockscale}  # dense: no fmoe
-    bf16 = shaped(Family.bf16, rows[Family.bf16])
+    assert set(rows) == {"bf16", "a8w8", "a8w8_blockscale"}  # dense: no fmoe
+    bf16 = shaped("bf16", rows["bf16"])
     # a8w8: the same GEMMs with FP8 weights, in the same order.
-    assert [r.key for r in rows[Family.a8w8]] == [
+    assert [r.key for r in rows["a8w8"]] == [
         (r["M"], r["N"], r["K"], "torch.float8_e4m3fn") for r in bf16]
-    assert [r.key for r in rows[Family.a8w8_blockscale]] == [
+    assert [r.key for r in rows["a8w8_blockscale"]] == [
         (r["M"], r["N"], r["K"]) for r in bf16]
     # tp=2 shapes sorted by (N, K): (768,1024) (1024,512) (1024,1408) (2816,1024) (16000,1024); M 1 then 16.
     assert [(r["M"], r["N"], r["K"]) for r in bf16] == [
@@ -359,7 +359,7 @@ def test_bf16_rows_columns_order_and_values():
 
 def test_fmoe_rows_columns_and_values():
     rows = untuned_rows(load_model_dir(FIXTURES / "tiny-mla-moe"), 2)
-    fmoe = shaped(Family.fmoe, rows[Family.fmoe])
+    fmoe = shaped("fmoe", rows["fmoe"])
     assert [r["token"] for r in fmoe] == list(DEFAULT_M)
     assert fmoe[0] == {
         "token": 1, "model_dim": 2048, "inter_dim": 352, "expert": 64, "topk": 6,
@@ -367,7 +367,7 @@ def test_fmoe_rows_columns_and_values():
         "q_dtype_w": "torch.bfloat16", "q_type": "QuantType.No", "use_g1u1": 1, "doweight_stage1": 0,
     }
     # 11 distinct projections at tp=2 (see test_tiny_mla_moe_tp2) x 11 default M.
-    assert len(rows[Family.bf16]) == 11 * len(DEFAULT_M)
+    assert len(rows["bf16"]) == 11 * len(DEFAULT_M)
 
 
 def test_rows_have_no_duplicates():

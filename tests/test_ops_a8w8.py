@@ -9,7 +9,8 @@ import torch
 import gemmtune
 from gemm_checks import SCALE_LAYOUTS, install_user_table, quantised_operands
 from gemmtune import quant
-from gemmtune.ops.gemm_a8w8 import DISPATCH, TORCH_SCALED_MM, gemm_a8w8_ref
+from gemmtune.families.a8w8.op import DISPATCH
+from gemmtune.kernels.torch_ref import TORCH_SCALED_MM, gemm_a8w8_ref
 from gemmtune.tables.lookup import Rule
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -8,8 +8,8 @@ import torch
 
 import gemmtune
 from gemm_checks import block_scaled_operands, install_user_table
-from gemmtune.ops.gemm_a8w8_blockscale import (DISPATCH, TORCH_BLOCKSCALE,
-                                               gemm_a8w8_blockscale_ref)
+from gemmtune.families.a8w8_blockscale.op import DISPATCH
+from gemmtune.kernels.torch_ref import TORCH_BLOCKSCALE, gemm_a8w8_blockscale_ref
 from gemmtune.tables.lookup import Rule
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -116,7 +116,7 @@ def test_gpu_real_sizes(blockscale_table, M, kernel):
 def test_gpu_torch_backend_is_right_for_every_shape(blockscale_table, N, K):
     # cuBLAS block-wise where it takes the shape; K/128 = 2 and 18 (wrong numbers from cuBLAS,
     # no error) and N = 576 take the reference.
-    from gemmtune.ops.gemm_a8w8_blockscale import cublas_block_wise
+    from gemmtune.kernels.torch_ref import cublas_block_wise
 
     blockscale_table()
     for M in (1, 13, 64):
@@ -126,7 +126,7 @@ def test_gpu_torch_backend_is_right_for_every_shape(blockscale_table, N, K):
 
 
 def test_cublas_block_wise_rule():
-    from gemmtune.ops.gemm_a8w8_blockscale import cublas_block_wise
+    from gemmtune.kernels.torch_ref import cublas_block_wise
 
     assert cublas_block_wise(7168, 2048) and cublas_block_wise(1536, 7168)
     assert not cublas_block_wise(7168, 256) and not cublas_block_wise(7168, 2304)

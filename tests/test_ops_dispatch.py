@@ -17,10 +17,12 @@ from torch import nn
 
 import gemmtune
 from gemmtune.kernels.torch_ref import gemm_a16w16_ref
-from gemmtune.ops.gemm_a16w16 import DISPATCH
+from gemmtune.families.bf16.op import DISPATCH
 from gemmtune.tables.lookup import Rule
-from gemmtune.tables.schema import Family, schema_for
+from gemmtune.families import get_family
 from gemmtune.tables.store import read_table
+
+BF16_SCHEMA = get_family("bf16").schema
 
 HEADER = "arch,cu_num,M,N,K,bias,dtype,outdtype,scaleAB,bpreshuffle,libtype,solidx,splitK,us,kernelName,err_ratio,tflops,bw\n"
 TILE = "triton.tile:BM16.BN16.BK16.G1.W4.S1"
@@ -276,10 +278,10 @@ def test_capture_from_four_concurrent_processes_loses_no_shape(tmp_path):
     out = tmp_path / "captured"
     from gemmtune.tables.capture import merge_captures
 
-    (report,) = merge_captures(shards, out)
+    (report,) = merge_captures(shards, out, {"bf16": BF16_SCHEMA})
     assert report.new_shapes == 29 and report.errors == []
-    rows = read_table(out / "bf16_untuned_gemm.csv", schema_for(Family.bf16), untuned=True).rows
-    assert sorted(r.key[0] for r in rows) == list(range(1, 26)) + [100, 101, 102, 103]
+    rows = read_table(out / "bf16_untuned_gemm.csv", BF16_SCHEMA, untuned=True).rows
+    assert sorted(r.key.M for r in rows) == list(range(1, 26)) + [100, 101, 102, 103]
     assert {r.key[1:] for r in rows} == {(16, 8, False, "torch.float32", "torch.float32", False,
                                           False)}
     assert not list((shards / "bf16").glob("*.csv"))  # merged shards are removed
@@ -307,8 +309,8 @@ def test_cli_capture_runs_command_and_merges_into_existing(tmp_path):
          str(script), "0"], env=_env_for_children(), capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert "bf16: 26 new shape(s)" in result.stdout
-    rows = read_table(out / "bf16_untuned_gemm.csv", schema_for(Family.bf16), untuned=True).rows
-    assert sorted(r.key[0] for r in rows) == list(range(1, 26)) + [100, 7777]
+    rows = read_table(out / "bf16_untuned_gemm.csv", BF16_SCHEMA, untuned=True).rows
+    assert sorted(r.key.M for r in rows) == list(range(1, 26)) + [100, 7777]
 
 
 def test_truncated_shard_line_is_reported_and_skipped(tmp_path):
@@ -319,7 +321,7 @@ def test_truncated_shard_line_is_reported_and_skipped(tmp_path):
         "3,8,8,False,torch.float32,torch.float32,False,False\n4,8,8,Fal")
     from gemmtune.tables.capture import merge_captures
 
-    (report,) = merge_captures(tmp_path / "shards", tmp_path / "out")
+    (report,) = merge_captures(tmp_path / "shards", tmp_path / "out", {"bf16": BF16_SCHEMA})
     assert report.new_shapes == 1 and len(report.errors) == 1
     assert re.search(r"host-1\.csv\.\d+\.merging:3: 4 values for 8 columns", str(report.errors[0]))
 
@@ -418,7 +420,7 @@ def test_capture_threads_of_one_process_and_a_merge_during_writing(tmp_path):
 
     from gemmtune.tables.capture import merge_captures, record_shape
 
-    schema = schema_for(Family.bf16)
+    schema = BF16_SCHEMA
     shards, out = tmp_path / "shards", tmp_path / "out"
 
     def writer(start):
@@ -431,10 +433,10 @@ def test_capture_threads_of_one_process_and_a_merge_during_writing(tmp_path):
         t.start()
     reports = []
     while any(t.is_alive() for t in threads):
-        reports += merge_captures(shards, out)  # merging while the writers append
+        reports += merge_captures(shards, out, {"bf16": BF16_SCHEMA})  # merging while the writers append
     for t in threads:
         t.join()
-    reports += merge_captures(shards, out)
+    reports += merge_captures(shards, out, {"bf16": BF16_SCHEMA})
     assert all(not r.errors for r in reports)  # no duplicated header, no torn line
     rows = read_table(out / "bf16_untuned_gemm.csv", schema, untuned=True).rows
-    assert sorted(r.key[0] for r in rows) == list(range(1, 401))
+    assert sorted(r.key.M for r in rows) == list(range(1, 401))

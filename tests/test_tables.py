@@ -11,10 +11,12 @@ import pytest
 from gemmtune.device import DeviceId
 from gemmtune.tables import sources
 from gemmtune.tables.lookup import Rule, TableIndex, coarse_m, padded_m
-from gemmtune.tables.schema import Family, schema_for
+from gemmtune.families import get_family
 from gemmtune.tables.store import TableError, read_table, update_table
 
-BF16 = schema_for(Family.bf16)
+BF16 = get_family("bf16").schema
+FMOE_SCHEMA = get_family("fmoe").schema
+
 H100 = DeviceId("sm_90", 132)
 HEADER = "arch,cu_num,M,N,K,bias,dtype,outdtype,scaleAB,bpreshuffle,libtype,solidx,splitK,us,kernelName,err_ratio,tflops,bw\n"
 
@@ -67,32 +69,32 @@ def test_lookup_exact(tmp_path):
 def test_lookup_padded_before_coarse(tmp_path):
     idx = index_of(tmp_path, bf16_row(112, us=2.0), bf16_row(128, us=3.0))
     match = idx.find(key(100))
-    assert match.rule is Rule.padded and match.row.key[0] == 112
+    assert match.rule is Rule.padded and match.row.key.M == 112
 
 
 def test_lookup_coarse(tmp_path):
     idx = index_of(tmp_path, bf16_row(128, us=3.0), bf16_row(96, us=4.0))
     match = idx.find(key(100))
-    assert match.rule is Rule.coarse and match.row.key[0] == 128
+    assert match.rule is Rule.coarse and match.row.key.M == 128
 
 
 def test_lookup_coarse_caps_large_m_wide_n_at_8192(tmp_path):
     idx = index_of(tmp_path, bf16_row(8192, n=14336), bf16_row(16384, n=14336))
     match = idx.find(key(12000, n=14336))
-    assert match.rule is Rule.coarse and match.row.key[0] == 8192
+    assert match.rule is Rule.coarse and match.row.key.M == 8192
 
 
 def test_lookup_nearest(tmp_path):
     idx = index_of(tmp_path, bf16_row(64), bf16_row(512), bf16_row(100, n=2048))
     match = idx.find(key(100))
-    assert match.rule is Rule.nearest and match.row.key[0] == 64
-    assert idx.find(key(400)).row.key[0] == 512
-    assert idx.find(key(9999)).row.key[0] == 512
+    assert match.rule is Rule.nearest and match.row.key.M == 64
+    assert idx.find(key(400)).row.key.M == 512
+    assert idx.find(key(9999)).row.key.M == 512
 
 
 def test_lookup_nearest_tie_takes_larger(tmp_path):
     idx = index_of(tmp_path, bf16_row(64), bf16_row(192))
-    assert idx.find(key(128)).row.key[0] == 192  # 128 has no padded/coarse row: 64 and 192 tie
+    assert idx.find(key(128)).row.key.M == 192  # 128 has no padded/coarse row: 64 and 192 tie
 
 
 def test_lookup_default_when_other_key_columns_differ(tmp_path):
@@ -130,7 +132,7 @@ def test_seed_spellings_and_column_aliases(tmp_path):
 @pytest.mark.parametrize("spelling", ["dtypes.bf16", "torch.bfloat16", "bf16", "bfloat16"])
 def test_dtype_spellings(tmp_path, spelling):
     path = write(tmp_path / "t.csv", bf16_row(1, dtype=spelling))
-    assert read_table(path, BF16).rows[0].key[4] == "torch.bfloat16"
+    assert read_table(path, BF16).rows[0].key.dtype == "torch.bfloat16"
 
 
 def test_fp8_alias_is_e4m3fn():
@@ -140,7 +142,7 @@ def test_fp8_alias_is_e4m3fn():
 
 
 def test_fmoe_enum_spellings(tmp_path):
-    schema = schema_for(Family.fmoe)
+    schema = FMOE_SCHEMA
     header = ("cu_num,token,model_dim,inter_dim,expert,topk,act_type,dtype,q_dtype_a,q_dtype_w,"
               "q_type,use_g1u1,doweight_stage1,block_m,ksplit,us1,kernelName1,err1,us2,"
               "kernelName2,err2,us,run_1stage,tflops,bw\n")
@@ -149,8 +151,8 @@ def test_fmoe_enum_spellings(tmp_path):
                  "QuantType.per_Token,1,1,32,0,17.8,k1,0.0%,14.5,k2,0.3%,32.3,0,5.26,2629.41\n",
                  header=header)
     (row,) = read_table(path, schema).rows
-    assert row.key[5] == "ActivationType.Gelu" and row.key[9] == "QuantType.per_Token"
-    assert row.key[7] == "torch.float8_e4m3fn"
+    assert row.key.act_type == "ActivationType.Gelu" and row.key.q_type == "QuantType.per_Token"
+    assert row.key.q_dtype_a == "torch.float8_e4m3fn"
     assert row.kernel_names(schema) == ("k1", "k2") and row.results["err2"] == 0.3
 
 
@@ -200,7 +202,7 @@ def test_header_only_file_has_no_rows(tmp_path):
 def test_non_strict_read_keeps_good_rows_and_reports_bad(tmp_path):
     path = write(tmp_path / "t.csv", bf16_row(1), bf16_row("x"), bf16_row(3))
     result = read_table(path, BF16, strict=False)
-    assert [r.key[0] for r in result.rows] == [1, 3]
+    assert [r.key.M for r in result.rows] == [1, 3]
     assert [e.line for e in result.errors] == [3]
 
 
@@ -219,7 +221,7 @@ def shipped(tmp_path, monkeypatch):
 
 
 def ms(rows):
-    return sorted(r.key[0] for r in rows)
+    return sorted(r.key.M for r in rows)
 
 
 def test_merge_shipped_and_model_configs_keeps_lowest_us_with_one_warning(shipped):
@@ -267,15 +269,17 @@ def test_missing_overlay_file_is_a_clear_error(shipped, monkeypatch):
         sources.load_merged(BF16)
 
 
-def test_merge_never_rewrites_sources_and_writes_cache(shipped):
+def test_reading_writes_nothing_and_the_merged_copy_is_written_when_asked(shipped):
     before = {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in shipped.rglob("*.csv")}
+    cache = Path(os.environ["GEMMTUNE_CACHE_DIR"])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         rows = sources.load_merged(BF16)
+        assert not any(cache.rglob("*")), "a read wrote into the cache folder"
+        cached = sources.write_merged(BF16)
     after = {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in shipped.rglob("*.csv")}
     assert before == after
-    cached = sources.merged_cache_path(BF16)
-    assert cached.is_relative_to(Path(os.environ["GEMMTUNE_CACHE_DIR"]))
+    assert cached == sources.merged_cache_path(BF16) and cached.is_relative_to(cache)
     assert ms(read_table(cached, BF16).rows) == ms(rows)
 
 
@@ -292,10 +296,10 @@ def test_write_round_trip_keeps_unknown_columns(tmp_path):
 
 
 def _add_rows(path: str, start: int, count: int) -> None:
-    from gemmtune.tables.schema import Family, schema_for
+    from gemmtune.families import get_family
     from gemmtune.tables.store import Row, update_table
 
-    schema = schema_for(Family.bf16)
+    schema = BF16
     for m in range(start, start + count):
         row = Row("sm_90", 132, (m, 64, 64, False, "torch.bfloat16", "torch.bfloat16", False,
                                  False), {"us": 1.0, "kernelName": "torch.linear", "libtype": "torch",

@@ -11,7 +11,7 @@ import torch
 
 import gemmtune
 from gemmtune.cli import main
-from gemmtune.ops.gemm_a16w16 import DISPATCH
+from gemmtune.families.bf16.op import DISPATCH
 from gemmtune.tables import triton_json
 from gemmtune.tables.triton_json import BucketConfig, bucket_of, lookup, read_configs, write_configs
 
@@ -188,8 +188,8 @@ def test_pick_buckets_leaves_a_bucket_to_torch_where_torch_is_faster():
 
 
 def test_shipped_json_configs_parse_and_name_kernels_that_exist():
-    from gemmtune.ops.gemm_a8w8 import REGISTRY as A8W8
-    from gemmtune.ops.gemm_a16w16 import REGISTRY as A16W16
+    from gemmtune.families.a8w8.op import REGISTRY as A8W8
+    from gemmtune.families.bf16.op import REGISTRY as A16W16
 
     registries = {"A8W8": A8W8, "A8W8_INT8": A8W8, "A16W16": A16W16, "A16W16_FP16": A16W16}
     files = sorted(triton_json.SHIPPED_DIR.glob("*.json"))

@@ -17,14 +17,16 @@ import pytest
 import torch
 
 from faulty_family import FaultyFamily
-from gemmtune.tables.schema import Family, schema_for
+from gemmtune.families import get_family
 from gemmtune.tables.store import TableError, read_table
 from gemmtune.tune.engine import TuneConfig, Tuner, default_gpus
 from gemmtune.tune.family import Candidate, Evaluation, Status, TuneOptions
-from gemmtune.tune.gpulock import GpuLock
+from gemmtune.measure.gpulock import GpuLock
 from gemmtune.tune.records import CrashMemo
 
-BF16 = schema_for(Family.bf16)
+A8W8_SCHEMA = get_family("a8w8").schema
+BF16 = get_family("bf16").schema
+
 HEADER = "M,N,K,bias,dtype,outdtype,scaleAB,bpreshuffle\n"
 TESTS = Path(__file__).parent
 
@@ -164,7 +166,7 @@ def test_gpu_lock_is_shared_with_other_processes(tmp_path, monkeypatch):
     holder = subprocess.Popen(
         [sys.executable, "-c",
          "import sys, time\n"
-         "from gemmtune.tune.gpulock import GpuLock\n"
+         "from gemmtune.measure.gpulock import GpuLock\n"
          "with GpuLock('7'):\n"
          "    print('held', flush=True)\n"
          "    time.sleep(1.5)\n"],
@@ -367,13 +369,13 @@ def test_plain_progress_lines_without_a_terminal(tmp_path, monkeypatch):
 def test_real_bf16_family_on_cpu(tmp_path):
     """The bf16 family itself on the CPU: torch wins (the interpreter is slow) and the Triton
     candidates are checked; fp32 ones pass the gate."""
-    from gemmtune.tune.families.bf16 import Bf16Family
+    from gemmtune.families.bf16.tuner import Bf16Tuner
 
     inp = untuned(tmp_path / "u.csv", [5])
     out = io.StringIO()
     config = TuneConfig(input=inp, output=tmp_path / "t.csv", profile=tmp_path / "prof.csv",
                         timeout=120, options=TuneOptions(iters=3, warmup=1))
-    tuner = Tuner(Bf16Family, config, out=out)
+    tuner = Tuner(Bf16Tuner, config, out=out)
     assert tuner.run().exit_code == 0, out.getvalue()
     (row,) = read_table(tmp_path / "t.csv", BF16).rows
     assert row.arch == "cpu" and row.results["timing"] == "cpu.wall"
@@ -387,7 +389,7 @@ def test_real_a8w8_family(tmp_path):
     """The a8w8 family on this machine's device (the CPU interpreter, or every GPU), FP8 and
     INT8: every candidate passes the gate against the dequantised fp32 reference, and a bad
     q_dtype_w fails that shape only."""
-    from gemmtune.tune.families.a8w8 import A8w8Family
+    from gemmtune.families.a8w8.tuner import A8w8Tuner
 
     inp = tmp_path / "u.csv"
     inp.write_text("M,N,K,q_dtype_w\n5,48,64,torch.float8_e4m3fn\n20,32,96,torch.int8\n"
@@ -396,11 +398,11 @@ def test_real_a8w8_family(tmp_path):
     config = TuneConfig(input=inp, output=tmp_path / "t.csv", profile=tmp_path / "prof.csv",
                         timeout=120, options=TuneOptions(iters=3, warmup=1),
                         gpus=default_gpus(), workers=4 if default_gpus() else 1)
-    summary = Tuner(A8w8Family, config, out=out).run()
+    summary = Tuner(A8w8Tuner, config, out=out).run()
     assert summary.tuned == 2 and len(summary.failed) == 1, out.getvalue()
     assert "a8w8 tunes torch.float8_e4m3fn and torch.int8 weights" in out.getvalue()
-    rows = read_table(tmp_path / "t.csv", schema_for(Family.a8w8)).rows
-    assert sorted(r.key[3] for r in rows) == ["torch.float8_e4m3fn", "torch.int8"]
+    rows = read_table(tmp_path / "t.csv", A8W8_SCHEMA).rows
+    assert sorted(r.key.q_dtype_w for r in rows) == ["torch.float8_e4m3fn", "torch.int8"]
     with open(tmp_path / "prof.csv") as f:
         profiled = list(csv.DictReader(f))
     statuses = [(r["kernelName"], r["status"]) for r in profiled]
@@ -420,7 +422,7 @@ def test_real_a8w8_blockscale_family(tmp_path):
     """The block-scale family on this machine's device: torch and the Triton configs (two in
     the interpreter; block_k dividing 128) pass the gate against the dequantised fp32
     reference."""
-    from gemmtune.tune.families.a8w8_blockscale import A8w8BlockscaleFamily
+    from gemmtune.families.a8w8_blockscale.tuner import A8w8BlockscaleTuner
 
     inp = tmp_path / "u.csv"
     inp.write_text("M,N,K\n5,200,300\n")
@@ -428,7 +430,7 @@ def test_real_a8w8_blockscale_family(tmp_path):
     config = TuneConfig(input=inp, output=tmp_path / "t.csv", profile=tmp_path / "prof.csv",
                         timeout=120, options=TuneOptions(iters=3, warmup=1),
                         gpus=default_gpus(), workers=4 if default_gpus() else 1)
-    summary = Tuner(A8w8BlockscaleFamily, config, out=out).run()
+    summary = Tuner(A8w8BlockscaleTuner, config, out=out).run()
     assert summary.tuned == 1 and not summary.failed, out.getvalue()
     with open(tmp_path / "prof.csv") as f:
         profiled = list(csv.DictReader(f))
@@ -441,7 +443,7 @@ def test_real_a8w8_blockscale_family(tmp_path):
 
 
 def test_refused_key_fails_that_shape_only(tmp_path):
-    from gemmtune.tune.families.bf16 import Bf16Family
+    from gemmtune.families.bf16.tuner import Bf16Tuner
 
     inp = tmp_path / "u.csv"
     inp.write_text(HEADER + "4,8,16,False,torch.float32,torch.float32,False,True\n"
@@ -449,7 +451,7 @@ def test_refused_key_fails_that_shape_only(tmp_path):
     out = io.StringIO()
     config = TuneConfig(input=inp, output=tmp_path / "t.csv", timeout=120,
                         libtypes=frozenset({"torch"}), options=TuneOptions(iters=3, warmup=1))
-    summary = Tuner(Bf16Family, config, out=out).run()
+    summary = Tuner(Bf16Tuner, config, out=out).run()
     assert summary.tuned == 1 and len(summary.failed) == 1 and summary.exit_code == 1
     assert "bpreshuffle=True: no bf16 kernel here gains from a pre-packed weight layout" in \
         out.getvalue()

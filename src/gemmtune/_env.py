@@ -70,3 +70,26 @@ def table_overlay(env_names: tuple[str, ...]) -> str | None:
 def device_override() -> str | None:
     """``GEMMTUNE_DEVICE=ARCH:CU_NUM`` (e.g. ``sm_90:132``): act as that GPU when matching table rows."""
     return os.environ.get("GEMMTUNE_DEVICE") or None
+
+
+def triton_config_dirs() -> list[Path]:
+    """``GEMMTUNE_TRITON_CONFIG_DIR``: colon-separated folders of Triton JSON configs, searched
+    before the shipped ones."""
+    value = os.environ.get("GEMMTUNE_TRITON_CONFIG_DIR", "")
+    return [Path(p).expanduser() for p in value.split(os.pathsep) if p]
+
+
+def lock_dir() -> Path:
+    """``GEMMTUNE_LOCK_DIR``: where the per-GPU timing locks live. Shared by every user of the
+    machine, like the GPUs: the system temp folder by default."""
+    import tempfile
+
+    return Path(os.environ.get("GEMMTUNE_LOCK_DIR") or tempfile.gettempdir()) / "gemmtune-gpus"
+
+
+def visible_devices() -> list[str] | None:
+    """``CUDA_VISIBLE_DEVICES`` as a list of GPU names (indices or UUIDs); None when unset."""
+    value = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if value is None:
+        return None
+    return [v.strip() for v in value.split(",") if v.strip()]

@@ -1,12 +1,13 @@
-"""``gemmtune bench bf16|a8w8|a8w8-blockscale``: tuned vs torch vs the roofline, per shape, in one run on one device.
+"""``gemmtune bench FAMILY``: tuned vs torch vs the floors, per shape, in one run on one device.
 
-For every shape: torch's default (``F.linear`` for bf16, ``torch._scaled_mm`` row-wise / ``_int_mm``
-for a8w8, its block-wise mode for a8w8-blockscale) and the tuned op (through the tables in force) are timed the same way, in alternation
-(CUDA-graph replay over weight copies larger than L2, i.e. cold weights as in decode); the tuned
-output is checked against an fp32 reference; the floor is max(FLOPs / peak, bytes / bandwidth)
-with both ceilings measured in the same run (bandwidth as a streaming read, which a GEMM's weight
-read is; a copy's read+write rate would overstate the floor; peak as a large GEMM of the
-benchmarked input dtype).
+For every shape: torch's default (the family's torch backend) and the tuned op (through the
+tables in force) are timed the same way, in alternation (CUDA-graph replay over weight copies
+larger than L2, i.e. cold weights as in decode); the tuned output is checked against an fp32
+reference; and both times are set against two floors (DESIGN: Performance), with the ceilings
+measured in the same run (``measure.ceilings``): the plain roofline, max(FLOPs / peak, bytes /
+bandwidth), and the attainable floor, the roofline plus ``t_launch``. Efficiency = floor / time,
+reported for both; a time below the attainable floor (possible only where a kernel overlaps the
+one before it) is flagged, and geomeans count each efficiency as at most 1.0.
 """
 
 from __future__ import annotations
@@ -16,35 +17,21 @@ import csv
 import math
 import statistics
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from gemmtune.device import current_device
-from gemmtune.kernels.torch_ref import TORCH_LINEAR, gemm_a16w16_ref
-from gemmtune.ops._dispatch import Decision
-from gemmtune.ops.gemm_a8w8 import DISPATCH as A8W8_DISPATCH
-from gemmtune.ops.gemm_a8w8 import (TORCH_SCALED_MM, gemm_a8w8, gemm_a8w8_ref, scaled_mm_torch,
-                                    torch_fast_path)
-from gemmtune.ops.gemm_a8w8_blockscale import DISPATCH as BLOCKSCALE_DISPATCH
-from gemmtune.ops.gemm_a8w8_blockscale import (TORCH_BLOCKSCALE, blockscale_torch,
-                                               cublas_block_wise, gemm_a8w8_blockscale,
-                                               gemm_a8w8_blockscale_ref)
-from gemmtune.ops.gemm_a16w16 import DISPATCH as A16W16_DISPATCH
-from gemmtune.ops.gemm_a16w16 import gemm_a16w16
-from gemmtune.tables.values import DTYPE_NAMES
-from gemmtune.tune.families._gemm import TOLERANCES
-from gemmtune.tune.gpulock import GpuLock, gpu_label
-from gemmtune.tune.timing import copies_to_exceed_l2, interleaved_graph_us
+from gemmtune.dispatch import use_tables
+from gemmtune.families import BenchOp, Family
+from gemmtune.measure.ceilings import Ceilings, Floors, floors, measure_ceilings
+from gemmtune.measure.gpulock import GpuLock, gpu_label
+from gemmtune.measure.timing import copies_to_exceed_l2, interleaved_graph_us
+from gemmtune.tables.store import read_table
 
-
-@dataclass(frozen=True)
-class Ceilings:
-    bytes_per_s: float  # streaming read
-    flops_per_s: float  # large square GEMM in the benchmarked dtype
+# (name, M, N, K): one GEMM the bench runs.
+Shape = tuple[str, int, int, int]
 
 
 @dataclass
@@ -56,9 +43,12 @@ class BenchRow:
     torch_us: float
     tuned_us: float
     speedup: float
-    floor_us: float
-    efficiency: float  # floor / tuned
-    torch_efficiency: float
+    roofline_us: float  # max(FLOPs / peak, bytes / bandwidth)
+    attainable_us: float  # roofline_us + t_launch
+    efficiency: float  # roofline_us / tuned_us
+    attainable_efficiency: float  # attainable_us / tuned_us
+    torch_efficiency: float  # roofline_us / torch_us
+    torch_attainable_efficiency: float
     rule: str
     kernel: str
     rel_err: float
@@ -68,139 +58,27 @@ class BenchRow:
     # speed-up is 1 but for the spread between two CUDA graphs of the same kernel.
     same_kernel: bool = False
 
+    @property
+    def below_floor(self) -> bool:
+        """Faster than the attainable floor: the launch overlapped the kernel before (PDL)."""
+        return self.tuned_us < self.attainable_us
 
-def _device_time_us(fn, reps: int) -> float:
+
+def _peak_gemm(op: BenchOp):
+    """A large GEMM through torch in ``op``'s dtype, and its FLOPs: the peak-throughput probe.
+    On the CPU, fp32 at 1024^3 (no fast bf16 GEMM there; rough numbers)."""
     if torch.cuda.is_available():
-        fn()
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
-            fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) * 1e3 / reps
-    fn()
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    return (time.perf_counter() - t0) * 1e6 / reps
+        n = 8192
+        args = op.inputs(n, n, n, torch.Generator(device="cuda").manual_seed(1))
+        return (lambda: op.torch(args)), 2.0 * n ** 3
+    n = 1024
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    return (lambda: a @ b), 2.0 * n ** 3
 
 
-def measure_ceilings(op: BenchOp) -> Ceilings:
-    """Bandwidth: sum over a buffer far larger than L2 (2 GiB on a GPU); peak: ``op``'s own
-    8192^3 GEMM through torch (1024^3 in fp32 on the CPU) on random data (zeros run faster)."""
-    gpu = torch.cuda.is_available()
-    device = "cuda" if gpu else "cpu"
-    # The CPU has no fast bf16 reduction or GEMM: measure its ceilings in fp32 (rough numbers).
-    buf_dtype = torch.bfloat16 if gpu else torch.float32
-    nbytes = (2 << 30) if gpu else (256 << 20)
-    buf = torch.randn(nbytes // buf_dtype.itemsize, device=device).to(buf_dtype)
-    read_us = _device_time_us(lambda: buf.sum(dtype=torch.float32), 10 if gpu else 3)
-    del buf
-    n = 8192 if gpu else 1024
-    if gpu:
-        args = op.inputs(n, n, n, torch.Generator(device=device).manual_seed(1))
-        mm_us = _device_time_us(lambda: op.torch(args), 10)
-    else:
-        a, b = torch.randn(n, n), torch.randn(n, n)
-        mm_us = _device_time_us(lambda: a @ b, 2)
-    return Ceilings(nbytes / (read_us * 1e-6), 2.0 * n ** 3 / (mm_us * 1e-6))
-
-
-def floor_us(m: int, n: int, k: int, op: BenchOp, c: Ceilings) -> float:
+def floors_of(m: int, n: int, k: int, op: BenchOp, c: Ceilings) -> Floors:
     nbytes = (m * k + n * k) * op.in_bytes + m * n * op.out_bytes
-    return max(2.0 * m * n * k / c.flops_per_s, nbytes / c.bytes_per_s) * 1e6
-
-
-@dataclass(frozen=True)
-class BenchOp:
-    """One op family as the bench runs it. ``inputs(m, n, k, gen)`` gives the call's arguments,
-    ``w`` (the weight) at ``w_index``; ``torch``/``tuned``/``reference`` run on those arguments;
-    ``table_key(m, n, k)`` is the key the tuned op looks up."""
-
-    family: str
-    in_bytes: int
-    out_bytes: int
-    w_index: int
-    inputs: Callable[[int, int, int, torch.Generator], tuple]
-    torch: Callable[[tuple], torch.Tensor]
-    tuned: Callable[[tuple], torch.Tensor]
-    reference: Callable[[tuple], torch.Tensor]
-    table_key: Callable[[int, int, int], tuple]
-    decide: Callable[[tuple], Decision]
-    rel_bound: float
-    # File stem of the CSV and PNG (family and, where it has several, dtype).
-    label: str = ""
-    # (M, N, K) -> True where the torch column runs the fp32 reference, not a fast kernel.
-    torch_is_reference: Callable[[int, int, int], bool] = lambda m, n, k: False
-    # The table's name for the torch backend, which runs what the torch column runs.
-    torch_kernel: str = TORCH_LINEAR
-
-
-def bf16_op(dtype: torch.dtype) -> BenchOp:
-    def inputs(m, n, k, gen):
-        device = gen.device
-        x = torch.randn(m, k, generator=gen, device=device).to(dtype)
-        w = (torch.randn(n, k, generator=gen, device=device) / k ** 0.5).to(dtype)
-        return x, w
-
-    name = DTYPE_NAMES[dtype]
-    return BenchOp(
-        "bf16", dtype.itemsize, dtype.itemsize, 1, inputs,
-        torch=lambda a: F.linear(*a), tuned=lambda a: gemm_a16w16(*a),
-        reference=lambda a: gemm_a16w16_ref(*a, out_dtype=torch.float32),
-        table_key=lambda m, n, k: (m, n, k, False, name, name, False, False),
-        decide=A16W16_DISPATCH.decide, rel_bound=TOLERANCES[dtype][2])
-
-
-def a8w8_op_for(q_dtype: torch.dtype) -> BenchOp:
-    """Per-token activations x per-channel weights, bf16 output: FP8/INT8 serving's layout."""
-    from gemmtune import quant
-
-    per_token, per_channel = quant.token_channel_quantisers(q_dtype)
-
-    def inputs(m, n, k, gen):
-        device = gen.device
-        xq, xs = per_token(torch.randn(m, k, generator=gen, device=device))
-        wq, ws = per_channel(torch.randn(n, k, generator=gen, device=device) / k ** 0.5)
-        return xq, wq, xs.reshape(-1), ws.reshape(-1)
-
-    def torch_call(a):
-        return scaled_mm_torch(a[0], a[1], None, torch.bfloat16, a[2], a[3])
-
-    name = DTYPE_NAMES[q_dtype]
-    gpu = torch.cuda.is_available()
-    return BenchOp(
-        "a8w8", 1, 2, 1, inputs, torch=torch_call, tuned=lambda a: gemm_a8w8(*a),
-        reference=lambda a: gemm_a8w8_ref(*a, out_dtype=torch.float32),
-        table_key=lambda m, n, k: (m, n, k, name), torch_kernel=TORCH_SCALED_MM,
-        decide=A8W8_DISPATCH.decide, rel_bound=TOLERANCES[torch.bfloat16][2],
-        label="a8w8" if q_dtype == torch.float8_e4m3fn else "a8w8_int8",
-        torch_is_reference=lambda m, n, k: not torch_fast_path(m, n, k, q_dtype, gpu))
-
-
-def a8w8_blockscale_op() -> BenchOp:
-    """FP8 with DeepSeek-style block scales (x per 1x128, w per 128x128), bf16 output."""
-    from gemmtune import quant
-
-    def inputs(m, n, k, gen):
-        device = gen.device
-        xq, xs = quant.per_block_fp8(torch.randn(m, k, generator=gen, device=device),
-                                     quant.ACT_BLOCK)
-        wq, ws = quant.per_block_fp8(torch.randn(n, k, generator=gen, device=device) / k ** 0.5,
-                                     quant.WEIGHT_BLOCK)
-        return xq, wq, xs, ws
-
-    return BenchOp(
-        "a8w8_blockscale", 1, 2, 1, inputs,
-        torch=lambda a: blockscale_torch(a[0], a[1], None, torch.bfloat16, a[2], a[3]),
-        tuned=lambda a: gemm_a8w8_blockscale(*a),
-        reference=lambda a: gemm_a8w8_blockscale_ref(*a, out_dtype=torch.float32),
-        table_key=lambda m, n, k: (m, n, k), torch_kernel=TORCH_BLOCKSCALE,
-        decide=BLOCKSCALE_DISPATCH.decide, rel_bound=TOLERANCES[torch.bfloat16][2],
-        torch_is_reference=lambda m, n, k: not (torch.cuda.is_available()
-                                                 and cublas_block_wise(n, k)))
+    return floors(2.0 * m * n * k, nbytes, c)
 
 
 def _time_pair(op: BenchOp, args: tuple) -> tuple[float, float]:
@@ -222,24 +100,33 @@ def _time_pair(op: BenchOp, args: tuple) -> tuple[float, float]:
     return torch_us, tuned_us
 
 
-def bench_shape(name: str, m: int, n: int, k: int, op: BenchOp, ceilings: Ceilings,
+def bench_shape(shape: Shape, family: Family, op: BenchOp, ceilings: Ceilings,
                 gen: torch.Generator) -> BenchRow:
+    name, m, n, k = shape
     args = op.inputs(m, n, k, gen)
     y = op.tuned(args)
     ref = op.reference(args)
     rel = float((y.float() - ref).norm() / ref.norm().clamp_min(1e-30))
     ok = bool(torch.isfinite(y).all()) and rel <= op.rel_bound  # the tuner's own bound
-    decision = op.decide(op.table_key(m, n, k))
+    decision = family.dispatcher.decide(op.table_key(m, n, k))
     torch_us, tuned_us = _time_pair(op, args)
-    floor = floor_us(m, n, k, op, ceilings)
-    return BenchRow(name, m, n, k, torch_us, tuned_us, torch_us / tuned_us, floor,
-                    floor / tuned_us, floor / torch_us, decision.rule.value, decision.kernel_name,
-                    rel, ok, op.torch_is_reference(m, n, k),
+    f = floors_of(m, n, k, op, ceilings)
+    eff, att_eff = f.efficiencies(tuned_us)
+    torch_eff, torch_att_eff = f.efficiencies(torch_us)
+    return BenchRow(name, m, n, k, torch_us, tuned_us, torch_us / tuned_us, f.roofline_us,
+                    f.attainable_us, eff, att_eff, torch_eff, torch_att_eff, decision.rule.value,
+                    decision.kernel_name, rel, ok, op.torch_is_reference(m, n, k),
                     same_kernel=decision.kernel_name == op.torch_kernel)
 
 
 def geomean(values: list[float]) -> float:
     return math.exp(statistics.fmean(math.log(v) for v in values)) if values else float("nan")
+
+
+def capped_geomean(efficiencies: list[float]) -> float:
+    """Geomean of efficiencies counted as at most 1.0: a row faster than its floor (PDL overlap)
+    must not hide another row's shortfall."""
+    return geomean([min(1.0, e) for e in efficiencies])
 
 
 M_RANGES = (("M<=64", 1, 64), ("64<M<1024", 65, 1023), ("M>=1024", 1024, 1 << 62))
@@ -248,9 +135,11 @@ SLOWER_THAN_TORCH = 0.98
 
 
 def summarize(rows: list[BenchRow]) -> list[str]:
-    """Per M range: speed-up and efficiency geomeans. Shapes whose torch column ran the fp32
-    reference are left out of the speed-up and of torch's efficiency (neither says anything
-    about cuBLAS there) and counted apart. Last, if any: the shapes below 0.98x torch."""
+    """Per M range: speed-up geomean and both efficiencies' geomeans (each capped at 1.0), for
+    the tuned op and torch. Shapes whose torch column ran the fp32 reference are left out of the
+    speed-up and of torch's efficiencies (neither says anything about cuBLAS there) and counted
+    apart. Then, if any: the rows faster than their attainable floor, the shapes below 0.98x
+    torch."""
     lines = []
     for label, lo, hi in M_RANGES:
         sel = [r for r in rows if lo <= r.M <= hi]
@@ -262,10 +151,19 @@ def summarize(rows: list[BenchRow]) -> list[str]:
                    else "no shape with a fast torch kernel")
         apart = (f"; {len(sel) - len(fast)} with torch = reference left out of speed-up and "
                  f"torch efficiency" if len(fast) < len(sel) else "")
-        torch_eff = f"{geomean([r.torch_efficiency for r in fast]):.3f}" if fast else "n/a"
+        torch_eff = (f"{capped_geomean([r.torch_efficiency for r in fast]):.3f} / "
+                     f"{capped_geomean([r.torch_attainable_efficiency for r in fast]):.3f}"
+                     if fast else "n/a")
         lines.append(
-            f"{label:<11} {len(sel):>4} shapes: {against}; efficiency tuned "
-            f"{geomean([r.efficiency for r in sel]):.3f}, torch {torch_eff}{apart}")
+            f"{label:<11} {len(sel):>4} shapes: {against}; efficiency (roofline / attainable) "
+            f"tuned {capped_geomean([r.efficiency for r in sel]):.3f} / "
+            f"{capped_geomean([r.attainable_efficiency for r in sel]):.3f}, torch "
+            f"{torch_eff}{apart}")
+    below_floor = [r for r in rows if r.below_floor]
+    if below_floor:
+        lines.append(f"faster than the attainable floor (launch overlapped; counted as 1.0): "
+                     + ", ".join(f"{r.name} {r.M}x{r.N}x{r.K} {r.tuned_us:.2f} < "
+                                 f"{r.attainable_us:.2f} us" for r in below_floor))
     slower = [r for r in rows if r.speedup < SLOWER_THAN_TORCH and not r.torch_is_reference]
     if slower:
         noise = sum(r.same_kernel for r in slower)
@@ -280,14 +178,17 @@ def summarize(rows: list[BenchRow]) -> list[str]:
 def write_csv(rows: list[BenchRow], path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(asdict(rows[0])))
+        names = [*asdict(rows[0]), "below_floor"]
+        writer = csv.DictWriter(f, fieldnames=names)
         writer.writeheader()
         writer.writerows({k: format(v, ".6g") if isinstance(v, float) else v
-                          for k, v in asdict(r).items()} for r in rows)
+                          for k, v in {**asdict(r), "below_floor": r.below_floor}.items()}
+                         for r in rows)
 
 
 def plot(rows: list[BenchRow], path: Path, title: str) -> str | None:
-    """Speed-up and roofline efficiency against M, one line per (N, K). Returns why not, if not."""
+    """Speed-up and attainable-floor efficiency against M, one line per (N, K). Returns why
+    not, if not."""
     try:
         import matplotlib
 
@@ -300,14 +201,15 @@ def plot(rows: list[BenchRow], path: Path, title: str) -> str | None:
         sel = sorted((r for r in rows if (r.N, r.K) == (n, k)), key=lambda r: r.M)
         ms = [r.M for r in sel]
         ax1.plot(ms, [r.speedup for r in sel], marker="o", label=f"N={n} K={k}")
-        ax2.plot(ms, [r.efficiency for r in sel], marker="o", label=f"N={n} K={k}")
-    for ax, ylabel in ((ax1, "speed-up over torch"), (ax2, "roofline efficiency (floor / time)")):
+        ax2.plot(ms, [r.attainable_efficiency for r in sel], marker="o", label=f"N={n} K={k}")
+    for ax, ylabel in ((ax1, "speed-up over torch"),
+                       (ax2, "efficiency (attainable floor / time)")):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("M (tokens)")
         ax.set_ylabel(ylabel)
         ax.grid(True, alpha=0.3)
     ax1.axhline(1.0, color="black", linewidth=0.8)
-    ax2.set_ylim(0, max(1.05, 1.05 * max(r.efficiency for r in rows)))
+    ax2.set_ylim(0, max(1.05, 1.05 * max(r.attainable_efficiency for r in rows)))
     ax2.legend(fontsize=7, loc="lower right")
     fig.suptitle(title)
     fig.tight_layout()
@@ -317,17 +219,16 @@ def plot(rows: list[BenchRow], path: Path, title: str) -> str | None:
     return None
 
 
-def _measure_all(shapes: list[tuple[str, int, int, int]], op: BenchOp,
-                 gpu: bool) -> list[BenchRow]:
-    ceilings = measure_ceilings(op)
+def _measure_all(shapes: list[Shape], family: Family, op: BenchOp, gpu: bool) -> list[BenchRow]:
+    ceilings = measure_ceilings(*_peak_gemm(op))
     print(f"ceilings measured now: {ceilings.bytes_per_s / 1e9:.0f} GB/s streaming read, "
-          f"{ceilings.flops_per_s / 1e12:.1f} TFLOP/s"
+          f"{ceilings.flops_per_s / 1e12:.1f} TFLOP/s, t_launch {ceilings.launch_us:.2f} us"
           + ("" if gpu else " (CPU: fp32, rough; efficiencies are indicative only)"))
     gen = torch.Generator(device="cuda" if gpu else "cpu").manual_seed(0)
-    return [bench_shape(name, m, n, k, op, ceilings, gen) for name, m, n, k in shapes]
+    return [bench_shape(shape, family, op, ceilings, gen) for shape in shapes]
 
 
-def run_bench(shapes: list[tuple[str, int, int, int]], op: BenchOp, out_dir: Path,
+def run_bench(shapes: list[Shape], family: Family, op: BenchOp, out_dir: Path,
               title: str) -> int:
     gpu = torch.cuda.is_available()
     dev = current_device()
@@ -336,22 +237,22 @@ def run_bench(shapes: list[tuple[str, int, int, int]], op: BenchOp, out_dir: Pat
           f"CPU wall times")
     # No tuner may time on this GPU meanwhile (nor this bench disturb one).
     with GpuLock(gpu_label(torch.cuda.current_device())) if gpu else contextlib.nullcontext():
-        rows = _measure_all(shapes, op, gpu)
+        rows = _measure_all(shapes, family, op, gpu)
     slow = [f"{r.M}x{r.N}x{r.K}" for r in rows if r.torch_is_reference]
     if slow:
         print(f"torch column = the dequantised fp32 reference (no fast torch kernel takes the "
               f"shape; speed-ups there are not against cuBLAS): {', '.join(slow)}")
-    stem = op.label or op.family
-    csv_path = out_dir / f"bench_{stem}.csv"
-    png_path = out_dir / f"bench_{stem}.png"
+    csv_path = out_dir / f"bench_{op.label}.csv"
+    png_path = out_dir / f"bench_{op.label}.png"
     write_csv(rows, csv_path)
     why_no_plot = plot(rows, png_path, title)
     print(f"{'shape':<14} {'M':>5} {'N':>6} {'K':>6} {'torch us':>9} {'tuned us':>9} "
-          f"{'speedup':>7} {'floor us':>8} {'eff':>5} {'rule':<8} kernel")
+          f"{'speedup':>7} {'roof us':>8} {'att us':>7} {'eff':>5} {'att':>5} {'rule':<8} kernel")
     for r in rows:
-        flag = "" if r.ok else "  WRONG"
+        flag = ("" if r.ok else "  WRONG") + ("  <floor" if r.below_floor else "")
         print(f"{r.name:<14} {r.M:>5} {r.N:>6} {r.K:>6} {r.torch_us:>9.2f} {r.tuned_us:>9.2f} "
-              f"{r.speedup:>7.3f} {r.floor_us:>8.2f} {r.efficiency:>5.3f} {r.rule:<8} "
+              f"{r.speedup:>7.3f} {r.roofline_us:>8.2f} {r.attainable_us:>7.2f} "
+              f"{r.efficiency:>5.3f} {r.attainable_efficiency:>5.3f} {r.rule:<8} "
               f"{r.kernel}{flag}")
     for line in summarize(rows):
         print(line)
@@ -360,3 +261,24 @@ def run_bench(shapes: list[tuple[str, int, int, int]], op: BenchOp, out_dir: Pat
     if bad:
         print(f"WRONG results: {', '.join(f'{r.name} M={r.M}' for r in bad)}")
     return 1 if bad else 0
+
+
+def run_config(family: Family, table: Path, out_dir: Path) -> int:
+    """``gemmtune tune FAMILY --run_config -i TABLE``: the op as production runs it, dispatched
+    from ``table`` alone (no shipped rows, no overlays), on each of its rows' shapes."""
+    if family.bench is None or family.dtype_of_key is None:
+        raise ValueError(f"{family.cli_name} has no bench: --run_config cannot run it")
+    rows = read_table(table, family.schema).rows
+    if not rows:
+        raise ValueError(f"{table}: no rows to run")
+    by_dtype: dict[str, set[tuple[int, int, int]]] = {}
+    for r in rows:
+        by_dtype.setdefault(family.dtype_of_key(r.key), set()).add((r.key.M, r.key.N, r.key.K))
+    status = 0
+    with use_tables(family.schema, [table]):
+        for dtype, gemms in sorted(by_dtype.items()):
+            op = family.bench_op(dtype)
+            shapes = [("row", m, n, k) for m, n, k in sorted(gemms, key=lambda s: (s[1], s[2],
+                                                                                  s[0]))]
+            status |= run_bench(shapes, family, op, out_dir, f"{table} (run_config, {dtype})")
+    return status

@@ -40,27 +40,31 @@ def _presets() -> tuple[str, ...]:
     return PRESETS
 
 
-def _family_names() -> list[str]:
-    from gemmtune.tables.schema import Family
+def _family_names(having: str | None = None) -> list[str]:
+    """Names the CLI takes for the registered families (``a8w8-blockscale`` and
+    ``a8w8_blockscale``), of those that have ``having`` (dispatcher, tuner, bench) if given."""
+    from gemmtune.families import families
 
-    return [f.value.replace("_", "-") for f in Family] + [f.value for f in Family if "_" in f.value]
+    chosen = [f for f in families() if having is None or getattr(f, having) is not None]
+    return [f.cli_name for f in chosen] + [f.name for f in chosen if f.name != f.cli_name]
 
 
 # ---------------------------------------------------------------------------------------- lookup
 def _cmd_lookup(args) -> int:
     from gemmtune.device import DeviceId, current_device
-    from gemmtune.ops._dispatch import table_index
-    from gemmtune.tables.schema import schema_for
+    from gemmtune.dispatch import table_index
+    from gemmtune.families import get_family
     from gemmtune.tables.values import BadValue
 
-    schema = schema_for(args.family)
+    family = get_family(args.family)
+    schema = family.schema
     given = dict(args.key)
     unknown = sorted(set(given) - set(schema.key_names))
     if unknown:
-        print(f"error: {schema.family.value} has no key column(s) {', '.join(unknown)}; its key "
+        print(f"error: {family.cli_name} has no key column(s) {', '.join(unknown)}; its key "
               f"is {', '.join(schema.key_names)}", file=sys.stderr)
         return 2
-    key = []
+    values = []
     for col in schema.key:
         text = given.get(col.name, col.default)
         if text is None:
@@ -68,49 +72,32 @@ def _cmd_lookup(args) -> int:
                   file=sys.stderr)
             return 2
         try:
-            key.append(col.parse(text))
+            values.append(col.parse(text))
         except BadValue as e:
             print(f"error: {col.name}: {e}", file=sys.stderr)
             return 2
+    key = schema.make_key(values)
     device = DeviceId.parse(args.device) if args.device else current_device()
-    dispatcher = _dispatcher_for(schema.family)
-    if dispatcher is not None:
-        decision = dispatcher.decide(tuple(key), device)
-        rule, kernel_name, row = decision.rule, decision.kernel_name, decision.row
+    note = ""
+    if family.dispatcher is not None:
+        decision = family.dispatcher.decide(key, device)
+        rule, kernel_name, row, note = decision.rule, decision.kernel_name, decision.row, \
+            decision.note
     else:
-        match = table_index(schema.family, device).find(tuple(key))
+        match = table_index(schema, device).find(key)
         rule, row = match.rule, match.row
         kernel_name = (row.kernel_names(schema) or ("",))[0] if row else \
             "(family default; this family's op has not landed yet)"
     print(f"device:     {device}")
-    print("shape:      " + " ".join(f"{n}={v}" for n, v in zip(schema.key_names, key)))
+    print(f"shape:      {schema.describe_key(key)}")
     print(f"rule:       {rule.value}")
     print(f"kernelName: {kernel_name}")
-    if dispatcher is not None and decision.note:
-        print(f"note:       {decision.note}")
+    if note:
+        print(f"note:       {note}")
     if row is not None:
         print(f"row:        {row.source}")
-        print("            " + " ".join(f"{n}={v}" for n, v in zip(schema.key_names, row.key))
-              + f" us={row.us:g}")
+        print(f"            {schema.describe_key(row.key)} us={row.us:g}")
     return 0
-
-
-def _dispatcher_for(family):
-    from gemmtune.tables.schema import Family
-
-    if family is Family.bf16:
-        from gemmtune.ops.gemm_a16w16 import DISPATCH
-
-        return DISPATCH
-    if family is Family.a8w8:
-        from gemmtune.ops.gemm_a8w8 import DISPATCH
-
-        return DISPATCH
-    if family is Family.a8w8_blockscale:
-        from gemmtune.ops.gemm_a8w8_blockscale import DISPATCH
-
-        return DISPATCH
-    return None
 
 
 # --------------------------------------------------------------------------------------- capture
@@ -135,14 +122,15 @@ def _cmd_capture(args) -> int:
 
 
 def _merge_and_report(shard_dir: Path, out: Path) -> int:
+    from gemmtune.families import families
     from gemmtune.tables.capture import merge_captures
 
-    reports = merge_captures(shard_dir, out)
+    reports = merge_captures(shard_dir, out, {f.name: f.schema for f in families()})
     if not reports:
         print(f"no captured shapes under {shard_dir} (was GEMMTUNE_TUNE_GEMM=1 set while the "
               f"ops ran?)", file=sys.stderr)
     for r in reports:
-        print(f"{r.family.value}: {r.new_shapes} new shape(s) from {r.shards} shard(s) -> "
+        print(f"{r.family}: {r.new_shapes} new shape(s) from {r.shards} shard(s) -> "
               f"{r.output} ({r.total_shapes} in all)")
         for e in r.errors:
             print(f"  skipped bad shard line: {e}", file=sys.stderr)
@@ -151,26 +139,26 @@ def _merge_and_report(shard_dir: Path, out: Path) -> int:
 
 # ---------------------------------------------------------------------------------------- shapes
 def _cmd_shapes(args) -> int:
+    from gemmtune.families import get_family
     from gemmtune.models.shapes import load_model_dir, load_preset, untuned_rows
-    from gemmtune.tables.schema import Family, schema_for
     from gemmtune.tables.store import update_table
 
     spec = load_model_dir(args.model_dir) if args.model_dir else load_preset(args.model)
-    wanted = ({Family.from_str(f) for f in args.families} if args.families
-              else {Family.bf16, Family.fmoe})
+    wanted = ({get_family(f).name for f in args.families} if args.families
+              else {"bf16", "fmoe"})
     out = Path(args.output)
     generated = untuned_rows(spec, args.tp, args.nsets)
     asked = wanted if args.families else set()  # the default asks fmoe only of MoE models
-    for family in sorted(asked - set(generated), key=lambda f: f.value):
-        print(f"{family.value}: no shapes: {spec.name} generates "
-              f"{', '.join(f.value for f in generated)}", file=sys.stderr)
-    for family, rows in generated.items():
-        if family not in wanted:
+    for name in sorted(asked - set(generated)):
+        print(f"{name}: no shapes: {spec.name} generates {', '.join(generated)}",
+              file=sys.stderr)
+    for name, rows in generated.items():
+        if name not in wanted:
             continue
-        schema = schema_for(family)
+        schema = get_family(name).schema
         path = out / schema.untuned_file
         written = update_table(path, schema, rows, untuned=True, replace=False)
-        print(f"{family.value}: {len(rows)} shape(s) of {spec.name} tp={args.tp} -> {path} "
+        print(f"{name}: {len(rows)} shape(s) of {spec.name} tp={args.tp} -> {path} "
               f"({len(written)} in the file)")
     return 0
 
@@ -178,42 +166,70 @@ def _cmd_shapes(args) -> int:
 # ---------------------------------------------------------------------------------------- tables
 def _cmd_tables(args) -> int:
     from gemmtune.device import current_device
-    from gemmtune.ops._dispatch import table_index
-    from gemmtune.tables.schema import SCHEMAS
-    from gemmtune.tables.sources import merged_cache_path, table_sources
+    from gemmtune.dispatch import table_index
+    from gemmtune.families import families
+    from gemmtune.tables.sources import table_sources, write_merged
 
     device = current_device()
     print(f"device {device}")
-    for family, schema in SCHEMAS.items():
+    for family in families():
+        schema = family.schema
         sources = table_sources(schema)
-        index = table_index(family, device)
-        print(f"{family.value:<16} {len(index):>6} row(s) for this device from "
+        index = table_index(schema, device)
+        print(f"{family.cli_name:<16} {len(index):>6} row(s) for this device from "
               f"{len(sources.paths)} file(s)" + (" (shipped tables replaced)"
                                                  if sources.replaced_shipped else ""))
         for p in sources.paths:
             print(f"{'':<18}{p}")
-        if sources.paths:
-            print(f"{'':<18}merged copy: {merged_cache_path(schema)}")
+        try:
+            merged = write_merged(schema)
+        except OSError as e:
+            print(f"{'':<18}merged copy not written: {e}")
+            continue
+        if merged is not None:
+            print(f"{'':<18}merged copy: {merged}")
     return 0
 
 
 # ------------------------------------------------------------------------------------------ tune
 def _cmd_tune(args) -> int:
+    from gemmtune.families import get_family
+
+    family = get_family(args.family)
+    if args.run_config:
+        from gemmtune.bench import run_config
+
+        return run_config(family, Path(args.input), Path(args.output or "out/run_config"))
     from gemmtune.tune.command import run_tune
-    from gemmtune.tune.families import factory
 
     try:
-        return run_tune(factory(args.family), args)
+        return run_tune(family.tuner_class(), args)
     except RuntimeError as e:  # a worker could not start (no GPU driver, broken install, ...)
         print(f"gemmtune tune: error: {e}", file=sys.stderr)
         return 2
 
 
-def _cmd_tune_triton(args) -> int:
-    from gemmtune.tune.tune_triton import run
+def _triton_dtypes() -> list[str]:
+    """--dtype values of tune-triton: the dtypes some family has Triton JSON configs for."""
+    from gemmtune.families import families
+    from gemmtune.families._gemm import SHORT_DTYPES
 
+    tagged = {d for f in families() for d in f.triton_json_tags}
+    return [short for short, dtype in SHORT_DTYPES.items() if dtype in tagged]
+
+
+def _cmd_tune_triton(args) -> int:
+    from gemmtune.families import families
+    from gemmtune.families._gemm import SHORT_DTYPES
+    from gemmtune.tune.tune_triton import Target, run
+
+    dtype = SHORT_DTYPES[args.dtype]
+    family = next(f for f in families() if dtype in f.triton_json_tags)
+    target = Target(family.tuner_class(),
+                    lambda m, n, k: family.gemm_key(m, n, k, args.dtype),
+                    family.triton_json_tags[dtype], dtype)
     try:
-        return run(args)
+        return run(args, target)
     except ValueError as e:  # a bad --space file
         print(f"gemmtune tune-triton: error: {e}", file=sys.stderr)
         return 2
@@ -223,47 +239,36 @@ def _cmd_tune_triton(args) -> int:
 def _cmd_bench(args) -> int:
     import torch
 
-    from gemmtune.bench import a8w8_blockscale_op, a8w8_op_for, bf16_op, run_bench
+    from gemmtune.bench import run_bench
+    from gemmtune.families import get_family
 
-    if args.family == "a8w8-blockscale":
-        if args.dtype not in ("bf16", "fp8"):  # bf16 is the flag's default: not given
-            print(f"gemmtune bench: error: a8w8-blockscale benches fp8 only, not {args.dtype}",
-                  file=sys.stderr)
-            return 2
-        op = a8w8_blockscale_op()
-    elif args.family == "bf16":
-        dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-        if args.dtype not in dtypes:
-            print(f"gemmtune bench: error: bf16 benches --dtype bf16, fp16 or fp32, not "
-                  f"{args.dtype}", file=sys.stderr)
-            return 2
-        op = bf16_op(dtypes[args.dtype])
-    else:
-        dtypes = {"fp8": torch.float8_e4m3fn, "int8": torch.int8}
-        dtype_name = args.dtype if args.dtype != "bf16" else "fp8"  # bf16 is the flag's default
-        if dtype_name not in dtypes:
-            print(f"gemmtune bench: error: a8w8 benches --dtype fp8 or int8, not {args.dtype}",
-                  file=sys.stderr)
-            return 2
-        args.dtype = dtype_name
-        op = a8w8_op_for(dtypes[dtype_name])
-    shapes, title = _bench_shapes(args, gpu=torch.cuda.is_available())
-    return run_bench(shapes, op, Path(args.output), title)
+    family = get_family(args.family)
+    op = family.bench_op(args.dtype)
+    shapes, title = _bench_shapes(args, family, gpu=torch.cuda.is_available())
+    return run_bench(shapes, family, op, Path(args.output), title)
 
 
-def _bench_shapes(args, gpu: bool) -> tuple[list[tuple[str, int, int, int]], str]:
+def _bench_shapes(args, family, gpu: bool) -> tuple[list[tuple[str, int, int, int]], str]:
     from gemmtune.models.shapes import DEFAULT_M, dense_projections, load_preset
-    from gemmtune.tables.schema import Family, schema_for
     from gemmtune.tables.store import read_table
 
     if args.shapes:
-        rows = read_table(args.shapes, schema_for(Family.from_str(args.family)),
-                          untuned=True).rows
-        return [("csv", r.key[0], r.key[1], r.key[2]) for r in rows], f"{args.shapes}"
+        rows = read_table(args.shapes, family.schema, untuned=True).rows
+        return [("csv", r.key.M, r.key.N, r.key.K) for r in rows], f"{args.shapes}"
     ms = args.M or (list(DEFAULT_M) if gpu else [1, 16])
     projections = dense_projections(load_preset(args.model), args.tp)
     return ([(p.name, m, p.N, p.K) for p in projections for m in ms],
-            f"{args.model} tp={args.tp} {args.dtype}")
+            f"{args.model} tp={args.tp} {args.dtype or family.bench_dtypes[0]}")
+
+
+def _benched() -> list:
+    from gemmtune.families import families
+
+    return [f for f in families() if f.bench is not None]
+
+
+def _bench_dtypes() -> list[str]:
+    return list(dict.fromkeys(d for f in _benched() for d in f.bench_dtypes))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -325,7 +330,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_shapes)
 
     from gemmtune.tune.command import add_tune_arguments
-    from gemmtune.tune.families import TUNABLE
 
     p = sub.add_parser("tune", help="tune every shape of an untuned CSV across backends and write "
                                     "the winners into a tuned table",
@@ -337,8 +341,12 @@ def build_parser() -> argparse.ArgumentParser:
                                    "restarted with the same command, it resumes.",
                        epilog="example: gemmtune tune bf16 -i shapes/bf16_untuned_gemm.csv "
                               "-o bf16_tuned.csv -o2 profile.csv")
-    p.add_argument("family", choices=TUNABLE, help="table family to tune")
+    p.add_argument("family", choices=_family_names("tuner"), help="table family to tune")
     add_tune_arguments(p)
+    p.add_argument("--run_config", action="store_true",
+                   help="instead of tuning, benchmark the production op with -i as its only "
+                        "table (a tuned table): each row's shape against torch and the floors "
+                        "(gemmtune bench); -o names the result folder (default out/run_config)")
     p.set_defaults(func=_cmd_tune)
 
     p = sub.add_parser("tune-triton", help="tune a Triton kernel's per-(N, K) JSON configs",
@@ -352,7 +360,7 @@ def build_parser() -> argparse.ArgumentParser:
                               "--m 1,16,32,64 -o configs")
     from gemmtune.tune.tune_triton import add_arguments as add_tune_triton_arguments
 
-    add_tune_triton_arguments(p)
+    add_tune_triton_arguments(p, _triton_dtypes())
     p.set_defaults(func=_cmd_tune_triton)
 
     p = sub.add_parser("tables", help="list the tables in force for this device",
@@ -369,7 +377,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "tuned output is checked against an fp32 reference. Runs on "
                                    "the CPU when there is no GPU (and says so).",
                        epilog="example: gemmtune bench bf16 --model llama3-70b --tp 8 --M 1,16,64")
-    p.add_argument("family", choices=["bf16", "a8w8", "a8w8-blockscale"], help="op family")
+    p.add_argument("family", choices=_family_names("bench"), help="op family")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--model", default="llama3-8b", choices=_presets(),
                      help="model preset whose dense projections to run (default llama3-8b)")
@@ -377,8 +385,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (default 1)")
     p.add_argument("--M", type=_int_list, default=None, metavar="M,M,...",
                    help="token counts (default 1,16,...,8192 on a GPU; 1,16 on the CPU)")
-    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32", "fp8", "int8"],
-                   help="bf16: bf16 (default), fp16 or fp32; a8w8: fp8 (default) or int8")
+    p.add_argument("--dtype", default=None, choices=_bench_dtypes(),
+                   help="; ".join(f"{f.cli_name}: {', '.join(f.bench_dtypes)}"
+                                  for f in _benched()) + " (the first is the default)")
     p.add_argument("-o", "--output", default="out/bench", metavar="DIR",
                    help="folder for bench_<family>.csv and .png (default out/bench)")
     p.set_defaults(func=_cmd_bench)

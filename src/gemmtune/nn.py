@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from gemmtune.ops.gemm_a16w16 import gemm_a16w16
+from gemmtune.families.bf16.op import gemm_a16w16
 
 
 class TunedLinear(nn.Linear):

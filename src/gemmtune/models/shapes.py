@@ -17,7 +17,10 @@ from importlib import resources
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from gemmtune.tables.schema import Family
+from gemmtune.families.a8w8.op import A8w8Key
+from gemmtune.families.a8w8_blockscale.op import BlockscaleKey
+from gemmtune.families.bf16.op import Bf16Key
+from gemmtune.families.fmoe import FmoeKey
 from gemmtune.tables.store import Row
 from gemmtune.tables.values import ActivationType, QuantType
 
@@ -385,28 +388,29 @@ def _m_values(m_values: Iterable[int]) -> list[int]:
 
 def untuned_rows(
     spec: ModelSpec, tp: int = 1, m_values: Sequence[int] = DEFAULT_M
-) -> dict[Family, list[Row]]:
-    """Untuned-table rows per family (bf16; a8w8 and a8w8_blockscale, the same GEMMs with FP8
-    weights; and fmoe for MoE models), keys in schema order.
+) -> dict[str, list[Row]]:
+    """Untuned-table rows per family name (bf16; a8w8 and a8w8_blockscale, the same GEMMs with
+    FP8 weights; and fmoe for MoE models).
 
     Rows are ordered by (N, K) then M (fmoe: by shape, then token) and hold no duplicates.
     """
     ms = _m_values(m_values)
     gemm_keys = sorted({(p.N, p.K) for p in dense_projections(spec, tp)})
-    rows: dict[Family, list[Row]] = {
-        Family.bf16: [
-            Row("", 0, (m, n, k, False, _BF16, _BF16, False, False))
+    rows: dict[str, list[Row]] = {
+        "bf16": [
+            Row("", 0, Bf16Key(m, n, k, False, _BF16, _BF16, False, False))
             for n, k in gemm_keys
             for m in ms
         ],
-        Family.a8w8: [Row("", 0, (m, n, k, _FP8)) for n, k in gemm_keys for m in ms],
-        Family.a8w8_blockscale: [Row("", 0, (m, n, k)) for n, k in gemm_keys for m in ms],
+        "a8w8": [Row("", 0, A8w8Key(m, n, k, _FP8)) for n, k in gemm_keys for m in ms],
+        "a8w8_blockscale": [Row("", 0, BlockscaleKey(m, n, k)) for n, k in gemm_keys for m in ms],
     }
     moe = sorted({(s.model_dim, s.inter_dim, s.expert, s.topk) for s in moe_shapes(spec, tp)})
     if moe:
-        rows[Family.fmoe] = [
-            Row("", 0, (m, model_dim, inter_dim, expert, topk, ActivationType.Silu.canonical,
-                        _BF16, _BF16, _BF16, QuantType.No.canonical, 1, 0))
+        rows["fmoe"] = [
+            Row("", 0, FmoeKey(m, model_dim, inter_dim, expert, topk,
+                               ActivationType.Silu.canonical, _BF16, _BF16, _BF16,
+                               QuantType.No.canonical, 1, 0))
             for model_dim, inter_dim, expert, topk in moe
             for m in ms
         ]

@@ -19,7 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gemmtune import _env
-from gemmtune.tables.schema import Family, Schema, format_value, schema_for
+from collections.abc import Mapping
+
+from gemmtune.tables.schema import Schema, format_value
 from gemmtune.tables.store import TableError, Row, merge_rows, parse_rows, update_table
 
 
@@ -31,7 +33,7 @@ def _csv_line(values: list[str]) -> str:
 
 def shard_path(schema: Schema, capture_dir: Path | None = None) -> Path:
     base = capture_dir or _env.capture_dir()
-    return base / schema.family.value / f"{socket.gethostname()}-{os.getpid()}.csv"
+    return base / schema.family / f"{socket.gethostname()}-{os.getpid()}.csv"
 
 
 _append_lock = threading.Lock()
@@ -79,7 +81,7 @@ def _read_when_no_writer(shard: Path) -> str:
 
 @dataclass
 class MergeReport:
-    family: Family
+    family: str
     output: Path
     shards: int
     new_shapes: int
@@ -87,17 +89,17 @@ class MergeReport:
     errors: list[TableError]
 
 
-def merge_captures(capture_dir: Path, out_dir: Path, *, remove_shards: bool = True
-                   ) -> list[MergeReport]:
-    """Fold every family's shards under ``capture_dir`` into ``out_dir/<untuned file>``, keeping
-    the rows already there. Shards are removed only after the merged table is safely written."""
+def merge_captures(capture_dir: Path, out_dir: Path, schemas: Mapping[str, Schema], *,
+                   remove_shards: bool = True) -> list[MergeReport]:
+    """Fold the shards under ``capture_dir`` of every family in ``schemas`` (by name) into
+    ``out_dir/<untuned file>``, keeping the rows already there. Shards are removed only after the
+    merged table is safely written; folders of families not in ``schemas`` are left alone."""
     reports = []
     if not capture_dir.is_dir():
         return reports
     for family_dir in sorted(p for p in capture_dir.iterdir() if p.is_dir()):
-        try:
-            schema = schema_for(family_dir.name)
-        except ValueError:
+        schema = schemas.get(family_dir.name)
+        if schema is None:
             continue
         # Take each shard out of its writer's way first: a process still capturing reopens its
         # shard by name and starts a new one, so no line is appended between read and delete.

@@ -22,6 +22,7 @@ class Rule(str, enum.Enum):
     coarse = "coarse"
     nearest = "nearest"
     default = "default"
+    forced = "forced"  # no look-up: the call named its kernel (``kernel=``)
 
 
 def padded_m(m: int) -> int:

@@ -1,4 +1,5 @@
-"""The seven table families: their files, key columns and result columns.
+"""What a table is made of: typed columns, the device and result columns every family shares,
+and ``Schema``, which each family fills in with its own key columns (``gemmtune.families``).
 
 A family's key is ``arch, cu_num`` (the device) followed by its shape columns; the rest are results.
 Column names are the seeds' (AITER's) names; the few places where seeds spell a column differently
@@ -85,25 +86,6 @@ class Column:
         return _PARSERS[self.kind](text)
 
 
-class Family(str, enum.Enum):
-    bf16 = "bf16"
-    a8w8 = "a8w8"
-    a8w8_blockscale = "a8w8_blockscale"
-    a4w4_blockscale = "a4w4_blockscale"
-    batched_bf16 = "batched_bf16"
-    batched_a8w8 = "batched_a8w8"
-    fmoe = "fmoe"
-
-    @classmethod
-    def from_str(cls, text: str) -> "Family":
-        name = text.strip().replace("-", "_").lower()
-        try:
-            return cls(name)
-        except ValueError:
-            valid = ", ".join(f.value for f in cls)
-            raise BadValue(f"unknown family {text!r}; expected one of {valid}") from None
-
-
 ARCH = Column("arch", Kind.TEXT, default="", aliases=("gfx",))
 CU_NUM = Column("cu_num", Kind.INT)
 DEVICE_COLUMNS = (ARCH, CU_NUM)
@@ -142,21 +124,35 @@ FMOE_RESULT_COLUMNS = (
 ) + MEASUREMENT_COLUMNS
 
 
-def _ints(*names: str) -> tuple[Column, ...]:
+def int_columns(*names: str) -> tuple[Column, ...]:
+    """Required integer key columns (``M``, ``N``, ``K``, ...)."""
     return tuple(Column(n, Kind.INT) for n in names)
 
 
 @dataclass(frozen=True)
 class Schema:
-    family: Family
+    """One family's table: its files, columns and overlay variables. ``key_type`` is the family's
+    NamedTuple of key values, one field per key column in order: rows, look-ups and dispatch
+    decisions carry keys of that type, read by column name, never decoded by index."""
+
+    family: str  # the family's name (``bf16``, ``a8w8_blockscale``): capture folders, messages
     tuned_file: str  # default file name of the tuned table (shipped in configs/)
     untuned_file: str  # file name of the shapes-to-tune table written by capture/shapes
     key: tuple[Column, ...]  # shape columns, after the device columns
+    key_type: type  # NamedTuple with the key columns' names as fields
     result: tuple[Column, ...]
     m_column: str  # the token-count column that look-up pads
     kernel_columns: tuple[str, ...]  # result columns naming the kernels a row dispatches to
     env_names: tuple[str, ...]  # overlay variables, GEMMTUNE_* first, then the seeds' aliases
     model_config_glob: str  # which files of configs/model_configs/ belong to this family
+
+    def __post_init__(self):
+        fields = getattr(self.key_type, "_fields", None)
+        if fields != self.key_names:
+            raise ValueError(f"{self.family}: key_type fields {fields} must be the key columns "
+                             f"{self.key_names}, in order")
+        if self.m_column not in self.key_names:
+            raise ValueError(f"{self.family}: m_column {self.m_column!r} is not a key column")
 
     @property
     def key_names(self) -> tuple[str, ...]:
@@ -164,86 +160,17 @@ class Schema:
 
     @property
     def m_index(self) -> int:
+        """Where the token-count column sits in a key (look-up pads it, the tuner sorts by it)."""
         return self.key_names.index(self.m_column)
 
     @property
     def tuned_columns(self) -> tuple[Column, ...]:
         return DEVICE_COLUMNS + self.key + self.result
 
+    def make_key(self, values) -> tuple:
+        """The family's key from values in column order."""
+        return self.key_type(*values)
 
-_GEMM_KEY = _ints("M", "N", "K")
-
-SCHEMAS: dict[Family, Schema] = {
-    s.family: s
-    for s in (
-        Schema(
-            Family.bf16, "bf16_tuned_gemm.csv", "bf16_untuned_gemm.csv",
-            _GEMM_KEY + (
-                Column("bias", Kind.BOOL, default="False"),
-                Column("dtype", Kind.DTYPE, default="torch.bfloat16"),
-                Column("outdtype", Kind.DTYPE, default="torch.bfloat16"),
-                Column("scaleAB", Kind.BOOL, default="False"),
-                Column("bpreshuffle", Kind.BOOL, default="False"),
-            ),
-            GEMM_RESULT_COLUMNS, "M", ("kernelName",),
-            ("GEMMTUNE_CONFIG_BF16", "GEMMTUNE_CONFIG_GEMM_BF16", "AITER_CONFIG_GEMM_BF16"),
-            "bf16_tuned_gemm*.csv",
-        ),
-        Schema(
-            Family.a8w8, "a8w8_tuned_gemm.csv", "a8w8_untuned_gemm.csv",
-            _GEMM_KEY + (Column("q_dtype_w", Kind.DTYPE, default="torch.float8_e4m3fn"),),
-            GEMM_RESULT_COLUMNS, "M", ("kernelName",),
-            ("GEMMTUNE_CONFIG_A8W8", "GEMMTUNE_CONFIG_GEMM_A8W8", "AITER_CONFIG_GEMM_A8W8"),
-            "a8w8_tuned_gemm*.csv",
-        ),
-        Schema(
-            Family.a8w8_blockscale, "a8w8_blockscale_tuned_gemm.csv",
-            "a8w8_blockscale_untuned_gemm.csv", _GEMM_KEY,
-            GEMM_RESULT_COLUMNS, "M", ("kernelName",),
-            ("GEMMTUNE_CONFIG_A8W8_BLOCKSCALE", "GEMMTUNE_CONFIG_GEMM_A8W8_BLOCKSCALE",
-             "AITER_CONFIG_GEMM_A8W8_BLOCKSCALE"),
-            "a8w8_blockscale_tuned_gemm*.csv",
-        ),
-        Schema(
-            Family.a4w4_blockscale, "a4w4_blockscale_tuned_gemm.csv",
-            "a4w4_blockscale_untuned_gemm.csv", _GEMM_KEY,
-            GEMM_RESULT_COLUMNS, "M", ("kernelName",),
-            ("GEMMTUNE_CONFIG_A4W4_BLOCKSCALE", "GEMMTUNE_CONFIG_GEMM_A4W4",
-             "AITER_CONFIG_GEMM_A4W4"),
-            "a4w4_blockscale_tuned_gemm*.csv",
-        ),
-        Schema(
-            Family.batched_bf16, "bf16_tuned_batched_gemm.csv", "bf16_untuned_batched_gemm.csv",
-            _ints("B", "M", "N", "K"),
-            GEMM_RESULT_COLUMNS, "M", ("kernelName",),
-            ("GEMMTUNE_CONFIG_BATCHED_BF16", "AITER_CONFIG_BF16_BATCHED_GEMM"),
-            "bf16_tuned_batched_gemm*.csv",
-        ),
-        Schema(
-            Family.batched_a8w8, "a8w8_tuned_batched_gemm.csv", "a8w8_untuned_batched_gemm.csv",
-            _ints("B", "M", "N", "K"),
-            GEMM_RESULT_COLUMNS, "M", ("kernelName",),
-            ("GEMMTUNE_CONFIG_BATCHED_A8W8", "AITER_CONFIG_A8W8_BATCHED_GEMM"),
-            "a8w8_tuned_batched_gemm*.csv",
-        ),
-        Schema(
-            Family.fmoe, "tuned_fmoe.csv", "untuned_fmoe.csv",
-            _ints("token", "model_dim", "inter_dim", "expert", "topk") + (
-                Column("act_type", Kind.ACTIVATION, default="ActivationType.Silu"),
-                Column("dtype", Kind.DTYPE, default="torch.bfloat16"),
-                Column("q_dtype_a", Kind.DTYPE, default="torch.bfloat16"),
-                Column("q_dtype_w", Kind.DTYPE, default="torch.bfloat16"),
-                Column("q_type", Kind.QUANT, default="QuantType.No"),
-                Column("use_g1u1", Kind.INT, default="1"),
-                Column("doweight_stage1", Kind.INT, default="0"),
-            ),
-            FMOE_RESULT_COLUMNS, "token", ("kernelName1", "kernelName2"),
-            ("GEMMTUNE_CONFIG_FMOE", "AITER_CONFIG_FMOE"),
-            "*tuned_fmoe*.csv",
-        ),
-    )
-}
-
-
-def schema_for(family: Family | str) -> Schema:
-    return SCHEMAS[family if isinstance(family, Family) else Family.from_str(family)]
+    def describe_key(self, key) -> str:
+        """``M=16 N=4096 K=4096 ...``: how messages and logs show a key."""
+        return " ".join(f"{n}={v}" for n, v in zip(self.key_names, key))

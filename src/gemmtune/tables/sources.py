@@ -3,8 +3,9 @@
 Order: the shipped table (``configs/<tuned_file>``), then ``configs/model_configs/`` files of the
 family, then the user's overlays from ``GEMMTUNE_CONFIG_<FAMILY>`` (colon-separated). Overlays
 add to the shipped tables; an overlay path prefixed ``replace:`` (or ``GEMMTUNE_CONFIG_REPLACE=1``)
-drops the shipped and model tables instead. The merged table is written to the cache folder for
-inspection (``$GEMMTUNE_CACHE_DIR/merged/``); sources are never rewritten.
+drops the shipped and model tables instead. Reading never writes: ``write_merged`` (what
+``gemmtune tables`` calls) puts the merged table in the cache folder for inspection
+(``$GEMMTUNE_CACHE_DIR/merged/``); sources are never rewritten.
 """
 
 from __future__ import annotations
@@ -74,16 +75,14 @@ def table_sources(schema: Schema) -> TableSources:
     return TableSources(tuple(base + overlays), replace)
 
 
-def load_merged(schema: Schema, *, write_cache: bool = True) -> list[Row]:
-    """All rows in force for the family, duplicates resolved to the lowest ``us`` (one warning)."""
-    sources = table_sources(schema)
+def load_merged(schema: Schema, paths: list[Path] | None = None) -> list[Row]:
+    """All rows in force for the family (or in ``paths``, if given), duplicates resolved to the
+    lowest ``us`` (one warning)."""
     rows: list[Row] = []
-    for path in sources.paths:
+    for path in table_sources(schema).paths if paths is None else paths:
         rows += read_table(path, schema).rows
     merged = merge_rows(rows)
-    warn_duplicates(merged.duplicates, f"{schema.family.value} tables")
-    if write_cache and sources.paths:
-        _write_merged(schema, merged.rows)
+    warn_duplicates(merged.duplicates, f"{schema.family} tables")
     return merged.rows
 
 
@@ -91,14 +90,14 @@ def merged_cache_path(schema: Schema) -> Path:
     return _env.cache_dir() / "merged" / schema.tuned_file
 
 
-def _write_merged(schema: Schema, rows: list[Row]) -> None:
+def write_merged(schema: Schema) -> Path | None:
+    """Write the family's merged table to the cache folder (atomically, under its lock) and
+    return its path; None when no table is in force. OSError if the folder is not writable."""
+    if not table_sources(schema).paths:
+        return None
     path = merged_cache_path(schema)
-    text = render_rows(schema, rows)
-    try:
-        if path.exists() and path.read_text(encoding="utf-8") == text:
-            return
+    text = render_rows(schema, load_merged(schema))
+    if not (path.exists() and path.read_text(encoding="utf-8") == text):
         with lock_for(path):
             atomic_write_text(path, text)
-    except OSError:
-        # The cache is for people to inspect; a read-only home must not stop dispatch.
-        pass
+    return path

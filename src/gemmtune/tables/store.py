@@ -45,7 +45,8 @@ class RowSource:
 
 @dataclass(frozen=True)
 class Row:
-    """One parsed row. ``key`` holds the shape columns in schema order (canonical values);
+    """One parsed row. ``key`` holds the shape columns (canonical values) as the family's key
+    NamedTuple (``Schema.key_type``);
     ``results`` the parsed result columns (empty for untuned rows); ``extra`` unknown columns,
     kept verbatim so that rewriting a table never drops what another tool put there."""
 
@@ -162,7 +163,7 @@ def parse_rows(text: str, path: str, schema: Schema, *, untuned: bool = False) -
         rows.append(Row(
             arch=parsed["arch"],
             cu_num=parsed["cu_num"],
-            key=tuple(parsed[n] for n in schema.key_names),
+            key=schema.make_key(parsed[n] for n in schema.key_names),
             results={c.name: parsed[c.name] for c in schema.result} if not untuned else {},
             extra={name: cells[i] for name, i in extra_cols.items()},
             source=RowSource(path, line),

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from gemmtune import _env
 from gemmtune.tables.store import atomic_write_text
 
 # (bucket, largest M it holds), in order; "any" holds whatever the others do not.
@@ -88,8 +88,7 @@ def read_configs(path: Path) -> dict[str, BucketConfig]:
 
 
 def search_dirs() -> list[Path]:
-    user = os.environ.get("GEMMTUNE_TRITON_CONFIG_DIR", "")
-    return [Path(p).expanduser() for p in user.split(os.pathsep) if p] + [SHIPPED_DIR]
+    return _env.triton_config_dirs() + [SHIPPED_DIR]
 
 
 @functools.lru_cache(maxsize=256)

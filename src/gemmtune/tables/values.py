@@ -134,7 +134,9 @@ class QuantType(_TableEnum):
 
 
 class LibType(_TableEnum):
-    """Backends a row can name (``libtype`` column). Stored bare (``triton``), not prefixed."""
+    """The backends, the one list of them: what a row's ``libtype`` column and ``--libtype``
+    name, and the first word of every ``kernelName`` (``triton.splitk:...`` is a triton
+    kernel). Stored bare (``triton``), not prefixed."""
 
     torch = "torch"
     cublaslt = "cublaslt"
@@ -143,3 +145,8 @@ class LibType(_TableEnum):
     @property
     def canonical(self) -> str:
         return self.value
+
+    @classmethod
+    def of_kernel(cls, name: str) -> "LibType":
+        """The backend of a ``kernelName`` or of its prefix (``triton.tile:BM64...`` -> triton)."""
+        return cls.from_str(name.split(":", 1)[0].split(".", 1)[0])

@@ -1,4 +1,5 @@
-"""``gemmtune tune FAMILY``: the engine's command line, with the seeds' (AITER's) flag names."""
+"""``gemmtune tune FAMILY``: the engine's command line, with the seeds' (AITER's) flag names.
+``--run_config`` (benchmark a table instead of tuning) is the bench's, run by ``gemmtune.cli``."""
 
 from __future__ import annotations
 
@@ -7,18 +8,20 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+from gemmtune.tables.values import LibType
 from gemmtune.tune.engine import TuneConfig, Tuner, default_gpus
 from gemmtune.tune.family import TuneOptions
 
-LIBTYPES = ("torch", "triton", "cublaslt")
+LIBTYPES = tuple(t.value for t in LibType)
 
 
 def _libtypes(text: str) -> frozenset[str]:
+    """``all`` (every backend the family has; the default) or a comma list of LIBTYPES."""
     names = {t.strip() for t in text.split(",") if t.strip()}
     if names == {"all"}:
-        return frozenset(LIBTYPES)
+        return frozenset()
     unknown = names - set(LIBTYPES)
-    if unknown:
+    if unknown or not names:
         raise argparse.ArgumentTypeError(f"unknown libtype(s) {', '.join(sorted(unknown))}; "
                                          f"expected all or a comma list of {', '.join(LIBTYPES)}")
     return frozenset(names)
@@ -54,8 +57,8 @@ def add_tune_arguments(p: argparse.ArgumentParser) -> None:
                         "killed and it is recorded as hung (default 60)")
     p.add_argument("-v", "--verbose", action="store_true", help="print every candidate's result")
     p.add_argument("--libtype", type=_libtypes, default=frozenset(), metavar="L,L",
-                   help="backends to try: all or a comma list of torch,triton,cublaslt "
-                        "(default: every backend available here)")
+                   help=f"backends to try: all or a comma list of {','.join(LIBTYPES)} "
+                        f"(default: every backend of the family available here)")
     p.add_argument("--compare", action="store_true",
                    help="print old vs new time for shapes that already had a row")
     p.add_argument("--update_improved", action="store_true",
@@ -63,10 +66,7 @@ def add_tune_arguments(p: argparse.ArgumentParser) -> None:
                         "faster by --min_improvement_pct")
     p.add_argument("--min_improvement_pct", type=float, default=3.0, metavar="P",
                    help="gain needed by --update_improved (default 3)")
-    p.add_argument("--run_config", action="store_true",
-                   help="instead of tuning, benchmark the production op with -i as its only "
-                        "table (a tuned table): each row's shape against torch and the roofline "
-                        "(gemmtune bench); -o names the result folder (default out/run_config)")
+
 
 
 def config_from_args(args: argparse.Namespace) -> TuneConfig:
@@ -91,33 +91,4 @@ def config_from_args(args: argparse.Namespace) -> TuneConfig:
 
 
 def run_tune(factory: Callable, args: argparse.Namespace, out=sys.stderr) -> int:
-    if getattr(args, "run_config", False):
-        return run_config(factory, args)
     return Tuner(factory, config_from_args(args), out=out).run().exit_code
-
-
-def run_config(factory: Callable, args: argparse.Namespace) -> int:
-    """``--run_config``: the op as production runs it, dispatched from the table ``-i`` alone."""
-    import os
-
-    import torch
-
-    from gemmtune.bench import bf16_op, run_bench
-    from gemmtune.ops import reset
-    from gemmtune.tables.schema import schema_for
-    from gemmtune.tables.store import read_table
-
-    schema = schema_for(factory.family)
-    rows = read_table(args.input, schema).rows
-    if not rows:
-        raise ValueError(f"{args.input}: no rows to run")
-    dtypes = {r.key[4] for r in rows}
-    if len(dtypes) != 1 or dtypes != {"torch.bfloat16"}:
-        raise ValueError(f"{args.input}: --run_config benchmarks bf16 rows only; found "
-                         f"{', '.join(sorted(dtypes))}")
-    os.environ[schema.env_names[0]] = f"replace:{Path(args.input).resolve()}"
-    reset()
-    shapes = sorted({("row", r.key[0], r.key[1], r.key[2]) for r in rows},
-                    key=lambda s: (s[2], s[3], s[1]))
-    return run_bench(shapes, bf16_op(torch.bfloat16), Path(args.output or "out/run_config"),
-                     f"{args.input} (run_config)")

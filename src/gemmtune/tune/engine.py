@@ -25,12 +25,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gemmtune.tables.schema import Schema, schema_for
+from gemmtune import _env
+from gemmtune.tables.schema import Schema
 from gemmtune.tables.store import (Row, TableError, full_key, read_table, update_table,
                                    write_table)
-from gemmtune.tune.family import (CRASHING, Candidate, Evaluation, Status, TuneFamily,
+from gemmtune.tune.family import (CRASHING, Candidate, Evaluation, Status, FamilyTuner,
                                   TuneOptions)
-from gemmtune.tune.gpulock import GpuLock
+from gemmtune.measure.gpulock import GpuLock
 from gemmtune.tune.progress import Progress
 from gemmtune.tune.records import CrashMemo, ProfileLog
 from gemmtune.tune.workers import START_TIMEOUT_S, Worker, WorkerLost, WorkerSpec
@@ -122,11 +123,11 @@ class RetuneLog:
 
 
 class Tuner:
-    def __init__(self, factory: Callable[[], TuneFamily], config: TuneConfig,
+    def __init__(self, factory: Callable[[], FamilyTuner], config: TuneConfig,
                  out=sys.stderr):
         self.factory = factory
         self.family = factory()  # families construct without touching the GPU
-        self.schema: Schema = schema_for(self.family.family)
+        self.schema: Schema = self.family.schema
         self.config = config
         self.out = out
         self.memo = CrashMemo(self.schema)
@@ -155,7 +156,7 @@ class Tuner:
             self.device = (arch, cu_num)
             existing = self._existing_rows()
             todo = self._select(keys, existing)
-            self._say(f"tuning {len(todo)} shape(s) of {self.schema.family.value} on "
+            self._say(f"tuning {len(todo)} shape(s) of {self.schema.family} on "
                       f"{arch}:{cu_num} with {len(workers)} worker(s); "
                       f"{self.summary.skipped} already tuned")
             self._tune_all(todo, workers, existing)
@@ -196,8 +197,8 @@ class Tuner:
                 f"{self.config.output.name}.pending-{os.getpid()}.csv")
             write_table(rescue, self.schema, self._pending)
             self._say(f"could not write {self.config.output} ({e}); {len(self._pending)} tuned "
-                      f"row(s) saved to {rescue}: merge them with GEMMTUNE_CONFIG_BF16 or copy "
-                      f"their lines into the output")
+                      f"row(s) saved to {rescue}: add it to {self.schema.env_names[0]} or copy "
+                      f"its lines into the output")
             raise
 
     def _spec(self, index: int) -> WorkerSpec:
@@ -254,7 +255,7 @@ class Tuner:
         tasks: queue.Queue = queue.Queue()
         for key in todo:
             tasks.put(key)
-        progress = Progress(len(todo), f"tune {self.schema.family.value}", self.out)
+        progress = Progress(len(todo), f"tune {self.schema.family}", self.out)
         self._progress = progress
         errors: list[BaseException] = []
 
@@ -324,7 +325,7 @@ class Tuner:
             if len(evaluations) > 2 and failures == {"error": len(evaluations)} and \
                     len(details) == 1:
                 reason += (f"; all raised {details.pop()}: that looks like a bug in the "
-                           f"{self.schema.family.value} family rather than in its candidates "
+                           f"{self.schema.family} family rather than in its candidates "
                            f"(run with -v for the messages)")
             return ShapeResult(key, None, evaluations, reason)
         finalists = self._retime(worker, device, key, seed, passing, by_name)
@@ -471,7 +472,7 @@ class Tuner:
                 self.summary.short_of_memory.append(result.key)
             if self.profile is not None and result.evaluations:
                 self.profile.append(self.device, result.key, result.evaluations)
-            shape = " ".join(f"{n}={v}" for n, v in zip(self.schema.key_names, result.key))
+            shape = self.schema.describe_key(result.key)
             self._finished_keys.append(result.key)
             if result.row is None:
                 self.summary.failed.append(result.key)
@@ -530,15 +531,13 @@ class Tuner:
             self._say("  rows chosen without them (re-tune these shapes with --all and a smaller "
                       "--mp to let them compete):")
             for key in s.short_of_memory:
-                self._say("    " + " ".join(f"{n}={v}" for n, v in
-                                            zip(self.schema.key_names, key)))
+                self._say("    " + self.schema.describe_key(key))
         for key in s.failed:
-            self._say("  failed: " + " ".join(f"{n}={v}" for n, v in
-                                              zip(self.schema.key_names, key)))
+            self._say("  failed: " + self.schema.describe_key(key))
         if s.compared:
             self._say(f"{'shape':<40} {'old us':>10} {'new us':>10}")
             for key, old, new in s.compared:
-                shape = " ".join(str(v) for v in key[:3])
+                shape = self.schema.describe_key(key)
                 self._say(f"{shape:<40} {old if old is not None else '-':>10} {new:>10.3f}")
 
 
@@ -548,7 +547,7 @@ def default_gpus() -> tuple[str, ...]:
 
     if not torch.cuda.is_available():
         return ()
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    visible = _env.visible_devices()
     if visible:
-        return tuple(v.strip() for v in visible.split(",") if v.strip())
+        return tuple(visible)
     return tuple(str(i) for i in range(torch.cuda.device_count()))

@@ -1,7 +1,8 @@
-"""What the tuning engine needs from a family: candidates, inputs, a checked run, a timer.
+"""What the tuning engine needs from a family's tuner: candidates, inputs, a checked run, a timer.
 
-A family object lives in a worker process (it may hold CUDA state); the engine in the parent only
-exchanges picklable values with it: keys (tuples), candidate names, and the dataclasses below.
+A tuner object lives in a worker process (it may hold CUDA state); the engine in the parent only
+exchanges picklable values with it: keys (the family's key NamedTuples), candidate names, and the
+dataclasses below. The engine knows no family: it is handed a tuner class.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any
 
 import torch
 
-from gemmtune.tables.schema import Family
+from gemmtune.tables.schema import Schema
 
 
 @dataclass(frozen=True)
@@ -79,12 +80,12 @@ class Prepared:
     extra: dict = field(default_factory=dict)
 
 
-class TuneFamily(abc.ABC):
+class FamilyTuner(abc.ABC):
     """The per-family half of tuning. Implementations must keep their own promises: ``run``
     writes into an output poisoned with NaN (so an unwritten output can never pass), inputs are
     fresh random data (never zeros)."""
 
-    family: Family
+    schema: Schema  # the family's table: key columns, result columns, file names
     # How ``time`` measures, stored in each row's ``timing`` column.
     timing_label = "graph.coldL2"
 

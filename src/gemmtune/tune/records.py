@@ -20,7 +20,7 @@ class CrashMemo:
     instead of paying the timeout or the crash again. JSON lines, appended under a lock."""
 
     def __init__(self, schema: Schema, path: Path | None = None):
-        self.path = path or _env.cache_dir() / "crash_memo" / f"{schema.family.value}.jsonl"
+        self.path = path or _env.cache_dir() / "crash_memo" / f"{schema.family}.jsonl"
         # id -> the --timeout it hung under (inf for crashes): a later run with a longer timeout
         # gives a hung candidate another chance, a crash is never retried.
         self._known: dict[tuple, float] = {}

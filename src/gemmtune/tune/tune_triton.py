@@ -1,37 +1,42 @@
-"""``gemmtune tune-triton KERNEL --nk N,K ... --m 16,32,...``: per-kernel JSON config tuning.
+"""``gemmtune tune-triton KERNEL --nk N,K ... --m 16,32,...``: per-kernel Triton JSON configs,
+tuned by the one engine.
 
-For each (N, K) and M, every config of an editable search space (pruned to what fits) is run,
-checked against torch (``--atol``/``--rtol``) and timed (``--iters``; CUDA-graph replay over
-weight copies larger than L2 on a GPU, wall time in the interpreter on the CPU). Per M bucket
-the config with the best geometric-mean time relative to each M's fastest is written to
-``{arch}-GEMM-{TAG}-N={N}-K={K}.json``; ``{arch}-GEMM-{TAG}.json`` gets the most common bucket
-winner over all (N, K). Configs that fail to compile, run out of resources or give wrong results
-are skipped and listed at the end.
+Every (N, K) x M becomes a shape of the family that owns the dtype (bf16/fp16: ``bf16``;
+fp8/int8: ``a8w8``), and the engine tunes those shapes as it tunes any table: the candidates are
+the kernel's configs from an editable search space (pruned to what fits) beside the family's
+torch baseline, each run in a worker process (a config that raises, hangs or crashes is
+recorded, the run goes on), checked against the fp32 reference by the correctness gate and timed
+as deployed (CUDA-graph replay over copies larger than L2). Every candidate's result goes to a
+profile file in the output folder; the JSON export, the last step, reads it: per (N, K) and M
+bucket the config with the best geometric-mean time relative to each M's fastest is written to
+``{arch}-GEMM-{TAG}-N={N}-K={K}.json`` unless torch was faster there, and
+``{arch}-GEMM-{TAG}.json`` gets the most common bucket winner over all (N, K).
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
+import functools
 import json
 import math
 import statistics
 import sys
-import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
 
 from gemmtune.tables import triton_json
-from gemmtune.tune.progress import Progress
+from gemmtune.tables.schema import Schema
+from gemmtune.tables.store import Row, write_table
+from gemmtune.tables.values import LibType
+from gemmtune.tune.engine import TuneConfig, Tuner, default_gpus
+from gemmtune.tune.family import Candidate, FamilyTuner, Prepared, TuneOptions
 
 KERNELS = ("splitk", "tile", "persistent")
-# --dtype -> (torch dtype, TAG of the JSON files)
-DTYPES = {
-    "bf16": (torch.bfloat16, "A16W16"), "fp16": (torch.float16, "A16W16_FP16"),
-    "fp8": (torch.float8_e4m3fn, "A8W8"), "int8": (torch.int8, "A8W8_INT8"),
-}
 
 
 @dataclass(frozen=True)
@@ -75,25 +80,26 @@ def kernel_configs(kernel: str, space: SearchSpace, m: int, n: int, k: int,
     bms = [bm for bm in space.BLOCK_SIZE_M if bm <= max(16, 1 << (m - 1).bit_length())] \
         or [min(space.BLOCK_SIZE_M)]
     if kernel == "splitk":
-        from gemmtune.kernels.triton import gemm_splitk
-        from gemmtune.kernels.triton.gemm_splitk import SplitKConfig as cls
-        from gemmtune.kernels.triton.gemm_splitk import fits
-        pdl = (gemm_splitk.PDL_WAIT if torch.cuda.is_available()
-               and gemm_splitk.pdl_supported(torch.device("cuda")) else gemm_splitk.PDL_OFF)
-        make = [cls(bm, bn, bk, sk, w, s, pdl) for bm in bms
+        from gemmtune.kernels.triton import gemm_splitk as module
+
+        pdl = (module.PDL_WAIT if torch.cuda.is_available()
+               and module.pdl_supported(torch.device("cuda")) else module.PDL_OFF)
+        make = [module.SplitKConfig(bm, bn, bk, sk, w, s, pdl) for bm in bms
                 for bn in space.BLOCK_SIZE_N for bk in space.BLOCK_SIZE_K
                 for sk in space.NUM_KSPLIT for w in space.num_warps for s in space.num_stages]
     else:
         if kernel == "tile":
-            from gemmtune.kernels.triton.gemm_tile import TileConfig as cls
-            from gemmtune.kernels.triton.gemm_tile import fits
+            from gemmtune.kernels.triton import gemm_tile as module
+
+            cls = module.TileConfig
         else:
-            from gemmtune.kernels.triton.gemm_persistent import PersistentConfig as cls
-            from gemmtune.kernels.triton.gemm_persistent import fits
+            from gemmtune.kernels.triton import gemm_persistent as module
+
+            cls = module.PersistentConfig
         make = [cls(bm, bn, bk, g, w, s) for bm in bms
                 for bn in space.BLOCK_SIZE_N for bk in space.BLOCK_SIZE_K
                 for g in space.GROUP_SIZE_M for w in space.num_warps for s in space.num_stages]
-    return [c for c in dict.fromkeys(make) if fits(c, m, n, k, dtype)]
+    return [c for c in dict.fromkeys(make) if module.fits(c, m, n, k, dtype)]
 
 
 def params_of(config) -> dict:
@@ -102,6 +108,64 @@ def params_of(config) -> dict:
             "BLOCK_SIZE_K": config.block_k, "GROUP_SIZE_M": getattr(config, "group_m", 1),
             "num_warps": config.num_warps, "num_stages": config.num_stages,
             "NUM_KSPLIT": getattr(config, "split_k", 1), "cache_modifier": None}
+
+
+class SpaceTuner(FamilyTuner):
+    """A GEMM family's tuner whose candidates are one kernel's configs from a search space, plus
+    the family's torch baseline; inputs, the checked run and timing are the family's own.
+    Built in each worker as ``functools.partial(SpaceTuner, tuner_cls, kernel, space)``."""
+
+    def __init__(self, tuner_cls: type, kernel: str, space: SearchSpace):
+        self.base = tuner_cls()
+        self.kernel = kernel
+        self.space = space
+        self.schema = self.base.schema
+        self.timing_label = self.base.timing_label
+
+    def candidates(self, key: tuple, libtypes: frozenset[str]) -> list[Candidate]:
+        p = self.base.shape(key)
+        baseline = self.base.candidates(key, frozenset({LibType.torch.value}))
+        configs = [Candidate(c.name, LibType.triton.value, splitk=getattr(c, "split_k", 0))
+                   for c in kernel_configs(self.kernel, self.space, p.m, p.n, p.k, p.dtype)]
+        return [Candidate(c.name, c.libtype, c.simplicity, c.splitk, solidx=i)
+                for i, c in enumerate(baseline + configs)]
+
+    def device_info(self):
+        return self.base.device_info()
+
+    def prepare(self, key: tuple, seed: int) -> Prepared:
+        return self.base.prepare(key, seed)
+
+    def precompile(self, name: str, prepared: Prepared) -> None:
+        self.base.precompile(name, prepared)
+
+    def run(self, name: str, prepared: Prepared) -> torch.Tensor:
+        return self.base.run(name, prepared)
+
+    def tolerance(self, key: tuple) -> tuple[float, float, float]:
+        return self.base.tolerance(key)
+
+    def time(self, name, prepared, iters, warmup):
+        return self.base.time(name, prepared, iters, warmup)
+
+    def time_many(self, names, prepared, iters, warmup):
+        return self.base.time_many(names, prepared, iters, warmup)
+
+    def is_fatal(self, error: BaseException) -> bool:
+        return self.base.is_fatal(error)
+
+    def metrics(self, key: tuple, us: float) -> tuple[float, float]:
+        return self.base.metrics(key, us)
+
+
+@dataclass(frozen=True)
+class Target:
+    """What tune-triton needs of the family that owns the dtype (``gemmtune.cli`` finds it)."""
+
+    tuner: type  # the family's GEMM tuner class
+    gemm_key: Callable[[int, int, int], tuple]  # (M, N, K) -> the family's key in this dtype
+    tag: str  # TAG of the JSON files
+    dtype: torch.dtype
 
 
 @dataclass
@@ -113,170 +177,50 @@ class Failure:
     why: str
 
 
-def _launcher(kernel: str):
-    """The launch-only function of a kernel family (what dispatch plans call)."""
-    if kernel == "splitk":
-        from gemmtune.kernels.triton.gemm_splitk import launch_gemm_splitk as launch
-    elif kernel == "tile":
-        from gemmtune.kernels.triton.gemm_tile import launch_gemm_tile as launch
-    else:
-        from gemmtune.kernels.triton.gemm_persistent import launch_gemm_persistent as launch
-    return launch
+@dataclass(frozen=True)
+class RunFiles:
+    """What a run leaves in the output folder beside the JSON files: the shapes it tuned, the
+    engine's table of winners, and its profile (every candidate's result), which the export
+    reads and ``--resume`` continues from."""
+
+    shapes: Path
+    table: Path
+    profile: Path
+
+    @classmethod
+    def of(cls, out_dir: Path, kernel: str, tag: str) -> RunFiles:
+        stem = out_dir / f"tune-triton-{kernel}-{tag}"
+        return cls(Path(f"{stem}-shapes.csv"), Path(f"{stem}.csv"), Path(f"{stem}-profile.csv"))
 
 
-class Operands:
-    """x and w of one (M, N, K), torch's result to check against, and the launch of a config."""
-
-    def __init__(self, kernel: str, m: int, n: int, k: int, dtype: torch.dtype, seed: int,
-                 values: bool = True):
-        """``values=False``: uninitialised operands and no reference, enough to compile."""
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-        self._launch = _launcher(kernel)
-        scaled = dtype in (torch.float8_e4m3fn, torch.int8)
-        self.out_dtype = torch.bfloat16 if scaled else dtype
-        if not values:
-            self.x = torch.empty(m, k, dtype=dtype, device=device)
-            self.w = torch.empty(n, k, dtype=dtype, device=device)
-            self.scales = (torch.empty(m, device=device), torch.empty(n, device=device)) \
-                if scaled else None
-            return
-        gen = torch.Generator(device=device).manual_seed(seed)
-        x = torch.randn(m, k, generator=gen, device=device)
-        w = torch.randn(n, k, generator=gen, device=device) / math.sqrt(k)
-        self.scales = None
-        if dtype in (torch.float8_e4m3fn, torch.int8):
-            from gemmtune import quant
-
-            per_token, per_channel = quant.token_channel_quantisers(dtype)
-            (x, xs), (w, ws) = per_token(x), per_channel(w)
-            self.scales = (xs.reshape(-1), ws.reshape(-1))
-        else:
-            x, w = x.to(dtype), w.to(dtype)
-        self.x, self.w = x, w
-        if self.scales:
-            from gemmtune.ops.gemm_a8w8 import scaled_mm_torch
-
-            self.reference = scaled_mm_torch(x, w, None, self.out_dtype, *self.scales).float()
-        else:
-            self.reference = torch.nn.functional.linear(x, w).float()
-
-    def run(self, config, x=None, w=None, out=None) -> torch.Tensor:
-        """Into ``out``, or into a fresh NaN-poisoned output (for the correctness check)."""
-        x = self.x if x is None else x
-        w = self.w if w is None else w
-        if out is None:
-            out = torch.full((x.shape[0], w.shape[0]), float("nan"), dtype=self.out_dtype,
-                             device=x.device)
-        sa, sb = self.scales or (None, None)
-        return self._launch(x, w, None, out, sa, sb, config)
-
-    def run_torch(self, w=None) -> torch.Tensor:
-        """What a shape without any config runs: torch's kernel (the reference's call)."""
-        w = self.w if w is None else w
-        if self.scales:
-            from gemmtune.ops.gemm_a8w8 import scaled_mm_torch
-
-            return scaled_mm_torch(self.x, w, None, self.out_dtype, *self.scales)
-        return torch.nn.functional.linear(self.x, w)
-
-
-def time_config(ops: Operands, config, iters: int) -> float:
-    """µs per call of ``config`` (or of torch's kernel, for None): CUDA-graph replay over weight
-    copies beyond L2, or CPU wall time."""
-    if not ops.x.is_cuda:
-        start = time.perf_counter()
-        ops.run(config) if config is not None else ops.run_torch()
-        return (time.perf_counter() - start) * 1e6
-    from gemmtune.tune.gpulock import GpuLock, gpu_label
-    from gemmtune.tune.timing import copies_to_exceed_l2, graph_replay_us
-
-    sets = ops.__dict__.setdefault("_sets", [
-        ops.w.clone() for _ in range(copies_to_exceed_l2(ops.w.numel() * ops.w.element_size()))])
-    # One preallocated output: the poisoning fill of run() would be timed with the kernel.
-    out = torch.empty(ops.x.shape[0], ops.w.shape[0], dtype=ops.out_dtype, device=ops.x.device)
-    with GpuLock(gpu_label(torch.cuda.current_device())):  # no tuner times on it meanwhile
-        call = ((lambda w: ops.run(config, w=w, out=out)) if config is not None
-                else (lambda w: ops.run_torch(w)))
-        return graph_replay_us(call, sets, replays=iters)[0]
-
-
-def _compile_worker(kernel: str, n: int, k: int, m: int, dtype: torch.dtype,
-                    configs: list) -> int:
-    """Compile ``configs`` for (M, N, K) into Triton's on-disk cache; how many compiled. Errors
-    are left for the timing pass, which reports them."""
-    ops = Operands(kernel, m, n, k, dtype, seed=0, values=False)
-    out = torch.empty(m, n, dtype=ops.out_dtype, device=ops.x.device)
-    sa, sb = ops.scales or (None, None)
-    done = 0
-    for config in configs:
-        try:
-            ops._launch(ops.x, ops.w, None, out, sa, sb, config, warmup=True)
-            done += 1
-        except Exception:  # reported by the timing pass, with its message
-            pass
-    return done
-
-
-def precompile(kernel: str, space: SearchSpace, nks: list[tuple[int, int]], ms: list[int],
-               dtype: torch.dtype, jobs: int, out) -> None:
-    """Compile every config of every (N, K) in ``jobs`` processes before timing: Triton compiles
-    one kernel at a time per process, and a few hundred configs would otherwise take most of
-    the run. The timing pass then loads them from the cache."""
-    import concurrent.futures as cf
-    import multiprocessing as mp
-
-    started = time.monotonic()
-    tasks = []
-    for n, k in nks:
-        configs = list(dict.fromkeys(c for m in ms
-                                     for c in kernel_configs(kernel, space, m, n, k, dtype)))
-        per_task = max(1, -(-len(configs) // jobs))
-        tasks += [(kernel, n, k, max(ms), dtype, configs[i:i + per_task])
-                  for i in range(0, len(configs), per_task)]
-    compiled = 0
-    try:
-        with cf.ProcessPoolExecutor(jobs, mp_context=mp.get_context("spawn")) as pool:
-            for done in pool.map(_compile_worker, *zip(*tasks)):
-                compiled += done
-    # An optional speed-up: whatever stops it (a worker out of memory or killed), the timing
-    # pass compiles what is missing itself.
-    except Exception as e:
-        out.write(f"precompiling stopped ({type(e).__name__}: {str(e)[:200]}); the rest "
-                  f"compiles while timing\n")
-        return
-    out.write(f"precompiled {compiled} (config, N, K) in {time.monotonic() - started:.0f} s with "
-              f"{jobs} processes\n")
-
-
-def tune_nk(kernel: str, space: SearchSpace, n: int, k: int, ms: list[int], dtype: torch.dtype,
-            atol: float, rtol: float, iters: int, failures: list[Failure]
-            ) -> tuple[dict[int, dict], dict[int, float], dict]:
-    """{M: {config name: µs}} of the configs that ran and matched torch, {M: torch's µs}, and
-    {config name: config} of every config tried."""
-    timings: dict[int, dict] = {}
-    torch_us: dict[int, float] = {}
-    configs_by_name: dict = {}
-    for m in ms:
-        ops = Operands(kernel, m, n, k, dtype, seed=m * 7919 + n)
-        timings[m] = {}
-        torch_us[m] = time_config(ops, None, iters)
-        for config in kernel_configs(kernel, space, m, n, k, dtype):
-            configs_by_name[config.name] = config
-            try:
-                y = ops.run(config).float()
-            # Any failure to compile (CompilationError, PTXASError, OutOfResources are Triton's
-            # own exception types) or to launch skips this config, never the run.
-            except Exception as e:
-                failures.append(Failure(n, k, m, config.name, f"{type(e).__name__}: {e}"[:200]))
+def read_profile(path: Path, schema: Schema, device: tuple[str, int]
+                 ) -> dict[tuple, dict[str, tuple[str, float, str]]]:
+    """{key: {kernelName: (status, µs, detail)}} of one device from a profile file; the last
+    result of a candidate wins (a re-run appends)."""
+    results: dict[tuple, dict[str, tuple[str, float, str]]] = {}
+    if not path.exists():
+        return results
+    with open(path, newline="", encoding="utf-8") as f:
+        for record in csv.DictReader(f):
+            if (record["arch"], int(record["cu_num"])) != device:
                 continue
-            bad = ~torch.isclose(y, ops.reference, atol=atol, rtol=rtol)
-            if bool(bad.any()):
-                failures.append(Failure(n, k, m, config.name,
-                                        f"{int(bad.sum())} of {bad.numel()} elements differ from "
-                                        f"torch beyond atol={atol} rtol={rtol}"))
-                continue
-            timings[m][config.name] = time_config(ops, config, iters)
-    return timings, torch_us, configs_by_name
+            key = schema.make_key(col.parse(record[col.name]) for col in schema.key)
+            results.setdefault(key, {})[record["kernelName"]] = (
+                record["status"], float(record["us"]), record["detail"])
+    return results
+
+
+def timings_of(results: dict[str, tuple[str, float, str]]) -> tuple[dict[str, float], float | None]:
+    """(µs of the configs that passed, µs of the torch baseline or None) of one shape."""
+    configs, torch_us = {}, None
+    for name, (status, us, _) in results.items():
+        if status != "ok" or not math.isfinite(us):
+            continue
+        if LibType.of_kernel(name) is LibType.torch:
+            torch_us = us
+        else:
+            configs[name] = us
+    return configs, torch_us
 
 
 def pick_buckets(timings: dict[int, dict], configs_by_name: dict,
@@ -312,44 +256,70 @@ def pick_buckets(timings: dict[int, dict], configs_by_name: dict,
              for b, name in chosen.items()}, notes)
 
 
-def tune_and_pick(args: argparse.Namespace, space: SearchSpace, n: int, k: int,
-                  dtype: torch.dtype, failures: list[Failure]) -> tuple[dict, list[str]]:
-    timings, torch_us, configs_by_name = tune_nk(args.kernel, space, n, k, args.m, dtype,
-                                                 args.atol, args.rtol, args.iters, failures)
+def export_nk(kernel: str, space: SearchSpace, target: Target, n: int, k: int, ms: list[int],
+              results: dict, failures: list[Failure]) -> tuple[dict, list[str]]:
+    """The buckets of one (N, K) from the profile's results of its shapes."""
+    timings: dict[int, dict] = {}
+    torch_us: dict[int, float] = {}
+    configs_by_name: dict = {}
+    for m in ms:
+        shape = results.get(target.gemm_key(m, n, k), {})
+        for config in kernel_configs(kernel, space, m, n, k, target.dtype):
+            configs_by_name[config.name] = config
+        for name, (status, _, detail) in shape.items():
+            if status != "ok" and LibType.of_kernel(name) is not LibType.torch:
+                failures.append(Failure(n, k, m, name, f"{status}: {detail}"[:200]))
+        timings[m], baseline = timings_of(shape)
+        timings[m] = {name: us for name, us in timings[m].items() if name in configs_by_name}
+        if baseline is not None:
+            torch_us[m] = baseline
     # On the CPU both are interpreter wall times: no basis to leave a bucket to torch.
-    return pick_buckets(timings, configs_by_name, torch_us if torch.cuda.is_available() else None)
+    gpu = torch.cuda.is_available() and len(torch_us) == len(ms)
+    return pick_buckets(timings, configs_by_name, torch_us if gpu else None)
 
 
-def run(args: argparse.Namespace, out=None) -> int:
+def run(args: argparse.Namespace, target: Target, out=None) -> int:
     from gemmtune.device import current_device
 
     out = out or sys.stderr
-    dtype, tag = DTYPES[args.dtype]
     space = SearchSpace.from_file(args.space) if args.space else SearchSpace()
-    arch = current_device().arch
+    device = current_device()
     out_dir = Path(args.output)
     out_dir.mkdir(parents=True, exist_ok=True)
-    failures: list[Failure] = []
-    winners: dict[str, Counter] = {}
-    params_by_name: dict[str, dict] = {}
+    files = RunFiles.of(out_dir, args.kernel, target.tag)
     kept: dict[tuple[int, int], dict] = {}
     for nk in args.nk if args.resume else []:
-        configs = _readable(out_dir / triton_json.file_name(arch, tag, *nk), out)
+        configs = _readable(out_dir / triton_json.file_name(device.arch, target.tag, *nk), out)
         if configs is not None:
             kept[nk] = configs
     todo = [nk for nk in args.nk if nk not in kept]
-    if args.jobs > 1 and todo and torch.cuda.is_available():
-        precompile(args.kernel, space, todo, args.m, dtype, args.jobs, out)
-    progress = Progress(len(args.nk), f"tune-triton {args.kernel} {tag}", out)
+    tuner_factory = functools.partial(SpaceTuner, target.tuner, args.kernel, space)
+    schema = target.tuner.schema
+    if todo:
+        write_table(files.shapes, schema, [Row("", 0, target.gemm_key(m, n, k))
+                                           for n, k in todo for m in args.m], untuned=True)
+        gpus = default_gpus()
+        config = TuneConfig(
+            input=files.shapes, output=files.table, profile=files.profile,
+            workers=args.jobs or max(1, len(gpus)),
+            options=TuneOptions(err_ratio=args.errRatio, iters=args.iters,
+                                accurate_iters=5 * args.iters),
+            retune_all=not args.resume, timeout=args.timeout, gpus=gpus)
+        summary = Tuner(tuner_factory, config, out=out).run()
+        if summary.interrupted:
+            return summary.exit_code
+    results = read_profile(files.profile, schema, (device.arch, device.cu_num))
+    failures: list[Failure] = []
+    winners: dict[str, Counter] = {}
+    params_by_name: dict[str, dict] = {}
     written, missing = [], []
     for n, k in args.nk:
-        started = time.monotonic()
-        path = out_dir / triton_json.file_name(arch, tag, n, k)
+        path = out_dir / triton_json.file_name(device.arch, target.tag, n, k)
         if (n, k) in kept:  # --resume: a file from an earlier run counts as tuned
-            chosen = kept[(n, k)]
-            note = "kept from an earlier run"
+            chosen, note = kept[(n, k)], "kept from an earlier run"
         else:
-            chosen, left_out = tune_and_pick(args, space, n, k, dtype, failures)
+            chosen, left_out = export_nk(args.kernel, space, target, n, k, args.m, results,
+                                         failures)
             if chosen:
                 triton_json.write_configs(path, chosen)
                 written.append(path)
@@ -359,13 +329,12 @@ def run(args: argparse.Namespace, out=None) -> int:
                 path.unlink(missing_ok=True)
                 if not left_out:
                     missing.append((n, k))
-            note = "; ".join([f"{len(chosen)} bucket(s) in {time.monotonic() - started:.1f}s",
-                              *left_out])
+            note = "; ".join([f"{len(chosen)} bucket(s)", *left_out])
         for bucket, cfg in chosen.items():
             if bucket != triton_json.ANY:
                 winners.setdefault(bucket, Counter())[cfg.kernel] += 1
                 params_by_name[cfg.kernel] = cfg.params
-        progress.update(f"N={n} K={k}: {note}", ok=(n, k) not in missing)
+        out.write(f"tune-triton {args.kernel} {target.tag} N={n} K={k}: {note}\n")
     if winners:
         default = {b: triton_json.BucketConfig(c.most_common(1)[0][0],
                                                params_by_name[c.most_common(1)[0][0]])
@@ -375,13 +344,13 @@ def run(args: argparse.Namespace, out=None) -> int:
         overall = Counter(name for c in winners.values() for name in c.elements())
         best = overall.most_common(1)[0][0]
         default[triton_json.ANY] = triton_json.BucketConfig(best, params_by_name[best])
-        path = out_dir / triton_json.file_name(arch, tag)
+        path = out_dir / triton_json.file_name(device.arch, target.tag)
         triton_json.write_configs(path, default)
         written.append(path)
     for f in failures:
         out.write(f"skipped N={f.n} K={f.k} M={f.m} {f.config}: {f.why}\n")
     out.write(f"wrote {len(written)} file(s) to {out_dir}; {len(failures)} config run(s) "
-              f"skipped\n")
+              f"skipped; every candidate's result in {files.profile}\n")
     for n, k in missing:
         out.write(f"no config of the search space ran correctly for N={n} K={k}: no file\n")
     return 1 if missing else 0
@@ -408,23 +377,30 @@ def _nk(text: str) -> tuple[int, int]:
     return n, k
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
+def add_arguments(p: argparse.ArgumentParser, dtypes: list[str]) -> None:
     p.add_argument("kernel", choices=KERNELS, help="Triton kernel family")
     p.add_argument("--nk", type=_nk, action="append", required=True, metavar="N,K",
                    help="a weight shape; repeat for several")
     p.add_argument("--m", type=lambda t: [int(v) for v in t.split(",")],
                    default=[1, 16, 32, 64, 128, 256, 1024], metavar="M,M,...",
                    help="token counts (default 1,16,32,64,128,256,1024)")
-    p.add_argument("--dtype", choices=list(DTYPES), default="bf16")
+    p.add_argument("--dtype", choices=dtypes, default=dtypes[0],
+                   help=f"input dtype (default {dtypes[0]}); it picks the family whose shapes "
+                        f"are tuned")
     p.add_argument("--space", metavar="JSON", help="search space: lists per key of "
                    "SearchSpace (BLOCK_SIZE_M/N/K, GROUP_SIZE_M, num_warps, num_stages, "
                    "NUM_KSPLIT, cache_modifier)")
-    p.add_argument("--atol", type=float, default=1e-2)
-    p.add_argument("--rtol", type=float, default=1e-2)
+    p.add_argument("--errRatio", type=float, default=0.05, metavar="R",
+                   help="the correctness gate's largest fraction of elements outside tolerance "
+                        "(default 0.05, as gemmtune tune)")
     p.add_argument("--iters", type=int, default=20, help="timed graph replays per config")
+    p.add_argument("--timeout", type=float, default=60.0, metavar="S",
+                   help="seconds a config may take (compile included) before its worker is "
+                        "killed (default 60)")
     p.add_argument("--resume", action="store_true",
-                   help="keep the per-(N, K) files already in the output folder (a run cut off "
-                        "goes on where it stopped); the default file counts them too")
-    p.add_argument("--jobs", type=int, default=1, metavar="J",
-                   help="compile the configs in J processes before timing (GPU only)")
+                   help="keep the per-(N, K) files already in the output folder and the shapes "
+                        "the last run finished (a run cut off goes on where it stopped)")
+    p.add_argument("--jobs", "--mp", type=int, default=None, metavar="J",
+                   help="worker processes (default: one per GPU); more than the GPUs compile "
+                        "configs in parallel while timing stays one worker per GPU")
     p.add_argument("-o", "--output", default="out/triton_configs", metavar="DIR")

@@ -16,8 +16,8 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from gemmtune.tune.accuracy import gate
-from gemmtune.tune.family import Evaluation, Prepared, Status, TuneFamily, TuneOptions
+from gemmtune.measure.accuracy import gate
+from gemmtune.tune.family import Evaluation, Prepared, Status, FamilyTuner, TuneOptions
 
 # Spawning a worker imports torch (~2-5 s) and may initialise CUDA: allow generous time.
 START_TIMEOUT_S = 300.0
@@ -37,13 +37,13 @@ class WorkerSpec:
     """How to make a worker: the family factory (a picklable top-level callable) and the
     environment it runs with (e.g. ``CUDA_VISIBLE_DEVICES``)."""
 
-    factory: Callable[[], TuneFamily]
+    factory: Callable[[], FamilyTuner]
     env: tuple[tuple[str, str], ...] = ()
 
 
 # ------------------------------------------------------------------------ in the worker process
 class _WorkerState:
-    def __init__(self, family: TuneFamily):
+    def __init__(self, family: FamilyTuner):
         self.family = family
         self.prepared: Prepared | None = None
 
@@ -116,7 +116,7 @@ class _WorkerState:
 
     def retime_many(self, key: tuple, names: list[str], seed: int,
                     options: TuneOptions) -> list[Evaluation]:
-        """Time ``names`` against each other (``TuneFamily.time_many``); raises on any failure,
+        """Time ``names`` against each other (``FamilyTuner.time_many``); raises on any failure,
         so that the engine falls back to timing each alone."""
         try:
             prepared = self.prepared_for(key, seed)

@@ -97,3 +97,23 @@ def _median_spread(times: list[float]) -> tuple[float, float]:
     p10 = ordered[len(ordered) // 10]
     p90 = ordered[-1 - len(ordered) // 10]
     return median, (p90 - p10) / median if median > 0 else 0.0
+
+
+def events_us(fn: Callable, reps: int) -> float:
+    """Mean µs per call of ``reps`` back-to-back calls of ``fn`` between two CUDA events (wall
+    time on the CPU), after one warm-up call: for large kernels, where launch gaps do not count."""
+    if torch.cuda.is_available():
+        fn()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) * 1e3 / reps
+    fn()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    return (time.perf_counter() - t0) * 1e6 / reps

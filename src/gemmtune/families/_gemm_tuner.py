@@ -1,44 +1,24 @@
 """What the GEMM families' tuners share: the Triton candidate spaces, and running, checking and
 timing a candidate exactly as dispatch calls it (``kernel(x, w, bias, out_dtype, scale_a,
-scale_b, out=)``, resolved from the family's registry by ``kernelName``).
+scale_b, out=)``, resolved from the family's registry by ``kernelName`` and checked against the
+family's plain problem for the key).
 
-A family gives its registry, its key's ``shape`` and ``prepare``; ``prepare`` puts
+A family's tuner gives its schema, registry, ``problem_of`` and ``prepare``; ``prepare`` puts
 ``(x, w, bias, out_dtype, scale_a, scale_b)`` in ``Prepared.inputs``.
 """
 
 from __future__ import annotations
 
-import abc
 import statistics
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
 
 import torch
 
-from gemmtune.ops._dispatch import KernelRegistry
-from gemmtune.tune.family import Candidate, Prepared, TuneFamily
-from gemmtune.tune.timing import copies_to_exceed_l2, graph_replay_us, interleaved_graph_us
-
-# (atol, rtol, ||out - ref|| / ||ref|| bound) by output dtype, for outputs of unit scale (inputs
-# are N(0, 1) and W is scaled by 1/sqrt(K)). bf16 output rounding alone is 2^-9 relative per
-# element (rel. norm ~2e-3); fp16's 2^-12; fp32 without tf32 accumulates exactly to ~1e-6.
-TOLERANCES = {
-    torch.bfloat16: (1e-2, 1e-2, 1e-2),
-    torch.float16: (2e-3, 2e-3, 2e-3),
-    torch.float32: (1e-4, 1e-4, 1e-4),
-}
-
-
-
-@dataclass(frozen=True)
-class GemmShape:
-    m: int
-    n: int
-    k: int
-    dtype: torch.dtype  # of x and w
-    out_dtype: torch.dtype
-    has_bias: bool
-
+from gemmtune.dispatch import KernelRegistry
+from gemmtune.kernels.problem import GemmProblem
+from gemmtune.measure.timing import copies_to_exceed_l2, graph_replay_us, interleaved_graph_us
+from gemmtune.tune.family import Candidate, FamilyTuner, Prepared
 
 # Up to M = 64 the split-K kernel's space holds every tile config worth timing (split 1 is a
 # plain tile GEMM with one M tile); the tile kernel starts above it.
@@ -132,23 +112,28 @@ def number_candidates(found: list[Candidate]) -> list[Candidate]:
             for i, c in enumerate(found)]
 
 
-class GemmFamily(TuneFamily):
+class GemmTuner(FamilyTuner):
+    """A GEMM family's tuner: its ``registry`` and ``problem_of`` (the op's own), candidates and
+    ``prepare`` from the family."""
+
     registry: KernelRegistry
+    problem_of: Callable[[tuple], GemmProblem]
 
     def __init__(self):
         # Constructed in the parent too (for result rows): no CUDA work here.
         self.timing_label = "graph.coldL2" if torch.cuda.is_available() else "cpu.wall"
 
-    @abc.abstractmethod
-    def shape(self, key: tuple) -> GemmShape:
+    def shape(self, key: tuple) -> GemmProblem:
         """The GEMM a table key describes."""
+        return self.problem_of(key)
+
+    def wanted(self, libtypes: frozenset[str]) -> frozenset[str]:
+        """The backends to try: those asked for, or every backend of the family."""
+        return libtypes or frozenset(t.value for t in self.registry.libtypes)
 
     def _kernel(self, name: str, key: tuple):
-        kernel = self.registry.resolve(name)
-        problem = kernel.check(key) if hasattr(kernel, "check") else None
-        if problem:
-            raise ValueError(f"{name} cannot run {key}: {problem}")
-        return kernel
+        # KernelNameError (a ValueError) says why the kernel cannot run the shape.
+        return self.registry.resolve_for(name, self.shape(key))
 
     def precompile(self, name: str, prepared: Prepared) -> None:
         kernel = self._kernel(name, prepared.key)

@@ -1,77 +1,91 @@
 """``gemm_a16w16(x, w, bias, otype, scale_a, scale_b) = x @ w.T (+ bias)``, dispatched per shape.
 
-The table key is ``M, N, K, bias, dtype, outdtype, scaleAB, bpreshuffle`` (``bf16_tuned_gemm.csv``).
-Eager calls go straight to the planned kernel; under ``torch.compile`` or autograd the call goes
-through the registered custom op ``torch.ops.gemmtune.gemm_a16w16``, whose fake implementation
-gives shapes only, so ``torch.compile(fullgraph=True)`` traces it without a graph break.
+The table is ``bf16_tuned_gemm.csv`` (key ``Bf16Key``). Eager calls go straight to the planned
+kernel; under ``torch.compile`` or autograd the call goes through the registered custom op
+``torch.ops.gemmtune.gemm_a16w16``, whose fake implementation gives shapes only, so
+``torch.compile(fullgraph=True)`` traces it without a graph break.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
 from gemmtune.device import DeviceId
+from gemmtune.dispatch import Dispatcher, KernelRegistry
+from gemmtune.families._gemm import gemm_schema, json_config_or
+from gemmtune.kernels.problem import GemmProblem, Scaling
 from gemmtune.kernels.torch_ref import TORCH_LINEAR, linear_torch
-from gemmtune.ops._dispatch import Dispatcher, KernelRegistry, count_miss
-from gemmtune.ops._triton import TritonKernel, json_config_or
-from gemmtune.tables.schema import Family
+from gemmtune.kernels.triton.dispatchable import TritonKernel
+from gemmtune.tables.schema import Column, Kind
 from gemmtune.tables.values import DTYPE_NAMES, to_torch_dtype
+
+
+class Bf16Key(NamedTuple):
+    M: int
+    N: int
+    K: int
+    bias: bool
+    dtype: str  # canonical dtype names (torch.bfloat16)
+    outdtype: str
+    scaleAB: bool  # per-tensor scale_a / scale_b (fp8 inputs)
+    bpreshuffle: bool
+
+
+SCHEMA = gemm_schema(
+    "bf16", "bf16_tuned_gemm.csv", "bf16_untuned_gemm.csv", Bf16Key, (
+        Column("bias", Kind.BOOL, default="False"),
+        Column("dtype", Kind.DTYPE, default="torch.bfloat16"),
+        Column("outdtype", Kind.DTYPE, default="torch.bfloat16"),
+        Column("scaleAB", Kind.BOOL, default="False"),
+        Column("bpreshuffle", Kind.BOOL, default="False"),
+    ), ("GEMMTUNE_CONFIG_BF16", "GEMMTUNE_CONFIG_GEMM_BF16", "AITER_CONFIG_GEMM_BF16"))
 
 _INPUT_DTYPES = {torch.bfloat16, torch.float16, torch.float32}
 # e4m3fn only: the Triton kernel takes no other, and torch._scaled_mm has no e5m2 x e5m2 GEMM.
 _FP8_DTYPES = {torch.float8_e4m3fn}
+# Tags of the Triton JSON config files (gemmtune tune-triton) a shape without a row may use.
+JSON_TAGS = {torch.bfloat16: "A16W16", torch.float16: "A16W16_FP16"}
 
 
-def _shape_of(key: tuple) -> tuple:
-    m, n, k, _, dtype, out_dtype, _, _ = key
-    return m, n, k, to_torch_dtype(dtype), to_torch_dtype(out_dtype)
-
-
-def _parse_triton_tile(name: str) -> TritonKernel:
-    return TritonKernel.tile(name, _shape_of)
-
-
-def _parse_triton_splitk(name: str) -> TritonKernel:
-    return TritonKernel.splitk(name, _shape_of)
+def problem_of(key: Bf16Key) -> GemmProblem:
+    return GemmProblem(key.M, key.N, key.K, to_torch_dtype(key.dtype),
+                       to_torch_dtype(key.outdtype), key.bias,
+                       Scaling.tensor if key.scaleAB else Scaling.none, key.bpreshuffle)
 
 
 def _parse_cublaslt(name: str):
-    from gemmtune.kernels.cublaslt import CublasLtKernel
+    from gemmtune.kernels.cublaslt import CublasLtKernel  # nvmath is loaded on first use
 
     return CublasLtKernel(name)
 
 
-REGISTRY = KernelRegistry(Family.bf16)
+REGISTRY = KernelRegistry("bf16")
 REGISTRY.register_exact(TORCH_LINEAR, linear_torch)
-REGISTRY.register("triton.tile", _parse_triton_tile)
-REGISTRY.register("triton.splitk", _parse_triton_splitk)
-REGISTRY.register("triton.persistent", lambda name: TritonKernel.persistent(name, _shape_of))
+for _prefix in ("triton.tile", "triton.splitk", "triton.persistent"):
+    REGISTRY.register(_prefix, TritonKernel)
 REGISTRY.register("cublaslt", _parse_cublaslt)
 
 
-def _to_table_key(raw: tuple) -> tuple:
+def _to_table_key(raw: tuple) -> Bf16Key:
     m, n, k, has_bias, dtype, out_dtype, scaled, preshuffled, _device = raw
-    return (m, n, k, has_bias, DTYPE_NAMES[dtype], DTYPE_NAMES[out_dtype], scaled, preshuffled)
+    return Bf16Key(m, n, k, has_bias, DTYPE_NAMES[dtype], DTYPE_NAMES[out_dtype], scaled,
+                   preshuffled)
 
 
-# Tags of the Triton JSON config files (gemmtune tune-triton) a shape without a row may use.
-_JSON_TAGS = {"torch.bfloat16": "A16W16", "torch.float16": "A16W16_FP16"}
-
-
-def _default_kernel(key: tuple, device: DeviceId) -> str:
+def _default_kernel(key: Bf16Key, device: DeviceId) -> str:
     # cuBLAS's own heuristic is right for every shape and the baseline tuned rows must beat;
     # a shape without a row runs it, unless a per-(N, K) Triton JSON config file names a kernel.
-    m, n, k, _, dtype, out_dtype, scaled, preshuffled = key
-    tag = _JSON_TAGS.get(dtype)
-    if tag is None or out_dtype != dtype or scaled or preshuffled:
+    problem = problem_of(key)
+    tag = JSON_TAGS.get(problem.dtype)
+    if tag is None or key.outdtype != key.dtype or key.scaleAB or key.bpreshuffle:
         return TORCH_LINEAR
-    return json_config_or(TORCH_LINEAR, REGISTRY, key, device.arch, tag, m, n, k)
+    return json_config_or(TORCH_LINEAR, REGISTRY, problem, device.arch, tag)
 
 
-DISPATCH = Dispatcher(Family.bf16, REGISTRY, _to_table_key, _default_kernel)
+DISPATCH = Dispatcher(SCHEMA, REGISTRY, _to_table_key, problem_of, _default_kernel)
 
 
 def _out_dtype(dtype: torch.dtype, otype: Optional[torch.dtype]) -> torch.dtype:
@@ -108,7 +122,7 @@ def _check_scales(x: torch.Tensor, scale_a, scale_b) -> None:
                 f"{x.device}, got shape {tuple(s.shape)} {s.dtype} on {s.device}")
 
 
-def _run(x, w, bias, otype, scale_a, scale_b):
+def _run(x, w, bias, otype, scale_a, scale_b, kernel):
     # Hot path: full validation runs once per shape key (on a plan miss); a cached call pays only
     # for what the key does not pin (w's K and dtype, bias length). Measured on the CPU with a
     # 1x16x16 GEMM: this function adds ~2-3 us to F.linear's ~3 us.
@@ -124,34 +138,31 @@ def _run(x, w, bias, otype, scale_a, scale_b):
     dtype = x.dtype
     out_dtype = _out_dtype(dtype, otype)
     scaled = scale_a is not None or scale_b is not None
-    key = (m, n, xk, bias is not None, dtype, out_dtype, scaled, False, x.get_device())
-    plan = DISPATCH.plans.get(key)
-    if plan is None:
-        _check(x, w, bias, scale_a, scale_b)
-        plan = DISPATCH.plan(key, key[-1])
-    elif k != xk or w.dtype != dtype or (bias is not None and bias.shape[0] != n):
+    device = x.get_device()
+    key = (m, n, xk, bias is not None, dtype, out_dtype, scaled, False, device)
+    plan = DISPATCH.plan_for(key, device, kernel, _check, (x, w, bias, scale_a, scale_b))
+    if k != xk or w.dtype != dtype or (bias is not None and bias.shape[0] != n):
         _check(x, w, bias, scale_a, scale_b)
     elif scaled:
         _check_scales(x, scale_a, scale_b)
-    if plan.miss:
-        count_miss(plan)
     return plan.run(x, w, bias, out_dtype, scale_a, scale_b)
 
 
 @torch.library.custom_op("gemmtune::gemm_a16w16", mutates_args=())
 def _gemm_a16w16_op(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor],
                     otype: Optional[torch.dtype], scale_a: Optional[torch.Tensor],
-                    scale_b: Optional[torch.Tensor]) -> torch.Tensor:
-    return _run(x, w, bias, otype, scale_a, scale_b)
+                    scale_b: Optional[torch.Tensor],
+                    kernel: Optional[str] = None) -> torch.Tensor:
+    return _run(x, w, bias, otype, scale_a, scale_b, kernel)
 
 
 @_gemm_a16w16_op.register_fake
-def _(x, w, bias, otype, scale_a, scale_b):
+def _(x, w, bias, otype, scale_a, scale_b, kernel=None):
     return x.new_empty((*x.shape[:-1], w.shape[0]), dtype=_out_dtype(x.dtype, otype))
 
 
 def _setup_context(ctx, inputs, output):
-    x, w, bias, otype, scale_a, scale_b = inputs
+    x, w, bias, otype, scale_a, scale_b, kernel = inputs
     ctx.save_for_backward(x, w)
     ctx.has_bias = bias is not None
     ctx.scaled = scale_a is not None or scale_b is not None
@@ -165,7 +176,7 @@ def _backward(ctx, grad):
     grad_x = (g @ w).view(x.shape) if ctx.needs_input_grad[0] else None
     grad_w = g.t() @ x.reshape(-1, x.shape[-1]) if ctx.needs_input_grad[1] else None
     grad_b = g.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-    return grad_x, grad_w, grad_b, None, None, None
+    return grad_x, grad_w, grad_b, None, None, None, None
 
 
 _gemm_a16w16_op.register_autograd(_backward, setup_context=_setup_context)
@@ -173,21 +184,25 @@ _gemm_a16w16_op.register_autograd(_backward, setup_context=_setup_context)
 
 def gemm_a16w16(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None,
                 otype: Optional[torch.dtype] = None, scale_a: Optional[torch.Tensor] = None,
-                scale_b: Optional[torch.Tensor] = None) -> torch.Tensor:
+                scale_b: Optional[torch.Tensor] = None,
+                kernel: Optional[str] = None) -> torch.Tensor:
     """``x @ w.T (+ bias)`` with the kernel the tables name for this shape on this GPU.
 
     x: (..., K) bf16/fp16/fp32 (or fp8 with per-tensor ``scale_a``/``scale_b``); w: (N, K);
-    bias: (N,); otype: output dtype (default: x's, bf16 for fp8 inputs). Returns (..., N).
+    bias: (N,); otype: output dtype (default: x's, bf16 for fp8 inputs); kernel: a kernelName
+    to run instead of the table's choice (e.g. ``"cublaslt:id66..."``, the seeds'
+    ``solution_index``), checked like a table row: a kernel that cannot run the shape is an
+    error. Returns (..., N).
     """
     if torch.compiler.is_compiling():
         x, w, bias = _autocast(x, w, bias, scale_a, scale_b)
-        return _gemm_a16w16_op(x, w, bias, otype, scale_a, scale_b)
+        return _gemm_a16w16_op(x, w, bias, otype, scale_a, scale_b, kernel)
     if torch._C._is_any_autocast_enabled():  # ~0.05 µs; the device-specific check costs more
         x, w, bias = _autocast(x, w, bias, scale_a, scale_b)
     if torch.is_grad_enabled() and (
             x.requires_grad or w.requires_grad or (bias is not None and bias.requires_grad)):
-        return _gemm_a16w16_op(x, w, bias, otype, scale_a, scale_b)
-    return _run(x, w, bias, otype, scale_a, scale_b)
+        return _gemm_a16w16_op(x, w, bias, otype, scale_a, scale_b, kernel)
+    return _run(x, w, bias, otype, scale_a, scale_b, kernel)
 
 
 def _autocast(x, w, bias, scale_a, scale_b):

@@ -11,22 +11,17 @@ from __future__ import annotations
 import fcntl
 import os
 import re
-import tempfile
 import threading
 from pathlib import Path
+
+from gemmtune import _env
 
 
 def gpu_label(index: int) -> str:
     """How CUDA_VISIBLE_DEVICES names the process's CUDA device ``index`` (its own index when
     the variable is unset): the name the tuner's workers lock their GPU under."""
-    visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")
-               if v.strip()]
+    visible = _env.visible_devices() or []
     return visible[index] if index < len(visible) else str(index)
-
-
-def lock_dir() -> Path:
-    """Shared by every user of the machine, like the GPUs: the system temp folder."""
-    return Path(os.environ.get("GEMMTUNE_LOCK_DIR") or tempfile.gettempdir()) / "gemmtune-gpus"
 
 
 class GpuLock:
@@ -38,7 +33,7 @@ class GpuLock:
         self._thread_lock = threading.Lock()
         self._fd: int | None = None
         safe = re.sub(r"[^A-Za-z0-9_.-]", "_", gpu)
-        self.path = None if gpu == "cpu" else lock_dir() / f"gpu-{safe}.lock"
+        self.path = None if gpu == "cpu" else _env.lock_dir() / f"gpu-{safe}.lock"
 
     def __enter__(self) -> GpuLock:
         self._thread_lock.acquire()

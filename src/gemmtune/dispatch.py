@@ -1,0 +1,337 @@
+"""Plan once per shape, run many: the table look-up behind every op.
+
+The first call with a new shape key resolves the row (exact → padded → coarse → nearest →
+default), turns its ``kernelName`` into a callable, checks once that the kernel can run the
+family's plain problem for that key, logs the decision if asked and records the shape when
+capturing. Every later call with that key is one dict hit. A row whose kernel name no longer
+parses, whose backend is missing, or whose kernel refuses the shape falls back to the family
+default with one warning. A call may also force a kernel by name (``kernel=``), checked the same
+way; what it cannot run is an error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import threading
+import warnings
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from gemmtune import _env
+from gemmtune.device import DeviceId, current_device
+from gemmtune.tables.capture import record_shape
+from gemmtune.tables.lookup import Rule, TableIndex
+from gemmtune.tables.schema import Schema
+from gemmtune.tables.sources import load_merged
+from gemmtune.tables.store import Row
+from gemmtune.tables.values import LibType
+
+log = logging.getLogger("gemmtune")
+
+
+class KernelNameError(ValueError):
+    """A ``kernelName`` that no registered backend can turn into a kernel, or whose kernel
+    cannot run the problem at hand."""
+
+
+class KernelRegistry:
+    """Backends of one family: a name prefix (the part before ``:``) and a parser that turns a
+    whole name into a callable. The name is the whole truth about a solution (DESIGN: Core idea).
+    A kernel may have ``check(problem) -> str | None``: why it cannot run the family's plain
+    problem for a key (dispatch asks once per key)."""
+
+    def __init__(self, family: str):
+        self.family = family
+        self._parsers: dict[str, Callable[[str], Callable]] = {}
+        self._resolved: dict[str, Callable] = {}
+
+    def register(self, prefix: str, parser: Callable[[str], Callable]) -> None:
+        LibType.of_kernel(prefix)  # a prefix names one of the backends (ValueError otherwise)
+        self._parsers[prefix] = parser
+
+    def register_exact(self, name: str, kernel: Callable) -> None:
+        """A backend with one kernel and no config, named ``name`` exactly (``torch.linear``)."""
+
+        def parse(given: str) -> Callable:
+            if given != name:
+                raise ValueError(f"unknown kernel {given!r}; expected {name!r}")
+            return kernel
+
+        self.register(name.split(":", 1)[0], parse)
+
+    @property
+    def prefixes(self) -> tuple[str, ...]:
+        return tuple(self._parsers)
+
+    @property
+    def libtypes(self) -> frozenset[LibType]:
+        """The backends this family has (its prefixes' ``libtype``)."""
+        return frozenset(LibType.of_kernel(p) for p in self._parsers)
+
+    def resolve(self, name: str) -> Callable:
+        kernel = self._resolved.get(name)
+        if kernel is None:
+            prefix = name.split(":", 1)[0]
+            parser = self._parsers.get(prefix)
+            if parser is None:
+                raise KernelNameError(
+                    f"{self.family}: no backend for kernelName {name!r}; known prefixes: "
+                    f"{', '.join(self._parsers)}")
+            try:
+                kernel = parser(name)
+            except (ValueError, ImportError, RuntimeError) as e:
+                raise KernelNameError(f"{self.family}: kernelName {name!r}: {e}") from e
+            self._resolved[name] = kernel
+        return kernel
+
+    def resolve_for(self, name: str, problem) -> Callable:
+        """``resolve(name)``, checked against ``problem``: KernelNameError saying why not."""
+        kernel = self.resolve(name)
+        why = kernel.check(problem) if hasattr(kernel, "check") else None
+        if why:
+            raise KernelNameError(f"{self.family}: {name} cannot run this shape: {why}")
+        return kernel
+
+
+@dataclass(frozen=True)
+class Decision:
+    family: str
+    key: tuple  # the family's key NamedTuple (canonical values)
+    rule: Rule
+    kernel_name: str
+    row: Row | None
+    note: str = ""
+
+    def describe(self, schema: Schema) -> str:
+        where = f" from {self.row.source}" if self.row is not None and self.row.source else ""
+        note = f" ({self.note})" if self.note else ""
+        return (f"{self.family} {schema.describe_key(self.key)}: rule={self.rule.value} "
+                f"kernelName={self.kernel_name}{where}{note}")
+
+
+@dataclass(frozen=True)
+class Plan:
+    decision: Decision
+    run: Callable
+    miss: bool  # counted on every call: the shape fell back from an exact row
+
+
+# Shared by all dispatchers: one table index per family, table overrides, the miss counts, and a
+# lock so that two threads planning at once build each index once.
+_indexes: dict[str, TableIndex] = {}
+_overrides: dict[str, tuple[Path, ...]] = {}
+_misses: Counter = Counter()
+_decisions: dict[tuple[str, tuple], Decision] = {}
+_dispatchers: dict[str, "Dispatcher"] = {}
+_lock = threading.RLock()
+
+
+def table_index(schema: Schema, device: DeviceId | None = None) -> TableIndex:
+    """The family's rows for ``device`` (default: the current one), loaded once."""
+    device = device or current_device()
+    with _lock:
+        index = _indexes.get(schema.family)
+        if index is None or index.device != device:
+            paths = _overrides.get(schema.family)
+            rows = load_merged(schema, None if paths is None else list(paths))
+            index = TableIndex(schema, rows, device)
+            _indexes[schema.family] = index
+        return index
+
+
+@contextlib.contextmanager
+def use_tables(schema: Schema, paths: list[Path]) -> Iterator[None]:
+    """Within the block, the family dispatches from ``paths`` alone (the shipped tables and the
+    overlays set by variables are left out): ``--run_config`` benchmarks a table this way."""
+    with _lock:
+        previous = _overrides.get(schema.family)
+        _overrides[schema.family] = tuple(paths)
+        _forget_plans(schema.family)
+    try:
+        yield
+    finally:
+        with _lock:
+            if previous is None:
+                _overrides.pop(schema.family, None)
+            else:
+                _overrides[schema.family] = previous
+            _forget_plans(schema.family)
+
+
+class Dispatcher:
+    """Plans for one family. ``to_table_key`` maps the op's raw hot-path key (plain values and
+    torch dtypes) to the family's key; ``problem_of`` maps that key to the plain problem kernels
+    check; ``default_kernel`` names the always-valid fallback for a key on a device."""
+
+    def __init__(self, schema: Schema, registry: KernelRegistry,
+                 to_table_key: Callable[[tuple], tuple], problem_of: Callable[[tuple], object],
+                 default_kernel: Callable[[tuple, DeviceId], str]):
+        self.family = schema.family
+        self.schema = schema
+        self.registry = registry
+        self.to_table_key = to_table_key
+        self.problem_of = problem_of
+        self.default_kernel = default_kernel
+        # raw key -> plan; (raw key, kernel name) -> plan for calls that force a kernel
+        self.plans: dict[tuple, Plan] = {}
+        with _lock:
+            _dispatchers[self.family] = self
+
+    def plan_for(self, raw_key: tuple, device_index: int, kernel: str | None,
+                 validate: Callable, args: tuple) -> Plan:
+        """The hot path of every op: the cached plan for ``raw_key`` (one dict hit), or
+        ``validate(*args)`` and a new plan. ``kernel`` forces a kernel by name; ``device_index``
+        is the tensors' ``get_device()`` (-1 on the CPU), part of ``raw_key``."""
+        plan = self.plans.get(raw_key if kernel is None else (raw_key, kernel))
+        if plan is None:
+            validate(*args)
+            plan = self.plan(raw_key, device_index, kernel)
+        if plan.miss:
+            _misses[(self.family, plan.decision.key)] += 1
+        return plan
+
+    def plan(self, raw_key: tuple, device_index: int | None = None,
+             kernel: str | None = None) -> Plan:
+        """The plan for ``raw_key`` on the device of a tensor with ``get_device() ==
+        device_index``, made if it is not cached; ``kernel`` forces a kernel by name."""
+        plan = self.plans.get(raw_key if kernel is None else (raw_key, kernel))
+        if plan is None:
+            plan = self._make_plan(raw_key, device_index, kernel)
+        return plan
+
+    def decide(self, key: tuple, device: DeviceId | None = None) -> Decision:
+        """The row and rule that a call with the family's ``key`` would use, after checking that
+        the row's kernel can run it (falling back to the default as a call would). No side
+        effects besides loading the tables."""
+        return self._decide_and_resolve(key, device or current_device())[0]
+
+    def _decide_and_resolve(self, key: tuple, device: DeviceId) -> tuple[Decision, Callable]:
+        problem = self.problem_of(key)
+        match = table_index(self.schema, device).find(key)
+        if match.row is None:
+            name = self.default_kernel(key, device)
+            return (Decision(self.family, key, Rule.default, name, None),
+                    self.registry.resolve_for(name, problem))
+        names = match.row.kernel_names(self.schema)
+        decision = Decision(self.family, key, match.rule, names[0] if names else "", match.row)
+        try:
+            # Checked once here, so each call can skip its own checks.
+            run = self.registry.resolve_for(decision.kernel_name, problem)
+        except KernelNameError as e:
+            source = decision.row.source if decision.row is not None else None
+            _warn_unusable_row(str(e), str(source) if source else "")
+            fallback = self.default_kernel(key, device)
+            decision = Decision(self.family, key, Rule.default, fallback, decision.row,
+                                note=f"row kernel unusable: {decision.kernel_name}")
+            run = self.registry.resolve_for(fallback, problem)
+        return decision, run
+
+    def _forced(self, key: tuple, name: str) -> tuple[Decision, Callable]:
+        run = self.registry.resolve_for(name, self.problem_of(key))
+        return Decision(self.family, key, Rule.forced, name, None), run
+
+    def _make_plan(self, raw_key: tuple, device_index: int | None, kernel: str | None) -> Plan:
+        # Read the switches first: a bad value raises here, before anything is cached, so every
+        # call raises the same error rather than only the first.
+        log_it, capture_it = _env.log_tuned_config(), _env.capture_enabled()
+        key = self.to_table_key(raw_key)
+        if kernel is None:
+            decision, run = self._decide_and_resolve(key, current_device(device_index))
+        else:
+            decision, run = self._forced(key, kernel)
+        plan = Plan(decision, run, miss=decision.rule not in (Rule.exact, Rule.forced))
+        if log_it:
+            _ensure_log_handler()
+            log.info("gemmtune: %s", decision.describe(self.schema))
+        if capture_it:
+            try:
+                record_shape(self.schema, key)
+            except OSError as e:
+                _warn_capture_failed(str(e))
+        with _lock:
+            self.plans[raw_key if kernel is None else (raw_key, kernel)] = plan
+            _decisions[(self.family, key)] = decision
+        return plan
+
+
+@functools.cache
+def _warn_unusable_row(message: str, source: str) -> None:
+    where = f" (row {source})" if source else ""
+    warnings.warn(f"{message}{where}; using the family default instead. Retune this shape or "
+                  f"remove the row.", stacklevel=2)
+
+
+@functools.cache
+def _warn_capture_failed(message: str) -> None:
+    warnings.warn(f"gemmtune: shape capture could not write its shard ({message}); shapes are "
+                  f"not being recorded. Check GEMMTUNE_CAPTURE_DIR.", stacklevel=2)
+
+
+@functools.cache
+def _ensure_log_handler() -> None:
+    # Users asking for decision logs should see them without configuring logging themselves.
+    if not log.handlers and not logging.getLogger().handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("[%(name)s] %(message)s"))
+        log.addHandler(handler)
+    log.setLevel(logging.INFO)
+
+
+@dataclass(frozen=True)
+class Miss:
+    family: str
+    shape: dict
+    rule: Rule
+    kernel_name: str
+    calls: int
+
+
+def report_misses() -> list[Miss]:
+    """Shapes that were not found exactly in a table, how often each was called, and the rule that
+    served them instead, most frequent first."""
+    with _lock:
+        items = list(_misses.items())
+        decisions = dict(_decisions)
+        dispatchers = dict(_dispatchers)
+    report = []
+    for (family, key), calls in sorted(items, key=lambda kv: -kv[1]):
+        decision = decisions[(family, key)]
+        names = dispatchers[family].schema.key_names
+        report.append(Miss(family, dict(zip(names, key)), decision.rule, decision.kernel_name,
+                           calls))
+    return report
+
+
+def format_misses(misses: list[Miss]) -> str:
+    if not misses:
+        return "no misses: every call found an exact table row"
+    lines = [f"{'calls':>8}  {'family':<16} {'rule':<8} shape -> kernel"]
+    for m in misses:
+        shape = " ".join(f"{k}={v}" for k, v in m.shape.items())
+        lines.append(f"{m.calls:>8}  {m.family:<16} {m.rule.value:<8} {shape} -> "
+                     f"{m.kernel_name}")
+    return "\n".join(lines)
+
+
+def _forget_plans(family: str | None = None) -> None:
+    """Forget loaded tables and plans (of one family, or all); call under ``_lock``."""
+    for name in [family] if family else list(_indexes):
+        _indexes.pop(name, None)
+    for d in _dispatchers.values():
+        if family is None or d.family == family:
+            d.plans.clear()
+
+
+def reset() -> None:
+    """Forget loaded tables, plans and miss counts (after changing tables or variables)."""
+    with _lock:
+        _forget_plans()
+        _indexes.clear()
+        _misses.clear()
+        _decisions.clear()
+    _warn_unusable_row.cache_clear()
+    _warn_capture_failed.cache_clear()

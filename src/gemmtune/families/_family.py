@@ -1,0 +1,92 @@
+"""What a family is: everything gemmtune knows about one op family, in one object.
+
+A family is its table (``schema``, with the key NamedTuple), its op's dispatcher (backends and
+default rule), its tuner, how the bench runs it, and the Triton JSON tags of its dtypes. The CLI,
+the bench, capture and dispatch reach a family only through this object and the registry
+(``gemmtune.families``), so adding a family adds its module and one registry line.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from gemmtune.dispatch import Dispatcher
+from gemmtune.tables.schema import Schema
+
+
+@dataclass(frozen=True)
+class BenchOp:
+    """One family as the bench runs it on (M, N, K) GEMMs in one dtype. ``inputs(m, n, k, gen)``
+    gives a call's arguments, the weight at ``w_index`` (the operand copied to keep it cold);
+    ``torch``, ``tuned`` and ``reference`` run on those arguments; ``table_key(m, n, k)`` is the
+    key the tuned op looks up."""
+
+    label: str  # file stem of the bench's CSV and PNG
+    in_bytes: int  # per element of x and w
+    out_bytes: int
+    w_index: int
+    inputs: Callable[[int, int, int, torch.Generator], tuple]
+    torch: Callable[[tuple], torch.Tensor]
+    tuned: Callable[[tuple], torch.Tensor]
+    reference: Callable[[tuple], torch.Tensor]  # fp32
+    table_key: Callable[[int, int, int], tuple]
+    rel_bound: float  # largest ||tuned - reference|| / ||reference|| accepted
+    torch_kernel: str  # the table's name for the torch backend (what the torch column runs)
+    # (M, N, K) -> True where the torch column runs the fp32 reference, not a fast kernel.
+    torch_is_reference: Callable[[int, int, int], bool] = lambda m, n, k: False
+
+
+@dataclass(frozen=True)
+class Family:
+    """One op family. Only ``name`` and ``schema`` are required: a family whose op has not
+    landed yet still has a table that ``gemmtune tables`` and ``lookup`` show."""
+
+    name: str  # bf16, a8w8_blockscale; the CLI also takes it with dashes (a8w8-blockscale)
+    schema: Schema
+    dispatcher: Dispatcher | None = None
+    # The tuner: a TuneFamily class, or "module:Class" imported when asked for (the tuner
+    # imports the tuning engine, which the run-time path of an op must not).
+    tuner: type | str | None = None
+    # dtype (short name: bf16, fp16, fp8, ...) -> how the bench runs the op in it.
+    bench: Callable[[str], BenchOp] | None = None
+    bench_dtypes: tuple[str, ...] = ()  # the first is the default
+    # (M, N, K, dtype short name) -> the key of that GEMM: bench and tune-triton shapes.
+    gemm_key: Callable[[int, int, int, str], tuple] | None = None
+    # input dtype -> TAG of its Triton JSON config files ({arch}-GEMM-{TAG}-N=..-K=...json)
+    triton_json_tags: Mapping[torch.dtype, str] = field(default_factory=dict)
+    # key -> the dtype short name its bench runs in (``--run_config`` of a table)
+    dtype_of_key: Callable[[tuple], str] | None = None
+
+    def __post_init__(self):
+        if self.schema.family != self.name:
+            raise ValueError(f"family {self.name!r} has the schema of {self.schema.family!r}")
+        if self.bench is not None and not self.bench_dtypes:
+            raise ValueError(f"family {self.name!r}: a bench needs bench_dtypes")
+
+    @property
+    def cli_name(self) -> str:
+        return self.name.replace("_", "-")
+
+    def tuner_class(self) -> type:
+        """The TuneFamily class the tuner's workers build (a top-level class: picklable)."""
+        if self.tuner is None:
+            raise ValueError(f"{self.cli_name} has no tuner")
+        if not isinstance(self.tuner, str):
+            return self.tuner
+        module, _, attr = self.tuner.partition(":")
+        return getattr(importlib.import_module(module), attr)
+
+    def bench_op(self, dtype: str | None = None) -> BenchOp:
+        """How the bench runs this family in ``dtype`` (default: its first bench dtype)."""
+        if self.bench is None:
+            raise ValueError(f"{self.cli_name} has no bench")
+        dtype = dtype or self.bench_dtypes[0]
+        if dtype not in self.bench_dtypes:
+            *rest, last = self.bench_dtypes
+            accepted = f"{', '.join(rest)} or {last}" if rest else f"{last} only"
+            raise ValueError(f"{self.cli_name} benches --dtype {accepted}, not {dtype}")
+        return self.bench(dtype)

@@ -1,0 +1,61 @@
+"""What the GEMM families' ops share at run time: operand checks, the short dtype names of the
+CLI, and the Triton JSON fallback of a shape without a table row."""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from gemmtune.dispatch import KernelNameError, KernelRegistry
+from gemmtune.tables import triton_json
+from gemmtune.tables.schema import GEMM_RESULT_COLUMNS, Column, Schema, int_columns
+
+# The dtypes --dtype names (bench, tune-triton): x's and w's dtype of a GEMM.
+SHORT_DTYPES = {
+    "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
+    "fp8": torch.float8_e4m3fn, "int8": torch.int8,
+}
+
+
+def gemm_schema(family: str, tuned_file: str, untuned_file: str, key_type: type,
+                extra_key: tuple[Column, ...], env_names: tuple[str, ...]) -> Schema:
+    """The table of a GEMM family: key ``M, N, K`` and ``extra_key``, the GEMM result columns."""
+    return Schema(family, tuned_file, untuned_file, int_columns("M", "N", "K") + extra_key,
+                  key_type, GEMM_RESULT_COLUMNS, "M", ("kernelName",), env_names,
+                  tuned_file.replace(".csv", "*.csv"))
+
+
+def check_multiply(op: str, xq: torch.Tensor, wq: torch.Tensor) -> None:
+    if wq.dim() != 2 or xq.dim() < 1 or xq.shape[-1] != wq.shape[1]:
+        raise ValueError(f"{op}: xq {tuple(xq.shape)} and wq {tuple(wq.shape)} do not multiply; "
+                         f"expected xq (..., K) and wq (N, K)")
+
+
+def check_out_dtype_and_device(op: str, xq: torch.Tensor, wq: torch.Tensor, dtype: torch.dtype,
+                               out_dtypes: tuple) -> None:
+    if dtype not in out_dtypes:
+        raise TypeError(f"{op}: dtype {dtype} is not an output dtype; use one of "
+                        f"{', '.join(str(d) for d in out_dtypes)}")
+    if wq.device != xq.device:
+        raise ValueError(f"{op}: xq is on {xq.device} but wq on {wq.device}")
+
+
+def json_config_or(fallback: str, registry: KernelRegistry, problem, arch: str,
+                   tag: str) -> str:
+    """The kernel a per-(N, K) Triton JSON config file names for M's bucket, if there is one and
+    it can run ``problem``; else ``fallback``. A broken file warns once and is ignored."""
+    m, n, k = problem.m, problem.n, problem.k
+    try:
+        name = triton_json.lookup(arch, tag, n, k, m)
+        if name is None:
+            return fallback
+        registry.resolve_for(name, problem)
+    except KernelNameError as e:
+        warnings.warn(f"gemmtune: Triton JSON config for N={n} K={k} cannot run M={m}: {e}; "
+                      f"using {fallback}", stacklevel=2)
+        return fallback
+    except (ValueError, OSError) as e:
+        warnings.warn(f"gemmtune: Triton JSON config for N={n} K={k} ignored: {e}", stacklevel=2)
+        return fallback
+    return name

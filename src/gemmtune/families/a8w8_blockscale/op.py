@@ -1,0 +1,118 @@
+"""``gemm_a8w8_blockscale(xq, wq, x_scale, w_scale, dtype)``: FP8 GEMM with DeepSeek-style block
+scales, x per 1x128 and w per 128x128 of K, applied per K block in the main loop.
+
+xq (..., K) and wq (N, K) float8_e4m3fn; x_scale (..., ceil(K/128)), w_scale (ceil(N/128),
+ceil(K/128)), fp32 (``gemmtune.quant.per_block_fp8`` with ACT_BLOCK / WEIGHT_BLOCK makes them).
+Dispatched per shape through ``a8w8_blockscale_tuned_gemm.csv`` (key ``BlockscaleKey``); a shape
+without a row runs the torch backend. Registered as ``torch.ops.gemmtune.gemm_a8w8_blockscale``.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple, Optional
+
+import torch
+
+from gemmtune.device import DeviceId
+from gemmtune.dispatch import Dispatcher, KernelRegistry
+from gemmtune.families._gemm import check_multiply, check_out_dtype_and_device, gemm_schema
+from gemmtune.kernels.problem import GemmProblem, Scaling
+from gemmtune.kernels.torch_ref import TORCH_BLOCKSCALE, blockscale_torch
+from gemmtune.kernels.triton.dispatchable import TritonKernel
+
+OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+TUNED_OUT_DTYPE = torch.bfloat16
+
+
+class BlockscaleKey(NamedTuple):
+    M: int
+    N: int
+    K: int
+
+
+SCHEMA = gemm_schema(
+    "a8w8_blockscale", "a8w8_blockscale_tuned_gemm.csv", "a8w8_blockscale_untuned_gemm.csv",
+    BlockscaleKey, (),
+    ("GEMMTUNE_CONFIG_A8W8_BLOCKSCALE", "GEMMTUNE_CONFIG_GEMM_A8W8_BLOCKSCALE",
+     "AITER_CONFIG_GEMM_A8W8_BLOCKSCALE"))
+
+
+def problem_of(key: BlockscaleKey) -> GemmProblem:
+    return GemmProblem(key.M, key.N, key.K, torch.float8_e4m3fn, TUNED_OUT_DTYPE,
+                       scaling=Scaling.block)
+
+
+REGISTRY = KernelRegistry("a8w8_blockscale")
+REGISTRY.register_exact(TORCH_BLOCKSCALE, blockscale_torch)
+for _prefix in ("triton.tile", "triton.splitk"):
+    REGISTRY.register(_prefix, functools.partial(TritonKernel, block_scales=True))
+
+
+def _to_table_key(raw: tuple) -> BlockscaleKey:
+    return BlockscaleKey(*raw[:3])
+
+
+def _default_kernel(key: BlockscaleKey, device: DeviceId) -> str:
+    return TORCH_BLOCKSCALE
+
+
+DISPATCH = Dispatcher(SCHEMA, REGISTRY, _to_table_key, problem_of, _default_kernel)
+
+
+def _check(xq, wq, x_scale, w_scale, dtype) -> None:
+    # Imported here, not at the top: importing a Triton kernel module fixes, for the process,
+    # whether its kernels are interpreted (TRITON_INTERPRET), and tuner workers import this
+    # module before they set that variable.
+    from gemmtune.kernels.triton._checks import validate_block_scales
+
+    check_multiply("gemm_a8w8_blockscale", xq, wq)
+    check_out_dtype_and_device("gemm_a8w8_blockscale", xq, wq, dtype, OUT_DTYPES)
+    x2 = xq.reshape(-1, xq.shape[-1])
+    xs = x_scale.reshape(-1, x_scale.shape[-1]) if isinstance(x_scale, torch.Tensor) \
+        and x_scale.dim() >= 1 else x_scale
+    validate_block_scales("gemm_a8w8_blockscale", x2, wq, xs, w_scale)
+
+
+def _run(xq, wq, x_scale, w_scale, dtype, kernel):
+    args = (xq, wq, x_scale, w_scale, dtype)
+    try:
+        k = xq.shape[-1]
+        m = xq.numel() // k if k else math.prod(xq.shape[:-1])
+        # Everything _check depends on, so that a cached plan never runs what it would refuse
+        # (a column-major scale would be read as row-major by the kernels).
+        device = xq.get_device()
+        key = (m, wq.shape[0], k, xq.dtype, wq.dtype, wq.dim(), wq.shape[-1], wq.get_device(),
+               tuple(x_scale.shape), x_scale.dtype, x_scale.get_device(),
+               x_scale.is_contiguous(), tuple(w_scale.shape), w_scale.dtype,
+               w_scale.get_device(), w_scale.is_contiguous(), dtype, device)
+    except (AttributeError, IndexError, ValueError):
+        _check(*args)
+        raise
+    plan = DISPATCH.plan_for(key, device, kernel, _check, args)
+    xs = x_scale.reshape(-1, x_scale.shape[-1])
+    return plan.run(xq, wq, None, dtype, xs, w_scale)
+
+
+@torch.library.custom_op("gemmtune::gemm_a8w8_blockscale", mutates_args=())
+def _gemm_a8w8_blockscale_op(xq: torch.Tensor, wq: torch.Tensor, x_scale: torch.Tensor,
+                             w_scale: torch.Tensor, dtype: torch.dtype,
+                             kernel: Optional[str] = None) -> torch.Tensor:
+    return _run(xq, wq, x_scale, w_scale, dtype, kernel)
+
+
+@_gemm_a8w8_blockscale_op.register_fake
+def _(xq, wq, x_scale, w_scale, dtype, kernel=None):
+    return xq.new_empty((*xq.shape[:-1], wq.shape[0]), dtype=dtype)
+
+
+def gemm_a8w8_blockscale(xq: torch.Tensor, wq: torch.Tensor, x_scale: torch.Tensor,
+                         w_scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16,
+                         kernel: Optional[str] = None) -> torch.Tensor:
+    """``xq @ wq.T`` with each 1x128 block of x and 128x128 block of w scaled by its own fp32
+    scale, using the kernel the a8w8_blockscale table names for this shape on this GPU (or
+    ``kernel``, a kernelName checked like a table row). Returns (..., N) in ``dtype``."""
+    if torch.compiler.is_compiling():
+        return _gemm_a8w8_blockscale_op(xq, wq, x_scale, w_scale, dtype, kernel)
+    return _run(xq, wq, x_scale, w_scale, dtype, kernel)
