@@ -16,13 +16,17 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import torch
+
 from gemmtune import _env
 from gemmtune.device import DeviceId, current_device
+from gemmtune.kernels.problem import GemmProblem, Scaling
 from gemmtune.tables.capture import record_shape
 from gemmtune.tables.lookup import Rule, TableIndex
 from gemmtune.tables.schema import Family, Schema, schema_for
 from gemmtune.tables.sources import load_merged
 from gemmtune.tables.store import Row
+from gemmtune.tables.values import to_torch_dtype
 
 log = logging.getLogger("gemmtune")
 
@@ -117,6 +121,34 @@ def table_index(family: Family, device: DeviceId | None = None) -> TableIndex:
         return index
 
 
+def why_not_run(run: Callable, family: Family, key: tuple) -> str | None:
+    """Why a resolved kernel cannot run table ``key``, or None. cuBLASLt kernels check a plain
+    ``GemmProblem``; the other kernels registered here still check the table key."""
+    if not hasattr(run, "check"):
+        return None
+    from gemmtune.kernels.cublaslt import CublasLtKernel
+
+    if not isinstance(run, CublasLtKernel):
+        return run.check(key)
+    try:
+        problem = _gemm_problem(family, key)
+    except ValueError as e:  # a dtype name the tables do not know
+        return str(e)
+    return run.check(problem)
+
+
+def _gemm_problem(family: Family, key: tuple) -> GemmProblem:
+    """The problem of a bf16 key (``M, N, K, bias, dtype, outdtype, scaleAB, bpreshuffle``) or
+    an a8w8 key (``M, N, K, q_dtype_w``: bf16 output, no bias, scales per tensor or per row)."""
+    if family is Family.a8w8:
+        m, n, k, q_dtype = key
+        return GemmProblem(m, n, k, to_torch_dtype(q_dtype), torch.bfloat16,
+                           scaling=Scaling.rowwise)
+    m, n, k, has_bias, dtype, out_dtype, scaled, preshuffled = key
+    return GemmProblem(m, n, k, to_torch_dtype(dtype), to_torch_dtype(out_dtype), bool(has_bias),
+                       Scaling.tensor if scaled else Scaling.none, bool(preshuffled))
+
+
 class Dispatcher:
     """Plans for one family. ``to_table_key`` maps the op's raw hot-path key (plain values and
     torch dtypes) to the canonical table key; ``default_kernel`` names the always-valid fallback
@@ -159,7 +191,7 @@ class Dispatcher:
             run = self.registry.resolve(decision.kernel_name)
             # A kernel may refuse a shape it cannot serve (a config too large for this dtype):
             # checked once here, so each call can skip its own checks.
-            problem = run.check(key) if hasattr(run, "check") else None
+            problem = why_not_run(run, self.family, key)
             if problem:
                 raise KernelNameError(f"{self.family.value}: {decision.kernel_name} cannot run "
                                       f"this shape: {problem}")

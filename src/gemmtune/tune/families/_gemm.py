@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gemmtune.ops._dispatch import KernelRegistry
+from gemmtune.ops._dispatch import KernelRegistry, why_not_run
 from gemmtune.tune.family import Candidate, Prepared, TuneFamily
 from gemmtune.tune.timing import copies_to_exceed_l2, graph_replay_us, interleaved_graph_us
 
@@ -145,7 +145,7 @@ class GemmFamily(TuneFamily):
 
     def _kernel(self, name: str, key: tuple):
         kernel = self.registry.resolve(name)
-        problem = kernel.check(key) if hasattr(kernel, "check") else None
+        problem = why_not_run(kernel, self.registry.family, key)
         if problem:
             raise ValueError(f"{name} cannot run {key}: {problem}")
         return kernel
