@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from gemmtune.kernels import cublaslt
 from gemmtune.kernels.cublaslt import CublasLtKernel, enumerate_algos, heuristic_algos
+from gemmtune.kernels.problem import GemmProblem
 from gemmtune.measure.timing import copies_to_exceed_l2, graph_replay_us, host_us_per_call
 
 SHAPES = [(1, 576, 7168), (16, 4096, 4096), (13, 1000, 520), (128, 4096, 4096),
@@ -47,10 +48,10 @@ def bench_shape(m, n, k, algo_rows: list) -> dict:
     print(f"{m}x{n}x{k}: heuristic {len(heuristic)}, enumerated {len(algos)}")
     for i, a in enumerate(heuristic):
         print(f"  heuristic #{i}: {a.name}")
-    key = (m, n, k, False, "torch.bfloat16", "torch.bfloat16", False, False)
+    problem = GemmProblem(m, n, k, DTYPE, DTYPE)
     kernels = {a.name: CublasLtKernel(a.name) for a in algos}
     for name, kern in kernels.items():
-        why = kern.check(key)
+        why = kern.check(problem)
         assert why is None, f"{name}: {why}"
     h0 = kernels[heuristic[0].name]
 

@@ -13,7 +13,9 @@ import torch
 
 from gemmtune import quant
 from gemmtune.measure.timing import events_us
-from gemmtune.kernels import cublaslt as lt
+from gemmtune.kernels.cublaslt import _bindings as lt
+from gemmtune.kernels.cublaslt.algo import algo_of
+from gemmtune.kernels.cublaslt.plans import WORKSPACE_BYTES, device_state
 from gemmtune.kernels.torch_ref import gemm_a8w8_ref, scaled_mm_torch
 
 CUDA_R_8F_E4M3 = 28
@@ -21,8 +23,8 @@ SHAPES = ((1, 6144, 4096), (16, 4096, 4096), (64, 28672, 4096), (1024, 4096, 409
 
 
 def set_desc(L, desc, attr, value) -> None:
-    lt._set_attr(L.matmul_desc_set_attribute, L.get_matmul_desc_attribute_dtype, desc, attr,
-                 value)
+    lt.set_attr(L.matmul_desc_set_attribute, L.get_matmul_desc_attribute_dtype, desc, attr,
+                value)
 
 
 def probe(mode: str, m: int, n: int, k: int) -> str:
@@ -35,8 +37,8 @@ def probe(mode: str, m: int, n: int, k: int) -> str:
     if mode == "tensor":
         xs, ws = xs.max().reshape(1), ws.max().reshape(1)
     ref = gemm_a8w8_ref(xq, wq, xs, ws, None, torch.float32)
-    desc = L.matmul_desc_create(lt._COMPUTE_32F, lt._CUDA_R_32F)
-    set_desc(L, desc, attr.TRANSA, lt._OP_T)
+    desc = L.matmul_desc_create(lt.COMPUTE_32F, lt.CUDA_R_32F)
+    set_desc(L, desc, attr.TRANSA, lt.OP_T)
     scale_mode = int(L.MatmulMatrixScale.SCALAR_32F if mode == "tensor"
                      else L.MatmulMatrixScale.OUTER_VEC_32F)
     set_desc(L, desc, attr.A_SCALE_MODE, scale_mode)
@@ -45,11 +47,11 @@ def probe(mode: str, m: int, n: int, k: int) -> str:
     set_desc(L, desc, attr.B_SCALE_POINTER, xs.data_ptr())  # B = x: cuBLAS columns are M
     a = L.matrix_layout_create(CUDA_R_8F_E4M3, k, n, k)
     b = L.matrix_layout_create(CUDA_R_8F_E4M3, k, m, k)
-    c = L.matrix_layout_create(lt._CUDA_TYPES[torch.bfloat16], n, m, n)
+    c = L.matrix_layout_create(lt.CUDA_TYPES[torch.bfloat16], n, m, n)
     pref = L.matmul_preference_create()
-    lt._set_attr(L.matmul_preference_set_attribute, L.get_matmul_preference_attribute_dtype,
-                 pref, L.MatmulPreferenceAttribute.MAX_WORKSPACE_BYTES, lt.WORKSPACE_BYTES)
-    dev = lt._device(torch.cuda.current_device())
+    lt.set_attr(L.matmul_preference_set_attribute, L.get_matmul_preference_attribute_dtype,
+                pref, L.MatmulPreferenceAttribute.MAX_WORKSPACE_BYTES, WORKSPACE_BYTES)
+    dev = device_state(torch.cuda.current_device())
     results = np.zeros(16, dtype=L.matmul_heuristic_result_dtype)
     returned = np.zeros(1, dtype=np.int32)
     try:
@@ -64,11 +66,12 @@ def probe(mode: str, m: int, n: int, k: int) -> str:
     out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
     alpha, beta = np.ones(1, np.float32), np.zeros(1, np.float32)
     stream = torch.cuda.current_stream().cuda_stream
+    workspace = dev.workspace(stream)
 
     def run():
         L.matmul(dev.handle, desc, alpha.ctypes.data, wq.data_ptr(), a, xq.data_ptr(), b,
                  beta.ctypes.data, out.data_ptr(), c, out.data_ptr(), c, algo.ctypes.data,
-                 dev.workspace_ptr, lt.WORKSPACE_BYTES, stream)
+                 workspace, WORKSPACE_BYTES, stream)
 
     try:
         run()
@@ -76,7 +79,7 @@ def probe(mode: str, m: int, n: int, k: int) -> str:
     except L.cuBLASLtError as e:
         return f"{mode:<6} {m}x{n}x{k}: {count} algorithm(s), the top one fails to run ({e})"
     rel = float((out.float() - ref).norm() / ref.norm())
-    name = lt.algo_of(algo)
+    name = algo_of(algo)
     t_lt = events_us(run, 200)
     t_torch = events_us(lambda: scaled_mm_torch(xq, wq, None, torch.bfloat16, xs, ws), 200)
     return (f"{mode:<6} {m}x{n}x{k}: {count} algorithm(s); top {name.name if name else '?'}; "

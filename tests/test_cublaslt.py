@@ -1,11 +1,15 @@
 """cuBLASLt backend: names (CPU), import without nvmath (CPU), and on the GPU every enumerated
 algorithm against an fp64 reference, names rebuilding the heuristic's algorithms bit for bit,
-CUDA-graph capture, bias, fp32 output and odd layouts."""
+CUDA-graph capture, bias, fp32 output, odd layouts, and calls from two streams and from two
+threads at once."""
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
+import threading
+from dataclasses import replace
 
 import pytest
 import torch
@@ -16,9 +20,14 @@ from gemmtune.kernels.cublaslt import (
     INSTALL_HINT,
     KERNEL_PREFIX,
     CublasLtKernel,
+    CublasLtScaledKernel,
     LtAlgo,
     enumerate_algos,
 )
+from gemmtune.kernels.cublaslt._bindings import enum_value, label
+from gemmtune.kernels.cublaslt.candidates import _split_k_values, _wanted_tiles
+from gemmtune.kernels.problem import GemmProblem, Scaling
+from gemmtune.kernels.torch_ref import gemm_a8w8_ref, gemm_a16w16_ref
 
 NAMES = [
     "cublaslt:id66.tile64x8.stages64xAUTO.sk4.red2.swz0.co1.cl1x2x1.in0",
@@ -28,7 +37,8 @@ NAMES = [
     "cublaslt:id66.tile8x1024.stages768xAUTO.sk32.red4.swz0.co15.cl16x1x1.in0",
 ]
 
-BF16_KEY = (16, 4096, 4096, False, "torch.bfloat16", "torch.bfloat16", False, False)
+BF16 = GemmProblem(16, 4096, 4096, torch.bfloat16, torch.bfloat16)
+FP8 = GemmProblem(16, 4096, 4096, torch.float8_e4m3fn, torch.bfloat16, scaling=Scaling.rowwise)
 
 
 # --------------------------------------------------------------------------------------------
@@ -72,25 +82,41 @@ def test_bad_field_values_are_refused():
         LtAlgo(True, "64x8", "64xAUTO", 4, 2, 0, 1, "AUTO", 0)
 
 
-def test_kernel_parses_its_name_without_a_gpu():
-    kernel = cublaslt.parse_cublaslt_kernel(NAMES[0])
-    assert isinstance(kernel, CublasLtKernel)
-    assert kernel.name == NAMES[0]
-    with pytest.raises(ValueError, match="expected"):
-        cublaslt.parse_cublaslt_kernel("cublaslt:nope")
+@pytest.mark.parametrize("kernel_cls", [CublasLtKernel, CublasLtScaledKernel])
+def test_kernels_are_their_names_without_a_gpu(kernel_cls):
+    for name in NAMES:
+        kernel = kernel_cls(name)
+        assert kernel.name == name and kernel.algo == LtAlgo.from_name(name)
+        assert kernel_cls(kernel.name).algo == kernel.algo
+    # Leading zeros parse; the kernel then carries the canonical name a table row is written with.
+    assert kernel_cls(NAMES[0].replace("id66", "id066")).name == NAMES[0]
+    with pytest.raises(ValueError, match=re.escape(f"{KERNEL_PREFIX}:id<int>.tile<R>x<C>")):
+        kernel_cls("cublaslt:nope")
+
+
+def test_registries_resolve_rows_to_kernels_and_explain_bad_names():
+    from gemmtune.dispatch import KernelNameError
+    from gemmtune.families.a8w8.op import REGISTRY as A8W8
+    from gemmtune.families.bf16.op import REGISTRY as BF16_REGISTRY
+
+    for registry, kernel_cls in ((BF16_REGISTRY, CublasLtKernel), (A8W8, CublasLtScaledKernel)):
+        kernel = registry.resolve(NAMES[1])
+        assert type(kernel) is kernel_cls and kernel.name == NAMES[1]
+        with pytest.raises(KernelNameError, match=re.escape(f"{KERNEL_PREFIX}:id<int>")):
+            registry.resolve(NAMES[1].rsplit(".", 1)[0])  # the inner shape left out
 
 
 def test_split_k_values_surround_the_heuristic():
-    assert cublaslt._split_k_values(5, 7168) == [4, 6, 3, 7, 2, 1, 10]
-    assert cublaslt._split_k_values(1, 4096) == [2, 3]
+    assert _split_k_values(5, 7168) == [4, 6, 3, 7, 2, 1, 10]
+    assert _split_k_values(1, 4096) == [2, 3]
     # Splits shorter than 128 along K are not tried.
-    assert cublaslt._split_k_values(2, 520) == [1, 3, 4]
+    assert _split_k_values(2, 520) == [1, 3, 4]
 
 
 def test_wanted_tiles_follow_m():
     labels = ["64x8", "64x16", "128x16", "128x32", "256x64", "64x256", "96x16", "UNDEFINED"]
-    assert cublaslt._wanted_tiles(13, set(), labels) == ["64x8", "64x16", "128x16", "128x32"]
-    assert cublaslt._wanted_tiles(1, {"96x16"}, labels) == ["64x8", "64x16", "128x16", "96x16"]
+    assert _wanted_tiles(13, set(), labels) == ["64x8", "64x16", "128x16", "128x32"]
+    assert _wanted_tiles(1, {"96x16"}, labels) == ["64x8", "64x16", "128x16", "96x16"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -102,12 +128,18 @@ def test_imports_and_explains_without_nvmath_or_gpu():
     script = textwrap.dedent(f"""
         import sys
         sys.modules["nvmath"] = None  # makes `import nvmath...` raise ImportError
+        import torch
         from gemmtune.kernels import cublaslt
+        from gemmtune.kernels.problem import GemmProblem, Scaling
         k = cublaslt.CublasLtKernel({NAMES[0]!r})
-        why = k.check({BF16_KEY!r})
+        why = k.check(GemmProblem(16, 4096, 4096, torch.bfloat16, torch.bfloat16))
+        assert {INSTALL_HINT!r} in why, why
+        scaled = cublaslt.CublasLtScaledKernel({NAMES[0]!r})
+        why = scaled.check(GemmProblem(16, 4096, 4096, torch.float8_e4m3fn, torch.bfloat16,
+                                       scaling=Scaling.rowwise))
         assert {INSTALL_HINT!r} in why, why
         try:
-            cublaslt.enumerate_algos(16, 64, 64, "torch.bfloat16", "torch.bfloat16", False)
+            cublaslt.enumerate_algos(16, 64, 64, torch.bfloat16, torch.bfloat16, False)
         except ImportError as e:
             assert {INSTALL_HINT!r} in str(e), e
         else:
@@ -121,23 +153,54 @@ def test_imports_and_explains_without_nvmath_or_gpu():
     assert done.stdout.strip() == "ok"
 
 
-@pytest.mark.parametrize("key, says", [
-    ((16, 64, 64, False, "torch.bfloat16", "torch.bfloat16", True, False), "scale"),
-    ((16, 64, 64, False, "torch.bfloat16", "torch.bfloat16", False, True), "shuffled"),
-    ((16, 64, 64, False, "torch.float32", "torch.float32", False, False), "float32"),
-    ((16, 64, 64, False, "torch.float8_e4m3fn", "torch.bfloat16", False, False), "float8"),
-    ((16, 64, 64, False, "torch.bfloat16", "torch.float16", False, False), "float16"),
-    ((16, 64, 64, False, "not-a-dtype", "torch.bfloat16", False, False), "not-a-dtype"),
+@pytest.mark.parametrize("change, says", [
+    (dict(scaling=Scaling.tensor), "tensor scales"),
+    (dict(scaling=Scaling.rowwise), "rowwise scales"),
+    (dict(preshuffled=True), "shuffled"),
+    (dict(dtype=torch.float32, out_dtype=torch.float32), "float32"),
+    (dict(dtype=torch.float8_e4m3fn), "float8"),
+    (dict(out_dtype=torch.float16), "float16"),
+    (dict(dtype="torch.bfloat16"), "torch.dtype"),  # table names are mapped above the kernels
 ])
-def test_check_refuses_unsupported_keys_with_a_reason(key, says):
-    why = CublasLtKernel(NAMES[0]).check(key)
+def test_check_refuses_unsupported_problems_with_a_reason(change, says):
+    why = CublasLtKernel(NAMES[0]).check(replace(BF16, **change))
+    assert isinstance(why, str) and says in why
+
+
+@pytest.mark.parametrize("change, says", [
+    (dict(scaling=Scaling.none), "none scales"),
+    (dict(scaling=Scaling.block), "block scales"),
+    (dict(preshuffled=True), "shuffled"),
+    (dict(dtype=torch.int8), "FP8 (e4m3) only"),
+    (dict(dtype=torch.bfloat16), "FP8 (e4m3) only"),
+    (dict(out_dtype=torch.int8), "output"),
+])
+def test_scaled_check_refuses_unsupported_problems_with_a_reason(change, says):
+    why = CublasLtScaledKernel(NAMES[0]).check(replace(FP8, **change))
     assert isinstance(why, str) and says in why
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only answer")
-def test_check_on_a_cpu_machine_gives_a_reason():
-    why = CublasLtKernel(NAMES[0]).check(BF16_KEY)
+@pytest.mark.parametrize("kernel_cls, problem", [(CublasLtKernel, BF16),
+                                                 (CublasLtScaledKernel, FP8)])
+def test_check_on_a_cpu_machine_gives_a_reason(kernel_cls, problem):
+    why = kernel_cls(NAMES[0]).check(problem)
     assert isinstance(why, str) and ("GPU" in why or INSTALL_HINT in why)
+
+
+@pytest.mark.skipif(torch.cuda.is_available() and cublaslt.nvmath_missing() is None,
+                    reason="checks the answer where cuBLASLt cannot run")
+def test_a8w8_row_that_cannot_run_here_falls_back_with_the_kernels_reason(tmp_path, monkeypatch):
+    from gemmtune.families.a8w8.op import DISPATCH, A8w8Key
+
+    install_user_table(monkeypatch, tmp_path / "a8w8.csv", "GEMMTUNE_CONFIG_A8W8",
+                       "arch,cu_num,M,N,K,q_dtype_w,libtype,solidx,splitK,us,kernelName,"
+                       "err_ratio,tflops,bw\n",
+                       [(16, 4096, 4096, "torch.float8_e4m3fn", NAMES[0])])
+    with pytest.warns(UserWarning, match="cannot run this shape") as caught:
+        decision = DISPATCH.decide(A8w8Key(16, 4096, 4096, "torch.float8_e4m3fn"))
+    assert decision.kernel_name != NAMES[0] and NAMES[0] in decision.note  # the default runs
+    assert any("GPU" in str(w.message) or INSTALL_HINT in str(w.message) for w in caught)
 
 
 def test_labels_cover_every_cublaslt_enum():
@@ -148,10 +211,10 @@ def test_labels_cover_every_cublaslt_enum():
                                     (L.MatmulStages, "STAGES_", "stages"),
                                     (L.ClusterShape, "SHAPE_", "cluster")):
         for member in enum_cls:
-            label = cublaslt._label(enum_cls, prefix, int(member))
-            algo = LtAlgo(**{**base.__dict__, field: label})
+            text = label(enum_cls, prefix, int(member))
+            algo = LtAlgo(**{**base.__dict__, field: text})
             assert LtAlgo.from_name(algo.name) == algo
-            assert cublaslt._enum_value(enum_cls, prefix, label, field) == int(member)
+            assert enum_value(enum_cls, prefix, text, field) == int(member)
 
 
 # --------------------------------------------------------------------------------------------
@@ -209,8 +272,7 @@ def _check_all(m, n, k, out_dtype, bias):
     bad = []
     for algo in algos:
         kernel = CublasLtKernel(algo.name)
-        assert kernel.check((m, n, k, bias, "torch.bfloat16", str(out_dtype), False, False)) \
-            is None
+        assert kernel.check(GemmProblem(m, n, k, x.dtype, out_dtype, bias)) is None
         y = _run_poisoned(kernel, x, w, b, out_dtype)
         nans = int(torch.isnan(y).sum())
         err = _rel_err(y, ref) if not nans else float("nan")
@@ -310,12 +372,12 @@ def test_leading_dims_strides_and_misaligned_views(nvmath_lt):
 
 @pytest.mark.gpu
 def test_check_on_the_gpu(nvmath_lt):
-    m, n, k = BF16_KEY[:3]
+    m, n, k = BF16.m, BF16.n, BF16.k
     best = cublaslt.heuristic_algos(m, n, k, torch.bfloat16, torch.bfloat16, False)[0]
-    assert CublasLtKernel(best.name).check(BF16_KEY) is None
+    assert CublasLtKernel(best.name).check(BF16) is None
     # A configuration cuBLASLt refuses (id 66 rejects an AUTO cluster shape) is a reason.
     refused = LtAlgo(**{**best.__dict__, "cluster": "AUTO"})
-    why = CublasLtKernel(refused.name).check(BF16_KEY)
+    why = CublasLtKernel(refused.name).check(BF16)
     assert isinstance(why, str) and refused.name in why
     with pytest.raises(ValueError, match="scale"):
         CublasLtKernel(best.name)(*_inputs(m, n, k)[:2], None, torch.bfloat16,
@@ -326,25 +388,11 @@ def test_check_on_the_gpu(nvmath_lt):
 # FP8 with scales (the a8w8 table's cublaslt rows)
 # --------------------------------------------------------------------------------------------
 
-def test_scaled_kernel_refuses_what_it_cannot_run_with_a_reason():
-    from gemmtune.kernels.cublaslt import CublasLtScaledKernel
-
-    kernel = CublasLtScaledKernel("cublaslt:id66.tile128x128.stages128xAUTO.sk1.red0.swz0.co7."
-                                  "cl1x1x1.in0")
-    assert "FP8 (e4m3) only" in kernel.check((16, 64, 64, "torch.int8"))
-    assert "not-a-dtype" in kernel.check((16, 64, 64, "not-a-dtype"))
+def test_why_not_types():
     assert cublaslt.why_not_types(torch.float8_e4m3fn, torch.bfloat16, "") is not None
     assert cublaslt.why_not_types(torch.bfloat16, torch.bfloat16, "outer") is not None
     assert cublaslt.why_not_types(torch.float8_e4m3fn, torch.bfloat16, "outer") is None
     assert "output" in cublaslt.why_not_types(torch.float8_e4m3fn, torch.int8, "tensor")
-
-
-def test_a8w8_registry_resolves_cublaslt_names():
-    from gemmtune.kernels.cublaslt import CublasLtScaledKernel
-    from gemmtune.families.a8w8.op import REGISTRY
-
-    name = "cublaslt:id66.tile128x128.stages128xAUTO.sk1.red0.swz0.co7.cl1x1x1.in0"
-    assert isinstance(REGISTRY.resolve(name), CublasLtScaledKernel)
 
 
 def _fp8_inputs(m, n, k, layout, seed=0, bias=False):
@@ -378,15 +426,14 @@ FP8_SHAPES = [(1, 576, 7168), (16, 4096, 4096), (13, 1008, 512), (200, 4096, 409
 @pytest.mark.gpu
 @pytest.mark.parametrize("m, n, k", FP8_SHAPES)
 def test_fp8_enumerated_algos_are_correct_in_every_scale_layout(nvmath_lt, m, n, k):
-    from gemmtune.kernels.cublaslt import CublasLtScaledKernel
-
     algos = enumerate_algos(m, n, k, torch.float8_e4m3fn, torch.bfloat16, False,
                             scaling="outer")
     assert algos, f"no FP8 algorithms for {m}x{n}x{k}"
     bad, exercised = [], 0
     for algo in algos:
         kernel = CublasLtScaledKernel(algo.name)
-        if kernel.check((m, n, k, "torch.float8_e4m3fn")) is not None:
+        if kernel.check(GemmProblem(m, n, k, torch.float8_e4m3fn, torch.bfloat16,
+                                    scaling=Scaling.rowwise)) is not None:
             continue  # not plannable per tensor: the tuner's check drops it the same way
         exercised += 1
         for layout in ("outer", "tensor", "tensor-x", "tensor-w"):
@@ -408,8 +455,6 @@ def test_fp8_other_outputs_with_bias_run_or_fall_back_to_torch(nvmath_lt, out_dt
     plans too or runs torch with one warning, never fails."""
     import warnings
 
-    from gemmtune.kernels.cublaslt import CublasLtScaledKernel
-
     m, n, k = 16, 4096, 4096
     algo = enumerate_algos(m, n, k, torch.float8_e4m3fn, torch.bfloat16, False,
                            scaling="outer")[0]
@@ -427,8 +472,6 @@ def test_fp8_other_outputs_with_bias_run_or_fall_back_to_torch(nvmath_lt, out_dt
 
 @pytest.mark.gpu
 def test_fp8_cuda_graph_replays_with_new_scales(nvmath_lt):
-    from gemmtune.kernels.cublaslt import CublasLtScaledKernel
-
     m, n, k = 16, 4096, 4096
     algo = enumerate_algos(m, n, k, torch.float8_e4m3fn, torch.bfloat16, False,
                            scaling="outer")[0]
@@ -451,7 +494,7 @@ def test_fp8_cuda_graph_replays_with_new_scales(nvmath_lt):
 @pytest.mark.gpu
 def test_fp8_row_dispatches_through_gemm_a8w8(nvmath_lt, tmp_path, monkeypatch):
     import gemmtune
-    from gemmtune.families.a8w8.op import DISPATCH
+    from gemmtune.families.a8w8.op import DISPATCH, A8w8Key
 
     m, n, k = 16, 4096, 4096
     algo = enumerate_algos(m, n, k, torch.float8_e4m3fn, torch.bfloat16, False,
@@ -465,3 +508,207 @@ def test_fp8_row_dispatches_through_gemm_a8w8(nvmath_lt, tmp_path, monkeypatch):
     assert _rel_err(y, _fp8_ref(xq, wq, xs, ws, b)) < REL_TOL[torch.bfloat16]
     (plan,) = DISPATCH.plans.values()
     assert plan.decision.kernel_name == algo.name
+
+
+# --------------------------------------------------------------------------------------------
+# Concurrency: two streams, two threads
+# --------------------------------------------------------------------------------------------
+
+# Skinny and long along K: cuBLASLt's split-K territory (the heuristic picks split-K 2-5 for
+# M = 16 at K >= 4096 on H100), and N small enough that a GEMM may leave SMs for the other
+# stream's.
+CONCURRENT = (16, 2048, 8192)
+ROUNDS = 64  # calls per stream or thread
+
+
+def _workspace_algos(m, n, k, dtype, out_dtype, bias, scaling="", most=2) -> list[LtAlgo]:
+    """Split-K algorithms whose plans use a workspace (partial sums in the compute or output
+    type, or the in-place scheme's counters): the enumerated ones first, then the heuristic's
+    first with split-K forced."""
+    algos = enumerate_algos(m, n, k, dtype, out_dtype, bias, scaling=scaling)
+    if not algos:
+        return []
+    tries = [a for a in algos if a.split_k > 1] + [
+        replace(algos[0], split_k=sk, reduction=red) for sk in (4, 8) for red in (2, 4)]
+    found, device = [], torch.cuda.current_device()
+    for algo in tries:
+        try:
+            plan = cublaslt.get_plan(algo, m, n, k, bias, dtype, out_dtype, device, scaling)
+        except ValueError:
+            continue
+        if plan.workspace_bytes and algo not in found:
+            found.append(algo)
+    return found[:most]
+
+
+def _hold(streams) -> None:
+    """Keep each stream busy for ~50 ms (10^8 cycles at 1.5-2 GHz), so that every call
+    enqueued next waits behind it and the two streams' queues then drain together. The host
+    enqueues a call in ~15-30 us, about as long as one of these GEMMs runs: without the hold the
+    streams would hardly overlap. 2 x 64 calls take ~4 ms to enqueue, well inside the hold."""
+    for s in streams:
+        with torch.cuda.stream(s):
+            torch.cuda._sleep(10**8)
+
+
+def _on_two_streams(call) -> tuple[list[list[torch.Tensor]], list[torch.cuda.Stream]]:
+    """``call(i, out)`` for stream i = 0, 1, ROUNDS times each, interleaved, never syncing in
+    between; every output is its own NaN-poisoned buffer. The outputs of each stream, and the
+    streams."""
+    m, n, _ = CONCURRENT
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    outs = [[torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+             for _ in range(ROUNDS)] for _ in streams]
+    for s in streams:
+        s.wait_stream(torch.cuda.current_stream())  # inputs and NaN fills first
+    _hold(streams)
+    for r in range(ROUNDS):
+        for i, s in enumerate(streams):
+            with torch.cuda.stream(s):
+                assert call(i, outs[i][r]) is outs[i][r]
+    torch.cuda.synchronize()
+    return outs, streams
+
+
+def _wrong(outs, refs) -> list[str]:
+    """Every output against its fp32 reference; REL_TOL's bound (bf16 rounding leaves ~2e-3).
+    An output that took another call's partial sums, bias or scales is off by O(1)."""
+    bad = []
+    for i, (runs, ref) in enumerate(zip(outs, refs)):
+        for r, y in enumerate(runs):
+            err = _rel_err(y, ref.double())
+            if not err < REL_TOL[torch.bfloat16]:  # NaN (an unwritten output) fails too
+                bad.append(f"stream/thread {i} call {r}: rel err {err:.2e}")
+    return bad
+
+
+@pytest.mark.gpu
+def test_two_streams_at_once_with_split_k_workspaces(nvmath_lt):
+    """Same shape, different inputs and biases on two streams. With one workspace per device
+    (before: ``_Device.workspace``) both streams' split-K GEMMs write their partial sums (or the
+    in-place scheme's counters) into the same buffer; with the queues draining together, one
+    stream's reduction reads the other's partials and its rows come out wrong."""
+    m, n, k = CONCURRENT
+    algos = _workspace_algos(m, n, k, torch.bfloat16, torch.bfloat16, True)
+    assert algos, f"no split-K algorithm with a workspace for {m}x{n}x{k}"
+    inputs = [_inputs(m, n, k, seed=20 + i, bias=True) for i in range(2)]
+    refs = [gemm_a16w16_ref(x, w, b, torch.float32) for x, w, b in inputs]
+    for algo in algos:
+        kernel = CublasLtKernel(algo.name)
+        assert kernel.check(GemmProblem(m, n, k, torch.bfloat16, torch.bfloat16, True)) is None
+        outs, streams = _on_two_streams(
+            lambda i, out: kernel(*inputs[i], torch.bfloat16, None, None, out=out))
+        bad = _wrong(outs, refs)
+        assert not bad, f"{algo.name}:\n" + "\n".join(bad)
+        plan = kernel._plans[(m, n, k, True, torch.bfloat16, torch.bfloat16, "",
+                              torch.cuda.current_device())]
+        assert len({plan.workspaces[s.cuda_stream] for s in streams}) == 2
+
+
+@pytest.mark.gpu
+def test_fp8_two_streams_at_once_with_per_row_scales(nvmath_lt):
+    """FP8 with per-row scales, different inputs and scales on each stream. Where cuBLASLt has
+    FP8 split-K algorithms with a workspace, the shared workspace of before corrupts results as
+    in the bf16 test. Every algorithm also shows that cuBLASLt reads the scale pointers when a
+    call is enqueued: all calls wait behind the hold while the descriptor's pointers change
+    from call to call, so a later read would give many calls another's scales."""
+    m, n, k = CONCURRENT
+    algos = _workspace_algos(m, n, k, torch.float8_e4m3fn, torch.bfloat16, False, "outer") or \
+        enumerate_algos(m, n, k, torch.float8_e4m3fn, torch.bfloat16, False, scaling="outer")[:1]
+    assert algos, f"no FP8 algorithm for {m}x{n}x{k}"
+    inputs = [_fp8_inputs(m, n, k, "outer", seed=30 + i) for i in range(2)]
+    refs = [gemm_a8w8_ref(xq, wq, xs, ws, None, torch.float32) for xq, wq, xs, ws, _ in inputs]
+    for algo in algos:
+        kernel = CublasLtScaledKernel(algo.name)
+        outs, _ = _on_two_streams(lambda i, out: kernel(
+            inputs[i][0], inputs[i][1], None, torch.bfloat16, inputs[i][2], inputs[i][3],
+            out=out))
+        assert not kernel._refused, f"{algo.name} ran torch, not cuBLASLt"
+        bad = _wrong(outs, refs)
+        assert not bad, f"{algo.name}:\n" + "\n".join(bad)
+
+
+def _in_two_threads(call) -> list[list[torch.Tensor]]:
+    """``call(i)`` ROUNDS times in each of two threads (i = 0, 1) at once, each on a stream of
+    its own; the outputs of each thread, or the first error a thread raised. A barrier starts
+    the loops together, and a 1 us GIL switch interval hands the GIL between the threads inside
+    every call (the default 5 ms would let a whole loop run alone)."""
+    barrier, errors = threading.Barrier(2), []
+    outs: list[list[torch.Tensor]] = [[], []]
+
+    def work(i):
+        try:
+            stream = torch.cuda.Stream()
+            with torch.cuda.stream(stream):
+                barrier.wait()
+                for _ in range(ROUNDS):
+                    outs[i].append(call(i))
+            stream.synchronize()
+        except BaseException as e:  # re-raised by the main thread
+            errors.append(e)
+            barrier.abort()
+
+    torch.cuda.synchronize()  # inputs made on the default stream
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(interval)
+    if errors:
+        raise errors[0]
+    return outs
+
+
+def _no_workspace_algo(m, n, k, dtype, out_dtype, bias, scaling="") -> LtAlgo:
+    """An enumerated algorithm that uses no workspace where there is one: then only the
+    descriptor can mix two threads' calls up."""
+    algos = enumerate_algos(m, n, k, dtype, out_dtype, bias, scaling=scaling)
+    assert algos, f"no {dtype} algorithm for {m}x{n}x{k}"
+    device = torch.cuda.current_device()
+    for algo in algos:
+        if not cublaslt.get_plan(algo, m, n, k, bias, dtype, out_dtype, device,
+                                 scaling).workspace_bytes:
+            return algo
+    return algos[0]
+
+
+@pytest.mark.gpu
+def test_two_threads_at_once_one_shape_with_bias(nvmath_lt):
+    """Two threads call one shape with bias, each with its own input and bias. With one
+    descriptor per shape (before), a thread wrote its bias pointer into it and another thread
+    could write its own before the first one's cublasLtMatmul: that call then added the other
+    thread's bias (off by ~1 relative, since bias and product are both ~N(0, 1))."""
+    m, n, k = CONCURRENT
+    algo = _no_workspace_algo(m, n, k, torch.bfloat16, torch.bfloat16, True)
+    kernel = CublasLtKernel(algo.name)
+    assert kernel.check(GemmProblem(m, n, k, torch.bfloat16, torch.bfloat16, True)) is None
+    x0, w, b0 = _inputs(m, n, k, seed=40, bias=True)
+    x1, _, b1 = _inputs(m, n, k, seed=41, bias=True)
+    inputs = [(x0, w, b0), (x1, w, b1)]
+    outs = _in_two_threads(lambda i: kernel(*inputs[i], torch.bfloat16, None, None))
+    refs = [gemm_a16w16_ref(x, w, b, torch.float32) for x, w, b in inputs]
+    bad = _wrong(outs, refs)
+    assert not bad, f"{algo.name}:\n" + "\n".join(bad)
+
+
+@pytest.mark.gpu
+def test_fp8_two_threads_at_once_with_their_own_scales(nvmath_lt):
+    """Two threads call one FP8 shape with per-row scales, each with its own inputs and scales.
+    Before, the shape's one descriptor held the last scale pointers written by either thread,
+    so a call could run with the other thread's scales (per-token scales here differ up to 5x
+    from row to row, and the threads' weights differ: off by O(1))."""
+    m, n, k = CONCURRENT
+    algo = _no_workspace_algo(m, n, k, torch.float8_e4m3fn, torch.bfloat16, False, "outer")
+    kernel = CublasLtScaledKernel(algo.name)
+    inputs = [_fp8_inputs(m, n, k, "outer", seed=50 + i) for i in range(2)]
+    outs = _in_two_threads(lambda i: kernel(
+        inputs[i][0], inputs[i][1], None, torch.bfloat16, inputs[i][2], inputs[i][3]))
+    assert not kernel._refused, f"{algo.name} ran torch, not cuBLASLt"
+    refs = [gemm_a8w8_ref(xq, wq, xs, ws, None, torch.float32) for xq, wq, xs, ws, _ in inputs]
+    bad = _wrong(outs, refs)
+    assert not bad, f"{algo.name}:\n" + "\n".join(bad)

@@ -206,7 +206,9 @@ class Dispatcher:
     def decide(self, key: tuple, device: DeviceId | None = None) -> Decision:
         """The row and rule that a call with the family's ``key`` would use, after checking that
         the row's kernel can run it (falling back to the default as a call would). No side
-        effects besides loading the tables."""
+        effects besides loading the tables. A plain tuple is read as the key's columns in order."""
+        if not isinstance(key, self.schema.key_type):
+            key = self.schema.make_key(key)
         return self._decide_and_resolve(key, device or current_device())[0]
 
     def _decide_and_resolve(self, key: tuple, device: DeviceId) -> tuple[Decision, Callable]:
