@@ -72,8 +72,14 @@ def test_torch_compile_inductor_fullgraph_on_gpu(triton_rows):
     with torch.no_grad():
         want = model(x)
         gemmtune.patch_linear(model)
+        assert not DISPATCH.plans
         got = torch.compile(model, fullgraph=True)(x)
     assert _rel_err(got, want) < 2e-2
+    # The compiled graph called gemmtune's op, which dispatched to the table's Triton row (the
+    # plan is made by the op's real implementation, never by its fake).
+    plan = DISPATCH.plans[(128, 4096, 4096, True, torch.bfloat16, torch.bfloat16, False, False,
+                           x.get_device())]
+    assert plan.decision.kernel_name == TILE
 
 
 def test_interleaved_timing_of_one_kernel_twice_agrees():
@@ -89,15 +95,27 @@ def test_interleaved_timing_of_one_kernel_twice_agrees():
     assert abs(a - b) / min(a, b) < 0.2 and spread_a < 1 and spread_b < 1
 
 
+def _gpu_kernels(fn) -> list[str]:
+    """Names of the CUDA kernels ``fn`` ran."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
 def test_precompile_builds_without_running_then_the_candidate_runs():
+    from gemmtune.families.bf16.op import Bf16Key
     from gemmtune.families.bf16.tuner import Bf16Tuner
 
-    family = Bf16Tuner()
-    key = (16, 576, 7168, False, "torch.bfloat16", "torch.bfloat16", False, False)
-    prepared = family.prepare(key, seed=3)
-    for name in ("triton.tile:BM16.BN64.BK128.G8.W4.S4",
-                 "triton.splitk:BM16.BN32.BK128.SK8.W2.S5"):
-        family.precompile(name, prepared)
-        torch.cuda.synchronize()
-        out = family.run(name, prepared)
-        assert _rel_err(out, prepared.reference) < 1e-2
+    tuner = Bf16Tuner()
+    key = Bf16Key(16, 576, 7168, False, "torch.bfloat16", "torch.bfloat16", False, False)
+    prepared = tuner.prepare(key, seed=3)
+    for name, kernel in (("triton.tile:BM16.BN64.BK128.G8.W4.S4", "gemm_tile_kernel"),
+                         ("triton.splitk:BM16.BN32.BK128.SK8.W2.S5", "gemm_splitk_kernel")):
+        built = _gpu_kernels(lambda: tuner.precompile(name, prepared))
+        assert not [k for k in built if kernel in k], built  # compiled, never launched
+        ran = _gpu_kernels(lambda: tuner.run(name, prepared))
+        assert [k for k in ran if kernel in k], ran  # what the check above would have seen
+        assert _rel_err(tuner.run(name, prepared), prepared.reference) < 1e-2

@@ -89,6 +89,7 @@ def test_row_routes_to_triton_kernel(user_table, monkeypatch):
 
 def test_unparseable_kernel_name_falls_back_with_one_warning(user_table):
     path = user_table(row(8, 16, 16, "triton.tile:BM16.BOGUS"))
+    table = path.read_text()
     x, w = fresh(8, 16), fresh(16, 16, seed=1)
     with pytest.warns(UserWarning, match=r"BOGUS.*bf16_user\.csv:2.*family default") as record:
         y1 = gemmtune.gemm_a16w16(x, w)
@@ -98,7 +99,7 @@ def test_unparseable_kernel_name_falls_back_with_one_warning(user_table):
     torch.testing.assert_close(y2, y1)
     decision = plan_for(8, 16, 16).decision
     assert decision.rule is Rule.default and decision.kernel_name == "torch.linear"
-    assert path.exists()
+    assert path.read_text() == table  # the bad row is skipped, never rewritten or removed
 
 
 def test_unknown_backend_falls_back(user_table):
@@ -218,9 +219,14 @@ def test_patch_linear_under_autocast_matches_linear():
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         want = model(x)
         gemmtune.patch_linear(model)
+        assert not DISPATCH.plans
         got = model(x)
     assert got.dtype == want.dtype == torch.bfloat16
     torch.testing.assert_close(got, want)
+    # Each of the three layers ran through gemmtune's op, on inputs autocast made bf16.
+    planned = sorted((k[0], k[1], k[2], k[4]) for k in DISPATCH.plans)
+    assert planned == [(4, 8, 32, torch.bfloat16), (4, 32, 16, torch.bfloat16),
+                       (4, 32, 32, torch.bfloat16)]
 
 
 def test_torch_compile_fullgraph_with_tuned_linear():
