@@ -5,4 +5,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/_venv.sh "[test]"
+# The layering of DESIGN.md (Layout) as import contracts (pyproject.toml). A GPU machine's venv
+# reuses the system packages and may lack import-linter: there it is said, not skipped silently.
+if python -c "import importlinter" 2>/dev/null; then
+    lint-imports --no-cache
+else
+    echo "note: import-linter is not installed here; the import contracts were not checked" >&2
+fi
 exec python -m pytest -q -ra "$@"  # exec: a time limit's signal then reaches pytest itself

@@ -170,3 +170,15 @@ def test_a_cached_plan_still_refuses_what_the_checks_refuse():
         gemmtune.gemm_a8w8(xq, wq.view(16, 1, 32), xs, ws)
     with pytest.raises(ValueError, match="bias must be"):
         gemmtune.gemm_a8w8(xq, wq, xs, ws, bias=torch.ones(16, 3, device=DEVICE))
+
+
+@pytest.mark.parametrize("kernel", [TILE, "triton.splitk:BM16.BN32.BK32.SK2.W4.S2",
+                                    TORCH_SCALED_MM])
+def test_a_kernel_forced_by_name(kernel):
+    xq, wq, xs, ws = operands(13, 40, 64, torch.float8_e4m3fn, "token_channel")
+    y = gemmtune.gemm_a8w8(xq, wq, xs, ws, kernel=kernel)
+    assert_close_to_reference(y, xq, wq, xs, ws)
+    (plan,) = DISPATCH.plans.values()
+    assert plan.decision.rule is Rule.forced and plan.decision.kernel_name == kernel
+    with pytest.raises(ValueError, match="cannot run this shape: block_k=16"):
+        gemmtune.gemm_a8w8(xq, wq, xs, ws, kernel="triton.tile:BM16.BN32.BK16.G2.W4.S2")

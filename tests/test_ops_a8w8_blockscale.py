@@ -155,3 +155,19 @@ def test_a_cached_plan_still_refuses_column_major_scales():
     gemmtune.gemm_a8w8_blockscale(xq, wq, xs, ws)
     with pytest.raises(ValueError, match="x_scale must be a contiguous float32"):
         gemmtune.gemm_a8w8_blockscale(xq, wq, xs.t().contiguous().t(), ws)
+
+
+def test_a_kernel_forced_by_name():
+    xq, wq, xs, ws = operands(13, 200, 300)
+    kernel = "triton.splitk:BM16.BN32.BK64.SK2.W4.S2"
+    y = gemmtune.gemm_a8w8_blockscale(xq, wq, xs, ws, kernel=kernel)
+    assert_close_to_reference(y, xq, wq, xs, ws)
+    (plan,) = DISPATCH.plans.values()
+    assert plan.decision.rule is Rule.forced and plan.run.config.name == kernel
+    # block_k must divide 128 with block scales; and this family has no persistent kernel.
+    with pytest.raises(ValueError, match="cannot run this shape: block_k=256 must divide 128"):
+        gemmtune.gemm_a8w8_blockscale(xq, wq, xs, ws,
+                                      kernel="triton.splitk:BM16.BN32.BK256.SK1.W4.S2")
+    with pytest.raises(ValueError, match="no backend for kernelName 'triton.persistent"):
+        gemmtune.gemm_a8w8_blockscale(xq, wq, xs, ws,
+                                      kernel="triton.persistent:BM64.BN64.BK64.G8.W4.S3")

@@ -446,3 +446,45 @@ def test_capture_threads_of_one_process_and_a_merge_during_writing(tmp_path):
     assert all(not r.errors for r in reports)  # no duplicated header, no torn line
     rows = read_table(out / "bf16_untuned_gemm.csv", schema, untuned=True).rows
     assert sorted(r.key.M for r in rows) == list(range(1, 401))
+
+
+# ------------------------------------------------------------------------- a kernel by name
+def test_a_kernel_forced_by_name_runs_instead_of_the_table(user_table, monkeypatch):
+    user_table(row(13, 40, 24, "torch.linear"))
+    x, w = fresh(13, 24), fresh(40, 24, seed=1)
+    y = gemmtune.gemm_a16w16(x, w, kernel=TILE)
+    torch.testing.assert_close(y, gemm_a16w16_ref(x, w))
+    device = x.get_device()
+    forced = DISPATCH.plans[((13, 40, 24, False, torch.float32, torch.float32, False, False,
+                              device), TILE)]
+    assert forced.decision.rule is Rule.forced and forced.run.config.name == TILE
+    assert not forced.miss and gemmtune.report_misses() == []  # a forced call is no miss
+    launches = []
+    real = forced.run._launch
+    monkeypatch.setattr(forced.run, "_launch", lambda *a: launches.append(a[-1]) or real(*a))
+    gemmtune.gemm_a16w16(x, w, kernel=TILE)
+    gemmtune.gemm_a16w16(x, w)  # the same shape without kernel= keeps the table's row
+    assert [c.name for c in launches] == [TILE]
+    assert plan_for(13, 40, 24).decision.kernel_name == "torch.linear"
+
+
+def test_a_forced_kernel_is_checked_like_a_table_row():
+    x, w = fresh(13, 24), fresh(40, 24, seed=1)
+    with pytest.raises(ValueError, match="no backend for kernelName 'cutlass:x'; known "
+                                         "prefixes: torch.linear, triton.tile"):
+        gemmtune.gemm_a16w16(x, w, kernel="cutlass:x")
+    with pytest.raises(ValueError, match=r"triton.tile:BM16.BOGUS.*expected 6 to 7: triton.tile:BM<int>"):
+        gemmtune.gemm_a16w16(x, w, kernel="triton.tile:BM16.BOGUS")
+    # A config that parses but cannot run this shape: the kernel's own reason.
+    too_big = "triton.tile:BM256.BN256.BK256.G1.W1.S8"
+    with pytest.raises(ValueError, match=r"cannot run this shape: accumulator needs"):
+        gemmtune.gemm_a16w16(x, w, kernel=too_big)
+    assert gemmtune.gemm_a16w16(x, w).shape == (13, 40)  # nothing was cached by the errors
+
+
+def test_a_forced_kernel_reaches_the_op_under_torch_compile():
+    x, w = fresh(13, 24), fresh(40, 24, seed=1)
+    compiled = torch.compile(lambda a, b: gemmtune.gemm_a16w16(a, b, kernel=TILE),
+                             fullgraph=True, backend="eager")
+    torch.testing.assert_close(compiled(x, w), gemm_a16w16_ref(x, w))
+    assert any(isinstance(k[0], tuple) and k[1] == TILE for k in DISPATCH.plans)

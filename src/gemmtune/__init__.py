@@ -7,7 +7,7 @@ and dispatch from those tables at run time. See README.md for the workflow.
 from gemmtune import quant
 from gemmtune.device import DeviceId, current_device
 from gemmtune.dispatch import format_misses, report_misses, reset
-from gemmtune.families import Family, families, get_family, register_family
+from gemmtune.families import Family, all_families, get_family, register_family
 from gemmtune.families.a8w8.op import gemm_a8w8
 from gemmtune.families.a8w8_blockscale.op import gemm_a8w8_blockscale
 from gemmtune.families.bf16.op import gemm_a16w16
@@ -18,5 +18,5 @@ __version__ = "0.1.0"
 __all__ = [
     "gemm_a16w16", "gemm_a8w8", "gemm_a8w8_blockscale", "report_misses", "format_misses",
     "reset", "TunedLinear", "patch_linear", "current_device", "DeviceId", "quant",
-    "Family", "families", "get_family", "register_family",
+    "Family", "all_families", "get_family", "register_family",
 ]

@@ -25,6 +25,7 @@ import torch
 from gemmtune.device import current_device
 from gemmtune.dispatch import use_tables
 from gemmtune.families import BenchOp, Family
+from gemmtune.measure.accuracy import TOLERANCES
 from gemmtune.measure.ceilings import Ceilings, Floors, floors, measure_ceilings
 from gemmtune.measure.gpulock import GpuLock, gpu_label
 from gemmtune.measure.timing import copies_to_exceed_l2, interleaved_graph_us
@@ -77,7 +78,7 @@ def _peak_gemm(op: BenchOp):
 
 
 def floors_of(m: int, n: int, k: int, op: BenchOp, c: Ceilings) -> Floors:
-    nbytes = (m * k + n * k) * op.in_bytes + m * n * op.out_bytes
+    nbytes = (m * k + n * k) * op.in_bytes + m * n * op.out_dtype.itemsize
     return floors(2.0 * m * n * k, nbytes, c)
 
 
@@ -107,7 +108,7 @@ def bench_shape(shape: Shape, family: Family, op: BenchOp, ceilings: Ceilings,
     y = op.tuned(args)
     ref = op.reference(args)
     rel = float((y.float() - ref).norm() / ref.norm().clamp_min(1e-30))
-    ok = bool(torch.isfinite(y).all()) and rel <= op.rel_bound  # the tuner's own bound
+    ok = bool(torch.isfinite(y).all()) and rel <= TOLERANCES[op.out_dtype][2]  # the tuner's
     decision = family.dispatcher.decide(op.table_key(m, n, k))
     torch_us, tuned_us = _time_pair(op, args)
     f = floors_of(m, n, k, op, ceilings)

@@ -43,9 +43,9 @@ def _presets() -> tuple[str, ...]:
 def _family_names(having: str | None = None) -> list[str]:
     """Names the CLI takes for the registered families (``a8w8-blockscale`` and
     ``a8w8_blockscale``), of those that have ``having`` (dispatcher, tuner, bench) if given."""
-    from gemmtune.families import families
+    from gemmtune.families import all_families
 
-    chosen = [f for f in families() if having is None or getattr(f, having) is not None]
+    chosen = [f for f in all_families() if having is None or getattr(f, having) is not None]
     return [f.cli_name for f in chosen] + [f.name for f in chosen if f.name != f.cli_name]
 
 
@@ -122,10 +122,10 @@ def _cmd_capture(args) -> int:
 
 
 def _merge_and_report(shard_dir: Path, out: Path) -> int:
-    from gemmtune.families import families
+    from gemmtune.families import all_families
     from gemmtune.tables.capture import merge_captures
 
-    reports = merge_captures(shard_dir, out, {f.name: f.schema for f in families()})
+    reports = merge_captures(shard_dir, out, {f.name: f.schema for f in all_families()})
     if not reports:
         print(f"no captured shapes under {shard_dir} (was GEMMTUNE_TUNE_GEMM=1 set while the "
               f"ops ran?)", file=sys.stderr)
@@ -167,12 +167,12 @@ def _cmd_shapes(args) -> int:
 def _cmd_tables(args) -> int:
     from gemmtune.device import current_device
     from gemmtune.dispatch import table_index
-    from gemmtune.families import families
+    from gemmtune.families import all_families
     from gemmtune.tables.sources import table_sources, write_merged
 
     device = current_device()
     print(f"device {device}")
-    for family in families():
+    for family in all_families():
         schema = family.schema
         sources = table_sources(schema)
         index = table_index(schema, device)
@@ -211,20 +211,20 @@ def _cmd_tune(args) -> int:
 
 def _triton_dtypes() -> list[str]:
     """--dtype values of tune-triton: the dtypes some family has Triton JSON configs for."""
-    from gemmtune.families import families
+    from gemmtune.families import all_families
     from gemmtune.families._gemm import SHORT_DTYPES
 
-    tagged = {d for f in families() for d in f.triton_json_tags}
+    tagged = {d for f in all_families() for d in f.triton_json_tags}
     return [short for short, dtype in SHORT_DTYPES.items() if dtype in tagged]
 
 
 def _cmd_tune_triton(args) -> int:
-    from gemmtune.families import families
+    from gemmtune.families import all_families
     from gemmtune.families._gemm import SHORT_DTYPES
     from gemmtune.tune.tune_triton import Target, run
 
     dtype = SHORT_DTYPES[args.dtype]
-    family = next(f for f in families() if dtype in f.triton_json_tags)
+    family = next(f for f in all_families() if dtype in f.triton_json_tags)
     target = Target(family.tuner_class(),
                     lambda m, n, k: family.gemm_key(m, n, k, args.dtype),
                     family.triton_json_tags[dtype], dtype)
@@ -262,9 +262,9 @@ def _bench_shapes(args, family, gpu: bool) -> tuple[list[tuple[str, int, int, in
 
 
 def _benched() -> list:
-    from gemmtune.families import families
+    from gemmtune.families import all_families
 
-    return [f for f in families() if f.bench is not None]
+    return [f for f in all_families() if f.bench is not None]
 
 
 def _bench_dtypes() -> list[str]:

@@ -6,7 +6,7 @@ here by name; ``register_family`` adds one. Each built-in family is one line bel
 """
 
 from gemmtune.families._family import BenchOp, Family
-from gemmtune.families._registry import (families, get_family, register_family,
+from gemmtune.families._registry import (all_families, get_family, register_family,
                                          unregister_family)
 from gemmtune.families import (a4w4_blockscale, a8w8, a8w8_blockscale, batched_a8w8,  # noqa: E402
                                batched_bf16, bf16, fmoe)
@@ -19,4 +19,4 @@ register_family(batched_bf16.FAMILY)
 register_family(batched_a8w8.FAMILY)
 register_family(fmoe.FAMILY)
 
-__all__ = ["BenchOp", "Family", "families", "get_family", "register_family", "unregister_family"]
+__all__ = ["BenchOp", "Family", "all_families", "get_family", "register_family", "unregister_family"]

@@ -27,14 +27,13 @@ class BenchOp:
 
     label: str  # file stem of the bench's CSV and PNG
     in_bytes: int  # per element of x and w
-    out_bytes: int
+    out_dtype: torch.dtype  # the correctness bound is the tuner's for this output dtype
     w_index: int
     inputs: Callable[[int, int, int, torch.Generator], tuple]
     torch: Callable[[tuple], torch.Tensor]
     tuned: Callable[[tuple], torch.Tensor]
     reference: Callable[[tuple], torch.Tensor]  # fp32
     table_key: Callable[[int, int, int], tuple]
-    rel_bound: float  # largest ||tuned - reference|| / ||reference|| accepted
     torch_kernel: str  # the table's name for the torch backend (what the torch column runs)
     # (M, N, K) -> True where the torch column runs the fp32 reference, not a fast kernel.
     torch_is_reference: Callable[[int, int, int], bool] = lambda m, n, k: False

@@ -27,7 +27,7 @@ def unregister_family(name: str) -> None:
         _FAMILIES.pop(name.replace("-", "_"), None)
 
 
-def families() -> tuple[Family, ...]:
+def all_families() -> tuple[Family, ...]:
     """Every registered family, in registration order."""
     with _lock:
         return tuple(_FAMILIES.values())
@@ -38,6 +38,6 @@ def get_family(name: str) -> Family:
     listing the known names."""
     found = _FAMILIES.get(name.strip().replace("-", "_").lower())
     if found is None:
-        known = ", ".join(f.cli_name for f in families())
+        known = ", ".join(f.cli_name for f in all_families())
         raise ValueError(f"unknown family {name!r}; expected one of {known}")
     return found

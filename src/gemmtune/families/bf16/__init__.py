@@ -10,7 +10,6 @@ from gemmtune.families._family import BenchOp, Family
 from gemmtune.families._gemm import SHORT_DTYPES
 from gemmtune.families.bf16.op import DISPATCH, JSON_TAGS, SCHEMA, Bf16Key, gemm_a16w16
 from gemmtune.kernels.torch_ref import TORCH_LINEAR, gemm_a16w16_ref
-from gemmtune.measure.accuracy import TOLERANCES
 from gemmtune.tables.values import DTYPE_NAMES, to_torch_dtype
 
 BENCH_DTYPES = ("bf16", "fp16", "fp32")
@@ -36,10 +35,10 @@ def bench_op(dtype: str) -> BenchOp:
         return x, w
 
     return BenchOp(
-        "bf16", torch_dtype.itemsize, torch_dtype.itemsize, 1, inputs,
+        "bf16", torch_dtype.itemsize, torch_dtype, 1, inputs,
         torch=lambda a: F.linear(*a), tuned=lambda a: gemm_a16w16(*a),
         reference=lambda a: gemm_a16w16_ref(*a, out_dtype=torch.float32),
-        table_key=lambda m, n, k: gemm_key(m, n, k, dtype), rel_bound=TOLERANCES[torch_dtype][2],
+        table_key=lambda m, n, k: gemm_key(m, n, k, dtype),
         torch_kernel=TORCH_LINEAR)
 
 
