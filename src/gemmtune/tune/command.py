@@ -90,5 +90,7 @@ def config_from_args(args: argparse.Namespace) -> TuneConfig:
         min_improvement_pct=args.min_improvement_pct, gpus=gpus)
 
 
-def run_tune(factory: Callable, args: argparse.Namespace, out=sys.stderr) -> int:
+def run_tune(factory: Callable, args: argparse.Namespace, out=None) -> int:
+    """Tune as ``args`` say; progress and the report go to ``out`` (default: ``sys.stderr`` as
+    it is at the call, which a caller such as pytest's capture may have replaced)."""
     return Tuner(factory, config_from_args(args), out=out).run().exit_code

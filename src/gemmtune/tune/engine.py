@@ -124,12 +124,12 @@ class RetuneLog:
 
 class Tuner:
     def __init__(self, factory: Callable[[], FamilyTuner], config: TuneConfig,
-                 out=sys.stderr):
+                 out=None):
         self.factory = factory
         self.family = factory()  # families construct without touching the GPU
         self.schema: Schema = self.family.schema
         self.config = config
-        self.out = out
+        self.out = out or sys.stderr  # looked up now: a default bound at import may be closed
         self.memo = CrashMemo(self.schema)
         self.profile = ProfileLog(config.profile, self.schema) if config.profile else None
         self.summary = RunSummary()
