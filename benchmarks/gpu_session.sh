@@ -50,6 +50,11 @@ for what in "$@"; do
                 tests/test_kernel_gemm_splitk.py tests/test_kernel_gemm_tile.py \
                 tests/test_ops_a8w8.py tests/test_ops_a8w8_blockscale.py tests/test_gpu_ops.py \
                 tests/test_cublaslt.py tests/test_kernel_gemm_persistent.py ;;
+        ops)  # every test of the ops, dispatch, cuBLASLt and layout, on the GPU (not only gpu-marked)
+            stage ops 420 python3 -m pytest -q -p no:cacheprovider --timeout 200 \
+                tests/test_cublaslt.py tests/test_gpu_ops.py tests/test_ops_dispatch.py \
+                tests/test_ops_a8w8.py tests/test_ops_a8w8_blockscale.py tests/test_layout.py \
+                tests/test_triton_json.py ;;
         pytest:*)  # pytest:FILE[:KEYWORDS]: one test file, or its tests matching -k KEYWORDS
             spec=${what#pytest:}
             file=${spec%%:*}
@@ -106,6 +111,22 @@ for what in "$@"; do
                 EXTRA="--mp $mp --timeout 60" \
                 stage "presets_$family" "${PRESETS_LIMIT:-540}" bash scripts/tune_presets.sh
             cp "src/gemmtune/configs/${family//-/_}_tuned_gemm.csv" "$OUT/" ;;
+        compare:*)  # compare:FAMILY:MODEL[:TP]: bench before (.before/src) and after, alternately
+            spec=${what#compare:}
+            family=${spec%%:*}; rest=${spec#*:}
+            model=${rest%%:*}
+            tp=1; [[ $rest == *:* ]] && tp=${rest##*:}
+            ms=${COMPARE_M:-1,16,64,256,1024,4096}
+            for side in before after; do
+                src=src; [[ $side == before ]] && src=.before/src
+                PYTHONPATH=/tmp/site:$src TAIL=6 stage "cmp_${family}_${model}_$side" 400 \
+                    python3 -m gemmtune.cli bench "$family" --model "$model" --tp "$tp" \
+                    --M "$ms" -o "$OUT/cmp_${family}_${model}_$side"
+            done
+            python3 benchmarks/compare_benches.py --label "$model tp$tp" \
+                "$OUT/cmp_${family}_${model}_before/bench_${family//-/_}.csv" \
+                "$OUT/cmp_${family}_${model}_after/bench_${family//-/_}.csv" \
+                | tee -a "$OUT/compare.txt" >> "$summary" ;;
         bench:*)
             spec=${what#bench:}
             model=${spec%%:*}
