@@ -128,12 +128,12 @@ def _run(xq, wq, x_scale, w_scale, bias, dtype, kernel):
 @torch.library.custom_op("gemmtune::gemm_a8w8", mutates_args=())
 def _gemm_a8w8_op(xq: torch.Tensor, wq: torch.Tensor, x_scale: torch.Tensor,
                   w_scale: torch.Tensor, bias: Optional[torch.Tensor],
-                  dtype: torch.dtype, kernel: Optional[str] = None) -> torch.Tensor:
-    return _run(xq, wq, x_scale, w_scale, bias, dtype, kernel)
+                  dtype: torch.dtype, kernel_name: Optional[str] = None) -> torch.Tensor:
+    return _run(xq, wq, x_scale, w_scale, bias, dtype, kernel_name)
 
 
 @_gemm_a8w8_op.register_fake
-def _(xq, wq, x_scale, w_scale, bias, dtype, kernel=None):
+def _(xq, wq, x_scale, w_scale, bias, dtype, kernel_name=None):
     return xq.new_empty((*xq.shape[:-1], wq.shape[0]), dtype=dtype)
 
 

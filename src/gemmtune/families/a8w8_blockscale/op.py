@@ -98,12 +98,12 @@ def _run(xq, wq, x_scale, w_scale, dtype, kernel):
 @torch.library.custom_op("gemmtune::gemm_a8w8_blockscale", mutates_args=())
 def _gemm_a8w8_blockscale_op(xq: torch.Tensor, wq: torch.Tensor, x_scale: torch.Tensor,
                              w_scale: torch.Tensor, dtype: torch.dtype,
-                             kernel: Optional[str] = None) -> torch.Tensor:
-    return _run(xq, wq, x_scale, w_scale, dtype, kernel)
+                             kernel_name: Optional[str] = None) -> torch.Tensor:
+    return _run(xq, wq, x_scale, w_scale, dtype, kernel_name)
 
 
 @_gemm_a8w8_blockscale_op.register_fake
-def _(xq, wq, x_scale, w_scale, dtype, kernel=None):
+def _(xq, wq, x_scale, w_scale, dtype, kernel_name=None):
     return xq.new_empty((*xq.shape[:-1], wq.shape[0]), dtype=dtype)
 
 

@@ -148,21 +148,23 @@ def _run(x, w, bias, otype, scale_a, scale_b, kernel):
     return plan.run(x, w, bias, out_dtype, scale_a, scale_b)
 
 
+# The forced kernel travels as ``kernel_name``: an op argument called ``kernel`` collides with
+# inductor's own FallbackKernel.create(kernel, ...) when it lowers the op (torch 2.11).
 @torch.library.custom_op("gemmtune::gemm_a16w16", mutates_args=())
 def _gemm_a16w16_op(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor],
                     otype: Optional[torch.dtype], scale_a: Optional[torch.Tensor],
                     scale_b: Optional[torch.Tensor],
-                    kernel: Optional[str] = None) -> torch.Tensor:
-    return _run(x, w, bias, otype, scale_a, scale_b, kernel)
+                    kernel_name: Optional[str] = None) -> torch.Tensor:
+    return _run(x, w, bias, otype, scale_a, scale_b, kernel_name)
 
 
 @_gemm_a16w16_op.register_fake
-def _(x, w, bias, otype, scale_a, scale_b, kernel=None):
+def _(x, w, bias, otype, scale_a, scale_b, kernel_name=None):
     return x.new_empty((*x.shape[:-1], w.shape[0]), dtype=_out_dtype(x.dtype, otype))
 
 
 def _setup_context(ctx, inputs, output):
-    x, w, bias, otype, scale_a, scale_b, kernel = inputs
+    x, w, bias, otype, scale_a, scale_b, kernel_name = inputs
     ctx.save_for_backward(x, w)
     ctx.has_bias = bias is not None
     ctx.scaled = scale_a is not None or scale_b is not None
