@@ -494,7 +494,7 @@ def test_fp8_cuda_graph_replays_with_new_scales(nvmath_lt):
 @pytest.mark.gpu
 def test_fp8_row_dispatches_through_gemm_a8w8(nvmath_lt, tmp_path, monkeypatch):
     import gemmtune
-    from gemmtune.families.a8w8.op import DISPATCH, A8w8Key
+    from gemmtune.families.a8w8.op import DISPATCH
 
     m, n, k = 16, 4096, 4096
     algo = enumerate_algos(m, n, k, torch.float8_e4m3fn, torch.bfloat16, False,

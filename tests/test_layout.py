@@ -9,7 +9,6 @@ import textwrap
 
 import pytest
 
-import gemmtune
 from gemmtune.families import Family, all_families, get_family, register_family
 from gemmtune.tables.values import LibType
 

@@ -296,7 +296,6 @@ def test_write_round_trip_keeps_unknown_columns(tmp_path):
 
 
 def _add_rows(path: str, start: int, count: int) -> None:
-    from gemmtune.families import get_family
     from gemmtune.tables.store import Row, update_table
 
     schema = BF16

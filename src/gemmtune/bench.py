@@ -162,7 +162,7 @@ def summarize(rows: list[BenchRow]) -> list[str]:
             f"{torch_eff}{apart}")
     below_floor = [r for r in rows if r.below_floor]
     if below_floor:
-        lines.append(f"faster than the attainable floor (launch overlapped; counted as 1.0): "
+        lines.append("faster than the attainable floor (launch overlapped; counted as 1.0): "
                      + ", ".join(f"{r.name} {r.M}x{r.N}x{r.K} {r.tuned_us:.2f} < "
                                  f"{r.attainable_us:.2f} us" for r in below_floor))
     slower = [r for r in rows if r.speedup < SLOWER_THAN_TORCH and not r.torch_is_reference]

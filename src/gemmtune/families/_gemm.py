@@ -3,11 +3,13 @@ CLI, and the Triton JSON fallback of a shape without a table row."""
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import torch
 
 from gemmtune.dispatch import KernelNameError, KernelRegistry
+from gemmtune.kernels.triton.dispatchable import TritonKernel
 from gemmtune.tables import triton_json
 from gemmtune.tables.schema import GEMM_RESULT_COLUMNS, Column, Schema, int_columns
 
@@ -24,6 +26,26 @@ def gemm_schema(family: str, tuned_file: str, untuned_file: str, key_type: type,
     return Schema(family, tuned_file, untuned_file, int_columns("M", "N", "K") + extra_key,
                   key_type, GEMM_RESULT_COLUMNS, "M", ("kernelName",), env_names,
                   tuned_file.replace(".csv", "*.csv"))
+
+
+def gemm_registry(family: str, torch_name: str, torch_backend, triton_prefixes: tuple[str, ...],
+                  *, block_scales: bool = False, cublaslt: str = "") -> KernelRegistry:
+    """The backends of a GEMM family: its torch backend by name, Triton kernels of the given
+    prefixes (built for block scales or not), and with ``cublaslt`` ("unscaled" or "scaled") the
+    cuBLASLt kernel of that kind, nvmath being loaded when a row first names one."""
+    registry = KernelRegistry(family)
+    registry.register_exact(torch_name, torch_backend)
+    for prefix in triton_prefixes:
+        registry.register(prefix, functools.partial(TritonKernel, block_scales=block_scales))
+    if cublaslt:
+        registry.register("cublaslt", functools.partial(_cublaslt_kernel, cublaslt == "scaled"))
+    return registry
+
+
+def _cublaslt_kernel(scaled: bool, name: str):
+    from gemmtune.kernels.cublaslt import CublasLtKernel, CublasLtScaledKernel
+
+    return (CublasLtScaledKernel if scaled else CublasLtKernel)(name)
 
 
 def check_multiply(op: str, xq: torch.Tensor, wq: torch.Tensor) -> None:

@@ -131,6 +131,29 @@ class GemmTuner(FamilyTuner):
         """The backends to try: those asked for, or every backend of the family."""
         return libtypes or frozenset(t.value for t in self.registry.libtypes)
 
+    def gemm_candidates(self, p: GemmProblem, libtypes: frozenset[str], baseline: str,
+                        cublaslt_scaling: str | None = None,
+                        block_scales: bool = False) -> list[Candidate]:
+        """The family's torch ``baseline``, then the cuBLASLt algorithms (on a GPU, where the
+        family has them: ``cublaslt_scaling`` "" for unscaled, "outer" for FP8 timed with
+        per-row scales), then the Triton configs; numbered in that order."""
+        wanted = self.wanted(libtypes)
+        found = []
+        if "torch" in wanted:
+            found.append(Candidate(baseline, "torch", simplicity=0))
+        if "cublaslt" in wanted and cublaslt_scaling is not None and torch.cuda.is_available():
+            found += cublaslt_candidates(p.m, p.n, p.k, p.dtype, p.out_dtype, p.has_bias,
+                                         scaling=cublaslt_scaling)
+        if "triton" in wanted:
+            found += triton_candidates(p.m, p.n, p.k, p.dtype, p.out_dtype, block_scales)
+        return number_candidates(found)
+
+    @staticmethod
+    def generator(seed: int) -> torch.Generator:
+        """The random source of ``prepare``: on the GPU the tuner times on, else the CPU."""
+        return torch.Generator(device="cuda" if torch.cuda.is_available() else "cpu"
+                               ).manual_seed(seed)
+
     def _kernel(self, name: str, key: tuple):
         # KernelNameError (a ValueError) says why the kernel cannot run the shape.
         return self.registry.resolve_for(name, self.shape(key))

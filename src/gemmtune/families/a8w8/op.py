@@ -15,12 +15,12 @@ from typing import NamedTuple, Optional
 import torch
 
 from gemmtune.device import DeviceId
-from gemmtune.dispatch import Dispatcher, KernelRegistry
-from gemmtune.families._gemm import (check_multiply, check_out_dtype_and_device, gemm_schema,
-                                     json_config_or)
+from gemmtune.dispatch import Dispatcher
+from gemmtune.families._gemm import (check_multiply, check_out_dtype_and_device, gemm_registry,
+                                     gemm_schema, json_config_or)
 from gemmtune.kernels.problem import GemmProblem, Scaling
 from gemmtune.kernels.torch_ref import TORCH_SCALED_MM, scaled_mm_torch
-from gemmtune.kernels.triton.dispatchable import TritonKernel
+from gemmtune.kernels.triton.dispatchable import PREFIXES as TRITON_PREFIXES
 from gemmtune.tables.schema import Column, Kind
 from gemmtune.tables.values import DTYPE_NAMES, to_torch_dtype
 
@@ -53,17 +53,8 @@ def problem_of(key: A8w8Key) -> GemmProblem:
                        scaling=Scaling.rowwise)
 
 
-def _parse_cublaslt(name: str):
-    from gemmtune.kernels.cublaslt import CublasLtScaledKernel  # nvmath is loaded on first use
-
-    return CublasLtScaledKernel(name)
-
-
-REGISTRY = KernelRegistry("a8w8")
-REGISTRY.register_exact(TORCH_SCALED_MM, scaled_mm_torch)
-for _prefix in ("triton.tile", "triton.splitk", "triton.persistent"):
-    REGISTRY.register(_prefix, TritonKernel)
-REGISTRY.register("cublaslt", _parse_cublaslt)
+REGISTRY = gemm_registry("a8w8", TORCH_SCALED_MM, scaled_mm_torch, TRITON_PREFIXES,
+                         cublaslt="scaled")
 
 
 def _to_table_key(raw: tuple) -> A8w8Key:

@@ -10,8 +10,7 @@ from __future__ import annotations
 import torch
 
 from gemmtune import quant
-from gemmtune.families._gemm_tuner import (GemmTuner, cublaslt_candidates, number_candidates,
-                                           triton_candidates)
+from gemmtune.families._gemm_tuner import GemmTuner
 from gemmtune.families.a8w8.op import (Q_DTYPES, REGISTRY, SCHEMA, TUNED_OUT_DTYPE, A8w8Key,
                                       problem_of)
 from gemmtune.kernels.torch_ref import TORCH_SCALED_MM, gemm_a8w8_ref
@@ -32,23 +31,14 @@ class A8w8Tuner(GemmTuner):
         return p
 
     def candidates(self, key: A8w8Key, libtypes: frozenset[str]) -> list[Candidate]:
-        p = self.shape(key)
-        wanted = self.wanted(libtypes)
-        found = []
-        if "torch" in wanted:
-            found.append(Candidate(TORCH_SCALED_MM, "torch", simplicity=0))
-        if "cublaslt" in wanted and torch.cuda.is_available():
-            # Timed with per-row scales; a row's check also plans per-tensor ones.
-            found += cublaslt_candidates(p.m, p.n, p.k, p.dtype, p.out_dtype, False,
-                                         scaling="outer")
-        if "triton" in wanted:
-            found += triton_candidates(p.m, p.n, p.k, p.dtype, p.out_dtype)
-        return number_candidates(found)
+        # cuBLASLt timed with per-row scales; a row's check also plans per-tensor ones.
+        return self.gemm_candidates(self.shape(key), libtypes, TORCH_SCALED_MM,
+                                    cublaslt_scaling="outer")
 
     def prepare(self, key: A8w8Key, seed: int) -> Prepared:
         p = self.shape(key)
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-        gen = torch.Generator(device=device).manual_seed(seed)
+        gen = self.generator(seed)
+        device = gen.device
         per_token, per_channel = quant.token_channel_quantisers(p.dtype)
         # Activations with a few outlier tokens (as in LLMs): per-token scales then differ.
         x = torch.randn(p.m, p.k, generator=gen, device=device) \

@@ -9,18 +9,17 @@ without a row runs the torch backend. Registered as ``torch.ops.gemmtune.gemm_a8
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import NamedTuple, Optional
 
 import torch
 
 from gemmtune.device import DeviceId
-from gemmtune.dispatch import Dispatcher, KernelRegistry
-from gemmtune.families._gemm import check_multiply, check_out_dtype_and_device, gemm_schema
+from gemmtune.dispatch import Dispatcher
+from gemmtune.families._gemm import (check_multiply, check_out_dtype_and_device, gemm_registry,
+                                     gemm_schema)
 from gemmtune.kernels.problem import GemmProblem, Scaling
 from gemmtune.kernels.torch_ref import TORCH_BLOCKSCALE, blockscale_torch
-from gemmtune.kernels.triton.dispatchable import TritonKernel
 
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 TUNED_OUT_DTYPE = torch.bfloat16
@@ -44,10 +43,9 @@ def problem_of(key: BlockscaleKey) -> GemmProblem:
                        scaling=Scaling.block)
 
 
-REGISTRY = KernelRegistry("a8w8_blockscale")
-REGISTRY.register_exact(TORCH_BLOCKSCALE, blockscale_torch)
-for _prefix in ("triton.tile", "triton.splitk"):
-    REGISTRY.register(_prefix, functools.partial(TritonKernel, block_scales=True))
+# No persistent kernel: it takes no block scales.
+REGISTRY = gemm_registry("a8w8_blockscale", TORCH_BLOCKSCALE, blockscale_torch,
+                         ("triton.tile", "triton.splitk"), block_scales=True)
 
 
 def _to_table_key(raw: tuple) -> BlockscaleKey:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from gemmtune import quant
-from gemmtune.families._gemm_tuner import GemmTuner, number_candidates, triton_candidates
+from gemmtune.families._gemm_tuner import GemmTuner
 from gemmtune.families.a8w8_blockscale.op import (REGISTRY, SCHEMA, TUNED_OUT_DTYPE,
                                                   BlockscaleKey, problem_of)
 from gemmtune.kernels.torch_ref import TORCH_BLOCKSCALE, gemm_a8w8_blockscale_ref
@@ -22,19 +22,13 @@ class A8w8BlockscaleTuner(GemmTuner):
     problem_of = staticmethod(problem_of)
 
     def candidates(self, key: BlockscaleKey, libtypes: frozenset[str]) -> list[Candidate]:
-        p = self.shape(key)
-        wanted = self.wanted(libtypes)
-        found = []
-        if "torch" in wanted:
-            found.append(Candidate(TORCH_BLOCKSCALE, "torch", simplicity=0))
-        if "triton" in wanted:
-            found += triton_candidates(p.m, p.n, p.k, p.dtype, p.out_dtype, block_scales=True)
-        return number_candidates(found)
+        return self.gemm_candidates(self.shape(key), libtypes, TORCH_BLOCKSCALE,
+                                    block_scales=True)
 
     def prepare(self, key: BlockscaleKey, seed: int) -> Prepared:
         p = self.shape(key)
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-        gen = torch.Generator(device=device).manual_seed(seed)
+        gen = self.generator(seed)
+        device = gen.device
         # Activations whose magnitude varies along K as well as by token: block scales differ.
         x = torch.randn(p.m, p.k, generator=gen, device=device) \
             * (1 + 4 * torch.rand(p.m, 1, generator=gen, device=device)) \

@@ -14,11 +14,11 @@ from typing import NamedTuple, Optional
 import torch
 
 from gemmtune.device import DeviceId
-from gemmtune.dispatch import Dispatcher, KernelRegistry
-from gemmtune.families._gemm import gemm_schema, json_config_or
+from gemmtune.dispatch import Dispatcher
+from gemmtune.families._gemm import gemm_registry, gemm_schema, json_config_or
 from gemmtune.kernels.problem import GemmProblem, Scaling
 from gemmtune.kernels.torch_ref import TORCH_LINEAR, linear_torch
-from gemmtune.kernels.triton.dispatchable import TritonKernel
+from gemmtune.kernels.triton.dispatchable import PREFIXES as TRITON_PREFIXES
 from gemmtune.tables.schema import Column, Kind
 from gemmtune.tables.values import DTYPE_NAMES, to_torch_dtype
 
@@ -56,17 +56,7 @@ def problem_of(key: Bf16Key) -> GemmProblem:
                        Scaling.tensor if key.scaleAB else Scaling.none, key.bpreshuffle)
 
 
-def _parse_cublaslt(name: str):
-    from gemmtune.kernels.cublaslt import CublasLtKernel  # nvmath is loaded on first use
-
-    return CublasLtKernel(name)
-
-
-REGISTRY = KernelRegistry("bf16")
-REGISTRY.register_exact(TORCH_LINEAR, linear_torch)
-for _prefix in ("triton.tile", "triton.splitk", "triton.persistent"):
-    REGISTRY.register(_prefix, TritonKernel)
-REGISTRY.register("cublaslt", _parse_cublaslt)
+REGISTRY = gemm_registry("bf16", TORCH_LINEAR, linear_torch, TRITON_PREFIXES, cublaslt="unscaled")
 
 
 def _to_table_key(raw: tuple) -> Bf16Key:

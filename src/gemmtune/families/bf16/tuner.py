@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from gemmtune.families._gemm_tuner import (GemmTuner, cublaslt_candidates, number_candidates,
-                                           triton_candidates)
+from gemmtune.families._gemm_tuner import GemmTuner
 from gemmtune.families.bf16.op import REGISTRY, SCHEMA, Bf16Key, problem_of
 from gemmtune.kernels.problem import Scaling
 from gemmtune.kernels.torch_ref import TORCH_LINEAR, gemm_a16w16_ref
@@ -30,20 +29,13 @@ class Bf16Tuner(GemmTuner):
 
     def candidates(self, key: Bf16Key, libtypes: frozenset[str]) -> list[Candidate]:
         p = self.shape(key)
-        wanted = self.wanted(libtypes)
-        found = []
-        if "torch" in wanted:
-            found.append(Candidate(TORCH_LINEAR, "torch", simplicity=0))
-        if "cublaslt" in wanted and torch.cuda.is_available() and p.scaling is Scaling.none:
-            found += cublaslt_candidates(p.m, p.n, p.k, p.dtype, p.out_dtype, p.has_bias)
-        if "triton" in wanted:
-            found += triton_candidates(p.m, p.n, p.k, p.dtype, p.out_dtype)
-        return number_candidates(found)
+        return self.gemm_candidates(p, libtypes, TORCH_LINEAR,
+                                    cublaslt_scaling="" if p.scaling is Scaling.none else None)
 
     def prepare(self, key: Bf16Key, seed: int) -> Prepared:
         p = self.shape(key)
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-        gen = torch.Generator(device=device).manual_seed(seed)
+        gen = self.generator(seed)
+        device = gen.device
 
         def randn(*shape, scale=1.0):
             return (torch.randn(*shape, generator=gen, device=device) * scale).to(p.dtype)
