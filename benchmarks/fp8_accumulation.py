@@ -29,6 +29,7 @@ from gemmtune.kernels.triton.gemm_splitk import SplitKConfig
 from gemmtune.kernels.triton.gemm_tile import TileConfig, launch_gemm_tile
 from gemmtune.measure.accuracy import gate
 from gemmtune.families._gemm_tuner import _rotating
+from gemmtune.families.a8w8.op import A8w8Key
 from gemmtune.families.a8w8.tuner import A8w8Tuner
 from gemmtune.measure.timing import interleaved_graph_us
 
@@ -90,10 +91,10 @@ def wide_tiles_unchecked(family: A8w8Tuner, rows: list) -> list[str]:
             continue
         seen.add(config)
         launch = launch_gemm_tile if prefix == "triton.tile" else launch_gemm_persistent
-        key = (int(m), int(n), int(k), FP8)
+        key = A8w8Key(int(m), int(n), int(k), FP8)
         prepared = family.prepare(key, seed=0)
         xq, wq, _, out_dtype, sa, sb = prepared.inputs
-        out = torch.empty(key[0], key[1], dtype=out_dtype, device=xq.device)
+        out = torch.empty(key.M, key.N, dtype=out_dtype, device=xq.device)
         variants = [config, dataclasses.replace(config, promote_k=min(config.block_k, 128))]
         try:
             errs = []
@@ -101,7 +102,7 @@ def wide_tiles_unchecked(family: A8w8Tuner, rows: list) -> list[str]:
                 launch(xq, wq, None, out, sa, sb, v)
                 errs.append(float((out.float() - prepared.reference).norm() / prepared.reference.norm()))
             times = interleaved_graph_us(
-                [lambda s, v=v: launch(s[0], s[1], None, out, sa, sb, v) for v in variants],
+                [lambda s, v=v: launch(s.x, s.w, None, out, sa, sb, v) for v in variants],
                 _rotating(prepared))
         except Exception as e:  # a compile or launch failure is the answer for this config
             lines.append(f"{m}x{n}x{k} {name}: promoted fails: {type(e).__name__}: {e}")
@@ -120,8 +121,8 @@ FIELDS = ["M", "N", "K", "kernel", "promoted"] + [f"{who}_{what}" for who in (
 def measure_row(family: A8w8Tuner, m: str, n: str, k: str, name: str) -> dict | None:
     """One table row: torch, the row's config and its promoted twin; None (reported) if one of
     them fails."""
-    key = (int(m), int(n), int(k), FP8)
-    slow_name, why = promoted(name, *key[:3])
+    key = A8w8Key(int(m), int(n), int(k), FP8)
+    slow_name, why = promoted(name, key.M, key.N, key.K)
     names = ["torch.scaled_mm", name] + ([slow_name] if slow_name else [])
     try:
         torch_r, fast_r, *slow_r = measure(family, key, names)

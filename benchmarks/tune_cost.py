@@ -20,6 +20,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from gemmtune.measure.accuracy import gate
+from gemmtune.families.bf16.op import Bf16Key
 from gemmtune.families.bf16.tuner import Bf16Tuner
 from gemmtune.tune.family import TuneOptions
 
@@ -31,7 +32,7 @@ def measure(n: int, k: int, ms: list[int]) -> list[dict]:
     options = TuneOptions()
     rows = []
     for m in ms:
-        key = (m, n, k, False, "bf16", "bf16", False, False)
+        key = Bf16Key(m, n, k, False, "torch.bfloat16", "torch.bfloat16", False, False)
         t0 = time.perf_counter()
         candidates = family.candidates(key, frozenset())
         t1 = time.perf_counter()

@@ -14,6 +14,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+import gemmtune
 from gemm_checks import assert_bad_name, install_user_table
 from gemmtune.kernels import cublaslt
 from gemmtune.kernels.cublaslt import (
@@ -584,10 +585,10 @@ def _wrong(outs, refs) -> list[str]:
 
 @pytest.mark.gpu
 def test_two_streams_at_once_with_split_k_workspaces(nvmath_lt):
-    """Same shape, different inputs and biases on two streams. With one workspace per device
-    (before: ``_Device.workspace``) both streams' split-K GEMMs write their partial sums (or the
+    """Same shape, different inputs and biases on two streams. Were one workspace shared by the
+    device's streams, both streams' split-K GEMMs would write their partial sums (or the
     in-place scheme's counters) into the same buffer; with the queues draining together, one
-    stream's reduction reads the other's partials and its rows come out wrong."""
+    stream's reduction would read the other's partials and its rows come out wrong."""
     m, n, k = CONCURRENT
     algos = _workspace_algos(m, n, k, torch.bfloat16, torch.bfloat16, True)
     assert algos, f"no split-K algorithm with a workspace for {m}x{n}x{k}"
@@ -608,9 +609,9 @@ def test_two_streams_at_once_with_split_k_workspaces(nvmath_lt):
 @pytest.mark.gpu
 def test_fp8_two_streams_at_once_with_per_row_scales(nvmath_lt):
     """FP8 with per-row scales, different inputs and scales on each stream. Where cuBLASLt has
-    FP8 split-K algorithms with a workspace, the shared workspace of before corrupts results as
-    in the bf16 test. Every algorithm also shows that cuBLASLt reads the scale pointers when a
-    call is enqueued: all calls wait behind the hold while the descriptor's pointers change
+    FP8 split-K algorithms with a workspace, a workspace shared by the streams would corrupt
+    results as in the bf16 test. Every algorithm also shows that cuBLASLt reads the scale
+    pointers when a call is enqueued: all calls wait behind the hold while the descriptor's pointers change
     from call to call, so a later read would give many calls another's scales."""
     m, n, k = CONCURRENT
     algos = _workspace_algos(m, n, k, torch.float8_e4m3fn, torch.bfloat16, False, "outer") or \
@@ -679,10 +680,10 @@ def _no_workspace_algo(m, n, k, dtype, out_dtype, bias, scaling="") -> LtAlgo:
 
 @pytest.mark.gpu
 def test_two_threads_at_once_one_shape_with_bias(nvmath_lt):
-    """Two threads call one shape with bias, each with its own input and bias. With one
-    descriptor per shape (before), a thread wrote its bias pointer into it and another thread
-    could write its own before the first one's cublasLtMatmul: that call then added the other
-    thread's bias (off by ~1 relative, since bias and product are both ~N(0, 1))."""
+    """Two threads call one shape with bias, each with its own input and bias. Were the shape's
+    descriptor shared by the threads, one could write its bias pointer into it between another's
+    write and cublasLtMatmul: that call would then add the other thread's bias (off by ~1
+    relative, since bias and product are both ~N(0, 1))."""
     m, n, k = CONCURRENT
     algo = _no_workspace_algo(m, n, k, torch.bfloat16, torch.bfloat16, True)
     kernel = CublasLtKernel(algo.name)
@@ -699,8 +700,8 @@ def test_two_threads_at_once_one_shape_with_bias(nvmath_lt):
 @pytest.mark.gpu
 def test_fp8_two_threads_at_once_with_their_own_scales(nvmath_lt):
     """Two threads call one FP8 shape with per-row scales, each with its own inputs and scales.
-    Before, the shape's one descriptor held the last scale pointers written by either thread,
-    so a call could run with the other thread's scales (per-token scales here differ up to 5x
+    Were the shape's descriptor shared by the threads, it would hold the last scale pointers
+    either wrote, so a call could run with the other thread's scales (per-token scales here differ up to 5x
     from row to row, and the threads' weights differ: off by O(1))."""
     m, n, k = CONCURRENT
     algo = _no_workspace_algo(m, n, k, torch.float8_e4m3fn, torch.bfloat16, False, "outer")
@@ -712,3 +713,38 @@ def test_fp8_two_threads_at_once_with_their_own_scales(nvmath_lt):
     refs = [gemm_a8w8_ref(xq, wq, xs, ws, None, torch.float32) for xq, wq, xs, ws, _ in inputs]
     bad = _wrong(outs, refs)
     assert not bad, f"{algo.name}:\n" + "\n".join(bad)
+
+
+@pytest.mark.gpu
+def test_the_ops_from_two_streams_and_two_threads_at_once(nvmath_lt):
+    """The same through the public ops, forcing a cuBLASLt kernel by name: dispatch's own state
+    (plans made by both threads at once, the miss counts) takes part too. gemm_a16w16 with bias
+    on a split-K algorithm with a workspace where there is one; gemm_a8w8 with per-token
+    scales."""
+    m, n, k = CONCURRENT
+    bf16_algo = (_workspace_algos(m, n, k, torch.bfloat16, torch.bfloat16, True)
+                 or [_no_workspace_algo(m, n, k, torch.bfloat16, torch.bfloat16, True)])[0]
+    fp8_algo = _no_workspace_algo(m, n, k, torch.float8_e4m3fn, torch.bfloat16, False, "outer")
+    bf16_inputs = [_inputs(m, n, k, seed=60 + i, bias=True) for i in range(2)]
+    fp8_inputs = [_fp8_inputs(m, n, k, "outer", seed=70 + i) for i in range(2)]
+    bf16_refs = [gemm_a16w16_ref(x, w, b, torch.float32) for x, w, b in bf16_inputs]
+    fp8_refs = [gemm_a8w8_ref(xq, wq, xs, ws, None, torch.float32)
+                for xq, wq, xs, ws, _ in fp8_inputs]
+
+    def bf16_call(i, out=None):
+        y = gemmtune.gemm_a16w16(*bf16_inputs[i], kernel=bf16_algo.name)
+        return y if out is None else out.copy_(y)
+
+    def fp8_call(i, out=None):
+        xq, wq, xs, ws, _ = fp8_inputs[i]
+        y = gemmtune.gemm_a8w8(xq, wq, xs, ws, kernel=fp8_algo.name)
+        return y if out is None else out.copy_(y)
+
+    for call, refs in ((bf16_call, bf16_refs), (fp8_call, fp8_refs)):
+        gemmtune.reset()  # the threads plan at once, too
+        outs = _in_two_threads(call)
+        assert not _wrong(outs, refs), "\n".join(_wrong(outs, refs))
+        outs, _ = _on_two_streams(call)
+        assert not _wrong(outs, refs), "\n".join(_wrong(outs, refs))
+    plans = [p for p in gemmtune.get_family("a8w8").dispatcher.plans.values()]
+    assert [p.decision.kernel_name for p in plans] == [fp8_algo.name]

@@ -3,6 +3,7 @@ what a process running the ops actually loads, and the registry of families."""
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 import textwrap
@@ -37,22 +38,26 @@ def test_built_in_families_are_registered_by_name():
     assert names[:3] == ["bf16", "a8w8", "a8w8_blockscale"]
     assert {"a4w4_blockscale", "batched_bf16", "batched_a8w8", "fmoe"} <= set(names)
     assert get_family("a8w8-blockscale") is get_family("a8w8_blockscale")
-    for family in all_families():
-        assert family.schema.family == family.name
-        files = [f.schema.tuned_file for f in all_families()]
-        assert files.count(family.schema.tuned_file) == 1
     with pytest.raises(ValueError, match="unknown family 'nope'; expected one of bf16, a8w8"):
         get_family("nope")
 
 
-def test_the_ops_families_name_their_backends_from_the_one_list():
-    for family in all_families():
-        if family.dispatcher is not None:
-            assert family.dispatcher.registry.libtypes <= set(LibType)
+def test_the_backends_of_a_family_are_its_registrys():
     assert get_family("a8w8_blockscale").dispatcher.registry.libtypes == \
         {LibType.torch, LibType.triton}
+    assert get_family("bf16").dispatcher.registry.libtypes == set(LibType)
+    with pytest.raises(ValueError, match="unknown LibType 'cutlass'"):
+        get_family("bf16").dispatcher.registry.register("cutlass.sm90", lambda name: None)
 
 
-def test_a_second_family_of_one_name_is_refused():
+def test_register_family_refuses_what_would_clash():
+    bf16 = get_family("bf16").schema
     with pytest.raises(ValueError, match="a family named 'bf16' is registered already"):
-        register_family(Family("bf16", get_family("bf16").schema))
+        register_family(Family("bf16", bf16))
+    clash = dataclasses.replace(bf16, family="mine", env_names=("GEMMTUNE_CONFIG_MINE",))
+    with pytest.raises(ValueError, match=r"'mine' would share bf16_tuned_gemm.csv, "
+                                         r"bf16_untuned_gemm.csv with family 'bf16'"):
+        register_family(Family("mine", clash))
+    with pytest.raises(ValueError, match="family name 'My-Fam': use lower-case letters"):
+        register_family(Family("My-Fam", dataclasses.replace(bf16, family="My-Fam")))
+    assert "mine" not in [f.name for f in all_families()]

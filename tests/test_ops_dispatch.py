@@ -488,3 +488,12 @@ def test_a_forced_kernel_reaches_the_op_under_torch_compile():
                              fullgraph=True, backend="eager")
     torch.testing.assert_close(compiled(x, w), gemm_a16w16_ref(x, w))
     assert any(isinstance(k[0], tuple) and k[1] == TILE for k in DISPATCH.plans)
+
+
+def test_a_forced_call_leaves_the_miss_report_alone():
+    x, w = fresh(13, 24), fresh(40, 24, seed=1)
+    gemmtune.gemm_a16w16(x, w)
+    gemmtune.gemm_a16w16(x, w, kernel=TILE)
+    gemmtune.gemm_a16w16(x, w)
+    (miss,) = gemmtune.report_misses()
+    assert (miss.rule, miss.kernel_name, miss.calls) == (Rule.default, "torch.linear", 2)

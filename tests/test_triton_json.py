@@ -140,9 +140,9 @@ def test_export_reads_the_profile_and_names_what_failed(tmp_path, capsys):
         "building: CompilationError: out of resources\n"
         f"other,7,{key},{sk2.name},ok,1.0,0,0,0,0.1,\n")
     results = tune_triton.read_profile(profile, family.schema, (dev.arch, dev.cu_num))
-    target = tune_triton.Target(family.tuner_class(),
-                                lambda m, n, k: family.gemm_key(m, n, k, "fp16"), "A16W16_FP16",
-                                torch.float16)
+    target = tune_triton.TritonTarget(family.tuner_class(),
+                                      lambda m, n, k: family.gemm_key(m, n, k, "fp16"),
+                                      "A16W16_FP16", torch.float16)
     failures = []
     chosen, notes = tune_triton.export_nk("splitk", space, target, 40, 64, [1], results,
                                           failures)

@@ -19,6 +19,7 @@ import statistics
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -31,8 +32,13 @@ from gemmtune.measure.gpulock import GpuLock, gpu_label
 from gemmtune.measure.timing import copies_to_exceed_l2, interleaved_graph_us
 from gemmtune.tables.store import read_table
 
-# (name, M, N, K): one GEMM the bench runs.
-Shape = tuple[str, int, int, int]
+class BenchShape(NamedTuple):
+    """One GEMM the bench runs: ``name`` (the projection, or where the shape came from)."""
+
+    name: str
+    M: int
+    N: int
+    K: int
 
 
 @dataclass
@@ -101,9 +107,9 @@ def _time_pair(op: BenchOp, args: tuple) -> tuple[float, float]:
     return torch_us, tuned_us
 
 
-def bench_shape(shape: Shape, family: Family, op: BenchOp, ceilings: Ceilings,
+def bench_shape(shape: BenchShape, family: Family, op: BenchOp, ceilings: Ceilings,
                 gen: torch.Generator) -> BenchRow:
-    name, m, n, k = shape
+    name, m, n, k = shape.name, shape.M, shape.N, shape.K
     args = op.inputs(m, n, k, gen)
     y = op.tuned(args)
     ref = op.reference(args)
@@ -220,7 +226,7 @@ def plot(rows: list[BenchRow], path: Path, title: str) -> str | None:
     return None
 
 
-def _measure_all(shapes: list[Shape], family: Family, op: BenchOp, gpu: bool) -> list[BenchRow]:
+def _measure_all(shapes: list[BenchShape], family: Family, op: BenchOp, gpu: bool) -> list[BenchRow]:
     ceilings = measure_ceilings(*_peak_gemm(op))
     print(f"ceilings measured now: {ceilings.bytes_per_s / 1e9:.0f} GB/s streaming read, "
           f"{ceilings.flops_per_s / 1e12:.1f} TFLOP/s, t_launch {ceilings.launch_us:.2f} us"
@@ -229,7 +235,7 @@ def _measure_all(shapes: list[Shape], family: Family, op: BenchOp, gpu: bool) ->
     return [bench_shape(shape, family, op, ceilings, gen) for shape in shapes]
 
 
-def run_bench(shapes: list[Shape], family: Family, op: BenchOp, out_dir: Path,
+def run_bench(shapes: list[BenchShape], family: Family, op: BenchOp, out_dir: Path,
               title: str) -> int:
     gpu = torch.cuda.is_available()
     dev = current_device()
@@ -275,11 +281,14 @@ def run_config(family: Family, table: Path, out_dir: Path) -> int:
     by_dtype: dict[str, set[tuple[int, int, int]]] = {}
     for r in rows:
         by_dtype.setdefault(family.dtype_of_key(r.key), set()).add((r.key.M, r.key.N, r.key.K))
+    for dtype in sorted(set(by_dtype) - set(family.bench_dtypes)):
+        print(f"{table}: {len(by_dtype.pop(dtype))} row shape(s) in {dtype} left out: the "
+              f"{family.cli_name} bench runs {', '.join(family.bench_dtypes)}")
     status = 0
     with use_tables(family.schema, [table]):
         for dtype, gemms in sorted(by_dtype.items()):
             op = family.bench_op(dtype)
-            shapes = [("row", m, n, k) for m, n, k in sorted(gemms, key=lambda s: (s[1], s[2],
-                                                                                  s[0]))]
+            shapes = sorted((BenchShape("row", m, n, k) for m, n, k in gemms),
+                            key=lambda s: (s.N, s.K, s.M))
             status |= run_bench(shapes, family, op, out_dir, f"{table} (run_config, {dtype})")
     return status

@@ -219,13 +219,22 @@ def _triton_dtypes() -> list[str]:
 
 
 def _cmd_tune_triton(args) -> int:
-    from gemmtune.families import all_families
+    from gemmtune.families import all_families, get_family
     from gemmtune.families._gemm import SHORT_DTYPES
-    from gemmtune.tune.tune_triton import Target, run
+    from gemmtune.tune.tune_triton import TritonTarget, run
 
     dtype = SHORT_DTYPES[args.dtype]
-    family = next(f for f in all_families() if dtype in f.triton_json_tags)
-    target = Target(family.tuner_class(),
+    owners = [f for f in all_families() if dtype in f.triton_json_tags]
+    if args.family:
+        owners = [f for f in owners if f.name == get_family(args.family).name]
+    if len(owners) != 1:
+        found = (f"the families {', '.join(f.cli_name for f in owners)}: choose one with --family"
+                 if owners else "no family" + (f" {args.family}" if args.family else ""))
+        print(f"gemmtune tune-triton: error: --dtype {args.dtype} is tuned by {found}",
+              file=sys.stderr)
+        return 2
+    family = owners[0]
+    target = TritonTarget(family.tuner_class(),
                     lambda m, n, k: family.gemm_key(m, n, k, args.dtype),
                     family.triton_json_tags[dtype], dtype)
     try:
@@ -248,16 +257,17 @@ def _cmd_bench(args) -> int:
     return run_bench(shapes, family, op, Path(args.output), title)
 
 
-def _bench_shapes(args, family, gpu: bool) -> tuple[list[tuple[str, int, int, int]], str]:
+def _bench_shapes(args, family, gpu: bool) -> tuple[list, str]:
+    from gemmtune.bench import BenchShape
     from gemmtune.models.shapes import DEFAULT_M, dense_projections, load_preset
     from gemmtune.tables.store import read_table
 
     if args.shapes:
         rows = read_table(args.shapes, family.schema, untuned=True).rows
-        return [("csv", r.key.M, r.key.N, r.key.K) for r in rows], f"{args.shapes}"
+        return [BenchShape("csv", r.key.M, r.key.N, r.key.K) for r in rows], f"{args.shapes}"
     ms = args.M or (list(DEFAULT_M) if gpu else [1, 16])
     projections = dense_projections(load_preset(args.model), args.tp)
-    return ([(p.name, m, p.N, p.K) for p in projections for m in ms],
+    return ([BenchShape(p.name, m, p.N, p.K) for p in projections for m in ms],
             f"{args.model} tp={args.tp} {args.dtype or family.bench_dtypes[0]}")
 
 
@@ -361,11 +371,17 @@ def build_parser() -> argparse.ArgumentParser:
     from gemmtune.tune.tune_triton import add_arguments as add_tune_triton_arguments
 
     add_tune_triton_arguments(p, _triton_dtypes())
+    p.add_argument("--family", choices=_family_names("tuner"),
+                   help="the family whose shapes are tuned, where several take --dtype "
+                        "(default: the one that does)")
     p.set_defaults(func=_cmd_tune_triton)
 
-    p = sub.add_parser("tables", help="list the tables in force for this device",
+    p = sub.add_parser("tables", help="list the tables in force for this device and write "
+                                      "their merged copies",
                        description="Each family's table files (shipped, model_configs, "
-                                   "GEMMTUNE_CONFIG_* overlays) and its rows for this device.")
+                                   "GEMMTUNE_CONFIG_* overlays) and its rows for this device; "
+                                   "the merged table of each family is written to "
+                                   "$GEMMTUNE_CACHE_DIR/merged/ for inspection.")
     p.set_defaults(func=_cmd_tables)
 
     p = sub.add_parser("bench", help="time tuned vs torch vs the roofline per shape; check "

@@ -12,12 +12,19 @@ from gemmtune.dispatch import KernelNameError, KernelRegistry
 from gemmtune.kernels.triton.dispatchable import TritonKernel
 from gemmtune.tables import triton_json
 from gemmtune.tables.schema import GEMM_RESULT_COLUMNS, Column, Schema, int_columns
+from gemmtune.tables.values import to_torch_dtype
 
 # The dtypes --dtype names (bench, tune-triton): x's and w's dtype of a GEMM.
 SHORT_DTYPES = {
     "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
     "fp8": torch.float8_e4m3fn, "int8": torch.int8,
 }
+
+
+def short_dtype(dtype_name: str) -> str:
+    """The --dtype name (bf16, fp8, ...) of a canonical dtype name (torch.bfloat16, ...)."""
+    dtype = to_torch_dtype(dtype_name)
+    return next(short for short, d in SHORT_DTYPES.items() if d == dtype)
 
 
 def gemm_schema(family: str, tuned_file: str, untuned_file: str, key_type: type,

@@ -3,8 +3,8 @@ timing a candidate exactly as dispatch calls it (``kernel(x, w, bias, out_dtype,
 scale_b, out=)``, resolved from the family's registry by ``kernelName`` and checked against the
 family's plain problem for the key).
 
-A family's tuner gives its schema, registry, ``problem_of`` and ``prepare``; ``prepare`` puts
-``(x, w, bias, out_dtype, scale_a, scale_b)`` in ``Prepared.inputs``.
+A family's tuner gives its schema, registry, ``problem_of`` and ``prepare``; ``prepare`` puts a
+``GemmCall`` in ``Prepared.inputs``.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 
@@ -19,6 +20,17 @@ from gemmtune.dispatch import KernelRegistry
 from gemmtune.kernels.problem import GemmProblem
 from gemmtune.measure.timing import copies_to_exceed_l2, graph_replay_us, interleaved_graph_us
 from gemmtune.tune.family import Candidate, FamilyTuner, Prepared
+
+class GemmCall(NamedTuple):
+    """The arguments every GEMM backend is called with, ``kernel(*call, out=)``."""
+
+    x: torch.Tensor  # (M, K)
+    w: torch.Tensor  # (N, K)
+    bias: torch.Tensor | None  # (N,)
+    out_dtype: torch.dtype
+    scale_a: torch.Tensor | None
+    scale_b: torch.Tensor | None
+
 
 # Up to M = 64 the split-K kernel's space holds every tile config worth timing (split 1 is a
 # plain tile GEMM with one M tile); the tile kernel starts above it.
@@ -165,33 +177,34 @@ class GemmTuner(FamilyTuner):
 
     def run(self, name: str, prepared: Prepared) -> torch.Tensor:
         kernel = self._kernel(name, prepared.key)
-        x, w, bias, out_dtype, sa, sb = prepared.inputs
-        out = torch.full((x.shape[0], w.shape[0]), float("nan"), dtype=out_dtype, device=x.device)
-        result = kernel(x, w, bias, out_dtype, sa, sb, out=out)
+        call: GemmCall = prepared.inputs
+        out = torch.full((call.x.shape[0], call.w.shape[0]), float("nan"),
+                         dtype=call.out_dtype, device=call.x.device)
+        result = kernel(*call, out=out)
         if result.data_ptr() != out.data_ptr():
             raise RuntimeError(f"{name} did not write into the output it was given")
         return out
 
     def time(self, name: str, prepared: Prepared, iters: int, warmup: int) -> tuple[float, float]:
         kernel = self._kernel(name, prepared.key)
-        x, w, bias, out_dtype, sa, sb = prepared.inputs
-        if not x.is_cuda:
-            return _cpu_time(lambda: kernel(x, w, bias, out_dtype, sa, sb), iters, warmup)
+        call: GemmCall = prepared.inputs
+        if not call.x.is_cuda:
+            return _cpu_time(lambda: kernel(*call), iters, warmup)
         for _ in range(warmup):
-            kernel(x, w, bias, out_dtype, sa, sb)
-        return graph_replay_us(lambda s: kernel(s[0], s[1], s[2], out_dtype, sa, sb),
+            kernel(*call)
+        return graph_replay_us(lambda operands: kernel(*call._replace(**operands._asdict())),
                                _rotating(prepared), replays=iters)
 
     def time_many(self, names: list[str], prepared: Prepared, iters: int,
                   warmup: int) -> list[tuple[float, float]]:
-        x, w, bias, out_dtype, sa, sb = prepared.inputs
-        if not x.is_cuda:
+        call: GemmCall = prepared.inputs
+        if not call.x.is_cuda:
             return super().time_many(names, prepared, iters, warmup)
         kernels = [self._kernel(name, prepared.key) for name in names]
         for kernel in kernels:
             for _ in range(warmup):
-                kernel(x, w, bias, out_dtype, sa, sb)
-        calls = [lambda s, k=k: k(s[0], s[1], s[2], out_dtype, sa, sb) for k in kernels]
+                kernel(*call)
+        calls = [lambda operands, k=k: k(*call._replace(**operands._asdict())) for k in kernels]
         replays = 2
         return interleaved_graph_us(calls, _rotating(prepared), rounds=max(1, iters // replays),
                                     replays=replays)
@@ -205,14 +218,23 @@ class GemmTuner(FamilyTuner):
         return flops / us / 1e6, nbytes / us / 1e3
 
 
-def _rotating(prepared: Prepared) -> list[tuple]:
+class Operands(NamedTuple):
+    """The operands a timed call reads from memory: one rotating copy of them."""
+
+    x: torch.Tensor
+    w: torch.Tensor
+    bias: torch.Tensor | None
+
+
+def _rotating(prepared: Prepared) -> list[Operands]:
     """Copies of (x, w, bias) that together exceed L2, made once per shape: each timed call then
     reads its operands from HBM, as decode does."""
     sets = prepared.extra.get("rotating")
     if sets is None:
-        x, w, bias = prepared.inputs[:3]
-        per_set = sum(t.numel() * t.element_size() for t in (x, w, bias) if t is not None)
-        sets = [(x.clone(), w.clone(), None if bias is None else bias.clone())
+        call: GemmCall = prepared.inputs
+        first = Operands(call.x, call.w, call.bias)
+        per_set = sum(t.numel() * t.element_size() for t in first if t is not None)
+        sets = [Operands(*(None if t is None else t.clone() for t in first))
                 for _ in range(copies_to_exceed_l2(per_set))]
         prepared.extra["rotating"] = sets
     return sets

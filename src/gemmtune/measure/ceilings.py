@@ -5,7 +5,8 @@ Performance), and the floors they give a call.
   streaming read; a copy's read+write rate would overstate the floor by ~25%);
 - peak throughput: a large GEMM of the benchmarked dtype through torch;
 - ``t_launch``: the time per call of the smallest kernel (a one-element copy) replayed
-  back-to-back in a CUDA graph, about 2 µs on an H100: what even a perfect kernel pays per call.
+  back-to-back in a CUDA graph, 0.9-1.0 µs on an H100 (docs/benchmarks.md): what even a perfect
+  kernel pays per call.
 
 The roofline floor of a call is max(FLOPs / peak, bytes / bandwidth); its attainable floor adds
 ``t_launch``. A time below the attainable floor is possible only where a kernel overlaps the one

@@ -17,9 +17,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from gemmtune.families.a8w8.op import A8w8Key
-from gemmtune.families.a8w8_blockscale.op import BlockscaleKey
-from gemmtune.families.bf16.op import Bf16Key
+from gemmtune.families import all_families
 from gemmtune.families.fmoe import FmoeKey
 from gemmtune.tables.store import Row
 from gemmtune.tables.values import ActivationType, QuantType
@@ -56,7 +54,6 @@ DEFAULT_M: tuple[int, ...] = (1, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 81
 
 
 _BF16 = "torch.bfloat16"
-_FP8 = "torch.float8_e4m3fn"
 
 
 class ModelConfigError(ValueError):
@@ -389,21 +386,18 @@ def _m_values(m_values: Iterable[int]) -> list[int]:
 def untuned_rows(
     spec: ModelSpec, tp: int = 1, m_values: Sequence[int] = DEFAULT_M
 ) -> dict[str, list[Row]]:
-    """Untuned-table rows per family name (bf16; a8w8 and a8w8_blockscale, the same GEMMs with
-    FP8 weights; and fmoe for MoE models).
+    """Untuned-table rows per family name: the model's dense GEMMs for every family with a GEMM
+    key, in its default dtype (bf16; FP8 weights for a8w8 and a8w8_blockscale), and fmoe for
+    MoE models.
 
     Rows are ordered by (N, K) then M (fmoe: by shape, then token) and hold no duplicates.
     """
     ms = _m_values(m_values)
     gemm_keys = sorted({(p.N, p.K) for p in dense_projections(spec, tp)})
     rows: dict[str, list[Row]] = {
-        "bf16": [
-            Row("", 0, Bf16Key(m, n, k, False, _BF16, _BF16, False, False))
-            for n, k in gemm_keys
-            for m in ms
-        ],
-        "a8w8": [Row("", 0, A8w8Key(m, n, k, _FP8)) for n, k in gemm_keys for m in ms],
-        "a8w8_blockscale": [Row("", 0, BlockscaleKey(m, n, k)) for n, k in gemm_keys for m in ms],
+        family.name: [Row("", 0, family.gemm_key(m, n, k, family.bench_dtypes[0]))
+                      for n, k in gemm_keys for m in ms]
+        for family in all_families() if family.gemm_key is not None and family.bench_dtypes
     }
     moe = sorted({(s.model_dim, s.inter_dim, s.expert, s.topk) for s in moe_shapes(spec, tp)})
     if moe:

@@ -15,12 +15,13 @@ LIBTYPES = tuple(t.value for t in LibType)
 
 
 def _libtypes(text: str) -> frozenset[str]:
-    """``all`` (every backend the family has; the default) or a comma list of LIBTYPES."""
+    """``all`` or nothing (every backend the family has; the default) or a comma list of
+    LIBTYPES."""
     names = {t.strip() for t in text.split(",") if t.strip()}
-    if names == {"all"}:
+    if not names or names == {"all"}:
         return frozenset()
     unknown = names - set(LIBTYPES)
-    if unknown or not names:
+    if unknown:
         raise argparse.ArgumentTypeError(f"unknown libtype(s) {', '.join(sorted(unknown))}; "
                                          f"expected all or a comma list of {', '.join(LIBTYPES)}")
     return frozenset(names)
@@ -65,7 +66,6 @@ def add_tune_arguments(p: argparse.ArgumentParser) -> None:
                         "faster by --min_improvement_pct")
     p.add_argument("--min_improvement_pct", type=float, default=3.0, metavar="P",
                    help="gain needed by --update_improved (default 3)")
-
 
 
 def config_from_args(args: argparse.Namespace) -> TuneConfig:

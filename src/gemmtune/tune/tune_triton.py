@@ -26,6 +26,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -34,7 +35,7 @@ from gemmtune.tables.schema import Schema
 from gemmtune.tables.store import Row, write_table
 from gemmtune.tables.values import LibType
 from gemmtune.tune.engine import TuneConfig, Tuner, default_gpus
-from gemmtune.tune.family import Candidate, FamilyTuner, Prepared, TuneOptions
+from gemmtune.tune.family import Candidate, FamilyTuner, TuneOptions
 
 KERNELS = ("splitk", "tile", "persistent")
 
@@ -110,17 +111,19 @@ def params_of(config) -> dict:
             "NUM_KSPLIT": getattr(config, "split_k", 1), "cache_modifier": None}
 
 
-class SpaceTuner(FamilyTuner):
+class SpaceTuner:
     """A GEMM family's tuner whose candidates are one kernel's configs from a search space, plus
-    the family's torch baseline; inputs, the checked run and timing are the family's own.
-    Built in each worker as ``functools.partial(SpaceTuner, tuner_cls, kernel, space)``."""
+    the family's torch baseline; everything else (inputs, the checked run, timing) is the
+    family tuner's own, reached through attribute look-up. Built in each worker as
+    ``functools.partial(SpaceTuner, tuner_cls, kernel, space)``."""
 
     def __init__(self, tuner_cls: type, kernel: str, space: SearchSpace):
-        self.base = tuner_cls()
+        self.base: FamilyTuner = tuner_cls()
         self.kernel = kernel
         self.space = space
-        self.schema = self.base.schema
-        self.timing_label = self.base.timing_label
+
+    def __getattr__(self, name: str):
+        return getattr(self.base, name)
 
     def candidates(self, key: tuple, libtypes: frozenset[str]) -> list[Candidate]:
         p = self.base.shape(key)
@@ -130,36 +133,9 @@ class SpaceTuner(FamilyTuner):
         return [Candidate(c.name, c.libtype, c.simplicity, c.splitk, solidx=i)
                 for i, c in enumerate(baseline + configs)]
 
-    def device_info(self):
-        return self.base.device_info()
-
-    def prepare(self, key: tuple, seed: int) -> Prepared:
-        return self.base.prepare(key, seed)
-
-    def precompile(self, name: str, prepared: Prepared) -> None:
-        self.base.precompile(name, prepared)
-
-    def run(self, name: str, prepared: Prepared) -> torch.Tensor:
-        return self.base.run(name, prepared)
-
-    def tolerance(self, key: tuple) -> tuple[float, float, float]:
-        return self.base.tolerance(key)
-
-    def time(self, name, prepared, iters, warmup):
-        return self.base.time(name, prepared, iters, warmup)
-
-    def time_many(self, names, prepared, iters, warmup):
-        return self.base.time_many(names, prepared, iters, warmup)
-
-    def is_fatal(self, error: BaseException) -> bool:
-        return self.base.is_fatal(error)
-
-    def metrics(self, key: tuple, us: float) -> tuple[float, float]:
-        return self.base.metrics(key, us)
-
 
 @dataclass(frozen=True)
-class Target:
+class TritonTarget:
     """What tune-triton needs of the family that owns the dtype (``gemmtune.cli`` finds it)."""
 
     tuner: type  # the family's GEMM tuner class
@@ -193,11 +169,19 @@ class RunFiles:
         return cls(Path(f"{stem}-shapes.csv"), Path(f"{stem}.csv"), Path(f"{stem}-profile.csv"))
 
 
+class Screened(NamedTuple):
+    """One candidate's result in a profile file: its status, screen time and why it failed."""
+
+    status: str
+    us: float
+    detail: str
+
+
 def read_profile(path: Path, schema: Schema, device: tuple[str, int]
-                 ) -> dict[tuple, dict[str, tuple[str, float, str]]]:
-    """{key: {kernelName: (status, µs, detail)}} of one device from a profile file; the last
-    result of a candidate wins (a re-run appends)."""
-    results: dict[tuple, dict[str, tuple[str, float, str]]] = {}
+                 ) -> dict[tuple, dict[str, Screened]]:
+    """{key: {kernelName: Screened}} of one device from a profile file; the last result of a
+    candidate wins (a re-run appends)."""
+    results: dict[tuple, dict[str, Screened]] = {}
     if not path.exists():
         return results
     with open(path, newline="", encoding="utf-8") as f:
@@ -205,21 +189,21 @@ def read_profile(path: Path, schema: Schema, device: tuple[str, int]
             if (record["arch"], int(record["cu_num"])) != device:
                 continue
             key = schema.make_key(col.parse(record[col.name]) for col in schema.key)
-            results.setdefault(key, {})[record["kernelName"]] = (
+            results.setdefault(key, {})[record["kernelName"]] = Screened(
                 record["status"], float(record["us"]), record["detail"])
     return results
 
 
-def timings_of(results: dict[str, tuple[str, float, str]]) -> tuple[dict[str, float], float | None]:
+def timings_of(results: dict[str, Screened]) -> tuple[dict[str, float], float | None]:
     """(µs of the configs that passed, µs of the torch baseline or None) of one shape."""
     configs, torch_us = {}, None
-    for name, (status, us, _) in results.items():
-        if status != "ok" or not math.isfinite(us):
+    for name, screened in results.items():
+        if screened.status != "ok" or not math.isfinite(screened.us):
             continue
         if LibType.of_kernel(name) is LibType.torch:
-            torch_us = us
+            torch_us = screened.us
         else:
-            configs[name] = us
+            configs[name] = screened.us
     return configs, torch_us
 
 
@@ -256,7 +240,7 @@ def pick_buckets(timings: dict[int, dict], configs_by_name: dict,
              for b, name in chosen.items()}, notes)
 
 
-def export_nk(kernel: str, space: SearchSpace, target: Target, n: int, k: int, ms: list[int],
+def export_nk(kernel: str, space: SearchSpace, target: TritonTarget, n: int, k: int, ms: list[int],
               results: dict, failures: list[Failure]) -> tuple[dict, list[str]]:
     """The buckets of one (N, K) from the profile's results of its shapes."""
     timings: dict[int, dict] = {}
@@ -266,9 +250,10 @@ def export_nk(kernel: str, space: SearchSpace, target: Target, n: int, k: int, m
         shape = results.get(target.gemm_key(m, n, k), {})
         for config in kernel_configs(kernel, space, m, n, k, target.dtype):
             configs_by_name[config.name] = config
-        for name, (status, _, detail) in shape.items():
-            if status != "ok" and LibType.of_kernel(name) is not LibType.torch:
-                failures.append(Failure(n, k, m, name, f"{status}: {detail}"[:200]))
+        for name, screened in shape.items():
+            if screened.status != "ok" and LibType.of_kernel(name) is not LibType.torch:
+                failures.append(Failure(n, k, m, name,
+                                        f"{screened.status}: {screened.detail}"[:200]))
         timings[m], baseline = timings_of(shape)
         timings[m] = {name: us for name, us in timings[m].items() if name in configs_by_name}
         if baseline is not None:
@@ -278,7 +263,7 @@ def export_nk(kernel: str, space: SearchSpace, target: Target, n: int, k: int, m
     return pick_buckets(timings, configs_by_name, torch_us if gpu else None)
 
 
-def run(args: argparse.Namespace, target: Target, out=None) -> int:
+def run(args: argparse.Namespace, target: TritonTarget, out=None) -> int:
     from gemmtune.device import current_device
 
     out = out or sys.stderr

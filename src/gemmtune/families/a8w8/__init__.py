@@ -7,12 +7,12 @@ import torch
 
 from gemmtune import quant
 from gemmtune.families._family import BenchOp, Family
-from gemmtune.families._gemm import SHORT_DTYPES
+from gemmtune.families._gemm import SHORT_DTYPES, short_dtype
 from gemmtune.families.a8w8.op import (DISPATCH, JSON_TAGS, SCHEMA, TUNED_OUT_DTYPE, A8w8Key,
                                        gemm_a8w8)
 from gemmtune.kernels.torch_ref import (TORCH_SCALED_MM, gemm_a8w8_ref, scaled_mm_torch,
                                         torch_fast_path)
-from gemmtune.tables.values import DTYPE_NAMES, to_torch_dtype
+from gemmtune.tables.values import DTYPE_NAMES
 
 BENCH_DTYPES = ("fp8", "int8")
 
@@ -21,9 +21,12 @@ def gemm_key(m: int, n: int, k: int, dtype: str) -> A8w8Key:
     return A8w8Key(m, n, k, DTYPE_NAMES[SHORT_DTYPES[dtype]])
 
 
-def dtype_of_key(key: A8w8Key) -> str:
-    dtype = to_torch_dtype(key.q_dtype_w)
-    return next(short for short, d in SHORT_DTYPES.items() if d == dtype)
+def dtype_of_key(key) -> str:
+    return short_dtype(key.q_dtype_w)
+
+
+def _torch_call(xq, wq, x_scale, w_scale):
+    return scaled_mm_torch(xq, wq, None, TUNED_OUT_DTYPE, x_scale, w_scale)
 
 
 def bench_op(dtype: str) -> BenchOp:
@@ -40,7 +43,7 @@ def bench_op(dtype: str) -> BenchOp:
     gpu = torch.cuda.is_available()
     return BenchOp(
         "a8w8" if dtype == "fp8" else "a8w8_int8", 1, TUNED_OUT_DTYPE, 1, inputs,
-        torch=lambda a: scaled_mm_torch(a[0], a[1], None, TUNED_OUT_DTYPE, a[2], a[3]),
+        torch=lambda args: _torch_call(*args),
         tuned=lambda a: gemm_a8w8(*a),
         reference=lambda a: gemm_a8w8_ref(*a, out_dtype=torch.float32),
         table_key=lambda m, n, k: gemm_key(m, n, k, dtype),

@@ -58,7 +58,7 @@ REGISTRY = gemm_registry("a8w8", TORCH_SCALED_MM, scaled_mm_torch, TRITON_PREFIX
 
 
 def _to_table_key(raw: tuple) -> A8w8Key:
-    m, n, k, q_dtype = raw[:4]
+    m, n, k, q_dtype, *_checked = raw
     return A8w8Key(m, n, k, DTYPE_NAMES[q_dtype])
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from gemmtune import quant
-from gemmtune.families._gemm_tuner import GemmTuner
+from gemmtune.families._gemm_tuner import GemmCall, GemmTuner
 from gemmtune.families.a8w8.op import (Q_DTYPES, REGISTRY, SCHEMA, TUNED_OUT_DTYPE, A8w8Key,
                                       problem_of)
 from gemmtune.kernels.torch_ref import TORCH_SCALED_MM, gemm_a8w8_ref
@@ -48,7 +48,8 @@ class A8w8Tuner(GemmTuner):
         wq, w_scale = per_channel(w)
         x_scale, w_scale = x_scale.reshape(-1), w_scale.reshape(-1)
         ref = gemm_a8w8_ref(xq, wq, x_scale, w_scale, None, torch.float32)
-        return Prepared(key, seed, (xq, wq, None, TUNED_OUT_DTYPE, x_scale, w_scale), ref)
+        return Prepared(key, seed, GemmCall(xq, wq, None, TUNED_OUT_DTYPE, x_scale, w_scale),
+                        ref)
 
     def tolerance(self, key: A8w8Key) -> tuple[float, float, float]:
         return TOLERANCES[TUNED_OUT_DTYPE]

@@ -19,6 +19,10 @@ def gemm_key(m: int, n: int, k: int, dtype: str = "fp8") -> BlockscaleKey:
     return BlockscaleKey(m, n, k)
 
 
+def _torch_call(xq, wq, x_scale, w_scale):
+    return blockscale_torch(xq, wq, None, TUNED_OUT_DTYPE, x_scale, w_scale)
+
+
 def bench_op(dtype: str) -> BenchOp:
     def inputs(m, n, k, gen):
         device = gen.device
@@ -30,7 +34,7 @@ def bench_op(dtype: str) -> BenchOp:
 
     return BenchOp(
         "a8w8_blockscale", 1, TUNED_OUT_DTYPE, 1, inputs,
-        torch=lambda a: blockscale_torch(a[0], a[1], None, TUNED_OUT_DTYPE, a[2], a[3]),
+        torch=lambda args: _torch_call(*args),
         tuned=lambda a: gemm_a8w8_blockscale(*a),
         reference=lambda a: gemm_a8w8_blockscale_ref(*a, out_dtype=torch.float32),
         table_key=lambda m, n, k: gemm_key(m, n, k),

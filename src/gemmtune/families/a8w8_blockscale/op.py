@@ -49,7 +49,8 @@ REGISTRY = gemm_registry("a8w8_blockscale", TORCH_BLOCKSCALE, blockscale_torch,
 
 
 def _to_table_key(raw: tuple) -> BlockscaleKey:
-    return BlockscaleKey(*raw[:3])
+    m, n, k, *_checked = raw
+    return BlockscaleKey(m, n, k)
 
 
 def _default_kernel(key: BlockscaleKey, device: DeviceId) -> str:

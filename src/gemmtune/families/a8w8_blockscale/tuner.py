@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from gemmtune import quant
-from gemmtune.families._gemm_tuner import GemmTuner
+from gemmtune.families._gemm_tuner import GemmCall, GemmTuner
 from gemmtune.families.a8w8_blockscale.op import (REGISTRY, SCHEMA, TUNED_OUT_DTYPE,
                                                   BlockscaleKey, problem_of)
 from gemmtune.kernels.torch_ref import TORCH_BLOCKSCALE, gemm_a8w8_blockscale_ref
@@ -37,7 +37,8 @@ class A8w8BlockscaleTuner(GemmTuner):
         xq, x_scale = quant.per_block_fp8(x, quant.ACT_BLOCK)
         wq, w_scale = quant.per_block_fp8(w, quant.WEIGHT_BLOCK)
         ref = gemm_a8w8_blockscale_ref(xq, wq, x_scale, w_scale, torch.float32)
-        return Prepared(key, seed, (xq, wq, None, TUNED_OUT_DTYPE, x_scale, w_scale), ref)
+        return Prepared(key, seed, GemmCall(xq, wq, None, TUNED_OUT_DTYPE, x_scale, w_scale),
+                        ref)
 
     def tolerance(self, key: BlockscaleKey) -> tuple[float, float, float]:
         return TOLERANCES[TUNED_OUT_DTYPE]

@@ -7,10 +7,10 @@ import torch
 import torch.nn.functional as F
 
 from gemmtune.families._family import BenchOp, Family
-from gemmtune.families._gemm import SHORT_DTYPES
+from gemmtune.families._gemm import SHORT_DTYPES, short_dtype
 from gemmtune.families.bf16.op import DISPATCH, JSON_TAGS, SCHEMA, Bf16Key, gemm_a16w16
 from gemmtune.kernels.torch_ref import TORCH_LINEAR, gemm_a16w16_ref
-from gemmtune.tables.values import DTYPE_NAMES, to_torch_dtype
+from gemmtune.tables.values import DTYPE_NAMES
 
 BENCH_DTYPES = ("bf16", "fp16", "fp32")
 
@@ -20,9 +20,8 @@ def gemm_key(m: int, n: int, k: int, dtype: str) -> Bf16Key:
     return Bf16Key(m, n, k, False, name, name, False, False)
 
 
-def dtype_of_key(key: Bf16Key) -> str:
-    dtype = to_torch_dtype(key.dtype)
-    return next(short for short, d in SHORT_DTYPES.items() if d == dtype)
+def dtype_of_key(key) -> str:
+    return short_dtype(key.dtype)
 
 
 def bench_op(dtype: str) -> BenchOp:
@@ -35,7 +34,8 @@ def bench_op(dtype: str) -> BenchOp:
         return x, w
 
     return BenchOp(
-        "bf16", torch_dtype.itemsize, torch_dtype, 1, inputs,
+        "bf16" if dtype == "bf16" else f"bf16_{dtype}", torch_dtype.itemsize, torch_dtype, 1,
+        inputs,
         torch=lambda a: F.linear(*a), tuned=lambda a: gemm_a16w16(*a),
         reference=lambda a: gemm_a16w16_ref(*a, out_dtype=torch.float32),
         table_key=lambda m, n, k: gemm_key(m, n, k, dtype),

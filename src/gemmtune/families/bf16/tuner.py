@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from gemmtune.families._gemm_tuner import GemmTuner
+from gemmtune.families._gemm_tuner import GemmCall, GemmTuner
 from gemmtune.families.bf16.op import REGISTRY, SCHEMA, Bf16Key, problem_of
 from gemmtune.kernels.problem import Scaling
 from gemmtune.kernels.torch_ref import TORCH_LINEAR, gemm_a16w16_ref
@@ -46,7 +46,7 @@ class Bf16Tuner(GemmTuner):
         if key.scaleAB:
             sa = torch.rand(1, generator=gen, device=device) + 0.5
             sb = torch.rand(1, generator=gen, device=device) + 0.5
-        inputs = (x, w, bias, p.out_dtype, sa, sb)
+        inputs = GemmCall(x, w, bias, p.out_dtype, sa, sb)
         ref = gemm_a16w16_ref(x, w, bias, torch.float32, sa, sb)
         return Prepared(key, seed, inputs, ref)
 

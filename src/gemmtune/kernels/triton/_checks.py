@@ -47,7 +47,8 @@ INTERPRETED = not isinstance(_probe, triton.runtime.JITFunction)
 
 
 @functools.lru_cache(maxsize=16)
-def _device_sms(index: int) -> int:
+def device_sms(index: int) -> int:
+    """SMs of CUDA device ``index``, asked once: what a launch sizes its grid by."""
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
@@ -59,7 +60,7 @@ def sm_count(device: torch.device | None = None) -> int:
         return REFERENCE_SMS
     index = device.index if device is not None and device.index is not None \
         else torch.cuda.current_device()
-    return _device_sms(index)
+    return device_sms(index)
 
 
 def is_pow2(v: int) -> bool:

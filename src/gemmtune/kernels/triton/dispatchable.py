@@ -17,29 +17,29 @@ from gemmtune.kernels.problem import GemmProblem, Scaling
 PREFIXES = ("triton.tile", "triton.splitk", "triton.persistent")
 
 
-class _KernelFamily(NamedTuple):
+class _KernelModule(NamedTuple):
     module: ModuleType  # why_not_supported and _checks
     config_cls: type  # parses a name
     launch: Callable  # launch only (the plan checked the problem)
     validating_launch: Callable  # checks every argument, then launches
 
 
-def _kernel_family(prefix: str) -> _KernelFamily:
+def _kernel_module(prefix: str) -> _KernelModule:
     """Imported on first use, not with this module: importing a kernel module fixes for the
     process whether its kernels are interpreted (TRITON_INTERPRET), and tuner workers import the
     families before they set that variable."""
     if prefix == "triton.tile":
         from gemmtune.kernels.triton import gemm_tile as m
 
-        return _KernelFamily(m, m.TileConfig, m.launch_gemm_tile, m.gemm_tile)
+        return _KernelModule(m, m.TileConfig, m.launch_gemm_tile, m.gemm_tile)
     if prefix == "triton.splitk":
         from gemmtune.kernels.triton import gemm_splitk as m
 
-        return _KernelFamily(m, m.SplitKConfig, m.launch_gemm_splitk, m.gemm_splitk)
+        return _KernelModule(m, m.SplitKConfig, m.launch_gemm_splitk, m.gemm_splitk)
     if prefix == "triton.persistent":
         from gemmtune.kernels.triton import gemm_persistent as m
 
-        return _KernelFamily(m, m.PersistentConfig, m.launch_gemm_persistent,
+        return _KernelModule(m, m.PersistentConfig, m.launch_gemm_persistent,
                              m.gemm_persistent)
     raise ValueError(f"{prefix!r}: not a Triton kernel; prefixes: {', '.join(PREFIXES)}")
 
@@ -49,13 +49,13 @@ class TritonKernel:
     block scales (``gemm_a8w8_blockscale``), which its launch must be told."""
 
     def __init__(self, name: str, block_scales: bool = False):
-        family = _kernel_family(name.split(":", 1)[0])
-        self._module = family.module
-        self._launch = family.launch
-        self._validating_launch = family.validating_launch
-        self.config = family.config_cls.from_name(name)
+        kernel = _kernel_module(name.split(":", 1)[0])
+        self._module = kernel.module
+        self._launch = kernel.launch
+        self._validating_launch = kernel.validating_launch
+        self.config = kernel.config_cls.from_name(name)
         self.name = self.config.name
-        # Only block-scaled kernels pass the flag: the common launch stays as short as it was.
+        # Only block-scaled kernels pass the flag: the common launch passes no extra argument.
         self._launch_kwargs = {"block_scales": True} if block_scales else {}
 
     def __repr__(self) -> str:

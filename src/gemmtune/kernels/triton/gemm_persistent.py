@@ -175,7 +175,7 @@ def launch_gemm_persistent(x, w, bias, out, scale_a, scale_b, config: Persistent
     x_desc = TensorDescriptor.from_tensor(x, [config.block_m, config.block_k])
     w_desc = TensorDescriptor.from_tensor(w, [config.block_n, config.block_k])
     tiles = triton.cdiv(M, config.block_m) * triton.cdiv(N, config.block_n)
-    programs = min(tiles, _checks.sm_count(x.device) if x.is_cuda else 4)
+    programs = min(tiles, _checks.device_sms(x.device.index) if x.is_cuda else 4)
     _checks.start(gemm_persistent_kernel, (programs,), warmup)(
         x_desc, w_desc, out,
         bias if bias is not None else x,
