@@ -216,6 +216,9 @@ def shipped(tmp_path, monkeypatch):
           bf16_row(2, us=4.0))
     write(configs / "model_configs" / "bf16_untuned_gemm_llama.csv", bf16_row(99))
     write(configs / "model_configs" / "a8w8_tuned_gemm_x.csv", bf16_row(98))
+    # AITER's names: the family's stem anywhere in the name.
+    write(configs / "model_configs" / "dsv3_bf16_tuned_gemm.csv", bf16_row(4, us=10.0))
+    write(configs / "model_configs" / "bf16_tuned_batched_gemm_x.csv", bf16_row(97))
     monkeypatch.setattr(sources, "configs_dir", lambda: configs)
     return configs
 
@@ -228,7 +231,9 @@ def test_merge_shipped_and_model_configs_keeps_lowest_us_with_one_warning(shippe
     with pytest.warns(UserWarning, match="1 duplicate key") as record:
         rows = sources.load_merged(BF16)
     assert len([w for w in record if "duplicate" in str(w.message)]) == 1
-    assert ms(rows) == [1, 2, 3]
+    assert ms(rows) == [1, 2, 3, 4]
+    assert [p.name for p in sources.table_sources(BF16).paths] == [
+        "bf16_tuned_gemm.csv", "bf16_tuned_gemm_llama.csv", "dsv3_bf16_tuned_gemm.csv"]
     assert next(r for r in rows if r.key[0] == 2).us == 4.0
 
 
@@ -239,7 +244,7 @@ def test_overlay_adds_and_aiter_alias(shipped, tmp_path, monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         rows = sources.load_merged(BF16)
-    assert ms(rows) == [1, 2, 3, 5, 6]
+    assert ms(rows) == [1, 2, 3, 4, 5, 6]
     assert next(r for r in rows if r.key[0] == 1).us == 1.0
 
 
@@ -361,4 +366,4 @@ def test_replace_variable_leaves_families_without_overlay_alone(shipped, tmp_pat
     monkeypatch.setenv("GEMMTUNE_CONFIG_REPLACE", "1")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        assert ms(sources.load_merged(BF16)) == [1, 2, 3]  # no bf16 overlay: shipped rows stay
+        assert ms(sources.load_merged(BF16)) == [1, 2, 3, 4]  # no bf16 overlay: shipped rows stay

@@ -27,12 +27,19 @@ def short_dtype(dtype_name: str) -> str:
     return next(short for short, d in SHORT_DTYPES.items() if d == dtype)
 
 
+def model_config_glob(tuned_file: str) -> str:
+    """Which files of ``configs/model_configs/`` hold a family's rows: any CSV whose name holds
+    the shipped table's stem, as AITER names them (``dsv3_bf16_tuned_gemm.csv``,
+    ``xx_a4w4_blockscale_tuned_gemm_xx.csv``)."""
+    return f"*{tuned_file.removesuffix('.csv')}*.csv"
+
+
 def gemm_schema(family: str, tuned_file: str, untuned_file: str, key_type: type,
                 extra_key: tuple[Column, ...], env_names: tuple[str, ...]) -> Schema:
     """The table of a GEMM family: key ``M, N, K`` and ``extra_key``, the GEMM result columns."""
     return Schema(family, tuned_file, untuned_file, int_columns("M", "N", "K") + extra_key,
                   key_type, GEMM_RESULT_COLUMNS, "M", ("kernelName",), env_names,
-                  tuned_file.replace(".csv", "*.csv"))
+                  model_config_glob(tuned_file))
 
 
 def gemm_registry(family: str, torch_name: str, torch_backend, triton_prefixes: tuple[str, ...],

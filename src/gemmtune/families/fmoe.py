@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from gemmtune.families._family import Family
+from gemmtune.families._gemm import model_config_glob
 from gemmtune.tables.schema import FMOE_RESULT_COLUMNS, Column, Kind, Schema, int_columns
 
 
@@ -36,6 +37,6 @@ SCHEMA = Schema(
         Column("doweight_stage1", Kind.INT, default="0"),
     ),
     FmoeKey, FMOE_RESULT_COLUMNS, "token", ("kernelName1", "kernelName2"),
-    ("GEMMTUNE_CONFIG_FMOE", "AITER_CONFIG_FMOE"), "*tuned_fmoe*.csv")
+    ("GEMMTUNE_CONFIG_FMOE", "AITER_CONFIG_FMOE"), model_config_glob("tuned_fmoe.csv"))
 
 FAMILY = Family("fmoe", SCHEMA)
