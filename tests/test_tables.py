@@ -367,3 +367,22 @@ def test_replace_variable_leaves_families_without_overlay_alone(shipped, tmp_pat
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         assert ms(sources.load_merged(BF16)) == [1, 2, 3, 4]  # no bf16 overlay: shipped rows stay
+
+
+def test_writes_leave_no_lock_beside_the_file_and_follow_the_umask(tmp_path, monkeypatch):
+    import stat
+
+    monkeypatch.setenv("GEMMTUNE_LOCK_DIR", str(tmp_path / "locks"))
+    rows = read_table(write(tmp_path / "src.csv", bf16_row(1), bf16_row(2)), BF16).rows
+    out = tmp_path / "out" / "tuned.csv"
+    old = os.umask(0o022)
+    try:
+        update_table(out, BF16, rows[:1])
+        assert sorted(p.name for p in out.parent.iterdir()) == ["tuned.csv"]  # no .lock, no temp
+        assert stat.S_IMODE(out.stat().st_mode) == 0o644  # as open() would make it, not 0o600
+        (lock,) = (tmp_path / "locks" / "gemmtune-tables").glob("*-tuned.csv.lock")
+        os.chmod(out, 0o640)  # a mode the owner chose is kept by a rewrite
+        update_table(out, BF16, rows[1:])
+        assert stat.S_IMODE(out.stat().st_mode) == 0o640 and len(read_table(out, BF16).rows) == 2
+    finally:
+        os.umask(old)

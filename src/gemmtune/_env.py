@@ -79,12 +79,22 @@ def triton_config_dirs() -> list[Path]:
     return [Path(p).expanduser() for p in value.split(os.pathsep) if p]
 
 
+def _lock_base() -> Path:
+    import tempfile
+
+    return Path(os.environ.get("GEMMTUNE_LOCK_DIR") or tempfile.gettempdir())
+
+
 def lock_dir() -> Path:
     """``GEMMTUNE_LOCK_DIR``: where the per-GPU timing locks live. Shared by every user of the
     machine, like the GPUs: the system temp folder by default."""
-    import tempfile
+    return _lock_base() / "gemmtune-gpus"
 
-    return Path(os.environ.get("GEMMTUNE_LOCK_DIR") or tempfile.gettempdir()) / "gemmtune-gpus"
+
+def table_lock_dir() -> Path:
+    """Where the locks of table and log files live (one per file, named after its path), so
+    that no ``.lock`` file is left beside an output: under ``GEMMTUNE_LOCK_DIR`` as well."""
+    return _lock_base() / "gemmtune-tables"
 
 
 def visible_devices() -> list[str] | None:

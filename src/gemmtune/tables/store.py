@@ -8,11 +8,14 @@ leave a half-written table or lose another writer's rows (``update_table`` re-re
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import dataclasses
 import difflib
+import hashlib
 import io
 import os
+import stat
 import tempfile
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
@@ -21,6 +24,7 @@ from pathlib import Path
 
 from filelock import FileLock
 
+from gemmtune import _env
 from gemmtune.tables.schema import ARCH, CU_NUM, Column, Schema, format_value
 from gemmtune.tables.values import BadValue
 
@@ -263,7 +267,37 @@ def render_rows(schema: Schema, rows: Sequence[Row], *, untuned: bool = False) -
 
 
 def lock_for(path: str | os.PathLike) -> FileLock:
-    return FileLock(str(path) + ".lock", timeout=120)
+    """The lock every writer of ``path`` takes, kept in the lock folder (``_env.table_lock_dir``)
+    rather than beside the file: named after the file's resolved path, so every process that
+    writes the file finds the same lock."""
+    real = os.path.realpath(path)
+    digest = hashlib.sha1(real.encode()).hexdigest()[:16]
+    folder = _env.table_lock_dir()
+    if not folder.is_dir():
+        folder.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(OSError):  # shared by every user, like /tmp
+            os.chmod(folder, 0o1777)
+    return FileLock(folder / f"{digest}-{os.path.basename(real)}.lock", timeout=120, mode=0o666)
+
+
+def _file_mode_for(path: Path) -> int:
+    """The mode a written file gets: the file's own where it exists, else what a plain
+    ``open`` would give (0o666 less the umask), never the 0o600 of a temporary file."""
+    with contextlib.suppress(FileNotFoundError):
+        return stat.S_IMODE(os.stat(path).st_mode)
+    return 0o666 & ~_umask()
+
+
+def _umask() -> int:
+    """The process's umask, read without changing it where Linux shows it (os.umask can only
+    be read by setting it, which another thread could see)."""
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
@@ -276,6 +310,7 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
         with os.fdopen(fd, "w", encoding="utf-8", newline="") as f:
             f.write(text)
             f.flush()
+            os.fchmod(f.fileno(), _file_mode_for(path))
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
