@@ -230,3 +230,17 @@ def test_both_floors_and_capped_efficiency_geomeans():
     # roofline: min(1, 2/3) and 2/16 -> sqrt(0.667 * 0.125); attainable: 1.0 (capped) and 0.25
     assert f"tuned {(2 / 3 * 0.125) ** 0.5:.3f} / {0.25 ** 0.5:.3f}" in lines[0], lines[0]
     assert lines[1].startswith("faster than the attainable floor") and "pdl 1x8x8" in lines[1]
+
+
+def test_lookup_refuses_a_key_outside_its_range(capsys):
+    assert main(["lookup", "bf16", "M=16", "N=-4096", "K=4096"]) == 2
+    assert "N: N=-4096 is out of range: expected 1 <= N <= 2147483647" in capsys.readouterr().err
+
+
+def test_tune_skips_an_input_row_of_k_0_and_says_why(tmp_path, capsys):
+    untuned = tmp_path / "u.csv"
+    untuned.write_text("M,N,K\n4,8,0\n")
+    assert main(["tune", "bf16", "-i", str(untuned), "-o", str(tmp_path / "t.csv"),
+                 "--libtype", "torch"]) == 1
+    err = capsys.readouterr().err
+    assert "u.csv:2: column K: K=0 is out of range" in err and "ZeroDivisionError" not in err

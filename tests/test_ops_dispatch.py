@@ -497,3 +497,14 @@ def test_a_forced_call_leaves_the_miss_report_alone():
     gemmtune.gemm_a16w16(x, w)
     (miss,) = gemmtune.report_misses()
     assert (miss.rule, miss.kernel_name, miss.calls) == (Rule.default, "torch.linear", 2)
+
+
+def test_an_empty_gemm_runs_the_default_and_is_not_captured(tmp_path, monkeypatch):
+    monkeypatch.setenv("GEMMTUNE_TUNE_GEMM", "1")
+    monkeypatch.setenv("GEMMTUNE_CAPTURE_DIR", str(tmp_path / "shards"))
+    b = fresh(8)
+    y = gemmtune.gemm_a16w16(fresh(3, 0), fresh(8, 0), b)  # K = 0: the empty sum, plus bias
+    torch.testing.assert_close(y, b.expand(3, 8))
+    plan = plan_for(3, 8, 0, bias=True)
+    assert plan.decision.rule is Rule.default and "K=0 is out of range" in plan.decision.note
+    assert not (tmp_path / "shards").exists()  # no untuned row the tuner could not read

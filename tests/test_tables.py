@@ -177,7 +177,9 @@ def test_non_numeric_m_names_line(tmp_path):
 
 
 @pytest.mark.parametrize("bad, message", [
-    (bf16_row(-4), "column M: -4 is negative"),
+    (bf16_row(-4), r"column M: M=-4 is out of range: expected 1 <= M <= 2147483647"),
+    (bf16_row(4, k=0), r"column K: K=0 is out of range: expected 1 <= K <= 2147483647"),
+    (bf16_row(10**12), r"column M: M=1000000000000 is out of range"),
     (bf16_row(4, us="nan"), "column us: nan is not a finite time"),
     (bf16_row(4, us="-1"), "column us: -1.0 is not a finite time"),
     ("sm_90,132,1,2,3\n", "5 values for 18 columns"),

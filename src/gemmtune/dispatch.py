@@ -243,10 +243,18 @@ class Dispatcher:
         # call raises the same error rather than only the first.
         log_it, capture_it = _env.log_tuned_config(), _env.capture_enabled()
         key = self.to_table_key(raw_key)
-        if kernel is None:
-            decision, run = self._decide_and_resolve(key, current_device(device_index))
-        else:
+        outside = self.schema.why_not_key(key)
+        if kernel is not None:
             decision, run = self._forced(key, kernel)
+        elif outside:
+            # An empty GEMM (M or K of 0) is a valid call no table can hold: the default runs
+            # it, and it is not captured (an untuned file must hold only shapes it can tune).
+            name = self.default_kernel(key, current_device(device_index))
+            decision = Decision(self.family, key, Rule.default, name, None, note=outside)
+            run = self.registry.resolve(name)
+            capture_it = False
+        else:
+            decision, run = self._decide_and_resolve(key, current_device(device_index))
         plan = Plan(decision, run, miss=decision.rule not in (Rule.exact, Rule.forced))
         if log_it:
             _ensure_log_handler()

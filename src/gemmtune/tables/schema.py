@@ -73,17 +73,40 @@ def format_value(kind: Kind, value: object) -> str:
     return str(value)
 
 
+# The largest size a key column takes: what an int32 index (Triton's program ids, cuBLASLt's
+# layouts) can address. M = 10^12 in a table is a typo, not a shape.
+MAX_SIZE = 2**31 - 1
+
+
 @dataclass(frozen=True)
 class Column:
-    """One CSV column. ``default`` is the text used when the column is absent (None: required)."""
+    """One CSV column. ``default`` is the text used when the column is absent (None: required).
+    ``low``/``high``: the range an integer column's values must lie in (None: unbounded)."""
 
     name: str
     kind: Kind
     default: str | None = None
     aliases: tuple[str, ...] = ()
+    low: int | None = None
+    high: int | None = None
 
     def parse(self, text: str) -> object:
-        return _PARSERS[self.kind](text)
+        value = _PARSERS[self.kind](text)
+        why = self.why_not(value)
+        if why:
+            raise BadValue(why)
+        return value
+
+    def why_not(self, value: object) -> str | None:
+        """Why ``value`` is outside this column's range, naming both; None if it is inside."""
+        if self.low is None and self.high is None:
+            return None
+        low = self.low if self.low is not None else "-inf"
+        high = self.high if self.high is not None else "inf"
+        if (self.low is not None and value < self.low) or \
+                (self.high is not None and value > self.high):
+            return f"{self.name}={value} is out of range: expected {low} <= {self.name} <= {high}"
+        return None
 
 
 ARCH = Column("arch", Kind.TEXT, default="", aliases=("gfx",))
@@ -125,8 +148,8 @@ FMOE_RESULT_COLUMNS = (
 
 
 def int_columns(*names: str) -> tuple[Column, ...]:
-    """Required integer key columns (``M``, ``N``, ``K``, ...)."""
-    return tuple(Column(n, Kind.INT) for n in names)
+    """Required size columns of a key (``M``, ``N``, ``K``, ...): integers from 1 to MAX_SIZE."""
+    return tuple(Column(n, Kind.INT, low=1, high=MAX_SIZE) for n in names)
 
 
 @dataclass(frozen=True)
@@ -170,6 +193,14 @@ class Schema:
     def make_key(self, values) -> tuple:
         """The family's key from values in column order."""
         return self.key_type(*values)
+
+    def why_not_key(self, key) -> str | None:
+        """The first key value outside its column's range, said with the range; or None."""
+        for column, value in zip(self.key, key):
+            why = column.why_not(value)
+            if why:
+                return why
+        return None
 
     def describe_key(self, key) -> str:
         """``M=16 N=4096 K=4096 ...``: how messages and logs show a key."""

@@ -132,7 +132,6 @@ def parse_rows(text: str, path: str, schema: Schema, *, untuned: bool = False) -
     positions, extra_cols = _resolve_header(path, header, columns)
     rows: list[Row] = []
     errors: list[TableError] = []
-    key_names = set(schema.key_names)
     for cells in reader:
         line = reader.line_num
         if not cells or all(not c.strip() for c in cells):
@@ -157,10 +156,6 @@ def parse_rows(text: str, path: str, schema: Schema, *, untuned: bool = False) -
                 us = parsed["us"]
                 if not (us >= 0.0 and us != float("inf")):
                     raise TableError(path, line, f"column us: {us!r} is not a finite time >= 0")
-            for name in key_names:
-                value = parsed[name]
-                if isinstance(value, int) and not isinstance(value, bool) and value < 0:
-                    raise TableError(path, line, f"column {name}: {value} is negative")
         except TableError as e:
             errors.append(e)
             continue
