@@ -244,3 +244,27 @@ def test_tune_skips_an_input_row_of_k_0_and_says_why(tmp_path, capsys):
                  "--libtype", "torch"]) == 1
     err = capsys.readouterr().err
     assert "u.csv:2: column K: K=0 is out of range" in err and "ZeroDivisionError" not in err
+
+
+def test_unwritable_outputs_are_refused_before_any_work(tmp_path, capsys):
+    """An output under a regular file can be written by nobody (root included)."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    untuned = tmp_path / "u.csv"
+    untuned.write_text("M,N,K\n4,8,16\n")
+    cases = [
+        (["tune", "bf16", "-i", str(untuned), "-o", str(blocker / "t.csv")],
+         "cannot write tuned table (-o)"),
+        (["tune", "bf16", "-i", str(untuned), "-o", str(tmp_path / "t.csv"), "-o2",
+          str(blocker / "p.csv")], "cannot write profile (-o2)"),
+        (["shapes", "--model", "llama3-8b", "-o", str(blocker / "s")],
+         "cannot write shapes folder (-o)"),
+        (["bench", "bf16", "--shapes", str(untuned), "-o", str(blocker)],
+         "bench folder (-o) " + str(blocker) + " is a file"),
+        (["tune", "bf16", "-i", str(tmp_path), "-o", str(tmp_path / "t.csv")],
+         "is a folder; name the untuned CSV file in it"),
+    ]
+    for argv, message in cases:
+        assert main(argv) == 2, argv
+        assert message in capsys.readouterr().err, argv
+    assert not (tmp_path / "t.csv").exists()  # nothing was tuned

@@ -548,3 +548,22 @@ def test_interrupted_retune_all_resumes_and_cleans_up(tmp_path, monkeypatch):
     assert summary.skipped == finished and summary.tuned == 8 - finished
     assert not list(tmp_path.glob("o.csv.retune-*.jsonl"))  # a complete run removes the log
     assert len(rows(out)) == 8
+
+
+def test_an_output_that_fails_late_keeps_its_rows_in_the_cache(tmp_path, monkeypatch):
+    """The output's folder was writable when the run began and is not when the rows are
+    written: they go to $GEMMTUNE_CACHE_DIR/rescue, the run says where and exits non-zero."""
+    import gemmtune.tune.engine as engine
+
+    monkeypatch.setenv("FAULTY_WITH_FAULTS", "0")
+
+    def fail(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(engine, "update_table", fail)
+    tuner, log = tune(tmp_path, untuned(tmp_path / "u.csv", [1, 2]))  # written at the end
+    assert tuner.summary.exit_code == 1 and tuner.summary.unsaved
+    rescued = tuner.summary.rescued_to
+    assert rescued.is_relative_to(Path(os.environ["GEMMTUNE_CACHE_DIR"]) / "rescue")
+    assert sorted(r.key.M for r in read_table(rescued, BF16).rows) == [1, 2]
+    assert f"2 tuned row(s) saved to {rescued}" in log and "Traceback" not in log

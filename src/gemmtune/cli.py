@@ -103,8 +103,10 @@ def _cmd_lookup(args) -> int:
 # --------------------------------------------------------------------------------------- capture
 def _cmd_capture(args) -> int:
     from gemmtune import _env
+    from gemmtune.tables.store import check_writable_dir
 
     out = Path(args.output)
+    check_writable_dir(out, "shapes folder (-o)")
     if not args.command:
         return _merge_and_report(Path(args.shards) if args.shards else _env.capture_dir(), out)
     command = args.command[1:] if args.command[0] == "--" else args.command
@@ -141,12 +143,13 @@ def _merge_and_report(shard_dir: Path, out: Path) -> int:
 def _cmd_shapes(args) -> int:
     from gemmtune.families import get_family
     from gemmtune.models.shapes import load_model_dir, load_preset, untuned_rows
-    from gemmtune.tables.store import update_table
+    from gemmtune.tables.store import check_writable_dir, update_table
 
     spec = load_model_dir(args.model_dir) if args.model_dir else load_preset(args.model)
     wanted = ({get_family(f).name for f in args.families} if args.families
               else {"bf16", "fmoe"})
     out = Path(args.output)
+    check_writable_dir(out, "shapes folder (-o)")
     generated = untuned_rows(spec, args.tp, args.nsets)
     asked = wanted if args.families else set()  # the default asks fmoe only of MoE models
     for name in sorted(asked - set(generated)):
@@ -198,8 +201,11 @@ def _cmd_tune(args) -> int:
     family = get_family(args.family)
     if args.run_config:
         from gemmtune.bench import run_config
+        from gemmtune.tables.store import check_writable_dir
 
-        return run_config(family, Path(args.input), Path(args.output or "out/run_config"))
+        out = Path(args.output or "out/run_config")
+        check_writable_dir(out, "result folder (-o)")
+        return run_config(family, Path(args.input), out)
     from gemmtune.tune.command import run_tune
 
     try:
@@ -221,6 +227,7 @@ def _triton_dtypes() -> list[str]:
 def _cmd_tune_triton(args) -> int:
     from gemmtune.families import all_families, get_family
     from gemmtune.families._gemm import SHORT_DTYPES
+    from gemmtune.tables.store import check_writable_dir
     from gemmtune.tune.tune_triton import TritonTarget, run
 
     dtype = SHORT_DTYPES[args.dtype]
@@ -238,6 +245,7 @@ def _cmd_tune_triton(args) -> int:
                     lambda m, n, k: family.gemm_key(m, n, k, args.dtype),
                     family.triton_json_tags[dtype], dtype)
     try:
+        check_writable_dir(Path(args.output), "tune-triton folder (-o)")
         return run(args, target)
     except ValueError as e:  # a bad --space file
         print(f"gemmtune tune-triton: error: {e}", file=sys.stderr)
@@ -250,9 +258,11 @@ def _cmd_bench(args) -> int:
 
     from gemmtune.bench import run_bench
     from gemmtune.families import get_family
+    from gemmtune.tables.store import check_writable_dir
 
     family = get_family(args.family)
     op = family.bench_op(args.dtype)
+    check_writable_dir(Path(args.output), "bench folder (-o)")
     shapes, title = _bench_shapes(args, family, gpu=torch.cuda.is_available())
     return run_bench(shapes, family, op, Path(args.output), title)
 

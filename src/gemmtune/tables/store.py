@@ -180,6 +180,8 @@ def read_table(path: str | os.PathLike, schema: Schema, *, untuned: bool = False
         text = Path(path).read_text(encoding="utf-8-sig")
     except FileNotFoundError:
         raise FileNotFoundError(f"{path}: no such table file") from None
+    except IsADirectoryError:
+        raise ValueError(f"{path} is a folder; expected a CSV table file") from None
     except UnicodeDecodeError as e:
         raise TableError(path, text_line_of(Path(path).read_bytes(), e.start),
                          f"not UTF-8 text (byte {e.start}); save the table as UTF-8 CSV") from None
@@ -187,6 +189,36 @@ def read_table(path: str | os.PathLike, schema: Schema, *, untuned: bool = False
     if strict and result.errors:
         raise result.errors[0]
     return result
+
+
+def check_writable(path: str | os.PathLike, what: str = "output") -> None:
+    """ValueError naming ``path`` and the reason unless a file can be written there now: its
+    folder exists or can be made, a file can be created in it, and an existing file is
+    writable. Called before a long run, so that no work is lost to an unwritable output."""
+    path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"{what} {path} is a folder; name a file in it")
+    _check_folder(path.parent, what, path)
+    if path.exists() and not os.access(path, os.W_OK):
+        raise ValueError(f"cannot write {what} {path} (not writable); choose a writable place")
+
+
+def check_writable_dir(path: str | os.PathLike, what: str = "output folder") -> None:
+    """Like ``check_writable`` for a folder that files will be written into."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{what} {path} is a file; name a folder")
+    _check_folder(path, what, path)
+
+
+def _check_folder(folder: Path, what: str, named: Path) -> None:
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as e:
+        raise ValueError(f"cannot write {what} {named} ({e.strerror or e}); choose a writable "
+                         f"place") from None
 
 
 def text_line_of(data: bytes, offset: int) -> int:

@@ -78,6 +78,8 @@ def config_from_args(args: argparse.Namespace) -> TuneConfig:
     if not Path(args.input).exists():
         raise FileNotFoundError(f"{args.input}: no such untuned file (make one with gemmtune "
                                 f"shapes or gemmtune capture)")
+    if not Path(args.input).is_file():
+        raise ValueError(f"-i {args.input} is a folder; name the untuned CSV file in it")
     return TuneConfig(
         input=Path(args.input), output=Path(args.output),
         profile=Path(args.profile) if args.profile else None, workers=workers,

@@ -18,6 +18,7 @@ import queue
 import secrets
 import signal
 import sys
+import tempfile
 import threading
 import time
 from collections import Counter
@@ -27,8 +28,8 @@ from pathlib import Path
 
 from gemmtune import _env
 from gemmtune.tables.schema import Schema
-from gemmtune.tables.store import (Row, TableError, full_key, read_table, update_table,
-                                   write_table)
+from gemmtune.tables.store import (Row, TableError, check_writable, full_key, read_table,
+                                   update_table, write_table)
 from gemmtune.tune.family import (CRASHING, Candidate, Evaluation, Status, FamilyTuner,
                                   TuneOptions)
 from gemmtune.measure.gpulock import GpuLock
@@ -84,12 +85,14 @@ class RunSummary:
     interrupted: bool = False
     # Shapes tuned without some candidates that ran out of GPU memory twice.
     short_of_memory: list[tuple] = field(default_factory=list)
+    unsaved: str = ""  # why the output could not be written at the end, if it could not
+    rescued_to: Path | None = None  # where the rows went instead
 
     @property
     def exit_code(self) -> int:
         if self.interrupted:
             return 130
-        return 1 if self.failed or self.bad_input else 0
+        return 1 if self.failed or self.bad_input or self.unsaved else 0
 
 
 class RetuneLog:
@@ -144,7 +147,12 @@ class Tuner:
 
     # ------------------------------------------------------------------------------- the run
     def run(self) -> RunSummary:
+        """Tune every shape of the input; ValueError before any work if an output cannot be
+        written."""
         start = time.monotonic()
+        check_writable(self.config.output, "tuned table (-o)")
+        if self.config.profile is not None:
+            check_writable(self.config.profile, "profile (-o2)")
         keys = self._read_input()
         workers = [Worker(self._spec(i), f"worker{i}") for i in range(max(1, self.config.workers))]
         for i, w in enumerate(workers):
@@ -162,6 +170,8 @@ class Tuner:
             self._tune_all(todo, workers, existing)
         except KeyboardInterrupt:
             self.summary.interrupted = True
+        except OSError as e:  # the output became unwritable mid-run: its rows are rescued below
+            self.summary.unsaved = f"could not write {self.config.output} ({e})"
         finally:
             self._stop.set()  # threads still inside a call must not take its end for a crash
             for w in workers:
@@ -192,14 +202,17 @@ class Tuner:
         try:
             self._checkpoint()
         except Exception as e:
-            # Never lose tuned rows: put them beside the output for a later merge.
-            rescue = self.config.output.with_name(
-                f"{self.config.output.name}.pending-{os.getpid()}.csv")
-            write_table(rescue, self.schema, self._pending)
-            self._say(f"could not write {self.config.output} ({e}); {len(self._pending)} tuned "
-                      f"row(s) saved to {rescue}: add it to {self.schema.env_names[0]} or copy "
-                      f"its lines into the output")
-            raise
+            # Never lose tuned rows: the output's folder may be the problem, so they go to the
+            # cache folder (or, failing that, the system temp folder) for a later merge.
+            self.summary.unsaved = f"could not write {self.config.output} ({e})"
+            name = f"{self.config.output.name}.pending-{os.getpid()}.csv"
+            for folder in (_env.cache_dir() / "rescue", Path(tempfile.gettempdir())):
+                try:
+                    write_table(folder / name, self.schema, self._pending)
+                except OSError:
+                    continue
+                self.summary.rescued_to = folder / name
+                break
 
     def _spec(self, index: int) -> WorkerSpec:
         if self.config.gpus:
@@ -512,6 +525,11 @@ class Tuner:
 
     def _report(self) -> None:
         s = self.summary
+        if s.unsaved:
+            where = (f"{len(self._pending)} tuned row(s) saved to {s.rescued_to}: add that file "
+                     f"to {self.schema.env_names[0]} or copy its lines into the output"
+                     if s.rescued_to else "the tuned rows could not be saved anywhere")
+            self._say(f"{s.unsaved}; {where}")
         if s.interrupted:
             self._say(f"interrupted: {s.tuned} shape(s) tuned and saved in {self.config.output}; "
                       f"run the same command again to continue")
