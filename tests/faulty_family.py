@@ -13,7 +13,7 @@ import time
 import torch
 
 from gemmtune.families import get_family
-from gemmtune.tune.family import Candidate, FamilyTuner, Prepared
+from gemmtune.tune.family import Candidate, DeviceInfo, FamilyTuner, Prepared
 
 # name -> synthetic µs for the candidates that compute the right answer
 GOOD = {"torch.linear": 10.0, "good.fast": 5.0, "good.slow": 8.0}
@@ -31,7 +31,7 @@ class FaultyFamily(FamilyTuner):
     timing_label = "synthetic"
 
     def device_info(self):
-        return "cpu", 0, "test"
+        return DeviceInfo("cpu", 0, os.environ.get("FAULTY_GPU", ""), "test")
 
     def candidates(self, key, libtypes):
         names = list(GOOD)

@@ -268,3 +268,19 @@ def test_unwritable_outputs_are_refused_before_any_work(tmp_path, capsys):
         assert main(argv) == 2, argv
         assert message in capsys.readouterr().err, argv
     assert not (tmp_path / "t.csv").exists()  # nothing was tuned
+
+
+def test_lookup_says_when_a_row_of_another_gpu_model_serves(tmp_path, monkeypatch, capsys):
+    table = tmp_path / "t.csv"
+    table.write_text("arch,cu_num,gpu,M,N,K,us,kernelName\n"
+                     "sm_90,132,H100-80GB-HBM3,16,64,64,1.0,torch.linear\n")
+    monkeypatch.setenv("GEMMTUNE_CONFIG_BF16", f"replace:{table}")
+    assert main(["lookup", "bf16", "M=16", "N=64", "K=64", "--device", "sm_90:132:H200"]) == 0
+    out = capsys.readouterr().out
+    assert "rule:       exact" in out and "similar-gpu: a row of H100-80GB-HBM3" in out
+    assert main(["lookup", "bf16", "M=16", "N=64", "K=64", "--device",
+                 "sm_90:132:H100-80GB-HBM3"]) == 0
+    assert "similar-gpu" not in capsys.readouterr().out
+    monkeypatch.setenv("GEMMTUNE_DEVICE", "sm_90:132:H200")
+    assert main(["tables"]) == 0
+    assert "(0 of H200, 1 similar-gpu" in capsys.readouterr().out

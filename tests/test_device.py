@@ -44,3 +44,19 @@ def test_env_flags_reject_unclear_values(monkeypatch):
     monkeypatch.setenv("GEMMTUNE_TUNE_GEMM", "maybe")
     with pytest.raises(ValueError, match="GEMMTUNE_TUNE_GEMM='maybe'"):
         _env.capture_enabled()
+
+
+def test_the_gpu_model_is_spelled_for_a_table_column(monkeypatch):
+    from gemmtune.device import gpu_name
+
+    assert gpu_name("NVIDIA H100 80GB HBM3") == "H100-80GB-HBM3"
+    assert gpu_name("NVIDIA H200") == "H200"
+    assert gpu_name("NVIDIA H100 PCIe") == "H100-PCIe"
+    monkeypatch.setenv("GEMMTUNE_DEVICE", "sm_90:132:NVIDIA H200")
+    assert current_device() == DeviceId("sm_90", 132, "H200")
+    assert str(current_device()) == "sm_90:132:H200"
+
+
+@pytest.mark.gpu
+def test_the_gpu_names_its_model():
+    assert current_device().gpu and " " not in current_device().gpu

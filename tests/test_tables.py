@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from gemmtune.device import DeviceId
-from gemmtune.tables import sources
-from gemmtune.tables.lookup import Rule, TableIndex, coarse_m, padded_m
 from gemmtune.families import get_family
+from gemmtune.tables import sources, triton_json
+from gemmtune.tables.lookup import Rule, TableIndex, coarse_m, padded_m
 from gemmtune.tables.store import TableError, read_table, update_table
 
 BF16 = get_family("bf16").schema
@@ -388,3 +388,56 @@ def test_writes_leave_no_lock_beside_the_file_and_follow_the_umask(tmp_path, mon
         assert stat.S_IMODE(out.stat().st_mode) == 0o640 and len(read_table(out, BF16).rows) == 2
     finally:
         os.umask(old)
+
+
+# ------------------------------------------------------------------------- device identity
+GPU_HEADER = HEADER.replace("arch,cu_num,", "arch,cu_num,gpu,")
+
+
+def gpu_row(gpu, m, kernel, us=10.0):
+    return bf16_row(m, kernel=kernel, us=us).replace("sm_90,132,", f"sm_90,132,{gpu},", 1)
+
+
+def test_rows_of_the_same_gpu_model_win_within_each_rule(tmp_path):
+    path = write(tmp_path / "t.csv", gpu_row("H100-80GB-HBM3", 16, "k.h100"),
+                 gpu_row("H200", 16, "k.h200", us=8.0), gpu_row("H200", 32, "k.h200.32"),
+                 header=GPU_HEADER)
+    rows = read_table(path, BF16).rows
+    h100, h200 = DeviceId("sm_90", 132, "H100-80GB-HBM3"), DeviceId("sm_90", 132, "H200")
+    for device, kernel in ((h100, "k.h100"), (h200, "k.h200")):
+        match = TableIndex(BF16, rows, device).find(key(16))
+        assert (match.rule, match.row.results["kernelName"], match.similar_gpu) == \
+            (Rule.exact, kernel, False)
+    # No row of its own for M=32: the H100 takes the H200's exact row, as a similar-gpu match,
+    # before its own padded or nearest rows.
+    match = TableIndex(BF16, rows, h100).find(key(32))
+    assert (match.rule, match.row.results["kernelName"], match.similar_gpu) == \
+        (Rule.exact, "k.h200.32", True)
+    # Another model of sm_90/132: both rows are similar; the faster one, whatever the order.
+    other = TableIndex(BF16, rows[::-1], DeviceId("sm_90", 132, "H100-SXM5-64GB")).find(key(16))
+    assert other.similar_gpu and other.row.results["kernelName"] == "k.h200"
+
+
+def test_a_table_may_hold_two_gpus_rows_of_one_shape_and_old_tables_load(tmp_path):
+    out = tmp_path / "t.csv"
+    update_table(out, BF16, read_table(write(tmp_path / "a.csv", gpu_row("H100-80GB-HBM3", 16,
+                                                                           "k1"),
+                                             header=GPU_HEADER), BF16).rows)
+    update_table(out, BF16, read_table(write(tmp_path / "b.csv", gpu_row("H200", 16, "k2"),
+                                             header=GPU_HEADER), BF16).rows)
+    assert sorted(r.gpu for r in read_table(out, BF16).rows) == ["H100-80GB-HBM3", "H200"]
+    old = read_table(write(tmp_path / "old.csv", bf16_row(16)), BF16).rows  # no gpu column
+    assert old[0].gpu == ""
+    match = TableIndex(BF16, old, DeviceId("sm_90", 132, "H200")).find(key(16))
+    assert match.rule is Rule.exact and match.similar_gpu
+
+
+def test_a_json_config_named_after_the_gpu_model_wins(tmp_path, monkeypatch):
+    monkeypatch.setenv("GEMMTUNE_TRITON_CONFIG_DIR", str(tmp_path))
+    (tmp_path / triton_json.file_name("sm_90", "A16W16", 8, 8)).write_text(
+        '{"small": {"kernel": "by-arch"}}')
+    assert triton_json.lookup("sm_90", "A16W16", 8, 8, 4, gpu="H200") == "by-arch"
+    (tmp_path / triton_json.file_name("H200", "A16W16", 8, 8)).write_text(
+        '{"small": {"kernel": "by-gpu"}}')
+    assert triton_json.lookup("sm_90", "A16W16", 8, 8, 4, gpu="H200") == "by-gpu"
+    assert triton_json.lookup("sm_90", "A16W16", 8, 8, 4, gpu="H100-80GB-HBM3") == "by-arch"

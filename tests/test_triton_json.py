@@ -132,14 +132,14 @@ def test_export_reads_the_profile_and_names_what_failed(tmp_path, capsys):
     profile = tmp_path / "profile.csv"
     key = "1,40,64,False,torch.float16,torch.float16,False,False"
     profile.write_text(
-        "arch,cu_num,M,N,K,bias,dtype,outdtype,scaleAB,bpreshuffle,kernelName,status,us,spread,"
-        "err_ratio,rel_err,seconds,detail\n"
-        f"{dev.arch},{dev.cu_num},{key},torch.linear,ok,9.0,0,0,0,0.1,\n"
-        f"{dev.arch},{dev.cu_num},{key},{sk1.name},ok,7.0,0,0,0,0.1,\n"
-        f"{dev.arch},{dev.cu_num},{key},{sk2.name},error,inf,0,nan,nan,0.1,"
+        "arch,cu_num,gpu,M,N,K,bias,dtype,outdtype,scaleAB,bpreshuffle,kernelName,status,us,"
+        "spread,err_ratio,rel_err,seconds,detail\n"
+        f"{dev.arch},{dev.cu_num},{dev.gpu},{key},torch.linear,ok,9.0,0,0,0,0.1,\n"
+        f"{dev.arch},{dev.cu_num},{dev.gpu},{key},{sk1.name},ok,7.0,0,0,0,0.1,\n"
+        f"{dev.arch},{dev.cu_num},{dev.gpu},{key},{sk2.name},error,inf,0,nan,nan,0.1,"
         "building: CompilationError: out of resources\n"
-        f"other,7,{key},{sk2.name},ok,1.0,0,0,0,0.1,\n")
-    results = tune_triton.read_profile(profile, family.schema, (dev.arch, dev.cu_num))
+        f"{dev.arch},{dev.cu_num},OtherGPU,{key},{sk2.name},ok,1.0,0,0,0,0.1,\n")
+    results = tune_triton.read_profile(profile, family.schema, (dev.arch, dev.cu_num, dev.gpu))
     target = tune_triton.TritonTarget(family.tuner_class(),
                                       lambda m, n, k: family.gemm_key(m, n, k, "fp16"),
                                       "A16W16_FP16", torch.float16)

@@ -567,3 +567,18 @@ def test_an_output_that_fails_late_keeps_its_rows_in_the_cache(tmp_path, monkeyp
     assert rescued.is_relative_to(Path(os.environ["GEMMTUNE_CACHE_DIR"]) / "rescue")
     assert sorted(r.key.M for r in read_table(rescued, BF16).rows) == [1, 2]
     assert f"2 tuned row(s) saved to {rescued}" in log and "Traceback" not in log
+
+
+def test_rows_of_another_gpu_model_do_not_count_as_tuned(tmp_path, monkeypatch):
+    """An H200 run resumes nothing from an H100 table of the same shapes: each keeps its rows."""
+    monkeypatch.setenv("FAULTY_WITH_FAULTS", "0")
+    inp = untuned(tmp_path / "u.csv", [1, 2])
+    monkeypatch.setenv("FAULTY_GPU", "H100-80GB-HBM3")
+    _, log = tune(tmp_path, inp)
+    assert "2 tuned" in log
+    monkeypatch.setenv("FAULTY_GPU", "H200")
+    _, log = tune(tmp_path, inp)
+    assert "tuning 2 shape(s) of bf16 on cpu:0:H200" in log and "0 already tuned" in log
+    rows = read_table(tmp_path / "tuned.csv", BF16).rows
+    assert sorted((r.gpu, r.key.M) for r in rows) == [
+        ("H100-80GB-HBM3", 1), ("H100-80GB-HBM3", 2), ("H200", 1), ("H200", 2)]

@@ -68,7 +68,8 @@ def table_overlay(env_names: tuple[str, ...]) -> str | None:
 
 
 def device_override() -> str | None:
-    """``GEMMTUNE_DEVICE=ARCH:CU_NUM`` (e.g. ``sm_90:132``): act as that GPU when matching table rows."""
+    """``GEMMTUNE_DEVICE=ARCH:CU_NUM[:GPU]`` (e.g. ``sm_90:132:H200``): act as that GPU when
+    matching table rows."""
     return os.environ.get("GEMMTUNE_DEVICE") or None
 
 

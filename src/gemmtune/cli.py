@@ -179,7 +179,10 @@ def _cmd_tables(args) -> int:
         schema = family.schema
         sources = table_sources(schema)
         index = table_index(schema, device)
-        print(f"{family.cli_name:<16} {len(index):>6} row(s) for this device from "
+        similar = len(index) - index.same_gpu_rows
+        which = (f" ({index.same_gpu_rows} of {device.gpu}, {similar} similar-gpu: another model"
+                 f" or none named)" if device.gpu and similar else "")
+        print(f"{family.cli_name:<16} {len(index):>6} row(s) for this device{which} from "
               f"{len(sources.paths)} file(s)" + (" (shipped tables replaced)"
                                                  if sources.replaced_shipped else ""))
         for p in sources.paths:

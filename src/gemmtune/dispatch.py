@@ -221,7 +221,10 @@ class Dispatcher:
             return (Decision(self.family, key, Rule.default, name, None),
                     self.registry.resolve_for(name, problem))
         names = match.row.kernel_names(self.schema)
-        decision = Decision(self.family, key, match.rule, names[0] if names else "", match.row)
+        similar = (f"similar-gpu: a row of {match.row.gpu or 'an unnamed GPU'} with this "
+                   f"arch and SM count" if match.similar_gpu else "")
+        decision = Decision(self.family, key, match.rule, names[0] if names else "", match.row,
+                            note=similar)
         try:
             # Checked once here, so each call can skip its own checks.
             run = self.registry.resolve_for(decision.kernel_name, problem)

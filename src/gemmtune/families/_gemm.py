@@ -77,13 +77,13 @@ def check_out_dtype_and_device(op: str, xq: torch.Tensor, wq: torch.Tensor, dtyp
         raise ValueError(f"{op}: xq is on {xq.device} but wq on {wq.device}")
 
 
-def json_config_or(fallback: str, registry: KernelRegistry, problem, arch: str,
+def json_config_or(fallback: str, registry: KernelRegistry, problem, device,
                    tag: str) -> str:
     """The kernel a per-(N, K) Triton JSON config file names for M's bucket, if there is one and
     it can run ``problem``; else ``fallback``. A broken file warns once and is ignored."""
     m, n, k = problem.m, problem.n, problem.k
     try:
-        name = triton_json.lookup(arch, tag, n, k, m)
+        name = triton_json.lookup(device.arch, tag, n, k, m, device.gpu)
         if name is None:
             return fallback
         registry.resolve_for(name, problem)

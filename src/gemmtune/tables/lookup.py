@@ -1,7 +1,9 @@
 """Finding the row for a call: exact M, padded M, coarse M, nearest tuned M, then the default.
 
 Only rows of this device (``arch``, ``cu_num``) take part; a row without an ``arch`` (the seeds'
-tables key on ``cu_num`` alone) matches any architecture with that SM count.
+tables key on ``cu_num`` alone) matches any architecture with that SM count. Within each rule a
+row of this GPU model (``gpu``) wins over a row of another model with that arch and SM count, or
+of none named (tables written before the ``gpu`` column): the latter is a similar-gpu match.
 """
 
 from __future__ import annotations
@@ -43,53 +45,94 @@ def coarse_m(m: int, n: int | None) -> int:
 class Match:
     rule: Rule
     row: Row | None
+    # The row is of another GPU model of this arch and SM count (or of no named model): logged
+    # as a similar-gpu match.
+    similar_gpu: bool = False
+
+
+class _Rows:
+    """Rows of one device tier indexed for the rules: by whole key, and by the key without M
+    (for the nearest tuned M)."""
+
+    def __init__(self, m_index: int):
+        self._m = m_index
+        self.exact: dict[tuple, Row] = {}
+        self._by_rest: dict[tuple, dict[int, Row]] = {}
+        self._sorted: dict[tuple, list[int]] = {}
+
+    def add(self, row: Row) -> None:
+        self.exact[row.key] = row
+        self._by_rest.setdefault(self.rest(row.key), {})[row.key[self._m]] = row
+
+    def done(self) -> None:
+        self._sorted = {k: sorted(v) for k, v in self._by_rest.items()}
+
+    def rest(self, key: tuple) -> tuple:
+        return key[: self._m] + key[self._m + 1:]
+
+    def nearest(self, key: tuple) -> Row | None:
+        ms = self._sorted.get(self.rest(key))
+        if not ms:
+            return None
+        return self._by_rest[self.rest(key)][_nearest(ms, key[self._m])]
 
 
 class TableIndex:
-    """Rows of one family on one device, indexed for the look-up order above."""
+    """Rows of one family on one device, indexed for the look-up order above. Each rule looks
+    first at rows of the device's own GPU model, then at rows of another model (or none named)
+    with the same arch and SM count."""
 
     def __init__(self, schema: Schema, rows: Iterable[Row], device: DeviceId):
         self.schema = schema
         self.device = device
         self._m = schema.m_index
         self._n = schema.key_names.index("N") if "N" in schema.key_names else None
-        self._exact: dict[tuple, Row] = {}
-        by_rest: dict[tuple, dict[int, Row]] = {}
+        self._same, self._similar = _Rows(self._m), _Rows(self._m)
         for row in rows:
             if row.cu_num != device.cu_num or (row.arch and row.arch != device.arch):
                 continue
-            # A row naming this arch beats an arch-less row of the same shape.
-            if row.key in self._exact and not row.arch:
-                continue
-            self._exact[row.key] = row
-            by_rest.setdefault(self._rest(row.key), {})[row.key[self._m]] = row
-        self._by_rest = {k: (sorted(v), v) for k, v in by_rest.items()}
+            tier = self._same if device.gpu and row.gpu == device.gpu else self._similar
+            old = tier.exact.get(row.key)
+            if old is None or _preferred(row, old):
+                tier.add(row)
+        self._same.done()
+        self._similar.done()
 
     def __len__(self) -> int:
-        return len(self._exact)
+        return len(self._same.exact) + len(self._similar.exact.keys() - self._same.exact.keys())
 
-    def _rest(self, key: tuple) -> tuple:
-        return key[: self._m] + key[self._m + 1:]
+    @property
+    def same_gpu_rows(self) -> int:
+        return len(self._same.exact)
 
     def _with_m(self, key: tuple, m: int) -> tuple:
         return key[: self._m] + (m,) + key[self._m + 1:]
 
     def find(self, key: tuple) -> Match:
-        row = self._exact.get(key)
-        if row is not None:
-            return Match(Rule.exact, row)
         m = key[self._m]
-        row = self._exact.get(self._with_m(key, padded_m(m)))
-        if row is not None:
-            return Match(Rule.padded, row)
         n = key[self._n] if self._n is not None else None
-        row = self._exact.get(self._with_m(key, coarse_m(m, n)))
-        if row is not None:
-            return Match(Rule.coarse, row)
-        tuned = self._by_rest.get(self._rest(key))
-        if tuned is not None:
-            return Match(Rule.nearest, tuned[1][_nearest(tuned[0], m)])
+        for rule, candidate in ((Rule.exact, key), (Rule.padded, self._with_m(key, padded_m(m))),
+                                (Rule.coarse, self._with_m(key, coarse_m(m, n)))):
+            for tier in (self._same, self._similar):
+                row = tier.exact.get(candidate)
+                if row is not None:
+                    return Match(rule, row, similar_gpu=tier is self._similar and
+                                 row.gpu != self.device.gpu)
+        for tier in (self._same, self._similar):
+            row = tier.nearest(key)
+            if row is not None:
+                return Match(Rule.nearest, row, similar_gpu=tier is self._similar and
+                             row.gpu != self.device.gpu)
         return Match(Rule.default, None)
+
+
+def _preferred(row: Row, old: Row) -> bool:
+    """Which of two rows of one shape in one tier serves it: one naming this arch beats an
+    arch-less one (the seeds' tables key on cu_num alone); between rows of two other GPU models,
+    the faster measurement, so the choice does not depend on the order of the files."""
+    if bool(row.arch) != bool(old.arch):
+        return bool(row.arch)
+    return row.results.get("us", 0) < old.results.get("us", 0)
 
 
 def _nearest(sorted_ms: list[int], m: int) -> int:

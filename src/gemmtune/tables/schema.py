@@ -111,7 +111,10 @@ class Column:
 
 ARCH = Column("arch", Kind.TEXT, default="", aliases=("gfx",))
 CU_NUM = Column("cu_num", Kind.INT)
-DEVICE_COLUMNS = (ARCH, CU_NUM)
+# The GPU model (H100-80GB-HBM3): rows of one arch and SM count may hold several models' rows of
+# one shape. Tables written before it existed load with "" (any model of that arch, cu_num).
+GPU = Column("gpu", Kind.TEXT, default="")
+DEVICE_COLUMNS = (ARCH, CU_NUM, GPU)
 
 # How and where a row was measured (DESIGN: Tables). Optional: the seeds' tables lack them.
 MEASUREMENT_COLUMNS = (

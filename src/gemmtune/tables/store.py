@@ -25,7 +25,7 @@ from pathlib import Path
 from filelock import FileLock
 
 from gemmtune import _env
-from gemmtune.tables.schema import ARCH, CU_NUM, Column, Schema, format_value
+from gemmtune.tables.schema import ARCH, CU_NUM, GPU, Column, Schema, format_value
 from gemmtune.tables.values import BadValue
 
 
@@ -60,6 +60,7 @@ class Row:
     results: Mapping[str, object] = field(default_factory=dict)
     extra: Mapping[str, str] = field(default_factory=dict)
     source: RowSource | None = None
+    gpu: str = ""  # the GPU model it was measured on; "" for any model of this arch, cu_num
 
     @property
     def us(self) -> float:
@@ -118,7 +119,7 @@ def _warn_likely_misspellings(path, extra: dict[str, int], defaulted: list[Colum
 def _columns(schema: Schema, untuned: bool) -> tuple[Column, ...]:
     if untuned:
         # Untuned tables (shapes to tune) have no device or result columns, but accept them.
-        return (ARCH, dataclasses.replace(CU_NUM, default="0")) + schema.key
+        return (ARCH, dataclasses.replace(CU_NUM, default="0"), GPU) + schema.key
     return schema.tuned_columns
 
 
@@ -162,6 +163,7 @@ def parse_rows(text: str, path: str, schema: Schema, *, untuned: bool = False) -
         rows.append(Row(
             arch=parsed["arch"],
             cu_num=parsed["cu_num"],
+            gpu=parsed["gpu"],
             key=schema.make_key(parsed[n] for n in schema.key_names),
             results={c.name: parsed[c.name] for c in schema.result} if not untuned else {},
             extra={name: cells[i] for name, i in extra_cols.items()},
@@ -226,7 +228,9 @@ def text_line_of(data: bytes, offset: int) -> int:
 
 
 def full_key(row: Row) -> tuple:
-    return (row.arch, row.cu_num) + row.key
+    """What makes a row unique in a table: its device (gpu included: one table may hold H100
+    and H200 rows of one shape) and its key."""
+    return (row.arch, row.cu_num, row.gpu) + row.key
 
 
 @dataclass
@@ -284,7 +288,8 @@ def render_rows(schema: Schema, rows: Sequence[Row], *, untuned: bool = False) -
     writer.writerow(header)
     kinds = {c.name: c.kind for c in schema.tuned_columns}
     for row in rows:
-        values = {"arch": row.arch, "cu_num": row.cu_num, **dict(zip(schema.key_names, row.key)),
+        values = {"arch": row.arch, "cu_num": row.cu_num, "gpu": row.gpu,
+                  **dict(zip(schema.key_names, row.key)),
                   **row.results}
         writer.writerow([
             format_value(kinds[n], values[n]) if n in values and n in kinds else row.extra.get(n, "")

@@ -1,7 +1,9 @@
 """Triton per-kernel JSON configs (the seed's Triton tuning guide): one file per (N, K),
 ``{arch}-GEMM-{TAG}-N={N}-K={K}.json``, holding one config per M bucket, and a per-arch default
 ``{arch}-GEMM-{TAG}.json`` (the most common winner per bucket over the tuned (N, K)). Files may
-also hold the guide's optional finer ``M_LEQ_<x>`` buckets.
+also hold the guide's optional finer ``M_LEQ_<x>`` buckets. A file may name the GPU model
+instead of the arch (``H100-80GB-HBM3-GEMM-...``, what tune-triton writes on a GPU); look-up
+prefers it, as table look-up prefers rows of the same model.
 
 Dispatch uses a per-(N, K) file for a shape that has no CSV row (``lookup``); the default file
 is what ``gemmtune tune-triton`` reports as the best config for untuned (N, K). Files are read
@@ -96,14 +98,17 @@ def _load(path: Path, mtime_ns: int) -> dict[str, BucketConfig]:  # mtime in the
     return read_configs(path)
 
 
-def lookup(arch: str, tag: str, n: int, k: int, m: int) -> str | None:
-    """The kernel name the per-(N, K) file gives M's bucket (or its ``any``), or None."""
-    name = file_name(arch, tag, n, k)
-    for folder in search_dirs():
-        path = folder / name
-        if path.is_file():
-            found = pick(_load(path, path.stat().st_mtime_ns), m)
-            return found.kernel if found else None
+def lookup(arch: str, tag: str, n: int, k: int, m: int, gpu: str = "") -> str | None:
+    """The kernel name the per-(N, K) file gives M's bucket (or its ``any``), or None. A file
+    named after the GPU model (``H100-80GB-HBM3-GEMM-...``) wins over one named after its arch
+    (``sm_90-GEMM-...``), in any of the folders."""
+    for prefix in (gpu, arch) if gpu else (arch,):
+        name = file_name(prefix, tag, n, k)
+        for folder in search_dirs():
+            path = folder / name
+            if path.is_file():
+                found = pick(_load(path, path.stat().st_mtime_ns), m)
+                return found.kernel if found else None
     return None
 
 

@@ -142,7 +142,7 @@ class Tuner:
         self._progress: Progress | None = None
         self._finished_keys: list[tuple] = []
         self._retune_log = RetuneLog(config)
-        self.device: tuple[str, int] = ("", 0)
+        self.device: tuple[str, int, str] = ("", 0, "")  # arch, cu_num, gpu of the rows
         self.env = ""
 
     # ------------------------------------------------------------------------------- the run
@@ -160,12 +160,13 @@ class Tuner:
         self._gpu_locks = {w.gpu: GpuLock(w.gpu) for w in workers}
         restore = self._handle_stop_signals()
         try:
-            arch, cu_num, self.env = workers[0].call("device", timeout=START_TIMEOUT_S)
-            self.device = (arch, cu_num)
+            info = workers[0].call("device", timeout=START_TIMEOUT_S)
+            self.device, self.env = (info.arch, info.cu_num, info.gpu), info.env
             existing = self._existing_rows()
             todo = self._select(keys, existing)
-            self._say(f"tuning {len(todo)} shape(s) of {self.schema.family} on "
-                      f"{arch}:{cu_num} with {len(workers)} worker(s); "
+            where = ":".join(str(v) for v in self.device if v != "")
+            self._say(f"tuning {len(todo)} shape(s) of {self.schema.family} on {where} with "
+                      f"{len(workers)} worker(s); "
                       f"{self.summary.skipped} already tuned")
             self._tune_all(todo, workers, existing)
         except KeyboardInterrupt:
@@ -299,7 +300,7 @@ class Tuner:
 
     # --------------------------------------------------------------------------- one shape
     def tune_shape(self, worker: Worker, key: tuple) -> ShapeResult:
-        device = f"{self.device[0]}:{self.device[1]}"
+        device = ":".join(map(str, self.device))
         try:
             candidates = worker.call("candidates", key, self.config.libtypes,
                                      timeout=max(self.config.timeout, 300.0))
@@ -346,7 +347,8 @@ class Tuner:
             return ShapeResult(key, None, evaluations, "every finalist failed its re-timing")
         best = self._choose(finalists, by_name)
         fields = self.family.result_fields(key, by_name[best.name], best, self.env)
-        row = Row(self.device[0], self.device[1], key, fields)
+        arch, cu_num, gpu = self.device
+        row = Row(arch, cu_num, key, fields, gpu=gpu)
         return ShapeResult(key, row, evaluations)
 
     def _retry_out_of_memory(self, worker: Worker, device: str, key: tuple,

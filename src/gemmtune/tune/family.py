@@ -11,7 +11,7 @@ import abc
 import enum
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -61,6 +61,15 @@ class Evaluation:
         return self.status is Status.ok
 
 
+class DeviceInfo(NamedTuple):
+    """What a worker reports of its device: the row columns arch, cu_num, gpu and env."""
+
+    arch: str
+    cu_num: int
+    gpu: str
+    env: str
+
+
 @dataclass(frozen=True)
 class TuneOptions:
     err_ratio: float = 0.05
@@ -89,13 +98,13 @@ class FamilyTuner(abc.ABC):
     # How ``time`` measures, stored in each row's ``timing`` column.
     timing_label = "graph.coldL2"
 
-    def device_info(self) -> tuple[str, int, str]:
-        """(arch, cu_num, environment fingerprint) of the device this worker tunes on."""
+    def device_info(self) -> DeviceInfo:
+        """The device this worker tunes on, and the environment fingerprint of its rows."""
         from gemmtune.device import current_device
         from gemmtune.tune.fingerprint import fingerprint
 
         dev = current_device()
-        return dev.arch, dev.cu_num, fingerprint()
+        return DeviceInfo(dev.arch, dev.cu_num, dev.gpu, fingerprint())
 
     @abc.abstractmethod
     def candidates(self, key: tuple, libtypes: frozenset[str]) -> list[Candidate]:

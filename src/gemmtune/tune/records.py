@@ -68,7 +68,9 @@ class ProfileLog:
         self.path = path
         self.schema = schema
 
-    def append(self, device: tuple[str, int], key: tuple, evaluations: list[Evaluation]) -> None:
+    def append(self, device: tuple[str, int, str], key: tuple,
+               evaluations: list[Evaluation]) -> None:
+        """``device``: (arch, cu_num, gpu), the columns the profile starts with."""
         out = io.StringIO()
         writer = csv.writer(out, lineterminator="\n")
         for ev in evaluations:
@@ -80,7 +82,7 @@ class ProfileLog:
             new = not self.path.exists() or self.path.stat().st_size == 0
             with open(self.path, "a", encoding="utf-8", newline="") as f:
                 if new:
-                    f.write(",".join(("arch", "cu_num", *self.schema.key_names,
+                    f.write(",".join(("arch", "cu_num", "gpu", *self.schema.key_names,
                                       *PROFILE_COLUMNS)) + "\n")
                 f.write(out.getvalue())
 

@@ -177,7 +177,7 @@ class Screened(NamedTuple):
     detail: str
 
 
-def read_profile(path: Path, schema: Schema, device: tuple[str, int]
+def read_profile(path: Path, schema: Schema, device: tuple[str, int, str]
                  ) -> dict[tuple, dict[str, Screened]]:
     """{key: {kernelName: Screened}} of one device from a profile file; the last result of a
     candidate wins (a re-run appends)."""
@@ -186,7 +186,7 @@ def read_profile(path: Path, schema: Schema, device: tuple[str, int]
         return results
     with open(path, newline="", encoding="utf-8") as f:
         for record in csv.DictReader(f):
-            if (record["arch"], int(record["cu_num"])) != device:
+            if (record["arch"], int(record["cu_num"]), record.get("gpu", "")) != device:
                 continue
             key = schema.make_key(col.parse(record[col.name]) for col in schema.key)
             results.setdefault(key, {})[record["kernelName"]] = Screened(
@@ -269,12 +269,14 @@ def run(args: argparse.Namespace, target: TritonTarget, out=None) -> int:
     out = out or sys.stderr
     space = SearchSpace.from_file(args.space) if args.space else SearchSpace()
     device = current_device()
+    # Files are named after the GPU model where there is one, as dispatch looks for them first.
+    prefix = device.gpu or device.arch
     out_dir = Path(args.output)
     out_dir.mkdir(parents=True, exist_ok=True)
     files = RunFiles.of(out_dir, args.kernel, target.tag)
     kept: dict[tuple[int, int], dict] = {}
     for nk in args.nk if args.resume else []:
-        configs = _readable(out_dir / triton_json.file_name(device.arch, target.tag, *nk), out)
+        configs = _readable(out_dir / triton_json.file_name(prefix, target.tag, *nk), out)
         if configs is not None:
             kept[nk] = configs
     todo = [nk for nk in args.nk if nk not in kept]
@@ -293,13 +295,13 @@ def run(args: argparse.Namespace, target: TritonTarget, out=None) -> int:
         summary = Tuner(tuner_factory, config, out=out).run()
         if summary.interrupted:
             return summary.exit_code
-    results = read_profile(files.profile, schema, (device.arch, device.cu_num))
+    results = read_profile(files.profile, schema, (device.arch, device.cu_num, device.gpu))
     failures: list[Failure] = []
     winners: dict[str, Counter] = {}
     params_by_name: dict[str, dict] = {}
     written, missing = [], []
     for n, k in args.nk:
-        path = out_dir / triton_json.file_name(device.arch, target.tag, n, k)
+        path = out_dir / triton_json.file_name(prefix, target.tag, n, k)
         if (n, k) in kept:  # --resume: a file from an earlier run counts as tuned
             chosen, note = kept[(n, k)], "kept from an earlier run"
         else:
@@ -329,7 +331,7 @@ def run(args: argparse.Namespace, target: TritonTarget, out=None) -> int:
         overall = Counter(name for c in winners.values() for name in c.elements())
         best = overall.most_common(1)[0][0]
         default[triton_json.ANY] = triton_json.BucketConfig(best, params_by_name[best])
-        path = out_dir / triton_json.file_name(device.arch, target.tag)
+        path = out_dir / triton_json.file_name(prefix, target.tag)
         triton_json.write_configs(path, default)
         written.append(path)
     for f in failures:

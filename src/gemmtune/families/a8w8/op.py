@@ -68,7 +68,7 @@ def _default_kernel(key: A8w8Key, device: DeviceId) -> str:
     tag = JSON_TAGS.get(problem.dtype)
     if tag is None:
         return TORCH_SCALED_MM
-    return json_config_or(TORCH_SCALED_MM, REGISTRY, problem, device.arch, tag)
+    return json_config_or(TORCH_SCALED_MM, REGISTRY, problem, device, tag)
 
 
 DISPATCH = Dispatcher(SCHEMA, REGISTRY, _to_table_key, problem_of, _default_kernel)

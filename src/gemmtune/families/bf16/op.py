@@ -72,7 +72,7 @@ def _default_kernel(key: Bf16Key, device: DeviceId) -> str:
     tag = JSON_TAGS.get(problem.dtype)
     if tag is None or key.outdtype != key.dtype or key.scaleAB or key.bpreshuffle:
         return TORCH_LINEAR
-    return json_config_or(TORCH_LINEAR, REGISTRY, problem, device.arch, tag)
+    return json_config_or(TORCH_LINEAR, REGISTRY, problem, device, tag)
 
 
 DISPATCH = Dispatcher(SCHEMA, REGISTRY, _to_table_key, problem_of, _default_kernel)
