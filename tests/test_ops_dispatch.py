@@ -508,3 +508,30 @@ def test_an_empty_gemm_runs_the_default_and_is_not_captured(tmp_path, monkeypatc
     plan = plan_for(3, 8, 0, bias=True)
     assert plan.decision.rule is Rule.default and "K=0 is out of range" in plan.decision.note
     assert not (tmp_path / "shards").exists()  # no untuned row the tuner could not read
+
+
+def test_cublaslt_rows_without_nvmath_fall_back_with_one_warning_in_all(user_table,
+                                                                        monkeypatch):
+    from gemmtune.kernels.cublaslt import kernels as lt_kernels
+
+    monkeypatch.setattr(lt_kernels, "nvmath_missing",
+                        lambda: "nvmath-python is not installed (simulated)")
+    name = "cublaslt:id66.tile64x8.stages64xAUTO.sk1.red0.swz0.co1.cl1x1x1.in0"
+    user_table(*(row(m, 16, 16, name, dtype="torch.bfloat16") for m in (8, 16, 32)))
+    w = fresh(16, 16, seed=1, dtype=torch.bfloat16)
+    with pytest.warns(UserWarning, match="nvmath-python is not installed") as record:
+        for m in (8, 16, 32):
+            x = fresh(m, 16, seed=m, dtype=torch.bfloat16)
+            torch.testing.assert_close(gemmtune.gemm_a16w16(x, w), gemm_a16w16_ref(x, w))
+    assert len([w for w in record if "nvmath" in str(w.message)]) == 1
+
+
+def test_nvmath_is_a_dependency_on_linux():
+    import importlib.metadata
+
+    try:
+        requires = importlib.metadata.requires("gemmtune") or []
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("gemmtune is not installed here (run from a source tree)")
+    assert any(r.startswith("nvmath-python") and "sys_platform == \"linux\"" in r
+               and "extra" not in r for r in requires), requires

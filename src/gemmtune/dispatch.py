@@ -35,7 +35,12 @@ log = logging.getLogger("gemmtune")
 
 class KernelNameError(ValueError):
     """A ``kernelName`` that no registered backend can turn into a kernel, or whose kernel
-    cannot run the problem at hand."""
+    cannot run the problem at hand; ``why`` is the kernel's own reason where it gave one (the
+    same for every row of a backend whose library is missing)."""
+
+    def __init__(self, message: str, why: str = ""):
+        super().__init__(message)
+        self.why = why or message
 
 
 class KernelRegistry:
@@ -93,7 +98,7 @@ class KernelRegistry:
         kernel = self.resolve(name)
         why = kernel.check(problem) if hasattr(kernel, "check") else None
         if why:
-            raise KernelNameError(f"{self.family}: {name} cannot run this shape: {why}")
+            raise KernelNameError(f"{self.family}: {name} cannot run this shape: {why}", why)
         return kernel
 
 
@@ -230,7 +235,7 @@ class Dispatcher:
             run = self.registry.resolve_for(decision.kernel_name, problem)
         except KernelNameError as e:
             source = decision.row.source if decision.row is not None else None
-            _warn_unusable_row(str(e), str(source) if source else "")
+            _warn_unusable_row(e.why, str(e), str(source) if source else "")
             fallback = self.default_kernel(key, device)
             decision = Decision(self.family, key, Rule.default, fallback, decision.row,
                                 note=f"row kernel unusable: {decision.kernel_name}")
@@ -274,11 +279,19 @@ class Dispatcher:
         return plan
 
 
-@functools.cache
-def _warn_unusable_row(message: str, source: str) -> None:
+_warned_reasons: set[str] = set()
+
+
+def _warn_unusable_row(why: str, message: str, source: str) -> None:
+    """One warning per reason: rows that fall back for the same reason (every cuBLASLt row where
+    nvmath-python is missing) share it, instead of one warning each."""
+    with _lock:
+        if why in _warned_reasons:
+            return
+        _warned_reasons.add(why)
     where = f" (row {source})" if source else ""
-    warnings.warn(f"{message}{where}; using the family default instead. Retune this shape or "
-                  f"remove the row.", stacklevel=2)
+    warnings.warn(f"{message}{where}; using the family default instead, here and for any other "
+                  f"row with this reason. Retune this shape or remove the row.", stacklevel=3)
 
 
 @functools.cache
@@ -349,5 +362,6 @@ def reset() -> None:
         _indexes.clear()
         _misses.clear()
         _decisions.clear()
-    _warn_unusable_row.cache_clear()
+    with _lock:
+        _warned_reasons.clear()
     _warn_capture_failed.cache_clear()

@@ -4,7 +4,7 @@ x and w (gemm_a8w8: ``CublasLtScaledKernel``; cuBLASLt's SCALAR_32F and OUTER_VE
 modes, both checked on H100 with cuBLASLt 13.1 by benchmarks/cublaslt_fp8_probe.py).
 
 The layers, bottom up:
-- ``_bindings``: nvmath-python's low-level bindings (``pip install gemmtune[cublaslt]``),
+- ``_bindings``: nvmath-python's low-level bindings (a dependency of gemmtune on Linux),
   imported lazily so the package imports on machines without nvmath or a GPU; enum values.
 - ``algo``: ``LtAlgo``, an algorithm's nine attributes as a ``kernelName``
   (``cublaslt:id66.tile64x8.stages64xAUTO.sk4.red2.swz0.co1.cl1x2x1.in0``), and ``algo_of``.

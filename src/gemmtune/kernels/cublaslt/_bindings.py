@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-INSTALL_HINT = "pip install gemmtune[cublaslt]"
+INSTALL_HINT = "pip install nvmath-python (a dependency of gemmtune on Linux)"
 
 # ABI-stable enum values from library_types.h / cublas_api.h / cublasLt.h.
 CUDA_TYPES = {torch.float32: 0, torch.float16: 2, torch.bfloat16: 14,
