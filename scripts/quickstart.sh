@@ -9,3 +9,4 @@ MODEL=${MODEL:-llama3-8b}
 gemmtune shapes --model "$MODEL" -o out/shapes/
 gemmtune tables
 gemmtune bench bf16 --model "$MODEL" -o out/bench
+echo "gemmtune is installed in $VENV: run '. $VENV/bin/activate' to use the commands of README's Workflow"

@@ -284,3 +284,21 @@ def test_lookup_says_when_a_row_of_another_gpu_model_serves(tmp_path, monkeypatc
     monkeypatch.setenv("GEMMTUNE_DEVICE", "sm_90:132:H200")
     assert main(["tables"]) == 0
     assert "(0 of H200, 1 similar-gpu" in capsys.readouterr().out
+
+
+def test_readme_set_up_puts_gemmtune_on_the_path_for_its_workflow():
+    """README's set-up block must leave the `gemmtune ...` commands of its Workflow runnable: it
+    activates the venv that scripts/_venv.sh makes, where the console script is installed."""
+    import re
+    import tomllib
+    from pathlib import Path
+
+    root = Path(__file__).parent.parent
+    readme = (root / "README.md").read_text()
+    set_up = readme.split("## Set up on a fresh machine", 1)[1].split("\n## ", 1)[0]
+    workflow = readme.split("## Workflow", 1)[1].split("\n## ", 1)[0]
+    venv = re.search(r"VENV=\$\{GEMMTUNE_VENV:-([^}]+)\}", (root / "scripts/_venv.sh").read_text())
+    assert f". {venv.group(1)}/bin/activate" in set_up
+    assert re.search(r"^gemmtune ", workflow, re.M)
+    scripts = tomllib.loads((root / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts["gemmtune"] == "gemmtune.cli:main"
