@@ -389,3 +389,40 @@ def test_copied_model_dir_is_named_after_folder(tmp_path):
     target = tmp_path / "My-Model"
     shutil.copytree(FIXTURES / "tiny-llama", target)
     assert load_model_dir(target).name == "My-Model"
+
+
+# ------------------------------------------------------- nested text configs and bias flags
+def _llama_fields(**extra) -> dict:
+    return {"hidden_size": 1024, "num_attention_heads": 16, "num_key_value_heads": 4,
+            "intermediate_size": 2816, "vocab_size": 32000, **extra}
+
+
+def test_a_multimodal_config_with_its_language_model_under_text_config():
+    """Gemma-3 and Llama-4 keep the language model's fields under text_config."""
+    cfg = {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
+           "text_config": _llama_fields(head_dim=256, model_type="gemma3_text"),
+           "vision_config": {"hidden_size": 1152, "intermediate_size": 4304}}
+    spec = ModelSpec.from_config(cfg, "gemma-3")
+    assert spec.architectures == ("Gemma3ForConditionalGeneration",)
+    assert nk(dense_projections(spec, 1))["qkv"] == ((16 + 2 * 4) * 256, 1024)
+    assert nk(dense_projections(spec, 1))["gate_up"] == (2 * 2816, 1024)
+    with pytest.raises(ModelConfigError, match="'vocab_size' is missing or null \\(also under "
+                                               "'text_config'\\)"):
+        ModelSpec.from_config({"text_config": {k: v for k, v in _llama_fields().items()
+                                               if k != "vocab_size"}}, "x")
+
+
+@pytest.mark.parametrize("extra, model_type, biased", [
+    ({}, "llama", set()),
+    ({}, "qwen2", {"qkv"}),  # Qwen2's q/k/v always add a bias; o does not
+    ({"attention_bias": True}, "llama", {"qkv", "o"}),
+    ({"mlp_bias": True}, "llama", {"gate_up", "down"}),
+])
+def test_bias_flags_reach_the_projections_and_the_bf16_rows(extra, model_type, biased):
+    spec = ModelSpec.from_config({**_llama_fields(**extra), "model_type": model_type}, "m")
+    projections = dense_projections(spec, 1)
+    assert {p.name for p in projections if p.bias} == biased
+    rows = untuned_rows(spec, 1, m_values=(4,))
+    bf16 = {(r.key.N, r.key.K): r.key.bias for r in rows["bf16"]}
+    assert bf16 == {(p.N, p.K): p.bias for p in projections}
+    assert len(rows["a8w8"]) == len({(p.N, p.K) for p in projections})  # no bias column there

@@ -101,7 +101,7 @@ def toy_inputs(m: int, n: int, k: int, dtype: torch.dtype, gen: torch.Generator)
 SHORT_OF_KEY = {DTYPE_NAMES[d]: short for short, d in SHORT_DTYPES.items()}
 
 
-def gemm_key(m: int, n: int, k: int, dtype: str) -> ToyKey:
+def gemm_key(m: int, n: int, k: int, dtype: str, bias: bool = False) -> ToyKey:
     return ToyKey(m, n, k, DTYPE_NAMES[SHORT_DTYPES[dtype]])
 
 

@@ -53,8 +53,9 @@ class Family:
     # dtype (short name: bf16, fp16, fp8, ...) -> how the bench runs the op in it.
     bench: Callable[[str], BenchOp] | None = None
     bench_dtypes: tuple[str, ...] = ()  # the first is the default
-    # (M, N, K, dtype short name) -> the key of that GEMM: bench and tune-triton shapes.
-    gemm_key: Callable[[int, int, int, str], tuple] | None = None
+    # (M, N, K, dtype short name, bias=False) -> the key of that GEMM: bench, tune-triton and
+    # model shapes (a key without a bias column ignores it).
+    gemm_key: Callable[..., tuple] | None = None
     # input dtype -> TAG of its Triton JSON config files ({arch}-GEMM-{TAG}-N=..-K=...json)
     triton_json_tags: Mapping[torch.dtype, str] = field(default_factory=dict)
     # key -> the dtype short name its bench runs in (``--run_config`` of a table)

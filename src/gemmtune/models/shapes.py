@@ -106,6 +106,9 @@ class ModelSpec:
     shared_expert_intermediate_size: int = 0
     num_hidden_layers: int | None = None
     mla: MlaDims | None = None
+    qkv_bias: bool = False  # the q/k/v projections add a bias (Qwen2, attention_bias)
+    o_bias: bool = False  # the output projection adds one (attention_bias)
+    mlp_bias: bool = False  # the MLP's gate/up and down projections add one (mlp_bias)
 
     @property
     def is_moe(self) -> bool:
@@ -117,9 +120,11 @@ class ModelSpec:
         src = source or name
         if not isinstance(cfg, dict):
             raise ModelConfigError(f"{src}: expected a JSON object, got {type(cfg).__name__}")
+        cfg = _language_model_fields(cfg, src)
         fields = _Fields(cfg, src)
         model_type = str(cfg.get("model_type", ""))
         architectures = tuple(str(a) for a in cfg.get("architectures") or ())
+        biases = _biases(cfg, model_type, src)
 
         hidden = fields.required("hidden_size")
         heads = fields.required("num_attention_heads")
@@ -159,7 +164,7 @@ class ModelSpec:
                 hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=kv_heads,
                 head_dim=head_dim, vocab_size=vocab,
                 dense_intermediate_size=fields.required("intermediate_size", "the dense MLP width"),
-                num_hidden_layers=fields.optional("num_hidden_layers"), mla=mla,
+                num_hidden_layers=fields.optional("num_hidden_layers"), mla=mla, **biases,
             )
 
         topk = fields.required("num_experts_per_tok", "experts per token of an MoE model")
@@ -190,8 +195,37 @@ class ModelSpec:
             head_dim=head_dim, vocab_size=vocab, dense_intermediate_size=dense_width,
             num_experts=num_experts, num_experts_per_tok=topk, moe_intermediate_size=expert_width,
             shared_expert_intermediate_size=shared,
-            num_hidden_layers=fields.optional("num_hidden_layers"), mla=mla,
+            num_hidden_layers=fields.optional("num_hidden_layers"), mla=mla, **biases,
         )
+
+
+# Families whose q/k/v projections always add a bias, with no config field saying so.
+_QKV_BIAS_MODEL_TYPES = {"qwen2", "qwen2_moe", "qwen2_vl", "qwen2_5_vl"}
+
+
+def _biases(cfg: dict, model_type: str, src: str) -> dict[str, bool]:
+    """Which projections add a bias, as transformers builds them: ``attention_bias`` for q/k/v
+    and o (Llama, Qwen3, DeepSeek), Qwen2's built-in q/k/v bias, ``mlp_bias`` for the MLP."""
+    flags = {}
+    for key in ("attention_bias", "mlp_bias"):
+        value = cfg.get(key) or False  # absent or null: no bias
+        if not isinstance(value, bool):
+            raise ModelConfigError(f"{src}: field {key!r} must be true or false, got {value!r}")
+        flags[key] = value
+    return {"qkv_bias": flags["attention_bias"] or model_type in _QKV_BIAS_MODEL_TYPES,
+            "o_bias": flags["attention_bias"], "mlp_bias": flags["mlp_bias"]}
+
+
+def _language_model_fields(cfg: dict, src: str) -> dict:
+    """The fields the GEMM shapes come from. Multimodal configs (Gemma-3, Llama-4, some
+    Qwen-VL) keep their language model's under ``text_config``; those override the top level,
+    which keeps ``architectures`` and ``model_type`` for what the text config lacks."""
+    text = cfg.get("text_config")
+    if text is None:
+        return cfg
+    if not isinstance(text, dict):
+        raise ModelConfigError(f"{src}: 'text_config' must be an object, got {type(text).__name__}")
+    return {**cfg, **{k: v for k, v in text.items() if v is not None}}
 
 
 class _Fields:
@@ -205,12 +239,10 @@ class _Fields:
         value = self.optional(key)
         if value is None:
             need = f" ({what})" if what else ""
-            hint = ""
-            if "text_config" in self._cfg:
-                hint = "; this looks like a multimodal config (language model fields under 'text_config')"
             raise ModelConfigError(
-                f"{self._source}: required field {key!r}{need} is missing or null{hint}. "
-                f"Point at the model's Hugging Face config.json, or add {key!r} to it."
+                f"{self._source}: required field {key!r}{need} is missing or null (also under "
+                f"'text_config'). Point at the model's Hugging Face config.json, or add {key!r} "
+                f"to it."
             )
         return value
 
@@ -297,11 +329,12 @@ def _check_tp(spec: ModelSpec, tp: int) -> None:
 
 @dataclass(frozen=True)
 class Projection:
-    """One linear layer per TP rank: y (M, N) = x (M, K) @ W.T, W (N, K)."""
+    """One linear layer per TP rank: y (M, N) = x (M, K) @ W.T (+ bias), W (N, K)."""
 
     name: str
     N: int
     K: int
+    bias: bool = False
 
 
 @dataclass(frozen=True)
@@ -319,8 +352,9 @@ def _attention(spec: ModelSpec, tp: int) -> list[Projection]:
     if spec.mla is None:
         kv_per_rank = max(1, spec.num_key_value_heads // tp)
         return [
-            Projection("qkv", (heads // tp + 2 * kv_per_rank) * spec.head_dim, hidden),
-            Projection("o", hidden, heads * spec.head_dim // tp),
+            Projection("qkv", (heads // tp + 2 * kv_per_rank) * spec.head_dim, hidden,
+                       spec.qkv_bias),
+            Projection("o", hidden, heads * spec.head_dim // tp, spec.o_bias),
         ]
     mla = spec.mla
     qk_head = mla.qk_nope_head_dim + mla.qk_rope_head_dim
@@ -336,20 +370,21 @@ def _attention(spec: ModelSpec, tp: int) -> list[Projection]:
     ]
 
 
-def _mlp(prefix: str, hidden: int, width: int, tp: int) -> list[Projection]:
+def _mlp(prefix: str, hidden: int, width: int, tp: int, bias: bool = False) -> list[Projection]:
     return [
-        Projection(f"{prefix}gate_up", 2 * width // tp, hidden),  # gate and up fused, column-parallel
-        Projection(f"{prefix}down", hidden, width // tp),  # row-parallel
+        Projection(f"{prefix}gate_up", 2 * width // tp, hidden, bias),  # fused, column-parallel
+        Projection(f"{prefix}down", hidden, width // tp, bias),  # row-parallel
     ]
 
 
 def dense_projections(spec: ModelSpec, tp: int = 1) -> list[Projection]:
-    """The distinct (N, K) linear layers of ``spec`` per TP rank, in layer order; first name wins."""
+    """The distinct (N, K, bias) linear layers of ``spec`` per TP rank, in layer order; first name
+    wins."""
     _check_tp(spec, tp)
     hidden = spec.hidden_size
     layers = _attention(spec, tp)
     if spec.dense_intermediate_size is not None:
-        layers += _mlp("", hidden, spec.dense_intermediate_size, tp)
+        layers += _mlp("", hidden, spec.dense_intermediate_size, tp, spec.mlp_bias)
     if spec.shared_expert_intermediate_size:
         layers += _mlp("shared_", hidden, spec.shared_expert_intermediate_size, tp)
     if spec.is_moe:
@@ -357,11 +392,11 @@ def dense_projections(spec: ModelSpec, tp: int = 1) -> list[Projection]:
         layers.append(Projection("router", spec.num_experts, hidden))
     # Engines pad the vocabulary so every rank holds the same number of rows.
     layers.append(Projection("lm_head", -(-spec.vocab_size // tp), hidden))
-    seen: set[tuple[int, int]] = set()
+    seen: set[tuple[int, int, bool]] = set()
     distinct = []
     for proj in layers:
-        if (proj.N, proj.K) not in seen:
-            seen.add((proj.N, proj.K))
+        if (proj.N, proj.K, proj.bias) not in seen:
+            seen.add((proj.N, proj.K, proj.bias))
             distinct.append(proj)
     return distinct
 
@@ -390,15 +425,18 @@ def untuned_rows(
     key, in its default dtype (bf16; FP8 weights for a8w8 and a8w8_blockscale), and fmoe for
     MoE models.
 
-    Rows are ordered by (N, K) then M (fmoe: by shape, then token) and hold no duplicates.
+    Rows are ordered by (N, K, bias) then M (fmoe: by shape, then token) and hold no duplicates.
     """
     ms = _m_values(m_values)
-    gemm_keys = sorted({(p.N, p.K) for p in dense_projections(spec, tp)})
-    rows: dict[str, list[Row]] = {
-        family.name: [Row("", 0, family.gemm_key(m, n, k, family.bench_dtypes[0]))
-                      for n, k in gemm_keys for m in ms]
-        for family in all_families() if family.gemm_key is not None and family.bench_dtypes
-    }
+    gemms = sorted({(p.N, p.K, p.bias) for p in dense_projections(spec, tp)})
+    rows: dict[str, list[Row]] = {}
+    for family in all_families():
+        if family.gemm_key is None or not family.bench_dtypes:
+            continue
+        # A family whose key has no bias column gives one key for both: keep it once.
+        keys = (family.gemm_key(m, n, k, family.bench_dtypes[0], bias=bias)
+                for n, k, bias in gemms for m in ms)
+        rows[family.name] = [Row("", 0, key) for key in dict.fromkeys(keys)]
     moe = sorted({(s.model_dim, s.inter_dim, s.expert, s.topk) for s in moe_shapes(spec, tp)})
     if moe:
         rows["fmoe"] = [

@@ -17,7 +17,8 @@ from gemmtune.tables.values import DTYPE_NAMES
 BENCH_DTYPES = ("fp8", "int8")
 
 
-def gemm_key(m: int, n: int, k: int, dtype: str) -> A8w8Key:
+def gemm_key(m: int, n: int, k: int, dtype: str, bias: bool = False) -> A8w8Key:
+    """The key has no bias column: the rows are tuned without one."""
     return A8w8Key(m, n, k, DTYPE_NAMES[SHORT_DTYPES[dtype]])
 
 

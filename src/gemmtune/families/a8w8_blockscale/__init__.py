@@ -15,7 +15,7 @@ from gemmtune.kernels.torch_ref import (TORCH_BLOCKSCALE, blockscale_torch, cubl
 BENCH_DTYPES = ("fp8",)
 
 
-def gemm_key(m: int, n: int, k: int, dtype: str = "fp8") -> BlockscaleKey:
+def gemm_key(m: int, n: int, k: int, dtype: str = "fp8", bias: bool = False) -> BlockscaleKey:
     return BlockscaleKey(m, n, k)
 
 

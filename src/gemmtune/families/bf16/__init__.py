@@ -15,9 +15,9 @@ from gemmtune.tables.values import DTYPE_NAMES
 BENCH_DTYPES = ("bf16", "fp16", "fp32")
 
 
-def gemm_key(m: int, n: int, k: int, dtype: str) -> Bf16Key:
+def gemm_key(m: int, n: int, k: int, dtype: str, bias: bool = False) -> Bf16Key:
     name = DTYPE_NAMES[SHORT_DTYPES[dtype]]
-    return Bf16Key(m, n, k, False, name, name, False, False)
+    return Bf16Key(m, n, k, bias, name, name, False, False)
 
 
 def dtype_of_key(key) -> str:
