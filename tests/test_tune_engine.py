@@ -582,3 +582,26 @@ def test_rows_of_another_gpu_model_do_not_count_as_tuned(tmp_path, monkeypatch):
     rows = read_table(tmp_path / "tuned.csv", BF16).rows
     assert sorted((r.gpu, r.key.M) for r in rows) == [
         ("H100-80GB-HBM3", 1), ("H100-80GB-HBM3", 2), ("H200", 1), ("H200", 2)]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="Triton's CPU interpreter")
+def test_bf16_triton_candidates_are_refused_on_the_cpu_and_the_run_says_why(tmp_path):
+    from gemmtune.families.bf16.tuner import Bf16Tuner
+
+    inp = tmp_path / "u.csv"
+    inp.write_text(HEADER + "5,24,40,False,torch.bfloat16,torch.bfloat16,False,False\n")
+    out = io.StringIO()
+    config = TuneConfig(input=inp, output=tmp_path / "t.csv", profile=tmp_path / "prof.csv",
+                        timeout=120, options=TuneOptions(iters=3, warmup=1))
+    assert Tuner(Bf16Tuner, config, out=out).run().exit_code == 0, out.getvalue()
+    statuses = profile(tmp_path)
+    assert statuses["torch.linear"] == "ok"
+    assert [s for n, s in statuses.items() if n.startswith("triton.")] == ["refused"] * 2
+    assert "refused: 2 x Triton's CPU interpreter computes bf16 dots wrongly" in out.getvalue()
+
+
+def test_the_run_says_why_candidates_failed(tmp_path, monkeypatch):
+    monkeypatch.setenv("FAULTY_CANDIDATES", "torch.linear,fault.wrong,fault.raise")
+    _, log = tune(tmp_path, untuned(tmp_path / "u.csv", [1, 2]))
+    assert "  error: 2 x ValueError: this candidate always raises" in log
+    assert "  wrong: 2 x #" in log and "of elements outside tolerance" in log

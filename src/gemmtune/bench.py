@@ -72,15 +72,10 @@ class BenchRow:
 
 
 def _peak_gemm(op: BenchOp):
-    """A large GEMM through torch in ``op``'s dtype, and its FLOPs: the peak-throughput probe.
-    On the CPU, fp32 at 1024^3 (no fast bf16 GEMM there; rough numbers)."""
-    if torch.cuda.is_available():
-        n = 8192
-        args = op.inputs(n, n, n, torch.Generator(device="cuda").manual_seed(1))
-        return (lambda: op.torch(args)), 2.0 * n ** 3
-    n = 1024
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    return (lambda: a @ b), 2.0 * n ** 3
+    """A large GEMM through torch in ``op``'s dtype, and its FLOPs: the peak-throughput probe."""
+    n = 8192
+    args = op.inputs(n, n, n, torch.Generator(device="cuda").manual_seed(1))
+    return (lambda: op.torch(args)), 2.0 * n ** 3
 
 
 def floors_of(m: int, n: int, k: int, op: BenchOp, c: Ceilings) -> Floors:
@@ -107,8 +102,10 @@ def _time_pair(op: BenchOp, args: tuple) -> tuple[float, float]:
     return torch_us, tuned_us
 
 
-def bench_shape(shape: BenchShape, family: Family, op: BenchOp, ceilings: Ceilings,
+def bench_shape(shape: BenchShape, family: Family, op: BenchOp, ceilings: Ceilings | None,
                 gen: torch.Generator) -> BenchRow:
+    """One shape: the tuned op checked against the fp32 reference, both columns timed, and the
+    floors from ``ceilings`` (None on the CPU: the floors then are NaN)."""
     name, m, n, k = shape.name, shape.M, shape.N, shape.K
     args = op.inputs(m, n, k, gen)
     y = op.tuned(args)
@@ -117,7 +114,8 @@ def bench_shape(shape: BenchShape, family: Family, op: BenchOp, ceilings: Ceilin
     ok = bool(torch.isfinite(y).all()) and rel <= TOLERANCES[op.out_dtype][2]  # the tuner's
     decision = family.dispatcher.decide(op.table_key(m, n, k))
     torch_us, tuned_us = _time_pair(op, args)
-    f = floors_of(m, n, k, op, ceilings)
+    nan = float("nan")
+    f = floors_of(m, n, k, op, ceilings) if ceilings is not None else Floors(nan, nan)
     eff, att_eff = f.efficiencies(tuned_us)
     torch_eff, torch_att_eff = f.efficiencies(torch_us)
     return BenchRow(name, m, n, k, torch_us, tuned_us, torch_us / tuned_us, f.roofline_us,
@@ -141,12 +139,21 @@ M_RANGES = (("M<=64", 1, 64), ("64<M<1024", 65, 1023), ("M>=1024", 1024, 1 << 62
 SLOWER_THAN_TORCH = 0.98
 
 
-def summarize(rows: list[BenchRow]) -> list[str]:
+CPU_NOTE = ("CPU: each time is the wall time of one call of a tiny GEMM, to show that the op "
+            "runs and is right, not how fast; speed-ups, ceilings and floors are GPU measures and "
+            "are left out")
+
+
+def summarize(rows: list[BenchRow], gpu: bool = True) -> list[str]:
     """Per M range: speed-up geomean and both efficiencies' geomeans (each capped at 1.0), for
     the tuned op and torch. Shapes whose torch column ran the fp32 reference are left out of the
     speed-up and of torch's efficiencies (neither says anything about cuBLAS there) and counted
     apart. Then, if any: the rows faster than their attainable floor, the shapes below 0.98x
     torch."""
+    if not gpu:
+        bad = sum(not r.ok for r in rows)
+        return [f"{len(rows)} shape(s) checked against the fp32 reference: "
+                + (f"{bad} WRONG" if bad else "all within the bound"), CPU_NOTE]
     lines = []
     for label, lo, hi in M_RANGES:
         sel = [r for r in rows if lo <= r.M <= hi]
@@ -226,11 +233,13 @@ def plot(rows: list[BenchRow], path: Path, title: str) -> str | None:
     return None
 
 
-def _measure_all(shapes: list[BenchShape], family: Family, op: BenchOp, gpu: bool) -> list[BenchRow]:
-    ceilings = measure_ceilings(*_peak_gemm(op))
-    print(f"ceilings measured now: {ceilings.bytes_per_s / 1e9:.0f} GB/s streaming read, "
-          f"{ceilings.flops_per_s / 1e12:.1f} TFLOP/s, t_launch {ceilings.launch_us:.2f} us"
-          + ("" if gpu else " (CPU: fp32, rough; efficiencies are indicative only)"))
+def _measure_all(shapes: list[BenchShape], family: Family, op: BenchOp,
+                 gpu: bool) -> list[BenchRow]:
+    ceilings = None
+    if gpu:
+        ceilings = measure_ceilings(*_peak_gemm(op))
+        print(f"ceilings measured now: {ceilings.bytes_per_s / 1e9:.0f} GB/s streaming read, "
+              f"{ceilings.flops_per_s / 1e12:.1f} TFLOP/s, t_launch {ceilings.launch_us:.2f} us")
     gen = torch.Generator(device="cuda" if gpu else "cpu").manual_seed(0)
     return [bench_shape(shape, family, op, ceilings, gen) for shape in shapes]
 
@@ -246,7 +255,7 @@ def run_bench(shapes: list[BenchShape], family: Family, op: BenchOp, out_dir: Pa
     with GpuLock(gpu_label(torch.cuda.current_device())) if gpu else contextlib.nullcontext():
         rows = _measure_all(shapes, family, op, gpu)
     slow = [f"{r.M}x{r.N}x{r.K}" for r in rows if r.torch_is_reference]
-    if slow:
+    if slow and gpu:
         print(f"torch column = the dequantised fp32 reference (no fast torch kernel takes the "
               f"shape; speed-ups there are not against cuBLAS): {', '.join(slow)}")
     csv_path = out_dir / f"bench_{op.label}.csv"
@@ -261,7 +270,7 @@ def run_bench(shapes: list[BenchShape], family: Family, op: BenchOp, out_dir: Pa
               f"{r.speedup:>7.3f} {r.roofline_us:>8.2f} {r.attainable_us:>7.2f} "
               f"{r.efficiency:>5.3f} {r.attainable_efficiency:>5.3f} {r.rule:<8} "
               f"{r.kernel}{flag}")
-    for line in summarize(rows):
+    for line in summarize(rows, gpu):
         print(line)
     print(f"wrote {csv_path}" + (f" and {png_path}" if why_no_plot is None else f"; {why_no_plot}"))
     bad = [r for r in rows if not r.ok]

@@ -32,7 +32,7 @@ LAUNCH_PROBE_CALLS = 200
 class Ceilings:
     bytes_per_s: float  # streaming read
     flops_per_s: float  # a large GEMM in the benchmarked dtype
-    launch_us: float  # t_launch; 0 without a GPU (no CUDA graphs to replay)
+    launch_us: float  # t_launch
 
 
 @dataclass(frozen=True)
@@ -51,12 +51,10 @@ def floors(flops: float, nbytes: float, c: Ceilings) -> Floors:
 
 
 def streaming_read_bytes_per_s() -> float:
-    """Bytes per second of a ``sum`` over 2 GiB of bf16 (256 MiB of fp32 on the CPU)."""
-    gpu = torch.cuda.is_available()
-    dtype = torch.bfloat16 if gpu else torch.float32  # the CPU has no fast bf16 reduction
-    nbytes = (2 << 30) if gpu else (256 << 20)
-    buf = torch.randn(nbytes // dtype.itemsize, device="cuda" if gpu else "cpu").to(dtype)
-    read_us = _fastest(lambda: buf.sum(dtype=torch.float32), 10 if gpu else 3)
+    """Bytes per second of a ``sum`` over 2 GiB of bf16 on the GPU."""
+    nbytes = 2 << 30
+    buf = torch.randn(nbytes // 2, device="cuda").to(torch.bfloat16)
+    read_us = _fastest(lambda: buf.sum(dtype=torch.float32), 10)
     return nbytes / (read_us * 1e-6)
 
 
@@ -68,9 +66,7 @@ def _fastest(fn, reps: int, tries: int = 3) -> float:
 
 def launch_us(calls: int = LAUNCH_PROBE_CALLS, replays: int = 20) -> float:
     """``t_launch``: µs per one-element copy, ``calls`` of them captured in one CUDA graph,
-    median over ``replays`` replays. 0 without a GPU."""
-    if not torch.cuda.is_available():
-        return 0.0
+    median over ``replays`` replays."""
     src = torch.ones(1, device="cuda")
     dst = torch.empty_like(src)
     dst.copy_(src)
@@ -93,8 +89,9 @@ def launch_us(calls: int = LAUNCH_PROBE_CALLS, replays: int = 20) -> float:
 
 
 def measure_ceilings(peak_gemm: Callable[[], object], peak_flops: float) -> Ceilings:
-    """All three ceilings now. ``peak_gemm`` runs one large GEMM of the benchmarked dtype
-    through torch on random data (zeros run faster), doing ``peak_flops`` FLOPs."""
+    """All three ceilings of the GPU, now. ``peak_gemm`` runs one large GEMM of the benchmarked
+    dtype through torch on random data (zeros run faster), doing ``peak_flops`` FLOPs. There are
+    none on the CPU: a ceiling there would say nothing of the GPU a table is for."""
     bandwidth = streaming_read_bytes_per_s()
-    gemm_us = _fastest(peak_gemm, 10 if torch.cuda.is_available() else 2)
+    gemm_us = _fastest(peak_gemm, 10)
     return Ceilings(bandwidth, peak_flops / (gemm_us * 1e-6), launch_us())

@@ -15,6 +15,7 @@ import json
 import math
 import os
 import queue
+import re
 import secrets
 import signal
 import sys
@@ -85,6 +86,8 @@ class RunSummary:
     interrupted: bool = False
     # Shapes tuned without some candidates that ran out of GPU memory twice.
     short_of_memory: list[tuple] = field(default_factory=list)
+    # status -> reason -> candidates: why candidates did not pass (wrong, error, refused)
+    reasons: dict[str, Counter] = field(default_factory=dict)
     unsaved: str = ""  # why the output could not be written at the end, if it could not
     rescued_to: Path | None = None  # where the rows went instead
 
@@ -367,6 +370,8 @@ class Tuner:
 
     def _evaluate(self, worker: Worker, device: str, key: tuple, candidate: Candidate,
                   seed: int) -> Evaluation:
+        if candidate.refused:
+            return Evaluation(candidate.name, Status.refused, detail=candidate.refused)
         if self.memo.skips(device, key, candidate.name, self.config.timeout):
             return Evaluation(candidate.name, Status.skipped,
                               detail=f"crashed or hung in an earlier run (see {self.memo.path})")
@@ -482,6 +487,12 @@ class Tuner:
         with self._lock:
             for ev in result.evaluations:
                 self.summary.statuses[ev.status.value] += 1
+                if ev.status in (Status.wrong, Status.error, Status.refused):
+                    # Why, without the measured numbers that differ from shape to shape.
+                    why = ev.detail.split("\n")[0][:160]
+                    if ev.status is not Status.refused:
+                        why = re.sub(r"(?<![\w#.])\d[\d.e+-]*%?", "#", why)
+                    self.summary.reasons.setdefault(ev.status.value, Counter())[why] += 1
             if result.row is not None and any(ev.status is Status.oom
                                               for ev in result.evaluations):
                 self.summary.short_of_memory.append(result.key)
@@ -544,6 +555,11 @@ class Tuner:
                      if s.kept_old else "")
                   + (f", {len(s.bad_input)} bad input row(s)" if s.bad_input else "")
                   + f"; candidates: {statuses or 'none'}; output {self.config.output}")
+        for status, reasons in sorted(s.reasons.items()):
+            shown = "; ".join(f"{n} x {why}" for why, n in reasons.most_common(3))
+            more = len(reasons) - 3
+            self._say(f"  {status}: {shown}" + (f"; and {more} other reason(s) (-o2 lists every "
+                                                 f"candidate)" if more > 0 else ""))
         if s.statuses[Status.oom.value]:
             self._say(f"{s.statuses[Status.oom.value]} candidate(s) ran out of GPU memory even on "
                       f"a second try; with fewer workers (--mp) each has more")

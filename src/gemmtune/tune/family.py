@@ -29,6 +29,7 @@ class Candidate:
     simplicity: int = 2
     splitk: int = 0
     solidx: int = 0
+    refused: str = ""  # why it is not run here (recorded as refused, with this reason), or ""
 
 
 class Status(str, enum.Enum):
@@ -38,6 +39,7 @@ class Status(str, enum.Enum):
     timeout = "timeout"  # did not answer within --timeout; its worker was killed
     crash = "crash"  # killed its worker process (abort, segfault, os._exit, illegal address)
     skipped = "skipped"  # a known crasher from an earlier run
+    refused = "refused"  # not run here, for the reason its family gave (Candidate.refused)
     oom = "oom"  # ran out of GPU memory when built or checked, and again when tried once more
 
 

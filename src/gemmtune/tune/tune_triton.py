@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import functools
 import json
 import math
@@ -130,8 +131,7 @@ class SpaceTuner:
         baseline = self.base.candidates(key, frozenset({LibType.torch.value}))
         configs = [Candidate(c.name, LibType.triton.value, splitk=getattr(c, "split_k", 0))
                    for c in kernel_configs(self.kernel, self.space, p.m, p.n, p.k, p.dtype)]
-        return [Candidate(c.name, c.libtype, c.simplicity, c.splitk, solidx=i)
-                for i, c in enumerate(baseline + configs)]
+        return [dataclasses.replace(c, solidx=i) for i, c in enumerate(baseline + configs)]
 
 
 @dataclass(frozen=True)
