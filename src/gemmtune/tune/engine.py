@@ -167,8 +167,8 @@ class Tuner:
             self.device, self.env = (info.arch, info.cu_num, info.gpu), info.env
             existing = self._existing_rows()
             todo = self._select(keys, existing)
-            where = ":".join(str(v) for v in self.device if v != "")
-            self._say(f"tuning {len(todo)} shape(s) of {self.schema.family} on {where} with "
+            self._say(f"tuning {len(todo)} shape(s) of {self.schema.family} on "
+                      f"{self._device_name()} with "
                       f"{len(workers)} worker(s); "
                       f"{self.summary.skipped} already tuned")
             self._tune_all(todo, workers, existing)
@@ -187,6 +187,10 @@ class Tuner:
             self._retune_log.remove()
         self._report()
         return self.summary
+
+    def _device_name(self) -> str:
+        """ARCH:CU_NUM[:GPU], as DeviceId spells it: the crash memo's and the log's name."""
+        return ":".join(str(v) for v in self.device if v != "")
 
     def _handle_stop_signals(self) -> Callable[[], None]:
         """Ctrl-C / SIGTERM: stop handing out shapes, keep every finished row, and leave the
@@ -303,7 +307,7 @@ class Tuner:
 
     # --------------------------------------------------------------------------- one shape
     def tune_shape(self, worker: Worker, key: tuple) -> ShapeResult:
-        device = ":".join(map(str, self.device))
+        device = self._device_name()
         try:
             candidates = worker.call("candidates", key, self.config.libtypes,
                                      timeout=max(self.config.timeout, 300.0))
