@@ -11,12 +11,14 @@ from gemmtune.families import Family, all_families, get_family, register_family
 from gemmtune.families.a8w8.op import gemm_a8w8
 from gemmtune.families.a8w8_blockscale.op import gemm_a8w8_blockscale
 from gemmtune.families.bf16.op import gemm_a16w16
+from gemmtune.families.fmoe.op import fused_moe
 from gemmtune.nn import TunedLinear, patch_linear
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "gemm_a16w16", "gemm_a8w8", "gemm_a8w8_blockscale", "report_misses", "format_misses",
+    "gemm_a16w16", "gemm_a8w8", "gemm_a8w8_blockscale", "fused_moe", "report_misses",
+    "format_misses",
     "reset", "TunedLinear", "patch_linear", "current_device", "DeviceId", "quant",
     "Family", "all_families", "get_family", "register_family",
 ]

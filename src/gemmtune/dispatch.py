@@ -170,17 +170,21 @@ def use_tables(schema: Schema, paths: list[Path]) -> Iterator[None]:
 class Dispatcher:
     """Plans for one family. ``to_table_key`` maps the op's raw hot-path key (plain values and
     torch dtypes) to the family's key; ``problem_of`` maps that key to the plain problem kernels
-    check; ``default_kernel`` names the always-valid fallback for a key on a device."""
+    check; ``default_kernel`` names the always-valid fallback for a key on a device;
+    ``row_kernel`` makes one kernelName of a row's kernel columns."""
 
     def __init__(self, schema: Schema, registry: KernelRegistry,
                  to_table_key: Callable[[tuple], tuple], problem_of: Callable[[tuple], object],
-                 default_kernel: Callable[[tuple, DeviceId], str]):
+                 default_kernel: Callable[[tuple, DeviceId], str],
+                 row_kernel: Callable[[tuple[str, ...]], str] = lambda names: names[0]):
         self.family = schema.family
         self.schema = schema
         self.registry = registry
         self.to_table_key = to_table_key
         self.problem_of = problem_of
         self.default_kernel = default_kernel
+        # The one kernelName a row's kernel columns make (fmoe: both stages, "stage1+stage2").
+        self.row_kernel = row_kernel
         # raw key -> plan; (raw key, kernel name) -> plan for calls that force a kernel
         self.plans: dict[tuple, Plan] = {}
         with _lock:
@@ -226,6 +230,7 @@ class Dispatcher:
             return (Decision(self.family, key, Rule.default, name, None),
                     self.registry.resolve_for(name, problem))
         names = match.row.kernel_names(self.schema)
+        names = (self.row_kernel(names),) if names else names
         similar = (f"similar-gpu: a row of {match.row.gpu or 'an unnamed GPU'} with this "
                    f"arch and SM count" if match.similar_gpu else "")
         decision = Decision(self.family, key, match.rule, names[0] if names else "", match.row,

@@ -33,3 +33,25 @@ class GemmProblem:
     has_bias: bool = False
     scaling: Scaling = Scaling.none
     preshuffled: bool = False  # w stored in a kernel-specific packed layout
+
+
+class Activation(str, enum.Enum):
+    """The gate activation of a fused MoE's first stage: act(gate) * up."""
+
+    silu = "silu"
+    gelu = "gelu"  # exact (erf), as torch.nn.functional.gelu
+
+
+@dataclass(frozen=True)
+class MoeProblem:
+    """A fused MoE over ``tokens`` rows of ``model_dim``: ``experts`` (local) experts of
+    ``inter_dim``, each token routed to ``topk``; SwiGLU-style gate/up in stage 1."""
+
+    tokens: int
+    model_dim: int
+    inter_dim: int
+    experts: int
+    topk: int
+    dtype: torch.dtype  # of the activations and weights
+    activation: Activation = Activation.silu
+    doweight_stage1: bool = False  # the routing weight scales stage 1's output, not stage 2's

@@ -182,3 +182,69 @@ def blockscale_torch(xq, wq, bias, out_dtype, x_scale, w_scale, out=None):
         y = gemm_a8w8_blockscale_ref(x2[:m], wq, xs[:m], w_scale, out_dtype)
     y = y.view(*xq.shape[:-1], n)
     return y if out is None else out.copy_(y)
+
+
+# ------------------------------------------------------------------------------- fused MoE
+TORCH_MOE = "torch.moe"
+
+
+def _moe_act(gate: torch.Tensor, activation) -> torch.Tensor:
+    return F.gelu(gate) if str(getattr(activation, "value", activation)) == "gelu" else F.silu(gate)
+
+
+def _moe_pairs(topk_ids, expert_map, experts: int):
+    """(local expert of every pair, flattened; the pairs of local experts, grouped by expert
+    in pair order; their tokens; expert boundaries as int32 cumulative counts)."""
+    topk = topk_ids.shape[1]
+    local = expert_map[topk_ids.reshape(-1).long()].long()
+    order = torch.argsort(torch.where(local >= 0, local, experts), stable=True)
+    chosen = order[local[order] >= 0]
+    counts = torch.bincount(local[chosen], minlength=experts)
+    return local, chosen, chosen // topk, torch.cumsum(counts, 0).to(torch.int32)
+
+
+def fused_moe_ref(hidden, w1, w2, topk_weight, topk_ids, expert_map, activation="silu",
+                  doweight_stage1=False, out_dtype=torch.float32):
+    """The fused MoE in fp32, expert by expert: for each token, the sum over its slots k of
+    ``weight_k * w2[e_k] @ (act(w1_gate[e_k] @ x) * (w1_up[e_k] @ x))`` (the weight applied to
+    stage 1's output instead with ``doweight_stage1``); pairs routed to another rank's expert
+    (``expert_map`` -1) add nothing."""
+    inter_dim = w2.shape[2]
+    local, chosen, tokens, _ = _moe_pairs(topk_ids, expert_map, w1.shape[0])
+    weights = topk_weight.reshape(-1).float()
+    out = torch.zeros(hidden.shape[0], hidden.shape[1], dtype=torch.float32,
+                      device=hidden.device)
+    for e in range(w1.shape[0]):
+        pairs = chosen[local[chosen] == e]
+        if pairs.numel() == 0:
+            continue
+        x = hidden[tokens[local[chosen] == e]].float()
+        w = weights[pairs][:, None]
+        h = x @ w1[e].float().t()
+        h = _moe_act(h[:, :inter_dim], activation) * h[:, inter_dim:]
+        h = h * w if doweight_stage1 else h
+        y = h @ w2[e].float().t()
+        out.index_add_(0, tokens[local[chosen] == e], y if doweight_stage1 else y * w)
+    return out.to(out_dtype)
+
+
+def fused_moe_torch(hidden, w1, w2, topk_weight, topk_ids, expert_map, problem, out=None):
+    """The torch backend, as a torch user would write it: pairs sorted by expert, gathered,
+    ``torch._grouped_mm`` for both stages (bf16 with 8-aligned dims; elsewhere the fp32
+    reference), the activation, then the weighted sum over slots. It selects pairs by value, so
+    it synchronises with the host: a graph-captured op must dispatch to the Triton kernels."""
+    dtype, inter_dim = hidden.dtype, w2.shape[2]
+    if dtype != torch.bfloat16 or hidden.shape[1] % 8 or inter_dim % 8 or hidden.shape[0] == 0:
+        y = fused_moe_ref(hidden, w1, w2, topk_weight, topk_ids, expert_map,
+                          problem.activation, problem.doweight_stage1, dtype)
+        return y if out is None else out.copy_(y)
+    _, chosen, tokens, offsets = _moe_pairs(topk_ids, expert_map, w1.shape[0])
+    weights = topk_weight.reshape(-1)[chosen].float()[:, None]
+    h = torch._grouped_mm(hidden[tokens], w1.transpose(1, 2), offs=offsets)
+    h = _moe_act(h[:, :inter_dim].float(), problem.activation) * h[:, inter_dim:].float()
+    h = (h * weights if problem.doweight_stage1 else h).to(dtype)
+    y = torch._grouped_mm(h, w2.transpose(1, 2), offs=offsets).float()
+    y = y if problem.doweight_stage1 else y * weights
+    total = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+    total.index_add_(0, tokens, y)
+    return total.to(dtype) if out is None else out.copy_(total)

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Iterable, Sequence
 
 from gemmtune.families import all_families
-from gemmtune.families.fmoe import FmoeKey
+from gemmtune.families.fmoe.op import FmoeKey
 from gemmtune.tables.store import Row
 from gemmtune.tables.values import ActivationType, QuantType
 
@@ -442,7 +442,7 @@ def untuned_rows(
         rows["fmoe"] = [
             Row("", 0, FmoeKey(m, model_dim, inter_dim, expert, topk,
                                ActivationType.Silu.canonical, _BF16, _BF16, _BF16,
-                               QuantType.No.canonical, 1, 0))
+                               QuantType.No.canonical, True, False))
             for model_dim, inter_dim, expert, topk in moe
             for m in ms
         ]

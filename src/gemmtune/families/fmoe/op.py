@@ -1,0 +1,212 @@
+"""``fused_moe(hidden, w1, w2, topk_weight, topk_ids, ...)``: a mixture-of-experts layer's experts
+in one op, dispatched per shape through ``tuned_fmoe.csv`` (the seeds' columns, key ``FmoeKey``).
+
+out[t] = sum over slots k of ``topk_weight[t, k] * w2[e] @ (act(w1_gate[e] @ x) * (w1_up[e] @ x))``
+with ``e = topk_ids[t, k]``; ``w1`` (E, 2I, D) holds the gate rows ``[0, I)`` and the up rows
+``[I, 2I)``, ``w2`` (E, D, I). With ``doweight_stage1`` the weight scales stage 1's output
+instead. Expert parallelism: ``topk_ids`` hold global expert ids, ``w1``/``w2`` the local experts
+only, and ``expert_mask`` (bool, one per global expert) marks the local ones in order; pairs
+routed elsewhere add nothing. Registered as ``torch.ops.gemmtune.fused_moe`` (shapes-only fake).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple, Optional
+
+import torch
+
+from gemmtune.device import CPU_ARCH, DeviceId
+from gemmtune.dispatch import Dispatcher, KernelRegistry
+from gemmtune.families._gemm import model_config_glob
+from gemmtune.kernels.problem import Activation, MoeProblem
+from gemmtune.kernels.torch_ref import TORCH_MOE, fused_moe_torch
+from gemmtune.kernels.triton.moe_configs import default_two_stage
+from gemmtune.tables.schema import FMOE_RESULT_COLUMNS, Column, Kind, Schema, int_columns
+from gemmtune.tables.values import DTYPE_NAMES, ActivationType, QuantType, to_torch_dtype
+
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_ACTIVATIONS = {ActivationType.Silu: Activation.silu, ActivationType.Gelu: Activation.gelu}
+
+
+class FmoeKey(NamedTuple):
+    token: int
+    model_dim: int
+    inter_dim: int
+    expert: int  # local experts (w1.shape[0])
+    topk: int
+    act_type: str  # ActivationType.Silu
+    dtype: str
+    q_dtype_a: str
+    q_dtype_w: str
+    q_type: str  # QuantType.No
+    use_g1u1: bool  # gate and up fused in w1 (the only layout here)
+    doweight_stage1: bool
+
+
+SCHEMA = Schema(
+    "fmoe", "tuned_fmoe.csv", "untuned_fmoe.csv",
+    int_columns("token", "model_dim", "inter_dim", "expert", "topk") + (
+        Column("act_type", Kind.ACTIVATION, default="ActivationType.Silu"),
+        Column("dtype", Kind.DTYPE, default="torch.bfloat16"),
+        Column("q_dtype_a", Kind.DTYPE, default="torch.bfloat16"),
+        Column("q_dtype_w", Kind.DTYPE, default="torch.bfloat16"),
+        Column("q_type", Kind.QUANT, default="QuantType.No"),
+        Column("use_g1u1", Kind.BOOL, default="True"),
+        Column("doweight_stage1", Kind.BOOL, default="False"),
+    ),
+    FmoeKey, FMOE_RESULT_COLUMNS, "token", ("kernelName1", "kernelName2"),
+    ("GEMMTUNE_CONFIG_FMOE", "AITER_CONFIG_FMOE"), model_config_glob("tuned_fmoe.csv"))
+
+
+@functools.lru_cache(maxsize=1024)
+def problem_of(key: FmoeKey) -> MoeProblem:
+    """The plain problem of a key; cached, since every call passes it to its kernel."""
+    return MoeProblem(key.token, key.model_dim, key.inter_dim, key.expert, key.topk,
+                      to_torch_dtype(key.dtype),
+                      _ACTIVATIONS[ActivationType.from_str(key.act_type)], key.doweight_stage1)
+
+
+def row_kernel(names: tuple[str, ...]) -> str:
+    """One solution from a row's kernelName1 and kernelName2: a two-stage row names both
+    stages (``stage1+stage2``), a 1-stage row only the first."""
+    return "+".join(name for name in names if name)
+
+
+def _two_stage(name: str):
+    # Imported here: the @triton.jit modules fix the interpreter setting when first imported.
+    from gemmtune.kernels.triton.fused_moe import TritonTwoStageMoe
+
+    return TritonTwoStageMoe(name)
+
+
+REGISTRY = KernelRegistry("fmoe")
+REGISTRY.register_exact(TORCH_MOE, fused_moe_torch)
+REGISTRY.register("triton.moe1", _two_stage)
+
+
+def _to_table_key(raw: tuple) -> FmoeKey:
+    tokens, model_dim, inter_dim, experts, topk, dtype, activation, doweight_stage1, *_ = raw
+    name = DTYPE_NAMES[dtype]
+    return FmoeKey(tokens, model_dim, inter_dim, experts, topk, activation.canonical, name,
+                   name, name, QuantType.No.canonical, True, doweight_stage1)
+
+
+def _default_kernel(key: FmoeKey, device: DeviceId) -> str:
+    # The Triton pair sized for the shape on a GPU; on the CPU torch (the interpreter is slow).
+    if device.arch == CPU_ARCH:
+        return TORCH_MOE
+    return default_two_stage(problem_of(key))
+
+
+DISPATCH = Dispatcher(SCHEMA, REGISTRY, _to_table_key, problem_of, _default_kernel,
+                      row_kernel=row_kernel)
+
+
+@functools.lru_cache(maxsize=64)
+def _identity_map(experts: int, device: torch.device) -> torch.Tensor:
+    return torch.arange(experts, dtype=torch.int32, device=device)
+
+
+def expert_map_of(expert_mask: Optional[torch.Tensor], experts: int,
+                  device: torch.device) -> torch.Tensor:
+    """Global expert id -> local index (int32, -1 for another rank's expert)."""
+    if expert_mask is None:
+        return _identity_map(experts, device)
+    local = torch.cumsum(expert_mask.to(torch.int32), 0, dtype=torch.int32) - 1
+    return torch.where(expert_mask, local, -1).to(torch.int32)
+
+
+def _check(hidden, w1, w2, topk_weight, topk_ids, activation, quant_type, expert_mask) -> None:
+    op = "fused_moe"
+    if quant_type is not QuantType.No:
+        raise ValueError(f"{op}: quant_type={quant_type.canonical} is not supported yet; "
+                         f"quantised experts land with the quantised-MoE issue (use QuantType.No)")
+    if activation not in _ACTIVATIONS:
+        raise ValueError(f"{op}: activation {activation.canonical} is not supported; use "
+                         f"{' or '.join(a.canonical for a in _ACTIVATIONS)}")
+    if hidden.dim() != 2 or w1.dim() != 3 or w2.dim() != 3:
+        raise ValueError(f"{op}: expected hidden (T, D), w1 (E, 2I, D) and w2 (E, D, I), got "
+                         f"{tuple(hidden.shape)}, {tuple(w1.shape)} and {tuple(w2.shape)}")
+    tokens, model_dim = hidden.shape
+    experts, two_inter, _ = w1.shape
+    if w1.shape[2] != model_dim or two_inter % 2 or w2.shape != (experts, model_dim,
+                                                                 two_inter // 2):
+        raise ValueError(f"{op}: w1 {tuple(w1.shape)} and w2 {tuple(w2.shape)} do not fit hidden "
+                         f"{tuple(hidden.shape)}: expected w1 (E, 2I, {model_dim}) and w2 "
+                         f"(E, {model_dim}, I)")
+    if hidden.dtype not in DTYPES or w1.dtype != hidden.dtype or w2.dtype != hidden.dtype:
+        raise TypeError(f"{op}: hidden, w1 and w2 must share one dtype of "
+                        f"{', '.join(map(str, DTYPES))}; got {hidden.dtype}, {w1.dtype}, "
+                        f"{w2.dtype}")
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != tokens or topk_ids.dtype != torch.int32:
+        raise ValueError(f"{op}: topk_ids must be int32 (T={tokens}, topk), got "
+                         f"{tuple(topk_ids.shape)} {topk_ids.dtype}")
+    if topk_weight.shape != topk_ids.shape or topk_weight.dtype != torch.float32:
+        raise ValueError(f"{op}: topk_weight must be float32 {tuple(topk_ids.shape)}, got "
+                         f"{tuple(topk_weight.shape)} {topk_weight.dtype}")
+    tensors = [w1, w2, topk_weight, topk_ids] + ([expert_mask] if expert_mask is not None else [])
+    if any(t.device != hidden.device for t in tensors):
+        raise ValueError(f"{op}: every tensor must be on {hidden.device}")
+    if expert_mask is not None and (expert_mask.dtype != torch.bool or expert_mask.dim() != 1):
+        raise ValueError(f"{op}: expert_mask must be a bool vector over the global experts, got "
+                         f"{tuple(expert_mask.shape)} {expert_mask.dtype}")
+
+
+def _run(hidden, w1, w2, topk_weight, topk_ids, activation, quant_type, doweight_stage1,
+         expert_mask, kernel):
+    args = (hidden, w1, w2, topk_weight, topk_ids, activation, quant_type, expert_mask)
+    try:
+        device = hidden.get_device()
+        key = (hidden.shape[0], hidden.shape[1], w2.shape[2], w1.shape[0], topk_ids.shape[1],
+               hidden.dtype, activation, doweight_stage1, quant_type, hidden.dim(),
+               tuple(w1.shape), tuple(w2.shape), w1.dtype, w2.dtype, topk_weight.dtype,
+               topk_ids.dtype, tuple(topk_ids.shape), tuple(topk_weight.shape),
+               None if expert_mask is None else (expert_mask.dtype, expert_mask.dim()), device)
+    except (AttributeError, IndexError):
+        _check(*args)
+        raise
+    plan = DISPATCH.plan_for(key, device, kernel, _check, args)
+    expert_map = expert_map_of(expert_mask, w1.shape[0], hidden.device)
+    return plan.run(hidden, w1, w2, topk_weight, topk_ids, expert_map,
+                    problem_of(plan.decision.key))
+
+
+@torch.library.custom_op("gemmtune::fused_moe", mutates_args=())
+def _fused_moe_op(hidden: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+                  topk_weight: torch.Tensor, topk_ids: torch.Tensor, activation: str,
+                  doweight_stage1: bool, expert_mask: Optional[torch.Tensor],
+                  kernel_name: Optional[str] = None) -> torch.Tensor:
+    return _run(hidden, w1, w2, topk_weight, topk_ids, ActivationType.from_str(activation),
+                QuantType.No, doweight_stage1, expert_mask, kernel_name)
+
+
+@_fused_moe_op.register_fake
+def _(hidden, w1, w2, topk_weight, topk_ids, activation, doweight_stage1, expert_mask,
+      kernel_name=None):
+    return torch.empty_like(hidden)
+
+
+def fused_moe(hidden: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+              topk_weight: torch.Tensor, topk_ids: torch.Tensor,
+              activation: ActivationType = ActivationType.Silu,
+              quant_type: QuantType = QuantType.No, doweight_stage1: bool = False,
+              w1_scale=None, w2_scale=None, a1_scale=None, a2_scale=None,
+              expert_mask: Optional[torch.Tensor] = None,
+              kernel: Optional[str] = None) -> torch.Tensor:
+    """The experts of an MoE layer with the kernels the fmoe table names for this shape on this
+    GPU (or ``kernel``, a kernelName checked like a table row). hidden (T, D) bf16/fp16/fp32;
+    w1 (E, 2I, D); w2 (E, D, I); topk_weight (T, topk) fp32; topk_ids (T, topk) int32 global
+    expert ids; expert_mask (E_global,) bool for expert parallelism. Returns (T, D). The scale
+    arguments are for quantised experts, which land later: they must be None."""
+    activation = ActivationType.from_str(activation) if isinstance(activation, str) \
+        else activation
+    quant_type = QuantType.from_str(quant_type) if isinstance(quant_type, str) else quant_type
+    if any(s is not None for s in (w1_scale, w2_scale, a1_scale, a2_scale)):
+        raise ValueError("fused_moe: scales are for quantised experts (quant_type other than "
+                         "QuantType.No), which land with the quantised-MoE issue")
+    if torch.compiler.is_compiling() and quant_type is QuantType.No:
+        return _fused_moe_op(hidden, w1, w2, topk_weight, topk_ids, activation.value,
+                             doweight_stage1, expert_mask, kernel)
+    return _run(hidden, w1, w2, topk_weight, topk_ids, activation, quant_type, doweight_stage1,
+                expert_mask, kernel)

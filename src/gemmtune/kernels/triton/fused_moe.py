@@ -1,0 +1,60 @@
+"""A fused MoE as dispatch runs it from a table row (imported on first use, like every
+``@triton.jit`` module): the routing preparation
+(``moe_routing``), then the two stages (``moe_stages``), named as one solution
+``triton.moe1:<stage 1>+triton.moe2:<stage 2>`` (both with the same block_m, the routing's).
+
+Called as every MoE backend is: ``kernel(hidden, w1, w2, topk_weight, topk_ids, expert_map,
+problem)`` with hidden (T, D), w1 (E, 2I, D), w2 (E, D, I), topk_weight (T, topk) fp32,
+topk_ids (T, topk) int32 global expert ids, expert_map (E_global,) int32 (-1: another rank's).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from gemmtune.kernels.problem import Activation, MoeProblem
+from gemmtune.kernels.triton import _checks
+from gemmtune.kernels.triton.moe_routing import moe_routing
+from gemmtune.kernels.triton.moe_configs import (STAGE1_PREFIX, STAGE2_PREFIX,
+                                                 MoeStage1Config, MoeStage2Config,
+                                                 two_stage_name)
+from gemmtune.kernels.triton.moe_stages import (GELU, SILU, moe_stages, why_not_stage1,
+                                                why_not_stage2)
+
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_ACT = {Activation.silu: SILU, Activation.gelu: GELU}
+
+
+class TritonTwoStageMoe:
+    """``triton.moe1:...+triton.moe2:...``: the routing and both stages of one table row."""
+
+    def __init__(self, name: str):
+        first, plus, second = name.partition("+")
+        if not plus:
+            raise ValueError(f"{name!r}: a two-stage MoE kernel names both stages, "
+                             f"{STAGE1_PREFIX}:...+{STAGE2_PREFIX}:...")
+        self.stage1 = MoeStage1Config.from_name(first)
+        self.stage2 = MoeStage2Config.from_name(second)
+        self.name = two_stage_name(self.stage1, self.stage2)
+
+    def __repr__(self) -> str:
+        return f"TritonTwoStageMoe({self.name!r})"
+
+    def check(self, problem: MoeProblem) -> str | None:
+        if problem.dtype not in DTYPES:
+            return f"{problem.dtype} experts: the Triton MoE kernels take {DTYPES}"
+        if self.stage1.block_m != self.stage2.block_m:
+            return (f"stage 1 has block_m={self.stage1.block_m} and stage 2 block_m="
+                    f"{self.stage2.block_m}: both run over one routing, so they must agree")
+        return (why_not_stage1(self.stage1, problem.dtype)
+                or why_not_stage2(self.stage2, problem.dtype, problem.inter_dim)
+                or (_checks.why_not_dot_k(self.stage1, problem.dtype)))
+
+    def __call__(self, hidden, w1, w2, topk_weight, topk_ids, expert_map, problem: MoeProblem,
+                 out=None):
+        if hidden.shape[0] == 0:
+            return torch.empty_like(hidden) if out is None else out
+        routing = moe_routing(topk_ids, expert_map, w1.shape[0], self.stage1.block_m)
+        return moe_stages(hidden, w1, w2, topk_weight, topk_ids, expert_map, routing,
+                          _ACT[problem.activation], problem.doweight_stage1, self.stage1,
+                          self.stage2, out=out)

@@ -1,0 +1,62 @@
+"""The configs of the fused-MoE Triton kernels and their names, apart from the kernels: a family
+imports this module at load, while the ``@triton.jit`` modules are imported on first use (the
+interpreter setting is read when a kernel is decorated, and tuner workers set it after they
+import the families).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gemmtune.kernels._names import Field, NameCodec, NamedConfig
+from gemmtune.kernels.problem import MoeProblem
+
+STAGE1_PREFIX = "triton.moe1"
+STAGE2_PREFIX = "triton.moe2"
+BLOCK_MS = (16, 32, 64, 128)  # the block_m a routing may use (the seed's choices)
+
+
+@dataclass(frozen=True)
+class MoeStage1Config(NamedConfig):
+    """``triton.moe1:BM32.BN64.BK64.W4.S3``: one stage-1 launch."""
+
+    NAME_CODEC = NameCodec("MoE stage-1 config", STAGE1_PREFIX, (
+        Field("BM", "block_m"), Field("BN", "block_n"), Field("BK", "block_k"),
+        Field("W", "num_warps"), Field("S", "num_stages")))
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+@dataclass(frozen=True)
+class MoeStage2Config(NamedConfig):
+    """``triton.moe2:BM32.BN64.BK64.SK1.W4.S3``: one stage-2 launch, ``split_k`` parts of
+    inter_dim."""
+
+    NAME_CODEC = NameCodec("MoE stage-2 config", STAGE2_PREFIX, (
+        Field("BM", "block_m"), Field("BN", "block_n"), Field("BK", "block_k"),
+        Field("SK", "split_k"), Field("W", "num_warps"), Field("S", "num_stages")))
+
+    block_m: int
+    block_n: int
+    block_k: int
+    split_k: int
+    num_warps: int
+    num_stages: int
+
+
+def two_stage_name(stage1: MoeStage1Config, stage2: MoeStage2Config) -> str:
+    """The kernelName of a two-stage solution: both configs, ``stage1+stage2``."""
+    return f"{stage1.name}+{stage2.name}"
+
+
+def default_two_stage(problem: MoeProblem) -> str:
+    """A pair of configs that runs any problem reasonably without tuning: block_m near the
+    tokens an expert gets on average, 64-wide tiles."""
+    per_expert = max(1, problem.tokens * problem.topk // max(1, problem.experts))
+    block_m = next((b for b in (16, 32, 64) if per_expert <= b), 64)
+    return two_stage_name(MoeStage1Config(block_m, 64, 64, 4, 3),
+                          MoeStage2Config(block_m, 64, 64, 1, 4, 3))

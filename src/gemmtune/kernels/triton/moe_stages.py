@@ -1,0 +1,235 @@
+"""The two stages of a fused MoE in Triton, over the blocks ``moe_routing`` made.
+
+Stage 1 (``moe_stage1``): per block of ``block_m`` routed pairs of one expert, the gate and up
+projections of their tokens (``w1[e]``'s rows ``[0, I)`` and ``[I, 2I)``) in one pass over K,
+then ``act(gate) * up`` (SiLU or GELU), times the routing weight where ``doweight_stage1``, into
+the intermediate ``inter`` (T * topk, I), one row per pair.
+
+Stage 2 (``moe_stage2``): the down projection ``inter[pair] @ w2[e].T`` per block, times the
+routing weight unless stage 1 applied it, into ``partial`` (T * topk, D) fp32, split over
+``inter_dim`` in ``ksplit`` parts (atomic adds; one part writes plainly). Then ``moe_sum`` adds
+each token's ``topk`` rows into the output, in slot order, skipping pairs of other ranks'
+experts: the result does not depend on how the blocks were scheduled.
+
+Every launch covers the largest number of blocks routing can make, and blocks past
+``rows_used`` return at once: no host synchronisation, so a call can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from gemmtune.kernels.triton import _checks
+from gemmtune.kernels.triton.moe_configs import BLOCK_MS, MoeStage1Config, MoeStage2Config
+
+SILU, GELU = 0, 1  # the ACT constexpr
+
+
+def why_not_stage(config, dtype: torch.dtype, accumulators: int, w_tiles: int) -> str | None:
+    """What keeps a stage config from running ``dtype`` inputs: tile sizes, warps and stages,
+    and the registers of ``accumulators`` fp32 tiles and shared memory of ``w_tiles`` weight
+    tiles per stage; None if it fits."""
+    if config.block_m not in BLOCK_MS:
+        return f"block_m={config.block_m} must be one of {BLOCK_MS}"
+    problem = _checks.why_not_blocks(config) or _checks.why_not_warps_stages(config)
+    if problem:
+        return problem
+    regs = accumulators * config.block_m * config.block_n // (32 * config.num_warps)
+    if regs > _checks.MAX_ACC_REGS_PER_THREAD:
+        return (f"{accumulators} accumulator(s) need {regs} registers per thread (> "
+                f"{_checks.MAX_ACC_REGS_PER_THREAD}); use smaller blocks or more warps")
+    smem = config.num_stages * (config.block_m + w_tiles * config.block_n) * config.block_k \
+        * dtype.itemsize
+    if smem > _checks.SMEM_LIMIT_BYTES:
+        return f"shared memory {smem} B > {_checks.SMEM_LIMIT_BYTES} B; reduce blocks or stages"
+    return None
+
+
+def why_not_stage1(config: MoeStage1Config, dtype: torch.dtype) -> str | None:
+    return why_not_stage(config, dtype, accumulators=2, w_tiles=2)  # gate and up
+
+
+def why_not_stage2(config: MoeStage2Config, dtype: torch.dtype, inter_dim: int) -> str | None:
+    if not 1 <= config.split_k <= 16:
+        return f"split_k={config.split_k} must be in [1, 16]"
+    steps = triton.cdiv(inter_dim, config.block_k)
+    if config.split_k > steps:
+        return (f"split_k={config.split_k} leaves parts without a block_k step: inter_dim="
+                f"{inter_dim} is {steps} steps of block_k={config.block_k}")
+    return why_not_stage(config, dtype, accumulators=1, w_tiles=1)
+
+
+@triton.jit
+def _pairs_of_block(sorted_ids_ptr, block, pairs, BLOCK_M: tl.constexpr):
+    """The pair ids of a block's rows, and which rows hold a pair (not padding)."""
+    ids = tl.load(sorted_ids_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
+    return ids, ids < pairs
+
+
+@triton.jit
+def moe_stage1_kernel(
+    x_ptr,  # (T, D)
+    w1_ptr,  # (E, 2 * I, D)
+    inter_ptr,  # (pairs, I)
+    topk_weight_ptr,  # (pairs,) fp32
+    sorted_ids_ptr, block_expert_ptr, rows_used_ptr,
+    pairs, D, I,
+    stride_xt, stride_xd,
+    stride_we, stride_wn, stride_wd,
+    stride_ip, stride_in,
+    TOPK: tl.constexpr,
+    ACT: tl.constexpr,
+    MUL_WEIGHT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    block = tl.program_id(0)
+    if block * BLOCK_M >= tl.load(rows_used_ptr):
+        return
+    expert = tl.load(block_expert_ptr + block).to(tl.int64)
+    ids, real = _pairs_of_block(sorted_ids_ptr, block, pairs, BLOCK_M)
+    tokens = tl.where(real, ids // TOPK, 0).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.where(offs_n < I, offs_n, 0).to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + tokens[:, None] * stride_xt + offs_k[None, :] * stride_xd  # (BM, BK)
+    w_base = w1_ptr + expert * stride_we + offs_k[:, None] * stride_wd
+    gate_ptrs = w_base + cols[None, :] * stride_wn  # (BK, BN): rows [0, I) of w1[e], transposed
+    up_ptrs = w_base + (cols + I)[None, :] * stride_wn  # rows [I, 2I)
+    gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, D, BLOCK_K):
+        k_left = D - k0
+        a = tl.load(x_ptrs, mask=real[:, None] & (offs_k[None, :] < k_left), other=0.0)
+        wg = tl.load(gate_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+        wu = tl.load(up_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+        gate = tl.dot(a, wg, gate)
+        up = tl.dot(a, wu, up)
+        x_ptrs += BLOCK_K * stride_xd
+        gate_ptrs += BLOCK_K * stride_wd
+        up_ptrs += BLOCK_K * stride_wd
+    if ACT == 0:
+        act = gate / (1.0 + tl.exp(-gate))  # SiLU
+    else:
+        act = 0.5 * gate * (1.0 + tl.erf(gate * 0.7071067811865476))  # exact GELU
+    h = act * up
+    if MUL_WEIGHT:
+        h = h * tl.load(topk_weight_ptr + ids, mask=real, other=0.0)[:, None]
+    out = inter_ptr + ids.to(tl.int64)[:, None] * stride_ip + offs_n.to(tl.int64)[None, :] * stride_in
+    tl.store(out, h.to(inter_ptr.dtype.element_ty), mask=real[:, None] & (offs_n[None, :] < I))
+
+
+@triton.jit
+def moe_stage2_kernel(
+    inter_ptr,  # (pairs, I)
+    w2_ptr,  # (E, D, I)
+    partial_ptr,  # (pairs, D) fp32
+    topk_weight_ptr,  # (pairs,) fp32
+    sorted_ids_ptr, block_expert_ptr, rows_used_ptr,
+    pairs, D, I,
+    stride_ip, stride_in,
+    stride_we, stride_wn, stride_wk,
+    stride_pp, stride_pn,
+    MUL_WEIGHT: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    block = tl.program_id(0)
+    if block * BLOCK_M >= tl.load(rows_used_ptr):
+        return
+    expert = tl.load(block_expert_ptr + block).to(tl.int64)
+    ids, real = _pairs_of_block(sorted_ids_ptr, block, pairs, BLOCK_M)
+    rows = tl.where(real, ids, 0).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.where(offs_n < D, offs_n, 0).to(tl.int64)
+    # This program's part of inter_dim: whole block_k steps, parts differing by at most one.
+    steps = tl.cdiv(I, BLOCK_K)
+    part = tl.program_id(2)
+    k_lo = part * steps // SPLIT_K * BLOCK_K
+    k_hi = (part + 1) * steps // SPLIT_K * BLOCK_K
+    offs_k = k_lo + tl.arange(0, BLOCK_K)
+    a_ptrs = inter_ptr + rows[:, None] * stride_ip + offs_k[None, :] * stride_in  # (BM, BK)
+    b_ptrs = w2_ptr + expert * stride_we + cols[None, :] * stride_wn + offs_k[:, None] * stride_wk
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        k_left = I - k0
+        lane = tl.arange(0, BLOCK_K)
+        a = tl.load(a_ptrs, mask=real[:, None] & (lane[None, :] < k_left), other=0.0)
+        b = tl.load(b_ptrs, mask=lane[:, None] < k_left, other=0.0)
+        acc = tl.dot(a, b, acc)
+        a_ptrs += BLOCK_K * stride_in
+        b_ptrs += BLOCK_K * stride_wk
+    if MUL_WEIGHT:
+        acc = acc * tl.load(topk_weight_ptr + ids, mask=real, other=0.0)[:, None]
+    out = partial_ptr + rows[:, None] * stride_pp + offs_n.to(tl.int64)[None, :] * stride_pn
+    mask = real[:, None] & (offs_n[None, :] < D)
+    if SPLIT_K == 1:
+        tl.store(out, acc, mask=mask)
+    else:
+        tl.atomic_add(out, acc, mask=mask)
+
+
+@triton.jit
+def moe_sum_kernel(
+    partial_ptr,  # (pairs, D) fp32
+    topk_ids_ptr,  # (pairs,) int32 global expert ids
+    expert_map_ptr,  # (E_global,) int32
+    out_ptr,  # (T, D)
+    D,
+    stride_pp, stride_pn, stride_ot, stride_on,
+    TOPK: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    inside = offs < D
+    total = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    for k in tl.static_range(TOPK):
+        pair = token * TOPK + k
+        # A pair of another rank's expert was never written: its row is skipped, not read.
+        if tl.load(expert_map_ptr + tl.load(topk_ids_ptr + pair)) >= 0:
+            total += tl.load(partial_ptr + pair * stride_pp + offs * stride_pn, mask=inside,
+                             other=0.0)
+    tl.store(out_ptr + token * stride_ot + offs * stride_on,
+             total.to(out_ptr.dtype.element_ty), mask=inside)
+
+
+def moe_stages(x, w1, w2, topk_weight, topk_ids, expert_map, routing, activation: int,
+               doweight_stage1: bool, stage1: MoeStage1Config, stage2: MoeStage2Config,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+    """Both stages and the sum over ``routing`` (made with ``stage1.block_m``): x (T, D),
+    w1 (E, 2I, D), w2 (E, D, I), topk_weight (T, topk) fp32, topk_ids (T, topk) int32, ->
+    (T, D) in x's dtype, into ``out`` if given. Launch only: the caller checked the shapes."""
+    tokens, model_dim = x.shape
+    inter_dim = w2.shape[2]
+    topk = topk_ids.shape[1]
+    pairs = tokens * topk
+    blocks = routing.block_expert.numel()
+    weights = topk_weight.reshape(-1)
+    inter = torch.empty((pairs, inter_dim), dtype=x.dtype, device=x.device)
+    moe_stage1_kernel[(blocks, triton.cdiv(inter_dim, stage1.block_n))](
+        x, w1, inter, weights, routing.sorted_ids, routing.block_expert, routing.rows_used,
+        pairs, model_dim, inter_dim,
+        x.stride(0), x.stride(1), w1.stride(0), w1.stride(1), w1.stride(2),
+        inter.stride(0), inter.stride(1),
+        TOPK=topk, ACT=activation, MUL_WEIGHT=doweight_stage1,
+        BLOCK_M=stage1.block_m, BLOCK_N=stage1.block_n, BLOCK_K=stage1.block_k,
+        num_warps=stage1.num_warps, num_stages=stage1.num_stages)
+    alloc = torch.zeros if stage2.split_k > 1 else torch.empty
+    partial = alloc((pairs, model_dim), dtype=torch.float32, device=x.device)
+    moe_stage2_kernel[(blocks, triton.cdiv(model_dim, stage2.block_n), stage2.split_k)](
+        inter, w2, partial, weights, routing.sorted_ids, routing.block_expert,
+        routing.rows_used, pairs, model_dim, inter_dim,
+        inter.stride(0), inter.stride(1), w2.stride(0), w2.stride(1), w2.stride(2),
+        partial.stride(0), partial.stride(1),
+        MUL_WEIGHT=not doweight_stage1, SPLIT_K=stage2.split_k,
+        BLOCK_M=stage2.block_m, BLOCK_N=stage2.block_n, BLOCK_K=stage2.block_k,
+        num_warps=stage2.num_warps, num_stages=stage2.num_stages)
+    out = torch.empty((tokens, model_dim), dtype=x.dtype, device=x.device) if out is None else out
+    block_d = min(1024, triton.next_power_of_2(model_dim))
+    moe_sum_kernel[(tokens, triton.cdiv(model_dim, block_d))](
+        partial, topk_ids.reshape(-1), expert_map, out, model_dim,
+        partial.stride(0), partial.stride(1), out.stride(0), out.stride(1),
+        TOPK=topk, BLOCK_D=block_d, num_warps=4)
+    return out

@@ -1,0 +1,218 @@
+"""fused_moe: routing preparation, the two Triton stages and the op, against a float32
+expert-by-expert reference (CPU: Triton's interpreter at tiny sizes; GPU: real model shapes)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import gemmtune
+from gemmtune.families.fmoe.op import DISPATCH, SCHEMA, expert_map_of
+from gemmtune.kernels.problem import Activation, MoeProblem
+from gemmtune.kernels.torch_ref import fused_moe_ref
+from gemmtune.tables.lookup import Rule
+from gemmtune.tables.store import read_table
+from gemmtune.tables.values import ActivationType, QuantType
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# bf16 output rounding (2^-9) and a bf16 intermediate between the stages: ~4e-3 in norm.
+REL_BOUND = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 1e-2}
+
+
+def moe_inputs(tokens, model_dim, inter_dim, experts, topk, dtype=torch.float32, seed=0,
+               route=None, global_experts=None):
+    """Fresh random weights and activations; top-k routing without repeats per token over the
+    global experts (``route``: a fixed (tokens, topk) list of expert ids instead)."""
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    global_experts = global_experts or experts
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=gen, device=DEVICE) * scale).to(dtype)
+
+    hidden = randn(tokens, model_dim)
+    w1 = randn(experts, 2 * inter_dim, model_dim, scale=model_dim ** -0.5)
+    w2 = randn(experts, model_dim, inter_dim, scale=inter_dim ** -0.5)
+    if route is None:
+        scores = torch.rand(tokens, global_experts, generator=gen, device=DEVICE)
+        topk_ids = scores.topk(topk, dim=1).indices.to(torch.int32)
+    else:
+        topk_ids = torch.tensor(route, dtype=torch.int32, device=DEVICE).reshape(tokens, topk)
+    topk_weight = torch.rand(tokens, topk, generator=gen, device=DEVICE) + 0.1
+    return hidden, w1, w2, topk_weight, topk_ids
+
+
+def rel_err(y, ref):
+    return float((y.float() - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+# ------------------------------------------------------------------------ routing preparation
+@pytest.mark.parametrize("tokens, topk, experts, block_m, local", [
+    (13, 2, 4, 16, None),  # tokens not a multiple of block_m
+    (5, 4, 4, 16, None),  # topk = E
+    (9, 2, 8, 32, [1, 0, 1, 1, 0, 0, 1, 0]),  # expert parallelism: 4 of 8 experts here
+    (1, 1, 6, 64, None),  # one pair: five experts without a token
+])
+def test_routing_groups_every_local_pair_once_in_order(tokens, topk, experts, block_m, local):
+    from gemmtune.kernels.triton.moe_routing import max_rows, moe_routing
+
+    *_, topk_ids = moe_inputs(tokens, 8, 8, experts, topk, seed=tokens)
+    mask = None if local is None else torch.tensor(local, dtype=torch.bool, device=DEVICE)
+    local_count = experts if mask is None else int(mask.sum())
+    expert_map = expert_map_of(mask, local_count, topk_ids.device)
+    routing = moe_routing(topk_ids, expert_map, local_count, block_m)
+    pairs = tokens * topk
+    local_of = expert_map[topk_ids.reshape(-1).long()].tolist()
+    sorted_ids = routing.sorted_ids.tolist()
+    block_expert = routing.block_expert.tolist()
+    assert len(sorted_ids) == max_rows(pairs, local_count, block_m)
+    rows_used = routing.rows_used.item()
+    assert rows_used % block_m == 0
+    want, row = [], 0
+    for e in range(local_count):
+        mine = [i for i in range(pairs) if local_of[i] == e]  # in pair order: stable
+        padded = -(-len(mine) // block_m) * block_m
+        want += mine + [pairs] * (padded - len(mine))
+        assert block_expert[row // block_m: (row + padded) // block_m] == \
+            [e] * (padded // block_m)
+        row += padded
+    assert rows_used == row and sorted_ids[:rows_used] == want
+    assert set(sorted_ids[rows_used:]) <= {pairs} and set(block_expert[row // block_m:]) <= {-1}
+
+
+# ----------------------------------------------------------------------------- the kernels
+TWO_STAGE = "triton.moe1:BM16.BN16.BK16.W4.S1+triton.moe2:BM16.BN16.BK16.SK{sk}.W4.S1"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("case", [
+    # tokens, model_dim, inter_dim, experts, topk, activation, doweight_stage1, split_k, route
+    (7, 40, 24, 4, 2, "Silu", False, 1, None),
+    (3, 48, 40, 5, 5, "Gelu", True, 2, None),  # topk = E, GELU, weight in stage 1, split-K
+    (6, 32, 16, 4, 1, "Silu", False, 1, [2] * 6),  # every token to one expert
+])
+def test_two_stage_kernels_match_the_reference(dtype, case):
+    tokens, model_dim, inter_dim, experts, topk, act, dw1, split_k, route = case
+    hidden, w1, w2, weight, ids = moe_inputs(tokens, model_dim, inter_dim, experts, topk, dtype,
+                                             seed=tokens, route=route)
+    out = torch.full_like(hidden, float("nan"))
+    y = gemmtune.fused_moe(hidden, w1, w2, weight, ids, activation=act, doweight_stage1=dw1,
+                           kernel=TWO_STAGE.format(sk=split_k))
+    out.copy_(y)
+    expert_map = expert_map_of(None, experts, hidden.device)
+    ref = fused_moe_ref(hidden, w1, w2, weight, ids, expert_map, act.lower(), dw1)
+    assert torch.isfinite(out).all() and rel_err(out, ref) < REL_BOUND[dtype]
+
+
+def test_pairs_routed_to_another_rank_add_nothing():
+    # 8 global experts, experts 2 and 5 here; a token routed only elsewhere gets zeros.
+    mask = torch.zeros(8, dtype=torch.bool, device=DEVICE)
+    mask[[2, 5]] = True
+    route = [2, 0, 5, 2, 1, 7, 0, 5]
+    hidden, w1, w2, weight, ids = moe_inputs(4, 32, 16, 2, 2, seed=3, route=route)
+    for kernel in (TWO_STAGE.format(sk=1), "torch.moe"):
+        y = gemmtune.fused_moe(hidden, w1, w2, weight, ids, expert_mask=mask, kernel=kernel)
+        ref = fused_moe_ref(hidden, w1, w2, weight, ids, expert_map_of(mask, 2, hidden.device))
+        assert rel_err(y, ref) < 1e-4, kernel
+        assert torch.equal(y[2], torch.zeros_like(y[2])), kernel  # experts 1 and 7: elsewhere
+
+
+# --------------------------------------------------------------------------------- the op
+def test_the_op_defaults_to_torch_on_the_cpu_and_follows_a_table_row(tmp_path, monkeypatch):
+    hidden, w1, w2, weight, ids = moe_inputs(5, 32, 16, 4, 2, seed=1)
+    expert_map = expert_map_of(None, 4, hidden.device)
+    ref = fused_moe_ref(hidden, w1, w2, weight, ids, expert_map)
+    assert rel_err(gemmtune.fused_moe(hidden, w1, w2, weight, ids), ref) < 1e-4
+    (plan,) = DISPATCH.plans.values()
+    assert plan.decision.rule is Rule.default
+    assert plan.decision.kernel_name == ("torch.moe" if DEVICE == "cpu" else
+                                         plan.decision.kernel_name)
+    header = ("arch,cu_num,token,model_dim,inter_dim,expert,topk,act_type,dtype,q_dtype_a,"
+              "q_dtype_w,q_type,use_g1u1,doweight_stage1,block_m,ksplit,us1,kernelName1,err1,us2,"
+              "kernelName2,err2,us,run_1stage\n")
+    stage1, stage2 = TWO_STAGE.format(sk=1).split("+")
+    dev = gemmtune.current_device()
+    path = tmp_path / "tuned_fmoe.csv"
+    path.write_text(header + f"{dev.arch},{dev.cu_num},5,32,16,4,2,ActivationType.Silu,"
+                    f"dtypes.fp32,dtypes.fp32,dtypes.fp32,QuantType.No,True,False,16,1,1.0,"
+                    f"{stage1},0.5%,1.0,{stage2},0.1%,2.0,0\n")
+    monkeypatch.setenv("GEMMTUNE_CONFIG_FMOE", f"replace:{path}")
+    gemmtune.reset()
+    assert rel_err(gemmtune.fused_moe(hidden, w1, w2, weight, ids), ref) < 1e-4
+    (plan,) = DISPATCH.plans.values()
+    assert plan.decision.rule is Rule.exact and plan.decision.kernel_name == f"{stage1}+{stage2}"
+    assert gemmtune.report_misses() == []
+
+
+def test_the_seeds_untuned_row_parses(tmp_path):
+    path = tmp_path / "untuned_fmoe.csv"
+    path.write_text("token,model_dim,inter_dim,expert,topk,act_type,dtype,q_dtype_a,q_dtype_w,"
+                    "q_type,use_g1u1,doweight_stage1\n1024,4096,14336,8,2,ActivationType.Silu,"
+                    "dtypes.bf16,dtypes.fp8,dtypes.fp8,QuantType.per_Token,True,True\n")
+    (row,) = read_table(path, SCHEMA, untuned=True).rows
+    assert row.key.use_g1u1 is True and row.key.doweight_stage1 is True
+    assert row.key.q_type == "QuantType.per_Token" and row.key.q_dtype_w == "torch.float8_e4m3fn"
+
+
+def test_bad_calls_say_what_is_wrong():
+    hidden, w1, w2, weight, ids = moe_inputs(3, 32, 16, 4, 2)
+    with pytest.raises(ValueError, match="quant_type=QuantType.per_Token is not supported yet"):
+        gemmtune.fused_moe(hidden, w1, w2, weight, ids, quant_type=QuantType.per_Token)
+    with pytest.raises(ValueError, match="do not fit hidden"):
+        gemmtune.fused_moe(hidden, w1, w2[:, :, :8], weight, ids)
+    with pytest.raises(ValueError, match="topk_ids must be int32"):
+        gemmtune.fused_moe(hidden, w1, w2, weight, ids.long())
+    with pytest.raises(ValueError, match="stage 1 has block_m=16 and stage 2 block_m=32"):
+        gemmtune.fused_moe(hidden, w1, w2, weight, ids, kernel=TWO_STAGE.format(sk=1).replace(
+            "moe2:BM16", "moe2:BM32"))
+    with pytest.raises(ValueError, match="activation ActivationType.Swiglu is not supported"):
+        gemmtune.fused_moe(hidden, w1, w2, weight, ids, activation=ActivationType.Swiglu)
+
+
+def test_custom_op_and_its_fake():
+    hidden, w1, w2, weight, ids = moe_inputs(3, 32, 16, 4, 2)
+    y = torch.ops.gemmtune.fused_moe(hidden, w1, w2, weight, ids, "Silu", False, None)
+    ref = fused_moe_ref(hidden, w1, w2, weight, ids, expert_map_of(None, 4, hidden.device))
+    assert rel_err(y, ref) < 1e-4
+    torch.library.opcheck(torch.ops.gemmtune.fused_moe.default,
+                          (hidden, w1, w2, weight, ids, "Silu", False, None))
+
+
+def test_problem_of_a_key():
+    from gemmtune.families.fmoe.op import problem_of
+
+    key = SCHEMA.make_key((16, 64, 32, 8, 2, "ActivationType.Gelu", "torch.bfloat16",
+                           "torch.bfloat16", "torch.bfloat16", "QuantType.No", True, True))
+    assert problem_of(key) == MoeProblem(16, 64, 32, 8, 2, torch.bfloat16, Activation.gelu, True)
+
+
+# ---------------------------------------------------------------------------------- the GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(4096, 14336, 8, 2), (2048, 768, 128, 8), (7168, 256, 256, 8)])
+@pytest.mark.parametrize("tokens", [1, 37, 512])
+def test_real_model_shapes_on_the_gpu(shape, tokens):
+    model_dim, inter_dim, experts, topk = shape
+    hidden, w1, w2, weight, ids = moe_inputs(tokens, model_dim, inter_dim, experts, topk,
+                                             torch.bfloat16, seed=tokens)
+    ref = fused_moe_ref(hidden, w1, w2, weight, ids, expert_map_of(None, experts, hidden.device))
+    y = gemmtune.fused_moe(hidden, w1, w2, weight, ids)  # the default Triton pair
+    assert rel_err(y, ref) < REL_BOUND[torch.bfloat16]
+    torch_y = gemmtune.fused_moe(hidden, w1, w2, weight, ids, kernel="torch.moe")
+    assert rel_err(torch_y, ref) < REL_BOUND[torch.bfloat16]
+
+
+@pytest.mark.gpu
+def test_captured_in_a_cuda_graph_and_replayed_on_new_routing():
+    hidden, w1, w2, weight, ids = moe_inputs(64, 2048, 768, 128, 8, torch.bfloat16)
+    gemmtune.fused_moe(hidden, w1, w2, weight, ids)  # plan and compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = gemmtune.fused_moe(hidden, w1, w2, weight, ids)
+    for seed in (5, 6):
+        new_hidden, _, _, new_weight, new_ids = moe_inputs(64, 2048, 768, 128, 8,
+                                                           torch.bfloat16, seed=seed)
+        hidden.copy_(new_hidden), weight.copy_(new_weight), ids.copy_(new_ids)
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = fused_moe_ref(hidden, w1, w2, weight, ids, expert_map_of(None, 128, hidden.device))
+        assert rel_err(y, ref) < REL_BOUND[torch.bfloat16]
