@@ -62,10 +62,11 @@ def why_not_stage2(config: MoeStage2Config, dtype: torch.dtype, inter_dim: int) 
 
 
 @triton.jit
-def _pairs_of_block(sorted_ids_ptr, block, pairs, BLOCK_M: tl.constexpr):
-    """The pair ids of a block's rows, and which rows hold a pair (not padding)."""
+def _block_rows(sorted_ids_ptr, block_expert_ptr, block, pairs, BLOCK_M: tl.constexpr):
+    """A block's expert, the pair ids of its rows, and which rows hold a pair (not padding)."""
+    expert = tl.load(block_expert_ptr + block).to(tl.int64)
     ids = tl.load(sorted_ids_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
-    return ids, ids < pairs
+    return expert, ids, ids < pairs
 
 
 @triton.jit
@@ -87,8 +88,7 @@ def moe_stage1_kernel(
     block = tl.program_id(0)
     if block * BLOCK_M >= tl.load(rows_used_ptr):
         return
-    expert = tl.load(block_expert_ptr + block).to(tl.int64)
-    ids, real = _pairs_of_block(sorted_ids_ptr, block, pairs, BLOCK_M)
+    expert, ids, real = _block_rows(sorted_ids_ptr, block_expert_ptr, block, pairs, BLOCK_M)
     tokens = tl.where(real, ids // TOPK, 0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.where(offs_n < I, offs_n, 0).to(tl.int64)
@@ -138,8 +138,7 @@ def moe_stage2_kernel(
     block = tl.program_id(0)
     if block * BLOCK_M >= tl.load(rows_used_ptr):
         return
-    expert = tl.load(block_expert_ptr + block).to(tl.int64)
-    ids, real = _pairs_of_block(sorted_ids_ptr, block, pairs, BLOCK_M)
+    expert, ids, real = _block_rows(sorted_ids_ptr, block_expert_ptr, block, pairs, BLOCK_M)
     rows = tl.where(real, ids, 0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.where(offs_n < D, offs_n, 0).to(tl.int64)
