@@ -83,6 +83,7 @@ def moe_stage1_kernel(
     TOPK: tl.constexpr,
     ACT: tl.constexpr,
     MUL_WEIGHT: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     block = tl.program_id(0)
@@ -104,8 +105,8 @@ def moe_stage1_kernel(
         a = tl.load(x_ptrs, mask=real[:, None] & (offs_k[None, :] < k_left), other=0.0)
         wg = tl.load(gate_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
         wu = tl.load(up_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
-        gate = tl.dot(a, wg, gate)
-        up = tl.dot(a, wu, up)
+        gate = tl.dot(a, wg, gate, input_precision=INPUT_PRECISION)
+        up = tl.dot(a, wu, up, input_precision=INPUT_PRECISION)
         x_ptrs += BLOCK_K * stride_xd
         gate_ptrs += BLOCK_K * stride_wd
         up_ptrs += BLOCK_K * stride_wd
@@ -133,6 +134,7 @@ def moe_stage2_kernel(
     stride_pp, stride_pn,
     MUL_WEIGHT: tl.constexpr,
     SPLIT_K: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     block = tl.program_id(0)
@@ -156,7 +158,7 @@ def moe_stage2_kernel(
         lane = tl.arange(0, BLOCK_K)
         a = tl.load(a_ptrs, mask=real[:, None] & (lane[None, :] < k_left), other=0.0)
         b = tl.load(b_ptrs, mask=lane[:, None] < k_left, other=0.0)
-        acc = tl.dot(a, b, acc)
+        acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
         a_ptrs += BLOCK_K * stride_in
         b_ptrs += BLOCK_K * stride_wk
     if MUL_WEIGHT:
@@ -213,6 +215,7 @@ def moe_stages(x, w1, w2, topk_weight, topk_ids, expert_map, routing, activation
         x.stride(0), x.stride(1), w1.stride(0), w1.stride(1), w1.stride(2),
         inter.stride(0), inter.stride(1),
         TOPK=topk, ACT=activation, MUL_WEIGHT=doweight_stage1,
+        INPUT_PRECISION=_checks.input_precision(x.dtype),
         BLOCK_M=stage1.block_m, BLOCK_N=stage1.block_n, BLOCK_K=stage1.block_k,
         num_warps=stage1.num_warps, num_stages=stage1.num_stages)
     alloc = torch.zeros if stage2.split_k > 1 else torch.empty
@@ -223,6 +226,7 @@ def moe_stages(x, w1, w2, topk_weight, topk_ids, expert_map, routing, activation
         inter.stride(0), inter.stride(1), w2.stride(0), w2.stride(1), w2.stride(2),
         partial.stride(0), partial.stride(1),
         MUL_WEIGHT=not doweight_stage1, SPLIT_K=stage2.split_k,
+        INPUT_PRECISION=_checks.input_precision(x.dtype),
         BLOCK_M=stage2.block_m, BLOCK_N=stage2.block_n, BLOCK_K=stage2.block_k,
         num_warps=stage2.num_warps, num_stages=stage2.num_stages)
     out = torch.empty((tokens, model_dim), dtype=x.dtype, device=x.device) if out is None else out
