@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gemmtune.cli import build_parser, main
+from gemmtune.cli import main
 from gemmtune.families import get_family
 from gemmtune.tables.store import read_table
 

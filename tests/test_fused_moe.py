@@ -10,6 +10,7 @@ import gemmtune
 from gemmtune.families.fmoe.op import DISPATCH, SCHEMA, expert_map_of
 from gemmtune.kernels.problem import Activation, MoeProblem
 from gemmtune.kernels.torch_ref import fused_moe_ref
+from gemmtune.kernels.triton.moe_configs import MoeStage1Config, MoeStage2Config
 from gemmtune.tables.lookup import Rule
 from gemmtune.tables.store import read_table
 from gemmtune.tables.values import ActivationType, QuantType
@@ -216,3 +217,53 @@ def test_captured_in_a_cuda_graph_and_replayed_on_new_routing():
         torch.cuda.synchronize()
         ref = fused_moe_ref(hidden, w1, w2, weight, ids, expert_map_of(None, 128, hidden.device))
         assert rel_err(y, ref) < REL_BOUND[torch.bfloat16]
+
+
+def test_tune_fmoe_on_the_cpu_pairs_the_stages_and_writes_a_row_dispatch_follows(tmp_path,
+                                                                                 monkeypatch):
+    """The whole tuning path on the interpreter: the stages screened apart (each checked inside
+    a whole op), paired by ``compose`` and re-timed end to end; the row names both stages and
+    dispatch runs that pair."""
+    from gemmtune.cli import main
+
+    untuned = tmp_path / "untuned_fmoe.csv"
+    untuned.write_text("token,model_dim,inter_dim,expert,topk,act_type,dtype,q_dtype_a,q_dtype_w,"
+                       "q_type,use_g1u1,doweight_stage1\n5,32,16,4,2,ActivationType.Silu,"
+                       "torch.float32,torch.float32,torch.float32,QuantType.No,True,False\n")
+    tuned, profile = tmp_path / "tuned_fmoe.csv", tmp_path / "profile.csv"
+    assert main(["tune", "fmoe", "-i", str(untuned), "-o", str(tuned), "-o2", str(profile),
+                 "--iters", "3", "--libtype", "triton"]) == 0
+    (row,) = read_table(tuned, SCHEMA).rows
+    screened = [line.split(",") for line in profile.read_text().splitlines()]
+    stage1 = MoeStage1Config(16, 16, 16, 4, 1).name
+    stage2 = MoeStage2Config(16, 16, 16, 1, 4, 1).name
+    assert {stage1, stage2} <= {field for line in screened for field in line}
+    assert (row.results["kernelName1"], row.results["kernelName2"]) == (stage1, stage2)
+    assert row.results["block_m"] == 16 and row.results["ksplit"] == 1
+    assert row.results["us1"] > 0 and row.results["us2"] > 0 and row.results["us"] > 0
+    assert row.results["err1"] <= 0.05 and row.results["err2"] <= 0.05
+
+    monkeypatch.setenv("GEMMTUNE_CONFIG_FMOE", f"replace:{tuned}")
+    gemmtune.reset()
+    hidden, w1, w2, weight, ids = moe_inputs(5, 32, 16, 4, 2)
+    ref = fused_moe_ref(hidden, w1, w2, weight, ids, expert_map_of(None, 4, hidden.device))
+    assert rel_err(gemmtune.fused_moe(hidden, w1, w2, weight, ids), ref) < 1e-4
+    (plan,) = DISPATCH.plans.values()
+    assert plan.decision.rule is Rule.exact
+    assert plan.decision.kernel_name == f"{stage1}+{stage2}"
+
+
+def test_tune_fmoe_takes_the_seeds_err_ratio_by_default(tmp_path):
+    from gemmtune.cli import build_parser
+    from gemmtune.families.fmoe.tuner import FmoeTuner
+    from gemmtune.tune.command import config_from_args
+
+    untuned = tmp_path / "u.csv"
+    untuned.write_text("token\n4\n")
+    parse = build_parser().parse_args
+    args = ["tune", "fmoe", "-i", str(untuned), "-o", str(tmp_path / "t.csv")]
+    assert config_from_args(parse(args), FmoeTuner.default_err_ratio).options.err_ratio == 0.5
+    assert config_from_args(parse(args + ["--errRatio", "0.1"]),
+                            FmoeTuner.default_err_ratio).options.err_ratio == 0.1
+    with pytest.raises(ValueError, match="a fraction of the output"):
+        config_from_args(parse(args + ["--errRatio", "2"]), FmoeTuner.default_err_ratio)

@@ -10,8 +10,6 @@ A family's tuner gives its schema, registry, ``problem_of`` and ``prepare``; ``p
 from __future__ import annotations
 
 import dataclasses
-import statistics
-import time
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -19,7 +17,8 @@ import torch
 
 from gemmtune.dispatch import KernelRegistry
 from gemmtune.kernels.problem import GemmProblem
-from gemmtune.measure.timing import copies_to_exceed_l2, graph_replay_us, interleaved_graph_us
+from gemmtune.measure.timing import (copies_to_exceed_l2, eager_us, graph_replay_us,
+                                     interleaved_graph_us)
 from gemmtune.tune.family import Candidate, FamilyTuner, Prepared
 
 class GemmCall(NamedTuple):
@@ -199,7 +198,7 @@ class GemmTuner(FamilyTuner):
         kernel = self._kernel(name, prepared.key)
         call: GemmCall = prepared.inputs
         if not call.x.is_cuda:
-            return _cpu_time(lambda: kernel(*call), iters, warmup)
+            return eager_us(lambda: kernel(*call), iters, warmup)
         for _ in range(warmup):
             kernel(*call)
         return graph_replay_us(lambda operands: kernel(*call._replace(**operands._asdict())),
@@ -248,16 +247,3 @@ def _rotating(prepared: Prepared) -> list[Operands]:
                 for _ in range(copies_to_exceed_l2(per_set))]
         prepared.extra["rotating"] = sets
     return sets
-
-
-def _cpu_time(fn, iters: int, warmup: int) -> tuple[float, float]:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(max(3, iters // 10)):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e6)
-    times.sort()
-    median = statistics.median(times)
-    return median, (times[-1] - times[0]) / median if median else 0.0

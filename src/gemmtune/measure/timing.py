@@ -86,6 +86,30 @@ def host_us_per_call(fn: Callable, calls: int = 2000, loops: int = 5) -> float:
     return statistics.median(per_loop)
 
 
+def eager_us(fn: Callable, iters: int, warmup: int = 1) -> tuple[float, float]:
+    """Median and spread of the time of single eager calls of ``fn``: on the GPU between CUDA
+    events around each call (for ops that synchronise with the host, which no graph captures),
+    ``iters`` of them; on the CPU (the interpreter) by the wall clock, ``iters // 10`` (at least
+    3), since an interpreted kernel takes a thousand times longer."""
+    for _ in range(max(1, warmup)):
+        fn()
+    _sync()
+    times = []
+    for _ in range(max(3, iters if torch.cuda.is_available() else iters // 10)):
+        if torch.cuda.is_available():
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e6)
+    return _median_spread(times)
+
+
 def _sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()

@@ -39,9 +39,10 @@ def add_tune_arguments(p: argparse.ArgumentParser) -> None:
                    help="worker processes (default: one per visible GPU, or 1); more than the "
                         "GPUs compile Triton candidates in parallel while GPU work (checks, "
                         "timing) stays one worker per GPU at a time")
-    p.add_argument("--errRatio", type=float, default=0.05, metavar="R",
+    p.add_argument("--errRatio", type=float, default=None, metavar="R",
                    help="largest fraction of output elements allowed outside tolerance "
-                        "(default 0.05)")
+                        "(default: the family's, 0.05 for the GEMMs and 0.5 for fmoe as in the "
+                        "seed; the relative-norm bound applies either way)")
     p.add_argument("--batch", type=int, default=10, metavar="N",
                    help="checkpoint the output every N tuned shapes (default 10)")
     p.add_argument("--all", action="store_true", help="retune shapes already in the output")
@@ -68,13 +69,16 @@ def add_tune_arguments(p: argparse.ArgumentParser) -> None:
                    help="gain needed by --update_improved (default 3)")
 
 
-def config_from_args(args: argparse.Namespace) -> TuneConfig:
+def config_from_args(args: argparse.Namespace, default_err_ratio: float = 0.05) -> TuneConfig:
     if not args.output:
         raise ValueError("-o/--tune_file is required: the tuned table to write")
     gpus = default_gpus()
     workers = args.mp if args.mp is not None else max(1, len(gpus))
+    err_ratio = default_err_ratio if args.errRatio is None else args.errRatio
     if workers < 1 or args.batch < 1 or args.timeout <= 0 or args.iters < 1:
         raise ValueError("--mp, --batch and --iters must be >= 1 and --timeout > 0")
+    if not 0 <= err_ratio <= 1:
+        raise ValueError(f"--errRatio {err_ratio}: a fraction of the output, 0 to 1")
     if not Path(args.input).exists():
         raise FileNotFoundError(f"{args.input}: no such untuned file (make one with gemmtune "
                                 f"shapes or gemmtune capture)")
@@ -83,7 +87,7 @@ def config_from_args(args: argparse.Namespace) -> TuneConfig:
     return TuneConfig(
         input=Path(args.input), output=Path(args.output),
         profile=Path(args.profile) if args.profile else None, workers=workers,
-        options=TuneOptions(err_ratio=args.errRatio, warmup=args.warmup, iters=args.iters,
+        options=TuneOptions(err_ratio=err_ratio, warmup=args.warmup, iters=args.iters,
                             accurate_iters=5 * args.iters),
         batch=args.batch, retune_all=args.all, last_only=args.last, sort=args.sort,
         timeout=args.timeout, verbose=args.verbose, libtypes=args.libtype,
@@ -94,4 +98,5 @@ def config_from_args(args: argparse.Namespace) -> TuneConfig:
 def run_tune(factory: Callable, args: argparse.Namespace, out=None) -> int:
     """Tune as ``args`` say; progress and the report go to ``out`` (default: ``sys.stderr`` as
     it is at the call, which a caller such as pytest's capture may have replaced)."""
-    return Tuner(factory, config_from_args(args), out=out).run().exit_code
+    config = config_from_args(args, getattr(factory, "default_err_ratio", 0.05))
+    return Tuner(factory, config, out=out).run().exit_code

@@ -337,8 +337,11 @@ class Tuner:
                                                 seed)
         if self._stop.is_set():
             return ShapeResult(key, None, evaluations, "interrupted")
+        # A family whose candidates are parts of a solution (fmoe's stages) turns the screened
+        # parts into whole solutions here; the re-timing then times those end to end.
+        candidates, passing = self.family.compose(key, candidates,
+                                                  [e for e in evaluations if e.ok])
         by_name = {c.name: c for c in candidates}
-        passing = [e for e in evaluations if e.ok]
         if not passing:
             failures = Counter(e.status.value for e in evaluations)
             reason = "no candidate passed: " + ", ".join(f"{n} {s}" for s, n in failures.items())
@@ -517,7 +520,9 @@ class Tuner:
             else:
                 self._pending.append(result.row)
                 self.summary.tuned += 1
-            progress.update(f"{shape} -> {result.row.results['kernelName']} {new_us:.2f} us",
+            names = "+".join(filter(None, (str(result.row.results[c])
+                                           for c in self.schema.kernel_columns)))
+            progress.update(f"{shape} -> {names} {new_us:.2f} us",
                             ok=True)
             if len(self._pending) >= self.config.batch:
                 self._checkpoint()

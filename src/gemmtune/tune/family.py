@@ -30,6 +30,8 @@ class Candidate:
     splitk: int = 0
     solidx: int = 0
     refused: str = ""  # why it is not run here (recorded as refused, with this reason), or ""
+    # A solution ``compose`` made of screened parts: their names, in order (fmoe's stages).
+    parts: tuple[str, ...] = ()
 
 
 class Status(str, enum.Enum):
@@ -99,6 +101,8 @@ class FamilyTuner(abc.ABC):
     schema: Schema  # the family's table: key columns, result columns, file names
     # How ``time`` measures, stored in each row's ``timing`` column.
     timing_label = "graph.coldL2"
+    # ``--errRatio`` when not given: the largest fraction of elements outside atol + rtol.
+    default_err_ratio = 0.05
 
     def device_info(self) -> DeviceInfo:
         """The device this worker tunes on, and the environment fingerprint of its rows."""
@@ -139,6 +143,14 @@ class FamilyTuner(abc.ABC):
         alternate between candidates override this (drift then hits all of them alike); this
         default times them one after another."""
         return [self.time(name, prepared, iters, warmup) for name in names]
+
+    def compose(self, key: tuple, candidates: list[Candidate], passing: list[Evaluation]
+                ) -> tuple[list[Candidate], list[Evaluation]]:
+        """The whole solutions to re-time and choose from, given the screened candidates that
+        passed: by default those. A family whose candidates are parts (fmoe: stage 1 and stage 2
+        configs, screened apart) pairs them here, in the parent process, from the screen's
+        results alone; an evaluation it makes carries the parts' estimate of the time."""
+        return candidates, passing
 
     def is_fatal(self, error: BaseException) -> bool:
         """Whether ``error`` leaves the worker unusable (a sticky CUDA error): then it is replaced

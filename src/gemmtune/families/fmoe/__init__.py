@@ -1,8 +1,9 @@
-"""The fused-MoE family: ``fused_moe`` (``op``), dispatched from ``tuned_fmoe.csv``."""
+"""The fused-MoE family: ``fused_moe`` (``op``), dispatched from ``tuned_fmoe.csv``, and its
+tuner (``tuner``: ``gemmtune tune fmoe``)."""
 
 from __future__ import annotations
 
 from gemmtune.families._family import Family
 from gemmtune.families.fmoe.op import DISPATCH, SCHEMA
 
-FAMILY = Family("fmoe", SCHEMA, DISPATCH)
+FAMILY = Family("fmoe", SCHEMA, DISPATCH, tuner="gemmtune.families.fmoe.tuner:FmoeTuner")

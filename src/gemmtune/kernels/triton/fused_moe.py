@@ -22,7 +22,7 @@ from gemmtune.kernels.triton.moe_stages import (GELU, SILU, moe_stages, why_not_
                                                 why_not_stage2)
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-_ACT = {Activation.silu: SILU, Activation.gelu: GELU}
+ACT_CODES = {Activation.silu: SILU, Activation.gelu: GELU}
 
 
 class TritonTwoStageMoe:
@@ -50,11 +50,22 @@ class TritonTwoStageMoe:
                 or why_not_stage2(self.stage2, problem.dtype, problem.inter_dim)
                 or (_checks.why_not_dot_k(self.stage1, problem.dtype)))
 
+    def warmup(self, hidden, w1, w2, topk_weight, topk_ids, expert_map,
+               problem: MoeProblem) -> None:
+        """Compile every kernel of this solution for these arguments, launching none (the
+        interpreter has nothing to compile)."""
+        if hidden.shape[0] and not _checks.INTERPRETED:
+            routing = moe_routing(topk_ids, expert_map, w1.shape[0], self.stage1.block_m,
+                                  warmup=True)
+            moe_stages(hidden, w1, w2, topk_weight, topk_ids, expert_map, routing,
+                       ACT_CODES[problem.activation], problem.doweight_stage1, self.stage1,
+                       self.stage2, warmup=True)
+
     def __call__(self, hidden, w1, w2, topk_weight, topk_ids, expert_map, problem: MoeProblem,
                  out=None):
         if hidden.shape[0] == 0:
             return torch.empty_like(hidden) if out is None else out
         routing = moe_routing(topk_ids, expert_map, w1.shape[0], self.stage1.block_m)
         return moe_stages(hidden, w1, w2, topk_weight, topk_ids, expert_map, routing,
-                          _ACT[problem.activation], problem.doweight_stage1, self.stage1,
+                          ACT_CODES[problem.activation], problem.doweight_stage1, self.stage1,
                           self.stage2, out=out)

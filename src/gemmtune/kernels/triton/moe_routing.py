@@ -107,9 +107,10 @@ def _local_expert(topk_ids_ptr, expert_map_ptr, i, pairs, experts):
 
 
 def moe_routing(topk_ids: torch.Tensor, expert_map: torch.Tensor, experts: int,
-                block_m: int) -> MoeRouting:
+                block_m: int, warmup: bool = False) -> MoeRouting:
     """Group the pairs of ``topk_ids`` (T, topk) int32 by local expert (``expert_map``:
-    (E_global,) int32, -1 for experts of other ranks) into blocks of ``block_m`` rows."""
+    (E_global,) int32, -1 for experts of other ranks) into blocks of ``block_m`` rows.
+    ``warmup``: compile only (the routing's tensors are left unset)."""
     if topk_ids.dtype != torch.int32 or expert_map.dtype != torch.int32:
         raise TypeError(f"moe_routing: topk_ids and expert_map must be int32, got "
                         f"{topk_ids.dtype} and {expert_map.dtype}")
@@ -122,7 +123,7 @@ def moe_routing(topk_ids: torch.Tensor, expert_map: torch.Tensor, experts: int,
     routing = MoeRouting(torch.empty(rows, dtype=torch.int32, device=device),
                          torch.empty(blocks, dtype=torch.int32, device=device),
                          torch.empty(1, dtype=torch.int32, device=device), block_m)
-    moe_routing_kernel[(1,)](
+    _checks.start(moe_routing_kernel, (1,), warmup)(
         topk_ids.reshape(-1).contiguous(), expert_map.contiguous(), routing.sorted_ids,
         routing.block_expert, routing.rows_used, pairs, experts, rows, blocks,
         BLOCK_M=block_m, EXPERTS_POW2=triton.next_power_of_2(experts + 1), CHUNK=CHUNK,

@@ -198,41 +198,61 @@ def moe_sum_kernel(
 
 def moe_stages(x, w1, w2, topk_weight, topk_ids, expert_map, routing, activation: int,
                doweight_stage1: bool, stage1: MoeStage1Config, stage2: MoeStage2Config,
-               out: torch.Tensor | None = None) -> torch.Tensor:
+               out: torch.Tensor | None = None, warmup: bool = False) -> torch.Tensor:
     """Both stages and the sum over ``routing`` (made with ``stage1.block_m``): x (T, D),
     w1 (E, 2I, D), w2 (E, D, I), topk_weight (T, topk) fp32, topk_ids (T, topk) int32, ->
-    (T, D) in x's dtype, into ``out`` if given. Launch only: the caller checked the shapes."""
+    (T, D) in x's dtype, into ``out`` if given. Launch only: the caller checked the shapes.
+    ``warmup``: compile every kernel for these arguments, launch none."""
+    inter = run_stage1(x, w1, topk_weight, routing, activation, doweight_stage1, stage1, warmup)
+    return run_stage2(inter, w2, topk_weight, topk_ids, expert_map, routing, doweight_stage1,
+                      stage2, x.shape[0], x.dtype, out, warmup)
+
+
+def run_stage1(x, w1, topk_weight, routing, activation: int, doweight_stage1: bool,
+               config: MoeStage1Config, warmup: bool = False) -> torch.Tensor:
+    """Stage 1 alone: -> the (T * topk, I) intermediate, one row per routed pair."""
     tokens, model_dim = x.shape
-    inter_dim = w2.shape[2]
-    topk = topk_ids.shape[1]
+    inter_dim = w1.shape[1] // 2
+    topk = topk_weight.shape[1]
     pairs = tokens * topk
-    blocks = routing.block_expert.numel()
-    weights = topk_weight.reshape(-1)
     inter = torch.empty((pairs, inter_dim), dtype=x.dtype, device=x.device)
-    moe_stage1_kernel[(blocks, triton.cdiv(inter_dim, stage1.block_n))](
-        x, w1, inter, weights, routing.sorted_ids, routing.block_expert, routing.rows_used,
-        pairs, model_dim, inter_dim,
+    grid = (routing.block_expert.numel(), triton.cdiv(inter_dim, config.block_n))
+    _checks.start(moe_stage1_kernel, grid, warmup)(
+        x, w1, inter, topk_weight.reshape(-1), routing.sorted_ids, routing.block_expert,
+        routing.rows_used, pairs, model_dim, inter_dim,
         x.stride(0), x.stride(1), w1.stride(0), w1.stride(1), w1.stride(2),
         inter.stride(0), inter.stride(1),
         TOPK=topk, ACT=activation, MUL_WEIGHT=doweight_stage1,
         INPUT_PRECISION=_checks.input_precision(x.dtype),
-        BLOCK_M=stage1.block_m, BLOCK_N=stage1.block_n, BLOCK_K=stage1.block_k,
-        num_warps=stage1.num_warps, num_stages=stage1.num_stages)
-    alloc = torch.zeros if stage2.split_k > 1 else torch.empty
-    partial = alloc((pairs, model_dim), dtype=torch.float32, device=x.device)
-    moe_stage2_kernel[(blocks, triton.cdiv(model_dim, stage2.block_n), stage2.split_k)](
-        inter, w2, partial, weights, routing.sorted_ids, routing.block_expert,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        num_warps=config.num_warps, num_stages=config.num_stages)
+    return inter
+
+
+def run_stage2(inter, w2, topk_weight, topk_ids, expert_map, routing, doweight_stage1: bool,
+               config: MoeStage2Config, tokens: int, dtype: torch.dtype,
+               out: torch.Tensor | None = None, warmup: bool = False) -> torch.Tensor:
+    """Stage 2 and the sum over each token's slots: -> (T, D) in ``dtype``, into ``out`` if
+    given."""
+    pairs, inter_dim = inter.shape
+    model_dim = w2.shape[1]
+    alloc = torch.zeros if config.split_k > 1 else torch.empty
+    partial = alloc((pairs, model_dim), dtype=torch.float32, device=inter.device)
+    grid = (routing.block_expert.numel(), triton.cdiv(model_dim, config.block_n), config.split_k)
+    _checks.start(moe_stage2_kernel, grid, warmup)(
+        inter, w2, partial, topk_weight.reshape(-1), routing.sorted_ids, routing.block_expert,
         routing.rows_used, pairs, model_dim, inter_dim,
         inter.stride(0), inter.stride(1), w2.stride(0), w2.stride(1), w2.stride(2),
         partial.stride(0), partial.stride(1),
-        MUL_WEIGHT=not doweight_stage1, SPLIT_K=stage2.split_k,
-        INPUT_PRECISION=_checks.input_precision(x.dtype),
-        BLOCK_M=stage2.block_m, BLOCK_N=stage2.block_n, BLOCK_K=stage2.block_k,
-        num_warps=stage2.num_warps, num_stages=stage2.num_stages)
-    out = torch.empty((tokens, model_dim), dtype=x.dtype, device=x.device) if out is None else out
+        MUL_WEIGHT=not doweight_stage1, SPLIT_K=config.split_k,
+        INPUT_PRECISION=_checks.input_precision(dtype),
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        num_warps=config.num_warps, num_stages=config.num_stages)
+    if out is None:
+        out = torch.empty((tokens, model_dim), dtype=dtype, device=inter.device)
     block_d = min(1024, triton.next_power_of_2(model_dim))
-    moe_sum_kernel[(tokens, triton.cdiv(model_dim, block_d))](
+    _checks.start(moe_sum_kernel, (tokens, triton.cdiv(model_dim, block_d)), warmup)(
         partial, topk_ids.reshape(-1), expert_map, out, model_dim,
         partial.stride(0), partial.stride(1), out.stride(0), out.stride(1),
-        TOPK=topk, BLOCK_D=block_d, num_warps=4)
+        TOPK=topk_ids.shape[1], BLOCK_D=block_d, num_warps=4)
     return out

@@ -1,0 +1,310 @@
+"""``gemmtune tune fmoe``: the torch backend and the Triton stages of ``fused_moe``, screened
+apart, then paired and timed end to end.
+
+Candidates are ``torch.moe`` and, per block_m, stage-1 configs (``triton.moe1:...``) and stage-2
+configs (``triton.moe2:...``). A stage is checked by running the whole op with it and a default
+config of the other stage with the same block_m, against the fp32 expert-by-expert reference,
+and timed alone over the same routing: stage 1 with the routing preparation (``us1``), stage 2
+with the sum over slots (``us2``). ``compose`` then pairs the fastest stages of each block_m into
+whole solutions (``stage1+stage2``, estimated at us1 + us2), which the engine re-times end to end
+beside torch and chooses from. Routing is a seeded uniform random top-k.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from gemmtune.families.fmoe.op import REGISTRY, SCHEMA, FmoeKey, expert_map_of, problem_of
+from gemmtune.kernels.problem import MoeProblem
+from gemmtune.kernels.torch_ref import TORCH_MOE, fused_moe_ref
+from gemmtune.kernels.triton.moe_configs import (BLOCK_MS, STAGE1_PREFIX, STAGE2_PREFIX,
+                                                 MoeStage1Config, MoeStage2Config,
+                                                 two_stage_name)
+from gemmtune.measure.accuracy import TOLERANCES
+from gemmtune.measure.timing import (copies_to_exceed_l2, eager_us, graph_replay_us,
+                                     interleaved_graph_us)
+from gemmtune.tables.values import QuantType
+from gemmtune.tune.family import Candidate, Evaluation, FamilyTuner, Prepared, Status
+
+# How many of each stage's fastest configs per block_m are paired (4 pairs per block_m).
+PAIRED_PER_STAGE = 2
+
+
+def _stage_space(problem: MoeProblem, gpu: bool) -> tuple[list[MoeStage1Config],
+                                                           list[MoeStage2Config]]:
+    """The pruned configs of both stages: block_m up to twice the pairs an expert gets on
+    average (a larger one only pads), 64-128 wide tiles, 4-8 warps, split-K only where stage 2
+    has too few tiles to fill the GPU and inter_dim is long enough to split; on the CPU (the
+    interpreter) one small config each."""
+    if not gpu:
+        return [MoeStage1Config(16, 16, 16, 4, 1)], [MoeStage2Config(16, 16, 16, 1, 4, 1)]
+    per_expert = problem.tokens * problem.topk / max(1, problem.experts)
+    sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    first, second = [], []
+    for bm in (b for b in BLOCK_MS if b <= max(16, 2 * per_expert)):
+        for bn in (64, 128):
+            for bk in (64, 128):
+                for warps, stages in ((4, 3), (4, 4), (8, 3)):
+                    first.append(MoeStage1Config(bm, bn, bk, warps, stages))
+        blocks = _expected_blocks(problem, bm)
+        for bn in (64, 128, 256):
+            for bk in (64, 128):
+                tiles = blocks * -(-problem.model_dim // bn)
+                for split_k in (1, 2, 4):
+                    if split_k > 1 and (tiles * split_k > 4 * sms
+                                        or problem.inter_dim < 2 * split_k * bk):
+                        continue
+                    for warps, stages in ((4, 3), (8, 3)):
+                        second.append(MoeStage2Config(bm, bn, bk, split_k, warps, stages))
+    return first, second
+
+
+def _reached(problem: MoeProblem) -> float:
+    """How many experts a uniform top-k routing of ``problem.tokens`` tokens is expected to
+    reach."""
+    return problem.experts * (1 - (1 - problem.topk / problem.experts) ** problem.tokens)
+
+
+def _expected_blocks(problem: MoeProblem, block_m: int) -> float:
+    """Blocks of ``block_m`` rows a uniform routing makes: the experts it reaches, each with its
+    pairs rounded up to whole blocks."""
+    reached = _reached(problem)
+    per_reached = problem.tokens * problem.topk / max(reached, 1e-9)
+    return reached * -(-per_reached // block_m)
+
+
+def _block_m(name: str) -> int:
+    return int(name.split(":BM", 1)[1].split(".", 1)[0])
+
+
+class FmoeTuner(FamilyTuner):
+    schema = SCHEMA
+    # The seed's default for fmoe; the bound on ||out - ref|| / ||ref|| is the dtype's as ever.
+    default_err_ratio = 0.5
+
+    def __init__(self):
+        self.timing_label = "graph.coldL2" if torch.cuda.is_available() else "cpu.wall"
+        # (key, stage name) -> its screen result, kept in the parent for the row's columns.
+        self._screened: dict[tuple, Evaluation] = {}
+        self._lock = threading.Lock()
+
+    def shape(self, key: FmoeKey) -> MoeProblem:
+        if key.q_type != QuantType.No.canonical:
+            raise ValueError(f"q_type={key.q_type}: quantised experts are not tuned yet; they "
+                             f"land with the quantised-MoE issue")
+        return problem_of(key)
+
+    # ----------------------------------------------------------------------- candidates
+    def candidates(self, key: FmoeKey, libtypes: frozenset[str]) -> list[Candidate]:
+        problem = self.shape(key)
+        wanted = libtypes or frozenset({"torch", "triton"})
+        found = []
+        if "torch" in wanted:
+            found.append(Candidate(TORCH_MOE, "torch", simplicity=0))
+        if "triton" in wanted:
+            first, second = _stage_space(problem, torch.cuda.is_available())
+            kernel = REGISTRY.resolve
+            for config in first + second:
+                partner = _partner(config)
+                name = _whole(config, partner)
+                if kernel(name).check(problem) is None:
+                    found.append(Candidate(config.name, "triton"))
+        return [Candidate(c.name, c.libtype, c.simplicity, solidx=i) for i, c in enumerate(found)]
+
+    # --------------------------------------------------------------------------- inputs
+    def prepare(self, key: FmoeKey, seed: int) -> Prepared:
+        p = self.shape(key)
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        gen = torch.Generator(device=device).manual_seed(seed)
+
+        def randn(*shape, scale=1.0):
+            return (torch.randn(*shape, generator=gen, device=device) * scale).to(p.dtype)
+
+        hidden = randn(p.tokens, p.model_dim)
+        w1 = randn(p.experts, 2 * p.inter_dim, p.model_dim, scale=p.model_dim ** -0.5)
+        w2 = randn(p.experts, p.model_dim, p.inter_dim, scale=p.inter_dim ** -0.5)
+        scores = torch.rand(p.tokens, p.experts, generator=gen, device=device)
+        topk_ids = scores.topk(p.topk, dim=1).indices.to(torch.int32)
+        topk_weight = torch.rand(p.tokens, p.topk, generator=gen, device=device) + 0.1
+        expert_map = expert_map_of(None, p.experts, hidden.device)
+        inputs = (hidden, w1, w2, topk_weight, topk_ids, expert_map, p)
+        ref = fused_moe_ref(hidden, w1, w2, topk_weight, topk_ids, expert_map, p.activation,
+                            p.doweight_stage1)
+        return Prepared(key, seed, inputs, ref)
+
+    def tolerance(self, key: FmoeKey) -> tuple[float, float, float]:
+        return TOLERANCES[self.shape(key).dtype]
+
+    # ---------------------------------------------------------------------- run and time
+    def _kernel(self, name: str, problem: MoeProblem):
+        """The whole op a candidate name stands for: a stage is run with the other stage's
+        default config of its block_m."""
+        if name.startswith((STAGE1_PREFIX + ":", STAGE2_PREFIX + ":")) and "+" not in name:
+            name = _whole(_config(name), _partner(_config(name)))
+        return REGISTRY.resolve_for(name, problem)
+
+    def precompile(self, name: str, prepared: Prepared) -> None:
+        kernel = self._kernel(name, prepared.inputs[-1])
+        if hasattr(kernel, "warmup"):
+            kernel.warmup(*prepared.inputs)
+
+    def run(self, name: str, prepared: Prepared) -> torch.Tensor:
+        hidden = prepared.inputs[0]
+        out = torch.full_like(hidden, float("nan"))
+        result = self._kernel(name, prepared.inputs[-1])(*prepared.inputs, out=out)
+        if result.data_ptr() != out.data_ptr():
+            raise RuntimeError(f"{name} did not write into the output it was given")
+        return out
+
+    def time(self, name: str, prepared: Prepared, iters: int, warmup: int) -> tuple[float, float]:
+        return self.time_many([name], prepared, iters, warmup)[0]
+
+    def time_many(self, names: list[str], prepared: Prepared, iters: int,
+                  warmup: int) -> list[tuple[float, float]]:
+        hidden = prepared.inputs[0]
+        if not hidden.is_cuda:
+            return [eager_us(lambda n=name: self.run(n, prepared), iters, warmup)
+                    for name in names]
+        timed: list[tuple[float, float] | None] = [None] * len(names)
+        graphed = []
+        for i, name in enumerate(names):
+            if name == TORCH_MOE:  # it synchronises with the host: no graph, eager events
+                timed[i] = eager_us(lambda: self.run(TORCH_MOE, prepared), iters, warmup)
+            else:
+                graphed.append((i, self._timed_call(name, prepared)))
+        if graphed:
+            calls = [call for _, call in graphed]
+            for call in calls:
+                for _ in range(warmup):
+                    call(_rotating(prepared)[0])
+            replays = 2
+            results = interleaved_graph_us(calls, _rotating(prepared),
+                                           rounds=max(1, iters // replays), replays=replays) \
+                if len(calls) > 1 else [graph_replay_us(calls[0], _rotating(prepared), iters)]
+            for (i, _), result in zip(graphed, results):
+                timed[i] = result
+        return timed
+
+    def _timed_call(self, name: str, prepared: Prepared):
+        """What a timing of ``name`` launches, over one rotating copy of the weights: a stage 1
+        config with the routing preparation; a stage 2 config with the sum over slots, over a
+        routing and intermediate made once; a whole solution (``stage1+stage2``) end to end."""
+        from gemmtune.kernels.triton import moe_stages
+        from gemmtune.kernels.triton.fused_moe import ACT_CODES
+        from gemmtune.kernels.triton.moe_routing import moe_routing
+
+        hidden, _, _, topk_weight, topk_ids, expert_map, problem = prepared.inputs
+        act = ACT_CODES[problem.activation]
+        experts = problem.experts
+        if "+" in name or not name.startswith((STAGE1_PREFIX, STAGE2_PREFIX)):
+            kernel = self._kernel(name, problem)
+            return lambda copy: kernel(hidden, copy[0], copy[1], topk_weight, topk_ids,
+                                       expert_map, problem)
+        config = _config(name)
+        if isinstance(config, MoeStage1Config):
+            def stage1(copy):
+                routing = moe_routing(topk_ids, expert_map, experts, config.block_m)
+                moe_stages.run_stage1(hidden, copy[0], topk_weight, routing, act,
+                                      problem.doweight_stage1, config)
+            return stage1
+        routing = moe_routing(topk_ids, expert_map, experts, config.block_m)
+        inter = moe_stages.run_stage1(hidden, prepared.inputs[1], topk_weight, routing, act,
+                                      problem.doweight_stage1, _partner(config))
+
+        def stage2(copy):
+            moe_stages.run_stage2(inter, copy[1], topk_weight, topk_ids, expert_map, routing,
+                                  problem.doweight_stage1, config, hidden.shape[0], hidden.dtype)
+        return stage2
+
+    # ---------------------------------------------------------------------- the pairing
+    def compose(self, key: tuple, candidates: list[Candidate], passing: list[Evaluation]
+                ) -> tuple[list[Candidate], list[Evaluation]]:
+        """Whole solutions from the screened stages: per block_m, the PAIRED_PER_STAGE fastest
+        of each stage, estimated at us1 + us2; beside them what passed whole (torch)."""
+        stages = {1: {}, 2: {}}
+        whole_candidates, whole = [], []
+        by_name = {c.name: c for c in candidates}
+        for ev in passing:
+            if ev.name.startswith(STAGE1_PREFIX + ":") or ev.name.startswith(STAGE2_PREFIX + ":"):
+                stage = 1 if ev.name.startswith(STAGE1_PREFIX) else 2
+                stages[stage].setdefault(_block_m(ev.name), []).append(ev)
+                with self._lock:
+                    self._screened[(key, ev.name)] = ev
+            else:
+                whole_candidates.append(by_name[ev.name])
+                whole.append(ev)
+        for block_m in sorted(set(stages[1]) & set(stages[2])):
+            firsts = sorted(stages[1][block_m], key=lambda e: e.us)[:PAIRED_PER_STAGE]
+            seconds = sorted(stages[2][block_m], key=lambda e: e.us)[:PAIRED_PER_STAGE]
+            for one in firsts:
+                for two in seconds:
+                    name = f"{one.name}+{two.name}"
+                    whole_candidates.append(Candidate(name, "triton", parts=(one.name, two.name),
+                                                      splitk=_config(two.name).split_k))
+                    whole.append(Evaluation(name, Status.ok, max(one.err_ratio, two.err_ratio),
+                                            max(one.rel_err, two.rel_err), one.us + two.us,
+                                            max(one.spread, two.spread)))
+        return whole_candidates, whole
+
+    def result_fields(self, key: tuple, candidate: Candidate, evaluation: Evaluation,
+                      env: str) -> dict:
+        """The seed's fmoe columns: a Triton pair fills both stages' names, times and errors;
+        torch is kernelName1 alone, its whole time as us1."""
+        tflops, bw = self.metrics(key, evaluation.us)
+        fields = {"block_m": 0, "ksplit": 0, "us1": round(evaluation.us, 4),
+                  "kernelName1": candidate.name, "err1": round(evaluation.err_ratio, 6),
+                  "us2": 0.0, "kernelName2": "", "err2": 0.0}
+        if candidate.parts:
+            with self._lock:
+                one, two = (self._screened[(key, part)] for part in candidate.parts)
+            fields = {"block_m": _block_m(one.name), "ksplit": _config(two.name).split_k,
+                      "us1": round(one.us, 4), "kernelName1": one.name,
+                      "err1": round(one.err_ratio, 6), "us2": round(two.us, 4),
+                      "kernelName2": two.name, "err2": round(two.err_ratio, 6)}
+        return {**fields, "us": round(evaluation.us, 4), "run_1stage": 0,
+                "tflops": round(tflops, 2), "bw": round(bw, 2), "timing": self.timing_label,
+                "spread": round(evaluation.spread, 4), "env": env}
+
+    def metrics(self, key: FmoeKey, us: float) -> tuple[float, float]:
+        """(TFLOP/s, GB/s): the FLOPs of every routed pair's three projections, and the bytes
+        of the experts uniform routing is expected to reach plus activations in and out."""
+        p = self.shape(key)
+        flops = 2.0 * p.tokens * p.topk * 3 * p.inter_dim * p.model_dim
+        reached = _reached(p)
+        nbytes = (reached * 3 * p.inter_dim * p.model_dim + 2 * p.tokens * p.model_dim) \
+            * p.dtype.itemsize
+        return flops / us / 1e6, nbytes / us / 1e3
+
+
+def _config(name: str) -> MoeStage1Config | MoeStage2Config:
+    if name.startswith(STAGE1_PREFIX + ":"):
+        return MoeStage1Config.from_name(name)
+    return MoeStage2Config.from_name(name)
+
+
+def _partner(config: MoeStage1Config | MoeStage2Config):
+    """The other stage's default config of the same block_m: what a stage is checked with."""
+    if isinstance(config, MoeStage1Config):
+        return MoeStage2Config(config.block_m, 64, 64, 1, 4, 3)
+    return MoeStage1Config(config.block_m, 64, 64, 4, 3)
+
+
+def _whole(config, partner) -> str:
+    first, second = (config, partner) if isinstance(config, MoeStage1Config) else \
+        (partner, config)
+    return two_stage_name(first, second)
+
+
+def _rotating(prepared: Prepared) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Copies of (w1, w2) that together exceed L2, made once per shape: each timed call reads
+    its experts from HBM."""
+    sets = prepared.extra.get("rotating")
+    if sets is None:
+        w1, w2 = prepared.inputs[1], prepared.inputs[2]
+        per_set = (w1.numel() + w2.numel()) * w1.element_size()
+        sets = [(w1, w2)] + [(w1.clone(), w2.clone())
+                             for _ in range(copies_to_exceed_l2(per_set) - 1)]
+        prepared.extra["rotating"] = sets
+    return sets
