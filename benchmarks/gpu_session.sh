@@ -176,6 +176,12 @@ for what in "$@"; do
                 -o2 "$OUT/fmoe_$model/profile.csv" --mp "${FMOE_MP:-8}" --batch 1
             python3 benchmarks/fmoe_tune_summary.py "$OUT/fmoe_$model/tuned_fmoe.csv" \
                 "$OUT/fmoe_$model/profile.csv" | tee -a "$summary" ;;
+        moebreak:*)  # routing / stage 1 / stage 2 / whole against the floors, tuned configs
+            model=${what#moebreak:}
+            tuned="$OUT/fmoe_$model/tuned_fmoe.csv"
+            tuned_arg=(); [[ -f $tuned ]] && tuned_arg=(--tuned "$tuned")
+            TAIL=8 stage "moebreak_$model" 200 python3 benchmarks/moe_breakdown.py \
+                --model "$model" --out "$OUT" "${tuned_arg[@]}" ;;
         *) echo "unknown stage $what" | tee -a "$summary" ;;
     esac
 done

@@ -52,15 +52,19 @@ def rel_err(y, ref):
     (5, 4, 4, 16, None),  # topk = E
     (9, 2, 8, 32, [1, 0, 1, 1, 0, 0, 1, 0]),  # expert parallelism: 4 of 8 experts here
     (1, 1, 6, 64, None),  # one pair: five experts without a token
+    (45, 3, 5, 16, None),  # spread: 17 programs of 8, offsets over two steps of 16
 ])
-def test_routing_groups_every_local_pair_once_in_order(tokens, topk, experts, block_m, local):
+@pytest.mark.parametrize("pairs_per_program", [1024, 8])  # one launch; spread over programs
+def test_routing_groups_every_local_pair_once_in_order(tokens, topk, experts, block_m, local,
+                                                       pairs_per_program):
     from gemmtune.kernels.triton.moe_routing import max_rows, moe_routing
 
     *_, topk_ids = moe_inputs(tokens, 8, 8, experts, topk, seed=tokens)
     mask = None if local is None else torch.tensor(local, dtype=torch.bool, device=DEVICE)
     local_count = experts if mask is None else int(mask.sum())
     expert_map = expert_map_of(mask, local_count, topk_ids.device)
-    routing = moe_routing(topk_ids, expert_map, local_count, block_m)
+    routing = moe_routing(topk_ids, expert_map, local_count, block_m,
+                          pairs_per_program=pairs_per_program)
     pairs = tokens * topk
     local_of = expert_map[topk_ids.reshape(-1).long()].tolist()
     sorted_ids = routing.sorted_ids.tolist()

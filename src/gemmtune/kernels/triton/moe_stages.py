@@ -6,10 +6,11 @@ then ``act(gate) * up`` (SiLU or GELU), times the routing weight where ``doweigh
 the intermediate ``inter`` (T * topk, I), one row per pair.
 
 Stage 2 (``moe_stage2``): the down projection ``inter[pair] @ w2[e].T`` per block, times the
-routing weight unless stage 1 applied it, into ``partial`` (T * topk, D) fp32, split over
-``inter_dim`` in ``ksplit`` parts (atomic adds; one part writes plainly). Then ``moe_sum`` adds
-each token's ``topk`` rows into the output, in slot order, skipping pairs of other ranks'
-experts: the result does not depend on how the blocks were scheduled.
+routing weight unless stage 1 applied it, into ``partial`` (T * topk, D), split over
+``inter_dim`` in ``ksplit`` parts (fp32 atomic adds; one part writes plainly, in the output's
+dtype). Then ``moe_sum`` adds each token's ``topk`` rows in fp32 into the output, in slot order,
+skipping pairs of other ranks' experts: with one part the result does not depend on how the
+blocks were scheduled.
 
 Every launch covers the largest number of blocks routing can make, and blocks past
 ``rows_used`` return at once: no host synchronisation, so a call can be captured in a CUDA graph.
@@ -125,7 +126,7 @@ def moe_stage1_kernel(
 def moe_stage2_kernel(
     inter_ptr,  # (pairs, I)
     w2_ptr,  # (E, D, I)
-    partial_ptr,  # (pairs, D) fp32
+    partial_ptr,  # (pairs, D): fp32 with split-K (atomic adds), else the output's dtype
     topk_weight_ptr,  # (pairs,) fp32
     sorted_ids_ptr, block_expert_ptr, rows_used_ptr,
     pairs, D, I,
@@ -166,14 +167,14 @@ def moe_stage2_kernel(
     out = partial_ptr + rows[:, None] * stride_pp + offs_n.to(tl.int64)[None, :] * stride_pn
     mask = real[:, None] & (offs_n[None, :] < D)
     if SPLIT_K == 1:
-        tl.store(out, acc, mask=mask)
+        tl.store(out, acc.to(partial_ptr.dtype.element_ty), mask=mask)
     else:
         tl.atomic_add(out, acc, mask=mask)
 
 
 @triton.jit
 def moe_sum_kernel(
-    partial_ptr,  # (pairs, D) fp32
+    partial_ptr,  # (pairs, D) fp32 or the output's dtype
     topk_ids_ptr,  # (pairs,) int32 global expert ids
     expert_map_ptr,  # (E_global,) int32
     out_ptr,  # (T, D)
@@ -191,7 +192,7 @@ def moe_sum_kernel(
         # A pair of another rank's expert was never written: its row is skipped, not read.
         if tl.load(expert_map_ptr + tl.load(topk_ids_ptr + pair)) >= 0:
             total += tl.load(partial_ptr + pair * stride_pp + offs * stride_pn, mask=inside,
-                             other=0.0)
+                             other=0.0).to(tl.float32)
     tl.store(out_ptr + token * stride_ot + offs * stride_on,
              total.to(out_ptr.dtype.element_ty), mask=inside)
 
@@ -236,8 +237,12 @@ def run_stage2(inter, w2, topk_weight, topk_ids, expert_map, routing, doweight_s
     given."""
     pairs, inter_dim = inter.shape
     model_dim = w2.shape[1]
-    alloc = torch.zeros if config.split_k > 1 else torch.empty
-    partial = alloc((pairs, model_dim), dtype=torch.float32, device=inter.device)
+    # Split-K parts add into fp32; a whole product is rounded to the output's dtype once, which
+    # halves the traffic of the sum over slots (it reads every pair's row).
+    if config.split_k > 1:
+        partial = torch.zeros((pairs, model_dim), dtype=torch.float32, device=inter.device)
+    else:
+        partial = torch.empty((pairs, model_dim), dtype=dtype, device=inter.device)
     grid = (routing.block_expert.numel(), triton.cdiv(model_dim, config.block_n), config.split_k)
     _checks.start(moe_stage2_kernel, grid, warmup)(
         inter, w2, partial, topk_weight.reshape(-1), routing.sorted_ids, routing.block_expert,
