@@ -53,6 +53,7 @@ def rel_err(y, ref):
     (9, 2, 8, 32, [1, 0, 1, 1, 0, 0, 1, 0]),  # expert parallelism: 4 of 8 experts here
     (1, 1, 6, 64, None),  # one pair: five experts without a token
     (45, 3, 5, 16, None),  # spread: 17 programs of 8, offsets over two steps of 16
+    (300, 2, 3, 64, [1, 0, 1]),  # 600 pairs: a span of 1024 lanes in one program
 ])
 @pytest.mark.parametrize("pairs_per_program", [1024, 8])  # one launch; spread over programs
 def test_routing_groups_every_local_pair_once_in_order(tokens, topk, experts, block_m, local,
@@ -80,8 +81,7 @@ def test_routing_groups_every_local_pair_once_in_order(tokens, topk, experts, bl
         assert block_expert[row // block_m: (row + padded) // block_m] == \
             [e] * (padded // block_m)
         row += padded
-    assert rows_used == row and sorted_ids[:rows_used] == want
-    assert set(sorted_ids[rows_used:]) <= {pairs} and set(block_expert[row // block_m:]) <= {-1}
+    assert rows_used == row and sorted_ids[:rows_used] == want  # what lies past is never read
 
 
 # ----------------------------------------------------------------------------- the kernels

@@ -9,11 +9,14 @@ result, all on the device and sized by upper bounds (no host sync: CUDA-graph ca
 - ``sorted_ids`` (max_rows,) int32: the pairs of local expert 0, then expert 1, ..., each
   expert's run padded to a multiple of ``block_m`` with the sentinel ``T * topk``; within an
   expert, pairs keep their order (a stable grouping, so results never depend on scheduling);
-- ``block_expert`` (max_blocks,) int32: the local expert of each block of ``block_m`` rows, -1
-  past the last used block;
+- ``block_expert`` (max_blocks,) int32: the local expert of each block of ``block_m`` rows;
 - ``rows_used`` (1,) int32: how many rows of ``sorted_ids`` the experts' runs take.
 
+Rows at and past ``rows_used``, and their blocks, are left unset: the stages never read them.
 ``max_rows = T * topk + E * (block_m - 1)`` (each expert's run wastes at most block_m - 1 rows).
+A program sorts its span of pairs by (expert, pair) and counts them per expert; every pair at the
+start of a block records the block's expert (each block of a run starts with a pair, since only
+a run's last block is padded).
 """
 
 from __future__ import annotations
@@ -26,12 +29,10 @@ import triton.language as tl
 
 from gemmtune.kernels.triton import _checks
 
-# Pairs handled per step of the grouping loop: the stable rank of a pair among the earlier
-# pairs of its expert comes from a (CHUNK, CHUNK) comparison, so CHUNK^2 values live at once.
-CHUNK = 64
-# Pairs one program groups: above this the preparation spreads over programs (three launches),
-# since one program steps through the pairs CHUNK at a time.
+# Pairs one program groups (a power of two: they are sorted at once, by expert then pair):
+# above this the preparation spreads over programs, in three launches.
 PAIRS_PER_PROGRAM = 1024
+MIN_SPAN = 16  # the fewest lanes a program sorts (tl.sort and tl.histogram want a few)
 
 
 class MoeRouting(NamedTuple):
@@ -46,61 +47,43 @@ def max_rows(pairs: int, experts: int, block_m: int) -> int:
 
 
 @triton.jit
-def moe_routing_kernel(
-    topk_ids_ptr,  # (T * topk,) int32 global expert ids
-    expert_map_ptr,  # (E_global,) int32: local expert or -1
-    sorted_ids_ptr,  # (max_rows,) int32
-    block_expert_ptr,  # (max_blocks,) int32
-    rows_used_ptr,  # (1,) int32
-    pairs,  # T * topk
-    experts,  # local experts E
-    max_rows_,
-    max_blocks,
-    BLOCK_M: tl.constexpr,
-    EXPERTS_POW2: tl.constexpr,  # >= experts + 1 (the last bin takes non-local pairs)
-    CHUNK: tl.constexpr,
-):
-    """The whole preparation in one program: for few pairs, where one launch beats three."""
-    bins = tl.arange(0, EXPERTS_POW2)
-    counts = _count(topk_ids_ptr, expert_map_ptr, 0, pairs, experts, EXPERTS_POW2, CHUNK)
-    starts, ends = _expert_runs(counts, bins, experts, rows_used_ptr, BLOCK_M)
-    _fill_padding(sorted_ids_ptr, 0, max_rows_, pairs, CHUNK)
-    _fill_blocks(block_expert_ptr, 0, max_blocks, starts, ends, bins, BLOCK_M, CHUNK)
-    _place(topk_ids_ptr, expert_map_ptr, sorted_ids_ptr, 0, pairs, experts, starts, bins, CHUNK)
+def moe_routing_kernel(topk_ids_ptr, expert_map_ptr, sorted_ids_ptr, block_expert_ptr,
+                       rows_used_ptr, pairs, experts, BLOCK_M: tl.constexpr,
+                       EXPERTS_POW2: tl.constexpr, SPAN: tl.constexpr):
+    """The whole preparation in one program, for up to SPAN pairs: one launch beats three."""
+    expert = _span_experts(topk_ids_ptr, expert_map_ptr, 0, pairs, experts, SPAN)
+    counts = _local_counts(expert, experts, EXPERTS_POW2)
+    starts, ends = _expert_runs(counts, rows_used_ptr, BLOCK_M)
+    _pad_runs(sorted_ids_ptr, starts + counts, ends, pairs, EXPERTS_POW2, BLOCK_M)
+    _place(sorted_ids_ptr, block_expert_ptr, expert, 0, starts, counts, experts, BLOCK_M, SPAN)
 
 
 @triton.jit
-def moe_count_kernel(topk_ids_ptr, expert_map_ptr, sorted_ids_ptr, counts_ptr, pairs, experts,
-                     max_rows_, PAIRS_PER_PROGRAM: tl.constexpr, EXPERTS_POW2: tl.constexpr,
-                     CHUNK: tl.constexpr):
-    """Many pairs, step 1 of 3: each program counts its span of pairs per expert (into row
-    ``pid`` of ``counts``) and marks its share of ``sorted_ids`` as padding."""
+def moe_count_kernel(topk_ids_ptr, expert_map_ptr, counts_ptr, pairs, experts,
+                     EXPERTS_POW2: tl.constexpr, SPAN: tl.constexpr):
+    """Many pairs, step 1 of 3: each program counts its span of pairs per local expert, into row
+    ``pid`` of ``counts``."""
     pid = tl.program_id(0)
-    first = pid * PAIRS_PER_PROGRAM
-    last = tl.minimum(first + PAIRS_PER_PROGRAM, pairs)
-    counts = _count(topk_ids_ptr, expert_map_ptr, first, last, experts, EXPERTS_POW2, CHUNK)
+    expert = _span_experts(topk_ids_ptr, expert_map_ptr, pid * SPAN, pairs, experts, SPAN)
+    counts = _local_counts(expert, experts, EXPERTS_POW2)
     tl.store(counts_ptr + pid * EXPERTS_POW2 + tl.arange(0, EXPERTS_POW2), counts)
-    rows_each = tl.cdiv(max_rows_, tl.num_programs(0))
-    _fill_padding(sorted_ids_ptr, pid * rows_each, tl.minimum((pid + 1) * rows_each, max_rows_),
-                  pairs, CHUNK)
 
 
 @triton.jit
-def moe_offsets_kernel(counts_ptr, offsets_ptr, runs_ptr, rows_used_ptr, experts, programs,
+def moe_offsets_kernel(counts_ptr, offsets_ptr, sorted_ids_ptr, rows_used_ptr, pairs, programs,
                        BLOCK_M: tl.constexpr, EXPERTS_POW2: tl.constexpr,
                        PROGRAMS_STEP: tl.constexpr):
-    """Step 2 of 3, one program: the experts' padded runs (into ``runs``: starts, then ends),
-    and the row where each step-1 program's first pair of each expert goes (into
-    ``offsets``): its expert's start plus that expert's pairs in the programs before it."""
+    """Step 2 of 3, one program: the experts' padded runs (their padding rows set), and the row
+    where each step-1 program's first pair of each expert goes (into ``offsets``): its expert's
+    start plus that expert's pairs in the programs before it."""
     bins = tl.arange(0, EXPERTS_POW2)
     steps = tl.arange(0, PROGRAMS_STEP)
     totals = tl.zeros((EXPERTS_POW2,), dtype=tl.int32)
     for p in range(0, programs, PROGRAMS_STEP):
-        tile = _program_tile(counts_ptr, p + steps, programs, bins, EXPERTS_POW2)
-        totals += tl.sum(tile, axis=0)
-    starts, ends = _expert_runs(totals, bins, experts, rows_used_ptr, BLOCK_M)
-    tl.store(runs_ptr + bins, starts)
-    tl.store(runs_ptr + EXPERTS_POW2 + bins, ends)
+        totals += tl.sum(_program_tile(counts_ptr, p + steps, programs, bins, EXPERTS_POW2),
+                         axis=0)
+    starts, ends = _expert_runs(totals, rows_used_ptr, BLOCK_M)
+    _pad_runs(sorted_ids_ptr, starts + totals, ends, pairs, EXPERTS_POW2, BLOCK_M)
     running = starts
     for p in range(0, programs, PROGRAMS_STEP):
         tile = _program_tile(counts_ptr, p + steps, programs, bins, EXPERTS_POW2)
@@ -112,40 +95,37 @@ def moe_offsets_kernel(counts_ptr, offsets_ptr, runs_ptr, rows_used_ptr, experts
 
 @triton.jit
 def moe_place_kernel(topk_ids_ptr, expert_map_ptr, sorted_ids_ptr, block_expert_ptr, offsets_ptr,
-                     runs_ptr, pairs, experts, max_blocks, BLOCK_M: tl.constexpr,
-                     PAIRS_PER_PROGRAM: tl.constexpr, EXPERTS_POW2: tl.constexpr,
-                     CHUNK: tl.constexpr):
-    """Step 3 of 3: each program puts its span of pairs in their rows, in pair order, and sets
-    the expert of its share of the blocks."""
+                     pairs, experts, BLOCK_M: tl.constexpr, EXPERTS_POW2: tl.constexpr,
+                     SPAN: tl.constexpr):
+    """Step 3 of 3: each program puts its span of pairs in their rows, in pair order."""
     pid = tl.program_id(0)
-    bins = tl.arange(0, EXPERTS_POW2)
-    first = pid * PAIRS_PER_PROGRAM
-    base = tl.load(offsets_ptr + pid * EXPERTS_POW2 + bins)
-    _place(topk_ids_ptr, expert_map_ptr, sorted_ids_ptr, first,
-           tl.minimum(first + PAIRS_PER_PROGRAM, pairs), experts, base, bins, CHUNK)
-    starts = tl.load(runs_ptr + bins)
-    ends = tl.load(runs_ptr + EXPERTS_POW2 + bins)
-    blocks_each = tl.cdiv(max_blocks, tl.num_programs(0))
-    _fill_blocks(block_expert_ptr, pid * blocks_each,
-                 tl.minimum((pid + 1) * blocks_each, max_blocks), starts, ends, bins, BLOCK_M,
-                 CHUNK)
+    expert = _span_experts(topk_ids_ptr, expert_map_ptr, pid * SPAN, pairs, experts, SPAN)
+    counts = _local_counts(expert, experts, EXPERTS_POW2)
+    base = tl.load(offsets_ptr + pid * EXPERTS_POW2 + tl.arange(0, EXPERTS_POW2))
+    _place(sorted_ids_ptr, block_expert_ptr, expert, pid * SPAN, base, counts, experts, BLOCK_M,
+           SPAN)
 
 
 @triton.jit
-def _count(topk_ids_ptr, expert_map_ptr, first, last, experts, EXPERTS_POW2: tl.constexpr,
-           CHUNK: tl.constexpr):
-    """Pairs [first, last) per local expert (the spare bin ``experts`` zeroed)."""
-    bins = tl.arange(0, EXPERTS_POW2)
-    counts = tl.zeros((EXPERTS_POW2,), dtype=tl.int32)
-    for start in range(first, last, CHUNK):
-        expert = _local_expert(topk_ids_ptr, expert_map_ptr, start + tl.arange(0, CHUNK), last,
-                               experts)
-        counts += tl.sum((expert[:, None] == bins[None, :]).to(tl.int32), axis=0)
-    return tl.where(bins < experts, counts, 0)
+def _span_experts(topk_ids_ptr, expert_map_ptr, first, pairs, experts, SPAN: tl.constexpr):
+    """The local expert of pairs [first, first + SPAN); ``experts`` (the spare bin) for a pair
+    past the end or routed to an expert of another rank."""
+    i = first + tl.arange(0, SPAN)
+    inside = i < pairs
+    global_id = tl.load(topk_ids_ptr + i, mask=inside, other=0)
+    local = tl.load(expert_map_ptr + global_id, mask=inside, other=-1)
+    return tl.where(inside & (local >= 0), local, experts)
 
 
 @triton.jit
-def _expert_runs(counts, bins, experts, rows_used_ptr, BLOCK_M: tl.constexpr):
+def _local_counts(expert, experts, EXPERTS_POW2: tl.constexpr):
+    """Pairs per local expert (the spare bin zeroed)."""
+    bins = tl.arange(0, EXPERTS_POW2)
+    return tl.where(bins < experts, tl.histogram(expert, EXPERTS_POW2), 0)
+
+
+@triton.jit
+def _expert_runs(counts, rows_used_ptr, BLOCK_M: tl.constexpr):
     """Each expert's run of rows, padded to whole blocks: (starts, ends); stores the rows used."""
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     ends = tl.cumsum(padded, axis=0)
@@ -154,59 +134,37 @@ def _expert_runs(counts, bins, experts, rows_used_ptr, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def _fill_padding(sorted_ids_ptr, first_row, last_row, pairs, CHUNK: tl.constexpr):
-    for start in range(first_row, last_row, CHUNK):
-        row = start + tl.arange(0, CHUNK)
-        tl.store(sorted_ids_ptr + row, tl.zeros((CHUNK,), dtype=tl.int32) + pairs,
-                 mask=row < last_row)
+def _pad_runs(sorted_ids_ptr, pad_starts, ends, pairs, EXPERTS_POW2: tl.constexpr,
+              BLOCK_M: tl.constexpr):
+    """The sentinel into each run's padding rows [pad_starts, ends): fewer than BLOCK_M each."""
+    row = pad_starts[:, None] + tl.arange(0, BLOCK_M)[None, :]
+    tl.store(sorted_ids_ptr + row, tl.zeros((EXPERTS_POW2, BLOCK_M), dtype=tl.int32) + pairs,
+             mask=row < ends[:, None])
 
 
 @triton.jit
-def _fill_blocks(block_expert_ptr, first_block, last_block, starts, ends, bins,
-                 BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):
-    """The local expert of blocks [first_block, last_block), -1 past the experts' runs."""
-    for start in range(first_block, last_block, CHUNK):
-        block = start + tl.arange(0, CHUNK)
-        first_row = block * BLOCK_M
-        inside = (first_row[:, None] >= starts[None, :]) & (first_row[:, None] < ends[None, :])
-        owner = tl.sum(tl.where(inside, bins[None, :], 0), axis=1)
-        owned = tl.sum(inside.to(tl.int32), axis=1) > 0
-        tl.store(block_expert_ptr + block, tl.where(owned, owner, -1), mask=block < last_block)
-
-
-@triton.jit
-def _place(topk_ids_ptr, expert_map_ptr, sorted_ids_ptr, first, last, experts, base, bins,
-           CHUNK: tl.constexpr):
-    """Pairs [first, last) to their rows: ``base`` (per expert, the row of its first pair here)
-    plus the pairs of the same expert before it."""
-    offs = tl.arange(0, CHUNK)
-    earlier = offs[None, :] < offs[:, None]  # (row j, column c): pair c comes before pair j
-    seen = base
-    for start in range(first, last, CHUNK):
-        i = start + offs
-        expert = _local_expert(topk_ids_ptr, expert_map_ptr, i, last, experts)
-        same = (expert[:, None] == expert[None, :]) & earlier
-        rank = tl.sum(same.to(tl.int32), axis=1)
-        onehot = expert[:, None] == bins[None, :]
-        row = tl.sum(tl.where(onehot, seen[None, :], 0), axis=1)
-        tl.store(sorted_ids_ptr + row + rank, i, mask=(i < last) & (expert < experts))
-        seen += tl.sum(onehot.to(tl.int32), axis=0)
+def _place(sorted_ids_ptr, block_expert_ptr, expert, first, base, counts, experts,
+           BLOCK_M: tl.constexpr, SPAN: tl.constexpr):
+    """Pairs [first, first + SPAN) (their experts ``expert``) to their rows: ``base`` (per
+    expert, the row of its first pair here) plus the pairs of the same expert before it. A
+    sort by (expert, pair) lines each expert's pairs up in order; the pair at the start of a
+    block also records the block's expert."""
+    position = tl.arange(0, SPAN)
+    ordered = tl.sort(expert * SPAN + position)
+    expert_at = ordered // SPAN
+    pair_at = first + ordered % SPAN
+    # The sorted position of an expert's first pair: the pairs of the experts below it.
+    shift = base - (tl.cumsum(counts, axis=0) - counts)
+    row = tl.gather(shift, tl.minimum(expert_at, experts), 0) + position
+    local = expert_at < experts
+    tl.store(sorted_ids_ptr + row, pair_at, mask=local)
+    tl.store(block_expert_ptr + row // BLOCK_M, expert_at, mask=local & (row % BLOCK_M == 0))
 
 
 @triton.jit
 def _program_tile(counts_ptr, programs_here, programs, bins, EXPERTS_POW2: tl.constexpr):
     return tl.load(counts_ptr + programs_here[:, None] * EXPERTS_POW2 + bins[None, :],
                    mask=programs_here[:, None] < programs, other=0)
-
-
-@triton.jit
-def _local_expert(topk_ids_ptr, expert_map_ptr, i, last, experts):
-    """The local expert of pairs ``i``; ``experts`` (the spare bin) for a pair at or past
-    ``last`` or routed to an expert of another rank."""
-    inside = i < last
-    global_id = tl.load(topk_ids_ptr + i, mask=inside, other=0)
-    local = tl.load(expert_map_ptr + global_id, mask=inside, other=-1)
-    return tl.where(inside & (local >= 0), local, experts)
 
 
 def moe_routing(topk_ids: torch.Tensor, expert_map: torch.Tensor, experts: int,
@@ -220,8 +178,9 @@ def moe_routing(topk_ids: torch.Tensor, expert_map: torch.Tensor, experts: int,
     if topk_ids.dtype != torch.int32 or expert_map.dtype != torch.int32:
         raise TypeError(f"moe_routing: topk_ids and expert_map must be int32, got "
                         f"{topk_ids.dtype} and {expert_map.dtype}")
-    if not _checks.is_pow2(block_m):
-        raise ValueError(f"moe_routing: block_m={block_m} must be a power of two")
+    if not (_checks.is_pow2(block_m) and _checks.is_pow2(pairs_per_program)):
+        raise ValueError(f"moe_routing: block_m={block_m} and pairs_per_program="
+                         f"{pairs_per_program} must be powers of two")
     pairs = topk_ids.numel()
     rows = max_rows(pairs, experts, block_m)
     blocks = triton.cdiv(rows, block_m)
@@ -234,21 +193,19 @@ def moe_routing(topk_ids: torch.Tensor, expert_map: torch.Tensor, experts: int,
     if pairs <= pairs_per_program:
         _checks.start(moe_routing_kernel, (1,), warmup)(
             ids, expert_map, routing.sorted_ids, routing.block_expert, routing.rows_used, pairs,
-            experts, rows, blocks, BLOCK_M=block_m, EXPERTS_POW2=bins, CHUNK=CHUNK,
-            num_warps=4)
+            experts, BLOCK_M=block_m, EXPERTS_POW2=bins,
+            SPAN=max(MIN_SPAN, triton.next_power_of_2(pairs)), num_warps=4)
         return routing
     programs = triton.cdiv(pairs, pairs_per_program)
     counts = torch.empty((programs, bins), dtype=torch.int32, device=device)
     offsets = torch.empty_like(counts)
-    runs = torch.empty((2, bins), dtype=torch.int32, device=device)
     _checks.start(moe_count_kernel, (programs,), warmup)(
-        ids, expert_map, routing.sorted_ids, counts, pairs, experts, rows,
-        PAIRS_PER_PROGRAM=pairs_per_program, EXPERTS_POW2=bins, CHUNK=CHUNK, num_warps=4)
+        ids, expert_map, counts, pairs, experts, EXPERTS_POW2=bins, SPAN=pairs_per_program,
+        num_warps=4)
     _checks.start(moe_offsets_kernel, (1,), warmup)(
-        counts, offsets, runs, routing.rows_used, experts, programs, BLOCK_M=block_m,
-        EXPERTS_POW2=bins, PROGRAMS_STEP=16, num_warps=4)
+        counts, offsets, routing.sorted_ids, routing.rows_used, pairs, programs,
+        BLOCK_M=block_m, EXPERTS_POW2=bins, PROGRAMS_STEP=16, num_warps=4)
     _checks.start(moe_place_kernel, (programs,), warmup)(
-        ids, expert_map, routing.sorted_ids, routing.block_expert, offsets, runs, pairs,
-        experts, blocks, BLOCK_M=block_m, PAIRS_PER_PROGRAM=pairs_per_program,
-        EXPERTS_POW2=bins, CHUNK=CHUNK, num_warps=4)
+        ids, expert_map, routing.sorted_ids, routing.block_expert, offsets, pairs, experts,
+        BLOCK_M=block_m, EXPERTS_POW2=bins, SPAN=pairs_per_program, num_warps=4)
     return routing
