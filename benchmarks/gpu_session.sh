@@ -167,9 +167,12 @@ for what in "$@"; do
             done
             TAIL=40 stage json8 200 python3 -m gemmtune.cli bench a8w8 --dtype fp8 \
                 --shapes "$OUT/json8_shapes.csv" -o "$OUT/bench_json8" ;;
-        fmoetune:*)  # tune fmoe over a model's 14 token counts (the tuning-time figure)
-            model=${what#fmoetune:}
-            python3 -m gemmtune.cli shapes --model "$model" --families fmoe -o "$OUT/fmoe_$model" \
+        fmoetune:*)  # fmoetune:MODEL[:TP]: tune fmoe over 14 token counts (the tuning time)
+            spec=${what#fmoetune:}
+            model=${spec%%:*}
+            tp=1; [[ $spec == *:* ]] && tp=${spec#*:}
+            python3 -m gemmtune.cli shapes --model "$model" --tp "$tp" --families fmoe \
+                -o "$OUT/fmoe_$model" \
                 --nsets 1,2,4,8,16,32,64,128,256,512,1024,2048,4096,8192 > /dev/null
             TAIL=30 stage "fmoetune_$model" "${FMOE_LIMIT:-330}" python3 -m gemmtune.cli tune fmoe \
                 -i "$OUT/fmoe_$model/untuned_fmoe.csv" -o "$OUT/fmoe_$model/tuned_fmoe.csv" \
