@@ -236,9 +236,11 @@ def test_tune_fmoe_on_the_cpu_pairs_the_stages_and_writes_a_row_dispatch_follows
                        "torch.float32,torch.float32,torch.float32,QuantType.No,True,False\n")
     tuned, profile = tmp_path / "tuned_fmoe.csv", tmp_path / "profile.csv"
     assert main(["tune", "fmoe", "-i", str(untuned), "-o", str(tuned), "-o2", str(profile),
-                 "--iters", "3", "--libtype", "triton"]) == 0
+                 "--iters", "3", "--libtype", "triton", "--routing", "zipf"]) == 0
     (row,) = read_table(tuned, SCHEMA).rows
     screened = [line.split(",") for line in profile.read_text().splitlines()]
+    assert screened[0][-1] == "inputs" and len(screened) == 3  # the header and both stages
+    assert all(line[-1].startswith("routing=zipf;seed=") for line in screened[1:])
     stage1 = MoeStage1Config(16, 16, 16, 4, 1).name
     stage2 = MoeStage2Config(16, 16, 16, 1, 4, 1).name
     assert {stage1, stage2} <= {field for line in screened for field in line}
@@ -271,3 +273,19 @@ def test_tune_fmoe_takes_the_seeds_err_ratio_by_default(tmp_path):
                             FmoeTuner.default_err_ratio).options.err_ratio == 0.1
     with pytest.raises(ValueError, match="a fraction of the output"):
         config_from_args(parse(args + ["--errRatio", "2"]), FmoeTuner.default_err_ratio)
+
+
+def test_routing_is_refused_for_a_gemm_family_and_an_old_profile_is_not_appended_to(tmp_path,
+                                                                                    capsys):
+    from gemmtune.cli import main
+
+    untuned = tmp_path / "u.csv"
+    untuned.write_text("M,N,K\n4,8,16\n")
+    args = ["tune", "bf16", "-i", str(untuned), "-o", str(tmp_path / "t.csv")]
+    assert main(args + ["--routing", "zipf"]) == 2
+    assert "--routing is an option of fmoe" in capsys.readouterr().err
+    old = tmp_path / "old_profile.csv"
+    old.write_text("arch,cu_num,M,N,K,kernelName,status\n")
+    assert main(args + ["-o2", str(old)]) == 2
+    assert "a profile with other columns" in capsys.readouterr().err
+    assert old.read_text() == "arch,cu_num,M,N,K,kernelName,status\n"

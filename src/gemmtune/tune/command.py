@@ -43,6 +43,10 @@ def add_tune_arguments(p: argparse.ArgumentParser) -> None:
                    help="largest fraction of output elements allowed outside tolerance "
                         "(default: the family's, 0.05 for the GEMMs and 0.5 for fmoe as in the "
                         "seed; the relative-norm bound applies either way)")
+    p.add_argument("--routing", choices=("uniform", "zipf"), default=None,
+                   help="fmoe only: how tokens are routed to experts while tuning: uniform "
+                        "(default) or zipf (expert popularity ~ 1/rank^1.2, a seeded ranking); "
+                        "the profile (-o2) records it with each shape's seed")
     p.add_argument("--batch", type=int, default=10, metavar="N",
                    help="checkpoint the output every N tuned shapes (default 10)")
     p.add_argument("--all", action="store_true", help="retune shapes already in the output")
@@ -99,4 +103,6 @@ def run_tune(factory: Callable, args: argparse.Namespace, out=None) -> int:
     """Tune as ``args`` say; progress and the report go to ``out`` (default: ``sys.stderr`` as
     it is at the call, which a caller such as pytest's capture may have replaced)."""
     config = config_from_args(args, getattr(factory, "default_err_ratio", 0.05))
+    if hasattr(factory, "factory_from_args"):
+        factory = factory.factory_from_args(args)
     return Tuner(factory, config, out=out).run().exit_code

@@ -138,6 +138,7 @@ class Tuner:
         self.out = out or sys.stderr  # looked up now: a default bound at import may be closed
         self.memo = CrashMemo(self.schema)
         self.profile = ProfileLog(config.profile, self.schema) if config.profile else None
+        self._inputs: dict[tuple, str] = {}  # per shape: how its inputs were made
         self.summary = RunSummary()
         self._pending: list[Row] = []
         self._lock = threading.RLock()  # _record checkpoints while holding it
@@ -319,6 +320,7 @@ class Tuner:
         if not candidates:
             return ShapeResult(key, None, [], "no candidate of the allowed backends fits")
         seed = secrets.randbits(31)  # fresh inputs for every shape and every run
+        self._inputs[key] = self.family.inputs_note(seed)  # for the profile's lines
         try:
             # Inputs and reference first, on their own clock: their cost must never be charged
             # to (and memoised against) the first candidate.
@@ -504,7 +506,8 @@ class Tuner:
                                               for ev in result.evaluations):
                 self.summary.short_of_memory.append(result.key)
             if self.profile is not None and result.evaluations:
-                self.profile.append(self.device, result.key, result.evaluations)
+                self.profile.append(self.device, result.key, result.evaluations,
+                                    self._inputs.pop(result.key, ""))
             shape = self.schema.describe_key(result.key)
             self._finished_keys.append(result.key)
             if result.row is None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import abc
 import enum
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -151,6 +152,19 @@ class FamilyTuner(abc.ABC):
         configs, screened apart) pairs them here, in the parent process, from the screen's
         results alone; an evaluation it makes carries the parts' estimate of the time."""
         return candidates, passing
+
+    @classmethod
+    def factory_from_args(cls, args) -> Callable[[], FamilyTuner]:
+        """What makes this family's tuners for the ``gemmtune tune`` arguments ``args``: the
+        class itself, unless the family reads an option of its own (fmoe: ``--routing``)."""
+        if getattr(args, "routing", None) is not None:
+            raise ValueError("--routing is an option of fmoe (how tokens are routed to experts "
+                             "while tuning); this family has no routing")
+        return cls
+
+    def inputs_note(self, seed: int) -> str:
+        """How a shape's inputs are made from ``seed``, for the profile: enough to remake them."""
+        return f"seed={seed}"
 
     def is_fatal(self, error: BaseException) -> bool:
         """Whether ``error`` leaves the worker unusable (a sticky CUDA error): then it is replaced

@@ -57,7 +57,7 @@ class CrashMemo:
 
 
 PROFILE_COLUMNS = ("kernelName", "status", "us", "spread", "err_ratio", "rel_err", "seconds",
-                   "detail")
+                   "detail", "inputs")
 
 
 class ProfileLog:
@@ -67,23 +67,31 @@ class ProfileLog:
     def __init__(self, path: Path, schema: Schema):
         self.path = path
         self.schema = schema
+        self.header = ",".join(("arch", "cu_num", "gpu", *schema.key_names, *PROFILE_COLUMNS))
+        if path.is_file() and path.stat().st_size:
+            with open(path, encoding="utf-8") as f:
+                found = f.readline().rstrip("\r\n")
+            if found != self.header:
+                raise ValueError(f"{path}: a profile with other columns ({found[:80]}...); name "
+                                 f"another -o2 file, or move this one away, so that its lines "
+                                 f"stay readable")
 
-    def append(self, device: tuple[str, int, str], key: tuple,
-               evaluations: list[Evaluation]) -> None:
-        """``device``: (arch, cu_num, gpu), the columns the profile starts with."""
+    def append(self, device: tuple[str, int, str], key: tuple, evaluations: list[Evaluation],
+               inputs: str = "") -> None:
+        """``device``: (arch, cu_num, gpu), the columns the profile starts with; ``inputs``: how
+        the shape's inputs were made (the seed, fmoe's routing)."""
         out = io.StringIO()
         writer = csv.writer(out, lineterminator="\n")
         for ev in evaluations:
             writer.writerow([*device, *key, ev.name, ev.status.value, _num(ev.us),
                              _num(ev.spread), _num(ev.err_ratio), _num(ev.rel_err),
-                             format(ev.seconds, ".3f"), ev.detail])
+                             format(ev.seconds, ".3f"), ev.detail, inputs])
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with lock_for(self.path):
             new = not self.path.exists() or self.path.stat().st_size == 0
             with open(self.path, "a", encoding="utf-8", newline="") as f:
                 if new:
-                    f.write(",".join(("arch", "cu_num", "gpu", *self.schema.key_names,
-                                      *PROFILE_COLUMNS)) + "\n")
+                    f.write(self.header + "\n")
                 f.write(out.getvalue())
 
 

@@ -7,11 +7,13 @@ config of the other stage with the same block_m, against the fp32 expert-by-expe
 and timed alone over the same routing: stage 1 with the routing preparation (``us1``), stage 2
 with the sum over slots (``us2``). ``compose`` then pairs the fastest stages of each block_m into
 whole solutions (``stage1+stage2``, estimated at us1 + us2), which the engine re-times end to end
-beside torch and chooses from. Routing is a seeded uniform random top-k.
+beside torch and chooses from. Routing is a seeded random top-k: uniform, or with ``--routing
+zipf`` a few popular experts taking most tokens.
 """
 
 from __future__ import annotations
 
+import functools
 import threading
 
 import torch
@@ -30,6 +32,8 @@ from gemmtune.tune.family import Candidate, Evaluation, FamilyTuner, Prepared, S
 
 # How many of each stage's fastest configs per block_m are paired (4 pairs per block_m).
 PAIRED_PER_STAGE = 2
+ROUTINGS = ("uniform", "zipf")
+ZIPF_EXPONENT = 1.2  # expert popularity ~ 1 / rank^1.2 (the issue's skewed routing)
 
 
 def _stage_space(problem: MoeProblem, gpu: bool) -> tuple[list[MoeStage1Config],
@@ -75,6 +79,19 @@ def _expected_blocks(problem: MoeProblem, block_m: int) -> float:
     return reached * -(-per_reached // block_m)
 
 
+def _route(p: MoeProblem, routing: str, gen: torch.Generator) -> torch.Tensor:
+    """(T, topk) int32 distinct experts per token: uniform, or Zipf-popular experts (the expert
+    of popularity rank r drawn with weight 1 / r^ZIPF_EXPONENT, ranks a seeded permutation)."""
+    if routing == "uniform":
+        scores = torch.rand(p.tokens, p.experts, generator=gen, device=gen.device)
+        return scores.topk(p.topk, dim=1).indices.to(torch.int32)
+    rank = torch.randperm(p.experts, generator=gen, device=gen.device) + 1
+    popularity = rank.double() ** -ZIPF_EXPONENT
+    picks = torch.multinomial(popularity.expand(p.tokens, -1), p.topk, replacement=False,
+                              generator=gen)
+    return picks.to(torch.int32)
+
+
 def _block_m(name: str) -> int:
     return int(name.split(":BM", 1)[1].split(".", 1)[0])
 
@@ -84,11 +101,21 @@ class FmoeTuner(FamilyTuner):
     # The seed's default for fmoe; the bound on ||out - ref|| / ||ref|| is the dtype's as ever.
     default_err_ratio = 0.5
 
-    def __init__(self):
+    def __init__(self, routing: str = "uniform"):
+        if routing not in ROUTINGS:
+            raise ValueError(f"routing={routing!r}: expected one of {', '.join(ROUTINGS)}")
+        self.routing = routing
         self.timing_label = "graph.coldL2" if torch.cuda.is_available() else "cpu.wall"
         # (key, stage name) -> its screen result, kept in the parent for the row's columns.
         self._screened: dict[tuple, Evaluation] = {}
         self._lock = threading.Lock()
+
+    @classmethod
+    def factory_from_args(cls, args):
+        return functools.partial(cls, routing=getattr(args, "routing", None) or "uniform")
+
+    def inputs_note(self, seed: int) -> str:
+        return f"routing={self.routing};seed={seed}"
 
     def shape(self, key: FmoeKey) -> MoeProblem:
         if key.q_type != QuantType.No.canonical:
@@ -125,8 +152,7 @@ class FmoeTuner(FamilyTuner):
         hidden = randn(p.tokens, p.model_dim)
         w1 = randn(p.experts, 2 * p.inter_dim, p.model_dim, scale=p.model_dim ** -0.5)
         w2 = randn(p.experts, p.model_dim, p.inter_dim, scale=p.inter_dim ** -0.5)
-        scores = torch.rand(p.tokens, p.experts, generator=gen, device=device)
-        topk_ids = scores.topk(p.topk, dim=1).indices.to(torch.int32)
+        topk_ids = _route(p, self.routing, gen)
         topk_weight = torch.rand(p.tokens, p.topk, generator=gen, device=device) + 0.1
         expert_map = expert_map_of(None, p.experts, hidden.device)
         inputs = (hidden, w1, w2, topk_weight, topk_ids, expert_map, p)
