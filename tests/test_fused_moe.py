@@ -121,6 +121,29 @@ def test_pairs_routed_to_another_rank_add_nothing():
         assert torch.equal(y[2], torch.zeros_like(y[2])), kernel  # experts 1 and 7: elsewhere
 
 
+@pytest.mark.parametrize("act, dw1, local", [("Silu", False, None), ("Gelu", True, [1, 0, 1, 1, 0])])
+def test_the_torch_backend_in_bf16_takes_the_grouped_gemm_path(act, dw1, local, monkeypatch):
+    """bf16 with 8-aligned dims runs ``torch._grouped_mm`` (not the fp32 reference): with pairs of
+    other ranks' experts sorted past the last group and zeroed, ragged groups, an empty expert."""
+    from gemmtune.kernels import torch_ref
+
+    mask = None if local is None else torch.tensor(local, dtype=torch.bool, device=DEVICE)
+    experts = 5 if mask is None else int(mask.sum())
+    route = [0, 3, 3, 1, 0, 4, 3, 0, 1, 3, 4, 0, 3, 1]  # expert 2 gets no token
+    hidden, w1, w2, weight, ids = moe_inputs(7, 32, 24, experts, 2, torch.bfloat16, seed=5,
+                                             route=route)
+    expert_map = expert_map_of(mask, experts, hidden.device)
+    ref = fused_moe_ref(hidden, w1, w2, weight, ids, expert_map, act.lower(), dw1)
+
+    def no_reference(*args, **kwargs):
+        raise AssertionError("the bf16 torch backend fell back to the fp32 reference")
+
+    monkeypatch.setattr(torch_ref, "fused_moe_ref", no_reference)
+    y = gemmtune.fused_moe(hidden, w1, w2, weight, ids, activation=getattr(ActivationType, act),
+                           doweight_stage1=dw1, expert_mask=mask, kernel="torch.moe")
+    assert torch.isfinite(y).all() and rel_err(y, ref) < REL_BOUND[torch.bfloat16]
+
+
 # --------------------------------------------------------------------------------- the op
 def test_the_op_defaults_to_torch_on_the_cpu_and_follows_a_table_row(tmp_path, monkeypatch):
     hidden, w1, w2, weight, ids = moe_inputs(5, 32, 16, 4, 2, seed=1)
@@ -206,13 +229,14 @@ def test_real_model_shapes_on_the_gpu(shape, tokens):
 
 
 @pytest.mark.gpu
-def test_captured_in_a_cuda_graph_and_replayed_on_new_routing():
+@pytest.mark.parametrize("kernel", [None, "torch.moe"])  # the default, and torch's backend
+def test_captured_in_a_cuda_graph_and_replayed_on_new_routing(kernel):
     hidden, w1, w2, weight, ids = moe_inputs(64, 2048, 768, 128, 8, torch.bfloat16)
-    gemmtune.fused_moe(hidden, w1, w2, weight, ids)  # plan and compile outside the capture
+    gemmtune.fused_moe(hidden, w1, w2, weight, ids, kernel=kernel)  # plan, compile: not captured
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        y = gemmtune.fused_moe(hidden, w1, w2, weight, ids)
+        y = gemmtune.fused_moe(hidden, w1, w2, weight, ids, kernel=kernel)
     for seed in (5, 6):
         new_hidden, _, _, new_weight, new_ids = moe_inputs(64, 2048, 768, 128, 8,
                                                            torch.bfloat16, seed=seed)

@@ -194,13 +194,12 @@ def _moe_act(gate: torch.Tensor, activation) -> torch.Tensor:
 
 def _moe_pairs(topk_ids, expert_map, experts: int):
     """(local expert of every pair, flattened; the pairs of local experts, grouped by expert
-    in pair order; their tokens; expert boundaries as int32 cumulative counts)."""
+    in pair order; their tokens)."""
     topk = topk_ids.shape[1]
     local = expert_map[topk_ids.reshape(-1).long()].long()
     order = torch.argsort(torch.where(local >= 0, local, experts), stable=True)
     chosen = order[local[order] >= 0]
-    counts = torch.bincount(local[chosen], minlength=experts)
-    return local, chosen, chosen // topk, torch.cumsum(counts, 0).to(torch.int32)
+    return local, chosen, chosen // topk
 
 
 def fused_moe_ref(hidden, w1, w2, topk_weight, topk_ids, expert_map, activation="silu",
@@ -210,7 +209,7 @@ def fused_moe_ref(hidden, w1, w2, topk_weight, topk_ids, expert_map, activation=
     stage 1's output instead with ``doweight_stage1``); pairs routed to another rank's expert
     (``expert_map`` -1) add nothing."""
     inter_dim = w2.shape[2]
-    local, chosen, tokens, _ = _moe_pairs(topk_ids, expert_map, w1.shape[0])
+    local, chosen, tokens = _moe_pairs(topk_ids, expert_map, w1.shape[0])
     weights = topk_weight.reshape(-1).float()
     out = torch.zeros(hidden.shape[0], hidden.shape[1], dtype=torch.float32,
                       device=hidden.device)
@@ -229,22 +228,33 @@ def fused_moe_ref(hidden, w1, w2, topk_weight, topk_ids, expert_map, activation=
 
 
 def fused_moe_torch(hidden, w1, w2, topk_weight, topk_ids, expert_map, problem, out=None):
-    """The torch backend, as a torch user would write it: pairs sorted by expert, gathered,
-    ``torch._grouped_mm`` for both stages (bf16 with 8-aligned dims; elsewhere the fp32
-    reference), the activation, then the weighted sum over slots. It selects pairs by value, so
-    it synchronises with the host: a graph-captured op must dispatch to the Triton kernels."""
+    """The torch backend, as a torch user would write it: pairs sorted by expert (argsort),
+    gathered, ``torch._grouped_mm`` for both stages (bf16 with 8-aligned dims; elsewhere the
+    fp32 reference), the activation, the routing weight, then each token's slots summed. Nothing
+    is selected by value (pairs of other ranks' experts sort last, past the grouped GEMMs' last
+    group, and are zeroed), so no step needs the host to read a device value: meant to be
+    captured in a CUDA graph (tests/test_fused_moe.py checks that on the GPU)."""
     dtype, inter_dim = hidden.dtype, w2.shape[2]
     if dtype != torch.bfloat16 or hidden.shape[1] % 8 or inter_dim % 8 or hidden.shape[0] == 0:
         y = fused_moe_ref(hidden, w1, w2, topk_weight, topk_ids, expert_map,
                           problem.activation, problem.doweight_stage1, dtype)
         return y if out is None else out.copy_(y)
-    _, chosen, tokens, offsets = _moe_pairs(topk_ids, expert_map, w1.shape[0])
-    weights = topk_weight.reshape(-1)[chosen].float()[:, None]
-    h = torch._grouped_mm(hidden[tokens], w1.transpose(1, 2), offs=offsets)
+    tokens, topk = topk_ids.shape
+    experts = w1.shape[0]
+    local = expert_map[topk_ids.reshape(-1).long()].long()
+    group = torch.where(local >= 0, local, experts)  # other ranks' pairs: one group past the end
+    order = torch.argsort(group, stable=True)
+    sizes = torch.zeros(experts + 1, dtype=torch.long, device=hidden.device)
+    sizes.scatter_add_(0, group, torch.ones_like(group))
+    offsets = torch.cumsum(sizes[:experts], 0).to(torch.int32)
+    kept = (local[order] >= 0)[:, None]
+    weights = topk_weight.reshape(-1)[order].float()[:, None]
+    h = torch._grouped_mm(hidden[order // topk], w1.transpose(1, 2), offs=offsets)
     h = _moe_act(h[:, :inter_dim].float(), problem.activation) * h[:, inter_dim:].float()
     h = (h * weights if problem.doweight_stage1 else h).to(dtype)
     y = torch._grouped_mm(h, w2.transpose(1, 2), offs=offsets).float()
-    y = y if problem.doweight_stage1 else y * weights
-    total = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
-    total.index_add_(0, tokens, y)
+    # Rows past the last group are never written by the grouped GEMM: where(), not a product.
+    y = torch.where(kept, y if problem.doweight_stage1 else y * weights, 0.0)
+    per_pair = torch.empty_like(y).index_copy_(0, order, y)  # back to pair order
+    total = per_pair.view(tokens, topk, -1).sum(1)
     return total.to(dtype) if out is None else out.copy_(total)

@@ -196,7 +196,7 @@ class FmoeTuner(FamilyTuner):
         timed: list[tuple[float, float] | None] = [None] * len(names)
         graphed = []
         for i, name in enumerate(names):
-            if name == TORCH_MOE:  # it synchronises with the host: no graph, eager events
+            if name == TORCH_MOE:  # eager events until its graph capture is checked on a GPU
                 timed[i] = eager_us(lambda: self.run(TORCH_MOE, prepared), iters, warmup)
             else:
                 graphed.append((i, self._timed_call(name, prepared)))
@@ -289,7 +289,7 @@ class FmoeTuner(FamilyTuner):
                       "us1": round(one.us, 4), "kernelName1": one.name,
                       "err1": round(one.err_ratio, 6), "us2": round(two.us, 4),
                       "kernelName2": two.name, "err2": round(two.err_ratio, 6)}
-        # torch.moe synchronises with the host: it is timed eagerly, never in a graph.
+        # torch.moe is timed eagerly (its launches and host work included), not in a graph.
         timing = "eager.events" if candidate.name == TORCH_MOE and self.timing_label.startswith(
             "graph") else self.timing_label
         return {**fields, "us": round(evaluation.us, 4), "run_1stage": 0,
