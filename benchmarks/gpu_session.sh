@@ -185,6 +185,10 @@ for what in "$@"; do
             tuned_arg=(); [[ -f $tuned ]] && tuned_arg=(--tuned "$tuned")
             TAIL=8 stage "moebreak_$model" 200 python3 benchmarks/moe_breakdown.py \
                 --model "$model" --out "$OUT" "${tuned_arg[@]}" ;;
+        vllm:*)  # vllm:MODEL: ours against vLLM's Triton fused-MoE kernel (.vllm/fused_moe, carried)
+            model=${what#vllm:}
+            TAIL=14 stage "vllm_$model" 300 python3 benchmarks/vllm_moe_compare.py \
+                --vllm-dir .vllm/fused_moe --model "$model" --out "$OUT" ;;
         *) echo "unknown stage $what" | tee -a "$summary" ;;
     esac
 done
