@@ -25,6 +25,7 @@ from gemmtune.kernels.triton.fused_moe import ACT_CODES, TritonTwoStageMoe
 from gemmtune.kernels.triton.moe_configs import MoeStage1Config, MoeStage2Config
 from gemmtune.kernels.triton.moe_routing import moe_routing
 from gemmtune.measure.ceilings import floors, measure_ceilings
+from gemmtune.bench import write_records
 from gemmtune.measure.timing import graph_replay_us
 
 SHAPES = {"mixtral-8x7b": (4096, 14336, 8, 2), "qwen3-30b-a3b": (2048, 768, 128, 8),
@@ -102,11 +103,7 @@ def main() -> None:
                          eff=round(floor.attainable_us / us["whole"], 3), rel_err=f"{err:.1e}",
                          kernel=kernel.name))
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    with open(out / f"moe_breakdown_{args.model}.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    write_records(rows, out / f"moe_breakdown_{args.model}.csv")
     print(f"{'tokens':>6} {'routing':>8} {'stage1':>8} {'st2+sum':>8} {'whole':>8} {'floor':>8} "
           f"{'eff':>5} {'err':>8}  kernel")
     for r in rows:

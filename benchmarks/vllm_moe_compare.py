@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import ast
-import csv
 import importlib.util
 import json
 from pathlib import Path
@@ -41,6 +40,7 @@ from gemmtune.dispatch import use_tables
 from gemmtune.families.fmoe.op import SCHEMA, expert_map_of
 from gemmtune.kernels.torch_ref import fused_moe_ref
 from gemmtune.kernels.triton.moe_routing import moe_routing
+from gemmtune.bench import write_records
 from gemmtune.measure.timing import copies_to_exceed_l2, interleaved_graph_us
 
 SHAPES = {"mixtral-8x7b": (4096, 14336, 8, 2), "qwen3-30b-a3b": (2048, 768, 128, 8),
@@ -257,10 +257,7 @@ def main() -> None:
             rows = compare(vllm, args.vllm_dir, args.model, token_counts)
     else:
         rows = compare(vllm, args.vllm_dir, args.model, token_counts)
-    with open(args.out / f"vllm_moe_{args.model}.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    write_records(rows, args.out / f"vllm_moe_{args.model}.csv")
     print(f"{'T':>5} {'ours':>9} {'vLLM GEMMs':>10} {'vLLM whole':>10} {'x GEMMs':>8} "
           f"{'x whole':>8}  vLLM config")
     for r in rows:

@@ -190,14 +190,18 @@ def summarize(rows: list[BenchRow], gpu: bool = True) -> list[str]:
 
 
 def write_csv(rows: list[BenchRow], path: Path) -> None:
+    write_records([{k: format(v, ".6g") if isinstance(v, float) else v
+                    for k, v in {**asdict(r), "below_floor": r.below_floor}.items()}
+                   for r in rows], path)
+
+
+def write_records(records: list[dict], path: Path) -> None:
+    """``records`` (dicts with the same keys, in order) as a CSV at ``path``, folders made."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w", newline="") as f:
-        names = [*asdict(rows[0]), "below_floor"]
-        writer = csv.DictWriter(f, fieldnames=names)
+        writer = csv.DictWriter(f, fieldnames=list(records[0]))
         writer.writeheader()
-        writer.writerows({k: format(v, ".6g") if isinstance(v, float) else v
-                          for k, v in {**asdict(r), "below_floor": r.below_floor}.items()}
-                         for r in rows)
+        writer.writerows(records)
 
 
 def plot(rows: list[BenchRow], path: Path, title: str) -> str | None:
