@@ -189,6 +189,12 @@ for what in "$@"; do
             model=${what#vllm:}
             TAIL=14 stage "vllm_$model" 300 python3 benchmarks/vllm_moe_compare.py \
                 --vllm-dir .vllm/fused_moe --model "$model" --out "$OUT" ;;
+        benchmoe:*)  # benchmoe:MODEL[:TP]: gemmtune bench fmoe on the shipped table
+            spec=${what#benchmoe:}
+            model=${spec%%:*}
+            tp=1; [[ $spec == *:* ]] && tp=${spec#*:}
+            TAIL=24 stage "benchmoe_$model" 400 python3 -m gemmtune.cli bench fmoe \
+                --model "$model" --tp "$tp" -o "$OUT/bench_fmoe_$model" ;;
         *) echo "unknown stage $what" | tee -a "$summary" ;;
     esac
 done

@@ -121,7 +121,8 @@ def test_pairs_routed_to_another_rank_add_nothing():
         assert torch.equal(y[2], torch.zeros_like(y[2])), kernel  # experts 1 and 7: elsewhere
 
 
-@pytest.mark.parametrize("act, dw1, local", [("Silu", False, None), ("Gelu", True, [1, 0, 1, 1, 0])])
+@pytest.mark.parametrize("act, dw1, local", [("Silu", False, None),
+                                             ("Gelu", True, [1, 0, 1, 1, 0])])
 def test_the_torch_backend_in_bf16_takes_the_grouped_gemm_path(act, dw1, local, monkeypatch):
     """bf16 with 8-aligned dims runs ``torch._grouped_mm`` (not the fp32 reference): with pairs of
     other ranks' experts sorted past the last group and zeroed, ragged groups, an empty expert."""
@@ -313,3 +314,26 @@ def test_routing_is_refused_for_a_gemm_family_and_an_old_profile_is_not_appended
     assert main(args + ["-o2", str(old)]) == 2
     assert "a profile with other columns" in capsys.readouterr().err
     assert old.read_text() == "arch,cu_num,M,N,K,kernelName,status\n"
+
+
+def test_bench_fmoe_checks_every_shape_and_writes_csv_and_plot(tmp_path, capsys):
+    from gemmtune.cli import main
+
+    shapes = tmp_path / "untuned_fmoe.csv"
+    shapes.write_text("token,model_dim,inter_dim,expert,topk,dtype,q_dtype_a,q_dtype_w\n"
+                      "1,32,16,4,2,torch.bfloat16,torch.bfloat16,torch.bfloat16\n"
+                      "6,32,24,6,3,torch.bfloat16,torch.bfloat16,torch.bfloat16\n")
+    out = tmp_path / "bench"
+    assert main(["bench", "fmoe", "--shapes", str(shapes), "-o", str(out)]) == 0
+    printed = capsys.readouterr().out
+    lines = (out / "bench_fmoe.csv").read_text().splitlines()
+    assert lines[0].startswith("name,token,model_dim,inter_dim,expert,topk,torch_us,tuned_us")
+    assert [line.split(",")[1] for line in lines[1:]] == ["1", "6"]
+    assert all(line.split(",")[-1] == "True" for line in lines[1:])  # both within the bound
+    if DEVICE == "cpu":
+        assert "2 shape(s) checked against the fp32 reference: all within the bound" in printed
+    assert "WRONG" not in printed
+    assert main(["bench", "fmoe", "--model", "llama3-8b", "-o", str(out)]) == 2
+    assert "llama3-8b has no MoE layers" in capsys.readouterr().err
+    assert main(["bench", "fmoe", "--shapes", str(shapes), "--dtype", "fp8", "-o", str(out)]) == 2
+    assert "fmoe benches bf16 experts only" in capsys.readouterr().err

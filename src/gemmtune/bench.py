@@ -139,9 +139,28 @@ M_RANGES = (("M<=64", 1, 64), ("64<M<1024", 65, 1023), ("M>=1024", 1024, 1 << 62
 SLOWER_THAN_TORCH = 0.98
 
 
-CPU_NOTE = ("CPU: each time is the wall time of one call of a tiny GEMM, to show that the op "
-            "runs and is right, not how fast; speed-ups, ceilings and floors are GPU measures and "
-            "are left out")
+CPU_NOTE = ("CPU: each time is the wall time of one call of a tiny GEMM or MoE, to show that "
+            "the op runs and is right, not how fast; speed-ups, ceilings and floors are GPU "
+            "measures and are left out")
+
+
+def cpu_summary(ok: list[bool]) -> list[str]:
+    """What a CPU bench says: how many results were right, and that its times are no measure."""
+    bad = ok.count(False)
+    return [f"{len(ok)} shape(s) checked against the fp32 reference: "
+            + (f"{bad} WRONG" if bad else "all within the bound"), CPU_NOTE]
+
+
+def finish_report(summary: list[str], csv_path: Path, png_path: Path, why_no_plot: str | None,
+                  wrong: list[str]) -> int:
+    """The end of a bench's printout (summary, files written, wrong results) and its exit code:
+    1 if any result was wrong."""
+    for line in summary:
+        print(line)
+    print(f"wrote {csv_path}" + (f" and {png_path}" if why_no_plot is None else f"; {why_no_plot}"))
+    if wrong:
+        print(f"WRONG results: {', '.join(wrong)}")
+    return 1 if wrong else 0
 
 
 def summarize(rows: list[BenchRow], gpu: bool = True) -> list[str]:
@@ -151,9 +170,7 @@ def summarize(rows: list[BenchRow], gpu: bool = True) -> list[str]:
     apart. Then, if any: the rows faster than their attainable floor, the shapes below 0.98x
     torch."""
     if not gpu:
-        bad = sum(not r.ok for r in rows)
-        return [f"{len(rows)} shape(s) checked against the fp32 reference: "
-                + (f"{bad} WRONG" if bad else "all within the bound"), CPU_NOTE]
+        return cpu_summary([r.ok for r in rows])
     lines = []
     for label, lo, hi in M_RANGES:
         sel = [r for r in rows if lo <= r.M <= hi]
@@ -205,8 +222,18 @@ def write_records(records: list[dict], path: Path) -> None:
 
 
 def plot(rows: list[BenchRow], path: Path, title: str) -> str | None:
-    """Speed-up and attainable-floor efficiency against M, one line per (N, K). Returns why
-    not, if not."""
+    """Speed-up and attainable-floor efficiency against M, one line per (N, K)."""
+    series: dict[str, list[tuple[int, float, float]]] = {}
+    for r in sorted(rows, key=lambda r: (r.N, r.K, r.M)):
+        series.setdefault(f"N={r.N} K={r.K}", []).append((r.M, r.speedup,
+                                                          r.attainable_efficiency))
+    return plot_curves(series, path, title, "M (tokens)")
+
+
+def plot_curves(series: dict[str, list[tuple[int, float, float]]], path: Path, title: str,
+                xlabel: str) -> str | None:
+    """Two panels, one line per series of (x, speed-up, attainable efficiency): speed-up over
+    torch and efficiency against x (log2). Returns why not, if not."""
     try:
         import matplotlib
 
@@ -215,19 +242,20 @@ def plot(rows: list[BenchRow], path: Path, title: str) -> str | None:
     except ImportError:
         return "matplotlib is not installed (pip install gemmtune[plot]); no plot written"
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5))
-    for (n, k) in sorted({(r.N, r.K) for r in rows}):
-        sel = sorted((r for r in rows if (r.N, r.K) == (n, k)), key=lambda r: r.M)
-        ms = [r.M for r in sel]
-        ax1.plot(ms, [r.speedup for r in sel], marker="o", label=f"N={n} K={k}")
-        ax2.plot(ms, [r.attainable_efficiency for r in sel], marker="o", label=f"N={n} K={k}")
+    for label, points in series.items():
+        points = sorted(points)
+        xs = [x for x, _, _ in points]
+        ax1.plot(xs, [speedup for _, speedup, _ in points], marker="o", label=label)
+        ax2.plot(xs, [eff for _, _, eff in points], marker="o", label=label)
     for ax, ylabel in ((ax1, "speed-up over torch"),
                        (ax2, "efficiency (attainable floor / time)")):
         ax.set_xscale("log", base=2)
-        ax.set_xlabel("M (tokens)")
+        ax.set_xlabel(xlabel)
         ax.set_ylabel(ylabel)
         ax.grid(True, alpha=0.3)
     ax1.axhline(1.0, color="black", linewidth=0.8)
-    ax2.set_ylim(0, max(1.05, 1.05 * max(r.attainable_efficiency for r in rows)))
+    top = max(eff for points in series.values() for _, _, eff in points)
+    ax2.set_ylim(0, max(1.05, 1.05 * top))
     ax2.legend(fontsize=7, loc="lower right")
     fig.suptitle(title)
     fig.tight_layout()
@@ -274,13 +302,8 @@ def run_bench(shapes: list[BenchShape], family: Family, op: BenchOp, out_dir: Pa
               f"{r.speedup:>7.3f} {r.roofline_us:>8.2f} {r.attainable_us:>7.2f} "
               f"{r.efficiency:>5.3f} {r.attainable_efficiency:>5.3f} {r.rule:<8} "
               f"{r.kernel}{flag}")
-    for line in summarize(rows, gpu):
-        print(line)
-    print(f"wrote {csv_path}" + (f" and {png_path}" if why_no_plot is None else f"; {why_no_plot}"))
-    bad = [r for r in rows if not r.ok]
-    if bad:
-        print(f"WRONG results: {', '.join(f'{r.name} M={r.M}' for r in bad)}")
-    return 1 if bad else 0
+    return finish_report(summarize(rows, gpu), csv_path, png_path, why_no_plot,
+                         [f"{r.name} M={r.M}" for r in rows if not r.ok])
 
 
 def run_config(family: Family, table: Path, out_dir: Path) -> int:

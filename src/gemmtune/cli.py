@@ -264,8 +264,10 @@ def _cmd_bench(args) -> int:
     from gemmtune.tables.store import check_writable_dir
 
     family = get_family(args.family)
-    op = family.bench_op(args.dtype)
     check_writable_dir(Path(args.output), "bench folder (-o)")
+    if family.bench_runner is not None:
+        return family.run_bench_runner(args)
+    op = family.bench_op(args.dtype)
     shapes, title = _bench_shapes(args, family, gpu=torch.cuda.is_available())
     return run_bench(shapes, family, op, Path(args.output), title)
 
@@ -405,15 +407,17 @@ def build_parser() -> argparse.ArgumentParser:
                                    "(ceilings measured in the same run) and the chosen kernel; the "
                                    "tuned output is checked against an fp32 reference. Runs on "
                                    "the CPU when there is no GPU (and says so).",
-                       epilog="example: gemmtune bench bf16 --model llama3-70b --tp 8 --M 1,16,64")
-    p.add_argument("family", choices=_family_names("bench"), help="op family")
+                       epilog="examples: gemmtune bench bf16 --model llama3-70b --tp 8 --M 1,16,64; "
+                              "gemmtune bench fmoe --model qwen3-30b-a3b")
+    p.add_argument("family", choices=_family_names("benchable"), help="op family")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--model", default="llama3-8b", choices=_presets(),
                      help="model preset whose dense projections to run (default llama3-8b)")
     src.add_argument("--shapes", metavar="CSV", help="an untuned CSV of shapes instead")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (default 1)")
     p.add_argument("--M", type=_int_list, default=None, metavar="M,M,...",
-                   help="token counts (default 1,16,...,8192 on a GPU; 1,16 on the CPU)")
+                   help="token counts (default 1,16,...,8192 on a GPU, fmoe 1,2,4,...,8192; "
+                        "1,16 on the CPU, fmoe 1,3)")
     p.add_argument("--dtype", default=None, choices=_bench_dtypes(),
                    help="; ".join(f"{f.cli_name}: {', '.join(f.bench_dtypes)}"
                                   for f in _benched()) + " (the first is the default)")

@@ -60,6 +60,10 @@ class Family:
     triton_json_tags: Mapping[torch.dtype, str] = field(default_factory=dict)
     # key -> the dtype short name its bench runs in (``--run_config`` of a table)
     dtype_of_key: Callable[[tuple], str] | None = None
+    # A bench that is not one of GEMMs (fmoe): "module:function" taking ``gemmtune bench``'s
+    # arguments and returning its exit code, imported when asked for (it measures: the run-time
+    # path must not import it).
+    bench_runner: str | None = None
 
     def __post_init__(self):
         if self.schema.family != self.name:
@@ -79,6 +83,15 @@ class Family:
             return self.tuner
         module, _, attr = self.tuner.partition(":")
         return getattr(importlib.import_module(module), attr)
+
+    @property
+    def benchable(self) -> bool | None:
+        """True if ``gemmtune bench`` runs this family (None if not: the CLI's filter)."""
+        return True if self.bench is not None or self.bench_runner is not None else None
+
+    def run_bench_runner(self, args) -> int:
+        module, _, attr = self.bench_runner.partition(":")
+        return getattr(importlib.import_module(module), attr)(args)
 
     def bench_op(self, dtype: str | None = None) -> BenchOp:
         """How the bench runs this family in ``dtype`` (default: its first bench dtype)."""

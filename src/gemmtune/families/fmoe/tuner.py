@@ -18,6 +18,7 @@ import threading
 
 import torch
 
+from gemmtune.families.fmoe.inputs import ROUTINGS, random_inputs
 from gemmtune.families.fmoe.op import REGISTRY, SCHEMA, FmoeKey, expert_map_of, problem_of
 from gemmtune.kernels.problem import MoeProblem
 from gemmtune.kernels.torch_ref import TORCH_MOE, fused_moe_ref
@@ -32,8 +33,6 @@ from gemmtune.tune.family import Candidate, Evaluation, FamilyTuner, Prepared, S
 
 # How many of each stage's fastest configs per block_m are paired (4 pairs per block_m).
 PAIRED_PER_STAGE = 2
-ROUTINGS = ("uniform", "zipf")
-ZIPF_EXPONENT = 1.2  # expert popularity ~ 1 / rank^1.2 (the issue's skewed routing)
 
 
 def _stage_space(problem: MoeProblem, gpu: bool) -> tuple[list[MoeStage1Config],
@@ -77,19 +76,6 @@ def _expected_blocks(problem: MoeProblem, block_m: int) -> float:
     reached = _reached(problem)
     per_reached = problem.tokens * problem.topk / max(reached, 1e-9)
     return reached * -(-per_reached // block_m)
-
-
-def _route(p: MoeProblem, routing: str, gen: torch.Generator) -> torch.Tensor:
-    """(T, topk) int32 distinct experts per token: uniform, or Zipf-popular experts (the expert
-    of popularity rank r drawn with weight 1 / r^ZIPF_EXPONENT, ranks a seeded permutation)."""
-    if routing == "uniform":
-        scores = torch.rand(p.tokens, p.experts, generator=gen, device=gen.device)
-        return scores.topk(p.topk, dim=1).indices.to(torch.int32)
-    rank = torch.randperm(p.experts, generator=gen, device=gen.device) + 1
-    popularity = rank.double() ** -ZIPF_EXPONENT
-    picks = torch.multinomial(popularity.expand(p.tokens, -1), p.topk, replacement=False,
-                              generator=gen)
-    return picks.to(torch.int32)
 
 
 def _block_m(name: str) -> int:
@@ -145,15 +131,7 @@ class FmoeTuner(FamilyTuner):
         p = self.shape(key)
         device = "cuda" if torch.cuda.is_available() else "cpu"
         gen = torch.Generator(device=device).manual_seed(seed)
-
-        def randn(*shape, scale=1.0):
-            return (torch.randn(*shape, generator=gen, device=device) * scale).to(p.dtype)
-
-        hidden = randn(p.tokens, p.model_dim)
-        w1 = randn(p.experts, 2 * p.inter_dim, p.model_dim, scale=p.model_dim ** -0.5)
-        w2 = randn(p.experts, p.model_dim, p.inter_dim, scale=p.inter_dim ** -0.5)
-        topk_ids = _route(p, self.routing, gen)
-        topk_weight = torch.rand(p.tokens, p.topk, generator=gen, device=device) + 0.1
+        hidden, w1, w2, topk_weight, topk_ids = random_inputs(p, gen, self.routing)
         expert_map = expert_map_of(None, p.experts, hidden.device)
         inputs = (hidden, w1, w2, topk_weight, topk_ids, expert_map, p)
         ref = fused_moe_ref(hidden, w1, w2, topk_weight, topk_ids, expert_map, p.activation,

@@ -118,7 +118,8 @@ def moe_stage1_kernel(
     h = act * up
     if MUL_WEIGHT:
         h = h * tl.load(topk_weight_ptr + ids, mask=real, other=0.0)[:, None]
-    out = inter_ptr + ids.to(tl.int64)[:, None] * stride_ip + offs_n.to(tl.int64)[None, :] * stride_in
+    out = (inter_ptr + ids.to(tl.int64)[:, None] * stride_ip
+           + offs_n.to(tl.int64)[None, :] * stride_in)
     tl.store(out, h.to(inter_ptr.dtype.element_ty), mask=real[:, None] & (offs_n[None, :] < I))
 
 
