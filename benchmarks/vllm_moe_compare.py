@@ -41,7 +41,7 @@ from gemmtune.families.fmoe.op import SCHEMA, expert_map_of
 from gemmtune.kernels.torch_ref import fused_moe_ref
 from gemmtune.kernels.triton.moe_routing import moe_routing
 from gemmtune.bench import write_records
-from gemmtune.measure.timing import copies_to_exceed_l2, interleaved_graph_us
+from gemmtune.measure.timing import cold_copies, interleaved_graph_us
 
 SHAPES = {"mixtral-8x7b": (4096, 14336, 8, 2), "qwen3-30b-a3b": (2048, 768, 128, 8),
           "deepseek-v3-tp8": (7168, 256, 256, 8)}
@@ -210,9 +210,7 @@ def compare(vllm, vllm_dir: Path, model: str, token_counts) -> list[dict]:
         config, source = vllm_config(vllm, vllm_dir, tokens, experts, inter_dim, model_dim,
                                      topk)
         theirs = VllmMoe(vllm, config, hidden, w1, w2, weight, ids)
-        per_set = (w1.numel() + w2.numel()) * w1.element_size()
-        sets = [(w1, w2)] + [(w1.clone(), w2.clone())
-                             for _ in range(copies_to_exceed_l2(per_set) - 1)]
+        sets = cold_copies((w1, w2))
 
         def ours(weights):
             return gemmtune.fused_moe(hidden, weights[0], weights[1], weight, ids)

@@ -29,8 +29,7 @@ from gemmtune.kernels.torch_ref import TORCH_MOE, fused_moe_ref
 from gemmtune.measure.accuracy import TOLERANCES
 from gemmtune.measure.ceilings import Ceilings, Floors, floors, measure_ceilings
 from gemmtune.measure.gpulock import GpuLock, gpu_label
-from gemmtune.measure.timing import (copies_to_exceed_l2, eager_us, graph_replay_us,
-                                     interleaved_graph_us)
+from gemmtune.measure.timing import cold_copies, eager_us, graph_replay_us, interleaved_graph_us
 
 # The token counts of the targets, by range: (label, lowest, highest).
 TOKEN_RANGES = (("T=1", 1, 1), ("2<=T<=256", 2, 256), ("256<T<1024", 257, 1023),
@@ -100,9 +99,7 @@ def bench_moe_shape(name: str, key: FmoeKey, ceilings: Ceilings | None,
     rel = float((y.float() - ref).norm() / ref.norm().clamp_min(1e-30))
     ok = bool(torch.isfinite(y).all()) and rel <= TOLERANCES[problem_of(key).dtype][2]
     decision = get_family("fmoe").dispatcher.decide(key)
-    per_set = (w1.numel() + w2.numel()) * w1.element_size()
-    sets = [(w1, w2)] + ([(w1.clone(), w2.clone()) for _ in range(copies_to_exceed_l2(per_set)
-                                                                  - 1)] if w1.is_cuda else [])
+    sets = cold_copies((w1, w2)) if w1.is_cuda else [(w1, w2)]
     torch_us, tuned_us, how = _time_pair(
         lambda s: fused_moe(hidden, s[0], s[1], weight, ids),
         lambda s: fused_moe(hidden, s[0], s[1], weight, ids, kernel=TORCH_MOE), sets)

@@ -21,6 +21,12 @@ SHORT_DTYPES = {
 }
 
 
+# The outputs the scaled (FP8/INT8) GEMMs write, and the one their rows are tuned for: bf16, what
+# quantised serving writes.
+OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+TUNED_OUT_DTYPE = torch.bfloat16
+
+
 def short_dtype(dtype_name: str) -> str:
     """The --dtype name (bf16, fp8, ...) of a canonical dtype name (torch.bfloat16, ...)."""
     dtype = to_torch_dtype(dtype_name)

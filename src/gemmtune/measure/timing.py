@@ -29,6 +29,14 @@ def copies_to_exceed_l2(bytes_per_set: int, l2: int | None = None, cap: int = 64
     return max(2, min(cap, wanted, affordable))
 
 
+def cold_copies(first: tuple[torch.Tensor, ...]) -> list[tuple[torch.Tensor, ...]]:
+    """``first`` and clones of its tensors, as many sets as ``copies_to_exceed_l2`` says: a call
+    rotating through them reads its operands from HBM."""
+    per_set = sum(t.numel() * t.element_size() for t in first)
+    return [first] + [tuple(t.clone() for t in first)
+                      for _ in range(copies_to_exceed_l2(per_set) - 1)]
+
+
 def graph_replay_us(fn: Callable, inputs: Sequence, replays: int = 20) -> tuple[float, float]:
     """Median and spread ((p90-p10)/median) of the GPU time per call of ``fn(inp)``, captured once
     per input set into one CUDA graph and replayed: no host launch cost, cold operands when the

@@ -4,12 +4,11 @@
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
 from pathlib import Path
 
 from gemmtune.tables.values import LibType
 from gemmtune.tune.engine import TuneConfig, Tuner, default_gpus
-from gemmtune.tune.family import TuneOptions
+from gemmtune.tune.family import FamilyTuner, TuneOptions
 
 LIBTYPES = tuple(t.value for t in LibType)
 
@@ -99,10 +98,8 @@ def config_from_args(args: argparse.Namespace, default_err_ratio: float = 0.05) 
         min_improvement_pct=args.min_improvement_pct, gpus=gpus)
 
 
-def run_tune(factory: Callable, args: argparse.Namespace, out=None) -> int:
+def run_tune(tuner_class: type[FamilyTuner], args: argparse.Namespace, out=None) -> int:
     """Tune as ``args`` say; progress and the report go to ``out`` (default: ``sys.stderr`` as
     it is at the call, which a caller such as pytest's capture may have replaced)."""
-    config = config_from_args(args, getattr(factory, "default_err_ratio", 0.05))
-    if hasattr(factory, "factory_from_args"):
-        factory = factory.factory_from_args(args)
-    return Tuner(factory, config, out=out).run().exit_code
+    config = config_from_args(args, tuner_class.default_err_ratio)
+    return Tuner(tuner_class.factory_from_args(args), config, out=out).run().exit_code

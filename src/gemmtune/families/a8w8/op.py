@@ -16,8 +16,9 @@ import torch
 
 from gemmtune.device import DeviceId
 from gemmtune.dispatch import Dispatcher
-from gemmtune.families._gemm import (check_multiply, check_out_dtype_and_device, gemm_registry,
-                                     gemm_schema, json_config_or)
+from gemmtune.families._gemm import (OUT_DTYPES, TUNED_OUT_DTYPE, check_multiply,
+                                     check_out_dtype_and_device, gemm_registry, gemm_schema,
+                                     json_config_or)
 from gemmtune.kernels.problem import GemmProblem, Scaling
 from gemmtune.kernels.torch_ref import TORCH_SCALED_MM, scaled_mm_torch
 from gemmtune.kernels.triton.dispatchable import PREFIXES as TRITON_PREFIXES
@@ -25,9 +26,6 @@ from gemmtune.tables.schema import Column, Kind
 from gemmtune.tables.values import DTYPE_NAMES, to_torch_dtype
 
 Q_DTYPES = (torch.float8_e4m3fn, torch.int8)
-OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-# The output rows are tuned for: bf16, what FP8/INT8 serving writes.
-TUNED_OUT_DTYPE = torch.bfloat16
 
 
 class A8w8Key(NamedTuple):

@@ -16,13 +16,11 @@ import torch
 
 from gemmtune.device import DeviceId
 from gemmtune.dispatch import Dispatcher
-from gemmtune.families._gemm import (check_multiply, check_out_dtype_and_device, gemm_registry,
-                                     gemm_schema)
+from gemmtune.families._gemm import (OUT_DTYPES, TUNED_OUT_DTYPE, check_multiply,
+                                     check_out_dtype_and_device, gemm_registry, gemm_schema)
 from gemmtune.kernels.problem import GemmProblem, Scaling
 from gemmtune.kernels.torch_ref import TORCH_BLOCKSCALE, blockscale_torch
 
-OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-TUNED_OUT_DTYPE = torch.bfloat16
 
 
 class BlockscaleKey(NamedTuple):

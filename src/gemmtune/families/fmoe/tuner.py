@@ -26,8 +26,7 @@ from gemmtune.kernels.triton.moe_configs import (BLOCK_MS, STAGE1_PREFIX, STAGE2
                                                  MoeStage1Config, MoeStage2Config,
                                                  two_stage_name)
 from gemmtune.measure.accuracy import TOLERANCES
-from gemmtune.measure.timing import (copies_to_exceed_l2, eager_us, graph_replay_us,
-                                     interleaved_graph_us)
+from gemmtune.measure.timing import cold_copies, eager_us, graph_replay_us, interleaved_graph_us
 from gemmtune.tables.values import QuantType
 from gemmtune.tune.family import Candidate, Evaluation, FamilyTuner, Prepared, Status
 
@@ -76,10 +75,6 @@ def _expected_blocks(problem: MoeProblem, block_m: int) -> float:
     reached = _reached(problem)
     per_reached = problem.tokens * problem.topk / max(reached, 1e-9)
     return reached * -(-per_reached // block_m)
-
-
-def _block_m(name: str) -> int:
-    return int(name.split(":BM", 1)[1].split(".", 1)[0])
 
 
 class FmoeTuner(FamilyTuner):
@@ -233,7 +228,7 @@ class FmoeTuner(FamilyTuner):
         for ev in passing:
             if ev.name.startswith(STAGE1_PREFIX + ":") or ev.name.startswith(STAGE2_PREFIX + ":"):
                 stage = 1 if ev.name.startswith(STAGE1_PREFIX) else 2
-                stages[stage].setdefault(_block_m(ev.name), []).append(ev)
+                stages[stage].setdefault(_config(ev.name).block_m, []).append(ev)
                 with self._lock:
                     self._screened[(key, ev.name)] = ev
             else:
@@ -263,7 +258,7 @@ class FmoeTuner(FamilyTuner):
         if candidate.parts:
             with self._lock:
                 one, two = (self._screened[(key, part)] for part in candidate.parts)
-            fields = {"block_m": _block_m(one.name), "ksplit": _config(two.name).split_k,
+            fields = {"block_m": _config(one.name).block_m, "ksplit": _config(two.name).split_k,
                       "us1": round(one.us, 4), "kernelName1": one.name,
                       "err1": round(one.err_ratio, 6), "us2": round(two.us, 4),
                       "kernelName2": two.name, "err2": round(two.err_ratio, 6)}
@@ -309,9 +304,5 @@ def _rotating(prepared: Prepared) -> list[tuple[torch.Tensor, torch.Tensor]]:
     its experts from HBM."""
     sets = prepared.extra.get("rotating")
     if sets is None:
-        w1, w2 = prepared.inputs[1], prepared.inputs[2]
-        per_set = (w1.numel() + w2.numel()) * w1.element_size()
-        sets = [(w1, w2)] + [(w1.clone(), w2.clone())
-                             for _ in range(copies_to_exceed_l2(per_set) - 1)]
-        prepared.extra["rotating"] = sets
+        sets = prepared.extra["rotating"] = cold_copies(prepared.inputs[1:3])
     return sets
