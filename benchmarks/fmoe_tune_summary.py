@@ -3,8 +3,8 @@
     python3 benchmarks/fmoe_tune_summary.py TUNED_CSV PROFILE_CSV
 
 ``us`` is the winner's end-to-end re-timing (routing preparation included, graph replay, cold
-weights); ``torch`` is torch.moe's eager screen time from the profile of the same run (it
-synchronises with the host, so no graph captures it); ``GB/s`` is the row's ``bw`` (the bytes of
+weights); ``torch`` is torch.moe's screen time from the profile of the same run (graph replay,
+cold weights); ``GB/s`` is the row's ``bw`` (the bytes of
 the experts a uniform routing reaches, plus activations).
 """
 

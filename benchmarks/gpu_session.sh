@@ -187,14 +187,19 @@ for what in "$@"; do
                 --model "$model" --out "$OUT" "${tuned_arg[@]}" ;;
         vllm:*)  # vllm:MODEL: ours against vLLM's Triton fused-MoE kernel (.vllm/fused_moe, carried)
             model=${what#vllm:}
+            tuned="$OUT/fmoe_$model/tuned_fmoe.csv"  # this call's fmoetune table, if any
+            tuned_arg=(); [[ -f $tuned ]] && tuned_arg=(--tuned "$tuned")
             TAIL=14 stage "vllm_$model" 300 python3 benchmarks/vllm_moe_compare.py \
-                --vllm-dir .vllm/fused_moe --model "$model" --out "$OUT" ;;
-        benchmoe:*)  # benchmoe:MODEL[:TP]: gemmtune bench fmoe on the shipped table
+                --vllm-dir .vllm/fused_moe --model "$model" --out "$OUT" "${tuned_arg[@]}" ;;
+        benchmoe:*)  # benchmoe:MODEL[:TP]: gemmtune bench fmoe on the shipped table (or this call's)
             spec=${what#benchmoe:}
             model=${spec%%:*}
             tp=1; [[ $spec == *:* ]] && tp=${spec#*:}
+            tuned="$OUT/fmoe_$model/tuned_fmoe.csv"  # this call's fmoetune table, if any
+            [[ -f $tuned ]] && export GEMMTUNE_CONFIG_FMOE="replace:$tuned"
             TAIL=24 stage "benchmoe_$model" 400 python3 -m gemmtune.cli bench fmoe \
-                --model "$model" --tp "$tp" -o "$OUT/bench_fmoe_$model" ;;
+                --model "$model" --tp "$tp" -o "$OUT/bench_fmoe_$model"
+            unset GEMMTUNE_CONFIG_FMOE ;;
         *) echo "unknown stage $what" | tee -a "$summary" ;;
     esac
 done

@@ -3,8 +3,9 @@ and the whole op, each under CUDA-graph replay with cold weights, beside the flo
 
     PYTHONPATH=src python3 benchmarks/moe_breakdown.py [--tuned CSV] [--model NAME] [--out DIR]
 
-Stage configs come from the tuned table's row for the token count where a Triton pair won
-there, else the defaults of the large-token tiles below. Floors: the bytes of the experts the
+Configs come from the tuned table's row for the token count: a Triton pair is broken into its
+parts, a 1-stage row is timed whole (its parts are one launch); without a row, the large-token
+tiles below. Floors: the bytes of the experts the
 routing reaches (plus activations) at the streaming-read bandwidth, and the FLOPs at the peak of
 an 8192^3 bf16 torch GEMM, both measured in the same run.
 """
@@ -21,7 +22,7 @@ from gemmtune.families.fmoe.op import expert_map_of
 from gemmtune.kernels.problem import Activation, MoeProblem
 from gemmtune.kernels.torch_ref import fused_moe_ref
 from gemmtune.kernels.triton import moe_stages
-from gemmtune.kernels.triton.fused_moe import ACT_CODES, TritonTwoStageMoe
+from gemmtune.kernels.triton.fused_moe import ACT_CODES, TritonOneStageMoe, TritonTwoStageMoe
 from gemmtune.kernels.triton.moe_configs import MoeStage1Config, MoeStage2Config
 from gemmtune.kernels.triton.moe_routing import moe_routing
 from gemmtune.measure.ceilings import floors, measure_ceilings
@@ -30,19 +31,39 @@ from gemmtune.measure.timing import graph_replay_us
 
 SHAPES = {"mixtral-8x7b": (4096, 14336, 8, 2), "qwen3-30b-a3b": (2048, 768, 128, 8),
           "deepseek-v3-tp8": (7168, 256, 256, 8)}
-TOKENS = (1, 16, 256, 1024, 8192)
+TOKENS = (1, 2, 4, 8, 16, 64, 256, 1024, 8192)
 LARGE = (MoeStage1Config(128, 128, 64, 8, 3), MoeStage2Config(128, 128, 64, 1, 8, 3))
 
 
-def tuned_configs(path: str | None) -> dict[int, tuple[MoeStage1Config, MoeStage2Config]]:
+def tuned_kernels(path: str | None) -> dict[int, TritonOneStageMoe | TritonTwoStageMoe]:
+    """token -> the Triton solution of its row (rows torch won are left out)."""
     found = {}
     if path:
         with open(path, newline="") as f:
             for row in csv.DictReader(f):
                 if row["kernelName2"]:
-                    found[int(row["token"])] = (MoeStage1Config.from_name(row["kernelName1"]),
-                                                MoeStage2Config.from_name(row["kernelName2"]))
+                    found[int(row["token"])] = TritonTwoStageMoe(
+                        f"{row['kernelName1']}+{row['kernelName2']}")
+                elif int(row["run_1stage"]):
+                    found[int(row["token"])] = TritonOneStageMoe(row["kernelName1"])
     return found
+
+
+def _stage_calls(kernel: TritonTwoStageMoe, hidden, w1, weight, ids, emap, experts) -> dict:
+    """The parts of a two-stage solution, each timed alone: stage 2 over a routing and an
+    intermediate made once."""
+    stage1, stage2 = kernel.stage1, kernel.stage2
+    tokens = hidden.shape[0]
+    act = ACT_CODES[Activation.silu]
+    routing = moe_routing(ids, emap, experts, stage1.block_m)
+    inter = moe_stages.run_stage1(hidden, w1, weight, routing, act, False, stage1)
+    return {
+        "routing": lambda s: moe_routing(ids, emap, experts, stage1.block_m),
+        "stage1": lambda s: moe_stages.run_stage1(hidden, s[0], weight, routing, act, False,
+                                                  stage1),
+        "stage2+sum": lambda s: moe_stages.run_stage2(inter, s[1], weight, ids, emap, routing,
+                                                      False, stage2, tokens, torch.bfloat16),
+    }
 
 
 def _peak_gemm(n: int):
@@ -60,10 +81,10 @@ def main() -> None:
     ceilings = measure_ceilings(_peak_gemm(8192), 2 * 8192 ** 3)
     print(f"{ceilings.bytes_per_s / 1e9:.0f} GB/s, {ceilings.flops_per_s / 1e12:.0f} TFLOP/s, "
           f"t_launch {ceilings.launch_us:.2f} us")
-    configs = tuned_configs(args.tuned)
+    tuned = tuned_kernels(args.tuned)
     rows = []
     for tokens in TOKENS:
-        stage1, stage2 = configs.get(tokens, LARGE)
+        kernel = tuned.get(tokens) or TritonTwoStageMoe(f"{LARGE[0].name}+{LARGE[1].name}")
         gen = torch.Generator(device="cuda").manual_seed(tokens)
         hidden = torch.randn(tokens, model_dim, generator=gen, device="cuda").bfloat16()
         w1 = (torch.randn(experts, 2 * inter_dim, model_dim, generator=gen, device="cuda")
@@ -76,24 +97,16 @@ def main() -> None:
         emap = expert_map_of(None, experts, hidden.device)
         problem = MoeProblem(tokens, model_dim, inter_dim, experts, topk, torch.bfloat16,
                              Activation.silu, False)
-        kernel = TritonTwoStageMoe(f"{stage1.name}+{stage2.name}")
         ref = fused_moe_ref(hidden, w1, w2, weight, ids, emap)
         err = float((kernel(hidden, w1, w2, weight, ids, emap, problem).float() - ref).norm()
                     / ref.norm())
         sets = [(w1, w2), (w1.clone(), w2.clone())]  # each replay reads its experts from HBM
-        routing = moe_routing(ids, emap, experts, stage1.block_m)
-        inter = moe_stages.run_stage1(hidden, w1, weight, routing, ACT_CODES[Activation.silu],
-                                      False, stage1)
-        timed = {
-            "routing": lambda s: moe_routing(ids, emap, experts, stage1.block_m),
-            "stage1": lambda s: moe_stages.run_stage1(hidden, s[0], weight, routing,
-                                                      ACT_CODES[Activation.silu], False, stage1),
-            "stage2+sum": lambda s: moe_stages.run_stage2(inter, s[1], weight, ids, emap,
-                                                          routing, False, stage2, tokens,
-                                                          torch.bfloat16),
-            "whole": lambda s: kernel(hidden, s[0], s[1], weight, ids, emap, problem),
-        }
+        timed = {"whole": lambda s: kernel(hidden, s[0], s[1], weight, ids, emap, problem)}
+        if isinstance(kernel, TritonTwoStageMoe):
+            timed.update(_stage_calls(kernel, hidden, w1, weight, ids, emap, experts))
         us = {name: graph_replay_us(fn, sets, replays=30)[0] for name, fn in timed.items()}
+        us = {part: us.get(part, float("nan")) for part in ("routing", "stage1", "stage2+sum",
+                                                            "whole")}
         used = int(torch.unique(ids).numel())
         flops = 2.0 * tokens * topk * 3 * inter_dim * model_dim
         nbytes = used * 3 * inter_dim * model_dim * 2 + 2 * tokens * model_dim * 2

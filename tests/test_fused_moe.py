@@ -86,24 +86,33 @@ def test_routing_groups_every_local_pair_once_in_order(tokens, topk, experts, bl
 
 # ----------------------------------------------------------------------------- the kernels
 TWO_STAGE = "triton.moe1:BM16.BN16.BK16.W4.S1+triton.moe2:BM16.BN16.BK16.SK{sk}.W4.S1"
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("case", [
+# Parts of 8 rows of inter_dim, model_dim in steps of 16: ragged parts and steps below.
+ONE_STAGE = "triton.moe_1stage:BI8.BK16.BD16.W4"
+KERNEL_CASES = [
     # tokens, model_dim, inter_dim, experts, topk, activation, doweight_stage1, split_k, route
     (7, 40, 24, 4, 2, "Silu", False, 1, None),
     (3, 48, 40, 5, 5, "Gelu", True, 2, None),  # topk = E, GELU, weight in stage 1, split-K
     (6, 32, 16, 4, 1, "Silu", False, 1, [2] * 6),  # every token to one expert
-])
-def test_two_stage_kernels_match_the_reference(dtype, case):
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("case", KERNEL_CASES)
+@pytest.mark.parametrize("stages", [2, 1])
+def test_the_kernels_match_the_reference(dtype, case, stages):
+    from gemmtune.families.fmoe.op import REGISTRY, problem_of
+
     tokens, model_dim, inter_dim, experts, topk, act, dw1, split_k, route = case
     hidden, w1, w2, weight, ids = moe_inputs(tokens, model_dim, inter_dim, experts, topk, dtype,
                                              seed=tokens, route=route)
-    out = torch.full_like(hidden, float("nan"))
-    y = gemmtune.fused_moe(hidden, w1, w2, weight, ids, activation=act, doweight_stage1=dw1,
-                           kernel=TWO_STAGE.format(sk=split_k))
-    out.copy_(y)
+    name = TWO_STAGE.format(sk=split_k) if stages == 2 else ONE_STAGE
+    key = DISPATCH.to_table_key((tokens, model_dim, inter_dim, experts, topk, dtype,
+                              ActivationType.from_str(act), dw1))
+    problem = problem_of(key)
+    kernel = REGISTRY.resolve_for(name, problem)
     expert_map = expert_map_of(None, experts, hidden.device)
+    out = torch.full_like(hidden, float("nan"))  # every element must be written
+    assert kernel(hidden, w1, w2, weight, ids, expert_map, problem, out=out) is out
     ref = fused_moe_ref(hidden, w1, w2, weight, ids, expert_map, act.lower(), dw1)
     assert torch.isfinite(out).all() and rel_err(out, ref) < REL_BOUND[dtype]
 
@@ -114,7 +123,7 @@ def test_pairs_routed_to_another_rank_add_nothing():
     mask[[2, 5]] = True
     route = [2, 0, 5, 2, 1, 7, 0, 5]
     hidden, w1, w2, weight, ids = moe_inputs(4, 32, 16, 2, 2, seed=3, route=route)
-    for kernel in (TWO_STAGE.format(sk=1), "torch.moe"):
+    for kernel in (TWO_STAGE.format(sk=1), ONE_STAGE, "torch.moe"):
         y = gemmtune.fused_moe(hidden, w1, w2, weight, ids, expert_mask=mask, kernel=kernel)
         ref = fused_moe_ref(hidden, w1, w2, weight, ids, expert_map_of(mask, 2, hidden.device))
         assert rel_err(y, ref) < 1e-4, kernel
@@ -171,6 +180,15 @@ def test_the_op_defaults_to_torch_on_the_cpu_and_follows_a_table_row(tmp_path, m
     assert plan.decision.rule is Rule.exact and plan.decision.kernel_name == f"{stage1}+{stage2}"
     assert gemmtune.report_misses() == []
 
+    # A row the 1-stage kernel won names it alone (run_1stage 1), and dispatch runs it.
+    path.write_text(header + f"{dev.arch},{dev.cu_num},5,32,16,4,2,ActivationType.Silu,"
+                    f"dtypes.fp32,dtypes.fp32,dtypes.fp32,QuantType.No,True,False,0,0,1.0,"
+                    f"{ONE_STAGE},0.1%,0.0,,0.0,1.0,1\n")
+    gemmtune.reset()
+    assert rel_err(gemmtune.fused_moe(hidden, w1, w2, weight, ids), ref) < 1e-4
+    (plan,) = DISPATCH.plans.values()
+    assert plan.decision.rule is Rule.exact and plan.decision.kernel_name == ONE_STAGE
+
 
 def test_the_seeds_untuned_row_parses(tmp_path):
     path = tmp_path / "untuned_fmoe.csv"
@@ -215,6 +233,8 @@ def test_problem_of_a_key():
 
 
 # ---------------------------------------------------------------------------------- the GPU
+GPU_ONE_STAGE = "triton.moe_1stage:BI16.BK256.BD256.W4"
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", [(4096, 14336, 8, 2), (2048, 768, 128, 8), (7168, 256, 256, 8)])
 @pytest.mark.parametrize("tokens", [1, 37, 512])
@@ -227,10 +247,13 @@ def test_real_model_shapes_on_the_gpu(shape, tokens):
     assert rel_err(y, ref) < REL_BOUND[torch.bfloat16]
     torch_y = gemmtune.fused_moe(hidden, w1, w2, weight, ids, kernel="torch.moe")
     assert rel_err(torch_y, ref) < REL_BOUND[torch.bfloat16]
+    if tokens <= 37:  # the 1-stage kernel is for few tokens
+        one_y = gemmtune.fused_moe(hidden, w1, w2, weight, ids, kernel=GPU_ONE_STAGE)
+        assert rel_err(one_y, ref) < REL_BOUND[torch.bfloat16]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kernel", [None, "torch.moe"])  # the default, and torch's backend
+@pytest.mark.parametrize("kernel", [None, "torch.moe", GPU_ONE_STAGE])
 def test_captured_in_a_cuda_graph_and_replayed_on_new_routing(kernel):
     hidden, w1, w2, weight, ids = moe_inputs(64, 2048, 768, 128, 8, torch.bfloat16)
     gemmtune.fused_moe(hidden, w1, w2, weight, ids, kernel=kernel)  # plan, compile: not captured
@@ -257,7 +280,7 @@ def test_tune_fmoe_on_the_cpu_pairs_the_stages_and_writes_a_row_dispatch_follows
 
     untuned = tmp_path / "untuned_fmoe.csv"
     untuned.write_text("token,model_dim,inter_dim,expert,topk,act_type,dtype,q_dtype_a,q_dtype_w,"
-                       "q_type,use_g1u1,doweight_stage1\n5,32,16,4,2,ActivationType.Silu,"
+                       "q_type,use_g1u1,doweight_stage1\n40,32,16,4,2,ActivationType.Silu,"
                        "torch.float32,torch.float32,torch.float32,QuantType.No,True,False\n")
     tuned, profile = tmp_path / "tuned_fmoe.csv", tmp_path / "profile.csv"
     assert main(["tune", "fmoe", "-i", str(untuned), "-o", str(tuned), "-o2", str(profile),
@@ -274,14 +297,38 @@ def test_tune_fmoe_on_the_cpu_pairs_the_stages_and_writes_a_row_dispatch_follows
     assert row.results["us1"] > 0 and row.results["us2"] > 0 and row.results["us"] > 0
     assert row.results["err1"] <= 0.05 and row.results["err2"] <= 0.05
 
+    assert row.results["run_1stage"] == 0  # 40 tokens: no 1-stage candidate
     monkeypatch.setenv("GEMMTUNE_CONFIG_FMOE", f"replace:{tuned}")
     gemmtune.reset()
-    hidden, w1, w2, weight, ids = moe_inputs(5, 32, 16, 4, 2)
+    hidden, w1, w2, weight, ids = moe_inputs(40, 32, 16, 4, 2)
     ref = fused_moe_ref(hidden, w1, w2, weight, ids, expert_map_of(None, 4, hidden.device))
     assert rel_err(gemmtune.fused_moe(hidden, w1, w2, weight, ids), ref) < 1e-4
     (plan,) = DISPATCH.plans.values()
     assert plan.decision.rule is Rule.exact
     assert plan.decision.kernel_name == f"{stage1}+{stage2}"
+
+
+def test_tune_fmoe_times_the_1stage_kernel_whole_for_few_tokens(tmp_path):
+    """At 3 tokens the 1-stage kernel is a whole candidate beside the two stages; whichever
+    wins, the row's columns describe it."""
+    from gemmtune.cli import main
+
+    untuned = tmp_path / "untuned_fmoe.csv"
+    untuned.write_text("token,model_dim,inter_dim,expert,topk,act_type,dtype\n"
+                       "3,32,16,4,2,ActivationType.Gelu,torch.float32\n")
+    tuned, profile = tmp_path / "tuned_fmoe.csv", tmp_path / "profile.csv"
+    assert main(["tune", "fmoe", "-i", str(untuned), "-o", str(tuned), "-o2", str(profile),
+                 "--iters", "3", "--libtype", "triton"]) == 0
+    screened = [line.split(",") for line in profile.read_text().splitlines()[1:]]
+    assert len(screened) == 3 and any(ONE_STAGE in line for line in screened)
+    (row,) = read_table(tuned, SCHEMA).rows
+    r = row.results
+    if r["run_1stage"]:
+        assert (r["kernelName1"], r["kernelName2"], r["block_m"]) == (ONE_STAGE, "", 0)
+        assert r["us1"] == r["us"] > 0 and r["err1"] <= 0.05
+    else:
+        assert r["kernelName1"].startswith("triton.moe1:") and r["block_m"] == 16
+        assert r["kernelName2"].startswith("triton.moe2:") and r["us1"] > 0 and r["us2"] > 0
 
 
 def test_tune_fmoe_takes_the_seeds_err_ratio_by_default(tmp_path):

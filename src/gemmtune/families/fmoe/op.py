@@ -21,7 +21,8 @@ from gemmtune.dispatch import Dispatcher, KernelRegistry
 from gemmtune.families._gemm import model_config_glob
 from gemmtune.kernels.problem import Activation, MoeProblem
 from gemmtune.kernels.torch_ref import TORCH_MOE, fused_moe_torch
-from gemmtune.kernels.triton.moe_configs import default_two_stage
+from gemmtune.kernels.triton.moe_configs import (ONE_STAGE_PREFIX, STAGE1_PREFIX,
+                                                 default_two_stage)
 from gemmtune.tables.schema import FMOE_RESULT_COLUMNS, Column, Kind, Schema, int_columns
 from gemmtune.tables.values import DTYPE_NAMES, ActivationType, QuantType, to_torch_dtype
 
@@ -80,9 +81,16 @@ def _two_stage(name: str):
     return TritonTwoStageMoe(name)
 
 
+def _one_stage(name: str):
+    from gemmtune.kernels.triton.fused_moe import TritonOneStageMoe
+
+    return TritonOneStageMoe(name)
+
+
 REGISTRY = KernelRegistry("fmoe")
 REGISTRY.register_exact(TORCH_MOE, fused_moe_torch)
-REGISTRY.register("triton.moe1", _two_stage)
+REGISTRY.register(STAGE1_PREFIX, _two_stage)
+REGISTRY.register(ONE_STAGE_PREFIX, _one_stage)
 
 
 def _to_table_key(raw: tuple) -> FmoeKey:

@@ -7,7 +7,9 @@ config of the other stage with the same block_m, against the fp32 expert-by-expe
 and timed alone over the same routing: stage 1 with the routing preparation (``us1``), stage 2
 with the sum over slots (``us2``). ``compose`` then pairs the fastest stages of each block_m into
 whole solutions (``stage1+stage2``, estimated at us1 + us2), which the engine re-times end to end
-beside torch and chooses from. Routing is a seeded random top-k: uniform, or with ``--routing
+beside torch and chooses from. For few tokens the 1-stage kernel's configs
+(``triton.moe_1stage:...``) are whole solutions from the start, timed end to end as torch is; a
+row it wins has ``run_1stage`` 1. Routing is a seeded random top-k: uniform, or with ``--routing
 zipf`` a few popular experts taking most tokens.
 """
 
@@ -22,7 +24,8 @@ from gemmtune.families.fmoe.inputs import ROUTINGS, random_inputs
 from gemmtune.families.fmoe.op import REGISTRY, SCHEMA, FmoeKey, expert_map_of, problem_of
 from gemmtune.kernels.problem import MoeProblem
 from gemmtune.kernels.torch_ref import TORCH_MOE, fused_moe_ref
-from gemmtune.kernels.triton.moe_configs import (BLOCK_MS, STAGE1_PREFIX, STAGE2_PREFIX,
+from gemmtune.kernels.triton.moe_configs import (BLOCK_MS, ONE_STAGE_PREFIX, STAGE1_PREFIX,
+                                                 STAGE2_PREFIX, MoeOneStageConfig,
                                                  MoeStage1Config, MoeStage2Config,
                                                  two_stage_name)
 from gemmtune.measure.accuracy import TOLERANCES
@@ -32,6 +35,9 @@ from gemmtune.tune.family import Candidate, Evaluation, FamilyTuner, Prepared, S
 
 # How many of each stage's fastest configs per block_m are paired (4 pairs per block_m).
 PAIRED_PER_STAGE = 2
+# The 1-stage kernel reads an expert's weights once per pair routed to it, so it is a candidate
+# only where few pairs share an expert: decode's token counts.
+ONE_STAGE_MAX_TOKENS = 16
 
 
 def _stage_space(problem: MoeProblem, gpu: bool) -> tuple[list[MoeStage1Config],
@@ -61,6 +67,18 @@ def _stage_space(problem: MoeProblem, gpu: bool) -> tuple[list[MoeStage1Config],
                     for warps, stages in ((4, 3), (8, 3)):
                         second.append(MoeStage2Config(bm, bn, bk, split_k, warps, stages))
     return first, second
+
+
+def _one_stage_space(problem: MoeProblem, gpu: bool) -> list[MoeOneStageConfig]:
+    """1-stage configs for up to ONE_STAGE_MAX_TOKENS tokens: parts of 8-64 intermediate rows
+    (smaller parts, more programs: the few pairs of decode must cover every SM), 256-512 wide
+    steps of model_dim, 4-8 warps; on the CPU one small config."""
+    if problem.tokens > ONE_STAGE_MAX_TOKENS:
+        return []
+    if not gpu:
+        return [MoeOneStageConfig(8, 16, 16, 4)]
+    return [MoeOneStageConfig(bi, bk, bd, warps) for bi in (8, 16, 32, 64) for bk in (256, 512)
+            for bd in (128, 256) for warps in (4, 8)]
 
 
 def _reached(problem: MoeProblem) -> float:
@@ -119,6 +137,9 @@ class FmoeTuner(FamilyTuner):
                 name = _whole(config, partner)
                 if kernel(name).check(problem) is None:
                     found.append(Candidate(config.name, "triton"))
+            for config in _one_stage_space(problem, torch.cuda.is_available()):
+                if kernel(config.name).check(problem) is None:
+                    found.append(Candidate(config.name, "triton"))
         return [Candidate(c.name, c.libtype, c.simplicity, solidx=i) for i, c in enumerate(found)]
 
     # --------------------------------------------------------------------------- inputs
@@ -166,30 +187,24 @@ class FmoeTuner(FamilyTuner):
         if not hidden.is_cuda:
             return [eager_us(lambda n=name: self.run(n, prepared), iters, warmup)
                     for name in names]
-        timed: list[tuple[float, float] | None] = [None] * len(names)
-        graphed = []
-        for i, name in enumerate(names):
-            if name == TORCH_MOE:  # eager events until its graph capture is checked on a GPU
-                timed[i] = eager_us(lambda: self.run(TORCH_MOE, prepared), iters, warmup)
-            else:
-                graphed.append((i, self._timed_call(name, prepared)))
-        if graphed:
-            calls = [call for _, call in graphed]
-            for call in calls:
-                for _ in range(warmup):
-                    call(_rotating(prepared)[0])
-            replays = 2
-            results = interleaved_graph_us(calls, _rotating(prepared),
-                                           rounds=max(1, iters // replays), replays=replays) \
-                if len(calls) > 1 else [graph_replay_us(calls[0], _rotating(prepared), iters)]
-            for (i, _), result in zip(graphed, results):
-                timed[i] = result
-        return timed
+        # Every candidate, torch's pipeline too, is captured in a CUDA graph and replayed: where
+        # one does not capture, the batch fails and the engine times each alone, so only that
+        # candidate fails (with the capture's error).
+        calls = [self._timed_call(name, prepared) for name in names]
+        for call in calls:
+            for _ in range(warmup):
+                call(_rotating(prepared)[0])
+        if len(calls) == 1:
+            return [graph_replay_us(calls[0], _rotating(prepared), iters)]
+        replays = 2
+        return interleaved_graph_us(calls, _rotating(prepared), rounds=max(1, iters // replays),
+                                    replays=replays)
 
     def _timed_call(self, name: str, prepared: Prepared):
         """What a timing of ``name`` launches, over one rotating copy of the weights: a stage 1
         config with the routing preparation; a stage 2 config with the sum over slots, over a
-        routing and intermediate made once; a whole solution (``stage1+stage2``) end to end."""
+        routing and intermediate made once; a whole solution (``stage1+stage2``, a 1-stage
+        config, torch) end to end."""
         from gemmtune.kernels.triton import moe_stages
         from gemmtune.kernels.triton.fused_moe import ACT_CODES
         from gemmtune.kernels.triton.moe_routing import moe_routing
@@ -197,7 +212,7 @@ class FmoeTuner(FamilyTuner):
         hidden, _, _, topk_weight, topk_ids, expert_map, problem = prepared.inputs
         act = ACT_CODES[problem.activation]
         experts = problem.experts
-        if "+" in name or not name.startswith((STAGE1_PREFIX, STAGE2_PREFIX)):
+        if "+" in name or not name.startswith((STAGE1_PREFIX + ":", STAGE2_PREFIX + ":")):
             kernel = self._kernel(name, problem)
             return lambda copy: kernel(hidden, copy[0], copy[1], topk_weight, topk_ids,
                                        expert_map, problem)
@@ -250,7 +265,8 @@ class FmoeTuner(FamilyTuner):
     def result_fields(self, key: tuple, candidate: Candidate, evaluation: Evaluation,
                       env: str) -> dict:
         """The seed's fmoe columns: a Triton pair fills both stages' names, times and errors;
-        torch is kernelName1 alone, its whole time as us1."""
+        the 1-stage kernel (``run_1stage`` 1) and torch are kernelName1 alone, their whole time
+        as us1."""
         tflops, bw = self.metrics(key, evaluation.us)
         fields = {"block_m": 0, "ksplit": 0, "us1": round(evaluation.us, 4),
                   "kernelName1": candidate.name, "err1": round(evaluation.err_ratio, 6),
@@ -262,11 +278,9 @@ class FmoeTuner(FamilyTuner):
                       "us1": round(one.us, 4), "kernelName1": one.name,
                       "err1": round(one.err_ratio, 6), "us2": round(two.us, 4),
                       "kernelName2": two.name, "err2": round(two.err_ratio, 6)}
-        # torch.moe is timed eagerly (its launches and host work included), not in a graph.
-        timing = "eager.events" if candidate.name == TORCH_MOE and self.timing_label.startswith(
-            "graph") else self.timing_label
-        return {**fields, "us": round(evaluation.us, 4), "run_1stage": 0,
-                "tflops": round(tflops, 2), "bw": round(bw, 2), "timing": timing,
+        one_stage = candidate.name.startswith(ONE_STAGE_PREFIX + ":")
+        return {**fields, "us": round(evaluation.us, 4), "run_1stage": int(one_stage),
+                "tflops": round(tflops, 2), "bw": round(bw, 2), "timing": self.timing_label,
                 "spread": round(evaluation.spread, 4), "env": env}
 
     def metrics(self, key: FmoeKey, us: float) -> tuple[float, float]:

@@ -1,7 +1,8 @@
 """A fused MoE as dispatch runs it from a table row (imported on first use, like every
-``@triton.jit`` module): the routing preparation
-(``moe_routing``), then the two stages (``moe_stages``), named as one solution
-``triton.moe1:<stage 1>+triton.moe2:<stage 2>`` (both with the same block_m, the routing's).
+``@triton.jit`` module): either the routing preparation (``moe_routing``) then the two stages
+(``moe_stages``), named as one solution ``triton.moe1:<stage 1>+triton.moe2:<stage 2>`` (both
+with the same block_m, the routing's), or the 1-stage kernel (``moe_one_stage``), named
+``triton.moe_1stage:...``.
 
 Called as every MoE backend is: ``kernel(hidden, w1, w2, topk_weight, topk_ids, expert_map,
 problem)`` with hidden (T, D), w1 (E, 2I, D), w2 (E, D, I), topk_weight (T, topk) fp32,
@@ -16,13 +17,22 @@ from gemmtune.kernels.problem import Activation, MoeProblem
 from gemmtune.kernels.triton import _checks
 from gemmtune.kernels.triton.moe_routing import moe_routing
 from gemmtune.kernels.triton.moe_configs import (STAGE1_PREFIX, STAGE2_PREFIX,
-                                                 MoeStage1Config, MoeStage2Config,
-                                                 two_stage_name)
+                                                 MoeOneStageConfig, MoeStage1Config,
+                                                 MoeStage2Config, two_stage_name)
+from gemmtune.kernels.triton.moe_one_stage import moe_one_stage, why_not_one_stage
 from gemmtune.kernels.triton.moe_stages import (GELU, SILU, moe_stages, why_not_stage1,
                                                 why_not_stage2)
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 ACT_CODES = {Activation.silu: SILU, Activation.gelu: GELU}
+# The 1-stage kernel's pairs are a grid axis whose length CUDA caps.
+MAX_ONE_STAGE_PAIRS = 65535
+
+
+def _why_not_dtype(problem: MoeProblem) -> str | None:
+    if problem.dtype not in DTYPES:
+        return f"{problem.dtype} experts: the Triton MoE kernels take {DTYPES}"
+    return None
 
 
 class TritonTwoStageMoe:
@@ -41,8 +51,9 @@ class TritonTwoStageMoe:
         return f"TritonTwoStageMoe({self.name!r})"
 
     def check(self, problem: MoeProblem) -> str | None:
-        if problem.dtype not in DTYPES:
-            return f"{problem.dtype} experts: the Triton MoE kernels take {DTYPES}"
+        problem_dtype = _why_not_dtype(problem)
+        if problem_dtype:
+            return problem_dtype
         if self.stage1.block_m != self.stage2.block_m:
             return (f"stage 1 has block_m={self.stage1.block_m} and stage 2 block_m="
                     f"{self.stage2.block_m}: both run over one routing, so they must agree")
@@ -69,3 +80,36 @@ class TritonTwoStageMoe:
         return moe_stages(hidden, w1, w2, topk_weight, topk_ids, expert_map, routing,
                           ACT_CODES[problem.activation], problem.doweight_stage1, self.stage1,
                           self.stage2, out=out)
+
+
+class TritonOneStageMoe:
+    """``triton.moe_1stage:...``: both GEMMs and the activation of every routed pair in one
+    launch, the routing read as it comes (for few tokens)."""
+
+    def __init__(self, name: str):
+        self.config = MoeOneStageConfig.from_name(name)
+        self.name = self.config.name
+
+    def __repr__(self) -> str:
+        return f"TritonOneStageMoe({self.name!r})"
+
+    def check(self, problem: MoeProblem) -> str | None:
+        pairs = problem.tokens * problem.topk
+        if pairs > MAX_ONE_STAGE_PAIRS:
+            return (f"{pairs} routed pairs: the 1-stage kernel takes at most "
+                    f"{MAX_ONE_STAGE_PAIRS} (it is for few tokens; use a two-stage solution)")
+        return _why_not_dtype(problem) or why_not_one_stage(self.config)
+
+    def warmup(self, hidden, w1, w2, topk_weight, topk_ids, expert_map,
+               problem: MoeProblem) -> None:
+        """Compile the kernel for these arguments, launching nothing."""
+        if hidden.shape[0] and not _checks.INTERPRETED:
+            moe_one_stage(hidden, w1, w2, topk_weight, topk_ids, expert_map,
+                          ACT_CODES[problem.activation], self.config, warmup=True)
+
+    def __call__(self, hidden, w1, w2, topk_weight, topk_ids, expert_map, problem: MoeProblem,
+                 out=None):
+        if hidden.shape[0] == 0:
+            return torch.empty_like(hidden) if out is None else out
+        return moe_one_stage(hidden, w1, w2, topk_weight, topk_ids, expert_map,
+                             ACT_CODES[problem.activation], self.config, out=out)

@@ -13,6 +13,7 @@ from gemmtune.kernels.problem import MoeProblem
 
 STAGE1_PREFIX = "triton.moe1"
 STAGE2_PREFIX = "triton.moe2"
+ONE_STAGE_PREFIX = "triton.moe_1stage"
 BLOCK_MS = (16, 32, 64, 128)  # the block_m a routing may use (the seed's choices)
 
 
@@ -46,6 +47,22 @@ class MoeStage2Config(NamedConfig):
     split_k: int
     num_warps: int
     num_stages: int
+
+
+@dataclass(frozen=True)
+class MoeOneStageConfig(NamedConfig):
+    """``triton.moe_1stage:BI16.BK256.BD256.W4``: the 1-stage kernel, ``block_i`` rows of the
+    intermediate per program, stage 1's model_dim in steps of ``block_k``, stage 2's output in
+    steps of ``block_d``."""
+
+    NAME_CODEC = NameCodec("MoE 1-stage config", ONE_STAGE_PREFIX, (
+        Field("BI", "block_i"), Field("BK", "block_k"), Field("BD", "block_d"),
+        Field("W", "num_warps")))
+
+    block_i: int
+    block_k: int
+    block_d: int
+    num_warps: int
 
 
 def two_stage_name(stage1: MoeStage1Config, stage2: MoeStage2Config) -> str:
