@@ -22,7 +22,8 @@ from gemmtune.families.fmoe.op import expert_map_of
 from gemmtune.kernels.problem import Activation, MoeProblem
 from gemmtune.kernels.torch_ref import fused_moe_ref
 from gemmtune.kernels.triton import moe_stages
-from gemmtune.kernels.triton.fused_moe import ACT_CODES, TritonOneStageMoe, TritonTwoStageMoe
+from gemmtune.kernels.triton.fused_moe import (ACT_CODES, TritonOneStageMoe, TritonTwoStageMoe,
+                                              route)
 from gemmtune.kernels.triton.moe_configs import MoeStage1Config, MoeStage2Config
 from gemmtune.kernels.triton.moe_routing import moe_routing
 from gemmtune.measure.ceilings import floors, measure_ceilings
@@ -55,12 +56,14 @@ def _stage_calls(kernel: TritonTwoStageMoe, hidden, w1, weight, ids, emap, exper
     stage1, stage2 = kernel.stage1, kernel.stage2
     tokens = hidden.shape[0]
     act = ACT_CODES[Activation.silu]
-    routing = moe_routing(ids, emap, experts, stage1.block_m)
-    inter = moe_stages.run_stage1(hidden, w1, weight, routing, act, False, stage1)
+    routing = route(stage1, ids, emap, experts)
+    inter = moe_stages.run_stage1(hidden, w1, weight, ids, emap, routing, act, False, stage1)
+    parts = {} if routing.pair_blocks else {  # pair blocks: nothing prepared
+        "routing": lambda s: moe_routing(ids, emap, experts, stage1.block_m)}
     return {
-        "routing": lambda s: moe_routing(ids, emap, experts, stage1.block_m),
-        "stage1": lambda s: moe_stages.run_stage1(hidden, s[0], weight, routing, act, False,
-                                                  stage1),
+        **parts,
+        "stage1": lambda s: moe_stages.run_stage1(hidden, s[0], weight, ids, emap, routing, act,
+                                                  False, stage1),
         "stage2+sum": lambda s: moe_stages.run_stage2(inter, s[1], weight, ids, emap, routing,
                                                       False, stage2, tokens, torch.bfloat16),
     }

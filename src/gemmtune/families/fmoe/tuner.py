@@ -24,7 +24,8 @@ from gemmtune.families.fmoe.inputs import ROUTINGS, random_inputs
 from gemmtune.families.fmoe.op import REGISTRY, SCHEMA, FmoeKey, expert_map_of, problem_of
 from gemmtune.kernels.problem import MoeProblem
 from gemmtune.kernels.torch_ref import TORCH_MOE, fused_moe_ref
-from gemmtune.kernels.triton.moe_configs import (BLOCK_MS, ONE_STAGE_PREFIX, STAGE1_PREFIX,
+from gemmtune.kernels.triton.moe_configs import (BLOCK_MS, ONE_STAGE_PREFIX, PAIR_BLOCK_M,
+                                                 STAGE1_PREFIX,
                                                  STAGE2_PREFIX, MoeOneStageConfig,
                                                  MoeStage1Config, MoeStage2Config,
                                                  two_stage_name)
@@ -43,16 +44,17 @@ ONE_STAGE_MAX_TOKENS = 16
 def _stage_space(problem: MoeProblem, gpu: bool) -> tuple[list[MoeStage1Config],
                                                            list[MoeStage2Config]]:
     """The pruned configs of both stages: block_m up to twice the pairs an expert gets on
-    average (a larger one only pads), 64-128 wide tiles, 4-8 warps, split-K only where stage 2
-    has too few tiles to fill the GPU and inter_dim is long enough to split; on the CPU (the
-    interpreter) one small config each."""
+    average (a larger one only pads), 64-128 wide tiles (stage 1 also 32 at block_m 16), 4-8
+    warps, split-K only where stage 2 has too few tiles to fill the GPU and inter_dim is long
+    enough to split; the pair-block configs where they apply; on the CPU (the interpreter) one
+    small config each."""
     if not gpu:
         return [MoeStage1Config(16, 16, 16, 4, 1)], [MoeStage2Config(16, 16, 16, 1, 4, 1)]
     per_expert = problem.tokens * problem.topk / max(1, problem.experts)
     sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
-    first, second = [], []
+    first, second = _pair_block_space(problem)
     for bm in (b for b in BLOCK_MS if b <= max(16, 2 * per_expert)):
-        for bn in (64, 128):
+        for bn in (32, 64, 128) if bm == 16 else (64, 128):
             for bk in (64, 128):
                 for warps, stages in ((4, 3), (4, 4), (8, 3)):
                     first.append(MoeStage1Config(bm, bn, bk, warps, stages))
@@ -69,16 +71,32 @@ def _stage_space(problem: MoeProblem, gpu: bool) -> tuple[list[MoeStage1Config],
     return first, second
 
 
+def _pair_block_space(problem: MoeProblem) -> tuple[list[MoeStage1Config],
+                                                    list[MoeStage2Config]]:
+    """Stage configs over pair blocks, where there are no more pairs than experts (decode: the
+    routing preparation would make one block per pair anyway, at the cost of a launch). Narrow
+    tiles too: a few pairs must still spread over every SM."""
+    if problem.tokens * problem.topk > problem.experts:
+        return [], []
+    first = [MoeStage1Config(PAIR_BLOCK_M, bn, bk, 4, stages, pair_blocks=1)
+             for bn in (16, 32, 64, 128) for bk in (64, 128, 256) for stages in (3, 4)]
+    second = [MoeStage2Config(PAIR_BLOCK_M, bn, bk, split_k, 4, 3, pair_blocks=1)
+              for bn in (32, 64, 128) for bk in (64, 128, 256) for split_k in (1, 2)
+              if problem.inter_dim >= 2 * split_k * bk]
+    return first, second
+
+
 def _one_stage_space(problem: MoeProblem, gpu: bool) -> list[MoeOneStageConfig]:
-    """1-stage configs for up to ONE_STAGE_MAX_TOKENS tokens: parts of 8-64 intermediate rows
-    (smaller parts, more programs: the few pairs of decode must cover every SM), 256-512 wide
-    steps of model_dim, 4-8 warps; on the CPU one small config."""
+    """1-stage configs for up to ONE_STAGE_MAX_TOKENS tokens: parts of 8-16 intermediate rows
+    (small parts, more programs: the few pairs of decode must cover every SM), 256-wide steps of
+    model_dim, 4-8 warps; on the CPU one small config. (Wider parts and steps lost everywhere
+    on the H100: docs/benchmarks.md.)"""
     if problem.tokens > ONE_STAGE_MAX_TOKENS:
         return []
     if not gpu:
         return [MoeOneStageConfig(8, 16, 16, 4)]
-    return [MoeOneStageConfig(bi, bk, bd, warps) for bi in (8, 16, 32, 64) for bk in (256, 512)
-            for bd in (128, 256) for warps in (4, 8)]
+    return [MoeOneStageConfig(bi, 256, bd, warps) for bi in (8, 16) for bd in (128, 256)
+            for warps in (4, 8)]
 
 
 def _reached(problem: MoeProblem) -> float:
@@ -206,8 +224,7 @@ class FmoeTuner(FamilyTuner):
         routing and intermediate made once; a whole solution (``stage1+stage2``, a 1-stage
         config, torch) end to end."""
         from gemmtune.kernels.triton import moe_stages
-        from gemmtune.kernels.triton.fused_moe import ACT_CODES
-        from gemmtune.kernels.triton.moe_routing import moe_routing
+        from gemmtune.kernels.triton.fused_moe import ACT_CODES, route
 
         hidden, _, _, topk_weight, topk_ids, expert_map, problem = prepared.inputs
         act = ACT_CODES[problem.activation]
@@ -219,13 +236,14 @@ class FmoeTuner(FamilyTuner):
         config = _config(name)
         if isinstance(config, MoeStage1Config):
             def stage1(copy):
-                routing = moe_routing(topk_ids, expert_map, experts, config.block_m)
-                moe_stages.run_stage1(hidden, copy[0], topk_weight, routing, act,
-                                      problem.doweight_stage1, config)
+                routing = route(config, topk_ids, expert_map, experts)
+                moe_stages.run_stage1(hidden, copy[0], topk_weight, topk_ids, expert_map,
+                                      routing, act, problem.doweight_stage1, config)
             return stage1
-        routing = moe_routing(topk_ids, expert_map, experts, config.block_m)
-        inter = moe_stages.run_stage1(hidden, prepared.inputs[1], topk_weight, routing, act,
-                                      problem.doweight_stage1, _partner(config))
+        routing = route(config, topk_ids, expert_map, experts)
+        inter = moe_stages.run_stage1(hidden, prepared.inputs[1], topk_weight, topk_ids,
+                                      expert_map, routing, act, problem.doweight_stage1,
+                                      _partner(config))
 
         def stage2(copy):
             moe_stages.run_stage2(inter, copy[1], topk_weight, topk_ids, expert_map, routing,
@@ -235,23 +253,24 @@ class FmoeTuner(FamilyTuner):
     # ---------------------------------------------------------------------- the pairing
     def compose(self, key: tuple, candidates: list[Candidate], passing: list[Evaluation]
                 ) -> tuple[list[Candidate], list[Evaluation]]:
-        """Whole solutions from the screened stages: per block_m, the PAIRED_PER_STAGE fastest
-        of each stage, estimated at us1 + us2; beside them what passed whole (torch)."""
+        """Whole solutions from the screened stages: per block_m (and pair blocks or not), the
+        PAIRED_PER_STAGE fastest of each stage, estimated at us1 + us2; beside them what passed
+        whole (torch, the 1-stage kernel)."""
         stages = {1: {}, 2: {}}
         whole_candidates, whole = [], []
         by_name = {c.name: c for c in candidates}
         for ev in passing:
             if ev.name.startswith(STAGE1_PREFIX + ":") or ev.name.startswith(STAGE2_PREFIX + ":"):
                 stage = 1 if ev.name.startswith(STAGE1_PREFIX) else 2
-                stages[stage].setdefault(_config(ev.name).block_m, []).append(ev)
+                stages[stage].setdefault(_blocks(_config(ev.name)), []).append(ev)
                 with self._lock:
                     self._screened[(key, ev.name)] = ev
             else:
                 whole_candidates.append(by_name[ev.name])
                 whole.append(ev)
-        for block_m in sorted(set(stages[1]) & set(stages[2])):
-            firsts = sorted(stages[1][block_m], key=lambda e: e.us)[:PAIRED_PER_STAGE]
-            seconds = sorted(stages[2][block_m], key=lambda e: e.us)[:PAIRED_PER_STAGE]
+        for blocks in sorted(set(stages[1]) & set(stages[2])):
+            firsts = sorted(stages[1][blocks], key=lambda e: e.us)[:PAIRED_PER_STAGE]
+            seconds = sorted(stages[2][blocks], key=lambda e: e.us)[:PAIRED_PER_STAGE]
             for one in firsts:
                 for two in seconds:
                     name = f"{one.name}+{two.name}"
@@ -300,11 +319,17 @@ def _config(name: str) -> MoeStage1Config | MoeStage2Config:
     return MoeStage2Config.from_name(name)
 
 
+def _blocks(config: MoeStage1Config | MoeStage2Config) -> tuple[int, int]:
+    """What a stage config runs over: (block_m, pair_blocks); only stages that agree pair."""
+    return config.block_m, config.pair_blocks
+
+
 def _partner(config: MoeStage1Config | MoeStage2Config):
-    """The other stage's default config of the same block_m: what a stage is checked with."""
+    """The other stage's default config over the same blocks (block_m and pair blocks): what a
+    stage is checked with."""
     if isinstance(config, MoeStage1Config):
-        return MoeStage2Config(config.block_m, 64, 64, 1, 4, 3)
-    return MoeStage1Config(config.block_m, 64, 64, 4, 3)
+        return MoeStage2Config(config.block_m, 64, 64, 1, 4, 3, config.pair_blocks)
+    return MoeStage1Config(config.block_m, 64, 64, 4, 3, config.pair_blocks)
 
 
 def _whole(config, partner) -> str:

@@ -2,7 +2,8 @@
 ``@triton.jit`` module): either the routing preparation (``moe_routing``) then the two stages
 (``moe_stages``), named as one solution ``triton.moe1:<stage 1>+triton.moe2:<stage 2>`` (both
 with the same block_m, the routing's), or the 1-stage kernel (``moe_one_stage``), named
-``triton.moe_1stage:...``.
+``triton.moe_1stage:...``. Stage configs with ``PB1`` run over pair blocks: no routing
+preparation, a block per routed pair.
 
 Called as every MoE backend is: ``kernel(hidden, w1, w2, topk_weight, topk_ids, expert_map,
 problem)`` with hidden (T, D), w1 (E, 2I, D), w2 (E, D, I), topk_weight (T, topk) fp32,
@@ -15,8 +16,8 @@ import torch
 
 from gemmtune.kernels.problem import Activation, MoeProblem
 from gemmtune.kernels.triton import _checks
-from gemmtune.kernels.triton.moe_routing import moe_routing
-from gemmtune.kernels.triton.moe_configs import (STAGE1_PREFIX, STAGE2_PREFIX,
+from gemmtune.kernels.triton.moe_routing import moe_routing, pair_blocks
+from gemmtune.kernels.triton.moe_configs import (PAIR_BLOCK_M, STAGE1_PREFIX, STAGE2_PREFIX,
                                                  MoeOneStageConfig, MoeStage1Config,
                                                  MoeStage2Config, two_stage_name)
 from gemmtune.kernels.triton.moe_one_stage import moe_one_stage, why_not_one_stage
@@ -27,6 +28,15 @@ DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 ACT_CODES = {Activation.silu: SILU, Activation.gelu: GELU}
 # The 1-stage kernel's pairs are a grid axis whose length CUDA caps.
 MAX_ONE_STAGE_PAIRS = 65535
+
+
+def route(config: MoeStage1Config | MoeStage2Config, topk_ids, expert_map, experts: int,
+          warmup: bool = False):
+    """The blocks a stage config runs over: pair blocks (nothing to prepare), or the routing
+    preparation at its block_m."""
+    if config.pair_blocks:
+        return pair_blocks(topk_ids)
+    return moe_routing(topk_ids, expert_map, experts, config.block_m, warmup=warmup)
 
 
 def _why_not_dtype(problem: MoeProblem) -> str | None:
@@ -54,9 +64,17 @@ class TritonTwoStageMoe:
         problem_dtype = _why_not_dtype(problem)
         if problem_dtype:
             return problem_dtype
-        if self.stage1.block_m != self.stage2.block_m:
-            return (f"stage 1 has block_m={self.stage1.block_m} and stage 2 block_m="
-                    f"{self.stage2.block_m}: both run over one routing, so they must agree")
+        if (self.stage1.block_m, self.stage1.pair_blocks) != (self.stage2.block_m,
+                                                                self.stage2.pair_blocks):
+            return (f"stage 1 has block_m={self.stage1.block_m}, pair_blocks="
+                    f"{self.stage1.pair_blocks} and stage 2 block_m={self.stage2.block_m}, "
+                    f"pair_blocks={self.stage2.pair_blocks}: both run over one routing, so they "
+                    f"must agree")
+        if self.stage1.pair_blocks not in (0, 1):
+            return f"pair_blocks={self.stage1.pair_blocks} must be 0 or 1"
+        if self.stage1.pair_blocks and self.stage1.block_m != PAIR_BLOCK_M:
+            return (f"pair blocks hold one pair each: their block_m is {PAIR_BLOCK_M}, not "
+                    f"{self.stage1.block_m}")
         return (why_not_stage1(self.stage1, problem.dtype)
                 or why_not_stage2(self.stage2, problem.dtype, problem.inter_dim)
                 or (_checks.why_not_dot_k(self.stage1, problem.dtype)))
@@ -66,8 +84,7 @@ class TritonTwoStageMoe:
         """Compile every kernel of this solution for these arguments, launching none (the
         interpreter has nothing to compile)."""
         if hidden.shape[0] and not _checks.INTERPRETED:
-            routing = moe_routing(topk_ids, expert_map, w1.shape[0], self.stage1.block_m,
-                                  warmup=True)
+            routing = route(self.stage1, topk_ids, expert_map, w1.shape[0], warmup=True)
             moe_stages(hidden, w1, w2, topk_weight, topk_ids, expert_map, routing,
                        ACT_CODES[problem.activation], problem.doweight_stage1, self.stage1,
                        self.stage2, warmup=True)
@@ -76,7 +93,7 @@ class TritonTwoStageMoe:
                  out=None):
         if hidden.shape[0] == 0:
             return torch.empty_like(hidden) if out is None else out
-        routing = moe_routing(topk_ids, expert_map, w1.shape[0], self.stage1.block_m)
+        routing = route(self.stage1, topk_ids, expert_map, w1.shape[0])
         return moe_stages(hidden, w1, w2, topk_weight, topk_ids, expert_map, routing,
                           ACT_CODES[problem.activation], problem.doweight_stage1, self.stage1,
                           self.stage2, out=out)

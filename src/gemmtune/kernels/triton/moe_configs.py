@@ -15,31 +15,37 @@ STAGE1_PREFIX = "triton.moe1"
 STAGE2_PREFIX = "triton.moe2"
 ONE_STAGE_PREFIX = "triton.moe_1stage"
 BLOCK_MS = (16, 32, 64, 128)  # the block_m a routing may use (the seed's choices)
+# With pair blocks (``PB1``: decode's few pairs, most experts getting one) each block holds one
+# routed pair, read straight from topk_ids, and no routing preparation runs; its block_m is the
+# smallest tile tl.dot takes, of which one row is real.
+PAIR_BLOCK_M = 16
 
 
 @dataclass(frozen=True)
 class MoeStage1Config(NamedConfig):
-    """``triton.moe1:BM32.BN64.BK64.W4.S3``: one stage-1 launch."""
+    """``triton.moe1:BM32.BN64.BK64.W4.S3[.PB1]``: one stage-1 launch."""
 
     NAME_CODEC = NameCodec("MoE stage-1 config", STAGE1_PREFIX, (
         Field("BM", "block_m"), Field("BN", "block_n"), Field("BK", "block_k"),
-        Field("W", "num_warps"), Field("S", "num_stages")))
+        Field("W", "num_warps"), Field("S", "num_stages"), Field("PB", "pair_blocks", default=0)))
 
     block_m: int
     block_n: int
     block_k: int
     num_warps: int
     num_stages: int
+    pair_blocks: int = 0  # 1: a block per routed pair, no routing preparation (PAIR_BLOCK_M)
 
 
 @dataclass(frozen=True)
 class MoeStage2Config(NamedConfig):
-    """``triton.moe2:BM32.BN64.BK64.SK1.W4.S3``: one stage-2 launch, ``split_k`` parts of
+    """``triton.moe2:BM32.BN64.BK64.SK1.W4.S3[.PB1]``: one stage-2 launch, ``split_k`` parts of
     inter_dim."""
 
     NAME_CODEC = NameCodec("MoE stage-2 config", STAGE2_PREFIX, (
         Field("BM", "block_m"), Field("BN", "block_n"), Field("BK", "block_k"),
-        Field("SK", "split_k"), Field("W", "num_warps"), Field("S", "num_stages")))
+        Field("SK", "split_k"), Field("W", "num_warps"), Field("S", "num_stages"),
+        Field("PB", "pair_blocks", default=0)))
 
     block_m: int
     block_n: int
@@ -47,6 +53,7 @@ class MoeStage2Config(NamedConfig):
     split_k: int
     num_warps: int
     num_stages: int
+    pair_blocks: int = 0
 
 
 @dataclass(frozen=True)

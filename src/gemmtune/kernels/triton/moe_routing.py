@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from gemmtune.kernels.triton import _checks
+from gemmtune.kernels.triton.moe_configs import PAIR_BLOCK_M
 
 # Pairs one program groups (a power of two: they are sorted at once, by expert then pair):
 # above this the preparation spreads over programs, in three launches.
@@ -36,10 +37,27 @@ MIN_SPAN = 16  # the fewest lanes a program sorts (tl.sort and tl.histogram want
 
 
 class MoeRouting(NamedTuple):
+    """The blocks the stages run over: grouped by expert (the tensors below), or with
+    ``pair_blocks`` one block per routed pair, nothing prepared (the three tensors are then
+    ``topk_ids`` flattened, placeholders the stages never read)."""
+
     sorted_ids: torch.Tensor  # (max_rows,) int32
     block_expert: torch.Tensor  # (max_blocks,) int32
     rows_used: torch.Tensor  # (1,) int32
     block_m: int
+    pair_blocks: bool = False
+
+    @property
+    def blocks(self) -> int:
+        """The blocks a stage's grid covers."""
+        return self.sorted_ids.numel() if self.pair_blocks else self.block_expert.numel()
+
+
+def pair_blocks(topk_ids: torch.Tensor) -> MoeRouting:
+    """One block of PAIR_BLOCK_M rows per routed pair (its first row the pair): for decode's few
+    pairs, where grouping would make the same blocks and costs a launch."""
+    ids = topk_ids.reshape(-1)
+    return MoeRouting(ids, ids, ids, PAIR_BLOCK_M, pair_blocks=True)
 
 
 def max_rows(pairs: int, experts: int, block_m: int) -> int:

@@ -14,6 +14,9 @@ blocks were scheduled.
 
 Every launch covers the largest number of blocks routing can make, and blocks past
 ``rows_used`` return at once: no host synchronisation, so a call can be captured in a CUDA graph.
+With pair blocks (``routing.pair_blocks``) there is no routing preparation: block b is pair b
+alone, its expert read from ``topk_ids`` (a pair of another rank's expert returns at once).
+Each launch after the first is a programmatic dependent launch of the one before.
 """
 
 from __future__ import annotations
@@ -26,6 +29,9 @@ from gemmtune.kernels.triton import _checks
 from gemmtune.kernels.triton.moe_configs import BLOCK_MS, MoeStage1Config, MoeStage2Config
 
 SILU, GELU = 0, 1  # the ACT constexpr
+# Each launch waits on the one before with programmatic dependent launch (Hopper+; the
+# interpreter has none): the next grid is scheduled while the previous one drains.
+PDL = not _checks.INTERPRETED
 
 
 def why_not_stage(config, dtype: torch.dtype, accumulators: int, w_tiles: int) -> str | None:
@@ -63,11 +69,37 @@ def why_not_stage2(config: MoeStage2Config, dtype: torch.dtype, inter_dim: int) 
 
 
 @triton.jit
-def _block_rows(sorted_ids_ptr, block_expert_ptr, block, pairs, BLOCK_M: tl.constexpr):
-    """A block's expert, the pair ids of its rows, and which rows hold a pair (not padding)."""
-    expert = tl.load(block_expert_ptr + block).to(tl.int64)
-    ids = tl.load(sorted_ids_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
+def _block_rows(sorted_ids_ptr, block_expert_ptr, rows_used_ptr, topk_ids_ptr, expert_map_ptr,
+                block, pairs, BLOCK_M: tl.constexpr, PAIR_BLOCKS: tl.constexpr):
+    """A block's local expert (-1: nothing to compute, a block past the rows used or a pair of
+    another rank's expert), the pair ids of its rows, and which rows hold a pair (not padding).
+    Pair blocks: block b holds pair b in its first row, its expert read from topk_ids."""
+    lanes = tl.arange(0, BLOCK_M)
+    if PAIR_BLOCKS:
+        expert = tl.load(expert_map_ptr + tl.load(topk_ids_ptr + block))
+        ids = tl.where(lanes == 0, block, pairs)
+    else:
+        used = block * BLOCK_M < tl.load(rows_used_ptr)
+        expert = tl.where(used, tl.load(block_expert_ptr + block), -1)
+        ids = tl.load(sorted_ids_ptr + block * BLOCK_M + lanes)
     return expert, ids, ids < pairs
+
+
+@triton.jit
+def _wait_for_inputs(PDL: tl.constexpr):
+    """With programmatic dependent launch: wait until the kernels this one reads from have
+    finished (this grid was scheduled while they drained)."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
+def _let_next_start(PDL: tl.constexpr):
+    """With programmatic dependent launch: this program's loads are done, so the next kernel's
+    grid may be scheduled (it waits for this grid to finish before reading). Not earlier: its
+    waiting programs would hold SMs this grid's later programs need."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
 
 
 @triton.jit
@@ -77,6 +109,7 @@ def moe_stage1_kernel(
     inter_ptr,  # (pairs, I)
     topk_weight_ptr,  # (pairs,) fp32
     sorted_ids_ptr, block_expert_ptr, rows_used_ptr,
+    topk_ids_ptr, expert_map_ptr,  # read with PAIR_BLOCKS
     pairs, D, I,
     stride_xt, stride_xd,
     stride_we, stride_wn, stride_wd,
@@ -85,12 +118,18 @@ def moe_stage1_kernel(
     ACT: tl.constexpr,
     MUL_WEIGHT: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
+    PAIR_BLOCKS: tl.constexpr,
+    PDL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     block = tl.program_id(0)
-    if block * BLOCK_M >= tl.load(rows_used_ptr):
+    _wait_for_inputs(PDL)
+    expert, ids, real = _block_rows(sorted_ids_ptr, block_expert_ptr, rows_used_ptr,
+                                    topk_ids_ptr, expert_map_ptr, block, pairs, BLOCK_M,
+                                    PAIR_BLOCKS)
+    if expert < 0:
         return
-    expert, ids, real = _block_rows(sorted_ids_ptr, block_expert_ptr, block, pairs, BLOCK_M)
+    expert = expert.to(tl.int64)
     tokens = tl.where(real, ids // TOPK, 0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.where(offs_n < I, offs_n, 0).to(tl.int64)
@@ -111,6 +150,7 @@ def moe_stage1_kernel(
         x_ptrs += BLOCK_K * stride_xd
         gate_ptrs += BLOCK_K * stride_wd
         up_ptrs += BLOCK_K * stride_wd
+    _let_next_start(PDL)
     if ACT == 0:
         act = gate / (1.0 + tl.exp(-gate))  # SiLU
     else:
@@ -130,6 +170,7 @@ def moe_stage2_kernel(
     partial_ptr,  # (pairs, D): fp32 with split-K (atomic adds), else the output's dtype
     topk_weight_ptr,  # (pairs,) fp32
     sorted_ids_ptr, block_expert_ptr, rows_used_ptr,
+    topk_ids_ptr, expert_map_ptr,  # read with PAIR_BLOCKS
     pairs, D, I,
     stride_ip, stride_in,
     stride_we, stride_wn, stride_wk,
@@ -137,12 +178,18 @@ def moe_stage2_kernel(
     MUL_WEIGHT: tl.constexpr,
     SPLIT_K: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
+    PAIR_BLOCKS: tl.constexpr,
+    PDL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     block = tl.program_id(0)
-    if block * BLOCK_M >= tl.load(rows_used_ptr):
+    _wait_for_inputs(PDL)
+    expert, ids, real = _block_rows(sorted_ids_ptr, block_expert_ptr, rows_used_ptr,
+                                    topk_ids_ptr, expert_map_ptr, block, pairs, BLOCK_M,
+                                    PAIR_BLOCKS)
+    if expert < 0:
         return
-    expert, ids, real = _block_rows(sorted_ids_ptr, block_expert_ptr, block, pairs, BLOCK_M)
+    expert = expert.to(tl.int64)
     rows = tl.where(real, ids, 0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.where(offs_n < D, offs_n, 0).to(tl.int64)
@@ -163,6 +210,7 @@ def moe_stage2_kernel(
         acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
         a_ptrs += BLOCK_K * stride_in
         b_ptrs += BLOCK_K * stride_wk
+    _let_next_start(PDL)
     if MUL_WEIGHT:
         acc = acc * tl.load(topk_weight_ptr + ids, mask=real, other=0.0)[:, None]
     out = partial_ptr + rows[:, None] * stride_pp + offs_n.to(tl.int64)[None, :] * stride_pn
@@ -182,8 +230,10 @@ def moe_sum_kernel(
     D,
     stride_pp, stride_pn, stride_ot, stride_on,
     TOPK: tl.constexpr,
+    PDL: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
+    _wait_for_inputs(PDL)
     token = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     inside = offs < D
@@ -205,28 +255,30 @@ def moe_stages(x, w1, w2, topk_weight, topk_ids, expert_map, routing, activation
     w1 (E, 2I, D), w2 (E, D, I), topk_weight (T, topk) fp32, topk_ids (T, topk) int32, ->
     (T, D) in x's dtype, into ``out`` if given. Launch only: the caller checked the shapes.
     ``warmup``: compile every kernel for these arguments, launch none."""
-    inter = run_stage1(x, w1, topk_weight, routing, activation, doweight_stage1, stage1, warmup)
+    inter = run_stage1(x, w1, topk_weight, topk_ids, expert_map, routing, activation,
+                       doweight_stage1, stage1, warmup)
     return run_stage2(inter, w2, topk_weight, topk_ids, expert_map, routing, doweight_stage1,
                       stage2, x.shape[0], x.dtype, out, warmup)
 
 
-def run_stage1(x, w1, topk_weight, routing, activation: int, doweight_stage1: bool,
-               config: MoeStage1Config, warmup: bool = False) -> torch.Tensor:
+def run_stage1(x, w1, topk_weight, topk_ids, expert_map, routing, activation: int,
+               doweight_stage1: bool, config: MoeStage1Config,
+               warmup: bool = False) -> torch.Tensor:
     """Stage 1 alone: -> the (T * topk, I) intermediate, one row per routed pair."""
     tokens, model_dim = x.shape
     inter_dim = w1.shape[1] // 2
     topk = topk_weight.shape[1]
     pairs = tokens * topk
     inter = torch.empty((pairs, inter_dim), dtype=x.dtype, device=x.device)
-    grid = (routing.block_expert.numel(), triton.cdiv(inter_dim, config.block_n))
-    _checks.start(moe_stage1_kernel, grid, warmup)(
+    grid = (routing.blocks, triton.cdiv(inter_dim, config.block_n))
+    _checks.start(moe_stage1_kernel, grid, warmup, launch_pdl=PDL)(
         x, w1, inter, topk_weight.reshape(-1), routing.sorted_ids, routing.block_expert,
-        routing.rows_used, pairs, model_dim, inter_dim,
+        routing.rows_used, topk_ids.reshape(-1), expert_map, pairs, model_dim, inter_dim,
         x.stride(0), x.stride(1), w1.stride(0), w1.stride(1), w1.stride(2),
         inter.stride(0), inter.stride(1),
         TOPK=topk, ACT=activation, MUL_WEIGHT=doweight_stage1,
-        INPUT_PRECISION=_checks.input_precision(x.dtype),
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        INPUT_PRECISION=_checks.input_precision(x.dtype), PAIR_BLOCKS=routing.pair_blocks,
+        PDL=PDL, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         num_warps=config.num_warps, num_stages=config.num_stages)
     return inter
 
@@ -244,21 +296,22 @@ def run_stage2(inter, w2, topk_weight, topk_ids, expert_map, routing, doweight_s
         partial = torch.zeros((pairs, model_dim), dtype=torch.float32, device=inter.device)
     else:
         partial = torch.empty((pairs, model_dim), dtype=dtype, device=inter.device)
-    grid = (routing.block_expert.numel(), triton.cdiv(model_dim, config.block_n), config.split_k)
-    _checks.start(moe_stage2_kernel, grid, warmup)(
+    grid = (routing.blocks, triton.cdiv(model_dim, config.block_n), config.split_k)
+    _checks.start(moe_stage2_kernel, grid, warmup, launch_pdl=PDL)(
         inter, w2, partial, topk_weight.reshape(-1), routing.sorted_ids, routing.block_expert,
-        routing.rows_used, pairs, model_dim, inter_dim,
+        routing.rows_used, topk_ids.reshape(-1), expert_map, pairs, model_dim, inter_dim,
         inter.stride(0), inter.stride(1), w2.stride(0), w2.stride(1), w2.stride(2),
         partial.stride(0), partial.stride(1),
         MUL_WEIGHT=not doweight_stage1, SPLIT_K=config.split_k,
-        INPUT_PRECISION=_checks.input_precision(dtype),
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        INPUT_PRECISION=_checks.input_precision(dtype), PAIR_BLOCKS=routing.pair_blocks,
+        PDL=PDL, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         num_warps=config.num_warps, num_stages=config.num_stages)
     if out is None:
         out = torch.empty((tokens, model_dim), dtype=dtype, device=inter.device)
     block_d = min(1024, triton.next_power_of_2(model_dim))
-    _checks.start(moe_sum_kernel, (tokens, triton.cdiv(model_dim, block_d)), warmup)(
+    _checks.start(moe_sum_kernel, (tokens, triton.cdiv(model_dim, block_d)), warmup,
+                  launch_pdl=PDL)(
         partial, topk_ids.reshape(-1), expert_map, out, model_dim,
         partial.stride(0), partial.stride(1), out.stride(0), out.stride(1),
-        TOPK=topk_ids.shape[1], BLOCK_D=block_d, num_warps=4)
+        TOPK=topk_ids.shape[1], PDL=PDL, BLOCK_D=block_d, num_warps=4)
     return out
