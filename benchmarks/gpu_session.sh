@@ -167,13 +167,14 @@ for what in "$@"; do
             done
             TAIL=40 stage json8 200 python3 -m gemmtune.cli bench a8w8 --dtype fp8 \
                 --shapes "$OUT/json8_shapes.csv" -o "$OUT/bench_json8" ;;
-        fmoetune:*)  # fmoetune:MODEL[:TP]: tune fmoe over 14 token counts (the tuning time)
+        fmoetune:*)  # fmoetune:MODEL[:TP]: tune fmoe over 14 token counts (FMOE_NSETS: others)
             spec=${what#fmoetune:}
             model=${spec%%:*}
             tp=1; [[ $spec == *:* ]] && tp=${spec#*:}
             python3 -m gemmtune.cli shapes --model "$model" --tp "$tp" --families fmoe \
                 -o "$OUT/fmoe_$model" \
-                --nsets 1,2,4,8,16,32,64,128,256,512,1024,2048,4096,8192 > /dev/null
+                --nsets "${FMOE_NSETS:-1,2,4,8,16,32,64,128,256,512,1024,2048,4096,8192}" \
+                > /dev/null
             TAIL=30 stage "fmoetune_$model" "${FMOE_LIMIT:-330}" python3 -m gemmtune.cli tune fmoe \
                 -i "$OUT/fmoe_$model/untuned_fmoe.csv" -o "$OUT/fmoe_$model/tuned_fmoe.csv" \
                 -o2 "$OUT/fmoe_$model/profile.csv" --mp "${FMOE_MP:-8}" --batch 1
@@ -185,18 +186,20 @@ for what in "$@"; do
             tuned_arg=(); [[ -f $tuned ]] && tuned_arg=(--tuned "$tuned")
             TAIL=8 stage "moebreak_$model" 200 python3 benchmarks/moe_breakdown.py \
                 --model "$model" --out "$OUT" "${tuned_arg[@]}" ;;
-        vllm:*)  # vllm:MODEL: ours against vLLM's Triton fused-MoE kernel (.vllm/fused_moe, carried)
-            model=${what#vllm:}
-            tuned="$OUT/fmoe_$model/tuned_fmoe.csv"  # this call's fmoetune table, if any
+        vllm:*)  # vllm:MODEL[:TUNED]: ours against vLLM's Triton fused-MoE kernel (.vllm/fused_moe,
+            # carried), through the shipped table or this call's fmoetune:TUNED table
+            spec=${what#vllm:}
+            model=${spec%%:*}
+            tuned="$OUT/fmoe_${spec#*:}/tuned_fmoe.csv"
             tuned_arg=(); [[ -f $tuned ]] && tuned_arg=(--tuned "$tuned")
             TAIL=14 stage "vllm_$model" 300 python3 benchmarks/vllm_moe_compare.py \
                 --vllm-dir .vllm/fused_moe --model "$model" --out "$OUT" "${tuned_arg[@]}" ;;
-        benchmoe:*)  # benchmoe:MODEL[:TP]: gemmtune bench fmoe on the shipped table (or this call's)
+        benchmoe:*)  # benchmoe:MODEL[:TP]: gemmtune bench fmoe, shipped table (+ this call's rows)
             spec=${what#benchmoe:}
             model=${spec%%:*}
             tp=1; [[ $spec == *:* ]] && tp=${spec#*:}
-            tuned="$OUT/fmoe_$model/tuned_fmoe.csv"  # this call's fmoetune table, if any
-            [[ -f $tuned ]] && export GEMMTUNE_CONFIG_FMOE="replace:$tuned"
+            tuned="$OUT/fmoe_$model/tuned_fmoe.csv"  # this call's fmoetune rows over the shipped
+            [[ -f $tuned ]] && export GEMMTUNE_CONFIG_FMOE="$tuned"
             TAIL=24 stage "benchmoe_$model" 400 python3 -m gemmtune.cli bench fmoe \
                 --model "$model" --tp "$tp" -o "$OUT/bench_fmoe_$model"
             unset GEMMTUNE_CONFIG_FMOE ;;

@@ -217,7 +217,8 @@ def compare(vllm, vllm_dir: Path, model: str, token_counts) -> list[dict]:
 
         ours_err = rel_err(ours((w1, w2)), ref)
         theirs_err = rel_err(theirs.whole((w1, w2)), ref)
-        plan = next(iter(gemmtune.get_family("fmoe").dispatcher.plans.values()))
+        plans = gemmtune.get_family("fmoe").dispatcher.plans.values()
+        plan = next(p for p in plans if p.decision.key.token == tokens)  # this call's
         (ours_us, _), (gemms_us, _), (whole_us, _) = interleaved_graph_us(
             [ours, theirs.gemms, theirs.whole], sets)
         rows.append(dict(model=model, tokens=tokens, ours_us=round(ours_us, 2),
