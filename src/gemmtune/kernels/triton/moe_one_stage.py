@@ -12,6 +12,10 @@ is linear: applying it once to ``h`` serves ``doweight_stage1`` both ways.)
 The last program to finish a token (a per-token counter) rounds its fp32 row into the output, so
 the op is one launch after the workspace's one zero fill. Adds land in whatever order programs
 finish: results may differ in the last fp32 bit between runs, not beyond.
+
+On the H100 it has lost to the two stages over pair blocks at every decode shape tuned
+(docs/benchmarks.md): every program of a token adds into the same fp32 row, and L2 serialises
+those adds, and an expert's weights are read once per pair routed to it.
 """
 
 from __future__ import annotations
