@@ -17,7 +17,7 @@ import torch
 from gemmtune.kernels.problem import Activation, MoeProblem
 from gemmtune.kernels.triton import _checks
 from gemmtune.kernels.triton.moe_routing import moe_routing, pair_blocks
-from gemmtune.kernels.triton.moe_configs import (PAIR_BLOCK_M, STAGE1_PREFIX, STAGE2_PREFIX,
+from gemmtune.kernels.triton.moe_configs import (STAGE1_PREFIX, STAGE2_PREFIX,
                                                  MoeOneStageConfig, MoeStage1Config,
                                                  MoeStage2Config, two_stage_name)
 from gemmtune.kernels.triton.moe_one_stage import moe_one_stage, why_not_one_stage
@@ -70,11 +70,6 @@ class TritonTwoStageMoe:
                     f"{self.stage1.pair_blocks} and stage 2 block_m={self.stage2.block_m}, "
                     f"pair_blocks={self.stage2.pair_blocks}: both run over one routing, so they "
                     f"must agree")
-        if self.stage1.pair_blocks not in (0, 1):
-            return f"pair_blocks={self.stage1.pair_blocks} must be 0 or 1"
-        if self.stage1.pair_blocks and self.stage1.block_m != PAIR_BLOCK_M:
-            return (f"pair blocks hold one pair each: their block_m is {PAIR_BLOCK_M}, not "
-                    f"{self.stage1.block_m}")
         return (why_not_stage1(self.stage1, problem.dtype)
                 or why_not_stage2(self.stage2, problem.dtype, problem.inter_dim)
                 or (_checks.why_not_dot_k(self.stage1, problem.dtype)))

@@ -26,7 +26,8 @@ import triton
 import triton.language as tl
 
 from gemmtune.kernels.triton import _checks
-from gemmtune.kernels.triton.moe_configs import BLOCK_MS, MoeStage1Config, MoeStage2Config
+from gemmtune.kernels.triton.moe_configs import (BLOCK_MS, PAIR_BLOCK_M, MoeStage1Config,
+                                                 MoeStage2Config)
 
 SILU, GELU = 0, 1  # the ACT constexpr
 # Each launch waits on the one before with programmatic dependent launch (Hopper+; the
@@ -40,6 +41,11 @@ def why_not_stage(config, dtype: torch.dtype, accumulators: int, w_tiles: int) -
     tiles per stage; None if it fits."""
     if config.block_m not in BLOCK_MS:
         return f"block_m={config.block_m} must be one of {BLOCK_MS}"
+    if config.pair_blocks not in (0, 1):
+        return f"pair_blocks={config.pair_blocks} must be 0 or 1"
+    if config.pair_blocks and config.block_m != PAIR_BLOCK_M:
+        return (f"pair blocks hold one pair each: their block_m is {PAIR_BLOCK_M}, not "
+                f"{config.block_m}")
     problem = _checks.why_not_blocks(config) or _checks.why_not_warps_stages(config)
     if problem:
         return problem
@@ -70,10 +76,13 @@ def why_not_stage2(config: MoeStage2Config, dtype: torch.dtype, inter_dim: int) 
 
 @triton.jit
 def _block_rows(sorted_ids_ptr, block_expert_ptr, rows_used_ptr, topk_ids_ptr, expert_map_ptr,
-                block, pairs, BLOCK_M: tl.constexpr, PAIR_BLOCKS: tl.constexpr):
-    """A block's local expert (-1: nothing to compute, a block past the rows used or a pair of
-    another rank's expert), the pair ids of its rows, and which rows hold a pair (not padding).
-    Pair blocks: block b holds pair b in its first row, its expert read from topk_ids."""
+                block, pairs, BLOCK_M: tl.constexpr, PAIR_BLOCKS: tl.constexpr,
+                PDL: tl.constexpr):
+    """A block's local expert (int64; -1: nothing to compute, a block past the rows used or a
+    pair of another rank's expert), the pair ids of its rows, and which rows hold a pair (not
+    padding). Pair blocks: block b holds pair b in its first row, its expert read from
+    topk_ids. With PDL it first waits for the kernels that wrote what it reads."""
+    _wait_for_inputs(PDL)
     lanes = tl.arange(0, BLOCK_M)
     if PAIR_BLOCKS:
         expert = tl.load(expert_map_ptr + tl.load(topk_ids_ptr + block))
@@ -82,7 +91,7 @@ def _block_rows(sorted_ids_ptr, block_expert_ptr, rows_used_ptr, topk_ids_ptr, e
         used = block * BLOCK_M < tl.load(rows_used_ptr)
         expert = tl.where(used, tl.load(block_expert_ptr + block), -1)
         ids = tl.load(sorted_ids_ptr + block * BLOCK_M + lanes)
-    return expert, ids, ids < pairs
+    return expert.to(tl.int64), ids, ids < pairs
 
 
 @triton.jit
@@ -122,14 +131,11 @@ def moe_stage1_kernel(
     PDL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    block = tl.program_id(0)
-    _wait_for_inputs(PDL)
     expert, ids, real = _block_rows(sorted_ids_ptr, block_expert_ptr, rows_used_ptr,
-                                    topk_ids_ptr, expert_map_ptr, block, pairs, BLOCK_M,
-                                    PAIR_BLOCKS)
+                                    topk_ids_ptr, expert_map_ptr, tl.program_id(0), pairs,
+                                    BLOCK_M, PAIR_BLOCKS, PDL)
     if expert < 0:
         return
-    expert = expert.to(tl.int64)
     tokens = tl.where(real, ids // TOPK, 0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.where(offs_n < I, offs_n, 0).to(tl.int64)
@@ -182,14 +188,11 @@ def moe_stage2_kernel(
     PDL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    block = tl.program_id(0)
-    _wait_for_inputs(PDL)
     expert, ids, real = _block_rows(sorted_ids_ptr, block_expert_ptr, rows_used_ptr,
-                                    topk_ids_ptr, expert_map_ptr, block, pairs, BLOCK_M,
-                                    PAIR_BLOCKS)
+                                    topk_ids_ptr, expert_map_ptr, tl.program_id(0), pairs,
+                                    BLOCK_M, PAIR_BLOCKS, PDL)
     if expert < 0:
         return
-    expert = expert.to(tl.int64)
     rows = tl.where(real, ids, 0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.where(offs_n < D, offs_n, 0).to(tl.int64)
