@@ -180,6 +180,10 @@ for what in "$@"; do
                 -o2 "$OUT/fmoe_$model/profile.csv" --mp "${FMOE_MP:-8}" --batch 1
             python3 benchmarks/fmoe_tune_summary.py "$OUT/fmoe_$model/tuned_fmoe.csv" \
                 "$OUT/fmoe_$model/profile.csv" | tee -a "$summary" ;;
+        readprobe:*)  # readprobe:MODEL: one launch reading the routed experts' weights, no GEMM
+            model=${what#readprobe:}
+            TAIL=40 stage "readprobe_$model" 200 python3 benchmarks/moe_read_probe.py \
+                --model "$model" --out "$OUT" ;;
         moebreak:*)  # routing / stage 1 / stage 2 / whole against the floors, tuned configs
             model=${what#moebreak:}
             tuned="$OUT/fmoe_$model/tuned_fmoe.csv"

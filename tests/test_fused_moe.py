@@ -88,8 +88,8 @@ def test_routing_groups_every_local_pair_once_in_order(tokens, topk, experts, bl
 TWO_STAGE = "triton.moe1:BM16.BN16.BK16.W4.S1+triton.moe2:BM16.BN16.BK16.SK{sk}.W4.S1"
 # One block per routed pair, no routing preparation.
 PAIR_BLOCKS = TWO_STAGE.replace(".S1+", ".S1.PB1+") + ".PB1"
-# Parts of 8 rows of inter_dim, model_dim in steps of 16: ragged parts and steps below.
-ONE_STAGE = "triton.moe_1stage:BI8.BK16.BD16.W4"
+# Tiles of 16 and steps of 16 on both stages: ragged tiles and steps below.
+ONE_STAGE = "triton.moe_1stage:BN16.BK16.BD16.BI16.W4.S1"
 KERNEL_CASES = [
     # tokens, model_dim, inter_dim, experts, topk, activation, doweight_stage1, split_k, route
     (7, 40, 24, 4, 2, "Silu", False, 1, None),
@@ -130,6 +130,23 @@ def test_pairs_routed_to_another_rank_add_nothing():
         ref = fused_moe_ref(hidden, w1, w2, weight, ids, expert_map_of(mask, 2, hidden.device))
         assert rel_err(y, ref) < 1e-4, kernel
         assert torch.equal(y[2], torch.zeros_like(y[2])), kernel  # experts 1 and 7: elsewhere
+
+
+def test_the_1stage_kernel_leaves_its_workspace_zero_for_the_next_call():
+    # Its sums and counters are zero before a launch and must be again after it: a second call
+    # on new routing through the same cached workspace is right only if the first cleaned up.
+    from gemmtune.kernels.triton import moe_one_stage
+
+    mask = torch.tensor([True, False, True, True, True], device=DEVICE)
+    emap = expert_map_of(mask, 4, DEVICE)
+    for seed, route in ((1, None), (2, [0, 2, 3, 4, 2, 0, 1, 3, 4, 0]), (3, None)):
+        hidden, w1, w2, weight, ids = moe_inputs(5, 48, 24, 4, 2, seed=seed, route=route,
+                                                 global_experts=5)  # experts 0, 2, 3, 4 here
+        y = gemmtune.fused_moe(hidden, w1, w2, weight, ids, expert_mask=mask, kernel=ONE_STAGE)
+        assert rel_err(y, fused_moe_ref(hidden, w1, w2, weight, ids, emap)) < 1e-4
+        (ws,) = [w for key, w in moe_one_stage._WORKSPACES.items() if key[2:4] == (5, 2)]
+        assert not ws.acc.any() and not ws.ready.any() and not ws.done.any()
+        assert not ws.converted.any()
 
 
 @pytest.mark.parametrize("act, dw1, local", [("Silu", False, None),
@@ -242,7 +259,7 @@ def test_problem_of_a_key():
 
 
 # ---------------------------------------------------------------------------------- the GPU
-GPU_ONE_STAGE = "triton.moe_1stage:BI16.BK256.BD256.W4"
+GPU_ONE_STAGE = "triton.moe_1stage:BN32.BK128.BD64.BI256.W4.S3"
 GPU_PAIR_BLOCKS = ("triton.moe1:BM16.BN32.BK128.W4.S3.PB1"
                    "+triton.moe2:BM16.BN64.BK128.SK1.W4.S3.PB1")
 

@@ -36,9 +36,9 @@ from gemmtune.tune.family import Candidate, Evaluation, FamilyTuner, Prepared, S
 
 # How many of each stage's fastest configs per block_m are paired (4 pairs per block_m).
 PAIRED_PER_STAGE = 2
-# The 1-stage kernel reads an expert's weights once per pair routed to it, so it is a candidate
-# only where few pairs share an expert: decode's token counts.
-ONE_STAGE_MAX_TOKENS = 16
+# The 1-stage kernel holds every token in one tile of rows, so it is a candidate for decode's
+# token counts only.
+ONE_STAGE_MAX_TOKENS = 32
 
 
 def _stage_space(problem: MoeProblem, gpu: bool) -> tuple[list[MoeStage1Config],
@@ -87,16 +87,17 @@ def _pair_block_space(problem: MoeProblem) -> tuple[list[MoeStage1Config],
 
 
 def _one_stage_space(problem: MoeProblem, gpu: bool) -> list[MoeOneStageConfig]:
-    """1-stage configs for up to ONE_STAGE_MAX_TOKENS tokens: parts of 8-16 intermediate rows
-    (small parts, more programs: the few pairs of decode must cover every SM), 256-wide steps of
-    model_dim, 4-8 warps; on the CPU one small config. (Wider parts and steps lost everywhere
-    on the H100: docs/benchmarks.md.)"""
+    """1-stage configs for up to ONE_STAGE_MAX_TOKENS tokens: stage-1 tiles of 16-32
+    intermediate columns (decode's few experts must still cover every SM), stage-2 tiles of
+    64-128 output columns in steps of 64-128, 3-4 stages; on the CPU one small config. (Narrower
+    stage-2 tiles, 8 warps, and holding w2 through the wait lost everywhere on the H100:
+    docs/benchmarks.md.)"""
     if problem.tokens > ONE_STAGE_MAX_TOKENS:
         return []
     if not gpu:
-        return [MoeOneStageConfig(8, 16, 16, 4)]
-    return [MoeOneStageConfig(bi, 256, bd, warps) for bi in (8, 16) for bd in (128, 256)
-            for warps in (4, 8)]
+        return [MoeOneStageConfig(16, 16, 16, 16, 4, 1)]
+    return [MoeOneStageConfig(bn, 128, bd, bi, 4, stages) for bn in (16, 32)
+            for bd in (64, 128) for bi in (64, 128) for stages in (3, 4)]
 
 
 def _reached(problem: MoeProblem) -> float:

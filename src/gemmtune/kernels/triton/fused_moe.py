@@ -26,10 +26,6 @@ from gemmtune.kernels.triton.moe_stages import (GELU, SILU, moe_stages, why_not_
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 ACT_CODES = {Activation.silu: SILU, Activation.gelu: GELU}
-# The 1-stage kernel's pairs are a grid axis whose length CUDA caps.
-MAX_ONE_STAGE_PAIRS = 65535
-
-
 def route(config: MoeStage1Config | MoeStage2Config, topk_ids, expert_map, experts: int,
           warmup: bool = False):
     """The blocks a stage config runs over: pair blocks (nothing to prepare), or the routing
@@ -106,22 +102,21 @@ class TritonOneStageMoe:
         return f"TritonOneStageMoe({self.name!r})"
 
     def check(self, problem: MoeProblem) -> str | None:
-        pairs = problem.tokens * problem.topk
-        if pairs > MAX_ONE_STAGE_PAIRS:
-            return (f"{pairs} routed pairs: the 1-stage kernel takes at most "
-                    f"{MAX_ONE_STAGE_PAIRS} (it is for few tokens; use a two-stage solution)")
-        return _why_not_dtype(problem) or why_not_one_stage(self.config)
+        return _why_not_dtype(problem) or why_not_one_stage(self.config, problem.tokens,
+                                                            problem.dtype)
 
     def warmup(self, hidden, w1, w2, topk_weight, topk_ids, expert_map,
                problem: MoeProblem) -> None:
         """Compile the kernel for these arguments, launching nothing."""
         if hidden.shape[0] and not _checks.INTERPRETED:
             moe_one_stage(hidden, w1, w2, topk_weight, topk_ids, expert_map,
-                          ACT_CODES[problem.activation], self.config, warmup=True)
+                          ACT_CODES[problem.activation], problem.doweight_stage1, self.config,
+                          warmup=True)
 
     def __call__(self, hidden, w1, w2, topk_weight, topk_ids, expert_map, problem: MoeProblem,
                  out=None):
         if hidden.shape[0] == 0:
             return torch.empty_like(hidden) if out is None else out
         return moe_one_stage(hidden, w1, w2, topk_weight, topk_ids, expert_map,
-                             ACT_CODES[problem.activation], self.config, out=out)
+                             ACT_CODES[problem.activation], problem.doweight_stage1,
+                             self.config, out=out)

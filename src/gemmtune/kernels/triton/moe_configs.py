@@ -58,18 +58,20 @@ class MoeStage2Config(NamedConfig):
 
 @dataclass(frozen=True)
 class MoeOneStageConfig(NamedConfig):
-    """``triton.moe_1stage:BI16.BK256.BD256.W4``: the 1-stage kernel, ``block_i`` rows of the
-    intermediate per program, stage 1's model_dim in steps of ``block_k``, stage 2's output in
-    steps of ``block_d``."""
+    """``triton.moe_1stage:BN32.BK128.BD64.BI256.W4.S3``: the 1-stage kernel; stage 1 in tiles of
+    ``block_n`` intermediate columns, model_dim in steps of ``block_k``; stage 2 in tiles of
+    ``block_d`` output columns, inter_dim in steps of ``block_i``."""
 
     NAME_CODEC = NameCodec("MoE 1-stage config", ONE_STAGE_PREFIX, (
-        Field("BI", "block_i"), Field("BK", "block_k"), Field("BD", "block_d"),
-        Field("W", "num_warps")))
+        Field("BN", "block_n"), Field("BK", "block_k"), Field("BD", "block_d"),
+        Field("BI", "block_i"), Field("W", "num_warps"), Field("S", "num_stages")))
 
-    block_i: int
+    block_n: int
     block_k: int
     block_d: int
+    block_i: int
     num_warps: int
+    num_stages: int
 
 
 def two_stage_name(stage1: MoeStage1Config, stage2: MoeStage2Config) -> str:

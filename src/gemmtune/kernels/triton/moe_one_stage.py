@@ -1,21 +1,26 @@
-"""A fused MoE in one launch, for few tokens: both GEMMs and the activation per routed pair, with
-the routing read straight from ``topk_ids`` (no grouping: each pair is its own program row).
+"""A fused MoE in one launch, for few tokens: both GEMMs, the activation and the sum over top-k,
+the routing read straight from ``topk_ids`` (no preparation launch).
 
-Program (part, pair) takes ``block_i`` rows of the intermediate of one pair (token t, expert e):
-``h = act(w1_gate[e, rows] @ x[t]) * (w1_up[e, rows] @ x[t]) * weight`` (matrix-vector products
-over the whole model_dim), then adds ``w2[e][:, rows] @ h`` into the token's fp32 row of a
-workspace. Each weight element is read once per pair, which is what decode's few tokens need: the
-experts' bytes are the whole cost, and a pair per program spreads them over every SM at once.
-(Stage 1's weight and stage 2's are the same scale of the same product, since the down projection
-is linear: applying it once to ``h`` serves ``doweight_stage1`` both ways.)
+The grid is stage-1 programs first, then stage-2 programs. Items are keyed by routed pair
+("slot"); the first slot of each expert (its leader) does that expert's work for every token
+routed to it, the other slots return at once, so each routed expert's weights are read once.
 
-The last program to finish a token (a per-token counter) rounds its fp32 row into the output, so
-the op is one launch after the workspace's one zero fill. Adds land in whatever order programs
-finish: results may differ in the last fp32 bit between runs, not beyond.
+- Stage-1 program (slot, tile): ``h = act(x @ w1_gate[e, tile].T) * (x @ w1_up[e, tile].T)`` for
+  the expert's tokens (a ``block_t`` tile of rows, those not routed to it masked), into the
+  intermediate row of each (token, expert) pair; then it counts itself in ``ready[slot]``.
+- Stage-2 program (slot, tile of model_dim): waits for ``ready[slot]`` to reach the stage-1 tile
+  count (the expert's whole intermediate), then ``h @ w2[e, tile].T``, times the routing weight,
+  added in fp32 into the token rows of a workspace. The last stage-2 program of an output tile (a counter per tile)
+  rounds it into the output.
 
-On the H100 it has lost to the two stages over pair blocks at every decode shape tuned
-(docs/benchmarks.md): every program of a token adds into the same fp32 row, and L2 serialises
-those adds, and an expert's weights are read once per pair routed to it.
+CUDA dispatches a grid's programs in order, so every stage-1 program has been placed on an SM
+before any stage-2 program waits: the waits cannot starve the programs they wait on.
+
+The workspace (fp32 sums and counters) is zero before a launch and the launch leaves it zero:
+the converting program zeroes its tile and counter, and the last of those resets the stage-1
+counters. So a call is one launch, and the workspace is made once per (device, stream, shape),
+outside any CUDA-graph capture where it can be. Adds land in whatever order programs finish:
+results may differ in the last fp32 bit between runs, not beyond.
 """
 
 from __future__ import annotations
@@ -27,27 +32,66 @@ import triton.language as tl
 from gemmtune.kernels.triton import _checks
 from gemmtune.kernels.triton.moe_configs import MoeOneStageConfig
 
-# fp32 values a thread may hold for the gate and up partial sums together, and for a down tile.
-MAX_GATE_UP_REGS = 128
-MAX_DOWN_REGS = 64
+# Rows of the token tile: the smallest tl.dot takes; the tokens of a call share one tile.
+MIN_BLOCK_T = 16
+MAX_TOKENS = 64  # the token tile's accumulators grow with it; the kernel is for decode
+# fp32 accumulator values a thread may hold (gate and up at stage 1, the down tile at stage 2).
+MAX_ACC_REGS = 128
+# Each launch waits on the kernel before it with programmatic dependent launch (Hopper+; the
+# interpreter has none).
+PDL = not _checks.INTERPRETED
 
 
-def why_not_one_stage(config: MoeOneStageConfig) -> str | None:
-    """What keeps a 1-stage config from running: its tile sizes, warps and registers."""
-    for field in ("block_i", "block_k", "block_d"):
+def token_block(tokens: int) -> int:
+    return max(MIN_BLOCK_T, triton.next_power_of_2(tokens))
+
+
+def why_not_one_stage(config: MoeOneStageConfig, tokens: int, dtype: torch.dtype) -> str | None:
+    """What keeps a 1-stage config from running ``tokens`` tokens of ``dtype``: tile sizes,
+    warps and stages, registers and shared memory."""
+    if tokens > MAX_TOKENS:
+        return (f"{tokens} tokens: the 1-stage kernel takes at most {MAX_TOKENS} (it is for "
+                f"decode; use a two-stage solution)")
+    for field in ("block_n", "block_k", "block_d", "block_i"):
         v = getattr(config, field)
-        if not _checks.is_pow2(v) or not 8 <= v <= 1024:
-            return f"{field}={v} must be a power of two in [8, 1024]"
-    if config.num_warps not in _checks.VALID_WARPS:
-        return f"num_warps={config.num_warps} must be one of {_checks.VALID_WARPS}"
+        if not _checks.is_pow2(v) or not 16 <= v <= 1024:
+            return f"{field}={v} must be a power of two in [16, 1024]"
+    problem = _checks.why_not_warps_stages(config)
+    if problem:
+        return problem
     threads = 32 * config.num_warps
-    if 2 * config.block_i * config.block_k > MAX_GATE_UP_REGS * threads:
-        return (f"gate and up sums of {config.block_i}x{config.block_k} need more than "
-                f"{MAX_GATE_UP_REGS} registers per thread; use smaller blocks or more warps")
-    if config.block_d * config.block_i > MAX_DOWN_REGS * threads:
-        return (f"a {config.block_d}x{config.block_i} down tile needs more than {MAX_DOWN_REGS} "
-                f"registers per thread; use smaller blocks or more warps")
+    rows = token_block(tokens)
+    for what, values in (("gate and up", 2 * rows * config.block_n),
+                         ("down", rows * config.block_d)):
+        if values > MAX_ACC_REGS * threads:
+            return (f"{what} accumulators of {rows} tokens need more than {MAX_ACC_REGS} "
+                    f"registers per thread; use smaller blocks or more warps")
+    stage1 = (rows + 2 * config.block_n) * config.block_k
+    stage2 = (rows + config.block_d) * config.block_i
+    smem = config.num_stages * max(stage1, stage2) * dtype.itemsize
+    if smem > _checks.SMEM_LIMIT_BYTES:
+        return f"shared memory {smem} B > {_checks.SMEM_LIMIT_BYTES} B; reduce blocks or stages"
     return None
+
+
+@triton.jit
+def _slot_work(topk_ids_ptr, expert_map_ptr, slot, T,
+               TOPK: tl.constexpr, BLOCK_T: tl.constexpr, TOPK_P2: tl.constexpr):
+    """The local expert (int64) whose work slot ``slot`` does, -1 if none (another slot of the
+    same expert leads, or the expert is another rank's); which token rows of the tile are routed
+    to it; and the pair id of each such (token, expert)."""
+    offs_t = tl.arange(0, BLOCK_T)
+    offs_k = tl.arange(0, TOPK_P2)
+    inside = (offs_t[:, None] < T) & (offs_k[None, :] < TOPK)
+    ids = tl.load(topk_ids_ptr + offs_t[:, None] * TOPK + offs_k[None, :], mask=inside, other=-1)
+    mine = tl.load(topk_ids_ptr + slot)
+    hit = ids == mine
+    pair = offs_t[:, None] * TOPK + offs_k[None, :]
+    leader = tl.min(tl.min(tl.where(hit, pair, BLOCK_T * TOPK), axis=1), axis=0) == slot
+    expert = tl.where(leader, tl.load(expert_map_ptr + mine), -1)
+    routed = tl.max(hit.to(tl.int32), axis=1) > 0
+    pair_of_row = tl.sum(tl.where(hit, pair, 0), axis=1)
+    return expert.to(tl.int64), routed, pair_of_row
 
 
 @triton.jit
@@ -56,77 +100,190 @@ def moe_one_stage_kernel(
     w1_ptr,  # (E, 2 * I, D)
     w2_ptr,  # (E, D, I)
     out_ptr,  # (T, D)
-    acc_ptr,  # (T, D) fp32, zeroed
-    done_ptr,  # (T,) int32, zeroed: programs finished per token
-    topk_weight_ptr,  # (pairs,) fp32
-    topk_ids_ptr,  # (pairs,) int32 global expert ids
+    inter_ptr,  # (T * TOPK, I) in x's dtype
+    acc_ptr,  # (T, D) fp32, zero
+    ready_ptr,  # (T * TOPK,) int32, zero: stage-1 tiles done per leading slot
+    done_ptr,  # (cdiv(D, BLOCK_D),) int32, zero: stage-2 programs done per output tile
+    converted_ptr,  # (1,) int32, zero: output tiles converted
+    topk_weight_ptr,  # (T * TOPK,) fp32
+    topk_ids_ptr,  # (T * TOPK,) int32 global expert ids
     expert_map_ptr,  # (E_global,) int32, -1: another rank's expert
-    D, I,
+    T, D, I,
     stride_xt, stride_xd,
     stride_1e, stride_1n, stride_1d,
     stride_2e, stride_2d, stride_2i,
     stride_ot, stride_od,
-    TOPK: tl.constexpr,
+    TOPK: tl.constexpr, TOPK_P2: tl.constexpr,
     ACT: tl.constexpr,
-    BLOCK_I: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
+    MUL_WEIGHT1: tl.constexpr,  # the routing weight applied in stage 1 (doweight_stage1)
+    INPUT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,  # stage 1: inter_dim tile, model_dim step
+    BLOCK_D: tl.constexpr, BLOCK_I: tl.constexpr,  # stage 2: model_dim tile, inter_dim step
 ):
-    # Axis 0 runs over one pair's parts, so the programs that run together read neighbouring
-    # columns of the same w2 rows.
-    part = tl.program_id(0)
-    pair = tl.program_id(1)
-    token = (pair // TOPK).to(tl.int64)
-    expert = tl.load(expert_map_ptr + tl.load(topk_ids_ptr + pair))
-    offs_d = tl.arange(0, BLOCK_D)
-    if expert >= 0:  # a pair of another rank's expert adds nothing, but still counts as done
-        e = expert.to(tl.int64)
-        offs_i = part * BLOCK_I + tl.arange(0, BLOCK_I)
-        rows = tl.where(offs_i < I, offs_i, 0).to(tl.int64)
+    if PDL:
+        tl.extra.cuda.gdc_wait()  # the routing and x come from the kernels before
+    pid = tl.program_id(0)
+    tiles1 = tl.cdiv(I, BLOCK_N)
+    stage1_programs = T * TOPK * tiles1
+    if pid < stage1_programs:
+        _stage1(x_ptr, w1_ptr, inter_ptr, ready_ptr, topk_weight_ptr, topk_ids_ptr,
+                expert_map_ptr, pid // tiles1, pid % tiles1, T, D, I,
+                stride_xt, stride_xd, stride_1e, stride_1n, stride_1d,
+                TOPK, TOPK_P2, ACT, MUL_WEIGHT1, INPUT_PRECISION, BLOCK_T, BLOCK_N, BLOCK_K)
+    else:
+        tiles2 = tl.cdiv(D, BLOCK_D)
+        q = pid - stage1_programs
+        _stage2(w2_ptr, out_ptr, inter_ptr, acc_ptr, ready_ptr, done_ptr, converted_ptr,
+                topk_weight_ptr, topk_ids_ptr, expert_map_ptr, q // tiles2, q % tiles2, tiles1,
+                tiles2, T, D, I, stride_2e, stride_2d, stride_2i, stride_ot, stride_od,
+                TOPK, TOPK_P2, MUL_WEIGHT1, INPUT_PRECISION, BLOCK_T, BLOCK_D, BLOCK_I)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def _stage1(x_ptr, w1_ptr, inter_ptr, ready_ptr, topk_weight_ptr, topk_ids_ptr, expert_map_ptr,
+            slot, tile, T, D, I, stride_xt, stride_xd, stride_1e, stride_1n, stride_1d,
+            TOPK: tl.constexpr, TOPK_P2: tl.constexpr, ACT: tl.constexpr,
+            MUL_WEIGHT1: tl.constexpr, INPUT_PRECISION: tl.constexpr, BLOCK_T: tl.constexpr,
+            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    expert, routed, pairs = _slot_work(topk_ids_ptr, expert_map_ptr, slot, T, TOPK, BLOCK_T,
+                                       TOPK_P2)
+    if expert >= 0:
+        offs_t = tl.arange(0, BLOCK_T)
+        offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+        cols = tl.where(offs_n < I, offs_n, 0).to(tl.int64)
         offs_k = tl.arange(0, BLOCK_K)
-        gate_ptrs = w1_ptr + e * stride_1e + rows[:, None] * stride_1n + offs_k[None, :] * stride_1d
-        up_ptrs = gate_ptrs + I * stride_1n
-        x_ptrs = x_ptr + token * stride_xt + offs_k * stride_xd
-        gate_sum = tl.zeros((BLOCK_I, BLOCK_K), dtype=tl.float32)
-        up_sum = tl.zeros((BLOCK_I, BLOCK_K), dtype=tl.float32)
+        x_ptrs = x_ptr + offs_t[:, None].to(tl.int64) * stride_xt + offs_k[None, :] * stride_xd
+        w_base = w1_ptr + expert * stride_1e + offs_k[:, None] * stride_1d
+        gate_ptrs = w_base + cols[None, :] * stride_1n  # (BK, BN): rows [0, I) of w1[e]
+        up_ptrs = w_base + (cols + I)[None, :] * stride_1n  # rows [I, 2I)
+        gate = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
+        up = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, D, BLOCK_K):
-            inside = offs_k < D - k0
-            x = tl.load(x_ptrs, mask=inside, other=0.0).to(tl.float32)[None, :]
-            gate_sum += tl.load(gate_ptrs, mask=inside[None, :], other=0.0).to(tl.float32) * x
-            up_sum += tl.load(up_ptrs, mask=inside[None, :], other=0.0).to(tl.float32) * x
+            k_left = D - k0
+            a = tl.load(x_ptrs, mask=routed[:, None] & (offs_k[None, :] < k_left), other=0.0)
+            wg = tl.load(gate_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+            wu = tl.load(up_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+            gate = tl.dot(a, wg, gate, input_precision=INPUT_PRECISION)
+            up = tl.dot(a, wu, up, input_precision=INPUT_PRECISION)
             x_ptrs += BLOCK_K * stride_xd
             gate_ptrs += BLOCK_K * stride_1d
             up_ptrs += BLOCK_K * stride_1d
-        gate = tl.sum(gate_sum, axis=1)
-        up = tl.sum(up_sum, axis=1)
         if ACT == 0:
             act = gate / (1.0 + tl.exp(-gate))  # SiLU
         else:
             act = 0.5 * gate * (1.0 + tl.erf(gate * 0.7071067811865476))  # exact GELU
-        h = tl.where(offs_i < I, act * up * tl.load(topk_weight_ptr + pair), 0.0)
-        down_ptrs = w2_ptr + e * stride_2e + offs_d[:, None] * stride_2d + rows[None, :] * stride_2i
-        acc_ptrs = acc_ptr + token * D + offs_d
-        for d0 in range(0, D, BLOCK_D):
-            inside = offs_d < D - d0
-            w = tl.load(down_ptrs, mask=inside[:, None] & (offs_i < I)[None, :], other=0.0)
-            tl.atomic_add(acc_ptrs, tl.sum(w.to(tl.float32) * h[None, :], axis=1), mask=inside,
-                          sem="relaxed")
-            down_ptrs += BLOCK_D * stride_2d
-            acc_ptrs += BLOCK_D
-    # Every thread's adds are issued before the counter moves (the barrier), and the counter's
-    # acquire-release makes them visible to the program that finds itself last.
+        h = act * up
+        if MUL_WEIGHT1:
+            h = h * tl.load(topk_weight_ptr + pairs, mask=routed, other=0.0)[:, None]
+        dst = inter_ptr + pairs.to(tl.int64)[:, None] * I + offs_n[None, :]
+        tl.store(dst, h.to(inter_ptr.dtype.element_ty),
+                 mask=routed[:, None] & (offs_n[None, :] < I))
+        # Every thread's stores are issued before the count moves (the barrier), and the
+        # release makes them visible to the program that sees the count complete.
+        tl.debug_barrier()
+        tl.atomic_add(ready_ptr + slot, 1, sem="release")
+
+
+@triton.jit
+def _stage2(w2_ptr, out_ptr, inter_ptr, acc_ptr, ready_ptr, done_ptr, converted_ptr,
+            topk_weight_ptr, topk_ids_ptr, expert_map_ptr, slot, tile, tiles1, tiles2,
+            T, D, I, stride_2e, stride_2d, stride_2i, stride_ot, stride_od,
+            TOPK: tl.constexpr, TOPK_P2: tl.constexpr, MUL_WEIGHT1: tl.constexpr,
+            INPUT_PRECISION: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+            BLOCK_I: tl.constexpr):
+    expert, routed, pairs = _slot_work(topk_ids_ptr, expert_map_ptr, slot, T, TOPK, BLOCK_T,
+                                       TOPK_P2)
+    offs_t = tl.arange(0, BLOCK_T)
+    offs_d = tile * BLOCK_D + tl.arange(0, BLOCK_D)
+    if expert >= 0:
+        rows = tl.where(offs_d < D, offs_d, 0).to(tl.int64)
+        offs_i = tl.arange(0, BLOCK_I)
+        w_ptrs = (w2_ptr + expert * stride_2e + rows[None, :] * stride_2d
+                  + offs_i[:, None] * stride_2i)  # (BI, BD): w2[e][tile, :].T
+        h_ptrs = inter_ptr + pairs.to(tl.int64)[:, None] * I + offs_i[None, :]
+        # Poll with plain loads (a read-modify-write per poll would queue behind the stage-1
+        # counts on the same address), then one acquire orders the reads of h after the count.
+        while tl.load(ready_ptr + slot, volatile=True) < tiles1:
+            pass
+        tl.atomic_add(ready_ptr + slot, 0, sem="acquire")
+        acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
+        for i0 in range(0, I, BLOCK_I):
+            h = tl.load(h_ptrs, mask=routed[:, None] & (offs_i[None, :] < I - i0), other=0.0,
+                        cache_modifier=".cg")
+            w = tl.load(w_ptrs, mask=offs_i[:, None] < I - i0, other=0.0)
+            acc = tl.dot(h, w, acc, input_precision=INPUT_PRECISION)
+            w_ptrs += BLOCK_I * stride_2i
+            h_ptrs += BLOCK_I
+        if not MUL_WEIGHT1:
+            acc = acc * tl.load(topk_weight_ptr + pairs, mask=routed, other=0.0)[:, None]
+        tl.atomic_add(acc_ptr + offs_t[:, None] * D + offs_d[None, :], acc,
+                      mask=routed[:, None] & (offs_d[None, :] < D), sem="relaxed")
     tl.debug_barrier()
-    finished = tl.atomic_add(done_ptr + token, 1, sem="acq_rel")
-    if finished == TOPK * tl.num_programs(0) - 1:
-        for d0 in range(0, D, BLOCK_D):
-            inside = offs_d < D - d0
-            total = tl.load(acc_ptr + token * D + d0 + offs_d, mask=inside, other=0.0,
-                            cache_modifier=".cg")
-            tl.store(out_ptr + token * stride_ot + (d0 + offs_d) * stride_od,
-                     total.to(out_ptr.dtype.element_ty), mask=inside)
+    if tl.atomic_add(done_ptr + tile, 1, sem="acq_rel") == T * TOPK - 1:
+        _convert_tile(out_ptr, acc_ptr, done_ptr, converted_ptr, ready_ptr, tile, tiles2, T, D,
+                      stride_ot, stride_od, TOPK, TOPK_P2, BLOCK_T, BLOCK_D)
+
+
+@triton.jit
+def _convert_tile(out_ptr, acc_ptr, done_ptr, converted_ptr, ready_ptr, tile, tiles2, T, D,
+                  stride_ot, stride_od, TOPK: tl.constexpr, TOPK_P2: tl.constexpr,
+                  BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The last stage-2 program of an output tile: round the tile's sums into the output and
+    leave the workspace as it found it (zero); the last tile converted resets the stage-1
+    counters, whose every reader has passed its wait by then."""
+    offs_t = tl.arange(0, BLOCK_T)
+    offs_d = tile * BLOCK_D + tl.arange(0, BLOCK_D)
+    inside = (offs_t[:, None] < T) & (offs_d[None, :] < D)
+    sums = acc_ptr + offs_t[:, None] * D + offs_d[None, :]
+    total = tl.load(sums, mask=inside, other=0.0, cache_modifier=".cg")
+    dst = out_ptr + offs_t[:, None].to(tl.int64) * stride_ot + offs_d[None, :] * stride_od
+    tl.store(dst, total.to(out_ptr.dtype.element_ty), mask=inside)
+    tl.store(sums, tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32), mask=inside)
+    tl.atomic_xchg(done_ptr + tile, 0, sem="relaxed")
+    if tl.atomic_add(converted_ptr, 1, sem="acq_rel") == tiles2 - 1:
+        slots = tl.arange(0, BLOCK_T * TOPK_P2)
+        tl.store(ready_ptr + slots, tl.zeros((BLOCK_T * TOPK_P2,), dtype=tl.int32),
+                 mask=slots < T * TOPK)
+        tl.atomic_xchg(converted_ptr, 0, sem="relaxed")
+
+
+class _Workspace:
+    """The zero-between-launches buffers of one (device, stream, T, topk, I, D, block_d)."""
+
+    def __init__(self, tokens: int, topk: int, inter_dim: int, model_dim: int, tiles2: int,
+                 dtype: torch.dtype, device: torch.device):
+        pairs = tokens * topk
+        counters = torch.zeros(pairs + tiles2 + 1, dtype=torch.int32, device=device)
+        self.ready, self.done, self.converted = (counters[:pairs], counters[pairs:-1],
+                                                 counters[-1:])
+        self.acc = torch.zeros(tokens, model_dim, dtype=torch.float32, device=device)
+        self.inter = torch.empty(pairs, inter_dim, dtype=dtype, device=device)
+
+
+_WORKSPACES: dict[tuple, _Workspace] = {}
+
+
+def _workspace(tokens, topk, inter_dim, model_dim, tiles2, dtype, device) -> _Workspace:
+    """The cached workspace of this stream and shape. Inside a CUDA-graph capture with none
+    cached, a fresh one: its zero fill becomes part of the graph (a cached one made there would
+    not be zero until the graph first ran)."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (device, stream, tokens, topk, inter_dim, model_dim, tiles2, dtype)
+    found = _WORKSPACES.get(key)
+    if found is None:
+        found = _Workspace(tokens, topk, inter_dim, model_dim, tiles2, dtype, device)
+        if device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
+            _WORKSPACES[key] = found
+    return found
 
 
 def moe_one_stage(x, w1, w2, topk_weight, topk_ids, expert_map, activation: int,
-                  config: MoeOneStageConfig, out: torch.Tensor | None = None,
-                  warmup: bool = False) -> torch.Tensor:
+                  doweight_stage1: bool, config: MoeOneStageConfig,
+                  out: torch.Tensor | None = None, warmup: bool = False) -> torch.Tensor:
     """The whole MoE in one launch: x (T, D), w1 (E, 2I, D), w2 (E, D, I), topk_weight (T, topk)
     fp32, topk_ids (T, topk) int32 -> (T, D) in x's dtype, into ``out`` if given. Launch only:
     the caller checked the shapes. ``warmup``: compile, launch nothing."""
@@ -135,16 +292,19 @@ def moe_one_stage(x, w1, w2, topk_weight, topk_ids, expert_map, activation: int,
     topk = topk_ids.shape[1]
     if out is None:
         out = torch.empty_like(x)
-    # One zero fill serves both: the fp32 sums, then the per-token counters (zero bits either way).
-    workspace = torch.zeros(tokens * model_dim + tokens, dtype=torch.float32, device=x.device)
-    acc, done = workspace[:tokens * model_dim], workspace[tokens * model_dim:].view(torch.int32)
-    grid = (triton.cdiv(inter_dim, config.block_i), tokens * topk)
-    _checks.start(moe_one_stage_kernel, grid, warmup)(
-        x, w1, w2, out, acc, done, topk_weight.reshape(-1), topk_ids.reshape(-1), expert_map,
-        model_dim, inter_dim,
+    tiles1 = triton.cdiv(inter_dim, config.block_n)
+    tiles2 = triton.cdiv(model_dim, config.block_d)
+    ws = _workspace(tokens, topk, inter_dim, model_dim, tiles2, x.dtype, x.device)
+    grid = (tokens * topk * (tiles1 + tiles2),)
+    _checks.start(moe_one_stage_kernel, grid, warmup, launch_pdl=PDL)(
+        x, w1, w2, out, ws.inter, ws.acc, ws.ready, ws.done, ws.converted,
+        topk_weight.reshape(-1), topk_ids.reshape(-1), expert_map,
+        tokens, model_dim, inter_dim,
         x.stride(0), x.stride(1), w1.stride(0), w1.stride(1), w1.stride(2),
         w2.stride(0), w2.stride(1), w2.stride(2), out.stride(0), out.stride(1),
-        TOPK=topk, ACT=activation,
-        BLOCK_I=config.block_i, BLOCK_K=config.block_k, BLOCK_D=config.block_d,
-        num_warps=config.num_warps)
+        TOPK=topk, TOPK_P2=triton.next_power_of_2(topk), ACT=activation,
+        MUL_WEIGHT1=doweight_stage1, INPUT_PRECISION=_checks.input_precision(x.dtype), PDL=PDL,
+        BLOCK_T=token_block(tokens), BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        BLOCK_D=config.block_d, BLOCK_I=config.block_i,
+        num_warps=config.num_warps, num_stages=config.num_stages)
     return out
