@@ -18,8 +18,11 @@ Timed together (graph replay, alternating, weights rotated through copies larger
 - ours: ``gemmtune.fused_moe`` through the tables (routing preparation included);
 - vLLM GEMMs: its two kernel launches alone, without its routing, activation or sum (the issue's
   target: ours below this);
-- vLLM whole: the two launches plus the activation and the sum over slots as torch ops (vLLM runs
-  its own CUDA ops there).
+- vLLM whole: the two launches plus the activation and the sum over slots as torch ops (silu,
+  mul, sum: three launches);
+- vLLM lean: the two launches plus one launch for the activation (a Triton ``silu(gate) * up``,
+  as vLLM's own ``silu_and_mul`` op) and one for the sum: the issue's "two GEMM kernels plus
+  activation and sum", launch for launch as vLLM runs them.
 Every output is checked against the fp32 reference. ``--smoke`` runs one tiny fp32 case through
 both on the interpreter: the plumbing, not the speed.
 """
@@ -34,6 +37,8 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 
 import gemmtune
 from gemmtune.dispatch import use_tables
@@ -158,6 +163,15 @@ class VllmMoe:
         self._gemm(self.hidden, w1, self.inter1, False, self.topk)
         self._gemm(self.act, w2, self.out2, True, 1)
 
+    def lean(self, weights) -> torch.Tensor:
+        w1, w2 = weights
+        self._gemm(self.hidden, w1, self.inter1, False, self.topk)
+        pairs = self.act.shape[0]
+        silu_and_mul_kernel[(pairs, triton.cdiv(self.inter_dim, ACT_BLOCK))](
+            self.inter1, self.act, self.inter_dim, BLOCK=ACT_BLOCK)
+        self._gemm(self.act, w2, self.out2, True, 1)
+        return self.out2.sum(dim=1)
+
     def whole(self, weights) -> torch.Tensor:
         w1, w2 = weights
         self._gemm(self.hidden, w1, self.inter1, False, self.topk)
@@ -165,6 +179,21 @@ class VllmMoe:
         torch.mul(F.silu(h[:, :self.inter_dim]), h[:, self.inter_dim:], out=self.act)
         self._gemm(self.act, w2, self.out2, True, 1)
         return self.out2.sum(dim=1)
+
+
+ACT_BLOCK = 1024
+
+
+@triton.jit
+def silu_and_mul_kernel(h_ptr, out_ptr, I, BLOCK: tl.constexpr):
+    """out[row] = silu(h[row, :I]) * h[row, I:]: the activation in one launch."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    inside = cols < I
+    gate = tl.load(h_ptr + row * 2 * I + cols, mask=inside, other=0.0).to(tl.float32)
+    up = tl.load(h_ptr + row * 2 * I + I + cols, mask=inside, other=0.0).to(tl.float32)
+    act = gate / (1.0 + tl.exp(-gate)) * up
+    tl.store(out_ptr + row * I + cols, act.to(out_ptr.dtype.element_ty), mask=inside)
 
 
 def inputs(tokens, model_dim, inter_dim, experts, topk, dtype, device, seed):
@@ -196,7 +225,8 @@ def smoke(vllm, vllm_dir: Path) -> None:
                                   kernel="triton.moe1:BM16.BN16.BK16.W4.S1"
                                          "+triton.moe2:BM16.BN16.BK16.SK1.W4.S1")
         print(f"E={experts} ({'one pair a block' if theirs.naive else 'grouped'}, {source}): "
-              f"vLLM rel_err {rel_err(theirs.whole((w1, w2)), ref):.1e}, ours "
+              f"vLLM rel_err {rel_err(theirs.whole((w1, w2)), ref):.1e}, lean "
+              f"{rel_err(theirs.lean((w1, w2)), ref):.1e}, ours "
               f"{rel_err(ours, ref):.1e}")
 
 
@@ -217,15 +247,19 @@ def compare(vllm, vllm_dir: Path, model: str, token_counts) -> list[dict]:
 
         ours_err = rel_err(ours((w1, w2)), ref)
         theirs_err = rel_err(theirs.whole((w1, w2)), ref)
+        lean_err = rel_err(theirs.lean((w1, w2)), ref)
         plans = gemmtune.get_family("fmoe").dispatcher.plans.values()
         plan = next(p for p in plans if p.decision.key.token == tokens)  # this call's
-        (ours_us, _), (gemms_us, _), (whole_us, _) = interleaved_graph_us(
-            [ours, theirs.gemms, theirs.whole], sets)
+        (ours_us, _), (gemms_us, _), (lean_us, _), (whole_us, _) = interleaved_graph_us(
+            [ours, theirs.gemms, theirs.lean, theirs.whole], sets)
         rows.append(dict(model=model, tokens=tokens, ours_us=round(ours_us, 2),
-                         vllm_gemms_us=round(gemms_us, 2), vllm_whole_us=round(whole_us, 2),
+                         vllm_gemms_us=round(gemms_us, 2), vllm_lean_us=round(lean_us, 2),
+                         vllm_whole_us=round(whole_us, 2),
                          vs_gemms=round(gemms_us / ours_us, 3),
+                         vs_lean=round(lean_us / ours_us, 3),
                          vs_whole=round(whole_us / ours_us, 3),
                          ours_err=f"{ours_err:.1e}", vllm_err=f"{theirs_err:.1e}",
+                         vllm_lean_err=f"{lean_err:.1e}",
                          vllm_config=source, vllm_naive=theirs.naive,
                          vllm_block_m=config["BLOCK_SIZE_M"],
                          ours_kernel=plan.decision.kernel_name))
@@ -257,11 +291,12 @@ def main() -> None:
     else:
         rows = compare(vllm, args.vllm_dir, args.model, token_counts)
     write_records(rows, args.out / f"vllm_moe_{args.model}.csv")
-    print(f"{'T':>5} {'ours':>9} {'vLLM GEMMs':>10} {'vLLM whole':>10} {'x GEMMs':>8} "
-          f"{'x whole':>8}  vLLM config")
+    print(f"{'T':>5} {'ours':>9} {'vLLM GEMMs':>10} {'vLLM lean':>10} {'vLLM whole':>10} "
+          f"{'x GEMMs':>8} {'x lean':>8} {'x whole':>8}  vLLM config")
     for r in rows:
         print(f"{r['tokens']:>5} {r['ours_us']:>9} {r['vllm_gemms_us']:>10} "
-              f"{r['vllm_whole_us']:>10} {r['vs_gemms']:>8} {r['vs_whole']:>8}  "
+              f"{r['vllm_lean_us']:>10} {r['vllm_whole_us']:>10} {r['vs_gemms']:>8} "
+              f"{r['vs_lean']:>8} {r['vs_whole']:>8}  "
               f"{r['vllm_config']} BM{r['vllm_block_m']}{' one-pair' if r['vllm_naive'] else ''}")
 
 
