@@ -184,6 +184,10 @@ for what in "$@"; do
             model=${what#readprobe:}
             TAIL=40 stage "readprobe_$model" 200 python3 benchmarks/moe_read_probe.py \
                 --model "$model" --out "$OUT" ;;
+        gmmprobe:*)  # gmmprobe:MODEL: torch._grouped_mm's two GEMMs beside our op, T >= 1024
+            model=${what#gmmprobe:}
+            TAIL=8 stage "gmmprobe_$model" 200 python3 benchmarks/grouped_mm_probe.py \
+                --model "$model" --out "$OUT" ;;
         moebreak:*)  # routing / stage 1 / stage 2 / whole against the floors, tuned configs
             model=${what#moebreak:}
             tuned="$OUT/fmoe_$model/tuned_fmoe.csv"

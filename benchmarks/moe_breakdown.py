@@ -22,9 +22,9 @@ from gemmtune.families.fmoe.op import expert_map_of
 from gemmtune.kernels.problem import Activation, MoeProblem
 from gemmtune.kernels.torch_ref import fused_moe_ref
 from gemmtune.kernels.triton import moe_stages
-from gemmtune.kernels.triton.fused_moe import (ACT_CODES, TritonOneStageMoe, TritonTwoStageMoe,
-                                              route)
-from gemmtune.kernels.triton.moe_configs import MoeStage1Config, MoeStage2Config
+from gemmtune.kernels.triton.fused_moe import (ACT_CODES, TritonGroupedMmMoe, TritonOneStageMoe,
+                                              TritonTwoStageMoe, route)
+from gemmtune.kernels.triton.moe_configs import GROUPED_MM_NAME, MoeStage1Config, MoeStage2Config
 from gemmtune.kernels.triton.moe_routing import moe_routing
 from gemmtune.measure.ceilings import floors, measure_ceilings
 from gemmtune.bench import write_records
@@ -36,7 +36,7 @@ TOKENS = (1, 2, 4, 8, 16, 64, 256, 1024, 8192)
 LARGE = (MoeStage1Config(128, 128, 64, 8, 3), MoeStage2Config(128, 128, 64, 1, 8, 3))
 
 
-def tuned_kernels(path: str | None) -> dict[int, TritonOneStageMoe | TritonTwoStageMoe]:
+def tuned_kernels(path: str | None) -> dict[int, object]:
     """token -> the Triton solution of its row (rows torch won are left out)."""
     found = {}
     if path:
@@ -47,6 +47,8 @@ def tuned_kernels(path: str | None) -> dict[int, TritonOneStageMoe | TritonTwoSt
                         f"{row['kernelName1']}+{row['kernelName2']}")
                 elif int(row["run_1stage"]):
                     found[int(row["token"])] = TritonOneStageMoe(row["kernelName1"])
+                elif row["kernelName1"] == GROUPED_MM_NAME:
+                    found[int(row["token"])] = TritonGroupedMmMoe()
     return found
 
 

@@ -48,6 +48,7 @@ def rel_err(y, ref):
 
 # ------------------------------------------------------------------------ routing preparation
 @pytest.mark.parametrize("tokens, topk, experts, block_m, local", [
+    (9, 3, 6, 1, None),  # block_m 1: runs without padding (the grouped-GEMM backend's)
     (13, 2, 4, 16, None),  # tokens not a multiple of block_m
     (5, 4, 4, 16, None),  # topk = E
     (9, 2, 8, 32, [1, 0, 1, 1, 0, 0, 1, 0]),  # expert parallelism: 4 of 8 experts here
@@ -81,6 +82,7 @@ def test_routing_groups_every_local_pair_once_in_order(tokens, topk, experts, bl
         assert block_expert[row // block_m: (row + padded) // block_m] == \
             [e] * (padded // block_m)
         row += padded
+        assert routing.expert_ends[e].item() == row  # a grouped GEMM's offsets
     assert rows_used == row and sorted_ids[:rows_used] == want  # what lies past is never read
 
 
@@ -90,6 +92,7 @@ TWO_STAGE = "triton.moe1:BM16.BN16.BK16.W4.S1+triton.moe2:BM16.BN16.BK16.SK{sk}.
 PAIR_BLOCKS = TWO_STAGE.replace(".S1+", ".S1.PB1+") + ".PB1"
 # Tiles of 16 and steps of 16 on both stages: ragged tiles and steps below.
 ONE_STAGE = "triton.moe_1stage:BN16.BK16.BD16.BI16.W4.S1"
+GROUPED_MM = "triton.moe_gmm"
 KERNEL_CASES = [
     # tokens, model_dim, inter_dim, experts, topk, activation, doweight_stage1, split_k, route
     (7, 40, 24, 4, 2, "Silu", False, 1, None),
@@ -117,6 +120,47 @@ def test_the_kernels_match_the_reference(dtype, case, solution):
     assert kernel(hidden, w1, w2, weight, ids, expert_map, problem, out=out) is out
     ref = fused_moe_ref(hidden, w1, w2, weight, ids, expert_map, act.lower(), dw1)
     assert torch.isfinite(out).all() and rel_err(out, ref) < REL_BOUND[dtype]
+
+
+@pytest.mark.parametrize("case", KERNEL_CASES)
+def test_the_grouped_mm_backend_matches_the_reference_in_bf16(case):
+    # Our routing, gather, activation and combine around torch._grouped_mm (bf16 only).
+    from gemmtune.families.fmoe.op import REGISTRY, problem_of
+
+    tokens, model_dim, inter_dim, experts, topk, act, dw1, _, route = case
+    hidden, w1, w2, weight, ids = moe_inputs(tokens, model_dim, inter_dim, experts, topk,
+                                             torch.bfloat16, seed=tokens, route=route)
+    key = DISPATCH.to_table_key((tokens, model_dim, inter_dim, experts, topk, torch.bfloat16,
+                                 ActivationType.from_str(act), dw1))
+    kernel = REGISTRY.resolve_for(GROUPED_MM, problem_of(key))
+    expert_map = expert_map_of(None, experts, DEVICE)
+    out = torch.full_like(hidden, float("nan"))  # every element must be written
+    assert kernel(hidden, w1, w2, weight, ids, expert_map, problem_of(key), out=out) is out
+    ref = fused_moe_ref(hidden, w1, w2, weight, ids, expert_map, act.lower(), dw1)
+    assert rel_err(out, ref) < REL_BOUND[torch.bfloat16]
+
+
+def test_the_grouped_mm_backend_skips_pairs_of_other_ranks():
+    mask = torch.tensor([False, True, False, True, True, False], device=DEVICE)
+    hidden, w1, w2, weight, ids = moe_inputs(9, 32, 24, 3, 2, torch.bfloat16, seed=5,
+                                             global_experts=6)
+    ids[0] = torch.tensor([0, 2], dtype=torch.int32)  # token 0: only other ranks' experts
+    y = gemmtune.fused_moe(hidden, w1, w2, weight, ids, expert_mask=mask, kernel=GROUPED_MM)
+    ref = fused_moe_ref(hidden, w1, w2, weight, ids, expert_map_of(mask, 3, DEVICE))
+    assert rel_err(y, ref) < REL_BOUND[torch.bfloat16]
+    assert torch.equal(y[0], torch.zeros_like(y[0]))
+
+
+def test_the_grouped_mm_backend_refuses_what_torch_grouped_mm_cannot_run():
+    from gemmtune.families.fmoe.op import REGISTRY
+    from gemmtune.kernels.problem import Activation, MoeProblem
+
+    kernel = REGISTRY.resolve(GROUPED_MM)
+    fp16 = MoeProblem(4, 64, 32, 4, 2, torch.float16, Activation.silu, False)
+    ragged = MoeProblem(4, 60, 32, 4, 2, torch.bfloat16, Activation.silu, False)
+    assert "bfloat16" in kernel.check(fp16) and "multiples of 8" in kernel.check(ragged)
+    with pytest.raises(ValueError, match="no config"):
+        REGISTRY.resolve(GROUPED_MM + ":BM16")
 
 
 def test_pairs_routed_to_another_rank_add_nothing():
@@ -275,14 +319,15 @@ def test_real_model_shapes_on_the_gpu(shape, tokens):
     assert rel_err(y, ref) < REL_BOUND[torch.bfloat16]
     torch_y = gemmtune.fused_moe(hidden, w1, w2, weight, ids, kernel="torch.moe")
     assert rel_err(torch_y, ref) < REL_BOUND[torch.bfloat16]
-    if tokens <= 37:  # the 1-stage kernel and pair blocks are for few tokens
-        for kernel in (GPU_ONE_STAGE, GPU_PAIR_BLOCKS):
-            y = gemmtune.fused_moe(hidden, w1, w2, weight, ids, kernel=kernel)
-            assert rel_err(y, ref) < REL_BOUND[torch.bfloat16], kernel
+    # The 1-stage kernel and pair blocks are for few tokens, torch's grouped GEMM for many.
+    for kernel in (GPU_ONE_STAGE, GPU_PAIR_BLOCKS) if tokens <= 37 else (GROUPED_MM,):
+        y = gemmtune.fused_moe(hidden, w1, w2, weight, ids, kernel=kernel)
+        assert rel_err(y, ref) < REL_BOUND[torch.bfloat16], kernel
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kernel", [None, "torch.moe", GPU_ONE_STAGE, GPU_PAIR_BLOCKS])
+@pytest.mark.parametrize("kernel", [None, "torch.moe", GPU_ONE_STAGE, GPU_PAIR_BLOCKS,
+                                    GROUPED_MM])
 def test_captured_in_a_cuda_graph_and_replayed_on_new_routing(kernel):
     hidden, w1, w2, weight, ids = moe_inputs(64, 2048, 768, 128, 8, torch.bfloat16)
     gemmtune.fused_moe(hidden, w1, w2, weight, ids, kernel=kernel)  # plan, compile: not captured

@@ -21,7 +21,7 @@ from gemmtune.dispatch import Dispatcher, KernelRegistry
 from gemmtune.families._gemm import model_config_glob
 from gemmtune.kernels.problem import Activation, MoeProblem
 from gemmtune.kernels.torch_ref import TORCH_MOE, fused_moe_torch
-from gemmtune.kernels.triton.moe_configs import (ONE_STAGE_PREFIX, STAGE1_PREFIX,
+from gemmtune.kernels.triton.moe_configs import (GROUPED_MM_NAME, ONE_STAGE_PREFIX, STAGE1_PREFIX,
                                                  default_two_stage)
 from gemmtune.tables.schema import FMOE_RESULT_COLUMNS, Column, Kind, Schema, int_columns
 from gemmtune.tables.values import DTYPE_NAMES, ActivationType, QuantType, to_torch_dtype
@@ -81,6 +81,15 @@ def _two_stage(name: str):
     return TritonTwoStageMoe(name)
 
 
+def _grouped_mm(name: str):
+    if name != GROUPED_MM_NAME:
+        raise ValueError(f"unknown kernel {name!r}; expected {GROUPED_MM_NAME!r} (it has no "
+                         f"config)")
+    from gemmtune.kernels.triton.fused_moe import TritonGroupedMmMoe
+
+    return TritonGroupedMmMoe()
+
+
 def _one_stage(name: str):
     from gemmtune.kernels.triton.fused_moe import TritonOneStageMoe
 
@@ -91,6 +100,7 @@ REGISTRY = KernelRegistry("fmoe")
 REGISTRY.register_exact(TORCH_MOE, fused_moe_torch)
 REGISTRY.register(STAGE1_PREFIX, _two_stage)
 REGISTRY.register(ONE_STAGE_PREFIX, _one_stage)
+REGISTRY.register(GROUPED_MM_NAME, _grouped_mm)
 
 
 def _to_table_key(raw: tuple) -> FmoeKey:

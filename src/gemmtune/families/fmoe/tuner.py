@@ -9,8 +9,9 @@ with the sum over slots (``us2``). ``compose`` then pairs the fastest stages of 
 whole solutions (``stage1+stage2``, estimated at us1 + us2), which the engine re-times end to end
 beside torch and chooses from. For few tokens the 1-stage kernel's configs
 (``triton.moe_1stage:...``) are whole solutions from the start, timed end to end as torch is; a
-row it wins has ``run_1stage`` 1. Routing is a seeded random top-k: uniform, or with ``--routing
-zipf`` a few popular experts taking most tokens.
+row it wins has ``run_1stage`` 1. For prefill token counts (bf16) ``triton.moe_gmm``, our steps
+around torch's grouped GEMM, is a whole solution too. Routing is a seeded random top-k: uniform,
+or with ``--routing zipf`` a few popular experts taking most tokens.
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ from gemmtune.families.fmoe.inputs import ROUTINGS, random_inputs
 from gemmtune.families.fmoe.op import REGISTRY, SCHEMA, FmoeKey, expert_map_of, problem_of
 from gemmtune.kernels.problem import MoeProblem
 from gemmtune.kernels.torch_ref import TORCH_MOE, fused_moe_ref
-from gemmtune.kernels.triton.moe_configs import (BLOCK_MS, ONE_STAGE_PREFIX, PAIR_BLOCK_M,
-                                                 STAGE1_PREFIX,
+from gemmtune.kernels.triton.moe_configs import (BLOCK_MS, GROUPED_MM_NAME, ONE_STAGE_PREFIX,
+                                                 PAIR_BLOCK_M, STAGE1_PREFIX,
                                                  STAGE2_PREFIX, MoeOneStageConfig,
                                                  MoeStage1Config, MoeStage2Config,
                                                  two_stage_name)
@@ -39,6 +40,9 @@ PAIRED_PER_STAGE = 2
 # The 1-stage kernel holds every token in one tile of rows, so it is a candidate for decode's
 # token counts only.
 ONE_STAGE_MAX_TOKENS = 32
+# Our steps around torch's grouped GEMM (``triton.moe_gmm``) pay off only where the GEMMs
+# dominate: prefill token counts.
+GROUPED_MM_MIN_TOKENS = 256
 
 
 def _stage_space(problem: MoeProblem, gpu: bool) -> tuple[list[MoeStage1Config],
@@ -159,6 +163,9 @@ class FmoeTuner(FamilyTuner):
             for config in _one_stage_space(problem, torch.cuda.is_available()):
                 if kernel(config.name).check(problem) is None:
                     found.append(Candidate(config.name, "triton"))
+            if (problem.tokens >= GROUPED_MM_MIN_TOKENS
+                    and kernel(GROUPED_MM_NAME).check(problem) is None):
+                found.append(Candidate(GROUPED_MM_NAME, "triton"))
         return [Candidate(c.name, c.libtype, c.simplicity, solidx=i) for i, c in enumerate(found)]
 
     # --------------------------------------------------------------------------- inputs

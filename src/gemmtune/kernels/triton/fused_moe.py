@@ -2,8 +2,9 @@
 ``@triton.jit`` module): either the routing preparation (``moe_routing``) then the two stages
 (``moe_stages``), named as one solution ``triton.moe1:<stage 1>+triton.moe2:<stage 2>`` (both
 with the same block_m, the routing's), or the 1-stage kernel (``moe_one_stage``), named
-``triton.moe_1stage:...``. Stage configs with ``PB1`` run over pair blocks: no routing
-preparation, a block per routed pair.
+``triton.moe_1stage:...``, or (many tokens, bf16) ``triton.moe_gmm``: our routing and
+elementwise steps around torch's grouped GEMM. Stage configs with ``PB1`` run over pair blocks:
+no routing preparation, a block per routed pair.
 
 Called as every MoE backend is: ``kernel(hidden, w1, w2, topk_weight, topk_ids, expert_map,
 problem)`` with hidden (T, D), w1 (E, 2I, D), w2 (E, D, I), topk_weight (T, topk) fp32,
@@ -17,9 +18,10 @@ import torch
 from gemmtune.kernels.problem import Activation, MoeProblem
 from gemmtune.kernels.triton import _checks
 from gemmtune.kernels.triton.moe_routing import moe_routing, pair_blocks
-from gemmtune.kernels.triton.moe_configs import (STAGE1_PREFIX, STAGE2_PREFIX,
+from gemmtune.kernels.triton.moe_configs import (GROUPED_MM_NAME, STAGE1_PREFIX, STAGE2_PREFIX,
                                                  MoeOneStageConfig, MoeStage1Config,
                                                  MoeStage2Config, two_stage_name)
+from gemmtune.kernels.triton.moe_grouped_mm import moe_grouped_mm, why_not_grouped_mm
 from gemmtune.kernels.triton.moe_one_stage import moe_one_stage, why_not_one_stage
 from gemmtune.kernels.triton.moe_stages import (GELU, SILU, moe_stages, why_not_stage1,
                                                 why_not_stage2)
@@ -120,3 +122,30 @@ class TritonOneStageMoe:
         return moe_one_stage(hidden, w1, w2, topk_weight, topk_ids, expert_map,
                              ACT_CODES[problem.activation], problem.doweight_stage1,
                              self.config, out=out)
+
+
+class TritonGroupedMmMoe:
+    """``triton.moe_gmm``: our routing, gather, activation and combine around torch's grouped
+    GEMM (for many tokens; bf16)."""
+
+    name = GROUPED_MM_NAME
+
+    def __repr__(self) -> str:
+        return "TritonGroupedMmMoe()"
+
+    def check(self, problem: MoeProblem) -> str | None:
+        return why_not_grouped_mm(problem.dtype, problem.model_dim, problem.inter_dim)
+
+    def warmup(self, hidden, w1, w2, topk_weight, topk_ids, expert_map,
+               problem: MoeProblem) -> None:
+        """Compile the Triton steps for these arguments, launching nothing."""
+        if hidden.shape[0] and not _checks.INTERPRETED:
+            moe_grouped_mm(hidden, w1, w2, topk_weight, topk_ids, expert_map,
+                           ACT_CODES[problem.activation], problem.doweight_stage1, warmup=True)
+
+    def __call__(self, hidden, w1, w2, topk_weight, topk_ids, expert_map, problem: MoeProblem,
+                 out=None):
+        if hidden.shape[0] == 0:
+            return torch.empty_like(hidden) if out is None else out
+        return moe_grouped_mm(hidden, w1, w2, topk_weight, topk_ids, expert_map,
+                              ACT_CODES[problem.activation], problem.doweight_stage1, out=out)

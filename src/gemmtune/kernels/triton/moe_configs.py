@@ -14,6 +14,8 @@ from gemmtune.kernels.problem import MoeProblem
 STAGE1_PREFIX = "triton.moe1"
 STAGE2_PREFIX = "triton.moe2"
 ONE_STAGE_PREFIX = "triton.moe_1stage"
+# Our routing and elementwise steps around torch's grouped GEMM (moe_grouped_mm): no config.
+GROUPED_MM_NAME = "triton.moe_gmm"
 BLOCK_MS = (16, 32, 64, 128)  # the block_m a routing may use (the seed's choices)
 # With pair blocks (``PB1``: decode's few pairs, most experts getting one) each block holds one
 # routed pair, read straight from topk_ids, and no routing preparation runs; its block_m is the

@@ -10,8 +10,8 @@ routed to it, the other slots return at once, so each routed expert's weights ar
   intermediate row of each (token, expert) pair; then it counts itself in ``ready[slot]``.
 - Stage-2 program (slot, tile of model_dim): waits for ``ready[slot]`` to reach the stage-1 tile
   count (the expert's whole intermediate), then ``h @ w2[e, tile].T``, times the routing weight,
-  added in fp32 into the token rows of a workspace. The last stage-2 program of an output tile (a counter per tile)
-  rounds it into the output.
+  added in fp32 into the token rows of a workspace. The last stage-2 program of an output tile
+  (a counter per tile) rounds it into the output.
 
 CUDA dispatches a grid's programs in order, so every stage-1 program has been placed on an SM
 before any stage-2 program waits: the waits cannot starve the programs they wait on.

@@ -10,7 +10,9 @@ result, all on the device and sized by upper bounds (no host sync: CUDA-graph ca
   expert's run padded to a multiple of ``block_m`` with the sentinel ``T * topk``; within an
   expert, pairs keep their order (a stable grouping, so results never depend on scheduling);
 - ``block_expert`` (max_blocks,) int32: the local expert of each block of ``block_m`` rows;
-- ``rows_used`` (1,) int32: how many rows of ``sorted_ids`` the experts' runs take.
+- ``rows_used`` (1,) int32: how many rows of ``sorted_ids`` the experts' runs take;
+- ``expert_ends`` (the power of two above E,) int32: the row where each local expert's run
+  ends, its first E the offsets of a grouped GEMM over the runs.
 
 Rows at and past ``rows_used``, and their blocks, are left unset: the stages never read them.
 ``max_rows = T * topk + E * (block_m - 1)`` (each expert's run wastes at most block_m - 1 rows).
@@ -46,6 +48,7 @@ class MoeRouting(NamedTuple):
     rows_used: torch.Tensor  # (1,) int32
     block_m: int
     pair_blocks: bool = False
+    expert_ends: torch.Tensor | None = None  # (bins,) int32; None with pair blocks
 
     @property
     def blocks(self) -> int:
@@ -66,12 +69,12 @@ def max_rows(pairs: int, experts: int, block_m: int) -> int:
 
 @triton.jit
 def moe_routing_kernel(topk_ids_ptr, expert_map_ptr, sorted_ids_ptr, block_expert_ptr,
-                       rows_used_ptr, pairs, experts, BLOCK_M: tl.constexpr,
+                       rows_used_ptr, ends_ptr, pairs, experts, BLOCK_M: tl.constexpr,
                        EXPERTS_POW2: tl.constexpr, SPAN: tl.constexpr):
     """The whole preparation in one program, for up to SPAN pairs: one launch beats three."""
     expert = _span_experts(topk_ids_ptr, expert_map_ptr, 0, pairs, experts, SPAN)
     counts = _local_counts(expert, experts, EXPERTS_POW2)
-    starts, ends = _expert_runs(counts, rows_used_ptr, BLOCK_M)
+    starts, ends = _expert_runs(counts, rows_used_ptr, ends_ptr, BLOCK_M)
     _pad_runs(sorted_ids_ptr, starts + counts, ends, pairs, EXPERTS_POW2, BLOCK_M)
     _place(sorted_ids_ptr, block_expert_ptr, expert, 0, starts, counts, experts, BLOCK_M, SPAN)
 
@@ -88,8 +91,8 @@ def moe_count_kernel(topk_ids_ptr, expert_map_ptr, counts_ptr, pairs, experts,
 
 
 @triton.jit
-def moe_offsets_kernel(counts_ptr, offsets_ptr, sorted_ids_ptr, rows_used_ptr, pairs, programs,
-                       BLOCK_M: tl.constexpr, EXPERTS_POW2: tl.constexpr,
+def moe_offsets_kernel(counts_ptr, offsets_ptr, sorted_ids_ptr, rows_used_ptr, ends_ptr, pairs,
+                       programs, BLOCK_M: tl.constexpr, EXPERTS_POW2: tl.constexpr,
                        PROGRAMS_STEP: tl.constexpr):
     """Step 2 of 3, one program: the experts' padded runs (their padding rows set), and the row
     where each step-1 program's first pair of each expert goes (into ``offsets``): its expert's
@@ -100,7 +103,7 @@ def moe_offsets_kernel(counts_ptr, offsets_ptr, sorted_ids_ptr, rows_used_ptr, p
     for p in range(0, programs, PROGRAMS_STEP):
         totals += tl.sum(_program_tile(counts_ptr, p + steps, programs, bins, EXPERTS_POW2),
                          axis=0)
-    starts, ends = _expert_runs(totals, rows_used_ptr, BLOCK_M)
+    starts, ends = _expert_runs(totals, rows_used_ptr, ends_ptr, BLOCK_M)
     _pad_runs(sorted_ids_ptr, starts + totals, ends, pairs, EXPERTS_POW2, BLOCK_M)
     running = starts
     for p in range(0, programs, PROGRAMS_STEP):
@@ -143,11 +146,13 @@ def _local_counts(expert, experts, EXPERTS_POW2: tl.constexpr):
 
 
 @triton.jit
-def _expert_runs(counts, rows_used_ptr, BLOCK_M: tl.constexpr):
-    """Each expert's run of rows, padded to whole blocks: (starts, ends); stores the rows used."""
+def _expert_runs(counts, rows_used_ptr, ends_ptr, BLOCK_M: tl.constexpr):
+    """Each expert's run of rows, padded to whole blocks: (starts, ends); stores the rows used
+    and the ends."""
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     ends = tl.cumsum(padded, axis=0)
     tl.store(rows_used_ptr, tl.sum(padded, axis=0))
+    tl.store(ends_ptr + tl.arange(0, padded.shape[0]), ends)
     return ends - padded, ends
 
 
@@ -203,15 +208,16 @@ def moe_routing(topk_ids: torch.Tensor, expert_map: torch.Tensor, experts: int,
     rows = max_rows(pairs, experts, block_m)
     blocks = triton.cdiv(rows, block_m)
     device = topk_ids.device
+    bins = triton.next_power_of_2(experts + 1)
     routing = MoeRouting(torch.empty(rows, dtype=torch.int32, device=device),
                          torch.empty(blocks, dtype=torch.int32, device=device),
-                         torch.empty(1, dtype=torch.int32, device=device), block_m)
+                         torch.empty(1, dtype=torch.int32, device=device), block_m,
+                         expert_ends=torch.empty(bins, dtype=torch.int32, device=device))
     ids, expert_map = topk_ids.reshape(-1).contiguous(), expert_map.contiguous()
-    bins = triton.next_power_of_2(experts + 1)
     if pairs <= pairs_per_program:
         _checks.start(moe_routing_kernel, (1,), warmup)(
-            ids, expert_map, routing.sorted_ids, routing.block_expert, routing.rows_used, pairs,
-            experts, BLOCK_M=block_m, EXPERTS_POW2=bins,
+            ids, expert_map, routing.sorted_ids, routing.block_expert, routing.rows_used,
+            routing.expert_ends, pairs, experts, BLOCK_M=block_m, EXPERTS_POW2=bins,
             SPAN=max(MIN_SPAN, triton.next_power_of_2(pairs)), num_warps=4)
         return routing
     programs = triton.cdiv(pairs, pairs_per_program)
@@ -221,7 +227,8 @@ def moe_routing(topk_ids: torch.Tensor, expert_map: torch.Tensor, experts: int,
         ids, expert_map, counts, pairs, experts, EXPERTS_POW2=bins, SPAN=pairs_per_program,
         num_warps=4)
     _checks.start(moe_offsets_kernel, (1,), warmup)(
-        counts, offsets, routing.sorted_ids, routing.rows_used, pairs, programs,
+        counts, offsets, routing.sorted_ids, routing.rows_used, routing.expert_ends, pairs,
+        programs,
         BLOCK_M=block_m, EXPERTS_POW2=bins, PROGRAMS_STEP=16, num_warps=4)
     _checks.start(moe_place_kernel, (programs,), warmup)(
         ids, expert_map, routing.sorted_ids, routing.block_expert, offsets, pairs, experts,
