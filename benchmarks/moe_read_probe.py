@@ -101,6 +101,45 @@ def read_tiles(w, experts, sink, rows: int, bk: int, stages: int, tma: bool):
         num_stages=stages)
 
 
+@triton.jit
+def read_chunk_pairs_kernel(w1_ptr, w2_ptr, experts_ptr, sink_ptr, D, I, tiles,
+                            BN: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr):
+    """Program (expert, chunk) reads what a stage-2-without-waiting design would: the chunk's
+    BN gate and BN up rows of w1 (steps of BK columns), then the same BN columns of w2, every
+    row of it (steps of BD rows): no program waits for another."""
+    pid = tl.program_id(0)
+    e = tl.load(experts_ptr + pid // tiles).to(tl.int64)
+    n0 = (pid % tiles) * BN
+    offs_n = n0 + tl.arange(0, BN)
+    offs_k = tl.arange(0, BK)
+    gate = w1_ptr + e * 2 * I * D + offs_n[:, None].to(tl.int64) * D + offs_k[None, :]
+    up = gate + I * D
+    ones = tl.full((16, BK), 1.0, dtype=w1_ptr.dtype.element_ty)
+    acc = tl.zeros((16, BN), dtype=tl.float32)
+    for k0 in range(0, D, BK):
+        inside = offs_k[None, :] < D - k0
+        acc = tl.dot(ones, tl.trans(tl.load(gate, mask=inside, other=0.0)), acc)
+        acc = tl.dot(ones, tl.trans(tl.load(up, mask=inside, other=0.0)), acc)
+        gate += BK
+        up += BK
+    h = acc.to(w2_ptr.dtype.element_ty)  # (16, BN)
+    offs_d = tl.arange(0, BD)
+    down = w2_ptr + e * D * I + offs_d[None, :].to(tl.int64) * I + offs_n[:, None]  # (BN, BD)
+    total = tl.zeros((16, BD), dtype=tl.float32)
+    for d0 in range(0, D, BD):
+        total += tl.dot(h, tl.load(down, mask=offs_d[None, :] < D - d0, other=0.0))
+        down += BD * I
+    tl.store(sink_ptr + pid, tl.sum(total))
+
+
+def read_chunk_pairs(w1, w2, experts, sink, bn: int, stages: int):
+    E, D, I = w2.shape
+    tiles = triton.cdiv(I, bn)
+    read_chunk_pairs_kernel[(experts.numel() * tiles,)](
+        w1, w2, experts, sink, D, I, tiles, BN=bn, BK=128, BD=128, num_warps=4,
+        num_stages=stages)
+
+
 TILE_VARIANTS = [(rows, bk, stages, tma) for tma in (False, True) for rows in (32, 64)
                  for bk in (128,) for stages in (3, 4, 6)] + [(128, 64, 4, False),
                                                              (128, 64, 4, True)]
@@ -142,6 +181,12 @@ def main() -> None:
         us = {name: graph_replay_us(fn, sets, replays=30)[0] for name, fn in timed.items()}
         us["torch sum, contiguous"] = graph_replay_us(lambda b: b.sum(dtype=torch.float32),
                                                       flat, replays=30)[0]
+        for bn in (16, 32, 64):
+            for stages in (3, 4):
+                name = f"no-wait chunks: w1 rows + w2 columns BN{bn} S{stages}"
+                us[name] = graph_replay_us(
+                    lambda s, a=(bn, stages): read_chunk_pairs(w1, w2, s, sink, *a), sets,
+                    replays=30)[0]
         for matrix, w in (("w1", w1), ("w2", w2)):
             alone = floors(0.0, nbytes * (2 if matrix == "w1" else 1) / 3, ceilings).attainable_us
             for tile_rows, bk, stages, tma in TILE_VARIANTS:
