@@ -9,7 +9,9 @@ Variants: programs reading contiguous chunks of each routed expert's weights (on
 w1 and w2, or two), chunk sizes 64-512 KiB; torch's ``sum`` over a contiguous buffer of the
 same bytes. Then each matrix alone (w1 as stage 1 reads it, w2 as stage 2 does) in the stages'
 own pattern: a program per (expert, tile of rows), the rows in steps of ``BK`` columns through
-``tl.dot`` (so Triton pipelines the loads, ``S`` stages), loaded plainly or through TMA.
+``tl.dot`` (so Triton pipelines the loads, ``S`` stages), loaded plainly or through TMA. And
+the reads of a 1-stage design that never waits: a program per (expert, chunk of inter_dim)
+reading the chunk's w1 rows, then the same columns of w2.
 """
 
 from __future__ import annotations
