@@ -183,7 +183,7 @@ for what in "$@"; do
         readprobe:*)  # readprobe:MODEL: one launch reading the routed experts' weights, no GEMM
             model=${what#readprobe:}
             TAIL=40 stage "readprobe_$model" 200 python3 benchmarks/moe_read_probe.py \
-                --model "$model" --out "$OUT" ;;
+                --model "$model" --tokens "${PROBE_TOKENS:-1,4}" --out "$OUT" ;;
         gmmprobe:*)  # gmmprobe:MODEL: torch._grouped_mm's two GEMMs beside our op, T >= 1024
             model=${what#gmmprobe:}
             TAIL=8 stage "gmmprobe_$model" 200 python3 benchmarks/grouped_mm_probe.py \

@@ -3,7 +3,7 @@ nothing else (a sum, no GEMM), under CUDA-graph replay with cold weights. That t
 floor (bytes / streaming-read bandwidth + t_launch), says how much of a kernel's distance from
 the floor any kernel pays at this size (ramp-up, tail), and how much is the kernel's own.
 
-    PYTHONPATH=src python3 benchmarks/moe_read_probe.py [--model NAME] [--out DIR]
+    PYTHONPATH=src python3 benchmarks/moe_read_probe.py [--model NAME] [--tokens 1,4] [--out DIR]
 
 Variants: programs reading contiguous chunks of each routed expert's weights (one launch for
 w1 and w2, or two), chunk sizes 64-512 KiB; torch's ``sum`` over a contiguous buffer of the
@@ -151,6 +151,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="qwen3-30b-a3b", choices=sorted(SHAPES))
     p.add_argument("--out", default="out")
+    p.add_argument("--tokens", default=",".join(map(str, TOKENS)))
     args = p.parse_args()
     model_dim, inter_dim, n_experts, topk = SHAPES[args.model]
     square = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
@@ -159,7 +160,7 @@ def main() -> None:
     w2 = torch.randn(n_experts, model_dim, inter_dim, device="cuda").bfloat16()
     sink = torch.empty(1 << 20, device="cuda")
     rows = []
-    for tokens in TOKENS:
+    for tokens in (int(t) for t in args.tokens.split(",")):
         gen = torch.Generator(device="cuda").manual_seed(tokens)
         # Routings of distinct experts in turn: each replay reads experts the last one did not.
         sets = []
