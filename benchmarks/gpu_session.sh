@@ -188,6 +188,10 @@ for what in "$@"; do
             model=${what#gmmprobe:}
             TAIL=8 stage "gmmprobe_$model" 200 python3 benchmarks/grouped_mm_probe.py \
                 --model "$model" --out "$OUT" ;;
+        timeline:*)  # timeline:MODEL: the 1-stage kernel's programs on the GPU's timer, T = 1, 2, 4
+            model=${what#timeline:}
+            TAIL=30 stage "timeline_$model" 200 python3 benchmarks/moe_one_stage_timeline.py \
+                --model "$model" --tokens 1,2,4 --out "$OUT" ;;
         moebreak:*)  # routing / stage 1 / stage 2 / whole against the floors, tuned configs
             model=${what#moebreak:}
             tuned="$OUT/fmoe_$model/tuned_fmoe.csv"

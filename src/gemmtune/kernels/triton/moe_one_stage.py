@@ -121,10 +121,14 @@ def moe_one_stage_kernel(
     BLOCK_T: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,  # stage 1: inter_dim tile, model_dim step
     BLOCK_D: tl.constexpr, BLOCK_I: tl.constexpr,  # stage 2: model_dim tile, inter_dim step
+    trace_ptr,  # (programs, 3) int64 with TRACE: start, end of stage 2's wait, end (ns)
+    TRACE: tl.constexpr,  # a timeline per program (benchmarks/moe_one_stage_timeline.py)
 ):
     if PDL:
         tl.extra.cuda.gdc_wait()  # the routing and x come from the kernels before
     pid = tl.program_id(0)
+    if TRACE:
+        tl.store(trace_ptr + pid * 3, _now(pid))
     tiles1 = tl.cdiv(I, BLOCK_N)
     stage1_programs = T * TOPK * tiles1
     if pid < stage1_programs:
@@ -138,9 +142,19 @@ def moe_one_stage_kernel(
         _stage2(w2_ptr, out_ptr, inter_ptr, acc_ptr, ready_ptr, done_ptr, converted_ptr,
                 topk_weight_ptr, topk_ids_ptr, expert_map_ptr, q // tiles2, q % tiles2, tiles1,
                 tiles2, T, D, I, stride_2e, stride_2d, stride_2i, stride_ot, stride_od,
-                TOPK, TOPK_P2, MUL_WEIGHT1, INPUT_PRECISION, BLOCK_T, BLOCK_D, BLOCK_I)
+                TOPK, TOPK_P2, MUL_WEIGHT1, INPUT_PRECISION, BLOCK_T, BLOCK_D, BLOCK_I,
+                trace_ptr, TRACE)
+    if TRACE:
+        tl.store(trace_ptr + pid * 3 + 2, _now(pid))
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def _now(anything):
+    """The GPU's global nanosecond timer (for TRACE; ``anything`` gives the asm a shape)."""
+    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [anything],
+                                     dtype=tl.int64, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -194,7 +208,7 @@ def _stage2(w2_ptr, out_ptr, inter_ptr, acc_ptr, ready_ptr, done_ptr, converted_
             T, D, I, stride_2e, stride_2d, stride_2i, stride_ot, stride_od,
             TOPK: tl.constexpr, TOPK_P2: tl.constexpr, MUL_WEIGHT1: tl.constexpr,
             INPUT_PRECISION: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
-            BLOCK_I: tl.constexpr):
+            BLOCK_I: tl.constexpr, trace_ptr, TRACE: tl.constexpr):
     expert, routed, pairs = _slot_work(topk_ids_ptr, expert_map_ptr, slot, T, TOPK, BLOCK_T,
                                        TOPK_P2)
     offs_t = tl.arange(0, BLOCK_T)
@@ -210,6 +224,8 @@ def _stage2(w2_ptr, out_ptr, inter_ptr, acc_ptr, ready_ptr, done_ptr, converted_
         while tl.load(ready_ptr + slot, volatile=True) < tiles1:
             pass
         tl.atomic_add(ready_ptr + slot, 0, sem="acquire")
+        if TRACE:
+            tl.store(trace_ptr + tl.program_id(0) * 3 + 1, _now(slot))
         acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
         for i0 in range(0, I, BLOCK_I):
             h = tl.load(h_ptrs, mask=routed[:, None] & (offs_i[None, :] < I - i0), other=0.0,
@@ -281,21 +297,30 @@ def _workspace(tokens, topk, inter_dim, model_dim, tiles2, dtype, device) -> _Wo
     return found
 
 
+def programs(tokens: int, topk: int, inter_dim: int, model_dim: int,
+             config: MoeOneStageConfig) -> int:
+    """The grid: stage-1 programs, then stage-2 programs, a set of each per routed pair."""
+    return tokens * topk * (triton.cdiv(inter_dim, config.block_n)
+                            + triton.cdiv(model_dim, config.block_d))
+
+
 def moe_one_stage(x, w1, w2, topk_weight, topk_ids, expert_map, activation: int,
                   doweight_stage1: bool, config: MoeOneStageConfig,
-                  out: torch.Tensor | None = None, warmup: bool = False) -> torch.Tensor:
+                  out: torch.Tensor | None = None, warmup: bool = False,
+                  trace: torch.Tensor | None = None) -> torch.Tensor:
     """The whole MoE in one launch: x (T, D), w1 (E, 2I, D), w2 (E, D, I), topk_weight (T, topk)
     fp32, topk_ids (T, topk) int32 -> (T, D) in x's dtype, into ``out`` if given. Launch only:
-    the caller checked the shapes. ``warmup``: compile, launch nothing."""
+    the caller checked the shapes. ``warmup``: compile, launch nothing. ``trace`` (GPU only):
+    an int64 (programs, 3) tensor that gets each program's start, the end of its stage-2 wait
+    (left as it was for stage-1 programs) and its end, in ns of the GPU's global timer."""
     tokens, model_dim = x.shape
     inter_dim = w2.shape[2]
     topk = topk_ids.shape[1]
     if out is None:
         out = torch.empty_like(x)
-    tiles1 = triton.cdiv(inter_dim, config.block_n)
     tiles2 = triton.cdiv(model_dim, config.block_d)
     ws = _workspace(tokens, topk, inter_dim, model_dim, tiles2, x.dtype, x.device)
-    grid = (tokens * topk * (tiles1 + tiles2),)
+    grid = (programs(tokens, topk, inter_dim, model_dim, config),)
     _checks.start(moe_one_stage_kernel, grid, warmup, launch_pdl=PDL)(
         x, w1, w2, out, ws.inter, ws.acc, ws.ready, ws.done, ws.converted,
         topk_weight.reshape(-1), topk_ids.reshape(-1), expert_map,
@@ -305,6 +330,6 @@ def moe_one_stage(x, w1, w2, topk_weight, topk_ids, expert_map, activation: int,
         TOPK=topk, TOPK_P2=triton.next_power_of_2(topk), ACT=activation,
         MUL_WEIGHT1=doweight_stage1, INPUT_PRECISION=_checks.input_precision(x.dtype), PDL=PDL,
         BLOCK_T=token_block(tokens), BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        BLOCK_D=config.block_d, BLOCK_I=config.block_i,
+        BLOCK_D=config.block_d, BLOCK_I=config.block_i, trace_ptr=trace, TRACE=trace is not None,
         num_warps=config.num_warps, num_stages=config.num_stages)
     return out
