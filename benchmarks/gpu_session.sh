@@ -31,6 +31,11 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,no
 summary="$OUT/summary.txt"
 : > "$summary"
 
+model_and_tp() {  # model_and_tp MODEL[:TP]: sets model and tp (1 when not given)
+    model=${1%%:*}
+    tp=1; [[ $1 == *:* ]] && tp=${1#*:}
+}
+
 stage() {  # stage NAME SECONDS CMD...: run CMD under a limit, log to $OUT/NAME.log
     local name=$1 limit=$2
     shift 2
@@ -128,21 +133,15 @@ for what in "$@"; do
                 "$OUT/cmp_${family}_${model}_after/bench_${family//-/_}.csv" \
                 | tee -a "$OUT/compare.txt" >> "$summary" ;;
         bench:*)
-            spec=${what#bench:}
-            model=${spec%%:*}
-            tp=1; [[ $spec == *:* ]] && tp=${spec##*:}
+            model_and_tp "${what#bench:}"
             TAIL=40 stage "bench_$model" 400 python3 -m gemmtune.cli bench bf16 --model "$model" \
                 --tp "$tp" -o "$OUT/bench_${model}_tp$tp" ;;
         benchbs:*)  # the same for a8w8-blockscale through its shipped table
-            spec=${what#benchbs:}
-            model=${spec%%:*}
-            tp=1; [[ $spec == *:* ]] && tp=${spec##*:}
+            model_and_tp "${what#benchbs:}"
             TAIL=40 stage "benchbs_$model" 400 python3 -m gemmtune.cli bench a8w8-blockscale \
                 --model "$model" --tp "$tp" -o "$OUT/benchbs_${model}_tp$tp" ;;
         bench8:*)  # the same for a8w8 (FP8 per-token x per-channel) through its shipped table
-            spec=${what#bench8:}
-            model=${spec%%:*}
-            tp=1; [[ $spec == *:* ]] && tp=${spec##*:}
+            model_and_tp "${what#bench8:}"
             TAIL=40 stage "bench8_$model" 400 python3 -m gemmtune.cli bench a8w8 --dtype fp8 \
                 --model "$model" --tp "$tp" -o "$OUT/bench8_${model}_tp$tp" ;;
         ltprobe)  # cuBLASLt FP8 with per-tensor and per-row scales: supported here? right?
@@ -168,9 +167,7 @@ for what in "$@"; do
             TAIL=40 stage json8 200 python3 -m gemmtune.cli bench a8w8 --dtype fp8 \
                 --shapes "$OUT/json8_shapes.csv" -o "$OUT/bench_json8" ;;
         fmoetune:*)  # fmoetune:MODEL[:TP]: tune fmoe over 14 token counts (FMOE_NSETS: others)
-            spec=${what#fmoetune:}
-            model=${spec%%:*}
-            tp=1; [[ $spec == *:* ]] && tp=${spec#*:}
+            model_and_tp "${what#fmoetune:}"
             python3 -m gemmtune.cli shapes --model "$model" --tp "$tp" --families fmoe \
                 -o "$OUT/fmoe_$model" \
                 --nsets "${FMOE_NSETS:-1,2,4,8,16,32,64,128,256,512,1024,2048,4096,8192}" \
@@ -180,18 +177,18 @@ for what in "$@"; do
                 -o2 "$OUT/fmoe_$model/profile.csv" --mp "${FMOE_MP:-8}" --batch 1
             python3 benchmarks/fmoe_tune_summary.py "$OUT/fmoe_$model/tuned_fmoe.csv" \
                 "$OUT/fmoe_$model/profile.csv" | tee -a "$summary" ;;
-        readprobe:*)  # readprobe:MODEL: one launch reading the routed experts' weights, no GEMM
-            model=${what#readprobe:}
+        readprobe:*)  # readprobe:MODEL[:TP]: one launch reading the routed experts' weights, no GEMM
+            model_and_tp "${what#readprobe:}"
             TAIL=40 stage "readprobe_$model" 200 python3 benchmarks/moe_read_probe.py \
-                --model "$model" --tokens "${PROBE_TOKENS:-1,4}" --out "$OUT" ;;
-        gmmprobe:*)  # gmmprobe:MODEL: torch._grouped_mm's two GEMMs beside our op, T >= 1024
-            model=${what#gmmprobe:}
+                --model "$model" --tp "$tp" --tokens "${PROBE_TOKENS:-1,4}" --out "$OUT" ;;
+        gmmprobe:*)  # gmmprobe:MODEL[:TP]: torch._grouped_mm's two GEMMs beside our op, T >= 1024
+            model_and_tp "${what#gmmprobe:}"
             TAIL=8 stage "gmmprobe_$model" 200 python3 benchmarks/grouped_mm_probe.py \
-                --model "$model" --out "$OUT" ;;
-        timeline:*)  # timeline:MODEL: the 1-stage kernel's programs on the GPU's timer, T = 1, 2, 4
-            model=${what#timeline:}
+                --model "$model" --tp "$tp" --out "$OUT" ;;
+        timeline:*)  # timeline:MODEL[:TP]: the 1-stage kernel's programs on the GPU timer, T 1-4
+            model_and_tp "${what#timeline:}"
             TAIL=30 stage "timeline_$model" 200 python3 benchmarks/moe_one_stage_timeline.py \
-                --model "$model" --tokens 1,2,4 --out "$OUT" ;;
+                --model "$model" --tp "$tp" --tokens 1,2,4 --out "$OUT" ;;
         moebreak:*)  # routing / stage 1 / stage 2 / whole against the floors, tuned configs
             model=${what#moebreak:}
             tuned="$OUT/fmoe_$model/tuned_fmoe.csv"
@@ -207,9 +204,7 @@ for what in "$@"; do
             TAIL=14 stage "vllm_$model" 300 python3 benchmarks/vllm_moe_compare.py \
                 --vllm-dir .vllm/fused_moe --model "$model" --out "$OUT" "${tuned_arg[@]}" ;;
         benchmoe:*)  # benchmoe:MODEL[:TP]: gemmtune bench fmoe, shipped table (+ this call's rows)
-            spec=${what#benchmoe:}
-            model=${spec%%:*}
-            tp=1; [[ $spec == *:* ]] && tp=${spec#*:}
+            model_and_tp "${what#benchmoe:}"
             tuned="$OUT/fmoe_$model/tuned_fmoe.csv"  # this call's fmoetune rows over the shipped
             [[ -f $tuned ]] && export GEMMTUNE_CONFIG_FMOE="$tuned"
             TAIL=24 stage "benchmoe_$model" 400 python3 -m gemmtune.cli bench fmoe \

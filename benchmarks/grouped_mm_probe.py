@@ -3,7 +3,7 @@ GEMMs at prefill token counts, beside our whole op through the shipped table, in
 backend that kept our routing, gather, activation and sum but handed the GEMMs to
 ``_grouped_mm`` could reach.
 
-    PYTHONPATH=src python3 benchmarks/grouped_mm_probe.py [--model NAME] [--out DIR]
+    PYTHONPATH=src python3 benchmarks/grouped_mm_probe.py [--model NAME] [--tp N] [--out DIR]
 
 The rows are already sorted by expert (each group a multiple of 16 rows, as a block_m 16
 routing pads them); the times are the GEMMs alone under graph replay, beside the FLOPs floor.
@@ -19,18 +19,20 @@ import torch
 import gemmtune
 from gemmtune.bench import write_records
 from gemmtune.measure.timing import interleaved_graph_us
+from gemmtune.models.shapes import load_preset, moe_shapes
 
-SHAPES = {"qwen3-30b-a3b": (2048, 768, 128, 8), "deepseek-v3-tp8": (7168, 256, 256, 8),
-          "mixtral-8x7b": (4096, 14336, 8, 2)}
 TOKENS = (1024, 2048, 4096, 8192)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="qwen3-30b-a3b", choices=sorted(SHAPES))
+    p.add_argument("--model", default="qwen3-30b-a3b", help="a model preset (gemmtune shapes)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks: one rank's experts")
     p.add_argument("--out", default="out")
     args = p.parse_args()
-    model_dim, inter_dim, experts, topk = SHAPES[args.model]
+    shape = moe_shapes(load_preset(args.model), args.tp)[0]
+    model_dim, inter_dim, experts, topk = shape.model_dim, shape.inter_dim, shape.expert, shape.topk
+    label = args.model if args.tp == 1 else f"{args.model}-tp{args.tp}"
     square = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     peak_us = interleaved_graph_us([lambda s: square @ square], [None], rounds=5)[0][0]
     peak = 2 * 8192 ** 3 / (peak_us * 1e-6)
@@ -56,7 +58,7 @@ def main() -> None:
         pairs = tokens * topk
         flops1 = 2.0 * pairs * model_dim * 2 * inter_dim
         flops2 = 2.0 * pairs * inter_dim * model_dim
-        rows.append(dict(model=args.model, tokens=tokens, grouped_mm1_us=round(g1, 1),
+        rows.append(dict(model=label, tokens=tokens, grouped_mm1_us=round(g1, 1),
                          grouped_mm2_us=round(g2, 1), gemms_us=round(g1 + g2, 1),
                          ours_whole_us=round(ours, 1),
                          tflops1=round(flops1 / g1 / 1e6, 1), tflops2=round(flops2 / g2 / 1e6, 1),
@@ -64,7 +66,7 @@ def main() -> None:
                          gemms_eff=round((flops1 + flops2) / peak * 1e6 / (g1 + g2), 3),
                          ours_eff=round((flops1 + flops2) / peak * 1e6 / ours, 3)))
         print(rows[-1], flush=True)
-    write_records(rows, Path(args.out) / f"grouped_mm_probe_{args.model}.csv")
+    write_records(rows, Path(args.out) / f"grouped_mm_probe_{label}.csv")
     print(f"{'T':>5} {'gmm1 us':>8} {'TF/s':>6} {'gmm2 us':>8} {'TF/s':>6} {'GEMMs':>8} "
           f"{'eff':>5} {'ours':>8} {'eff':>5}")
     for r in rows:

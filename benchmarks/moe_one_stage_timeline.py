@@ -1,8 +1,8 @@
 """Where the 1-stage MoE kernel's time goes inside its one launch: every program's start, the
 end of its stage-2 wait and its end, from the GPU's global timer, on cold weights.
 
-    PYTHONPATH=src python3 benchmarks/moe_one_stage_timeline.py [--model NAME] [--tokens 1,2]
-        [--config NAME] [--out DIR]
+    PYTHONPATH=src python3 benchmarks/moe_one_stage_timeline.py [--model NAME] [--tp N]
+        [--tokens 1,2] [--config NAME] [--out DIR]
 
 Per token count it prints, in µs from the first program's start: when stage-1 programs start
 and end (10th, 50th, 90th percentile, last), when stage-2 programs start, finish waiting and
@@ -24,8 +24,8 @@ from gemmtune.families.fmoe.op import expert_map_of
 from gemmtune.kernels.triton.moe_configs import MoeOneStageConfig
 from gemmtune.kernels.triton.moe_one_stage import moe_one_stage, programs
 from gemmtune.measure.timing import interleaved_graph_us
+from gemmtune.models.shapes import load_preset, moe_shapes
 
-SHAPES = {"qwen3-30b-a3b": (2048, 768, 128, 8), "deepseek-v3-tp8": (7168, 256, 256, 8)}
 SHIPPED = Path(__file__).resolve().parent.parent / "src/gemmtune/configs/tuned_fmoe.csv"
 REPEATS = 20  # launches per token count; the median of each statistic is printed
 FALLBACK = MoeOneStageConfig(32, 128, 128, 128, 4, 4)  # where the shipped row is not 1-stage
@@ -91,12 +91,15 @@ def _median(values: list):
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="qwen3-30b-a3b", choices=sorted(SHAPES))
+    p.add_argument("--model", default="qwen3-30b-a3b", help="a model preset (gemmtune shapes)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks: one rank's experts")
     p.add_argument("--tokens", default="1,2")
     p.add_argument("--config", default=None, help="a triton.moe_1stage:... name")
     p.add_argument("--out", default="out")
     args = p.parse_args()
-    model_dim, inter_dim, experts, topk = SHAPES[args.model]
+    shape = moe_shapes(load_preset(args.model), args.tp)[0]
+    model_dim, inter_dim, experts, topk = shape.model_dim, shape.inter_dim, shape.expert, shape.topk
+    label = args.model if args.tp == 1 else f"{args.model}-tp{args.tp}"
     sets = [(torch.randn(experts, 2 * inter_dim, model_dim, device="cuda").bfloat16(),
              torch.randn(experts, model_dim, inter_dim, device="cuda").bfloat16())
             for _ in range(2)]  # alternate: each launch reads its experts from HBM
@@ -119,7 +122,7 @@ def main() -> None:
             if r >= 2:  # the first two compile and warm up
                 runs.append(timeline(trace.cpu(), stage1))
         median = {k: _median([run[k] for run in runs]) for k in runs[0]}
-        rows.append(dict(model=args.model, tokens=tokens, config=config.name,
+        rows.append(dict(model=label, tokens=tokens, config=config.name,
                          programs=n, stage1_programs=stage1, **{k: str(v) for k, v in
                                                                  median.items()}))
         copies = [(w1, w2) for w1, w2 in sets]
@@ -135,7 +138,7 @@ def main() -> None:
               f"the first start, p10/p50/p90/last")
         for k, v in median.items():
             print(f"  {k:>14}: {v}")
-    write_records(rows, Path(args.out) / f"moe_one_stage_timeline_{args.model}.csv")
+    write_records(rows, Path(args.out) / f"moe_one_stage_timeline_{label}.csv")
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@ nothing else (a sum, no GEMM), under CUDA-graph replay with cold weights. That t
 floor (bytes / streaming-read bandwidth + t_launch), says how much of a kernel's distance from
 the floor any kernel pays at this size (ramp-up, tail), and how much is the kernel's own.
 
-    PYTHONPATH=src python3 benchmarks/moe_read_probe.py [--model NAME] [--tokens 1,4] [--out DIR]
+    PYTHONPATH=src python3 benchmarks/moe_read_probe.py [--model NAME] [--tp N] [--tokens 1,4]
+        [--out DIR]
 
 Variants: programs reading contiguous chunks of each routed expert's weights (one launch for
 w1 and w2, or two), chunk sizes 64-512 KiB; torch's ``sum`` over a contiguous buffer of the
@@ -26,9 +27,8 @@ import triton.language as tl
 from gemmtune.bench import write_records
 from gemmtune.measure.ceilings import floors, measure_ceilings
 from gemmtune.measure.timing import graph_replay_us
+from gemmtune.models.shapes import load_preset, moe_shapes
 
-SHAPES = {"qwen3-30b-a3b": (2048, 768, 128, 8), "deepseek-v3-tp8": (7168, 256, 256, 8),
-          "mixtral-8x7b": (4096, 14336, 8, 2)}
 TOKENS = (1, 4)
 BLOCK = 4096  # elements per load step: 8 KiB of bf16 per program per step
 
@@ -149,11 +149,15 @@ TILE_VARIANTS = [(rows, bk, stages, tma) for tma in (False, True) for rows in (3
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", default="qwen3-30b-a3b", choices=sorted(SHAPES))
+    p.add_argument("--model", default="qwen3-30b-a3b", help="a model preset (gemmtune shapes)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks: one rank's experts")
     p.add_argument("--out", default="out")
     p.add_argument("--tokens", default=",".join(map(str, TOKENS)))
     args = p.parse_args()
-    model_dim, inter_dim, n_experts, topk = SHAPES[args.model]
+    shape = moe_shapes(load_preset(args.model), args.tp)[0]
+    model_dim, inter_dim = shape.model_dim, shape.inter_dim
+    n_experts, topk = shape.expert, shape.topk
+    label = args.model if args.tp == 1 else f"{args.model}-tp{args.tp}"
     square = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     ceilings = measure_ceilings(lambda: square @ square, 2 * 8192 ** 3)
     w1 = torch.randn(n_experts, 2 * inter_dim, model_dim, device="cuda").bfloat16()
@@ -205,11 +209,11 @@ def main() -> None:
                 replays=30)[0]
             floor_of[name] = alone
         for name, t in us.items():
-            rows.append(dict(model=args.model, tokens=tokens, experts=used, mbytes=nbytes / 1e6,
+            rows.append(dict(model=label, tokens=tokens, experts=used, mbytes=nbytes / 1e6,
                              variant=name, us=round(t, 2),
                              floor_us=round(floor_of.get(name, floor), 2),
                              eff=round(floor_of.get(name, floor) / t, 3)))
-    write_records(rows, Path(args.out) / f"moe_read_probe_{args.model}.csv")
+    write_records(rows, Path(args.out) / f"moe_read_probe_{label}.csv")
     print(f"{ceilings.bytes_per_s / 1e9:.0f} GB/s, t_launch {ceilings.launch_us:.2f} us")
     print(f"{'T':>3} {'MB':>6} {'floor':>7} {'us':>7} {'eff':>6}  variant")
     for r in rows:

@@ -45,6 +45,7 @@ from gemmtune.dispatch import use_tables
 from gemmtune.families.fmoe.op import SCHEMA, expert_map_of
 from gemmtune.kernels.torch_ref import fused_moe_ref
 from gemmtune.kernels.triton.moe_routing import moe_routing
+from gemmtune.kernels.triton.moe_stages import SILU, gated_activation
 from gemmtune.bench import write_records
 from gemmtune.measure.timing import cold_copies, interleaved_graph_us
 
@@ -168,7 +169,7 @@ class VllmMoe:
         self._gemm(self.hidden, w1, self.inter1, False, self.topk)
         pairs = self.act.shape[0]
         silu_and_mul_kernel[(pairs, triton.cdiv(self.inter_dim, ACT_BLOCK))](
-            self.inter1, self.act, self.inter_dim, BLOCK=ACT_BLOCK)
+            self.inter1, self.act, self.inter_dim, ACT=SILU, BLOCK=ACT_BLOCK)
         self._gemm(self.act, w2, self.out2, True, 1)
         return self.out2.sum(dim=1)
 
@@ -185,14 +186,14 @@ ACT_BLOCK = 1024
 
 
 @triton.jit
-def silu_and_mul_kernel(h_ptr, out_ptr, I, BLOCK: tl.constexpr):
+def silu_and_mul_kernel(h_ptr, out_ptr, I, ACT: tl.constexpr, BLOCK: tl.constexpr):
     """out[row] = silu(h[row, :I]) * h[row, I:]: the activation in one launch."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     inside = cols < I
-    gate = tl.load(h_ptr + row * 2 * I + cols, mask=inside, other=0.0).to(tl.float32)
-    up = tl.load(h_ptr + row * 2 * I + I + cols, mask=inside, other=0.0).to(tl.float32)
-    act = gate / (1.0 + tl.exp(-gate)) * up
+    act = gated_activation(tl.load(h_ptr + row * 2 * I + cols, mask=inside, other=0.0),
+                           tl.load(h_ptr + row * 2 * I + I + cols, mask=inside, other=0.0),
+                           ACT)
     tl.store(out_ptr + row * I + cols, act.to(out_ptr.dtype.element_ty), mask=inside)
 
 

@@ -26,6 +26,7 @@ import triton.language as tl
 from gemmtune.kernels.triton import _checks
 from gemmtune.kernels.triton.moe_configs import GROUPED_MM_NAME as NAME
 from gemmtune.kernels.triton.moe_routing import moe_routing
+from gemmtune.kernels.triton.moe_stages import gated_activation
 
 ROW_BLOCK = 1024  # columns per program of the gather, activation and combine
 
@@ -65,13 +66,8 @@ def activation_kernel(h_ptr, act_ptr, sorted_ids_ptr, rows_used_ptr, topk_weight
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         inside = cols < I
         base = h_ptr + r.to(tl.int64) * 2 * I
-        gate = tl.load(base + cols, mask=inside, other=0.0).to(tl.float32)
-        up = tl.load(base + I + cols, mask=inside, other=0.0).to(tl.float32)
-        if ACT == 0:
-            act = gate / (1.0 + tl.exp(-gate))  # SiLU
-        else:
-            act = 0.5 * gate * (1.0 + tl.erf(gate * 0.7071067811865476))  # exact GELU
-        h = act * up
+        h = gated_activation(tl.load(base + cols, mask=inside, other=0.0),
+                             tl.load(base + I + cols, mask=inside, other=0.0), ACT)
         if MUL_WEIGHT:
             h = h * tl.load(topk_weight_ptr + tl.load(sorted_ids_ptr + r))
         tl.store(act_ptr + r.to(tl.int64) * I + cols, h.to(act_ptr.dtype.element_ty),

@@ -31,6 +31,7 @@ import triton.language as tl
 
 from gemmtune.kernels.triton import _checks
 from gemmtune.kernels.triton.moe_configs import MoeOneStageConfig
+from gemmtune.kernels.triton.moe_stages import gate_up_sums, gated_activation
 
 # Rows of the token tile: the smallest tl.dot takes; the tokens of a call share one tile.
 MIN_BLOCK_T = 16
@@ -169,28 +170,10 @@ def _stage1(x_ptr, w1_ptr, inter_ptr, ready_ptr, topk_weight_ptr, topk_ids_ptr, 
         offs_t = tl.arange(0, BLOCK_T)
         offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
         cols = tl.where(offs_n < I, offs_n, 0).to(tl.int64)
-        offs_k = tl.arange(0, BLOCK_K)
-        x_ptrs = x_ptr + offs_t[:, None].to(tl.int64) * stride_xt + offs_k[None, :] * stride_xd
-        w_base = w1_ptr + expert * stride_1e + offs_k[:, None] * stride_1d
-        gate_ptrs = w_base + cols[None, :] * stride_1n  # (BK, BN): rows [0, I) of w1[e]
-        up_ptrs = w_base + (cols + I)[None, :] * stride_1n  # rows [I, 2I)
-        gate = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
-        up = tl.zeros((BLOCK_T, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, D, BLOCK_K):
-            k_left = D - k0
-            a = tl.load(x_ptrs, mask=routed[:, None] & (offs_k[None, :] < k_left), other=0.0)
-            wg = tl.load(gate_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
-            wu = tl.load(up_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
-            gate = tl.dot(a, wg, gate, input_precision=INPUT_PRECISION)
-            up = tl.dot(a, wu, up, input_precision=INPUT_PRECISION)
-            x_ptrs += BLOCK_K * stride_xd
-            gate_ptrs += BLOCK_K * stride_1d
-            up_ptrs += BLOCK_K * stride_1d
-        if ACT == 0:
-            act = gate / (1.0 + tl.exp(-gate))  # SiLU
-        else:
-            act = 0.5 * gate * (1.0 + tl.erf(gate * 0.7071067811865476))  # exact GELU
-        h = act * up
+        gate, up = gate_up_sums(x_ptr, w1_ptr, offs_t, routed, expert, cols, D, I, stride_xt,
+                                stride_xd, stride_1e, stride_1n, stride_1d, INPUT_PRECISION,
+                                BLOCK_T, BLOCK_N, BLOCK_K)
+        h = gated_activation(gate, up, ACT)
         if MUL_WEIGHT1:
             h = h * tl.load(topk_weight_ptr + pairs, mask=routed, other=0.0)[:, None]
         dst = inter_ptr + pairs.to(tl.int64)[:, None] * I + offs_n[None, :]

@@ -112,6 +112,44 @@ def _let_next_start(PDL: tl.constexpr):
 
 
 @triton.jit
+def gate_up_sums(x_ptr, w1_ptr, rows, row_real, expert, cols, D, I, stride_xt, stride_xd,
+                 stride_we, stride_wn, stride_wd, INPUT_PRECISION: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Stage 1's two GEMMs over model_dim in one pass: fp32 (BLOCK_M, BLOCK_N) tiles of
+    ``x[rows] @ w1[expert, cols].T`` (gate) and of the same columns + I (up); rows not
+    ``row_real`` read as zeros."""
+    offs_k = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + rows.to(tl.int64)[:, None] * stride_xt + offs_k[None, :] * stride_xd
+    w_base = w1_ptr + expert * stride_we + offs_k[:, None] * stride_wd
+    gate_ptrs = w_base + cols[None, :] * stride_wn  # (BK, BN): rows [0, I) of w1[e], transposed
+    up_ptrs = w_base + (cols + I)[None, :] * stride_wn  # rows [I, 2I)
+    gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, D, BLOCK_K):
+        k_left = D - k0
+        a = tl.load(x_ptrs, mask=row_real[:, None] & (offs_k[None, :] < k_left), other=0.0)
+        wg = tl.load(gate_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+        wu = tl.load(up_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+        gate = tl.dot(a, wg, gate, input_precision=INPUT_PRECISION)
+        up = tl.dot(a, wu, up, input_precision=INPUT_PRECISION)
+        x_ptrs += BLOCK_K * stride_xd
+        gate_ptrs += BLOCK_K * stride_wd
+        up_ptrs += BLOCK_K * stride_wd
+    return gate, up
+
+
+@triton.jit
+def gated_activation(gate, up, ACT: tl.constexpr):
+    """``act(gate) * up`` in fp32: ACT 0 SiLU, 1 exact GELU."""
+    gate = gate.to(tl.float32)
+    if ACT == 0:
+        act = gate / (1.0 + tl.exp(-gate))
+    else:
+        act = 0.5 * gate * (1.0 + tl.erf(gate * 0.7071067811865476))
+    return act * up.to(tl.float32)
+
+
+@triton.jit
 def moe_stage1_kernel(
     x_ptr,  # (T, D)
     w1_ptr,  # (E, 2 * I, D)
@@ -139,29 +177,11 @@ def moe_stage1_kernel(
     tokens = tl.where(real, ids // TOPK, 0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.where(offs_n < I, offs_n, 0).to(tl.int64)
-    offs_k = tl.arange(0, BLOCK_K)
-    x_ptrs = x_ptr + tokens[:, None] * stride_xt + offs_k[None, :] * stride_xd  # (BM, BK)
-    w_base = w1_ptr + expert * stride_we + offs_k[:, None] * stride_wd
-    gate_ptrs = w_base + cols[None, :] * stride_wn  # (BK, BN): rows [0, I) of w1[e], transposed
-    up_ptrs = w_base + (cols + I)[None, :] * stride_wn  # rows [I, 2I)
-    gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, D, BLOCK_K):
-        k_left = D - k0
-        a = tl.load(x_ptrs, mask=real[:, None] & (offs_k[None, :] < k_left), other=0.0)
-        wg = tl.load(gate_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
-        wu = tl.load(up_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
-        gate = tl.dot(a, wg, gate, input_precision=INPUT_PRECISION)
-        up = tl.dot(a, wu, up, input_precision=INPUT_PRECISION)
-        x_ptrs += BLOCK_K * stride_xd
-        gate_ptrs += BLOCK_K * stride_wd
-        up_ptrs += BLOCK_K * stride_wd
+    gate, up = gate_up_sums(x_ptr, w1_ptr, tokens, real, expert, cols, D, I, stride_xt,
+                            stride_xd, stride_we, stride_wn, stride_wd, INPUT_PRECISION,
+                            BLOCK_M, BLOCK_N, BLOCK_K)
     _let_next_start(PDL)
-    if ACT == 0:
-        act = gate / (1.0 + tl.exp(-gate))  # SiLU
-    else:
-        act = 0.5 * gate * (1.0 + tl.erf(gate * 0.7071067811865476))  # exact GELU
-    h = act * up
+    h = gated_activation(gate, up, ACT)
     if MUL_WEIGHT:
         h = h * tl.load(topk_weight_ptr + ids, mask=real, other=0.0)[:, None]
     out = (inter_ptr + ids.to(tl.int64)[:, None] * stride_ip
