@@ -90,6 +90,9 @@ def test_routing_groups_every_local_pair_once_in_order(tokens, topk, experts, bl
 TWO_STAGE = "triton.moe1:BM16.BN16.BK16.W4.S1+triton.moe2:BM16.BN16.BK16.SK{sk}.W4.S1"
 # One block per routed pair, no routing preparation.
 PAIR_BLOCKS = TWO_STAGE.replace(".S1+", ".S1.PB1+") + ".PB1"
+# Both stages persistent, through TMA (split-K is not theirs: every case runs SK1).
+PERSISTENT = ("triton.moe1:BM16.BN16.BK16.W4.S1.PB0.P1"
+              "+triton.moe2:BM16.BN16.BK16.SK1.W4.S1.PB0.P1")
 # Tiles of 16 and steps of 16 on both stages: ragged tiles and steps below.
 ONE_STAGE = "triton.moe_1stage:BN16.BK16.BD16.BI16.W4.S1"
 GROUPED_MM = "triton.moe_gmm"
@@ -103,7 +106,7 @@ KERNEL_CASES = [
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("case", KERNEL_CASES)
-@pytest.mark.parametrize("solution", [TWO_STAGE, PAIR_BLOCKS, ONE_STAGE])
+@pytest.mark.parametrize("solution", [TWO_STAGE, PAIR_BLOCKS, ONE_STAGE, PERSISTENT])
 def test_the_kernels_match_the_reference(dtype, case, solution):
     from gemmtune.families.fmoe.op import REGISTRY, problem_of
 
@@ -163,13 +166,48 @@ def test_the_grouped_mm_backend_refuses_what_torch_grouped_mm_cannot_run():
         REGISTRY.resolve(GROUPED_MM + ":BM16")
 
 
+def test_persistent_and_plain_stages_pair_over_one_intermediate():
+    # The intermediate follows the routing's rows for both: either stage may be persistent.
+    from gemmtune.families.fmoe.op import REGISTRY, problem_of
+
+    first, second = PERSISTENT.split("+")
+    plain_first, plain_second = TWO_STAGE.format(sk=1).split("+")
+    hidden, w1, w2, weight, ids = moe_inputs(9, 40, 24, 4, 2, seed=11)
+    key = DISPATCH.to_table_key((9, 40, 24, 4, 2, torch.float32, ActivationType.Silu, False))
+    problem = problem_of(key)
+    emap = expert_map_of(None, 4, hidden.device)
+    ref = fused_moe_ref(hidden, w1, w2, weight, ids, emap)
+    for name in (f"{first}+{plain_second}", f"{plain_first}+{second}"):
+        out = torch.full_like(hidden, float("nan"))
+        REGISTRY.resolve_for(name, problem)(hidden, w1, w2, weight, ids, emap, problem, out=out)
+        assert rel_err(out, ref) < REL_BOUND[torch.float32], name
+
+
+def test_persistent_stages_refuse_rows_tma_cannot_read():
+    from gemmtune.families.fmoe.op import REGISTRY
+
+    kernel = REGISTRY.resolve(PERSISTENT)
+    ragged = MoeProblem(4, 60, 32, 4, 2, torch.bfloat16, Activation.silu, False)
+    assert "model_dim=60" in kernel.check(ragged) and "TMA" in kernel.check(ragged)
+    assert kernel.check(MoeProblem(4, 64, 32, 4, 2, torch.bfloat16, Activation.silu,
+                                   False)) is None
+    split = PERSISTENT.replace("SK1", "SK2")
+    aligned_split = REGISTRY.resolve(split).check(MoeProblem(4, 64, 32, 4, 2, torch.bfloat16))
+    assert "split_k=1" in aligned_split
+    hidden, w1, w2, weight, ids = moe_inputs(4, 32, 16, 4, 2, seed=2)
+    w1_strided = w1.transpose(1, 2).contiguous().transpose(1, 2)  # same values, other layout
+    with pytest.raises(ValueError, match="w1 through TMA: it must be contiguous"):
+        gemmtune.fused_moe(hidden, w1_strided, w2, weight, ids, kernel=PERSISTENT)
+
+
 def test_pairs_routed_to_another_rank_add_nothing():
     # 8 global experts, experts 2 and 5 here; a token routed only elsewhere gets zeros.
     mask = torch.zeros(8, dtype=torch.bool, device=DEVICE)
     mask[[2, 5]] = True
     route = [2, 0, 5, 2, 1, 7, 0, 5]
     hidden, w1, w2, weight, ids = moe_inputs(4, 32, 16, 2, 2, seed=3, route=route)
-    for kernel in (TWO_STAGE.format(sk=1), PAIR_BLOCKS.format(sk=1), ONE_STAGE, "torch.moe"):
+    for kernel in (TWO_STAGE.format(sk=1), PAIR_BLOCKS.format(sk=1), ONE_STAGE, PERSISTENT,
+                   "torch.moe"):
         y = gemmtune.fused_moe(hidden, w1, w2, weight, ids, expert_mask=mask, kernel=kernel)
         ref = fused_moe_ref(hidden, w1, w2, weight, ids, expert_map_of(mask, 2, hidden.device))
         assert rel_err(y, ref) < 1e-4, kernel
@@ -306,6 +344,8 @@ def test_problem_of_a_key():
 GPU_ONE_STAGE = "triton.moe_1stage:BN32.BK128.BD64.BI256.W4.S3"
 GPU_PAIR_BLOCKS = ("triton.moe1:BM16.BN32.BK128.W4.S3.PB1"
                    "+triton.moe2:BM16.BN64.BK128.SK1.W4.S3.PB1")
+GPU_PERSISTENT = ("triton.moe1:BM64.BN128.BK64.W8.S3.PB0.P1"
+                  "+triton.moe2:BM64.BN256.BK64.SK1.W8.S3.PB0.P1")
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", [(4096, 14336, 8, 2), (2048, 768, 128, 8), (7168, 256, 256, 8)])
@@ -320,14 +360,15 @@ def test_real_model_shapes_on_the_gpu(shape, tokens):
     torch_y = gemmtune.fused_moe(hidden, w1, w2, weight, ids, kernel="torch.moe")
     assert rel_err(torch_y, ref) < REL_BOUND[torch.bfloat16]
     # The 1-stage kernel and pair blocks are for few tokens, torch's grouped GEMM for many.
-    for kernel in (GPU_ONE_STAGE, GPU_PAIR_BLOCKS) if tokens <= 37 else (GROUPED_MM,):
+    for kernel in (GPU_ONE_STAGE, GPU_PAIR_BLOCKS) if tokens <= 37 else (GROUPED_MM,
+                                                                            GPU_PERSISTENT):
         y = gemmtune.fused_moe(hidden, w1, w2, weight, ids, kernel=kernel)
         assert rel_err(y, ref) < REL_BOUND[torch.bfloat16], kernel
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kernel", [None, "torch.moe", GPU_ONE_STAGE, GPU_PAIR_BLOCKS,
-                                    GROUPED_MM])
+                                    GROUPED_MM, GPU_PERSISTENT])
 def test_captured_in_a_cuda_graph_and_replayed_on_new_routing(kernel):
     hidden, w1, w2, weight, ids = moe_inputs(64, 2048, 768, 128, 8, torch.bfloat16)
     gemmtune.fused_moe(hidden, w1, w2, weight, ids, kernel=kernel)  # plan, compile: not captured

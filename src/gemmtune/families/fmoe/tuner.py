@@ -43,6 +43,8 @@ ONE_STAGE_MAX_TOKENS = 32
 # Our steps around torch's grouped GEMM (``triton.moe_gmm``) pay off only where the GEMMs
 # dominate: prefill token counts.
 GROUPED_MM_MIN_TOKENS = 256
+# Persistent stages (``P1``) walk many tiles per SM: prefill token counts too.
+PERSISTENT_MIN_TOKENS = 256
 
 
 def _stage_space(problem: MoeProblem, gpu: bool) -> tuple[list[MoeStage1Config],
@@ -72,6 +74,23 @@ def _stage_space(problem: MoeProblem, gpu: bool) -> tuple[list[MoeStage1Config],
                         continue
                     for warps, stages in ((4, 3), (8, 3)):
                         second.append(MoeStage2Config(bm, bn, bk, split_k, warps, stages))
+    persistent_first, persistent_second = _persistent_space(problem)
+    return first + persistent_first, second + persistent_second
+
+
+def _persistent_space(problem: MoeProblem) -> tuple[list[MoeStage1Config],
+                                                    list[MoeStage2Config]]:
+    """Persistent stage configs from PERSISTENT_MIN_TOKENS tokens: 64-128 row blocks (up to
+    twice an expert's pairs), wide tiles (128x256 of output at stage 2, gate and up 128x128 at
+    stage 1), 8 warps, 3-4 stages of 64-wide steps."""
+    if problem.tokens < PERSISTENT_MIN_TOKENS:
+        return [], []
+    per_expert = problem.tokens * problem.topk / max(1, problem.experts)
+    block_ms = [bm for bm in (64, 128) if bm <= max(64, 2 * per_expert)]
+    first = [MoeStage1Config(bm, bn, 64, 8, stages, persistent=1)
+             for bm in block_ms for bn in (64, 128) for stages in (3, 4)]
+    second = [MoeStage2Config(bm, bn, 64, 1, 8, stages, persistent=1)
+              for bm in block_ms for bn in (128, 256) for stages in (3, 4)]
     return first, second
 
 

@@ -4,7 +4,7 @@
 with the same block_m, the routing's), or the 1-stage kernel (``moe_one_stage``), named
 ``triton.moe_1stage:...``, or (many tokens, bf16) ``triton.moe_gmm``: our routing and
 elementwise steps around torch's grouped GEMM. Stage configs with ``PB1`` run over pair blocks:
-no routing preparation, a block per routed pair.
+no routing preparation, a block per routed pair; with ``P1`` a stage is persistent, through TMA.
 
 Called as every MoE backend is: ``kernel(hidden, w1, w2, topk_weight, topk_ids, expert_map,
 problem)`` with hidden (T, D), w1 (E, 2I, D), w2 (E, D, I), topk_weight (T, topk) fp32,
@@ -24,7 +24,7 @@ from gemmtune.kernels.triton.moe_configs import (GROUPED_MM_NAME, STAGE1_PREFIX,
 from gemmtune.kernels.triton.moe_grouped_mm import moe_grouped_mm, why_not_grouped_mm
 from gemmtune.kernels.triton.moe_one_stage import moe_one_stage, why_not_one_stage
 from gemmtune.kernels.triton.moe_stages import (GELU, SILU, moe_stages, why_not_stage1,
-                                                why_not_stage2)
+                                                why_not_stage2, why_not_tma)
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 ACT_CODES = {Activation.silu: SILU, Activation.gelu: GELU}
@@ -70,7 +70,9 @@ class TritonTwoStageMoe:
                     f"must agree")
         return (why_not_stage1(self.stage1, problem.dtype)
                 or why_not_stage2(self.stage2, problem.dtype, problem.inter_dim)
-                or (_checks.why_not_dot_k(self.stage1, problem.dtype)))
+                or _checks.why_not_dot_k(self.stage1, problem.dtype)
+                or why_not_tma(self.stage1, problem.dtype, problem.model_dim, problem.inter_dim)
+                or why_not_tma(self.stage2, problem.dtype, problem.model_dim, problem.inter_dim))
 
     def warmup(self, hidden, w1, w2, topk_weight, topk_ids, expert_map,
                problem: MoeProblem) -> None:

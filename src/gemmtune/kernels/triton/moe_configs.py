@@ -21,15 +21,18 @@ BLOCK_MS = (16, 32, 64, 128)  # the block_m a routing may use (the seed's choice
 # routed pair, read straight from topk_ids, and no routing preparation runs; its block_m is the
 # smallest tile tl.dot takes, of which one row is real.
 PAIR_BLOCK_M = 16
+# With ``P1`` a stage is one persistent program per SM walking its tiles, the weights (and
+# stage 2's intermediate) read through TMA descriptors: for prefill's many tiles.
 
 
 @dataclass(frozen=True)
 class MoeStage1Config(NamedConfig):
-    """``triton.moe1:BM32.BN64.BK64.W4.S3[.PB1]``: one stage-1 launch."""
+    """``triton.moe1:BM32.BN64.BK64.W4.S3[.PB1][.P1]``: one stage-1 launch."""
 
     NAME_CODEC = NameCodec("MoE stage-1 config", STAGE1_PREFIX, (
         Field("BM", "block_m"), Field("BN", "block_n"), Field("BK", "block_k"),
-        Field("W", "num_warps"), Field("S", "num_stages"), Field("PB", "pair_blocks", default=0)))
+        Field("W", "num_warps"), Field("S", "num_stages"), Field("PB", "pair_blocks", default=0),
+        Field("P", "persistent", default=0)))
 
     block_m: int
     block_n: int
@@ -37,17 +40,18 @@ class MoeStage1Config(NamedConfig):
     num_warps: int
     num_stages: int
     pair_blocks: int = 0  # 1: a block per routed pair, no routing preparation (PAIR_BLOCK_M)
+    persistent: int = 0  # 1: a persistent TMA program per SM
 
 
 @dataclass(frozen=True)
 class MoeStage2Config(NamedConfig):
-    """``triton.moe2:BM32.BN64.BK64.SK1.W4.S3[.PB1]``: one stage-2 launch, ``split_k`` parts of
-    inter_dim."""
+    """``triton.moe2:BM32.BN64.BK64.SK1.W4.S3[.PB1][.P1]``: one stage-2 launch, ``split_k``
+    parts of inter_dim."""
 
     NAME_CODEC = NameCodec("MoE stage-2 config", STAGE2_PREFIX, (
         Field("BM", "block_m"), Field("BN", "block_n"), Field("BK", "block_k"),
         Field("SK", "split_k"), Field("W", "num_warps"), Field("S", "num_stages"),
-        Field("PB", "pair_blocks", default=0)))
+        Field("PB", "pair_blocks", default=0), Field("P", "persistent", default=0)))
 
     block_m: int
     block_n: int
@@ -56,6 +60,7 @@ class MoeStage2Config(NamedConfig):
     num_warps: int
     num_stages: int
     pair_blocks: int = 0
+    persistent: int = 0
 
 
 @dataclass(frozen=True)

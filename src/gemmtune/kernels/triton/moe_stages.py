@@ -12,11 +12,21 @@ dtype). Then ``moe_sum`` adds each token's ``topk`` rows in fp32 into the output
 skipping pairs of other ranks' experts: with one part the result does not depend on how the
 blocks were scheduled.
 
+The intermediate follows the routing's rows (row r of block b at ``b * block_m + r``, padding
+rows included), so stage 2 reads whole tiles of it; with pair blocks it has a row per pair.
+
 Every launch covers the largest number of blocks routing can make, and blocks past
 ``rows_used`` return at once: no host synchronisation, so a call can be captured in a CUDA graph.
 With pair blocks (``routing.pair_blocks``) there is no routing preparation: block b is pair b
 alone, its expert read from ``topk_ids`` (a pair of another rank's expert returns at once).
 Each launch after the first is a programmatic dependent launch of the one before.
+
+Persistent stages (``persistent``, grouped routing, prefill): one program per SM walks the tiles
+of the blocks used (read on the GPU, from ``rows_used``) in grouped order, so a weight tile is
+read from HBM once for the blocks of its expert and a block's rows stay in L2 across its tiles.
+The weights, and stage 2's intermediate, come through TMA descriptors (whole boxes, zero past
+the edges: no address arithmetic or masks in the K loop); stage 1's rows of x are gathered
+with plain loads. TMA asks for dense weights and 16-byte rows (``why_not_tma``).
 """
 
 from __future__ import annotations
@@ -26,10 +36,13 @@ import triton
 import triton.language as tl
 
 from gemmtune.kernels.triton import _checks
+from gemmtune.kernels.triton.gemm_tile import grouped_tile
 from gemmtune.kernels.triton.moe_configs import (BLOCK_MS, PAIR_BLOCK_M, MoeStage1Config,
                                                  MoeStage2Config)
 
 SILU, GELU = 0, 1  # the ACT constexpr
+_TMA_ALIGN = 16  # bytes: the row pitch and base of a TMA-described tensor
+GROUP_BLOCKS = 8  # persistent stages: blocks a weight tile is walked down before the next tile
 # Each launch waits on the one before with programmatic dependent launch (Hopper+; the
 # interpreter has none): the next grid is scheduled while the previous one drains.
 PDL = not _checks.INTERPRETED
@@ -46,6 +59,10 @@ def why_not_stage(config, dtype: torch.dtype, accumulators: int, w_tiles: int) -
     if config.pair_blocks and config.block_m != PAIR_BLOCK_M:
         return (f"pair blocks hold one pair each: their block_m is {PAIR_BLOCK_M}, not "
                 f"{config.block_m}")
+    if config.persistent not in (0, 1):
+        return f"persistent={config.persistent} must be 0 or 1"
+    if config.persistent and config.pair_blocks:
+        return "persistent stages run over grouped routing, not pair blocks"
     problem = _checks.why_not_blocks(config) or _checks.why_not_warps_stages(config)
     if problem:
         return problem
@@ -67,11 +84,26 @@ def why_not_stage1(config: MoeStage1Config, dtype: torch.dtype) -> str | None:
 def why_not_stage2(config: MoeStage2Config, dtype: torch.dtype, inter_dim: int) -> str | None:
     if not 1 <= config.split_k <= 16:
         return f"split_k={config.split_k} must be in [1, 16]"
+    if config.persistent and config.split_k != 1:
+        return f"a persistent stage 2 takes split_k=1, not {config.split_k}"
     steps = triton.cdiv(inter_dim, config.block_k)
     if config.split_k > steps:
         return (f"split_k={config.split_k} leaves parts without a block_k step: inter_dim="
                 f"{inter_dim} is {steps} steps of block_k={config.block_k}")
     return why_not_stage(config, dtype, accumulators=1, w_tiles=1)
+
+
+def why_not_tma(config, dtype: torch.dtype, model_dim: int, inter_dim: int) -> str | None:
+    """What keeps a persistent stage from describing its operands to TMA: rows of model_dim and
+    inter_dim elements must be multiples of 16 bytes; None if they are (or it is not
+    persistent)."""
+    if not config.persistent:
+        return None
+    for what, n in (("model_dim", model_dim), ("inter_dim", inter_dim)):
+        if n * dtype.itemsize % _TMA_ALIGN:
+            return (f"{what}={n}: rows of {n * dtype.itemsize} B, not a multiple of "
+                    f"{_TMA_ALIGN} B as TMA needs; use a config without P1")
+    return None
 
 
 @triton.jit
@@ -92,6 +124,15 @@ def _block_rows(sorted_ids_ptr, block_expert_ptr, rows_used_ptr, topk_ids_ptr, e
         expert = tl.where(used, tl.load(block_expert_ptr + block), -1)
         ids = tl.load(sorted_ids_ptr + block * BLOCK_M + lanes)
     return expert.to(tl.int64), ids, ids < pairs
+
+
+@triton.jit
+def _inter_rows(block, ids, real, PAIR_BLOCKS: tl.constexpr, BLOCK_M: tl.constexpr):
+    """The intermediate's rows of a block (int64): the block's own rows under grouped routing,
+    the pair's row with pair blocks."""
+    if PAIR_BLOCKS:
+        return tl.where(real, ids, 0).to(tl.int64)
+    return (block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
 
 
 @triton.jit
@@ -184,9 +225,12 @@ def moe_stage1_kernel(
     h = gated_activation(gate, up, ACT)
     if MUL_WEIGHT:
         h = h * tl.load(topk_weight_ptr + ids, mask=real, other=0.0)[:, None]
-    out = (inter_ptr + ids.to(tl.int64)[:, None] * stride_ip
-           + offs_n.to(tl.int64)[None, :] * stride_in)
-    tl.store(out, h.to(inter_ptr.dtype.element_ty), mask=real[:, None] & (offs_n[None, :] < I))
+    rows = _inter_rows(tl.program_id(0), ids, real, PAIR_BLOCKS, BLOCK_M)
+    out = inter_ptr + rows[:, None] * stride_ip + offs_n.to(tl.int64)[None, :] * stride_in
+    # A block's padding rows too (zeros: their x rows read as zeros), so that a persistent
+    # stage 2, which reads whole tiles, reads no garbage.
+    kept = real | (PAIR_BLOCKS == 0)
+    tl.store(out, h.to(inter_ptr.dtype.element_ty), mask=kept[:, None] & (offs_n[None, :] < I))
 
 
 @triton.jit
@@ -214,6 +258,7 @@ def moe_stage2_kernel(
     if expert < 0:
         return
     rows = tl.where(real, ids, 0).to(tl.int64)
+    inter_rows = _inter_rows(tl.program_id(0), ids, real, PAIR_BLOCKS, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.where(offs_n < D, offs_n, 0).to(tl.int64)
     # This program's part of inter_dim: whole block_k steps, parts differing by at most one.
@@ -222,7 +267,7 @@ def moe_stage2_kernel(
     k_lo = part * steps // SPLIT_K * BLOCK_K
     k_hi = (part + 1) * steps // SPLIT_K * BLOCK_K
     offs_k = k_lo + tl.arange(0, BLOCK_K)
-    a_ptrs = inter_ptr + rows[:, None] * stride_ip + offs_k[None, :] * stride_in  # (BM, BK)
+    a_ptrs = inter_ptr + inter_rows[:, None] * stride_ip + offs_k[None, :] * stride_in
     b_ptrs = w2_ptr + expert * stride_we + cols[None, :] * stride_wn + offs_k[:, None] * stride_wk
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
@@ -242,6 +287,108 @@ def moe_stage2_kernel(
         tl.store(out, acc.to(partial_ptr.dtype.element_ty), mask=mask)
     else:
         tl.atomic_add(out, acc, mask=mask)
+
+
+@triton.jit
+def _tile_block(tile, rows_used_ptr, sorted_ids_ptr, block_expert_ptr, tiles_n, pairs,
+                BLOCK_M: tl.constexpr, GROUP_M: tl.constexpr):
+    """A persistent program's tile number -> (block, column tile, the block's local expert,
+    its pair ids, which rows hold a pair), in grouped order over the blocks used."""
+    blocks = tl.cdiv(tl.load(rows_used_ptr), BLOCK_M)
+    block, pid_n = grouped_tile(tile, blocks, tiles_n, GROUP_M)
+    ids = tl.load(sorted_ids_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
+    return block, pid_n, tl.load(block_expert_ptr + block), ids, ids < pairs
+
+
+@triton.jit
+def moe_stage1_tma_kernel(
+    x_ptr,  # (T, D)
+    w1_desc,  # TMA descriptor of w1 as (E * 2I, D) rows, box (BLOCK_N, BLOCK_K)
+    inter_ptr,  # (max_rows, I): the routing's rows
+    topk_weight_ptr,  # (pairs,) fp32
+    sorted_ids_ptr, block_expert_ptr, rows_used_ptr,
+    pairs, D, I,
+    stride_xt, stride_xd,
+    stride_ip, stride_in,
+    num_programs,
+    TOPK: tl.constexpr,
+    ACT: tl.constexpr,
+    MUL_WEIGHT: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    _wait_for_inputs(PDL)
+    tiles_n = tl.cdiv(I, BLOCK_N)
+    tiles = tl.cdiv(tl.load(rows_used_ptr), BLOCK_M) * tiles_n
+    offs_k = tl.arange(0, BLOCK_K)
+    for tile in tl.range(tl.program_id(0), tiles, num_programs):
+        block, pid_n, expert, ids, real = _tile_block(tile, rows_used_ptr, sorted_ids_ptr,
+                                                      block_expert_ptr, tiles_n, pairs, BLOCK_M,
+                                                      GROUP_M)
+        tokens = tl.where(real, ids // TOPK, 0).to(tl.int64)
+        x_ptrs = x_ptr + tokens[:, None] * stride_xt + offs_k[None, :] * stride_xd
+        # A box past an expert's gate (or up) rows reads the next rows: their columns are not
+        # stored. Past the last expert TMA reads zeros.
+        gate_row = expert * 2 * I + pid_n * BLOCK_N
+        gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, D, BLOCK_K):
+            a = tl.load(x_ptrs, mask=real[:, None] & (offs_k[None, :] < D - k0), other=0.0)
+            wg = w1_desc.load([gate_row, k0])
+            wu = w1_desc.load([gate_row + I, k0])
+            gate = tl.dot(a, wg.T, gate, input_precision=INPUT_PRECISION)
+            up = tl.dot(a, wu.T, up, input_precision=INPUT_PRECISION)
+            x_ptrs += BLOCK_K * stride_xd
+        h = gated_activation(gate, up, ACT)
+        if MUL_WEIGHT:
+            h = h * tl.load(topk_weight_ptr + ids, mask=real, other=0.0)[:, None]
+        # Padding rows too (zeros: their x rows read as zeros), so stage 2 reads no garbage.
+        rows = (block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        out = inter_ptr + rows[:, None] * stride_ip + offs_n.to(tl.int64)[None, :] * stride_in
+        tl.store(out, h.to(inter_ptr.dtype.element_ty), mask=offs_n[None, :] < I)
+    _let_next_start(PDL)
+
+
+@triton.jit
+def moe_stage2_tma_kernel(
+    inter_desc,  # TMA descriptor of the intermediate (max_rows, I), box (BLOCK_M, BLOCK_K)
+    w2_desc,  # TMA descriptor of w2 as (E * D, I) rows, box (BLOCK_N, BLOCK_K)
+    partial_ptr,  # (pairs, D) in the output's dtype
+    topk_weight_ptr,  # (pairs,) fp32
+    sorted_ids_ptr, block_expert_ptr, rows_used_ptr,
+    pairs, D, I,
+    stride_pp, stride_pn,
+    num_programs,
+    MUL_WEIGHT: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    _wait_for_inputs(PDL)
+    tiles_n = tl.cdiv(D, BLOCK_N)
+    tiles = tl.cdiv(tl.load(rows_used_ptr), BLOCK_M) * tiles_n
+    for tile in tl.range(tl.program_id(0), tiles, num_programs):
+        block, pid_n, expert, ids, real = _tile_block(tile, rows_used_ptr, sorted_ids_ptr,
+                                                      block_expert_ptr, tiles_n, pairs, BLOCK_M,
+                                                      GROUP_M)
+        w_row = expert * D + pid_n * BLOCK_N  # past the expert's rows: columns not stored
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, I, BLOCK_K):
+            a = inter_desc.load([block * BLOCK_M, k0])
+            b = w2_desc.load([w_row, k0])
+            acc = tl.dot(a, b.T, acc, input_precision=INPUT_PRECISION)
+        if MUL_WEIGHT:
+            acc = acc * tl.load(topk_weight_ptr + ids, mask=real, other=0.0)[:, None]
+        rows = tl.where(real, ids, 0).to(tl.int64)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        out = partial_ptr + rows[:, None] * stride_pp + offs_n.to(tl.int64)[None, :] * stride_pn
+        tl.store(out, acc.to(partial_ptr.dtype.element_ty),
+                 mask=real[:, None] & (offs_n[None, :] < D))
+    _let_next_start(PDL)
 
 
 @triton.jit
@@ -287,12 +434,23 @@ def moe_stages(x, w1, w2, topk_weight, topk_ids, expert_map, routing, activation
 def run_stage1(x, w1, topk_weight, topk_ids, expert_map, routing, activation: int,
                doweight_stage1: bool, config: MoeStage1Config,
                warmup: bool = False) -> torch.Tensor:
-    """Stage 1 alone: -> the (T * topk, I) intermediate, one row per routed pair."""
+    """Stage 1 alone: -> the intermediate, (rows of the routing, I)."""
     tokens, model_dim = x.shape
     inter_dim = w1.shape[1] // 2
     topk = topk_weight.shape[1]
     pairs = tokens * topk
-    inter = torch.empty((pairs, inter_dim), dtype=x.dtype, device=x.device)
+    inter = torch.empty((routing.sorted_ids.numel(), inter_dim), dtype=x.dtype, device=x.device)
+    if config.persistent:
+        _start_persistent(moe_stage1_tma_kernel, x.device, warmup)(
+            x, _descriptor(w1, "w1", config.block_n, config.block_k), inter,
+            topk_weight.reshape(-1), routing.sorted_ids, routing.block_expert, routing.rows_used,
+            pairs, model_dim, inter_dim, x.stride(0), x.stride(1), inter.stride(0),
+            inter.stride(1), _programs(x.device),
+            TOPK=topk, ACT=activation, MUL_WEIGHT=doweight_stage1,
+            INPUT_PRECISION=_checks.input_precision(x.dtype), PDL=PDL,
+            BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+            GROUP_M=GROUP_BLOCKS, num_warps=config.num_warps, num_stages=config.num_stages)
+        return inter
     grid = (routing.blocks, triton.cdiv(inter_dim, config.block_n))
     _checks.start(moe_stage1_kernel, grid, warmup, launch_pdl=PDL)(
         x, w1, inter, topk_weight.reshape(-1), routing.sorted_ids, routing.block_expert,
@@ -311,7 +469,8 @@ def run_stage2(inter, w2, topk_weight, topk_ids, expert_map, routing, doweight_s
                out: torch.Tensor | None = None, warmup: bool = False) -> torch.Tensor:
     """Stage 2 and the sum over each token's slots: -> (T, D) in ``dtype``, into ``out`` if
     given."""
-    pairs, inter_dim = inter.shape
+    inter_dim = inter.shape[1]
+    pairs = topk_ids.numel()
     model_dim = w2.shape[1]
     # Split-K parts add into fp32; a whole product is rounded to the output's dtype once, which
     # halves the traffic of the sum over slots (it reads every pair's row).
@@ -319,16 +478,27 @@ def run_stage2(inter, w2, topk_weight, topk_ids, expert_map, routing, doweight_s
         partial = torch.zeros((pairs, model_dim), dtype=torch.float32, device=inter.device)
     else:
         partial = torch.empty((pairs, model_dim), dtype=dtype, device=inter.device)
-    grid = (routing.blocks, triton.cdiv(model_dim, config.block_n), config.split_k)
-    _checks.start(moe_stage2_kernel, grid, warmup, launch_pdl=PDL)(
-        inter, w2, partial, topk_weight.reshape(-1), routing.sorted_ids, routing.block_expert,
-        routing.rows_used, topk_ids.reshape(-1), expert_map, pairs, model_dim, inter_dim,
-        inter.stride(0), inter.stride(1), w2.stride(0), w2.stride(1), w2.stride(2),
-        partial.stride(0), partial.stride(1),
-        MUL_WEIGHT=not doweight_stage1, SPLIT_K=config.split_k,
-        INPUT_PRECISION=_checks.input_precision(dtype), PAIR_BLOCKS=routing.pair_blocks,
-        PDL=PDL, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        num_warps=config.num_warps, num_stages=config.num_stages)
+    if config.persistent:
+        _start_persistent(moe_stage2_tma_kernel, inter.device, warmup)(
+            _descriptor(inter, "the intermediate", config.block_m, config.block_k),
+            _descriptor(w2, "w2", config.block_n, config.block_k), partial,
+            topk_weight.reshape(-1), routing.sorted_ids, routing.block_expert, routing.rows_used,
+            pairs, model_dim, inter_dim, partial.stride(0), partial.stride(1),
+            _programs(inter.device),
+            MUL_WEIGHT=not doweight_stage1, INPUT_PRECISION=_checks.input_precision(dtype),
+            PDL=PDL, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+            GROUP_M=GROUP_BLOCKS, num_warps=config.num_warps, num_stages=config.num_stages)
+    else:
+        grid = (routing.blocks, triton.cdiv(model_dim, config.block_n), config.split_k)
+        _checks.start(moe_stage2_kernel, grid, warmup, launch_pdl=PDL)(
+            inter, w2, partial, topk_weight.reshape(-1), routing.sorted_ids,
+            routing.block_expert, routing.rows_used, topk_ids.reshape(-1), expert_map, pairs,
+            model_dim, inter_dim, inter.stride(0), inter.stride(1), w2.stride(0), w2.stride(1),
+            w2.stride(2), partial.stride(0), partial.stride(1),
+            MUL_WEIGHT=not doweight_stage1, SPLIT_K=config.split_k,
+            INPUT_PRECISION=_checks.input_precision(dtype), PAIR_BLOCKS=routing.pair_blocks,
+            PDL=PDL, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+            num_warps=config.num_warps, num_stages=config.num_stages)
     if out is None:
         out = torch.empty((tokens, model_dim), dtype=dtype, device=inter.device)
     block_d = min(1024, triton.next_power_of_2(model_dim))
@@ -338,3 +508,24 @@ def run_stage2(inter, w2, topk_weight, topk_ids, expert_map, routing, doweight_s
         partial.stride(0), partial.stride(1), out.stride(0), out.stride(1),
         TOPK=topk_ids.shape[1], PDL=PDL, BLOCK_D=block_d, num_warps=4)
     return out
+
+
+def _programs(device: torch.device) -> int:
+    """A persistent stage's grid: one program per SM (a few on the interpreter)."""
+    return _checks.device_sms(device.index) if device.type == "cuda" else 4
+
+
+def _start_persistent(kernel, device: torch.device, warmup: bool):
+    return _checks.start(kernel, (_programs(device),), warmup, launch_pdl=PDL)
+
+
+def _descriptor(t: torch.Tensor, what: str, box_rows: int, box_cols: int):
+    """A TMA descriptor of ``t`` as rows of its last dimension (experts stacked), box
+    (box_rows, box_cols). The rows must be dense: TMA reads whole boxes by a row pitch."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    if not t.is_contiguous() or t.data_ptr() % _TMA_ALIGN:
+        raise ValueError(f"persistent MoE stages read {what} through TMA: it must be contiguous "
+                         f"and {_TMA_ALIGN}-byte aligned (got shape {tuple(t.shape)}, strides "
+                         f"{t.stride()}); pass contiguous weights or use a config without P1")
+    return TensorDescriptor.from_tensor(t.view(-1, t.shape[-1]), [box_rows, box_cols])
