@@ -185,6 +185,10 @@ for what in "$@"; do
             model_and_tp "${what#gmmprobe:}"
             TAIL=8 stage "gmmprobe_$model" 200 python3 benchmarks/grouped_mm_probe.py \
                 --model "$model" --tp "$tp" --out "$OUT" ;;
+        persistprobe:*)  # persistprobe:MODEL[:TP]: the persistent stages part by part, T 1024-8192
+            model_and_tp "${what#persistprobe:}"
+            TAIL=40 stage "persistprobe_$model" 300 python3 benchmarks/moe_persistent_probe.py \
+                --model "$model" --tp "$tp" --out "$OUT" ;;
         timeline:*)  # timeline:MODEL[:TP]: the 1-stage kernel's programs on the GPU timer, T 1-4
             model_and_tp "${what#timeline:}"
             TAIL=30 stage "timeline_$model" 200 python3 benchmarks/moe_one_stage_timeline.py \

@@ -43,6 +43,9 @@ from gemmtune.kernels.triton.moe_configs import (BLOCK_MS, PAIR_BLOCK_M, MoeStag
 SILU, GELU = 0, 1  # the ACT constexpr
 _TMA_ALIGN = 16  # bytes: the row pitch and base of a TMA-described tensor
 GROUP_BLOCKS = 8  # persistent stages: blocks a weight tile is walked down before the next tile
+# Persistent stages: the tile loop flattened into the K loop (an epilogue overlapping the next
+# tile's loads), and Triton's warp specialization of it; both off until measured.
+PERSISTENT_VARIANT = {"FLATTEN": False, "WARP_SPECIALIZE": False}
 # Each launch waits on the one before with programmatic dependent launch (Hopper+; the
 # interpreter has none): the next grid is scheduled while the previous one drains.
 PDL = not _checks.INTERPRETED
@@ -318,12 +321,14 @@ def moe_stage1_tma_kernel(
     PDL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
+    FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
 ):
     _wait_for_inputs(PDL)
     tiles_n = tl.cdiv(I, BLOCK_N)
     tiles = tl.cdiv(tl.load(rows_used_ptr), BLOCK_M) * tiles_n
     offs_k = tl.arange(0, BLOCK_K)
-    for tile in tl.range(tl.program_id(0), tiles, num_programs):
+    for tile in tl.range(tl.program_id(0), tiles, num_programs, flatten=FLATTEN,
+                         warp_specialize=WARP_SPECIALIZE):
         block, pid_n, expert, ids, real = _tile_block(tile, rows_used_ptr, sorted_ids_ptr,
                                                       block_expert_ptr, tiles_n, pairs, BLOCK_M,
                                                       GROUP_M)
@@ -367,11 +372,13 @@ def moe_stage2_tma_kernel(
     PDL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
+    FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
 ):
     _wait_for_inputs(PDL)
     tiles_n = tl.cdiv(D, BLOCK_N)
     tiles = tl.cdiv(tl.load(rows_used_ptr), BLOCK_M) * tiles_n
-    for tile in tl.range(tl.program_id(0), tiles, num_programs):
+    for tile in tl.range(tl.program_id(0), tiles, num_programs, flatten=FLATTEN,
+                         warp_specialize=WARP_SPECIALIZE):
         block, pid_n, expert, ids, real = _tile_block(tile, rows_used_ptr, sorted_ids_ptr,
                                                       block_expert_ptr, tiles_n, pairs, BLOCK_M,
                                                       GROUP_M)
@@ -433,8 +440,10 @@ def moe_stages(x, w1, w2, topk_weight, topk_ids, expert_map, routing, activation
 
 def run_stage1(x, w1, topk_weight, topk_ids, expert_map, routing, activation: int,
                doweight_stage1: bool, config: MoeStage1Config,
-               warmup: bool = False) -> torch.Tensor:
-    """Stage 1 alone: -> the intermediate, (rows of the routing, I)."""
+               warmup: bool = False, variant: dict | None = None) -> torch.Tensor:
+    """Stage 1 alone: -> the intermediate, (rows of the routing, I). ``variant``: the
+    persistent kernel's FLATTEN and WARP_SPECIALIZE (benchmarks/moe_persistent_probe.py)."""
+    variant = {**PERSISTENT_VARIANT, **(variant or {})}
     tokens, model_dim = x.shape
     inter_dim = w1.shape[1] // 2
     topk = topk_weight.shape[1]
@@ -449,7 +458,8 @@ def run_stage1(x, w1, topk_weight, topk_ids, expert_map, routing, activation: in
             TOPK=topk, ACT=activation, MUL_WEIGHT=doweight_stage1,
             INPUT_PRECISION=_checks.input_precision(x.dtype), PDL=PDL,
             BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-            GROUP_M=GROUP_BLOCKS, num_warps=config.num_warps, num_stages=config.num_stages)
+            GROUP_M=GROUP_BLOCKS, **variant, num_warps=config.num_warps,
+            num_stages=config.num_stages)
         return inter
     grid = (routing.blocks, triton.cdiv(inter_dim, config.block_n))
     _checks.start(moe_stage1_kernel, grid, warmup, launch_pdl=PDL)(
@@ -466,9 +476,12 @@ def run_stage1(x, w1, topk_weight, topk_ids, expert_map, routing, activation: in
 
 def run_stage2(inter, w2, topk_weight, topk_ids, expert_map, routing, doweight_stage1: bool,
                config: MoeStage2Config, tokens: int, dtype: torch.dtype,
-               out: torch.Tensor | None = None, warmup: bool = False) -> torch.Tensor:
+               out: torch.Tensor | None = None, warmup: bool = False,
+               variant: dict | None = None, with_sum: bool = True) -> torch.Tensor:
     """Stage 2 and the sum over each token's slots: -> (T, D) in ``dtype``, into ``out`` if
-    given."""
+    given. ``variant`` as for ``run_stage1``; without ``with_sum``: stage 2 alone, -> its
+    (pairs, D) partial products (a benchmark's split of the time)."""
+    variant = {**PERSISTENT_VARIANT, **(variant or {})}
     inter_dim = inter.shape[1]
     pairs = topk_ids.numel()
     model_dim = w2.shape[1]
@@ -487,7 +500,8 @@ def run_stage2(inter, w2, topk_weight, topk_ids, expert_map, routing, doweight_s
             _programs(inter.device),
             MUL_WEIGHT=not doweight_stage1, INPUT_PRECISION=_checks.input_precision(dtype),
             PDL=PDL, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-            GROUP_M=GROUP_BLOCKS, num_warps=config.num_warps, num_stages=config.num_stages)
+            GROUP_M=GROUP_BLOCKS, **variant, num_warps=config.num_warps,
+            num_stages=config.num_stages)
     else:
         grid = (routing.blocks, triton.cdiv(model_dim, config.block_n), config.split_k)
         _checks.start(moe_stage2_kernel, grid, warmup, launch_pdl=PDL)(
@@ -499,8 +513,17 @@ def run_stage2(inter, w2, topk_weight, topk_ids, expert_map, routing, doweight_s
             INPUT_PRECISION=_checks.input_precision(dtype), PAIR_BLOCKS=routing.pair_blocks,
             PDL=PDL, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
             num_warps=config.num_warps, num_stages=config.num_stages)
+    if not with_sum:
+        return partial
     if out is None:
         out = torch.empty((tokens, model_dim), dtype=dtype, device=inter.device)
+    return run_sum(partial, topk_ids, expert_map, out, warmup)
+
+
+def run_sum(partial, topk_ids, expert_map, out, warmup: bool = False) -> torch.Tensor:
+    """Each token's ``topk`` rows of ``partial`` (pairs, D), added in fp32 in slot order (pairs
+    of other ranks' experts skipped), into ``out`` (T, D)."""
+    tokens, model_dim = out.shape
     block_d = min(1024, triton.next_power_of_2(model_dim))
     _checks.start(moe_sum_kernel, (tokens, triton.cdiv(model_dim, block_d)), warmup,
                   launch_pdl=PDL)(
