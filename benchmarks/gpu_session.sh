@@ -185,6 +185,8 @@ for what in "$@"; do
             model_and_tp "${what#gmmprobe:}"
             TAIL=8 stage "gmmprobe_$model" 200 python3 benchmarks/grouped_mm_probe.py \
                 --model "$model" --tp "$tp" --out "$OUT" ;;
+        routeprobe)  # the routing preparation launch by launch, 4-16 warps, three models' experts
+            TAIL=20 stage routeprobe 200 python3 benchmarks/moe_routing_probe.py --out "$OUT" ;;
         persistprobe:*)  # persistprobe:MODEL[:TP]: the persistent stages part by part, T 1024-8192
             model_and_tp "${what#persistprobe:}"
             TAIL=40 stage "persistprobe_$model" 300 python3 benchmarks/moe_persistent_probe.py \

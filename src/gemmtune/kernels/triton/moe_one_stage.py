@@ -16,6 +16,14 @@ routed to it, the other slots return at once, so each routed expert's weights ar
 CUDA dispatches a grid's programs in order, so every stage-1 program has been placed on an SM
 before any stage-2 program waits: the waits cannot starve the programs they wait on.
 
+The chunked kernel (``moe_chunks``) never waits: a program takes a chunk of ``block_n``
+intermediate columns of its slot's expert, computes them over all of model_dim (w1's rows of the
+chunk), then multiplies them straight into the down projection (w2's columns of the chunk, in
+tiles of ``block_d`` output rows), adding every partial product into the fp32 sums; the last
+program to finish rounds the sums into the output. Both weights stream at once from the first
+instant, at the cost of short pieces of w2's rows (``block_n`` elements) and ``topk * I /
+block_n`` adds per output element: for the fewest tokens.
+
 The workspace (fp32 sums and counters) is zero before a launch and the launch leaves it zero:
 the converting program zeroes its tile and counter, and the last of those resets the stage-1
 counters. So a call is one launch, and the workspace is made once per (device, stream, shape),
@@ -30,7 +38,7 @@ import triton
 import triton.language as tl
 
 from gemmtune.kernels.triton import _checks
-from gemmtune.kernels.triton.moe_configs import MoeOneStageConfig
+from gemmtune.kernels.triton.moe_configs import MoeChunksConfig, MoeOneStageConfig
 from gemmtune.kernels.triton.moe_stages import gate_up_sums, gated_activation
 
 # Rows of the token tile: the smallest tl.dot takes; the tokens of a call share one tile.
@@ -70,6 +78,30 @@ def why_not_one_stage(config: MoeOneStageConfig, tokens: int, dtype: torch.dtype
     stage1 = (rows + 2 * config.block_n) * config.block_k
     stage2 = (rows + config.block_d) * config.block_i
     smem = config.num_stages * max(stage1, stage2) * dtype.itemsize
+    if smem > _checks.SMEM_LIMIT_BYTES:
+        return f"shared memory {smem} B > {_checks.SMEM_LIMIT_BYTES} B; reduce blocks or stages"
+    return None
+
+
+def why_not_chunks(config: MoeChunksConfig, tokens: int, dtype: torch.dtype) -> str | None:
+    """What keeps a chunks config from running ``tokens`` tokens of ``dtype``."""
+    if tokens > MAX_TOKENS:
+        return (f"{tokens} tokens: the chunked kernel takes at most {MAX_TOKENS} (it is for "
+                f"decode; use a two-stage solution)")
+    for field in ("block_n", "block_k", "block_d"):
+        v = getattr(config, field)
+        if not _checks.is_pow2(v) or not 16 <= v <= 1024:
+            return f"{field}={v} must be a power of two in [16, 1024]"
+    problem = _checks.why_not_warps_stages(config)
+    if problem:
+        return problem
+    threads = 32 * config.num_warps
+    rows = token_block(tokens)
+    if max(2 * rows * config.block_n, rows * config.block_d) > MAX_ACC_REGS * threads:
+        return (f"accumulators of {rows} tokens need more than {MAX_ACC_REGS} registers per "
+                f"thread; use smaller blocks or more warps")
+    stage1 = (rows + 2 * config.block_n) * config.block_k
+    smem = (config.num_stages * max(stage1, config.block_n * config.block_d)) * dtype.itemsize
     if smem > _checks.SMEM_LIMIT_BYTES:
         return f"shared memory {smem} B > {_checks.SMEM_LIMIT_BYTES} B; reduce blocks or stages"
     return None
@@ -250,6 +282,90 @@ def _convert_tile(out_ptr, acc_ptr, done_ptr, converted_ptr, ready_ptr, tile, ti
         tl.atomic_xchg(converted_ptr, 0, sem="relaxed")
 
 
+@triton.jit
+def moe_chunks_kernel(
+    x_ptr,  # (T, D)
+    w1_ptr,  # (E, 2 * I, D)
+    w2_ptr,  # (E, D, I)
+    out_ptr,  # (T, D)
+    acc_ptr,  # (T, D) fp32, zero
+    finished_ptr,  # (1,) int32, zero: programs finished
+    topk_weight_ptr,  # (T * TOPK,) fp32
+    topk_ids_ptr,  # (T * TOPK,) int32 global expert ids
+    expert_map_ptr,  # (E_global,) int32, -1: another rank's expert
+    T, D, I,
+    stride_xt, stride_xd,
+    stride_1e, stride_1n, stride_1d,
+    stride_2e, stride_2d, stride_2i,
+    stride_ot, stride_od,
+    TOPK: tl.constexpr, TOPK_P2: tl.constexpr,
+    ACT: tl.constexpr,
+    MUL_WEIGHT1: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    pid = tl.program_id(0)
+    chunks = tl.cdiv(I, BLOCK_N)
+    slot = pid // chunks
+    expert, routed, pairs = _slot_work(topk_ids_ptr, expert_map_ptr, slot, T, TOPK, BLOCK_T,
+                                       TOPK_P2)
+    offs_t = tl.arange(0, BLOCK_T)
+    if expert >= 0:
+        offs_n = (pid % chunks) * BLOCK_N + tl.arange(0, BLOCK_N)
+        inside_n = offs_n < I
+        cols = tl.where(inside_n, offs_n, 0).to(tl.int64)
+        gate, up = gate_up_sums(x_ptr, w1_ptr, offs_t, routed, expert, cols, D, I, stride_xt,
+                                stride_xd, stride_1e, stride_1n, stride_1d, INPUT_PRECISION,
+                                BLOCK_T, BLOCK_N, BLOCK_K)
+        h = gated_activation(gate, up, ACT)
+        weight = tl.load(topk_weight_ptr + pairs, mask=routed, other=0.0)
+        if MUL_WEIGHT1:
+            h = h * weight[:, None]
+        # Rounded as the two-stage intermediate is; columns past I add nothing.
+        h = tl.where(inside_n[None, :], h, 0.0).to(x_ptr.dtype.element_ty)
+        offs_d = tl.arange(0, BLOCK_D)
+        w_ptrs = (w2_ptr + expert * stride_2e + offs_d[None, :].to(tl.int64) * stride_2d
+                  + cols[:, None] * stride_2i)  # (BN, BD): w2[e][d tile, chunk].T
+        sums = acc_ptr + offs_t[:, None] * D + offs_d[None, :]
+        for d0 in range(0, D, BLOCK_D):
+            inside_d = offs_d < D - d0
+            w = tl.load(w_ptrs, mask=inside_n[:, None] & inside_d[None, :], other=0.0)
+            part = tl.dot(h, w, input_precision=INPUT_PRECISION)
+            if not MUL_WEIGHT1:
+                part = part * weight[:, None]
+            tl.atomic_add(sums, part, mask=routed[:, None] & inside_d[None, :], sem="relaxed")
+            w_ptrs += BLOCK_D * stride_2d
+            sums += BLOCK_D
+    # Every thread's adds are issued before the count moves; the last program sees them all.
+    tl.debug_barrier()
+    if tl.atomic_add(finished_ptr, 1, sem="acq_rel") == tl.num_programs(0) - 1:
+        _convert_all(out_ptr, acc_ptr, finished_ptr, T, D, stride_ot, stride_od, BLOCK_T,
+                     BLOCK_D)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def _convert_all(out_ptr, acc_ptr, finished_ptr, T, D, stride_ot, stride_od,
+                 BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The last program: round every sum into the output, and leave the sums and the count
+    zero for the next launch."""
+    offs_t = tl.arange(0, BLOCK_T)
+    for d0 in range(0, D, BLOCK_D):
+        offs_d = d0 + tl.arange(0, BLOCK_D)
+        inside = (offs_t[:, None] < T) & (offs_d[None, :] < D)
+        sums = acc_ptr + offs_t[:, None] * D + offs_d[None, :]
+        total = tl.load(sums, mask=inside, other=0.0, cache_modifier=".cg")
+        dst = out_ptr + offs_t[:, None].to(tl.int64) * stride_ot + offs_d[None, :] * stride_od
+        tl.store(dst, total.to(out_ptr.dtype.element_ty), mask=inside)
+        tl.store(sums, tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32), mask=inside)
+    tl.atomic_xchg(finished_ptr, 0, sem="relaxed")
+
+
 class _Workspace:
     """The zero-between-launches buffers of one (device, stream, T, topk, I, D, block_d)."""
 
@@ -266,18 +382,43 @@ class _Workspace:
 _WORKSPACES: dict[tuple, _Workspace] = {}
 
 
-def _workspace(tokens, topk, inter_dim, model_dim, tiles2, dtype, device) -> _Workspace:
+def _workspace(tokens, topk, inter_dim, model_dim, tiles2, dtype, device,
+               kind: str = "waits") -> _Workspace:
     """The cached workspace of this stream and shape. Inside a CUDA-graph capture with none
     cached, a fresh one: its zero fill becomes part of the graph (a cached one made there would
     not be zero until the graph first ran)."""
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (device, stream, tokens, topk, inter_dim, model_dim, tiles2, dtype)
+    key = (kind, device, stream, tokens, topk, inter_dim, model_dim, tiles2, dtype)
     found = _WORKSPACES.get(key)
     if found is None:
         found = _Workspace(tokens, topk, inter_dim, model_dim, tiles2, dtype, device)
         if device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
             _WORKSPACES[key] = found
     return found
+
+
+def moe_chunks(x, w1, w2, topk_weight, topk_ids, expert_map, activation: int,
+               doweight_stage1: bool, config: MoeChunksConfig, out: torch.Tensor | None = None,
+               warmup: bool = False) -> torch.Tensor:
+    """The whole MoE in one launch that never waits (the arguments as ``moe_one_stage``'s): a
+    program per (routed pair, chunk of inter_dim)."""
+    tokens, model_dim = x.shape
+    inter_dim = w2.shape[2]
+    topk = topk_ids.shape[1]
+    if out is None:
+        out = torch.empty_like(x)
+    ws = _workspace(tokens, topk, inter_dim, model_dim, 1, x.dtype, x.device, kind="chunks")
+    grid = (tokens * topk * triton.cdiv(inter_dim, config.block_n),)
+    _checks.start(moe_chunks_kernel, grid, warmup, launch_pdl=PDL)(
+        x, w1, w2, out, ws.acc, ws.done, topk_weight.reshape(-1), topk_ids.reshape(-1),
+        expert_map, tokens, model_dim, inter_dim,
+        x.stride(0), x.stride(1), w1.stride(0), w1.stride(1), w1.stride(2),
+        w2.stride(0), w2.stride(1), w2.stride(2), out.stride(0), out.stride(1),
+        TOPK=topk, TOPK_P2=triton.next_power_of_2(topk), ACT=activation,
+        MUL_WEIGHT1=doweight_stage1, INPUT_PRECISION=_checks.input_precision(x.dtype), PDL=PDL,
+        BLOCK_T=token_block(tokens), BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        BLOCK_D=config.block_d, num_warps=config.num_warps, num_stages=config.num_stages)
+    return out
 
 
 def programs(tokens: int, topk: int, inter_dim: int, model_dim: int,

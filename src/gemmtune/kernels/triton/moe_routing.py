@@ -36,6 +36,7 @@ from gemmtune.kernels.triton.moe_configs import PAIR_BLOCK_M
 # above this the preparation spreads over programs, in three launches.
 PAIRS_PER_PROGRAM = 1024
 MIN_SPAN = 16  # the fewest lanes a program sorts (tl.sort and tl.histogram want a few)
+ROUTING_WARPS = 4
 
 
 class MoeRouting(NamedTuple):
@@ -192,7 +193,8 @@ def _program_tile(counts_ptr, programs_here, programs, bins, EXPERTS_POW2: tl.co
 
 def moe_routing(topk_ids: torch.Tensor, expert_map: torch.Tensor, experts: int,
                 block_m: int, warmup: bool = False,
-                pairs_per_program: int = PAIRS_PER_PROGRAM) -> MoeRouting:
+                pairs_per_program: int = PAIRS_PER_PROGRAM,
+                num_warps: int = ROUTING_WARPS) -> MoeRouting:
     """Group the pairs of ``topk_ids`` (T, topk) int32 by local expert (``expert_map``:
     (E_global,) int32, -1 for experts of other ranks) into blocks of ``block_m`` rows: in one
     launch up to ``pairs_per_program`` pairs, else in three (count per span of pairs, offsets,
@@ -218,19 +220,19 @@ def moe_routing(topk_ids: torch.Tensor, expert_map: torch.Tensor, experts: int,
         _checks.start(moe_routing_kernel, (1,), warmup)(
             ids, expert_map, routing.sorted_ids, routing.block_expert, routing.rows_used,
             routing.expert_ends, pairs, experts, BLOCK_M=block_m, EXPERTS_POW2=bins,
-            SPAN=max(MIN_SPAN, triton.next_power_of_2(pairs)), num_warps=4)
+            SPAN=max(MIN_SPAN, triton.next_power_of_2(pairs)), num_warps=num_warps)
         return routing
     programs = triton.cdiv(pairs, pairs_per_program)
     counts = torch.empty((programs, bins), dtype=torch.int32, device=device)
     offsets = torch.empty_like(counts)
     _checks.start(moe_count_kernel, (programs,), warmup)(
         ids, expert_map, counts, pairs, experts, EXPERTS_POW2=bins, SPAN=pairs_per_program,
-        num_warps=4)
+        num_warps=num_warps)
     _checks.start(moe_offsets_kernel, (1,), warmup)(
         counts, offsets, routing.sorted_ids, routing.rows_used, routing.expert_ends, pairs,
         programs,
-        BLOCK_M=block_m, EXPERTS_POW2=bins, PROGRAMS_STEP=16, num_warps=4)
+        BLOCK_M=block_m, EXPERTS_POW2=bins, PROGRAMS_STEP=16, num_warps=num_warps)
     _checks.start(moe_place_kernel, (programs,), warmup)(
         ids, expert_map, routing.sorted_ids, routing.block_expert, offsets, pairs, experts,
-        BLOCK_M=block_m, EXPERTS_POW2=bins, SPAN=pairs_per_program, num_warps=4)
+        BLOCK_M=block_m, EXPERTS_POW2=bins, SPAN=pairs_per_program, num_warps=num_warps)
     return routing
