@@ -32,16 +32,17 @@ def _launches(ids, emap, experts: int, block_m: int, warps: int) -> dict:
     r = routing_mod.moe_routing(ids, emap, experts, block_m)
     counts = torch.zeros((programs, bins), dtype=torch.int32, device=ids.device)
     offsets = torch.zeros_like(counts)
+    real_ends = torch.zeros(bins, dtype=torch.int32, device=ids.device)
     flat = ids.reshape(-1)
     return {
         f"count W{warps}": lambda s: routing_mod.moe_count_kernel[(programs,)](
             flat, emap, counts, pairs, experts, EXPERTS_POW2=bins, SPAN=span, num_warps=warps),
         f"offsets W{warps}": lambda s: routing_mod.moe_offsets_kernel[(1,)](
-            counts, offsets, r.sorted_ids, r.rows_used, r.expert_ends, pairs, programs,
+            counts, offsets, real_ends, r.rows_used, r.expert_ends, programs,
             BLOCK_M=block_m, EXPERTS_POW2=bins, PROGRAMS_STEP=16, num_warps=warps),
         f"place W{warps}": lambda s: routing_mod.moe_place_kernel[(programs,)](
-            flat, emap, r.sorted_ids, r.block_expert, offsets, pairs, experts, BLOCK_M=block_m,
-            EXPERTS_POW2=bins, SPAN=span, num_warps=warps),
+            flat, emap, r.sorted_ids, r.block_expert, r.block_rows, offsets, counts, real_ends,
+            pairs, experts, BLOCK_M=block_m, EXPERTS_POW2=bins, SPAN=span, num_warps=warps),
     }
 
 

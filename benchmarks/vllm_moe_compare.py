@@ -126,7 +126,7 @@ class VllmMoe:
                                         device=ids.device)
         else:
             routing = moe_routing(ids, expert_map_of(None, experts, ids.device), experts,
-                                  block_m)
+                                  block_m, sentinels=True)  # vLLM's kernel masks by them
             self.sorted_ids, self.block_expert = routing.sorted_ids, routing.block_expert
             self.rows_used = routing.rows_used
         pairs = ids.numel()

@@ -3,8 +3,9 @@
 (``moe_stages``), named as one solution ``triton.moe1:<stage 1>+triton.moe2:<stage 2>`` (both
 with the same block_m, the routing's), or the 1-stage kernel (``moe_one_stage``), named
 ``triton.moe_1stage:...``, or its variant that never waits, ``triton.moe_chunks:...``, or (many
-tokens, bf16) ``triton.moe_gmm``: our routing and elementwise steps around torch's grouped GEMM. Stage configs with ``PB1`` run over pair blocks:
-no routing preparation, a block per routed pair; with ``P1`` a stage is persistent, through TMA.
+tokens, bf16) ``triton.moe_gmm``: our routing and elementwise steps around torch's grouped GEMM.
+Stage configs with ``PB1`` run over pair blocks: no routing preparation, a block per routed
+pair; with ``P1`` a stage is persistent, through TMA.
 
 Called as every MoE backend is: ``kernel(hidden, w1, w2, topk_weight, topk_ids, expert_map,
 problem)`` with hidden (T, D), w1 (E, 2I, D), w2 (E, D, I), topk_weight (T, topk) fp32,

@@ -51,6 +51,14 @@ MAX_ACC_REGS = 128
 PDL = not _checks.INTERPRETED
 
 
+# A program signals with one scalar atomic, which Triton runs on one thread: its release and
+# acquire order that thread's own accesses only. So every thread fences its writes before the
+# signal and its reads after it (without, a converting program read other warps' rows of the
+# sums before all adds had landed: docs/benchmarks.md). The interpreter runs programs one by one.
+_FENCE = tl.constexpr(not _checks.INTERPRETED)
+_FENCE_LANES = 256  # spread over every thread of up to 8 warps
+
+
 def token_block(tokens: int) -> int:
     return max(MIN_BLOCK_T, triton.next_power_of_2(tokens))
 
@@ -184,6 +192,15 @@ def moe_one_stage_kernel(
 
 
 @triton.jit
+def _fence_every_thread():
+    """``fence.acq_rel.gpu`` on every thread of the program (on the GPU)."""
+    if _FENCE:
+        tl.inline_asm_elementwise("fence.acq_rel.gpu;\n\tmov.u32 $0, 0;", "=r,r",
+                                  [tl.arange(0, _FENCE_LANES)], dtype=tl.int32, is_pure=False,
+                                  pack=1)
+
+
+@triton.jit
 def _now(anything):
     """The GPU's global nanosecond timer (for TRACE; ``anything`` gives the asm a shape)."""
     return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [anything],
@@ -211,8 +228,8 @@ def _stage1(x_ptr, w1_ptr, inter_ptr, ready_ptr, topk_weight_ptr, topk_ids_ptr, 
         dst = inter_ptr + pairs.to(tl.int64)[:, None] * I + offs_n[None, :]
         tl.store(dst, h.to(inter_ptr.dtype.element_ty),
                  mask=routed[:, None] & (offs_n[None, :] < I))
-        # Every thread's stores are issued before the count moves (the barrier), and the
-        # release makes them visible to the program that sees the count complete.
+        # Every thread's stores are visible (its fence) before the count moves (the barrier).
+        _fence_every_thread()
         tl.debug_barrier()
         tl.atomic_add(ready_ptr + slot, 1, sem="release")
 
@@ -239,6 +256,7 @@ def _stage2(w2_ptr, out_ptr, inter_ptr, acc_ptr, ready_ptr, done_ptr, converted_
         while tl.load(ready_ptr + slot, volatile=True) < tiles1:
             pass
         tl.atomic_add(ready_ptr + slot, 0, sem="acquire")
+        _fence_every_thread()  # each thread saw the count: its reads of h come after
         if TRACE:
             tl.store(trace_ptr + tl.program_id(0) * 3 + 1, _now(slot))
         acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
@@ -253,6 +271,7 @@ def _stage2(w2_ptr, out_ptr, inter_ptr, acc_ptr, ready_ptr, done_ptr, converted_
             acc = acc * tl.load(topk_weight_ptr + pairs, mask=routed, other=0.0)[:, None]
         tl.atomic_add(acc_ptr + offs_t[:, None] * D + offs_d[None, :], acc,
                       mask=routed[:, None] & (offs_d[None, :] < D), sem="relaxed")
+    _fence_every_thread()
     tl.debug_barrier()
     if tl.atomic_add(done_ptr + tile, 1, sem="acq_rel") == T * TOPK - 1:
         _convert_tile(out_ptr, acc_ptr, done_ptr, converted_ptr, ready_ptr, tile, tiles2, T, D,
@@ -266,6 +285,7 @@ def _convert_tile(out_ptr, acc_ptr, done_ptr, converted_ptr, ready_ptr, tile, ti
     """The last stage-2 program of an output tile: round the tile's sums into the output and
     leave the workspace as it found it (zero); the last tile converted resets the stage-1
     counters, whose every reader has passed its wait by then."""
+    _fence_every_thread()
     offs_t = tl.arange(0, BLOCK_T)
     offs_d = tile * BLOCK_D + tl.arange(0, BLOCK_D)
     inside = (offs_t[:, None] < T) & (offs_d[None, :] < D)
@@ -340,7 +360,8 @@ def moe_chunks_kernel(
             tl.atomic_add(sums, part, mask=routed[:, None] & inside_d[None, :], sem="relaxed")
             w_ptrs += BLOCK_D * stride_2d
             sums += BLOCK_D
-    # Every thread's adds are issued before the count moves; the last program sees them all.
+    # Every thread's adds are visible before the count moves; the last program sees them all.
+    _fence_every_thread()
     tl.debug_barrier()
     if tl.atomic_add(finished_ptr, 1, sem="acq_rel") == tl.num_programs(0) - 1:
         _convert_all(out_ptr, acc_ptr, finished_ptr, T, D, stride_ot, stride_od, BLOCK_T,
@@ -354,6 +375,7 @@ def _convert_all(out_ptr, acc_ptr, finished_ptr, T, D, stride_ot, stride_od,
                  BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
     """The last program: round every sum into the output, and leave the sums and the count
     zero for the next launch."""
+    _fence_every_thread()
     offs_t = tl.arange(0, BLOCK_T)
     for d0 in range(0, D, BLOCK_D):
         offs_d = d0 + tl.arange(0, BLOCK_D)

@@ -7,9 +7,11 @@ expert ``expert_map[topk_ids[t, k]]`` (-1: not a local expert, the pair contribu
 result, all on the device and sized by upper bounds (no host sync: CUDA-graph capturable):
 
 - ``sorted_ids`` (max_rows,) int32: the pairs of local expert 0, then expert 1, ..., each
-  expert's run padded to a multiple of ``block_m`` with the sentinel ``T * topk``; within an
-  expert, pairs keep their order (a stable grouping, so results never depend on scheduling);
+  expert's run padded to a multiple of ``block_m``; within an expert, pairs keep their order (a
+  stable grouping, so results never depend on scheduling). Padding rows are left unset (set to
+  the sentinel ``T * topk`` only with ``sentinels``, for kernels that want them);
 - ``block_expert`` (max_blocks,) int32: the local expert of each block of ``block_m`` rows;
+- ``block_rows`` (max_blocks,) int32: how many of a block's rows hold a pair (the rest pad);
 - ``rows_used`` (1,) int32: how many rows of ``sorted_ids`` the experts' runs take;
 - ``expert_ends`` (the power of two above E,) int32: the row where each local expert's run
   ends, its first E the offsets of a grouped GEMM over the runs.
@@ -17,8 +19,8 @@ result, all on the device and sized by upper bounds (no host sync: CUDA-graph ca
 Rows at and past ``rows_used``, and their blocks, are left unset: the stages never read them.
 ``max_rows = T * topk + E * (block_m - 1)`` (each expert's run wastes at most block_m - 1 rows).
 A program sorts its span of pairs by (expert, pair) and counts them per expert; every pair at the
-start of a block records the block's expert (each block of a run starts with a pair, since only
-a run's last block is padded).
+start of a block records the block's expert and real rows (each block of a run starts with a
+pair, since only a run's last block is padded).
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ class MoeRouting(NamedTuple):
     block_m: int
     pair_blocks: bool = False
     expert_ends: torch.Tensor | None = None  # (bins,) int32; None with pair blocks
+    block_rows: torch.Tensor | None = None  # (max_blocks,) int32; a placeholder with pair blocks
 
     @property
     def blocks(self) -> int:
@@ -61,7 +64,7 @@ def pair_blocks(topk_ids: torch.Tensor) -> MoeRouting:
     """One block of PAIR_BLOCK_M rows per routed pair (its first row the pair): for decode's few
     pairs, where grouping would make the same blocks and costs a launch."""
     ids = topk_ids.reshape(-1)
-    return MoeRouting(ids, ids, ids, PAIR_BLOCK_M, pair_blocks=True)
+    return MoeRouting(ids, ids, ids, PAIR_BLOCK_M, pair_blocks=True, block_rows=ids)
 
 
 def max_rows(pairs: int, experts: int, block_m: int) -> int:
@@ -70,14 +73,14 @@ def max_rows(pairs: int, experts: int, block_m: int) -> int:
 
 @triton.jit
 def moe_routing_kernel(topk_ids_ptr, expert_map_ptr, sorted_ids_ptr, block_expert_ptr,
-                       rows_used_ptr, ends_ptr, pairs, experts, BLOCK_M: tl.constexpr,
-                       EXPERTS_POW2: tl.constexpr, SPAN: tl.constexpr):
+                       block_rows_ptr, rows_used_ptr, ends_ptr, pairs, experts,
+                       BLOCK_M: tl.constexpr, EXPERTS_POW2: tl.constexpr, SPAN: tl.constexpr):
     """The whole preparation in one program, for up to SPAN pairs: one launch beats three."""
     expert = _span_experts(topk_ids_ptr, expert_map_ptr, 0, pairs, experts, SPAN)
     counts = _local_counts(expert, experts, EXPERTS_POW2)
     starts, ends = _expert_runs(counts, rows_used_ptr, ends_ptr, BLOCK_M)
-    _pad_runs(sorted_ids_ptr, starts + counts, ends, pairs, EXPERTS_POW2, BLOCK_M)
-    _place(sorted_ids_ptr, block_expert_ptr, expert, 0, starts, counts, experts, BLOCK_M, SPAN)
+    _place(sorted_ids_ptr, block_expert_ptr, block_rows_ptr, expert, 0, starts, counts,
+           starts + counts, experts, BLOCK_M, SPAN)
 
 
 @triton.jit
@@ -92,12 +95,12 @@ def moe_count_kernel(topk_ids_ptr, expert_map_ptr, counts_ptr, pairs, experts,
 
 
 @triton.jit
-def moe_offsets_kernel(counts_ptr, offsets_ptr, sorted_ids_ptr, rows_used_ptr, ends_ptr, pairs,
+def moe_offsets_kernel(counts_ptr, offsets_ptr, real_ends_ptr, rows_used_ptr, ends_ptr,
                        programs, BLOCK_M: tl.constexpr, EXPERTS_POW2: tl.constexpr,
                        PROGRAMS_STEP: tl.constexpr):
-    """Step 2 of 3, one program: the experts' padded runs (their padding rows set), and the row
-    where each step-1 program's first pair of each expert goes (into ``offsets``): its expert's
-    start plus that expert's pairs in the programs before it."""
+    """Step 2 of 3, one program: the experts' padded runs, where each one's pairs end
+    (``real_ends``), and the row where each step-1 program's first pair of each expert goes
+    (into ``offsets``): its expert's start plus that expert's pairs in the programs before it."""
     bins = tl.arange(0, EXPERTS_POW2)
     steps = tl.arange(0, PROGRAMS_STEP)
     totals = tl.zeros((EXPERTS_POW2,), dtype=tl.int32)
@@ -105,7 +108,7 @@ def moe_offsets_kernel(counts_ptr, offsets_ptr, sorted_ids_ptr, rows_used_ptr, e
         totals += tl.sum(_program_tile(counts_ptr, p + steps, programs, bins, EXPERTS_POW2),
                          axis=0)
     starts, ends = _expert_runs(totals, rows_used_ptr, ends_ptr, BLOCK_M)
-    _pad_runs(sorted_ids_ptr, starts + totals, ends, pairs, EXPERTS_POW2, BLOCK_M)
+    tl.store(real_ends_ptr + bins, starts + totals)
     running = starts
     for p in range(0, programs, PROGRAMS_STEP):
         tile = _program_tile(counts_ptr, p + steps, programs, bins, EXPERTS_POW2)
@@ -116,16 +119,17 @@ def moe_offsets_kernel(counts_ptr, offsets_ptr, sorted_ids_ptr, rows_used_ptr, e
 
 
 @triton.jit
-def moe_place_kernel(topk_ids_ptr, expert_map_ptr, sorted_ids_ptr, block_expert_ptr, offsets_ptr,
-                     pairs, experts, BLOCK_M: tl.constexpr, EXPERTS_POW2: tl.constexpr,
-                     SPAN: tl.constexpr):
+def moe_place_kernel(topk_ids_ptr, expert_map_ptr, sorted_ids_ptr, block_expert_ptr,
+                     block_rows_ptr, offsets_ptr, counts_ptr, real_ends_ptr, pairs, experts,
+                     BLOCK_M: tl.constexpr, EXPERTS_POW2: tl.constexpr, SPAN: tl.constexpr):
     """Step 3 of 3: each program puts its span of pairs in their rows, in pair order."""
     pid = tl.program_id(0)
+    bins = tl.arange(0, EXPERTS_POW2)
     expert = _span_experts(topk_ids_ptr, expert_map_ptr, pid * SPAN, pairs, experts, SPAN)
-    counts = _local_counts(expert, experts, EXPERTS_POW2)
-    base = tl.load(offsets_ptr + pid * EXPERTS_POW2 + tl.arange(0, EXPERTS_POW2))
-    _place(sorted_ids_ptr, block_expert_ptr, expert, pid * SPAN, base, counts, experts, BLOCK_M,
-           SPAN)
+    counts = tl.load(counts_ptr + pid * EXPERTS_POW2 + bins)  # step 1's
+    base = tl.load(offsets_ptr + pid * EXPERTS_POW2 + bins)
+    _place(sorted_ids_ptr, block_expert_ptr, block_rows_ptr, expert, pid * SPAN, base, counts,
+           tl.load(real_ends_ptr + bins), experts, BLOCK_M, SPAN)
 
 
 @triton.jit
@@ -158,21 +162,13 @@ def _expert_runs(counts, rows_used_ptr, ends_ptr, BLOCK_M: tl.constexpr):
 
 
 @triton.jit
-def _pad_runs(sorted_ids_ptr, pad_starts, ends, pairs, EXPERTS_POW2: tl.constexpr,
-              BLOCK_M: tl.constexpr):
-    """The sentinel into each run's padding rows [pad_starts, ends): fewer than BLOCK_M each."""
-    row = pad_starts[:, None] + tl.arange(0, BLOCK_M)[None, :]
-    tl.store(sorted_ids_ptr + row, tl.zeros((EXPERTS_POW2, BLOCK_M), dtype=tl.int32) + pairs,
-             mask=row < ends[:, None])
-
-
-@triton.jit
-def _place(sorted_ids_ptr, block_expert_ptr, expert, first, base, counts, experts,
-           BLOCK_M: tl.constexpr, SPAN: tl.constexpr):
+def _place(sorted_ids_ptr, block_expert_ptr, block_rows_ptr, expert, first, base, counts,
+           real_ends, experts, BLOCK_M: tl.constexpr, SPAN: tl.constexpr):
     """Pairs [first, first + SPAN) (their experts ``expert``) to their rows: ``base`` (per
     expert, the row of its first pair here) plus the pairs of the same expert before it. A
     sort by (expert, pair) lines each expert's pairs up in order; the pair at the start of a
-    block also records the block's expert."""
+    block also records the block's expert and how many of its rows hold pairs (its expert's
+    pairs end at ``real_ends``)."""
     position = tl.arange(0, SPAN)
     ordered = tl.sort(expert * SPAN + position)
     expert_at = ordered // SPAN
@@ -182,7 +178,11 @@ def _place(sorted_ids_ptr, block_expert_ptr, expert, first, base, counts, expert
     row = tl.gather(shift, tl.minimum(expert_at, experts), 0) + position
     local = expert_at < experts
     tl.store(sorted_ids_ptr + row, pair_at, mask=local)
-    tl.store(block_expert_ptr + row // BLOCK_M, expert_at, mask=local & (row % BLOCK_M == 0))
+    starts_block = local & (row % BLOCK_M == 0)
+    tl.store(block_expert_ptr + row // BLOCK_M, expert_at, mask=starts_block)
+    real_end = tl.gather(real_ends, tl.minimum(expert_at, experts), 0)
+    tl.store(block_rows_ptr + row // BLOCK_M, tl.minimum(real_end - row, BLOCK_M),
+             mask=starts_block)
 
 
 @triton.jit
@@ -194,12 +194,12 @@ def _program_tile(counts_ptr, programs_here, programs, bins, EXPERTS_POW2: tl.co
 def moe_routing(topk_ids: torch.Tensor, expert_map: torch.Tensor, experts: int,
                 block_m: int, warmup: bool = False,
                 pairs_per_program: int = PAIRS_PER_PROGRAM,
-                num_warps: int = ROUTING_WARPS) -> MoeRouting:
+                num_warps: int = ROUTING_WARPS, sentinels: bool = False) -> MoeRouting:
     """Group the pairs of ``topk_ids`` (T, topk) int32 by local expert (``expert_map``:
     (E_global,) int32, -1 for experts of other ranks) into blocks of ``block_m`` rows: in one
     launch up to ``pairs_per_program`` pairs, else in three (count per span of pairs, offsets,
-    place), each span a program. ``warmup``: compile only (the routing's tensors are left
-    unset)."""
+    place), each span a program. ``sentinels``: padding rows hold ``T * topk`` (a fill launch
+    more). ``warmup``: compile only (the routing's tensors are left unset)."""
     if topk_ids.dtype != torch.int32 or expert_map.dtype != torch.int32:
         raise TypeError(f"moe_routing: topk_ids and expert_map must be int32, got "
                         f"{topk_ids.dtype} and {expert_map.dtype}")
@@ -211,28 +211,32 @@ def moe_routing(topk_ids: torch.Tensor, expert_map: torch.Tensor, experts: int,
     blocks = triton.cdiv(rows, block_m)
     device = topk_ids.device
     bins = triton.next_power_of_2(experts + 1)
-    routing = MoeRouting(torch.empty(rows, dtype=torch.int32, device=device),
-                         torch.empty(blocks, dtype=torch.int32, device=device),
+    sorted_ids = (torch.full((rows,), pairs, dtype=torch.int32, device=device) if sentinels
+                  else torch.empty(rows, dtype=torch.int32, device=device))
+    routing = MoeRouting(sorted_ids, torch.empty(blocks, dtype=torch.int32, device=device),
                          torch.empty(1, dtype=torch.int32, device=device), block_m,
-                         expert_ends=torch.empty(bins, dtype=torch.int32, device=device))
+                         expert_ends=torch.empty(bins, dtype=torch.int32, device=device),
+                         block_rows=torch.empty(blocks, dtype=torch.int32, device=device))
     ids, expert_map = topk_ids.reshape(-1).contiguous(), expert_map.contiguous()
     if pairs <= pairs_per_program:
         _checks.start(moe_routing_kernel, (1,), warmup)(
-            ids, expert_map, routing.sorted_ids, routing.block_expert, routing.rows_used,
-            routing.expert_ends, pairs, experts, BLOCK_M=block_m, EXPERTS_POW2=bins,
+            ids, expert_map, routing.sorted_ids, routing.block_expert, routing.block_rows,
+            routing.rows_used, routing.expert_ends, pairs, experts, BLOCK_M=block_m,
+            EXPERTS_POW2=bins,
             SPAN=max(MIN_SPAN, triton.next_power_of_2(pairs)), num_warps=num_warps)
         return routing
     programs = triton.cdiv(pairs, pairs_per_program)
     counts = torch.empty((programs, bins), dtype=torch.int32, device=device)
     offsets = torch.empty_like(counts)
+    real_ends = torch.empty(bins, dtype=torch.int32, device=device)
     _checks.start(moe_count_kernel, (programs,), warmup)(
         ids, expert_map, counts, pairs, experts, EXPERTS_POW2=bins, SPAN=pairs_per_program,
         num_warps=num_warps)
     _checks.start(moe_offsets_kernel, (1,), warmup)(
-        counts, offsets, routing.sorted_ids, routing.rows_used, routing.expert_ends, pairs,
-        programs,
+        counts, offsets, real_ends, routing.rows_used, routing.expert_ends, programs,
         BLOCK_M=block_m, EXPERTS_POW2=bins, PROGRAMS_STEP=16, num_warps=num_warps)
     _checks.start(moe_place_kernel, (programs,), warmup)(
-        ids, expert_map, routing.sorted_ids, routing.block_expert, offsets, pairs, experts,
-        BLOCK_M=block_m, EXPERTS_POW2=bins, SPAN=pairs_per_program, num_warps=num_warps)
+        ids, expert_map, routing.sorted_ids, routing.block_expert, routing.block_rows, offsets,
+        counts, real_ends, pairs, experts, BLOCK_M=block_m, EXPERTS_POW2=bins,
+        SPAN=pairs_per_program, num_warps=num_warps)
     return routing

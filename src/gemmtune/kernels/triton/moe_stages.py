@@ -110,23 +110,26 @@ def why_not_tma(config, dtype: torch.dtype, model_dim: int, inter_dim: int) -> s
 
 
 @triton.jit
-def _block_rows(sorted_ids_ptr, block_expert_ptr, rows_used_ptr, topk_ids_ptr, expert_map_ptr,
-                block, pairs, BLOCK_M: tl.constexpr, PAIR_BLOCKS: tl.constexpr,
+def _block_rows(sorted_ids_ptr, block_expert_ptr, block_rows_ptr, rows_used_ptr, topk_ids_ptr,
+                expert_map_ptr, block, pairs, BLOCK_M: tl.constexpr, PAIR_BLOCKS: tl.constexpr,
                 PDL: tl.constexpr):
     """A block's local expert (int64; -1: nothing to compute, a block past the rows used or a
     pair of another rank's expert), the pair ids of its rows, and which rows hold a pair (not
-    padding). Pair blocks: block b holds pair b in its first row, its expert read from
-    topk_ids. With PDL it first waits for the kernels that wrote what it reads."""
+    padding: their ids are unset). Pair blocks: block b holds pair b in its first row, its
+    expert read from topk_ids. With PDL it first waits for the kernels that wrote what it
+    reads."""
     _wait_for_inputs(PDL)
     lanes = tl.arange(0, BLOCK_M)
     if PAIR_BLOCKS:
         expert = tl.load(expert_map_ptr + tl.load(topk_ids_ptr + block))
         ids = tl.where(lanes == 0, block, pairs)
+        real = lanes == 0
     else:
         used = block * BLOCK_M < tl.load(rows_used_ptr)
         expert = tl.where(used, tl.load(block_expert_ptr + block), -1)
-        ids = tl.load(sorted_ids_ptr + block * BLOCK_M + lanes)
-    return expert.to(tl.int64), ids, ids < pairs
+        real = lanes < tl.load(block_rows_ptr + block)
+        ids = tl.load(sorted_ids_ptr + block * BLOCK_M + lanes, mask=real, other=pairs)
+    return expert.to(tl.int64), ids, real
 
 
 @triton.jit
@@ -199,7 +202,7 @@ def moe_stage1_kernel(
     w1_ptr,  # (E, 2 * I, D)
     inter_ptr,  # (pairs, I)
     topk_weight_ptr,  # (pairs,) fp32
-    sorted_ids_ptr, block_expert_ptr, rows_used_ptr,
+    sorted_ids_ptr, block_expert_ptr, block_rows_ptr, rows_used_ptr,
     topk_ids_ptr, expert_map_ptr,  # read with PAIR_BLOCKS
     pairs, D, I,
     stride_xt, stride_xd,
@@ -213,9 +216,9 @@ def moe_stage1_kernel(
     PDL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    expert, ids, real = _block_rows(sorted_ids_ptr, block_expert_ptr, rows_used_ptr,
-                                    topk_ids_ptr, expert_map_ptr, tl.program_id(0), pairs,
-                                    BLOCK_M, PAIR_BLOCKS, PDL)
+    expert, ids, real = _block_rows(sorted_ids_ptr, block_expert_ptr, block_rows_ptr,
+                                    rows_used_ptr, topk_ids_ptr, expert_map_ptr,
+                                    tl.program_id(0), pairs, BLOCK_M, PAIR_BLOCKS, PDL)
     if expert < 0:
         return
     tokens = tl.where(real, ids // TOPK, 0).to(tl.int64)
@@ -242,7 +245,7 @@ def moe_stage2_kernel(
     w2_ptr,  # (E, D, I)
     partial_ptr,  # (pairs, D): fp32 with split-K (atomic adds), else the output's dtype
     topk_weight_ptr,  # (pairs,) fp32
-    sorted_ids_ptr, block_expert_ptr, rows_used_ptr,
+    sorted_ids_ptr, block_expert_ptr, block_rows_ptr, rows_used_ptr,
     topk_ids_ptr, expert_map_ptr,  # read with PAIR_BLOCKS
     pairs, D, I,
     stride_ip, stride_in,
@@ -255,9 +258,9 @@ def moe_stage2_kernel(
     PDL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    expert, ids, real = _block_rows(sorted_ids_ptr, block_expert_ptr, rows_used_ptr,
-                                    topk_ids_ptr, expert_map_ptr, tl.program_id(0), pairs,
-                                    BLOCK_M, PAIR_BLOCKS, PDL)
+    expert, ids, real = _block_rows(sorted_ids_ptr, block_expert_ptr, block_rows_ptr,
+                                    rows_used_ptr, topk_ids_ptr, expert_map_ptr,
+                                    tl.program_id(0), pairs, BLOCK_M, PAIR_BLOCKS, PDL)
     if expert < 0:
         return
     rows = tl.where(real, ids, 0).to(tl.int64)
@@ -293,14 +296,16 @@ def moe_stage2_kernel(
 
 
 @triton.jit
-def _tile_block(tile, rows_used_ptr, sorted_ids_ptr, block_expert_ptr, tiles_n, pairs,
-                BLOCK_M: tl.constexpr, GROUP_M: tl.constexpr):
+def _tile_block(tile, rows_used_ptr, sorted_ids_ptr, block_expert_ptr, block_rows_ptr, tiles_n,
+                pairs, BLOCK_M: tl.constexpr, GROUP_M: tl.constexpr):
     """A persistent program's tile number -> (block, column tile, the block's local expert,
     its pair ids, which rows hold a pair), in grouped order over the blocks used."""
     blocks = tl.cdiv(tl.load(rows_used_ptr), BLOCK_M)
     block, pid_n = grouped_tile(tile, blocks, tiles_n, GROUP_M)
-    ids = tl.load(sorted_ids_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
-    return block, pid_n, tl.load(block_expert_ptr + block), ids, ids < pairs
+    real = tl.arange(0, BLOCK_M) < tl.load(block_rows_ptr + block)
+    ids = tl.load(sorted_ids_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M), mask=real,
+                  other=pairs)
+    return block, pid_n, tl.load(block_expert_ptr + block), ids, real
 
 
 @triton.jit
@@ -309,7 +314,7 @@ def moe_stage1_tma_kernel(
     w1_desc,  # TMA descriptor of w1 as (E * 2I, D) rows, box (BLOCK_N, BLOCK_K)
     inter_ptr,  # (max_rows, I): the routing's rows
     topk_weight_ptr,  # (pairs,) fp32
-    sorted_ids_ptr, block_expert_ptr, rows_used_ptr,
+    sorted_ids_ptr, block_expert_ptr, block_rows_ptr, rows_used_ptr,
     pairs, D, I,
     stride_xt, stride_xd,
     stride_ip, stride_in,
@@ -330,8 +335,8 @@ def moe_stage1_tma_kernel(
     for tile in tl.range(tl.program_id(0), tiles, num_programs, flatten=FLATTEN,
                          warp_specialize=WARP_SPECIALIZE):
         block, pid_n, expert, ids, real = _tile_block(tile, rows_used_ptr, sorted_ids_ptr,
-                                                      block_expert_ptr, tiles_n, pairs, BLOCK_M,
-                                                      GROUP_M)
+                                                      block_expert_ptr, block_rows_ptr, tiles_n,
+                                                      pairs, BLOCK_M, GROUP_M)
         tokens = tl.where(real, ids // TOPK, 0).to(tl.int64)
         x_ptrs = x_ptr + tokens[:, None] * stride_xt + offs_k[None, :] * stride_xd
         # A box past an expert's gate (or up) rows reads the next rows: their columns are not
@@ -363,7 +368,7 @@ def moe_stage2_tma_kernel(
     w2_desc,  # TMA descriptor of w2 as (E * D, I) rows, box (BLOCK_N, BLOCK_K)
     partial_ptr,  # (pairs, D) in the output's dtype
     topk_weight_ptr,  # (pairs,) fp32
-    sorted_ids_ptr, block_expert_ptr, rows_used_ptr,
+    sorted_ids_ptr, block_expert_ptr, block_rows_ptr, rows_used_ptr,
     pairs, D, I,
     stride_pp, stride_pn,
     num_programs,
@@ -380,8 +385,8 @@ def moe_stage2_tma_kernel(
     for tile in tl.range(tl.program_id(0), tiles, num_programs, flatten=FLATTEN,
                          warp_specialize=WARP_SPECIALIZE):
         block, pid_n, expert, ids, real = _tile_block(tile, rows_used_ptr, sorted_ids_ptr,
-                                                      block_expert_ptr, tiles_n, pairs, BLOCK_M,
-                                                      GROUP_M)
+                                                      block_expert_ptr, block_rows_ptr, tiles_n,
+                                                      pairs, BLOCK_M, GROUP_M)
         w_row = expert * D + pid_n * BLOCK_N  # past the expert's rows: columns not stored
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, I, BLOCK_K):
@@ -452,9 +457,9 @@ def run_stage1(x, w1, topk_weight, topk_ids, expert_map, routing, activation: in
     if config.persistent:
         _start_persistent(moe_stage1_tma_kernel, x.device, warmup)(
             x, _descriptor(w1, "w1", config.block_n, config.block_k), inter,
-            topk_weight.reshape(-1), routing.sorted_ids, routing.block_expert, routing.rows_used,
-            pairs, model_dim, inter_dim, x.stride(0), x.stride(1), inter.stride(0),
-            inter.stride(1), _programs(x.device),
+            topk_weight.reshape(-1), routing.sorted_ids, routing.block_expert,
+            routing.block_rows, routing.rows_used, pairs, model_dim, inter_dim, x.stride(0),
+            x.stride(1), inter.stride(0), inter.stride(1), _programs(x.device),
             TOPK=topk, ACT=activation, MUL_WEIGHT=doweight_stage1,
             INPUT_PRECISION=_checks.input_precision(x.dtype), PDL=PDL,
             BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
@@ -464,8 +469,8 @@ def run_stage1(x, w1, topk_weight, topk_ids, expert_map, routing, activation: in
     grid = (routing.blocks, triton.cdiv(inter_dim, config.block_n))
     _checks.start(moe_stage1_kernel, grid, warmup, launch_pdl=PDL)(
         x, w1, inter, topk_weight.reshape(-1), routing.sorted_ids, routing.block_expert,
-        routing.rows_used, topk_ids.reshape(-1), expert_map, pairs, model_dim, inter_dim,
-        x.stride(0), x.stride(1), w1.stride(0), w1.stride(1), w1.stride(2),
+        routing.block_rows, routing.rows_used, topk_ids.reshape(-1), expert_map, pairs,
+        model_dim, inter_dim, x.stride(0), x.stride(1), w1.stride(0), w1.stride(1), w1.stride(2),
         inter.stride(0), inter.stride(1),
         TOPK=topk, ACT=activation, MUL_WEIGHT=doweight_stage1,
         INPUT_PRECISION=_checks.input_precision(x.dtype), PAIR_BLOCKS=routing.pair_blocks,
@@ -495,9 +500,9 @@ def run_stage2(inter, w2, topk_weight, topk_ids, expert_map, routing, doweight_s
         _start_persistent(moe_stage2_tma_kernel, inter.device, warmup)(
             _descriptor(inter, "the intermediate", config.block_m, config.block_k),
             _descriptor(w2, "w2", config.block_n, config.block_k), partial,
-            topk_weight.reshape(-1), routing.sorted_ids, routing.block_expert, routing.rows_used,
-            pairs, model_dim, inter_dim, partial.stride(0), partial.stride(1),
-            _programs(inter.device),
+            topk_weight.reshape(-1), routing.sorted_ids, routing.block_expert,
+            routing.block_rows, routing.rows_used, pairs, model_dim, inter_dim,
+            partial.stride(0), partial.stride(1), _programs(inter.device),
             MUL_WEIGHT=not doweight_stage1, INPUT_PRECISION=_checks.input_precision(dtype),
             PDL=PDL, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
             GROUP_M=GROUP_BLOCKS, **variant, num_warps=config.num_warps,
@@ -506,9 +511,9 @@ def run_stage2(inter, w2, topk_weight, topk_ids, expert_map, routing, doweight_s
         grid = (routing.blocks, triton.cdiv(model_dim, config.block_n), config.split_k)
         _checks.start(moe_stage2_kernel, grid, warmup, launch_pdl=PDL)(
             inter, w2, partial, topk_weight.reshape(-1), routing.sorted_ids,
-            routing.block_expert, routing.rows_used, topk_ids.reshape(-1), expert_map, pairs,
-            model_dim, inter_dim, inter.stride(0), inter.stride(1), w2.stride(0), w2.stride(1),
-            w2.stride(2), partial.stride(0), partial.stride(1),
+            routing.block_expert, routing.block_rows, routing.rows_used, topk_ids.reshape(-1),
+            expert_map, pairs, model_dim, inter_dim, inter.stride(0), inter.stride(1),
+            w2.stride(0), w2.stride(1), w2.stride(2), partial.stride(0), partial.stride(1),
             MUL_WEIGHT=not doweight_stage1, SPLIT_K=config.split_k,
             INPUT_PRECISION=_checks.input_precision(dtype), PAIR_BLOCKS=routing.pair_blocks,
             PDL=PDL, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
