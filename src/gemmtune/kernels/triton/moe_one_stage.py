@@ -56,7 +56,7 @@ PDL = not _checks.INTERPRETED
 # signal and its reads after it (without, a converting program read other warps' rows of the
 # sums before all adds had landed: docs/benchmarks.md). The interpreter runs programs one by one.
 _FENCE = tl.constexpr(not _checks.INTERPRETED)
-_FENCE_LANES = 256  # spread over every thread of up to 8 warps
+_FENCE_LANES = tl.constexpr(256)  # spread over every thread of up to 8 warps
 
 
 def token_block(tokens: int) -> int:
