@@ -293,6 +293,7 @@ def _convert_tile(out_ptr, acc_ptr, done_ptr, converted_ptr, ready_ptr, tile, ti
     total = tl.load(sums, mask=inside, other=0.0, cache_modifier=".cg")
     dst = out_ptr + offs_t[:, None].to(tl.int64) * stride_ot + offs_d[None, :] * stride_od
     tl.store(dst, total.to(out_ptr.dtype.element_ty), mask=inside)
+    tl.debug_barrier()  # the zeros may be laid out over other threads than the loads were
     tl.store(sums, tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32), mask=inside)
     tl.atomic_xchg(done_ptr + tile, 0, sem="relaxed")
     if tl.atomic_add(converted_ptr, 1, sem="acq_rel") == tiles2 - 1:
@@ -384,6 +385,7 @@ def _convert_all(out_ptr, acc_ptr, finished_ptr, T, D, stride_ot, stride_od,
         total = tl.load(sums, mask=inside, other=0.0, cache_modifier=".cg")
         dst = out_ptr + offs_t[:, None].to(tl.int64) * stride_ot + offs_d[None, :] * stride_od
         tl.store(dst, total.to(out_ptr.dtype.element_ty), mask=inside)
+        tl.debug_barrier()  # the zeros may be laid out over other threads than the loads were
         tl.store(sums, tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32), mask=inside)
     tl.atomic_xchg(finished_ptr, 0, sem="relaxed")
 
