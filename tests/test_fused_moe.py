@@ -101,7 +101,6 @@ PERSISTENT = ("triton.moe1:BM16.BN16.BK16.W4.S1.PB0.P1"
               "+triton.moe2:BM16.BN16.BK16.SK1.W4.S1.PB0.P1")
 # Tiles of 16 and steps of 16 on both stages: ragged tiles and steps below.
 ONE_STAGE = "triton.moe_1stage:BN16.BK16.BD16.BI16.W4.S1"
-CHUNKS = "triton.moe_chunks:BN16.BK16.BD16.W4.S1"
 GROUPED_MM = "triton.moe_gmm"
 KERNEL_CASES = [
     # tokens, model_dim, inter_dim, experts, topk, activation, doweight_stage1, split_k, route
@@ -113,7 +112,7 @@ KERNEL_CASES = [
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("case", KERNEL_CASES)
-@pytest.mark.parametrize("solution", [TWO_STAGE, PAIR_BLOCKS, ONE_STAGE, CHUNKS, PERSISTENT])
+@pytest.mark.parametrize("solution", [TWO_STAGE, PAIR_BLOCKS, ONE_STAGE, PERSISTENT])
 def test_the_kernels_match_the_reference(dtype, case, solution):
     from gemmtune.families.fmoe.op import REGISTRY, problem_of
 
@@ -213,8 +212,8 @@ def test_pairs_routed_to_another_rank_add_nothing():
     mask[[2, 5]] = True
     route = [2, 0, 5, 2, 1, 7, 0, 5]
     hidden, w1, w2, weight, ids = moe_inputs(4, 32, 16, 2, 2, seed=3, route=route)
-    for kernel in (TWO_STAGE.format(sk=1), PAIR_BLOCKS.format(sk=1), ONE_STAGE, CHUNKS,
-                   PERSISTENT, "torch.moe"):
+    for kernel in (TWO_STAGE.format(sk=1), PAIR_BLOCKS.format(sk=1), ONE_STAGE, PERSISTENT,
+                   "torch.moe"):
         y = gemmtune.fused_moe(hidden, w1, w2, weight, ids, expert_mask=mask, kernel=kernel)
         ref = fused_moe_ref(hidden, w1, w2, weight, ids, expert_map_of(mask, 2, hidden.device))
         assert rel_err(y, ref) < 1e-4, kernel
@@ -233,25 +232,9 @@ def test_the_1stage_kernel_leaves_its_workspace_zero_for_the_next_call():
                                                  global_experts=5)  # experts 0, 2, 3, 4 here
         y = gemmtune.fused_moe(hidden, w1, w2, weight, ids, expert_mask=mask, kernel=ONE_STAGE)
         assert rel_err(y, fused_moe_ref(hidden, w1, w2, weight, ids, emap)) < 1e-4
-        (ws,) = [w for key, w in moe_one_stage._WORKSPACES.items()
-                 if key[0] == "waits" and key[3:5] == (5, 2)]
+        (ws,) = [w for key, w in moe_one_stage._WORKSPACES.items() if key[2:4] == (5, 2)]
         assert not ws.acc.any() and not ws.ready.any() and not ws.done.any()
         assert not ws.converted.any()
-
-
-def test_the_chunked_kernel_leaves_its_sums_zero_for_the_next_call():
-    from gemmtune.kernels.triton import moe_one_stage
-
-    mask = torch.tensor([True, False, True, True, True], device=DEVICE)
-    emap = expert_map_of(mask, 4, DEVICE)
-    for seed, route in ((1, None), (2, [0, 2, 3, 4, 2, 0, 1, 3, 4, 0]), (3, None)):
-        hidden, w1, w2, weight, ids = moe_inputs(5, 48, 24, 4, 2, seed=seed, route=route,
-                                                 global_experts=5)
-        y = gemmtune.fused_moe(hidden, w1, w2, weight, ids, expert_mask=mask, kernel=CHUNKS)
-        assert rel_err(y, fused_moe_ref(hidden, w1, w2, weight, ids, emap)) < 1e-4
-        (ws,) = [w for key, w in moe_one_stage._WORKSPACES.items()
-                 if key[0] == "chunks" and key[3:5] == (5, 2)]
-        assert not ws.acc.any() and not ws.done.any()
 
 
 @pytest.mark.parametrize("act, dw1, local", [("Silu", False, None),
@@ -367,7 +350,6 @@ def test_problem_of_a_key():
 GPU_ONE_STAGE = "triton.moe_1stage:BN32.BK128.BD64.BI256.W4.S3"
 GPU_PAIR_BLOCKS = ("triton.moe1:BM16.BN32.BK128.W4.S3.PB1"
                    "+triton.moe2:BM16.BN64.BK128.SK1.W4.S3.PB1")
-GPU_CHUNKS = "triton.moe_chunks:BN32.BK128.BD128.W4.S3"
 GPU_PERSISTENT = ("triton.moe1:BM64.BN128.BK64.W8.S3.PB0.P1"
                   "+triton.moe2:BM64.BN256.BK64.SK1.W8.S3.PB0.P1")
 
@@ -384,15 +366,15 @@ def test_real_model_shapes_on_the_gpu(shape, tokens):
     torch_y = gemmtune.fused_moe(hidden, w1, w2, weight, ids, kernel="torch.moe")
     assert rel_err(torch_y, ref) < REL_BOUND[torch.bfloat16]
     # The 1-stage kernel and pair blocks are for few tokens, torch's grouped GEMM for many.
-    few = (GPU_ONE_STAGE, GPU_CHUNKS, GPU_PAIR_BLOCKS)
+    few = (GPU_ONE_STAGE, GPU_PAIR_BLOCKS)
     for kernel in few if tokens <= 37 else (GROUPED_MM, GPU_PERSISTENT):
         y = gemmtune.fused_moe(hidden, w1, w2, weight, ids, kernel=kernel)
         assert rel_err(y, ref) < REL_BOUND[torch.bfloat16], kernel
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kernel", [None, "torch.moe", GPU_ONE_STAGE, GPU_CHUNKS,
-                                    GPU_PAIR_BLOCKS, GROUPED_MM, GPU_PERSISTENT])
+@pytest.mark.parametrize("kernel", [None, "torch.moe", GPU_ONE_STAGE, GPU_PAIR_BLOCKS,
+                                    GROUPED_MM, GPU_PERSISTENT])
 def test_captured_in_a_cuda_graph_and_replayed_on_new_routing(kernel):
     hidden, w1, w2, weight, ids = moe_inputs(64, 2048, 768, 128, 8, torch.bfloat16)
     gemmtune.fused_moe(hidden, w1, w2, weight, ids, kernel=kernel)  # plan, compile: not captured
@@ -452,8 +434,8 @@ def test_tune_fmoe_on_the_cpu_pairs_the_stages_and_writes_a_row_dispatch_follows
 @pytest.mark.skipif(DEVICE == "cuda", reason="the interpreter's one config per stage; the GPU "
                     "tunes over the real spaces (gpu_session.sh fmoetune)")
 def test_tune_fmoe_times_the_1stage_kernel_whole_for_few_tokens(tmp_path):
-    """At 3 tokens the 1-stage kernels (waiting and chunked) are whole candidates beside the
-    two stages; whichever wins, the row's columns describe it."""
+    """At 3 tokens the 1-stage kernel is a whole candidate beside the two stages; whichever
+    wins, the row's columns describe it."""
     from gemmtune.cli import main
 
     untuned = tmp_path / "untuned_fmoe.csv"
@@ -463,13 +445,11 @@ def test_tune_fmoe_times_the_1stage_kernel_whole_for_few_tokens(tmp_path):
     assert main(["tune", "fmoe", "-i", str(untuned), "-o", str(tuned), "-o2", str(profile),
                  "--iters", "3", "--libtype", "triton"]) == 0
     screened = [line.split(",") for line in profile.read_text().splitlines()[1:]]
-    assert len(screened) == 4
-    assert all(any(name in line for line in screened) for name in (ONE_STAGE, CHUNKS))
+    assert len(screened) == 3 and any(ONE_STAGE in line for line in screened)
     (row,) = read_table(tuned, SCHEMA).rows
     r = row.results
     if r["run_1stage"]:
-        assert r["kernelName1"] in (ONE_STAGE, CHUNKS)
-        assert (r["kernelName2"], r["block_m"]) == ("", 0)
+        assert (r["kernelName1"], r["kernelName2"], r["block_m"]) == (ONE_STAGE, "", 0)
         assert r["us1"] == r["us"] > 0 and r["err1"] <= 0.05
     else:
         assert r["kernelName1"].startswith("triton.moe1:") and r["block_m"] == 16

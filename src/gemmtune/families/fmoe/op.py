@@ -21,8 +21,8 @@ from gemmtune.dispatch import Dispatcher, KernelRegistry
 from gemmtune.families._gemm import model_config_glob
 from gemmtune.kernels.problem import Activation, MoeProblem
 from gemmtune.kernels.torch_ref import TORCH_MOE, fused_moe_torch
-from gemmtune.kernels.triton.moe_configs import (CHUNKS_PREFIX, GROUPED_MM_NAME, ONE_STAGE_PREFIX,
-                                                 STAGE1_PREFIX, default_two_stage)
+from gemmtune.kernels.triton.moe_configs import (GROUPED_MM_NAME, ONE_STAGE_PREFIX, STAGE1_PREFIX,
+                                                 default_two_stage)
 from gemmtune.tables.schema import FMOE_RESULT_COLUMNS, Column, Kind, Schema, int_columns
 from gemmtune.tables.values import DTYPE_NAMES, ActivationType, QuantType, to_torch_dtype
 
@@ -96,17 +96,10 @@ def _one_stage(name: str):
     return TritonOneStageMoe(name)
 
 
-def _chunks(name: str):
-    from gemmtune.kernels.triton.fused_moe import TritonChunksMoe
-
-    return TritonChunksMoe(name)
-
-
 REGISTRY = KernelRegistry("fmoe")
 REGISTRY.register_exact(TORCH_MOE, fused_moe_torch)
 REGISTRY.register(STAGE1_PREFIX, _two_stage)
 REGISTRY.register(ONE_STAGE_PREFIX, _one_stage)
-REGISTRY.register(CHUNKS_PREFIX, _chunks)
 REGISTRY.register(GROUPED_MM_NAME, _grouped_mm)
 
 

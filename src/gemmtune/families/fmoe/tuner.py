@@ -7,9 +7,9 @@ config of the other stage with the same block_m, against the fp32 expert-by-expe
 and timed alone over the same routing: stage 1 with the routing preparation (``us1``), stage 2
 with the sum over slots (``us2``). ``compose`` then pairs the fastest stages of each block_m into
 whole solutions (``stage1+stage2``, estimated at us1 + us2), which the engine re-times end to end
-beside torch and chooses from. For few tokens the 1-stage kernels' configs
-(``triton.moe_1stage:...``, and ``triton.moe_chunks:...`` for the fewest) are whole solutions
-from the start, timed end to end as torch is; a row one wins has ``run_1stage`` 1. For prefill token counts (bf16) ``triton.moe_gmm``, our steps
+beside torch and chooses from. For few tokens the 1-stage kernel's configs
+(``triton.moe_1stage:...``) are whole solutions from the start, timed end to end as torch is; a
+row it wins has ``run_1stage`` 1. For prefill token counts (bf16) ``triton.moe_gmm``, our steps
 around torch's grouped GEMM, is a whole solution too. Routing is a seeded random top-k: uniform,
 or with ``--routing zipf`` a few popular experts taking most tokens.
 """
@@ -25,11 +25,11 @@ from gemmtune.families.fmoe.inputs import ROUTINGS, random_inputs
 from gemmtune.families.fmoe.op import REGISTRY, SCHEMA, FmoeKey, expert_map_of, problem_of
 from gemmtune.kernels.problem import MoeProblem
 from gemmtune.kernels.torch_ref import TORCH_MOE, fused_moe_ref
-from gemmtune.kernels.triton.moe_configs import (BLOCK_MS, CHUNKS_PREFIX, GROUPED_MM_NAME,
-                                                 ONE_STAGE_PREFIX, PAIR_BLOCK_M, STAGE1_PREFIX,
-                                                 STAGE2_PREFIX, MoeChunksConfig,
-                                                 MoeOneStageConfig, MoeStage1Config,
-                                                 MoeStage2Config, two_stage_name)
+from gemmtune.kernels.triton.moe_configs import (BLOCK_MS, GROUPED_MM_NAME, ONE_STAGE_PREFIX,
+                                                 PAIR_BLOCK_M, STAGE1_PREFIX,
+                                                 STAGE2_PREFIX, MoeOneStageConfig,
+                                                 MoeStage1Config, MoeStage2Config,
+                                                 two_stage_name)
 from gemmtune.measure.accuracy import TOLERANCES
 from gemmtune.measure.timing import cold_copies, eager_us, graph_replay_us, interleaved_graph_us
 from gemmtune.tables.values import QuantType
@@ -40,9 +40,6 @@ PAIRED_PER_STAGE = 2
 # The 1-stage kernel holds every token in one tile of rows, so it is a candidate for decode's
 # token counts only.
 ONE_STAGE_MAX_TOKENS = 32
-# The chunked 1-stage kernel adds topk * inter_dim / block_n partial products into each output
-# element: only for the fewest tokens.
-CHUNKS_MAX_TOKENS = 8
 # Our steps around torch's grouped GEMM (``triton.moe_gmm``) pay off only where the GEMMs
 # dominate: prefill token counts.
 GROUPED_MM_MIN_TOKENS = 256
@@ -126,18 +123,6 @@ def _one_stage_space(problem: MoeProblem, gpu: bool) -> list[MoeOneStageConfig]:
             for bd in (64, 128) for bi in (64, 128) for stages in (3, 4)]
 
 
-def _chunks_space(problem: MoeProblem, gpu: bool) -> list[MoeChunksConfig]:
-    """Chunked 1-stage configs for up to CHUNKS_MAX_TOKENS tokens: chunks of 16-32 intermediate
-    columns (the programs must cover every SM), down-projection tiles of 64-256 output columns,
-    3-4 stages; on the CPU one small config."""
-    if problem.tokens > CHUNKS_MAX_TOKENS:
-        return []
-    if not gpu:
-        return [MoeChunksConfig(16, 16, 16, 4, 1)]
-    return [MoeChunksConfig(bn, 128, bd, 4, stages) for bn in (16, 32)
-            for bd in (64, 128, 256) for stages in (3, 4)]
-
-
 def _reached(problem: MoeProblem) -> float:
     """How many experts a uniform top-k routing of ``problem.tokens`` tokens is expected to
     reach."""
@@ -194,8 +179,7 @@ class FmoeTuner(FamilyTuner):
                 name = _whole(config, partner)
                 if kernel(name).check(problem) is None:
                     found.append(Candidate(config.name, "triton"))
-            gpu = torch.cuda.is_available()
-            for config in _one_stage_space(problem, gpu) + _chunks_space(problem, gpu):
+            for config in _one_stage_space(problem, torch.cuda.is_available()):
                 if kernel(config.name).check(problem) is None:
                     found.append(Candidate(config.name, "triton"))
             if (problem.tokens >= GROUPED_MM_MIN_TOKENS
@@ -340,7 +324,7 @@ class FmoeTuner(FamilyTuner):
                       "us1": round(one.us, 4), "kernelName1": one.name,
                       "err1": round(one.err_ratio, 6), "us2": round(two.us, 4),
                       "kernelName2": two.name, "err2": round(two.err_ratio, 6)}
-        one_stage = candidate.name.startswith((ONE_STAGE_PREFIX + ":", CHUNKS_PREFIX + ":"))
+        one_stage = candidate.name.startswith(ONE_STAGE_PREFIX + ":")
         return {**fields, "us": round(evaluation.us, 4), "run_1stage": int(one_stage),
                 "tflops": round(tflops, 2), "bw": round(bw, 2), "timing": self.timing_label,
                 "spread": round(evaluation.spread, 4), "env": env}

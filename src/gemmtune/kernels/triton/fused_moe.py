@@ -2,10 +2,9 @@
 ``@triton.jit`` module): either the routing preparation (``moe_routing``) then the two stages
 (``moe_stages``), named as one solution ``triton.moe1:<stage 1>+triton.moe2:<stage 2>`` (both
 with the same block_m, the routing's), or the 1-stage kernel (``moe_one_stage``), named
-``triton.moe_1stage:...``, or its variant that never waits, ``triton.moe_chunks:...``, or (many
-tokens, bf16) ``triton.moe_gmm``: our routing and elementwise steps around torch's grouped GEMM.
-Stage configs with ``PB1`` run over pair blocks: no routing preparation, a block per routed
-pair; with ``P1`` a stage is persistent, through TMA.
+``triton.moe_1stage:...``, or (many tokens, bf16) ``triton.moe_gmm``: our routing and
+elementwise steps around torch's grouped GEMM. Stage configs with ``PB1`` run over pair blocks:
+no routing preparation, a block per routed pair; with ``P1`` a stage is persistent, through TMA.
 
 Called as every MoE backend is: ``kernel(hidden, w1, w2, topk_weight, topk_ids, expert_map,
 problem)`` with hidden (T, D), w1 (E, 2I, D), w2 (E, D, I), topk_weight (T, topk) fp32,
@@ -20,11 +19,10 @@ from gemmtune.kernels.problem import Activation, MoeProblem
 from gemmtune.kernels.triton import _checks
 from gemmtune.kernels.triton.moe_routing import moe_routing, pair_blocks
 from gemmtune.kernels.triton.moe_configs import (GROUPED_MM_NAME, STAGE1_PREFIX, STAGE2_PREFIX,
-                                                 MoeChunksConfig, MoeOneStageConfig,
-                                                 MoeStage1Config, MoeStage2Config, two_stage_name)
+                                                 MoeOneStageConfig, MoeStage1Config,
+                                                 MoeStage2Config, two_stage_name)
 from gemmtune.kernels.triton.moe_grouped_mm import moe_grouped_mm, why_not_grouped_mm
-from gemmtune.kernels.triton.moe_one_stage import (moe_chunks, moe_one_stage, why_not_chunks,
-                                                   why_not_one_stage)
+from gemmtune.kernels.triton.moe_one_stage import moe_one_stage, why_not_one_stage
 from gemmtune.kernels.triton.moe_stages import (GELU, SILU, moe_stages, why_not_stage1,
                                                 why_not_stage2, why_not_tma)
 
@@ -126,37 +124,6 @@ class TritonOneStageMoe:
         return moe_one_stage(hidden, w1, w2, topk_weight, topk_ids, expert_map,
                              ACT_CODES[problem.activation], problem.doweight_stage1,
                              self.config, out=out)
-
-
-class TritonChunksMoe:
-    """``triton.moe_chunks:...``: the 1-stage kernel that never waits (for the fewest tokens)."""
-
-    def __init__(self, name: str):
-        self.config = MoeChunksConfig.from_name(name)
-        self.name = self.config.name
-
-    def __repr__(self) -> str:
-        return f"TritonChunksMoe({self.name!r})"
-
-    def check(self, problem: MoeProblem) -> str | None:
-        return _why_not_dtype(problem) or why_not_chunks(self.config, problem.tokens,
-                                                         problem.dtype)
-
-    def warmup(self, hidden, w1, w2, topk_weight, topk_ids, expert_map,
-               problem: MoeProblem) -> None:
-        """Compile the kernel for these arguments, launching nothing."""
-        if hidden.shape[0] and not _checks.INTERPRETED:
-            moe_chunks(hidden, w1, w2, topk_weight, topk_ids, expert_map,
-                       ACT_CODES[problem.activation], problem.doweight_stage1, self.config,
-                       warmup=True)
-
-    def __call__(self, hidden, w1, w2, topk_weight, topk_ids, expert_map, problem: MoeProblem,
-                 out=None):
-        if hidden.shape[0] == 0:
-            return torch.empty_like(hidden) if out is None else out
-        return moe_chunks(hidden, w1, w2, topk_weight, topk_ids, expert_map,
-                          ACT_CODES[problem.activation], problem.doweight_stage1, self.config,
-                          out=out)
 
 
 class TritonGroupedMmMoe:

@@ -14,7 +14,6 @@ from gemmtune.kernels.problem import MoeProblem
 STAGE1_PREFIX = "triton.moe1"
 STAGE2_PREFIX = "triton.moe2"
 ONE_STAGE_PREFIX = "triton.moe_1stage"
-CHUNKS_PREFIX = "triton.moe_chunks"  # the 1-stage kernel that never waits (moe_one_stage)
 # Our routing and elementwise steps around torch's grouped GEMM (moe_grouped_mm): no config.
 GROUPED_MM_NAME = "triton.moe_gmm"
 BLOCK_MS = (16, 32, 64, 128)  # the block_m a routing may use (the seed's choices)
@@ -78,24 +77,6 @@ class MoeOneStageConfig(NamedConfig):
     block_k: int
     block_d: int
     block_i: int
-    num_warps: int
-    num_stages: int
-
-
-@dataclass(frozen=True)
-class MoeChunksConfig(NamedConfig):
-    """``triton.moe_chunks:BN32.BK128.BD128.W4.S3``: the 1-stage kernel without a wait, each
-    program a chunk of ``block_n`` intermediate columns of one expert (model_dim in steps of
-    ``block_k``), then those columns' part of the down projection in tiles of ``block_d``
-    output columns."""
-
-    NAME_CODEC = NameCodec("MoE chunks config", CHUNKS_PREFIX, (
-        Field("BN", "block_n"), Field("BK", "block_k"), Field("BD", "block_d"),
-        Field("W", "num_warps"), Field("S", "num_stages")))
-
-    block_n: int
-    block_k: int
-    block_d: int
     num_warps: int
     num_stages: int
 

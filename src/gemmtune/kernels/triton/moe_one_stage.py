@@ -16,14 +16,6 @@ routed to it, the other slots return at once, so each routed expert's weights ar
 CUDA dispatches a grid's programs in order, so every stage-1 program has been placed on an SM
 before any stage-2 program waits: the waits cannot starve the programs they wait on.
 
-The chunked kernel (``moe_chunks``) never waits: a program takes a chunk of ``block_n``
-intermediate columns of its slot's expert, computes them over all of model_dim (w1's rows of the
-chunk), then multiplies them straight into the down projection (w2's columns of the chunk, in
-tiles of ``block_d`` output rows), adding every partial product into the fp32 sums; the last
-program to finish rounds the sums into the output. Both weights stream at once from the first
-instant, at the cost of short pieces of w2's rows (``block_n`` elements) and ``topk * I /
-block_n`` adds per output element: for the fewest tokens.
-
 The workspace (fp32 sums and counters) is zero before a launch and the launch leaves it zero:
 the converting program zeroes its tile and counter, and the last of those resets the stage-1
 counters. So a call is one launch, and the workspace is made once per (device, stream, shape),
@@ -38,7 +30,7 @@ import triton
 import triton.language as tl
 
 from gemmtune.kernels.triton import _checks
-from gemmtune.kernels.triton.moe_configs import MoeChunksConfig, MoeOneStageConfig
+from gemmtune.kernels.triton.moe_configs import MoeOneStageConfig
 from gemmtune.kernels.triton.moe_stages import gate_up_sums, gated_activation
 
 # Rows of the token tile: the smallest tl.dot takes; the tokens of a call share one tile.
@@ -49,14 +41,6 @@ MAX_ACC_REGS = 128
 # Each launch waits on the kernel before it with programmatic dependent launch (Hopper+; the
 # interpreter has none).
 PDL = not _checks.INTERPRETED
-
-
-# A program signals with one scalar atomic, which Triton runs on one thread: its release and
-# acquire order that thread's own accesses only. So every thread fences its writes before the
-# signal and its reads after it (without, a converting program read other warps' rows of the
-# sums before all adds had landed: docs/benchmarks.md). The interpreter runs programs one by one.
-_FENCE = tl.constexpr(not _checks.INTERPRETED)
-_FENCE_LANES = tl.constexpr(256)  # spread over every thread of up to 8 warps
 
 
 def token_block(tokens: int) -> int:
@@ -86,30 +70,6 @@ def why_not_one_stage(config: MoeOneStageConfig, tokens: int, dtype: torch.dtype
     stage1 = (rows + 2 * config.block_n) * config.block_k
     stage2 = (rows + config.block_d) * config.block_i
     smem = config.num_stages * max(stage1, stage2) * dtype.itemsize
-    if smem > _checks.SMEM_LIMIT_BYTES:
-        return f"shared memory {smem} B > {_checks.SMEM_LIMIT_BYTES} B; reduce blocks or stages"
-    return None
-
-
-def why_not_chunks(config: MoeChunksConfig, tokens: int, dtype: torch.dtype) -> str | None:
-    """What keeps a chunks config from running ``tokens`` tokens of ``dtype``."""
-    if tokens > MAX_TOKENS:
-        return (f"{tokens} tokens: the chunked kernel takes at most {MAX_TOKENS} (it is for "
-                f"decode; use a two-stage solution)")
-    for field in ("block_n", "block_k", "block_d"):
-        v = getattr(config, field)
-        if not _checks.is_pow2(v) or not 16 <= v <= 1024:
-            return f"{field}={v} must be a power of two in [16, 1024]"
-    problem = _checks.why_not_warps_stages(config)
-    if problem:
-        return problem
-    threads = 32 * config.num_warps
-    rows = token_block(tokens)
-    if max(2 * rows * config.block_n, rows * config.block_d) > MAX_ACC_REGS * threads:
-        return (f"accumulators of {rows} tokens need more than {MAX_ACC_REGS} registers per "
-                f"thread; use smaller blocks or more warps")
-    stage1 = (rows + 2 * config.block_n) * config.block_k
-    smem = (config.num_stages * max(stage1, config.block_n * config.block_d)) * dtype.itemsize
     if smem > _checks.SMEM_LIMIT_BYTES:
         return f"shared memory {smem} B > {_checks.SMEM_LIMIT_BYTES} B; reduce blocks or stages"
     return None
@@ -192,15 +152,6 @@ def moe_one_stage_kernel(
 
 
 @triton.jit
-def _fence_every_thread():
-    """``fence.acq_rel.gpu`` on every thread of the program (on the GPU)."""
-    if _FENCE:
-        tl.inline_asm_elementwise("fence.acq_rel.gpu;\n\tmov.u32 $0, 0;", "=r,r",
-                                  [tl.arange(0, _FENCE_LANES)], dtype=tl.int32, is_pure=False,
-                                  pack=1)
-
-
-@triton.jit
 def _now(anything):
     """The GPU's global nanosecond timer (for TRACE; ``anything`` gives the asm a shape)."""
     return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [anything],
@@ -228,8 +179,8 @@ def _stage1(x_ptr, w1_ptr, inter_ptr, ready_ptr, topk_weight_ptr, topk_ids_ptr, 
         dst = inter_ptr + pairs.to(tl.int64)[:, None] * I + offs_n[None, :]
         tl.store(dst, h.to(inter_ptr.dtype.element_ty),
                  mask=routed[:, None] & (offs_n[None, :] < I))
-        # Every thread's stores are visible (its fence) before the count moves (the barrier).
-        _fence_every_thread()
+        # Every thread's stores are issued before the count moves (the barrier), and the
+        # release makes them visible to the program that sees the count complete.
         tl.debug_barrier()
         tl.atomic_add(ready_ptr + slot, 1, sem="release")
 
@@ -256,7 +207,6 @@ def _stage2(w2_ptr, out_ptr, inter_ptr, acc_ptr, ready_ptr, done_ptr, converted_
         while tl.load(ready_ptr + slot, volatile=True) < tiles1:
             pass
         tl.atomic_add(ready_ptr + slot, 0, sem="acquire")
-        _fence_every_thread()  # each thread saw the count: its reads of h come after
         if TRACE:
             tl.store(trace_ptr + tl.program_id(0) * 3 + 1, _now(slot))
         acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
@@ -271,7 +221,6 @@ def _stage2(w2_ptr, out_ptr, inter_ptr, acc_ptr, ready_ptr, done_ptr, converted_
             acc = acc * tl.load(topk_weight_ptr + pairs, mask=routed, other=0.0)[:, None]
         tl.atomic_add(acc_ptr + offs_t[:, None] * D + offs_d[None, :], acc,
                       mask=routed[:, None] & (offs_d[None, :] < D), sem="relaxed")
-    _fence_every_thread()
     tl.debug_barrier()
     if tl.atomic_add(done_ptr + tile, 1, sem="acq_rel") == T * TOPK - 1:
         _convert_tile(out_ptr, acc_ptr, done_ptr, converted_ptr, ready_ptr, tile, tiles2, T, D,
@@ -285,7 +234,6 @@ def _convert_tile(out_ptr, acc_ptr, done_ptr, converted_ptr, ready_ptr, tile, ti
     """The last stage-2 program of an output tile: round the tile's sums into the output and
     leave the workspace as it found it (zero); the last tile converted resets the stage-1
     counters, whose every reader has passed its wait by then."""
-    _fence_every_thread()
     offs_t = tl.arange(0, BLOCK_T)
     offs_d = tile * BLOCK_D + tl.arange(0, BLOCK_D)
     inside = (offs_t[:, None] < T) & (offs_d[None, :] < D)
@@ -301,93 +249,6 @@ def _convert_tile(out_ptr, acc_ptr, done_ptr, converted_ptr, ready_ptr, tile, ti
         tl.store(ready_ptr + slots, tl.zeros((BLOCK_T * TOPK_P2,), dtype=tl.int32),
                  mask=slots < T * TOPK)
         tl.atomic_xchg(converted_ptr, 0, sem="relaxed")
-
-
-@triton.jit
-def moe_chunks_kernel(
-    x_ptr,  # (T, D)
-    w1_ptr,  # (E, 2 * I, D)
-    w2_ptr,  # (E, D, I)
-    out_ptr,  # (T, D)
-    acc_ptr,  # (T, D) fp32, zero
-    finished_ptr,  # (1,) int32, zero: programs finished
-    topk_weight_ptr,  # (T * TOPK,) fp32
-    topk_ids_ptr,  # (T * TOPK,) int32 global expert ids
-    expert_map_ptr,  # (E_global,) int32, -1: another rank's expert
-    T, D, I,
-    stride_xt, stride_xd,
-    stride_1e, stride_1n, stride_1d,
-    stride_2e, stride_2d, stride_2i,
-    stride_ot, stride_od,
-    TOPK: tl.constexpr, TOPK_P2: tl.constexpr,
-    ACT: tl.constexpr,
-    MUL_WEIGHT1: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr,
-    PDL: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-    pid = tl.program_id(0)
-    chunks = tl.cdiv(I, BLOCK_N)
-    slot = pid // chunks
-    expert, routed, pairs = _slot_work(topk_ids_ptr, expert_map_ptr, slot, T, TOPK, BLOCK_T,
-                                       TOPK_P2)
-    offs_t = tl.arange(0, BLOCK_T)
-    if expert >= 0:
-        offs_n = (pid % chunks) * BLOCK_N + tl.arange(0, BLOCK_N)
-        inside_n = offs_n < I
-        cols = tl.where(inside_n, offs_n, 0).to(tl.int64)
-        gate, up = gate_up_sums(x_ptr, w1_ptr, offs_t, routed, expert, cols, D, I, stride_xt,
-                                stride_xd, stride_1e, stride_1n, stride_1d, INPUT_PRECISION,
-                                BLOCK_T, BLOCK_N, BLOCK_K)
-        h = gated_activation(gate, up, ACT)
-        weight = tl.load(topk_weight_ptr + pairs, mask=routed, other=0.0)
-        if MUL_WEIGHT1:
-            h = h * weight[:, None]
-        # Rounded as the two-stage intermediate is; columns past I add nothing.
-        h = tl.where(inside_n[None, :], h, 0.0).to(x_ptr.dtype.element_ty)
-        offs_d = tl.arange(0, BLOCK_D)
-        w_ptrs = (w2_ptr + expert * stride_2e + offs_d[None, :].to(tl.int64) * stride_2d
-                  + cols[:, None] * stride_2i)  # (BN, BD): w2[e][d tile, chunk].T
-        sums = acc_ptr + offs_t[:, None] * D + offs_d[None, :]
-        for d0 in range(0, D, BLOCK_D):
-            inside_d = offs_d < D - d0
-            w = tl.load(w_ptrs, mask=inside_n[:, None] & inside_d[None, :], other=0.0)
-            part = tl.dot(h, w, input_precision=INPUT_PRECISION)
-            if not MUL_WEIGHT1:
-                part = part * weight[:, None]
-            tl.atomic_add(sums, part, mask=routed[:, None] & inside_d[None, :], sem="relaxed")
-            w_ptrs += BLOCK_D * stride_2d
-            sums += BLOCK_D
-    # Every thread's adds are visible before the count moves; the last program sees them all.
-    _fence_every_thread()
-    tl.debug_barrier()
-    if tl.atomic_add(finished_ptr, 1, sem="acq_rel") == tl.num_programs(0) - 1:
-        _convert_all(out_ptr, acc_ptr, finished_ptr, T, D, stride_ot, stride_od, BLOCK_T,
-                     BLOCK_D)
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-
-
-@triton.jit
-def _convert_all(out_ptr, acc_ptr, finished_ptr, T, D, stride_ot, stride_od,
-                 BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
-    """The last program: round every sum into the output, and leave the sums and the count
-    zero for the next launch."""
-    _fence_every_thread()
-    offs_t = tl.arange(0, BLOCK_T)
-    for d0 in range(0, D, BLOCK_D):
-        offs_d = d0 + tl.arange(0, BLOCK_D)
-        inside = (offs_t[:, None] < T) & (offs_d[None, :] < D)
-        sums = acc_ptr + offs_t[:, None] * D + offs_d[None, :]
-        total = tl.load(sums, mask=inside, other=0.0, cache_modifier=".cg")
-        dst = out_ptr + offs_t[:, None].to(tl.int64) * stride_ot + offs_d[None, :] * stride_od
-        tl.store(dst, total.to(out_ptr.dtype.element_ty), mask=inside)
-        tl.debug_barrier()  # the zeros may be laid out over other threads than the loads were
-        tl.store(sums, tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32), mask=inside)
-    tl.atomic_xchg(finished_ptr, 0, sem="relaxed")
 
 
 class _Workspace:
@@ -406,43 +267,18 @@ class _Workspace:
 _WORKSPACES: dict[tuple, _Workspace] = {}
 
 
-def _workspace(tokens, topk, inter_dim, model_dim, tiles2, dtype, device,
-               kind: str = "waits") -> _Workspace:
+def _workspace(tokens, topk, inter_dim, model_dim, tiles2, dtype, device) -> _Workspace:
     """The cached workspace of this stream and shape. Inside a CUDA-graph capture with none
     cached, a fresh one: its zero fill becomes part of the graph (a cached one made there would
     not be zero until the graph first ran)."""
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (kind, device, stream, tokens, topk, inter_dim, model_dim, tiles2, dtype)
+    key = (device, stream, tokens, topk, inter_dim, model_dim, tiles2, dtype)
     found = _WORKSPACES.get(key)
     if found is None:
         found = _Workspace(tokens, topk, inter_dim, model_dim, tiles2, dtype, device)
         if device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
             _WORKSPACES[key] = found
     return found
-
-
-def moe_chunks(x, w1, w2, topk_weight, topk_ids, expert_map, activation: int,
-               doweight_stage1: bool, config: MoeChunksConfig, out: torch.Tensor | None = None,
-               warmup: bool = False) -> torch.Tensor:
-    """The whole MoE in one launch that never waits (the arguments as ``moe_one_stage``'s): a
-    program per (routed pair, chunk of inter_dim)."""
-    tokens, model_dim = x.shape
-    inter_dim = w2.shape[2]
-    topk = topk_ids.shape[1]
-    if out is None:
-        out = torch.empty_like(x)
-    ws = _workspace(tokens, topk, inter_dim, model_dim, 1, x.dtype, x.device, kind="chunks")
-    grid = (tokens * topk * triton.cdiv(inter_dim, config.block_n),)
-    _checks.start(moe_chunks_kernel, grid, warmup, launch_pdl=PDL)(
-        x, w1, w2, out, ws.acc, ws.done, topk_weight.reshape(-1), topk_ids.reshape(-1),
-        expert_map, tokens, model_dim, inter_dim,
-        x.stride(0), x.stride(1), w1.stride(0), w1.stride(1), w1.stride(2),
-        w2.stride(0), w2.stride(1), w2.stride(2), out.stride(0), out.stride(1),
-        TOPK=topk, TOPK_P2=triton.next_power_of_2(topk), ACT=activation,
-        MUL_WEIGHT1=doweight_stage1, INPUT_PRECISION=_checks.input_precision(x.dtype), PDL=PDL,
-        BLOCK_T=token_block(tokens), BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        BLOCK_D=config.block_d, num_warps=config.num_warps, num_stages=config.num_stages)
-    return out
 
 
 def programs(tokens: int, topk: int, inter_dim: int, model_dim: int,
