@@ -1,12 +1,12 @@
-"""The persistent TMA stages at prefill token counts, part by part and variant by variant, beside
-each part's own floor: where the two-stage solution's time goes once its GEMMs are persistent.
+"""The persistent TMA stages at prefill token counts, part by part, beside each part's own floor:
+where the two-stage solution's time goes once its GEMMs are persistent.
 
     PYTHONPATH=src python3 benchmarks/moe_persistent_probe.py [--model NAME] [--tp N]
         [--tokens 1024,2048,4096,8192] [--out DIR]
 
 Parts, each under CUDA-graph replay with cold weights, in one interleaved measurement per token
-count: the routing preparation; stage 1 (plain and persistent, the latter with its tile loop
-flattened or warp-specialized too); stage 2's GEMM alone; the sum over slots alone. Floors: a
+count: the routing preparation; stage 1 (plain, persistent, persistent with its tile loop
+flattened); stage 2's GEMM alone (the same three); the sum over slots alone. Floors: a
 part's FLOPs at the peak of an 8192^3 bf16 torch GEMM and its bytes (the routed experts'
 weights, activations, intermediates and partial products it reads and writes) at the streaming
 bandwidth, both measured in the same run. A variant that does not compile here is reported and
@@ -30,18 +30,12 @@ from gemmtune.measure.timing import cold_copies, interleaved_graph_us
 from gemmtune.models.shapes import load_preset, moe_shapes
 
 BLOCK_M = 128
-STAGE1 = {"plain": (MoeStage1Config(BLOCK_M, 128, 64, 8, 3), {}),
-          "P1": (MoeStage1Config(BLOCK_M, 128, 64, 8, 4, persistent=1), {}),
-          "P1 flatten": (MoeStage1Config(BLOCK_M, 128, 64, 8, 4, persistent=1),
-                         {"FLATTEN": True}),
-          "P1 warp-spec": (MoeStage1Config(BLOCK_M, 128, 64, 8, 4, persistent=1),
-                           {"WARP_SPECIALIZE": True})}
-STAGE2 = {"plain": (MoeStage2Config(BLOCK_M, 256, 64, 1, 8, 3), {}),
-          "P1": (MoeStage2Config(BLOCK_M, 256, 64, 1, 8, 4, persistent=1), {}),
-          "P1 flatten": (MoeStage2Config(BLOCK_M, 256, 64, 1, 8, 4, persistent=1),
-                         {"FLATTEN": True}),
-          "P1 warp-spec": (MoeStage2Config(BLOCK_M, 256, 64, 1, 8, 4, persistent=1),
-                           {"WARP_SPECIALIZE": True})}
+STAGE1 = {"plain": MoeStage1Config(BLOCK_M, 128, 64, 8, 3),
+          "P1": MoeStage1Config(BLOCK_M, 128, 64, 8, 4, persistent=1),
+          "P2 flattened": MoeStage1Config(BLOCK_M, 128, 64, 8, 4, persistent=2)}
+STAGE2 = {"plain": MoeStage2Config(BLOCK_M, 256, 64, 1, 8, 3),
+          "P1": MoeStage2Config(BLOCK_M, 256, 64, 1, 8, 4, persistent=1),
+          "P2 flattened": MoeStage2Config(BLOCK_M, 256, 64, 1, 8, 4, persistent=2)}
 
 
 def _parts(hidden, w1, w2, weight, ids, emap, experts) -> dict:
@@ -53,9 +47,9 @@ def _parts(hidden, w1, w2, weight, ids, emap, experts) -> dict:
     routing = moe_routing(ids, emap, experts, BLOCK_M)
     rows = int(routing.rows_used.item())
     inter = moe_stages.run_stage1(hidden, w1, weight, ids, emap, routing, 0, False,
-                                  STAGE1["plain"][0])
+                                  STAGE1["plain"])
     partial = moe_stages.run_stage2(inter, w2, weight, ids, emap, routing, False,
-                                    STAGE2["plain"][0], tokens, hidden.dtype, with_sum=False)
+                                    STAGE2["plain"], tokens, hidden.dtype, with_sum=False)
     out = torch.empty_like(hidden)
     item = hidden.element_size()
     flops1 = 2.0 * pairs * model_dim * 2 * inter_dim
@@ -64,16 +58,16 @@ def _parts(hidden, w1, w2, weight, ids, emap, experts) -> dict:
     bytes2 = (used * model_dim * inter_dim + rows * inter_dim + pairs * model_dim) * item
     parts = {"routing": (lambda s: moe_routing(ids, emap, experts, BLOCK_M), 0.0,
                          pairs * 4.0)}
-    for name, (config, variant) in STAGE1.items():
+    for name, config in STAGE1.items():
         parts[f"stage1 {name}"] = (
-            lambda s, c=config, v=variant: moe_stages.run_stage1(
-                hidden, s[0], weight, ids, emap, routing, 0, False, c, variant=v),
+            lambda s, c=config: moe_stages.run_stage1(hidden, s[0], weight, ids, emap, routing,
+                                                      0, False, c),
             flops1, bytes1)
-    for name, (config, variant) in STAGE2.items():
+    for name, config in STAGE2.items():
         parts[f"stage2 {name}"] = (
-            lambda s, c=config, v=variant: moe_stages.run_stage2(
-                inter, s[1], weight, ids, emap, routing, False, c, tokens, hidden.dtype,
-                variant=v, with_sum=False),
+            lambda s, c=config: moe_stages.run_stage2(inter, s[1], weight, ids, emap, routing,
+                                                      False, c, tokens, hidden.dtype,
+                                                      with_sum=False),
             flops2, bytes2)
     parts["sum"] = (lambda s: moe_stages.run_sum(partial, ids, emap, out), 0.0,
                     (pairs + tokens) * model_dim * item)

@@ -99,6 +99,7 @@ PAIR_BLOCKS = TWO_STAGE.replace(".S1+", ".S1.PB1+") + ".PB1"
 # Both stages persistent, through TMA (split-K is not theirs: every case runs SK1).
 PERSISTENT = ("triton.moe1:BM16.BN16.BK16.W4.S1.PB0.P1"
               "+triton.moe2:BM16.BN16.BK16.SK1.W4.S1.PB0.P1")
+FLATTENED = PERSISTENT.replace(".P1", ".P2")  # the tile loop flattened into the K loop
 # Tiles of 16 and steps of 16 on both stages: ragged tiles and steps below.
 ONE_STAGE = "triton.moe_1stage:BN16.BK16.BD16.BI16.W4.S1"
 GROUPED_MM = "triton.moe_gmm"
@@ -112,7 +113,7 @@ KERNEL_CASES = [
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("case", KERNEL_CASES)
-@pytest.mark.parametrize("solution", [TWO_STAGE, PAIR_BLOCKS, ONE_STAGE, PERSISTENT])
+@pytest.mark.parametrize("solution", [TWO_STAGE, PAIR_BLOCKS, ONE_STAGE, PERSISTENT, FLATTENED])
 def test_the_kernels_match_the_reference(dtype, case, solution):
     from gemmtune.families.fmoe.op import REGISTRY, problem_of
 
@@ -197,6 +198,7 @@ def test_persistent_stages_refuse_rows_tma_cannot_read():
     assert "model_dim=60" in kernel.check(ragged) and "TMA" in kernel.check(ragged)
     assert kernel.check(MoeProblem(4, 64, 32, 4, 2, torch.bfloat16, Activation.silu,
                                    False)) is None
+    assert "must be 0, 1 or 2" in REGISTRY.resolve(PERSISTENT.replace(".P1", ".P3")).check(ragged)
     split = PERSISTENT.replace("SK1", "SK2")
     aligned_split = REGISTRY.resolve(split).check(MoeProblem(4, 64, 32, 4, 2, torch.bfloat16))
     assert "split_k=1" in aligned_split
@@ -352,6 +354,7 @@ GPU_PAIR_BLOCKS = ("triton.moe1:BM16.BN32.BK128.W4.S3.PB1"
                    "+triton.moe2:BM16.BN64.BK128.SK1.W4.S3.PB1")
 GPU_PERSISTENT = ("triton.moe1:BM64.BN128.BK64.W8.S3.PB0.P1"
                   "+triton.moe2:BM64.BN256.BK64.SK1.W8.S3.PB0.P1")
+GPU_FLATTENED = GPU_PERSISTENT.replace(".P1", ".P2")
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", [(4096, 14336, 8, 2), (2048, 768, 128, 8), (7168, 256, 256, 8)])
@@ -367,7 +370,7 @@ def test_real_model_shapes_on_the_gpu(shape, tokens):
     assert rel_err(torch_y, ref) < REL_BOUND[torch.bfloat16]
     # The 1-stage kernel and pair blocks are for few tokens, torch's grouped GEMM for many.
     few = (GPU_ONE_STAGE, GPU_PAIR_BLOCKS)
-    for kernel in few if tokens <= 37 else (GROUPED_MM, GPU_PERSISTENT):
+    for kernel in few if tokens <= 37 else (GROUPED_MM, GPU_PERSISTENT, GPU_FLATTENED):
         y = gemmtune.fused_moe(hidden, w1, w2, weight, ids, kernel=kernel)
         assert rel_err(y, ref) < REL_BOUND[torch.bfloat16], kernel
 

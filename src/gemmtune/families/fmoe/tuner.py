@@ -82,15 +82,16 @@ def _persistent_space(problem: MoeProblem) -> tuple[list[MoeStage1Config],
                                                     list[MoeStage2Config]]:
     """Persistent stage configs from PERSISTENT_MIN_TOKENS tokens: 64-128 row blocks (up to
     twice an expert's pairs), wide tiles (128x256 of output at stage 2, gate and up 128x128 at
-    stage 1), 8 warps, 3-4 stages of 64-wide steps."""
+    stage 1), 8 warps, 3-4 stages of 64-wide steps, the tile loop as written or flattened
+    (each wins some shapes on the H100: docs/benchmarks.md)."""
     if problem.tokens < PERSISTENT_MIN_TOKENS:
         return [], []
     per_expert = problem.tokens * problem.topk / max(1, problem.experts)
     block_ms = [bm for bm in (64, 128) if bm <= max(64, 2 * per_expert)]
-    first = [MoeStage1Config(bm, bn, 64, 8, stages, persistent=1)
-             for bm in block_ms for bn in (64, 128) for stages in (3, 4)]
-    second = [MoeStage2Config(bm, bn, 64, 1, 8, stages, persistent=1)
-              for bm in block_ms for bn in (128, 256) for stages in (3, 4)]
+    first = [MoeStage1Config(bm, bn, 64, 8, stages, persistent=kind)
+             for bm in block_ms for bn in (64, 128) for stages in (3, 4) for kind in (1, 2)]
+    second = [MoeStage2Config(bm, bn, 64, 1, 8, stages, persistent=kind)
+              for bm in block_ms for bn in (128, 256) for stages in (3, 4) for kind in (1, 2)]
     return first, second
 
 

@@ -22,12 +22,13 @@ BLOCK_MS = (16, 32, 64, 128)  # the block_m a routing may use (the seed's choice
 # smallest tile tl.dot takes, of which one row is real.
 PAIR_BLOCK_M = 16
 # With ``P1`` a stage is one persistent program per SM walking its tiles, the weights (and
-# stage 2's intermediate) read through TMA descriptors: for prefill's many tiles.
+# stage 2's intermediate) read through TMA descriptors: for prefill's many tiles. ``P2``: the
+# same with the tile loop flattened into the K loop.
 
 
 @dataclass(frozen=True)
 class MoeStage1Config(NamedConfig):
-    """``triton.moe1:BM32.BN64.BK64.W4.S3[.PB1][.P1]``: one stage-1 launch."""
+    """``triton.moe1:BM32.BN64.BK64.W4.S3[.PB1][.P1|.P2]``: one stage-1 launch."""
 
     NAME_CODEC = NameCodec("MoE stage-1 config", STAGE1_PREFIX, (
         Field("BM", "block_m"), Field("BN", "block_n"), Field("BK", "block_k"),
@@ -40,12 +41,12 @@ class MoeStage1Config(NamedConfig):
     num_warps: int
     num_stages: int
     pair_blocks: int = 0  # 1: a block per routed pair, no routing preparation (PAIR_BLOCK_M)
-    persistent: int = 0  # 1: a persistent TMA program per SM
+    persistent: int = 0  # 1: a persistent TMA program per SM; 2: its tile loop flattened
 
 
 @dataclass(frozen=True)
 class MoeStage2Config(NamedConfig):
-    """``triton.moe2:BM32.BN64.BK64.SK1.W4.S3[.PB1][.P1]``: one stage-2 launch, ``split_k``
+    """``triton.moe2:BM32.BN64.BK64.SK1.W4.S3[.PB1][.P1|.P2]``: one stage-2 launch, ``split_k``
     parts of inter_dim."""
 
     NAME_CODEC = NameCodec("MoE stage-2 config", STAGE2_PREFIX, (

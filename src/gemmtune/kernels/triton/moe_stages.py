@@ -21,12 +21,13 @@ With pair blocks (``routing.pair_blocks``) there is no routing preparation: bloc
 alone, its expert read from ``topk_ids`` (a pair of another rank's expert returns at once).
 Each launch after the first is a programmatic dependent launch of the one before.
 
-Persistent stages (``persistent``, grouped routing, prefill): one program per SM walks the tiles
-of the blocks used (read on the GPU, from ``rows_used``) in grouped order, so a weight tile is
-read from HBM once for the blocks of its expert and a block's rows stay in L2 across its tiles.
-The weights, and stage 2's intermediate, come through TMA descriptors (whole boxes, zero past
-the edges: no address arithmetic or masks in the K loop); stage 1's rows of x are gathered
-with plain loads. TMA asks for dense weights and 16-byte rows (``why_not_tma``).
+Persistent stages (``persistent`` 1, or 2 with the tile loop flattened into the K loop so that
+an epilogue overlaps the next tile's loads; grouped routing, prefill): one program per SM walks
+the tiles of the blocks used (read on the GPU, from ``rows_used``) in grouped order, so a weight
+tile is read from HBM once for the blocks of its expert and a block's rows stay in L2 across
+its tiles. The weights, and stage 2's intermediate, come through TMA descriptors (whole boxes,
+zero past the edges: no address arithmetic or masks in the K loop); stage 1's rows of x are
+gathered with plain loads. TMA asks for dense weights and 16-byte rows (``why_not_tma``).
 """
 
 from __future__ import annotations
@@ -43,9 +44,8 @@ from gemmtune.kernels.triton.moe_configs import (BLOCK_MS, PAIR_BLOCK_M, MoeStag
 SILU, GELU = 0, 1  # the ACT constexpr
 _TMA_ALIGN = 16  # bytes: the row pitch and base of a TMA-described tensor
 GROUP_BLOCKS = 8  # persistent stages: blocks a weight tile is walked down before the next tile
-# Persistent stages: the tile loop flattened into the K loop (an epilogue overlapping the next
-# tile's loads), and Triton's warp specialization of it; both off until measured.
-PERSISTENT_VARIANT = {"FLATTEN": False, "WARP_SPECIALIZE": False}
+PERSISTENT, FLATTENED = 1, 2  # a stage config's ``persistent``: its tile loop as written, or
+# flattened into the K loop (an epilogue overlapping the next tile's loads)
 # Each launch waits on the one before with programmatic dependent launch (Hopper+; the
 # interpreter has none): the next grid is scheduled while the previous one drains.
 PDL = not _checks.INTERPRETED
@@ -62,8 +62,9 @@ def why_not_stage(config, dtype: torch.dtype, accumulators: int, w_tiles: int) -
     if config.pair_blocks and config.block_m != PAIR_BLOCK_M:
         return (f"pair blocks hold one pair each: their block_m is {PAIR_BLOCK_M}, not "
                 f"{config.block_m}")
-    if config.persistent not in (0, 1):
-        return f"persistent={config.persistent} must be 0 or 1"
+    if config.persistent not in (0, PERSISTENT, FLATTENED):
+        return (f"persistent={config.persistent} must be 0, {PERSISTENT} or {FLATTENED} "
+                f"(flattened)")
     if config.persistent and config.pair_blocks:
         return "persistent stages run over grouped routing, not pair blocks"
     problem = _checks.why_not_blocks(config) or _checks.why_not_warps_stages(config)
@@ -326,14 +327,13 @@ def moe_stage1_tma_kernel(
     PDL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
-    FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    FLATTEN: tl.constexpr,
 ):
     _wait_for_inputs(PDL)
     tiles_n = tl.cdiv(I, BLOCK_N)
     tiles = tl.cdiv(tl.load(rows_used_ptr), BLOCK_M) * tiles_n
     offs_k = tl.arange(0, BLOCK_K)
-    for tile in tl.range(tl.program_id(0), tiles, num_programs, flatten=FLATTEN,
-                         warp_specialize=WARP_SPECIALIZE):
+    for tile in tl.range(tl.program_id(0), tiles, num_programs, flatten=FLATTEN):
         block, pid_n, expert, ids, real = _tile_block(tile, rows_used_ptr, sorted_ids_ptr,
                                                       block_expert_ptr, block_rows_ptr, tiles_n,
                                                       pairs, BLOCK_M, GROUP_M)
@@ -377,13 +377,12 @@ def moe_stage2_tma_kernel(
     PDL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
-    FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    FLATTEN: tl.constexpr,
 ):
     _wait_for_inputs(PDL)
     tiles_n = tl.cdiv(D, BLOCK_N)
     tiles = tl.cdiv(tl.load(rows_used_ptr), BLOCK_M) * tiles_n
-    for tile in tl.range(tl.program_id(0), tiles, num_programs, flatten=FLATTEN,
-                         warp_specialize=WARP_SPECIALIZE):
+    for tile in tl.range(tl.program_id(0), tiles, num_programs, flatten=FLATTEN):
         block, pid_n, expert, ids, real = _tile_block(tile, rows_used_ptr, sorted_ids_ptr,
                                                       block_expert_ptr, block_rows_ptr, tiles_n,
                                                       pairs, BLOCK_M, GROUP_M)
@@ -445,10 +444,8 @@ def moe_stages(x, w1, w2, topk_weight, topk_ids, expert_map, routing, activation
 
 def run_stage1(x, w1, topk_weight, topk_ids, expert_map, routing, activation: int,
                doweight_stage1: bool, config: MoeStage1Config,
-               warmup: bool = False, variant: dict | None = None) -> torch.Tensor:
-    """Stage 1 alone: -> the intermediate, (rows of the routing, I). ``variant``: the
-    persistent kernel's FLATTEN and WARP_SPECIALIZE (benchmarks/moe_persistent_probe.py)."""
-    variant = {**PERSISTENT_VARIANT, **(variant or {})}
+               warmup: bool = False) -> torch.Tensor:
+    """Stage 1 alone: -> the intermediate, (rows of the routing, I)."""
     tokens, model_dim = x.shape
     inter_dim = w1.shape[1] // 2
     topk = topk_weight.shape[1]
@@ -463,8 +460,8 @@ def run_stage1(x, w1, topk_weight, topk_ids, expert_map, routing, activation: in
             TOPK=topk, ACT=activation, MUL_WEIGHT=doweight_stage1,
             INPUT_PRECISION=_checks.input_precision(x.dtype), PDL=PDL,
             BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-            GROUP_M=GROUP_BLOCKS, **variant, num_warps=config.num_warps,
-            num_stages=config.num_stages)
+            GROUP_M=GROUP_BLOCKS, FLATTEN=config.persistent == FLATTENED,
+            num_warps=config.num_warps, num_stages=config.num_stages)
         return inter
     grid = (routing.blocks, triton.cdiv(inter_dim, config.block_n))
     _checks.start(moe_stage1_kernel, grid, warmup, launch_pdl=PDL)(
@@ -482,11 +479,10 @@ def run_stage1(x, w1, topk_weight, topk_ids, expert_map, routing, activation: in
 def run_stage2(inter, w2, topk_weight, topk_ids, expert_map, routing, doweight_stage1: bool,
                config: MoeStage2Config, tokens: int, dtype: torch.dtype,
                out: torch.Tensor | None = None, warmup: bool = False,
-               variant: dict | None = None, with_sum: bool = True) -> torch.Tensor:
+               with_sum: bool = True) -> torch.Tensor:
     """Stage 2 and the sum over each token's slots: -> (T, D) in ``dtype``, into ``out`` if
-    given. ``variant`` as for ``run_stage1``; without ``with_sum``: stage 2 alone, -> its
-    (pairs, D) partial products (a benchmark's split of the time)."""
-    variant = {**PERSISTENT_VARIANT, **(variant or {})}
+    given. Without ``with_sum``: stage 2 alone, -> its (pairs, D) partial products (a
+    benchmark's split of the time)."""
     inter_dim = inter.shape[1]
     pairs = topk_ids.numel()
     model_dim = w2.shape[1]
@@ -505,8 +501,8 @@ def run_stage2(inter, w2, topk_weight, topk_ids, expert_map, routing, doweight_s
             partial.stride(0), partial.stride(1), _programs(inter.device),
             MUL_WEIGHT=not doweight_stage1, INPUT_PRECISION=_checks.input_precision(dtype),
             PDL=PDL, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-            GROUP_M=GROUP_BLOCKS, **variant, num_warps=config.num_warps,
-            num_stages=config.num_stages)
+            GROUP_M=GROUP_BLOCKS, FLATTEN=config.persistent == FLATTENED,
+            num_warps=config.num_warps, num_stages=config.num_stages)
     else:
         grid = (routing.blocks, triton.cdiv(model_dim, config.block_n), config.split_k)
         _checks.start(moe_stage2_kernel, grid, warmup, launch_pdl=PDL)(
