@@ -18,7 +18,7 @@ STAGES = (("stage 1", "triton.moe1:"), ("stage 2", "triton.moe2:"))
 
 
 def best_stages(records: list[dict]) -> None:
-    """Per token count, the fastest screened config of each stage, plain and persistent (P1):
+    """Per token count, the fastest screened config of each stage, plain and persistent (P1, P2):
     what the persistent stages gain where they are offered."""
     best: dict[tuple, tuple[float, str]] = {}
     for rec in records:
@@ -27,7 +27,7 @@ def best_stages(records: list[dict]) -> None:
             continue
         for label, prefix in STAGES:
             if name.startswith(prefix):
-                kind = "persistent" if name.endswith(".P1") else "plain"
+                kind = "persistent" if name.endswith((".P1", ".P2")) else "plain"
                 key = (int(rec["token"]), label, kind)
                 if key not in best or float(rec["us"]) < best[key][0]:
                     best[key] = (float(rec["us"]), name)
