@@ -43,9 +43,6 @@ ONE_STAGE_MAX_TOKENS = 32
 # Our steps around torch's grouped GEMM (``triton.moe_gmm``) pay off only where the GEMMs
 # dominate: prefill token counts.
 GROUPED_MM_MIN_TOKENS = 256
-# The largest block_m is twice the pairs an expert gets on average, and at least this: vLLM's
-# kernel runs qwen3-30b-a3b's 64 tokens (4 pairs an expert) at block_m 32, faster than 16.
-MIN_BLOCK_M_CAP = 32
 # Persistent stages (``P1``) walk many tiles per SM: prefill token counts too.
 PERSISTENT_MIN_TOKENS = 256
 
@@ -53,7 +50,7 @@ PERSISTENT_MIN_TOKENS = 256
 def _stage_space(problem: MoeProblem, gpu: bool) -> tuple[list[MoeStage1Config],
                                                            list[MoeStage2Config]]:
     """The pruned configs of both stages: block_m up to twice the pairs an expert gets on
-    average (a larger one only pads; 32 at least), 64-128 wide tiles (stage 1 also 32 at block_m 16), 4-8
+    average (a larger one only pads), 64-128 wide tiles (stage 1 also 32 at block_m 16), 4-8
     warps, split-K only where stage 2 has too few tiles to fill the GPU and inter_dim is long
     enough to split; the pair-block configs where they apply; on the CPU (the interpreter) one
     small config each."""
@@ -62,7 +59,7 @@ def _stage_space(problem: MoeProblem, gpu: bool) -> tuple[list[MoeStage1Config],
     per_expert = problem.tokens * problem.topk / max(1, problem.experts)
     sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
     first, second = _pair_block_space(problem)
-    for bm in (b for b in BLOCK_MS if b <= max(MIN_BLOCK_M_CAP, 2 * per_expert)):
+    for bm in (b for b in BLOCK_MS if b <= max(16, 2 * per_expert)):
         for bn in (32, 64, 128) if bm == 16 else (64, 128):
             for bk in (64, 128):
                 for warps, stages in ((4, 3), (4, 4), (8, 3)):
