@@ -45,7 +45,7 @@ from gemmtune.dispatch import use_tables
 from gemmtune.families.fmoe.op import SCHEMA, expert_map_of
 from gemmtune.kernels.torch_ref import fused_moe_ref
 from gemmtune.kernels.triton.moe_routing import moe_routing
-from gemmtune.kernels.triton.moe_stages import SILU, gated_activation
+from gemmtune.kernels.triton.moe_common import SILU, gated_activation
 from gemmtune.bench import write_records
 from gemmtune.measure.timing import cold_copies, interleaved_graph_us
 

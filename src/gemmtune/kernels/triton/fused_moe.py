@@ -23,8 +23,9 @@ from gemmtune.kernels.triton.moe_configs import (GROUPED_MM_NAME, STAGE1_PREFIX,
                                                  MoeStage2Config, two_stage_name)
 from gemmtune.kernels.triton.moe_grouped_mm import moe_grouped_mm, why_not_grouped_mm
 from gemmtune.kernels.triton.moe_one_stage import moe_one_stage, why_not_one_stage
-from gemmtune.kernels.triton.moe_stages import (GELU, SILU, moe_stages, why_not_stage1,
-                                                why_not_stage2, why_not_tma)
+from gemmtune.kernels.triton.moe_common import GELU, SILU
+from gemmtune.kernels.triton.moe_persistent import why_not_tma
+from gemmtune.kernels.triton.moe_stages import moe_stages, why_not_stage1, why_not_stage2
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 ACT_CODES = {Activation.silu: SILU, Activation.gelu: GELU}

@@ -26,7 +26,7 @@ import triton.language as tl
 from gemmtune.kernels.triton import _checks
 from gemmtune.kernels.triton.moe_configs import GROUPED_MM_NAME as NAME
 from gemmtune.kernels.triton.moe_routing import moe_routing
-from gemmtune.kernels.triton.moe_stages import gated_activation
+from gemmtune.kernels.triton.moe_common import gated_activation
 
 ROW_BLOCK = 1024  # columns per program of the gather, activation and combine
 

@@ -31,7 +31,7 @@ import triton.language as tl
 
 from gemmtune.kernels.triton import _checks
 from gemmtune.kernels.triton.moe_configs import MoeOneStageConfig
-from gemmtune.kernels.triton.moe_stages import gate_up_sums, gated_activation
+from gemmtune.kernels.triton.moe_common import gate_up_sums, gated_activation
 
 # Rows of the token tile: the smallest tl.dot takes; the tokens of a call share one tile.
 MIN_BLOCK_T = 16

@@ -3,7 +3,7 @@
 Stage 1 (``moe_stage1``): per block of ``block_m`` routed pairs of one expert, the gate and up
 projections of their tokens (``w1[e]``'s rows ``[0, I)`` and ``[I, 2I)``) in one pass over K,
 then ``act(gate) * up`` (SiLU or GELU), times the routing weight where ``doweight_stage1``, into
-the intermediate ``inter`` (T * topk, I), one row per pair.
+the intermediate ``inter``.
 
 Stage 2 (``moe_stage2``): the down projection ``inter[pair] @ w2[e].T`` per block, times the
 routing weight unless stage 1 applied it, into ``partial`` (T * topk, D), split over
@@ -21,13 +21,7 @@ With pair blocks (``routing.pair_blocks``) there is no routing preparation: bloc
 alone, its expert read from ``topk_ids`` (a pair of another rank's expert returns at once).
 Each launch after the first is a programmatic dependent launch of the one before.
 
-Persistent stages (``persistent`` 1, or 2 with the tile loop flattened into the K loop so that
-an epilogue overlaps the next tile's loads; grouped routing, prefill): one program per SM walks
-the tiles of the blocks used (read on the GPU, from ``rows_used``) in grouped order, so a weight
-tile is read from HBM once for the blocks of its expert and a block's rows stay in L2 across
-its tiles. The weights, and stage 2's intermediate, come through TMA descriptors (whole boxes,
-zero past the edges: no address arithmetic or masks in the K loop); stage 1's rows of x are
-gathered with plain loads. TMA asks for dense weights and 16-byte rows (``why_not_tma``).
+Persistent stages (``persistent`` 1 or 2) are in ``moe_persistent``.
 """
 
 from __future__ import annotations
@@ -37,18 +31,14 @@ import triton
 import triton.language as tl
 
 from gemmtune.kernels.triton import _checks
-from gemmtune.kernels.triton.gemm_tile import grouped_tile
+from gemmtune.kernels.triton.moe_common import (PDL, gate_up_sums, gated_activation,
+                                                let_next_start, wait_for_inputs)
 from gemmtune.kernels.triton.moe_configs import (BLOCK_MS, PAIR_BLOCK_M, MoeStage1Config,
                                                  MoeStage2Config)
+from gemmtune.kernels.triton.moe_persistent import (FLATTENED, PERSISTENT,
+                                                    launch_stage1_persistent,
+                                                    launch_stage2_persistent)
 
-SILU, GELU = 0, 1  # the ACT constexpr
-_TMA_ALIGN = 16  # bytes: the row pitch and base of a TMA-described tensor
-GROUP_BLOCKS = 8  # persistent stages: blocks a weight tile is walked down before the next tile
-PERSISTENT, FLATTENED = 1, 2  # a stage config's ``persistent``: its tile loop as written, or
-# flattened into the K loop (an epilogue overlapping the next tile's loads)
-# Each launch waits on the one before with programmatic dependent launch (Hopper+; the
-# interpreter has none): the next grid is scheduled while the previous one drains.
-PDL = not _checks.INTERPRETED
 
 
 def why_not_stage(config, dtype: torch.dtype, accumulators: int, w_tiles: int) -> str | None:
@@ -97,19 +87,6 @@ def why_not_stage2(config: MoeStage2Config, dtype: torch.dtype, inter_dim: int) 
     return why_not_stage(config, dtype, accumulators=1, w_tiles=1)
 
 
-def why_not_tma(config, dtype: torch.dtype, model_dim: int, inter_dim: int) -> str | None:
-    """What keeps a persistent stage from describing its operands to TMA: rows of model_dim and
-    inter_dim elements must be multiples of 16 bytes; None if they are (or it is not
-    persistent)."""
-    if not config.persistent:
-        return None
-    for what, n in (("model_dim", model_dim), ("inter_dim", inter_dim)):
-        if n * dtype.itemsize % _TMA_ALIGN:
-            return (f"{what}={n}: rows of {n * dtype.itemsize} B, not a multiple of "
-                    f"{_TMA_ALIGN} B as TMA needs; use a config without P1")
-    return None
-
-
 @triton.jit
 def _block_rows(sorted_ids_ptr, block_expert_ptr, block_rows_ptr, rows_used_ptr, topk_ids_ptr,
                 expert_map_ptr, block, pairs, BLOCK_M: tl.constexpr, PAIR_BLOCKS: tl.constexpr,
@@ -119,7 +96,7 @@ def _block_rows(sorted_ids_ptr, block_expert_ptr, block_rows_ptr, rows_used_ptr,
     padding: their ids are unset). Pair blocks: block b holds pair b in its first row, its
     expert read from topk_ids. With PDL it first waits for the kernels that wrote what it
     reads."""
-    _wait_for_inputs(PDL)
+    wait_for_inputs(PDL)
     lanes = tl.arange(0, BLOCK_M)
     if PAIR_BLOCKS:
         expert = tl.load(expert_map_ptr + tl.load(topk_ids_ptr + block))
@@ -140,61 +117,6 @@ def _inter_rows(block, ids, real, PAIR_BLOCKS: tl.constexpr, BLOCK_M: tl.constex
     if PAIR_BLOCKS:
         return tl.where(real, ids, 0).to(tl.int64)
     return (block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-
-
-@triton.jit
-def _wait_for_inputs(PDL: tl.constexpr):
-    """With programmatic dependent launch: wait until the kernels this one reads from have
-    finished (this grid was scheduled while they drained)."""
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-
-
-@triton.jit
-def _let_next_start(PDL: tl.constexpr):
-    """With programmatic dependent launch: this program's loads are done, so the next kernel's
-    grid may be scheduled (it waits for this grid to finish before reading). Not earlier: its
-    waiting programs would hold SMs this grid's later programs need."""
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-
-
-@triton.jit
-def gate_up_sums(x_ptr, w1_ptr, rows, row_real, expert, cols, D, I, stride_xt, stride_xd,
-                 stride_we, stride_wn, stride_wd, INPUT_PRECISION: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Stage 1's two GEMMs over model_dim in one pass: fp32 (BLOCK_M, BLOCK_N) tiles of
-    ``x[rows] @ w1[expert, cols].T`` (gate) and of the same columns + I (up); rows not
-    ``row_real`` read as zeros."""
-    offs_k = tl.arange(0, BLOCK_K)
-    x_ptrs = x_ptr + rows.to(tl.int64)[:, None] * stride_xt + offs_k[None, :] * stride_xd
-    w_base = w1_ptr + expert * stride_we + offs_k[:, None] * stride_wd
-    gate_ptrs = w_base + cols[None, :] * stride_wn  # (BK, BN): rows [0, I) of w1[e], transposed
-    up_ptrs = w_base + (cols + I)[None, :] * stride_wn  # rows [I, 2I)
-    gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, D, BLOCK_K):
-        k_left = D - k0
-        a = tl.load(x_ptrs, mask=row_real[:, None] & (offs_k[None, :] < k_left), other=0.0)
-        wg = tl.load(gate_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
-        wu = tl.load(up_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
-        gate = tl.dot(a, wg, gate, input_precision=INPUT_PRECISION)
-        up = tl.dot(a, wu, up, input_precision=INPUT_PRECISION)
-        x_ptrs += BLOCK_K * stride_xd
-        gate_ptrs += BLOCK_K * stride_wd
-        up_ptrs += BLOCK_K * stride_wd
-    return gate, up
-
-
-@triton.jit
-def gated_activation(gate, up, ACT: tl.constexpr):
-    """``act(gate) * up`` in fp32: ACT 0 SiLU, 1 exact GELU."""
-    gate = gate.to(tl.float32)
-    if ACT == 0:
-        act = gate / (1.0 + tl.exp(-gate))
-    else:
-        act = 0.5 * gate * (1.0 + tl.erf(gate * 0.7071067811865476))
-    return act * up.to(tl.float32)
 
 
 @triton.jit
@@ -228,7 +150,7 @@ def moe_stage1_kernel(
     gate, up = gate_up_sums(x_ptr, w1_ptr, tokens, real, expert, cols, D, I, stride_xt,
                             stride_xd, stride_we, stride_wn, stride_wd, INPUT_PRECISION,
                             BLOCK_M, BLOCK_N, BLOCK_K)
-    _let_next_start(PDL)
+    let_next_start(PDL)
     h = gated_activation(gate, up, ACT)
     if MUL_WEIGHT:
         h = h * tl.load(topk_weight_ptr + ids, mask=real, other=0.0)[:, None]
@@ -285,7 +207,7 @@ def moe_stage2_kernel(
         acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
         a_ptrs += BLOCK_K * stride_in
         b_ptrs += BLOCK_K * stride_wk
-    _let_next_start(PDL)
+    let_next_start(PDL)
     if MUL_WEIGHT:
         acc = acc * tl.load(topk_weight_ptr + ids, mask=real, other=0.0)[:, None]
     out = partial_ptr + rows[:, None] * stride_pp + offs_n.to(tl.int64)[None, :] * stride_pn
@@ -294,112 +216,6 @@ def moe_stage2_kernel(
         tl.store(out, acc.to(partial_ptr.dtype.element_ty), mask=mask)
     else:
         tl.atomic_add(out, acc, mask=mask)
-
-
-@triton.jit
-def _tile_block(tile, rows_used_ptr, sorted_ids_ptr, block_expert_ptr, block_rows_ptr, tiles_n,
-                pairs, BLOCK_M: tl.constexpr, GROUP_M: tl.constexpr):
-    """A persistent program's tile number -> (block, column tile, the block's local expert,
-    its pair ids, which rows hold a pair), in grouped order over the blocks used."""
-    blocks = tl.cdiv(tl.load(rows_used_ptr), BLOCK_M)
-    block, pid_n = grouped_tile(tile, blocks, tiles_n, GROUP_M)
-    real = tl.arange(0, BLOCK_M) < tl.load(block_rows_ptr + block)
-    ids = tl.load(sorted_ids_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M), mask=real,
-                  other=pairs)
-    return block, pid_n, tl.load(block_expert_ptr + block), ids, real
-
-
-@triton.jit
-def moe_stage1_tma_kernel(
-    x_ptr,  # (T, D)
-    w1_desc,  # TMA descriptor of w1 as (E * 2I, D) rows, box (BLOCK_N, BLOCK_K)
-    inter_ptr,  # (max_rows, I): the routing's rows
-    topk_weight_ptr,  # (pairs,) fp32
-    sorted_ids_ptr, block_expert_ptr, block_rows_ptr, rows_used_ptr,
-    pairs, D, I,
-    stride_xt, stride_xd,
-    stride_ip, stride_in,
-    num_programs,
-    TOPK: tl.constexpr,
-    ACT: tl.constexpr,
-    MUL_WEIGHT: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr,
-    PDL: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
-    FLATTEN: tl.constexpr,
-):
-    _wait_for_inputs(PDL)
-    tiles_n = tl.cdiv(I, BLOCK_N)
-    tiles = tl.cdiv(tl.load(rows_used_ptr), BLOCK_M) * tiles_n
-    offs_k = tl.arange(0, BLOCK_K)
-    for tile in tl.range(tl.program_id(0), tiles, num_programs, flatten=FLATTEN):
-        block, pid_n, expert, ids, real = _tile_block(tile, rows_used_ptr, sorted_ids_ptr,
-                                                      block_expert_ptr, block_rows_ptr, tiles_n,
-                                                      pairs, BLOCK_M, GROUP_M)
-        tokens = tl.where(real, ids // TOPK, 0).to(tl.int64)
-        x_ptrs = x_ptr + tokens[:, None] * stride_xt + offs_k[None, :] * stride_xd
-        # A box past an expert's gate (or up) rows reads the next rows: their columns are not
-        # stored. Past the last expert TMA reads zeros.
-        gate_row = expert * 2 * I + pid_n * BLOCK_N
-        gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, D, BLOCK_K):
-            a = tl.load(x_ptrs, mask=real[:, None] & (offs_k[None, :] < D - k0), other=0.0)
-            wg = w1_desc.load([gate_row, k0])
-            wu = w1_desc.load([gate_row + I, k0])
-            gate = tl.dot(a, wg.T, gate, input_precision=INPUT_PRECISION)
-            up = tl.dot(a, wu.T, up, input_precision=INPUT_PRECISION)
-            x_ptrs += BLOCK_K * stride_xd
-        h = gated_activation(gate, up, ACT)
-        if MUL_WEIGHT:
-            h = h * tl.load(topk_weight_ptr + ids, mask=real, other=0.0)[:, None]
-        # Padding rows too (zeros: their x rows read as zeros), so stage 2 reads no garbage.
-        rows = (block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        out = inter_ptr + rows[:, None] * stride_ip + offs_n.to(tl.int64)[None, :] * stride_in
-        tl.store(out, h.to(inter_ptr.dtype.element_ty), mask=offs_n[None, :] < I)
-    _let_next_start(PDL)
-
-
-@triton.jit
-def moe_stage2_tma_kernel(
-    inter_desc,  # TMA descriptor of the intermediate (max_rows, I), box (BLOCK_M, BLOCK_K)
-    w2_desc,  # TMA descriptor of w2 as (E * D, I) rows, box (BLOCK_N, BLOCK_K)
-    partial_ptr,  # (pairs, D) in the output's dtype
-    topk_weight_ptr,  # (pairs,) fp32
-    sorted_ids_ptr, block_expert_ptr, block_rows_ptr, rows_used_ptr,
-    pairs, D, I,
-    stride_pp, stride_pn,
-    num_programs,
-    MUL_WEIGHT: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr,
-    PDL: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
-    FLATTEN: tl.constexpr,
-):
-    _wait_for_inputs(PDL)
-    tiles_n = tl.cdiv(D, BLOCK_N)
-    tiles = tl.cdiv(tl.load(rows_used_ptr), BLOCK_M) * tiles_n
-    for tile in tl.range(tl.program_id(0), tiles, num_programs, flatten=FLATTEN):
-        block, pid_n, expert, ids, real = _tile_block(tile, rows_used_ptr, sorted_ids_ptr,
-                                                      block_expert_ptr, block_rows_ptr, tiles_n,
-                                                      pairs, BLOCK_M, GROUP_M)
-        w_row = expert * D + pid_n * BLOCK_N  # past the expert's rows: columns not stored
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, I, BLOCK_K):
-            a = inter_desc.load([block * BLOCK_M, k0])
-            b = w2_desc.load([w_row, k0])
-            acc = tl.dot(a, b.T, acc, input_precision=INPUT_PRECISION)
-        if MUL_WEIGHT:
-            acc = acc * tl.load(topk_weight_ptr + ids, mask=real, other=0.0)[:, None]
-        rows = tl.where(real, ids, 0).to(tl.int64)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        out = partial_ptr + rows[:, None] * stride_pp + offs_n.to(tl.int64)[None, :] * stride_pn
-        tl.store(out, acc.to(partial_ptr.dtype.element_ty),
-                 mask=real[:, None] & (offs_n[None, :] < D))
-    _let_next_start(PDL)
 
 
 @triton.jit
@@ -414,7 +230,7 @@ def moe_sum_kernel(
     PDL: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    _wait_for_inputs(PDL)
+    wait_for_inputs(PDL)
     token = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     inside = offs < D
@@ -452,17 +268,8 @@ def run_stage1(x, w1, topk_weight, topk_ids, expert_map, routing, activation: in
     pairs = tokens * topk
     inter = torch.empty((routing.sorted_ids.numel(), inter_dim), dtype=x.dtype, device=x.device)
     if config.persistent:
-        _start_persistent(moe_stage1_tma_kernel, x.device, warmup)(
-            x, _descriptor(w1, "w1", config.block_n, config.block_k), inter,
-            topk_weight.reshape(-1), routing.sorted_ids, routing.block_expert,
-            routing.block_rows, routing.rows_used, pairs, model_dim, inter_dim, x.stride(0),
-            x.stride(1), inter.stride(0), inter.stride(1), _programs(x.device),
-            TOPK=topk, ACT=activation, MUL_WEIGHT=doweight_stage1,
-            INPUT_PRECISION=_checks.input_precision(x.dtype), PDL=PDL,
-            BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-            GROUP_M=GROUP_BLOCKS, FLATTEN=config.persistent == FLATTENED,
-            num_warps=config.num_warps, num_stages=config.num_stages)
-        return inter
+        return launch_stage1_persistent(x, w1, inter, topk_weight, routing, activation,
+                                        doweight_stage1, config, warmup)
     grid = (routing.blocks, triton.cdiv(inter_dim, config.block_n))
     _checks.start(moe_stage1_kernel, grid, warmup, launch_pdl=PDL)(
         x, w1, inter, topk_weight.reshape(-1), routing.sorted_ids, routing.block_expert,
@@ -493,16 +300,8 @@ def run_stage2(inter, w2, topk_weight, topk_ids, expert_map, routing, doweight_s
     else:
         partial = torch.empty((pairs, model_dim), dtype=dtype, device=inter.device)
     if config.persistent:
-        _start_persistent(moe_stage2_tma_kernel, inter.device, warmup)(
-            _descriptor(inter, "the intermediate", config.block_m, config.block_k),
-            _descriptor(w2, "w2", config.block_n, config.block_k), partial,
-            topk_weight.reshape(-1), routing.sorted_ids, routing.block_expert,
-            routing.block_rows, routing.rows_used, pairs, model_dim, inter_dim,
-            partial.stride(0), partial.stride(1), _programs(inter.device),
-            MUL_WEIGHT=not doweight_stage1, INPUT_PRECISION=_checks.input_precision(dtype),
-            PDL=PDL, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-            GROUP_M=GROUP_BLOCKS, FLATTEN=config.persistent == FLATTENED,
-            num_warps=config.num_warps, num_stages=config.num_stages)
+        launch_stage2_persistent(inter, w2, partial, topk_weight, routing, doweight_stage1,
+                                 config, warmup)
     else:
         grid = (routing.blocks, triton.cdiv(model_dim, config.block_n), config.split_k)
         _checks.start(moe_stage2_kernel, grid, warmup, launch_pdl=PDL)(
@@ -532,24 +331,3 @@ def run_sum(partial, topk_ids, expert_map, out, warmup: bool = False) -> torch.T
         partial.stride(0), partial.stride(1), out.stride(0), out.stride(1),
         TOPK=topk_ids.shape[1], PDL=PDL, BLOCK_D=block_d, num_warps=4)
     return out
-
-
-def _programs(device: torch.device) -> int:
-    """A persistent stage's grid: one program per SM (a few on the interpreter)."""
-    return _checks.device_sms(device.index) if device.type == "cuda" else 4
-
-
-def _start_persistent(kernel, device: torch.device, warmup: bool):
-    return _checks.start(kernel, (_programs(device),), warmup, launch_pdl=PDL)
-
-
-def _descriptor(t: torch.Tensor, what: str, box_rows: int, box_cols: int):
-    """A TMA descriptor of ``t`` as rows of its last dimension (experts stacked), box
-    (box_rows, box_cols). The rows must be dense: TMA reads whole boxes by a row pitch."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    if not t.is_contiguous() or t.data_ptr() % _TMA_ALIGN:
-        raise ValueError(f"persistent MoE stages read {what} through TMA: it must be contiguous "
-                         f"and {_TMA_ALIGN}-byte aligned (got shape {tuple(t.shape)}, strides "
-                         f"{t.stride()}); pass contiguous weights or use a config without P1")
-    return TensorDescriptor.from_tensor(t.view(-1, t.shape[-1]), [box_rows, box_cols])

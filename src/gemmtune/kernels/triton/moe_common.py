@@ -1,0 +1,69 @@
+"""What the fused-MoE Triton kernels share: programmatic dependent launch between launches,
+stage 1's gate/up sums over model_dim, and the gated activation."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from gemmtune.kernels.triton import _checks
+
+SILU, GELU = 0, 1  # the ACT constexpr
+# Each launch waits on the one before with programmatic dependent launch (Hopper+; the
+# interpreter has none): the next grid is scheduled while the previous one drains.
+PDL = not _checks.INTERPRETED
+
+
+@triton.jit
+def wait_for_inputs(PDL: tl.constexpr):
+    """With programmatic dependent launch: wait until the kernels this one reads from have
+    finished (this grid was scheduled while they drained)."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
+def let_next_start(PDL: tl.constexpr):
+    """With programmatic dependent launch: this program's loads are done, so the next kernel's
+    grid may be scheduled (it waits for this grid to finish before reading). Not earlier: its
+    waiting programs would hold SMs this grid's later programs need."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def gate_up_sums(x_ptr, w1_ptr, rows, row_real, expert, cols, D, I, stride_xt, stride_xd,
+                 stride_we, stride_wn, stride_wd, INPUT_PRECISION: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Stage 1's two GEMMs over model_dim in one pass: fp32 (BLOCK_M, BLOCK_N) tiles of
+    ``x[rows] @ w1[expert, cols].T`` (gate) and of the same columns + I (up); rows not
+    ``row_real`` read as zeros."""
+    offs_k = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + rows.to(tl.int64)[:, None] * stride_xt + offs_k[None, :] * stride_xd
+    w_base = w1_ptr + expert * stride_we + offs_k[:, None] * stride_wd
+    gate_ptrs = w_base + cols[None, :] * stride_wn  # (BK, BN): rows [0, I) of w1[e], transposed
+    up_ptrs = w_base + (cols + I)[None, :] * stride_wn  # rows [I, 2I)
+    gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, D, BLOCK_K):
+        k_left = D - k0
+        a = tl.load(x_ptrs, mask=row_real[:, None] & (offs_k[None, :] < k_left), other=0.0)
+        wg = tl.load(gate_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+        wu = tl.load(up_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+        gate = tl.dot(a, wg, gate, input_precision=INPUT_PRECISION)
+        up = tl.dot(a, wu, up, input_precision=INPUT_PRECISION)
+        x_ptrs += BLOCK_K * stride_xd
+        gate_ptrs += BLOCK_K * stride_wd
+        up_ptrs += BLOCK_K * stride_wd
+    return gate, up
+
+
+@triton.jit
+def gated_activation(gate, up, ACT: tl.constexpr):
+    """``act(gate) * up`` in fp32: ACT 0 SiLU, 1 exact GELU."""
+    gate = gate.to(tl.float32)
+    if ACT == 0:
+        act = gate / (1.0 + tl.exp(-gate))
+    else:
+        act = 0.5 * gate * (1.0 + tl.erf(gate * 0.7071067811865476))
+    return act * up.to(tl.float32)
