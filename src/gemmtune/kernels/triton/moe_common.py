@@ -1,12 +1,8 @@
 """What the fused-MoE Triton kernels share: programmatic dependent launch between launches,
-stage 1's gate/up sums over model_dim, the gated activation, and the cache of workspaces that
-every launch leaves zero."""
+stage 1's gate/up sums over model_dim, and the gated activation."""
 
 from __future__ import annotations
 
-from typing import Callable, TypeVar
-
-import torch
 import triton
 import triton.language as tl
 
@@ -16,26 +12,6 @@ SILU, GELU = 0, 1  # the ACT constexpr
 # Each launch waits on the one before with programmatic dependent launch (Hopper+; the
 # interpreter has none): the next grid is scheduled while the previous one drains.
 PDL = not _checks.INTERPRETED
-
-Workspace = TypeVar("Workspace")
-# (device, stream, kernel's key...) -> buffers that are zero before a launch and left zero by it.
-ZEROED: dict[tuple, object] = {}
-
-
-def zeroed_workspace(key: tuple, device: torch.device, make: Callable[[], Workspace]
-                     ) -> Workspace:
-    """The buffers ``make()`` returns (zero), cached per (device, stream, ``key``): every launch
-    that uses them must leave them zero. Inside a CUDA-graph capture with none cached, fresh
-    ones: their zero fill becomes part of the graph (cached ones made there would not be zero
-    until the graph first ran)."""
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    full_key = (device, stream, *key)
-    found = ZEROED.get(full_key)
-    if found is None:
-        found = make()
-        if device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
-            ZEROED[full_key] = found
-    return found
 
 
 @triton.jit

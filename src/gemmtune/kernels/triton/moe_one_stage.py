@@ -31,7 +31,7 @@ import triton.language as tl
 
 from gemmtune.kernels.triton import _checks
 from gemmtune.kernels.triton.moe_configs import MoeOneStageConfig
-from gemmtune.kernels.triton.moe_common import gate_up_sums, gated_activation, zeroed_workspace
+from gemmtune.kernels.triton.moe_common import gate_up_sums, gated_activation
 
 # Rows of the token tile: the smallest tl.dot takes; the tokens of a call share one tile.
 MIN_BLOCK_T = 16
@@ -264,11 +264,21 @@ class _Workspace:
         self.inter = torch.empty(pairs, inter_dim, dtype=dtype, device=device)
 
 
+_WORKSPACES: dict[tuple, _Workspace] = {}
+
+
 def _workspace(tokens, topk, inter_dim, model_dim, tiles2, dtype, device) -> _Workspace:
-    """The cached workspace of this stream and shape (``moe_common.zeroed_workspace``)."""
-    return zeroed_workspace(
-        ("1-stage", tokens, topk, inter_dim, model_dim, tiles2, dtype), device,
-        lambda: _Workspace(tokens, topk, inter_dim, model_dim, tiles2, dtype, device))
+    """The cached workspace of this stream and shape. Inside a CUDA-graph capture with none
+    cached, a fresh one: its zero fill becomes part of the graph (a cached one made there would
+    not be zero until the graph first ran)."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (device, stream, tokens, topk, inter_dim, model_dim, tiles2, dtype)
+    found = _WORKSPACES.get(key)
+    if found is None:
+        found = _Workspace(tokens, topk, inter_dim, model_dim, tiles2, dtype, device)
+        if device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
+            _WORKSPACES[key] = found
+    return found
 
 
 def programs(tokens: int, topk: int, inter_dim: int, model_dim: int,

@@ -32,8 +32,7 @@ import triton.language as tl
 
 from gemmtune.kernels.triton import _checks
 from gemmtune.kernels.triton.moe_common import (PDL, gate_up_sums, gated_activation,
-                                                let_next_start, wait_for_inputs,
-                                                zeroed_workspace)
+                                                let_next_start, wait_for_inputs)
 from gemmtune.kernels.triton.moe_configs import (BLOCK_MS, PAIR_BLOCK_M, MoeStage1Config,
                                                  MoeStage2Config)
 from gemmtune.kernels.triton.moe_persistent import (FLATTENED, PERSISTENT,
@@ -175,48 +174,18 @@ def moe_stage2_kernel(
     stride_ip, stride_in,
     stride_we, stride_wn, stride_wk,
     stride_pp, stride_pn,
-    out_ptr, count_ptr,  # with SUM_HERE: (T, D) and (T, cdiv(D, BLOCK_N)) int32, zero
-    stride_ot, stride_on,
     MUL_WEIGHT: tl.constexpr,
     SPLIT_K: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     PAIR_BLOCKS: tl.constexpr,
-    SUM_HERE: tl.constexpr,  # pair blocks: the last of a token's pairs sums its rows
-    TOPK: tl.constexpr,
     PDL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     expert, ids, real = _block_rows(sorted_ids_ptr, block_expert_ptr, block_rows_ptr,
                                     rows_used_ptr, topk_ids_ptr, expert_map_ptr,
                                     tl.program_id(0), pairs, BLOCK_M, PAIR_BLOCKS, PDL)
-    if expert >= 0:
-        _stage2_product(inter_ptr, w2_ptr, partial_ptr, topk_weight_ptr, expert, ids, real, D,
-                        I, stride_ip, stride_in, stride_we, stride_wn, stride_wk, stride_pp,
-                        stride_pn, MUL_WEIGHT, SPLIT_K, INPUT_PRECISION, PAIR_BLOCKS, PDL,
-                        BLOCK_M, BLOCK_N, BLOCK_K)
-    if SUM_HERE:
-        # Every thread's row is stored before the count moves (the barrier); the release and
-        # the last program's acquire order the rows before its reads (a pair of another
-        # rank's expert counts too: it wrote nothing, and the sum skips it).
-        tl.debug_barrier()
-        token = tl.program_id(0) // TOPK
-        count = count_ptr + token * tl.num_programs(1) + tl.program_id(1)
-        if tl.atomic_add(count, 1, sem="acq_rel") == TOPK - 1:
-            offs = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-            token_sum(partial_ptr, topk_ids_ptr, expert_map_ptr, out_ptr, token.to(tl.int64),
-                      offs, D, stride_pp, stride_pn, stride_ot, stride_on, TOPK, BLOCK_N)
-            tl.atomic_xchg(count, 0, sem="relaxed")
-
-
-@triton.jit
-def _stage2_product(inter_ptr, w2_ptr, partial_ptr, topk_weight_ptr, expert, ids, real, D, I,
-                    stride_ip, stride_in, stride_we, stride_wn, stride_wk, stride_pp,
-                    stride_pn, MUL_WEIGHT: tl.constexpr, SPLIT_K: tl.constexpr,
-                    INPUT_PRECISION: tl.constexpr, PAIR_BLOCKS: tl.constexpr,
-                    PDL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr):
-    """A block's down projection, times the routing weight unless stage 1 applied it, into its
-    pairs' rows of ``partial`` (this program's part of inter_dim with split-K)."""
+    if expert < 0:
+        return
     rows = tl.where(real, ids, 0).to(tl.int64)
     inter_rows = _inter_rows(tl.program_id(0), ids, real, PAIR_BLOCKS, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -250,23 +219,6 @@ def _stage2_product(inter_ptr, w2_ptr, partial_ptr, topk_weight_ptr, expert, ids
 
 
 @triton.jit
-def token_sum(partial_ptr, topk_ids_ptr, expert_map_ptr, out_ptr, token, offs, D, stride_pp,
-              stride_pn, stride_ot, stride_on, TOPK: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Columns ``offs`` of a token's ``TOPK`` rows of ``partial`` added in fp32, in slot order,
-    into its output row. A pair of another rank's expert was never written: its row is
-    skipped, not read."""
-    inside = offs < D
-    total = tl.zeros((BLOCK_D,), dtype=tl.float32)
-    for k in tl.static_range(TOPK):
-        pair = token * TOPK + k
-        if tl.load(expert_map_ptr + tl.load(topk_ids_ptr + pair)) >= 0:
-            total += tl.load(partial_ptr + pair * stride_pp + offs * stride_pn, mask=inside,
-                             other=0.0, cache_modifier=".cg").to(tl.float32)
-    tl.store(out_ptr + token * stride_ot + offs * stride_on,
-             total.to(out_ptr.dtype.element_ty), mask=inside)
-
-
-@triton.jit
 def moe_sum_kernel(
     partial_ptr,  # (pairs, D) fp32 or the output's dtype
     topk_ids_ptr,  # (pairs,) int32 global expert ids
@@ -279,9 +231,18 @@ def moe_sum_kernel(
     BLOCK_D: tl.constexpr,
 ):
     wait_for_inputs(PDL)
+    token = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    token_sum(partial_ptr, topk_ids_ptr, expert_map_ptr, out_ptr, tl.program_id(0).to(tl.int64),
-              offs, D, stride_pp, stride_pn, stride_ot, stride_on, TOPK, BLOCK_D)
+    inside = offs < D
+    total = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    for k in tl.static_range(TOPK):
+        pair = token * TOPK + k
+        # A pair of another rank's expert was never written: its row is skipped, not read.
+        if tl.load(expert_map_ptr + tl.load(topk_ids_ptr + pair)) >= 0:
+            total += tl.load(partial_ptr + pair * stride_pp + offs * stride_pn, mask=inside,
+                             other=0.0).to(tl.float32)
+    tl.store(out_ptr + token * stride_ot + offs * stride_on,
+             total.to(out_ptr.dtype.element_ty), mask=inside)
 
 
 def moe_stages(x, w1, w2, topk_weight, topk_ids, expert_map, routing, activation: int,
@@ -327,8 +288,8 @@ def run_stage2(inter, w2, topk_weight, topk_ids, expert_map, routing, doweight_s
                out: torch.Tensor | None = None, warmup: bool = False,
                with_sum: bool = True) -> torch.Tensor:
     """Stage 2 and the sum over each token's slots: -> (T, D) in ``dtype``, into ``out`` if
-    given; over pair blocks (split-K 1) stage 2 sums in place. Without ``with_sum``: stage 2
-    alone, -> its (pairs, D) partial products (a benchmark's split of the time)."""
+    given. Without ``with_sum``: stage 2 alone, -> its (pairs, D) partial products (a
+    benchmark's split of the time)."""
     inter_dim = inter.shape[1]
     pairs = topk_ids.numel()
     model_dim = w2.shape[1]
@@ -341,40 +302,21 @@ def run_stage2(inter, w2, topk_weight, topk_ids, expert_map, routing, doweight_s
     if config.persistent:
         launch_stage2_persistent(inter, w2, partial, topk_weight, routing, doweight_stage1,
                                  config, warmup)
-        return _summed(partial, topk_ids, expert_map, tokens, dtype, out, warmup, with_sum)
-    tiles_n = triton.cdiv(model_dim, config.block_n)
-    # Over pair blocks a token's last pair sums its rows: no launch for the sum.
-    sum_here = with_sum and routing.pair_blocks and config.split_k == 1
-    if sum_here and out is None:
-        out = torch.empty((tokens, model_dim), dtype=dtype, device=inter.device)
-    counts = zeroed_workspace(("stage-2 sums", tokens, tiles_n), inter.device,
-                              lambda: torch.zeros((tokens, tiles_n), dtype=torch.int32,
-                                                  device=inter.device)) if sum_here else None
-    grid = (routing.blocks, tiles_n, config.split_k)
-    _checks.start(moe_stage2_kernel, grid, warmup, launch_pdl=PDL)(
-        inter, w2, partial, topk_weight.reshape(-1), routing.sorted_ids, routing.block_expert,
-        routing.block_rows, routing.rows_used, topk_ids.reshape(-1), expert_map, pairs,
-        model_dim, inter_dim, inter.stride(0), inter.stride(1), w2.stride(0), w2.stride(1),
-        w2.stride(2), partial.stride(0), partial.stride(1),
-        out if sum_here else partial, counts if sum_here else routing.rows_used,
-        out.stride(0) if sum_here else 0, out.stride(1) if sum_here else 0,
-        MUL_WEIGHT=not doweight_stage1, SPLIT_K=config.split_k,
-        INPUT_PRECISION=_checks.input_precision(dtype), PAIR_BLOCKS=routing.pair_blocks,
-        SUM_HERE=sum_here, TOPK=topk_ids.shape[1], PDL=PDL, BLOCK_M=config.block_m,
-        BLOCK_N=config.block_n, BLOCK_K=config.block_k, num_warps=config.num_warps,
-        num_stages=config.num_stages)
-    if sum_here:
-        return out
-    return _summed(partial, topk_ids, expert_map, tokens, dtype, out, warmup, with_sum)
-
-
-def _summed(partial, topk_ids, expert_map, tokens: int, dtype: torch.dtype, out, warmup: bool,
-            with_sum: bool) -> torch.Tensor:
-    """The sum launch after stage 2 (or, without ``with_sum``, the partial products)."""
+    else:
+        grid = (routing.blocks, triton.cdiv(model_dim, config.block_n), config.split_k)
+        _checks.start(moe_stage2_kernel, grid, warmup, launch_pdl=PDL)(
+            inter, w2, partial, topk_weight.reshape(-1), routing.sorted_ids,
+            routing.block_expert, routing.block_rows, routing.rows_used, topk_ids.reshape(-1),
+            expert_map, pairs, model_dim, inter_dim, inter.stride(0), inter.stride(1),
+            w2.stride(0), w2.stride(1), w2.stride(2), partial.stride(0), partial.stride(1),
+            MUL_WEIGHT=not doweight_stage1, SPLIT_K=config.split_k,
+            INPUT_PRECISION=_checks.input_precision(dtype), PAIR_BLOCKS=routing.pair_blocks,
+            PDL=PDL, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+            num_warps=config.num_warps, num_stages=config.num_stages)
     if not with_sum:
         return partial
     if out is None:
-        out = torch.empty((tokens, partial.shape[1]), dtype=dtype, device=partial.device)
+        out = torch.empty((tokens, model_dim), dtype=dtype, device=inter.device)
     return run_sum(partial, topk_ids, expert_map, out, warmup)
 
 
