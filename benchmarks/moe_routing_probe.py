@@ -30,10 +30,17 @@ def _launches(ids, emap, experts: int, block_m: int, warps: int) -> dict:
     programs = triton.cdiv(pairs, span)
     bins = triton.next_power_of_2(experts + 1)
     r = routing_mod.moe_routing(ids, emap, experts, block_m)
-    counts = torch.zeros((programs, bins), dtype=torch.int32, device=ids.device)
-    offsets = torch.zeros_like(counts)
-    real_ends = torch.zeros(bins, dtype=torch.int32, device=ids.device)
+    counts = torch.empty((programs, bins), dtype=torch.int32, device=ids.device)
+    offsets = torch.empty_like(counts)
+    real_ends = torch.empty(bins, dtype=torch.int32, device=ids.device)
     flat = ids.reshape(-1)
+    # The count and offsets launches once over the real pairs: each launch is timed on what the
+    # one before it really leaves (a place over zero offsets would scatter nowhere real).
+    routing_mod.moe_count_kernel[(programs,)](flat, emap, counts, pairs, experts,
+                                              EXPERTS_POW2=bins, SPAN=span)
+    routing_mod.moe_offsets_kernel[(1,)](counts, offsets, real_ends, r.rows_used, r.expert_ends,
+                                         programs, BLOCK_M=block_m, EXPERTS_POW2=bins,
+                                         PROGRAMS_STEP=16)
     return {
         f"count W{warps}": lambda s: routing_mod.moe_count_kernel[(programs,)](
             flat, emap, counts, pairs, experts, EXPERTS_POW2=bins, SPAN=span, num_warps=warps),

@@ -111,6 +111,9 @@ KERNEL_CASES = [
 ]
 
 
+# A persistent stage 2 reads whole tiles of the intermediate, padding rows (never written) too:
+# their products land only in rows it does not store, but numpy may warn about them.
+@pytest.mark.filterwarnings("ignore:invalid value encountered in matmul:RuntimeWarning")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("case", KERNEL_CASES)
 @pytest.mark.parametrize("solution", [TWO_STAGE, PAIR_BLOCKS, ONE_STAGE, PERSISTENT, FLATTENED])
@@ -173,6 +176,7 @@ def test_the_grouped_mm_backend_refuses_what_torch_grouped_mm_cannot_run():
         REGISTRY.resolve(GROUPED_MM + ":BM16")
 
 
+@pytest.mark.filterwarnings("ignore:invalid value encountered in matmul:RuntimeWarning")
 def test_persistent_and_plain_stages_pair_over_one_intermediate():
     # The intermediate follows the routing's rows for both: either stage may be persistent.
     from gemmtune.families.fmoe.op import REGISTRY, problem_of
@@ -195,9 +199,15 @@ def test_persistent_stages_refuse_rows_tma_cannot_read():
 
     kernel = REGISTRY.resolve(PERSISTENT)
     ragged = MoeProblem(4, 60, 32, 4, 2, torch.bfloat16, Activation.silu, False)
-    assert "model_dim=60" in kernel.check(ragged) and "TMA" in kernel.check(ragged)
+    assert "rows of 60 elements" in kernel.check(ragged) and "TMA" in kernel.check(ragged)
     assert kernel.check(MoeProblem(4, 64, 32, 4, 2, torch.bfloat16, Activation.silu,
                                    False)) is None
+    # Each stage needs its own rows aligned: stage 1 model_dim (w1), stage 2 inter_dim.
+    plain_first, plain_second = TWO_STAGE.format(sk=1).split("+")
+    first, second = PERSISTENT.split("+")
+    ragged_inter = MoeProblem(4, 64, 36, 4, 2, torch.bfloat16)
+    assert REGISTRY.resolve(f"{first}+{plain_second}").check(ragged_inter) is None
+    assert "rows of 36" in REGISTRY.resolve(f"{plain_first}+{second}").check(ragged_inter)
     assert "must be 0, 1 or 2" in REGISTRY.resolve(PERSISTENT.replace(".P1", ".P3")).check(ragged)
     split = PERSISTENT.replace("SK1", "SK2")
     aligned_split = REGISTRY.resolve(split).check(MoeProblem(4, 64, 32, 4, 2, torch.bfloat16))
@@ -208,6 +218,45 @@ def test_persistent_stages_refuse_rows_tma_cannot_read():
         gemmtune.fused_moe(hidden, w1_strided, w2, weight, ids, kernel=PERSISTENT)
 
 
+@pytest.mark.filterwarnings("ignore:invalid value encountered in matmul:RuntimeWarning")
+def test_padding_rows_and_unset_routing_entries_are_never_read(monkeypatch):
+    # The routing leaves padding rows of sorted_ids (and blocks past the rows used) unset, and
+    # stage 1 leaves the intermediate's padding rows unwritten: poison every such buffer so a
+    # missing mask shows up as a wrong or non-finite result.
+    from gemmtune.families.fmoe.op import REGISTRY, problem_of
+
+    empty = torch.empty
+
+    def poisoned(*args, **kwargs):
+        t = empty(*args, **kwargs)
+        return t.fill_(2 ** 30) if t.dtype == torch.int32 else t.fill_(float("nan"))
+
+    hidden, w1, w2, weight, ids = moe_inputs(9, 40, 24, 4, 2, seed=12)
+    key = DISPATCH.to_table_key((9, 40, 24, 4, 2, torch.float32, ActivationType.Silu, False))
+    problem = problem_of(key)
+    emap = expert_map_of(None, 4, hidden.device)
+    ref = fused_moe_ref(hidden, w1, w2, weight, ids, emap)
+    monkeypatch.setattr(torch, "empty", poisoned)
+    for name in (TWO_STAGE.format(sk=1), PERSISTENT, FLATTENED):
+        out = torch.full_like(hidden, float("nan"))
+        REGISTRY.resolve_for(name, problem)(hidden, w1, w2, weight, ids, emap, problem, out=out)
+        assert torch.isfinite(out).all() and rel_err(out, ref) < REL_BOUND[torch.float32], name
+
+
+def test_routing_writes_sentinels_into_padding_rows_on_request():
+    from gemmtune.kernels.triton.moe_routing import moe_routing
+
+    *_, ids = moe_inputs(5, 8, 8, 4, 2, seed=4)
+    routing = moe_routing(ids, expert_map_of(None, 4, ids.device), 4, 16, sentinels=True)
+    rows_used = routing.rows_used.item()
+    real = [row for b in range(rows_used // 16) for row in range(b * 16, b * 16 + 16)
+            if row - b * 16 < routing.block_rows[b].item()]
+    padding = sorted(set(range(rows_used)) - set(real))
+    assert len(real) == 10 and padding  # 10 pairs over 4 experts: some rows pad
+    assert all(routing.sorted_ids[row].item() == 10 for row in padding)
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered in matmul:RuntimeWarning")
 def test_pairs_routed_to_another_rank_add_nothing():
     # 8 global experts, experts 2 and 5 here; a token routed only elsewhere gets zeros.
     mask = torch.zeros(8, dtype=torch.bool, device=DEVICE)

@@ -43,7 +43,7 @@ ONE_STAGE_MAX_TOKENS = 32
 # Our steps around torch's grouped GEMM (``triton.moe_gmm``) pay off only where the GEMMs
 # dominate: prefill token counts.
 GROUPED_MM_MIN_TOKENS = 256
-# Persistent stages (``P1``) walk many tiles per SM: prefill token counts too.
+# Persistent stages (``P1``, ``P2``) walk many tiles per SM: prefill token counts too.
 PERSISTENT_MIN_TOKENS = 256
 
 

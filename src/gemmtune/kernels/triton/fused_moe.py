@@ -17,14 +17,14 @@ import torch
 
 from gemmtune.kernels.problem import Activation, MoeProblem
 from gemmtune.kernels.triton import _checks
-from gemmtune.kernels.triton.moe_routing import moe_routing, pair_blocks
+from gemmtune.kernels.triton.moe_common import GELU, SILU
 from gemmtune.kernels.triton.moe_configs import (GROUPED_MM_NAME, STAGE1_PREFIX, STAGE2_PREFIX,
                                                  MoeOneStageConfig, MoeStage1Config,
                                                  MoeStage2Config, two_stage_name)
 from gemmtune.kernels.triton.moe_grouped_mm import moe_grouped_mm, why_not_grouped_mm
 from gemmtune.kernels.triton.moe_one_stage import moe_one_stage, why_not_one_stage
-from gemmtune.kernels.triton.moe_common import GELU, SILU
 from gemmtune.kernels.triton.moe_persistent import why_not_tma
+from gemmtune.kernels.triton.moe_routing import moe_routing, pair_blocks
 from gemmtune.kernels.triton.moe_stages import moe_stages, why_not_stage1, why_not_stage2
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -72,8 +72,8 @@ class TritonTwoStageMoe:
         return (why_not_stage1(self.stage1, problem.dtype)
                 or why_not_stage2(self.stage2, problem.dtype, problem.inter_dim)
                 or _checks.why_not_dot_k(self.stage1, problem.dtype)
-                or why_not_tma(self.stage1, problem.dtype, problem.model_dim, problem.inter_dim)
-                or why_not_tma(self.stage2, problem.dtype, problem.model_dim, problem.inter_dim))
+                or why_not_tma(self.stage1, problem.dtype, problem.model_dim)
+                or why_not_tma(self.stage2, problem.dtype, problem.inter_dim))
 
     def warmup(self, hidden, w1, w2, topk_weight, topk_ids, expert_map,
                problem: MoeProblem) -> None:

@@ -21,14 +21,16 @@ BLOCK_MS = (16, 32, 64, 128)  # the block_m a routing may use (the seed's choice
 # routed pair, read straight from topk_ids, and no routing preparation runs; its block_m is the
 # smallest tile tl.dot takes, of which one row is real.
 PAIR_BLOCK_M = 16
-# With ``P1`` a stage is one persistent program per SM walking its tiles, the weights (and
-# stage 2's intermediate) read through TMA descriptors: for prefill's many tiles. ``P2``: the
-# same with the tile loop flattened into the K loop.
+# A stage config's ``persistent`` (``P1``): one persistent program per SM walking its tiles,
+# the weights (and stage 2's intermediate) read through TMA descriptors, for prefill's many
+# tiles; ``P2``: the same with the tile loop flattened into the K loop.
+PERSISTENT, FLATTENED = 1, 2
 
 
 @dataclass(frozen=True)
 class MoeStage1Config(NamedConfig):
-    """``triton.moe1:BM32.BN64.BK64.W4.S3[.PB1][.P1|.P2]``: one stage-1 launch."""
+    """``triton.moe1:BM32.BN64.BK64.W4.S3[.PB<0|1>[.P<1|2>]]``: one stage-1 launch (fields are
+    positional: a persistent config names ``PB0`` too)."""
 
     NAME_CODEC = NameCodec("MoE stage-1 config", STAGE1_PREFIX, (
         Field("BM", "block_m"), Field("BN", "block_n"), Field("BK", "block_k"),
@@ -46,8 +48,8 @@ class MoeStage1Config(NamedConfig):
 
 @dataclass(frozen=True)
 class MoeStage2Config(NamedConfig):
-    """``triton.moe2:BM32.BN64.BK64.SK1.W4.S3[.PB1][.P1|.P2]``: one stage-2 launch, ``split_k``
-    parts of inter_dim."""
+    """``triton.moe2:BM32.BN64.BK64.SK1.W4.S3[.PB<0|1>[.P<1|2>]]``: one stage-2 launch,
+    ``split_k`` parts of inter_dim."""
 
     NAME_CODEC = NameCodec("MoE stage-2 config", STAGE2_PREFIX, (
         Field("BM", "block_m"), Field("BN", "block_n"), Field("BK", "block_k"),

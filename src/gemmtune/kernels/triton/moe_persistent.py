@@ -18,26 +18,22 @@ import triton
 import triton.language as tl
 
 from gemmtune.kernels.triton import _checks
+from gemmtune.kernels.triton.gemm_persistent import _TMA_ALIGN
 from gemmtune.kernels.triton.gemm_tile import grouped_tile
 from gemmtune.kernels.triton.moe_common import (PDL, gated_activation, let_next_start,
                                                 wait_for_inputs)
+from gemmtune.kernels.triton.moe_configs import FLATTENED
 
-_TMA_ALIGN = 16  # bytes: the row pitch and base of a TMA-described tensor
 GROUP_BLOCKS = 8  # blocks a weight tile is walked down before the next tile
-PERSISTENT, FLATTENED = 1, 2  # a stage config's ``persistent``: its tile loop as written, or
-# flattened into the K loop (an epilogue overlapping the next tile's loads)
 
 
-def why_not_tma(config, dtype: torch.dtype, model_dim: int, inter_dim: int) -> str | None:
-    """What keeps a persistent stage from describing its operands to TMA: rows of model_dim and
-    inter_dim elements must be multiples of 16 bytes; None if they are (or it is not
-    persistent)."""
-    if not config.persistent:
-        return None
-    for what, n in (("model_dim", model_dim), ("inter_dim", inter_dim)):
-        if n * dtype.itemsize % _TMA_ALIGN:
-            return (f"{what}={n}: rows of {n * dtype.itemsize} B, not a multiple of "
-                    f"{_TMA_ALIGN} B as TMA needs; use a config without P1/P2")
+def why_not_tma(config, dtype: torch.dtype, row_elements: int) -> str | None:
+    """What keeps a persistent stage from describing its operands to TMA: rows of
+    ``row_elements`` (model_dim for stage 1's w1, inter_dim for stage 2's w2 and intermediate)
+    must be multiples of 16 bytes; None if they are (or the stage is not persistent)."""
+    if config.persistent and row_elements * dtype.itemsize % _TMA_ALIGN:
+        return (f"rows of {row_elements} elements are {row_elements * dtype.itemsize} B, not a "
+                f"multiple of {_TMA_ALIGN} B as TMA needs; use a config without P1/P2")
     return None
 
 
@@ -99,11 +95,11 @@ def moe_stage1_tma_kernel(
         h = gated_activation(gate, up, ACT)
         if MUL_WEIGHT:
             h = h * tl.load(topk_weight_ptr + ids, mask=real, other=0.0)[:, None]
-        # Padding rows too (zeros: their x rows read as zeros), so stage 2 reads no garbage.
         rows = (block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         out = inter_ptr + rows[:, None] * stride_ip + offs_n.to(tl.int64)[None, :] * stride_in
-        tl.store(out, h.to(inter_ptr.dtype.element_ty), mask=offs_n[None, :] < I)
+        tl.store(out, h.to(inter_ptr.dtype.element_ty),
+                 mask=real[:, None] & (offs_n[None, :] < I))
     let_next_start(PDL)
 
 

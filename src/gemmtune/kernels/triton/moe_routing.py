@@ -43,7 +43,7 @@ ROUTING_WARPS = 4
 
 class MoeRouting(NamedTuple):
     """The blocks the stages run over: grouped by expert (the tensors below), or with
-    ``pair_blocks`` one block per routed pair, nothing prepared (the three tensors are then
+    ``pair_blocks`` one block per routed pair, nothing prepared (the four tensors are then
     ``topk_ids`` flattened, placeholders the stages never read)."""
 
     sorted_ids: torch.Tensor  # (max_rows,) int32
@@ -78,7 +78,7 @@ def moe_routing_kernel(topk_ids_ptr, expert_map_ptr, sorted_ids_ptr, block_exper
     """The whole preparation in one program, for up to SPAN pairs: one launch beats three."""
     expert = _span_experts(topk_ids_ptr, expert_map_ptr, 0, pairs, experts, SPAN)
     counts = _local_counts(expert, experts, EXPERTS_POW2)
-    starts, ends = _expert_runs(counts, rows_used_ptr, ends_ptr, BLOCK_M)
+    starts = _expert_runs(counts, rows_used_ptr, ends_ptr, BLOCK_M)
     _place(sorted_ids_ptr, block_expert_ptr, block_rows_ptr, expert, 0, starts, counts,
            starts + counts, experts, BLOCK_M, SPAN)
 
@@ -107,7 +107,7 @@ def moe_offsets_kernel(counts_ptr, offsets_ptr, real_ends_ptr, rows_used_ptr, en
     for p in range(0, programs, PROGRAMS_STEP):
         totals += tl.sum(_program_tile(counts_ptr, p + steps, programs, bins, EXPERTS_POW2),
                          axis=0)
-    starts, ends = _expert_runs(totals, rows_used_ptr, ends_ptr, BLOCK_M)
+    starts = _expert_runs(totals, rows_used_ptr, ends_ptr, BLOCK_M)
     tl.store(real_ends_ptr + bins, starts + totals)
     running = starts
     for p in range(0, programs, PROGRAMS_STEP):
@@ -152,13 +152,13 @@ def _local_counts(expert, experts, EXPERTS_POW2: tl.constexpr):
 
 @triton.jit
 def _expert_runs(counts, rows_used_ptr, ends_ptr, BLOCK_M: tl.constexpr):
-    """Each expert's run of rows, padded to whole blocks: (starts, ends); stores the rows used
-    and the ends."""
+    """Where each expert's run of rows starts, its runs padded to whole blocks; stores the rows
+    used and where each run ends."""
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     ends = tl.cumsum(padded, axis=0)
     tl.store(rows_used_ptr, tl.sum(padded, axis=0))
     tl.store(ends_ptr + tl.arange(0, padded.shape[0]), ends)
-    return ends - padded, ends
+    return ends - padded
 
 
 @triton.jit

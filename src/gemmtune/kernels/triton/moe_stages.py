@@ -5,15 +5,17 @@ projections of their tokens (``w1[e]``'s rows ``[0, I)`` and ``[I, 2I)``) in one
 then ``act(gate) * up`` (SiLU or GELU), times the routing weight where ``doweight_stage1``, into
 the intermediate ``inter``.
 
-Stage 2 (``moe_stage2``): the down projection ``inter[pair] @ w2[e].T`` per block, times the
+Stage 2 (``moe_stage2``): the down projection ``inter[row] @ w2[e].T`` per block, times the
 routing weight unless stage 1 applied it, into ``partial`` (T * topk, D), split over
 ``inter_dim`` in ``ksplit`` parts (fp32 atomic adds; one part writes plainly, in the output's
 dtype). Then ``moe_sum`` adds each token's ``topk`` rows in fp32 into the output, in slot order,
 skipping pairs of other ranks' experts: with one part the result does not depend on how the
 blocks were scheduled.
 
-The intermediate follows the routing's rows (row r of block b at ``b * block_m + r``, padding
-rows included), so stage 2 reads whole tiles of it; with pair blocks it has a row per pair.
+The intermediate follows the routing's rows (row r of block b at ``b * block_m + r``), so
+stage 2 reads whole tiles of it; with pair blocks it has a row per pair. Its padding rows are
+never written: an output row depends on its own row of the intermediate alone, and stage 2
+stores only real rows.
 
 Every launch covers the largest number of blocks routing can make, and blocks past
 ``rows_used`` return at once: no host synchronisation, so a call can be captured in a CUDA graph.
@@ -33,10 +35,9 @@ import triton.language as tl
 from gemmtune.kernels.triton import _checks
 from gemmtune.kernels.triton.moe_common import (PDL, gate_up_sums, gated_activation,
                                                 let_next_start, wait_for_inputs)
-from gemmtune.kernels.triton.moe_configs import (BLOCK_MS, PAIR_BLOCK_M, MoeStage1Config,
-                                                 MoeStage2Config)
-from gemmtune.kernels.triton.moe_persistent import (FLATTENED, PERSISTENT,
-                                                    launch_stage1_persistent,
+from gemmtune.kernels.triton.moe_configs import (BLOCK_MS, FLATTENED, PAIR_BLOCK_M, PERSISTENT,
+                                                 MoeStage1Config, MoeStage2Config)
+from gemmtune.kernels.triton.moe_persistent import (launch_stage1_persistent,
                                                     launch_stage2_persistent)
 
 
@@ -92,8 +93,8 @@ def _block_rows(sorted_ids_ptr, block_expert_ptr, block_rows_ptr, rows_used_ptr,
                 expert_map_ptr, block, pairs, BLOCK_M: tl.constexpr, PAIR_BLOCKS: tl.constexpr,
                 PDL: tl.constexpr):
     """A block's local expert (int64; -1: nothing to compute, a block past the rows used or a
-    pair of another rank's expert), the pair ids of its rows, and which rows hold a pair (not
-    padding: their ids are unset). Pair blocks: block b holds pair b in its first row, its
+    pair of another rank's expert), the pair ids of its rows (``pairs`` on padding rows), and
+    which rows hold a pair. Pair blocks: block b holds pair b in its first row, its
     expert read from topk_ids. With PDL it first waits for the kernels that wrote what it
     reads."""
     wait_for_inputs(PDL)
@@ -123,7 +124,7 @@ def _inter_rows(block, ids, real, PAIR_BLOCKS: tl.constexpr, BLOCK_M: tl.constex
 def moe_stage1_kernel(
     x_ptr,  # (T, D)
     w1_ptr,  # (E, 2 * I, D)
-    inter_ptr,  # (pairs, I)
+    inter_ptr,  # (routing rows, I)
     topk_weight_ptr,  # (pairs,) fp32
     sorted_ids_ptr, block_expert_ptr, block_rows_ptr, rows_used_ptr,
     topk_ids_ptr, expert_map_ptr,  # read with PAIR_BLOCKS
@@ -156,15 +157,12 @@ def moe_stage1_kernel(
         h = h * tl.load(topk_weight_ptr + ids, mask=real, other=0.0)[:, None]
     rows = _inter_rows(tl.program_id(0), ids, real, PAIR_BLOCKS, BLOCK_M)
     out = inter_ptr + rows[:, None] * stride_ip + offs_n.to(tl.int64)[None, :] * stride_in
-    # A block's padding rows too (zeros: their x rows read as zeros), so that a persistent
-    # stage 2, which reads whole tiles, reads no garbage.
-    kept = real | (PAIR_BLOCKS == 0)
-    tl.store(out, h.to(inter_ptr.dtype.element_ty), mask=kept[:, None] & (offs_n[None, :] < I))
+    tl.store(out, h.to(inter_ptr.dtype.element_ty), mask=real[:, None] & (offs_n[None, :] < I))
 
 
 @triton.jit
 def moe_stage2_kernel(
-    inter_ptr,  # (pairs, I)
+    inter_ptr,  # (routing rows, I)
     w2_ptr,  # (E, D, I)
     partial_ptr,  # (pairs, D): fp32 with split-K (atomic adds), else the output's dtype
     topk_weight_ptr,  # (pairs,) fp32
