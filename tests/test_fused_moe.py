@@ -96,6 +96,10 @@ def test_routing_groups_every_local_pair_once_in_order(tokens, topk, experts, bl
 TWO_STAGE = "triton.moe1:BM16.BN16.BK16.W4.S1+triton.moe2:BM16.BN16.BK16.SK{sk}.W4.S1"
 # One block per routed pair, no routing preparation.
 PAIR_BLOCKS = TWO_STAGE.replace(".S1+", ".S1.PB1+") + ".PB1"
+# A persistent stage 2 reads whole tiles of the intermediate, padding rows (never written) too:
+# their products land only in rows it does not store, but the interpreter's numpy may warn
+# about what the unwritten memory holds.
+UNWRITTEN_ROWS_WARNINGS = "ignore:(invalid value|overflow) encountered in:RuntimeWarning"
 # Both stages persistent, through TMA (split-K is not theirs: every case runs SK1).
 PERSISTENT = ("triton.moe1:BM16.BN16.BK16.W4.S1.PB0.P1"
               "+triton.moe2:BM16.BN16.BK16.SK1.W4.S1.PB0.P1")
@@ -111,9 +115,7 @@ KERNEL_CASES = [
 ]
 
 
-# A persistent stage 2 reads whole tiles of the intermediate, padding rows (never written) too:
-# their products land only in rows it does not store, but numpy may warn about them.
-@pytest.mark.filterwarnings("ignore:invalid value encountered in matmul:RuntimeWarning")
+@pytest.mark.filterwarnings(UNWRITTEN_ROWS_WARNINGS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("case", KERNEL_CASES)
 @pytest.mark.parametrize("solution", [TWO_STAGE, PAIR_BLOCKS, ONE_STAGE, PERSISTENT, FLATTENED])
@@ -176,7 +178,7 @@ def test_the_grouped_mm_backend_refuses_what_torch_grouped_mm_cannot_run():
         REGISTRY.resolve(GROUPED_MM + ":BM16")
 
 
-@pytest.mark.filterwarnings("ignore:invalid value encountered in matmul:RuntimeWarning")
+@pytest.mark.filterwarnings(UNWRITTEN_ROWS_WARNINGS)
 def test_persistent_and_plain_stages_pair_over_one_intermediate():
     # The intermediate follows the routing's rows for both: either stage may be persistent.
     from gemmtune.families.fmoe.op import REGISTRY, problem_of
@@ -218,7 +220,7 @@ def test_persistent_stages_refuse_rows_tma_cannot_read():
         gemmtune.fused_moe(hidden, w1_strided, w2, weight, ids, kernel=PERSISTENT)
 
 
-@pytest.mark.filterwarnings("ignore:invalid value encountered in matmul:RuntimeWarning")
+@pytest.mark.filterwarnings(UNWRITTEN_ROWS_WARNINGS)
 def test_padding_rows_and_unset_routing_entries_are_never_read(monkeypatch):
     # The routing leaves padding rows of sorted_ids (and blocks past the rows used) unset, and
     # stage 1 leaves the intermediate's padding rows unwritten: poison every such buffer so a
@@ -256,7 +258,7 @@ def test_routing_writes_sentinels_into_padding_rows_on_request():
     assert all(routing.sorted_ids[row].item() == 10 for row in padding)
 
 
-@pytest.mark.filterwarnings("ignore:invalid value encountered in matmul:RuntimeWarning")
+@pytest.mark.filterwarnings(UNWRITTEN_ROWS_WARNINGS)
 def test_pairs_routed_to_another_rank_add_nothing():
     # 8 global experts, experts 2 and 5 here; a token routed only elsewhere gets zeros.
     mask = torch.zeros(8, dtype=torch.bool, device=DEVICE)
