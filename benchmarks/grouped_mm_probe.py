@@ -18,6 +18,8 @@ import torch
 
 import gemmtune
 from gemmtune.bench import write_records
+from gemmtune.families.fmoe.inputs import route
+from gemmtune.kernels.problem import MoeProblem
 from gemmtune.measure.timing import interleaved_graph_us
 from gemmtune.models.shapes import load_preset, moe_shapes
 
@@ -42,7 +44,8 @@ def main() -> None:
     for tokens in TOKENS:
         gen = torch.Generator(device="cuda").manual_seed(tokens)
         hidden = torch.randn(tokens, model_dim, generator=gen, device="cuda").bfloat16()
-        ids = torch.rand(tokens, experts, generator=gen, device="cuda").topk(topk, 1).indices
+        ids = route(MoeProblem(tokens, model_dim, inter_dim, experts, topk, torch.bfloat16),
+                    "uniform", gen)
         weight = torch.rand(tokens, topk, generator=gen, device="cuda")
         sizes = torch.bincount(ids.reshape(-1), minlength=experts)
         padded = (sizes + 15) // 16 * 16

@@ -20,7 +20,9 @@ import torch
 import triton
 
 from gemmtune.bench import write_records
+from gemmtune.families.fmoe.inputs import route
 from gemmtune.families.fmoe.op import expert_map_of
+from gemmtune.kernels.problem import MoeProblem
 from gemmtune.kernels.triton.moe_configs import MoeOneStageConfig
 from gemmtune.kernels.triton.moe_one_stage import moe_one_stage, programs
 from gemmtune.measure.timing import interleaved_graph_us
@@ -112,9 +114,11 @@ def main() -> None:
         weight = torch.rand(tokens, topk, device="cuda")
         n = programs(tokens, topk, inter_dim, model_dim, config)
         stage1 = tokens * topk * triton.cdiv(inter_dim, config.block_n)
+        problem = MoeProblem(tokens, model_dim, inter_dim, experts, topk, torch.bfloat16)
+        gen = torch.Generator(device="cuda").manual_seed(tokens)
         runs = []
         for r in range(REPEATS + 2):
-            ids = torch.rand(tokens, experts, device="cuda").topk(topk, 1).indices.int()
+            ids = route(problem, "uniform", gen)
             trace = torch.zeros(n, 3, dtype=torch.int64, device="cuda")
             w1, w2 = sets[r % 2]
             moe_one_stage(x, w1, w2, weight, ids, emap, 0, False, config, trace=trace)

@@ -21,7 +21,9 @@ from pathlib import Path
 import torch
 
 from gemmtune.bench import write_records
+from gemmtune.families.fmoe.inputs import route
 from gemmtune.families.fmoe.op import expert_map_of
+from gemmtune.kernels.problem import MoeProblem
 from gemmtune.kernels.triton import moe_stages
 from gemmtune.kernels.triton.moe_configs import MoeStage1Config, MoeStage2Config
 from gemmtune.kernels.triton.moe_routing import moe_routing
@@ -110,8 +112,8 @@ def main() -> None:
     for tokens in (int(t) for t in args.tokens.split(",")):
         gen = torch.Generator(device="cuda").manual_seed(tokens)
         hidden = torch.randn(tokens, model_dim, generator=gen, device="cuda").bfloat16()
-        ids = torch.rand(tokens, experts, generator=gen, device="cuda").topk(topk, 1).indices
-        ids = ids.to(torch.int32)
+        ids = route(MoeProblem(tokens, model_dim, inter_dim, experts, topk, torch.bfloat16),
+                    "uniform", gen)
         weight = torch.rand(tokens, topk, generator=gen, device="cuda")
         parts = _compiling(_parts(hidden, w1, w2, weight, ids, emap, experts), sets[0])
         timed = interleaved_graph_us([part[0] for part in parts.values()], sets, rounds=5)

@@ -25,6 +25,8 @@ import triton
 import triton.language as tl
 
 from gemmtune.bench import write_records
+from gemmtune.families.fmoe.inputs import route
+from gemmtune.kernels.problem import MoeProblem
 from gemmtune.measure.ceilings import floors, measure_ceilings
 from gemmtune.measure.timing import graph_replay_us
 from gemmtune.models.shapes import load_preset, moe_shapes
@@ -169,8 +171,9 @@ def main() -> None:
         # Routings of distinct experts in turn: each replay reads experts the last one did not.
         sets = []
         for _ in range(4):
-            ids = torch.rand(tokens, n_experts, generator=gen, device="cuda").topk(topk, 1)
-            sets.append(torch.unique(ids.indices).to(torch.int32))
+            ids = route(MoeProblem(tokens, model_dim, inter_dim, n_experts, topk,
+                                   torch.bfloat16), "uniform", gen)
+            sets.append(torch.unique(ids))
         used = sets[0].numel()
         nbytes = used * 3 * inter_dim * model_dim * 2
         floor = floors(0.0, nbytes, ceilings).attainable_us

@@ -15,7 +15,9 @@ import torch
 import triton
 
 from gemmtune.bench import write_records
+from gemmtune.families.fmoe.inputs import route
 from gemmtune.families.fmoe.op import expert_map_of
+from gemmtune.kernels.problem import MoeProblem
 from gemmtune.kernels.triton import moe_routing as routing_mod
 from gemmtune.measure.timing import interleaved_graph_us
 
@@ -64,8 +66,8 @@ def main() -> None:
         emap = expert_map_of(None, experts, torch.device("cuda"))
         for tokens in (int(t) for t in args.tokens.split(",")):
             gen = torch.Generator(device="cuda").manual_seed(tokens)
-            ids = torch.rand(tokens, experts, generator=gen, device="cuda").topk(topk, 1).indices
-            ids = ids.to(torch.int32)
+            # Only the routing's counts matter here: the dims are placeholders.
+            ids = route(MoeProblem(tokens, 1, 1, experts, topk, torch.bfloat16), "uniform", gen)
             fns = {f"whole W{w}": (lambda s, w=w: routing_mod.moe_routing(
                 ids, emap, experts, args.block_m, num_warps=w)) for w in WARPS}
             if ids.numel() > routing_mod.PAIRS_PER_PROGRAM:

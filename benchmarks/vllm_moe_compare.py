@@ -42,7 +42,9 @@ import triton.language as tl
 
 import gemmtune
 from gemmtune.dispatch import use_tables
+from gemmtune.families.fmoe.inputs import random_inputs
 from gemmtune.families.fmoe.op import SCHEMA, expert_map_of
+from gemmtune.kernels.problem import MoeProblem
 from gemmtune.kernels.torch_ref import fused_moe_ref
 from gemmtune.kernels.triton.moe_routing import moe_routing
 from gemmtune.kernels.triton.moe_common import SILU, gated_activation
@@ -198,15 +200,11 @@ def silu_and_mul_kernel(h_ptr, out_ptr, I, ACT: tl.constexpr, BLOCK: tl.constexp
 
 
 def inputs(tokens, model_dim, inter_dim, experts, topk, dtype, device, seed):
+    """The tuner's random inputs of the shape (``families.fmoe.inputs``), seeded."""
     gen = torch.Generator(device=device).manual_seed(seed)
-    hidden = torch.randn(tokens, model_dim, generator=gen, device=device).to(dtype)
-    w1 = (torch.randn(experts, 2 * inter_dim, model_dim, generator=gen, device=device)
-          / model_dim ** 0.5).to(dtype)
-    w2 = (torch.randn(experts, model_dim, inter_dim, generator=gen, device=device)
-          / inter_dim ** 0.5).to(dtype)
-    ids = torch.rand(tokens, experts, generator=gen, device=device).topk(topk, 1).indices
-    weight = torch.rand(tokens, topk, generator=gen, device=device)
-    return hidden, w1, w2, weight, ids.to(torch.int32)
+    p = MoeProblem(tokens, model_dim, inter_dim, experts, topk, dtype)
+    hidden, w1, w2, weight, ids = random_inputs(p, gen)
+    return hidden, w1, w2, weight, ids
 
 
 def rel_err(y, ref) -> float:
