@@ -15,6 +15,38 @@ import sys
 
 
 STAGES = (("stage 1", "triton.moe1:"), ("stage 2", "triton.moe2:"))
+# Whole solutions by kind: the two stages paired, each one-launch kernel, torch's grouped GEMM.
+KINDS = (("pair", "+"), ("1stage", "triton.moe_1stage:"), ("stream", "triton.moe_stream:"),
+         ("gmm", "triton.moe_gmm"))
+
+
+def _kind(name: str) -> str | None:
+    for kind, mark in KINDS:
+        if (mark in name) if mark == "+" else name.startswith(mark):
+            return kind
+    return None
+
+
+def best_whole(records: list[dict]) -> None:
+    """Per token count, the fastest timed solution of each kind (pairs at their end-to-end
+    re-timing): which kind wins where, and by how much."""
+    best: dict[tuple, tuple[float, str]] = {}
+    for rec in records:
+        kind = _kind(rec["kernelName"])
+        if rec["status"] == "ok" and kind:
+            key = (int(rec["token"]), kind)
+            if key not in best or float(rec["us"]) < best[key][0]:
+                best[key] = (float(rec["us"]), rec["kernelName"])
+    kinds = [kind for kind, _ in KINDS if any(k[1] == kind for k in best)]
+    if not kinds:
+        return
+    print("fastest solution of each kind (us):")
+    print(f"{'token':>6} " + " ".join(f"{kind:>9}" for kind in kinds) + "  fastest stream")
+    for token in sorted({k[0] for k in best}):
+        times = " ".join(f"{best[(token, kind)][0]:9.2f}" if (token, kind) in best
+                         else f"{'-':>9}" for kind in kinds)
+        stream = best.get((token, "stream"), (0, ""))[1]
+        print(f"{token:>6} {times}  {stream}")
 
 
 def best_stages(records: list[dict]) -> None:
@@ -62,6 +94,7 @@ def main(tuned_path: str, profile_path: str) -> None:
         winner = "+".join(filter(None, (r["kernelName1"], r["kernelName2"])))
         print(f"{token:>6} {us:9.2f} {ref or float('nan'):9.2f} {speedup} {float(r['bw']):7.0f} "
               f"{float(r['tflops']):6.1f} {r['block_m']:>7} {r['ksplit']:>6}  {winner}")
+    best_whole(records)
     best_stages(records)
 
 

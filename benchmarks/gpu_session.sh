@@ -209,12 +209,13 @@ for what in "$@"; do
             tuned_arg=(); [[ -f $tuned ]] && tuned_arg=(--tuned "$tuned")
             TAIL=14 stage "vllm_$model" 300 python3 benchmarks/vllm_moe_compare.py \
                 --vllm-dir .vllm/fused_moe --model "$model" --out "$OUT" "${tuned_arg[@]}" ;;
-        benchmoe:*)  # benchmoe:MODEL[:TP]: gemmtune bench fmoe, shipped table (+ this call's rows)
+        benchmoe:*)  # benchmoe:MODEL[:TP]: gemmtune bench fmoe, shipped table (+ this call's rows;
+            # BENCH_M: token counts other than the 14)
             model_and_tp "${what#benchmoe:}"
             tuned="$OUT/fmoe_$model/tuned_fmoe.csv"  # this call's fmoetune rows over the shipped
             [[ -f $tuned ]] && export GEMMTUNE_CONFIG_FMOE="$tuned"
             TAIL=24 stage "benchmoe_$model" 400 python3 -m gemmtune.cli bench fmoe \
-                --model "$model" --tp "$tp" -o "$OUT/bench_fmoe_$model"
+                --model "$model" --tp "$tp" -o "$OUT/bench_fmoe_$model" ${BENCH_M:+--M "$BENCH_M"}
             unset GEMMTUNE_CONFIG_FMOE ;;
         *) echo "unknown stage $what" | tee -a "$summary" ;;
     esac

@@ -1,5 +1,6 @@
-"""Where the 1-stage MoE kernel's time goes inside its one launch: every program's start, the
-end of its stage-2 wait and its end, from the GPU's global timer, on cold weights.
+"""Where a one-launch MoE kernel's time goes inside its launch (the 1-stage kernel, or the
+streaming kernel when ``--config`` names one): every program's start, the end of its stage-2
+wait and its end, from the GPU's global timer, on cold weights.
 
     PYTHONPATH=src python3 benchmarks/moe_one_stage_timeline.py [--model NAME] [--tp N]
         [--tokens 1,2] [--config NAME] [--out DIR]
@@ -23,8 +24,8 @@ from gemmtune.bench import write_records
 from gemmtune.families.fmoe.inputs import route
 from gemmtune.families.fmoe.op import expert_map_of
 from gemmtune.kernels.problem import MoeProblem
-from gemmtune.kernels.triton.moe_configs import MoeOneStageConfig
-from gemmtune.kernels.triton.moe_one_stage import moe_one_stage, programs
+from gemmtune.kernels.triton import moe_one_stage, moe_stream
+from gemmtune.kernels.triton.moe_configs import STREAM_PREFIX, MoeOneStageConfig, MoeStreamConfig
 from gemmtune.measure.timing import interleaved_graph_us
 from gemmtune.models.shapes import load_preset, moe_shapes
 
@@ -33,12 +34,12 @@ REPEATS = 20  # launches per token count; the median of each statistic is printe
 FALLBACK = MoeOneStageConfig(32, 128, 128, 128, 4, 4)  # where the shipped row is not 1-stage
 
 
-def shipped_config(tokens: int, model_dim: int, inter_dim: int) -> MoeOneStageConfig | None:
+def shipped_config(tokens: int, model_dim: int, inter_dim: int):
     with open(SHIPPED, newline="") as f:
         for row in csv.DictReader(f):
             if ((int(row["token"]), int(row["model_dim"]), int(row["inter_dim"]))
                     == (tokens, model_dim, inter_dim) and int(row["run_1stage"])):
-                return MoeOneStageConfig.from_name(row["kernelName1"])
+                return config_of(row["kernelName1"])
     return None
 
 
@@ -59,6 +60,21 @@ def timeline(trace: torch.Tensor, stage1_programs: int) -> dict:
             "stage2_end": percentiles(two[:, 2]), "span": round(float(t[:, 2].max()), 2)}
 
 
+# Each one-launch kernel's launcher (taking ``trace``) and grid size, by config type.
+KERNELS = {MoeOneStageConfig: (moe_one_stage.moe_one_stage, moe_one_stage.programs),
+           MoeStreamConfig: (moe_stream.moe_stream, moe_stream.programs)}
+
+
+def launch(config, *args, **kwargs):
+    run, _ = KERNELS[type(config)]
+    return run(*args, config, **kwargs)
+
+
+def config_of(name: str):
+    return (MoeStreamConfig if name.startswith(STREAM_PREFIX) else MoeOneStageConfig
+            ).from_name(name)
+
+
 def graph_gap(x, weight, ids, emap, config, copies, n: int) -> dict:
     """Two calls captured in one CUDA graph, both traced, medians over replays: each call's span
     and the time from the first's last program end to the second's first program start (what
@@ -67,7 +83,7 @@ def graph_gap(x, weight, ids, emap, config, copies, n: int) -> dict:
 
     def both():
         for (w1, w2), trace in zip(copies, traces):
-            moe_one_stage(x, w1, w2, weight, ids, emap, 0, False, config, trace=trace)
+            launch(config, x, w1, w2, weight, ids, emap, 0, False, trace=trace)
     both()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -96,7 +112,8 @@ def main() -> None:
     p.add_argument("--model", default="qwen3-30b-a3b", help="a model preset (gemmtune shapes)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks: one rank's experts")
     p.add_argument("--tokens", default="1,2")
-    p.add_argument("--config", default=None, help="a triton.moe_1stage:... name")
+    p.add_argument("--config", default=None,
+                   help="a triton.moe_1stage:... or triton.moe_stream:... name")
     p.add_argument("--out", default="out")
     args = p.parse_args()
     shape = moe_shapes(load_preset(args.model), args.tp)[0]
@@ -108,11 +125,11 @@ def main() -> None:
     emap = expert_map_of(None, experts, "cuda")
     rows = []
     for tokens in (int(t) for t in args.tokens.split(",")):
-        config = (MoeOneStageConfig.from_name(args.config) if args.config
+        config = (config_of(args.config) if args.config
                   else shipped_config(tokens, model_dim, inter_dim) or FALLBACK)
         x = torch.randn(tokens, model_dim, device="cuda").bfloat16()
         weight = torch.rand(tokens, topk, device="cuda")
-        n = programs(tokens, topk, inter_dim, model_dim, config)
+        n = KERNELS[type(config)][1](tokens, topk, inter_dim, model_dim, config)
         stage1 = tokens * topk * triton.cdiv(inter_dim, config.block_n)
         problem = MoeProblem(tokens, model_dim, inter_dim, experts, topk, torch.bfloat16)
         gen = torch.Generator(device="cuda").manual_seed(tokens)
@@ -121,7 +138,7 @@ def main() -> None:
             ids = route(problem, "uniform", gen)
             trace = torch.zeros(n, 3, dtype=torch.int64, device="cuda")
             w1, w2 = sets[r % 2]
-            moe_one_stage(x, w1, w2, weight, ids, emap, 0, False, config, trace=trace)
+            launch(config, x, w1, w2, weight, ids, emap, 0, False, trace=trace)
             torch.cuda.synchronize()
             if r >= 2:  # the first two compile and warm up
                 runs.append(timeline(trace.cpu(), stage1))
@@ -131,7 +148,7 @@ def main() -> None:
                                                                  median.items()}))
         copies = [(w1, w2) for w1, w2 in sets]
         (graph_us, _), = interleaved_graph_us(
-            [lambda c: moe_one_stage(x, c[0], c[1], weight, ids, emap, 0, False, config)],
+            [lambda c: launch(config, x, c[0], c[1], weight, ids, emap, 0, False)],
             copies)
         rows[-1].update(graph_us=round(graph_us, 2),
                         **graph_gap(x, weight, ids, emap, config, copies, n))

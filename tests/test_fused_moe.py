@@ -106,6 +106,8 @@ PERSISTENT = ("triton.moe1:BM16.BN16.BK16.W4.S1.PB0.P1"
 FLATTENED = PERSISTENT.replace(".P1", ".P2")  # the tile loop flattened into the K loop
 # Tiles of 16 and steps of 16 on both stages: ragged tiles and steps below.
 ONE_STAGE = "triton.moe_1stage:BN16.BK16.BD16.BI16.W4.S1"
+# Chunks of 2 columns and steps of 16 on both stages: ragged chunks and steps below.
+STREAM = "triton.moe_stream:BN2.BK16.BD2.BI16.W4"
 GROUPED_MM = "triton.moe_gmm"
 KERNEL_CASES = [
     # tokens, model_dim, inter_dim, experts, topk, activation, doweight_stage1, split_k, route
@@ -118,7 +120,8 @@ KERNEL_CASES = [
 @pytest.mark.filterwarnings(UNWRITTEN_ROWS_WARNINGS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("case", KERNEL_CASES)
-@pytest.mark.parametrize("solution", [TWO_STAGE, PAIR_BLOCKS, ONE_STAGE, PERSISTENT, FLATTENED])
+@pytest.mark.parametrize("solution", [TWO_STAGE, PAIR_BLOCKS, ONE_STAGE, STREAM, PERSISTENT,
+                                      FLATTENED])
 def test_the_kernels_match_the_reference(dtype, case, solution):
     from gemmtune.families.fmoe.op import REGISTRY, problem_of
 
@@ -265,29 +268,34 @@ def test_pairs_routed_to_another_rank_add_nothing():
     mask[[2, 5]] = True
     route = [2, 0, 5, 2, 1, 7, 0, 5]
     hidden, w1, w2, weight, ids = moe_inputs(4, 32, 16, 2, 2, seed=3, route=route)
-    for kernel in (TWO_STAGE.format(sk=1), PAIR_BLOCKS.format(sk=1), ONE_STAGE, PERSISTENT,
-                   "torch.moe"):
+    for kernel in (TWO_STAGE.format(sk=1), PAIR_BLOCKS.format(sk=1), ONE_STAGE, STREAM,
+                   PERSISTENT, "torch.moe"):
         y = gemmtune.fused_moe(hidden, w1, w2, weight, ids, expert_mask=mask, kernel=kernel)
         ref = fused_moe_ref(hidden, w1, w2, weight, ids, expert_map_of(mask, 2, hidden.device))
         assert rel_err(y, ref) < 1e-4, kernel
         assert torch.equal(y[2], torch.zeros_like(y[2])), kernel  # experts 1 and 7: elsewhere
 
 
-def test_the_1stage_kernel_leaves_its_workspace_zero_for_the_next_call():
-    # Its sums and counters are zero before a launch and must be again after it: a second call
-    # on new routing through the same cached workspace is right only if the first cleaned up.
-    from gemmtune.kernels.triton import moe_one_stage
+@pytest.mark.parametrize("kernel", [ONE_STAGE, STREAM])
+def test_one_launch_kernels_leave_their_workspace_zero_for_the_next_call(kernel):
+    # Their counters (and the 1-stage kernel's sums) are zero before a launch and must be again
+    # after it: a second call on new routing through the same cached workspace is right only if
+    # the first cleaned up.
+    from gemmtune.kernels.triton import moe_one_stage, moe_stream
+    from gemmtune.kernels.triton.moe_common import cached_workspaces
 
+    module = moe_one_stage if kernel == ONE_STAGE else moe_stream
     mask = torch.tensor([True, False, True, True, True], device=DEVICE)
     emap = expert_map_of(mask, 4, DEVICE)
     for seed, route in ((1, None), (2, [0, 2, 3, 4, 2, 0, 1, 3, 4, 0]), (3, None)):
         hidden, w1, w2, weight, ids = moe_inputs(5, 48, 24, 4, 2, seed=seed, route=route,
                                                  global_experts=5)  # experts 0, 2, 3, 4 here
-        y = gemmtune.fused_moe(hidden, w1, w2, weight, ids, expert_mask=mask, kernel=ONE_STAGE)
+        y = gemmtune.fused_moe(hidden, w1, w2, weight, ids, expert_mask=mask, kernel=kernel)
         assert rel_err(y, fused_moe_ref(hidden, w1, w2, weight, ids, emap)) < 1e-4
-        (ws,) = [w for key, w in moe_one_stage._WORKSPACES.items() if key[2:4] == (5, 2)]
-        assert not ws.acc.any() and not ws.ready.any() and not ws.done.any()
-        assert not ws.converted.any()
+        (ws,) = [w for w in cached_workspaces(module.WORKSPACE_KIND) if w.inter.shape[0] == 10]
+        counters = [ws.ready] + ([ws.acc, ws.done, ws.converted] if kernel == ONE_STAGE
+                                 else [ws.exited])
+        assert not any(c.any() for c in counters)
 
 
 @pytest.mark.parametrize("act, dw1, local", [("Silu", False, None),
@@ -406,6 +414,7 @@ GPU_PAIR_BLOCKS = ("triton.moe1:BM16.BN32.BK128.W4.S3.PB1"
 GPU_PERSISTENT = ("triton.moe1:BM64.BN128.BK64.W8.S3.PB0.P1"
                   "+triton.moe2:BM64.BN256.BK64.SK1.W8.S3.PB0.P1")
 GPU_FLATTENED = GPU_PERSISTENT.replace(".P1", ".P2")
+GPU_STREAM = "triton.moe_stream:BN8.BK512.BD8.BI128.W4"
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", [(4096, 14336, 8, 2), (2048, 768, 128, 8), (7168, 256, 256, 8)])
@@ -419,8 +428,8 @@ def test_real_model_shapes_on_the_gpu(shape, tokens):
     assert rel_err(y, ref) < REL_BOUND[torch.bfloat16]
     torch_y = gemmtune.fused_moe(hidden, w1, w2, weight, ids, kernel="torch.moe")
     assert rel_err(torch_y, ref) < REL_BOUND[torch.bfloat16]
-    # The 1-stage kernel and pair blocks are for few tokens, torch's grouped GEMM for many.
-    few = (GPU_ONE_STAGE, GPU_PAIR_BLOCKS)
+    # The one-launch kernels and pair blocks are for few tokens, torch's grouped GEMM for many.
+    few = (GPU_ONE_STAGE, GPU_PAIR_BLOCKS, GPU_STREAM)
     for kernel in few if tokens <= 37 else (GROUPED_MM, GPU_PERSISTENT, GPU_FLATTENED):
         y = gemmtune.fused_moe(hidden, w1, w2, weight, ids, kernel=kernel)
         assert rel_err(y, ref) < REL_BOUND[torch.bfloat16], kernel
@@ -428,7 +437,7 @@ def test_real_model_shapes_on_the_gpu(shape, tokens):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kernel", [None, "torch.moe", GPU_ONE_STAGE, GPU_PAIR_BLOCKS,
-                                    GROUPED_MM, GPU_PERSISTENT])
+                                    GPU_STREAM, GROUPED_MM, GPU_PERSISTENT])
 def test_captured_in_a_cuda_graph_and_replayed_on_new_routing(kernel):
     hidden, w1, w2, weight, ids = moe_inputs(64, 2048, 768, 128, 8, torch.bfloat16)
     gemmtune.fused_moe(hidden, w1, w2, weight, ids, kernel=kernel)  # plan, compile: not captured
@@ -487,23 +496,25 @@ def test_tune_fmoe_on_the_cpu_pairs_the_stages_and_writes_a_row_dispatch_follows
 
 @pytest.mark.skipif(DEVICE == "cuda", reason="the interpreter's one config per stage; the GPU "
                     "tunes over the real spaces (gpu_session.sh fmoetune)")
-def test_tune_fmoe_times_the_1stage_kernel_whole_for_few_tokens(tmp_path):
-    """At 3 tokens the 1-stage kernel is a whole candidate beside the two stages; whichever
+def test_tune_fmoe_times_the_one_launch_kernels_whole_for_few_tokens(tmp_path):
+    """At 2 tokens the one-launch kernels are whole candidates beside the two stages; whichever
     wins, the row's columns describe it."""
     from gemmtune.cli import main
 
     untuned = tmp_path / "untuned_fmoe.csv"
     untuned.write_text("token,model_dim,inter_dim,expert,topk,act_type,dtype\n"
-                       "3,32,16,4,2,ActivationType.Gelu,torch.float32\n")
+                       "2,32,16,4,2,ActivationType.Gelu,torch.float32\n")
     tuned, profile = tmp_path / "tuned_fmoe.csv", tmp_path / "profile.csv"
     assert main(["tune", "fmoe", "-i", str(untuned), "-o", str(tuned), "-o2", str(profile),
                  "--iters", "3", "--libtype", "triton"]) == 0
     screened = [line.split(",") for line in profile.read_text().splitlines()[1:]]
-    assert len(screened) == 3 and any(ONE_STAGE in line for line in screened)
+    assert len(screened) == 4
+    assert all(any(k in line for line in screened) for k in (ONE_STAGE, STREAM))
     (row,) = read_table(tuned, SCHEMA).rows
     r = row.results
     if r["run_1stage"]:
-        assert (r["kernelName1"], r["kernelName2"], r["block_m"]) == (ONE_STAGE, "", 0)
+        assert r["kernelName1"] in (ONE_STAGE, STREAM)
+        assert (r["kernelName2"], r["block_m"]) == ("", 0)
         assert r["us1"] == r["us"] > 0 and r["err1"] <= 0.05
     else:
         assert r["kernelName1"].startswith("triton.moe1:") and r["block_m"] == 16

@@ -22,7 +22,7 @@ from gemmtune.families._gemm import model_config_glob
 from gemmtune.kernels.problem import Activation, MoeProblem
 from gemmtune.kernels.torch_ref import TORCH_MOE, fused_moe_torch
 from gemmtune.kernels.triton.moe_configs import (GROUPED_MM_NAME, ONE_STAGE_PREFIX, STAGE1_PREFIX,
-                                                 default_two_stage)
+                                                 STREAM_PREFIX, default_two_stage)
 from gemmtune.tables.schema import FMOE_RESULT_COLUMNS, Column, Kind, Schema, int_columns
 from gemmtune.tables.values import DTYPE_NAMES, ActivationType, QuantType, to_torch_dtype
 
@@ -96,10 +96,17 @@ def _one_stage(name: str):
     return TritonOneStageMoe(name)
 
 
+def _stream(name: str):
+    from gemmtune.kernels.triton.fused_moe import TritonStreamMoe
+
+    return TritonStreamMoe(name)
+
+
 REGISTRY = KernelRegistry("fmoe")
 REGISTRY.register_exact(TORCH_MOE, fused_moe_torch)
 REGISTRY.register(STAGE1_PREFIX, _two_stage)
 REGISTRY.register(ONE_STAGE_PREFIX, _one_stage)
+REGISTRY.register(STREAM_PREFIX, _stream)
 REGISTRY.register(GROUPED_MM_NAME, _grouped_mm)
 
 

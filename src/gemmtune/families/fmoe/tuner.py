@@ -8,8 +8,9 @@ and timed alone over the same routing: stage 1 with the routing preparation (``u
 with the sum over slots (``us2``). ``compose`` then pairs the fastest stages of each block_m into
 whole solutions (``stage1+stage2``, estimated at us1 + us2), which the engine re-times end to end
 beside torch and chooses from. For few tokens the 1-stage kernel's configs
-(``triton.moe_1stage:...``) are whole solutions from the start, timed end to end as torch is; a
-row it wins has ``run_1stage`` 1. For prefill token counts (bf16) ``triton.moe_gmm``, our steps
+(``triton.moe_1stage:...``) and the streaming kernel's (``triton.moe_stream:...``, one launch
+too) are whole solutions from the start, timed end to end as torch is; a row one of them wins
+has ``run_1stage`` 1. For prefill token counts (bf16) ``triton.moe_gmm``, our steps
 around torch's grouped GEMM, is a whole solution too. Routing is a seeded random top-k: uniform,
 or with ``--routing zipf`` a few popular experts taking most tokens.
 """
@@ -25,10 +26,10 @@ from gemmtune.families.fmoe.inputs import ROUTINGS, random_inputs
 from gemmtune.families.fmoe.op import REGISTRY, SCHEMA, FmoeKey, expert_map_of, problem_of
 from gemmtune.kernels.problem import MoeProblem
 from gemmtune.kernels.torch_ref import TORCH_MOE, fused_moe_ref
-from gemmtune.kernels.triton.moe_configs import (BLOCK_MS, GROUPED_MM_NAME, ONE_STAGE_PREFIX,
-                                                 PAIR_BLOCK_M, STAGE1_PREFIX,
-                                                 STAGE2_PREFIX, MoeOneStageConfig,
-                                                 MoeStage1Config, MoeStage2Config,
+from gemmtune.kernels.triton.moe_configs import (BLOCK_MS, GROUPED_MM_NAME, ONE_LAUNCH_PREFIXES,
+                                                 PAIR_BLOCK_M, STAGE1_PREFIX, STAGE2_PREFIX,
+                                                 MoeOneStageConfig, MoeStage1Config,
+                                                 MoeStage2Config, MoeStreamConfig,
                                                  two_stage_name)
 from gemmtune.measure.accuracy import TOLERANCES
 from gemmtune.measure.timing import cold_copies, eager_us, graph_replay_us, interleaved_graph_us
@@ -40,6 +41,9 @@ PAIRED_PER_STAGE = 2
 # The 1-stage kernel holds every token in one tile of rows, so it is a candidate for decode's
 # token counts only.
 ONE_STAGE_MAX_TOKENS = 32
+# The streaming kernel reads each routed pair's weights (an expert two tokens share, twice); it
+# wins one token and loses from 4 on the H100 (docs/benchmarks.md).
+STREAM_MAX_TOKENS = 2
 # Our steps around torch's grouped GEMM (``triton.moe_gmm``) pay off only where the GEMMs
 # dominate: prefill token counts.
 GROUPED_MM_MIN_TOKENS = 256
@@ -124,6 +128,20 @@ def _one_stage_space(problem: MoeProblem, gpu: bool) -> list[MoeOneStageConfig]:
             for bd in (64, 128) for bi in (64, 128) for stages in (3, 4)]
 
 
+def _stream_space(problem: MoeProblem, gpu: bool) -> list[MoeStreamConfig]:
+    """Streaming configs for up to STREAM_MAX_TOKENS tokens: stage-1 programs of 4-16
+    intermediate columns of a pair in steps of 256-512 along model_dim, stage-2 programs of 4-16
+    output columns of a token in steps of 64-128 along inter_dim, 4 warps; on the CPU one small
+    config. (2-column programs, steps of 1024 along model_dim or 256 along inter_dim, and 8
+    warps never came within 3% of the best on the H100: docs/benchmarks.md.)"""
+    if problem.tokens > STREAM_MAX_TOKENS:
+        return []
+    if not gpu:
+        return [MoeStreamConfig(2, 16, 2, 16, 4)]
+    return [MoeStreamConfig(bn, bk, bd, bi, 4) for bn in (4, 8, 16) for bk in (256, 512)
+            for bd in (4, 8, 16) for bi in (64, 128)]
+
+
 def _reached(problem: MoeProblem) -> float:
     """How many experts a uniform top-k routing of ``problem.tokens`` tokens is expected to
     reach."""
@@ -180,7 +198,8 @@ class FmoeTuner(FamilyTuner):
                 name = _whole(config, partner)
                 if kernel(name).check(problem) is None:
                     found.append(Candidate(config.name, "triton"))
-            for config in _one_stage_space(problem, torch.cuda.is_available()):
+            for config in (_one_stage_space(problem, torch.cuda.is_available())
+                           + _stream_space(problem, torch.cuda.is_available())):
                 if kernel(config.name).check(problem) is None:
                     found.append(Candidate(config.name, "triton"))
             if (problem.tokens >= GROUPED_MM_MIN_TOKENS
@@ -325,7 +344,7 @@ class FmoeTuner(FamilyTuner):
                       "us1": round(one.us, 4), "kernelName1": one.name,
                       "err1": round(one.err_ratio, 6), "us2": round(two.us, 4),
                       "kernelName2": two.name, "err2": round(two.err_ratio, 6)}
-        one_stage = candidate.name.startswith(ONE_STAGE_PREFIX + ":")
+        one_stage = candidate.name.startswith(tuple(p + ":" for p in ONE_LAUNCH_PREFIXES))
         return {**fields, "us": round(evaluation.us, 4), "run_1stage": int(one_stage),
                 "tflops": round(tflops, 2), "bw": round(bw, 2), "timing": self.timing_label,
                 "spread": round(evaluation.spread, 4), "env": env}

@@ -2,7 +2,8 @@
 ``@triton.jit`` module): either the routing preparation (``moe_routing``) then the two stages
 (``moe_stages``), named as one solution ``triton.moe1:<stage 1>+triton.moe2:<stage 2>`` (both
 with the same block_m, the routing's), or the 1-stage kernel (``moe_one_stage``), named
-``triton.moe_1stage:...``, or (many tokens, bf16) ``triton.moe_gmm``: our routing and
+``triton.moe_1stage:...``, or decode's streaming kernel (``moe_stream``), named
+``triton.moe_stream:...``, or (many tokens, bf16) ``triton.moe_gmm``: our routing and
 elementwise steps around torch's grouped GEMM. Stage configs with ``PB1`` run over pair blocks:
 no routing preparation, a block per routed pair; with ``P1`` a stage is persistent, through TMA.
 
@@ -20,12 +21,14 @@ from gemmtune.kernels.triton import _checks
 from gemmtune.kernels.triton.moe_common import GELU, SILU
 from gemmtune.kernels.triton.moe_configs import (GROUPED_MM_NAME, STAGE1_PREFIX, STAGE2_PREFIX,
                                                  MoeOneStageConfig, MoeStage1Config,
-                                                 MoeStage2Config, two_stage_name)
+                                                 MoeStage2Config, MoeStreamConfig,
+                                                 two_stage_name)
 from gemmtune.kernels.triton.moe_grouped_mm import moe_grouped_mm, why_not_grouped_mm
 from gemmtune.kernels.triton.moe_one_stage import moe_one_stage, why_not_one_stage
 from gemmtune.kernels.triton.moe_persistent import why_not_tma
 from gemmtune.kernels.triton.moe_routing import moe_routing, pair_blocks
 from gemmtune.kernels.triton.moe_stages import moe_stages, why_not_stage1, why_not_stage2
+from gemmtune.kernels.triton.moe_stream import moe_stream, why_not_stream
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 ACT_CODES = {Activation.silu: SILU, Activation.gelu: GELU}
@@ -95,36 +98,60 @@ class TritonTwoStageMoe:
                           self.stage2, out=out)
 
 
-class TritonOneStageMoe:
-    """``triton.moe_1stage:...``: both GEMMs and the activation of every routed pair in one
-    launch, the routing read as it comes (for few tokens)."""
+class _OneLaunchMoe:
+    """A solution that runs the whole MoE in one launch from its config (``CONFIG``), the
+    routing read as it comes: ``launch`` is the kernel module's launcher."""
+
+    CONFIG: type
 
     def __init__(self, name: str):
-        self.config = MoeOneStageConfig.from_name(name)
+        self.config = self.CONFIG.from_name(name)
         self.name = self.config.name
 
     def __repr__(self) -> str:
-        return f"TritonOneStageMoe({self.name!r})"
+        return f"{type(self).__name__}({self.name!r})"
 
-    def check(self, problem: MoeProblem) -> str | None:
-        return _why_not_dtype(problem) or why_not_one_stage(self.config, problem.tokens,
-                                                            problem.dtype)
+    def launch(self, *args, **kwargs):
+        raise NotImplementedError
 
     def warmup(self, hidden, w1, w2, topk_weight, topk_ids, expert_map,
                problem: MoeProblem) -> None:
         """Compile the kernel for these arguments, launching nothing."""
         if hidden.shape[0] and not _checks.INTERPRETED:
-            moe_one_stage(hidden, w1, w2, topk_weight, topk_ids, expert_map,
-                          ACT_CODES[problem.activation], problem.doweight_stage1, self.config,
-                          warmup=True)
+            self.launch(hidden, w1, w2, topk_weight, topk_ids, expert_map,
+                        ACT_CODES[problem.activation], problem.doweight_stage1, self.config,
+                        warmup=True)
 
     def __call__(self, hidden, w1, w2, topk_weight, topk_ids, expert_map, problem: MoeProblem,
                  out=None):
         if hidden.shape[0] == 0:
             return torch.empty_like(hidden) if out is None else out
-        return moe_one_stage(hidden, w1, w2, topk_weight, topk_ids, expert_map,
-                             ACT_CODES[problem.activation], problem.doweight_stage1,
-                             self.config, out=out)
+        return self.launch(hidden, w1, w2, topk_weight, topk_ids, expert_map,
+                           ACT_CODES[problem.activation], problem.doweight_stage1, self.config,
+                           out=out)
+
+
+class TritonOneStageMoe(_OneLaunchMoe):
+    """``triton.moe_1stage:...``: both GEMMs and the activation of every routed pair in one
+    launch, on tensor cores, stage 2 of an expert waiting for its stage 1 (for few tokens)."""
+
+    CONFIG = MoeOneStageConfig
+    launch = staticmethod(moe_one_stage)
+
+    def check(self, problem: MoeProblem) -> str | None:
+        return _why_not_dtype(problem) or why_not_one_stage(self.config, problem.tokens,
+                                                            problem.dtype)
+
+
+class TritonStreamMoe(_OneLaunchMoe):
+    """``triton.moe_stream:...``: decode's matrix-vector products in one streaming launch,
+    persistent programs taking small chunks from one queue (``moe_stream``)."""
+
+    CONFIG = MoeStreamConfig
+    launch = staticmethod(moe_stream)
+
+    def check(self, problem: MoeProblem) -> str | None:
+        return _why_not_dtype(problem) or why_not_stream(self.config, problem.topk)
 
 
 class TritonGroupedMmMoe:

@@ -1,8 +1,12 @@
 """What the fused-MoE Triton kernels share: programmatic dependent launch between launches,
-stage 1's gate/up sums over model_dim, and the gated activation."""
+stage 1's gate/up sums over model_dim, the gated activation, and the cache of the workspaces a
+launch leaves zero for the next."""
 
 from __future__ import annotations
 
+from typing import Callable, TypeVar
+
+import torch
 import triton
 import triton.language as tl
 
@@ -29,6 +33,14 @@ def let_next_start(PDL: tl.constexpr):
     waiting programs would hold SMs this grid's later programs need."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def global_time_ns(anything):
+    """The GPU's global nanosecond timer, for the kernels' TRACE timelines (``anything`` gives the
+    asm a shape)."""
+    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [anything],
+                                     dtype=tl.int64, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -67,3 +79,27 @@ def gated_activation(gate, up, ACT: tl.constexpr):
     else:
         act = 0.5 * gate * (1.0 + tl.erf(gate * 0.7071067811865476))
     return act * up.to(tl.float32)
+
+
+Workspace = TypeVar("Workspace")
+# (kernel module, device, stream, shape...) -> a workspace every launch leaves as it found it.
+_WORKSPACES: dict[tuple, object] = {}
+
+
+def stream_workspace(key: tuple, device: torch.device, make: Callable[[], Workspace]) -> Workspace:
+    """The workspace cached for ``key`` on this device's current stream (made by ``make``).
+    Inside a CUDA-graph capture with none cached, a fresh one: its zero fill becomes part of
+    the graph (a cached one made there would not be zero until the graph first ran)."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    full_key = (device, stream) + key
+    found = _WORKSPACES.get(full_key)
+    if found is None:
+        found = make()
+        if device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
+            _WORKSPACES[full_key] = found
+    return found
+
+
+def cached_workspaces(kind: str) -> list:
+    """The workspaces cached for keys starting with ``kind`` (what tests inspect)."""
+    return [w for key, w in _WORKSPACES.items() if key[2] == kind]

@@ -14,6 +14,9 @@ from gemmtune.kernels.problem import MoeProblem
 STAGE1_PREFIX = "triton.moe1"
 STAGE2_PREFIX = "triton.moe2"
 ONE_STAGE_PREFIX = "triton.moe_1stage"
+STREAM_PREFIX = "triton.moe_stream"
+# The solutions that run the whole MoE in one launch (a row they win has run_1stage 1).
+ONE_LAUNCH_PREFIXES = (ONE_STAGE_PREFIX, STREAM_PREFIX)
 # Our routing and elementwise steps around torch's grouped GEMM (moe_grouped_mm): no config.
 GROUPED_MM_NAME = "triton.moe_gmm"
 BLOCK_MS = (16, 32, 64, 128)  # the block_m a routing may use (the seed's choices)
@@ -82,6 +85,24 @@ class MoeOneStageConfig(NamedConfig):
     block_i: int
     num_warps: int
     num_stages: int
+
+
+@dataclass(frozen=True)
+class MoeStreamConfig(NamedConfig):
+    """``triton.moe_stream:BN8.BK512.BD8.BI128.W4``: the streaming decode kernel; a stage-1
+    program takes ``block_n`` intermediate columns of one routed pair, read in steps of
+    ``block_k`` along model_dim; a stage-2 program ``block_d`` output columns of one token,
+    inter_dim in steps of ``block_i``."""
+
+    NAME_CODEC = NameCodec("MoE streaming config", STREAM_PREFIX, (
+        Field("BN", "block_n"), Field("BK", "block_k"), Field("BD", "block_d"),
+        Field("BI", "block_i"), Field("W", "num_warps")))
+
+    block_n: int
+    block_k: int
+    block_d: int
+    block_i: int
+    num_warps: int
 
 
 def two_stage_name(stage1: MoeStage1Config, stage2: MoeStage2Config) -> str:

@@ -31,13 +31,15 @@ import triton.language as tl
 
 from gemmtune.kernels.triton import _checks
 from gemmtune.kernels.triton.moe_configs import MoeOneStageConfig
-from gemmtune.kernels.triton.moe_common import gate_up_sums, gated_activation
+from gemmtune.kernels.triton.moe_common import (gate_up_sums, gated_activation, global_time_ns,
+                                                stream_workspace)
 
 # Rows of the token tile: the smallest tl.dot takes; the tokens of a call share one tile.
 MIN_BLOCK_T = 16
 MAX_TOKENS = 64  # the token tile's accumulators grow with it; the kernel is for decode
 # fp32 accumulator values a thread may hold (gate and up at stage 1, the down tile at stage 2).
 MAX_ACC_REGS = 128
+WORKSPACE_KIND = "moe_1stage"  # its workspaces' key in moe_common's cache
 # Each launch waits on the kernel before it with programmatic dependent launch (Hopper+; the
 # interpreter has none).
 PDL = not _checks.INTERPRETED
@@ -129,7 +131,7 @@ def moe_one_stage_kernel(
         tl.extra.cuda.gdc_wait()  # the routing and x come from the kernels before
     pid = tl.program_id(0)
     if TRACE:
-        tl.store(trace_ptr + pid * 3, _now(pid))
+        tl.store(trace_ptr + pid * 3, global_time_ns(pid))
     tiles1 = tl.cdiv(I, BLOCK_N)
     stage1_programs = T * TOPK * tiles1
     if pid < stage1_programs:
@@ -146,16 +148,9 @@ def moe_one_stage_kernel(
                 TOPK, TOPK_P2, MUL_WEIGHT1, INPUT_PRECISION, BLOCK_T, BLOCK_D, BLOCK_I,
                 trace_ptr, TRACE)
     if TRACE:
-        tl.store(trace_ptr + pid * 3 + 2, _now(pid))
+        tl.store(trace_ptr + pid * 3 + 2, global_time_ns(pid))
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
-
-
-@triton.jit
-def _now(anything):
-    """The GPU's global nanosecond timer (for TRACE; ``anything`` gives the asm a shape)."""
-    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [anything],
-                                     dtype=tl.int64, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -208,7 +203,7 @@ def _stage2(w2_ptr, out_ptr, inter_ptr, acc_ptr, ready_ptr, done_ptr, converted_
             pass
         tl.atomic_add(ready_ptr + slot, 0, sem="acquire")
         if TRACE:
-            tl.store(trace_ptr + tl.program_id(0) * 3 + 1, _now(slot))
+            tl.store(trace_ptr + tl.program_id(0) * 3 + 1, global_time_ns(slot))
         acc = tl.zeros((BLOCK_T, BLOCK_D), dtype=tl.float32)
         for i0 in range(0, I, BLOCK_I):
             h = tl.load(h_ptrs, mask=routed[:, None] & (offs_i[None, :] < I - i0), other=0.0,
@@ -264,21 +259,10 @@ class _Workspace:
         self.inter = torch.empty(pairs, inter_dim, dtype=dtype, device=device)
 
 
-_WORKSPACES: dict[tuple, _Workspace] = {}
-
-
 def _workspace(tokens, topk, inter_dim, model_dim, tiles2, dtype, device) -> _Workspace:
-    """The cached workspace of this stream and shape. Inside a CUDA-graph capture with none
-    cached, a fresh one: its zero fill becomes part of the graph (a cached one made there would
-    not be zero until the graph first ran)."""
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (device, stream, tokens, topk, inter_dim, model_dim, tiles2, dtype)
-    found = _WORKSPACES.get(key)
-    if found is None:
-        found = _Workspace(tokens, topk, inter_dim, model_dim, tiles2, dtype, device)
-        if device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
-            _WORKSPACES[key] = found
-    return found
+    return stream_workspace(
+        (WORKSPACE_KIND, tokens, topk, inter_dim, model_dim, tiles2, dtype), device,
+        lambda: _Workspace(tokens, topk, inter_dim, model_dim, tiles2, dtype, device))
 
 
 def programs(tokens: int, topk: int, inter_dim: int, model_dim: int,
