@@ -41,8 +41,9 @@ PAIRED_PER_STAGE = 2
 # The 1-stage kernel holds every token in one tile of rows, so it is a candidate for decode's
 # token counts only.
 ONE_STAGE_MAX_TOKENS = 32
-# The streaming kernel reads each routed pair's weights (an expert two tokens share, twice); it
-# wins one token and loses from 4 on the H100 (docs/benchmarks.md).
+# The streaming kernel reads each routed pair's weights (an expert two tokens share, twice). On
+# the H100 it is within a few percent of the other decode kernels at 1-2 tokens and 1.1-1.4x
+# slower from 4 (docs/benchmarks.md).
 STREAM_MAX_TOKENS = 2
 # Our steps around torch's grouped GEMM (``triton.moe_gmm``) pay off only where the GEMMs
 # dominate: prefill token counts.
