@@ -1,0 +1,96 @@
+"""Where the host time of an eager Triton GEMM call goes, layer by layer, beside F.linear.
+
+    PYTHONPATH=src python3 benchmarks/host_cost_probe.py
+
+For one small shape (host-bound), each line times many back-to-back eager calls (median of
+loops, the device synchronised at each loop's end): F.linear; torch.empty of the output; the
+tile kernel through ``kernel[grid](...)`` (Triton's binder, cache look-up and launch); through
+the compiled kernel's ``[grid]`` runner; through ``CompiledKernel.run`` called directly with
+the current stream; the plan's launch function (``launch_gemm_tile``); and the whole op
+(``gemm_a16w16`` through a table row naming the same config).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+import gemmtune
+from gemmtune.kernels.triton import _checks, gemm_tile
+from gemmtune.kernels.triton._epilogue import scale_modes
+from gemmtune.kernels.triton.gemm_tile import TileConfig, launch_gemm_tile
+from gemmtune.measure.timing import host_us_per_call
+
+M, N, K = 16, 256, 256  # GPU time ~2-3 µs: every line is host-bound
+
+
+def tile_args(x, w, y, config: TileConfig) -> tuple[tuple, dict, tuple]:
+    """The tile kernel's positional arguments, constexprs and options, and its grid, as
+    ``launch_gemm_tile`` passes them (no bias, no scales)."""
+    grid = (-(-M // config.block_m) * -(-N // config.block_n),)
+    args = (x, w, y, x, x, x, M, N, K, -(-K // gemm_tile.SCALE_BLOCK), x.stride(0), x.stride(1),
+            w.stride(0), w.stride(1), y.stride(0), y.stride(1), 0)
+    modes = scale_modes(None, None, False)
+    constexprs = dict(HAS_BIAS=False, SCALE_A=modes[0], SCALE_B=modes[1],
+                      INPUT_PRECISION=_checks.input_precision(x.dtype),
+                      MAX_IMPRECISE_ACC=None, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+                      BLOCK_K=config.block_k, GROUP_M=config.group_m)
+    options = dict(num_warps=config.num_warps, num_stages=config.num_stages)
+    return args, {**constexprs, **options}, grid
+
+
+def main() -> None:
+    x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16)
+    y = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
+    config = gemm_tile.default_config(M, N, K, torch.bfloat16)
+    args, kwargs, grid = tile_args(x, w, y, config)
+    kernel = gemm_tile.gemm_tile_kernel
+    compiled = kernel[grid](*args, **kwargs)
+    runner = compiled[(grid[0], 1, 1)]
+    ordered = list(args) + [kwargs[k] for k in ("HAS_BIAS", "SCALE_A", "SCALE_B",
+                                                "INPUT_PRECISION", "MAX_IMPRECISE_ACC",
+                                                "BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M")]
+    compiled._init_handles()
+
+    def direct():
+        stream = torch.cuda.current_stream().cuda_stream
+        compiled.run(grid[0], 1, 1, stream, compiled.function, compiled.packed_metadata, None,
+                     None, None, *ordered)
+
+    path = Path(tempfile.mkdtemp()) / "rows.csv"
+    dev = gemmtune.current_device()
+    path.write_text(
+        "arch,cu_num,M,N,K,bias,dtype,outdtype,scaleAB,bpreshuffle,libtype,solidx,splitK,us,"
+        "kernelName,err_ratio,tflops,bw\n"
+        f"{dev.arch},{dev.cu_num},{M},{N},{K},False,torch.bfloat16,torch.bfloat16,False,False,"
+        f"triton,0,0,1.0,{config.name},0,0,0\n")
+    os.environ["GEMMTUNE_CONFIG_BF16"] = f"replace:{path}"
+    gemmtune.reset()
+    direct()
+    torch.cuda.synchronize()
+    ref = x.float() @ w.float().t()
+    print(f"direct launch rel err {float((y.float() - ref).norm() / ref.norm()):.1e}")
+    rows = [
+        ("F.linear", lambda: F.linear(x, w)),
+        ("torch.empty (M, N)", lambda: torch.empty(M, N, device="cuda", dtype=torch.bfloat16)),
+        ("kernel[grid](...)", lambda: kernel[grid](*args, **kwargs)),
+        ("compiled[grid](...)", lambda: runner(*ordered)),
+        ("CompiledKernel.run, direct", direct),
+        ("launch_gemm_tile", lambda: launch_gemm_tile(x, w, None, y, None, None, config)),
+        ("gemm_a16w16, Triton row", lambda: gemmtune.gemm_a16w16(x, w)),
+    ]
+    print(f"{torch.cuda.get_device_name()}, {M}x{N}x{K}, {config.name}: host µs per eager call")
+    base = None
+    for name, fn in rows:
+        us = host_us_per_call(fn)
+        base = base or us
+        print(f"  {name:<30} {us:7.2f}  ({us / base:.2f}x F.linear)")
+
+
+if __name__ == "__main__":
+    main()
