@@ -1,7 +1,8 @@
 """A Triton config name (``triton.tile:...``, ``triton.splitk:...``, ``triton.persistent:...``)
 as a callable for dispatch: checked once per problem, then each call only allocates and
-launches. Called as every backend is: ``kernel(x, w, bias, out_dtype, scale_a, scale_b, out=)``
-with x (..., K) and w (N, K).
+launches; the tile and split-K kernels replay their first launch of a shape through the
+compiled kernel's own launcher (``_replay``). Called as every backend is: ``kernel(x, w, bias,
+out_dtype, scale_a, scale_b, out=)`` with x (..., K) and w (N, K).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import NamedTuple
 import torch
 
 from gemmtune.kernels.problem import GemmProblem, Scaling
+from gemmtune.kernels.triton._replay import Replay, launch
 
 PREFIXES = ("triton.tile", "triton.splitk", "triton.persistent")
 
@@ -22,6 +24,7 @@ class _KernelModule(NamedTuple):
     config_cls: type  # parses a name
     launch: Callable  # launch only (the plan checked the problem)
     validating_launch: Callable  # checks every argument, then launches
+    call: Callable | None  # the launch as a KernelCall, where it can be replayed
 
 
 def _kernel_module(prefix: str) -> _KernelModule:
@@ -31,16 +34,18 @@ def _kernel_module(prefix: str) -> _KernelModule:
     if prefix == "triton.tile":
         from gemmtune.kernels.triton import gemm_tile as m
 
-        return _KernelModule(m, m.TileConfig, m.launch_gemm_tile, m.gemm_tile)
+        return _KernelModule(m, m.TileConfig, m.launch_gemm_tile, m.gemm_tile, m.tile_call)
     if prefix == "triton.splitk":
         from gemmtune.kernels.triton import gemm_splitk as m
 
-        return _KernelModule(m, m.SplitKConfig, m.launch_gemm_splitk, m.gemm_splitk)
+        return _KernelModule(m, m.SplitKConfig, m.launch_gemm_splitk, m.gemm_splitk,
+                             m.splitk_call)
     if prefix == "triton.persistent":
         from gemmtune.kernels.triton import gemm_persistent as m
 
+        # Its TMA descriptors wrap x and w, so a recording could not take new tensors.
         return _KernelModule(m, m.PersistentConfig, m.launch_gemm_persistent,
-                             m.gemm_persistent)
+                             m.gemm_persistent, None)
     raise ValueError(f"{prefix!r}: not a Triton kernel; prefixes: {', '.join(PREFIXES)}")
 
 
@@ -53,6 +58,9 @@ class TritonKernel:
         self._module = kernel.module
         self._launch = kernel.launch
         self._validating_launch = kernel.validating_launch
+        self._call = kernel.call
+        # (M, N, K, dtypes, bias and scales given, device) -> the Replay of its first launch
+        self._replays: dict[tuple, Replay] = {}
         self.config = kernel.config_cls.from_name(name)
         self.name = self.config.name
         # Only block-scaled kernels pass the flag: the common launch passes no extra argument.
@@ -93,5 +101,21 @@ class TritonKernel:
         y = torch.empty((x2.shape[0], n), dtype=out_dtype, device=x.device) if out is None \
             else out.view(x2.shape[0], n)
         if y.numel():
-            self._launch(x2, w, bias, y, scale_a, scale_b, self.config, **self._launch_kwargs)
+            self._launch_or_replay(x2, w, bias, y, scale_a, scale_b)
         return y if x2 is x else y.view(x.shape[:-1] + (n,))
+
+    def _launch_or_replay(self, x, w, bias, y, scale_a, scale_b) -> None:
+        roles = (x, w, y, bias, scale_a, scale_b)
+        device = y.get_device()
+        if self._call is None or device < 0:
+            self._launch(x, w, bias, y, scale_a, scale_b, self.config, **self._launch_kwargs)
+            return
+        key = (x.shape, w.shape[0], x.dtype, y.dtype, bias is None, scale_a is None, device)
+        replay = self._replays.get(key)
+        if replay is not None and replay.serves(roles):
+            replay(roles)
+            return
+        call = self._call(x, w, bias, y, scale_a, scale_b, self.config, **self._launch_kwargs)
+        recorded = Replay.record(call, launch(call), roles, device)
+        if recorded is not None:
+            self._replays[key] = recorded

@@ -36,6 +36,7 @@ from gemmtune.kernels._names import Field, NameCodec, NamedConfig
 from gemmtune.kernels.triton import _checks
 from gemmtune.kernels.triton._epilogue import (SCALE_BLOCK, block_scaled_dot, scale_modes,
                                                store_tile)
+from gemmtune.kernels.triton._replay import KernelCall, launch
 
 KERNEL_PREFIX = "triton.splitk"
 
@@ -446,21 +447,11 @@ def prefetch_row_bytes(w: torch.Tensor, split_k: int) -> int:
     return min(share, w.shape[1] * elem) // 16 * 16
 
 
-def launch_gemm_splitk(x, w, bias, out, scale_a, scale_b, config: SplitKConfig,
-                       counters: torch.Tensor | None = None, warmup: bool = False,
-                       block_scales: bool = False) -> torch.Tensor:
-    """The launch alone, for callers that validated once per shape (dispatch plans). ``out`` is
-    (M, N) with M, N > 0.
-
-    With split_k > 1 it allocates the fp32 partials (``torch.empty``) and takes tile counters
-    from ``counters``, else from ``stream_counters`` (kept per stream, zero at rest: each launch
-    leaves them zero). Zeroing counters per call instead cost a memset of 0.8-1.8 µs per call
-    under graph replay on H100 (benchmarks/splitk_sweep.py) and would break a PDL chain.
-    ``counters``: an int32 tensor of at least ``num_tiles(config, M, N)`` zeros on x's device,
-    never used by two launches at once (one stream at a time).
-    ``warmup``: compile for these arguments without launching (and without the memset).
-    ``block_scales``: ``scale_a``/``scale_b`` are FP8 block scales (see ``block_scaled_dot``).
-    """
+def splitk_call(x, w, bias, out, scale_a, scale_b, config: SplitKConfig,
+                counters: torch.Tensor | None = None, warmup: bool = False,
+                block_scales: bool = False) -> KernelCall:
+    """The launch of ``launch_gemm_splitk`` as data (what a dispatch plan records and replays),
+    its split-K workspace made as that function's docstring says."""
     M, K = x.shape
     N = w.shape[0]
     tiles = num_tiles(config, M, N)
@@ -477,20 +468,20 @@ def launch_gemm_splitk(x, w, bias, out, scale_a, scale_b, config: SplitKConfig,
         parts = counters = out  # never read: USE_WORKSPACE is False
     pdl = config.pdl if pdl_supported(x.device) else PDL_OFF
     modes = scale_modes(scale_a, scale_b, block_scales)
-    _checks.start(gemm_splitk_kernel, (tiles, config.split_k), warmup, launch_pdl=pdl != PDL_OFF)(
-        x, w, out,
-        bias if bias is not None else x,
-        scale_a if scale_a is not None else x,
-        scale_b if scale_b is not None else x,
-        parts, counters,
-        M, N, K,
-        triton.cdiv(K, SCALE_BLOCK),
-        config.split_k,
-        prefetch_row_bytes(w, config.split_k) if pdl == PDL_PREFETCH else 0,
-        x.stride(0), x.stride(1),
-        w.stride(0), w.stride(1),
-        out.stride(0), out.stride(1),
-        bias.stride(0) if bias is not None else 0,
+    args = (x, w, out,
+            bias if bias is not None else x,
+            scale_a if scale_a is not None else x,
+            scale_b if scale_b is not None else x,
+            parts, counters,
+            M, N, K,
+            triton.cdiv(K, SCALE_BLOCK),
+            config.split_k,
+            prefetch_row_bytes(w, config.split_k) if pdl == PDL_PREFETCH else 0,
+            x.stride(0), x.stride(1),
+            w.stride(0), w.stride(1),
+            out.stride(0), out.stride(1),
+            bias.stride(0) if bias is not None else 0)
+    constexprs = dict(
         HAS_BIAS=bias is not None,
         SCALE_A=modes[0],
         SCALE_B=modes[1],
@@ -502,8 +493,27 @@ def launch_gemm_splitk(x, w, bias, out, scale_a, scale_b, config: SplitKConfig,
         BLOCK_K=config.block_k,
         SPLIT_CHUNK=split_chunk(config),
         PDL=pdl,
-        W_ELEM_BYTES=w.element_size(),
-        num_warps=config.num_warps,
-        num_stages=config.num_stages,
-    )
+        W_ELEM_BYTES=w.element_size())
+    return KernelCall(gemm_splitk_kernel, (tiles, config.split_k), args, constexprs,
+                      dict(num_warps=config.num_warps, num_stages=config.num_stages),
+                      launch_pdl=pdl != PDL_OFF)
+
+
+def launch_gemm_splitk(x, w, bias, out, scale_a, scale_b, config: SplitKConfig,
+                       counters: torch.Tensor | None = None, warmup: bool = False,
+                       block_scales: bool = False) -> torch.Tensor:
+    """The launch alone, for callers that validated once per shape (dispatch plans). ``out`` is
+    (M, N) with M, N > 0.
+
+    With split_k > 1 it allocates the fp32 partials (``torch.empty``) and takes tile counters
+    from ``counters``, else from ``stream_counters`` (kept per stream, zero at rest: each launch
+    leaves them zero). Zeroing counters per call instead cost a memset of 0.8-1.8 µs per call
+    under graph replay on H100 (benchmarks/splitk_sweep.py) and would break a PDL chain.
+    ``counters``: an int32 tensor of at least ``num_tiles(config, M, N)`` zeros on x's device,
+    never used by two launches at once (one stream at a time).
+    ``warmup``: compile for these arguments without launching (and without the memset).
+    ``block_scales``: ``scale_a``/``scale_b`` are FP8 block scales (see ``block_scaled_dot``).
+    """
+    launch(splitk_call(x, w, bias, out, scale_a, scale_b, config, counters, warmup,
+                       block_scales), warmup)
     return out

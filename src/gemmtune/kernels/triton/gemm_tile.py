@@ -17,6 +17,7 @@ from gemmtune.kernels._names import Field, NameCodec, NamedConfig
 from gemmtune.kernels.triton import _checks
 from gemmtune.kernels.triton._epilogue import (SCALE_BLOCK, block_scaled_dot, scale_modes,
                                                store_tile)
+from gemmtune.kernels.triton._replay import KernelCall, launch
 
 KERNEL_PREFIX = "triton.tile"
 
@@ -206,27 +207,24 @@ def gemm_tile(
         x, w, bias, out_dtype, scale_a, scale_b, config, out, block_scales)
 
 
-def launch_gemm_tile(x, w, bias, out, scale_a, scale_b, config: TileConfig,
-                     warmup: bool = False, block_scales: bool = False) -> torch.Tensor:
-    """The launch alone, for callers that validated once per shape (dispatch plans): saves the
-    ~5 µs of host checks ``gemm_tile`` does on every call. ``out`` is (M, N) with M, N > 0.
-    ``warmup``: compile for these arguments without launching. ``block_scales``:
-    ``scale_a``/``scale_b`` are FP8 block scales (see ``block_scaled_dot``)."""
+def tile_call(x, w, bias, out, scale_a, scale_b, config: TileConfig,
+              block_scales: bool = False) -> KernelCall:
+    """The launch of ``launch_gemm_tile`` as data (what a dispatch plan records and replays)."""
     modes = scale_modes(scale_a, scale_b, block_scales)
     M, K = x.shape
     N = w.shape[0]
     grid = (triton.cdiv(M, config.block_m) * triton.cdiv(N, config.block_n),)
-    _checks.start(gemm_tile_kernel, grid, warmup)(
-        x, w, out,
-        bias if bias is not None else x,
-        scale_a if scale_a is not None else x,
-        scale_b if scale_b is not None else x,
-        M, N, K,
-        triton.cdiv(K, SCALE_BLOCK),
-        x.stride(0), x.stride(1),
-        w.stride(0), w.stride(1),
-        out.stride(0), out.stride(1),
-        bias.stride(0) if bias is not None else 0,
+    args = (x, w, out,
+            bias if bias is not None else x,
+            scale_a if scale_a is not None else x,
+            scale_b if scale_b is not None else x,
+            M, N, K,
+            triton.cdiv(K, SCALE_BLOCK),
+            x.stride(0), x.stride(1),
+            w.stride(0), w.stride(1),
+            out.stride(0), out.stride(1),
+            bias.stride(0) if bias is not None else 0)
+    constexprs = dict(
         HAS_BIAS=bias is not None,
         SCALE_A=modes[0],
         SCALE_B=modes[1],
@@ -235,8 +233,16 @@ def launch_gemm_tile(x, w, bias, out, scale_a, scale_b, config: TileConfig,
         BLOCK_M=config.block_m,
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
-        GROUP_M=config.group_m,
-        num_warps=config.num_warps,
-        num_stages=config.num_stages,
-    )
+        GROUP_M=config.group_m)
+    return KernelCall(gemm_tile_kernel, grid, args, constexprs,
+                      dict(num_warps=config.num_warps, num_stages=config.num_stages))
+
+
+def launch_gemm_tile(x, w, bias, out, scale_a, scale_b, config: TileConfig,
+                     warmup: bool = False, block_scales: bool = False) -> torch.Tensor:
+    """The launch alone, for callers that validated once per shape (dispatch plans): saves the
+    ~5 µs of host checks ``gemm_tile`` does on every call. ``out`` is (M, N) with M, N > 0.
+    ``warmup``: compile for these arguments without launching. ``block_scales``:
+    ``scale_a``/``scale_b`` are FP8 block scales (see ``block_scaled_dot``)."""
+    launch(tile_call(x, w, bias, out, scale_a, scale_b, config, block_scales), warmup)
     return out

@@ -1,0 +1,118 @@
+"""Eager calls of a planned Triton GEMM at the cost of the compiled kernel's own launcher.
+
+``kernel[grid](...)`` pays, on every call, Triton's binder (each argument's specialisation), a
+cache look-up, and our launch function's argument building: together 1-2x an ``F.linear``
+(benchmarks/host_cost_probe.py). For a planned shape none of that changes between calls but
+the tensors. So the first call goes the slow way and keeps what it launched (``KernelCall``)
+and the compiled kernel; later calls whose tensors Triton would specialise the same way (same
+dtypes, shapes, strides, 16-byte alignment) replay it: the recorded arguments with the new
+tensors put where the first call's were, through the compiled kernel's runner.
+
+Buffers the first call made for itself (split-K partials, a stream's tile counters) stay in
+the recording, so a recording serves the stream it was made on only; none is made while a CUDA
+graph is being captured (its buffers would come from the graph's pool).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from triton import knobs
+
+from gemmtune.kernels.triton import _checks
+
+
+class KernelCall(NamedTuple):
+    """One launch as a launch function builds it: ``kernel[grid](*args, **constexprs,
+    **options)``."""
+
+    kernel: object  # the @triton.jit function
+    grid: tuple
+    args: tuple  # the leading (non-constexpr) parameters, in signature order
+    constexprs: dict  # the rest, by name
+    options: dict  # num_warps, num_stages
+    launch_pdl: bool = False
+
+
+def launch(call: KernelCall, warmup: bool = False):
+    """Launch (or with ``warmup`` compile) ``call`` the usual way; the compiled kernel (None
+    under the interpreter)."""
+    return _checks.start(call.kernel, call.grid, warmup, call.launch_pdl)(
+        *call.args, **call.constexprs, **call.options)
+
+
+def _layout(t: torch.Tensor | None) -> tuple | None:
+    """What Triton specialises a tensor argument on beyond what the plan's key fixes (shapes,
+    x's and the output's dtypes), and what the recorded strides were computed from."""
+    if t is None:
+        return None
+    return t.dtype, t.stride(), t.data_ptr() % 16 == 0
+
+
+def _current_stream(device_index: int) -> int:
+    return torch._C._cuda_getCurrentRawStream(device_index)
+
+
+def _no_launch_hooks() -> bool:
+    """Whether no launch hook is set (a profiler sets one; Triton keeps them in a chain, None
+    in older versions)."""
+    hook = knobs.runtime.launch_enter_hook
+    return hook is None or not getattr(hook, "calls", True)
+
+
+class Replay:
+    """A recorded launch and its compiled kernel, replayed with new tensors in the roles of
+    the first call's: x, w, the output, bias, scale_a, scale_b (each a tensor or None, the
+    same ones present every call)."""
+
+    def __init__(self, call: KernelCall, compiled, roles: tuple, stream: int, device_index: int):
+        self._grid = tuple(call.grid) + (1,) * (3 - len(call.grid))
+        self._runner = compiled[self._grid]  # also loads the kernel (its function handle)
+        self._compiled = compiled
+        self._device = device_index
+        names = call.kernel.arg_names
+        template = list(call.args) + [call.constexprs[n] for n in names[len(call.args):]]
+        # Each argument that is one of the roles' tensors (by identity; a missing bias or scale
+        # is passed as x, so its place follows x) is replaced per call, and not kept here. The
+        # launches replayed here take them first, so a call is those tensors + the rest.
+        roles_at = [next((r for r, t in enumerate(roles) if t is not None and value is t), None)
+                    for value in template]
+        lead = next((i for i, r in enumerate(roles_at) if r is None), len(template))
+        if any(r is not None for r in roles_at[lead:]):
+            raise ValueError(f"{call.kernel}: a replay needs the tensors' arguments first")
+        self._lead_roles = tuple(roles_at[:lead])
+        self._rest = tuple(template[lead:])
+        # Checked per call: the output is made by the caller as in the first call, and the
+        # plan's key fixes every shape and x's dtype.
+        self._checked = tuple(r for r in range(len(roles)) if r != 2)
+        self._layouts = tuple(_layout(roles[r]) for r in self._checked)
+        # Tensors left in the recording are the first call's own buffers, bound to its stream.
+        bound = any(isinstance(value, torch.Tensor) for value in self._rest)
+        self.stream = stream if bound else None
+
+    @classmethod
+    def record(cls, call: KernelCall, compiled, roles: tuple, device_index: int):
+        """A Replay of a launch just made, or None where none may be made: no compiled kernel
+        (the interpreter), or a graph capture under way."""
+        if compiled is None or torch.cuda.is_current_stream_capturing():
+            return None
+        return cls(call, compiled, roles, _current_stream(device_index), device_index)
+
+    def serves(self, roles: tuple) -> bool:
+        """Whether these tensors, on the current stream, would launch exactly as recorded."""
+        for r, layout in zip(self._checked, self._layouts):
+            if _layout(roles[r]) != layout:
+                return False
+        return self.stream is None or _current_stream(self._device) == self.stream
+
+    def __call__(self, roles: tuple) -> None:
+        args = [roles[r] for r in self._lead_roles]
+        if _no_launch_hooks():
+            # The compiled kernel's launcher straight away (what its [grid] runner calls after
+            # asking the driver for the current device and stream).
+            compiled = self._compiled
+            compiled.run(*self._grid, _current_stream(self._device), compiled.function,
+                         compiled.packed_metadata, None, None, None, *args, *self._rest)
+        else:  # a profiler's launch hooks: through the runner, which calls them
+            self._runner(*args, *self._rest)
