@@ -80,10 +80,22 @@ def test_a_replay_serves_only_tensors_triton_would_specialise_alike():
     assert replay.serves(same)
     strided = torch.randn(8, 4).t()  # (4, 8) with other strides
     unaligned = torch.randn(33)[1:].view(4, 8)  # 4 bytes past an aligned start
-    for x2 in (strided, unaligned, torch.randn(4, 8, dtype=torch.float64)):
+    for x2 in (strided, unaligned, torch.randn(4, 8, dtype=torch.float64), torch.randn(5, 8)):
         assert not replay.serves((x2, w, torch.empty(4, 6), None, None, None))
     # A bias where the recording had none is another launch.
     assert not replay.serves((same[0], w, same[2], torch.randn(6), None, None))
+
+
+def test_a_scale_of_another_shape_is_another_launch():
+    # A per-tensor and a per-row scale can share dtype, strides and alignment; the launch's
+    # scale mode follows the shape.
+    x, w, y = torch.randn(4, 8), torch.randn(6, 8), torch.empty(4, 6)
+    scale_a, scale_b = torch.ones(1, 1), torch.ones(1, 1)
+    call = KernelCall(_FakeKernel, (5,), (x, w, y, scale_a, x.shape[0], x.stride(0), None),
+                      {"BLOCK": 64}, {})
+    replay = Replay(call, _FakeCompiled(), (x, w, y, None, scale_a, scale_b), 0, 0)
+    assert replay.serves((x, w, y, None, torch.ones(1, 1), torch.ones(1, 1)))
+    assert not replay.serves((x, w, y, None, torch.ones(4, 1), torch.ones(1, 1)))
 
 
 def test_a_replay_holding_its_own_buffers_serves_its_stream_only(monkeypatch):
@@ -167,3 +179,22 @@ def test_split_k_replays_keep_to_their_stream(tmp_path, monkeypatch):
     torch.cuda.synchronize()
     for x, y in zip(xs, outs):
         assert _rel_err(y, gemm_a16w16_ref(x, w, None, torch.float32)) < 1e-2
+
+
+@pytest.mark.gpu
+def test_split_k_recordings_share_their_streams_partials():
+    # A recording per token count keeps what its launch used: one partials buffer per stream,
+    # not one per count (a decode server sees every count up to its batch).
+    from gemmtune.kernels.triton import gemm_splitk
+
+    n, k = 576, 2048
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
+    x = torch.randn(64, k, device="cuda", dtype=torch.bfloat16)
+    for m in (1, 5, 16, 33, 64):
+        for _ in range(2):  # record, then replay
+            y = gemmtune.gemm_a16w16(x[:m], w, kernel=KERNELS[2])
+            assert _rel_err(y, gemm_a16w16_ref(x[:m], w, None, torch.float32)) < 1e-2, m
+    stream = torch.cuda.current_stream().cuda_stream
+    partials = [key for key in gemm_splitk._STREAM_BUFFERS if key[0] == "partials"
+                and key[2] == stream]
+    assert len(partials) == 1

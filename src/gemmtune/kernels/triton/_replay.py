@@ -43,11 +43,11 @@ def launch(call: KernelCall, warmup: bool = False):
 
 
 def _layout(t: torch.Tensor | None) -> tuple | None:
-    """What Triton specialises a tensor argument on beyond what the plan's key fixes (shapes,
-    x's and the output's dtypes), and what the recorded strides were computed from."""
+    """What Triton specialises a tensor argument on, and what the recorded launch was built
+    from: its dtype, shape (a scale's shape picks its mode), strides and 16-byte alignment."""
     if t is None:
         return None
-    return t.dtype, t.stride(), t.data_ptr() % 16 == 0
+    return t.dtype, t.shape, t.stride(), t.data_ptr() % 16 == 0
 
 
 def _current_stream(device_index: int) -> int:
@@ -83,8 +83,8 @@ class Replay:
             raise ValueError(f"{call.kernel}: a replay needs the tensors' arguments first")
         self._lead_roles = tuple(roles_at[:lead])
         self._rest = tuple(template[lead:])
-        # Checked per call: the output is made by the caller as in the first call, and the
-        # plan's key fixes every shape and x's dtype.
+        # Checked per call: every role but the output, which the caller makes as in the first
+        # call.
         self._checked = tuple(r for r in range(len(roles)) if r != 2)
         self._layouts = tuple(_layout(roles[r]) for r in self._checked)
         # Tensors left in the recording are the first call's own buffers, bound to its stream.

@@ -101,13 +101,15 @@ class TritonKernel:
         y = torch.empty((x2.shape[0], n), dtype=out_dtype, device=x.device) if out is None \
             else out.view(x2.shape[0], n)
         if y.numel():
-            self._launch_or_replay(x2, w, bias, y, scale_a, scale_b)
+            self._launch_or_replay(x2, w, bias, y, scale_a, scale_b, replayable=out is None)
         return y if x2 is x else y.view(x.shape[:-1] + (n,))
 
-    def _launch_or_replay(self, x, w, bias, y, scale_a, scale_b) -> None:
+    def _launch_or_replay(self, x, w, bias, y, scale_a, scale_b, replayable: bool) -> None:
+        """Launch, or replay this shape's recorded launch. A caller's own output (``out``) may
+        be laid out otherwise than the recording's, so it is always launched the usual way."""
         roles = (x, w, y, bias, scale_a, scale_b)
         device = y.get_device()
-        if self._call is None or device < 0:
+        if self._call is None or device < 0 or not replayable:
             self._launch(x, w, bias, y, scale_a, scale_b, self.config, **self._launch_kwargs)
             return
         key = (x.shape, w.shape[0], x.dtype, y.dtype, bias is None, scale_a is None, device)

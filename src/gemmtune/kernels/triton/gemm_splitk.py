@@ -392,10 +392,26 @@ def gemm_splitk(
         x, w, bias, out_dtype, scale_a, scale_b, config, out, block_scales)
 
 
-# (device index, stream handle) -> zeroed int32 tile counters, grown on demand.
-_STREAM_COUNTERS: dict[tuple[int, int], torch.Tensor] = {}
-# Outgrown counter buffers: a CUDA graph captured before the growth still points at them.
-_RETIRED_COUNTERS: list[torch.Tensor] = []
+# (what, device index, stream handle) -> the stream's buffer of each kind, grown on demand.
+_STREAM_BUFFERS: dict[tuple[str, int, int], torch.Tensor] = {}
+# Outgrown buffers: a CUDA graph captured (or a launch recorded) before the growth still points
+# at them.
+_RETIRED_BUFFERS: list[torch.Tensor] = []
+
+
+def _stream_buffer(what: str, device: torch.device, numel: int, make) -> torch.Tensor:
+    """At least ``numel`` elements of the current stream's ``what`` buffer, made by
+    ``make(numel)`` and doubled when outgrown."""
+    stream = torch.cuda.current_stream(device)
+    key = (what, stream.device_index, stream.cuda_stream)
+    found = _STREAM_BUFFERS.get(key)
+    if found is not None and found.numel() >= numel:
+        return found
+    grown = make(max(numel, 2 * found.numel() if found is not None else 1024))
+    if found is not None:
+        _RETIRED_BUFFERS.append(found)
+    _STREAM_BUFFERS[key] = grown
+    return grown
 
 
 def stream_counters(device: torch.device, tiles: int) -> torch.Tensor:
@@ -409,17 +425,18 @@ def stream_counters(device: torch.device, tiles: int) -> torch.Tensor:
     captures on one shared stream unless given ``stream=``. Graphs with split-K launches that
     are replayed at the same time on different streams must therefore be captured on different
     streams; replayed one after another (as serving engines do), they may share one."""
-    stream = torch.cuda.current_stream(device)
-    key = (stream.device_index, stream.cuda_stream)
-    found = _STREAM_COUNTERS.get(key)
-    if found is not None and found.numel() >= tiles:
-        return found
-    grown = torch.zeros(max(tiles, 2 * found.numel() if found is not None else 1024),
-                        dtype=torch.int32, device=device)
-    if found is not None:
-        _RETIRED_COUNTERS.append(found)
-    _STREAM_COUNTERS[key] = grown
-    return grown
+    return _stream_buffer("counters", device, tiles, lambda n: torch.zeros(
+        n, dtype=torch.int32, device=device))
+
+
+def stream_partials(device: torch.device, numel: int) -> torch.Tensor:
+    """At least ``numel`` fp32 split-K partials owned by the current stream of ``device``,
+    shared by every launch on it as ``stream_counters`` are (each launch writes a tile's
+    partials after its PDL wait and reads them back before it ends), with the same limit on
+    graphs. A buffer per stream, not per call: a dispatch plan's recorded launch keeps its
+    buffers, so per-call buffers would each be kept."""
+    return _stream_buffer("partials", device, numel, lambda n: torch.empty(
+        n, dtype=torch.float32, device=device))
 
 
 @functools.lru_cache(maxsize=None)
@@ -457,9 +474,11 @@ def splitk_call(x, w, bias, out, scale_a, scale_b, config: SplitKConfig,
     tiles = num_tiles(config, M, N)
     use_workspace = config.split_k > 1
     if use_workspace:
-        parts = torch.empty(tiles * config.split_k * config.block_m * config.block_n,
-                            dtype=torch.float32, device=x.device)
-        if counters is None and not warmup and x.is_cuda:
+        numel = tiles * config.split_k * config.block_m * config.block_n
+        shared = not warmup and x.is_cuda
+        parts = stream_partials(x.device, numel) if shared else torch.empty(
+            numel, dtype=torch.float32, device=x.device)
+        if counters is None and shared:
             counters = stream_counters(x.device, tiles)
         if counters is None:
             counters = (torch.empty if warmup else torch.zeros)(tiles, dtype=torch.int32,
@@ -505,10 +524,11 @@ def launch_gemm_splitk(x, w, bias, out, scale_a, scale_b, config: SplitKConfig,
     """The launch alone, for callers that validated once per shape (dispatch plans). ``out`` is
     (M, N) with M, N > 0.
 
-    With split_k > 1 it allocates the fp32 partials (``torch.empty``) and takes tile counters
-    from ``counters``, else from ``stream_counters`` (kept per stream, zero at rest: each launch
-    leaves them zero). Zeroing counters per call instead cost a memset of 0.8-1.8 µs per call
-    under graph replay on H100 (benchmarks/splitk_sweep.py) and would break a PDL chain.
+    With split_k > 1 it takes the fp32 partials from ``stream_partials`` and tile counters from
+    ``counters``, else from ``stream_counters`` (both kept per stream; the counters zero at
+    rest: each launch leaves them zero). Zeroing counters per call instead cost a memset of
+    0.8-1.8 µs per call under graph replay on H100 (benchmarks/splitk_sweep.py) and would break
+    a PDL chain.
     ``counters``: an int32 tensor of at least ``num_tiles(config, M, N)`` zeros on x's device,
     never used by two launches at once (one stream at a time).
     ``warmup``: compile for these arguments without launching (and without the memset).
