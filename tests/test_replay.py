@@ -41,9 +41,11 @@ class _FakeCompiled:
 
 
 @pytest.fixture(autouse=True)
-def _stream_zero(monkeypatch):
-    """The CPU has no CUDA stream: the current one is 0 unless a test says otherwise."""
-    monkeypatch.setattr(_replay, "_current_stream", lambda device: 0)
+def _stream_zero(request, monkeypatch):
+    """The CPU has no CUDA stream: there the current one is 0 unless a test says otherwise
+    (the GPU tests keep the real one)."""
+    if request.node.get_closest_marker("gpu") is None:
+        monkeypatch.setattr(_replay, "_current_stream", lambda device: 0)
 
 
 def _recording(x, w, y, workspace=None, stream=0):
@@ -120,10 +122,18 @@ def test_a_profilers_launch_hooks_still_see_replayed_launches(monkeypatch):
     assert compiled.calls[0][0] is x and len(compiled.calls[0]) == 8
 
 
-def test_no_replay_is_recorded_without_a_compiled_kernel():
-    x = torch.randn(4, 8)
-    call = KernelCall(_FakeKernel, (1,), (x,), {}, {})
-    assert Replay.record(call, None, (x,), 0) is None
+def test_no_replay_is_recorded_where_it_could_not_serve_right():
+    x, w, y = torch.randn(4, 8), torch.randn(6, 8), torch.empty(4, 6)
+    call = KernelCall(_FakeKernel, (1,), (x, w, y, x, 4, 8, None), {"BLOCK": 64}, {})
+    roles = (x, w, y, None, None, None)
+    assert Replay.record(call, _FakeCompiled(), roles, 0) is not None
+    assert Replay.record(call, None, roles, 0) is None  # the interpreter: nothing compiled
+    # A buffer made for this call alone (a recording would keep it).
+    assert Replay.record(call._replace(replayable=False), _FakeCompiled(), roles, 0) is None
+    # One tensor in two roles: a later call's two tensors could not be told apart.
+    scale = torch.ones(1)
+    shared = KernelCall(_FakeKernel, (1,), (x, w, y, scale, 4, 8, None), {"BLOCK": 64}, {})
+    assert Replay.record(shared, _FakeCompiled(), (x, w, y, None, scale, scale), 0) is None
 
 
 # ---------------------------------------------------------------------------------- the GPU
@@ -146,10 +156,20 @@ def _rel_err(y, ref):
     return ((y.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
+@pytest.fixture
+def replays(monkeypatch):
+    """Counts the launches served by a replay."""
+    served = []
+    real = Replay.__call__
+    monkeypatch.setattr(Replay, "__call__", lambda self, roles: (served.append(self),
+                                                                 real(self, roles)))
+    return served
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_replayed_calls_match_the_reference_on_new_inputs_and_layouts(tmp_path, monkeypatch,
-                                                                      kernel):
+                                                                      replays, kernel):
     m, n, k = 16, 576, 2048
     _route(tmp_path, monkeypatch, kernel, m, n, k)
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -163,29 +183,56 @@ def test_replayed_calls_match_the_reference_on_new_inputs_and_layouts(tmp_path, 
     for x in inputs:  # the first records, the next replay; other layouts go the slow way
         y = gemmtune.gemm_a16w16(x, w)
         assert _rel_err(y, gemm_a16w16_ref(x, w, None, torch.float32)) < 1e-2, kernel
+    # Calls 2 and 3 replay; the strided and the unaligned x are recorded anew (each replacing
+    # the recording), and the last aligned x is recorded again after them.
+    assert len(replays) == 2, kernel
 
 
 @pytest.mark.gpu
-def test_split_k_replays_keep_to_their_stream(tmp_path, monkeypatch):
+def test_split_k_replays_keep_to_their_stream(tmp_path, monkeypatch, replays):
     m, n, k = 16, 576, 2048
     _route(tmp_path, monkeypatch, KERNELS[2], m, n, k)
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
-    xs = [torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
-    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    xs = [torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for _ in range(6)]
     outs = []
-    for i, x in enumerate(xs):  # alternating streams: each recording serves its own
-        with torch.cuda.stream(streams[i % 2]):
+    for i, x in enumerate(xs):  # 3 calls on one stream, then 3 on another: record, replay x2
+        stream = torch.cuda.Stream()
+        if i % 3 == 0:
+            stream.wait_stream(torch.cuda.current_stream())
+            side = stream
+        with torch.cuda.stream(side):
             outs.append(gemmtune.gemm_a16w16(x, w))
     torch.cuda.synchronize()
     for x, y in zip(xs, outs):
         assert _rel_err(y, gemm_a16w16_ref(x, w, None, torch.float32)) < 1e-2
+    # Each stream's recording served its own two later calls, never the other stream's.
+    assert len(replays) == 4 and replays[0] is replays[1] and replays[2] is replays[3]
+    assert replays[0] is not replays[2] and replays[0].stream != replays[2].stream
+
+
+@pytest.mark.gpu
+def test_a_replay_follows_torchs_tf32_switch(tmp_path, monkeypatch):
+    # fp32 operands use tf32 only where torch would: a recording made with it off must not
+    # serve a call with it on, nor the reverse.
+    m, n, k = 16, 256, 1024
+    x = torch.randn(m, k, device="cuda")
+    w = torch.randn(n, k, device="cuda") / k ** 0.5
+    exact = x.double() @ w.double().t()
+    errors = {}
+    for allow in (False, True, False):
+        monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", allow)
+        for _ in range(2):
+            y = gemmtune.gemm_a16w16(x, w, kernel=KERNELS[0])
+            errors.setdefault(allow, []).append(_rel_err(y.double(), exact))
+    assert max(errors[False]) < 1e-5  # ieee fp32, before and after the tf32 calls
+    assert min(errors[True]) > 1e-5  # tf32 rounds the operands to 10 mantissa bits
 
 
 @pytest.mark.gpu
 def test_split_k_recordings_share_their_streams_partials():
-    # A recording per token count keeps what its launch used: one partials buffer per stream,
-    # not one per count (a decode server sees every count up to its batch).
-    from gemmtune.kernels.triton import gemm_splitk
+    # A recording per token count keeps the partials its launch used: its stream's one buffer
+    # (grown as counts grow), not a buffer per count as per-call partials would.
+    from gemmtune.families.bf16.op import REGISTRY
 
     n, k = 576, 2048
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
@@ -194,7 +241,11 @@ def test_split_k_recordings_share_their_streams_partials():
         for _ in range(2):  # record, then replay
             y = gemmtune.gemm_a16w16(x[:m], w, kernel=KERNELS[2])
             assert _rel_err(y, gemm_a16w16_ref(x[:m], w, None, torch.float32)) < 1e-2, m
-    stream = torch.cuda.current_stream().cuda_stream
-    partials = [key for key in gemm_splitk._STREAM_BUFFERS if key[0] == "partials"
-                and key[2] == stream]
-    assert len(partials) == 1
+    recordings = REGISTRY.resolve(KERNELS[2])._replays
+    partials = {key[0][0]: next(v for v in r._rest if isinstance(v, torch.Tensor)
+                                and v.dtype == torch.float32)
+                for key, r in recordings.items()}
+    assert set(partials) >= {1, 5, 16, 33, 64}
+    # 1-16 tokens fit the first buffer; each later count may grow it once.
+    assert partials[1] is partials[5] is partials[16]
+    assert len({id(p) for p in partials.values()}) <= 3

@@ -8,9 +8,11 @@ and the compiled kernel; later calls whose tensors Triton would specialise the s
 dtypes, shapes, strides, 16-byte alignment) replay it: the recorded arguments with the new
 tensors put where the first call's were, through the compiled kernel's runner.
 
-Buffers the first call made for itself (split-K partials, a stream's tile counters) stay in
-the recording, so a recording serves the stream it was made on only; none is made while a CUDA
-graph is being captured (its buffers would come from the graph's pool).
+Buffers the first call took from its stream (split-K partials and tile counters) stay in the
+recording, so a recording serves the stream it was made on only; none is made while a CUDA
+graph is being captured (its buffers would come from the graph's pool). Settings read at each
+launch belong in the caller's key (``input_precision``, from torch's tf32 switch); Triton's
+debug and instrumentation switches are not followed by a recording.
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ class KernelCall(NamedTuple):
     constexprs: dict  # the rest, by name
     options: dict  # num_warps, num_stages
     launch_pdl: bool = False
+    # False where the launch holds a buffer made for this call alone (a recording would keep it)
+    replayable: bool = True
 
 
 def launch(call: KernelCall, warmup: bool = False):
@@ -55,10 +59,10 @@ def _current_stream(device_index: int) -> int:
 
 
 def _no_launch_hooks() -> bool:
-    """Whether no launch hook is set (a profiler sets one; Triton keeps them in a chain, None
+    """Whether no launch hook is set (a profiler sets them; Triton keeps each in a chain, None
     in older versions)."""
-    hook = knobs.runtime.launch_enter_hook
-    return hook is None or not getattr(hook, "calls", True)
+    return all(hook is None or not getattr(hook, "calls", True)
+               for hook in (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook))
 
 
 class Replay:
@@ -94,8 +98,12 @@ class Replay:
     @classmethod
     def record(cls, call: KernelCall, compiled, roles: tuple, device_index: int):
         """A Replay of a launch just made, or None where none may be made: no compiled kernel
-        (the interpreter), or a graph capture under way."""
-        if compiled is None or torch.cuda.is_current_stream_capturing():
+        (the interpreter), a graph capture under way, a buffer made for this call alone, or one
+        tensor in two roles (its places could not be told apart for a later call's two)."""
+        present = [t for t in roles if t is not None]
+        if (compiled is None or not call.replayable
+                or len({id(t) for t in present}) < len(present)
+                or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())):
             return None
         return cls(call, compiled, roles, _current_stream(device_index), device_index)
 

@@ -112,7 +112,9 @@ class TritonKernel:
         if self._call is None or device < 0 or not replayable:
             self._launch(x, w, bias, y, scale_a, scale_b, self.config, **self._launch_kwargs)
             return
-        key = (x.shape, w.shape[0], x.dtype, y.dtype, bias is None, scale_a is None, device)
+        # The tf32 switch picks fp32 operands' dot precision at each launch.
+        key = (x.shape, w.shape[0], x.dtype, y.dtype, bias is None, scale_a is None, device,
+               self._module._checks.input_precision(x.dtype))
         replay = self._replays.get(key)
         if replay is not None and replay.serves(roles):
             replay(roles)

@@ -392,6 +392,8 @@ def gemm_splitk(
         x, w, bias, out_dtype, scale_a, scale_b, config, out, block_scales)
 
 
+# A stream keeps at most this much of split-K partials; larger ones are made per call.
+STREAM_PARTIALS_MAX_BYTES = 256 << 20
 # (what, device index, stream handle) -> the stream's buffer of each kind, grown on demand.
 _STREAM_BUFFERS: dict[tuple[str, int, int], torch.Tensor] = {}
 # Outgrown buffers: a CUDA graph captured (or a launch recorded) before the growth still points
@@ -476,8 +478,10 @@ def splitk_call(x, w, bias, out, scale_a, scale_b, config: SplitKConfig,
     if use_workspace:
         numel = tiles * config.split_k * config.block_m * config.block_n
         shared = not warmup and x.is_cuda
-        parts = stream_partials(x.device, numel) if shared else torch.empty(
-            numel, dtype=torch.float32, device=x.device)
+        # Partials past the cap are made per call (a stream's buffer would keep them).
+        per_call = not shared or numel * 4 > STREAM_PARTIALS_MAX_BYTES
+        parts = torch.empty(numel, dtype=torch.float32, device=x.device) if per_call \
+            else stream_partials(x.device, numel)
         if counters is None and shared:
             counters = stream_counters(x.device, tiles)
         if counters is None:
@@ -485,6 +489,7 @@ def splitk_call(x, w, bias, out, scale_a, scale_b, config: SplitKConfig,
                                                                  device=x.device)
     else:
         parts = counters = out  # never read: USE_WORKSPACE is False
+        per_call = False
     pdl = config.pdl if pdl_supported(x.device) else PDL_OFF
     modes = scale_modes(scale_a, scale_b, block_scales)
     args = (x, w, out,
@@ -515,7 +520,7 @@ def splitk_call(x, w, bias, out, scale_a, scale_b, config: SplitKConfig,
         W_ELEM_BYTES=w.element_size())
     return KernelCall(gemm_splitk_kernel, (tiles, config.split_k), args, constexprs,
                       dict(num_warps=config.num_warps, num_stages=config.num_stages),
-                      launch_pdl=pdl != PDL_OFF)
+                      launch_pdl=pdl != PDL_OFF, replayable=not per_call)
 
 
 def launch_gemm_splitk(x, w, bias, out, scale_a, scale_b, config: SplitKConfig,
