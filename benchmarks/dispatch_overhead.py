@@ -47,6 +47,16 @@ def install_rows(m, n, k, kernel) -> None:
     gemmtune.reset()
 
 
+def _cublaslt_backend(m: int, n: int, k: int) -> list[str]:
+    """cuBLASLt's heuristic pick for the shape, where nvmath is installed (else none)."""
+    from gemmtune.kernels import cublaslt
+
+    if cublaslt.nvmath_missing():
+        print(f"no cuBLASLt row: {cublaslt.INSTALL_HINT}")
+        return []
+    return [cublaslt.heuristic_algos(m, n, k, torch.bfloat16, torch.bfloat16, False)[0].name]
+
+
 def backend_host_costs() -> list[dict]:
     """Host µs per eager call of F.linear and of the op forced to each backend (``kernel=``: a
     plan per backend, side by side), on BACKEND_SHAPE: the median over ROUNDS rounds, each
@@ -56,7 +66,7 @@ def backend_host_costs() -> list[dict]:
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
     ref = x.float() @ w.float().t()
     calls = {"F.linear": lambda: F.linear(x, w)}
-    for name in BACKENDS:
+    for name in BACKENDS + _cublaslt_backend(m, n, k):
         y = gemmtune.gemm_a16w16(x, w, kernel=name)  # plan, compile, record
         err = float((y.float() - ref).norm() / ref.norm())
         if err > 1e-2:
