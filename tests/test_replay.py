@@ -48,11 +48,13 @@ def _stream_zero(request, monkeypatch):
         monkeypatch.setattr(_replay, "_current_stream", lambda device: 0)
 
 
-def _recording(x, w, y, workspace=None, stream=0):
+def _recording(x, w, y, workspace=None):
+    """A recording of a launch of x, w and y (x also standing in for the missing bias), made on
+    the current stream."""
     call = KernelCall(_FakeKernel, (5,), (x, w, y, x, x.shape[0], x.stride(0), workspace),
                       {"BLOCK": 64}, {"num_warps": 4})
     compiled = _FakeCompiled()
-    return Replay(call, compiled, (x, w, y, None, None, None), stream, 0), compiled
+    return Replay.record(call, compiled, (x, w, y, None, None, None), 0), compiled
 
 
 def test_a_replay_puts_the_new_tensors_where_the_first_calls_were():
@@ -95,7 +97,7 @@ def test_a_scale_of_another_shape_is_another_launch():
     scale_a, scale_b = torch.ones(1, 1), torch.ones(1, 1)
     call = KernelCall(_FakeKernel, (5,), (x, w, y, scale_a, x.shape[0], x.stride(0), None),
                       {"BLOCK": 64}, {})
-    replay = Replay(call, _FakeCompiled(), (x, w, y, None, scale_a, scale_b), 0, 0)
+    replay = Replay.record(call, _FakeCompiled(), (x, w, y, None, scale_a, scale_b), 0)
     assert replay.serves((x, w, y, None, torch.ones(1, 1), torch.ones(1, 1)))
     assert not replay.serves((x, w, y, None, torch.ones(4, 1), torch.ones(1, 1)))
 
@@ -103,10 +105,10 @@ def test_a_scale_of_another_shape_is_another_launch():
 def test_a_replay_holding_its_own_buffers_serves_its_stream_only(monkeypatch):
     x, w, y = torch.randn(4, 8), torch.randn(6, 8), torch.empty(4, 6)
     workspace = torch.zeros(16)
-    replay, compiled = _recording(x, w, y, workspace=workspace, stream=7)
+    monkeypatch.setattr(_replay, "_current_stream", lambda device: 7)
+    replay, compiled = _recording(x, w, y, workspace=workspace)
     assert replay.stream == 7
     roles = (torch.randn(4, 8), w, torch.empty(4, 6), None, None, None)
-    monkeypatch.setattr(_replay, "_current_stream", lambda device: 7)
     assert replay.serves(roles)
     replay(roles)
     assert compiled.calls[0][6] is workspace  # the split-K partials stay the recording's
@@ -130,6 +132,9 @@ def test_no_replay_is_recorded_where_it_could_not_serve_right():
     assert Replay.record(call, None, roles, 0) is None  # the interpreter: nothing compiled
     # A buffer made for this call alone (a recording would keep it).
     assert Replay.record(call._replace(replayable=False), _FakeCompiled(), roles, 0) is None
+    # A tensor's argument after another argument: a replay passes the tensors first.
+    late = KernelCall(_FakeKernel, (1,), (x, w, y, 4, x, 8, None), {"BLOCK": 64}, {})
+    assert Replay.record(late, _FakeCompiled(), roles, 0) is None
     # One tensor in two roles: a later call's two tensors could not be told apart.
     scale = torch.ones(1)
     shared = KernelCall(_FakeKernel, (1,), (x, w, y, scale, 4, 8, None), {"BLOCK": 64}, {})

@@ -58,6 +58,29 @@ def _current_stream(device_index: int) -> int:
     return torch._C._cuda_getCurrentRawStream(device_index)
 
 
+def _grid3(grid: tuple) -> tuple:
+    return tuple(grid) + (1,) * (3 - len(grid))
+
+
+def _template(call: KernelCall) -> list:
+    """Every argument of the launch in signature order, constexprs included (what the compiled
+    kernel's launcher takes)."""
+    names = call.kernel.arg_names
+    return list(call.args) + [call.constexprs[n] for n in names[len(call.args):]]
+
+
+def _lead_roles(template: list, roles: tuple) -> tuple | None:
+    """The role of each leading argument that is one of the roles' tensors (by identity: a
+    missing bias or scale is passed as x, so its place follows x's), or None where such a
+    tensor also comes after another argument (a replay passes the tensors, then the rest)."""
+    roles_at = [next((r for r, t in enumerate(roles) if t is not None and value is t), None)
+                for value in template]
+    lead = next((i for i, r in enumerate(roles_at) if r is None), len(template))
+    if any(r is not None for r in roles_at[lead:]):
+        return None
+    return tuple(roles_at[:lead])
+
+
 def _no_launch_hooks() -> bool:
     """Whether no launch hook is set (a profiler sets them; Triton keeps each in a chain, None
     in older versions)."""
@@ -70,23 +93,14 @@ class Replay:
     the first call's: x, w, the output, bias, scale_a, scale_b (each a tensor or None, the
     same ones present every call)."""
 
-    def __init__(self, call: KernelCall, compiled, roles: tuple, stream: int, device_index: int):
-        self._grid = tuple(call.grid) + (1,) * (3 - len(call.grid))
+    def __init__(self, call: KernelCall, compiled, roles: tuple, lead_roles: tuple,
+                 stream: int, device_index: int):
+        self._grid = _grid3(call.grid)
         self._runner = compiled[self._grid]  # also loads the kernel (its function handle)
         self._compiled = compiled
         self._device = device_index
-        names = call.kernel.arg_names
-        template = list(call.args) + [call.constexprs[n] for n in names[len(call.args):]]
-        # Each argument that is one of the roles' tensors (by identity; a missing bias or scale
-        # is passed as x, so its place follows x) is replaced per call, and not kept here. The
-        # launches replayed here take them first, so a call is those tensors + the rest.
-        roles_at = [next((r for r, t in enumerate(roles) if t is not None and value is t), None)
-                    for value in template]
-        lead = next((i for i, r in enumerate(roles_at) if r is None), len(template))
-        if any(r is not None for r in roles_at[lead:]):
-            raise ValueError(f"{call.kernel}: a replay needs the tensors' arguments first")
-        self._lead_roles = tuple(roles_at[:lead])
-        self._rest = tuple(template[lead:])
+        self._lead_roles = lead_roles
+        self._rest = tuple(_template(call)[len(lead_roles):])
         # Checked per call: every role but the output, which the caller makes as in the first
         # call.
         self._checked = tuple(r for r in range(len(roles)) if r != 2)
@@ -98,14 +112,19 @@ class Replay:
     @classmethod
     def record(cls, call: KernelCall, compiled, roles: tuple, device_index: int):
         """A Replay of a launch just made, or None where none may be made: no compiled kernel
-        (the interpreter), a graph capture under way, a buffer made for this call alone, or one
-        tensor in two roles (its places could not be told apart for a later call's two)."""
+        (the interpreter), a graph capture under way, a buffer made for this call alone, one
+        tensor in two roles (its places could not be told apart for a later call's two), or a
+        launch whose tensors' arguments do not come first."""
         present = [t for t in roles if t is not None]
         if (compiled is None or not call.replayable
                 or len({id(t) for t in present}) < len(present)
                 or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())):
             return None
-        return cls(call, compiled, roles, _current_stream(device_index), device_index)
+        lead_roles = _lead_roles(_template(call), roles)
+        if lead_roles is None:
+            return None
+        return cls(call, compiled, roles, lead_roles, _current_stream(device_index),
+                   device_index)
 
     def serves(self, roles: tuple) -> bool:
         """Whether these tensors, on the current stream, would launch exactly as recorded."""
