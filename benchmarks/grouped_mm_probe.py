@@ -21,7 +21,7 @@ from gemmtune.bench import write_records
 from gemmtune.families.fmoe.inputs import route
 from gemmtune.kernels.problem import MoeProblem
 from gemmtune.measure.timing import interleaved_graph_us
-from gemmtune.models.shapes import load_preset, moe_shapes
+from gemmtune.models.shapes import preset_moe_shape
 
 TOKENS = (1024, 2048, 4096, 8192)
 
@@ -32,9 +32,8 @@ def main() -> None:
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks: one rank's experts")
     p.add_argument("--out", default="out")
     args = p.parse_args()
-    shape = moe_shapes(load_preset(args.model), args.tp)[0]
+    shape, label = preset_moe_shape(args.model, args.tp)
     model_dim, inter_dim, experts, topk = shape.model_dim, shape.inter_dim, shape.expert, shape.topk
-    label = args.model if args.tp == 1 else f"{args.model}-tp{args.tp}"
     square = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     peak_us = interleaved_graph_us([lambda s: square @ square], [None], rounds=5)[0][0]
     peak = 2 * 8192 ** 3 / (peak_us * 1e-6)

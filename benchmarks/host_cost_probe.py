@@ -20,27 +20,12 @@ import torch
 import torch.nn.functional as F
 
 import gemmtune
-from gemmtune.kernels.triton import _checks, gemm_tile
-from gemmtune.kernels.triton._epilogue import scale_modes
-from gemmtune.kernels.triton.gemm_tile import TileConfig, launch_gemm_tile
+from gemmtune.kernels.triton import gemm_tile
+from gemmtune.kernels.triton._replay import all_arguments, launch
+from gemmtune.kernels.triton.gemm_tile import launch_gemm_tile
 from gemmtune.measure.timing import host_us_per_call
 
 M, N, K = 16, 256, 256  # GPU time ~2-3 µs: every line is host-bound
-
-
-def tile_args(x, w, y, config: TileConfig) -> tuple[tuple, dict, tuple]:
-    """The tile kernel's positional arguments, constexprs and options, and its grid, as
-    ``launch_gemm_tile`` passes them (no bias, no scales)."""
-    grid = (-(-M // config.block_m) * -(-N // config.block_n),)
-    args = (x, w, y, x, x, x, M, N, K, -(-K // gemm_tile.SCALE_BLOCK), x.stride(0), x.stride(1),
-            w.stride(0), w.stride(1), y.stride(0), y.stride(1), 0)
-    modes = scale_modes(None, None, False)
-    constexprs = dict(HAS_BIAS=False, SCALE_A=modes[0], SCALE_B=modes[1],
-                      INPUT_PRECISION=_checks.input_precision(x.dtype),
-                      MAX_IMPRECISE_ACC=None, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-                      BLOCK_K=config.block_k, GROUP_M=config.group_m)
-    options = dict(num_warps=config.num_warps, num_stages=config.num_stages)
-    return args, {**constexprs, **options}, grid
 
 
 def main() -> None:
@@ -48,13 +33,12 @@ def main() -> None:
     w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16)
     y = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
     config = gemm_tile.default_config(M, N, K, torch.bfloat16)
-    args, kwargs, grid = tile_args(x, w, y, config)
-    kernel = gemm_tile.gemm_tile_kernel
-    compiled = kernel[grid](*args, **kwargs)
+    call = gemm_tile.tile_call(x, w, None, y, None, None, config)  # what launch_gemm_tile runs
+    kernel, grid = call.kernel, call.grid
+    args, kwargs = call.args, {**call.constexprs, **call.options}
+    compiled = launch(call)
     runner = compiled[(grid[0], 1, 1)]
-    ordered = list(args) + [kwargs[k] for k in ("HAS_BIAS", "SCALE_A", "SCALE_B",
-                                                "INPUT_PRECISION", "MAX_IMPRECISE_ACC",
-                                                "BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M")]
+    ordered = all_arguments(call)
     compiled._init_handles()
 
     def direct():

@@ -27,7 +27,7 @@ from gemmtune.kernels.problem import MoeProblem
 from gemmtune.kernels.triton import moe_one_stage, moe_stream
 from gemmtune.kernels.triton.moe_configs import STREAM_PREFIX, MoeOneStageConfig, MoeStreamConfig
 from gemmtune.measure.timing import interleaved_graph_us
-from gemmtune.models.shapes import load_preset, moe_shapes
+from gemmtune.models.shapes import preset_moe_shape
 
 SHIPPED = Path(__file__).resolve().parent.parent / "src/gemmtune/configs/tuned_fmoe.csv"
 REPEATS = 20  # launches per token count; the median of each statistic is printed
@@ -116,9 +116,8 @@ def main() -> None:
                    help="a triton.moe_1stage:... or triton.moe_stream:... name")
     p.add_argument("--out", default="out")
     args = p.parse_args()
-    shape = moe_shapes(load_preset(args.model), args.tp)[0]
+    shape, label = preset_moe_shape(args.model, args.tp)
     model_dim, inter_dim, experts, topk = shape.model_dim, shape.inter_dim, shape.expert, shape.topk
-    label = args.model if args.tp == 1 else f"{args.model}-tp{args.tp}"
     sets = [(torch.randn(experts, 2 * inter_dim, model_dim, device="cuda").bfloat16(),
              torch.randn(experts, model_dim, inter_dim, device="cuda").bfloat16())
             for _ in range(2)]  # alternate: each launch reads its experts from HBM

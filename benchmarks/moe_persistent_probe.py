@@ -29,7 +29,7 @@ from gemmtune.kernels.triton.moe_configs import MoeStage1Config, MoeStage2Config
 from gemmtune.kernels.triton.moe_routing import moe_routing
 from gemmtune.measure.ceilings import floors, measure_ceilings
 from gemmtune.measure.timing import cold_copies, interleaved_graph_us
-from gemmtune.models.shapes import load_preset, moe_shapes
+from gemmtune.models.shapes import preset_moe_shape
 
 BLOCK_M = 128
 STAGE1 = {"plain": MoeStage1Config(BLOCK_M, 128, 64, 8, 3),
@@ -96,9 +96,8 @@ def main() -> None:
     p.add_argument("--tokens", default="1024,2048,4096,8192")
     p.add_argument("--out", default="out")
     args = p.parse_args()
-    shape = moe_shapes(load_preset(args.model), args.tp)[0]
+    shape, label = preset_moe_shape(args.model, args.tp)
     model_dim, inter_dim, experts, topk = shape.model_dim, shape.inter_dim, shape.expert, shape.topk
-    label = args.model if args.tp == 1 else f"{args.model}-tp{args.tp}"
     square = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     ceilings = measure_ceilings(lambda: square @ square, 2 * 8192 ** 3)
     print(f"{label}: {ceilings.bytes_per_s / 1e9:.0f} GB/s, "

@@ -29,7 +29,7 @@ from gemmtune.families.fmoe.inputs import route
 from gemmtune.kernels.problem import MoeProblem
 from gemmtune.measure.ceilings import floors, measure_ceilings
 from gemmtune.measure.timing import graph_replay_us
-from gemmtune.models.shapes import load_preset, moe_shapes
+from gemmtune.models.shapes import preset_moe_shape
 
 TOKENS = (1, 4)
 BLOCK = 4096  # elements per load step: 8 KiB of bf16 per program per step
@@ -156,10 +156,9 @@ def main() -> None:
     p.add_argument("--out", default="out")
     p.add_argument("--tokens", default=",".join(map(str, TOKENS)))
     args = p.parse_args()
-    shape = moe_shapes(load_preset(args.model), args.tp)[0]
+    shape, label = preset_moe_shape(args.model, args.tp)
     model_dim, inter_dim = shape.model_dim, shape.inter_dim
     n_experts, topk = shape.expert, shape.topk
-    label = args.model if args.tp == 1 else f"{args.model}-tp{args.tp}"
     square = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     ceilings = measure_ceilings(lambda: square @ square, 2 * 8192 ** 3)
     w1 = torch.randn(n_experts, 2 * inter_dim, model_dim, device="cuda").bfloat16()

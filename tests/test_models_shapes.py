@@ -426,3 +426,12 @@ def test_bias_flags_reach_the_projections_and_the_bf16_rows(extra, model_type, b
     bf16 = {(r.key.N, r.key.K): r.key.bias for r in rows["bf16"]}
     assert bf16 == {(p.N, p.K): p.bias for p in projections}
     assert len(rows["a8w8"]) == len({(p.N, p.K) for p in projections})  # no bias column there
+
+
+def test_a_presets_moe_shape_and_the_label_its_results_are_filed_under():
+    from gemmtune.models.shapes import ModelConfigError, MoeShape, preset_moe_shape
+
+    assert preset_moe_shape("deepseek-v3", 8) == (MoeShape(7168, 256, 256, 8), "deepseek-v3-tp8")
+    assert preset_moe_shape("mixtral-8x7b") == (MoeShape(4096, 14336, 8, 2), "mixtral-8x7b")
+    with pytest.raises(ModelConfigError, match="no MoE layers"):
+        preset_moe_shape("llama3-8b")

@@ -35,6 +35,7 @@ __all__ = [
     "load_model_dir",
     "load_preset",
     "moe_shapes",
+    "preset_moe_shape",
     "untuned_rows",
     "valid_tp",
 ]
@@ -408,6 +409,16 @@ def moe_shapes(spec: ModelSpec, tp: int = 1) -> list[MoeShape]:
         return []
     inter_dim = spec.moe_intermediate_size // tp
     return [MoeShape(spec.hidden_size, inter_dim, spec.num_experts, spec.num_experts_per_tok)]
+
+
+def preset_moe_shape(name: str, tp: int = 1) -> tuple[MoeShape, str]:
+    """The fused-MoE shape of preset ``name`` per TP rank, and the label results are filed under
+    (``name``, or ``name-tpN`` for a shard)."""
+    shapes = moe_shapes(load_preset(name), tp)
+    if not shapes:
+        raise ModelConfigError(f"preset {name!r} has no MoE layers; expected one of the MoE "
+                               f"presets")
+    return shapes[0], name if tp == 1 else f"{name}-tp{tp}"
 
 
 def _m_values(m_values: Iterable[int]) -> list[int]:

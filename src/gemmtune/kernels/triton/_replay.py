@@ -62,7 +62,7 @@ def _grid3(grid: tuple) -> tuple:
     return tuple(grid) + (1,) * (3 - len(grid))
 
 
-def _template(call: KernelCall) -> list:
+def all_arguments(call: KernelCall) -> list:
     """Every argument of the launch in signature order, constexprs included (what the compiled
     kernel's launcher takes)."""
     names = call.kernel.arg_names
@@ -93,14 +93,14 @@ class Replay:
     the first call's: x, w, the output, bias, scale_a, scale_b (each a tensor or None, the
     same ones present every call)."""
 
-    def __init__(self, call: KernelCall, compiled, roles: tuple, lead_roles: tuple,
-                 stream: int, device_index: int):
+    def __init__(self, call: KernelCall, compiled, roles: tuple, arguments: list,
+                 lead_roles: tuple, stream: int, device_index: int):
         self._grid = _grid3(call.grid)
         self._runner = compiled[self._grid]  # also loads the kernel (its function handle)
         self._compiled = compiled
         self._device = device_index
         self._lead_roles = lead_roles
-        self._rest = tuple(_template(call)[len(lead_roles):])
+        self._rest = tuple(arguments[len(lead_roles):])
         # Checked per call: every role but the output, which the caller makes as in the first
         # call.
         self._checked = tuple(r for r in range(len(roles)) if r != 2)
@@ -120,10 +120,11 @@ class Replay:
                 or len({id(t) for t in present}) < len(present)
                 or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())):
             return None
-        lead_roles = _lead_roles(_template(call), roles)
+        arguments = all_arguments(call)
+        lead_roles = _lead_roles(arguments, roles)
         if lead_roles is None:
             return None
-        return cls(call, compiled, roles, lead_roles, _current_stream(device_index),
+        return cls(call, compiled, roles, arguments, lead_roles, _current_stream(device_index),
                    device_index)
 
     def serves(self, roles: tuple) -> bool:
