@@ -4,8 +4,9 @@ A decode GEMM takes 5-20 µs on the GPU; the dispatch must add next to nothing o
 times many back-to-back eager calls (host-bound for small shapes) of F.linear and of gemm_a16w16
 whose table row names torch (so only the dispatch differs), and also the kernel time of each
 backend under CUDA-graph replay. Then, on one shape whose GPU time is below every call's host
-time, the op through a row of each backend against F.linear, in interleaved rounds (the host's
-speed drifts between runs). Writes CSV to $OUT (or ./out) and prints the tables last.
+time, each op (gemm_a16w16, gemm_a8w8, gemm_a8w8_blockscale) through each backend against
+F.linear and against the raw torch call its torch backend makes, in interleaved rounds (the
+host's speed drifts between runs). Writes CSV to $OUT (or ./out) and prints the tables last.
 
     PYTHONPATH=src python benchmarks/dispatch_overhead.py
 """
@@ -22,14 +23,27 @@ import torch
 import torch.nn.functional as F
 
 import gemmtune
+from gemmtune import quant
 from gemmtune.kernels.triton.gemm_tile import TileConfig, default_config
 from gemmtune.measure.timing import copies_to_exceed_l2, graph_replay_us, host_us_per_call
 
 # Host-bound: a few µs of GPU time for every backend, below any call's host time.
 BACKEND_SHAPE = (16, 256, 256)
-BACKENDS = ["torch.linear", "triton.tile:BM16.BN64.BK128.G8.W4.S4",
-            "triton.splitk:BM16.BN64.BK128.SK1.W4.S4", "triton.splitk:BM16.BN64.BK64.SK4.W4.S4",
-            "triton.persistent:BM64.BN64.BK64.G8.W4.S3"]
+# Per op, the backends timed (forced with ``kernel=``); cuBLASLt's heuristic pick is added
+# where nvmath is installed.
+OP_BACKENDS = {
+    "gemm_a16w16": ["torch.linear", "triton.tile:BM16.BN64.BK128.G8.W4.S4",
+                    "triton.splitk:BM16.BN64.BK128.SK1.W4.S4",
+                    "triton.splitk:BM16.BN64.BK64.SK4.W4.S4",
+                    "triton.persistent:BM64.BN64.BK64.G8.W4.S3"],
+    "gemm_a8w8": ["torch.scaled_mm", "triton.tile:BM16.BN64.BK128.G8.W4.S4",
+                  "triton.splitk:BM16.BN64.BK128.SK1.W4.S4",
+                  "triton.splitk:BM16.BN64.BK64.SK4.W4.S4",
+                  "triton.persistent:BM64.BN64.BK128.G8.W4.S3"],
+    "gemm_a8w8_blockscale": ["torch.scaled_mm_blockwise", "triton.tile:BM16.BN64.BK128.G8.W4.S4",
+                             "triton.splitk:BM16.BN64.BK128.SK1.W4.S4",
+                             "triton.splitk:BM16.BN64.BK128.SK2.W4.S4"],
+}
 ROUNDS = 7
 SHAPES = [(1, 576, 7168), (16, 576, 7168), (16, 4096, 4096), (128, 4096, 4096),
           (1024, 4096, 4096), (4096, 4096, 4096)]
@@ -47,38 +61,78 @@ def install_rows(m, n, k, kernel) -> None:
     gemmtune.reset()
 
 
-def _cublaslt_backend(m: int, n: int, k: int) -> list[str]:
-    """cuBLASLt's heuristic pick for the shape, where nvmath is installed (else none)."""
+def _cublaslt_backend(op: str, m: int, n: int, k: int) -> list[str]:
+    """cuBLASLt's heuristic pick for the shape, where the op has a cuBLASLt backend and nvmath
+    is installed (else none)."""
     from gemmtune.kernels import cublaslt
 
+    if op == "gemm_a8w8_blockscale":
+        return []
     if cublaslt.nvmath_missing():
         print(f"no cuBLASLt row: {cublaslt.INSTALL_HINT}")
         return []
-    return [cublaslt.heuristic_algos(m, n, k, torch.bfloat16, torch.bfloat16, False)[0].name]
+    if op == "gemm_a16w16":
+        return [cublaslt.heuristic_algos(m, n, k, torch.bfloat16, torch.bfloat16, False)[0].name]
+    return [cublaslt.heuristic_algos(m, n, k, torch.float8_e4m3fn, torch.bfloat16, False,
+                                     scaling="outer")[0].name]
 
 
-def backend_host_costs() -> list[dict]:
-    """Host µs per eager call of F.linear and of the op forced to each backend (``kernel=``: a
-    plan per backend, side by side), on BACKEND_SHAPE: the median over ROUNDS rounds, each
-    timing every one in turn. Each backend's result is checked first."""
-    m, n, k = BACKEND_SHAPE
+def _op_calls(op: str, m: int, n: int, k: int):
+    """F.linear's call, the torch call the op's torch backend wraps (made ready as a user
+    would), the op's call forcing a kernel by name, and the fp32 reference."""
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
-    ref = x.float() @ w.float().t()
-    calls = {"F.linear": lambda: F.linear(x, w)}
-    for name in BACKENDS + _cublaslt_backend(m, n, k):
-        y = gemmtune.gemm_a16w16(x, w, kernel=name)  # plan, compile, record
+    linear = ("F.linear", lambda: F.linear(x, w))
+    if op == "gemm_a16w16":
+        return [linear], lambda name: gemmtune.gemm_a16w16(x, w, kernel=name), \
+            x.float() @ w.float().t()
+    if op == "gemm_a8w8":
+        xq, xs = quant.per_token_fp8(x)
+        wq, ws = quant.per_channel_fp8(w)
+        wq_t, ws_row = wq.t(), ws.view(1, n)
+        raw = ("torch._scaled_mm (row-wise)", lambda: torch._scaled_mm(
+            xq, wq_t, scale_a=xs, scale_b=ws_row, out_dtype=torch.bfloat16))
+        ref = (xq.float() @ wq.float().t()) * xs * ws.view(1, n)
+        return [linear, raw], lambda name: gemmtune.gemm_a8w8(xq, wq, xs, ws, kernel=name), ref
+    xq, xs = quant.per_block_fp8(x, (1, 128))
+    wq, ws = quant.per_block_fp8(w, (128, 128))
+    xs_m_major, ws_t = xs.t().contiguous().t(), ws.t()
+    raw = ("torch._scaled_mm (block-wise)", lambda: torch._scaled_mm(
+        xq, wq.t(), scale_a=xs_m_major, scale_b=ws_t, out_dtype=torch.bfloat16))
+    ref = quant.dequant_per_block(xq, xs, (1, 128)) @ quant.dequant_per_block(
+        wq, ws, (128, 128)).t()
+    return [linear, raw], \
+        lambda name: gemmtune.gemm_a8w8_blockscale(xq, wq, xs, ws, kernel=name), ref
+
+
+def backend_host_costs(op: str) -> list[dict]:
+    """Host µs per eager call of F.linear, of the raw torch call the op's torch backend makes,
+    and of the op forced to each backend (``kernel=``: a plan per backend, side by side), on
+    BACKEND_SHAPE: the median over ROUNDS rounds, each timing every one in turn. Each backend's
+    result is checked first; a backend that cannot run the shape is reported and left out."""
+    m, n, k = BACKEND_SHAPE
+    references, op_call, ref = _op_calls(op, m, n, k)
+    calls = dict(references)
+    for name in OP_BACKENDS[op] + _cublaslt_backend(op, m, n, k):
+        try:
+            y = op_call(name)  # plan, compile, record
+        except ValueError as e:
+            print(f"{op} {name}: cannot run {m}x{n}x{k}: {e}")
+            continue
         err = float((y.float() - ref).norm() / ref.norm())
-        if err > 1e-2:
-            raise RuntimeError(f"{name}: relative error {err:.1e}")
-        calls[name] = lambda name=name: gemmtune.gemm_a16w16(x, w, kernel=name)
+        if err > 3e-2:
+            raise RuntimeError(f"{op} {name}: relative error {err:.1e}")
+        calls[name] = lambda name=name: op_call(name)
     times = {name: [] for name in calls}
     for _ in range(ROUNDS):
         for name, fn in calls.items():
             times[name].append(host_us_per_call(fn, calls=1000, loops=1))
     base = statistics.median(times["F.linear"])
-    return [dict(backend=name, host_us=round(statistics.median(t), 2),
-                 vs_linear=round(statistics.median(t) / base, 3)) for name, t in times.items()]
+    raw = statistics.median(times[references[-1][0]])
+    return [dict(op=op, backend=name, host_us=round(statistics.median(t), 2),
+                 vs_linear=round(statistics.median(t) / base, 3),
+                 vs_torch_call=round(statistics.median(t) / raw, 3))
+            for name, t in times.items()]
 
 
 def main() -> None:
@@ -107,7 +161,7 @@ def main() -> None:
                             triton_default=tile.name, triton_host_us=tile_host,
                             triton_graph_us=tile_gpu,
                             triton_rel_err=err))
-    backends = backend_host_costs()
+    backends = [row for op in OP_BACKENDS for row in backend_host_costs(op)]
     with open(out_dir / "dispatch_overhead_backends.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(backends[0]))
         writer.writeheader()
@@ -128,9 +182,12 @@ def main() -> None:
               f"{r['triton_rel_err']:>7.1e}")
 
     m, n, k = BACKEND_SHAPE
-    print(f"host µs per eager call at {m}x{n}x{k}, median of {ROUNDS} interleaved rounds:")
+    print(f"host µs per eager call at {m}x{n}x{k}, median of {ROUNDS} interleaved rounds "
+          f"(vs the torch call: F.linear, or the raw torch._scaled_mm the op's torch backend "
+          f"makes):")
     for r in backends:
-        print(f"  {r['backend']:<45} {r['host_us']:8.2f}  {r['vs_linear']:.3f}x F.linear")
+        print(f"  {r['op']:<21} {r['backend']:<58} {r['host_us']:8.2f}  "
+              f"{r['vs_linear']:.3f}x F.linear  {r['vs_torch_call']:.3f}x torch call")
 
 
 if __name__ == "__main__":

@@ -217,6 +217,8 @@ for what in "$@"; do
             TAIL=24 stage "benchmoe_$model" 400 python3 -m gemmtune.cli bench fmoe \
                 --model "$model" --tp "$tp" -o "$OUT/bench_fmoe_$model" ${BENCH_M:+--M "$BENCH_M"}
             unset GEMMTUNE_CONFIG_FMOE ;;
+        overhead)  # host µs per eager call of every op's backends (benchmarks/dispatch_overhead.py)
+            TAIL=40 stage overhead 400 python3 benchmarks/dispatch_overhead.py ;;
         *) echo "unknown stage $what" | tee -a "$summary" ;;
     esac
 done

@@ -59,9 +59,46 @@ def main() -> None:
     torch.cuda.synchronize()
     ref = x.float() @ w.float().t()
     print(f"direct launch rel err {float((y.float() - ref).norm() / ref.norm()):.1e}")
+    launcher = compiled.run  # Triton's CudaLauncher: its C ``launch`` takes ints for pointers
+    c_launch = launcher.launch
+    fixed = (compiled.function, launcher.launch_cooperative_grid, launcher.launch_pdl, None,
+             None, compiled.packed_metadata, None, None, None)
+    device_index = x.get_device()
+    cuda = torch.device("cuda", device_index)
+
+    def c_launch_tensors():
+        c_launch(grid[0], 1, 1, torch._C._cuda_getCurrentRawStream(device_index), *fixed,
+                 *ordered)
+
+    pointers = [a.data_ptr() if isinstance(a, torch.Tensor) else a for a in ordered]
+
+    def c_launch_ints():
+        c_launch(grid[0], 1, 1, torch._C._cuda_getCurrentRawStream(device_index), *fixed,
+                 *pointers)
+
+    xq = x.to(torch.float8_e4m3fn)
+    wq_t = w.to(torch.float8_e4m3fn).t()
+    one = torch.ones((), device="cuda")
+    row_a, row_b = torch.ones(M, 1, device="cuda"), torch.ones(1, N, device="cuda")
     rows = [
         ("F.linear", lambda: F.linear(x, w)),
+        ("torch._scaled_mm, per tensor", lambda: torch._scaled_mm(
+            xq, wq_t, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)),
+        ("torch._scaled_mm, per row", lambda: torch._scaled_mm(
+            xq, wq_t, scale_a=row_a, scale_b=row_b, out_dtype=torch.bfloat16)),
         ("torch.empty (M, N)", lambda: torch.empty(M, N, device="cuda", dtype=torch.bfloat16)),
+        ("torch.empty, a torch.device", lambda: torch.empty((M, N), dtype=torch.bfloat16,
+                                                             device=cuda)),
+        ("x.new_empty (M, N)", lambda: x.new_empty((M, N))),
+        ("C launch, tensors", c_launch_tensors),
+        ("C launch, int pointers", c_launch_ints),
+        ("key: shapes, dtypes, devices", lambda: (x.shape, w.shape, x.dtype, w.dtype,
+                                                  x.get_device(), w.get_device())),
+        ("is_compiling + autocast + grad", lambda: (
+            torch.compiler.is_compiling(), torch._C._is_any_autocast_enabled(),
+            x.requires_grad, w.requires_grad)),
+        ("is_contiguous + data_ptr x2", lambda: (x.is_contiguous(), x.data_ptr(),
+                                                 w.is_contiguous(), w.data_ptr())),
         ("kernel[grid](...)", lambda: kernel[grid](*args, **kwargs)),
         ("compiled[grid](...)", lambda: runner(*ordered)),
         ("CompiledKernel.run, direct", direct),

@@ -534,3 +534,56 @@ def test_nvmath_is_a_dependency_on_linux():
         pytest.skip("gemmtune is not installed here (run from a source tree)")
     assert any(r.startswith("nvmath-python") and "sys_platform == \"linux\"" in r
                and "extra" not in r for r in requires), requires
+
+
+# ------------------------------------------------------------------- the eager hot path
+def test_a_repeated_call_is_served_from_its_call_key_without_planning(monkeypatch):
+    from gemmtune.families.bf16 import op
+
+    x, w = fresh(3, 24), fresh(40, 24, seed=1)
+    gemmtune.gemm_a16w16(x, w, kernel="torch.linear")
+    # A forced (or exactly matched) torch row is F.linear itself: the op adds only its key.
+    assert list(op._CALLS.values()) == [torch.nn.functional.linear]
+    monkeypatch.setattr(op, "_plan", lambda *a: pytest.fail("a cached call planned again"))
+    x2 = fresh(3, 24, seed=3)
+    y = gemmtune.gemm_a16w16(x2, w, kernel="torch.linear")
+    torch.testing.assert_close(y, gemm_a16w16_ref(x2, w), rtol=1e-5, atol=1e-5)
+
+
+def test_a_call_differing_from_a_cached_one_in_what_it_checks_is_checked():
+    # Same shapes as a cached call, but w of another dtype, a bias of another length: the call
+    # key holds every tensor's dtype and shape, so neither reaches the cached kernel.
+    x, w = fresh(3, 24), fresh(40, 24, seed=1)
+    gemmtune.gemm_a16w16(x, w)
+    with pytest.raises(TypeError, match="x is torch.float32 but w is torch.float64"):
+        gemmtune.gemm_a16w16(x, w.double())
+    with pytest.raises(ValueError, match="bias has shape"):
+        gemmtune.gemm_a16w16(x, w, fresh(39, seed=2))
+
+
+def test_forgetting_the_tables_forgets_the_bound_calls(user_table):
+    from gemmtune.families.bf16 import op
+
+    x, w = fresh(16, 32), fresh(16, 32, seed=1)
+    gemmtune.gemm_a16w16(x, w)
+    assert op._CALLS
+    user_table(row(16, 16, 32, TILE))  # a new table: reset
+    assert not op._CALLS
+    y = gemmtune.gemm_a16w16(x, w)
+    assert plan_for(16, 16, 32).decision.kernel_name == TILE
+    torch.testing.assert_close(y, gemm_a16w16_ref(x, w), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("kernel", [TILE, "triton.splitk:BM16.BN16.BK16.SK2.W4.S1"])
+def test_bound_triton_calls_match_the_reference_on_fresh_inputs(user_table, kernel):
+    # The bound call of a Triton row: every call with a new x (2-D and with leading dims) and
+    # a poisoned previous output computes the product afresh.
+    user_table(row(13, 24, 32, kernel), row(13, 24, 32, kernel, bias=True))
+    w, b = fresh(24, 32, seed=1), fresh(24, seed=2)
+    for seed in range(3):
+        for x in (fresh(13, 32, seed=10 + seed), fresh(1, 13, 32, seed=20 + seed)):
+            for bias in (None, b):
+                y = gemmtune.gemm_a16w16(x, w, bias)
+                torch.testing.assert_close(y, gemm_a16w16_ref(x, w, bias), rtol=1e-4,
+                                           atol=1e-4)
+                y.fill_(float("nan"))

@@ -141,6 +141,70 @@ def test_no_replay_is_recorded_where_it_could_not_serve_right():
     assert Replay.record(shared, _FakeCompiled(), (x, w, y, None, scale, scale), 0) is None
 
 
+def _fast_recording(monkeypatch, x, w, y, workspace=None):
+    """A recording launched through a stand-in for Triton's C launcher: (the replay, the
+    argument lists the launcher got)."""
+    launches = []
+    monkeypatch.setattr(_replay, "_direct_launch",
+                        lambda compiled: (lambda *args: launches.append(args), ("between",)))
+    replay, _ = _recording(x, w, y, workspace)
+    return replay, launches
+
+
+def test_a_fast_launch_gives_the_launcher_the_new_tensors_addresses(monkeypatch):
+    x, w, y = torch.randn(4, 8), torch.randn(6, 8), torch.empty(4, 6)
+    replay, launches = _fast_recording(monkeypatch, x, w, y)
+    x2, y2 = torch.randn(4, 8), torch.empty(4, 6)
+    assert replay.launch_fast((x2, w, y2, None, None, None))
+    (args,) = launches
+    # The grid, the stream, what the launcher takes before the kernel's arguments, then the
+    # addresses (x's again for the missing bias) and the recorded rest.
+    assert args[:5] == (5, 1, 1, 0, "between")
+    assert args[5:9] == (x2.data_ptr(), w.data_ptr(), y2.data_ptr(), x2.data_ptr())
+    assert args[9:] == (4, 8, None, 64)
+
+
+def test_a_fast_launch_refuses_what_the_recording_did_not_see(monkeypatch):
+    x, w, y = torch.randn(4, 8), torch.randn(6, 8), torch.empty(4, 6)
+    replay, launches = _fast_recording(monkeypatch, x, w, y)
+    strided = torch.randn(8, 4).t()
+    unaligned = torch.randn(33)[1:].view(4, 8)
+    for roles in ((strided, w, y, None, None, None), (unaligned, w, y, None, None, None),
+                  (x, w, y, torch.randn(6), None, None)):  # a bias where none was recorded
+        assert not replay.launch_fast(roles)
+    monkeypatch.setattr(_replay, "_no_launch_hooks", lambda: False)  # a profiler listens
+    assert not replay.launch_fast((x, w, y, None, None, None))
+    assert launches == []
+
+
+def test_a_fast_launch_of_a_recording_bound_to_a_stream_keeps_to_it(monkeypatch):
+    x, w, y = torch.randn(4, 8), torch.randn(6, 8), torch.empty(4, 6)
+    monkeypatch.setattr(_replay, "_current_stream", lambda device: 7)
+    replay, launches = _fast_recording(monkeypatch, x, w, y, workspace=torch.zeros(16))
+    assert replay.launch_fast((x, w, y, None, None, None))
+    monkeypatch.setattr(_replay, "_current_stream", lambda device: 8)
+    assert not replay.launch_fast((x, w, y, None, None, None))
+    assert len(launches) == 1
+
+
+def test_a_strided_recording_is_never_launched_fast(monkeypatch):
+    x, w, y = torch.randn(8, 4).t(), torch.randn(6, 8), torch.empty(4, 6)
+    replay, launches = _fast_recording(monkeypatch, x, w, y)
+    assert not replay.launch_fast((torch.randn(4, 8), w, y, None, None, None))
+    assert launches == []
+
+
+def test_without_a_known_launcher_a_fast_launch_goes_through_the_compiled_kernel(monkeypatch):
+    # A Triton whose launcher layout is not known here: the compiled kernel's run, with
+    # the addresses as integers.
+    monkeypatch.setattr(_replay, "_DIRECT_LAUNCH_VERSIONS", ())
+    x, w, y = torch.randn(4, 8), torch.randn(6, 8), torch.empty(4, 6)
+    replay, compiled = _recording(x, w, y)
+    assert replay.launch_fast((x, w, y, None, None, None))
+    (args,) = compiled.calls
+    assert args[:4] == (x.data_ptr(), w.data_ptr(), y.data_ptr(), x.data_ptr())
+
+
 # ---------------------------------------------------------------------------------- the GPU
 HEADER = ("arch,cu_num,M,N,K,bias,dtype,outdtype,scaleAB,bpreshuffle,libtype,solidx,splitK,us,"
           "kernelName,err_ratio,tflops,bw\n")
@@ -163,11 +227,19 @@ def _rel_err(y, ref):
 
 @pytest.fixture
 def replays(monkeypatch):
-    """Counts the launches served by a replay."""
+    """Counts the launches served by a replay (the checked way or the fast one)."""
     served = []
-    real = Replay.__call__
+    real, real_fast = Replay.__call__, Replay.launch_fast
+
+    def fast(self, roles):
+        launched = real_fast(self, roles)
+        if launched:
+            served.append(self)
+        return launched
+
     monkeypatch.setattr(Replay, "__call__", lambda self, roles: (served.append(self),
                                                                  real(self, roles)))
+    monkeypatch.setattr(Replay, "launch_fast", fast)
     return served
 
 
@@ -254,3 +326,51 @@ def test_split_k_recordings_share_their_streams_partials():
     # 1-16 tokens fit the first buffer; each later count may grow it once.
     assert partials[1] is partials[5] is partials[16]
     assert len({id(p) for p in partials.values()}) <= 3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_bound_calls_replay_inside_a_cuda_graph(tmp_path, monkeypatch, kernel):
+    m, n, k = 16, 576, 2048
+    _route(tmp_path, monkeypatch, kernel, m, n, k)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
+    static_x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    gemmtune.gemm_a16w16(static_x, w)  # planned and recorded outside the capture
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        gemmtune.gemm_a16w16(static_x, w)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = gemmtune.gemm_a16w16(static_x, w)
+    for seed in range(2):
+        torch.manual_seed(seed)
+        static_x.copy_(torch.randn(m, k, device="cuda", dtype=torch.bfloat16))
+        y.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert _rel_err(y, gemm_a16w16_ref(static_x, w, None, torch.float32)) < 1e-2, kernel
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernel", ["triton.tile:BM16.BN64.BK128.G8.W4.S4",
+                                    "triton.splitk:BM16.BN64.BK128.SK4.W4.S4"])
+def test_bound_a8w8_calls_take_scales_in_any_layout(kernel, replays):
+    from gemmtune import quant
+    from gemmtune.kernels.torch_ref import gemm_a8w8_ref
+
+    m, n, k = 16, 576, 2048
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+    wq, ws = quant.per_channel_fp8(w)
+    for seed in range(4):
+        torch.manual_seed(seed)
+        xq, xs = quant.per_token_fp8(torch.randn(m, k, device="cuda", dtype=torch.bfloat16))
+        if seed == 2:  # the same (M, 1) scale with a stride: read in order, not as laid out
+            wide = torch.full((m, 2), float("nan"), device="cuda")
+            wide[:, :1] = xs
+            xs = wide[:, :1]
+        y = gemmtune.gemm_a8w8(xq, wq, xs, ws, kernel=kernel)
+        ref = gemm_a8w8_ref(xq, wq, xs, ws, None, torch.float32)
+        assert _rel_err(y, ref) < 1e-2, (kernel, seed)
+    assert len(replays) >= 2, kernel  # the contiguous calls after the first

@@ -51,6 +51,19 @@ def linear_torch(x, w, bias, out_dtype, scale_a, scale_b, out=None):  # x (..., 
     return y if out is None else out.copy_(y)
 
 
+def bind_linear(x, w, bias, out_dtype, scale_a, scale_b):
+    """``linear_torch`` for calls like this one (dispatch's ``bind``): ``F.linear`` itself
+    where the call is its common case, so the op's hot path adds nothing to it."""
+    if out_dtype == x.dtype and scale_a is None and scale_b is None and (
+            bias is None or bias.dtype == x.dtype):
+        return F.linear
+
+    def run(x, w, bias, scale_a=None, scale_b=None):
+        return _linear_torch(x, w, bias, out_dtype, scale_a, scale_b)
+
+    return run
+
+
 def _linear_torch(x, w, bias, out_dtype, scale_a, scale_b):
     """cuBLAS through torch, as a model would call it. Unusual combinations (fp32 output from
     16-bit inputs on the CPU, per-tensor scales on 16-bit inputs) take the fp32 reference path:
@@ -130,6 +143,33 @@ def scaled_mm_torch(xq, wq, bias, out_dtype, x_scale, w_scale, out=None):  # xq 
         y = (y + bias.float()).to(out_dtype)
     y = y.view(*xq.shape[:-1], n)
     return y if out is None else out.copy_(y)
+
+
+def bind_scaled_mm(xq, wq, bias, out_dtype, x_scale, w_scale):
+    """``scaled_mm_torch`` for calls like this one (dispatch's ``bind``): for 2-D FP8 x with
+    per-tensor scales, or a per-token (M, 1) and a per-channel (N, 1) scale, without bias,
+    ``torch._scaled_mm`` with only the views and layouts it needs made per call (each a no-op
+    for contiguous operands); None (the plain call) otherwise."""
+    k, n = xq.shape[-1], wq.shape[0]
+    m = xq.numel() // k if k else 0
+    if (bias is not None or xq.dim() != 2 or xq.dtype != torch.float8_e4m3fn
+            or not torch_fast_path(m, n, k, xq.dtype, xq.is_cuda)):
+        return None
+    if x_scale.numel() == 1 and w_scale.numel() == 1:
+        def run(xq, wq, bias, x_scale, w_scale):
+            return torch._scaled_mm(xq.contiguous(), wq.contiguous().t(),
+                                    scale_a=x_scale.reshape(()),
+                                    scale_b=w_scale.reshape(()), out_dtype=out_dtype)
+        return run
+    if x_scale.shape != (m, 1) or w_scale.shape != (n, 1):
+        return None
+
+    def run(xq, wq, bias, x_scale, w_scale):  # row-wise: an (M, 1) and a (1, N) scale
+        return torch._scaled_mm(xq.contiguous(), wq.contiguous().t(),
+                                scale_a=x_scale.contiguous(),
+                                scale_b=w_scale.view(1, n), out_dtype=out_dtype)
+
+    return run
 
 
 _BLOCK = 128  # K extent of an FP8 block scale (x per 1x128, w per 128x128)

@@ -20,7 +20,7 @@ from gemmtune.families._gemm import (OUT_DTYPES, TUNED_OUT_DTYPE, check_multiply
                                      check_out_dtype_and_device, gemm_registry, gemm_schema,
                                      json_config_or)
 from gemmtune.kernels.problem import GemmProblem, Scaling
-from gemmtune.kernels.torch_ref import TORCH_SCALED_MM, scaled_mm_torch
+from gemmtune.kernels.torch_ref import TORCH_SCALED_MM, bind_scaled_mm, scaled_mm_torch
 from gemmtune.kernels.triton.dispatchable import PREFIXES as TRITON_PREFIXES
 from gemmtune.tables.schema import Column, Kind
 from gemmtune.tables.values import DTYPE_NAMES, to_torch_dtype
@@ -52,7 +52,7 @@ def problem_of(key: A8w8Key) -> GemmProblem:
 
 
 REGISTRY = gemm_registry("a8w8", TORCH_SCALED_MM, scaled_mm_torch, TRITON_PREFIXES,
-                         cublaslt="scaled")
+                         cublaslt="scaled", torch_bind=bind_scaled_mm)
 
 
 def _to_table_key(raw: tuple) -> A8w8Key:
@@ -70,6 +70,7 @@ def _default_kernel(key: A8w8Key, device: DeviceId) -> str:
 
 
 DISPATCH = Dispatcher(SCHEMA, REGISTRY, _to_table_key, problem_of, _default_kernel)
+_CALLS = DISPATCH.calls  # the eager hot path's dict (Dispatcher.remember)
 
 
 def _check(xq, wq, x_scale, w_scale, bias, dtype) -> None:
@@ -94,13 +95,13 @@ def _check(xq, wq, x_scale, w_scale, bias, dtype) -> None:
                          f"{xq.device}, got {tuple(bias.shape)} {bias.dtype} on {bias.device}")
 
 
-def _run(xq, wq, x_scale, w_scale, bias, dtype, kernel):
+def _plan(xq, wq, x_scale, w_scale, bias, dtype, kernel):
     args = (xq, wq, x_scale, w_scale, bias, dtype)
     try:
         k = xq.shape[-1]
         m = xq.numel() // k if k else math.prod(xq.shape[:-1])
         # The plan key holds everything the checks depend on (but the scales' contiguity, which
-        # reshape(-1) below makes good), so a cached call needs no checks.
+        # the kernels are given anyway), so a cached call needs no checks.
         device = xq.get_device()
         key = (m, wq.shape[0], k, xq.dtype, wq.dtype, wq.dim(), wq.shape[-1], wq.get_device(),
                x_scale.numel(), x_scale.dtype, x_scale.get_device(),
@@ -110,8 +111,21 @@ def _run(xq, wq, x_scale, w_scale, bias, dtype, kernel):
     except (AttributeError, IndexError, ValueError):
         _check(*args)
         raise
-    plan = DISPATCH.plan_for(key, device, kernel, _check, args)
+    return DISPATCH.plan_for(key, device, kernel, _check, args)
+
+
+def _run(xq, wq, x_scale, w_scale, bias, dtype, kernel):
+    plan = _plan(xq, wq, x_scale, w_scale, bias, dtype, kernel)
     return plan.run(xq, wq, bias, dtype, x_scale.reshape(-1), w_scale.reshape(-1))
+
+
+def _run_and_remember(call_key: tuple, xq, wq, x_scale, w_scale, bias, dtype, kernel):
+    """The first eager call with ``call_key``: checked in full, planned, and its plan's kernel
+    bound to the key for the calls after it."""
+    _check(xq, wq, x_scale, w_scale, bias, dtype)
+    plan = _plan(xq, wq, x_scale, w_scale, bias, dtype, kernel)
+    run = DISPATCH.remember(call_key, plan, (xq, wq, bias, dtype, x_scale, w_scale))
+    return run(xq, wq, bias, x_scale, w_scale)
 
 
 @torch.library.custom_op("gemmtune::gemm_a8w8", mutates_args=())
@@ -140,4 +154,14 @@ def gemm_a8w8(xq: torch.Tensor, wq: torch.Tensor, x_scale: torch.Tensor, w_scale
     """
     if torch.compiler.is_compiling():
         return _gemm_a8w8_op(xq, wq, x_scale, w_scale, bias, dtype, kernel)
-    return _run(xq, wq, x_scale, w_scale, bias, dtype, kernel)
+    # The eager hot path: everything the checks and the plan depend on, one dict hit, the
+    # kernel bound to this key (Dispatcher.remember). Each backend takes the scales as given
+    # (a kernel that needs them contiguous makes them so).
+    call_key = (xq.shape, wq.shape, x_scale.shape, w_scale.shape, xq.dtype, wq.dtype,
+                x_scale.dtype, w_scale.dtype, xq.get_device(), wq.get_device(),
+                x_scale.get_device(), w_scale.get_device(), dtype, kernel,
+                None if bias is None else (bias.shape, bias.dtype, bias.get_device()))
+    run = _CALLS.get(call_key)
+    if run is None:
+        return _run_and_remember(call_key, xq, wq, x_scale, w_scale, bias, dtype, kernel)
+    return run(xq, wq, bias, x_scale, w_scale)

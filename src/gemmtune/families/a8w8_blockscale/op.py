@@ -56,6 +56,7 @@ def _default_kernel(key: BlockscaleKey, device: DeviceId) -> str:
 
 
 DISPATCH = Dispatcher(SCHEMA, REGISTRY, _to_table_key, problem_of, _default_kernel)
+_CALLS = DISPATCH.calls  # the eager hot path's dict (Dispatcher.remember)
 
 
 def _check(xq, wq, x_scale, w_scale, dtype) -> None:
@@ -72,7 +73,7 @@ def _check(xq, wq, x_scale, w_scale, dtype) -> None:
     validate_block_scales("gemm_a8w8_blockscale", x2, wq, xs, w_scale)
 
 
-def _run(xq, wq, x_scale, w_scale, dtype, kernel):
+def _plan(xq, wq, x_scale, w_scale, dtype, kernel):
     args = (xq, wq, x_scale, w_scale, dtype)
     try:
         k = xq.shape[-1]
@@ -87,9 +88,23 @@ def _run(xq, wq, x_scale, w_scale, dtype, kernel):
     except (AttributeError, IndexError, ValueError):
         _check(*args)
         raise
-    plan = DISPATCH.plan_for(key, device, kernel, _check, args)
+    return DISPATCH.plan_for(key, device, kernel, _check, args)
+
+
+def _run(xq, wq, x_scale, w_scale, dtype, kernel):
+    plan = _plan(xq, wq, x_scale, w_scale, dtype, kernel)
     xs = x_scale.reshape(-1, x_scale.shape[-1])
     return plan.run(xq, wq, None, dtype, xs, w_scale)
+
+
+def _run_and_remember(call_key: tuple, xq, wq, x_scale, w_scale, dtype, kernel):
+    """The first eager call with ``call_key``: checked in full, planned, and its plan's kernel
+    bound to the key for the calls after it (x_scale as the kernels take it: (M, K/128))."""
+    _check(xq, wq, x_scale, w_scale, dtype)
+    plan = _plan(xq, wq, x_scale, w_scale, dtype, kernel)
+    xs = x_scale.reshape(-1, x_scale.shape[-1])
+    run = DISPATCH.remember(call_key, plan, (xq, wq, None, dtype, xs, w_scale))
+    return run(xq, wq, None, xs, w_scale)
 
 
 @torch.library.custom_op("gemmtune::gemm_a8w8_blockscale", mutates_args=())
@@ -112,4 +127,15 @@ def gemm_a8w8_blockscale(xq: torch.Tensor, wq: torch.Tensor, x_scale: torch.Tens
     ``kernel``, a kernelName checked like a table row). Returns (..., N) in ``dtype``."""
     if torch.compiler.is_compiling():
         return _gemm_a8w8_blockscale_op(xq, wq, x_scale, w_scale, dtype, kernel)
-    return _run(xq, wq, x_scale, w_scale, dtype, kernel)
+    # The eager hot path: everything the checks and the plan depend on (the scales' layout
+    # included), one dict hit, the kernel bound to this key (Dispatcher.remember).
+    call_key = (xq.shape, wq.shape, x_scale.shape, w_scale.shape, xq.dtype, wq.dtype,
+                x_scale.dtype, w_scale.dtype, xq.get_device(), wq.get_device(),
+                x_scale.get_device(), w_scale.get_device(), x_scale.is_contiguous(),
+                w_scale.is_contiguous(), dtype, kernel)
+    run = _CALLS.get(call_key)
+    if run is None:
+        return _run_and_remember(call_key, xq, wq, x_scale, w_scale, dtype, kernel)
+    if xq.dim() != 2:
+        x_scale = x_scale.view(-1, x_scale.shape[-1])
+    return run(xq, wq, None, x_scale, w_scale)

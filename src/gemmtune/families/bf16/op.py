@@ -17,7 +17,7 @@ from gemmtune.device import DeviceId
 from gemmtune.dispatch import Dispatcher
 from gemmtune.families._gemm import gemm_registry, gemm_schema, json_config_or
 from gemmtune.kernels.problem import GemmProblem, Scaling
-from gemmtune.kernels.torch_ref import TORCH_LINEAR, linear_torch
+from gemmtune.kernels.torch_ref import TORCH_LINEAR, bind_linear, linear_torch
 from gemmtune.kernels.triton.dispatchable import PREFIXES as TRITON_PREFIXES
 from gemmtune.tables.schema import Column, Kind
 from gemmtune.tables.values import DTYPE_NAMES, to_torch_dtype
@@ -56,7 +56,8 @@ def problem_of(key: Bf16Key) -> GemmProblem:
                        Scaling.tensor if key.scaleAB else Scaling.none, key.bpreshuffle)
 
 
-REGISTRY = gemm_registry("bf16", TORCH_LINEAR, linear_torch, TRITON_PREFIXES, cublaslt="unscaled")
+REGISTRY = gemm_registry("bf16", TORCH_LINEAR, linear_torch, TRITON_PREFIXES, cublaslt="unscaled",
+                         torch_bind=bind_linear)
 
 
 def _to_table_key(raw: tuple) -> Bf16Key:
@@ -76,6 +77,7 @@ def _default_kernel(key: Bf16Key, device: DeviceId) -> str:
 
 
 DISPATCH = Dispatcher(SCHEMA, REGISTRY, _to_table_key, problem_of, _default_kernel)
+_CALLS = DISPATCH.calls  # the eager hot path's dict (Dispatcher.remember)
 
 
 def _out_dtype(dtype: torch.dtype, otype: Optional[torch.dtype]) -> torch.dtype:
@@ -112,18 +114,16 @@ def _check_scales(x: torch.Tensor, scale_a, scale_b) -> None:
                 f"{x.device}, got shape {tuple(s.shape)} {s.dtype} on {s.device}")
 
 
-def _run(x, w, bias, otype, scale_a, scale_b, kernel):
-    # Hot path: full validation runs once per shape key (on a plan miss); a cached call pays only
-    # for what the key does not pin (w's K and dtype, bias length). Measured on the CPU with a
-    # 1x16x16 GEMM: this function adds ~2-3 us to F.linear's ~3 us.
+def _plan(x, w, bias, otype, scale_a, scale_b, kernel):
+    """The plan for this call and its output dtype. Full validation runs once per shape key
+    (on a plan miss); a cached plan checks only what the key does not pin (w's K and dtype,
+    bias length)."""
     try:
         n, k = w.shape
         xk = x.shape[-1]
     except (ValueError, IndexError):
         _check(x, w, bias, scale_a, scale_b)
         raise
-    # Kernels take x with its leading dims: torch's F.linear flattens them in C++ for free, where
-    # a reshape and a view here would cost ~3 µs of host time per call (measured on H100).
     m = x.numel() // xk if xk else math.prod(x.shape[:-1])
     dtype = x.dtype
     out_dtype = _out_dtype(dtype, otype)
@@ -135,7 +135,22 @@ def _run(x, w, bias, otype, scale_a, scale_b, kernel):
         _check(x, w, bias, scale_a, scale_b)
     elif scaled:
         _check_scales(x, scale_a, scale_b)
+    return plan, out_dtype
+
+
+def _run(x, w, bias, otype, scale_a, scale_b, kernel):
+    plan, out_dtype = _plan(x, w, bias, otype, scale_a, scale_b, kernel)
+    # Kernels take x with its leading dims: torch's F.linear flattens them in C++ for free, where
+    # a reshape and a view here would cost ~3 µs of host time per call (measured on H100).
     return plan.run(x, w, bias, out_dtype, scale_a, scale_b)
+
+
+def _run_and_remember(call_key: tuple, x, w, bias, otype, kernel):
+    """The first eager call with ``call_key``: checked in full, planned, and its plan's kernel
+    bound to the key for the calls after it."""
+    _check(x, w, bias, None, None)
+    plan, out_dtype = _plan(x, w, bias, otype, None, None, kernel)
+    return DISPATCH.remember(call_key, plan, (x, w, bias, out_dtype, None, None))(x, w, bias)
 
 
 # The forced kernel travels as ``kernel_name``: an op argument called ``kernel`` collides with
@@ -186,6 +201,8 @@ def gemm_a16w16(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] =
     ``solution_index``), checked like a table row: a kernel that cannot run the shape is an
     error. Returns (..., N).
     """
+    # The eager hot path, ~1 µs of host time beside F.linear's 14 µs (H100 host, 16x256x256;
+    # benchmarks/dispatch_overhead.py): three switches, the call key, one dict hit, the kernel.
     if torch.compiler.is_compiling():
         x, w, bias = _autocast(x, w, bias, scale_a, scale_b)
         return _gemm_a16w16_op(x, w, bias, otype, scale_a, scale_b, kernel)
@@ -194,7 +211,15 @@ def gemm_a16w16(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] =
     if torch.is_grad_enabled() and (
             x.requires_grad or w.requires_grad or (bias is not None and bias.requires_grad)):
         return _gemm_a16w16_op(x, w, bias, otype, scale_a, scale_b, kernel)
-    return _run(x, w, bias, otype, scale_a, scale_b, kernel)
+    if scale_a is not None or scale_b is not None:
+        return _run(x, w, bias, otype, scale_a, scale_b, kernel)
+    # Everything the checks and the plan depend on: a call found here needs neither.
+    call_key = (x.shape, w.shape, x.dtype, w.dtype, x.get_device(), w.get_device(), otype,
+                kernel, None if bias is None else (bias.shape, bias.dtype, bias.get_device()))
+    run = _CALLS.get(call_key)
+    if run is None:
+        return _run_and_remember(call_key, x, w, bias, otype, kernel)
+    return run(x, w, bias)
 
 
 def _autocast(x, w, bias, scale_a, scale_b):

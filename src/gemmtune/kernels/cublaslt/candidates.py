@@ -115,8 +115,8 @@ def enumerate_algos(M: int, N: int, K: int, dtype: torch.dtype, out_dtype: torch
 
 
 def heuristic_algos(M: int, N: int, K: int, dtype: torch.dtype, out_dtype: torch.dtype,
-                    has_bias: bool) -> list[LtAlgo]:
+                    has_bias: bool, scaling: str = "") -> list[LtAlgo]:
     """The heuristic's own list for this shape on the current GPU, best first (#0 is what
-    cuBLASLt would pick)."""
-    prob = current_problem(M, N, K, dtype, out_dtype, has_bias, "")
+    cuBLASLt would pick); ``scaling``: the FP8 scale mode (one of SCALINGS), or ""."""
+    prob = current_problem(M, N, K, dtype, out_dtype, has_bias, scaling)
     return [a for a in map(algo_of, prob.heuristic()) if a is not None]

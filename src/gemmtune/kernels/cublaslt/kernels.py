@@ -84,6 +84,21 @@ class CublasLtKernel:
             plan = self._plan(m, n, k, bias is not None, x.dtype, out_dtype, dev)
         return _run(plan, x, w, bias, out_dtype, out, m, n, dev)
 
+    def bind(self, x, w, bias, out_dtype, scale_a, scale_b):
+        """Calls with these arguments' dtypes, shapes and devices (dispatch's ``bind``): the
+        plan found once, each call only allocates and launches; None where it is not planned."""
+        n, k = w.shape
+        m = x.numel() // k if k else 0
+        dev = x.get_device()
+        plan = self._plans.get((m, n, k, bias is not None, x.dtype, out_dtype, "", dev))
+        if plan is None or scale_a is not None or scale_b is not None:
+            return None
+
+        def run(x, w, bias, scale_a=None, scale_b=None):
+            return _run(plan, x, w, bias, out_dtype, None, m, n, dev)
+
+        return run
+
 
 class CublasLtScaledKernel(CublasLtKernel):
     """A ``cublaslt:...`` row of the a8w8 table: FP8 x and w with fp32 scales, one per tensor or
@@ -144,16 +159,28 @@ class CublasLtScaledKernel(CublasLtKernel):
                               f"{scaling} scales ({e}); these calls run torch.scaled_mm",
                               stacklevel=2)
                 return self._fallback(x, w, bias, out_dtype, scale_a, scale_b, out)
-        if not per_tensor:
-            scale_a, scale_b = scale_a.reshape(-1), scale_b.reshape(-1)
-            if scale_a.numel() != m:
-                scale_a = scale_a.expand(m)
-            if scale_b.numel() != n:
-                scale_b = scale_b.expand(n)
-        scale_a, scale_b = _aligned_dense(scale_a), _aligned_dense(scale_b)
-        # cuBLAS's A is w: its scales come first.
         return _run(plan, x, w, bias, out_dtype, out, m, n, dev,
-                    (scale_b.data_ptr(), scale_a.data_ptr()))
+                    _scale_pointers(scale_a, scale_b, per_tensor, m, n))
+
+    def bind(self, x, w, bias, out_dtype, scale_a, scale_b):
+        """Calls with these arguments' dtypes, shapes and devices (dispatch's ``bind``): the
+        plan found once, each call only lays out the scales, allocates and launches; None where it
+        is not planned (a bias or an output dtype the row was not tuned for)."""
+        n, k = w.shape
+        m = x.numel() // k if k else 0
+        dev = x.get_device()
+        per_tensor = scale_a.numel() == 1 and scale_b.numel() == 1
+        key = (m, n, k, bias is not None, x.dtype, out_dtype, "tensor" if per_tensor else "outer",
+               dev)
+        plan = self._plans.get(key)
+        if plan is None:
+            return None
+
+        def run(x, w, bias, scale_a, scale_b):
+            return _run(plan, x, w, bias, out_dtype, None, m, n, dev,
+                        _scale_pointers(scale_a, scale_b, per_tensor, m, n))
+
+        return run
 
     @staticmethod
     def _fallback(x, w, bias, out_dtype, scale_a, scale_b, out):
@@ -216,6 +243,19 @@ def _run(plan: Plan, x, w, bias, out_dtype, out, m: int, n: int, dev: int,
     plan.matmul(plan.handle, desc, plan.alpha, wp, plan.a, xp, plan.b, plan.beta, op, plan.c,
                 op, plan.c, plan.algo_ptr, workspace, WORKSPACE_BYTES, stream)
     return out
+
+
+def _scale_pointers(scale_a, scale_b, per_tensor: bool, m: int, n: int) -> tuple[int, int]:
+    """The (w, x) scale pointers cuBLASLt takes (its A is w): one value each, or a dense
+    aligned vector each (a single value beside a vector broadcast to one)."""
+    if not per_tensor:
+        scale_a, scale_b = scale_a.reshape(-1), scale_b.reshape(-1)
+        if scale_a.numel() != m:
+            scale_a = scale_a.expand(m)
+        if scale_b.numel() != n:
+            scale_b = scale_b.expand(n)
+    scale_a, scale_b = _aligned_dense(scale_a), _aligned_dense(scale_b)
+    return scale_b.data_ptr(), scale_a.data_ptr()
 
 
 def _aligned_dense(scale: torch.Tensor) -> torch.Tensor:

@@ -8,6 +8,13 @@ and the compiled kernel; later calls whose tensors Triton would specialise the s
 dtypes, shapes, strides, 16-byte alignment) replay it: the recorded arguments with the new
 tensors put where the first call's were, through the compiled kernel's runner.
 
+A call whose tensors are all contiguous can go further (``launch_fast``): the caller's key
+already pins their dtypes, shapes and devices, so only contiguity and 16-byte alignment are
+checked, and the tensors' addresses go to Triton's C launcher as integers, which spares the
+launcher a ``data_ptr()`` call and a driver query per pointer and Triton's Python wrapper
+around it (measured on an H100 host: the C launch 4.2-4.5 µs with integers, 5.2-5.4 µs with
+tensors; the compiled kernel's ``[grid]`` runner 8.6-10.1 µs; F.linear 14 µs).
+
 Buffers the first call took from its stream (split-K partials and tile counters) stay in the
 recording, so a recording serves the stream it was made on only; none is made while a CUDA
 graph is being captured (its buffers would come from the graph's pool). Settings read at each
@@ -17,9 +24,12 @@ debug and instrumentation switches are not followed by a recording.
 
 from __future__ import annotations
 
+import operator
+import types
 from typing import NamedTuple
 
 import torch
+import triton
 from triton import knobs
 
 from gemmtune.kernels.triton import _checks
@@ -44,6 +54,29 @@ def launch(call: KernelCall, warmup: bool = False):
     under the interpreter)."""
     return _checks.start(call.kernel, call.grid, warmup, call.launch_pdl)(
         *call.args, **call.constexprs, **call.options)
+
+
+# Triton versions whose compiled kernel's launcher (``CompiledKernel.run``) is the Python
+# ``CudaLauncher`` around a C ``launch`` taking, in this order: the grid, stream, function,
+# cooperative and PDL flags, the two scratch buffers, the packed metadata, the launch metadata,
+# the two hooks and the arguments. Other versions replay through ``CompiledKernel.run``.
+_DIRECT_LAUNCH_VERSIONS = ("3.6.",)
+
+
+def _direct_launch(compiled) -> tuple | None:
+    """Triton's C launch function and the arguments it takes between the stream and the
+    kernel's own, for a kernel that needs no scratch memory on a Triton whose launcher is known;
+    else None."""
+    if not triton.__version__.startswith(_DIRECT_LAUNCH_VERSIONS):
+        return None
+    launcher = compiled.run
+    c_launch = getattr(launcher, "launch", None)
+    if (not isinstance(c_launch, types.BuiltinFunctionType)  # host TMA descriptors wrap it
+            or getattr(launcher, "global_scratch_size", 1)
+            or getattr(launcher, "profile_scratch_size", 1)):
+        return None
+    return c_launch, (compiled.function, launcher.launch_cooperative_grid, launcher.launch_pdl,
+                      None, None, compiled.packed_metadata, None, None, None)
 
 
 def _layout(t: torch.Tensor | None) -> tuple | None:
@@ -108,6 +141,14 @@ class Replay:
         # Tensors left in the recording are the first call's own buffers, bound to its stream.
         bound = any(isinstance(value, torch.Tensor) for value in self._rest)
         self.stream = stream if bound else None
+        # launch_fast: each role's 16-byte alignment (None where absent), the leading arguments'
+        # roles as a picker of the addresses, the launcher; only for contiguous recordings.
+        self._aligned = tuple(None if t is None else t.data_ptr() % 16 == 0 for t in roles)
+        self._pick = (operator.itemgetter(*lead_roles) if len(lead_roles) > 1
+                      else lambda addresses: (addresses[lead_roles[0]],))
+        contiguous = all(t is None or t.is_contiguous() for t in roles)
+        self._direct = _direct_launch(compiled) if contiguous else None
+        self._contiguous = contiguous
 
     @classmethod
     def record(cls, call: KernelCall, compiled, roles: tuple, device_index: int):
@@ -133,6 +174,38 @@ class Replay:
             if _layout(roles[r]) != layout:
                 return False
         return self.stream is None or _current_stream(self._device) == self.stream
+
+    def launch_fast(self, roles: tuple) -> bool:
+        """Launch as recorded with these tensors, whose dtypes, shapes and devices the caller
+        has matched to the recording's (its call key holds them), and True; or False where this
+        call must go the checked way: a tensor not contiguous or aligned otherwise than
+        recorded, another stream for a recording bound to its own, a profiler's hooks."""
+        if not self._contiguous:
+            return False
+        stream = _current_stream(self._device)
+        if self.stream is not None and stream != self.stream:
+            return False
+        addresses = []
+        for t, aligned in zip(roles, self._aligned):
+            if t is None:
+                if aligned is not None:
+                    return False
+                addresses.append(0)
+                continue
+            address = t.data_ptr()
+            if (address % 16 == 0) is not aligned or not t.is_contiguous():
+                return False
+            addresses.append(address)
+        if not _no_launch_hooks():
+            return False
+        if self._direct is not None:
+            c_launch, between = self._direct
+            c_launch(*self._grid, stream, *between, *self._pick(addresses), *self._rest)
+        else:
+            compiled = self._compiled
+            compiled.run(*self._grid, stream, compiled.function, compiled.packed_metadata, None,
+                         None, None, *self._pick(addresses), *self._rest)
+        return True
 
     def __call__(self, roles: tuple) -> None:
         args = [roles[r] for r in self._lead_roles]
