@@ -27,8 +27,10 @@ from gemmtune import quant
 from gemmtune.kernels.triton.gemm_tile import TileConfig, default_config
 from gemmtune.measure.timing import copies_to_exceed_l2, graph_replay_us, host_us_per_call
 
-# Host-bound: a few µs of GPU time for every backend, below any call's host time.
-BACKEND_SHAPE = (16, 256, 256)
+# Host-bound: a few µs of GPU time for every backend, below any call's host time. Block
+# scales take K = 512: cuBLAS's block-wise GEMM needs K/128 a multiple of 4.
+BACKEND_SHAPES = {"gemm_a16w16": (16, 256, 256), "gemm_a8w8": (16, 256, 256),
+                  "gemm_a8w8_blockscale": (16, 256, 512)}
 # Per op, the backends timed (forced with ``kernel=``); cuBLASLt's heuristic pick is added
 # where nvmath is installed.
 OP_BACKENDS = {
@@ -79,13 +81,18 @@ def _cublaslt_backend(op: str, m: int, n: int, k: int) -> list[str]:
 
 def _op_calls(op: str, m: int, n: int, k: int):
     """F.linear's call, the torch call the op's torch backend wraps (made ready as a user
-    would), the op's call forcing a kernel by name, and the fp32 reference."""
+    would), ``call(name, bound=False)``: the op's call forcing a kernel by name (made, or with
+    ``bound`` given as a function of no arguments, as the F.linear line is), and the fp32
+    reference."""
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
     linear = ("F.linear", lambda: F.linear(x, w))
     if op == "gemm_a16w16":
-        return [linear], lambda name: gemmtune.gemm_a16w16(x, w, kernel=name), \
-            x.float() @ w.float().t()
+        def call(name, bound=False):
+            fn = lambda: gemmtune.gemm_a16w16(x, w, kernel=name)  # noqa: E731
+            return fn if bound else fn()
+
+        return [linear], call, x.float() @ w.float().t()
     if op == "gemm_a8w8":
         xq, xs = quant.per_token_fp8(x)
         wq, ws = quant.per_channel_fp8(w)
@@ -93,7 +100,11 @@ def _op_calls(op: str, m: int, n: int, k: int):
         raw = ("torch._scaled_mm (row-wise)", lambda: torch._scaled_mm(
             xq, wq_t, scale_a=xs, scale_b=ws_row, out_dtype=torch.bfloat16))
         ref = (xq.float() @ wq.float().t()) * xs * ws.view(1, n)
-        return [linear, raw], lambda name: gemmtune.gemm_a8w8(xq, wq, xs, ws, kernel=name), ref
+        def call(name, bound=False):
+            fn = lambda: gemmtune.gemm_a8w8(xq, wq, xs, ws, kernel=name)  # noqa: E731
+            return fn if bound else fn()
+
+        return [linear, raw], call, ref
     xq, xs = quant.per_block_fp8(x, (1, 128))
     wq, ws = quant.per_block_fp8(w, (128, 128))
     xs_m_major, ws_t = xs.t().contiguous().t(), ws.t()
@@ -101,16 +112,19 @@ def _op_calls(op: str, m: int, n: int, k: int):
         xq, wq.t(), scale_a=xs_m_major, scale_b=ws_t, out_dtype=torch.bfloat16))
     ref = quant.dequant_per_block(xq, xs, (1, 128)) @ quant.dequant_per_block(
         wq, ws, (128, 128)).t()
-    return [linear, raw], \
-        lambda name: gemmtune.gemm_a8w8_blockscale(xq, wq, xs, ws, kernel=name), ref
+    def call(name, bound=False):
+        fn = lambda: gemmtune.gemm_a8w8_blockscale(xq, wq, xs, ws, kernel=name)  # noqa: E731
+        return fn if bound else fn()
+
+    return [linear, raw], call, ref
 
 
 def backend_host_costs(op: str) -> list[dict]:
     """Host µs per eager call of F.linear, of the raw torch call the op's torch backend makes,
     and of the op forced to each backend (``kernel=``: a plan per backend, side by side), on
-    BACKEND_SHAPE: the median over ROUNDS rounds, each timing every one in turn. Each backend's
+    the op's BACKEND_SHAPES: the median over ROUNDS rounds, each timing every one in turn. Each backend's
     result is checked first; a backend that cannot run the shape is reported and left out."""
-    m, n, k = BACKEND_SHAPE
+    m, n, k = BACKEND_SHAPES[op]
     references, op_call, ref = _op_calls(op, m, n, k)
     calls = dict(references)
     for name in OP_BACKENDS[op] + _cublaslt_backend(op, m, n, k):
@@ -122,7 +136,7 @@ def backend_host_costs(op: str) -> list[dict]:
         err = float((y.float() - ref).norm() / ref.norm())
         if err > 3e-2:
             raise RuntimeError(f"{op} {name}: relative error {err:.1e}")
-        calls[name] = lambda name=name: op_call(name)
+        calls[name] = op_call(name, bound=True)
     times = {name: [] for name in calls}
     for _ in range(ROUNDS):
         for name, fn in calls.items():
@@ -181,8 +195,7 @@ def main() -> None:
               f"{r['torch_graph_us']:>8.2f} us {r['triton_graph_us']:>11.2f} us "
               f"{r['triton_rel_err']:>7.1e}")
 
-    m, n, k = BACKEND_SHAPE
-    print(f"host µs per eager call at {m}x{n}x{k}, median of {ROUNDS} interleaved rounds "
+    print(f"host µs per eager call at {BACKEND_SHAPES}, median of {ROUNDS} interleaved rounds "
           f"(vs the torch call: F.linear, or the raw torch._scaled_mm the op's torch backend "
           f"makes):")
     for r in backends:

@@ -219,6 +219,13 @@ for what in "$@"; do
             unset GEMMTUNE_CONFIG_FMOE ;;
         overhead)  # host µs per eager call of every op's backends (benchmarks/dispatch_overhead.py)
             TAIL=40 stage overhead 400 python3 benchmarks/dispatch_overhead.py ;;
+        probe)  # the host cost of a Triton row's eager call, layer by layer
+            TAIL=30 stage probe 200 python3 benchmarks/host_cost_probe.py ;;
+        firstcall)  # a Triton row's first call in a fresh process, with and without precompile
+            TAIL=12 stage firstcall 400 python3 benchmarks/first_call.py ;;
+        e2e*)  # e2e[:MODELS]: transformers Llama models patched vs not (tunes missing shapes first)
+            models=${what#e2e}; models=${models#:}
+            TAIL=16 stage e2e 580 python3 benchmarks/e2e_hf.py ${models:+--models $models} ;;
         *) echo "unknown stage $what" | tee -a "$summary" ;;
     esac
 done

@@ -13,6 +13,7 @@ the current stream; the plan's launch function (``launch_gemm_tile``); and the w
 from __future__ import annotations
 
 import os
+import statistics
 import tempfile
 from pathlib import Path
 
@@ -20,12 +21,14 @@ import torch
 import torch.nn.functional as F
 
 import gemmtune
+from gemmtune.families.bf16.op import _CALLS as _BF16_CALLS
 from gemmtune.kernels.triton import gemm_tile
 from gemmtune.kernels.triton._replay import all_arguments, launch
 from gemmtune.kernels.triton.gemm_tile import launch_gemm_tile
 from gemmtune.measure.timing import host_us_per_call
 
 M, N, K = 16, 256, 256  # GPU time ~2-3 µs: every line is host-bound
+ROUNDS = 5
 
 
 def main() -> None:
@@ -104,13 +107,55 @@ def main() -> None:
         ("CompiledKernel.run, direct", direct),
         ("launch_gemm_tile", lambda: launch_gemm_tile(x, w, None, y, None, None, config)),
         ("gemm_a16w16, Triton row", lambda: gemmtune.gemm_a16w16(x, w)),
+        # The op's hot path in layers, with the torch row (F.linear) as the kernel.
+        ("switches, then F.linear", lambda: _switches_then_linear(x, w)),
+        ("switches, key, dict, F.linear", lambda: _keyed_linear(x, w, kernel="torch.linear")),
+        ("gemm_a16w16, torch row", lambda: gemmtune.gemm_a16w16(x, w, kernel="torch.linear")),
     ]
-    print(f"{torch.cuda.get_device_name()}, {M}x{N}x{K}, {config.name}: host µs per eager call")
-    base = None
-    for name, fn in rows:
-        us = host_us_per_call(fn)
-        base = base or us
-        print(f"  {name:<30} {us:7.2f}  ({us / base:.2f}x F.linear)")
+    gemmtune.gemm_a16w16(x, w, kernel="torch.linear")  # plan and bind
+    print(f"{torch.cuda.get_device_name()}, {M}x{N}x{K}, {config.name}: host µs per eager call "
+          f"(median of {ROUNDS} interleaved rounds)")
+    times = {name: [] for name, _ in rows}
+    for _ in range(ROUNDS):
+        for name, fn in rows:
+            times[name].append(host_us_per_call(fn, calls=1000, loops=1))
+    with torch.no_grad():
+        no_grad = [host_us_per_call(fn, calls=1000, loops=1) for _ in range(ROUNDS)
+                   for fn in (lambda: gemmtune.gemm_a16w16(x, w, kernel="torch.linear"),)]
+    times["gemm_a16w16, torch row, no_grad"] = no_grad
+    base = statistics.median(times["F.linear"])
+    for name, t in times.items():
+        us = statistics.median(t)
+        print(f"  {name:<34} {us:7.2f}  ({us / base:.3f}x F.linear)")
+
+
+def _switches_then_linear(x, w, bias=None, otype=None, scale_a=None, scale_b=None,
+                          kernel=None):
+    if torch.compiler.is_compiling():
+        return None
+    if torch._C._is_any_autocast_enabled():
+        return None
+    if torch.is_grad_enabled() and (
+            x.requires_grad or w.requires_grad or (bias is not None and bias.requires_grad)):
+        return None
+    if scale_a is not None or scale_b is not None:
+        return None
+    return F.linear(x, w, bias)
+
+
+def _keyed_linear(x, w, bias=None, otype=None, scale_a=None, scale_b=None, kernel=None):
+    if torch.compiler.is_compiling():
+        return None
+    if torch._C._is_any_autocast_enabled():
+        return None
+    if torch.is_grad_enabled() and (
+            x.requires_grad or w.requires_grad or (bias is not None and bias.requires_grad)):
+        return None
+    if scale_a is not None or scale_b is not None:
+        return None
+    call_key = (x.shape, w.shape, x.dtype, w.dtype, x.get_device(), w.get_device(), otype,
+                kernel, None if bias is None else (bias.shape, bias.dtype, bias.get_device()))
+    return _BF16_CALLS.get(call_key)(x, w, bias)
 
 
 if __name__ == "__main__":

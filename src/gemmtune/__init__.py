@@ -16,9 +16,20 @@ from gemmtune.nn import TunedLinear, patch_linear
 
 __version__ = "0.1.0"
 
+
+def precompile(families: list[str] | None = None, workers: int | None = None, progress=None):
+    """Build every Triton kernel the tables in force name for this GPU into Triton's cache, in
+    ``workers`` processes, so that this process's first calls load them instead of compiling
+    (``gemmtune precompile``); returns a report (``.summary()``, ``.failed``). Imported when
+    called: the tuning code it uses stays out of the run-time path."""
+    from gemmtune.tune.precompile import precompile as build
+
+    return build(families, workers, progress)
+
+
 __all__ = [
     "gemm_a16w16", "gemm_a8w8", "gemm_a8w8_blockscale", "fused_moe", "report_misses",
     "format_misses",
     "reset", "TunedLinear", "patch_linear", "current_device", "DeviceId", "quant",
-    "Family", "all_families", "get_family", "register_family",
+    "Family", "all_families", "get_family", "register_family", "precompile",
 ]

@@ -286,6 +286,14 @@ def _bench_shapes(args, family, gpu: bool) -> tuple[list, str]:
             f"{args.model} tp={args.tp} {args.dtype or family.bench_dtypes[0]}")
 
 
+def _cmd_precompile(args) -> int:
+    from gemmtune.tune.precompile import precompile, print_progress
+
+    report = precompile(args.families, args.jobs, print_progress if args.verbose else None)
+    print(report.summary())
+    return 1 if report.failed else 0
+
+
 def _benched() -> list:
     from gemmtune.families import all_families
 
@@ -398,6 +406,24 @@ def build_parser() -> argparse.ArgumentParser:
                                    "the merged table of each family is written to "
                                    "$GEMMTUNE_CACHE_DIR/merged/ for inspection.")
     p.set_defaults(func=_cmd_tables)
+
+    p = sub.add_parser("precompile", help="build every Triton kernel the tables in force name "
+                                          "for this GPU into Triton's cache",
+                       description="Compile, in parallel processes, the Triton kernel of every "
+                                   "table row in force for this GPU (shipped tables, "
+                                   "model_configs and GEMMTUNE_CONFIG_* overlays) for the row's "
+                                   "shape, into Triton's cache (TRITON_CACHE_DIR, default "
+                                   "~/.triton/cache), so that a serving process's first calls "
+                                   "load them instead of compiling. Run it on the machine that "
+                                   "serves, with the same variables set.",
+                       epilog="example: gemmtune precompile --families bf16,a8w8 -j 8")
+    p.add_argument("--families", type=lambda t: [f.strip() for f in t.split(",") if f.strip()],
+                   metavar="F,F", help="only these families (default: every family with a "
+                                       "tuner: " + ", ".join(_family_names("tuner")) + ")")
+    p.add_argument("-j", "--jobs", type=int, default=None, metavar="N",
+                   help="worker processes (default: one per CPU core, at most 16)")
+    p.add_argument("-v", "--verbose", action="store_true", help="a line per kernel built")
+    p.set_defaults(func=_cmd_precompile)
 
     p = sub.add_parser("bench", help="time tuned vs torch vs the roofline per shape; check "
                                      "every tuned result; table, CSV and plot",

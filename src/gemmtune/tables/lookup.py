@@ -105,6 +105,12 @@ class TableIndex:
     def same_gpu_rows(self) -> int:
         return len(self._same.exact)
 
+    def rows(self) -> list[Row]:
+        """The row a call with each key held here would find exactly: this GPU model's, else
+        the similar GPU's."""
+        similar = [row for key, row in self._similar.exact.items() if key not in self._same.exact]
+        return list(self._same.exact.values()) + similar
+
     def _with_m(self, key: tuple, m: int) -> tuple:
         return key[: self._m] + (m,) + key[self._m + 1:]
 

@@ -1,0 +1,285 @@
+"""End to end in Hugging Face transformers: Llama-architecture models with real dimensions,
+patched with ``gemmtune.patch_linear`` against unpatched, in one run.
+
+Models (random weights, nothing downloaded, ``LAYERS`` decoder layers): llama3-8b, and the
+llama3-70b shard one GPU of eight holds under tensor parallelism (heads, KV heads, MLP width
+and vocabulary divided by 8). First the GEMM shapes of the Hugging Face layout (separate q, k,
+v, gate and up projections; the lm_head) at every token count timed here are tuned, where the
+tables in force have no exact row (``gemmtune tune bf16``, into $OUT/e2e_tuned.csv, used as
+an overlay). Then per model, in interleaved rounds (the host's speed drifts), the same model
+with and without the patch:
+
+- decode, one token per sequence against a static KV cache of ``CONTEXT`` tokens, at batch
+  1, 8 and 32: eagerly (``STEPS`` steps back to back) and as a captured CUDA graph;
+- a ``PREFILL``-token prefill (logits of the last token), eagerly and as a CUDA graph.
+
+Logits: the prefill's of both against the model in fp32, the patched error within 1.5x the
+unpatched one (+1e-3); each decode point's patched logits against the unpatched ones, within 3x
+the prefill's unpatched error (at least 1e-2). Prints speed-up = unpatched time / patched time.
+
+    PYTHONPATH=src python3 benchmarks/e2e_hf.py [--no-tune] [--models llama3-8b]
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+import gemmtune
+from gemmtune.nn import TunedLinear
+
+LAYERS = 4
+BATCHES = (1, 8, 32)
+PREFILL = 512
+CONTEXT = 128  # tokens in the KV cache when a decode step runs
+STEPS = 50  # decode steps per timed eager batch (the cache holds CONTEXT + STEPS)
+ROUNDS = 7
+GRAPH_REPLAYS = 50
+
+# Llama 3 dimensions; "-tp8" is one GPU's shard under 8-way tensor parallelism.
+MODELS = {
+    "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
+                      num_key_value_heads=8, head_dim=128, vocab_size=128256),
+    "llama3-70b-tp8": dict(hidden_size=8192, intermediate_size=28672 // 8,
+                           num_attention_heads=64 // 8, num_key_value_heads=1, head_dim=128,
+                           vocab_size=128256 // 8),
+}
+
+
+def build(name: str):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(num_hidden_layers=LAYERS, max_position_embeddings=8192,
+                         rope_theta=500000.0, **MODELS[name])
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(config).to(torch.bfloat16).eval()
+    return model
+
+
+def gemm_shapes(name: str) -> list[tuple[int, int, int]]:
+    """(M, N, K) of every projection of the Hugging Face layout at the timed token counts (the
+    lm_head sees one token per sequence: the prefill keeps the last token's logits only)."""
+    d = MODELS[name]
+    h, hd = d["hidden_size"], d["head_dim"]
+    q, kv = d["num_attention_heads"] * hd, d["num_key_value_heads"] * hd
+    layer = {(q, h), (kv, h), (h, q), (d["intermediate_size"], h), (h, d["intermediate_size"])}
+    shapes = {(m, n, k) for m in BATCHES + (PREFILL,) for n, k in layer}
+    shapes |= {(m, d["vocab_size"], h) for m in BATCHES + (1,)}
+    return sorted(shapes)
+
+
+def tune_missing(names: list[str], out_dir: Path) -> None:
+    """Tune the shapes with no exact row in the tables in force into $OUT/e2e_tuned.csv, and
+    make it an overlay of the bf16 table for this run."""
+    from gemmtune.families.bf16.op import DISPATCH
+    from gemmtune.tables.lookup import Rule
+
+    missing = []
+    for name in names:
+        for m, n, k in gemm_shapes(name):
+            key = (m, n, k, False, "torch.bfloat16", "torch.bfloat16", False, False)
+            if DISPATCH.decide(key).rule is not Rule.exact:
+                missing.append((m, n, k))
+    tuned = out_dir / "e2e_tuned.csv"
+    if missing:
+        untuned = out_dir / "e2e_untuned.csv"
+        untuned.write_text("M,N,K,bias,dtype,outdtype,scaleAB,bpreshuffle\n" + "".join(
+            f"{m},{n},{k},False,torch.bfloat16,torch.bfloat16,False,False\n"
+            for m, n, k in sorted(set(missing))))
+        start = time.perf_counter()
+        rc = subprocess.call([sys.executable, "-m", "gemmtune.cli", "tune", "bf16", "-i",
+                              str(untuned), "-o", str(tuned), "--mp", "8"])
+        print(f"tuned {len(set(missing))} shapes in {time.perf_counter() - start:.0f} s "
+              f"(rc {rc})")
+    if tuned.exists():
+        os.environ["GEMMTUNE_CONFIG_BF16"] = str(tuned)
+        gemmtune.reset()
+
+
+def set_patched(model, patched: bool) -> None:
+    """Patch (``patch_linear``) or unpatch the model's linear layers in place."""
+    if patched:
+        gemmtune.patch_linear(model)
+        return
+    for module in model.modules():
+        if type(module) is TunedLinear:
+            module.__class__ = nn.Linear
+
+
+class DecodePoint:
+    """One decode step of ``batch`` sequences against a static cache holding CONTEXT tokens."""
+
+    def __init__(self, model, batch: int):
+        from transformers import StaticCache
+
+        self.model = model
+        self.cache = StaticCache(config=model.config, max_cache_len=CONTEXT + STEPS + 8)
+        gen = torch.Generator(device="cuda").manual_seed(batch)
+        vocab = model.config.vocab_size
+        prompt = torch.randint(0, vocab, (batch, CONTEXT), device="cuda", generator=gen)
+        self.ids = torch.randint(0, vocab, (batch, 1), device="cuda", generator=gen)
+        self.position = torch.full((batch, 1), CONTEXT, device="cuda")
+        self.cache_position = torch.tensor([CONTEXT], device="cuda")
+        with torch.no_grad():
+            model(prompt, past_key_values=self.cache, use_cache=True,
+                  cache_position=torch.arange(CONTEXT, device="cuda"), logits_to_keep=1)
+
+    def rewind(self) -> None:
+        """Back to CONTEXT tokens in the cache (each step advances the layers' counters)."""
+        for layer in self.cache.layers:
+            layer.cumulative_length.fill_(CONTEXT)
+
+    def step(self) -> torch.Tensor:
+        return self.model(self.ids, past_key_values=self.cache, use_cache=True,
+                          position_ids=self.position, cache_position=self.cache_position,
+                          logits_to_keep=1).logits
+
+
+class PrefillPoint:
+    def __init__(self, model):
+        self.model = model
+        gen = torch.Generator(device="cuda").manual_seed(PREFILL)
+        self.ids = torch.randint(0, model.config.vocab_size, (1, PREFILL), device="cuda",
+                                 generator=gen)
+
+    def rewind(self) -> None:
+        pass
+
+    def step(self) -> torch.Tensor:
+        return self.model(self.ids, use_cache=False, logits_to_keep=1).logits
+
+
+def eager_ms(point, steps: int) -> float:
+    point.rewind()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(steps):
+        point.step()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / steps * 1e3
+
+
+def capture(point):
+    """The point's step as a CUDA graph (warmed up on a side stream first) and its output."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            point.rewind()
+            point.step()
+    torch.cuda.current_stream().wait_stream(side)
+    point.rewind()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = point.step()
+    return graph, out
+
+
+def graph_ms(point, graph) -> float:
+    point.rewind()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(GRAPH_REPLAYS):
+        graph.replay()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / GRAPH_REPLAYS * 1e3
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm())
+
+
+@torch.no_grad()
+def run_model(name: str) -> list[dict]:
+    model = build(name)
+    prefill = PrefillPoint(model)
+    set_patched(model, False)
+    bf16_logits = prefill.step().clone()
+    patched_logits = None
+    model.float()
+    fp32_logits = prefill.step().clone()
+    model.to(torch.bfloat16)  # bf16 -> fp32 -> bf16 is exact: the same weights
+    set_patched(model, True)
+    patched_logits = prefill.step().clone()
+    set_patched(model, False)
+    base_err, patched_err = rel_err(bf16_logits, fp32_logits), rel_err(patched_logits,
+                                                                       fp32_logits)
+    if patched_err > 1.5 * base_err + 1e-3:
+        raise RuntimeError(f"{name} prefill: patched logits off fp32 by {patched_err:.2e}, "
+                           f"unpatched by {base_err:.2e}")
+    decode_bound = max(3 * base_err, 1e-2)
+    points = [(f"decode b={b}", DecodePoint(model, b)) for b in BATCHES]
+    points.append((f"prefill {PREFILL}", prefill))
+    rows = []
+    for label, point in points:
+        logits, graphs, eager = {}, {}, {False: [], True: []}
+        for patched in (False, True):
+            set_patched(model, patched)
+            point.rewind()
+            logits[patched] = point.step().clone()
+            graphs[patched] = capture(point)
+        err = rel_err(logits[True], logits[False])
+        if label.startswith("decode") and err > decode_bound:
+            raise RuntimeError(f"{name} {label}: patched logits off by {err:.2e} "
+                               f"(bound {decode_bound:.2e})")
+        graph_times = {False: [], True: []}
+        for _ in range(ROUNDS):
+            for patched in (False, True):
+                set_patched(model, patched)
+                eager[patched].append(eager_ms(point, STEPS if label.startswith("decode")
+                                               else 10))
+                graph_times[patched].append(graph_ms(point, graphs[patched][0]))
+        set_patched(model, False)
+        med = {k: statistics.median(v) for k, v in eager.items()}
+        gmed = {k: statistics.median(v) for k, v in graph_times.items()}
+        rows.append(dict(model=name, point=label, eager_ms=round(med[False], 4),
+                         eager_patched_ms=round(med[True], 4),
+                         eager_speedup=round(med[False] / med[True], 3),
+                         graph_ms=round(gmed[False], 4), graph_patched_ms=round(gmed[True], 4),
+                         graph_speedup=round(gmed[False] / gmed[True], 3),
+                         logits_rel_err=f"{err:.1e}"))
+        del graphs
+    print(f"{name}: prefill logits vs fp32: unpatched {base_err:.2e}, patched {patched_err:.2e}")
+    del model
+    torch.cuda.empty_cache()
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", default=",".join(MODELS),
+                        help=f"comma-separated, of {', '.join(MODELS)}")
+    parser.add_argument("--no-tune", action="store_true",
+                        help="use the tables in force as they are")
+    args = parser.parse_args()
+    names = args.models.split(",")
+    out_dir = Path(os.environ.get("OUT", "out"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if not args.no_tune:
+        tune_missing(names, out_dir)
+    rows = [row for name in names for row in run_model(name)]
+    with open(out_dir / "e2e_hf.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    print(f"{torch.cuda.get_device_name()}, {LAYERS} layers, speed-up = unpatched / patched")
+    print(f"{'model':<16} {'point':<14} {'eager ms':>9} {'patched':>9} {'x':>6} "
+          f"{'graph ms':>9} {'patched':>9} {'x':>6}  logits err")
+    for r in rows:
+        print(f"{r['model']:<16} {r['point']:<14} {r['eager_ms']:>9.3f} "
+              f"{r['eager_patched_ms']:>9.3f} {r['eager_speedup']:>6.3f} {r['graph_ms']:>9.3f} "
+              f"{r['graph_patched_ms']:>9.3f} {r['graph_speedup']:>6.3f}  {r['logits_rel_err']}")
+
+
+if __name__ == "__main__":
+    main()

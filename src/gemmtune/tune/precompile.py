@@ -1,0 +1,167 @@
+"""``gemmtune precompile``: compile, ahead of a serving process, every Triton kernel the tables
+in force name for this GPU (AITER's ``PREBUILD_KERNELS``).
+
+A Triton kernel compiles on its first call with a new specialisation, which stalls that call for
+seconds. Each table row whose kernel is a Triton one is built here as its tuner built it (the
+row's shape, the tuner's inputs, ``FamilyTuner.precompile``: a compile with no launch) into
+Triton's on-disk cache, in parallel worker processes; a serving process then loads the built
+kernels instead of compiling them. Rows are grouped by kernel name so that each worker meets a
+name's variants one after another.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import sys
+import time
+from collections import defaultdict
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass, field
+
+from gemmtune.tables.values import LibType
+
+# A compile that has not finished after this long is reported, not waited for.
+JOB_TIMEOUT_S = 600.0
+
+
+@dataclass(frozen=True)
+class CompileJob:
+    """One table row's Triton kernel: the family, the row's key (as plain values) and the
+    kernelName a call with that key runs."""
+
+    family: str
+    key: tuple
+    kernel: str
+
+
+@dataclass
+class PrecompileReport:
+    jobs: list[CompileJob]
+    failed: list[tuple[CompileJob, str]] = field(default_factory=list)
+    seconds: float = 0.0
+    note: str = ""  # why nothing was compiled, where nothing was
+
+    @property
+    def compiled(self) -> int:
+        return len(self.jobs) - len(self.failed)
+
+    def summary(self) -> str:
+        if self.note:
+            return f"gemmtune precompile: {self.note}"
+        lines = [f"gemmtune precompile: {self.compiled}/{len(self.jobs)} Triton kernels built "
+                 f"in {self.seconds:.1f} s into {triton_cache_dir()}"]
+        lines += [f"  failed: {job.family} {job.key} {job.kernel}: {why}"
+                  for job, why in self.failed]
+        return "\n".join(lines)
+
+
+def triton_cache_dir() -> str:
+    """Where Triton keeps built kernels (``TRITON_CACHE_DIR``, default ~/.triton/cache)."""
+    return os.environ.get("TRITON_CACHE_DIR") or os.path.join(
+        os.path.expanduser("~"), ".triton", "cache")
+
+
+def compile_jobs(families: list[str] | None = None, device=None) -> list[CompileJob]:
+    """The Triton kernels of the rows in force for ``device`` (default: the current one), of
+    the given families (default: every family with a tuner); one job per row."""
+    from gemmtune.dispatch import table_index
+    from gemmtune.families import all_families, get_family
+
+    chosen = ([get_family(name) for name in families] if families
+              else [f for f in all_families() if f.tuner is not None])
+    jobs = []
+    for family in chosen:
+        if family.tuner is None or family.dispatcher is None:
+            raise ValueError(f"{family.cli_name} has no tuner: nothing of it can be precompiled")
+        schema = family.schema
+        for row in table_index(schema, device).rows():
+            names = row.kernel_names(schema)
+            if not names:
+                continue
+            kernel = family.dispatcher.row_kernel(names)
+            if all(LibType.of_kernel(part) is LibType.triton for part in kernel.split("+")):
+                jobs.append(CompileJob(family.name, tuple(row.key), kernel))
+    return jobs
+
+
+def precompile(families: list[str] | None = None, workers: int | None = None,
+               progress=None) -> PrecompileReport:
+    """Build every job of ``compile_jobs(families)`` into Triton's cache, in ``workers``
+    processes (default: one per CPU core, at most 16). ``progress(done, total, job, error)``
+    is called as each job finishes. Needs the GPU the tables are for."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return PrecompileReport([], note="no CUDA GPU here: the kernels are built for the GPU "
+                                         "that will run them; run this on that machine")
+    jobs = compile_jobs(families)
+    report = PrecompileReport(jobs)
+    if not jobs:
+        report.note = "the tables in force name no Triton kernel for this GPU"
+        return report
+    workers = max(1, min(workers or min(os.cpu_count() or 1, 16), len(jobs)))
+    started = time.perf_counter()
+    chunks = _chunks(jobs, workers)
+    reported: set[CompileJob] = set()
+    pool = ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"))
+    try:
+        pending = {pool.submit(_build, chunk): chunk for chunk in chunks}
+        for future in as_completed(pending, timeout=JOB_TIMEOUT_S * max(map(len, chunks))):
+            try:
+                results = future.result()
+            except BrokenProcessPool as e:  # a worker died: its jobs, and those not yet run
+                results = [(job, f"worker lost: {e}") for job in pending[future]]
+            for job, error in results:
+                reported.add(job)
+                if error:
+                    report.failed.append((job, error))
+                if progress is not None:
+                    progress(len(reported), len(jobs), job, error)
+    except TimeoutError:
+        report.failed += [(job, f"not built within {JOB_TIMEOUT_S:.0f} s per job")
+                          for job in jobs if job not in reported]
+    finally:
+        # A worker stuck in a compile would keep the pool (and this call) waiting.
+        for process in list(getattr(pool, "_processes", {}).values()):
+            if process.is_alive() and len(reported) < len(jobs):
+                process.terminate()
+        pool.shutdown(wait=True, cancel_futures=True)
+    report.seconds = time.perf_counter() - started
+    return report
+
+
+def _chunks(jobs: list[CompileJob], count: int) -> list[list[CompileJob]]:
+    """``count`` lists of jobs, a kernel name's jobs together, the largest groups spread first."""
+    by_kernel: dict[str, list[CompileJob]] = defaultdict(list)
+    for job in jobs:
+        by_kernel[(job.family, job.kernel)].append(job)
+    chunks: list[list[CompileJob]] = [[] for _ in range(count)]
+    for group in sorted(by_kernel.values(), key=len, reverse=True):
+        min(chunks, key=len).extend(group)
+    return [chunk for chunk in chunks if chunk]
+
+
+def _build(chunk: list[CompileJob]) -> list[tuple[CompileJob, str]]:
+    """In a worker: each job's kernel built for its row's shape; (job, error or "")."""
+    from gemmtune.families import get_family
+
+    results, tuners = [], {}
+    for job in chunk:
+        try:
+            family = get_family(job.family)
+            tuner = tuners.get(job.family)
+            if tuner is None:
+                tuner = tuners[job.family] = family.tuner_class()()
+            key = family.schema.make_key(job.key)
+            tuner.precompile(job.kernel, tuner.prepare(key, 0))
+            results.append((job, ""))
+        except Exception as e:  # reported per job; the others still build
+            results.append((job, f"{type(e).__name__}: {e}"[:300]))
+    return results
+
+
+def print_progress(done: int, total: int, job: CompileJob, error: str) -> None:
+    status = f"FAILED ({error})" if error else "ok"
+    print(f"[{done}/{total}] {job.family} {job.kernel} {job.key}: {status}", file=sys.stderr)
