@@ -46,7 +46,7 @@ OP_BACKENDS = {
                              "triton.splitk:BM16.BN64.BK128.SK1.W4.S4",
                              "triton.splitk:BM16.BN64.BK128.SK2.W4.S4"],
 }
-ROUNDS = 7
+ROUNDS = 15
 SHAPES = [(1, 576, 7168), (16, 576, 7168), (16, 4096, 4096), (128, 4096, 4096),
           (1024, 4096, 4096), (4096, 4096, 4096)]
 
@@ -140,12 +140,16 @@ def backend_host_costs(op: str) -> list[dict]:
     times = {name: [] for name in calls}
     for _ in range(ROUNDS):
         for name, fn in calls.items():
-            times[name].append(host_us_per_call(fn, calls=1000, loops=1))
-    base = statistics.median(times["F.linear"])
-    raw = statistics.median(times[references[-1][0]])
+            times[name].append(host_us_per_call(fn, calls=500, loops=1))
+    raw_name = references[-1][0]
+
+    def ratio(t: list[float], base: list[float]) -> float:
+        # Each round's ratio to the reference timed beside it: the host drifts between rounds.
+        return statistics.median(a / b for a, b in zip(t, base))
+
     return [dict(op=op, backend=name, host_us=round(statistics.median(t), 2),
-                 vs_linear=round(statistics.median(t) / base, 3),
-                 vs_torch_call=round(statistics.median(t) / raw, 3))
+                 vs_linear=round(ratio(t, times["F.linear"]), 3),
+                 vs_torch_call=round(ratio(t, times[raw_name]), 3))
             for name, t in times.items()]
 
 

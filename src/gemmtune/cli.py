@@ -421,7 +421,7 @@ def build_parser() -> argparse.ArgumentParser:
                    metavar="F,F", help="only these families (default: every family with a "
                                        "tuner: " + ", ".join(_family_names("tuner")) + ")")
     p.add_argument("-j", "--jobs", type=int, default=None, metavar="N",
-                   help="worker processes (default: one per CPU core, at most 16)")
+                   help="worker processes (default: one per CPU core, at most 8)")
     p.add_argument("-v", "--verbose", action="store_true", help="a line per kernel built")
     p.set_defaults(func=_cmd_precompile)
 

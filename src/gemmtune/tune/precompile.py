@@ -3,7 +3,7 @@ in force name for this GPU (AITER's ``PREBUILD_KERNELS``).
 
 A Triton kernel compiles on its first call with a new specialisation, which stalls that call for
 seconds. Each table row whose kernel is a Triton one is built here as its tuner built it (the
-row's shape, the tuner's inputs, ``FamilyTuner.precompile``: a compile with no launch) into
+row's shape, the tuner's inputs, one run: the compile and the kernel's C launcher) into
 Triton's on-disk cache, in parallel worker processes; a serving process then loads the built
 kernels instead of compiling them. Rows are grouped by kernel name so that each worker meets a
 name's variants one after another.
@@ -89,7 +89,8 @@ def compile_jobs(families: list[str] | None = None, device=None) -> list[Compile
 def precompile(families: list[str] | None = None, workers: int | None = None,
                progress=None) -> PrecompileReport:
     """Build every job of ``compile_jobs(families)`` into Triton's cache, in ``workers``
-    processes (default: one per CPU core, at most 16). ``progress(done, total, job, error)``
+    processes (default: one per CPU core, at most 8: each holds a CUDA context and a row's
+    inputs). ``progress(done, total, job, error)``
     is called as each job finishes. Needs the GPU the tables are for."""
     import torch
 
@@ -101,7 +102,7 @@ def precompile(families: list[str] | None = None, workers: int | None = None,
     if not jobs:
         report.note = "the tables in force name no Triton kernel for this GPU"
         return report
-    workers = max(1, min(workers or min(os.cpu_count() or 1, 16), len(jobs)))
+    workers = max(1, min(workers or min(os.cpu_count() or 1, 8), len(jobs)))
     started = time.perf_counter()
     chunks = _chunks(jobs, workers)
     reported: set[CompileJob] = set()
@@ -128,8 +129,28 @@ def precompile(families: list[str] | None = None, workers: int | None = None,
             if process.is_alive() and len(reported) < len(jobs):
                 process.terminate()
         pool.shutdown(wait=True, cancel_futures=True)
+    _retry_short_of_memory(report, progress)
     report.seconds = time.perf_counter() - started
     return report
+
+
+def _retry_short_of_memory(report: PrecompileReport, progress) -> None:
+    """Jobs that ran out of GPU memory beside the other workers' inputs (a large lm_head's
+    weight copies), built again one by one in a worker of their own."""
+    retry = [job for job, why in report.failed if "out of memory" in why.lower()]
+    if not retry:
+        return
+    report.failed = [(job, why) for job, why in report.failed if job not in set(retry)]
+    with ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as pool:
+        try:
+            results = pool.submit(_build, retry).result(timeout=JOB_TIMEOUT_S * len(retry))
+        except (BrokenProcessPool, TimeoutError) as e:
+            results = [(job, f"retried alone: {type(e).__name__}: {e}") for job in retry]
+    for job, error in results:
+        if error:
+            report.failed.append((job, error))
+        if progress is not None:
+            progress(len(report.jobs), len(report.jobs), job, error)
 
 
 def _chunks(jobs: list[CompileJob], count: int) -> list[list[CompileJob]]:
@@ -155,7 +176,9 @@ def _build(chunk: list[CompileJob]) -> list[tuple[CompileJob, str]]:
             if tuner is None:
                 tuner = tuners[job.family] = family.tuner_class()()
             key = family.schema.make_key(job.key)
-            tuner.precompile(job.kernel, tuner.prepare(key, 0))
+            # Run once, not only compiled: the first launch also builds the kernel's C
+            # launcher (a gcc compile, ~0.5 s), which Triton caches beside the kernel.
+            tuner.run(job.kernel, tuner.prepare(key, 0))
             results.append((job, ""))
         except Exception as e:  # reported per job; the others still build
             results.append((job, f"{type(e).__name__}: {e}"[:300]))
