@@ -42,7 +42,7 @@ LAYERS = 4
 BATCHES = (1, 8, 32)
 PREFILL = 512
 CONTEXT = 128  # tokens in the KV cache when a decode step runs
-STEPS = 10  # decode steps per timed eager batch (the cache holds CONTEXT + STEPS)
+STEPS = 10  # decode steps per timed eager batch
 ROUNDS = 31
 GRAPH_REPLAYS = 20
 
@@ -124,7 +124,9 @@ class DecodePoint:
         from transformers import StaticCache
 
         self.model = model
-        self.cache = StaticCache(config=model.config, max_cache_len=CONTEXT + STEPS + 8)
+        # Each step (eager or a graph's replay) advances the cache's counters by one.
+        self.cache = StaticCache(config=model.config,
+                                 max_cache_len=CONTEXT + max(STEPS, GRAPH_REPLAYS) + 8)
         gen = torch.Generator(device="cuda").manual_seed(batch)
         vocab = model.config.vocab_size
         prompt = torch.randint(0, vocab, (batch, CONTEXT), device="cuda", generator=gen)

@@ -82,7 +82,7 @@ def _run_child(jobs: list[dict], env: dict) -> list[dict]:
 
 
 def main() -> None:
-    from gemmtune.tune.precompile import compile_jobs
+    from gemmtune.prebuild import compile_jobs
 
     out_dir = Path(os.environ.get("OUT", "out"))
     out_dir.mkdir(parents=True, exist_ok=True)

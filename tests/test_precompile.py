@@ -8,7 +8,7 @@ import torch
 
 import gemmtune
 from gemmtune import cli
-from gemmtune.tune import precompile as pre
+from gemmtune import prebuild as pre
 
 HEADER = ("arch,cu_num,M,N,K,bias,dtype,outdtype,scaleAB,bpreshuffle,libtype,solidx,splitK,us,"
           "kernelName,err_ratio,tflops,bw\n")

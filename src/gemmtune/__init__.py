@@ -22,7 +22,7 @@ def precompile(families: list[str] | None = None, workers: int | None = None, pr
     ``workers`` processes, so that this process's first calls load them instead of compiling
     (``gemmtune precompile``); returns a report (``.summary()``, ``.failed``). Imported when
     called: the tuning code it uses stays out of the run-time path."""
-    from gemmtune.tune.precompile import precompile as build
+    from gemmtune.prebuild import precompile as build
 
     return build(families, workers, progress)
 

@@ -287,7 +287,7 @@ def _bench_shapes(args, family, gpu: bool) -> tuple[list, str]:
 
 
 def _cmd_precompile(args) -> int:
-    from gemmtune.tune.precompile import precompile, print_progress
+    from gemmtune.prebuild import precompile, print_progress
 
     report = precompile(args.families, args.jobs, print_progress if args.verbose else None)
     print(report.summary())
