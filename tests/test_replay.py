@@ -205,6 +205,29 @@ def test_without_a_known_launcher_a_fast_launch_goes_through_the_compiled_kernel
     assert args[:4] == (x.data_ptr(), w.data_ptr(), y.data_ptr(), x.data_ptr())
 
 
+def test_a_host_descriptor_is_rebuilt_around_the_new_tensor():
+    # The persistent kernel takes x and w as host TMA descriptors: a replay makes a descriptor
+    # of the recorded geometry around each call's tensor.
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    x, w, y = torch.randn(16, 32), torch.randn(16, 32), torch.empty(16, 16)
+    x_desc = TensorDescriptor.from_tensor(x, [16, 16])
+    call = KernelCall(_FakeKernel, (2,), (x_desc, w, y, x, 16, 32, None), {"BLOCK": 64}, {})
+    compiled = _FakeCompiled()
+    replay = Replay.record(call, compiled, (x, w, y, None, None, None), 0)
+    assert replay is not None
+    x2, y2 = torch.randn(16, 32), torch.empty(16, 16)
+    assert replay.launch_fast((x2, w, y2, None, None, None))
+    replay((x2, w, y2, None, None, None))
+    for args in compiled.calls:
+        desc = args[0]
+        assert desc.base is x2 and list(desc.shape) == [16, 32]
+        assert list(desc.strides) == [32, 1] and list(desc.block_shape) == [16, 16]
+    fast, checked = compiled.calls
+    assert fast[1:4] == (w.data_ptr(), y2.data_ptr(), x2.data_ptr())  # the fast way: addresses
+    assert checked[1] is w and checked[3] is x2
+
+
 # ---------------------------------------------------------------------------------- the GPU
 HEADER = ("arch,cu_num,M,N,K,bias,dtype,outdtype,scaleAB,bpreshuffle,libtype,solidx,splitK,us,"
           "kernelName,err_ratio,tflops,bw\n")
@@ -374,3 +397,20 @@ def test_bound_a8w8_calls_take_scales_in_any_layout(kernel, replays):
         ref = gemm_a8w8_ref(xq, wq, xs, ws, None, torch.float32)
         assert _rel_err(y, ref) < 1e-2, (kernel, seed)
     assert len(replays) >= 2, kernel  # the contiguous calls after the first
+
+
+@pytest.mark.gpu
+def test_persistent_calls_replay_with_descriptors_around_new_tensors(tmp_path, monkeypatch,
+                                                                     replays):
+    m, n, k = 128, 512, 1024
+    kernel = "triton.persistent:BM64.BN64.BK64.G8.W4.S3"
+    _route(tmp_path, monkeypatch, kernel, m, n, k)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
+    for seed in range(4):
+        torch.manual_seed(seed)
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        if seed == 3:
+            x = x.view(2, m // 2, k)  # leading dims: the same 2-D geometry
+        y = gemmtune.gemm_a16w16(x, w)
+        assert _rel_err(y, gemm_a16w16_ref(x, w, None, torch.float32)) < 1e-2, seed
+    assert len(replays) == 3

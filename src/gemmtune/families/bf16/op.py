@@ -78,6 +78,16 @@ def _default_kernel(key: Bf16Key, device: DeviceId) -> str:
 
 DISPATCH = Dispatcher(SCHEMA, REGISTRY, _to_table_key, problem_of, _default_kernel)
 _CALLS = DISPATCH.calls  # the eager hot path's dict (Dispatcher.remember)
+# The hot path's switches, looked up once. torch.compiler.is_compiling() is two Python calls;
+# what it answers is read here directly: dynamo folds is_dynamo_compiling() to True where it
+# traces, and torch.export sets the flag.
+_dynamo_compiling = torch.compiler.is_dynamo_compiling
+_compiler = torch.compiler
+_any_autocast = torch._C._is_any_autocast_enabled
+_grad_enabled = torch.is_grad_enabled
+if not hasattr(_compiler, "_is_compiling_flag"):  # a torch without it: is_compiling's answer
+    _dynamo_compiling = torch.compiler.is_compiling
+    _compiler = type("_NeverCompiling", (), {"_is_compiling_flag": False})
 
 
 def _out_dtype(dtype: torch.dtype, otype: Optional[torch.dtype]) -> torch.dtype:
@@ -203,12 +213,12 @@ def gemm_a16w16(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] =
     """
     # The eager hot path, ~1 µs of host time beside F.linear's 14 µs (H100 host, 16x256x256;
     # benchmarks/dispatch_overhead.py): three switches, the call key, one dict hit, the kernel.
-    if torch.compiler.is_compiling():
+    if _dynamo_compiling() or _compiler._is_compiling_flag:
         x, w, bias = _autocast(x, w, bias, scale_a, scale_b)
         return _gemm_a16w16_op(x, w, bias, otype, scale_a, scale_b, kernel)
-    if torch._C._is_any_autocast_enabled():  # ~0.05 µs; the device-specific check costs more
+    if _any_autocast():  # ~0.05 µs; the device-specific check costs more
         x, w, bias = _autocast(x, w, bias, scale_a, scale_b)
-    if torch.is_grad_enabled() and (
+    if _grad_enabled() and (
             x.requires_grad or w.requires_grad or (bias is not None and bias.requires_grad)):
         return _gemm_a16w16_op(x, w, bias, otype, scale_a, scale_b, kernel)
     if scale_a is not None or scale_b is not None:
@@ -219,6 +229,22 @@ def gemm_a16w16(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] =
     run = _CALLS.get(call_key)
     if run is None:
         return _run_and_remember(call_key, x, w, bias, otype, kernel)
+    return run(x, w, bias)
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``gemm_a16w16(x, w, bias)``, the call of a patched ``nn.Linear`` (``TunedLinear``): the
+    same bound calls, reached with fewer arguments; anything but a plain eager call goes
+    through ``gemm_a16w16``."""
+    if (_dynamo_compiling() or _compiler._is_compiling_flag or _any_autocast() or (
+            _grad_enabled() and (x.requires_grad or w.requires_grad
+                                 or (bias is not None and bias.requires_grad)))):
+        return gemm_a16w16(x, w, bias)
+    run = _CALLS.get((x.shape, w.shape, x.dtype, w.dtype, x.get_device(), w.get_device(), None,
+                      None, None if bias is None else (bias.shape, bias.dtype,
+                                                       bias.get_device())))
+    if run is None:
+        return gemm_a16w16(x, w, bias)
     return run(x, w, bias)
 
 

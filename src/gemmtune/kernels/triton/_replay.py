@@ -31,6 +31,7 @@ from typing import NamedTuple
 import torch
 import triton
 from triton import knobs
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from gemmtune.kernels.triton import _checks
 
@@ -102,12 +103,58 @@ def all_arguments(call: KernelCall) -> list:
     return list(call.args) + [call.constexprs[n] for n in names[len(call.args):]]
 
 
+class DescribedRole(NamedTuple):
+    """A leading argument that is a host TMA descriptor of a role's tensor (the persistent
+    kernel's x and w): rebuilt around each call's tensor with the recorded geometry."""
+
+    role: int
+    shape: list
+    strides: list
+    block_shape: list
+    padding: str
+
+    def around(self, t: torch.Tensor):
+        if _LIGHT_DESCRIPTORS:
+            return _Descriptor(t, self.shape, self.strides, self.block_shape, self.padding)
+        return TensorDescriptor(t, self.shape, self.strides, self.block_shape, self.padding)
+
+
+class _Descriptor:
+    """What Triton 3.6's launcher reads of a ``TensorDescriptor`` (base, shape, strides,
+    padding), without the dataclass's checks, which the recording's guards stand for (the same
+    dtype, shape, strides and 16-byte alignment as the checked descriptor recorded)."""
+
+    __slots__ = ("base", "shape", "strides", "block_shape", "padding")
+
+    def __init__(self, base, shape, strides, block_shape, padding):
+        self.base, self.shape, self.strides = base, shape, strides
+        self.block_shape, self.padding = block_shape, padding
+
+
+# The launcher's wrapper reads only those fields in the versions whose launcher is known.
+_LIGHT_DESCRIPTORS = triton.__version__.startswith(_DIRECT_LAUNCH_VERSIONS)
+
+
+def _role_of(value, roles: tuple):
+    """The role whose tensor ``value`` is (by identity), a DescribedRole where it is a host
+    descriptor of one, or None."""
+    for r, t in enumerate(roles):
+        if t is not None and value is t:
+            return r
+    if isinstance(value, TensorDescriptor):
+        base = _role_of(value.base, roles)
+        if isinstance(base, int):
+            return DescribedRole(base, list(value.shape), list(value.strides),
+                                 list(value.block_shape), value.padding)
+    return None
+
+
 def _lead_roles(template: list, roles: tuple) -> tuple | None:
     """The role of each leading argument that is one of the roles' tensors (by identity: a
-    missing bias or scale is passed as x, so its place follows x's), or None where such a
-    tensor also comes after another argument (a replay passes the tensors, then the rest)."""
-    roles_at = [next((r for r, t in enumerate(roles) if t is not None and value is t), None)
-                for value in template]
+    missing bias or scale is passed as x, so its place follows x's) or a descriptor of one, or
+    None where such an argument also comes after another argument (a replay passes the
+    tensors, then the rest)."""
+    roles_at = [_role_of(value, roles) for value in template]
     lead = next((i for i, r in enumerate(roles_at) if r is None), len(template))
     if any(r is not None for r in roles_at[lead:]):
         return None
@@ -144,6 +191,7 @@ class Replay:
         # launch_fast: each role's 16-byte alignment (None where absent), the leading arguments'
         # roles as a picker of the addresses, the launcher; only for contiguous recordings.
         self._aligned = tuple(None if t is None else t.data_ptr() % 16 == 0 for t in roles)
+        self._described = any(isinstance(r, DescribedRole) for r in lead_roles)
         self._pick = (operator.itemgetter(*lead_roles) if len(lead_roles) > 1
                       else lambda addresses: (addresses[lead_roles[0]],))
         contiguous = all(t is None or t.is_contiguous() for t in roles)
@@ -198,17 +246,28 @@ class Replay:
             addresses.append(address)
         if not _no_launch_hooks():
             return False
+        if self._described:  # a descriptor is built around its tensor, not an address
+            args = [addresses[r] if isinstance(r, int) else r.around(roles[r.role])
+                    for r in self._lead_roles]
+        else:
+            args = self._pick(addresses)
         if self._direct is not None:
             c_launch, between = self._direct
-            c_launch(*self._grid, stream, *between, *self._pick(addresses), *self._rest)
+            c_launch(*self._grid, stream, *between, *args, *self._rest)
         else:
             compiled = self._compiled
             compiled.run(*self._grid, stream, compiled.function, compiled.packed_metadata, None,
-                         None, None, *self._pick(addresses), *self._rest)
+                         None, None, *args, *self._rest)
         return True
 
+    def _arguments_of(self, values: tuple) -> list:
+        """The leading arguments from each role's value (a tensor or its address); a described
+        role's descriptor around its tensor (``values`` then hold the tensors)."""
+        return [values[r] if isinstance(r, int) else r.around(values[r.role])
+                for r in self._lead_roles]
+
     def __call__(self, roles: tuple) -> None:
-        args = [roles[r] for r in self._lead_roles]
+        args = self._arguments_of(roles)
         if _no_launch_hooks():
             # The compiled kernel's launcher straight away (what its [grid] runner calls after
             # asking the driver for the current device and stream).

@@ -1,7 +1,7 @@
 """A Triton config name (``triton.tile:...``, ``triton.splitk:...``, ``triton.persistent:...``)
 as a callable for dispatch: checked once per problem, then each call only allocates and
-launches; the tile and split-K kernels replay their first launch of a shape through the
-compiled kernel's own launcher (``_replay``). Called as every backend is: ``kernel(x, w, bias,
+launches; each kernel replays its first launch of a shape through the compiled kernel's own
+launcher (``_replay``). Called as every backend is: ``kernel(x, w, bias,
 out_dtype, scale_a, scale_b, out=)`` with x (..., K) and w (N, K).
 """
 
@@ -44,9 +44,9 @@ def _kernel_module(prefix: str) -> _KernelModule:
     if prefix == "triton.persistent":
         from gemmtune.kernels.triton import gemm_persistent as m
 
-        # Its TMA descriptors wrap x and w, so a recording could not take new tensors.
+        # Its host TMA descriptors of x and w are rebuilt around each replayed call's tensors.
         return _KernelModule(m, m.PersistentConfig, m.launch_gemm_persistent,
-                             m.gemm_persistent, None)
+                             m.gemm_persistent, m.persistent_call)
     raise ValueError(f"{prefix!r}: not a Triton kernel; prefixes: {', '.join(PREFIXES)}")
 
 
@@ -142,7 +142,8 @@ class TritonKernel:
         recording's, so it is always launched the usual way."""
         roles = (x, w, y, bias, scale_a, scale_b)
         device = y.get_device()
-        if self._call is None or device < 0 or not replayable:
+        # K = 0 (an empty sum) has no launch to record: the launch function writes the bias.
+        if self._call is None or device < 0 or not replayable or not x.shape[1]:
             self._launch(x, w, bias, y, scale_a, scale_b, self.config, **self._launch_kwargs)
             return None
         # The tf32 switch picks fp32 operands' dot precision at each launch.

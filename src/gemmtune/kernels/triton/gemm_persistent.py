@@ -22,6 +22,7 @@ import triton.language as tl
 
 from gemmtune.kernels._names import Field, NameCodec
 from gemmtune.kernels.triton import _checks
+from gemmtune.kernels.triton._replay import KernelCall, launch
 from gemmtune.kernels.triton._epilogue import scale_modes, store_tile
 from gemmtune.kernels.triton.gemm_tile import TileConfig, grouped_tile
 
@@ -155,10 +156,11 @@ def _tma_ready(t: torch.Tensor) -> torch.Tensor:
     return t.clone(memory_format=torch.contiguous_format)
 
 
-def launch_gemm_persistent(x, w, bias, out, scale_a, scale_b, config: PersistentConfig,
-                           warmup: bool = False, block_scales: bool = False) -> torch.Tensor:
-    """The launch alone, for callers that validated once per shape (dispatch plans). ``out`` is
-    (M, N) with M, N > 0. ``warmup``: compile for these arguments without launching."""
+def persistent_call(x, w, bias, out, scale_a, scale_b, config: PersistentConfig,
+                    block_scales: bool = False) -> KernelCall:
+    """The launch of ``launch_gemm_persistent`` as data (what a dispatch plan records and
+    replays), for K > 0. x and w go in as host TMA descriptors; a replay rebuilds them around
+    a later call's tensors."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     if block_scales:
@@ -166,25 +168,20 @@ def launch_gemm_persistent(x, w, bias, out, scale_a, scale_b, config: Persistent
     modes = scale_modes(scale_a, scale_b, False)
     M, K = x.shape
     N = w.shape[0]
-    if K == 0:  # an empty sum: TMA cannot describe a zero-width tensor, and nothing compiles
-        if not warmup:
-            out.copy_((bias if bias is not None else torch.zeros((), device=out.device))
-                      .to(out.dtype).expand(M, N))
-        return out
     x, w = _tma_ready(x), _tma_ready(w)
     x_desc = TensorDescriptor.from_tensor(x, [config.block_m, config.block_k])
     w_desc = TensorDescriptor.from_tensor(w, [config.block_n, config.block_k])
     tiles = triton.cdiv(M, config.block_m) * triton.cdiv(N, config.block_n)
     programs = min(tiles, _checks.device_sms(x.device.index) if x.is_cuda else 4)
-    _checks.start(gemm_persistent_kernel, (programs,), warmup)(
-        x_desc, w_desc, out,
-        bias if bias is not None else x,
-        scale_a if scale_a is not None else x,
-        scale_b if scale_b is not None else x,
-        M, N, K,
-        programs,
-        out.stride(0), out.stride(1),
-        bias.stride(0) if bias is not None else 0,
+    args = (x_desc, w_desc, out,
+            bias if bias is not None else x,
+            scale_a if scale_a is not None else x,
+            scale_b if scale_b is not None else x,
+            M, N, K,
+            programs,
+            out.stride(0), out.stride(1),
+            bias.stride(0) if bias is not None else 0)
+    constexprs = dict(
         HAS_BIAS=bias is not None,
         SCALE_A=modes[0],
         SCALE_B=modes[1],
@@ -194,8 +191,23 @@ def launch_gemm_persistent(x, w, bias, out, scale_a, scale_b, config: Persistent
         BLOCK_M=config.block_m,
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
-        GROUP_M=config.group_m,
-        num_warps=config.num_warps,
-        num_stages=config.num_stages,
-    )
+        GROUP_M=config.group_m)
+    return KernelCall(gemm_persistent_kernel, (programs,), args, constexprs,
+                      dict(num_warps=config.num_warps, num_stages=config.num_stages))
+
+
+def launch_gemm_persistent(x, w, bias, out, scale_a, scale_b, config: PersistentConfig,
+                           warmup: bool = False, block_scales: bool = False) -> torch.Tensor:
+    """The launch alone, for callers that validated once per shape (dispatch plans). ``out`` is
+    (M, N) with M, N > 0. ``warmup``: compile for these arguments without launching."""
+    if block_scales:
+        raise ValueError("gemm_persistent: FP8 block scales are not supported")
+    M, K = x.shape
+    N = w.shape[0]
+    if K == 0:  # an empty sum: TMA cannot describe a zero-width tensor, and nothing compiles
+        if not warmup:
+            out.copy_((bias if bias is not None else torch.zeros((), device=out.device))
+                      .to(out.dtype).expand(M, N))
+        return out
+    launch(persistent_call(x, w, bias, out, scale_a, scale_b, config), warmup)
     return out
