@@ -16,7 +16,9 @@ with and without the patch:
 Logits: the prefill's of both against the model in fp32, the patched error within 1.5x the
 unpatched one (+1e-3); each decode point's patched logits against the unpatched ones, within 3x
 the prefill's unpatched error (at least 1e-2). Prints speed-up = unpatched time / patched time,
-the median over ``ROUNDS`` rounds of each round's ratio (both variants back to back).
+the median over ``ROUNDS`` rounds of each round's ratio (both variants back to back); "A/A" is
+the same ratio between the unpatched model and itself under another class (the eager noise
+floor of the run).
 
     PYTHONPATH=src python3 benchmarks/e2e_hf.py [--no-tune] [--models llama3-8b]
 """
@@ -33,6 +35,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import gemmtune
@@ -107,14 +110,26 @@ def tune_missing(names: list[str], out_dir: Path) -> None:
         gemmtune.reset()
 
 
-def set_patched(model, patched: bool) -> None:
-    """Patch (``patch_linear``) or unpatch the model's linear layers in place."""
+class _SameLinear(nn.Linear):
+    """nn.Linear under another class, its forward the same: the A/A control, which shows how
+    far two identical models' eager times differ in this run."""
+
+    def forward(self, x):
+        return F.linear(x, self.weight, self.bias)
+
+
+def set_patched(model, patched: bool, control: bool = False) -> None:
+    """Patch (``patch_linear``) or unpatch the model's linear layers in place (``control``:
+    unpatched, as ``_SameLinear``)."""
+    for module in model.modules():
+        if type(module) in (TunedLinear, _SameLinear):
+            module.__class__ = nn.Linear
     if patched:
         gemmtune.patch_linear(model)
-        return
-    for module in model.modules():
-        if type(module) is TunedLinear:
-            module.__class__ = nn.Linear
+    elif control:
+        for module in model.modules():
+            if type(module) is nn.Linear:
+                module.__class__ = _SameLinear
 
 
 class DecodePoint:
@@ -208,7 +223,6 @@ def run_model(name: str) -> list[dict]:
     prefill = PrefillPoint(model)
     set_patched(model, False)
     bf16_logits = prefill.step().clone()
-    patched_logits = None
     model.float()
     fp32_logits = prefill.step().clone()
     model.to(torch.bfloat16)  # bf16 -> fp32 -> bf16 is exact: the same weights
@@ -237,16 +251,18 @@ def run_model(name: str) -> list[dict]:
                                f"(bound {decode_bound:.2e})")
         # Per round both variants, back to back, in alternating order; the speed-up is the
         # median of the rounds' ratios (the host's speed drifts by 10% between seconds).
-        ratios = {"eager": [], "graph": []}
-        times = {(kind, patched): [] for kind in ratios for patched in (False, True)}
+        ratios = {"eager": [], "graph": [], "control": []}
+        times = {(kind, patched): [] for kind in ("eager", "graph") for patched in (False, True)}
         steps = STEPS if label.startswith("decode") else 4
         for i in range(ROUNDS):
             for patched in ((False, True) if i % 2 == 0 else (True, False)):
                 set_patched(model, patched)
                 times["eager", patched].append(eager_ms(point, steps))
                 times["graph", patched].append(graph_ms(point, graphs[patched][0]))
-            for kind in ratios:
+            for kind in ("eager", "graph"):
                 ratios[kind].append(times[kind, False][-1] / times[kind, True][-1])
+            set_patched(model, False, control=True)
+            ratios["control"].append(times["eager", False][-1] / eager_ms(point, steps))
         set_patched(model, False)
         med = {k: statistics.median(v) for k, v in times.items()}
         rows.append(dict(model=name, point=label, eager_ms=round(med["eager", False], 4),
@@ -255,6 +271,7 @@ def run_model(name: str) -> list[dict]:
                          graph_ms=round(med["graph", False], 4),
                          graph_patched_ms=round(med["graph", True], 4),
                          graph_speedup=round(statistics.median(ratios["graph"]), 3),
+                         eager_aa=round(statistics.median(ratios["control"]), 3),
                          logits_rel_err=f"{err:.1e}"))
         del graphs
     print(f"{name}: prefill logits vs fp32: unpatched {base_err:.2e}, patched {patched_err:.2e}")
@@ -282,11 +299,12 @@ def main() -> None:
         writer.writerows(rows)
     print(f"{torch.cuda.get_device_name()}, {LAYERS} layers, speed-up = unpatched / patched")
     print(f"{'model':<16} {'point':<14} {'eager ms':>9} {'patched':>9} {'x':>6} "
-          f"{'graph ms':>9} {'patched':>9} {'x':>6}  logits err")
+          f"{'graph ms':>9} {'patched':>9} {'x':>6} {'A/A':>6}  logits err")
     for r in rows:
         print(f"{r['model']:<16} {r['point']:<14} {r['eager_ms']:>9.3f} "
               f"{r['eager_patched_ms']:>9.3f} {r['eager_speedup']:>6.3f} {r['graph_ms']:>9.3f} "
-              f"{r['graph_patched_ms']:>9.3f} {r['graph_speedup']:>6.3f}  {r['logits_rel_err']}")
+              f"{r['graph_patched_ms']:>9.3f} {r['graph_speedup']:>6.3f} {r['eager_aa']:>6.3f}  "
+              f"{r['logits_rel_err']}")
 
 
 if __name__ == "__main__":
