@@ -5,7 +5,8 @@ For one Triton row of each GEMM family's tables in force (the first of each), in
 processes sharing an empty Triton cache (``TRITON_CACHE_DIR``): the first and second call of
 the op (wall clock, synchronised; CUDA already initialised, so the time is the op's own); then
 ``gemmtune precompile`` for those families into that cache; then the same first calls in a fresh
-process. Writes $OUT/first_call.csv (or ./out) and prints the table last.
+process, and in one that first ran ``warm_this_process`` (what ``gemmtune.precompile()`` does
+in the process that calls it). Writes $OUT/first_call.csv (or ./out) and prints the table last.
 
     PYTHONPATH=src python3 benchmarks/first_call.py
 """
@@ -53,15 +54,18 @@ def _timed(fn) -> float:
     return (time.perf_counter() - start) * 1e3
 
 
-def child(jobs_json: str) -> None:
-    """In a fresh process: the first and second call of each job's op, in ms (JSON out)."""
+def child(jobs_json: str, warm: bool = False) -> None:
+    """In a fresh process: the first and second call of each job's op, in ms (JSON out);
+    with ``warm``, after ``warm_this_process`` (what ``gemmtune.precompile()`` ends with)."""
     import torch
 
-    from gemmtune.families import get_family
-
     import gemmtune
+    from gemmtune.families import get_family
+    from gemmtune.prebuild import warm_this_process
 
     torch.zeros(1, device="cuda")  # CUDA's own start is not the op's
+    if warm:
+        warm_this_process()
     # What the process pays once, whatever the kernel: the tables' loading, Triton's start.
     x = torch.randn(3, 64, device="cuda", dtype=torch.bfloat16)
     results = [dict(family="(process)", key=["first op call, torch row", "", ""],
@@ -75,9 +79,9 @@ def child(jobs_json: str) -> None:
     print(json.dumps(results))
 
 
-def _run_child(jobs: list[dict], env: dict) -> list[dict]:
-    out = subprocess.run([sys.executable, __file__, "--child", json.dumps(jobs)], env=env,
-                         capture_output=True, text=True, check=True)
+def _run_child(jobs: list[dict], env: dict, warm: bool = False) -> list[dict]:
+    out = subprocess.run([sys.executable, __file__, "--warm-child" if warm else "--child",
+                          json.dumps(jobs)], env=env, capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -100,10 +104,12 @@ def main() -> None:
     precompile_s = time.perf_counter() - start
     print(built.stdout.strip(), built.stderr.strip()[-2000:], sep="\n")
     warm = _run_child(jobs, env)
+    warmed = _run_child(jobs, env, warm=True)
     rows = [dict(family=c["family"], key=" ".join(map(str, c["key"][:3])), kernel=c["kernel"],
                  first_ms_cold=round(c["first_ms"], 1), second_ms=round(c["second_ms"], 3),
-                 first_ms_precompiled=round(w["first_ms"], 1))
-            for c, w in zip(cold, warm)]
+                 first_ms_precompiled=round(w["first_ms"], 1),
+                 first_ms_precompiled_warmed=round(p["first_ms"], 1))
+            for c, w, p in zip(cold, warm, warmed)]
     with open(out_dir / "first_call.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
@@ -112,15 +118,16 @@ def main() -> None:
 
     print(f"{torch.cuda.get_device_name()}: gemmtune precompile of {', '.join(FAMILIES)} took "
           f"{precompile_s:.1f} s (rc {built.returncode})")
-    print(f"{'family':<16} {'M N K':<16} {'first, cold ms':>15} {'first, precompiled ms':>22} "
-          f"{'second ms':>10}  kernel")
+    print(f"{'family':<16} {'M N K':<16} {'first, cold ms':>15} {'precompiled ms':>15} "
+          f"{'+ warmed ms':>12} {'second ms':>10}  kernel")
     for r in rows:
         print(f"{r['family']:<16} {r['key']:<16} {r['first_ms_cold']:>15.1f} "
-              f"{r['first_ms_precompiled']:>22.1f} {r['second_ms']:>10.3f}  {r['kernel']}")
+              f"{r['first_ms_precompiled']:>15.1f} {r['first_ms_precompiled_warmed']:>12.1f} "
+              f"{r['second_ms']:>10.3f}  {r['kernel']}")
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 2 and sys.argv[1] == "--child":
-        child(sys.argv[2])
+    if len(sys.argv) > 2 and sys.argv[1] in ("--child", "--warm-child"):
+        child(sys.argv[2], warm=sys.argv[1] == "--warm-child")
     else:
         main()

@@ -17,14 +17,16 @@ from gemmtune.nn import TunedLinear, patch_linear
 __version__ = "0.1.0"
 
 
-def precompile(families: list[str] | None = None, workers: int | None = None, progress=None):
+def precompile(families: list[str] | None = None, workers: int | None = None, progress=None,
+               warm: bool = True):
     """Build every Triton kernel the tables in force name for this GPU into Triton's cache, in
     ``workers`` processes, so that this process's first calls load them instead of compiling
-    (``gemmtune precompile``); returns a report (``.summary()``, ``.failed``). Imported when
-    called: the tuning code it uses stays out of the run-time path."""
+    (``gemmtune precompile``); with ``warm`` (default) also pay Triton's once-per-process
+    start here. Returns a report (``.summary()``, ``.failed``). Imported when called: the
+    tuning code it uses stays out of the run-time path."""
     from gemmtune.prebuild import precompile as build
 
-    return build(families, workers, progress)
+    return build(families, workers, progress, warm)
 
 
 __all__ = [
