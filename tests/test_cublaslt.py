@@ -748,3 +748,22 @@ def test_the_ops_from_two_streams_and_two_threads_at_once(nvmath_lt):
         assert not _wrong(outs, refs), "\n".join(_wrong(outs, refs))
     plans = [p for p in gemmtune.get_family("a8w8").dispatcher.plans.values()]
     assert [p.decision.kernel_name for p in plans] == [fp8_algo.name]
+
+
+@pytest.mark.gpu
+def test_scales_made_for_a_call_live_until_cublaslt_has_read_them(nvmath_lt):
+    # A per-tensor w scale beside per-token x scales is broadcast to a vector made for the
+    # call: the output, allocated after it, must not be handed its memory before the matmul
+    # reads it (every call here would then read scales from its own output).
+    from gemmtune import quant
+
+    m, n, k = 2, 8192, 4096
+    name = cublaslt.heuristic_algos(m, n, k, torch.float8_e4m3fn, torch.bfloat16, False,
+                                    scaling="outer")[0].name
+    wq, ws = quant.per_tensor_fp8(torch.randn(n, k, device="cuda", dtype=torch.bfloat16))
+    for seed in range(4):
+        torch.manual_seed(seed)
+        xq, xs = quant.per_token_fp8(torch.randn(m, k, device="cuda", dtype=torch.bfloat16))
+        y = gemmtune.gemm_a8w8(xq, wq, xs, ws.reshape(1, 1), kernel=name)
+        ref = gemm_a8w8_ref(xq, wq, xs, ws, None, torch.float32)
+        assert float((y.float() - ref).norm() / ref.norm()) < 2e-2, seed

@@ -172,6 +172,19 @@ def test_a_cached_plan_still_refuses_what_the_checks_refuse():
         gemmtune.gemm_a8w8(xq, wq, xs, ws, bias=torch.ones(16, 3, device=DEVICE))
 
 
+@pytest.mark.parametrize("kernel", [TILE, TORCH_SCALED_MM])
+def test_a_strided_scale_after_a_contiguous_one_is_refused_as_the_first_would_be(kernel):
+    # A scale's contiguity is part of the call key: the same shapes with a strided scale are
+    # checked, not served by the call bound for the contiguous one.
+    xq, wq, xs, ws = operands(13, 40, 64, torch.float8_e4m3fn, "token_channel")
+    xs = xs.reshape(13, 1)
+    gemmtune.gemm_a8w8(xq, wq, xs, ws, kernel=kernel)
+    wide = torch.full((13, 2), float("nan"), device=DEVICE)
+    wide[:, :1] = xs
+    with pytest.raises(ValueError, match="x_scale must be contiguous"):
+        gemmtune.gemm_a8w8(xq, wq, wide[:, :1], ws, kernel=kernel)
+
+
 @pytest.mark.parametrize("kernel", [TILE, "triton.splitk:BM16.BN32.BK32.SK2.W4.S2",
                                     TORCH_SCALED_MM])
 def test_a_kernel_forced_by_name(kernel):

@@ -584,13 +584,19 @@ def test_forgetting_the_tables_forgets_the_bound_calls(user_table):
 @pytest.mark.parametrize("kernel", [TILE, "triton.splitk:BM16.BN16.BK16.SK2.W4.S1"])
 def test_bound_triton_calls_match_the_reference_on_fresh_inputs(user_table, kernel):
     # The bound call of a Triton row: every call with a new x (2-D and with leading dims) and
-    # a poisoned previous output computes the product afresh.
-    user_table(row(13, 24, 32, kernel), row(13, 24, 32, kernel, bias=True))
-    w, b = fresh(24, 32, seed=1), fresh(24, seed=2)
+    # a poisoned previous output computes the product afresh. On the GPU in bf16, where calls
+    # replay their recorded launch; on the CPU the interpreter's fp32 (no replay there).
+    dtype = torch.bfloat16 if DEVICE == "cuda" else torch.float32
+    name = "torch.bfloat16" if DEVICE == "cuda" else "torch.float32"
+    user_table(row(13, 24, 32, kernel, dtype=name), row(13, 24, 32, kernel, dtype=name,
+                                                         bias=True))
+    w, b = fresh(24, 32, seed=1, dtype=dtype), fresh(24, seed=2, dtype=dtype)
     for seed in range(3):
-        for x in (fresh(13, 32, seed=10 + seed), fresh(1, 13, 32, seed=20 + seed)):
+        for x in (fresh(13, 32, seed=10 + seed, dtype=dtype),
+                  fresh(1, 13, 32, seed=20 + seed, dtype=dtype)):
             for bias in (None, b):
                 y = gemmtune.gemm_a16w16(x, w, bias)
-                torch.testing.assert_close(y, gemm_a16w16_ref(x, w, bias), rtol=1e-4,
-                                           atol=1e-4)
+                ref = gemm_a16w16_ref(x, w, bias, torch.float32)
+                err = float((y.float() - ref).norm() / ref.norm())
+                assert err < (1e-2 if dtype == torch.bfloat16 else 1e-5), (seed, err)
                 y.fill_(float("nan"))

@@ -48,13 +48,21 @@ def test_a_family_without_a_tuner_is_an_error():
         pre.compile_jobs(["a4w4_blockscale"])
 
 
-def test_chunks_keep_a_kernels_rows_together():
-    jobs = [pre.CompileJob("bf16", (m,), name) for name in ("a", "b", "c") for m in range(3)]
-    chunks = pre._chunks(jobs, 2)
-    assert sorted(len(c) for c in chunks) == [3, 6]
-    for chunk in chunks:
-        for name in {j.kernel for j in chunk}:
-            assert sum(j.kernel == name for j in chunk) == 3
+def test_worker_processes_build_each_job_and_report_the_ones_that_fail(tmp_path, monkeypatch):
+    # Real spawned workers (the interpreter's kernels on the CPU): a good row builds, a name no
+    # backend takes fails alone and says why.
+    dev = gemmtune.current_device()
+    path = tmp_path / "bf16.csv"
+    path.write_text(HEADER + f"{dev.arch},{dev.cu_num},16,16,32,False,torch.float32,"
+                             f"torch.float32,False,False,x,0,0,1.0,{TILE},0,0,0\n")
+    monkeypatch.setenv("GEMMTUNE_CONFIG_BF16", f"replace:{path}")
+    gemmtune.reset()
+    (good,) = pre.compile_jobs(["bf16"])
+    bad = pre.CompileJob("bf16", good.key, "triton.tile:BM16.BOGUS")
+    seen = []
+    errors = pre._build_all([good, bad], 2, lambda job, error: seen.append(job))
+    assert errors[good] == "" and "BOGUS" in errors[bad]
+    assert sorted(seen, key=str) == sorted([good, bad], key=str)
 
 
 def test_each_job_is_built_or_reported_alone(tmp_path, monkeypatch):

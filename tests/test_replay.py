@@ -353,7 +353,7 @@ def test_split_k_recordings_share_their_streams_partials():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kernel", KERNELS)
-def test_bound_calls_replay_inside_a_cuda_graph(tmp_path, monkeypatch, kernel):
+def test_bound_calls_replay_inside_a_cuda_graph(tmp_path, monkeypatch, kernel, replays):
     m, n, k = 16, 576, 2048
     _route(tmp_path, monkeypatch, kernel, m, n, k)
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
@@ -365,8 +365,11 @@ def test_bound_calls_replay_inside_a_cuda_graph(tmp_path, monkeypatch, kernel):
         gemmtune.gemm_a16w16(static_x, w)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
+    served_before = len(replays)
     with torch.cuda.graph(graph):
         y = gemmtune.gemm_a16w16(static_x, w)
+    if kernel == KERNELS[0]:  # the tile kernel's recording holds no stream's buffers
+        assert len(replays) == served_before + 1
     for seed in range(2):
         torch.manual_seed(seed)
         static_x.copy_(torch.randn(m, k, device="cuda", dtype=torch.bfloat16))
@@ -379,7 +382,7 @@ def test_bound_calls_replay_inside_a_cuda_graph(tmp_path, monkeypatch, kernel):
 @pytest.mark.gpu
 @pytest.mark.parametrize("kernel", ["triton.tile:BM16.BN64.BK128.G8.W4.S4",
                                     "triton.splitk:BM16.BN64.BK128.SK4.W4.S4"])
-def test_bound_a8w8_calls_take_scales_in_any_layout(kernel, replays):
+def test_bound_a8w8_calls_replay_and_refuse_a_strided_scale(kernel, replays):
     from gemmtune import quant
     from gemmtune.kernels.torch_ref import gemm_a8w8_ref
 
@@ -389,10 +392,12 @@ def test_bound_a8w8_calls_take_scales_in_any_layout(kernel, replays):
     for seed in range(4):
         torch.manual_seed(seed)
         xq, xs = quant.per_token_fp8(torch.randn(m, k, device="cuda", dtype=torch.bfloat16))
-        if seed == 2:  # the same (M, 1) scale with a stride: read in order, not as laid out
+        if seed == 2:  # the same (M, 1) scale with a stride: refused, as the first call's
             wide = torch.full((m, 2), float("nan"), device="cuda")
             wide[:, :1] = xs
-            xs = wide[:, :1]
+            with pytest.raises(ValueError, match="x_scale must be contiguous"):
+                gemmtune.gemm_a8w8(xq, wq, wide[:, :1], ws, kernel=kernel)
+            continue
         y = gemmtune.gemm_a8w8(xq, wq, xs, ws, kernel=kernel)
         ref = gemm_a8w8_ref(xq, wq, xs, ws, None, torch.float32)
         assert _rel_err(y, ref) < 1e-2, (kernel, seed)

@@ -151,6 +151,7 @@ class Plan:
     # every plan of the same table key (what report_misses tells); None for an exact or
     # forced row.
     miss_calls: list[int] | None
+    generation: int = 0  # of the tables it was planned from (_forget_plans counts them)
 
     @property
     def miss(self) -> bool:
@@ -165,6 +166,8 @@ _misses: dict[tuple[str, tuple], list[int]] = {}  # (family, table key) -> [call
 _decisions: dict[tuple[str, tuple], Decision] = {}
 _dispatchers: dict[str, "Dispatcher"] = {}
 _lock = threading.RLock()
+# Bumped whenever plans are forgotten: a plan made from the tables before cannot be bound after.
+_generation = 0
 
 
 def table_index(schema: Schema, device: DeviceId | None = None) -> TableIndex:
@@ -247,8 +250,9 @@ class Dispatcher:
         exact row's calls count nothing); the call at hand was counted by ``plan_for``."""
         bound = self.registry.bound_call(plan.decision.kernel_name, plan.run, *args)
         with _lock:
-            self.calls[call_key] = (bound if plan.miss_calls is None
-                                    else _counting(bound, plan.miss_calls))
+            if plan.generation == _generation:  # else the tables changed while it was made
+                self.calls[call_key] = (bound if plan.miss_calls is None
+                                        else _counting(bound, plan.miss_calls))
         return bound
 
     def plan(self, raw_key: tuple, device_index: int | None = None,
@@ -301,6 +305,7 @@ class Dispatcher:
         # Read the switches first: a bad value raises here, before anything is cached, so every
         # call raises the same error rather than only the first.
         log_it, capture_it = _env.log_tuned_config(), _env.capture_enabled()
+        generation = _generation
         key = self.to_table_key(raw_key)
         outside = self.schema.why_not_key(key)
         if kernel is not None:
@@ -317,7 +322,7 @@ class Dispatcher:
         miss = decision.rule not in (Rule.exact, Rule.forced)
         with _lock:
             miss_calls = _misses.setdefault((self.family, key), [0]) if miss else None
-        plan = Plan(decision, run, miss_calls)
+        plan = Plan(decision, run, miss_calls, generation)
         if log_it:
             _ensure_log_handler()
             log.info("gemmtune: %s", decision.describe(self.schema))
@@ -327,7 +332,8 @@ class Dispatcher:
             except OSError as e:
                 _warn_capture_failed(str(e))
         with _lock:
-            self.plans[raw_key if kernel is None else (raw_key, kernel)] = plan
+            if generation == _generation:  # else the tables changed while it was made
+                self.plans[raw_key if kernel is None else (raw_key, kernel)] = plan
             if kernel is None:  # what report_misses tells; a forced call is never a miss
                 _decisions[(self.family, key)] = decision
         return plan
@@ -412,6 +418,8 @@ def format_misses(misses: list[Miss]) -> str:
 
 def _forget_plans(family: str | None = None) -> None:
     """Forget loaded tables and plans (of one family, or all); call under ``_lock``."""
+    global _generation
+    _generation += 1
     for name in [family] if family else list(_indexes):
         _indexes.pop(name, None)
     for d in _dispatchers.values():

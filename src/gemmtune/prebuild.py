@@ -5,8 +5,8 @@ A Triton kernel compiles on its first call with a new specialisation, which stal
 seconds. Each table row whose kernel is a Triton one is built here as its tuner built it (the
 row's shape, the tuner's inputs, one run: the compile and the kernel's C launcher) into
 Triton's on-disk cache, in parallel worker processes; a serving process then loads the built
-kernels instead of compiling them. Rows are grouped by kernel name so that each worker meets a
-name's variants one after another.
+kernels instead of compiling them. A job that fails is tried once more alone in a fresh
+worker.
 """
 
 from __future__ import annotations
@@ -15,14 +15,14 @@ import multiprocessing as mp
 import os
 import sys
 import time
-from collections import defaultdict
-from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 
 from gemmtune.tables.values import LibType
 
-# A compile that has not finished after this long is reported, not waited for.
+# When no job has ended for this long (a compile hung), the jobs left are reported, not waited
+# for.
 JOB_TIMEOUT_S = 600.0
 
 
@@ -128,64 +128,59 @@ def precompile(families: list[str] | None = None, workers: int | None = None,
         return report
     workers = max(1, min(workers or min(os.cpu_count() or 1, 8), len(jobs)))
     started = time.perf_counter()
-    chunks = _chunks(jobs, workers)
-    reported: set[CompileJob] = set()
-    pool = ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"))
-    try:
-        pending = {pool.submit(_build, chunk): chunk for chunk in chunks}
-        for future in as_completed(pending, timeout=JOB_TIMEOUT_S * max(map(len, chunks))):
-            try:
-                results = future.result()
-            except BrokenProcessPool as e:  # a worker died: its jobs, and those not yet run
-                results = [(job, f"worker lost: {e}") for job in pending[future]]
-            for job, error in results:
-                reported.add(job)
-                if error:
-                    report.failed.append((job, error))
-                if progress is not None:
-                    progress(len(reported), len(jobs), job, error)
-    except TimeoutError:
-        report.failed += [(job, f"not built within {JOB_TIMEOUT_S:.0f} s per job")
-                          for job in jobs if job not in reported]
-    finally:
-        # A worker stuck in a compile would keep the pool (and this call) waiting.
-        for process in list(getattr(pool, "_processes", {}).values()):
-            if process.is_alive() and len(reported) < len(jobs):
-                process.terminate()
-        pool.shutdown(wait=True, cancel_futures=True)
-    _retry_short_of_memory(report, progress)
+    done = 0
+
+    def finished(job: CompileJob, error: str) -> None:
+        nonlocal done
+        done += 1
+        if progress is not None:
+            progress(min(done, len(jobs)), len(jobs), job, error)
+
+    errors = _build_all(jobs, workers, finished)
+    # Jobs that failed beside the others (out of GPU memory next to the other workers' inputs;
+    # a worker lost, or left unusable by a sticky CUDA error, with its later jobs) get one more
+    # try, one at a time in a fresh worker; a kernel that cannot build fails there again.
+    retry = [job for job in jobs if errors[job]]
+    if retry:
+        errors.update(_build_all(retry, 1, finished))
+    report.failed = [(job, errors[job]) for job in jobs if errors[job]]
     report.seconds = time.perf_counter() - started
     return report
 
 
-def _retry_short_of_memory(report: PrecompileReport, progress) -> None:
-    """Jobs that ran out of GPU memory beside the other workers' inputs (a large lm_head's
-    weight copies), built again one by one in a worker of their own."""
-    retry = [job for job, why in report.failed if "out of memory" in why.lower()]
-    if not retry:
-        return
-    report.failed = [(job, why) for job, why in report.failed if job not in set(retry)]
-    with ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as pool:
-        try:
-            results = pool.submit(_build, retry).result(timeout=JOB_TIMEOUT_S * len(retry))
-        except (BrokenProcessPool, TimeoutError) as e:
-            results = [(job, f"retried alone: {type(e).__name__}: {e}") for job in retry]
-    for job, error in results:
-        if error:
-            report.failed.append((job, error))
-        if progress is not None:
-            progress(len(report.jobs), len(report.jobs), job, error)
-
-
-def _chunks(jobs: list[CompileJob], count: int) -> list[list[CompileJob]]:
-    """``count`` lists of jobs, a kernel name's jobs together, the largest groups spread first."""
-    by_kernel: dict[str, list[CompileJob]] = defaultdict(list)
-    for job in jobs:
-        by_kernel[(job.family, job.kernel)].append(job)
-    chunks: list[list[CompileJob]] = [[] for _ in range(count)]
-    for group in sorted(by_kernel.values(), key=len, reverse=True):
-        min(chunks, key=len).extend(group)
-    return [chunk for chunk in chunks if chunk]
+def _build_all(jobs: list[CompileJob], workers: int, finished) -> dict[CompileJob, str]:
+    """Each job built in a task of its own on ``workers`` spawned processes, a kernel's jobs
+    one after another; the error of each ("" where built), ``finished(job, error)`` called as
+    each ends. When no job ends within JOB_TIMEOUT_S (a compile hung), the jobs left are
+    reported as not built and the workers are stopped."""
+    errors: dict[CompileJob, str] = {}
+    pool = ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"))
+    try:
+        ordered = sorted(jobs, key=lambda job: (job.family, job.kernel))
+        pending = {pool.submit(_build, [job]): job for job in ordered}
+        while pending:
+            done, _ = wait(pending, timeout=JOB_TIMEOUT_S, return_when=FIRST_COMPLETED)
+            if not done:
+                for job in pending.values():
+                    errors[job] = f"not built: no job finished within {JOB_TIMEOUT_S:.0f} s"
+                    finished(job, errors[job])
+                break
+            for future in done:
+                job = pending.pop(future)
+                try:
+                    ((_, error),) = future.result()
+                except BrokenProcessPool as e:  # a worker died: every job not yet ended
+                    error = f"worker lost: {e}"
+                errors[job] = error
+                finished(job, error)
+    finally:
+        # A worker stuck in a compile would keep shutdown (and this call) waiting.
+        if len(errors) < len(jobs) or any(errors.values()):
+            for process in list(getattr(pool, "_processes", {}).values()):
+                if process.is_alive():
+                    process.terminate()
+        pool.shutdown(wait=True, cancel_futures=True)
+    return errors
 
 
 def _build(chunk: list[CompileJob]) -> list[tuple[CompileJob, str]]:

@@ -100,8 +100,8 @@ def _plan(xq, wq, x_scale, w_scale, bias, dtype, kernel):
     try:
         k = xq.shape[-1]
         m = xq.numel() // k if k else math.prod(xq.shape[:-1])
-        # The plan key holds everything the checks depend on (but the scales' contiguity, which
-        # the kernels are given anyway), so a cached call needs no checks.
+        # The plan key holds everything the checks depend on but the scales' contiguity, which
+        # the call key holds (and reshape(-1) in _run makes good for the checked path).
         device = xq.get_device()
         key = (m, wq.shape[0], k, xq.dtype, wq.dtype, wq.dim(), wq.shape[-1], wq.get_device(),
                x_scale.numel(), x_scale.dtype, x_scale.get_device(),
@@ -154,12 +154,13 @@ def gemm_a8w8(xq: torch.Tensor, wq: torch.Tensor, x_scale: torch.Tensor, w_scale
     """
     if torch.compiler.is_compiling():
         return _gemm_a8w8_op(xq, wq, x_scale, w_scale, bias, dtype, kernel)
-    # The eager hot path: everything the checks and the plan depend on, one dict hit, the
-    # kernel bound to this key (Dispatcher.remember). Each backend takes the scales as given
-    # (a kernel that needs them contiguous makes them so).
+    # The eager hot path: everything the checks and the plan depend on (the scales'
+    # contiguity included: _check refuses strided scales), one dict hit, the kernel bound to
+    # this key (Dispatcher.remember).
     call_key = (xq.shape, wq.shape, x_scale.shape, w_scale.shape, xq.dtype, wq.dtype,
                 x_scale.dtype, w_scale.dtype, xq.get_device(), wq.get_device(),
-                x_scale.get_device(), w_scale.get_device(), dtype, kernel,
+                x_scale.get_device(), w_scale.get_device(), x_scale.is_contiguous(),
+                w_scale.is_contiguous(), dtype, kernel,
                 None if bias is None else (bias.shape, bias.dtype, bias.get_device()))
     run = _CALLS.get(call_key)
     if run is None:

@@ -136,6 +136,6 @@ def gemm_a8w8_blockscale(xq: torch.Tensor, wq: torch.Tensor, x_scale: torch.Tens
     run = _CALLS.get(call_key)
     if run is None:
         return _run_and_remember(call_key, xq, wq, x_scale, w_scale, dtype, kernel)
-    if xq.dim() != 2:
-        x_scale = x_scale.view(-1, x_scale.shape[-1])
+    if xq.dim() != 2:  # a reshape, as _run_and_remember's: a strided scale may not view
+        x_scale = x_scale.reshape(-1, x_scale.shape[-1])
     return run(xq, wq, None, x_scale, w_scale)

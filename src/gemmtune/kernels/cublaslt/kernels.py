@@ -160,7 +160,7 @@ class CublasLtScaledKernel(CublasLtKernel):
                               stacklevel=2)
                 return self._fallback(x, w, bias, out_dtype, scale_a, scale_b, out)
         return _run(plan, x, w, bias, out_dtype, out, m, n, dev,
-                    _scale_pointers(scale_a, scale_b, per_tensor, m, n))
+                    _dense_scales(scale_a, scale_b, per_tensor, m, n))
 
     def bind(self, x, w, bias, out_dtype, scale_a, scale_b):
         """Calls with these arguments' dtypes, shapes and devices (dispatch's ``bind``): the
@@ -178,7 +178,7 @@ class CublasLtScaledKernel(CublasLtKernel):
 
         def run(x, w, bias, scale_a, scale_b):
             return _run(plan, x, w, bias, out_dtype, None, m, n, dev,
-                        _scale_pointers(scale_a, scale_b, per_tensor, m, n))
+                        _dense_scales(scale_a, scale_b, per_tensor, m, n))
 
         return run
 
@@ -190,9 +190,9 @@ class CublasLtScaledKernel(CublasLtKernel):
 
 
 def _run(plan: Plan, x, w, bias, out_dtype, out, m: int, n: int, dev: int,
-         scales: tuple[int, int] | None = None):
+         scales: tuple[torch.Tensor, torch.Tensor] | None = None):
     """Launch ``plan`` on the current stream of device ``dev``; ``scales``: the FP8 (w, x)
-    scale pointers.
+    scales, dense and aligned (``_dense_scales``).
 
     Host cost per call besides cuBLASLt's own (~7 us, 9-11 us with a split-K reduction) and
     torch.empty (3.4 us), from shared/notes/cublaslt-from-python.md: the plan dict hit 0.5 us,
@@ -227,8 +227,13 @@ def _run(plan: Plan, x, w, bias, out_dtype, out, m: int, n: int, dev: int,
                 bp = bias.data_ptr()
             if bp != own.bias_ptr:
                 own.set_bias(bp)
-        if scales is not None and scales != own.scale_ptrs:
-            own.set_scales(*scales)
+        if scales is not None:
+            # The tensors themselves stay referenced until the matmul is queued: a copy made
+            # for them would otherwise go back to the allocator, which could hand its block
+            # to the output below.
+            pointers = (scales[0].data_ptr(), scales[1].data_ptr())
+            if pointers != own.scale_ptrs:
+                own.set_scales(*pointers)
         desc = own.desc
     if out is None:
         out = torch.empty((m, n) if x.dim() == 2 else x.shape[:-1] + (n,), dtype=out_dtype,
@@ -245,17 +250,17 @@ def _run(plan: Plan, x, w, bias, out_dtype, out, m: int, n: int, dev: int,
     return out
 
 
-def _scale_pointers(scale_a, scale_b, per_tensor: bool, m: int, n: int) -> tuple[int, int]:
-    """The (w, x) scale pointers cuBLASLt takes (its A is w): one value each, or a dense
-    aligned vector each (a single value beside a vector broadcast to one)."""
+def _dense_scales(scale_a, scale_b, per_tensor: bool, m: int, n: int) -> tuple:
+    """The (w, x) scales as cuBLASLt takes them (its A is w): one value each, or a dense
+    aligned vector each (a single value beside a vector broadcast to one). Copies made here
+    must be kept alive by the caller until the matmul is queued."""
     if not per_tensor:
         scale_a, scale_b = scale_a.reshape(-1), scale_b.reshape(-1)
         if scale_a.numel() != m:
             scale_a = scale_a.expand(m)
         if scale_b.numel() != n:
             scale_b = scale_b.expand(n)
-    scale_a, scale_b = _aligned_dense(scale_a), _aligned_dense(scale_b)
-    return scale_b.data_ptr(), scale_a.data_ptr()
+    return _aligned_dense(scale_b), _aligned_dense(scale_a)
 
 
 def _aligned_dense(scale: torch.Tensor) -> torch.Tensor:
