@@ -600,3 +600,22 @@ def test_bound_triton_calls_match_the_reference_on_fresh_inputs(user_table, kern
                 err = float((y.float() - ref).norm() / ref.norm())
                 assert err < (1e-2 if dtype == torch.bfloat16 else 1e-5), (seed, err)
                 y.fill_(float("nan"))
+
+
+def test_a_plan_made_while_the_tables_change_is_not_kept(monkeypatch):
+    # Another thread resetting the tables between the look-up and the caching: the call is
+    # served, but neither its plan nor its bound call outlives the reset.
+    from gemmtune.families.bf16 import op
+
+    real = DISPATCH._decide_and_resolve
+
+    def decide_then_reset(*args):
+        decided = real(*args)
+        gemmtune.reset()
+        return decided
+
+    monkeypatch.setattr(DISPATCH, "_decide_and_resolve", decide_then_reset)
+    x, w = fresh(3, 24), fresh(40, 24, seed=1)
+    y = gemmtune.gemm_a16w16(x, w)
+    torch.testing.assert_close(y, gemm_a16w16_ref(x, w), rtol=1e-5, atol=1e-5)
+    assert not DISPATCH.plans and not op._CALLS
