@@ -177,14 +177,19 @@ class PrefillPoint:
         return self.model(self.ids, use_cache=False, logits_to_keep=1).logits
 
 
-def eager_ms(point, steps: int) -> float:
+def ms_per_call(point, fn, calls: int) -> float:
+    """Wall ms per call of ``calls`` back-to-back ``fn()`` from the point's start, synchronised."""
     point.rewind()
     torch.cuda.synchronize()
     start = time.perf_counter()
-    for _ in range(steps):
-        point.step()
+    for _ in range(calls):
+        fn()
     torch.cuda.synchronize()
-    return (time.perf_counter() - start) / steps * 1e3
+    return (time.perf_counter() - start) / calls * 1e3
+
+
+def eager_ms(point, steps: int) -> float:
+    return ms_per_call(point, point.step, steps)
 
 
 def capture(point):
@@ -204,13 +209,7 @@ def capture(point):
 
 
 def graph_ms(point, graph) -> float:
-    point.rewind()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(GRAPH_REPLAYS):
-        graph.replay()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / GRAPH_REPLAYS * 1e3
+    return ms_per_call(point, graph.replay, GRAPH_REPLAYS)
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -74,10 +74,9 @@ class CublasLtKernel:
         # plan is one dict hit, the rest torch.empty, pointers, the stream and cuBLASLt itself.
         if scale_a is not None or scale_b is not None:
             raise ValueError("cublaslt backend: per-tensor scale_a/scale_b are not supported")
-        n, k = w.shape
-        m = x.numel() // k if k else 0
-        dev = x.get_device()
-        plan = self._plans.get((m, n, k, bias is not None, x.dtype, out_dtype, "", dev))
+        key = _plan_key(x, w, bias, out_dtype, "")
+        m, n, k, dev = key[0], key[1], key[2], key[7]
+        plan = self._plans.get(key)
         if plan is None:
             if min(m, n, k) < 1 or dev < 0:
                 return _degenerate(x, w, bias, out_dtype, out)
@@ -87,10 +86,9 @@ class CublasLtKernel:
     def bind(self, x, w, bias, out_dtype, scale_a, scale_b):
         """Calls with these arguments' dtypes, shapes and devices (dispatch's ``bind``): the
         plan found once, each call only allocates and launches; None where it is not planned."""
-        n, k = w.shape
-        m = x.numel() // k if k else 0
-        dev = x.get_device()
-        plan = self._plans.get((m, n, k, bias is not None, x.dtype, out_dtype, "", dev))
+        key = _plan_key(x, w, bias, out_dtype, "")
+        m, n, dev = key[0], key[1], key[7]
+        plan = self._plans.get(key)
         if plan is None or scale_a is not None or scale_b is not None:
             return None
 
@@ -135,12 +133,10 @@ class CublasLtScaledKernel(CublasLtKernel):
     def __call__(self, x, w, bias, out_dtype, scale_a, scale_b, out=None):
         if scale_a is None or scale_b is None:
             raise ValueError("cublaslt backend of gemm_a8w8: FP8 needs both scales")
-        n, k = w.shape
-        m = x.numel() // k if k else 0
-        dev = x.get_device()
         per_tensor = scale_a.numel() == 1 and scale_b.numel() == 1
         scaling = "tensor" if per_tensor else "outer"
-        key = (m, n, k, bias is not None, x.dtype, out_dtype, scaling, dev)
+        key = _plan_key(x, w, bias, out_dtype, scaling)
+        m, n, k, dev = key[0], key[1], key[2], key[7]
         plan = self._plans.get(key)
         if plan is None:
             if min(m, n, k) < 1 or dev < 0 or key in self._refused:
@@ -166,12 +162,9 @@ class CublasLtScaledKernel(CublasLtKernel):
         """Calls with these arguments' dtypes, shapes and devices (dispatch's ``bind``): the
         plan found once, each call only lays out the scales, allocates and launches; None where it
         is not planned (a bias or an output dtype the row was not tuned for)."""
-        n, k = w.shape
-        m = x.numel() // k if k else 0
-        dev = x.get_device()
         per_tensor = scale_a.numel() == 1 and scale_b.numel() == 1
-        key = (m, n, k, bias is not None, x.dtype, out_dtype, "tensor" if per_tensor else "outer",
-               dev)
+        key = _plan_key(x, w, bias, out_dtype, "tensor" if per_tensor else "outer")
+        m, n, dev = key[0], key[1], key[7]
         plan = self._plans.get(key)
         if plan is None:
             return None
@@ -187,6 +180,14 @@ class CublasLtScaledKernel(CublasLtKernel):
         if x.is_cuda and min(x.numel(), w.numel()):
             return scaled_mm_torch(x, w, bias, out_dtype, scale_a, scale_b, out=out)
         return _degenerate_scaled(x, w, bias, out_dtype, scale_a, scale_b, out)
+
+
+def _plan_key(x, w, bias, out_dtype, scaling: str) -> tuple:
+    """What a kernel's plans are kept by: (M, N, K, has bias, dtype, out_dtype, scaling,
+    device index)."""
+    n, k = w.shape
+    return (x.numel() // k if k else 0, n, k, bias is not None, x.dtype, out_dtype, scaling,
+            x.get_device())
 
 
 def _run(plan: Plan, x, w, bias, out_dtype, out, m: int, n: int, dev: int,
