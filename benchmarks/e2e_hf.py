@@ -6,8 +6,11 @@ llama3-70b shard one GPU of eight holds under tensor parallelism (heads, KV head
 and vocabulary divided by 8). First the GEMM shapes of the Hugging Face layout (separate q, k,
 v, gate and up projections; the lm_head) at every token count timed here are tuned, where the
 tables in force have no exact row (``gemmtune tune bf16``, into $OUT/e2e_tuned.csv, used as
-an overlay). Then per model, in interleaved rounds (the host's speed drifts), the same model
-with and without the patch:
+an overlay). Then per model, in interleaved rounds (the host's speed drifts), the model and
+its variants, each its own model object over the same weights (so timing one switches no
+class of another's): unpatched, patched, the A/A control (the unpatched model under another
+class: the eager noise floor of the run) and with ``--diagnose`` the op with its torch row
+forced (the op's own host cost in the model):
 
 - decode, one token per sequence against a static KV cache of ``CONTEXT`` tokens, at batch
   1, 8 and 32: eagerly (``STEPS`` steps back to back) and as a captured CUDA graph;
@@ -16,17 +19,18 @@ with and without the patch:
 Logits: the prefill's of both against the model in fp32, the patched error within 1.5x the
 unpatched one (+1e-3); each decode point's patched logits against the unpatched ones, within 3x
 the prefill's unpatched error (at least 1e-2). Prints speed-up = unpatched time / patched time,
-the median over ``ROUNDS`` rounds of each round's ratio (both variants back to back); "A/A" is
-the same ratio between the unpatched model and itself under another class (the eager noise
-floor of the run).
+the median over ``ROUNDS`` rounds of each round's ratio (the variants in an order rotated
+each round). ``--gc off`` collects garbage before each timed batch and none during it.
 
-    PYTHONPATH=src python3 benchmarks/e2e_hf.py [--no-tune] [--models llama3-8b]
+    PYTHONPATH=src python3 benchmarks/e2e_hf.py [--no-tune] [--models llama3-8b] [--gc off] [--diagnose]
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import csv
+import gc
 import os
 import statistics
 import subprocess
@@ -39,7 +43,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import gemmtune
-from gemmtune.nn import TunedLinear
+from gemmtune.families.bf16.op import gemm_a16w16
+from gemmtune.kernels.torch_ref import TORCH_LINEAR
 
 LAYERS = 4
 BATCHES = (1, 8, 32)
@@ -48,6 +53,7 @@ CONTEXT = 128  # tokens in the KV cache when a decode step runs
 STEPS = 10  # decode steps per timed eager batch
 ROUNDS = 31
 GRAPH_REPLAYS = 20
+GC_DURING_TIMING = True  # --gc
 
 # Llama 3 dimensions; "-tp8" is one GPU's shard under 8-way tensor parallelism.
 MODELS = {
@@ -88,13 +94,16 @@ def tune_missing(names: list[str], out_dir: Path) -> None:
     from gemmtune.families.bf16.op import DISPATCH
     from gemmtune.tables.lookup import Rule
 
+    tuned = out_dir / "e2e_tuned.csv"
+    if tuned.exists():  # an earlier run's, in force before looking for what is missing
+        os.environ["GEMMTUNE_CONFIG_BF16"] = str(tuned)
+        gemmtune.reset()
     missing = []
     for name in names:
         for m, n, k in gemm_shapes(name):
             key = (m, n, k, False, "torch.bfloat16", "torch.bfloat16", False, False)
             if DISPATCH.decide(key).rule is not Rule.exact:
                 missing.append((m, n, k))
-    tuned = out_dir / "e2e_tuned.csv"
     if missing:
         untuned = out_dir / "e2e_untuned.csv"
         untuned.write_text("M,N,K,bias,dtype,outdtype,scaleAB,bpreshuffle\n" + "".join(
@@ -118,27 +127,36 @@ class _SameLinear(nn.Linear):
         return F.linear(x, self.weight, self.bias)
 
 
-def set_patched(model, patched: bool, control: bool = False) -> None:
-    """Patch (``patch_linear``) or unpatch the model's linear layers in place (``control``:
-    unpatched, as ``_SameLinear``)."""
-    for module in model.modules():
-        if type(module) in (TunedLinear, _SameLinear):
-            module.__class__ = nn.Linear
-    if patched:
-        gemmtune.patch_linear(model)
-    elif control:
-        for module in model.modules():
+class _TorchRowLinear(nn.Linear):
+    """The op with the torch row forced (``--diagnose``): the op's own host cost in the model,
+    with the same cuBLAS kernels as unpatched."""
+
+    def forward(self, x):
+        return gemm_a16w16(x, self.weight, self.bias, kernel=TORCH_LINEAR)
+
+
+def twin(model, linear_class=None):
+    """Another model object over the same parameters and buffers (nothing copied on the GPU),
+    its plain linear layers made ``linear_class`` (None: ``patch_linear``). Each variant is its
+    own object, so timing one never switches another's classes."""
+    shared = {id(t): t for t in (*model.parameters(), *model.buffers())}
+    other = copy.deepcopy(model, shared)
+    if linear_class is None:
+        gemmtune.patch_linear(other)
+    else:
+        for module in other.modules():
             if type(module) is nn.Linear:
-                module.__class__ = _SameLinear
+                module.__class__ = linear_class
+    return other
 
 
 class DecodePoint:
-    """One decode step of ``batch`` sequences against a static cache holding CONTEXT tokens."""
+    """One decode step of ``batch`` sequences against a static cache holding CONTEXT tokens
+    (the cache is the point's: every variant's step reads and advances it the same way)."""
 
     def __init__(self, model, batch: int):
         from transformers import StaticCache
 
-        self.model = model
         # Each step (eager or a graph's replay) advances the cache's counters by one.
         self.cache = StaticCache(config=model.config,
                                  max_cache_len=CONTEXT + max(STEPS, GRAPH_REPLAYS) + 8)
@@ -157,15 +175,14 @@ class DecodePoint:
         for layer in self.cache.layers:
             layer.cumulative_length.fill_(CONTEXT)
 
-    def step(self) -> torch.Tensor:
-        return self.model(self.ids, past_key_values=self.cache, use_cache=True,
-                          position_ids=self.position, cache_position=self.cache_position,
-                          logits_to_keep=1).logits
+    def step(self, model) -> torch.Tensor:
+        return model(self.ids, past_key_values=self.cache, use_cache=True,
+                     position_ids=self.position, cache_position=self.cache_position,
+                     logits_to_keep=1).logits
 
 
 class PrefillPoint:
     def __init__(self, model):
-        self.model = model
         gen = torch.Generator(device="cuda").manual_seed(PREFILL)
         self.ids = torch.randint(0, model.config.vocab_size, (1, PREFILL), device="cuda",
                                  generator=gen)
@@ -173,108 +190,123 @@ class PrefillPoint:
     def rewind(self) -> None:
         pass
 
-    def step(self) -> torch.Tensor:
-        return self.model(self.ids, use_cache=False, logits_to_keep=1).logits
+    def step(self, model) -> torch.Tensor:
+        return model(self.ids, use_cache=False, logits_to_keep=1).logits
 
 
 def ms_per_call(point, fn, calls: int) -> float:
-    """Wall ms per call of ``calls`` back-to-back ``fn()`` from the point's start, synchronised."""
+    """Wall ms per call of ``calls`` back-to-back ``fn()`` from the point's start, synchronised;
+    with ``--gc off``, Python's garbage collector runs before the batch and not during it."""
     point.rewind()
     torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / calls * 1e3
+    if not GC_DURING_TIMING:
+        gc.collect()
+        gc.disable()
+    try:
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - start) / calls * 1e3
+    finally:
+        gc.enable()
 
 
-def eager_ms(point, steps: int) -> float:
-    return ms_per_call(point, point.step, steps)
-
-
-def capture(point):
+def capture(point, model):
     """The point's step as a CUDA graph (warmed up on a side stream first) and its output."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         for _ in range(2):
             point.rewind()
-            point.step()
+            point.step(model)
     torch.cuda.current_stream().wait_stream(side)
     point.rewind()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = point.step()
+        out = point.step(model)
     return graph, out
-
-
-def graph_ms(point, graph) -> float:
-    return ms_per_call(point, graph.replay, GRAPH_REPLAYS)
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm())
 
 
-@torch.no_grad()
-def run_model(name: str) -> list[dict]:
-    model = build(name)
-    prefill = PrefillPoint(model)
-    set_patched(model, False)
-    bf16_logits = prefill.step().clone()
+def check_prefill_accuracy(name: str, model, patched, prefill) -> tuple[float, float]:
+    """The prefill's logits, unpatched and patched, against the model in fp32 (bf16 -> fp32 ->
+    bf16 is exact: the same weights after)."""
+    bf16_logits = prefill.step(model).clone()
+    patched_logits = prefill.step(patched).clone()
     model.float()
-    fp32_logits = prefill.step().clone()
-    model.to(torch.bfloat16)  # bf16 -> fp32 -> bf16 is exact: the same weights
-    set_patched(model, True)
-    patched_logits = prefill.step().clone()
-    set_patched(model, False)
-    base_err, patched_err = rel_err(bf16_logits, fp32_logits), rel_err(patched_logits,
-                                                                       fp32_logits)
+    fp32_logits = prefill.step(model).clone()
+    model.to(torch.bfloat16)
+    base_err, patched_err = (rel_err(bf16_logits, fp32_logits),
+                             rel_err(patched_logits, fp32_logits))
     if patched_err > 1.5 * base_err + 1e-3:
         raise RuntimeError(f"{name} prefill: patched logits off fp32 by {patched_err:.2e}, "
                            f"unpatched by {base_err:.2e}")
+    return base_err, patched_err
+
+
+def time_point(point, variants: dict, graphs: dict, steps: int) -> dict:
+    """Per round every variant's eager batch (and graph replays where captured), in an order
+    rotated each round; each variant's speed-up is the median over the rounds of the round's
+    unpatched time over the variant's (the host's speed drifts by 10% between seconds)."""
+    names = list(variants)
+    times = {(kind, v): [] for v in names for kind in ("eager", "graph")}
+    ratios = {(kind, v): [] for v in names for kind in ("eager", "graph")}
+    for i in range(ROUNDS):
+        shift = i % len(names)
+        for v in names[shift:] + names[:shift]:
+            times["eager", v].append(ms_per_call(point, lambda: point.step(variants[v]), steps))
+            if v in graphs:
+                times["graph", v].append(ms_per_call(point, graphs[v].replay, GRAPH_REPLAYS))
+        for (kind, v), series in times.items():
+            if series:
+                ratios[kind, v].append(times[kind, "unpatched"][-1] / series[-1])
+    return {key: (statistics.median(times[key]), statistics.median(r))
+            for key, r in ratios.items() if r}
+
+
+@torch.no_grad()
+def run_model(name: str, diagnose: bool) -> list[dict]:
+    model = build(name)
+    variants = {"unpatched": model, "A/A": twin(model, _SameLinear), "patched": twin(model)}
+    if diagnose:
+        variants["op, torch rows"] = twin(model, _TorchRowLinear)
+    prefill = PrefillPoint(model)
+    base_err, patched_err = check_prefill_accuracy(name, model, variants["patched"], prefill)
     decode_bound = max(3 * base_err, 1e-2)
     points = [(f"decode b={b}", DecodePoint(model, b)) for b in BATCHES]
     points.append((f"prefill {PREFILL}", prefill))
     rows = []
     for label, point in points:
         logits, graphs = {}, {}
-        for patched in (False, True):
-            set_patched(model, patched)
+        for v in ("unpatched", "patched"):
             point.rewind()
-            logits[patched] = point.step().clone()
-            graphs[patched] = capture(point)
-        err = rel_err(logits[True], logits[False])
+            logits[v] = point.step(variants[v]).clone()
+            graphs[v] = capture(point, variants[v])[0]
+        err = rel_err(logits["patched"], logits["unpatched"])
         if label.startswith("decode") and err > decode_bound:
             raise RuntimeError(f"{name} {label}: patched logits off by {err:.2e} "
                                f"(bound {decode_bound:.2e})")
-        # Per round both variants, back to back, in alternating order; the speed-up is the
-        # median of the rounds' ratios (the host's speed drifts by 10% between seconds).
-        ratios = {"eager": [], "graph": [], "control": []}
-        times = {(kind, patched): [] for kind in ("eager", "graph") for patched in (False, True)}
-        steps = STEPS if label.startswith("decode") else 4
-        for i in range(ROUNDS):
-            for patched in ((False, True) if i % 2 == 0 else (True, False)):
-                set_patched(model, patched)
-                times["eager", patched].append(eager_ms(point, steps))
-                times["graph", patched].append(graph_ms(point, graphs[patched][0]))
-            for kind in ("eager", "graph"):
-                ratios[kind].append(times[kind, False][-1] / times[kind, True][-1])
-            set_patched(model, False, control=True)
-            ratios["control"].append(times["eager", False][-1] / eager_ms(point, steps))
-        set_patched(model, False)
-        med = {k: statistics.median(v) for k, v in times.items()}
-        rows.append(dict(model=name, point=label, eager_ms=round(med["eager", False], 4),
-                         eager_patched_ms=round(med["eager", True], 4),
-                         eager_speedup=round(statistics.median(ratios["eager"]), 3),
-                         graph_ms=round(med["graph", False], 4),
-                         graph_patched_ms=round(med["graph", True], 4),
-                         graph_speedup=round(statistics.median(ratios["graph"]), 3),
-                         eager_aa=round(statistics.median(ratios["control"]), 3),
-                         logits_rel_err=f"{err:.1e}"))
+        timed = time_point(point, variants, graphs,
+                           STEPS if label.startswith("decode") else 4)
+        row = dict(model=name, point=label,
+                   eager_ms=round(timed["eager", "unpatched"][0], 4),
+                   eager_patched_ms=round(timed["eager", "patched"][0], 4),
+                   eager_speedup=round(timed["eager", "patched"][1], 3),
+                   graph_ms=round(timed["graph", "unpatched"][0], 4),
+                   graph_patched_ms=round(timed["graph", "patched"][0], 4),
+                   graph_speedup=round(timed["graph", "patched"][1], 3),
+                   eager_aa=round(timed["eager", "A/A"][1], 3),
+                   logits_rel_err=f"{err:.1e}")
+        if diagnose:
+            row["eager_torch_rows"] = round(timed["eager", "op, torch rows"][1], 3)
+        rows.append(row)
         del graphs
     print(f"{name}: prefill logits vs fp32: unpatched {base_err:.2e}, patched {patched_err:.2e}")
-    del model
+    del model, variants
     torch.cuda.empty_cache()
     return rows
 
@@ -285,25 +317,33 @@ def main() -> None:
                         help=f"comma-separated, of {', '.join(MODELS)}")
     parser.add_argument("--no-tune", action="store_true",
                         help="use the tables in force as they are")
+    parser.add_argument("--gc", choices=("on", "off"), default="on",
+                        help="off: collect garbage before each timed batch, none during it")
+    parser.add_argument("--diagnose", action="store_true",
+                        help="also time the op with its torch row forced")
     args = parser.parse_args()
+    global GC_DURING_TIMING
+    GC_DURING_TIMING = args.gc == "on"
     names = args.models.split(",")
     out_dir = Path(os.environ.get("OUT", "out"))
     out_dir.mkdir(parents=True, exist_ok=True)
     if not args.no_tune:
         tune_missing(names, out_dir)
-    rows = [row for name in names for row in run_model(name)]
+    rows = [row for name in names for row in run_model(name, args.diagnose)]
     with open(out_dir / "e2e_hf.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
-    print(f"{torch.cuda.get_device_name()}, {LAYERS} layers, speed-up = unpatched / patched")
+    print(f"{torch.cuda.get_device_name()}, {LAYERS} layers, garbage collection {args.gc} "
+          f"while timing, speed-up = unpatched / patched")
     print(f"{'model':<16} {'point':<14} {'eager ms':>9} {'patched':>9} {'x':>6} "
           f"{'graph ms':>9} {'patched':>9} {'x':>6} {'A/A':>6}  logits err")
     for r in rows:
         print(f"{r['model']:<16} {r['point']:<14} {r['eager_ms']:>9.3f} "
               f"{r['eager_patched_ms']:>9.3f} {r['eager_speedup']:>6.3f} {r['graph_ms']:>9.3f} "
               f"{r['graph_patched_ms']:>9.3f} {r['graph_speedup']:>6.3f} {r['eager_aa']:>6.3f}  "
-              f"{r['logits_rel_err']}")
+              f"{r['logits_rel_err']}"
+              + (f"  op+torch rows {r['eager_torch_rows']:.3f}" if args.diagnose else ""))
 
 
 if __name__ == "__main__":
