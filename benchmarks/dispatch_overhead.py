@@ -13,6 +13,7 @@ host's speed drifts between runs). Writes CSV to $OUT (or ./out) and prints the 
 
 from __future__ import annotations
 
+import copy
 import csv
 import os
 import statistics
@@ -153,6 +154,34 @@ def backend_host_costs(op: str) -> list[dict]:
             for name, t in times.items()]
 
 
+@torch.no_grad()
+def layer_host_costs() -> list[dict]:
+    """Host µs per eager call of a patched layer (``TunedLinear``, its table row naming each
+    gemm_a16w16 backend in turn) against the same ``nn.Linear``, on a model's (1, M, K) input,
+    under no_grad as in generation: the median over ROUNDS rounds of each round's ratio."""
+    m, n, k = BACKEND_SHAPES["gemm_a16w16"]
+    x = torch.randn(1, m, k, device="cuda", dtype=torch.bfloat16)
+    plain = torch.nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
+    want = F.linear(x.float(), plain.weight.float())
+    rows = []
+    for name in OP_BACKENDS["gemm_a16w16"] + _cublaslt_backend("gemm_a16w16", m, n, k):
+        install_rows(m, n, k, name)
+        patched = copy.deepcopy(plain)
+        gemmtune.patch_linear(patched)
+        err = float((patched(x).float() - want).norm() / want.norm())
+        if err > 3e-2:
+            raise RuntimeError(f"TunedLinear {name}: relative error {err:.1e}")
+        times = {"nn.Linear": [], "TunedLinear": []}
+        for _ in range(ROUNDS):
+            times["nn.Linear"].append(host_us_per_call(lambda: plain(x), calls=500, loops=1))
+            times["TunedLinear"].append(host_us_per_call(lambda: patched(x), calls=500, loops=1))
+        rows.append(dict(backend=name, linear_us=round(statistics.median(times["nn.Linear"]), 2),
+                         tuned_us=round(statistics.median(times["TunedLinear"]), 2),
+                         vs_linear=round(statistics.median(
+                             a / b for a, b in zip(times["TunedLinear"], times["nn.Linear"])), 3)))
+    return rows
+
+
 def main() -> None:
     out_dir = Path(os.environ.get("OUT", "out"))
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -180,6 +209,11 @@ def main() -> None:
                             triton_graph_us=tile_gpu,
                             triton_rel_err=err))
     backends = [row for op in OP_BACKENDS for row in backend_host_costs(op)]
+    layers = layer_host_costs()
+    with open(out_dir / "dispatch_overhead_layers.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(layers[0]))
+        writer.writeheader()
+        writer.writerows(layers)
     with open(out_dir / "dispatch_overhead_backends.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(backends[0]))
         writer.writeheader()
@@ -205,6 +239,12 @@ def main() -> None:
     for r in backends:
         print(f"  {r['op']:<21} {r['backend']:<58} {r['host_us']:8.2f}  "
               f"{r['vs_linear']:.3f}x F.linear  {r['vs_torch_call']:.3f}x torch call")
+
+    print(f"a patched layer against nn.Linear, x (1, {BACKEND_SHAPES['gemm_a16w16'][0]}, K), "
+          f"no_grad, median of {ROUNDS} rounds' ratios:")
+    for r in layers:
+        print(f"  TunedLinear {r['backend']:<58} {r['tuned_us']:8.2f}  nn.Linear "
+              f"{r['linear_us']:8.2f}  {r['vs_linear']:.3f}x")
 
 
 if __name__ == "__main__":

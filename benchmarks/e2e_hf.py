@@ -7,7 +7,7 @@ and vocabulary divided by 8). First the GEMM shapes of the Hugging Face layout (
 v, gate and up projections; the lm_head) at every token count timed here are tuned, where the
 tables in force have no exact row (``gemmtune tune bf16``, into $OUT/e2e_tuned.csv, used as
 an overlay). Then per model, in interleaved rounds (the host's speed drifts), the model and
-its variants, each its own model object over the same weights (so timing one switches no
+its variants, each its own model object with the same weights (so timing one switches no
 class of another's): unpatched, patched, the A/A control (the unpatched model under another
 class: the eager noise floor of the run) and with ``--diagnose`` the op with its torch row
 forced (the op's own host cost in the model):
@@ -20,17 +20,15 @@ Logits: the prefill's of both against the model in fp32, the patched error withi
 unpatched one (+1e-3); each decode point's patched logits against the unpatched ones, within 3x
 the prefill's unpatched error (at least 1e-2). Prints speed-up = unpatched time / patched time,
 the median over ``ROUNDS`` rounds of each round's ratio (the variants in an order rotated
-each round). ``--gc off`` collects garbage before each timed batch and none during it.
+each round).
 
-    PYTHONPATH=src python3 benchmarks/e2e_hf.py [--no-tune] [--models llama3-8b] [--gc off] [--diagnose]
+    PYTHONPATH=src python3 benchmarks/e2e_hf.py [--no-tune] [--models llama3-8b] [--diagnose]
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
 import csv
-import gc
 import os
 import statistics
 import subprocess
@@ -53,7 +51,6 @@ CONTEXT = 128  # tokens in the KV cache when a decode step runs
 STEPS = 10  # decode steps per timed eager batch
 ROUNDS = 31
 GRAPH_REPLAYS = 20
-GC_DURING_TIMING = True  # --gc
 
 # Llama 3 dimensions; "-tp8" is one GPU's shard under 8-way tensor parallelism.
 MODELS = {
@@ -135,12 +132,14 @@ class _TorchRowLinear(nn.Linear):
         return gemm_a16w16(x, self.weight, self.bias, kernel=TORCH_LINEAR)
 
 
-def twin(model, linear_class=None):
-    """Another model object over the same parameters and buffers (nothing copied on the GPU),
-    its plain linear layers made ``linear_class`` (None: ``patch_linear``). Each variant is its
-    own object, so timing one never switches another's classes."""
-    shared = {id(t): t for t in (*model.parameters(), *model.buffers())}
-    other = copy.deepcopy(model, shared)
+def variant(name: str, model, linear_class=None):
+    """The model built again (the same seed: the same weights, checked), its plain linear
+    layers made ``linear_class`` (None: ``patch_linear``). Each variant is its own object, built
+    as the first was (a deep copy's modules would hold their attributes otherwise, and run
+    slower than the original), so timing one switches no class of another's."""
+    other = build(name)
+    if not all(torch.equal(a, b) for a, b in zip(model.parameters(), other.parameters())):
+        raise RuntimeError(f"{name}: a second build has other weights")
     if linear_class is None:
         gemmtune.patch_linear(other)
     else:
@@ -195,21 +194,14 @@ class PrefillPoint:
 
 
 def ms_per_call(point, fn, calls: int) -> float:
-    """Wall ms per call of ``calls`` back-to-back ``fn()`` from the point's start, synchronised;
-    with ``--gc off``, Python's garbage collector runs before the batch and not during it."""
+    """Wall ms per call of ``calls`` back-to-back ``fn()`` from the point's start, synchronised."""
     point.rewind()
     torch.cuda.synchronize()
-    if not GC_DURING_TIMING:
-        gc.collect()
-        gc.disable()
-    try:
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-        return (time.perf_counter() - start) / calls * 1e3
-    finally:
-        gc.enable()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / calls * 1e3
 
 
 def capture(point, model):
@@ -271,9 +263,10 @@ def time_point(point, variants: dict, graphs: dict, steps: int) -> dict:
 @torch.no_grad()
 def run_model(name: str, diagnose: bool) -> list[dict]:
     model = build(name)
-    variants = {"unpatched": model, "A/A": twin(model, _SameLinear), "patched": twin(model)}
+    variants = {"unpatched": model, "A/A": variant(name, model, _SameLinear),
+                "patched": variant(name, model)}
     if diagnose:
-        variants["op, torch rows"] = twin(model, _TorchRowLinear)
+        variants["op, torch rows"] = variant(name, model, _TorchRowLinear)
     prefill = PrefillPoint(model)
     base_err, patched_err = check_prefill_accuracy(name, model, variants["patched"], prefill)
     decode_bound = max(3 * base_err, 1e-2)
@@ -317,13 +310,9 @@ def main() -> None:
                         help=f"comma-separated, of {', '.join(MODELS)}")
     parser.add_argument("--no-tune", action="store_true",
                         help="use the tables in force as they are")
-    parser.add_argument("--gc", choices=("on", "off"), default="on",
-                        help="off: collect garbage before each timed batch, none during it")
     parser.add_argument("--diagnose", action="store_true",
                         help="also time the op with its torch row forced")
     args = parser.parse_args()
-    global GC_DURING_TIMING
-    GC_DURING_TIMING = args.gc == "on"
     names = args.models.split(",")
     out_dir = Path(os.environ.get("OUT", "out"))
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -334,8 +323,7 @@ def main() -> None:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
-    print(f"{torch.cuda.get_device_name()}, {LAYERS} layers, garbage collection {args.gc} "
-          f"while timing, speed-up = unpatched / patched")
+    print(f"{torch.cuda.get_device_name()}, {LAYERS} layers, speed-up = unpatched / patched")
     print(f"{'model':<16} {'point':<14} {'eager ms':>9} {'patched':>9} {'x':>6} "
           f"{'graph ms':>9} {'patched':>9} {'x':>6} {'A/A':>6}  logits err")
     for r in rows:

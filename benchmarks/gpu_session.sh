@@ -223,9 +223,8 @@ for what in "$@"; do
             TAIL=30 stage probe 200 python3 benchmarks/host_cost_probe.py ;;
         firstcall)  # a Triton row's first call in a fresh process, with and without precompile
             TAIL=12 stage firstcall 400 python3 benchmarks/first_call.py ;;
-        e2ediag)  # e2e with the op's torch row forced too, garbage collection on, then off
-            TAIL=16 stage e2ediag_gc_on 330 python3 benchmarks/e2e_hf.py --diagnose --gc on
-            TAIL=16 stage e2ediag_gc_off 230 python3 benchmarks/e2e_hf.py --diagnose --gc off ;;
+        e2ediag)  # e2e with the op's torch row forced too (its host cost in the model)
+            TAIL=16 stage e2ediag 500 python3 benchmarks/e2e_hf.py --diagnose ;;
         e2e*)  # e2e[:MODELS]: transformers Llama models patched vs not (tunes missing shapes first)
             models=${what#e2e}; models=${models#:}
             TAIL=16 stage e2e 580 python3 benchmarks/e2e_hf.py ${models:+--models $models} ;;

@@ -767,3 +767,38 @@ def test_scales_made_for_a_call_live_until_cublaslt_has_read_them(nvmath_lt):
         y = gemmtune.gemm_a8w8(xq, wq, xs, ws.reshape(1, 1), kernel=name)
         ref = gemm_a8w8_ref(xq, wq, xs, ws, None, torch.float32)
         assert float((y.float() - ref).norm() / ref.norm()) < 2e-2, seed
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["bf16", "fp8 tensor", "fp8 outer"])
+def test_bound_calls_serve_new_inputs_and_send_odd_layouts_the_general_way(nvmath_lt, case):
+    """The ops' bound cuBLASLt calls (the checks the key does not pin, then the matmul): fresh
+    inputs every call, 3-D x, and an x at an address cuBLASLt's algorithm cannot take, which
+    goes the general way (a copy) and is still right."""
+    m, n, k = 8, 512, 256
+    fp8 = case.startswith("fp8")
+    scaling = "" if not fp8 else case.split()[1]
+    dtype = torch.float8_e4m3fn if fp8 else torch.bfloat16
+    name = cublaslt.heuristic_algos(m, n, k, dtype, torch.bfloat16, False,
+                                    **({"scaling": scaling} if fp8 else {}))[0].name
+    for seed in range(3):
+        if fp8:
+            xq, wq, xs, ws, _ = _fp8_inputs(m, n, k, scaling, seed=seed)
+            call = lambda x: gemmtune.gemm_a8w8(x, wq, xs, ws, kernel=name)  # noqa: E731
+            ref = lambda x: _fp8_ref(x, wq, xs, ws, None)  # noqa: E731
+            x = xq
+        else:
+            x, w, _ = _inputs(m, n, k, seed=seed)
+            call = lambda x: gemmtune.gemm_a16w16(x, w, kernel=name)  # noqa: E731
+            ref = lambda x: gemm_a16w16_ref(x, w, None, torch.float64)  # noqa: E731
+        for _ in range(2):  # the first plans and binds; the second is the bound call
+            assert _rel_err(call(x), ref(x)) < REL_TOL[torch.bfloat16]
+        bound = list(gemmtune.get_family("a8w8" if fp8 else "bf16").dispatcher.calls.values())
+        assert any("_bound_launch" in fn.__qualname__ for fn in bound)
+        x3 = x.reshape(2, m // 2, k)
+        assert _rel_err(call(x3).reshape(m, n), ref(x)) < REL_TOL[torch.bfloat16]
+        # Two bytes past an aligned block: not an address the algorithm takes.
+        odd = torch.empty(m * k + 16, dtype=x.dtype, device="cuda")[2:2 + m * k].view(m, k)
+        odd.copy_(x)
+        assert odd.data_ptr() % 16
+        assert _rel_err(call(odd), ref(x)) < REL_TOL[torch.bfloat16]

@@ -9,7 +9,7 @@ kernel; under ``torch.compile`` or autograd the call goes through the registered
 from __future__ import annotations
 
 import math
-from typing import NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
@@ -232,20 +232,14 @@ def gemm_a16w16(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] =
     return run(x, w, bias)
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``gemm_a16w16(x, w, bias)``, the call of a patched ``nn.Linear`` (``TunedLinear``): the
-    same bound calls, reached with fewer arguments; anything but a plain eager call goes
-    through ``gemm_a16w16``."""
-    if (_dynamo_compiling() or _compiler._is_compiling_flag or _any_autocast() or (
-            _grad_enabled() and (x.requires_grad or w.requires_grad
-                                 or (bias is not None and bias.requires_grad)))):
-        return gemm_a16w16(x, w, bias)
-    run = _CALLS.get((x.shape, w.shape, x.dtype, w.dtype, x.get_device(), w.get_device(), None,
-                      None, None if bias is None else (bias.shape, bias.dtype,
-                                                       bias.get_device())))
-    if run is None:
-        return gemm_a16w16(x, w, bias)
-    return run(x, w, bias)
+def bound_linear(x: torch.Tensor, w: torch.Tensor,
+                 bias: Optional[torch.Tensor] = None) -> Optional[Callable]:
+    """The kernel bound to eager calls ``gemm_a16w16(x', w', bias')`` with tensors of these
+    shapes, dtypes and devices, as ``run(x', w', bias')``: one such call made it (or it does
+    not exist); None before, or after the tables change."""
+    return _CALLS.get((x.shape, w.shape, x.dtype, w.dtype, x.get_device(), w.get_device(), None,
+                       None, None if bias is None else (bias.shape, bias.dtype,
+                                                        bias.get_device())))
 
 
 def _autocast(x, w, bias, scale_a, scale_b):

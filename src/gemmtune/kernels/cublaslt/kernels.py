@@ -95,7 +95,9 @@ class CublasLtKernel:
         def run(x, w, bias, scale_a=None, scale_b=None):
             return _run(plan, x, w, bias, out_dtype, None, m, n, dev)
 
-        return run
+        if bias is not None:
+            return run
+        return _bound_launch(plan, (*x.shape[:-1], n), out_dtype, dev, run, scaled=False)
 
 
 class CublasLtScaledKernel(CublasLtKernel):
@@ -173,7 +175,13 @@ class CublasLtScaledKernel(CublasLtKernel):
             return _run(plan, x, w, bias, out_dtype, None, m, n, dev,
                         _dense_scales(scale_a, scale_b, per_tensor, m, n))
 
-        return run
+        # Scales taken as they come: one value each, or dense vectors of M and N values (a
+        # single value beside a vector is broadcast into a copy: the general way).
+        as_they_come = scale_a.is_contiguous() and scale_b.is_contiguous() and (
+            per_tensor or (scale_a.numel() == m and scale_b.numel() == n))
+        if bias is not None or not as_they_come:
+            return run
+        return _bound_launch(plan, (*x.shape[:-1], n), out_dtype, dev, run, scaled=True)
 
     @staticmethod
     def _fallback(x, w, bias, out_dtype, scale_a, scale_b, out):
@@ -239,7 +247,13 @@ def _run(plan: Plan, x, w, bias, out_dtype, out, m: int, n: int, dev: int,
     if out is None:
         out = torch.empty((m, n) if x.dim() == 2 else x.shape[:-1] + (n,), dtype=out_dtype,
                           device=plan.device)
-    op = out.data_ptr()
+    _queue(plan, desc, xp, wp, out.data_ptr(), dev)
+    return out
+
+
+def _queue(plan: Plan, desc: int, xp: int, wp: int, op: int, dev: int) -> None:
+    """cublasLtMatmul of ``plan`` with this descriptor and these pointers, on the current
+    stream of device ``dev`` (the current device)."""
     # The stream is read on every call, never cached: a cached handle makes CUDA-graph capture
     # record nothing (silently) while the GEMM runs eagerly.
     stream = torch._C._cuda_getCurrentRawStream(dev)
@@ -248,7 +262,42 @@ def _run(plan: Plan, x, w, bias, out_dtype, out, m: int, n: int, dev: int,
         workspace = plan.device_state.workspace(stream)
     plan.matmul(plan.handle, desc, plan.alpha, wp, plan.a, xp, plan.b, plan.beta, op, plan.c,
                 op, plan.c, plan.algo_ptr, workspace, WORKSPACE_BYTES, stream)
-    return out
+
+
+def _bound_launch(plan: Plan, out_shape: tuple, out_dtype, dev: int, general, scaled: bool):
+    """A bound call without a bias (the op's key pins every tensor's dtype, shape and device,
+    and the scales' contiguity): it checks only the addresses' alignment, contiguity and the
+    current device, allocates the output and queues the matmul; anything else goes
+    ``general(x, w, bias, scale_a, scale_b)``. Scales (``scaled``) go into this thread's
+    descriptor, written only when their addresses differ from its last call's."""
+    if not scaled and plan.desc is None:  # a descriptor per call: the general way
+        return general
+    where = f"cuda:{dev}"  # torch.empty parses a string faster than it takes a torch.device
+    mask, scale_mask = plan.align_mask, _SCALE_ALIGN - 1
+    current_device = torch._C._cuda_getDevice
+
+    def run(x, w, bias, scale_a=None, scale_b=None):
+        xp, wp = x.data_ptr(), w.data_ptr()
+        if (xp | wp) & mask or dev != current_device() or not (
+                x.is_contiguous() and w.is_contiguous()):
+            return general(x, w, bias, scale_a, scale_b)
+        desc = plan.desc
+        if scaled:
+            pointers = (scale_b.data_ptr(), scale_a.data_ptr())  # cuBLAS's A is w
+            if (pointers[0] | pointers[1]) & scale_mask:
+                return general(x, w, bias, scale_a, scale_b)
+            try:
+                own = plan.thread_local.own
+            except AttributeError:
+                own = plan.problem.new_thread_desc()
+            if pointers != own.scale_ptrs:
+                own.set_scales(*pointers)
+            desc = own.desc
+        out = torch.empty(out_shape, dtype=out_dtype, device=where)
+        _queue(plan, desc, xp, wp, out.data_ptr(), dev)
+        return out
+
+    return run
 
 
 def _dense_scales(scale_a, scale_b, per_tensor: bool, m: int, n: int) -> tuple:

@@ -1,0 +1,186 @@
+"""TunedLinear's own fast path: what a layer keeps between calls, and when it lets go."""
+
+from __future__ import annotations
+
+import copy
+import io
+import pickle
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.utils import prune
+
+import gemmtune
+import gemmtune.nn as tuned_nn
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dispatch():
+    gemmtune.reset()
+    yield
+    gemmtune.reset()
+
+
+@pytest.fixture
+def op_calls(monkeypatch):
+    """The calls that went through gemm_a16w16 from a TunedLinear (the layer's slow way)."""
+    seen = []
+    real = tuned_nn.gemm_a16w16
+
+    def counting(x, w, bias=None, *args, **kwargs):
+        seen.append(tuple(x.shape))
+        return real(x, w, bias, *args, **kwargs)
+
+    monkeypatch.setattr(tuned_nn, "gemm_a16w16", counting)
+    return seen
+
+
+def layer(n=24, k=40, bias=True, dtype=torch.float32):
+    torch.manual_seed(1)
+    lin = nn.Linear(k, n, bias=bias, dtype=dtype)
+    gemmtune.patch_linear(lin)
+    return lin
+
+
+def x_of(*shape, dtype=torch.float32):
+    return torch.randn(*shape, dtype=dtype)
+
+
+def expect(lin, x):
+    return F.linear(x, lin.weight, lin.bias)
+
+
+@torch.no_grad()
+def test_a_repeated_shape_is_served_by_the_layer(op_calls):
+    lin = layer()
+    for shape in [(3, 40), (3, 40), (2, 5, 40), (3, 40), (2, 5, 40)]:
+        x = x_of(*shape)
+        torch.testing.assert_close(lin(x), expect(lin, x))
+    assert op_calls == [(3, 40), (2, 5, 40)]  # one first call per input shape
+    assert len(lin._gemmtune_calls.runs) == 2
+
+
+@torch.no_grad()
+def test_changed_tables_send_the_next_call_through_the_op(op_calls):
+    lin = layer()
+    x = x_of(3, 40)
+    lin(x)
+    gemmtune.reset()
+    torch.testing.assert_close(lin(x), expect(lin, x))
+    lin(x)
+    assert op_calls == [(3, 40), (3, 40)]
+
+
+@torch.no_grad()
+def test_another_weight_or_bias_object_is_used_not_the_old_one(op_calls):
+    lin = layer()
+    x = x_of(3, 40)
+    lin(x)
+    lin.weight = nn.Parameter(torch.randn(24, 40))
+    torch.testing.assert_close(lin(x), expect(lin, x))
+    lin.bias = nn.Parameter(torch.randn(24))
+    torch.testing.assert_close(lin(x), expect(lin, x))
+    lin._parameters["bias"] = nn.Parameter(torch.randn(24))  # as accelerate's loaders do
+    torch.testing.assert_close(lin(x), expect(lin, x))
+    assert op_calls == [(3, 40)] * 4
+
+
+@torch.no_grad()
+def test_converting_the_layer_in_place_drops_what_it_kept():
+    lin = layer()
+    x = x_of(3, 40)
+    lin(x)
+    weight = lin.weight
+    lin.to(torch.bfloat16)  # the same Parameter object, its data converted
+    assert lin.weight is weight and lin.weight.dtype == torch.bfloat16
+    xb = x.to(torch.bfloat16)
+    y = lin(xb)
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y, expect(lin, xb))
+    # An input of the old dtype is the op's error again, as it is F.linear's.
+    with pytest.raises(TypeError, match="cast one to match"):
+        lin(x)
+
+
+@torch.no_grad()
+def test_a_pruned_layer_uses_its_masked_weight():
+    lin = layer()
+    x = x_of(3, 40)
+    lin(x)
+    prune.l1_unstructured(lin, "weight", amount=0.5)  # weight becomes a plain attribute
+    assert "weight" not in lin._parameters
+    want = F.linear(x, lin.weight_orig * lin.weight_mask, lin.bias)
+    torch.testing.assert_close(lin(x), want)
+    torch.testing.assert_close(lin(x), want)
+
+
+@torch.no_grad()
+def test_no_bias_layers_and_an_added_plain_bias(op_calls):
+    lin = layer(bias=False)
+    x = x_of(3, 40)
+    torch.testing.assert_close(lin(x), x @ lin.weight.T)
+    torch.testing.assert_close(lin(x), x @ lin.weight.T)
+    assert op_calls == [(3, 40)]
+    del lin.bias
+    lin.bias = torch.randn(24)  # a plain tensor: in the instance's dict, not a parameter
+    torch.testing.assert_close(lin(x), x @ lin.weight.T + lin.bias)
+
+
+def test_gradients_flow_through_a_patched_layer():
+    lin = layer()
+    x = x_of(3, 40).requires_grad_()
+    with torch.no_grad():
+        lin(x)  # a layer that has kept a bound call
+    lin(x).sum().backward()
+    ref = nn.Linear(40, 24)
+    ref.load_state_dict(lin.state_dict())
+    xr = x.detach().clone().requires_grad_()
+    ref(xr).sum().backward()
+    torch.testing.assert_close(x.grad, xr.grad)
+    torch.testing.assert_close(lin.weight.grad, ref.weight.grad)
+
+
+@torch.no_grad()
+def test_copies_and_pickles_leave_the_bound_calls_behind():
+    lin = layer()
+    x = x_of(3, 40)
+    lin(x)
+    twin = copy.deepcopy(lin)
+    assert "_gemmtune_calls" not in twin.__dict__
+    torch.testing.assert_close(twin(x), expect(lin, x))
+    buffer = io.BytesIO()
+    torch.save(lin, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    torch.testing.assert_close(loaded(x), expect(lin, x))
+    assert "_gemmtune_calls" not in pickle.loads(pickle.dumps(lin)).__dict__
+
+
+@torch.no_grad()
+def test_a_layer_keeps_a_bounded_number_of_input_shapes(monkeypatch):
+    monkeypatch.setattr(tuned_nn, "_MAX_BOUND_PER_LAYER", 4)
+    lin = layer()
+    for m in range(1, 11):
+        x = x_of(m, 40)
+        torch.testing.assert_close(lin(x), expect(lin, x))
+        assert 1 <= len(lin._gemmtune_calls.runs) <= 4
+
+
+class _Doubled(nn.Module):
+    def forward(self, w):
+        return 2 * w
+
+
+@torch.no_grad()
+def test_a_parametrized_layer_uses_its_computed_weight():
+    from torch.nn.utils import parametrize
+
+    lin = layer()
+    x = x_of(3, 40)
+    lin(x)
+    parametrize.register_parametrization(lin, "weight", _Doubled())  # a subclass, a property
+    want = F.linear(x, 2 * lin.parametrizations.weight.original, lin.bias)
+    torch.testing.assert_close(lin(x), want)
+    torch.testing.assert_close(lin(x), want)
