@@ -43,13 +43,14 @@ from torch import nn
 import gemmtune
 from gemmtune.families.bf16.op import gemm_a16w16
 from gemmtune.kernels.torch_ref import TORCH_LINEAR
+from gemmtune.nn import TunedLinear
 
 LAYERS = 4
 BATCHES = (1, 8, 32)
 PREFILL = 512
 CONTEXT = 128  # tokens in the KV cache when a decode step runs
 STEPS = 10  # decode steps per timed eager batch
-ROUNDS = 31
+ROUNDS = 61
 GRAPH_REPLAYS = 20
 
 # Llama 3 dimensions; "-tp8" is one GPU's shard under 8-way tensor parallelism.
@@ -132,17 +133,17 @@ class _TorchRowLinear(nn.Linear):
         return gemm_a16w16(x, self.weight, self.bias, kernel=TORCH_LINEAR)
 
 
-def variant(name: str, model, linear_class=None):
+def variant(name: str, model, linear_class):
     """The model built again (the same seed: the same weights, checked), its plain linear
-    layers made ``linear_class`` (None: ``patch_linear``). Each variant is its own object, built
-    as the first was (a deep copy's modules would hold their attributes otherwise, and run
-    slower than the original), so timing one switches no class of another's."""
+    layers made ``linear_class`` (``TunedLinear`` through ``patch_linear``; ``nn.Linear``
+    leaves them). Every timed variant is built this way and is its own object, so timing one
+    switches no class of another's, and none is the model the checks converted."""
     other = build(name)
     if not all(torch.equal(a, b) for a, b in zip(model.parameters(), other.parameters())):
         raise RuntimeError(f"{name}: a second build has other weights")
-    if linear_class is None:
+    if linear_class is TunedLinear:
         gemmtune.patch_linear(other)
-    else:
+    elif linear_class is not nn.Linear:
         for module in other.modules():
             if type(module) is nn.Linear:
                 module.__class__ = linear_class
@@ -263,8 +264,9 @@ def time_point(point, variants: dict, graphs: dict, steps: int) -> dict:
 @torch.no_grad()
 def run_model(name: str, diagnose: bool) -> list[dict]:
     model = build(name)
-    variants = {"unpatched": model, "A/A": variant(name, model, _SameLinear),
-                "patched": variant(name, model)}
+    variants = {"unpatched": variant(name, model, nn.Linear),
+                "A/A": variant(name, model, _SameLinear),
+                "patched": variant(name, model, TunedLinear)}
     if diagnose:
         variants["op, torch rows"] = variant(name, model, _TorchRowLinear)
     prefill = PrefillPoint(model)

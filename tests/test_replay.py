@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
 
 import gemmtune
 from gemmtune.kernels.torch_ref import gemm_a16w16_ref
@@ -145,8 +146,8 @@ def _fast_recording(monkeypatch, x, w, y, workspace=None):
     """A recording launched through a stand-in for Triton's C launcher: (the replay, the
     argument lists the launcher got)."""
     launches = []
-    monkeypatch.setattr(_replay, "_direct_launch",
-                        lambda compiled: (lambda *args: launches.append(args), ("between",)))
+    monkeypatch.setattr(_replay, "_direct_launch", lambda compiled: _replay.DirectLaunch(
+        lambda *args: launches.append(args), ("between",)))
     replay, _ = _recording(x, w, y, workspace)
     return replay, launches
 
@@ -226,6 +227,64 @@ def test_a_host_descriptor_is_rebuilt_around_the_new_tensor():
     fast, checked = compiled.calls
     assert fast[1:4] == (w.data_ptr(), y2.data_ptr(), x2.data_ptr())  # the fast way: addresses
     assert checked[1] is w and checked[3] is x2
+
+
+def _described_recording(monkeypatch, descriptors):
+    """A recording whose first argument is a host descriptor of x, launched through a stand-in
+    for Triton's C launch taking ``descriptors`` (the wrapper's metadata): (the replay, x's
+    descriptor, the launches, the compiled kernel)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    launches = []
+    monkeypatch.setattr(_replay, "_direct_launch", lambda compiled: _replay.DirectLaunch(
+        lambda *args: launches.append(args), ("between",), descriptors))
+    x, w, y = torch.randn(16, 32), torch.randn(16, 32), torch.empty(16, 16)
+    x_desc = TensorDescriptor.from_tensor(x, [16, 16])
+    call = KernelCall(_FakeKernel, (2,), (x_desc, w, y, x, 16, 32, None), {"BLOCK": 64}, {})
+    compiled = _FakeCompiled()
+    replay = Replay.record(call, compiled, (x, w, y, None, None, None), 0)
+    return replay, w, launches, compiled
+
+
+def test_a_fast_launch_expands_a_descriptor_as_the_launchers_wrapper_would(monkeypatch):
+    # A kernel lowered without TMA metadata takes the descriptor as address, shape, strides,
+    # NaN padding, shape and strides again.
+    replay, w, launches, _ = _described_recording(monkeypatch, [None])
+    x2, y2 = torch.randn(16, 32), torch.empty(16, 16)
+    assert replay.launch_fast((x2, w, y2, None, None, None))
+    (args,) = launches
+    assert args[4:5] == ("between",)
+    assert args[5:15] == (x2.data_ptr(), 16, 32, 32, 1, False, 16, 32, 32, 1)
+    assert args[15:] == (w.data_ptr(), y2.data_ptr(), x2.data_ptr(), 16, 32, None, 64)
+
+
+def test_a_tma_descriptor_is_encoded_once_per_address(monkeypatch):
+    encoded = []
+
+    def fill(address, *encoding):
+        encoded.append((address, encoding))
+        return f"tensormap@{address}"
+
+    monkeypatch.setattr(_replay, "_tma_fill", lambda: fill)
+    meta = dict(swizzle=128, elem_size=4, elem_type=8, block_size=[16, 16], fp4_padded=False)
+    replay, w, launches, _ = _described_recording(monkeypatch, [meta])
+    x2, x3, y2 = torch.randn(16, 32), torch.randn(16, 32), torch.empty(16, 16)
+    for x in (x2, x3, x2, x2):
+        assert replay.launch_fast((x, w, y2, None, None, None))
+    # Encoded as Triton's wrapper does (its host dtype code for device code 8 is 10).
+    assert encoded == [(x2.data_ptr(), (128, 4, 10, [16, 16], [16, 32], [32, 1], 0)),
+                       (x3.data_ptr(), (128, 4, 10, [16, 16], [16, 32], [32, 1], 0))]
+    assert [args[5:10] for args in launches] == [
+        (f"tensormap@{x.data_ptr()}", 16, 32, 32, 1) for x in (x2, x3, x2, x2)]
+    assert launches[0][10:] == (w.data_ptr(), y2.data_ptr(), x2.data_ptr(), 16, 32, None, 64)
+
+
+def test_descriptors_the_recording_cannot_place_go_through_the_compiled_kernel(monkeypatch):
+    # The launcher takes two descriptors but only one argument is a role's: no C launch.
+    replay, w, launches, compiled = _described_recording(monkeypatch, [None, None])
+    x2, y2 = torch.randn(16, 32), torch.empty(16, 16)
+    assert replay.launch_fast((x2, w, y2, None, None, None))
+    assert launches == [] and len(compiled.calls) == 1
 
 
 # ---------------------------------------------------------------------------------- the GPU
@@ -410,12 +469,17 @@ def test_persistent_calls_replay_with_descriptors_around_new_tensors(tmp_path, m
     m, n, k = 128, 512, 1024
     kernel = "triton.persistent:BM64.BN64.BK64.G8.W4.S3"
     _route(tmp_path, monkeypatch, kernel, m, n, k)
-    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
-    for seed in range(4):
+    # Two weights of one shape (two layers): each call's descriptors are its own tensors'.
+    weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
+               for _ in range(2)]
+    for seed in range(6):
         torch.manual_seed(seed)
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         if seed == 3:
             x = x.view(2, m // 2, k)  # leading dims: the same 2-D geometry
+        w = weights[seed % 2]
         y = gemmtune.gemm_a16w16(x, w)
         assert _rel_err(y, gemm_a16w16_ref(x, w, None, torch.float32)) < 1e-2, seed
-    assert len(replays) == 3
+    assert len(replays) == 5
+    if triton.__version__.startswith("3.6."):  # the C launch, descriptors made per address
+        assert all(r._encoded is not None for r in replays)

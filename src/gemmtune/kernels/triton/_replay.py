@@ -64,20 +64,47 @@ def launch(call: KernelCall, warmup: bool = False):
 _DIRECT_LAUNCH_VERSIONS = ("3.6.",)
 
 
-def _direct_launch(compiled) -> tuple | None:
-    """Triton's C launch function and the arguments it takes between the stream and the
-    kernel's own, for a kernel that needs no scratch memory on a Triton whose launcher is known;
-    else None."""
+class DirectLaunch(NamedTuple):
+    """Triton's C launch function of a compiled kernel, and what it takes between the stream
+    and the kernel's own arguments."""
+
+    c_launch: object
+    between: tuple
+    # Per host TMA descriptor argument, in order, what the launcher's Python wrapper encodes
+    # it with (Triton's ``tensordesc_meta`` entry: swizzle, element size and type, block), or
+    # None for a kernel without such arguments.
+    descriptors: list | None = None
+
+
+def _direct_launch(compiled) -> DirectLaunch | None:
+    """How to call Triton's C launch function for a kernel that needs no scratch memory, on a
+    Triton whose launcher is known; else None. A kernel taking host TMA descriptors has its C
+    launch wrapped in a Python function that encodes each descriptor on every call: the C
+    launch and the descriptors' metadata are read from that wrapper's closure."""
     if not triton.__version__.startswith(_DIRECT_LAUNCH_VERSIONS):
         return None
     launcher = compiled.run
     c_launch = getattr(launcher, "launch", None)
-    if (not isinstance(c_launch, types.BuiltinFunctionType)  # host TMA descriptors wrap it
-            or getattr(launcher, "global_scratch_size", 1)
+    descriptors = None
+    if not isinstance(c_launch, types.BuiltinFunctionType):
+        closure = _closure_of(c_launch)
+        c_launch, descriptors = closure.get("launcher"), closure.get("tensordesc_meta")
+        if not isinstance(c_launch, types.BuiltinFunctionType) or descriptors is None:
+            return None
+    if (getattr(launcher, "global_scratch_size", 1)
             or getattr(launcher, "profile_scratch_size", 1)):
         return None
-    return c_launch, (compiled.function, launcher.launch_cooperative_grid, launcher.launch_pdl,
-                      None, None, compiled.packed_metadata, None, None, None)
+    return DirectLaunch(c_launch, (compiled.function, launcher.launch_cooperative_grid,
+                                   launcher.launch_pdl, None, None, compiled.packed_metadata,
+                                   None, None, None), descriptors)
+
+
+def _closure_of(fn) -> dict:
+    """A Python function's free variables by name (empty for anything else)."""
+    code, cells = getattr(fn, "__code__", None), getattr(fn, "__closure__", None)
+    if code is None or not cells:
+        return {}
+    return dict(zip(code.co_freevars, (cell.cell_contents for cell in cells)))
 
 
 def _layout(t: torch.Tensor | None) -> tuple | None:
@@ -133,6 +160,61 @@ class _Descriptor:
 
 # The launcher's wrapper reads only those fields in the versions whose launcher is known.
 _LIGHT_DESCRIPTORS = triton.__version__.startswith(_DIRECT_LAUNCH_VERSIONS)
+# Descriptors kept per described argument of a recording, by address (then all dropped).
+_DESCRIPTORS_KEPT = 64
+
+
+def _tma_fill():
+    """Triton's C function that encodes a CUtensorMap (what its launcher's wrapper calls)."""
+    return triton.runtime.driver.active.utils.fill_tma_descriptor
+
+
+class _EncodedDescriptor:
+    """A described role's arguments to Triton 3.6's C launch, as its launcher's Python wrapper
+    makes them from a descriptor (``make_tensordesc_arg``): a CUtensorMap and the shape and
+    strides, or with no descriptor metadata the address, shape, strides and padding. Given the
+    recorded geometry they depend on the address alone, so they are made once per address (a
+    CUtensorMap is passed by value at launch: one may serve launches still queued)."""
+
+    __slots__ = ("role", "_make", "_made")
+
+    def __init__(self, described: DescribedRole, meta: dict | None):
+        self.role = described.role
+        shape, strides = list(described.shape), list(described.strides)
+        padding = described.padding == "nan"
+        if meta is None:
+            tail = (*shape, *strides, padding, *shape, *strides)
+            self._make = lambda address: (address, *tail)
+        else:
+            from triton.backends.nvidia.driver import TMA_DTYPE_DEVICE_TO_HOST
+
+            if meta["fp4_padded"]:
+                shape[-1] *= 2
+            fill = _tma_fill()
+            encoding = (meta["swizzle"], meta["elem_size"],
+                        TMA_DTYPE_DEVICE_TO_HOST[meta["elem_type"]], meta["block_size"], shape,
+                        strides, int(padding))
+            self._make = lambda address: (fill(address, *encoding), *shape, *strides)
+        self._made: dict[int, tuple] = {}
+
+    def arguments(self, address: int) -> tuple:
+        made = self._made.get(address)
+        if made is None:
+            if len(self._made) >= _DESCRIPTORS_KEPT:
+                self._made.clear()
+            made = self._made[address] = self._make(address)
+        return made
+
+
+def _encoded_pieces(lead_roles: tuple, descriptors: list) -> tuple | None:
+    """Per leading argument, its role (an address) or its _EncodedDescriptor; None unless the
+    described arguments are exactly the kernel's descriptor arguments (then in order)."""
+    described = [r for r in lead_roles if isinstance(r, DescribedRole)]
+    if len(described) != len(descriptors):
+        return None
+    metas = iter(descriptors)
+    return tuple(_EncodedDescriptor(r, next(metas)) if isinstance(r, DescribedRole) else r
+                 for r in lead_roles)
 
 
 def _role_of(value, roles: tuple):
@@ -196,6 +278,13 @@ class Replay:
                       else lambda addresses: (addresses[lead_roles[0]],))
         contiguous = all(t is None or t.is_contiguous() for t in roles)
         self._direct = _direct_launch(compiled) if contiguous else None
+        # With descriptors: each made once per address, handed to the C launch as the wrapper
+        # around it would have expanded them.
+        self._encoded = None
+        if self._direct is not None and self._direct.descriptors is not None:
+            self._encoded = _encoded_pieces(lead_roles, self._direct.descriptors)
+            if self._encoded is None:
+                self._direct = None
         self._contiguous = contiguous
 
     @classmethod
@@ -246,14 +335,21 @@ class Replay:
             addresses.append(address)
         if not _no_launch_hooks():
             return False
-        if self._described:  # a descriptor is built around its tensor, not an address
+        if self._encoded is not None:  # the C launch's own expansion of each descriptor
+            args = []
+            for piece in self._encoded:
+                if isinstance(piece, int):
+                    args.append(addresses[piece])
+                else:
+                    args.extend(piece.arguments(addresses[piece.role]))
+        elif self._described:  # a descriptor is built around its tensor, not an address
             args = [addresses[r] if isinstance(r, int) else r.around(roles[r.role])
                     for r in self._lead_roles]
         else:
             args = self._pick(addresses)
         if self._direct is not None:
-            c_launch, between = self._direct
-            c_launch(*self._grid, stream, *between, *args, *self._rest)
+            direct = self._direct
+            direct.c_launch(*self._grid, stream, *direct.between, *args, *self._rest)
         else:
             compiled = self._compiled
             compiled.run(*self._grid, stream, compiled.function, compiled.packed_metadata, None,
