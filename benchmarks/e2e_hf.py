@@ -51,6 +51,7 @@ PREFILL = 512
 CONTEXT = 128  # tokens in the KV cache when a decode step runs
 STEPS = 10  # decode steps per timed eager batch
 ROUNDS = 61
+LAYER_ROUNDS = 21  # --layers
 GRAPH_REPLAYS = 20
 
 # Llama 3 dimensions; "-tp8" is one GPU's shard under 8-way tensor parallelism.
@@ -84,6 +85,62 @@ def gemm_shapes(name: str) -> list[tuple[int, int, int]]:
     shapes = {(m, n, k) for m in BATCHES + (PREFILL,) for n, k in layer}
     shapes |= {(m, d["vocab_size"], h) for m in BATCHES + (1,)}
     return sorted(shapes)
+
+
+def calls_per_step(name: str, tokens: int) -> dict[tuple[int, int, int], int]:
+    """(M, N, K) -> linear calls per forward of ``tokens`` tokens (the lm_head sees the last
+    token of each sequence only: ``tokens`` for decode, 1 for the prefill)."""
+    d = MODELS[name]
+    h, hd = d["hidden_size"], d["head_dim"]
+    q, kv = d["num_attention_heads"] * hd, d["num_key_value_heads"] * hd
+    calls: dict[tuple[int, int, int], int] = {}
+    for n, k in ((q, h), (kv, h), (kv, h), (h, q), (d["intermediate_size"], h),
+                 (d["intermediate_size"], h), (h, d["intermediate_size"])):
+        calls[tokens, n, k] = calls.get((tokens, n, k), 0) + LAYERS
+    head = (1 if tokens == PREFILL else tokens, d["vocab_size"], h)
+    calls[head] = calls.get(head, 0) + 1
+    return calls
+
+
+def issue_us(fn, calls: int = 100) -> float:
+    """Host µs per call to issue ``calls`` back-to-back ``fn()`` (no wait for the GPU inside the
+    timing; synchronised after)."""
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed / calls * 1e6
+
+
+@torch.no_grad()
+def layer_costs(name: str) -> list[dict]:
+    """``--layers``: per linear shape a step meets, the kernel in force, the host time to issue
+    one call of the patched layer and of nn.Linear (median of LAYER_ROUNDS rounds, each timing
+    both), and the step's calls of it: what the patch adds to an eager step's host time, shape
+    by shape."""
+    from gemmtune.families.bf16.op import DISPATCH
+
+    rows = []
+    for point, tokens in [(f"decode b={b}", b) for b in BATCHES] + [("prefill", PREFILL)]:
+        for (m, n, k), count in sorted(calls_per_step(name, tokens).items()):
+            plain = nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
+            patched = nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
+            gemmtune.patch_linear(patched)
+            x = torch.randn(m, 1, k, device="cuda", dtype=torch.bfloat16)
+            patched(x), plain(x)
+            times = {"plain": [], "patched": []}
+            for _ in range(LAYER_ROUNDS):
+                times["plain"].append(issue_us(lambda: plain(x)))
+                times["patched"].append(issue_us(lambda: patched(x)))
+            plain_us, patched_us = (statistics.median(times[v]) for v in ("plain", "patched"))
+            key = (m, n, k, False, "torch.bfloat16", "torch.bfloat16", False, False)
+            rows.append(dict(model=name, point=point, M=m, N=n, K=k, calls=count,
+                             kernel=DISPATCH.decide(key).kernel_name,
+                             linear_us=round(plain_us, 2), patched_us=round(patched_us, 2),
+                             step_delta_us=round(count * (patched_us - plain_us), 1)))
+    return rows
 
 
 def tune_missing(names: list[str], out_dir: Path) -> None:
@@ -306,6 +363,25 @@ def run_model(name: str, diagnose: bool) -> list[dict]:
     return rows
 
 
+def report_layer_costs(names: list[str], out_dir: Path) -> None:
+    rows = [row for name in names for row in layer_costs(name)]
+    with open(out_dir / "e2e_layers.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    print(f"host µs to issue one call, patched layer against nn.Linear (median of {LAYER_ROUNDS}); "
+          f"per step: calls x the difference")
+    for r in rows:
+        print(f"{r['model']:<15} {r['point']:<11} {r['M']:>4} {r['N']:>6} {r['K']:>6} "
+              f"x{r['calls']:<3} {r['kernel'][:44]:<44} {r['linear_us']:7.2f} "
+              f"{r['patched_us']:7.2f} {r['step_delta_us']:+8.1f}")
+    for name in names:
+        for point in dict.fromkeys(r["point"] for r in rows if r["model"] == name):
+            total = sum(r["step_delta_us"] for r in rows
+                        if r["model"] == name and r["point"] == point)
+            print(f"{name} {point}: the patch adds {total:+.1f} µs of host time a step")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default=",".join(MODELS),
@@ -314,12 +390,17 @@ def main() -> None:
                         help="use the tables in force as they are")
     parser.add_argument("--diagnose", action="store_true",
                         help="also time the op with its torch row forced")
+    parser.add_argument("--layers", action="store_true",
+                        help="only the host cost to issue each linear shape, patched and not")
     args = parser.parse_args()
     names = args.models.split(",")
     out_dir = Path(os.environ.get("OUT", "out"))
     out_dir.mkdir(parents=True, exist_ok=True)
     if not args.no_tune:
         tune_missing(names, out_dir)
+    if args.layers:
+        report_layer_costs(names, out_dir)
+        return
     rows = [row for name in names for row in run_model(name, args.diagnose)]
     with open(out_dir / "e2e_hf.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))

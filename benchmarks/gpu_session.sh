@@ -225,6 +225,8 @@ for what in "$@"; do
             TAIL=12 stage firstcall 400 python3 benchmarks/first_call.py ;;
         e2ediag)  # e2e with the op's torch row forced too (its host cost in the model)
             TAIL=16 stage e2ediag 500 python3 benchmarks/e2e_hf.py --diagnose ;;
+        e2elayers)  # per linear shape of the e2e models: host cost to issue, patched and not
+            TAIL=80 stage e2elayers 400 python3 benchmarks/e2e_hf.py --layers ;;
         e2e*)  # e2e[:MODELS]: transformers Llama models patched vs not (tunes missing shapes first)
             models=${what#e2e}; models=${models#:}
             TAIL=16 stage e2e 580 python3 benchmarks/e2e_hf.py ${models:+--models $models} ;;
