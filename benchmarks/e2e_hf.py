@@ -369,8 +369,8 @@ def report_layer_costs(names: list[str], out_dir: Path) -> None:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
-    print(f"host µs to issue one call, patched layer against nn.Linear (median of {LAYER_ROUNDS}); "
-          f"per step: calls x the difference")
+    print(f"host µs to issue one call, patched layer against nn.Linear (median of "
+          f"{LAYER_ROUNDS}); per step: calls x the difference")
     for r in rows:
         print(f"{r['model']:<15} {r['point']:<11} {r['M']:>4} {r['N']:>6} {r['K']:>6} "
               f"x{r['calls']:<3} {r['kernel'][:44]:<44} {r['linear_us']:7.2f} "
