@@ -13,14 +13,14 @@ class: the eager noise floor of the run) and with ``--diagnose`` the op with its
 forced (the op's own host cost in the model):
 
 - decode, one token per sequence against a static KV cache of ``CONTEXT`` tokens, at batch
-  1, 8 and 32: eagerly (``STEPS`` steps back to back) and as a captured CUDA graph;
+  1, 8 and 32: eagerly (one step, synchronised) and as a captured CUDA graph;
 - a ``PREFILL``-token prefill (logits of the last token), eagerly and as a CUDA graph.
 
 Logits: the prefill's of both against the model in fp32, the patched error within 1.5x the
 unpatched one (+1e-3); each decode point's patched logits against the unpatched ones, within 3x
 the prefill's unpatched error (at least 1e-2). Prints speed-up = unpatched time / patched time,
-the median over ``ROUNDS`` rounds of each round's ratio (the variants in an order rotated
-each round).
+the median over the rounds (``EAGER_ROUNDS`` of one eager step, ``ROUNDS`` of graph replays)
+of each round's ratio (the variants in an order rotated each round).
 
     PYTHONPATH=src python3 benchmarks/e2e_hf.py [--no-tune] [--models llama3-8b] [--diagnose]
 """
@@ -49,8 +49,8 @@ LAYERS = 4
 BATCHES = (1, 8, 32)
 PREFILL = 512
 CONTEXT = 128  # tokens in the KV cache when a decode step runs
-STEPS = 10  # decode steps per timed eager batch
-ROUNDS = 61
+ROUNDS = 31  # of graph replays
+EAGER_ROUNDS = 241  # of one eager step
 LAYER_ROUNDS = 21  # --layers
 GRAPH_REPLAYS = 20
 
@@ -216,7 +216,7 @@ class DecodePoint:
 
         # Each step (eager or a graph's replay) advances the cache's counters by one.
         self.cache = StaticCache(config=model.config,
-                                 max_cache_len=CONTEXT + max(STEPS, GRAPH_REPLAYS) + 8)
+                                 max_cache_len=CONTEXT + GRAPH_REPLAYS + 8)
         gen = torch.Generator(device="cuda").manual_seed(batch)
         vocab = model.config.vocab_size
         prompt = torch.randint(0, vocab, (batch, CONTEXT), device="cuda", generator=gen)
@@ -298,22 +298,29 @@ def check_prefill_accuracy(name: str, model, patched, prefill) -> tuple[float, f
     return base_err, patched_err
 
 
-def time_point(point, variants: dict, graphs: dict, steps: int) -> dict:
-    """Per round every variant's eager batch (and graph replays where captured), in an order
-    rotated each round; each variant's speed-up is the median over the rounds of the round's
-    unpatched time over the variant's (the host's speed drifts by 10% between seconds)."""
+def time_point(point, variants: dict, graphs: dict) -> dict:
+    """Each variant's eager step (one, synchronised: generate's loop waits for every token)
+    in EAGER_ROUNDS rounds, and its graph's GRAPH_REPLAYS replays in ROUNDS rounds, the
+    variants in an order rotated each round; each variant's speed-up is the median over the
+    rounds of the round's unpatched time over the variant's (the host's speed drifts by 10%
+    between seconds: the shorter the round, the less it moves within one)."""
     names = list(variants)
     times = {(kind, v): [] for v in names for kind in ("eager", "graph")}
     ratios = {(kind, v): [] for v in names for kind in ("eager", "graph")}
-    for i in range(ROUNDS):
-        shift = i % len(names)
-        for v in names[shift:] + names[:shift]:
-            times["eager", v].append(ms_per_call(point, lambda: point.step(variants[v]), steps))
-            if v in graphs:
-                times["graph", v].append(ms_per_call(point, graphs[v].replay, GRAPH_REPLAYS))
-        for (kind, v), series in times.items():
-            if series:
-                ratios[kind, v].append(times[kind, "unpatched"][-1] / series[-1])
+    for kind, rounds in (("eager", EAGER_ROUNDS), ("graph", ROUNDS)):
+        for i in range(rounds):
+            shift = i % len(names)
+            for v in names[shift:] + names[:shift]:
+                if kind == "eager":
+                    ms = ms_per_call(point, lambda: point.step(variants[v]), 1)
+                elif v in graphs:
+                    ms = ms_per_call(point, graphs[v].replay, GRAPH_REPLAYS)
+                else:
+                    continue
+                times[kind, v].append(ms)
+            for v in names:
+                if times[kind, v]:
+                    ratios[kind, v].append(times[kind, "unpatched"][-1] / times[kind, v][-1])
     return {key: (statistics.median(times[key]), statistics.median(r))
             for key, r in ratios.items() if r}
 
@@ -342,8 +349,7 @@ def run_model(name: str, diagnose: bool) -> list[dict]:
         if label.startswith("decode") and err > decode_bound:
             raise RuntimeError(f"{name} {label}: patched logits off by {err:.2e} "
                                f"(bound {decode_bound:.2e})")
-        timed = time_point(point, variants, graphs,
-                           STEPS if label.startswith("decode") else 4)
+        timed = time_point(point, variants, graphs)
         row = dict(model=name, point=label,
                    eager_ms=round(timed["eager", "unpatched"][0], 4),
                    eager_patched_ms=round(timed["eager", "patched"][0], 4),
