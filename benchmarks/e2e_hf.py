@@ -369,6 +369,41 @@ def run_model(name: str, diagnose: bool) -> list[dict]:
     return rows
 
 
+@torch.no_grad()
+def profile_steps(name: str, out_dir: Path, steps: int = 60) -> None:
+    """``--profile``: cProfile of ``steps`` eager steps, unpatched and patched, at decode b=1
+    and the prefill: where the host time of a step goes (full listings in $OUT)."""
+    import cProfile
+    import io
+    import pstats
+
+    model = build(name)
+    variants = {"unpatched": variant(name, model, nn.Linear),
+                "patched": variant(name, model, TunedLinear)}
+    for label, point in (("decode b=1", DecodePoint(model, 1)), ("prefill", PrefillPoint(model))):
+        for v, m in variants.items():
+            for _ in range(3):
+                point.rewind()
+                point.step(m)
+            torch.cuda.synchronize()
+            profiler = cProfile.Profile()
+            start = time.perf_counter()
+            profiler.enable()
+            for _ in range(steps):
+                point.rewind()
+                point.step(m)
+                torch.cuda.synchronize()
+            profiler.disable()
+            wall = (time.perf_counter() - start) / steps * 1e3
+            text = io.StringIO()
+            stats = pstats.Stats(profiler, stream=text)
+            stats.sort_stats("tottime").print_stats(40)
+            (out_dir / f"profile_{name}_{label.replace(' ', '_')}_{v}.txt").write_text(
+                text.getvalue())
+            print(f"== {name} {label} {v}: {wall:.3f} ms a step under the profiler")
+            print("\n".join(text.getvalue().splitlines()[:28]))
+
+
 def report_layer_costs(names: list[str], out_dir: Path) -> None:
     rows = [row for name in names for row in layer_costs(name)]
     with open(out_dir / "e2e_layers.csv", "w", newline="") as f:
@@ -398,12 +433,18 @@ def main() -> None:
                         help="also time the op with its torch row forced")
     parser.add_argument("--layers", action="store_true",
                         help="only the host cost to issue each linear shape, patched and not")
+    parser.add_argument("--profile", action="store_true",
+                        help="only a cProfile of eager steps, patched and not")
     args = parser.parse_args()
     names = args.models.split(",")
     out_dir = Path(os.environ.get("OUT", "out"))
     out_dir.mkdir(parents=True, exist_ok=True)
     if not args.no_tune:
         tune_missing(names, out_dir)
+    if args.profile:
+        for name in names:
+            profile_steps(name, out_dir)
+        return
     if args.layers:
         report_layer_costs(names, out_dir)
         return

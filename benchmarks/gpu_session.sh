@@ -227,6 +227,8 @@ for what in "$@"; do
             TAIL=16 stage e2ediag 500 python3 benchmarks/e2e_hf.py --diagnose ;;
         e2elayers)  # per linear shape of the e2e models: host cost to issue, patched and not
             TAIL=80 stage e2elayers 400 python3 benchmarks/e2e_hf.py --layers ;;
+        e2eprofile)  # a cProfile of eager steps of the e2e models, patched and not
+            TAIL=240 stage e2eprofile 300 python3 benchmarks/e2e_hf.py --profile ;;
         e2e*)  # e2e[:MODELS]: transformers Llama models patched vs not (tunes missing shapes first)
             models=${what#e2e}; models=${models#:}
             TAIL=16 stage e2e 580 python3 benchmarks/e2e_hf.py ${models:+--models $models} ;;
