@@ -246,8 +246,9 @@ def _lead_roles(template: list, roles: tuple) -> tuple | None:
 def _no_launch_hooks() -> bool:
     """Whether no launch hook is set (a profiler sets them; Triton keeps each in a chain, None
     in older versions)."""
-    return all(hook is None or not getattr(hook, "calls", True)
-               for hook in (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook))
+    enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+    return ((enter is None or not getattr(enter, "calls", True))
+            and (leave is None or not getattr(leave, "calls", True)))
 
 
 class Replay:
@@ -273,6 +274,10 @@ class Replay:
         # launch_fast: each role's 16-byte alignment (None where absent), the leading arguments'
         # roles as a picker of the addresses, the launcher; only for contiguous recordings.
         self._aligned = tuple(None if t is None else t.data_ptr() % 16 == 0 for t in roles)
+        # The roles present, with their alignment, and those absent: what launch_fast checks.
+        self._present = tuple((r, aligned) for r, aligned in enumerate(self._aligned)
+                              if aligned is not None)
+        self._absent = tuple(r for r, aligned in enumerate(self._aligned) if aligned is None)
         self._described = any(isinstance(r, DescribedRole) for r in lead_roles)
         self._pick = (operator.itemgetter(*lead_roles) if len(lead_roles) > 1
                       else lambda addresses: (addresses[lead_roles[0]],))
@@ -322,17 +327,20 @@ class Replay:
         stream = _current_stream(self._device)
         if self.stream is not None and stream != self.stream:
             return False
-        addresses = []
-        for t, aligned in zip(roles, self._aligned):
+        # Only the present roles' addresses are read (in a model every step of this costs
+        # several times what it does in a loop); an absent role must still be absent.
+        addresses = [0, 0, 0, 0, 0, 0]
+        for r, aligned in self._present:
+            t = roles[r]
             if t is None:
-                if aligned is not None:
-                    return False
-                addresses.append(0)
-                continue
-            address = t.data_ptr()
-            if (address % 16 == 0) is not aligned or not t.is_contiguous():
                 return False
-            addresses.append(address)
+            address = t.data_ptr()
+            if (not address & 15) is not aligned or not t.is_contiguous():
+                return False
+            addresses[r] = address
+        for r in self._absent:
+            if roles[r] is not None:
+                return False
         if not _no_launch_hooks():
             return False
         if self._encoded is not None:  # the C launch's own expansion of each descriptor

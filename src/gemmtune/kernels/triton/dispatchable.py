@@ -123,9 +123,10 @@ class TritonKernel:
         # torch.device (measured on an H100 host: 2.4-2.7 µs against 3.1-3.6 µs).
         where = f"cuda:{device}"
         recording: list[Replay | None] = [None]
+        empty = torch.empty
 
         def run(x, w, bias, scale_a=None, scale_b=None):
-            y = torch.empty(out_shape, dtype=out_dtype, device=where)
+            y = empty(out_shape, dtype=out_dtype, device=where)
             replay = recording[0]
             if replay is None or not replay.launch_fast((x, w, y, bias, scale_a, scale_b)):
                 x2 = x if x.dim() == 2 else x.reshape(-1, k)
