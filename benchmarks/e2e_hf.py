@@ -174,6 +174,22 @@ def tune_missing(names: list[str], out_dir: Path) -> None:
         gemmtune.reset()
 
 
+def one_kernel_table(names: list[str], kernel: str, out_dir: Path) -> None:
+    """``--one-kernel``: a bf16 table naming ``kernel`` for every shape of the models, in force
+    alone for this run."""
+    dev = gemmtune.current_device()
+    path = out_dir / "e2e_one_kernel.csv"
+    path.write_text(
+        "arch,cu_num,M,N,K,bias,dtype,outdtype,scaleAB,bpreshuffle,libtype,solidx,splitK,us,"
+        "kernelName,err_ratio,tflops,bw
+" + "".join(
+            f"{dev.arch},{dev.cu_num},{m},{n},{k},False,torch.bfloat16,torch.bfloat16,False,"
+            f"False,x,0,0,1.0,{kernel},0,0,0\n"
+            for m, n, k in sorted({s for name in names for s in gemm_shapes(name)})))
+    os.environ["GEMMTUNE_CONFIG_BF16"] = f"replace:{path}"
+    gemmtune.reset()
+
+
 class _SameLinear(nn.Linear):
     """nn.Linear under another class, its forward the same: the A/A control, which shows how
     far two identical models' eager times differ in this run."""
@@ -433,13 +449,18 @@ def main() -> None:
                         help="also time the op with its torch row forced")
     parser.add_argument("--layers", action="store_true",
                         help="only the host cost to issue each linear shape, patched and not")
+    parser.add_argument("--one-kernel", metavar="KERNEL",
+                        help="patched with KERNEL for every shape (a table of it alone, "
+                             "nothing tuned): one backend's cost in the model")
     parser.add_argument("--profile", action="store_true",
                         help="only a cProfile of eager steps, patched and not")
     args = parser.parse_args()
     names = args.models.split(",")
     out_dir = Path(os.environ.get("OUT", "out"))
     out_dir.mkdir(parents=True, exist_ok=True)
-    if not args.no_tune:
+    if args.one_kernel:
+        one_kernel_table(names, args.one_kernel, out_dir)
+    elif not args.no_tune:
         tune_missing(names, out_dir)
     if args.profile:
         for name in names:

@@ -229,6 +229,9 @@ for what in "$@"; do
             TAIL=80 stage e2elayers 400 python3 benchmarks/e2e_hf.py --layers ;;
         e2eprofile)  # a cProfile of eager steps of the e2e models, patched and not
             TAIL=240 stage e2eprofile 300 python3 benchmarks/e2e_hf.py --profile ;;
+        e2eone:*)  # e2eone:KERNEL: e2e patched with one kernel for every shape
+            TAIL=16 stage "e2eone_${what#e2eone:}" 300 python3 benchmarks/e2e_hf.py \
+                --one-kernel "${what#e2eone:}" ;;
         e2e*)  # e2e[:MODELS]: transformers Llama models patched vs not (tunes missing shapes first)
             models=${what#e2e}; models=${models#:}
             TAIL=16 stage e2e 580 python3 benchmarks/e2e_hf.py ${models:+--models $models} ;;
