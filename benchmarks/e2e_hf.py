@@ -181,8 +181,7 @@ def one_kernel_table(names: list[str], kernel: str, out_dir: Path) -> None:
     path = out_dir / "e2e_one_kernel.csv"
     path.write_text(
         "arch,cu_num,M,N,K,bias,dtype,outdtype,scaleAB,bpreshuffle,libtype,solidx,splitK,us,"
-        "kernelName,err_ratio,tflops,bw
-" + "".join(
+        "kernelName,err_ratio,tflops,bw\n" + "".join(
             f"{dev.arch},{dev.cu_num},{m},{n},{k},False,torch.bfloat16,torch.bfloat16,False,"
             f"False,x,0,0,1.0,{kernel},0,0,0\n"
             for m, n, k in sorted({s for name in names for s in gemm_shapes(name)})))
