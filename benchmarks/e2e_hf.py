@@ -176,14 +176,21 @@ def tune_missing(names: list[str], out_dir: Path) -> None:
 
 def one_kernel_table(names: list[str], kernel: str, out_dir: Path) -> None:
     """``--one-kernel``: a bf16 table naming ``kernel`` for every shape of the models, in force
-    alone for this run."""
+    alone for this run; ``cublaslt``: cuBLASLt's heuristic pick for each shape."""
+    from gemmtune.kernels import cublaslt
+
+    def name_for(m: int, n: int, k: int) -> str:
+        if kernel != "cublaslt":
+            return kernel
+        return cublaslt.heuristic_algos(m, n, k, torch.bfloat16, torch.bfloat16, False)[0].name
+
     dev = gemmtune.current_device()
     path = out_dir / "e2e_one_kernel.csv"
     path.write_text(
         "arch,cu_num,M,N,K,bias,dtype,outdtype,scaleAB,bpreshuffle,libtype,solidx,splitK,us,"
         "kernelName,err_ratio,tflops,bw\n" + "".join(
             f"{dev.arch},{dev.cu_num},{m},{n},{k},False,torch.bfloat16,torch.bfloat16,False,"
-            f"False,x,0,0,1.0,{kernel},0,0,0\n"
+            f"False,x,0,0,1.0,{name_for(m, n, k)},0,0,0\n"
             for m, n, k in sorted({s for name in names for s in gemm_shapes(name)})))
     os.environ["GEMMTUNE_CONFIG_BF16"] = f"replace:{path}"
     gemmtune.reset()
