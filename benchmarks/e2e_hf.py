@@ -426,6 +426,37 @@ def profile_steps(name: str, out_dir: Path, steps: int = 60) -> None:
             print("\n".join(text.getvalue().splitlines()[:28]))
 
 
+@torch.no_grad()
+def trace_steps(name: str, out_dir: Path, steps: int = 20) -> None:
+    """``--trace``: torch.profiler of ``steps`` eager decode steps at b=1, unpatched and
+    patched: host time per op and GPU time per kernel, and the wall time of each."""
+    from torch.profiler import ProfilerActivity, profile
+
+    model = build(name)
+    variants = {"unpatched": variant(name, model, nn.Linear),
+                "patched": variant(name, model, TunedLinear)}
+    point = DecodePoint(model, 1)
+    for v, m in variants.items():
+        for _ in range(3):
+            point.rewind()
+            point.step(m)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            start = time.perf_counter()
+            for _ in range(steps):
+                point.rewind()
+                point.step(m)
+                torch.cuda.synchronize()
+            wall = (time.perf_counter() - start) / steps * 1e3
+        averages = prof.key_averages()
+        text = (f"{name} decode b=1 {v}: {wall:.3f} ms a step under the profiler\n"
+                + averages.table(sort_by="self_cpu_time_total", row_limit=25)
+                + averages.table(sort_by="self_cuda_time_total", row_limit=25))
+        (out_dir / f"trace_{name}_{v}.txt").write_text(text)
+        prof.export_chrome_trace(str(out_dir / f"trace_{name}_{v}.json"))
+        print(text)
+
+
 def report_layer_costs(names: list[str], out_dir: Path) -> None:
     rows = [row for name in names for row in layer_costs(name)]
     with open(out_dir / "e2e_layers.csv", "w", newline="") as f:
@@ -458,6 +489,8 @@ def main() -> None:
     parser.add_argument("--one-kernel", metavar="KERNEL",
                         help="patched with KERNEL for every shape (a table of it alone, "
                              "nothing tuned): one backend's cost in the model")
+    parser.add_argument("--trace", action="store_true",
+                        help="only a torch.profiler trace of eager decode steps at b=1")
     parser.add_argument("--profile", action="store_true",
                         help="only a cProfile of eager steps, patched and not")
     args = parser.parse_args()
@@ -468,6 +501,10 @@ def main() -> None:
         one_kernel_table(names, args.one_kernel, out_dir)
     elif not args.no_tune:
         tune_missing(names, out_dir)
+    if args.trace:
+        for name in names:
+            trace_steps(name, out_dir)
+        return
     if args.profile:
         for name in names:
             profile_steps(name, out_dir)

@@ -227,6 +227,8 @@ for what in "$@"; do
             TAIL=16 stage e2ediag 500 python3 benchmarks/e2e_hf.py --diagnose ;;
         e2elayers)  # per linear shape of the e2e models: host cost to issue, patched and not
             TAIL=80 stage e2elayers 400 python3 benchmarks/e2e_hf.py --layers ;;
+        e2etrace)  # torch.profiler of eager decode steps of the e2e models, patched and not
+            TAIL=10 stage e2etrace 300 python3 benchmarks/e2e_hf.py --trace --models llama3-70b-tp8 ;;
         e2eprofile)  # a cProfile of eager steps of the e2e models, patched and not
             TAIL=240 stage e2eprofile 300 python3 benchmarks/e2e_hf.py --profile ;;
         e2eone:*)  # e2eone:KERNEL: e2e patched with one kernel for every shape
