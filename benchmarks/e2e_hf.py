@@ -174,6 +174,31 @@ def tune_missing(names: list[str], out_dir: Path) -> None:
         gemmtune.reset()
 
 
+def without_backend_table(names: list[str], prefix: str, out_dir: Path) -> None:
+    """``--without PREFIX``: for every shape of the models the kernel the tables in force give,
+    but the torch row where that kernel's name starts with PREFIX; in force alone."""
+    from gemmtune.families.bf16.op import DISPATCH
+
+    chosen = {}
+    for m, n, k in sorted({s for name in names for s in gemm_shapes(name)}):
+        key = (m, n, k, False, "torch.bfloat16", "torch.bfloat16", False, False)
+        kernel = DISPATCH.decide(key).kernel_name
+        chosen[m, n, k] = "torch.linear" if kernel.startswith(prefix) else kernel
+    write_table(chosen, out_dir / "e2e_without.csv")
+
+
+def write_table(kernels: dict[tuple[int, int, int], str], path: Path) -> None:
+    """A bf16 table of these (M, N, K) -> kernel rows, in force alone for this run."""
+    dev = gemmtune.current_device()
+    path.write_text(
+        "arch,cu_num,M,N,K,bias,dtype,outdtype,scaleAB,bpreshuffle,libtype,solidx,splitK,us,"
+        "kernelName,err_ratio,tflops,bw\n" + "".join(
+            f"{dev.arch},{dev.cu_num},{m},{n},{k},False,torch.bfloat16,torch.bfloat16,False,"
+            f"False,x,0,0,1.0,{kernel},0,0,0\n" for (m, n, k), kernel in kernels.items()))
+    os.environ["GEMMTUNE_CONFIG_BF16"] = f"replace:{path}"
+    gemmtune.reset()
+
+
 def one_kernel_table(names: list[str], kernel: str, out_dir: Path) -> None:
     """``--one-kernel``: a bf16 table naming ``kernel`` for every shape of the models, in force
     alone for this run; ``cublaslt``: cuBLASLt's heuristic pick for each shape."""
@@ -184,16 +209,9 @@ def one_kernel_table(names: list[str], kernel: str, out_dir: Path) -> None:
             return kernel
         return cublaslt.heuristic_algos(m, n, k, torch.bfloat16, torch.bfloat16, False)[0].name
 
-    dev = gemmtune.current_device()
-    path = out_dir / "e2e_one_kernel.csv"
-    path.write_text(
-        "arch,cu_num,M,N,K,bias,dtype,outdtype,scaleAB,bpreshuffle,libtype,solidx,splitK,us,"
-        "kernelName,err_ratio,tflops,bw\n" + "".join(
-            f"{dev.arch},{dev.cu_num},{m},{n},{k},False,torch.bfloat16,torch.bfloat16,False,"
-            f"False,x,0,0,1.0,{name_for(m, n, k)},0,0,0\n"
-            for m, n, k in sorted({s for name in names for s in gemm_shapes(name)})))
-    os.environ["GEMMTUNE_CONFIG_BF16"] = f"replace:{path}"
-    gemmtune.reset()
+    write_table({(m, n, k): name_for(m, n, k)
+                 for m, n, k in sorted({s for name in names for s in gemm_shapes(name)})},
+                out_dir / "e2e_one_kernel.csv")
 
 
 class _SameLinear(nn.Linear):
@@ -489,6 +507,9 @@ def main() -> None:
     parser.add_argument("--one-kernel", metavar="KERNEL",
                         help="patched with KERNEL for every shape (a table of it alone, "
                              "nothing tuned): one backend's cost in the model")
+    parser.add_argument("--without", metavar="PREFIX",
+                        help="the kernels the tables give, but torch's where a kernel's name "
+                             "starts with PREFIX (after tuning)")
     parser.add_argument("--trace", action="store_true",
                         help="only a torch.profiler trace of eager decode steps at b=1")
     parser.add_argument("--profile", action="store_true",
@@ -501,6 +522,8 @@ def main() -> None:
         one_kernel_table(names, args.one_kernel, out_dir)
     elif not args.no_tune:
         tune_missing(names, out_dir)
+    if args.without:
+        without_backend_table(names, args.without, out_dir)
     if args.trace:
         for name in names:
             trace_steps(name, out_dir)

@@ -231,6 +231,9 @@ for what in "$@"; do
             TAIL=10 stage e2etrace 300 python3 benchmarks/e2e_hf.py --trace --models llama3-70b-tp8 ;;
         e2eprofile)  # a cProfile of eager steps of the e2e models, patched and not
             TAIL=240 stage e2eprofile 300 python3 benchmarks/e2e_hf.py --profile ;;
+        e2ewithout:*)  # e2ewithout:PREFIX: e2e with torch rows where the tables name PREFIX...
+            TAIL=16 stage "e2ewithout_${what#e2ewithout:}" 300 python3 benchmarks/e2e_hf.py \
+                --without "${what#e2ewithout:}" ;;
         e2eone:*)  # e2eone:KERNEL: e2e patched with one kernel for every shape
             TAIL=16 stage "e2eone_${what#e2eone:}" 300 python3 benchmarks/e2e_hf.py \
                 --one-kernel "${what#e2eone:}" ;;
