@@ -9,8 +9,8 @@ tables in force have no exact row (``gemmtune tune bf16``, into $OUT/e2e_tuned.c
 an overlay). Then per model, in interleaved rounds (the host's speed drifts), the model and
 its variants, each its own model object with the same weights (so timing one switches no
 class of another's): unpatched, patched, the A/A control (the unpatched model under another
-class: the eager noise floor of the run) and with ``--diagnose`` the op with its torch row
-forced (the op's own host cost in the model):
+class: the eager noise floor of the run) and with ``--diagnose`` variants on torch's kernels
+that add the patched layer's steps one at a time (``DIAGNOSTICS``):
 
 - decode, one token per sequence against a static KV cache of ``CONTEXT`` tokens, at batch
   1, 8 and 32: eagerly (one step, synchronised) and as a captured CUDA graph;
@@ -43,6 +43,7 @@ from torch import nn
 import gemmtune
 from gemmtune.families.bf16.op import gemm_a16w16
 from gemmtune.kernels.torch_ref import TORCH_LINEAR
+import gemmtune.nn as tuned_nn
 from gemmtune.nn import TunedLinear
 
 LAYERS = 4
@@ -230,6 +231,48 @@ class _TorchRowLinear(nn.Linear):
         return gemm_a16w16(x, self.weight, self.bias, kernel=TORCH_LINEAR)
 
 
+class _ParamsDictLinear(nn.Linear):
+    """``--diagnose``: F.linear with the parameters read from the module's dict (not through
+    nn.Module.__getattr__), as TunedLinear reads them."""
+
+    def forward(self, x):
+        params = self._parameters
+        return F.linear(x, params["weight"], params["bias"])
+
+
+class _SwitchesLinear(nn.Linear):
+    """``--diagnose``: the above after TunedLinear's four switches (compile, grad, autocast)."""
+
+    def forward(self, x):
+        if (tuned_nn._dynamo_compiling() or tuned_nn._compiler._is_compiling_flag
+                or tuned_nn._grad_enabled() or tuned_nn._any_autocast()):
+            raise RuntimeError("the diagnostic runs plain eager calls only")
+        params = self._parameters
+        return F.linear(x, params["weight"], params["bias"])
+
+
+class _KeyedLinear(nn.Linear):
+    """``--diagnose``: the above and TunedLinear's look-up of its input's (shape, dtype,
+    device) in a dict of the layer's, which holds F.linear: TunedLinear's path for a torch row
+    but its generation and identity checks."""
+
+    def forward(self, x):
+        if (tuned_nn._dynamo_compiling() or tuned_nn._compiler._is_compiling_flag
+                or tuned_nn._grad_enabled() or tuned_nn._any_autocast()):
+            raise RuntimeError("the diagnostic runs plain eager calls only")
+        params = self._parameters
+        runs = self.__dict__.setdefault("_runs", {})
+        run = runs.get((x.shape, x.dtype, x.get_device()))
+        if run is None:
+            run = runs[x.shape, x.dtype, x.get_device()] = F.linear
+        return run(x, params["weight"], params["bias"])
+
+
+# ``--diagnose``: variants that take the patched layer's path apart, on torch's own kernels.
+DIAGNOSTICS = {"op, torch rows": _TorchRowLinear, "params dict": _ParamsDictLinear,
+               "+ switches": _SwitchesLinear, "+ layer key": _KeyedLinear}
+
+
 def variant(name: str, model, linear_class):
     """The model built again (the same seed: the same weights, checked), its plain linear
     layers made ``linear_class`` (``TunedLinear`` through ``patch_linear``; ``nn.Linear``
@@ -372,7 +415,7 @@ def run_model(name: str, diagnose: bool) -> list[dict]:
                 "A/A": variant(name, model, _SameLinear),
                 "patched": variant(name, model, TunedLinear)}
     if diagnose:
-        variants["op, torch rows"] = variant(name, model, _TorchRowLinear)
+        variants.update((label, variant(name, model, cls)) for label, cls in DIAGNOSTICS.items())
     prefill = PrefillPoint(model)
     base_err, patched_err = check_prefill_accuracy(name, model, variants["patched"], prefill)
     decode_bound = max(3 * base_err, 1e-2)
@@ -400,7 +443,8 @@ def run_model(name: str, diagnose: bool) -> list[dict]:
                    eager_aa=round(timed["eager", "A/A"][1], 3),
                    logits_rel_err=f"{err:.1e}")
         if diagnose:
-            row["eager_torch_rows"] = round(timed["eager", "op, torch rows"][1], 3)
+            row.update((f"eager {label}", round(timed["eager", label][1], 3))
+                       for label in DIAGNOSTICS)
         rows.append(row)
         del graphs
     print(f"{name}: prefill logits vs fp32: unpatched {base_err:.2e}, patched {patched_err:.2e}")
@@ -547,8 +591,12 @@ def main() -> None:
         print(f"{r['model']:<16} {r['point']:<14} {r['eager_ms']:>9.3f} "
               f"{r['eager_patched_ms']:>9.3f} {r['eager_speedup']:>6.3f} {r['graph_ms']:>9.3f} "
               f"{r['graph_patched_ms']:>9.3f} {r['graph_speedup']:>6.3f} {r['eager_aa']:>6.3f}  "
-              f"{r['logits_rel_err']}"
-              + (f"  op+torch rows {r['eager_torch_rows']:.3f}" if args.diagnose else ""))
+              f"{r['logits_rel_err']}")
+    if args.diagnose:
+        print("eager speed-up of variants on torch's kernels: " + ", ".join(DIAGNOSTICS))
+        for r in rows:
+            print(f"{r['model']:<16} {r['point']:<14} " + " ".join(
+                f"{r[f'eager {label}']:>6.3f}" for label in DIAGNOSTICS))
 
 
 if __name__ == "__main__":
