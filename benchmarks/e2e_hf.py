@@ -252,25 +252,48 @@ class _SwitchesLinear(nn.Linear):
 
 
 class _KeyedLinear(nn.Linear):
-    """``--diagnose``: the above and TunedLinear's look-up of its input's (shape, dtype,
-    device) in a dict of the layer's, which holds F.linear: TunedLinear's path for a torch row
-    but its generation and identity checks."""
+    """``--diagnose``: the above and a look-up of ``key(x)`` in a dict of the layer's, which
+    holds F.linear: TunedLinear's path for a torch row (``key``: its input's shape, dtype and
+    device) without its generation and identity checks."""
+
+    @staticmethod
+    def key(x):
+        return x.shape, x.dtype, x.get_device()
 
     def forward(self, x):
         if (tuned_nn._dynamo_compiling() or tuned_nn._compiler._is_compiling_flag
                 or tuned_nn._grad_enabled() or tuned_nn._any_autocast()):
             raise RuntimeError("the diagnostic runs plain eager calls only")
         params = self._parameters
-        runs = self.__dict__.setdefault("_runs", {})
-        run = runs.get((x.shape, x.dtype, x.get_device()))
+        runs = self.__dict__.get("_runs")
+        if runs is None:
+            runs = self.__dict__["_runs"] = {}
+        run = runs.get(self.key(x))
         if run is None:
-            run = runs[x.shape, x.dtype, x.get_device()] = F.linear
+            run = runs[self.key(x)] = F.linear
         return run(x, params["weight"], params["bias"])
+
+
+class _ShapeKeyedLinear(_KeyedLinear):
+    """``--diagnose``: the look-up by the input's shape alone."""
+
+    @staticmethod
+    def key(x):
+        return x.shape
+
+
+class _NumelKeyedLinear(_KeyedLinear):
+    """``--diagnose``: the look-up by the input's element count alone."""
+
+    @staticmethod
+    def key(x):
+        return x.numel()
 
 
 # ``--diagnose``: variants that take the patched layer's path apart, on torch's own kernels.
 DIAGNOSTICS = {"op, torch rows": _TorchRowLinear, "params dict": _ParamsDictLinear,
-               "+ switches": _SwitchesLinear, "+ layer key": _KeyedLinear}
+               "+ switches": _SwitchesLinear, "+ layer key": _KeyedLinear,
+               "+ shape key": _ShapeKeyedLinear, "+ numel key": _NumelKeyedLinear}
 
 
 def variant(name: str, model, linear_class):
