@@ -259,6 +259,31 @@ def test_simpler_candidate_kept_within_noise():
     assert tuner._choose(noisy, by_name).name == "torch.linear"  # 10% gain inside 15% spread
 
 
+def test_gemm_ties_keep_cublaslts_own_pick_then_torchs_row():
+    from gemmtune.families._gemm_tuner import CUBLASLT_PICK_SIMPLICITY, TORCH_ROW_SIMPLICITY
+
+    tuner = Tuner.__new__(Tuner)
+    by_name = {"torch.linear": Candidate("torch.linear", "torch", TORCH_ROW_SIMPLICITY),
+               "cublaslt:pick": Candidate("cublaslt:pick", "cublaslt", CUBLASLT_PICK_SIMPLICITY),
+               "cublaslt:other": Candidate("cublaslt:other", "cublaslt"),
+               "triton.tile:k": Candidate("triton.tile:k", "triton")}
+
+    names = {"torch": "torch.linear", "pick": "cublaslt:pick", "other": "cublaslt:other",
+             "tile": "triton.tile:k"}
+
+    def pick(**us):
+        return tuner._choose([Evaluation(names[n], Status.ok, us=t, spread=0.01)
+                              for n, t in us.items()], by_name).name
+
+    # Within 2% noise of each other: cuBLASLt's own pick (a cheaper call than torch's row).
+    assert pick(torch=10.0, pick=10.05, tile=9.9) == "cublaslt:pick"
+    assert pick(torch=10.0, pick=10.1) == "cublaslt:pick"
+    # Without it, torch's row over a tuned kernel; beyond the noise, the fastest.
+    assert pick(torch=10.0, other=9.9) == "torch.linear"
+    assert pick(torch=10.0, pick=10.5, tile=9.0) == "triton.tile:k"
+    assert pick(torch=10.0, pick=10.5) == "torch.linear"
+
+
 def test_update_improved_keeps_rows_without_enough_gain(tmp_path, monkeypatch):
     monkeypatch.setenv("FAULTY_WITH_FAULTS", "0")
     inp = untuned(tmp_path / "u.csv", [1, 2])

@@ -95,6 +95,14 @@ def triton_splitk_candidates(m: int, n: int, k: int, dtype: torch.dtype,
             and not (block_scales and why_not_block_scaled(c, dtype))]
 
 
+# What a GEMM row keeps when candidates tie within noise on the GPU, simplest first: cuBLASLt's
+# own pick, then torch's row, then anything tuned. cuBLASLt's pick is mostly the algorithm
+# torch's row runs, through a call that costs the host less (docs/benchmarks.md, session 12:
+# an eager Hugging Face step 1.00-1.02x with it for every shape, 0.98x with torch's row).
+CUBLASLT_PICK_SIMPLICITY = 0
+TORCH_ROW_SIMPLICITY = 1
+
+
 def cublaslt_candidates(m: int, n: int, k: int, dtype: torch.dtype, out_dtype: torch.dtype,
                         has_bias: bool, scaling: str = "") -> list[Candidate]:
     """cuBLASLt algorithms for the shape (none without nvmath-python). ``scaling``: FP8's scale
@@ -104,8 +112,10 @@ def cublaslt_candidates(m: int, n: int, k: int, dtype: torch.dtype, out_dtype: t
     if cublaslt.nvmath_missing() or cublaslt.why_not_types(dtype, out_dtype, scaling):
         return []
     algos = cublaslt.enumerate_algos(m, n, k, dtype, out_dtype, has_bias, scaling=scaling)
-    # The heuristic's first choice is what cuBLASLt would pick itself: "simpler" than the rest.
-    return [Candidate(a.name, "cublaslt", simplicity=1 if i == 0 else 2, splitk=a.split_k)
+    # The heuristic's first choice is what cuBLASLt would pick itself: kept over torch's row
+    # and the tuned ones on a tie (CUBLASLT_PICK_SIMPLICITY).
+    return [Candidate(a.name, "cublaslt", splitk=a.split_k,
+                      simplicity=CUBLASLT_PICK_SIMPLICITY if i == 0 else 2)
             for i, a in enumerate(algos)]
 
 
@@ -161,7 +171,7 @@ class GemmTuner(FamilyTuner):
         wanted = self.wanted(libtypes)
         found = []
         if "torch" in wanted:
-            found.append(Candidate(baseline, "torch", simplicity=0))
+            found.append(Candidate(baseline, "torch", simplicity=TORCH_ROW_SIMPLICITY))
         if "cublaslt" in wanted and cublaslt_scaling is not None and torch.cuda.is_available():
             found += cublaslt_candidates(p.m, p.n, p.k, p.dtype, p.out_dtype, p.has_bias,
                                          scaling=cublaslt_scaling)

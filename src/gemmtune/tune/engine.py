@@ -432,11 +432,14 @@ class Tuner:
 
     def _retime(self, worker: Worker, device: str, key: tuple, seed: int,
                 passing: list[Evaluation], by_name: dict[str, Candidate]) -> list[Evaluation]:
-        """Re-time the fastest few of the screen, and the simplest valid candidate, accurately."""
+        """Re-time the fastest few of the screen, and the fastest valid candidate of each
+        simplicity (what ``_choose`` keeps on a tie), accurately."""
         ranked = sorted(passing, key=lambda e: e.us)
         chosen = {e.name: e for e in ranked[: self.config.topk]}
-        simplest = min(passing, key=lambda e: (by_name[e.name].simplicity, e.us))
-        chosen.setdefault(simplest.name, simplest)
+        for e in ranked:
+            if all(by_name[c.name].simplicity != by_name[e.name].simplicity
+                   for c in chosen.values()):
+                chosen[e.name] = e
         finalists = self._retime_together(worker, key, seed, chosen)
         if finalists is not None:
             return finalists

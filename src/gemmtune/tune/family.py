@@ -22,8 +22,9 @@ from gemmtune.tables.schema import Schema
 @dataclass(frozen=True)
 class Candidate:
     """One solution for a shape. ``name`` is its ``kernelName``, the whole truth about it.
-    ``simplicity`` ranks what to keep when timings tie within noise: 0 the family's baseline
-    (torch), 1 a library's own default choice, 2 anything tuned."""
+    ``simplicity`` ranks what to keep when timings tie within noise, lowest first: the
+    family's baseline (torch) and a library's own default choice (0 or 1, in the family's
+    order), 2 anything tuned."""
 
     name: str
     libtype: str
