@@ -9,8 +9,8 @@ tables in force have no exact row (``gemmtune tune bf16``, into $OUT/e2e_tuned.c
 an overlay). Then per model, in interleaved rounds (the host's speed drifts), the model and
 its variants, each its own model object with the same weights (so timing one switches no
 class of another's): unpatched, patched, the A/A control (the unpatched model under another
-class: the eager noise floor of the run) and with ``--diagnose`` variants on torch's kernels
-that add the patched layer's steps one at a time (``DIAGNOSTICS``):
+class: the eager noise floor of the run). benchmarks/e2e_hf_diag.py takes the eager step
+apart:
 
 - decode, one token per sequence against a static KV cache of ``CONTEXT`` tokens, at batch
   1, 8 and 32: eagerly (one step, synchronised) and as a captured CUDA graph;
@@ -22,7 +22,7 @@ the prefill's unpatched error (at least 1e-2). Prints speed-up = unpatched time 
 the median over the rounds (``EAGER_ROUNDS`` of one eager step, ``ROUNDS`` of graph replays)
 of each round's ratio (the variants in an order rotated each round).
 
-    PYTHONPATH=src python3 benchmarks/e2e_hf.py [--no-tune] [--models llama3-8b] [--diagnose]
+    PYTHONPATH=src python3 benchmarks/e2e_hf.py [--no-tune] [--models llama3-8b]
 """
 
 from __future__ import annotations
@@ -41,9 +41,6 @@ import torch.nn.functional as F
 from torch import nn
 
 import gemmtune
-from gemmtune.families.bf16.op import gemm_a16w16
-from gemmtune.kernels.torch_ref import TORCH_LINEAR
-import gemmtune.nn as tuned_nn
 from gemmtune.nn import TunedLinear
 
 LAYERS = 4
@@ -52,7 +49,6 @@ PREFILL = 512
 CONTEXT = 128  # tokens in the KV cache when a decode step runs
 ROUNDS = 31  # of graph replays
 EAGER_ROUNDS = 241  # of one eager step
-LAYER_ROUNDS = 21  # --layers
 GRAPH_REPLAYS = 20
 
 # Llama 3 dimensions; "-tp8" is one GPU's shard under 8-way tensor parallelism.
@@ -88,62 +84,6 @@ def gemm_shapes(name: str) -> list[tuple[int, int, int]]:
     return sorted(shapes)
 
 
-def calls_per_step(name: str, tokens: int) -> dict[tuple[int, int, int], int]:
-    """(M, N, K) -> linear calls per forward of ``tokens`` tokens (the lm_head sees the last
-    token of each sequence only: ``tokens`` for decode, 1 for the prefill)."""
-    d = MODELS[name]
-    h, hd = d["hidden_size"], d["head_dim"]
-    q, kv = d["num_attention_heads"] * hd, d["num_key_value_heads"] * hd
-    calls: dict[tuple[int, int, int], int] = {}
-    for n, k in ((q, h), (kv, h), (kv, h), (h, q), (d["intermediate_size"], h),
-                 (d["intermediate_size"], h), (h, d["intermediate_size"])):
-        calls[tokens, n, k] = calls.get((tokens, n, k), 0) + LAYERS
-    head = (1 if tokens == PREFILL else tokens, d["vocab_size"], h)
-    calls[head] = calls.get(head, 0) + 1
-    return calls
-
-
-def issue_us(fn, calls: int = 100) -> float:
-    """Host µs per call to issue ``calls`` back-to-back ``fn()`` (no wait for the GPU inside the
-    timing; synchronised after)."""
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    elapsed = time.perf_counter() - start
-    torch.cuda.synchronize()
-    return elapsed / calls * 1e6
-
-
-@torch.no_grad()
-def layer_costs(name: str) -> list[dict]:
-    """``--layers``: per linear shape a step meets, the kernel in force, the host time to issue
-    one call of the patched layer and of nn.Linear (median of LAYER_ROUNDS rounds, each timing
-    both), and the step's calls of it: what the patch adds to an eager step's host time, shape
-    by shape."""
-    from gemmtune.families.bf16.op import DISPATCH
-
-    rows = []
-    for point, tokens in [(f"decode b={b}", b) for b in BATCHES] + [("prefill", PREFILL)]:
-        for (m, n, k), count in sorted(calls_per_step(name, tokens).items()):
-            plain = nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
-            patched = nn.Linear(k, n, bias=False, device="cuda", dtype=torch.bfloat16)
-            gemmtune.patch_linear(patched)
-            x = torch.randn(m, 1, k, device="cuda", dtype=torch.bfloat16)
-            patched(x), plain(x)
-            times = {"plain": [], "patched": []}
-            for _ in range(LAYER_ROUNDS):
-                times["plain"].append(issue_us(lambda: plain(x)))
-                times["patched"].append(issue_us(lambda: patched(x)))
-            plain_us, patched_us = (statistics.median(times[v]) for v in ("plain", "patched"))
-            key = (m, n, k, False, "torch.bfloat16", "torch.bfloat16", False, False)
-            rows.append(dict(model=name, point=point, M=m, N=n, K=k, calls=count,
-                             kernel=DISPATCH.decide(key).kernel_name,
-                             linear_us=round(plain_us, 2), patched_us=round(patched_us, 2),
-                             step_delta_us=round(count * (patched_us - plain_us), 1)))
-    return rows
-
-
 def tune_missing(names: list[str], out_dir: Path) -> None:
     """Tune the shapes with no exact row in the tables in force into $OUT/e2e_tuned.csv, and
     make it an overlay of the bf16 table for this run."""
@@ -175,125 +115,12 @@ def tune_missing(names: list[str], out_dir: Path) -> None:
         gemmtune.reset()
 
 
-def without_backend_table(names: list[str], prefix: str, out_dir: Path) -> None:
-    """``--without PREFIX``: for every shape of the models the kernel the tables in force give,
-    but the torch row where that kernel's name starts with PREFIX; in force alone."""
-    from gemmtune.families.bf16.op import DISPATCH
-
-    chosen = {}
-    for m, n, k in sorted({s for name in names for s in gemm_shapes(name)}):
-        key = (m, n, k, False, "torch.bfloat16", "torch.bfloat16", False, False)
-        kernel = DISPATCH.decide(key).kernel_name
-        chosen[m, n, k] = "torch.linear" if kernel.startswith(prefix) else kernel
-    write_table(chosen, out_dir / "e2e_without.csv")
-
-
-def write_table(kernels: dict[tuple[int, int, int], str], path: Path) -> None:
-    """A bf16 table of these (M, N, K) -> kernel rows, in force alone for this run."""
-    dev = gemmtune.current_device()
-    path.write_text(
-        "arch,cu_num,M,N,K,bias,dtype,outdtype,scaleAB,bpreshuffle,libtype,solidx,splitK,us,"
-        "kernelName,err_ratio,tflops,bw\n" + "".join(
-            f"{dev.arch},{dev.cu_num},{m},{n},{k},False,torch.bfloat16,torch.bfloat16,False,"
-            f"False,x,0,0,1.0,{kernel},0,0,0\n" for (m, n, k), kernel in kernels.items()))
-    os.environ["GEMMTUNE_CONFIG_BF16"] = f"replace:{path}"
-    gemmtune.reset()
-
-
-def one_kernel_table(names: list[str], kernel: str, out_dir: Path) -> None:
-    """``--one-kernel``: a bf16 table naming ``kernel`` for every shape of the models, in force
-    alone for this run; ``cublaslt``: cuBLASLt's heuristic pick for each shape."""
-    from gemmtune.kernels import cublaslt
-
-    def name_for(m: int, n: int, k: int) -> str:
-        if kernel != "cublaslt":
-            return kernel
-        return cublaslt.heuristic_algos(m, n, k, torch.bfloat16, torch.bfloat16, False)[0].name
-
-    write_table({(m, n, k): name_for(m, n, k)
-                 for m, n, k in sorted({s for name in names for s in gemm_shapes(name)})},
-                out_dir / "e2e_one_kernel.csv")
-
-
 class _SameLinear(nn.Linear):
     """nn.Linear under another class, its forward the same: the A/A control, which shows how
     far two identical models' eager times differ in this run."""
 
     def forward(self, x):
         return F.linear(x, self.weight, self.bias)
-
-
-class _TorchRowLinear(nn.Linear):
-    """The op with the torch row forced (``--diagnose``): the op's own host cost in the model,
-    with the same cuBLAS kernels as unpatched."""
-
-    def forward(self, x):
-        return gemm_a16w16(x, self.weight, self.bias, kernel=TORCH_LINEAR)
-
-
-class _ParamsDictLinear(nn.Linear):
-    """``--diagnose``: F.linear with the parameters read from the module's dict (not through
-    nn.Module.__getattr__), as TunedLinear reads them."""
-
-    def forward(self, x):
-        params = self._parameters
-        return F.linear(x, params["weight"], params["bias"])
-
-
-class _SwitchesLinear(nn.Linear):
-    """``--diagnose``: the above after TunedLinear's four switches (compile, grad, autocast)."""
-
-    def forward(self, x):
-        if (tuned_nn._dynamo_compiling() or tuned_nn._compiler._is_compiling_flag
-                or tuned_nn._grad_enabled() or tuned_nn._any_autocast()):
-            raise RuntimeError("the diagnostic runs plain eager calls only")
-        params = self._parameters
-        return F.linear(x, params["weight"], params["bias"])
-
-
-class _KeyedLinear(nn.Linear):
-    """``--diagnose``: the above and a look-up of ``key(x)`` in a dict of the layer's, which
-    holds F.linear: TunedLinear's path for a torch row (``key``: its input's shape, dtype and
-    device) without its generation and identity checks."""
-
-    @staticmethod
-    def key(x):
-        return x.shape, x.dtype, x.get_device()
-
-    def forward(self, x):
-        if (tuned_nn._dynamo_compiling() or tuned_nn._compiler._is_compiling_flag
-                or tuned_nn._grad_enabled() or tuned_nn._any_autocast()):
-            raise RuntimeError("the diagnostic runs plain eager calls only")
-        params = self._parameters
-        runs = self.__dict__.get("_runs")
-        if runs is None:
-            runs = self.__dict__["_runs"] = {}
-        run = runs.get(self.key(x))
-        if run is None:
-            run = runs[self.key(x)] = F.linear
-        return run(x, params["weight"], params["bias"])
-
-
-class _ShapeKeyedLinear(_KeyedLinear):
-    """``--diagnose``: the look-up by the input's shape alone."""
-
-    @staticmethod
-    def key(x):
-        return x.shape
-
-
-class _NumelKeyedLinear(_KeyedLinear):
-    """``--diagnose``: the look-up by the input's element count alone."""
-
-    @staticmethod
-    def key(x):
-        return x.numel()
-
-
-# ``--diagnose``: variants that take the patched layer's path apart, on torch's own kernels.
-DIAGNOSTICS = {"op, torch rows": _TorchRowLinear, "params dict": _ParamsDictLinear,
-               "+ switches": _SwitchesLinear, "+ layer key": _KeyedLinear,
-               "+ shape key": _ShapeKeyedLinear, "+ numel key": _NumelKeyedLinear}
 
 
 def variant(name: str, model, linear_class):
@@ -432,13 +259,15 @@ def time_point(point, variants: dict, graphs: dict) -> dict:
 
 
 @torch.no_grad()
-def run_model(name: str, diagnose: bool) -> list[dict]:
+def run_model(name: str, extra: dict | None = None) -> list[dict]:
+    """Every point of one model: its rows (``extra``: more variants, label -> linear class,
+    whose eager speed-up each row gets as ``eager LABEL``)."""
+    extra = extra or {}
     model = build(name)
     variants = {"unpatched": variant(name, model, nn.Linear),
                 "A/A": variant(name, model, _SameLinear),
                 "patched": variant(name, model, TunedLinear)}
-    if diagnose:
-        variants.update((label, variant(name, model, cls)) for label, cls in DIAGNOSTICS.items())
+    variants.update((label, variant(name, model, cls)) for label, cls in extra.items())
     prefill = PrefillPoint(model)
     base_err, patched_err = check_prefill_accuracy(name, model, variants["patched"], prefill)
     decode_bound = max(3 * base_err, 1e-2)
@@ -465,9 +294,7 @@ def run_model(name: str, diagnose: bool) -> list[dict]:
                    graph_speedup=round(timed["graph", "patched"][1], 3),
                    eager_aa=round(timed["eager", "A/A"][1], 3),
                    logits_rel_err=f"{err:.1e}")
-        if diagnose:
-            row.update((f"eager {label}", round(timed["eager", label][1], 3))
-                       for label in DIAGNOSTICS)
+        row.update((f"eager {label}", round(timed["eager", label][1], 3)) for label in extra)
         rows.append(row)
         del graphs
     print(f"{name}: prefill logits vs fp32: unpatched {base_err:.2e}, patched {patched_err:.2e}")
@@ -476,137 +303,16 @@ def run_model(name: str, diagnose: bool) -> list[dict]:
     return rows
 
 
-@torch.no_grad()
-def profile_steps(name: str, out_dir: Path, steps: int = 60) -> None:
-    """``--profile``: cProfile of ``steps`` eager steps, unpatched and patched, at decode b=1
-    and the prefill: where the host time of a step goes (full listings in $OUT)."""
-    import cProfile
-    import io
-    import pstats
-
-    model = build(name)
-    variants = {"unpatched": variant(name, model, nn.Linear),
-                "patched": variant(name, model, TunedLinear)}
-    for label, point in (("decode b=1", DecodePoint(model, 1)), ("prefill", PrefillPoint(model))):
-        for v, m in variants.items():
-            for _ in range(3):
-                point.rewind()
-                point.step(m)
-            torch.cuda.synchronize()
-            profiler = cProfile.Profile()
-            start = time.perf_counter()
-            profiler.enable()
-            for _ in range(steps):
-                point.rewind()
-                point.step(m)
-                torch.cuda.synchronize()
-            profiler.disable()
-            wall = (time.perf_counter() - start) / steps * 1e3
-            text = io.StringIO()
-            stats = pstats.Stats(profiler, stream=text)
-            stats.sort_stats("tottime").print_stats(40)
-            (out_dir / f"profile_{name}_{label.replace(' ', '_')}_{v}.txt").write_text(
-                text.getvalue())
-            print(f"== {name} {label} {v}: {wall:.3f} ms a step under the profiler")
-            print("\n".join(text.getvalue().splitlines()[:28]))
-
-
-@torch.no_grad()
-def trace_steps(name: str, out_dir: Path, steps: int = 20) -> None:
-    """``--trace``: torch.profiler of ``steps`` eager decode steps at b=1, unpatched and
-    patched: host time per op and GPU time per kernel, and the wall time of each."""
-    from torch.profiler import ProfilerActivity, profile
-
-    model = build(name)
-    variants = {"unpatched": variant(name, model, nn.Linear),
-                "patched": variant(name, model, TunedLinear)}
-    point = DecodePoint(model, 1)
-    for v, m in variants.items():
-        for _ in range(3):
-            point.rewind()
-            point.step(m)
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            start = time.perf_counter()
-            for _ in range(steps):
-                point.rewind()
-                point.step(m)
-                torch.cuda.synchronize()
-            wall = (time.perf_counter() - start) / steps * 1e3
-        averages = prof.key_averages()
-        text = (f"{name} decode b=1 {v}: {wall:.3f} ms a step under the profiler\n"
-                + averages.table(sort_by="self_cpu_time_total", row_limit=25)
-                + averages.table(sort_by="self_cuda_time_total", row_limit=25))
-        (out_dir / f"trace_{name}_{v}.txt").write_text(text)
-        prof.export_chrome_trace(str(out_dir / f"trace_{name}_{v}.json"))
-        print(text)
-
-
-def report_layer_costs(names: list[str], out_dir: Path) -> None:
-    rows = [row for name in names for row in layer_costs(name)]
-    with open(out_dir / "e2e_layers.csv", "w", newline="") as f:
+def write_rows(rows: list[dict], path: Path) -> None:
+    with open(path, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
-    print(f"host µs to issue one call, patched layer against nn.Linear (median of "
-          f"{LAYER_ROUNDS}); per step: calls x the difference")
-    for r in rows:
-        print(f"{r['model']:<15} {r['point']:<11} {r['M']:>4} {r['N']:>6} {r['K']:>6} "
-              f"x{r['calls']:<3} {r['kernel'][:44]:<44} {r['linear_us']:7.2f} "
-              f"{r['patched_us']:7.2f} {r['step_delta_us']:+8.1f}")
-    for name in names:
-        for point in dict.fromkeys(r["point"] for r in rows if r["model"] == name):
-            total = sum(r["step_delta_us"] for r in rows
-                        if r["model"] == name and r["point"] == point)
-            print(f"{name} {point}: the patch adds {total:+.1f} µs of host time a step")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", default=",".join(MODELS),
-                        help=f"comma-separated, of {', '.join(MODELS)}")
-    parser.add_argument("--no-tune", action="store_true",
-                        help="use the tables in force as they are")
-    parser.add_argument("--diagnose", action="store_true",
-                        help="also time the op with its torch row forced")
-    parser.add_argument("--layers", action="store_true",
-                        help="only the host cost to issue each linear shape, patched and not")
-    parser.add_argument("--one-kernel", metavar="KERNEL",
-                        help="patched with KERNEL for every shape (a table of it alone, "
-                             "nothing tuned): one backend's cost in the model")
-    parser.add_argument("--without", metavar="PREFIX",
-                        help="the kernels the tables give, but torch's where a kernel's name "
-                             "starts with PREFIX (after tuning)")
-    parser.add_argument("--trace", action="store_true",
-                        help="only a torch.profiler trace of eager decode steps at b=1")
-    parser.add_argument("--profile", action="store_true",
-                        help="only a cProfile of eager steps, patched and not")
-    args = parser.parse_args()
-    names = args.models.split(",")
-    out_dir = Path(os.environ.get("OUT", "out"))
-    out_dir.mkdir(parents=True, exist_ok=True)
-    if args.one_kernel:
-        one_kernel_table(names, args.one_kernel, out_dir)
-    elif not args.no_tune:
-        tune_missing(names, out_dir)
-    if args.without:
-        without_backend_table(names, args.without, out_dir)
-    if args.trace:
-        for name in names:
-            trace_steps(name, out_dir)
-        return
-    if args.profile:
-        for name in names:
-            profile_steps(name, out_dir)
-        return
-    if args.layers:
-        report_layer_costs(names, out_dir)
-        return
-    rows = [row for name in names for row in run_model(name, args.diagnose)]
-    with open(out_dir / "e2e_hf.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+def report(rows: list[dict], out_dir: Path, extra_labels=()) -> None:
+    """$OUT/e2e_hf.csv and the table (the extra variants' eager speed-ups after it)."""
+    write_rows(rows, out_dir / "e2e_hf.csv")
     print(f"{torch.cuda.get_device_name()}, {LAYERS} layers, speed-up = unpatched / patched")
     print(f"{'model':<16} {'point':<14} {'eager ms':>9} {'patched':>9} {'x':>6} "
           f"{'graph ms':>9} {'patched':>9} {'x':>6} {'A/A':>6}  logits err")
@@ -615,11 +321,31 @@ def main() -> None:
               f"{r['eager_patched_ms']:>9.3f} {r['eager_speedup']:>6.3f} {r['graph_ms']:>9.3f} "
               f"{r['graph_patched_ms']:>9.3f} {r['graph_speedup']:>6.3f} {r['eager_aa']:>6.3f}  "
               f"{r['logits_rel_err']}")
-    if args.diagnose:
-        print("eager speed-up of variants on torch's kernels: " + ", ".join(DIAGNOSTICS))
+    if extra_labels:
+        print("eager speed-up of the other variants: " + ", ".join(extra_labels))
         for r in rows:
             print(f"{r['model']:<16} {r['point']:<14} " + " ".join(
-                f"{r[f'eager {label}']:>6.3f}" for label in DIAGNOSTICS))
+                f"{r[f'eager {label}']:>6.3f}" for label in extra_labels))
+
+
+def arguments(parser: argparse.ArgumentParser) -> argparse.Namespace:
+    """The options of this benchmark (and of e2e_hf_diag.py's, added to ``parser``)."""
+    parser.add_argument("--models", default=",".join(MODELS),
+                        help=f"comma-separated, of {', '.join(MODELS)}")
+    parser.add_argument("--no-tune", action="store_true",
+                        help="use the tables in force as they are")
+    args = parser.parse_args()
+    args.names = args.models.split(",")
+    args.out_dir = Path(os.environ.get("OUT", "out"))
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    return args
+
+
+def main() -> None:
+    args = arguments(argparse.ArgumentParser(description=__doc__.split("\n\n")[0]))
+    if not args.no_tune:
+        tune_missing(args.names, args.out_dir)
+    report([row for name in args.names for row in run_model(name)], args.out_dir)
 
 
 if __name__ == "__main__":

@@ -223,19 +223,19 @@ for what in "$@"; do
             TAIL=30 stage probe 200 python3 benchmarks/host_cost_probe.py ;;
         firstcall)  # a Triton row's first call in a fresh process, with and without precompile
             TAIL=12 stage firstcall 400 python3 benchmarks/first_call.py ;;
-        e2ediag)  # e2e with the op's torch row forced too (its host cost in the model)
-            TAIL=16 stage e2ediag 500 python3 benchmarks/e2e_hf.py --diagnose ;;
+        e2ediag)  # e2e with variants on torch's kernels that take the patched layer's path apart
+            TAIL=16 stage e2ediag 500 python3 benchmarks/e2e_hf_diag.py --variants ;;
         e2elayers)  # per linear shape of the e2e models: host cost to issue, patched and not
-            TAIL=80 stage e2elayers 400 python3 benchmarks/e2e_hf.py --layers ;;
+            TAIL=80 stage e2elayers 400 python3 benchmarks/e2e_hf_diag.py --layers ;;
         e2etrace)  # torch.profiler of eager decode steps of the e2e models, patched and not
-            TAIL=10 stage e2etrace 300 python3 benchmarks/e2e_hf.py --trace --models llama3-70b-tp8 ;;
+            TAIL=10 stage e2etrace 300 python3 benchmarks/e2e_hf_diag.py --trace --models llama3-70b-tp8 ;;
         e2eprofile)  # a cProfile of eager steps of the e2e models, patched and not
-            TAIL=240 stage e2eprofile 300 python3 benchmarks/e2e_hf.py --profile ;;
+            TAIL=240 stage e2eprofile 300 python3 benchmarks/e2e_hf_diag.py --profile ;;
         e2ewithout:*)  # e2ewithout:PREFIX: e2e with torch rows where the tables name PREFIX...
-            TAIL=16 stage "e2ewithout_${what#e2ewithout:}" 300 python3 benchmarks/e2e_hf.py \
+            TAIL=16 stage "e2ewithout_${what#e2ewithout:}" 300 python3 benchmarks/e2e_hf_diag.py \
                 --without "${what#e2ewithout:}" ;;
         e2eone:*)  # e2eone:KERNEL: e2e patched with one kernel for every shape
-            TAIL=16 stage "e2eone_${what#e2eone:}" 300 python3 benchmarks/e2e_hf.py \
+            TAIL=16 stage "e2eone_${what#e2eone:}" 300 python3 benchmarks/e2e_hf_diag.py \
                 --one-kernel "${what#e2eone:}" ;;
         e2e*)  # e2e[:MODELS]: transformers Llama models patched vs not (tunes missing shapes first)
             models=${what#e2e}; models=${models#:}
