@@ -164,8 +164,8 @@ class _SwitchesLinear(nn.Linear):
 
 class _KeyedLinear(nn.Linear):
     """``--variants``: the above and a look-up of ``key(x)`` in a dict of the layer's, which
-    holds F.linear: TunedLinear's path for a torch row (``key``: its input's shape, dtype and
-    device) without its generation and identity checks."""
+    holds F.linear (``key``: its input's shape, dtype and device, as TunedLinear's per-layer
+    bound calls were keyed in session 12's measurements)."""
 
     @staticmethod
     def key(x):

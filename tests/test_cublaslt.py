@@ -802,3 +802,16 @@ def test_bound_calls_serve_new_inputs_and_send_odd_layouts_the_general_way(nvmat
         odd.copy_(x)
         assert odd.data_ptr() % 16
         assert _rel_err(call(odd), ref(x)) < REL_TOL[torch.bfloat16]
+
+
+@pytest.mark.gpu
+def test_bound_calls_keep_their_plans_through_clear_plans(nvmath_lt):
+    # A bound call holds its plan: forgetting the plans must not destroy the descriptors it
+    # still launches with.
+    m, n, k = 8, 512, 256
+    name = cublaslt.heuristic_algos(m, n, k, torch.bfloat16, torch.bfloat16, False)[0].name
+    for seed in range(3):
+        x, w, _ = _inputs(m, n, k, seed=seed)
+        y = gemmtune.gemm_a16w16(x, w, kernel=name)
+        assert _rel_err(y, gemm_a16w16_ref(x, w, None, torch.float64)) < REL_TOL[torch.bfloat16]
+        cublaslt.clear_plans()

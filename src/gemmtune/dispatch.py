@@ -224,9 +224,6 @@ class Dispatcher:
         self.plans: dict[tuple, Plan] = {}
         # an op's call key -> its plan's kernel bound to that key (remember)
         self.calls: dict[tuple, Callable] = {}
-        # Bumped when this family's plans and bound calls are forgotten: a bound call kept
-        # elsewhere (a TunedLinear's) is valid while this is what it was when the call was made.
-        self.generation = 0
         with _lock:
             _dispatchers[self.family] = self
 
@@ -429,7 +426,6 @@ def _forget_plans(family: str | None = None) -> None:
         if family is None or d.family == family:
             d.plans.clear()
             d.calls.clear()
-            d.generation += 1
 
 
 def reset() -> None:

@@ -4,7 +4,7 @@ A problem (``LtProblem``) is cuBLASLt's description of one (M, N, K, bias, dtype
 device): a matmul descriptor, three matrix layouts and a heuristic preference, shared by every
 algorithm tried on it. A ``Plan`` is a problem plus one algorithm rebuilt from its name and
 accepted by ``matmul_algo_check``, resolved to plain ints for the hot path. ``get_plan`` builds
-and caches them; ``clear_plans`` destroys them.
+and caches them; ``clear_plans`` forgets them.
 
 Layout for torch's convention (cuBLAS is column-major, so it computes y.T = W @ x.T): m = N,
 n = M, k = K; A = W as K x N with TRANSA = T, B = x as K x M, C = D = y as N x M, all with the
@@ -144,6 +144,14 @@ class ThreadDesc:
         self.scale_ptrs = (w_scale_ptr, x_scale_ptr)
 
 
+def _destroy_descriptors(pref: int, layouts: tuple, desc: int) -> None:
+    L = bindings()
+    L.matmul_preference_destroy(pref)
+    for layout in layouts:
+        L.matrix_layout_destroy(layout)
+    L.matmul_desc_destroy(desc)
+
+
 class LtProblem:
     """Descriptors of one (M, N, K, bias, dtypes, scale mode, device): shared by every
     algorithm's plan. ``per_call``: its calls bring pointers of their own (bias, scales), which
@@ -166,7 +174,6 @@ class LtProblem:
                                            device=torch.device("cuda", device))
         self.per_call = has_bias or bool(scaling)
         self.thread_local = threading.local()
-        self._thread_descs: weakref.WeakSet[ThreadDesc] = weakref.WeakSet()
         self.desc = self.new_desc()
         self.a = L.matrix_layout_create(self.in_type, k, n, k)  # W: K x N column-major, op T
         self.b = L.matrix_layout_create(self.in_type, k, m, k)  # x: K x M column-major
@@ -174,6 +181,11 @@ class LtProblem:
         self.pref = L.matmul_preference_create()
         set_attr(L.matmul_preference_set_attribute, L.get_matmul_preference_attribute_dtype,
                  self.pref, L.MatmulPreferenceAttribute.MAX_WORKSPACE_BYTES, WORKSPACE_BYTES)
+        # The descriptors go when the last holder of this problem does (a plan, an op's bound
+        # call), or at ``destroy``; each thread's descriptor has its own finalizer.
+        self.destroy = weakref.finalize(self, _destroy_descriptors, self.pref,
+                                        (self.a, self.b, self.c), self.desc)
+        self.destroy.atexit = False  # at exit the process frees them with the library
 
     def new_desc(self) -> int:
         """A matmul descriptor with this problem's attributes (scale pointers: placeholders)."""
@@ -204,17 +216,7 @@ class LtProblem:
             own = getattr(self.thread_local, "own", None)
             if own is None:
                 own = self.thread_local.own = ThreadDesc(self)
-                self._thread_descs.add(own)
             return own
-
-    def destroy(self) -> None:
-        L = bindings()
-        for own in list(self._thread_descs):
-            own.close()
-        L.matmul_preference_destroy(self.pref)
-        for layout in (self.a, self.b, self.c):
-            L.matrix_layout_destroy(layout)
-        L.matmul_desc_destroy(self.desc)
 
     def heuristic(self, count: int = HEURISTIC_REQUEST) -> list:
         """The heuristic's algorithms, best first, as raw ``matmul_algo_dtype`` arrays."""
@@ -374,12 +376,11 @@ def track(owner) -> None:
 
 
 def clear_plans() -> None:
-    """Destroy every descriptor and forget every plan; no call may run meanwhile or use a plan
-    got before. Workspaces and handles are kept (captured graphs may use the workspaces)."""
+    """Forget every plan: a problem's descriptors are destroyed once nothing holds it (a plan
+    got before, or an op's bound call, keeps its own alive and valid). Workspaces and handles
+    are kept (captured graphs may use the workspaces)."""
     with _lock:
         for owner in list(_owners):
             owner._plans.clear()
         _plans.clear()
-        for prob in _problems.values():
-            prob.destroy()
         _problems.clear()
