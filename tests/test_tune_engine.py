@@ -284,6 +284,23 @@ def test_gemm_ties_keep_cublaslts_own_pick_then_torchs_row():
     assert pick(torch=10.0, pick=10.5) == "torch.linear"
 
 
+def test_retiming_takes_the_fastest_of_each_simplicity_beside_the_top_few(tmp_path):
+    tuner = Tuner.__new__(Tuner)
+    tuner.config = TuneConfig(input=tmp_path / "in.csv", output=tmp_path / "out.csv", topk=2)
+    seen = []
+    tuner._retime_together = lambda worker, key, seed, chosen: seen.append(sorted(chosen)) or []
+    by_name = {"torch.linear": Candidate("torch.linear", "torch", 1),
+               "cublaslt:pick": Candidate("cublaslt:pick", "cublaslt", 0),
+               "cublaslt:other": Candidate("cublaslt:other", "cublaslt")}
+    by_name.update((f"triton.tile:k{i}", Candidate(f"triton.tile:k{i}", "triton"))
+                   for i in range(3))
+    screened = [Evaluation(name, Status.ok, us=us) for name, us in [
+        ("triton.tile:k0", 5.0), ("triton.tile:k1", 5.5), ("triton.tile:k2", 6.0),
+        ("cublaslt:other", 6.5), ("torch.linear", 7.0), ("cublaslt:pick", 8.0)]]
+    tuner._retime(None, "cuda", (1,), 0, screened, by_name)
+    assert seen == [["cublaslt:pick", "torch.linear", "triton.tile:k0", "triton.tile:k1"]]
+
+
 def test_update_improved_keeps_rows_without_enough_gain(tmp_path, monkeypatch):
     monkeypatch.setenv("FAULTY_WITH_FAULTS", "0")
     inp = untuned(tmp_path / "u.csv", [1, 2])
