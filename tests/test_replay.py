@@ -279,6 +279,50 @@ def test_a_tma_descriptor_is_encoded_once_per_address(monkeypatch):
     assert launches[0][10:] == (w.data_ptr(), y2.data_ptr(), x2.data_ptr(), 16, 32, None, 64)
 
 
+def test_an_fp4_descriptor_doubles_its_last_dimension_and_few_are_kept(monkeypatch):
+    encoded = []
+    monkeypatch.setattr(_replay, "_tma_fill", lambda: lambda address, *encoding: (
+        encoded.append(address) or f"tensormap@{address}"))
+    monkeypatch.setattr(_replay, "_DESCRIPTORS_KEPT", 2)
+    meta = dict(swizzle=128, elem_size=1, elem_type=0, block_size=[16, 16], fp4_padded=True)
+    replay, w, launches, _ = _described_recording(monkeypatch, [meta])
+    xs = [torch.randn(16, 32) for _ in range(3)]
+    y = torch.empty(16, 16)
+    for x in xs + xs[:1]:
+        assert replay.launch_fast((x, w, y, None, None, None))
+    # Packed FP4: the descriptor spans twice the elements along the last dimension.
+    assert launches[0][5:10] == (f"tensormap@{xs[0].data_ptr()}", 16, 64, 32, 1)
+    # Two kept: the third address drops them, so the first is encoded again.
+    assert encoded == [x.data_ptr() for x in xs + xs[:1]]
+
+
+def _launcher_wrapper(launcher, tensordesc_meta):
+    """A stand-in for Triton 3.6's wrapper around its C launch (``wrap_handle_tensordesc``)."""
+    def inner(*args):
+        return launcher(*args), tensordesc_meta
+    return inner
+
+
+def test_the_c_launch_is_read_from_the_launchers_wrapper(monkeypatch):
+    import types
+
+    monkeypatch.setattr(_replay, "_DIRECT_LAUNCH_VERSIONS", (triton.__version__,))
+    meta = [None]
+    launcher = types.SimpleNamespace(launch=_launcher_wrapper(max, meta), global_scratch_size=0,
+                                     profile_scratch_size=0, launch_cooperative_grid=False,
+                                     launch_pdl=True)
+    compiled = types.SimpleNamespace(run=launcher, function=7, packed_metadata="packed")
+    direct = _replay._direct_launch(compiled)
+    assert direct == _replay.DirectLaunch(
+        max, (7, False, True, None, None, "packed", None, None, None), meta)
+    launcher.launch = max  # no descriptors: the C launch itself
+    assert _replay._direct_launch(compiled).descriptors is None
+    launcher.launch = lambda *args: None  # a wrapper of another shape: not known here
+    assert _replay._direct_launch(compiled) is None
+    launcher.launch, launcher.global_scratch_size = max, 128  # needs scratch memory
+    assert _replay._direct_launch(compiled) is None
+
+
 def test_descriptors_the_recording_cannot_place_go_through_the_compiled_kernel(monkeypatch):
     # The launcher takes two descriptors but only one argument is a role's: no C launch.
     replay, w, launches, compiled = _described_recording(monkeypatch, [None, None])
