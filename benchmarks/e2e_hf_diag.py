@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import gemmtune
-import gemmtune.nn as tuned_nn
+from gemmtune.families import _switches as switches
 from e2e_hf import (BATCHES, LAYERS, MODELS, PREFILL, DecodePoint, PrefillPoint, arguments,
                     build, gemm_shapes, report, run_model, tune_missing, variant, write_rows)
 from gemmtune.families.bf16.op import gemm_a16w16
@@ -155,8 +155,8 @@ class _SwitchesLinear(nn.Linear):
     """``--variants``: the above after TunedLinear's four switches (compile, grad, autocast)."""
 
     def forward(self, x):
-        if (tuned_nn._dynamo_compiling() or tuned_nn._compiler._is_compiling_flag
-                or tuned_nn._grad_enabled() or tuned_nn._any_autocast()):
+        if (switches.dynamo_compiling() or switches.compiler._is_compiling_flag
+                or switches.grad_enabled() or switches.any_autocast()):
             raise RuntimeError("the diagnostic runs plain eager calls only")
         params = self._parameters
         return F.linear(x, params["weight"], params["bias"])
@@ -172,8 +172,8 @@ class _KeyedLinear(nn.Linear):
         return x.shape, x.dtype, x.get_device()
 
     def forward(self, x):
-        if (tuned_nn._dynamo_compiling() or tuned_nn._compiler._is_compiling_flag
-                or tuned_nn._grad_enabled() or tuned_nn._any_autocast()):
+        if (switches.dynamo_compiling() or switches.compiler._is_compiling_flag
+                or switches.grad_enabled() or switches.any_autocast()):
             raise RuntimeError("the diagnostic runs plain eager calls only")
         params = self._parameters
         runs = self.__dict__.get("_runs")

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import gemmtune
+from gemm_checks import install_user_table
 from gemmtune import cli
 from gemmtune import prebuild as pre
 
@@ -51,12 +52,9 @@ def test_a_family_without_a_tuner_is_an_error():
 def test_worker_processes_build_each_job_and_report_the_ones_that_fail(tmp_path, monkeypatch):
     # Real spawned workers (the interpreter's kernels on the CPU): a good row builds, a name no
     # backend takes fails alone and says why.
-    dev = gemmtune.current_device()
-    path = tmp_path / "bf16.csv"
-    path.write_text(HEADER + f"{dev.arch},{dev.cu_num},16,16,32,False,torch.float32,"
-                             f"torch.float32,False,False,x,0,0,1.0,{TILE},0,0,0\n")
-    monkeypatch.setenv("GEMMTUNE_CONFIG_BF16", f"replace:{path}")
-    gemmtune.reset()
+    install_user_table(monkeypatch, tmp_path / "bf16.csv", "GEMMTUNE_CONFIG_BF16", HEADER,
+                       [(16, 16, 32, False, "torch.float32", "torch.float32", False, False,
+                         TILE)])
     (good,) = pre.compile_jobs(["bf16"])
     bad = pre.CompileJob("bf16", good.key, "triton.tile:BM16.BOGUS")
     seen = []

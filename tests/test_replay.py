@@ -9,6 +9,7 @@ import torch
 import triton
 
 import gemmtune
+from gemm_checks import install_user_table
 from gemmtune.kernels.torch_ref import gemm_a16w16_ref
 from gemmtune.kernels.triton import _replay
 from gemmtune.kernels.triton._replay import KernelCall, Replay
@@ -339,12 +340,9 @@ KERNELS = ["triton.tile:BM16.BN64.BK128.G8.W4.S4", "triton.splitk:BM16.BN64.BK12
 
 
 def _route(tmp_path, monkeypatch, kernel, m, n, k):
-    dev = gemmtune.current_device()
-    path = tmp_path / "rows.csv"
-    path.write_text(HEADER + f"{dev.arch},{dev.cu_num},{m},{n},{k},False,torch.bfloat16,"
-                             f"torch.bfloat16,False,False,triton,0,0,1.0,{kernel},0,0,0\n")
-    monkeypatch.setenv("GEMMTUNE_CONFIG_BF16", f"replace:{path}")
-    gemmtune.reset()
+    install_user_table(monkeypatch, tmp_path / "rows.csv", "GEMMTUNE_CONFIG_BF16", HEADER,
+                       [(m, n, k, False, "torch.bfloat16", "torch.bfloat16", False, False,
+                         kernel)])
 
 
 def _rel_err(y, ref):

@@ -5,16 +5,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from gemmtune.families._switches import any_autocast as _any_autocast
+from gemmtune.families._switches import compiler as _compiler
+from gemmtune.families._switches import dynamo_compiling as _dynamo_compiling
+from gemmtune.families._switches import grad_enabled as _grad_enabled
 from gemmtune.families.bf16.op import bound_linear, gemm_a16w16
-
-# The switches that send a call the op's full way, looked up once (gemm_a16w16 reads the same).
-_dynamo_compiling = torch.compiler.is_dynamo_compiling
-_compiler = torch.compiler
-_any_autocast = torch._C._is_any_autocast_enabled
-_grad_enabled = torch.is_grad_enabled
-if not hasattr(_compiler, "_is_compiling_flag"):  # a torch without it: is_compiling's answer
-    _dynamo_compiling = torch.compiler.is_compiling
-    _compiler = type("_NeverCompiling", (), {"_is_compiling_flag": False})
 
 _MISSING = object()
 

@@ -16,6 +16,10 @@ import torch
 from gemmtune.device import DeviceId
 from gemmtune.dispatch import Dispatcher
 from gemmtune.families._gemm import gemm_registry, gemm_schema, json_config_or
+from gemmtune.families._switches import any_autocast as _any_autocast
+from gemmtune.families._switches import compiler as _compiler
+from gemmtune.families._switches import dynamo_compiling as _dynamo_compiling
+from gemmtune.families._switches import grad_enabled as _grad_enabled
 from gemmtune.kernels.problem import GemmProblem, Scaling
 from gemmtune.kernels.torch_ref import TORCH_LINEAR, bind_linear, linear_torch
 from gemmtune.kernels.triton.dispatchable import PREFIXES as TRITON_PREFIXES
@@ -78,16 +82,6 @@ def _default_kernel(key: Bf16Key, device: DeviceId) -> str:
 
 DISPATCH = Dispatcher(SCHEMA, REGISTRY, _to_table_key, problem_of, _default_kernel)
 _CALLS = DISPATCH.calls  # the eager hot path's dict (Dispatcher.remember)
-# The hot path's switches, looked up once. torch.compiler.is_compiling() is two Python calls;
-# what it answers is read here directly: dynamo folds is_dynamo_compiling() to True where it
-# traces, and torch.export sets the flag.
-_dynamo_compiling = torch.compiler.is_dynamo_compiling
-_compiler = torch.compiler
-_any_autocast = torch._C._is_any_autocast_enabled
-_grad_enabled = torch.is_grad_enabled
-if not hasattr(_compiler, "_is_compiling_flag"):  # a torch without it: is_compiling's answer
-    _dynamo_compiling = torch.compiler.is_compiling
-    _compiler = type("_NeverCompiling", (), {"_is_compiling_flag": False})
 
 
 def _out_dtype(dtype: torch.dtype, otype: Optional[torch.dtype]) -> torch.dtype:

@@ -274,12 +274,8 @@ def _bound_launch(plan: Plan, out_shape: tuple, out_dtype, dev: int, general, sc
         return general
     where = f"cuda:{dev}"  # torch.empty parses a string faster than it takes a torch.device
     mask, scale_mask = plan.align_mask, _SCALE_ALIGN - 1
-    # What the matmul takes besides the call's pointers, as the closure's own variables: in a
-    # model each attribute look-up of the call costs several times what it does in a loop.
-    current_device, current_stream = torch._C._cuda_getDevice, torch._C._cuda_getCurrentRawStream
-    matmul, handle, a, b, c = plan.matmul, plan.handle, plan.a, plan.b, plan.c
-    alpha, beta, algo_ptr, workspaces = plan.alpha, plan.beta, plan.algo_ptr, plan.workspaces
-    fixed_desc, thread_local, empty = plan.desc, plan.thread_local, torch.empty
+    current_device = torch._C._cuda_getDevice
+    fixed_desc, thread_local = plan.desc, plan.thread_local
 
     def run(x, w, bias, scale_a=None, scale_b=None):
         xp, wp = x.data_ptr(), w.data_ptr()
@@ -295,15 +291,8 @@ def _bound_launch(plan: Plan, out_shape: tuple, out_dtype, dev: int, general, sc
             if pointers != own.scale_ptrs:
                 own.set_scales(*pointers)
             desc = own.desc
-        out = empty(out_shape, dtype=out_dtype, device=where)
-        op = out.data_ptr()
-        # The stream is read on every call (see _queue).
-        stream = current_stream(dev)
-        workspace = workspaces.get(stream)
-        if workspace is None:
-            workspace = plan.device_state.workspace(stream)
-        matmul(handle, desc, alpha, wp, a, xp, b, beta, op, c, op, c, algo_ptr, workspace,
-               WORKSPACE_BYTES, stream)
+        out = torch.empty(out_shape, dtype=out_dtype, device=where)
+        _queue(plan, desc, xp, wp, out.data_ptr(), dev)
         return out
 
     return run
