@@ -116,6 +116,13 @@ for what in "$@"; do
                 EXTRA="--mp $mp --timeout 60" \
                 stage "presets_$family" "${PRESETS_LIMIT:-540}" bash scripts/tune_presets.sh
             cp "src/gemmtune/configs/${family//-/_}_tuned_gemm.csv" "$OUT/" ;;
+        retie:*)  # retie:FAMILY: the shipped table's torch rows tuned again with torch and
+            # cuBLASLt only (the tie order keeps cuBLASLt's own pick on a tie), cut off after
+            # RETIE_LIMIT seconds; resumable (carry the partial table back)
+            family=${what#retie:}
+            stage "retie_$family" "${RETIE_LIMIT:-300}" python3 scripts/retune_rows.py "$family" \
+                --kernel torch. --libtype torch,cublaslt --work "$OUT/retie_$family" -- --mp 8
+            cp "src/gemmtune/configs/${family//-/_}_tuned_gemm.csv" "$OUT/" ;;
         compare:*)  # compare:FAMILY:MODEL[:TP]: bench before (.before/src) and after, alternately
             spec=${what#compare:}
             family=${spec%%:*}; rest=${spec#*:}

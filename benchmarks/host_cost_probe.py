@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 import gemmtune
 from gemmtune.families.bf16.op import _CALLS as _BF16_CALLS
+from gemmtune.families.bf16.op import bound_linear
 from gemmtune.kernels.triton import gemm_tile
 from gemmtune.kernels.triton._replay import all_arguments, launch
 from gemmtune.kernels.triton.gemm_tile import launch_gemm_tile
@@ -93,10 +94,16 @@ def main() -> None:
         ("torch.empty, a torch.device", lambda: torch.empty((M, N), dtype=torch.bfloat16,
                                                              device=cuda)),
         ("x.new_empty (M, N)", lambda: x.new_empty((M, N))),
+        ("x.new_empty M, N (ints)", lambda: x.new_empty(M, N)),
+        ("torch.empty, 'cuda:0'", lambda: torch.empty((M, N), dtype=torch.bfloat16,
+                                                       device=f"cuda:{device_index}")),
+        ("torch.empty M, N, a torch.device", lambda: torch.empty(M, N, dtype=torch.bfloat16,
+                                                                 device=cuda)),
         ("C launch, tensors", c_launch_tensors),
         ("C launch, int pointers", c_launch_ints),
         ("key: shapes, dtypes, devices", lambda: (x.shape, w.shape, x.dtype, w.dtype,
                                                   x.get_device(), w.get_device())),
+        ("the op's call key + dict hit", lambda: bound_linear(x, w, None)),
         ("is_compiling + autocast + grad", lambda: (
             torch.compiler.is_compiling(), torch._C._is_any_autocast_enabled(),
             x.requires_grad, w.requires_grad)),

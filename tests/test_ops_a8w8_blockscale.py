@@ -125,6 +125,24 @@ def test_gpu_torch_backend_is_right_for_every_shape(blockscale_table, N, K):
     assert cublas_block_wise(N, K) == ((N, K) == (1536, 7168))
 
 
+@pytest.mark.gpu
+def test_gpu_torch_rows_bound_call_serves_fresh_operands(blockscale_table):
+    # From a key's second call on, 2-D x with M a multiple of 4 runs the torch row's bound
+    # torch._scaled_mm; M = 13 (padded) and 3-D x go the plain way. Fresh operands every call.
+    N, K = 1536, 7168
+    blockscale_table((64, N, K, TORCH_BLOCKSCALE))  # an exact row: its bound call is kept bare
+    for M, lead in ((64, None), (13, None), (8, 2)):
+        for seed in range(3):
+            xq, wq, xs, ws = operands(M * (lead or 1), N, K, seed=100 * M + seed)
+            if lead:
+                xq, xs = xq.view(lead, M, K), xs.view(lead, M, xs.shape[-1])
+            y = gemmtune.gemm_a8w8_blockscale(xq, wq, xs, ws)
+            assert y.shape == (*xq.shape[:-1], N)
+            assert_close_to_reference(y, xq, wq, xs, ws)
+    bound = [getattr(run, "__qualname__", "") for run in DISPATCH.calls.values()]
+    assert sum("bind_blockscale" in name for name in bound) == 1, bound
+
+
 def test_cublas_block_wise_rule():
     from gemmtune.kernels.torch_ref import cublas_block_wise
 

@@ -224,6 +224,26 @@ def blockscale_torch(xq, wq, bias, out_dtype, x_scale, w_scale, out=None):
     return y if out is None else out.copy_(y)
 
 
+def bind_blockscale(xq, wq, bias, out_dtype, x_scale, w_scale):
+    """``blockscale_torch`` for calls like this one (dispatch's ``bind``): for 2-D x with M a
+    multiple of 4 (no padding) on a shape cuBLAS takes, ``torch._scaled_mm`` with only the
+    scales' layouts made per call (x's M-major copy, w's transposed view); None (the plain call)
+    otherwise. A refusal by cuBLAS goes the plain way, which records it and warns."""
+    k, n = xq.shape[-1], wq.shape[0]
+    if (bias is not None or xq.dim() != 2 or xq.shape[0] % 4 or not xq.is_cuda
+            or not cublas_block_wise(n, k)):
+        return None
+
+    def run(xq, wq, bias, x_scale, w_scale):
+        try:
+            return torch._scaled_mm(xq, wq.t(), scale_a=x_scale.t().contiguous().t(),
+                                    scale_b=w_scale.t(), out_dtype=out_dtype)
+        except (RuntimeError, ValueError):
+            return blockscale_torch(xq, wq, None, out_dtype, x_scale, w_scale)
+
+    return run
+
+
 # ------------------------------------------------------------------------------- fused MoE
 TORCH_MOE = "torch.moe"
 

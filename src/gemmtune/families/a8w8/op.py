@@ -19,6 +19,8 @@ from gemmtune.dispatch import Dispatcher
 from gemmtune.families._gemm import (OUT_DTYPES, TUNED_OUT_DTYPE, check_multiply,
                                      check_out_dtype_and_device, gemm_registry, gemm_schema,
                                      json_config_or)
+from gemmtune.families._switches import compiler as _compiler
+from gemmtune.families._switches import dynamo_compiling as _dynamo_compiling
 from gemmtune.kernels.problem import GemmProblem, Scaling
 from gemmtune.kernels.torch_ref import TORCH_SCALED_MM, bind_scaled_mm, scaled_mm_torch
 from gemmtune.kernels.triton.dispatchable import PREFIXES as TRITON_PREFIXES
@@ -152,7 +154,7 @@ def gemm_a8w8(xq: torch.Tensor, wq: torch.Tensor, x_scale: torch.Tensor, w_scale
     instead of the table's choice, checked like a table row (an error if it cannot run the
     shape). Returns (..., N).
     """
-    if torch.compiler.is_compiling():
+    if _dynamo_compiling() or _compiler._is_compiling_flag:
         return _gemm_a8w8_op(xq, wq, x_scale, w_scale, bias, dtype, kernel)
     # The eager hot path: everything the checks and the plan depend on (the scales'
     # contiguity included: _check refuses strided scales), one dict hit, the kernel bound to

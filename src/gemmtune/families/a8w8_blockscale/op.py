@@ -18,8 +18,10 @@ from gemmtune.device import DeviceId
 from gemmtune.dispatch import Dispatcher
 from gemmtune.families._gemm import (OUT_DTYPES, TUNED_OUT_DTYPE, check_multiply,
                                      check_out_dtype_and_device, gemm_registry, gemm_schema)
+from gemmtune.families._switches import compiler as _compiler
+from gemmtune.families._switches import dynamo_compiling as _dynamo_compiling
 from gemmtune.kernels.problem import GemmProblem, Scaling
-from gemmtune.kernels.torch_ref import TORCH_BLOCKSCALE, blockscale_torch
+from gemmtune.kernels.torch_ref import TORCH_BLOCKSCALE, bind_blockscale, blockscale_torch
 
 
 
@@ -43,7 +45,8 @@ def problem_of(key: BlockscaleKey) -> GemmProblem:
 
 # No persistent kernel: it takes no block scales.
 REGISTRY = gemm_registry("a8w8_blockscale", TORCH_BLOCKSCALE, blockscale_torch,
-                         ("triton.tile", "triton.splitk"), block_scales=True)
+                         ("triton.tile", "triton.splitk"), block_scales=True,
+                         torch_bind=bind_blockscale)
 
 
 def _to_table_key(raw: tuple) -> BlockscaleKey:
@@ -125,7 +128,7 @@ def gemm_a8w8_blockscale(xq: torch.Tensor, wq: torch.Tensor, x_scale: torch.Tens
     """``xq @ wq.T`` with each 1x128 block of x and 128x128 block of w scaled by its own fp32
     scale, using the kernel the a8w8_blockscale table names for this shape on this GPU (or
     ``kernel``, a kernelName checked like a table row). Returns (..., N) in ``dtype``."""
-    if torch.compiler.is_compiling():
+    if _dynamo_compiling() or _compiler._is_compiling_flag:
         return _gemm_a8w8_blockscale_op(xq, wq, x_scale, w_scale, dtype, kernel)
     # The eager hot path: everything the checks and the plan depend on (the scales' layout
     # included), one dict hit, the kernel bound to this key (Dispatcher.remember).

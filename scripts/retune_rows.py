@@ -1,0 +1,76 @@
+"""Tune again, in place, the rows of a tuned table whose kernel names start with a prefix, with
+the backends given: ``gemmtune tune --all`` on those rows' shapes alone, so every other row of
+the table is kept as it is.
+
+    python3 scripts/retune_rows.py bf16 --kernel torch. --libtype torch,cublaslt -- --mp 8
+
+(flags after ``--`` go to ``gemmtune tune``).
+
+What it is for: rows that won before a change to the tuner's choice (e.g. its tie order) and
+that only some backends could now replace. The rows' own backend must be among ``--libtype``,
+so a row is only ever replaced by one at least as fast on the GPU. Resumable like any
+``--all`` run: the same command after an interruption skips the shapes it finished.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import subprocess
+import sys
+from pathlib import Path
+
+from gemmtune.device import current_device
+from gemmtune.families import get_family
+from gemmtune.tables.sources import configs_dir
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("family", help="table family (bf16, a8w8, a8w8-blockscale, ...)")
+    parser.add_argument("--kernel", required=True,
+                        help="retune the rows whose kernelName starts with this")
+    parser.add_argument("--libtype", required=True,
+                        help="backends to try (gemmtune tune --libtype), the rows' own included")
+    parser.add_argument("--table", type=Path,
+                        help="tuned table to update (default: the family's shipped table)")
+    parser.add_argument("--work", type=Path, default=Path("out/retune"),
+                        help="folder for the shapes file and the profile (default out/retune)")
+    argv = sys.argv[1:] if argv is None else argv
+    ours, tune_args = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv \
+        else (argv, [])
+    args = parser.parse_args(ours)
+
+    schema = get_family(args.family).schema
+    table = args.table or configs_dir() / schema.tuned_file
+    device = current_device()
+    with open(table, newline="", encoding="utf-8") as f:
+        keys = sorted({tuple(row[name] for name in schema.key_names)
+                       for row in csv.DictReader(f)
+                       if row["kernelName"].startswith(args.kernel) and _of(device, row)})
+    if not keys:
+        print(f"{table}: no row of {device} names a kernel starting with {args.kernel!r}; "
+              f"nothing to do")
+        return 0
+    args.work.mkdir(parents=True, exist_ok=True)
+    shapes = args.work / f"{schema.family}_retune_shapes.csv"
+    with open(shapes, "w", newline="", encoding="utf-8") as f:
+        writer = csv.writer(f)
+        writer.writerow(schema.key_names)
+        writer.writerows(keys)
+    print(f"{table}: {len(keys)} rows name {args.kernel}*; tuning them with {args.libtype}")
+    return subprocess.call([
+        sys.executable, "-m", "gemmtune.cli", "tune", args.family, "-i", str(shapes),
+        "-o", str(table), "-o2", str(args.work / f"{schema.family}_retune_profile.csv"),
+        "--all", "--libtype", args.libtype, *tune_args])
+
+
+def _of(device, row: dict) -> bool:
+    """Whether a table row was tuned on a GPU like this one (rows of others are left alone:
+    tuning their shapes here would add rows, not replace them)."""
+    return (row.get("arch") == device.arch and row.get("cu_num") == str(device.cu_num)
+            and row.get("gpu", "") in ("", device.gpu))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
