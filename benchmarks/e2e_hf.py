@@ -231,11 +231,11 @@ def check_prefill_accuracy(name: str, model, patched, prefill) -> tuple[float, f
     return base_err, patched_err
 
 
-def time_point(point, variants: dict, graphs: dict) -> dict:
+def time_point(point, variants: dict, graphs: dict, base: str = "unpatched") -> dict:
     """Each variant's eager step (one, synchronised: generate's loop waits for every token)
     in EAGER_ROUNDS rounds, and its graph's GRAPH_REPLAYS replays in ROUNDS rounds, the
     variants in an order rotated each round; each variant's speed-up is the median over the
-    rounds of the round's unpatched time over the variant's (the host's speed drifts by 10%
+    rounds of the round's ``base`` time over the variant's (the host's speed drifts by 10%
     between seconds: the shorter the round, the less it moves within one)."""
     names = list(variants)
     times = {(kind, v): [] for v in names for kind in ("eager", "graph")}
@@ -253,7 +253,7 @@ def time_point(point, variants: dict, graphs: dict) -> dict:
                 times[kind, v].append(ms)
             for v in names:
                 if times[kind, v]:
-                    ratios[kind, v].append(times[kind, "unpatched"][-1] / times[kind, v][-1])
+                    ratios[kind, v].append(times[kind, base][-1] / times[kind, v][-1])
     return {key: (statistics.median(times[key]), statistics.median(r))
             for key, r in ratios.items() if r}
 

@@ -6,6 +6,7 @@ and dispatch from those tables at run time. See README.md for the workflow.
 
 from gemmtune import quant
 from gemmtune.device import DeviceId, current_device
+from gemmtune.experts import patch_moe, register_when_loaded
 from gemmtune.dispatch import format_misses, report_misses, reset
 from gemmtune.families import Family, all_families, get_family, register_family
 from gemmtune.families.a8w8.op import gemm_a8w8
@@ -15,6 +16,8 @@ from gemmtune.families.fmoe.op import fused_moe
 from gemmtune.nn import TunedLinear, patch_linear
 
 __version__ = "0.1.0"
+
+register_when_loaded()  # experts_implementation="gemmtune" in transformers (gemmtune.experts)
 
 
 def precompile(families: list[str] | None = None, workers: int | None = None, progress=None,
@@ -32,6 +35,6 @@ def precompile(families: list[str] | None = None, workers: int | None = None, pr
 __all__ = [
     "gemm_a16w16", "gemm_a8w8", "gemm_a8w8_blockscale", "fused_moe", "report_misses",
     "format_misses",
-    "reset", "TunedLinear", "patch_linear", "current_device", "DeviceId", "quant",
+    "reset", "TunedLinear", "patch_linear", "patch_moe", "current_device", "DeviceId", "quant",
     "Family", "all_families", "get_family", "register_family", "precompile",
 ]

@@ -224,9 +224,12 @@ def fused_moe(hidden: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
     w1 (E, 2I, D); w2 (E, D, I); topk_weight (T, topk) fp32; topk_ids (T, topk) int32 global
     expert ids; expert_mask (E_global,) bool for expert parallelism. Returns (T, D). The scale
     arguments are for quantised experts, which land later: they must be None."""
-    activation = ActivationType.from_str(activation) if isinstance(activation, str) \
-        else activation
-    quant_type = QuantType.from_str(quant_type) if isinstance(quant_type, str) else quant_type
+    # The enums are str subclasses: only plain strings are parsed (torch.compile traces no
+    # str method called on an enum member).
+    if not isinstance(activation, ActivationType):
+        activation = ActivationType.from_str(activation)
+    if not isinstance(quant_type, QuantType):
+        quant_type = QuantType.from_str(quant_type)
     if any(s is not None for s in (w1_scale, w2_scale, a1_scale, a2_scale)):
         raise ValueError("fused_moe: scales are for quantised experts (quant_type other than "
                          "QuantType.No), which land with the quantised-MoE issue")

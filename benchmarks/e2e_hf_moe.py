@@ -1,0 +1,125 @@
+"""End to end in Hugging Face transformers, MoE: Mixtral- and Qwen3-MoE-architecture models with
+real dimensions (``LAYERS`` decoder layers, random weights, nothing downloaded), their experts
+through ``experts_implementation="gemmtune"`` against transformers' ``grouped_mm`` and
+``batched_mm`` backends, in one run.
+
+Each backend is its own model object with the same weights (built again with the same seed).
+Points and timing are benchmarks/e2e_hf.py's: decode against a static KV cache at batch 1, 8
+and 32 and a ``PREFILL``-token prefill, eagerly (one synchronised step per round) and as a
+captured CUDA graph, the backends in an order rotated each round; a speed-up is the median over
+the rounds of the round's ratio. Logits of gemmtune and batched_mm against grouped_mm's.
+Prints gemmtune's speed-up over each backend and over the faster of the two.
+
+    PYTHONPATH=src python3 benchmarks/e2e_hf_moe.py [--models mixtral-8x7b,qwen3-30b-a3b]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+import torch
+
+import gemmtune
+from e2e_hf import BATCHES, PREFILL, DecodePoint, PrefillPoint, capture, rel_err, time_point, \
+    write_rows
+
+LAYERS = 2
+BACKENDS = ("grouped_mm", "batched_mm", "gemmtune")
+MODELS = {
+    "mixtral-8x7b": ("MixtralConfig", dict(
+        hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
+        num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2, vocab_size=32000)),
+    "qwen3-30b-a3b": ("Qwen3MoeConfig", dict(
+        hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+        num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
+        num_experts_per_tok=8, norm_topk_prob=True, vocab_size=151936)),
+}
+LOGITS_BOUND = 2e-2  # bf16: the experts' sums in another order
+
+
+def build(name: str, backend: str):
+    import transformers
+
+    config_class, dims = MODELS[name]
+    config = getattr(transformers, config_class)(num_hidden_layers=LAYERS,
+                                                 max_position_embeddings=8192, **dims)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = transformers.AutoModelForCausalLM.from_config(config).to(torch.bfloat16).eval()
+    model.set_experts_implementation(backend)
+    return model
+
+
+@torch.no_grad()
+def run_model(name: str) -> list[dict]:
+    variants = {backend: build(name, backend) for backend in BACKENDS}
+    first = list(variants["grouped_mm"].parameters())
+    for backend in BACKENDS[1:]:
+        if not all(torch.equal(a, b) for a, b in zip(first, variants[backend].parameters())):
+            raise RuntimeError(f"{name}: the {backend} build has other weights")
+    model = variants["grouped_mm"]
+    points = [(f"decode b={b}", DecodePoint(model, b)) for b in BATCHES]
+    points.append((f"prefill {PREFILL}", PrefillPoint(model)))
+    rows = []
+    for label, point in points:
+        # batched_mm copies each token's experts' weights (a prefill of 512 Mixtral tokens:
+        # 240 GB); transformers runs it for decoding only.
+        timed_here = {b: v for b, v in variants.items()
+                      if label.startswith("decode") or b != "batched_mm"}
+        logits, graphs = {}, {}
+        for backend, variant in timed_here.items():
+            point.rewind()
+            logits[backend] = point.step(variant).clone()
+            graphs[backend] = capture(point, variant)[0]
+        errors = {b: rel_err(logits[b], logits["grouped_mm"]) for b in logits
+                  if b != "grouped_mm"}
+        if errors["gemmtune"] > max(LOGITS_BOUND, 3 * errors.get("batched_mm", 0)):
+            raise RuntimeError(f"{name} {label}: gemmtune's logits off grouped_mm's by "
+                               f"{errors['gemmtune']:.2e}")
+        # Base gemmtune: each ratio is gemmtune's time over a backend's, per round.
+        timed = time_point(point, timed_here, graphs, base="gemmtune")
+        row = dict(model=name, point=label)
+        for kind in ("eager", "graph"):
+            row[f"{kind}_ms"] = round(timed[kind, "gemmtune"][0], 4)
+            over = {b: 1 / timed[kind, b][1] for b in BACKENDS[:2] if b in timed_here}
+            row.update((f"{kind}_x_{b}", round(over[b], 3) if b in over else "")
+                       for b in BACKENDS[:2])
+            row[f"{kind}_x_faster"] = round(min(over.values()), 3)
+        row.update((f"logits_err_{b}", f"{errors[b]:.1e}" if b in errors else "")
+                   for b in BACKENDS[1:])
+        rows.append(row)
+        del graphs
+    del variants, model
+    torch.cuda.empty_cache()
+    return rows
+
+
+def report(rows: list[dict], out_dir: Path) -> None:
+    write_rows(rows, out_dir / "e2e_hf_moe.csv")
+    print(f"{torch.cuda.get_device_name()}, {LAYERS} layers, gemmtune's speed-up over "
+          f"transformers' grouped_mm (g), batched_mm (b) and the faster of them (f)")
+    print(f"{'model':<14} {'point':<12} {'eager ms':>8} {'x g':>6} {'x b':>6} {'x f':>6} "
+          f"{'graph ms':>8} {'x g':>6} {'x b':>6} {'x f':>6}  logits err (gemmtune, batched)")
+    for r in rows:
+        cells = " ".join(f"{r[f'{kind}_ms']:>8.3f} " + " ".join(
+            f"{r[f'{kind}_x_{b}']:>6}" for b in ("grouped_mm", "batched_mm", "faster"))
+            for kind in ("eager", "graph"))
+        print(f"{r['model']:<14} {r['point']:<12} {cells}  {r['logits_err_gemmtune']}, "
+              f"{r['logits_err_batched_mm'] or '-'}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", default=",".join(MODELS),
+                        help=f"comma-separated, of {', '.join(MODELS)}")
+    args = parser.parse_args()
+    out_dir = Path(os.environ.get("OUT", "out"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    gemmtune.experts.register()
+    report([row for name in args.models.split(",") for row in run_model(name)], out_dir)
+
+
+if __name__ == "__main__":
+    main()

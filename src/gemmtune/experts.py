@@ -1,0 +1,174 @@
+"""gemmtune as a transformers experts backend: ``experts_implementation="gemmtune"`` and
+``patch_moe(model)``.
+
+transformers (5.x) runs a MoE layer's experts through its ``ExpertsInterface``, with the experts
+stored fused: ``gate_up_proj`` (E, 2I, D) and ``down_proj`` (E, D, I), which are ``fused_moe``'s
+``w1`` and ``w2`` as they are, so nothing is copied. The model's router, its top-k and its
+routing-weight normalisation (and a DeepSeek-V3 layer's shared experts) stay the model's own: only
+the routed experts' compute changes.
+
+``import gemmtune`` registers the backend once transformers loads its MoE integration (an import
+hook: importing transformers here would add seconds to every ``import gemmtune``), so
+``from_pretrained(..., experts_implementation="gemmtune")`` works after it. Transformers' own
+decode switch from ``grouped_mm`` to ``batched_mm`` rewrites only ``grouped_mm``, so it leaves
+this backend in place.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import sys
+import threading
+import warnings
+
+import torch
+from torch import nn
+
+from gemmtune.families.fmoe.op import fused_moe
+from gemmtune.tables.values import ActivationType
+
+NAME = "gemmtune"
+EXPERTS_MODULE = "transformers.integrations.moe"
+# What runs the calls this backend cannot: transformers' own default.
+FALLBACK = "grouped_mm"
+_ACTIVATIONS = {"silu": ActivationType.Silu, "swish": ActivationType.Silu,
+                "gelu": ActivationType.Gelu}
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def experts_forward(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                    top_k_weights: torch.Tensor) -> torch.Tensor:
+    """The experts of one MoE layer through ``fused_moe``: hidden_states (T, D), top_k_index
+    (T, k) expert ids (the number of local experts for another rank's, under expert
+    parallelism), top_k_weights (T, k) as the model's router made them. Calls it cannot take
+    (gradients, biases, transposed or interleaved weights, a model's own gating, another
+    activation or dtype) run transformers' ``grouped_mm``, with one warning per reason."""
+    why = why_not(module, hidden_states)
+    if why:
+        return _fallback(why)(module, hidden_states, top_k_index, top_k_weights)
+    experts = module.gate_up_proj.shape[0]
+    return fused_moe(hidden_states, module.gate_up_proj, module.down_proj,
+                     top_k_weights.to(torch.float32), top_k_index.to(torch.int32),
+                     activation=_ACTIVATIONS[module.config.hidden_act],
+                     expert_mask=_sentinel_mask(experts, hidden_states.device)
+                     if _expert_parallel(module) else None)
+
+
+def why_not(module: nn.Module, hidden_states: torch.Tensor) -> str | None:
+    """Why ``experts_forward`` hands this call to transformers' default, or None."""
+    weights = (module.gate_up_proj, module.down_proj) if getattr(module, "has_gate", False) \
+        and hasattr(module, "gate_up_proj") else None
+    if weights is None:
+        return "experts without a fused gate_up_proj"
+    if torch.is_grad_enabled() and (hidden_states.requires_grad
+                                    or any(w.requires_grad for w in weights)):
+        return "gradients (fused_moe is inference-only; run under torch.no_grad() for it)"
+    if getattr(module, "has_bias", False) or getattr(module, "is_transposed", False) \
+            or not getattr(module, "is_concatenated", True):
+        return "experts with biases, or transposed or interleaved weights"
+    if getattr(type(module), "_apply_gate", None) is not _default_gate():
+        return f"{type(module).__name__}'s own gating"
+    act = getattr(module.config, "hidden_act", None)
+    if act not in _ACTIVATIONS:
+        return f"activation {act!r} (fused_moe takes {', '.join(sorted(_ACTIVATIONS))})"
+    if hidden_states.dtype not in _DTYPES or any(w.dtype != hidden_states.dtype
+                                                 for w in weights):
+        return (f"{hidden_states.dtype} activations with {weights[0].dtype} experts (fused_moe "
+                f"takes one dtype of bf16, fp16 or fp32)")
+    return None
+
+
+def _expert_parallel(module: nn.Module) -> bool:
+    distributed = getattr(module.config, "distributed_config", None)
+    return bool(getattr(distributed, "enable_expert_parallel", False))
+
+
+_masks: dict[tuple, torch.Tensor] = {}
+
+
+def _sentinel_mask(experts: int, device: torch.device) -> torch.Tensor:
+    """Under expert parallelism transformers gives another rank's experts the id ``experts``
+    (one past the local ones): as fused_moe's global experts, the local ones and one that is
+    elsewhere."""
+    key = (experts, device)
+    mask = _masks.get(key)
+    if mask is None:
+        mask = torch.ones(experts + 1, dtype=torch.bool, device=device)
+        mask[experts] = False
+        _masks[key] = mask
+    return mask
+
+
+_warned: set[str] = set()
+
+
+def _fallback(why: str):
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    if why not in _warned:
+        _warned.add(why)
+        warnings.warn(f"gemmtune experts: {why}: these calls run transformers' {FALLBACK}",
+                      stacklevel=3)
+    return ALL_EXPERTS_FUNCTIONS[FALLBACK]
+
+
+def _default_gate():
+    from transformers.integrations.moe import _default_apply_gate
+
+    return _default_apply_gate
+
+
+def register() -> None:
+    """Make ``experts_implementation="gemmtune"`` known to transformers (imports its MoE
+    integration)."""
+    from transformers.integrations.moe import ExpertsInterface
+
+    ExpertsInterface.register(NAME, experts_forward)
+
+
+def patch_moe(model: nn.Module) -> nn.Module:
+    """Run ``model``'s experts through gemmtune (``model.set_experts_implementation``) and
+    return it. Its other modules, and models without experts, are left as they are."""
+    register()
+    model.set_experts_implementation(NAME)
+    return model
+
+
+class _RegisterOnImport(importlib.abc.MetaPathFinder):
+    """Registers the backend right after transformers' MoE integration is imported: the other
+    finders find the module, and its loader's ``exec_module`` is followed by ``register``."""
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != EXPERTS_MODULE:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        if spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        exec_module = spec.loader.exec_module
+
+        def exec_then_register(module):
+            exec_module(module)
+            module.ExpertsInterface.register(NAME, experts_forward)
+
+        spec.loader.exec_module = exec_then_register
+        return spec
+
+
+_hook_lock = threading.Lock()
+
+
+def register_when_loaded() -> None:
+    """Register now if transformers' MoE integration is loaded, else when it is (once)."""
+    if EXPERTS_MODULE in sys.modules:
+        register()
+        return
+    with _hook_lock:
+        if not any(isinstance(f, _RegisterOnImport) for f in sys.meta_path):
+            sys.meta_path.insert(0, _RegisterOnImport())

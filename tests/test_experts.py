@@ -1,0 +1,211 @@
+"""gemmtune as transformers' experts backend (gemmtune.experts): tiny Mixtral, Qwen3-MoE and
+DeepSeek-V3 models give the logits of transformers' grouped_mm backend, with every MoE layer
+through fused_moe, in forward passes and in generate()."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import gemmtune  # noqa: E402
+from gemmtune import experts  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}  # relative norm of the logits
+
+
+def tiny_config(name: str):
+    common = dict(vocab_size=96, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=64, num_experts_per_tok=2)
+    if name == "mixtral":
+        return transformers.MixtralConfig(intermediate_size=48, num_local_experts=5, **common)
+    if name == "qwen3_moe":
+        return transformers.Qwen3MoeConfig(intermediate_size=48, moe_intermediate_size=40,
+                                           num_experts=6, norm_topk_prob=True, head_dim=16,
+                                           **common)
+    return transformers.DeepseekV3Config(  # one dense layer first, then MoE with shared experts
+        intermediate_size=48, moe_intermediate_size=32, n_routed_experts=8, n_shared_experts=1,
+        n_group=2, topk_group=1, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=24,
+        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, **common)
+
+
+def tiny_model(name: str, dtype: torch.dtype):
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(tiny_config(name))
+    return model.to(device=DEVICE, dtype=dtype).eval()
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    """fused_moe calls made through the backend."""
+    calls = []
+
+    def counting(*args, **kwargs):
+        calls.append(args[0].shape)
+        return gemmtune.fused_moe(*args, **kwargs)
+
+    monkeypatch.setattr(experts, "fused_moe", counting)
+    return calls
+
+
+def moe_layers(model) -> int:
+    return sum(1 for m in model.modules() if hasattr(m, "gate_up_proj"))
+
+
+def relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe", "deepseek_v3"])
+def test_logits_equal_grouped_mms_with_every_moe_layer_through_fused_moe(name, dtype, counted):
+    model = tiny_model(name, dtype)
+    ids = torch.randint(0, 96, (2, 9), device=DEVICE, generator=torch.Generator(DEVICE)
+                        .manual_seed(1))
+    with torch.no_grad():
+        model.set_experts_implementation("grouped_mm")
+        expected = model(ids).logits
+        assert gemmtune.patch_moe(model) is model
+        assert model.config._experts_implementation == "gemmtune"
+        got = model(ids).logits
+    assert len(counted) == moe_layers(model) > 0
+    assert counted[0] == (18, 64)  # every token of the batch, once per layer
+    assert not torch.isnan(got).any()
+    assert relative(got, expected) < TOLERANCE[dtype]
+
+
+def test_generate_keeps_the_backend_for_decoding(counted):
+    # transformers switches grouped_mm to batched_mm for decoding; it must leave gemmtune.
+    model = gemmtune.patch_moe(tiny_model("mixtral", torch.float32))
+    ids = torch.randint(0, 96, (1, 5), device=DEVICE, generator=torch.Generator(DEVICE)
+                        .manual_seed(2))
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=4, do_sample=False)
+    layers = moe_layers(model)
+    assert out.shape == (1, 9)
+    assert len(counted) == 4 * layers  # the prefill and three decode steps
+    assert [shape[0] for shape in counted[layers:]] == [1] * (3 * layers)
+    assert model.config._experts_implementation == "gemmtune"
+    model.set_experts_implementation("grouped_mm")
+    with torch.no_grad():
+        assert torch.equal(model.generate(ids, max_new_tokens=4, do_sample=False), out)
+
+
+def test_gradients_take_grouped_mm_with_a_warning(counted):
+    model = gemmtune.patch_moe(tiny_model("mixtral", torch.float32))
+    ids = torch.randint(0, 96, (1, 6), device=DEVICE)
+    experts._warned.clear()
+    with pytest.warns(UserWarning, match="gradients .* run transformers' grouped_mm"):
+        loss = model(ids).logits.sum()
+    loss.backward()
+    assert counted == [] and model.model.layers[0].mlp.experts.gate_up_proj.grad is not None
+
+
+def test_an_activation_it_lacks_takes_grouped_mm_with_a_warning(counted):
+    config = tiny_config("mixtral")
+    config.hidden_act = "gelu_pytorch_tanh"
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).to(DEVICE).eval()
+    ids = torch.randint(0, 96, (1, 6), device=DEVICE)
+    experts._warned.clear()
+    with torch.no_grad():
+        expected = model(ids).logits
+        gemmtune.patch_moe(model)
+        with pytest.warns(UserWarning, match="activation 'gelu_pytorch_tanh'"):
+            got = model(ids).logits
+    assert counted == [] and torch.equal(got, expected)
+
+
+def test_expert_parallel_sentinels_add_nothing(counted):
+    # Under expert parallelism transformers gives another rank's experts the id E.
+    from transformers.distributed import DistributedConfig
+
+    model = tiny_model("mixtral", torch.float32)
+    module = model.model.layers[0].mlp.experts
+    module.config.distributed_config = DistributedConfig(enable_expert_parallel=True)
+    E = module.gate_up_proj.shape[0]
+    g = torch.Generator(DEVICE).manual_seed(3)
+    hidden = torch.randn(7, 64, device=DEVICE, generator=g)
+    ids = torch.randint(0, E + 1, (7, 2), device=DEVICE, generator=g)
+    ids[0] = E  # a token whose every expert is elsewhere
+    weights = torch.rand(7, 2, device=DEVICE, generator=g)
+    with torch.no_grad():
+        got = experts.experts_forward(module, hidden, ids, weights)
+        module.config._experts_implementation = "grouped_mm"
+        expected = module(hidden, ids, weights)
+    assert len(counted) == 1
+    assert torch.equal(got[0], torch.zeros_like(got[0]))
+    assert relative(got, expected) < 1e-5
+
+
+def test_an_experts_module_compiles_whole_with_the_backend(counted):
+    # fullgraph: fused_moe is a custom op under torch.compile, nothing breaks the graph.
+    module = gemmtune.patch_moe(tiny_model("mixtral", torch.float32)).model.layers[0].mlp.experts
+    g = torch.Generator(DEVICE).manual_seed(4)
+    hidden = torch.randn(7, 64, device=DEVICE, generator=g)
+    ids = torch.randint(0, 5, (7, 2), device=DEVICE, generator=g)
+    weights = torch.rand(7, 2, device=DEVICE, generator=g)
+    with torch.no_grad():
+        expected = module(hidden, ids, weights)
+        got = torch.compile(module, fullgraph=True)(hidden, ids, weights)
+    assert len(counted) >= 2  # the eager call, then the trace
+    assert relative(got, expected) < 1e-6
+
+
+def test_from_pretrained_takes_gemmtune_after_import_gemmtune(tmp_path):
+    # A fresh process: transformers' MoE integration is loaded after gemmtune, by the model.
+    model = tiny_model("qwen3_moe", torch.float32)
+    model.save_pretrained(tmp_path / "tiny")
+    script = textwrap.dedent(f"""
+        import sys
+        import torch
+        import gemmtune
+        assert "transformers.integrations.moe" not in sys.modules
+        from transformers import AutoModelForCausalLM
+        model = AutoModelForCausalLM.from_pretrained({str(tmp_path / 'tiny')!r},
+                                                     experts_implementation="gemmtune")
+        assert model.config._experts_implementation == "gemmtune"
+        with torch.no_grad():
+            print(model(torch.arange(5)[None]).logits.shape)
+    """)
+    env = {**os.environ, "PYTHONPATH": str(Path(gemmtune.__file__).parent.parent)}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().endswith("torch.Size([1, 5, 96])")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe"])
+def test_gpu_cuda_graph_decode_step(name, counted):
+    model = gemmtune.patch_moe(tiny_model(name, torch.bfloat16))
+    ids = torch.randint(0, 96, (4, 1), device="cuda")
+    with torch.no_grad():
+        model(ids)  # plans, compiles
+        expected = model(ids).logits
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            logits = model(ids).logits
+        logits.fill_(float("nan"))
+        graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(logits, expected)
+
+
+def test_warnings_name_the_reason_once():
+    experts._warned.clear()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        experts._fallback("a reason")
+        experts._fallback("a reason")
+    assert [str(w.message) for w in seen] == [
+        "gemmtune experts: a reason: these calls run transformers' grouped_mm"]
