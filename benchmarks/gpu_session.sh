@@ -247,7 +247,8 @@ for what in "$@"; do
         e2emoe*)  # e2emoe[:MODELS]: transformers MoE models, experts through gemmtune vs
             # transformers' grouped_mm and batched_mm
             models=${what#e2emoe}; models=${models#:}
-            TAIL=12 stage e2emoe 500 python3 benchmarks/e2e_hf_moe.py ${models:+--models $models} ;;
+            TAIL=12 stage "e2emoe${models:+_$models}" 300 python3 benchmarks/e2e_hf_moe.py \
+                ${models:+--models $models} ;;
         e2e*)  # e2e[:MODELS]: transformers Llama models patched vs not (tunes missing shapes first)
             models=${what#e2e}; models=${models#:}
             TAIL=16 stage e2e 580 python3 benchmarks/e2e_hf.py ${models:+--models $models} ;;
