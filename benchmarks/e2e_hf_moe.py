@@ -97,7 +97,8 @@ def run_model(name: str) -> list[dict]:
 
 
 def report(rows: list[dict], out_dir: Path) -> None:
-    write_rows(rows, out_dir / "e2e_hf_moe.csv")
+    models = "_".join(dict.fromkeys(r["model"] for r in rows))
+    write_rows(rows, out_dir / f"e2e_hf_moe_{models}.csv")  # a run per model keeps each
     print(f"{torch.cuda.get_device_name()}, {LAYERS} layers, gemmtune's speed-up over "
           f"transformers' grouped_mm (g), batched_mm (b) and the faster of them (f)")
     print(f"{'model':<14} {'point':<12} {'eager ms':>8} {'x g':>6} {'x b':>6} {'x f':>6} "
