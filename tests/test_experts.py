@@ -161,6 +161,23 @@ def test_an_experts_module_compiles_whole_with_the_backend(counted):
     assert relative(got, expected) < 1e-6
 
 
+def test_capture_records_the_fmoe_shapes_a_patched_model_runs(tmp_path, monkeypatch):
+    from gemmtune.families.fmoe.op import SCHEMA
+    from gemmtune.tables.capture import merge_captures
+    from gemmtune.tables.store import read_table
+
+    monkeypatch.setenv("GEMMTUNE_TUNE_GEMM", "1")
+    monkeypatch.setenv("GEMMTUNE_CAPTURE_DIR", str(tmp_path / "shards"))
+    gemmtune.reset()
+    model = gemmtune.patch_moe(tiny_model("mixtral", torch.bfloat16))
+    with torch.no_grad():
+        model(torch.randint(0, 96, (3, 5), device=DEVICE))
+    merge_captures(tmp_path / "shards", tmp_path / "out", {"fmoe": SCHEMA})
+    rows = read_table(tmp_path / "out" / "untuned_fmoe.csv", SCHEMA, untuned=True).rows
+    assert [tuple(r.key[:7]) for r in rows] == [
+        (15, 64, 48, 5, 2, "ActivationType.Silu", "torch.bfloat16")]
+
+
 def test_from_pretrained_takes_gemmtune_after_import_gemmtune(tmp_path):
     # A fresh process: transformers' MoE integration is loaded after gemmtune, by the model.
     model = tiny_model("qwen3_moe", torch.float32)
