@@ -1,14 +1,15 @@
 """Tune again, in place, the rows of a tuned table whose kernel names start with a prefix, with
 the backends given: ``gemmtune tune --all`` on those rows' shapes alone, so every other row of
-the table is kept as it is.
+the table is kept as it is (the tuned rows move to the table's end).
 
     python3 scripts/retune_rows.py bf16 --kernel torch. --libtype torch,cublaslt -- --mp 8
 
 (flags after ``--`` go to ``gemmtune tune``).
 
 What it is for: rows that won before a change to the tuner's choice (e.g. its tie order) and
-that only some backends could now replace. The rows' own backend must be among ``--libtype``,
-so a row is only ever replaced by one at least as fast on the GPU. Resumable like any
+that only some backends could now replace. The rows' own backend must be among ``--libtype``:
+their kernel competes again, so a row changes only for one the tuner measures as fast (its tie
+rule deciding between equals). Resumable like any
 ``--all`` run: the same command after an interruption skips the shapes it finished.
 """
 
@@ -43,11 +44,15 @@ def main(argv: list[str] | None = None) -> int:
 
     schema = get_family(args.family).schema
     table = args.table or configs_dir() / schema.tuned_file
+    backend = args.kernel.split(".")[0].split(":")[0]
+    if backend not in args.libtype.split(","):
+        parser.error(f"--libtype {args.libtype} lacks {backend}, the backend of the rows to "
+                     f"tune: each must be able to keep its own kernel")
     device = current_device()
     with open(table, newline="", encoding="utf-8") as f:
         keys = sorted({tuple(row[name] for name in schema.key_names)
                        for row in csv.DictReader(f)
-                       if row["kernelName"].startswith(args.kernel) and _of(device, row)})
+                       if _names(row, schema, args.kernel) and _of(device, row)})
     if not keys:
         print(f"{table}: no row of {device} names a kernel starting with {args.kernel!r}; "
               f"nothing to do")
@@ -65,11 +70,18 @@ def main(argv: list[str] | None = None) -> int:
         "--all", "--libtype", args.libtype, *tune_args])
 
 
+def _names(row: dict, schema, prefix: str) -> bool:
+    """Whether one of the row's kernel columns (kernelName; fmoe's kernelName1 and 2) starts
+    with ``prefix``."""
+    return any((row.get(column) or "").startswith(prefix) for column in schema.kernel_columns)
+
+
 def _of(device, row: dict) -> bool:
-    """Whether a table row was tuned on a GPU like this one (rows of others are left alone:
-    tuning their shapes here would add rows, not replace them)."""
+    """Whether a table row was tuned on this GPU: its arch, CU count and name (rows of others,
+    or of no name, are left alone: the tuner writes rows under this GPU's name, so tuning their
+    shapes here would add rows, not replace them)."""
     return (row.get("arch") == device.arch and row.get("cu_num") == str(device.cu_num)
-            and row.get("gpu", "") in ("", device.gpu))
+            and row.get("gpu", "") == device.gpu)
 
 
 if __name__ == "__main__":

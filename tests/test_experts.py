@@ -201,6 +201,50 @@ def test_from_pretrained_takes_gemmtune_after_import_gemmtune(tmp_path):
     assert done.stdout.strip().endswith("torch.Size([1, 5, 96])")
 
 
+def test_the_import_hook_survives_reloads_and_leaves_loaders_as_they_were():
+    # A reload adds no second hook, and two (an older copy's) do not recurse into each other;
+    # the module's loader is a registering wrapper of its own (loaders may serve several).
+    script = textwrap.dedent("""
+        import importlib, inspect, sys, warnings
+        import gemmtune
+        import gemmtune.experts
+        importlib.reload(gemmtune.experts)
+        importlib.reload(gemmtune)
+        hooks = [f for f in sys.meta_path if getattr(f, "gemmtune_experts_hook", False)]
+        assert len(hooks) == 1, hooks  # a reload adds none
+        sys.meta_path.insert(1, gemmtune.experts._RegisterOnImport())  # as an older copy's
+        import transformers.integrations.moe as moe
+        assert "gemmtune" in moe.ALL_EXPERTS_FUNCTIONS
+        assert type(moe.__loader__).__name__ == "_RegisteringLoader"
+        assert "def grouped_mm_experts_forward" in inspect.getsource(moe)
+        import transformers.integrations.deepgemm as sibling
+        assert "exec_module" not in vars(sibling.__loader__)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            gemmtune.experts._register_into(object())  # a transformers without the interface
+        assert "is not available with this transformers" in str(seen[0].message)
+        print("ok")
+    """)
+    env = {**os.environ, "PYTHONPATH": str(Path(gemmtune.__file__).parent.parent)}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+
+
+def test_routing_weights_that_need_gradients_take_grouped_mm(counted):
+    # A router trained with frozen experts: its weights must get their gradient.
+    model = gemmtune.patch_moe(tiny_model("mixtral", torch.float32))
+    module = model.model.layers[0].mlp.experts
+    module.requires_grad_(False)
+    hidden = torch.randn(5, 64, device=DEVICE)
+    ids = torch.randint(0, 5, (5, 2), device=DEVICE)
+    weights = torch.rand(5, 2, device=DEVICE, requires_grad=True)
+    experts._warned.clear()
+    with pytest.warns(UserWarning, match="gradients"):
+        module(hidden, ids, weights).sum().backward()
+    assert counted == [] and weights.grad is not None and weights.grad.abs().sum() > 0
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["mixtral", "qwen3_moe"])
 def test_gpu_cuda_graph_decode_step(name, counted):

@@ -480,3 +480,23 @@ def test_clear_errors(call, match):
 def test_unknown_quant_type_lists_the_valid_names():
     with pytest.raises(BadValue, match="QuantType.per_Token"):
         quant.quantize(torch.ones(4, 5), "per_row")
+
+
+@pytest.mark.parametrize("q_type,scale_shape", [
+    ("per_Tensor", (3, 1, 1)), ("per_Token", (3, 200, 1)), ("per_1x128", (3, 2, 3))])
+def test_experts_quantised_per_expert_channel_or_block(q_type, scale_shape):
+    w = torch.randn(3, 200, 300, generator=torch.Generator().manual_seed(0))
+    w[1] *= 50  # experts of other magnitudes keep their own scales
+    q, scale = quant.quantize_experts(w, q_type)
+    assert q.dtype == quant.FP8_DTYPE and q.shape == w.shape
+    assert scale.shape == scale_shape and scale.dtype == torch.float32
+    back = quant.dequantize_experts(q, scale, q_type)
+    for e in range(3):  # e4m3: 3 mantissa bits, ~2.6% rms each
+        assert ((back[e] - w[e]).norm() / w[e].norm()) < 0.04
+    if q_type == "per_Tensor":
+        assert torch.equal(scale.flatten(), w.abs().amax(dim=(1, 2)) / quant.FP8_MAX)
+
+
+def test_experts_refuse_other_schemes():
+    with pytest.raises(ValueError, match="MoE experts are quantised .* not QuantType.No"):
+        quant.quantize_experts(torch.randn(2, 4, 8), "No")

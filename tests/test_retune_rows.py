@@ -36,3 +36,15 @@ def test_only_this_devices_rows_of_the_prefix_are_tuned_again(tmp_path):
         assert float(kept["us"]) == 999.0
     shapes = (tmp_path / "work" / "bf16_retune_shapes.csv").read_text().splitlines()
     assert shapes[1:] == [f"4,8,16,{KEY}"]  # the H100 row's shape is not tuned on this device
+
+
+def test_the_rows_own_backend_must_compete(tmp_path):
+    table = tmp_path / "t.csv"
+    table.write_text(HEADER + f"cpu,0,,4,8,16,{KEY},torch,0,0,999.0,torch.linear,0,0,0\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "scripts/retune_rows.py"), "bf16", "--kernel", "torch.",
+         "--libtype", "cublaslt", "--table", str(table)], env=env, capture_output=True,
+        text=True, timeout=300)
+    assert done.returncode == 2 and "--libtype cublaslt lacks torch" in done.stderr
+    assert "999.0" in table.read_text()

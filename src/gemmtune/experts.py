@@ -43,7 +43,7 @@ def experts_forward(module: nn.Module, hidden_states: torch.Tensor, top_k_index:
     parallelism), top_k_weights (T, k) as the model's router made them. Calls it cannot take
     (gradients, biases, transposed or interleaved weights, a model's own gating, another
     activation or dtype) run transformers' ``grouped_mm``, with one warning per reason."""
-    why = why_not(module, hidden_states)
+    why = why_not(module, hidden_states, top_k_weights)
     if why:
         return _fallback(why)(module, hidden_states, top_k_index, top_k_weights)
     experts = module.gate_up_proj.shape[0]
@@ -54,13 +54,14 @@ def experts_forward(module: nn.Module, hidden_states: torch.Tensor, top_k_index:
                      if _expert_parallel(module) else None)
 
 
-def why_not(module: nn.Module, hidden_states: torch.Tensor) -> str | None:
+def why_not(module: nn.Module, hidden_states: torch.Tensor,
+            top_k_weights: torch.Tensor) -> str | None:
     """Why ``experts_forward`` hands this call to transformers' default, or None."""
     weights = (module.gate_up_proj, module.down_proj) if getattr(module, "has_gate", False) \
         and hasattr(module, "gate_up_proj") else None
     if weights is None:
         return "experts without a fused gate_up_proj"
-    if torch.is_grad_enabled() and (hidden_states.requires_grad
+    if torch.is_grad_enabled() and (hidden_states.requires_grad or top_k_weights.requires_grad
                                     or any(w.requires_grad for w in weights)):
         return "gradients (fused_moe is inference-only; run under torch.no_grad() for it)"
     if getattr(module, "has_bias", False) or getattr(module, "is_transposed", False) \
@@ -134,30 +135,60 @@ def patch_moe(model: nn.Module) -> nn.Module:
     return model
 
 
+def _register_into(module) -> None:
+    """Register into a loaded ``transformers.integrations.moe``; a transformers without the
+    interface gets a warning, never a failed import."""
+    try:
+        module.ExpertsInterface.register(NAME, experts_forward)
+    except Exception as e:  # an interface this transformers does not have, or another shape
+        warnings.warn(f"gemmtune: experts_implementation={NAME!r} is not available with this "
+                      f"transformers ({type(e).__name__}: {e}); gemmtune.patch_moe says why",
+                      stacklevel=2)
+
+
+class _RegisteringLoader(importlib.abc.Loader):
+    """The found loader of transformers' MoE integration, followed by the registration (a
+    loader of its own: the found one may serve other modules too, as zip importers' do)."""
+
+    def __init__(self, loader):
+        self._loader = loader
+
+    def __getattr__(self, name):  # get_source, get_filename, ...: the found loader's
+        return getattr(self._loader, name)
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module):
+        self._loader.exec_module(module)
+        _register_into(module)
+
+
 class _RegisterOnImport(importlib.abc.MetaPathFinder):
-    """Registers the backend right after transformers' MoE integration is imported: the other
-    finders find the module, and its loader's ``exec_module`` is followed by ``register``."""
+    """Finds transformers' MoE integration with the other finders and gives it a loader that
+    registers the backend after running it."""
+
+    gemmtune_experts_hook = True  # how hooks of reloaded copies of this module are told apart
+    _inside = threading.local()
 
     def find_spec(self, fullname, path, target=None):
-        if fullname != EXPERTS_MODULE:
+        if fullname != EXPERTS_MODULE or getattr(self._inside, "finding", False):
             return None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(fullname, path, target)
-            if spec is not None:
-                break
-        else:
-            return None
-        if spec.loader is None or not hasattr(spec.loader, "exec_module"):
+        self._inside.finding = True  # other finders may ask the meta path in turn
+        try:
+            spec = None
+            for finder in sys.meta_path:
+                if getattr(finder, "gemmtune_experts_hook", False) \
+                        or not hasattr(finder, "find_spec"):
+                    continue
+                spec = finder.find_spec(fullname, path, target)
+                if spec is not None:
+                    break
+        finally:
+            self._inside.finding = False
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
             return spec
-        exec_module = spec.loader.exec_module
-
-        def exec_then_register(module):
-            exec_module(module)
-            module.ExpertsInterface.register(NAME, experts_forward)
-
-        spec.loader.exec_module = exec_then_register
+        spec.loader = _RegisteringLoader(spec.loader)
         return spec
 
 
@@ -166,9 +197,10 @@ _hook_lock = threading.Lock()
 
 def register_when_loaded() -> None:
     """Register now if transformers' MoE integration is loaded, else when it is (once)."""
-    if EXPERTS_MODULE in sys.modules:
-        register()
+    loaded = sys.modules.get(EXPERTS_MODULE)
+    if loaded is not None:
+        _register_into(loaded)
         return
     with _hook_lock:
-        if not any(isinstance(f, _RegisterOnImport) for f in sys.meta_path):
+        if not any(getattr(f, "gemmtune_experts_hook", False) for f in sys.meta_path):
             sys.meta_path.insert(0, _RegisterOnImport())

@@ -43,6 +43,7 @@ __all__ = [
     "quantize_fp8", "quantize_int8", "dequant", "dequant_per_block",
     "quantize", "dequantize",
     "token_channel_quantisers",
+    "MOE_QUANT_TYPES", "quantize_experts", "dequantize_experts",
 ]
 
 FP8_DTYPE = torch.float8_e4m3fn  # Hopper's FP8 compute format (no e4m3fnuz on NVIDIA)
@@ -339,3 +340,43 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, q_type: QuantType | str) ->
     if qt in (QuantType.per_Tensor, QuantType.per_Token):
         return dequant(q, scale)
     raise ValueError(f"dequantize does not implement {qt.canonical}")
+
+
+# --------------------------------------------------------------------------------------------
+# MoE experts (E, N, K): the weight scales fused_moe takes for each QuantType
+# --------------------------------------------------------------------------------------------
+
+# fused_moe's quantised schemes, FP8 e4m3 weights and activations: the weights' scales (the
+# activations are quantised inside the op, the same way per token / per 1x128 block, or per
+# tensor) are per expert (E, 1, 1), per output channel (E, N, 1) or per 128x128 block
+# (E, ceil(N/128), ceil(K/128)).
+MOE_QUANT_TYPES = (QuantType.per_Tensor, QuantType.per_Token, QuantType.per_1x128)
+
+
+def _experts_block(w: torch.Tensor, qt: QuantType) -> tuple[int, int]:
+    """The tile one scale covers: a whole expert, one output channel, or 128x128."""
+    if qt == QuantType.per_Tensor:
+        return (max(1, w.shape[-2]), max(1, w.shape[-1]))
+    if qt == QuantType.per_Token:
+        return (1, max(1, w.shape[-1]))
+    if qt == QuantType.per_1x128:
+        return WEIGHT_BLOCK
+    schemes = " or ".join(t.canonical for t in MOE_QUANT_TYPES)
+    raise ValueError(f"MoE experts are quantised {schemes}, not {qt.canonical}")
+
+
+def quantize_experts(w: torch.Tensor,
+                     q_type: QuantType | str) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP8 experts for ``fused_moe(..., quant_type=q_type)``: w (E, N, K) (w1 (E, 2I, D) or w2
+    (E, D, I)) -> (q e4m3fn (E, N, K), scale fp32: (E, 1, 1) per_Tensor (one per expert),
+    (E, N, 1) per_Token (one per output channel), (E, ceil(N/128), ceil(K/128)) per_1x128)."""
+    qt = _quant_type(q_type)
+    block = _experts_block(w, qt)
+    _check_input(w, "quantize_experts", min_ndim=3)
+    return per_block_fp8(w, block)
+
+
+def dequantize_experts(q: torch.Tensor, scale: torch.Tensor,
+                       q_type: QuantType | str) -> torch.Tensor:
+    """fp32 experts from ``quantize_experts``'s output."""
+    return dequant_per_block(q, scale, _experts_block(q, _quant_type(q_type)))

@@ -52,6 +52,9 @@ class MoeProblem:
     inter_dim: int
     experts: int
     topk: int
-    dtype: torch.dtype  # of the activations and weights
+    dtype: torch.dtype  # of the activations (and of the weights when not quantised)
     activation: Activation = Activation.silu
     doweight_stage1: bool = False  # the routing weight scales stage 1's output, not stage 2's
+    # FP8 experts: weights and activations scaled per tensor, per row (token / output channel)
+    # or per block (activations 1x128, weights 128x128), the intermediate requantised likewise.
+    scaling: Scaling = Scaling.none

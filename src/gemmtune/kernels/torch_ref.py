@@ -202,7 +202,9 @@ def blockscale_torch(xq, wq, bias, out_dtype, x_scale, w_scale, out=None):
     the shape (``cublas_block_wise``; x's scales M-major with M padded to a multiple of 4, w's
     as (K/128, N/128)); elsewhere the dequantised fp32 reference, correct and slow."""
     k, n = xq.shape[-1], wq.shape[0]
-    x2, xs = xq.reshape(-1, k), x_scale.reshape(-1, x_scale.shape[-1])
+    # cuBLAS takes a row-major x and a column-major w.T (no-ops for contiguous operands).
+    x2, xs = xq.reshape(-1, k).contiguous(), x_scale.reshape(-1, x_scale.shape[-1])
+    wq = wq.contiguous()
     m = x2.shape[0]
     y = None
     if xq.is_cuda and cublas_block_wise(n, k):
@@ -235,6 +237,9 @@ def bind_blockscale(xq, wq, bias, out_dtype, x_scale, w_scale):
         return None
 
     def run(xq, wq, bias, x_scale, w_scale):
+        # The op's key pins shapes, not layouts: the operands as cuBLAS takes them (no-ops for
+        # contiguous ones, the case bound for).
+        xq, wq = xq.contiguous(), wq.contiguous()
         try:
             return torch._scaled_mm(xq, wq.t(), scale_a=x_scale.t().contiguous().t(),
                                     scale_b=w_scale.t(), out_dtype=out_dtype)

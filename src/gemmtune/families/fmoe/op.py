@@ -19,7 +19,9 @@ import torch
 from gemmtune.device import CPU_ARCH, DeviceId
 from gemmtune.dispatch import Dispatcher, KernelRegistry
 from gemmtune.families._gemm import model_config_glob
-from gemmtune.kernels.problem import Activation, MoeProblem
+from gemmtune.families.fmoe.quantised import (SCALINGS, MoeScales, checked_scales,
+                                              fused_moe_fp8_torch)
+from gemmtune.kernels.problem import Activation, MoeProblem, Scaling
 from gemmtune.kernels.torch_ref import TORCH_MOE, fused_moe_torch
 from gemmtune.kernels.triton.moe_configs import (GROUPED_MM_NAME, ONE_STAGE_PREFIX, STAGE1_PREFIX,
                                                  STREAM_PREFIX, default_two_stage)
@@ -63,9 +65,11 @@ SCHEMA = Schema(
 @functools.lru_cache(maxsize=1024)
 def problem_of(key: FmoeKey) -> MoeProblem:
     """The plain problem of a key; cached, since every call passes it to its kernel."""
+    q_type = QuantType.from_str(key.q_type)
     return MoeProblem(key.token, key.model_dim, key.inter_dim, key.expert, key.topk,
                       to_torch_dtype(key.dtype),
-                      _ACTIVATIONS[ActivationType.from_str(key.act_type)], key.doweight_stage1)
+                      _ACTIVATIONS[ActivationType.from_str(key.act_type)], key.doweight_stage1,
+                      SCALINGS.get(q_type, Scaling.none))
 
 
 def row_kernel(names: tuple[str, ...]) -> str:
@@ -102,8 +106,17 @@ def _stream(name: str):
     return TritonStreamMoe(name)
 
 
+def torch_backend(hidden, w1, w2, topk_weight, topk_ids, expert_map, problem: MoeProblem,
+                  out=None, scales: Optional[MoeScales] = None):
+    """``torch.moe``: torch's grouped GEMMs, or for FP8 experts their torch backend."""
+    if problem.scaling is Scaling.none:
+        return fused_moe_torch(hidden, w1, w2, topk_weight, topk_ids, expert_map, problem, out)
+    return fused_moe_fp8_torch(hidden, w1, w2, topk_weight, topk_ids, expert_map, problem,
+                               scales, out)
+
+
 REGISTRY = KernelRegistry("fmoe")
-REGISTRY.register_exact(TORCH_MOE, fused_moe_torch)
+REGISTRY.register_exact(TORCH_MOE, torch_backend)
 REGISTRY.register(STAGE1_PREFIX, _two_stage)
 REGISTRY.register(ONE_STAGE_PREFIX, _one_stage)
 REGISTRY.register(STREAM_PREFIX, _stream)
@@ -111,16 +124,18 @@ REGISTRY.register(GROUPED_MM_NAME, _grouped_mm)
 
 
 def _to_table_key(raw: tuple) -> FmoeKey:
-    tokens, model_dim, inter_dim, experts, topk, dtype, activation, doweight_stage1, *_ = raw
+    tokens, model_dim, inter_dim, experts, topk, dtype, activation, doweight_stage1, *rest = raw
+    quant_type = rest[0] if rest else QuantType.No  # the call key's next part
     name = DTYPE_NAMES[dtype]
+    q_name = name if quant_type is QuantType.No else DTYPE_NAMES[torch.float8_e4m3fn]
     return FmoeKey(tokens, model_dim, inter_dim, experts, topk, activation.canonical, name,
-                   name, name, QuantType.No.canonical, True, doweight_stage1)
+                   q_name, q_name, quant_type.canonical, True, doweight_stage1)
 
 
 def _default_kernel(key: FmoeKey, device: DeviceId) -> str:
     # The Triton pair sized for the shape on a GPU; on the CPU torch (the interpreter is slow).
-    if device.arch == CPU_ARCH:
-        return TORCH_MOE
+    if device.arch == CPU_ARCH or key.q_type != QuantType.No.canonical:
+        return TORCH_MOE  # FP8 experts: only torch's backend takes them so far
     return default_two_stage(problem_of(key))
 
 
@@ -144,9 +159,10 @@ def expert_map_of(expert_mask: Optional[torch.Tensor], experts: int,
 
 def _check(hidden, w1, w2, topk_weight, topk_ids, activation, quant_type, expert_mask) -> None:
     op = "fused_moe"
-    if quant_type is not QuantType.No:
-        raise ValueError(f"{op}: quant_type={quant_type.canonical} is not supported yet; "
-                         f"quantised experts land with the quantised-MoE issue (use QuantType.No)")
+    if quant_type is not QuantType.No and quant_type not in SCALINGS:
+        raise ValueError(f"{op}: quant_type={quant_type.canonical} is not supported; use "
+                         f"QuantType.No or FP8 experts: "
+                         f"{', '.join(q.canonical for q in SCALINGS)}")
     if activation not in _ACTIVATIONS:
         raise ValueError(f"{op}: activation {activation.canonical} is not supported; use "
                          f"{' or '.join(a.canonical for a in _ACTIVATIONS)}")
@@ -160,10 +176,14 @@ def _check(hidden, w1, w2, topk_weight, topk_ids, activation, quant_type, expert
         raise ValueError(f"{op}: w1 {tuple(w1.shape)} and w2 {tuple(w2.shape)} do not fit hidden "
                          f"{tuple(hidden.shape)}: expected w1 (E, 2I, {model_dim}) and w2 "
                          f"(E, {model_dim}, I)")
-    if hidden.dtype not in DTYPES or w1.dtype != hidden.dtype or w2.dtype != hidden.dtype:
+    if quant_type is not QuantType.No:
+        if hidden.dtype not in DTYPES:
+            raise TypeError(f"{op}: hidden must be one of {', '.join(map(str, DTYPES))} "
+                            f"(FP8 experts quantise it inside the op), got {hidden.dtype}")
+    elif hidden.dtype not in DTYPES or w1.dtype != hidden.dtype or w2.dtype != hidden.dtype:
         raise TypeError(f"{op}: hidden, w1 and w2 must share one dtype of "
                         f"{', '.join(map(str, DTYPES))}; got {hidden.dtype}, {w1.dtype}, "
-                        f"{w2.dtype}")
+                        f"{w2.dtype} (FP8 experts take a quant_type and their scales)")
     if topk_ids.dim() != 2 or topk_ids.shape[0] != tokens or topk_ids.dtype != torch.int32:
         raise ValueError(f"{op}: topk_ids must be int32 (T={tokens}, topk), got "
                          f"{tuple(topk_ids.shape)} {topk_ids.dtype}")
@@ -179,7 +199,7 @@ def _check(hidden, w1, w2, topk_weight, topk_ids, activation, quant_type, expert
 
 
 def _run(hidden, w1, w2, topk_weight, topk_ids, activation, quant_type, doweight_stage1,
-         expert_mask, kernel):
+         expert_mask, kernel, scales: Optional[MoeScales] = None):
     args = (hidden, w1, w2, topk_weight, topk_ids, activation, quant_type, expert_mask)
     try:
         device = hidden.get_device()
@@ -193,23 +213,39 @@ def _run(hidden, w1, w2, topk_weight, topk_ids, activation, quant_type, doweight
         raise
     plan = DISPATCH.plan_for(key, device, kernel, _check, args)
     expert_map = expert_map_of(expert_mask, w1.shape[0], hidden.device)
-    return plan.run(hidden, w1, w2, topk_weight, topk_ids, expert_map,
-                    problem_of(plan.decision.key))
+    problem = problem_of(plan.decision.key)
+    if scales is None:
+        return plan.run(hidden, w1, w2, topk_weight, topk_ids, expert_map, problem)
+    return plan.run(hidden, w1, w2, topk_weight, topk_ids, expert_map, problem, scales=scales)
 
 
 @torch.library.custom_op("gemmtune::fused_moe", mutates_args=())
 def _fused_moe_op(hidden: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
                   topk_weight: torch.Tensor, topk_ids: torch.Tensor, activation: str,
                   doweight_stage1: bool, expert_mask: Optional[torch.Tensor],
-                  kernel_name: Optional[str] = None) -> torch.Tensor:
+                  kernel_name: Optional[str] = None, quant_type: str = "No",
+                  w1_scale: Optional[torch.Tensor] = None,
+                  w2_scale: Optional[torch.Tensor] = None,
+                  a1_scale: Optional[torch.Tensor] = None,
+                  a2_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    q_type = QuantType.from_str(quant_type)
+    scales = None if q_type is QuantType.No else MoeScales(w1_scale, w2_scale, a1_scale, a2_scale)
     return _run(hidden, w1, w2, topk_weight, topk_ids, ActivationType.from_str(activation),
-                QuantType.No, doweight_stage1, expert_mask, kernel_name)
+                q_type, doweight_stage1, expert_mask, kernel_name, scales)
 
 
 @_fused_moe_op.register_fake
 def _(hidden, w1, w2, topk_weight, topk_ids, activation, doweight_stage1, expert_mask,
-      kernel_name=None):
+      kernel_name=None, quant_type="No", w1_scale=None, w2_scale=None, a1_scale=None,
+      a2_scale=None):
     return torch.empty_like(hidden)
+
+
+def _text(name: str, value, enum_type: type) -> str:
+    if not isinstance(value, str):
+        raise TypeError(f"fused_moe: {name} must be an {enum_type.__name__} or its name, got "
+                        f"{type(value).__name__}")
+    return value
 
 
 def fused_moe(hidden: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
@@ -222,19 +258,30 @@ def fused_moe(hidden: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
     """The experts of an MoE layer with the kernels the fmoe table names for this shape on this
     GPU (or ``kernel``, a kernelName checked like a table row). hidden (T, D) bf16/fp16/fp32;
     w1 (E, 2I, D); w2 (E, D, I); topk_weight (T, topk) fp32; topk_ids (T, topk) int32 global
-    expert ids; expert_mask (E_global,) bool for expert parallelism. Returns (T, D). The scale
-    arguments are for quantised experts, which land later: they must be None."""
+    expert ids; expert_mask (E_global,) bool for expert parallelism. Returns (T, D) in
+    hidden's dtype.
+
+    FP8 experts (``quant_type`` per_Tensor, per_Token or per_1x128; families/fmoe/quantised.py):
+    w1 and w2 e4m3fn with ``w1_scale`` / ``w2_scale`` as ``gemmtune.quant.quantize_experts``
+    makes them; hidden is quantised inside the op by the same scheme, and the intermediate
+    again for stage 2 (per_Tensor: dynamically, or by the static ``a1_scale`` / ``a2_scale``)."""
     # The enums are str subclasses: only plain strings are parsed (torch.compile traces no
     # str method called on an enum member).
     if not isinstance(activation, ActivationType):
-        activation = ActivationType.from_str(activation)
+        activation = ActivationType.from_str(_text("activation", activation, ActivationType))
     if not isinstance(quant_type, QuantType):
-        quant_type = QuantType.from_str(quant_type)
-    if any(s is not None for s in (w1_scale, w2_scale, a1_scale, a2_scale)):
-        raise ValueError("fused_moe: scales are for quantised experts (quant_type other than "
-                         "QuantType.No), which land with the quantised-MoE issue")
-    if torch.compiler.is_compiling() and quant_type is QuantType.No:
+        quant_type = QuantType.from_str(_text("quant_type", quant_type, QuantType))
+    if quant_type is QuantType.No:
+        if any(s is not None for s in (w1_scale, w2_scale, a1_scale, a2_scale)):
+            raise ValueError("fused_moe: scales are for FP8 experts; pass the quant_type they "
+                             "were made for (e.g. QuantType.per_Token)")
+        scales = None
+    else:
+        scales = checked_scales(quant_type, hidden, w1, w2, w1_scale, w2_scale, a1_scale,
+                                a2_scale)
+    if torch.compiler.is_compiling():
         return _fused_moe_op(hidden, w1, w2, topk_weight, topk_ids, activation.value,
-                             doweight_stage1, expert_mask, kernel)
+                             doweight_stage1, expert_mask, kernel, quant_type.value,
+                             *(scales or (None, None, None, None)))
     return _run(hidden, w1, w2, topk_weight, topk_ids, activation, quant_type, doweight_stage1,
-                expert_mask, kernel)
+                expert_mask, kernel, scales)

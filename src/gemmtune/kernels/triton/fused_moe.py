@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from gemmtune.kernels.problem import Activation, MoeProblem
+from gemmtune.kernels.problem import Activation, MoeProblem, Scaling
 from gemmtune.kernels.triton import _checks
 from gemmtune.kernels.triton.moe_common import GELU, SILU
 from gemmtune.kernels.triton.moe_configs import (GROUPED_MM_NAME, STAGE1_PREFIX, STAGE2_PREFIX,
@@ -42,6 +42,9 @@ def route(config: MoeStage1Config | MoeStage2Config, topk_ids, expert_map, exper
 
 
 def _why_not_dtype(problem: MoeProblem) -> str | None:
+    if problem.scaling is not Scaling.none:
+        return (f"FP8 experts ({problem.scaling.value} scales): the Triton MoE kernels take "
+                f"{DTYPES} experts only so far")
     if problem.dtype not in DTYPES:
         return f"{problem.dtype} experts: the Triton MoE kernels take {DTYPES}"
     return None
@@ -164,7 +167,8 @@ class TritonGroupedMmMoe:
         return "TritonGroupedMmMoe()"
 
     def check(self, problem: MoeProblem) -> str | None:
-        return why_not_grouped_mm(problem.dtype, problem.model_dim, problem.inter_dim)
+        return _why_not_dtype(problem) or why_not_grouped_mm(problem.dtype, problem.model_dim,
+                                                             problem.inter_dim)
 
     def warmup(self, hidden, w1, w2, topk_weight, topk_ids, expert_map,
                problem: MoeProblem) -> None:

@@ -1,0 +1,141 @@
+"""FP8 experts in ``fused_moe``: the scales a call brings (checked), and the torch backend for
+them.
+
+Schemes (``quant_type``), FP8 e4m3 weights from ``gemmtune.quant.quantize_experts``:
+
+    per_Tensor   w scale per expert (E, 1, 1) or (E,); activations per tensor (dynamic, or the
+                 static ``a1_scale`` / ``a2_scale``, one value each)
+    per_Token    w scale per output channel (E, N, 1) or (E, N); activations per token
+    per_1x128    w scale per 128x128 block (E, ceil(N/128), ceil(K/128)); activations per 1x128
+
+Stage 1's input is ``hidden`` quantised by the scheme; its output (after the activation, and the
+routing weight with ``doweight_stage1``) is quantised again the same way for stage 2. The torch
+backend does exactly that with ``gemmtune.quant`` and computes the rest in fp32: correct, and as
+slow as dequantising every expert per call (the bar FP8 kernels are checked against, not a fast
+path). The accuracy reference of the scheme is the fp32 MoE of the dequantised experts with
+unquantised activations (``reference``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple, Optional
+
+import torch
+import torch.nn.functional as F
+
+from gemmtune import quant
+from gemmtune.kernels.problem import Activation, MoeProblem, Scaling
+from gemmtune.kernels.torch_ref import fused_moe_ref
+from gemmtune.tables.values import QuantType
+
+SCALINGS = {QuantType.per_Tensor: Scaling.tensor, QuantType.per_Token: Scaling.rowwise,
+            QuantType.per_1x128: Scaling.block}
+QUANT_TYPES = {scaling: q_type for q_type, scaling in SCALINGS.items()}
+
+
+class MoeScales(NamedTuple):
+    """A quantised call's fp32 scales, the weights' as ``quantize_experts`` lays them out."""
+
+    w1: torch.Tensor
+    w2: torch.Tensor
+    a1: Optional[torch.Tensor] = None  # per_Tensor only: a static activation scale
+    a2: Optional[torch.Tensor] = None
+
+
+def checked_scales(quant_type: QuantType, hidden: torch.Tensor, w1: torch.Tensor,
+                   w2: torch.Tensor, w1_scale, w2_scale, a1_scale, a2_scale) -> MoeScales:
+    """The call's scales as the backends take them (a per-expert (E,) or per-channel (E, N)
+    scale viewed as (E, 1, 1) / (E, N, 1)); ValueError saying what is wrong otherwise."""
+    op = f"fused_moe({quant_type.canonical})"
+    if quant_type not in SCALINGS:
+        raise ValueError(f"{op}: not supported; quantised experts take "
+                         f"{', '.join(q.canonical for q in SCALINGS)}")
+    for name, w in (("w1", w1), ("w2", w2)):
+        if w.dtype != quant.FP8_DTYPE:
+            raise TypeError(f"{op}: {name} must be {quant.FP8_DTYPE} (gemmtune.quant."
+                            f"quantize_experts makes it), got {w.dtype}")
+    scales = (_weight_scale(op, "w1_scale", w1_scale, w1, quant_type),
+              _weight_scale(op, "w2_scale", w2_scale, w2, quant_type))
+    for name, s in (("a1_scale", a1_scale), ("a2_scale", a2_scale)):
+        if s is None:
+            continue
+        if quant_type != QuantType.per_Tensor:
+            raise ValueError(f"{op}: {name} is a static per-tensor activation scale; "
+                             f"{quant_type.canonical} quantises activations per call")
+        if not isinstance(s, torch.Tensor) or s.numel() != 1 or s.dtype != torch.float32 \
+                or s.device != hidden.device:
+            raise ValueError(f"{op}: {name} must be one float32 value on {hidden.device}")
+    return MoeScales(*scales, a1_scale, a2_scale)
+
+
+def _weight_scale(op: str, name: str, scale, w: torch.Tensor,
+                  quant_type: QuantType) -> torch.Tensor:
+    experts, n, k = w.shape
+    if quant_type == QuantType.per_Tensor:
+        accepted = [(experts, 1, 1), (experts,)]
+    elif quant_type == QuantType.per_Token:
+        accepted = [(experts, n, 1), (experts, n)]
+    else:
+        accepted = [(experts, math.ceil(n / 128), math.ceil(k / 128))]
+    if not isinstance(scale, torch.Tensor) or tuple(scale.shape) not in accepted \
+            or scale.dtype != torch.float32 or scale.device != w.device:
+        got = (f"{type(scale).__name__}" if not isinstance(scale, torch.Tensor)
+               else f"{scale.dtype} {tuple(scale.shape)} on {scale.device}")
+        raise ValueError(f"{op}: {name} must be float32 of shape "
+                         f"{' or '.join(map(str, accepted))} on {w.device}, got {got}")
+    return scale.reshape(accepted[0])
+
+
+def _activations(t: torch.Tensor, quant_type: QuantType,
+                 static: Optional[torch.Tensor]) -> torch.Tensor:
+    """``t`` as the scheme quantises a stage's input, back in fp32."""
+    if quant_type == QuantType.per_Tensor and static is not None:
+        scale = static.reshape(())
+        return quant.quantize_fp8(t, scale).float() * scale
+    q, scale = quant.quantize(t, quant_type)
+    return quant.dequantize(q, scale, quant_type)
+
+
+def fused_moe_fp8_torch(hidden, w1, w2, topk_weight, topk_ids, expert_map,
+                        problem: MoeProblem, scales: MoeScales, out=None):
+    """The torch backend of FP8 experts: each stage's input quantised as the scheme says,
+    everything else in fp32 (experts dequantised, one expert at a time)."""
+    quant_type = QUANT_TYPES[problem.scaling]
+    tokens, topk = topk_ids.shape
+    inter_dim = w2.shape[2]
+    x = _activations(hidden, quant_type, scales.a1)
+    local = expert_map[topk_ids.reshape(-1).long()].long()  # per pair, -1: another rank's
+    weights = topk_weight.reshape(-1).float()
+    inter = torch.zeros(tokens * topk, inter_dim, dtype=torch.float32, device=hidden.device)
+    for e in range(w1.shape[0]):
+        pairs = (local == e).nonzero().flatten()
+        if pairs.numel():
+            w = quant.dequantize_experts(w1[e:e + 1], scales.w1[e:e + 1], quant_type)[0]
+            h = x[pairs // topk] @ w.t()
+            h = _act(h[:, :inter_dim], problem.activation) * h[:, inter_dim:]
+            inter[pairs] = h * weights[pairs, None] if problem.doweight_stage1 else h
+    inter = _activations(inter, quant_type, scales.a2)
+    y = torch.zeros(tokens * topk, hidden.shape[1], dtype=torch.float32, device=hidden.device)
+    for e in range(w2.shape[0]):
+        pairs = (local == e).nonzero().flatten()
+        if pairs.numel():
+            w = quant.dequantize_experts(w2[e:e + 1], scales.w2[e:e + 1], quant_type)[0]
+            y[pairs] = inter[pairs] @ w.t()
+    if not problem.doweight_stage1:
+        y = y * weights[:, None]
+    y = y.view(tokens, topk, -1).sum(1).to(hidden.dtype)
+    return y if out is None else out.copy_(y)
+
+
+def _act(gate: torch.Tensor, activation: Activation) -> torch.Tensor:
+    return F.gelu(gate) if activation is Activation.gelu else F.silu(gate)
+
+
+def reference(hidden, w1, w2, topk_weight, topk_ids, expert_map, quant_type: QuantType,
+              scales: MoeScales, activation=Activation.silu, doweight_stage1=False):
+    """The scheme's accuracy reference, fp32: the dequantised experts, activations as they
+    come."""
+    return fused_moe_ref(hidden.float(), quant.dequantize_experts(w1, scales.w1, quant_type),
+                         quant.dequantize_experts(w2, scales.w2, quant_type), topk_weight,
+                         topk_ids, expert_map, activation, doweight_stage1, torch.float32)
