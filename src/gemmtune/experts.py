@@ -24,8 +24,9 @@ import warnings
 import torch
 from torch import nn
 
+from gemmtune import quant
 from gemmtune.families.fmoe.op import fused_moe
-from gemmtune.tables.values import ActivationType
+from gemmtune.tables.values import ActivationType, QuantType
 
 NAME = "gemmtune"
 EXPERTS_MODULE = "transformers.integrations.moe"
@@ -44,14 +45,20 @@ def experts_forward(module: nn.Module, hidden_states: torch.Tensor, top_k_index:
     (gradients, biases, transposed or interleaved weights, a model's own gating, another
     activation or dtype) run transformers' ``grouped_mm``, with one warning per reason."""
     why = why_not(module, hidden_states, top_k_weights)
+    fp8 = _fp8_scales(module)
+    if why and fp8 is not None:  # transformers' backends cannot run FP8 experts
+        raise RuntimeError(f"gemmtune experts: {why}, and this layer's experts were made FP8 by "
+                           f"patch_moe(model, quant='fp8'): only gemmtune runs them")
     if why:
         return _fallback(why)(module, hidden_states, top_k_index, top_k_weights)
     experts = module.gate_up_proj.shape[0]
+    scales = {} if fp8 is None else dict(quant_type=QuantType.per_Token, w1_scale=fp8[0],
+                                         w2_scale=fp8[1])
     return fused_moe(hidden_states, module.gate_up_proj, module.down_proj,
                      top_k_weights.to(torch.float32), top_k_index.to(torch.int32),
                      activation=_ACTIVATIONS[module.config.hidden_act],
                      expert_mask=_sentinel_mask(experts, hidden_states.device)
-                     if _expert_parallel(module) else None)
+                     if _expert_parallel(module) else None, **scales)
 
 
 def why_not(module: nn.Module, hidden_states: torch.Tensor,
@@ -72,10 +79,10 @@ def why_not(module: nn.Module, hidden_states: torch.Tensor,
     act = getattr(module.config, "hidden_act", None)
     if act not in _ACTIVATIONS:
         return f"activation {act!r} (fused_moe takes {', '.join(sorted(_ACTIVATIONS))})"
-    if hidden_states.dtype not in _DTYPES or any(w.dtype != hidden_states.dtype
-                                                 for w in weights):
+    expert_dtype = quant.FP8_DTYPE if _fp8_scales(module) is not None else hidden_states.dtype
+    if hidden_states.dtype not in _DTYPES or any(w.dtype != expert_dtype for w in weights):
         return (f"{hidden_states.dtype} activations with {weights[0].dtype} experts (fused_moe "
-                f"takes one dtype of bf16, fp16 or fp32)")
+                f"takes one dtype of bf16, fp16 or fp32, or FP8 experts from patch_moe)")
     return None
 
 
@@ -127,12 +134,44 @@ def register() -> None:
     ExpertsInterface.register(NAME, experts_forward)
 
 
-def patch_moe(model: nn.Module) -> nn.Module:
+def patch_moe(model: nn.Module, quant: str | None = None) -> nn.Module:
     """Run ``model``'s experts through gemmtune (``model.set_experts_implementation``) and
-    return it. Its other modules, and models without experts, are left as they are."""
+    return it. Its other modules (shared experts, attention), and models without experts, are
+    left as they are.
+
+    ``quant="fp8"``: every layer's routed experts are quantised once, FP8 e4m3 per output
+    channel (``gemmtune.quant.quantize_experts``, ``per_Token``; activations per token inside
+    the op), replacing ``gate_up_proj`` / ``down_proj`` (their scales kept beside them). Such
+    experts run only through gemmtune, for inference."""
+    if quant not in (None, "fp8"):
+        raise ValueError(f"patch_moe: quant={quant!r}; expected None or 'fp8'")
     register()
+    if quant == "fp8":
+        for module in model.modules():
+            if getattr(module, "has_gate", False) and hasattr(module, "gate_up_proj") \
+                    and _fp8_scales(module) is None:
+                _quantise_experts(module)
     model.set_experts_implementation(NAME)
     return model
+
+
+# The buffers (moved by .to(), not saved) where patch_moe(quant="fp8") keeps the scales of a
+# module's FP8 experts, w1's then w2's.
+FP8_SCALES = ("gemmtune_gate_up_proj_scale", "gemmtune_down_proj_scale")
+
+
+def _fp8_scales(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
+    buffers = module._buffers
+    return (buffers[FP8_SCALES[0]], buffers[FP8_SCALES[1]]) if FP8_SCALES[1] in buffers \
+        else None
+
+
+def _quantise_experts(module: nn.Module) -> None:
+    with torch.no_grad():
+        for name, scale_name in zip(("gate_up_proj", "down_proj"), FP8_SCALES):
+            q, scale = quant.quantize_experts(getattr(module, name), QuantType.per_Token)
+            setattr(module, name, nn.Parameter(q, requires_grad=False))
+            module.register_buffer(scale_name, scale, persistent=False)
 
 
 def _register_into(module) -> None:
