@@ -12,7 +12,8 @@ import torch.nn.functional as F
 
 import gemmtune
 from gemmtune import quant
-from gemmtune.families.fmoe.quantised import MoeScales, reference
+from gemmtune.families.fmoe.quantised import reference
+from gemmtune.kernels.problem import MoeScales
 from gemmtune.tables.values import QuantType
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -196,3 +197,60 @@ def test_compiles_whole_with_fp8_experts():
     expected = layer(hidden, topk_weight, topk_ids)
     got = torch.compile(layer, fullgraph=True)(hidden, topk_weight, topk_ids)
     assert torch.equal(got, expected)
+
+
+# The two-stage Triton kernels with FP8 per-token scales (block_k >= 32: Hopper's 8-bit dots).
+FP8_TWO_STAGE = ["triton.moe1:BM16.BN16.BK32.W4.S1+triton.moe2:BM16.BN16.BK32.SK1.W4.S1",
+                 "triton.moe1:BM16.BN16.BK32.W4.S1.PB1+triton.moe2:BM16.BN16.BK32.SK2.W4.S1.PB1"]
+
+
+@pytest.mark.parametrize("kernel", FP8_TWO_STAGE)
+def test_the_two_stage_kernels_take_fp8_per_token_experts(kernel):
+    # Against the scheme's emulation: the same quantised inputs and intermediate (the Triton row
+    # quantiser rounds as gemmtune.quant does), sums in another order.
+    T, D, I, E_global, topk = 6, 96, 64, 5, 2  # noqa: E741
+    mask = torch.tensor([True, True, False, True, True], device=DEVICE)
+    local_of = {0: 0, 1: 1, 2: -1, 3: 2, 4: 3}
+    layer = fp8_layer(T, D, I, 4, topk, "per_Token", seed=20, dtype=torch.bfloat16)
+    topk_ids = routing(T, 4, topk, seed=21, experts_global=E_global)[1]
+    topk_ids[0] = torch.tensor([2, 4])  # one slot elsewhere
+    for doweight_stage1 in (False, True):
+        y = gemmtune.fused_moe(layer.hidden, layer.w1q, layer.w2q, layer.topk_weight, topk_ids,
+                               quant_type="per_Token", doweight_stage1=doweight_stage1,
+                               w1_scale=layer.s1, w2_scale=layer.s2, expert_mask=mask,
+                               kernel=kernel)
+        expected = emulate(layer.hidden, layer.w1q, layer.w2q, layer.s1, layer.s2,
+                           layer.topk_weight, topk_ids, QuantType.per_Token, local_of,
+                           doweight_stage1=doweight_stage1)
+        assert y.dtype == torch.bfloat16 and not torch.isnan(y).any()
+        assert relative(y, expected) < EMULATION_TOLERANCE[torch.bfloat16]
+
+
+def test_the_triton_row_quantiser_rounds_as_gemmtune_quant():
+    from gemmtune.kernels.triton import moe_quant
+
+    assert (moe_quant.FP8_MAX, moe_quant.AMAX_FLOOR) == (quant.FP8_MAX, quant.AMAX_FLOOR)
+    x = torch.randn(5, 200, device=DEVICE) * torch.tensor([1, 100, 1e-3, 1, 3.0],
+                                                          device=DEVICE)[:, None]
+    x[3] = 0
+    x[4, 7] = float("nan")
+    q, scale = moe_quant.quant_rows(x)
+    expected_q, expected_scale = quant.per_token_fp8(x)
+    assert torch.equal(scale[:4], expected_scale[:4, 0])
+    assert torch.equal(q[:4].view(torch.uint8), expected_q[:4].view(torch.uint8))
+    assert torch.isnan(scale[4])  # a NaN makes its row's scale NaN, as gemmtune.quant's
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 16, 200])
+def test_gpu_fp8_per_token_two_stage_at_real_sizes(tokens):
+    # Hopper's FP8 dots accumulate with reduced precision over long K: against the emulation
+    # (fp32 sums) the bound is looser than the interpreter's.
+    kernel = "triton.moe1:BM16.BN64.BK128.W4.S3+triton.moe2:BM16.BN64.BK128.SK1.W4.S3"
+    layer = fp8_layer(tokens, 2048, 768, 8, 4, "per_Token", seed=tokens, dtype=torch.bfloat16)
+    y = gemmtune.fused_moe(layer.hidden, layer.w1q, layer.w2q, layer.topk_weight,
+                           layer.topk_ids, quant_type="per_Token", w1_scale=layer.s1,
+                           w2_scale=layer.s2, kernel=kernel)
+    expected = emulate(layer.hidden, layer.w1q, layer.w2q, layer.s1, layer.s2,
+                       layer.topk_weight, layer.topk_ids, QuantType.per_Token)
+    assert relative(y, expected) < 2e-2

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -58,3 +59,15 @@ class MoeProblem:
     # FP8 experts: weights and activations scaled per tensor, per row (token / output channel)
     # or per block (activations 1x128, weights 128x128), the intermediate requantised likewise.
     scaling: Scaling = Scaling.none
+
+
+class MoeScales(NamedTuple):
+    """The fp32 scales of a fused MoE's FP8 experts (``MoeProblem.scaling`` not none): the
+    weights' per expert (E, 1, 1), per output channel (E, N, 1) or per 128x128 block
+    (E, ceil(N/128), ceil(K/128)); with per-tensor scaling optionally a static activation scale
+    for each stage's input (else each call measures its own)."""
+
+    w1: torch.Tensor
+    w2: torch.Tensor
+    a1: Optional[torch.Tensor] = None
+    a2: Optional[torch.Tensor] = None

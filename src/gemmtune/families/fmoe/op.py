@@ -19,9 +19,8 @@ import torch
 from gemmtune.device import CPU_ARCH, DeviceId
 from gemmtune.dispatch import Dispatcher, KernelRegistry
 from gemmtune.families._gemm import model_config_glob
-from gemmtune.families.fmoe.quantised import (SCALINGS, MoeScales, checked_scales,
-                                              fused_moe_fp8_torch)
-from gemmtune.kernels.problem import Activation, MoeProblem, Scaling
+from gemmtune.families.fmoe.quantised import SCALINGS, checked_scales, fused_moe_fp8_torch
+from gemmtune.kernels.problem import Activation, MoeProblem, MoeScales, Scaling
 from gemmtune.kernels.torch_ref import TORCH_MOE, fused_moe_torch
 from gemmtune.kernels.triton.moe_configs import (GROUPED_MM_NAME, ONE_STAGE_PREFIX, STAGE1_PREFIX,
                                                  STREAM_PREFIX, default_two_stage)

@@ -19,28 +19,19 @@ unquantised activations (``reference``).
 from __future__ import annotations
 
 import math
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
 from gemmtune import quant
-from gemmtune.kernels.problem import Activation, MoeProblem, Scaling
+from gemmtune.kernels.problem import Activation, MoeProblem, MoeScales, Scaling
 from gemmtune.kernels.torch_ref import fused_moe_ref
 from gemmtune.tables.values import QuantType
 
 SCALINGS = {QuantType.per_Tensor: Scaling.tensor, QuantType.per_Token: Scaling.rowwise,
             QuantType.per_1x128: Scaling.block}
 QUANT_TYPES = {scaling: q_type for q_type, scaling in SCALINGS.items()}
-
-
-class MoeScales(NamedTuple):
-    """A quantised call's fp32 scales, the weights' as ``quantize_experts`` lays them out."""
-
-    w1: torch.Tensor
-    w2: torch.Tensor
-    a1: Optional[torch.Tensor] = None  # per_Tensor only: a static activation scale
-    a2: Optional[torch.Tensor] = None
 
 
 def checked_scales(quant_type: QuantType, hidden: torch.Tensor, w1: torch.Tensor,

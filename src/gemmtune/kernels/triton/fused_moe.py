@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from gemmtune.kernels.problem import Activation, MoeProblem, Scaling
+from gemmtune.kernels.problem import Activation, MoeProblem, MoeScales, Scaling
 from gemmtune.kernels.triton import _checks
 from gemmtune.kernels.triton.moe_common import GELU, SILU
 from gemmtune.kernels.triton.moe_configs import (GROUPED_MM_NAME, STAGE1_PREFIX, STAGE2_PREFIX,
@@ -39,6 +39,20 @@ def route(config: MoeStage1Config | MoeStage2Config, topk_ids, expert_map, exper
     if config.pair_blocks:
         return pair_blocks(topk_ids)
     return moe_routing(topk_ids, expert_map, experts, config.block_m, warmup=warmup)
+
+
+def _why_not_fp8(solution: "TritonTwoStageMoe", problem: MoeProblem) -> str | None:
+    """What the two-stage kernels take of FP8 experts so far: per-channel weight scales with
+    per-token activations (the row-wise scales every stage applies after its sums), without
+    the persistent TMA stages."""
+    if problem.scaling is not Scaling.rowwise:
+        return (f"FP8 experts with {problem.scaling.value} scales: the Triton MoE kernels take "
+                f"per-token scales (QuantType.per_Token) so far")
+    if problem.dtype not in DTYPES:
+        return f"{problem.dtype} activations: the Triton MoE kernels take {DTYPES}"
+    if solution.stage1.persistent or solution.stage2.persistent:
+        return "FP8 experts: the persistent (TMA) stages do not take scales yet"
+    return None
 
 
 def _why_not_dtype(problem: MoeProblem) -> str | None:
@@ -66,20 +80,23 @@ class TritonTwoStageMoe:
         return f"TritonTwoStageMoe({self.name!r})"
 
     def check(self, problem: MoeProblem) -> str | None:
-        problem_dtype = _why_not_dtype(problem)
+        fp8 = problem.scaling is not Scaling.none
+        problem_dtype = _why_not_fp8(self, problem) if fp8 else _why_not_dtype(problem)
         if problem_dtype:
             return problem_dtype
+        operands = torch.float8_e4m3fn if fp8 else problem.dtype
         if (self.stage1.block_m, self.stage1.pair_blocks) != (self.stage2.block_m,
                                                                 self.stage2.pair_blocks):
             return (f"stage 1 has block_m={self.stage1.block_m}, pair_blocks="
                     f"{self.stage1.pair_blocks} and stage 2 block_m={self.stage2.block_m}, "
                     f"pair_blocks={self.stage2.pair_blocks}: both run over one routing, so they "
                     f"must agree")
-        return (why_not_stage1(self.stage1, problem.dtype)
-                or why_not_stage2(self.stage2, problem.dtype, problem.inter_dim)
-                or _checks.why_not_dot_k(self.stage1, problem.dtype)
-                or why_not_tma(self.stage1, problem.dtype, problem.model_dim)
-                or why_not_tma(self.stage2, problem.dtype, problem.inter_dim))
+        return (why_not_stage1(self.stage1, operands)
+                or why_not_stage2(self.stage2, operands, problem.inter_dim)
+                or _checks.why_not_dot_k(self.stage1, operands)
+                or _checks.why_not_dot_k(self.stage2, operands)
+                or why_not_tma(self.stage1, operands, problem.model_dim)
+                or why_not_tma(self.stage2, operands, problem.inter_dim))
 
     def warmup(self, hidden, w1, w2, topk_weight, topk_ids, expert_map,
                problem: MoeProblem) -> None:
@@ -92,13 +109,13 @@ class TritonTwoStageMoe:
                        self.stage2, warmup=True)
 
     def __call__(self, hidden, w1, w2, topk_weight, topk_ids, expert_map, problem: MoeProblem,
-                 out=None):
+                 out=None, scales: MoeScales | None = None):
         if hidden.shape[0] == 0:
             return torch.empty_like(hidden) if out is None else out
         routing = route(self.stage1, topk_ids, expert_map, w1.shape[0])
         return moe_stages(hidden, w1, w2, topk_weight, topk_ids, expert_map, routing,
                           ACT_CODES[problem.activation], problem.doweight_stage1, self.stage1,
-                          self.stage2, out=out)
+                          self.stage2, out=out, scales=scales)
 
 
 class _OneLaunchMoe:

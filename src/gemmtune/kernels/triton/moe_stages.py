@@ -32,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from gemmtune.kernels.problem import MoeScales
 from gemmtune.kernels.triton import _checks
 from gemmtune.kernels.triton.moe_common import (PDL, gate_up_sums, gated_activation,
                                                 let_next_start, wait_for_inputs)
@@ -39,6 +40,7 @@ from gemmtune.kernels.triton.moe_configs import (BLOCK_MS, FLATTENED, PAIR_BLOCK
                                                  MoeStage1Config, MoeStage2Config)
 from gemmtune.kernels.triton.moe_persistent import (launch_stage1_persistent,
                                                     launch_stage2_persistent)
+from gemmtune.kernels.triton.moe_quant import quant_rows
 
 
 
@@ -128,13 +130,16 @@ def moe_stage1_kernel(
     topk_weight_ptr,  # (pairs,) fp32
     sorted_ids_ptr, block_expert_ptr, block_rows_ptr, rows_used_ptr,
     topk_ids_ptr, expert_map_ptr,  # read with PAIR_BLOCKS
+    xs_ptr, ws_ptr,  # SCALED (FP8 x and w1): x's scale per token, w1's per (expert, row)
     pairs, D, I,
     stride_xt, stride_xd,
     stride_we, stride_wn, stride_wd,
     stride_ip, stride_in,
+    stride_se, stride_sn,
     TOPK: tl.constexpr,
     ACT: tl.constexpr,
     MUL_WEIGHT: tl.constexpr,
+    SCALED: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     PAIR_BLOCKS: tl.constexpr,
     PDL: tl.constexpr,
@@ -151,6 +156,11 @@ def moe_stage1_kernel(
     gate, up = gate_up_sums(x_ptr, w1_ptr, tokens, real, expert, cols, D, I, stride_xt,
                             stride_xd, stride_we, stride_wn, stride_wd, INPUT_PRECISION,
                             BLOCK_M, BLOCK_N, BLOCK_K)
+    if SCALED:  # the FP8 sums times the token's and the output channel's scales
+        xs = tl.load(xs_ptr + tokens, mask=real, other=0.0)[:, None]
+        scales = ws_ptr + expert * stride_se
+        gate = gate * xs * tl.load(scales + cols * stride_sn)[None, :]
+        up = up * xs * tl.load(scales + (cols + I) * stride_sn)[None, :]
     let_next_start(PDL)
     h = gated_activation(gate, up, ACT)
     if MUL_WEIGHT:
@@ -168,11 +178,14 @@ def moe_stage2_kernel(
     topk_weight_ptr,  # (pairs,) fp32
     sorted_ids_ptr, block_expert_ptr, block_rows_ptr, rows_used_ptr,
     topk_ids_ptr, expert_map_ptr,  # read with PAIR_BLOCKS
+    is_ptr, ws_ptr,  # SCALED (FP8 inter and w2): inter's scale per row, w2's per (expert, row)
     pairs, D, I,
     stride_ip, stride_in,
     stride_we, stride_wn, stride_wk,
     stride_pp, stride_pn,
+    stride_se, stride_sn,
     MUL_WEIGHT: tl.constexpr,
+    SCALED: tl.constexpr,
     SPLIT_K: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     PAIR_BLOCKS: tl.constexpr,
@@ -206,6 +219,9 @@ def moe_stage2_kernel(
         a_ptrs += BLOCK_K * stride_in
         b_ptrs += BLOCK_K * stride_wk
     let_next_start(PDL)
+    if SCALED:
+        acc = acc * tl.load(is_ptr + inter_rows, mask=real, other=0.0)[:, None] \
+            * tl.load(ws_ptr + expert * stride_se + cols * stride_sn)[None, :]
     if MUL_WEIGHT:
         acc = acc * tl.load(topk_weight_ptr + ids, mask=real, other=0.0)[:, None]
     out = partial_ptr + rows[:, None] * stride_pp + offs_n.to(tl.int64)[None, :] * stride_pn
@@ -245,36 +261,53 @@ def moe_sum_kernel(
 
 def moe_stages(x, w1, w2, topk_weight, topk_ids, expert_map, routing, activation: int,
                doweight_stage1: bool, stage1: MoeStage1Config, stage2: MoeStage2Config,
-               out: torch.Tensor | None = None, warmup: bool = False) -> torch.Tensor:
+               out: torch.Tensor | None = None, warmup: bool = False,
+               scales: MoeScales | None = None) -> torch.Tensor:
     """Both stages and the sum over ``routing`` (made with ``stage1.block_m``): x (T, D),
     w1 (E, 2I, D), w2 (E, D, I), topk_weight (T, topk) fp32, topk_ids (T, topk) int32, ->
     (T, D) in x's dtype, into ``out`` if given. Launch only: the caller checked the shapes.
-    ``warmup``: compile every kernel for these arguments, launch none."""
-    inter = run_stage1(x, w1, topk_weight, topk_ids, expert_map, routing, activation,
-                       doweight_stage1, stage1, warmup)
-    return run_stage2(inter, w2, topk_weight, topk_ids, expert_map, routing, doweight_stage1,
-                      stage2, x.shape[0], x.dtype, out, warmup)
+    ``warmup``: compile every kernel for these arguments, launch none. With ``scales`` (FP8
+    w1 and w2, per output channel): x is quantised per token first, and the intermediate (kept
+    in fp32) per row before stage 2."""
+    if scales is None:
+        inter = run_stage1(x, w1, topk_weight, topk_ids, expert_map, routing, activation,
+                           doweight_stage1, stage1, warmup)
+        return run_stage2(inter, w2, topk_weight, topk_ids, expert_map, routing,
+                          doweight_stage1, stage2, x.shape[0], x.dtype, out, warmup)
+    xq, x_scale = quant_rows(x, warmup)
+    inter = run_stage1(xq, w1, topk_weight, topk_ids, expert_map, routing, activation,
+                       doweight_stage1, stage1, warmup, x_scale=x_scale, w_scale=scales.w1)
+    inter_q, inter_scale = quant_rows(inter, warmup)
+    return run_stage2(inter_q, w2, topk_weight, topk_ids, expert_map, routing, doweight_stage1,
+                      stage2, x.shape[0], x.dtype, out, warmup, x_scale=inter_scale,
+                      w_scale=scales.w2)
 
 
 def run_stage1(x, w1, topk_weight, topk_ids, expert_map, routing, activation: int,
-               doweight_stage1: bool, config: MoeStage1Config,
-               warmup: bool = False) -> torch.Tensor:
-    """Stage 1 alone: -> the intermediate, (rows of the routing, I)."""
+               doweight_stage1: bool, config: MoeStage1Config, warmup: bool = False,
+               x_scale: torch.Tensor | None = None,
+               w_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Stage 1 alone: -> the intermediate, (rows of the routing, I). FP8 x and w1 come with
+    ``x_scale`` (T,) and ``w_scale`` (E, 2I, 1); their intermediate is fp32."""
     tokens, model_dim = x.shape
     inter_dim = w1.shape[1] // 2
     topk = topk_weight.shape[1]
     pairs = tokens * topk
-    inter = torch.empty((routing.sorted_ids.numel(), inter_dim), dtype=x.dtype, device=x.device)
+    scaled = x_scale is not None
+    inter = torch.empty((routing.sorted_ids.numel(), inter_dim),
+                        dtype=torch.float32 if scaled else x.dtype, device=x.device)
     if config.persistent:
         return launch_stage1_persistent(x, w1, inter, topk_weight, routing, activation,
                                         doweight_stage1, config, warmup)
     grid = (routing.blocks, triton.cdiv(inter_dim, config.block_n))
+    w_scale = w_scale if scaled else inter  # unread without SCALED
     _checks.start(moe_stage1_kernel, grid, warmup, launch_pdl=PDL)(
         x, w1, inter, topk_weight.reshape(-1), routing.sorted_ids, routing.block_expert,
-        routing.block_rows, routing.rows_used, topk_ids.reshape(-1), expert_map, pairs,
+        routing.block_rows, routing.rows_used, topk_ids.reshape(-1), expert_map,
+        x_scale if scaled else inter, w_scale, pairs,
         model_dim, inter_dim, x.stride(0), x.stride(1), w1.stride(0), w1.stride(1), w1.stride(2),
-        inter.stride(0), inter.stride(1),
-        TOPK=topk, ACT=activation, MUL_WEIGHT=doweight_stage1,
+        inter.stride(0), inter.stride(1), *_scale_strides(w_scale, scaled),
+        TOPK=topk, ACT=activation, MUL_WEIGHT=doweight_stage1, SCALED=scaled,
         INPUT_PRECISION=_checks.input_precision(x.dtype), PAIR_BLOCKS=routing.pair_blocks,
         PDL=PDL, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         num_warps=config.num_warps, num_stages=config.num_stages)
@@ -284,10 +317,13 @@ def run_stage1(x, w1, topk_weight, topk_ids, expert_map, routing, activation: in
 def run_stage2(inter, w2, topk_weight, topk_ids, expert_map, routing, doweight_stage1: bool,
                config: MoeStage2Config, tokens: int, dtype: torch.dtype,
                out: torch.Tensor | None = None, warmup: bool = False,
-               with_sum: bool = True) -> torch.Tensor:
+               with_sum: bool = True, x_scale: torch.Tensor | None = None,
+               w_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Stage 2 and the sum over each token's slots: -> (T, D) in ``dtype``, into ``out`` if
     given. Without ``with_sum``: stage 2 alone, -> its (pairs, D) partial products (a
-    benchmark's split of the time)."""
+    benchmark's split of the time). FP8 inter and w2 come with ``x_scale`` (one per row of
+    inter) and ``w_scale`` (E, D, 1)."""
+    scaled = x_scale is not None
     inter_dim = inter.shape[1]
     pairs = topk_ids.numel()
     model_dim = w2.shape[1]
@@ -302,12 +338,14 @@ def run_stage2(inter, w2, topk_weight, topk_ids, expert_map, routing, doweight_s
                                  config, warmup)
     else:
         grid = (routing.blocks, triton.cdiv(model_dim, config.block_n), config.split_k)
+        w_scale = w_scale if scaled else partial  # unread without SCALED
         _checks.start(moe_stage2_kernel, grid, warmup, launch_pdl=PDL)(
             inter, w2, partial, topk_weight.reshape(-1), routing.sorted_ids,
             routing.block_expert, routing.block_rows, routing.rows_used, topk_ids.reshape(-1),
-            expert_map, pairs, model_dim, inter_dim, inter.stride(0), inter.stride(1),
-            w2.stride(0), w2.stride(1), w2.stride(2), partial.stride(0), partial.stride(1),
-            MUL_WEIGHT=not doweight_stage1, SPLIT_K=config.split_k,
+            expert_map, x_scale if scaled else partial, w_scale, pairs, model_dim, inter_dim,
+            inter.stride(0), inter.stride(1), w2.stride(0), w2.stride(1), w2.stride(2),
+            partial.stride(0), partial.stride(1), *_scale_strides(w_scale, scaled),
+            MUL_WEIGHT=not doweight_stage1, SCALED=scaled, SPLIT_K=config.split_k,
             INPUT_PRECISION=_checks.input_precision(dtype), PAIR_BLOCKS=routing.pair_blocks,
             PDL=PDL, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
             num_warps=config.num_warps, num_stages=config.num_stages)
@@ -316,6 +354,11 @@ def run_stage2(inter, w2, topk_weight, topk_ids, expert_map, routing, doweight_s
     if out is None:
         out = torch.empty((tokens, model_dim), dtype=dtype, device=inter.device)
     return run_sum(partial, topk_ids, expert_map, out, warmup)
+
+
+def _scale_strides(w_scale: torch.Tensor, scaled: bool) -> tuple[int, int]:
+    """A per-channel weight scale's (expert, row) strides (unused without scales)."""
+    return (w_scale.stride(0), w_scale.stride(1)) if scaled else (0, 0)
 
 
 def run_sum(partial, topk_ids, expert_map, out, warmup: bool = False) -> torch.Tensor:
