@@ -204,24 +204,29 @@ FP8_TWO_STAGE = ["triton.moe1:BM16.BN16.BK32.W4.S1+triton.moe2:BM16.BN16.BK32.SK
                  "triton.moe1:BM16.BN16.BK32.W4.S1.PB1+triton.moe2:BM16.BN16.BK32.SK2.W4.S1.PB1"]
 
 
+@pytest.mark.parametrize("q_type", [QuantType.per_Token, QuantType.per_Tensor])
 @pytest.mark.parametrize("kernel", FP8_TWO_STAGE)
-def test_the_two_stage_kernels_take_fp8_per_token_experts(kernel):
-    # Against the scheme's emulation: the same quantised inputs and intermediate (the Triton row
-    # quantiser rounds as gemmtune.quant does), sums in another order.
+def test_the_two_stage_kernels_take_fp8_experts(kernel, q_type):
+    # Against the scheme's emulation: the same quantised inputs and intermediate (the Triton
+    # quantiser rounds as gemmtune.quant does), sums in another order. per_Tensor: dynamic
+    # scales with the weight on stage 2, static ones with it on stage 1.
     T, D, I, E_global, topk = 6, 96, 64, 5, 2  # noqa: E741
     mask = torch.tensor([True, True, False, True, True], device=DEVICE)
     local_of = {0: 0, 1: 1, 2: -1, 3: 2, 4: 3}
-    layer = fp8_layer(T, D, I, 4, topk, "per_Token", seed=20, dtype=torch.bfloat16)
+    layer = fp8_layer(T, D, I, 4, topk, q_type, seed=20, dtype=torch.bfloat16)
     topk_ids = routing(T, 4, topk, seed=21, experts_global=E_global)[1]
     topk_ids[0] = torch.tensor([2, 4])  # one slot elsewhere
     for doweight_stage1 in (False, True):
+        static = q_type == QuantType.per_Tensor and doweight_stage1
+        a1, a2 = (torch.tensor(0.01, device=DEVICE), torch.tensor(0.002, device=DEVICE)) \
+            if static else (None, None)
         y = gemmtune.fused_moe(layer.hidden, layer.w1q, layer.w2q, layer.topk_weight, topk_ids,
-                               quant_type="per_Token", doweight_stage1=doweight_stage1,
-                               w1_scale=layer.s1, w2_scale=layer.s2, expert_mask=mask,
-                               kernel=kernel)
+                               quant_type=q_type, doweight_stage1=doweight_stage1,
+                               w1_scale=layer.s1, w2_scale=layer.s2, a1_scale=a1, a2_scale=a2,
+                               expert_mask=mask, kernel=kernel)
         expected = emulate(layer.hidden, layer.w1q, layer.w2q, layer.s1, layer.s2,
-                           layer.topk_weight, topk_ids, QuantType.per_Token, local_of,
-                           doweight_stage1=doweight_stage1)
+                           layer.topk_weight, topk_ids, q_type, local_of,
+                           doweight_stage1=doweight_stage1, a1=a1, a2=a2)
         assert y.dtype == torch.bfloat16 and not torch.isnan(y).any()
         assert relative(y, expected) < EMULATION_TOLERANCE[torch.bfloat16]
 
@@ -239,6 +244,16 @@ def test_the_triton_row_quantiser_rounds_as_gemmtune_quant():
     assert torch.equal(scale[:4], expected_scale[:4, 0])
     assert torch.equal(q[:4].view(torch.uint8), expected_q[:4].view(torch.uint8))
     assert torch.isnan(scale[4])  # a NaN makes its row's scale NaN, as gemmtune.quant's
+    finite = x[:4]
+    q, scale = moe_quant.quant_tensor(finite)
+    expected_q, expected_scale = quant.per_tensor_fp8(finite)
+    assert torch.equal(scale, expected_scale)
+    assert torch.equal(q.view(torch.uint8), expected_q.view(torch.uint8))
+    static = torch.tensor(0.05, device=DEVICE)
+    q, scale = moe_quant.quant_tensor(finite, static)
+    assert torch.equal(scale, static)
+    assert torch.equal(q.view(torch.uint8), quant.quantize_fp8(finite, static).view(torch.uint8))
+    assert torch.isnan(moe_quant.quant_tensor(x)[1])
 
 
 @pytest.mark.gpu

@@ -43,11 +43,11 @@ def route(config: MoeStage1Config | MoeStage2Config, topk_ids, expert_map, exper
 
 def _why_not_fp8(solution: "TritonTwoStageMoe", problem: MoeProblem) -> str | None:
     """What the two-stage kernels take of FP8 experts so far: per-channel weight scales with
-    per-token activations (the row-wise scales every stage applies after its sums), without
-    the persistent TMA stages."""
-    if problem.scaling is not Scaling.rowwise:
+    per-token activations, or per-expert ones with per-tensor activations (scales every stage
+    applies after its sums), without the persistent TMA stages."""
+    if problem.scaling not in (Scaling.rowwise, Scaling.tensor):
         return (f"FP8 experts with {problem.scaling.value} scales: the Triton MoE kernels take "
-                f"per-token scales (QuantType.per_Token) so far")
+                f"per-token or per-tensor scales (QuantType.per_Token, per_Tensor) so far")
     if problem.dtype not in DTYPES:
         return f"{problem.dtype} activations: the Triton MoE kernels take {DTYPES}"
     if solution.stage1.persistent or solution.stage2.persistent:
@@ -115,7 +115,8 @@ class TritonTwoStageMoe:
         routing = route(self.stage1, topk_ids, expert_map, w1.shape[0])
         return moe_stages(hidden, w1, w2, topk_weight, topk_ids, expert_map, routing,
                           ACT_CODES[problem.activation], problem.doweight_stage1, self.stage1,
-                          self.stage2, out=out, scales=scales)
+                          self.stage2, out=out, scales=scales,
+                          per_tensor=problem.scaling is Scaling.tensor)
 
 
 class _OneLaunchMoe:

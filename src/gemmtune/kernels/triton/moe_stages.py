@@ -40,7 +40,7 @@ from gemmtune.kernels.triton.moe_configs import (BLOCK_MS, FLATTENED, PAIR_BLOCK
                                                  MoeStage1Config, MoeStage2Config)
 from gemmtune.kernels.triton.moe_persistent import (launch_stage1_persistent,
                                                     launch_stage2_persistent)
-from gemmtune.kernels.triton.moe_quant import quant_rows
+from gemmtune.kernels.triton.moe_quant import quant_rows, quant_tensor
 
 
 
@@ -135,7 +135,7 @@ def moe_stage1_kernel(
     stride_xt, stride_xd,
     stride_we, stride_wn, stride_wd,
     stride_ip, stride_in,
-    stride_se, stride_sn,
+    stride_xs, stride_se, stride_sn,  # 0 where a scale is one per tensor (per expert)
     TOPK: tl.constexpr,
     ACT: tl.constexpr,
     MUL_WEIGHT: tl.constexpr,
@@ -157,7 +157,7 @@ def moe_stage1_kernel(
                             stride_xd, stride_we, stride_wn, stride_wd, INPUT_PRECISION,
                             BLOCK_M, BLOCK_N, BLOCK_K)
     if SCALED:  # the FP8 sums times the token's and the output channel's scales
-        xs = tl.load(xs_ptr + tokens, mask=real, other=0.0)[:, None]
+        xs = tl.load(xs_ptr + tokens * stride_xs, mask=real, other=0.0)[:, None]
         scales = ws_ptr + expert * stride_se
         gate = gate * xs * tl.load(scales + cols * stride_sn)[None, :]
         up = up * xs * tl.load(scales + (cols + I) * stride_sn)[None, :]
@@ -183,7 +183,7 @@ def moe_stage2_kernel(
     stride_ip, stride_in,
     stride_we, stride_wn, stride_wk,
     stride_pp, stride_pn,
-    stride_se, stride_sn,
+    stride_is, stride_se, stride_sn,  # 0 where a scale is one per tensor (per expert)
     MUL_WEIGHT: tl.constexpr,
     SCALED: tl.constexpr,
     SPLIT_K: tl.constexpr,
@@ -220,7 +220,7 @@ def moe_stage2_kernel(
         b_ptrs += BLOCK_K * stride_wk
     let_next_start(PDL)
     if SCALED:
-        acc = acc * tl.load(is_ptr + inter_rows, mask=real, other=0.0)[:, None] \
+        acc = acc * tl.load(is_ptr + inter_rows * stride_is, mask=real, other=0.0)[:, None] \
             * tl.load(ws_ptr + expert * stride_se + cols * stride_sn)[None, :]
     if MUL_WEIGHT:
         acc = acc * tl.load(topk_weight_ptr + ids, mask=real, other=0.0)[:, None]
@@ -262,25 +262,31 @@ def moe_sum_kernel(
 def moe_stages(x, w1, w2, topk_weight, topk_ids, expert_map, routing, activation: int,
                doweight_stage1: bool, stage1: MoeStage1Config, stage2: MoeStage2Config,
                out: torch.Tensor | None = None, warmup: bool = False,
-               scales: MoeScales | None = None) -> torch.Tensor:
+               scales: MoeScales | None = None, per_tensor: bool = False) -> torch.Tensor:
     """Both stages and the sum over ``routing`` (made with ``stage1.block_m``): x (T, D),
     w1 (E, 2I, D), w2 (E, D, I), topk_weight (T, topk) fp32, topk_ids (T, topk) int32, ->
     (T, D) in x's dtype, into ``out`` if given. Launch only: the caller checked the shapes.
     ``warmup``: compile every kernel for these arguments, launch none. With ``scales`` (FP8
-    w1 and w2, per output channel): x is quantised per token first, and the intermediate (kept
-    in fp32) per row before stage 2."""
+    w1 and w2, per output channel, or ``per_tensor`` per expert): x is quantised per token
+    (``per_tensor``: per tensor) first, and the intermediate (kept in fp32) likewise before
+    stage 2."""
     if scales is None:
         inter = run_stage1(x, w1, topk_weight, topk_ids, expert_map, routing, activation,
                            doweight_stage1, stage1, warmup)
         return run_stage2(inter, w2, topk_weight, topk_ids, expert_map, routing,
                           doweight_stage1, stage2, x.shape[0], x.dtype, out, warmup)
-    xq, x_scale = quant_rows(x, warmup)
+    xq, x_scale = _quantised(x, per_tensor, scales.a1, warmup)
     inter = run_stage1(xq, w1, topk_weight, topk_ids, expert_map, routing, activation,
                        doweight_stage1, stage1, warmup, x_scale=x_scale, w_scale=scales.w1)
-    inter_q, inter_scale = quant_rows(inter, warmup)
+    inter_q, inter_scale = _quantised(inter, per_tensor, scales.a2, warmup)
     return run_stage2(inter_q, w2, topk_weight, topk_ids, expert_map, routing, doweight_stage1,
                       stage2, x.shape[0], x.dtype, out, warmup, x_scale=inter_scale,
                       w_scale=scales.w2)
+
+
+def _quantised(t: torch.Tensor, per_tensor: bool, static, warmup: bool):
+    """A stage's FP8 input: per row, or per tensor (by ``static`` if given)."""
+    return quant_tensor(t, static, warmup) if per_tensor else quant_rows(t, warmup)
 
 
 def run_stage1(x, w1, topk_weight, topk_ids, expert_map, routing, activation: int,
@@ -288,14 +294,18 @@ def run_stage1(x, w1, topk_weight, topk_ids, expert_map, routing, activation: in
                x_scale: torch.Tensor | None = None,
                w_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Stage 1 alone: -> the intermediate, (rows of the routing, I). FP8 x and w1 come with
-    ``x_scale`` (T,) and ``w_scale`` (E, 2I, 1); their intermediate is fp32."""
+    ``x_scale`` ((T,) or () per tensor) and ``w_scale`` ((E, 2I, 1), or (E, 1, 1) per expert);
+    their intermediate is fp32."""
     tokens, model_dim = x.shape
     inter_dim = w1.shape[1] // 2
     topk = topk_weight.shape[1]
     pairs = tokens * topk
     scaled = x_scale is not None
-    inter = torch.empty((routing.sorted_ids.numel(), inter_dim),
-                        dtype=torch.float32 if scaled else x.dtype, device=x.device)
+    # FP8: the intermediate is quantised whole next, padding rows included (a block's rows past
+    # its pairs, other ranks' pairs): zeros there leave a per-tensor amax to the real rows.
+    inter = (torch.zeros if scaled else torch.empty)(
+        (routing.sorted_ids.numel(), inter_dim), dtype=torch.float32 if scaled else x.dtype,
+        device=x.device)
     if config.persistent:
         return launch_stage1_persistent(x, w1, inter, topk_weight, routing, activation,
                                         doweight_stage1, config, warmup)
@@ -306,7 +316,7 @@ def run_stage1(x, w1, topk_weight, topk_ids, expert_map, routing, activation: in
         routing.block_rows, routing.rows_used, topk_ids.reshape(-1), expert_map,
         x_scale if scaled else inter, w_scale, pairs,
         model_dim, inter_dim, x.stride(0), x.stride(1), w1.stride(0), w1.stride(1), w1.stride(2),
-        inter.stride(0), inter.stride(1), *_scale_strides(w_scale, scaled),
+        inter.stride(0), inter.stride(1), *_scale_strides(x_scale, w_scale, scaled),
         TOPK=topk, ACT=activation, MUL_WEIGHT=doweight_stage1, SCALED=scaled,
         INPUT_PRECISION=_checks.input_precision(x.dtype), PAIR_BLOCKS=routing.pair_blocks,
         PDL=PDL, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
@@ -322,7 +332,7 @@ def run_stage2(inter, w2, topk_weight, topk_ids, expert_map, routing, doweight_s
     """Stage 2 and the sum over each token's slots: -> (T, D) in ``dtype``, into ``out`` if
     given. Without ``with_sum``: stage 2 alone, -> its (pairs, D) partial products (a
     benchmark's split of the time). FP8 inter and w2 come with ``x_scale`` (one per row of
-    inter) and ``w_scale`` (E, D, 1)."""
+    inter, or ()) and ``w_scale`` ((E, D, 1) or (E, 1, 1))."""
     scaled = x_scale is not None
     inter_dim = inter.shape[1]
     pairs = topk_ids.numel()
@@ -344,7 +354,7 @@ def run_stage2(inter, w2, topk_weight, topk_ids, expert_map, routing, doweight_s
             routing.block_expert, routing.block_rows, routing.rows_used, topk_ids.reshape(-1),
             expert_map, x_scale if scaled else partial, w_scale, pairs, model_dim, inter_dim,
             inter.stride(0), inter.stride(1), w2.stride(0), w2.stride(1), w2.stride(2),
-            partial.stride(0), partial.stride(1), *_scale_strides(w_scale, scaled),
+            partial.stride(0), partial.stride(1), *_scale_strides(x_scale, w_scale, scaled),
             MUL_WEIGHT=not doweight_stage1, SCALED=scaled, SPLIT_K=config.split_k,
             INPUT_PRECISION=_checks.input_precision(dtype), PAIR_BLOCKS=routing.pair_blocks,
             PDL=PDL, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
@@ -356,9 +366,13 @@ def run_stage2(inter, w2, topk_weight, topk_ids, expert_map, routing, doweight_s
     return run_sum(partial, topk_ids, expert_map, out, warmup)
 
 
-def _scale_strides(w_scale: torch.Tensor, scaled: bool) -> tuple[int, int]:
-    """A per-channel weight scale's (expert, row) strides (unused without scales)."""
-    return (w_scale.stride(0), w_scale.stride(1)) if scaled else (0, 0)
+def _scale_strides(x_scale, w_scale, scaled: bool) -> tuple[int, int, int]:
+    """The strides of the activations' scale (per row; 0 for one per tensor) and of the
+    weights' (expert, row) (row 0 for one per expert); unused without scales."""
+    if not scaled:
+        return 0, 0, 0
+    return (x_scale.stride(0) if x_scale.dim() else 0, w_scale.stride(0),
+            w_scale.stride(1) if w_scale.shape[1] > 1 else 0)
 
 
 def run_sum(partial, topk_ids, expert_map, out, warmup: bool = False) -> torch.Tensor:
