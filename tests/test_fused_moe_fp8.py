@@ -184,6 +184,12 @@ def test_bad_quantised_calls_say_what_is_wrong():
     with pytest.raises(ValueError, match="the Triton MoE kernels take"):
         gemmtune.fused_moe(**call, quant_type="per_Token", w1_scale=s1, w2_scale=s2,
                            kernel="triton.moe_gmm")
+    blocks = fp8_layer(3, 128, 64, 2, 2, "per_1x128", seed=14)
+    with pytest.raises(ValueError, match="each K step must lie in one block"):
+        gemmtune.fused_moe(**{**call, "w1": blocks.w1q, "w2": blocks.w2q},
+                           quant_type="per_1x128", w1_scale=blocks.s1, w2_scale=blocks.s2,
+                           kernel="triton.moe1:BM16.BN16.BK256.W4.S1"
+                                  "+triton.moe2:BM16.BN16.BK256.SK1.W4.S1")
 
 
 def test_compiles_whole_with_fp8_experts():
@@ -204,13 +210,16 @@ FP8_TWO_STAGE = ["triton.moe1:BM16.BN16.BK32.W4.S1+triton.moe2:BM16.BN16.BK32.SK
                  "triton.moe1:BM16.BN16.BK32.W4.S1.PB1+triton.moe2:BM16.BN16.BK32.SK2.W4.S1.PB1"]
 
 
-@pytest.mark.parametrize("q_type", [QuantType.per_Token, QuantType.per_Tensor])
-@pytest.mark.parametrize("kernel", FP8_TWO_STAGE)
+# Every scheme through grouped routing; pair blocks with split-K (many more programs, so slow
+# in the interpreter) with block scales, the scheme with the most indexing.
+@pytest.mark.parametrize("kernel,q_type", [(FP8_TWO_STAGE[0], q) for q in SCHEMES]
+                         + [(FP8_TWO_STAGE[1], QuantType.per_1x128)])
 def test_the_two_stage_kernels_take_fp8_experts(kernel, q_type):
     # Against the scheme's emulation: the same quantised inputs and intermediate (the Triton
     # quantiser rounds as gemmtune.quant does), sums in another order. per_Tensor: dynamic
-    # scales with the weight on stage 2, static ones with it on stage 1.
-    T, D, I, E_global, topk = 6, 96, 64, 5, 2  # noqa: E741
+    # scales with the weight on stage 2, static ones with it on stage 1. D and I leave partial
+    # 128 blocks.
+    T, D, I, E_global, topk = 5, 136, 72, 5, 2  # noqa: E741
     mask = torch.tensor([True, True, False, True, True], device=DEVICE)
     local_of = {0: 0, 1: 1, 2: -1, 3: 2, 4: 3}
     layer = fp8_layer(T, D, I, 4, topk, q_type, seed=20, dtype=torch.bfloat16)
@@ -254,6 +263,11 @@ def test_the_triton_row_quantiser_rounds_as_gemmtune_quant():
     assert torch.equal(scale, static)
     assert torch.equal(q.view(torch.uint8), quant.quantize_fp8(finite, static).view(torch.uint8))
     assert torch.isnan(moe_quant.quant_tensor(x)[1])
+    q, scale = moe_quant.quant_blocks(x)
+    expected_q, expected_scale = quant.per_block_fp8(x, quant.ACT_BLOCK)
+    assert torch.equal(scale[:4], expected_scale[:4])  # (5, 2): a full and a partial block
+    assert torch.equal(q[:4].view(torch.uint8), expected_q[:4].view(torch.uint8))
+    assert torch.isnan(scale[4, 0]) and not torch.isnan(scale[4, 1])
 
 
 @pytest.mark.gpu

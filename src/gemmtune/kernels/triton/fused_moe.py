@@ -42,12 +42,13 @@ def route(config: MoeStage1Config | MoeStage2Config, topk_ids, expert_map, exper
 
 
 def _why_not_fp8(solution: "TritonTwoStageMoe", problem: MoeProblem) -> str | None:
-    """What the two-stage kernels take of FP8 experts so far: per-channel weight scales with
-    per-token activations, or per-expert ones with per-tensor activations (scales every stage
-    applies after its sums), without the persistent TMA stages."""
-    if problem.scaling not in (Scaling.rowwise, Scaling.tensor):
-        return (f"FP8 experts with {problem.scaling.value} scales: the Triton MoE kernels take "
-                f"per-token or per-tensor scales (QuantType.per_Token, per_Tensor) so far")
+    """What the two-stage kernels take of FP8 experts: every scheme (per token, per tensor,
+    per 1x128 block; block scales need K steps inside one block), without the persistent TMA
+    stages so far."""
+    if problem.scaling is Scaling.block and any(128 % stage.block_k
+                                                for stage in (solution.stage1, solution.stage2)):
+        return (f"block_k={solution.stage1.block_k}/{solution.stage2.block_k}: with 128x128 "
+                f"block scales each K step must lie in one block (block_k divides 128)")
     if problem.dtype not in DTYPES:
         return f"{problem.dtype} activations: the Triton MoE kernels take {DTYPES}"
     if solution.stage1.persistent or solution.stage2.persistent:
@@ -115,8 +116,7 @@ class TritonTwoStageMoe:
         routing = route(self.stage1, topk_ids, expert_map, w1.shape[0])
         return moe_stages(hidden, w1, w2, topk_weight, topk_ids, expert_map, routing,
                           ACT_CODES[problem.activation], problem.doweight_stage1, self.stage1,
-                          self.stage2, out=out, scales=scales,
-                          per_tensor=problem.scaling is Scaling.tensor)
+                          self.stage2, out=out, scales=scales, scaling=problem.scaling)
 
 
 class _OneLaunchMoe:

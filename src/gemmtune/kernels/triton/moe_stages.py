@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gemmtune.kernels.problem import MoeScales
+from gemmtune.kernels.problem import MoeScales, Scaling
 from gemmtune.kernels.triton import _checks
 from gemmtune.kernels.triton.moe_common import (PDL, gate_up_sums, gated_activation,
                                                 let_next_start, wait_for_inputs)
@@ -40,7 +40,7 @@ from gemmtune.kernels.triton.moe_configs import (BLOCK_MS, FLATTENED, PAIR_BLOCK
                                                  MoeStage1Config, MoeStage2Config)
 from gemmtune.kernels.triton.moe_persistent import (launch_stage1_persistent,
                                                     launch_stage2_persistent)
-from gemmtune.kernels.triton.moe_quant import quant_rows, quant_tensor
+from gemmtune.kernels.triton.moe_quant import quant_blocks, quant_rows, quant_tensor
 
 
 
@@ -122,6 +122,49 @@ def _inter_rows(block, ids, real, PAIR_BLOCKS: tl.constexpr, BLOCK_M: tl.constex
     return (block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
 
 
+# SCALED: how FP8 operands' scales apply. Rows: after the sums, one per row of the activations
+# (or one per tensor: stride 0) times one per output channel of the expert (or one per expert).
+# Blocks: at each K step, the activations' 1x128 block scale times the weights' 128x128 one.
+SCALING_NONE, SCALING_ROWS, SCALING_BLOCKS = 0, 1, 2
+SCALE_BLOCK = 128
+
+
+@triton.jit
+def _gate_up_block_scaled(x_ptr, w1_ptr, xs_ptr, ws_ptr, tokens, real, expert, cols, D, I,
+                          stride_xt, stride_xd, stride_we, stride_wn, stride_wd, stride_xs,
+                          stride_xk, stride_se, stride_sn, stride_sk,
+                          INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``gate_up_sums`` of FP8 x and w1 with block scales: each K step's products (one 128
+    block: block_k divides 128) times x's 1x128 and w1's 128x128 scales, summed in fp32."""
+    offs_k = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + tokens[:, None] * stride_xt + offs_k[None, :] * stride_xd
+    w_base = w1_ptr + expert * stride_we + offs_k[:, None] * stride_wd
+    gate_ptrs = w_base + cols[None, :] * stride_wn
+    up_ptrs = w_base + (cols + I)[None, :] * stride_wn
+    x_scales = xs_ptr + tokens * stride_xs
+    s_base = ws_ptr + expert * stride_se
+    gate_scales = s_base + (cols // SCALE_BLOCK) * stride_sn
+    up_scales = s_base + ((cols + I) // SCALE_BLOCK) * stride_sn
+    gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, D, BLOCK_K):
+        k_left = D - k0
+        a = tl.load(x_ptrs, mask=real[:, None] & (offs_k[None, :] < k_left), other=0.0)
+        wg = tl.load(gate_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+        wu = tl.load(up_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+        block = k0 // SCALE_BLOCK
+        xs = tl.load(x_scales + block * stride_xk, mask=real, other=0.0)[:, None]
+        gate += tl.dot(a, wg, input_precision=INPUT_PRECISION) * xs \
+            * tl.load(gate_scales + block * stride_sk)[None, :]
+        up += tl.dot(a, wu, input_precision=INPUT_PRECISION) * xs \
+            * tl.load(up_scales + block * stride_sk)[None, :]
+        x_ptrs += BLOCK_K * stride_xd
+        gate_ptrs += BLOCK_K * stride_wd
+        up_ptrs += BLOCK_K * stride_wd
+    return gate, up
+
+
 @triton.jit
 def moe_stage1_kernel(
     x_ptr,  # (T, D)
@@ -130,12 +173,12 @@ def moe_stage1_kernel(
     topk_weight_ptr,  # (pairs,) fp32
     sorted_ids_ptr, block_expert_ptr, block_rows_ptr, rows_used_ptr,
     topk_ids_ptr, expert_map_ptr,  # read with PAIR_BLOCKS
-    xs_ptr, ws_ptr,  # SCALED (FP8 x and w1): x's scale per token, w1's per (expert, row)
+    xs_ptr, ws_ptr,  # SCALED (FP8 x and w1): x's scales and w1's (SCALING_* above)
     pairs, D, I,
     stride_xt, stride_xd,
     stride_we, stride_wn, stride_wd,
     stride_ip, stride_in,
-    stride_xs, stride_se, stride_sn,  # 0 where a scale is one per tensor (per expert)
+    stride_xs, stride_xk, stride_se, stride_sn, stride_sk,  # 0 where one scale covers many
     TOPK: tl.constexpr,
     ACT: tl.constexpr,
     MUL_WEIGHT: tl.constexpr,
@@ -153,10 +196,17 @@ def moe_stage1_kernel(
     tokens = tl.where(real, ids // TOPK, 0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.where(offs_n < I, offs_n, 0).to(tl.int64)
-    gate, up = gate_up_sums(x_ptr, w1_ptr, tokens, real, expert, cols, D, I, stride_xt,
-                            stride_xd, stride_we, stride_wn, stride_wd, INPUT_PRECISION,
-                            BLOCK_M, BLOCK_N, BLOCK_K)
-    if SCALED:  # the FP8 sums times the token's and the output channel's scales
+    if SCALED == SCALING_BLOCKS:
+        gate, up = _gate_up_block_scaled(x_ptr, w1_ptr, xs_ptr, ws_ptr, tokens, real, expert,
+                                         cols, D, I, stride_xt, stride_xd, stride_we,
+                                         stride_wn, stride_wd, stride_xs, stride_xk,
+                                         stride_se, stride_sn, stride_sk, INPUT_PRECISION,
+                                         BLOCK_M, BLOCK_N, BLOCK_K)
+    else:
+        gate, up = gate_up_sums(x_ptr, w1_ptr, tokens, real, expert, cols, D, I, stride_xt,
+                                stride_xd, stride_we, stride_wn, stride_wd, INPUT_PRECISION,
+                                BLOCK_M, BLOCK_N, BLOCK_K)
+    if SCALED == SCALING_ROWS:  # the FP8 sums times the token's and the output channel's
         xs = tl.load(xs_ptr + tokens * stride_xs, mask=real, other=0.0)[:, None]
         scales = ws_ptr + expert * stride_se
         gate = gate * xs * tl.load(scales + cols * stride_sn)[None, :]
@@ -178,12 +228,12 @@ def moe_stage2_kernel(
     topk_weight_ptr,  # (pairs,) fp32
     sorted_ids_ptr, block_expert_ptr, block_rows_ptr, rows_used_ptr,
     topk_ids_ptr, expert_map_ptr,  # read with PAIR_BLOCKS
-    is_ptr, ws_ptr,  # SCALED (FP8 inter and w2): inter's scale per row, w2's per (expert, row)
+    is_ptr, ws_ptr,  # SCALED (FP8 inter and w2): inter's scales and w2's (SCALING_* above)
     pairs, D, I,
     stride_ip, stride_in,
     stride_we, stride_wn, stride_wk,
     stride_pp, stride_pn,
-    stride_is, stride_se, stride_sn,  # 0 where a scale is one per tensor (per expert)
+    stride_is, stride_ik, stride_se, stride_sn, stride_sk,  # 0 where one scale covers many
     MUL_WEIGHT: tl.constexpr,
     SCALED: tl.constexpr,
     SPLIT_K: tl.constexpr,
@@ -210,16 +260,24 @@ def moe_stage2_kernel(
     a_ptrs = inter_ptr + inter_rows[:, None] * stride_ip + offs_k[None, :] * stride_in
     b_ptrs = w2_ptr + expert * stride_we + cols[None, :] * stride_wn + offs_k[:, None] * stride_wk
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    row_scales = is_ptr + inter_rows * stride_is
+    col_scales = ws_ptr + expert * stride_se + (cols // SCALE_BLOCK) * stride_sn
     for k0 in range(k_lo, k_hi, BLOCK_K):
         k_left = I - k0
         lane = tl.arange(0, BLOCK_K)
         a = tl.load(a_ptrs, mask=real[:, None] & (lane[None, :] < k_left), other=0.0)
         b = tl.load(b_ptrs, mask=lane[:, None] < k_left, other=0.0)
-        acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+        if SCALED == SCALING_BLOCKS:  # each K step lies in one 128 block (block_k | 128)
+            block = k0 // SCALE_BLOCK
+            acc += tl.dot(a, b, input_precision=INPUT_PRECISION) \
+                * tl.load(row_scales + block * stride_ik, mask=real, other=0.0)[:, None] \
+                * tl.load(col_scales + block * stride_sk)[None, :]
+        else:
+            acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
         a_ptrs += BLOCK_K * stride_in
         b_ptrs += BLOCK_K * stride_wk
     let_next_start(PDL)
-    if SCALED:
+    if SCALED == SCALING_ROWS:
         acc = acc * tl.load(is_ptr + inter_rows * stride_is, mask=real, other=0.0)[:, None] \
             * tl.load(ws_ptr + expert * stride_se + cols * stride_sn)[None, :]
     if MUL_WEIGHT:
@@ -262,31 +320,34 @@ def moe_sum_kernel(
 def moe_stages(x, w1, w2, topk_weight, topk_ids, expert_map, routing, activation: int,
                doweight_stage1: bool, stage1: MoeStage1Config, stage2: MoeStage2Config,
                out: torch.Tensor | None = None, warmup: bool = False,
-               scales: MoeScales | None = None, per_tensor: bool = False) -> torch.Tensor:
+               scales: MoeScales | None = None,
+               scaling: Scaling = Scaling.rowwise) -> torch.Tensor:
     """Both stages and the sum over ``routing`` (made with ``stage1.block_m``): x (T, D),
     w1 (E, 2I, D), w2 (E, D, I), topk_weight (T, topk) fp32, topk_ids (T, topk) int32, ->
     (T, D) in x's dtype, into ``out`` if given. Launch only: the caller checked the shapes.
     ``warmup``: compile every kernel for these arguments, launch none. With ``scales`` (FP8
-    w1 and w2, per output channel, or ``per_tensor`` per expert): x is quantised per token
-    (``per_tensor``: per tensor) first, and the intermediate (kept in fp32) likewise before
-    stage 2."""
+    w1 and w2 scaled per output channel, per expert or per 128x128 block, as ``scaling`` says:
+    rowwise, tensor, block): x is quantised per token, per tensor or per 1x128 block first, and
+    the intermediate (kept in fp32) likewise before stage 2."""
     if scales is None:
         inter = run_stage1(x, w1, topk_weight, topk_ids, expert_map, routing, activation,
                            doweight_stage1, stage1, warmup)
         return run_stage2(inter, w2, topk_weight, topk_ids, expert_map, routing,
                           doweight_stage1, stage2, x.shape[0], x.dtype, out, warmup)
-    xq, x_scale = _quantised(x, per_tensor, scales.a1, warmup)
+    xq, x_scale = _quantised(x, scaling, scales.a1, warmup)
     inter = run_stage1(xq, w1, topk_weight, topk_ids, expert_map, routing, activation,
                        doweight_stage1, stage1, warmup, x_scale=x_scale, w_scale=scales.w1)
-    inter_q, inter_scale = _quantised(inter, per_tensor, scales.a2, warmup)
+    inter_q, inter_scale = _quantised(inter, scaling, scales.a2, warmup)
     return run_stage2(inter_q, w2, topk_weight, topk_ids, expert_map, routing, doweight_stage1,
                       stage2, x.shape[0], x.dtype, out, warmup, x_scale=inter_scale,
                       w_scale=scales.w2)
 
 
-def _quantised(t: torch.Tensor, per_tensor: bool, static, warmup: bool):
-    """A stage's FP8 input: per row, or per tensor (by ``static`` if given)."""
-    return quant_tensor(t, static, warmup) if per_tensor else quant_rows(t, warmup)
+def _quantised(t: torch.Tensor, scaling: Scaling, static, warmup: bool):
+    """A stage's FP8 input: per row, per 1x128 block, or per tensor (by ``static`` if given)."""
+    if scaling is Scaling.tensor:
+        return quant_tensor(t, static, warmup)
+    return quant_blocks(t, warmup) if scaling is Scaling.block else quant_rows(t, warmup)
 
 
 def run_stage1(x, w1, topk_weight, topk_ids, expert_map, routing, activation: int,
@@ -294,8 +355,8 @@ def run_stage1(x, w1, topk_weight, topk_ids, expert_map, routing, activation: in
                x_scale: torch.Tensor | None = None,
                w_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Stage 1 alone: -> the intermediate, (rows of the routing, I). FP8 x and w1 come with
-    ``x_scale`` ((T,) or () per tensor) and ``w_scale`` ((E, 2I, 1), or (E, 1, 1) per expert);
-    their intermediate is fp32."""
+    ``x_scale`` ((T,), () per tensor or (T, D/128) per block) and ``w_scale`` ((E, 2I, 1),
+    (E, 1, 1) or (E, 2I/128, D/128)); their intermediate is fp32."""
     tokens, model_dim = x.shape
     inter_dim = w1.shape[1] // 2
     topk = topk_weight.shape[1]
@@ -316,8 +377,8 @@ def run_stage1(x, w1, topk_weight, topk_ids, expert_map, routing, activation: in
         routing.block_rows, routing.rows_used, topk_ids.reshape(-1), expert_map,
         x_scale if scaled else inter, w_scale, pairs,
         model_dim, inter_dim, x.stride(0), x.stride(1), w1.stride(0), w1.stride(1), w1.stride(2),
-        inter.stride(0), inter.stride(1), *_scale_strides(x_scale, w_scale, scaled),
-        TOPK=topk, ACT=activation, MUL_WEIGHT=doweight_stage1, SCALED=scaled,
+        inter.stride(0), inter.stride(1), *_scale_strides(x_scale, w_scale),
+        TOPK=topk, ACT=activation, MUL_WEIGHT=doweight_stage1, SCALED=_scaling(x_scale),
         INPUT_PRECISION=_checks.input_precision(x.dtype), PAIR_BLOCKS=routing.pair_blocks,
         PDL=PDL, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         num_warps=config.num_warps, num_stages=config.num_stages)
@@ -332,7 +393,7 @@ def run_stage2(inter, w2, topk_weight, topk_ids, expert_map, routing, doweight_s
     """Stage 2 and the sum over each token's slots: -> (T, D) in ``dtype``, into ``out`` if
     given. Without ``with_sum``: stage 2 alone, -> its (pairs, D) partial products (a
     benchmark's split of the time). FP8 inter and w2 come with ``x_scale`` (one per row of
-    inter, or ()) and ``w_scale`` ((E, D, 1) or (E, 1, 1))."""
+    inter, (), or per 1x128 block) and ``w_scale`` ((E, D, 1), (E, 1, 1) or per 128x128)."""
     scaled = x_scale is not None
     inter_dim = inter.shape[1]
     pairs = topk_ids.numel()
@@ -354,8 +415,8 @@ def run_stage2(inter, w2, topk_weight, topk_ids, expert_map, routing, doweight_s
             routing.block_expert, routing.block_rows, routing.rows_used, topk_ids.reshape(-1),
             expert_map, x_scale if scaled else partial, w_scale, pairs, model_dim, inter_dim,
             inter.stride(0), inter.stride(1), w2.stride(0), w2.stride(1), w2.stride(2),
-            partial.stride(0), partial.stride(1), *_scale_strides(x_scale, w_scale, scaled),
-            MUL_WEIGHT=not doweight_stage1, SCALED=scaled, SPLIT_K=config.split_k,
+            partial.stride(0), partial.stride(1), *_scale_strides(x_scale, w_scale),
+            MUL_WEIGHT=not doweight_stage1, SCALED=_scaling(x_scale), SPLIT_K=config.split_k,
             INPUT_PRECISION=_checks.input_precision(dtype), PAIR_BLOCKS=routing.pair_blocks,
             PDL=PDL, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
             num_warps=config.num_warps, num_stages=config.num_stages)
@@ -366,13 +427,23 @@ def run_stage2(inter, w2, topk_weight, topk_ids, expert_map, routing, doweight_s
     return run_sum(partial, topk_ids, expert_map, out, warmup)
 
 
-def _scale_strides(x_scale, w_scale, scaled: bool) -> tuple[int, int, int]:
-    """The strides of the activations' scale (per row; 0 for one per tensor) and of the
-    weights' (expert, row) (row 0 for one per expert); unused without scales."""
-    if not scaled:
-        return 0, 0, 0
-    return (x_scale.stride(0) if x_scale.dim() else 0, w_scale.stride(0),
-            w_scale.stride(1) if w_scale.shape[1] > 1 else 0)
+def _scaling(x_scale) -> int:
+    """SCALED for these activation scales: none, (T,) / () rows, (T, K/128) blocks."""
+    if x_scale is None:
+        return SCALING_NONE
+    return SCALING_BLOCKS if x_scale.dim() == 2 else SCALING_ROWS
+
+
+def _scale_strides(x_scale, w_scale) -> tuple[int, int, int, int, int]:
+    """The activations' scale strides (row, K block) and the weights' (expert, row or N
+    block, K block); 0 where one scale covers many (one per tensor, one per expert) or where
+    none is read."""
+    if x_scale is None:
+        return 0, 0, 0, 0, 0
+    x_strides = [x_scale.stride(d) if x_scale.dim() > d and x_scale.shape[d] > 1 else 0
+                 for d in (0, 1)]
+    w_strides = [w_scale.stride(d) if w_scale.shape[d] > 1 else 0 for d in (0, 1, 2)]
+    return (*x_strides, *w_strides)
 
 
 def run_sum(partial, topk_ids, expert_map, out, warmup: bool = False) -> torch.Tensor:
