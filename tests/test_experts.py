@@ -116,6 +116,19 @@ def test_fp8_experts_quantised_once_per_channel(name, monkeypatch):
         model(ids).logits.sum()  # gradients enabled: transformers' backends cannot take FP8
 
 
+def test_fp8_leaves_experts_it_cannot_run_as_they_are():
+    config = tiny_config("mixtral")
+    config.hidden_act = "gelu_pytorch_tanh"  # an activation fused_moe lacks
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).to(DEVICE).eval()
+    gemmtune.patch_moe(model, quant="fp8")
+    module = model.model.layers[0].mlp.experts
+    assert module.gate_up_proj.dtype == torch.float32 and experts._fp8_scales(module) is None
+    experts._warned.clear()
+    with torch.no_grad(), pytest.warns(UserWarning, match="gelu_pytorch_tanh"):
+        model(torch.randint(0, 96, (1, 4), device=DEVICE))
+
+
 def test_generate_keeps_the_backend_for_decoding(counted):
     # transformers switches grouped_mm to batched_mm for decoding; it must leave gemmtune.
     model = gemmtune.patch_moe(tiny_model("mixtral", torch.float32))

@@ -64,13 +64,25 @@ def experts_forward(module: nn.Module, hidden_states: torch.Tensor, top_k_index:
 def why_not(module: nn.Module, hidden_states: torch.Tensor,
             top_k_weights: torch.Tensor) -> str | None:
     """Why ``experts_forward`` hands this call to transformers' default, or None."""
-    weights = (module.gate_up_proj, module.down_proj) if getattr(module, "has_gate", False) \
-        and hasattr(module, "gate_up_proj") else None
-    if weights is None:
-        return "experts without a fused gate_up_proj"
+    layout = why_not_layout(module)
+    if layout:
+        return layout
+    weights = (module.gate_up_proj, module.down_proj)
     if torch.is_grad_enabled() and (hidden_states.requires_grad or top_k_weights.requires_grad
                                     or any(w.requires_grad for w in weights)):
         return "gradients (fused_moe is inference-only; run under torch.no_grad() for it)"
+    expert_dtype = quant.FP8_DTYPE if _fp8_scales(module) is not None else hidden_states.dtype
+    if hidden_states.dtype not in _DTYPES or any(w.dtype != expert_dtype for w in weights):
+        return (f"{hidden_states.dtype} activations with {weights[0].dtype} experts (fused_moe "
+                f"takes one dtype of bf16, fp16 or fp32, or FP8 experts from patch_moe)")
+    return None
+
+
+def why_not_layout(module: nn.Module) -> str | None:
+    """Why ``experts_forward`` can never run this experts module (its layout, gating or
+    activation), or None."""
+    if not (getattr(module, "has_gate", False) and hasattr(module, "gate_up_proj")):
+        return "experts without a fused gate_up_proj"
     if getattr(module, "has_bias", False) or getattr(module, "is_transposed", False) \
             or not getattr(module, "is_concatenated", True):
         return "experts with biases, or transposed or interleaved weights"
@@ -79,10 +91,6 @@ def why_not(module: nn.Module, hidden_states: torch.Tensor,
     act = getattr(module.config, "hidden_act", None)
     if act not in _ACTIVATIONS:
         return f"activation {act!r} (fused_moe takes {', '.join(sorted(_ACTIVATIONS))})"
-    expert_dtype = quant.FP8_DTYPE if _fp8_scales(module) is not None else hidden_states.dtype
-    if hidden_states.dtype not in _DTYPES or any(w.dtype != expert_dtype for w in weights):
-        return (f"{hidden_states.dtype} activations with {weights[0].dtype} experts (fused_moe "
-                f"takes one dtype of bf16, fp16 or fp32, or FP8 experts from patch_moe)")
     return None
 
 
@@ -139,16 +147,16 @@ def patch_moe(model: nn.Module, quant: str | None = None) -> nn.Module:
     return it. Its other modules (shared experts, attention), and models without experts, are
     left as they are.
 
-    ``quant="fp8"``: every layer's routed experts are quantised once, FP8 e4m3 per output
-    channel (``gemmtune.quant.quantize_experts``, ``per_Token``; activations per token inside
+    ``quant="fp8"``: every layer's routed experts that gemmtune can run (``why_not_layout``)
+    are quantised once, FP8 e4m3 per output channel (``gemmtune.quant.quantize_experts``, ``per_Token``; activations per token inside
     the op), replacing ``gate_up_proj`` / ``down_proj`` (their scales kept beside them). Such
     experts run only through gemmtune, for inference."""
     if quant not in (None, "fp8"):
         raise ValueError(f"patch_moe: quant={quant!r}; expected None or 'fp8'")
     register()
-    if quant == "fp8":
+    if quant == "fp8":  # experts gemmtune can run (the others stay as they are)
         for module in model.modules():
-            if getattr(module, "has_gate", False) and hasattr(module, "gate_up_proj") \
+            if hasattr(module, "gate_up_proj") and why_not_layout(module) is None \
                     and _fp8_scales(module) is None:
                 _quantise_experts(module)
     model.set_experts_implementation(NAME)

@@ -92,6 +92,12 @@ def fused_moe_fp8_torch(hidden, w1, w2, topk_weight, topk_ids, expert_map,
                         problem: MoeProblem, scales: MoeScales, out=None):
     """The torch backend of FP8 experts: each stage's input quantised as the scheme says,
     everything else in fp32 (experts dequantised, one expert at a time)."""
+    if hidden.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            "fused_moe: FP8 experts through torch's backend cannot be captured in a CUDA graph "
+            "(it selects each expert's pairs by value, which waits for the GPU); run them "
+            "eagerly, or name a two-stage Triton kernel (kernel='triton.moe1:...+triton.moe2:"
+            "...')")
     quant_type = QUANT_TYPES[problem.scaling]
     tokens, topk = topk_ids.shape
     inter_dim = w2.shape[2]

@@ -40,7 +40,8 @@ def quant_rows_kernel(x_ptr, q_ptr, scale_ptr, D, GROUP, stride_xt, stride_xd, s
                         other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(v))
             nan += (v != v).to(tl.int32)
-        scale = tl.maximum(tl.max(amax, 0), AMAX_FLOOR) / FP8_MAX
+        # Divisions rounded to nearest, as torch's (Triton's "/" may be approximate on a GPU).
+        scale = tl.div_rn(tl.maximum(tl.max(amax, 0), AMAX_FLOOR), FP8_MAX)
         scale = tl.where(tl.sum(nan, 0) > 0, float("nan"), scale)
         tl.store(where, scale)
     if WRITE_Q:
@@ -48,7 +49,8 @@ def quant_rows_kernel(x_ptr, q_ptr, scale_ptr, D, GROUP, stride_xt, stride_xd, s
             inside = d0 + offs < hi
             v = tl.load(x_ptr + row * stride_xt + (d0 + offs) * stride_xd, mask=inside,
                         other=0.0).to(tl.float32)
-            v = tl.clamp(v / scale, -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
+            v = tl.clamp(tl.div_rn(v, scale), -FP8_MAX, FP8_MAX,
+                         propagate_nan=tl.PropagateNan.ALL)
             tl.store(q_ptr + row * stride_qt + d0 + offs, v.to(q_ptr.dtype.element_ty),
                      mask=inside)
 

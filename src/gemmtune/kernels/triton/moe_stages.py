@@ -125,8 +125,9 @@ def _inter_rows(block, ids, real, PAIR_BLOCKS: tl.constexpr, BLOCK_M: tl.constex
 # SCALED: how FP8 operands' scales apply. Rows: after the sums, one per row of the activations
 # (or one per tensor: stride 0) times one per output channel of the expert (or one per expert).
 # Blocks: at each K step, the activations' 1x128 block scale times the weights' 128x128 one.
-SCALING_NONE, SCALING_ROWS, SCALING_BLOCKS = 0, 1, 2
-SCALE_BLOCK = 128
+# (constexpr: jitted code may read no other global)
+SCALING_NONE, SCALING_ROWS, SCALING_BLOCKS = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
+SCALE_BLOCK = tl.constexpr(128)
 
 
 @triton.jit
@@ -362,9 +363,10 @@ def run_stage1(x, w1, topk_weight, topk_ids, expert_map, routing, activation: in
     topk = topk_weight.shape[1]
     pairs = tokens * topk
     scaled = x_scale is not None
-    # FP8: the intermediate is quantised whole next, padding rows included (a block's rows past
-    # its pairs, other ranks' pairs): zeros there leave a per-tensor amax to the real rows.
-    inter = (torch.zeros if scaled else torch.empty)(
+    # FP8 per tensor: the intermediate's amax is taken whole next, padding rows included (a
+    # block's rows past its pairs, other ranks' pairs): zeros there leave it to the real rows.
+    per_tensor = scaled and x_scale.dim() == 0
+    inter = (torch.zeros if per_tensor else torch.empty)(
         (routing.sorted_ids.numel(), inter_dim), dtype=torch.float32 if scaled else x.dtype,
         device=x.device)
     if config.persistent:
