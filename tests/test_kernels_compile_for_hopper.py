@@ -1,4 +1,4 @@
-"""The fused-MoE stage kernels and the FP8 quantiser compile for sm_90 on this CPU machine: the
+"""The fused-MoE stage and one-stage kernels and the FP8 quantiser compile for sm_90 on this CPU machine: the
 interpreter runs the other tests without compiling anything, so what only a compile refuses (a
 global the jitted code reads, an FP8 dot's constraints) would otherwise first fail on a GPU."""
 
@@ -20,7 +20,7 @@ SCRIPT = textwrap.dedent("""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    from gemmtune.kernels.triton import moe_quant, moe_stages
+    from gemmtune.kernels.triton import moe_one_stage, moe_quant, moe_stages
 
     def ptx(kernel, pointers, constexprs):
         names = inspect.signature(kernel.fn).parameters
@@ -44,6 +44,16 @@ SCRIPT = textwrap.dedent("""
                      {**routing, **fp32, "inter_ptr": f"*{dtype}", "w2_ptr": f"*{dtype}"},
                      dict(MUL_WEIGHT=True, SCALED=scaled, SPLIT_K=1, **tiles))
         assert "wgmma.mma_async" in first and mma in first and mma in second, (dtype, scaled)
+    one_stage = ptx(moe_one_stage.moe_one_stage_kernel,
+                    {**{n: "*bf16" for n in ("x_ptr", "w1_ptr", "w2_ptr", "out_ptr",
+                                             "inter_ptr")},
+                     **{n: "*i32" for n in ("ready_ptr", "done_ptr", "converted_ptr",
+                                            "topk_ids_ptr", "expert_map_ptr")},
+                     "acc_ptr": "*fp32", "topk_weight_ptr": "*fp32", "trace_ptr": "*i64"},
+                    dict(TOPK=2, TOPK_P2=2, ACT=0, MUL_WEIGHT1=False, INPUT_PRECISION="tf32",
+                         PDL=True, BLOCK_T=16, BLOCK_N=64, BLOCK_K=64, BLOCK_D=64, BLOCK_I=64,
+                         TRACE=False))
+    assert "bf16.bf16" in one_stage
     quantiser = ptx(moe_quant.quant_rows_kernel,
                     {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32"},
                     dict(FP8_MAX=448.0, AMAX_FLOOR=1e-12, SCALE_GIVEN=False, WRITE_Q=True,

@@ -16,6 +16,7 @@ this backend in place.
 
 from __future__ import annotations
 
+import functools
 import importlib.abc
 import sys
 import threading
@@ -44,8 +45,8 @@ def experts_forward(module: nn.Module, hidden_states: torch.Tensor, top_k_index:
     parallelism), top_k_weights (T, k) as the model's router made them. Calls it cannot take
     (gradients, biases, transposed or interleaved weights, a model's own gating, another
     activation or dtype) run transformers' ``grouped_mm``, with one warning per reason."""
-    why = why_not(module, hidden_states, top_k_weights)
     fp8 = _fp8_scales(module)
+    why = why_not(module, hidden_states, top_k_weights, fp8 is not None)
     if why and fp8 is not None:  # transformers' backends cannot run FP8 experts
         raise RuntimeError(f"gemmtune experts: {why}, and this layer's experts were made FP8 by "
                            f"patch_moe(model, quant='fp8'): only gemmtune runs them")
@@ -61,9 +62,10 @@ def experts_forward(module: nn.Module, hidden_states: torch.Tensor, top_k_index:
                      if _expert_parallel(module) else None, **scales)
 
 
-def why_not(module: nn.Module, hidden_states: torch.Tensor,
-            top_k_weights: torch.Tensor) -> str | None:
-    """Why ``experts_forward`` hands this call to transformers' default, or None."""
+def why_not(module: nn.Module, hidden_states: torch.Tensor, top_k_weights: torch.Tensor,
+            fp8: bool = False) -> str | None:
+    """Why ``experts_forward`` hands this call to transformers' default, or None (``fp8``:
+    the module's experts were made FP8 by ``patch_moe``)."""
     layout = why_not_layout(module)
     if layout:
         return layout
@@ -71,7 +73,7 @@ def why_not(module: nn.Module, hidden_states: torch.Tensor,
     if torch.is_grad_enabled() and (hidden_states.requires_grad or top_k_weights.requires_grad
                                     or any(w.requires_grad for w in weights)):
         return "gradients (fused_moe is inference-only; run under torch.no_grad() for it)"
-    expert_dtype = quant.FP8_DTYPE if _fp8_scales(module) is not None else hidden_states.dtype
+    expert_dtype = quant.FP8_DTYPE if fp8 else hidden_states.dtype
     if hidden_states.dtype not in _DTYPES or any(w.dtype != expert_dtype for w in weights):
         return (f"{hidden_states.dtype} activations with {weights[0].dtype} experts (fused_moe "
                 f"takes one dtype of bf16, fp16 or fp32, or FP8 experts from patch_moe)")
@@ -128,6 +130,7 @@ def _fallback(why: str):
     return ALL_EXPERTS_FUNCTIONS[FALLBACK]
 
 
+@functools.cache
 def _default_gate():
     from transformers.integrations.moe import _default_apply_gate
 

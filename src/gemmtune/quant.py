@@ -370,10 +370,8 @@ def quantize_experts(w: torch.Tensor,
     """FP8 experts for ``fused_moe(..., quant_type=q_type)``: w (E, N, K) (w1 (E, 2I, D) or w2
     (E, D, I)) -> (q e4m3fn (E, N, K), scale fp32: (E, 1, 1) per_Tensor (one per expert),
     (E, N, 1) per_Token (one per output channel), (E, ceil(N/128), ceil(K/128)) per_1x128)."""
-    qt = _quant_type(q_type)
-    block = _experts_block(w, qt)
     _check_input(w, "quantize_experts", min_ndim=3)
-    return per_block_fp8(w, block)
+    return per_block_fp8(w, _experts_block(w, _quant_type(q_type)))
 
 
 def dequantize_experts(q: torch.Tensor, scale: torch.Tensor,

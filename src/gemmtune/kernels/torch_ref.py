@@ -253,7 +253,8 @@ def bind_blockscale(xq, wq, bias, out_dtype, x_scale, w_scale):
 TORCH_MOE = "torch.moe"
 
 
-def _moe_act(gate: torch.Tensor, activation) -> torch.Tensor:
+def moe_act(gate: torch.Tensor, activation) -> torch.Tensor:
+    """A fused MoE's gate activation (``Activation`` or its name): exact GELU or SiLU."""
     return F.gelu(gate) if str(getattr(activation, "value", activation)) == "gelu" else F.silu(gate)
 
 
@@ -285,7 +286,7 @@ def fused_moe_ref(hidden, w1, w2, topk_weight, topk_ids, expert_map, activation=
         x = hidden[tokens[local[chosen] == e]].float()
         w = weights[pairs][:, None]
         h = x @ w1[e].float().t()
-        h = _moe_act(h[:, :inter_dim], activation) * h[:, inter_dim:]
+        h = moe_act(h[:, :inter_dim], activation) * h[:, inter_dim:]
         h = h * w if doweight_stage1 else h
         y = h @ w2[e].float().t()
         out.index_add_(0, tokens[local[chosen] == e], y if doweight_stage1 else y * w)
@@ -315,7 +316,7 @@ def fused_moe_torch(hidden, w1, w2, topk_weight, topk_ids, expert_map, problem, 
     kept = (local[order] >= 0)[:, None]
     weights = topk_weight.reshape(-1)[order].float()[:, None]
     h = torch._grouped_mm(hidden[order // topk], w1.transpose(1, 2), offs=offsets)
-    h = _moe_act(h[:, :inter_dim].float(), problem.activation) * h[:, inter_dim:].float()
+    h = moe_act(h[:, :inter_dim].float(), problem.activation) * h[:, inter_dim:].float()
     h = (h * weights if problem.doweight_stage1 else h).to(dtype)
     y = torch._grouped_mm(h, w2.transpose(1, 2), offs=offsets).float()
     # Rows past the last group are never written by the grouped GEMM: where(), not a product.

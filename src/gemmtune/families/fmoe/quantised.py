@@ -22,11 +22,10 @@ import math
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 
 from gemmtune import quant
 from gemmtune.kernels.problem import Activation, MoeProblem, MoeScales, Scaling
-from gemmtune.kernels.torch_ref import fused_moe_ref
+from gemmtune.kernels.torch_ref import fused_moe_ref, moe_act
 from gemmtune.tables.values import QuantType
 
 SCALINGS = {QuantType.per_Tensor: Scaling.tensor, QuantType.per_Token: Scaling.rowwise,
@@ -68,7 +67,8 @@ def _weight_scale(op: str, name: str, scale, w: torch.Tensor,
     elif quant_type == QuantType.per_Token:
         accepted = [(experts, n, 1), (experts, n)]
     else:
-        accepted = [(experts, math.ceil(n / 128), math.ceil(k / 128))]
+        rows, cols = quant.WEIGHT_BLOCK
+        accepted = [(experts, math.ceil(n / rows), math.ceil(k / cols))]
     if not isinstance(scale, torch.Tensor) or tuple(scale.shape) not in accepted \
             or scale.dtype != torch.float32 or scale.device != w.device:
         got = (f"{type(scale).__name__}" if not isinstance(scale, torch.Tensor)
@@ -83,7 +83,7 @@ def _activations(t: torch.Tensor, quant_type: QuantType,
     """``t`` as the scheme quantises a stage's input, back in fp32."""
     if quant_type == QuantType.per_Tensor and static is not None:
         scale = static.reshape(())
-        return quant.quantize_fp8(t, scale).float() * scale
+        return quant.dequant(quant.quantize_fp8(t, scale), scale)
     q, scale = quant.quantize(t, quant_type)
     return quant.dequantize(q, scale, quant_type)
 
@@ -110,7 +110,7 @@ def fused_moe_fp8_torch(hidden, w1, w2, topk_weight, topk_ids, expert_map,
         if pairs.numel():
             w = quant.dequantize_experts(w1[e:e + 1], scales.w1[e:e + 1], quant_type)[0]
             h = x[pairs // topk] @ w.t()
-            h = _act(h[:, :inter_dim], problem.activation) * h[:, inter_dim:]
+            h = moe_act(h[:, :inter_dim], problem.activation) * h[:, inter_dim:]
             inter[pairs] = h * weights[pairs, None] if problem.doweight_stage1 else h
     inter = _activations(inter, quant_type, scales.a2)
     y = torch.zeros(tokens * topk, hidden.shape[1], dtype=torch.float32, device=hidden.device)
@@ -123,10 +123,6 @@ def fused_moe_fp8_torch(hidden, w1, w2, topk_weight, topk_ids, expert_map,
         y = y * weights[:, None]
     y = y.view(tokens, topk, -1).sum(1).to(hidden.dtype)
     return y if out is None else out.copy_(y)
-
-
-def _act(gate: torch.Tensor, activation: Activation) -> torch.Tensor:
-    return F.gelu(gate) if activation is Activation.gelu else F.silu(gate)
 
 
 def reference(hidden, w1, w2, topk_weight, topk_ids, expert_map, quant_type: QuantType,

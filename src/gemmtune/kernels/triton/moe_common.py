@@ -43,18 +43,29 @@ def global_time_ns(anything):
                                      dtype=tl.int64, is_pure=False, pack=1)
 
 
+SCALE_BLOCK = tl.constexpr(128)  # K extent of FP8 block scales (constexpr: jitted code reads it)
+
+
 @triton.jit
 def gate_up_sums(x_ptr, w1_ptr, rows, row_real, expert, cols, D, I, stride_xt, stride_xd,
-                 stride_we, stride_wn, stride_wd, INPUT_PRECISION: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 stride_we, stride_wn, stride_wd, xs_ptr, ws_ptr, stride_xs, stride_xk,
+                 stride_se, stride_sn, stride_sk, INPUT_PRECISION: tl.constexpr,
+                 BLOCK_SCALED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr):
     """Stage 1's two GEMMs over model_dim in one pass: fp32 (BLOCK_M, BLOCK_N) tiles of
     ``x[rows] @ w1[expert, cols].T`` (gate) and of the same columns + I (up); rows not
-    ``row_real`` read as zeros."""
+    ``row_real`` read as zeros. ``BLOCK_SCALED`` (FP8 x and w1): each K step's products (one
+    128 block: block_k divides 128) times x's 1x128 scale (``xs_ptr``, strides per row and K
+    block) and w1's 128x128 one (``ws_ptr``, strides per expert, N block, K block); the scale
+    arguments are unread otherwise."""
     offs_k = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + rows.to(tl.int64)[:, None] * stride_xt + offs_k[None, :] * stride_xd
     w_base = w1_ptr + expert * stride_we + offs_k[:, None] * stride_wd
     gate_ptrs = w_base + cols[None, :] * stride_wn  # (BK, BN): rows [0, I) of w1[e], transposed
     up_ptrs = w_base + (cols + I)[None, :] * stride_wn  # rows [I, 2I)
+    x_scales = xs_ptr + rows.to(tl.int64) * stride_xs
+    gate_scales = ws_ptr + expert * stride_se + (cols // SCALE_BLOCK) * stride_sn
+    up_scales = ws_ptr + expert * stride_se + ((cols + I) // SCALE_BLOCK) * stride_sn
     gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, D, BLOCK_K):
@@ -62,8 +73,16 @@ def gate_up_sums(x_ptr, w1_ptr, rows, row_real, expert, cols, D, I, stride_xt, s
         a = tl.load(x_ptrs, mask=row_real[:, None] & (offs_k[None, :] < k_left), other=0.0)
         wg = tl.load(gate_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
         wu = tl.load(up_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
-        gate = tl.dot(a, wg, gate, input_precision=INPUT_PRECISION)
-        up = tl.dot(a, wu, up, input_precision=INPUT_PRECISION)
+        if BLOCK_SCALED:
+            block = k0 // SCALE_BLOCK
+            xs = tl.load(x_scales + block * stride_xk, mask=row_real, other=0.0)[:, None]
+            gate += tl.dot(a, wg, input_precision=INPUT_PRECISION) * xs \
+                * tl.load(gate_scales + block * stride_sk)[None, :]
+            up += tl.dot(a, wu, input_precision=INPUT_PRECISION) * xs \
+                * tl.load(up_scales + block * stride_sk)[None, :]
+        else:
+            gate = tl.dot(a, wg, gate, input_precision=INPUT_PRECISION)
+            up = tl.dot(a, wu, up, input_precision=INPUT_PRECISION)
         x_ptrs += BLOCK_K * stride_xd
         gate_ptrs += BLOCK_K * stride_wd
         up_ptrs += BLOCK_K * stride_wd

@@ -166,8 +166,9 @@ def _stage1(x_ptr, w1_ptr, inter_ptr, ready_ptr, topk_weight_ptr, topk_ids_ptr, 
         offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
         cols = tl.where(offs_n < I, offs_n, 0).to(tl.int64)
         gate, up = gate_up_sums(x_ptr, w1_ptr, offs_t, routed, expert, cols, D, I, stride_xt,
-                                stride_xd, stride_1e, stride_1n, stride_1d, INPUT_PRECISION,
-                                BLOCK_T, BLOCK_N, BLOCK_K)
+                                stride_xd, stride_1e, stride_1n, stride_1d, x_ptr, w1_ptr,
+                                0, 0, 0, 0, 0, INPUT_PRECISION, False, BLOCK_T, BLOCK_N,
+                                BLOCK_K)  # no scales: bf16 / fp16 / fp32 experts
         h = gated_activation(gate, up, ACT)
         if MUL_WEIGHT1:
             h = h * tl.load(topk_weight_ptr + pairs, mask=routed, other=0.0)[:, None]

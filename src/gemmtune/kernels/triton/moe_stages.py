@@ -34,8 +34,9 @@ import triton.language as tl
 
 from gemmtune.kernels.problem import MoeScales, Scaling
 from gemmtune.kernels.triton import _checks
-from gemmtune.kernels.triton.moe_common import (PDL, gate_up_sums, gated_activation,
-                                                let_next_start, wait_for_inputs)
+from gemmtune.kernels.triton.moe_common import (PDL, SCALE_BLOCK, gate_up_sums,
+                                                gated_activation, let_next_start,
+                                                wait_for_inputs)
 from gemmtune.kernels.triton.moe_configs import (BLOCK_MS, FLATTENED, PAIR_BLOCK_M, PERSISTENT,
                                                  MoeStage1Config, MoeStage2Config)
 from gemmtune.kernels.triton.moe_persistent import (launch_stage1_persistent,
@@ -127,43 +128,6 @@ def _inter_rows(block, ids, real, PAIR_BLOCKS: tl.constexpr, BLOCK_M: tl.constex
 # Blocks: at each K step, the activations' 1x128 block scale times the weights' 128x128 one.
 # (constexpr: jitted code may read no other global)
 SCALING_NONE, SCALING_ROWS, SCALING_BLOCKS = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
-SCALE_BLOCK = tl.constexpr(128)
-
-
-@triton.jit
-def _gate_up_block_scaled(x_ptr, w1_ptr, xs_ptr, ws_ptr, tokens, real, expert, cols, D, I,
-                          stride_xt, stride_xd, stride_we, stride_wn, stride_wd, stride_xs,
-                          stride_xk, stride_se, stride_sn, stride_sk,
-                          INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
-                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """``gate_up_sums`` of FP8 x and w1 with block scales: each K step's products (one 128
-    block: block_k divides 128) times x's 1x128 and w1's 128x128 scales, summed in fp32."""
-    offs_k = tl.arange(0, BLOCK_K)
-    x_ptrs = x_ptr + tokens[:, None] * stride_xt + offs_k[None, :] * stride_xd
-    w_base = w1_ptr + expert * stride_we + offs_k[:, None] * stride_wd
-    gate_ptrs = w_base + cols[None, :] * stride_wn
-    up_ptrs = w_base + (cols + I)[None, :] * stride_wn
-    x_scales = xs_ptr + tokens * stride_xs
-    s_base = ws_ptr + expert * stride_se
-    gate_scales = s_base + (cols // SCALE_BLOCK) * stride_sn
-    up_scales = s_base + ((cols + I) // SCALE_BLOCK) * stride_sn
-    gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, D, BLOCK_K):
-        k_left = D - k0
-        a = tl.load(x_ptrs, mask=real[:, None] & (offs_k[None, :] < k_left), other=0.0)
-        wg = tl.load(gate_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
-        wu = tl.load(up_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
-        block = k0 // SCALE_BLOCK
-        xs = tl.load(x_scales + block * stride_xk, mask=real, other=0.0)[:, None]
-        gate += tl.dot(a, wg, input_precision=INPUT_PRECISION) * xs \
-            * tl.load(gate_scales + block * stride_sk)[None, :]
-        up += tl.dot(a, wu, input_precision=INPUT_PRECISION) * xs \
-            * tl.load(up_scales + block * stride_sk)[None, :]
-        x_ptrs += BLOCK_K * stride_xd
-        gate_ptrs += BLOCK_K * stride_wd
-        up_ptrs += BLOCK_K * stride_wd
-    return gate, up
 
 
 @triton.jit
@@ -197,16 +161,10 @@ def moe_stage1_kernel(
     tokens = tl.where(real, ids // TOPK, 0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.where(offs_n < I, offs_n, 0).to(tl.int64)
-    if SCALED == SCALING_BLOCKS:
-        gate, up = _gate_up_block_scaled(x_ptr, w1_ptr, xs_ptr, ws_ptr, tokens, real, expert,
-                                         cols, D, I, stride_xt, stride_xd, stride_we,
-                                         stride_wn, stride_wd, stride_xs, stride_xk,
-                                         stride_se, stride_sn, stride_sk, INPUT_PRECISION,
-                                         BLOCK_M, BLOCK_N, BLOCK_K)
-    else:
-        gate, up = gate_up_sums(x_ptr, w1_ptr, tokens, real, expert, cols, D, I, stride_xt,
-                                stride_xd, stride_we, stride_wn, stride_wd, INPUT_PRECISION,
-                                BLOCK_M, BLOCK_N, BLOCK_K)
+    gate, up = gate_up_sums(x_ptr, w1_ptr, tokens, real, expert, cols, D, I, stride_xt,
+                            stride_xd, stride_we, stride_wn, stride_wd, xs_ptr, ws_ptr,
+                            stride_xs, stride_xk, stride_se, stride_sn, stride_sk,
+                            INPUT_PRECISION, SCALED == SCALING_BLOCKS, BLOCK_M, BLOCK_N, BLOCK_K)
     if SCALED == SCALING_ROWS:  # the FP8 sums times the token's and the output channel's
         xs = tl.load(xs_ptr + tokens * stride_xs, mask=real, other=0.0)[:, None]
         scales = ws_ptr + expert * stride_se
