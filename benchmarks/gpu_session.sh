@@ -173,17 +173,21 @@ for what in "$@"; do
             done
             TAIL=40 stage json8 200 python3 -m gemmtune.cli bench a8w8 --dtype fp8 \
                 --shapes "$OUT/json8_shapes.csv" -o "$OUT/bench_json8" ;;
-        fmoetune:*)  # fmoetune:MODEL[:TP]: tune fmoe over 14 token counts (FMOE_NSETS: others)
+        fmoetune:*)  # fmoetune:MODEL[:TP]: tune fmoe over 14 token counts (FMOE_NSETS: others;
+            # FMOE_Q: FP8 experts, e.g. per_Token, into fmoe_MODEL_per_Token; FMOE_EP: one rank of
+            # that many expert-parallel ranks)
             model_and_tp "${what#fmoetune:}"
+            dir="$OUT/fmoe_$model${FMOE_Q:+_$FMOE_Q}${FMOE_EP:+_ep$FMOE_EP}"
             python3 -m gemmtune.cli shapes --model "$model" --tp "$tp" --families fmoe \
-                -o "$OUT/fmoe_$model" \
+                -o "$dir" ${FMOE_Q:+--q_type "$FMOE_Q"} ${FMOE_EP:+--ep "$FMOE_EP"} \
                 --nsets "${FMOE_NSETS:-1,2,4,8,16,32,64,128,256,512,1024,2048,4096,8192}" \
                 > /dev/null
-            TAIL=30 stage "fmoetune_$model" "${FMOE_LIMIT:-330}" python3 -m gemmtune.cli tune fmoe \
-                -i "$OUT/fmoe_$model/untuned_fmoe.csv" -o "$OUT/fmoe_$model/tuned_fmoe.csv" \
-                -o2 "$OUT/fmoe_$model/profile.csv" --mp "${FMOE_MP:-8}" --batch 1
-            python3 benchmarks/fmoe_tune_summary.py "$OUT/fmoe_$model/tuned_fmoe.csv" \
-                "$OUT/fmoe_$model/profile.csv" | tee -a "$summary" ;;
+            TAIL=30 stage "fmoetune_$model${FMOE_Q:+_$FMOE_Q}${FMOE_EP:+_ep$FMOE_EP}" "${FMOE_LIMIT:-330}" \
+                python3 -m gemmtune.cli tune fmoe \
+                -i "$dir/untuned_fmoe.csv" -o "$dir/tuned_fmoe.csv" \
+                -o2 "$dir/profile.csv" --mp "${FMOE_MP:-8}" --batch 1 ${FMOE_EP:+--ep "$FMOE_EP"}
+            python3 benchmarks/fmoe_tune_summary.py "$dir/tuned_fmoe.csv" \
+                "$dir/profile.csv" | tee -a "$summary" ;;
         readprobe:*)  # readprobe:MODEL[:TP]: one launch reading the routed experts' weights, no GEMM
             model_and_tp "${what#readprobe:}"
             TAIL=40 stage "readprobe_$model" 200 python3 benchmarks/moe_read_probe.py \
@@ -217,12 +221,14 @@ for what in "$@"; do
             TAIL=14 stage "vllm_$model" 300 python3 benchmarks/vllm_moe_compare.py \
                 --vllm-dir .vllm/fused_moe --model "$model" --out "$OUT" "${tuned_arg[@]}" ;;
         benchmoe:*)  # benchmoe:MODEL[:TP]: gemmtune bench fmoe, shipped table (+ this call's rows;
-            # BENCH_M: token counts other than the 14)
+            # BENCH_M: token counts other than the 14; FMOE_Q: FP8 experts, beside bf16; FMOE_EP)
             model_and_tp "${what#benchmoe:}"
-            tuned="$OUT/fmoe_$model/tuned_fmoe.csv"  # this call's fmoetune rows over the shipped
+            name="$model${FMOE_Q:+_$FMOE_Q}${FMOE_EP:+_ep$FMOE_EP}"
+            tuned="$OUT/fmoe_$name/tuned_fmoe.csv"  # this call's fmoetune rows over the shipped
             [[ -f $tuned ]] && export GEMMTUNE_CONFIG_FMOE="$tuned"
-            TAIL=24 stage "benchmoe_$model" 400 python3 -m gemmtune.cli bench fmoe \
-                --model "$model" --tp "$tp" -o "$OUT/bench_fmoe_$model" ${BENCH_M:+--M "$BENCH_M"}
+            TAIL=24 stage "benchmoe_$name" 400 python3 -m gemmtune.cli bench fmoe \
+                --model "$model" --tp "$tp" -o "$OUT/bench_fmoe_$name" ${BENCH_M:+--M "$BENCH_M"} \
+                ${FMOE_Q:+--q_type "$FMOE_Q"} ${FMOE_EP:+--ep "$FMOE_EP"}
             unset GEMMTUNE_CONFIG_FMOE ;;
         overhead)  # host µs per eager call of every op's backends (benchmarks/dispatch_overhead.py)
             TAIL=40 stage overhead 400 python3 benchmarks/dispatch_overhead.py ;;

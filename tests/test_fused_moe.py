@@ -564,7 +564,8 @@ def test_bench_fmoe_checks_every_shape_and_writes_csv_and_plot(tmp_path, capsys)
     assert main(["bench", "fmoe", "--shapes", str(shapes), "-o", str(out)]) == 0
     printed = capsys.readouterr().out
     lines = (out / "bench_fmoe.csv").read_text().splitlines()
-    assert lines[0].startswith("name,token,model_dim,inter_dim,expert,topk,torch_us,tuned_us")
+    assert lines[0].startswith("name,token,model_dim,inter_dim,expert,topk,q_type,torch_us,"
+                               "tuned_us")
     assert [line.split(",")[1] for line in lines[1:]] == ["1", "6"]
     assert all(line.split(",")[-1] == "True" for line in lines[1:])  # both within the bound
     if DEVICE == "cpu":
@@ -573,4 +574,9 @@ def test_bench_fmoe_checks_every_shape_and_writes_csv_and_plot(tmp_path, capsys)
     assert main(["bench", "fmoe", "--model", "llama3-8b", "-o", str(out)]) == 2
     assert "llama3-8b has no MoE layers" in capsys.readouterr().err
     assert main(["bench", "fmoe", "--shapes", str(shapes), "--dtype", "fp8", "-o", str(out)]) == 2
-    assert "fmoe benches bf16 experts only" in capsys.readouterr().err
+    assert "fmoe benches bf16 experts, or FP8 ones with --q_type" in capsys.readouterr().err
+    assert main(["bench", "fmoe", "--shapes", str(shapes), "--q_type", "per_Token",
+                 "-o", str(out)]) == 2
+    assert "an untuned CSV names each row's q_type" in capsys.readouterr().err
+    assert main(["bench", "bf16", "--q_type", "per_Token", "-o", str(out)]) == 2
+    assert "--q_type and --ep are for fmoe's experts" in capsys.readouterr().err

@@ -240,6 +240,43 @@ def test_the_two_stage_kernels_take_fp8_experts(kernel, q_type):
         assert relative(y, expected) < EMULATION_TOLERANCE[torch.bfloat16]
 
 
+# Stage 1 over model_dim in parts (FP8 only): the parts' gate and up sums meet in an fp32
+# workspace, and the quantiser applies the activation (per tensor: in both of its passes).
+SPLIT_STAGE1 = ("triton.moe1:BM16.BN16.BK32.W4.S1.PB0.P0.SK3"
+                "+triton.moe2:BM16.BN16.BK32.SK1.W4.S1")
+
+
+@pytest.mark.parametrize("q_type", [QuantType.per_Tensor, QuantType.per_1x128])
+def test_split_stage1_sums_parts_and_leaves_its_workspace_zero(q_type):
+    from gemmtune.kernels.triton.moe_common import cached_workspaces
+    from gemmtune.kernels.triton.moe_stages import SUMS_KIND
+
+    T, D, I, E, topk = 3, 136, 40, 4, 2  # noqa: E741  (D: 5 steps of 32 in 3 parts)
+    layer = fp8_layer(T, D, I, E, topk, q_type, seed=30, dtype=torch.bfloat16)
+    for activation in ("silu", "gelu"):
+        y = gemmtune.fused_moe(layer.hidden, layer.w1q, layer.w2q, layer.topk_weight,
+                               layer.topk_ids, activation=activation, quant_type=q_type,
+                               w1_scale=layer.s1, w2_scale=layer.s2, kernel=SPLIT_STAGE1)
+        expected = emulate(layer.hidden, layer.w1q, layer.w2q, layer.s1, layer.s2,
+                           layer.topk_weight, layer.topk_ids, q_type, activation=activation)
+        assert relative(y, expected) < EMULATION_TOLERANCE[torch.bfloat16]
+    sums = [w for w in cached_workspaces(SUMS_KIND) if w.shape[1] == 2 * I]
+    assert sums and all(not w.any() for w in sums)
+    with pytest.raises(ValueError, match="routing weight"):
+        gemmtune.fused_moe(layer.hidden, layer.w1q, layer.w2q, layer.topk_weight,
+                           layer.topk_ids, quant_type=q_type, doweight_stage1=True,
+                           w1_scale=layer.s1, w2_scale=layer.s2, kernel=SPLIT_STAGE1)
+
+
+def test_only_fp8_experts_split_stage1():
+    w1 = torch.randn(2, 32, 64, device=DEVICE).to(torch.bfloat16)
+    w2 = torch.randn(2, 64, 16, device=DEVICE).to(torch.bfloat16)
+    weight, ids = routing(3, 2, 1, seed=1)
+    with pytest.raises(ValueError, match="only for FP8 experts"):
+        gemmtune.fused_moe(torch.randn(3, 64, device=DEVICE).to(torch.bfloat16), w1, w2, weight,
+                           ids, kernel=SPLIT_STAGE1)
+
+
 def test_the_triton_row_quantiser_rounds_as_gemmtune_quant():
     from gemmtune.kernels.triton import moe_quant
 
@@ -283,3 +320,76 @@ def test_gpu_fp8_per_token_two_stage_at_real_sizes(tokens):
     expected = emulate(layer.hidden, layer.w1q, layer.w2q, layer.s1, layer.s2,
                        layer.topk_weight, layer.topk_ids, QuantType.per_Token)
     assert relative(y, expected) < 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("q_type", SCHEMES)
+@pytest.mark.parametrize("tokens", [1, 300])
+def test_gpu_every_scheme_through_triton_with_long_k_and_expert_parallelism(q_type, tokens):
+    # Stage 2 over K = 4096 (FP8 dots accumulate with reduced precision on Hopper), half the
+    # global experts elsewhere; against the emulation and FP8's own error bound.
+    kernel = "triton.moe1:BM64.BN128.BK128.W4.S3+triton.moe2:BM64.BN128.BK128.SK1.W8.S3"
+    E, topk = 8, 4
+    layer = fp8_layer(tokens, 1024, 4096, E, topk, q_type, seed=tokens, dtype=torch.bfloat16)
+    mask = torch.arange(2 * E, device=DEVICE) % 2 == 0
+    local_of = {g: g // 2 if g % 2 == 0 else -1 for g in range(2 * E)}
+    topk_ids = routing(tokens, E, topk, seed=5, experts_global=2 * E)[1]
+    y = gemmtune.fused_moe(layer.hidden, layer.w1q, layer.w2q, layer.topk_weight, topk_ids,
+                           quant_type=q_type, w1_scale=layer.s1, w2_scale=layer.s2,
+                           expert_mask=mask, kernel=kernel)
+    expected = emulate(layer.hidden, layer.w1q, layer.w2q, layer.s1, layer.s2,
+                       layer.topk_weight, topk_ids, q_type, local_of)
+    assert relative(y, expected) < 2e-2
+    emap = torch.tensor([local_of[g] for g in range(2 * E)], dtype=torch.int32, device=DEVICE)
+    ref = reference(layer.hidden, layer.w1q, layer.w2q, layer.topk_weight, topk_ids, emap,
+                    q_type, MoeScales(layer.s1, layer.s2))
+    assert relative(y, ref) < FP8_TOLERANCE
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("q_type", [QuantType.per_Token, QuantType.per_Tensor])
+def test_gpu_torch_backend_runs_torch_grouped_fp8_gemm_and_captures(q_type):
+    from gemmtune.kernels.torch_ref import TORCH_MOE
+
+    tokens, E, topk = 40, 8, 2
+    layer = fp8_layer(tokens, 512, 256, E, topk, q_type, seed=3, dtype=torch.bfloat16)
+    mask = torch.arange(2 * E, device=DEVICE) < E
+    topk_ids = routing(tokens, E, topk, seed=4, experts_global=2 * E)[1]
+    local_of = {g: g if g < E else -1 for g in range(2 * E)}
+
+    def layer_call():
+        return gemmtune.fused_moe(layer.hidden, layer.w1q, layer.w2q, layer.topk_weight,
+                                  topk_ids, quant_type=q_type, w1_scale=layer.s1,
+                                  w2_scale=layer.s2, expert_mask=mask, kernel=TORCH_MOE)
+
+    y = layer_call()
+    expected = emulate(layer.hidden, layer.w1q, layer.w2q, layer.s1, layer.s2,
+                       layer.topk_weight, topk_ids, q_type, local_of)
+    # Its grouped GEMMs write bf16, which the activation then reads: bf16 rounding between.
+    assert relative(y, expected) < 2e-2
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = layer_call()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, y)
+
+
+@pytest.mark.gpu
+def test_gpu_fp8_triton_rows_capture_in_a_cuda_graph():
+    kernel = "triton.moe1:BM16.BN64.BK128.W4.S3+triton.moe2:BM16.BN64.BK128.SK2.W4.S3"
+    layer = fp8_layer(8, 2048, 768, 16, 4, "per_1x128", seed=9, dtype=torch.bfloat16)
+
+    def layer_call():
+        return gemmtune.fused_moe(layer.hidden, layer.w1q, layer.w2q, layer.topk_weight,
+                                  layer.topk_ids, quant_type="per_1x128", w1_scale=layer.s1,
+                                  w2_scale=layer.s2, kernel=kernel)
+
+    y = layer_call()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = layer_call()
+    graph.replay()
+    torch.cuda.synchronize()
+    # (bf16 rounding of sums whose order split-K's atomic adds may change)
+    assert relative(captured, y) < EMULATION_TOLERANCE[torch.bfloat16]

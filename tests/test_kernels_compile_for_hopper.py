@@ -39,7 +39,8 @@ SCRIPT = textwrap.dedent("""
                                ("fp8e4nv", 2, "e4m3.e4m3")):
         first = ptx(moe_stages.moe_stage1_kernel,
                     {**routing, **fp32, "x_ptr": f"*{dtype}", "w1_ptr": f"*{dtype}"},
-                    dict(TOPK=2, ACT=0, MUL_WEIGHT=False, SCALED=scaled, **tiles))
+                    dict(TOPK=2, ACT=0, MUL_WEIGHT=False, SCALED=scaled,
+                         SPLIT_K=2 if scaled else 1, **tiles))  # FP8: parts added atomically
         second = ptx(moe_stages.moe_stage2_kernel,
                      {**routing, **fp32, "inter_ptr": f"*{dtype}", "w2_ptr": f"*{dtype}"},
                      dict(MUL_WEIGHT=True, SCALED=scaled, SPLIT_K=1, **tiles))
@@ -54,13 +55,17 @@ SCRIPT = textwrap.dedent("""
                          PDL=True, BLOCK_T=16, BLOCK_N=64, BLOCK_K=64, BLOCK_D=64, BLOCK_I=64,
                          TRACE=False))
     assert "bf16.bf16" in one_stage
-    quantiser = ptx(moe_quant.quant_rows_kernel,
-                    {"x_ptr": "*bf16", "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32"},
-                    dict(FP8_MAX=448.0, AMAX_FLOOR=1e-12, SCALE_GIVEN=False, WRITE_Q=True,
-                         BLOCK_D=128))
-    # Divisions rounded to nearest, as torch's: an approximate one would move FP8 roundings.
-    assert "div.rn.f32" in quantiser and "div.approx" not in quantiser \\
-        and "div.full" not in quantiser
+    for routed in (0, 1, 2):  # every row; a grouped routing's; pair blocks' (gated: split)
+        quantiser = ptx(moe_quant.quant_rows_kernel,
+                        {"x_ptr": "*fp32", "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32",
+                         "routed_a_ptr": "*i32", "routed_b_ptr": "*i32"},
+                        dict(FP8_MAX=448.0, AMAX_FLOOR=1e-12, SCALE_GIVEN=False, WRITE_Q=True,
+                             ROUTED=routed, ROUTED_BLOCK_M=16, GATED=routed == 2, ACT=0,
+                             PDL=True, BLOCK_D=128))
+        # Divisions rounded to nearest, as torch's: an approximate one would move FP8 roundings.
+        # (The gated values' SiLU divides as stage 1's activation does.)
+        assert "div.rn.f32" in quantiser and (routed == 2 or "div.approx" not in quantiser \\
+            and "div.full" not in quantiser)
     print("ok")
 """)
 

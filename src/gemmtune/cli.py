@@ -144,13 +144,15 @@ def _cmd_shapes(args) -> int:
     from gemmtune.families import get_family
     from gemmtune.models.shapes import load_model_dir, load_preset, untuned_rows
     from gemmtune.tables.store import check_writable_dir, update_table
+    from gemmtune.tables.values import QuantType
 
     spec = load_model_dir(args.model_dir) if args.model_dir else load_preset(args.model)
     wanted = ({get_family(f).name for f in args.families} if args.families
               else {"bf16", "fmoe"})
     out = Path(args.output)
     check_writable_dir(out, "shapes folder (-o)")
-    generated = untuned_rows(spec, args.tp, args.nsets)
+    generated = untuned_rows(spec, args.tp, args.nsets,
+                             fmoe_q_type=QuantType.from_str(args.q_type or "No"), ep=args.ep)
     asked = wanted if args.families else set()  # the default asks fmoe only of MoE models
     for name in sorted(asked - set(generated)):
         print(f"{name}: no shapes: {spec.name} generates {', '.join(generated)}",
@@ -265,6 +267,9 @@ def _cmd_bench(args) -> int:
 
     family = get_family(args.family)
     check_writable_dir(Path(args.output), "bench folder (-o)")
+    if (args.q_type or args.ep != 1) and family.name != "fmoe":
+        raise ValueError(f"--q_type and --ep are for fmoe's experts; {family.cli_name} takes "
+                         f"--dtype and --tp")
     if family.bench_runner is not None:
         return family.run_bench_runner(args)
     op = family.bench_op(args.dtype)
@@ -360,6 +365,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--families", type=lambda t: [f.strip() for f in t.split(",")],
                    metavar="F,F", help="only these families (default: bf16, and fmoe for MoE "
                                        "models; a8w8 gives the same GEMMs with FP8 weights)")
+    p.add_argument("--q_type", "--q-type", default=None, metavar="QUANT",
+                   help="fmoe rows for FP8 experts quantised this way: per_Token, per_1x128 or "
+                        "per_Tensor (default: bf16 experts)")
+    p.add_argument("--ep", type=int, default=1, metavar="N",
+                   help="fmoe rows of one rank of N-way expert parallelism: num_experts / N "
+                        "whole experts (tune them with `gemmtune tune fmoe --ep N`; default 1)")
     p.add_argument("-o", "--output", required=True, metavar="DIR",
                    help="folder of the untuned CSVs (rows already there are kept)")
     p.set_defaults(func=_cmd_shapes)
@@ -452,6 +463,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default=None, choices=_bench_dtypes(),
                    help="; ".join(f"{f.cli_name}: {', '.join(f.bench_dtypes)}"
                                   for f in _benched()) + " (the first is the default)")
+    p.add_argument("--q_type", "--q-type", default=None, metavar="QUANT",
+                   help="fmoe: FP8 experts quantised this way (per_Token, per_1x128 or "
+                        "per_Tensor), timed against the bf16 op of the same shape too (default: "
+                        "bf16 experts)")
+    p.add_argument("--ep", type=int, default=1, metavar="N",
+                   help="fmoe: one rank of N-way expert parallelism (num_experts / N whole "
+                        "experts, tokens routed over all; default 1)")
     p.add_argument("-o", "--output", default="out/bench", metavar="DIR",
                    help="folder for bench_<family>.csv and .png (default out/bench)")
     p.set_defaults(func=_cmd_bench)

@@ -129,8 +129,11 @@ def _check_quantised(q: torch.Tensor, what: str) -> None:
 # --------------------------------------------------------------------------------------------
 
 def _scale_from_amax(amax: torch.Tensor, qmax: float) -> torch.Tensor:
-    # clamp keeps NaN (a NaN group stays loud); the division is correctly rounded fp32.
-    return amax.float().clamp(min=AMAX_FLOOR) / qmax
+    # clamp keeps NaN (a NaN group stays loud). The division is correctly rounded fp32 on every
+    # device: divided by a tensor, since torch on CUDA multiplies by the reciprocal of a Python
+    # number instead (1/448 is inexact: scales then differ from the CPU's in the last bit).
+    amax = amax.float().clamp(min=AMAX_FLOOR)
+    return amax / amax.new_full((), qmax)
 
 
 def _saturating_fp8(v: torch.Tensor) -> torch.Tensor:  # v fp32, in scaled units

@@ -19,6 +19,7 @@ from typing import Iterable, Sequence
 
 from gemmtune.families import all_families
 from gemmtune.families.fmoe.op import FmoeKey
+from gemmtune.families.fmoe.quantised import SCALINGS
 from gemmtune.tables.store import Row
 from gemmtune.tables.values import ActivationType, QuantType
 
@@ -55,6 +56,7 @@ DEFAULT_M: tuple[int, ...] = (1, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 81
 
 
 _BF16 = "torch.bfloat16"
+_FP8 = "torch.float8_e4m3fn"
 
 
 class ModelConfigError(ValueError):
@@ -402,11 +404,22 @@ def dense_projections(spec: ModelSpec, tp: int = 1) -> list[Projection]:
     return distinct
 
 
-def moe_shapes(spec: ModelSpec, tp: int = 1) -> list[MoeShape]:
-    """The fused-MoE layer shapes of ``spec`` per TP rank; empty for a dense model."""
+def moe_shapes(spec: ModelSpec, tp: int = 1, ep: int = 1) -> list[MoeShape]:
+    """The fused-MoE layer shapes of ``spec`` per rank; empty for a dense model. Tensor
+    parallelism splits every expert's ``inter_dim`` over ``tp`` ranks; expert parallelism
+    (``ep`` > 1) instead gives each of ``ep`` ranks whole experts, ``num_experts / ep`` of them
+    (``fused_moe``'s ``expert_mask``)."""
     _check_tp(spec, tp)
     if not spec.is_moe or spec.moe_intermediate_size is None:
         return []
+    if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
+        raise TensorParallelError(f"ep must be a positive integer, got {ep!r}")
+    if ep > 1:
+        if spec.num_experts % ep:
+            raise TensorParallelError(f"{spec.name}: {spec.num_experts} experts do not split "
+                                      f"over ep={ep} ranks")
+        return [MoeShape(spec.hidden_size, spec.moe_intermediate_size, spec.num_experts // ep,
+                         spec.num_experts_per_tok)]
     inter_dim = spec.moe_intermediate_size // tp
     return [MoeShape(spec.hidden_size, inter_dim, spec.num_experts, spec.num_experts_per_tok)]
 
@@ -430,11 +443,12 @@ def _m_values(m_values: Iterable[int]) -> list[int]:
 
 
 def untuned_rows(
-    spec: ModelSpec, tp: int = 1, m_values: Sequence[int] = DEFAULT_M
+    spec: ModelSpec, tp: int = 1, m_values: Sequence[int] = DEFAULT_M,
+    fmoe_q_type: QuantType = QuantType.No, ep: int = 1,
 ) -> dict[str, list[Row]]:
     """Untuned-table rows per family name: the model's dense GEMMs for every family with a GEMM
     key, in its default dtype (bf16; FP8 weights for a8w8 and a8w8_blockscale), and fmoe for
-    MoE models.
+    MoE models (bf16 experts, or FP8 ones quantised by ``fmoe_q_type``; per EP rank with ``ep``).
 
     Rows are ordered by (N, K, bias) then M (fmoe: by shape, then token) and hold no duplicates.
     """
@@ -448,12 +462,17 @@ def untuned_rows(
         keys = (family.gemm_key(m, n, k, family.bench_dtypes[0], bias=bias)
                 for n, k, bias in gemms for m in ms)
         rows[family.name] = [Row("", 0, key) for key in dict.fromkeys(keys)]
-    moe = sorted({(s.model_dim, s.inter_dim, s.expert, s.topk) for s in moe_shapes(spec, tp)})
+    moe = sorted({(s.model_dim, s.inter_dim, s.expert, s.topk) for s in moe_shapes(spec, tp, ep)})
+    if fmoe_q_type is not QuantType.No and fmoe_q_type not in SCALINGS:
+        raise ValueError(f"fmoe experts are bf16 (QuantType.No) or FP8: "
+                         f"{', '.join(q.canonical for q in SCALINGS)}; not "
+                         f"{fmoe_q_type.canonical}")
     if moe:
+        q_dtype = _BF16 if fmoe_q_type is QuantType.No else _FP8
         rows["fmoe"] = [
             Row("", 0, FmoeKey(m, model_dim, inter_dim, expert, topk,
-                               ActivationType.Silu.canonical, _BF16, _BF16, _BF16,
-                               QuantType.No.canonical, True, False))
+                               ActivationType.Silu.canonical, _BF16, q_dtype, q_dtype,
+                               fmoe_q_type.canonical, True, False))
             for model_dim, inter_dim, expert, topk in moe
             for m in ms
         ]

@@ -46,6 +46,10 @@ def add_tune_arguments(p: argparse.ArgumentParser) -> None:
                    help="fmoe only: how tokens are routed to experts while tuning: uniform "
                         "(default) or zipf (expert popularity ~ 1/rank^1.2, a seeded ranking); "
                         "the profile (-o2) records it with each shape's seed")
+    p.add_argument("--ep", type=int, default=None, metavar="N",
+                   help="fmoe only: the shapes are one rank of N-way expert parallelism (as "
+                        "`gemmtune shapes --ep N` writes them): tokens are routed over N times "
+                        "the row's experts, of which the row's are local (default 1)")
     p.add_argument("--batch", type=int, default=10, metavar="N",
                    help="checkpoint the output every N tuned shapes (default 10)")
     p.add_argument("--all", action="store_true", help="retune shapes already in the output")

@@ -157,10 +157,14 @@ class FamilyTuner(abc.ABC):
     @classmethod
     def factory_from_args(cls, args) -> Callable[[], FamilyTuner]:
         """What makes this family's tuners for the ``gemmtune tune`` arguments ``args``: the
-        class itself, unless the family reads an option of its own (fmoe: ``--routing``)."""
+        class itself, unless the family reads an option of its own (fmoe: ``--routing`` and
+        ``--ep``)."""
         if getattr(args, "routing", None) is not None:
             raise ValueError("--routing is an option of fmoe (how tokens are routed to experts "
                              "while tuning); this family has no routing")
+        if getattr(args, "ep", None) is not None:
+            raise ValueError("--ep is an option of fmoe (expert parallelism); this family has "
+                             "no experts")
         return cls
 
     def inputs_note(self, seed: int) -> str:

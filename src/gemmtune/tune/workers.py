@@ -9,9 +9,11 @@ fresh worker.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import signal
+import threading
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -208,6 +210,27 @@ def _worker_main(conn, spec: WorkerSpec) -> None:
 
 
 # ------------------------------------------------------------------------ in the parent process
+_ENVIRON_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _environment(env: dict):
+    """``os.environ`` with ``env`` set, for a worker started inside: it must have its
+    environment before it imports anything (importing triton under TRITON_INTERPRET=1 makes
+    its own library functions interpretable; set later, the interpreter cannot call them)."""
+    with _ENVIRON_LOCK:
+        saved = {name: os.environ.get(name) for name in env}
+        os.environ.update(env)
+        try:
+            yield
+        finally:
+            for name, value in saved.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
+
+
 class Worker:
     def __init__(self, spec: WorkerSpec, label: str = "worker"):
         self.spec = spec
@@ -227,7 +250,8 @@ class Worker:
         parent, child = self._ctx.Pipe()
         self._proc = self._ctx.Process(target=_worker_main, args=(child, self.spec),
                                        name=f"gemmtune-{self.label}", daemon=True)
-        self._proc.start()
+        with _environment(dict(self.spec.env)):
+            self._proc.start()
         child.close()
         self._conn = parent
         if not parent.poll(START_TIMEOUT_S):

@@ -132,10 +132,13 @@ def _to_table_key(raw: tuple) -> FmoeKey:
 
 
 def _default_kernel(key: FmoeKey, device: DeviceId) -> str:
-    # The Triton pair sized for the shape on a GPU; on the CPU torch (the interpreter is slow).
-    if device.arch == CPU_ARCH or key.q_type != QuantType.No.canonical:
-        return TORCH_MOE  # FP8 experts: only torch's backend takes them so far
-    return default_two_stage(problem_of(key))
+    # The Triton pair sized for the shape on a GPU (torch's backend where it cannot run the
+    # shape); on the CPU torch (the interpreter is slow).
+    if device.arch == CPU_ARCH:
+        return TORCH_MOE
+    problem = problem_of(key)
+    name = default_two_stage(problem)
+    return name if REGISTRY.resolve(name).check(problem) is None else TORCH_MOE
 
 
 DISPATCH = Dispatcher(SCHEMA, REGISTRY, _to_table_key, problem_of, _default_kernel,

@@ -10,10 +10,12 @@ Schemes (``quant_type``), FP8 e4m3 weights from ``gemmtune.quant.quantize_expert
 
 Stage 1's input is ``hidden`` quantised by the scheme; its output (after the activation, and the
 routing weight with ``doweight_stage1``) is quantised again the same way for stage 2. The torch
-backend does exactly that with ``gemmtune.quant`` and computes the rest in fp32: correct, and as
-slow as dequantising every expert per call (the bar FP8 kernels are checked against, not a fast
-path). The accuracy reference of the scheme is the fp32 MoE of the dequantised experts with
-unquantised activations (``reference``).
+backend runs per-token and per-tensor experts through torch's FP8 grouped GEMM on Hopper
+(``fused_moe_fp8_grouped``: the comparison a torch user has); elsewhere it does the scheme's
+arithmetic with ``gemmtune.quant`` and the rest in fp32: correct, and as slow as dequantising
+every expert per call (the bar FP8 kernels are checked against, not a fast path). The accuracy
+reference of the scheme is the fp32 MoE of the dequantised experts with unquantised activations
+(``reference``).
 """
 
 from __future__ import annotations
@@ -31,6 +33,11 @@ from gemmtune.tables.values import QuantType
 SCALINGS = {QuantType.per_Tensor: Scaling.tensor, QuantType.per_Token: Scaling.rowwise,
             QuantType.per_1x128: Scaling.block}
 QUANT_TYPES = {scaling: q_type for q_type, scaling in SCALINGS.items()}
+# (atol, rtol, ||out - ref|| / ||ref|| bound) against ``reference``: e4m3 keeps 3 mantissa bits, so
+# quantising each stage's input costs ~2-3% rms per stage; measured 0.046-0.048 (tests, every
+# scheme). The bound is what tells a right kernel from a wrong one; elements outside
+# atol + rtol * |ref| are the row's errRatio.
+FP8_TOLERANCE = (0.1, 0.1, 0.08)
 
 
 def checked_scales(quant_type: QuantType, hidden: torch.Tensor, w1: torch.Tensor,
@@ -88,14 +95,79 @@ def _activations(t: torch.Tensor, quant_type: QuantType,
     return quant.dequantize(q, scale, quant_type)
 
 
+def why_not_scaled_grouped_mm(hidden: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+                               scaling: Scaling) -> str | None:
+    """Why torch's row-wise FP8 grouped GEMM (``torch._scaled_grouped_mm``, Hopper) cannot run
+    these experts; None if it can."""
+    if scaling not in (Scaling.rowwise, Scaling.tensor):
+        return f"{scaling.value} scales: torch's FP8 grouped GEMM takes row-wise scales only"
+    if not hidden.is_cuda or torch.cuda.get_device_capability(hidden.device) != (9, 0):
+        return "torch's FP8 grouped GEMM runs on Hopper (sm_90) only"
+    if hidden.dtype != torch.bfloat16:
+        return f"{hidden.dtype} activations: torch's FP8 grouped GEMM writes bf16"
+    if any(d % 16 for d in (*w1.shape[1:], w2.shape[1])):
+        return "torch's FP8 grouped GEMM wants model_dim and 2 * inter_dim multiples of 16"
+    return None
+
+
+def fused_moe_fp8_grouped(hidden, w1, w2, topk_weight, topk_ids, expert_map,
+                          problem: MoeProblem, scales: MoeScales, out=None):
+    """FP8 experts as a torch user would run them on Hopper: the pairs sorted by expert,
+    gathered, ``torch._scaled_grouped_mm`` with row-wise scales for both stages (a per-tensor
+    scale repeated per row), the activation in fp32 on its bf16 output, the intermediate
+    requantised; nothing read back on the host, so it captures in a CUDA graph."""
+    quant_type = QUANT_TYPES[problem.scaling]
+    tokens, topk = topk_ids.shape
+    experts, two_inter, _ = w1.shape
+    inter_dim = two_inter // 2
+    local = expert_map[topk_ids.reshape(-1).long()].long()
+    group = torch.where(local >= 0, local, experts)  # other ranks' pairs: one group past the end
+    order = torch.argsort(group, stable=True)
+    sizes = torch.zeros(experts + 1, dtype=torch.long, device=hidden.device)
+    sizes.scatter_add_(0, group, torch.ones_like(group))
+    offsets = torch.cumsum(sizes[:experts], 0).to(torch.int32)
+    kept = (local[order] >= 0)[:, None]
+    weights = topk_weight.reshape(-1)[order].float()[:, None]
+
+    def rowwise(t, static):  # (rows, K) -> (fp8 rows, one fp32 scale per row)
+        if quant_type == QuantType.per_Tensor:
+            q, scale = ((quant.quantize_fp8(t, static.reshape(())), static.reshape(()))
+                        if static is not None else quant.per_tensor_fp8(t))
+            return q, scale.expand(t.shape[0]).contiguous()
+        q, scale = quant.per_token_fp8(t)
+        return q, scale.reshape(-1)
+
+    xq, x_scale = rowwise(hidden, scales.a1)
+    rows = order // topk
+    h = torch._scaled_grouped_mm(xq[rows], w1.transpose(1, 2), x_scale[rows],
+                                 scales.w1.reshape(experts, -1).expand(experts, two_inter)
+                                 .contiguous(), offs=offsets, out_dtype=torch.bfloat16)
+    h = moe_act(h[:, :inter_dim].float(), problem.activation) * h[:, inter_dim:].float()
+    h = torch.where(kept, h * weights if problem.doweight_stage1 else h, 0.0)
+    hq, h_scale = rowwise(h, scales.a2)
+    y = torch._scaled_grouped_mm(hq, w2.transpose(1, 2), h_scale,
+                                 scales.w2.reshape(experts, -1).expand(experts, w2.shape[1])
+                                 .contiguous(), offs=offsets, out_dtype=torch.bfloat16).float()
+    # Rows past the last group are never written by the grouped GEMM: where(), not a product.
+    y = torch.where(kept, y if problem.doweight_stage1 else y * weights, 0.0)
+    per_pair = torch.empty_like(y).index_copy_(0, order, y)  # back to pair order
+    total = per_pair.view(tokens, topk, -1).sum(1)
+    return total.to(hidden.dtype) if out is None else out.copy_(total)
+
+
 def fused_moe_fp8_torch(hidden, w1, w2, topk_weight, topk_ids, expert_map,
                         problem: MoeProblem, scales: MoeScales, out=None):
-    """The torch backend of FP8 experts: each stage's input quantised as the scheme says,
+    """The torch backend of FP8 experts: torch's FP8 grouped GEMM where it runs them
+    (``fused_moe_fp8_grouped``), else each stage's input quantised as the scheme says and
     everything else in fp32 (experts dequantised, one expert at a time)."""
+    if why_not_scaled_grouped_mm(hidden, w1, w2, problem.scaling) is None:
+        return fused_moe_fp8_grouped(hidden, w1, w2, topk_weight, topk_ids, expert_map,
+                                     problem, scales, out)
     if hidden.is_cuda and torch.cuda.is_current_stream_capturing():
         raise RuntimeError(
-            "fused_moe: FP8 experts through torch's backend cannot be captured in a CUDA graph "
-            "(it selects each expert's pairs by value, which waits for the GPU); run them "
+            "fused_moe: these FP8 experts through torch's backend cannot be captured in a CUDA "
+            "graph (without a grouped GEMM for them, it selects each expert's pairs by value, "
+            "which waits for the GPU); run them "
             "eagerly, or name a two-stage Triton kernel (kernel='triton.moe1:...+triton.moe2:"
             "...')")
     quant_type = QUANT_TYPES[problem.scaling]
@@ -128,7 +200,15 @@ def fused_moe_fp8_torch(hidden, w1, w2, topk_weight, topk_ids, expert_map,
 def reference(hidden, w1, w2, topk_weight, topk_ids, expert_map, quant_type: QuantType,
               scales: MoeScales, activation=Activation.silu, doweight_stage1=False):
     """The scheme's accuracy reference, fp32: the dequantised experts, activations as they
-    come."""
-    return fused_moe_ref(hidden.float(), quant.dequantize_experts(w1, scales.w1, quant_type),
-                         quant.dequantize_experts(w2, scales.w2, quant_type), topk_weight,
-                         topk_ids, expert_map, activation, doweight_stage1, torch.float32)
+    come. One expert at a time: the fp32 copy of every expert would be 4x the FP8 weights."""
+    out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+    x = hidden.float()
+    for e in range(w1.shape[0]):
+        only_e = torch.where(expert_map == e, 0, -1).to(expert_map.dtype)
+        out += fused_moe_ref(x, quant.dequantize_experts(w1[e:e + 1], scales.w1[e:e + 1],
+                                                         quant_type),
+                             quant.dequantize_experts(w2[e:e + 1], scales.w2[e:e + 1],
+                                                      quant_type),
+                             topk_weight, topk_ids, only_e, activation, doweight_stage1,
+                             torch.float32)
+    return out

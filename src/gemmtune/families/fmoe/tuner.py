@@ -19,12 +19,14 @@ from __future__ import annotations
 
 import functools
 import threading
+from typing import NamedTuple
 
 import torch
 
-from gemmtune.families.fmoe.inputs import ROUTINGS, random_inputs
+from gemmtune.families.fmoe import quantised
+from gemmtune.families.fmoe.inputs import ROUTINGS, MoeCase, quantised_experts, random_inputs
 from gemmtune.families.fmoe.op import REGISTRY, SCHEMA, FmoeKey, expert_map_of, problem_of
-from gemmtune.kernels.problem import MoeProblem
+from gemmtune.kernels.problem import MoeProblem, Scaling
 from gemmtune.kernels.torch_ref import TORCH_MOE, fused_moe_ref
 from gemmtune.kernels.triton.moe_configs import (BLOCK_MS, GROUPED_MM_NAME, ONE_LAUNCH_PREFIXES,
                                                  PAIR_BLOCK_M, STAGE1_PREFIX, STAGE2_PREFIX,
@@ -52,24 +54,49 @@ GROUPED_MM_MIN_TOKENS = 256
 PERSISTENT_MIN_TOKENS = 256
 
 
-def _stage_space(problem: MoeProblem, gpu: bool) -> tuple[list[MoeStage1Config],
-                                                           list[MoeStage2Config]]:
+class Load(NamedTuple):
+    """What a uniform top-k routing is expected to give this rank's experts (all of them, or
+    with expert parallelism over ``ep`` ranks 1/ep of the global ones)."""
+
+    pairs: float  # routed (token, slot) pairs to local experts
+    reached: float  # local experts with at least one pair
+
+    @classmethod
+    def of(cls, problem: MoeProblem, ep: int = 1) -> "Load":
+        global_experts = problem.experts * ep
+        reached = problem.experts * (1 - (1 - problem.topk / global_experts) ** problem.tokens)
+        return cls(problem.tokens * problem.topk / ep, reached)
+
+    def per_expert(self, problem: MoeProblem) -> float:
+        return self.pairs / max(1, problem.experts)
+
+    def blocks(self, block_m: int) -> float:
+        """Blocks of ``block_m`` rows the routing makes: the experts it reaches, each with its
+        pairs rounded up to whole blocks."""
+        per_reached = self.pairs / max(self.reached, 1e-9)
+        return self.reached * -(-per_reached // block_m)
+
+
+def _stage_space(problem: MoeProblem, gpu: bool,
+                 load: Load) -> tuple[list[MoeStage1Config], list[MoeStage2Config]]:
     """The pruned configs of both stages: block_m up to twice the pairs an expert gets on
     average (a larger one only pads), 64-128 wide tiles (stage 1 also 32 at block_m 16), 4-8
     warps, split-K only where stage 2 has too few tiles to fill the GPU and inter_dim is long
     enough to split; the pair-block configs where they apply; on the CPU (the interpreter) one
     small config each."""
-    if not gpu:
-        return [MoeStage1Config(16, 16, 16, 4, 1)], [MoeStage2Config(16, 16, 16, 1, 4, 1)]
-    per_expert = problem.tokens * problem.topk / max(1, problem.experts)
+    if not gpu:  # (8-bit dots take K steps of 32 or more)
+        bk = 16 if problem.scaling is Scaling.none else 32
+        return [MoeStage1Config(16, 16, bk, 4, 1)], [MoeStage2Config(16, 16, bk, 1, 4, 1)]
+    per_expert = load.per_expert(problem)
     sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
-    first, second = _pair_block_space(problem)
+    first, second = _pair_block_space(problem, load)
+    fp8 = problem.scaling is not Scaling.none
     for bm in (b for b in BLOCK_MS if b <= max(16, 2 * per_expert)):
         for bn in (32, 64, 128) if bm == 16 else (64, 128):
             for bk in (64, 128):
-                for warps, stages in ((4, 3), (4, 4), (8, 3)):
+                for warps, stages in ((4, 3), (4, 4), (8, 3)) + (((4, 6),) if fp8 else ()):
                     first.append(MoeStage1Config(bm, bn, bk, warps, stages))
-        blocks = _expected_blocks(problem, bm)
+        blocks = load.blocks(bm)
         for bn in (64, 128, 256):
             for bk in (64, 128):
                 tiles = blocks * -(-problem.model_dim // bn)
@@ -79,20 +106,19 @@ def _stage_space(problem: MoeProblem, gpu: bool) -> tuple[list[MoeStage1Config],
                         continue
                     for warps, stages in ((4, 3), (8, 3)):
                         second.append(MoeStage2Config(bm, bn, bk, split_k, warps, stages))
-    persistent_first, persistent_second = _persistent_space(problem)
+    persistent_first, persistent_second = _persistent_space(problem, load)
     return first + persistent_first, second + persistent_second
 
 
-def _persistent_space(problem: MoeProblem) -> tuple[list[MoeStage1Config],
-                                                    list[MoeStage2Config]]:
+def _persistent_space(problem: MoeProblem, load: Load) -> tuple[list[MoeStage1Config],
+                                                                list[MoeStage2Config]]:
     """Persistent stage configs from PERSISTENT_MIN_TOKENS tokens: 64-128 row blocks (up to
     twice an expert's pairs), wide tiles (128x256 of output at stage 2, gate and up 128x128 at
     stage 1), 8 warps, 3-4 stages of 64-wide steps, the tile loop as written or flattened
     (each wins some shapes on the H100: docs/benchmarks.md)."""
     if problem.tokens < PERSISTENT_MIN_TOKENS:
         return [], []
-    per_expert = problem.tokens * problem.topk / max(1, problem.experts)
-    block_ms = [bm for bm in (64, 128) if bm <= max(64, 2 * per_expert)]
+    block_ms = [bm for bm in (64, 128) if bm <= max(64, 2 * load.per_expert(problem))]
     first = [MoeStage1Config(bm, bn, 64, 8, stages, persistent=kind)
              for bm in block_ms for bn in (64, 128) for stages in (3, 4) for kind in (1, 2)]
     second = [MoeStage2Config(bm, bn, 64, 1, 8, stages, persistent=kind)
@@ -100,15 +126,21 @@ def _persistent_space(problem: MoeProblem) -> tuple[list[MoeStage1Config],
     return first, second
 
 
-def _pair_block_space(problem: MoeProblem) -> tuple[list[MoeStage1Config],
-                                                    list[MoeStage2Config]]:
+def _pair_block_space(problem: MoeProblem, load: Load) -> tuple[list[MoeStage1Config],
+                                                                list[MoeStage2Config]]:
     """Stage configs over pair blocks, where there are no more pairs than experts (decode: the
     routing preparation would make one block per pair anyway, at the cost of a launch). Narrow
     tiles too: a few pairs must still spread over every SM."""
-    if problem.tokens * problem.topk > problem.experts:
+    if load.pairs > problem.experts:
         return [], []
-    first = [MoeStage1Config(PAIR_BLOCK_M, bn, bk, 4, stages, pair_blocks=1)
-             for bn in (16, 32, 64, 128) for bk in (64, 128, 256) for stages in (3, 4)]
+    # FP8 steps carry half the bytes: deeper pipelines keep as many in flight, and model_dim
+    # split in parts spreads decode's few pairs over more SMs.
+    fp8 = problem.scaling is not Scaling.none
+    depths = (3, 4, 6, 8) if fp8 else (3, 4)
+    first = [MoeStage1Config(PAIR_BLOCK_M, bn, bk, 4, stages, pair_blocks=1, split_k=split_k)
+             for bn in (16, 32, 64, 128) for bk in (64, 128, 256) for stages in depths
+             for split_k in ((1, 2, 4) if fp8 and stages == 4 else (1,))
+             if split_k == 1 or bn <= 64]
     second = [MoeStage2Config(PAIR_BLOCK_M, bn, bk, split_k, 4, 3, pair_blocks=1)
               for bn in (32, 64, 128) for bk in (64, 128, 256) for split_k in (1, 2)
               if problem.inter_dim >= 2 * split_k * bk]
@@ -143,29 +175,18 @@ def _stream_space(problem: MoeProblem, gpu: bool) -> list[MoeStreamConfig]:
             for bd in (4, 8, 16) for bi in (64, 128)]
 
 
-def _reached(problem: MoeProblem) -> float:
-    """How many experts a uniform top-k routing of ``problem.tokens`` tokens is expected to
-    reach."""
-    return problem.experts * (1 - (1 - problem.topk / problem.experts) ** problem.tokens)
-
-
-def _expected_blocks(problem: MoeProblem, block_m: int) -> float:
-    """Blocks of ``block_m`` rows a uniform routing makes: the experts it reaches, each with its
-    pairs rounded up to whole blocks."""
-    reached = _reached(problem)
-    per_reached = problem.tokens * problem.topk / max(reached, 1e-9)
-    return reached * -(-per_reached // block_m)
-
-
 class FmoeTuner(FamilyTuner):
     schema = SCHEMA
     # The seed's default for fmoe; the bound on ||out - ref|| / ||ref|| is the dtype's as ever.
     default_err_ratio = 0.5
 
-    def __init__(self, routing: str = "uniform"):
+    def __init__(self, routing: str = "uniform", ep: int = 1):
         if routing not in ROUTINGS:
             raise ValueError(f"routing={routing!r}: expected one of {', '.join(ROUTINGS)}")
+        if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
+            raise ValueError(f"--ep {ep!r}: expected a positive number of expert-parallel ranks")
         self.routing = routing
+        self.ep = ep
         self.timing_label = "graph.coldL2" if torch.cuda.is_available() else "cpu.wall"
         # (key, stage name) -> its screen result, kept in the parent for the row's columns.
         self._screened: dict[tuple, Evaluation] = {}
@@ -173,15 +194,14 @@ class FmoeTuner(FamilyTuner):
 
     @classmethod
     def factory_from_args(cls, args):
-        return functools.partial(cls, routing=getattr(args, "routing", None) or "uniform")
+        return functools.partial(cls, routing=getattr(args, "routing", None) or "uniform",
+                                 ep=getattr(args, "ep", None) or 1)
 
     def inputs_note(self, seed: int) -> str:
-        return f"routing={self.routing};seed={seed}"
+        ep = f"ep={self.ep};" if self.ep > 1 else ""
+        return f"routing={self.routing};{ep}seed={seed}"
 
     def shape(self, key: FmoeKey) -> MoeProblem:
-        if key.q_type != QuantType.No.canonical:
-            raise ValueError(f"q_type={key.q_type}: FP8 experts have only torch's backend so "
-                             f"far (fused_moe runs them without a row); nothing to tune yet")
         return problem_of(key)
 
     # ----------------------------------------------------------------------- candidates
@@ -192,7 +212,8 @@ class FmoeTuner(FamilyTuner):
         if "torch" in wanted:
             found.append(Candidate(TORCH_MOE, "torch", simplicity=0))
         if "triton" in wanted:
-            first, second = _stage_space(problem, torch.cuda.is_available())
+            first, second = _stage_space(problem, torch.cuda.is_available(),
+                                         Load.of(problem, self.ep))
             kernel = REGISTRY.resolve
             for config in first + second:
                 partner = _partner(config)
@@ -213,15 +234,31 @@ class FmoeTuner(FamilyTuner):
         p = self.shape(key)
         device = "cuda" if torch.cuda.is_available() else "cpu"
         gen = torch.Generator(device=device).manual_seed(seed)
-        hidden, w1, w2, topk_weight, topk_ids = random_inputs(p, gen, self.routing)
-        expert_map = expert_map_of(None, p.experts, hidden.device)
-        inputs = (hidden, w1, w2, topk_weight, topk_ids, expert_map, p)
-        ref = fused_moe_ref(hidden, w1, w2, topk_weight, topk_ids, expert_map, p.activation,
-                            p.doweight_stage1)
-        return Prepared(key, seed, inputs, ref)
+        hidden, w1, w2, topk_weight, topk_ids = random_inputs(p, gen, self.routing,
+                                                              p.experts * self.ep)
+        # Expert parallelism: this rank holds the first of the global experts.
+        mask = (torch.arange(p.experts * self.ep, device=hidden.device) < p.experts
+                if self.ep > 1 else None)
+        expert_map = expert_map_of(mask, p.experts, hidden.device)
+        if p.scaling is Scaling.none:
+            case = MoeCase(hidden, w1, w2, topk_weight, topk_ids, expert_map, p)
+            ref = fused_moe_ref(hidden, w1, w2, topk_weight, topk_ids, expert_map, p.activation,
+                                p.doweight_stage1)
+            return Prepared(key, seed, case, ref)
+        # FP8 experts: the errors are against the dequantised experts with exact activations.
+        quant_type = QuantType.from_str(key.q_type)
+        w1q, w2q, scales = quantised_experts(w1, w2, quant_type)
+        del w1, w2
+        if hidden.is_cuda:  # the bf16 experts' memory back for the other workers on the GPU
+            torch.cuda.empty_cache()
+        case = MoeCase(hidden, w1q, w2q, topk_weight, topk_ids, expert_map, p, scales)
+        ref = quantised.reference(hidden, w1q, w2q, topk_weight, topk_ids, expert_map,
+                                  quant_type, scales, p.activation, p.doweight_stage1)
+        return Prepared(key, seed, case, ref)
 
     def tolerance(self, key: FmoeKey) -> tuple[float, float, float]:
-        return TOLERANCES[self.shape(key).dtype]
+        p = self.shape(key)
+        return TOLERANCES[p.dtype] if p.scaling is Scaling.none else quantised.FP8_TOLERANCE
 
     # ---------------------------------------------------------------------- run and time
     def _kernel(self, name: str, problem: MoeProblem):
@@ -232,14 +269,15 @@ class FmoeTuner(FamilyTuner):
         return REGISTRY.resolve_for(name, problem)
 
     def precompile(self, name: str, prepared: Prepared) -> None:
-        kernel = self._kernel(name, prepared.inputs[-1])
+        case: MoeCase = prepared.inputs
+        kernel = self._kernel(name, case.problem)
         if hasattr(kernel, "warmup"):
-            kernel.warmup(*prepared.inputs)
+            kernel.warmup(*case.args(), **case.kwargs())
 
     def run(self, name: str, prepared: Prepared) -> torch.Tensor:
-        hidden = prepared.inputs[0]
-        out = torch.full_like(hidden, float("nan"))
-        result = self._kernel(name, prepared.inputs[-1])(*prepared.inputs, out=out)
+        case: MoeCase = prepared.inputs
+        out = torch.full_like(case.hidden, float("nan"))
+        result = case.run(self._kernel(name, case.problem), out=out)
         if result.data_ptr() != out.data_ptr():
             raise RuntimeError(f"{name} did not write into the output it was given")
         return out
@@ -249,8 +287,7 @@ class FmoeTuner(FamilyTuner):
 
     def time_many(self, names: list[str], prepared: Prepared, iters: int,
                   warmup: int) -> list[tuple[float, float]]:
-        hidden = prepared.inputs[0]
-        if not hidden.is_cuda:
+        if not prepared.inputs.hidden.is_cuda:
             return [eager_us(lambda n=name: self.run(n, prepared), iters, warmup)
                     for name in names]
         # Every candidate, torch's pipeline too, is captured in a CUDA graph and replayed: where
@@ -274,28 +311,30 @@ class FmoeTuner(FamilyTuner):
         from gemmtune.kernels.triton import moe_stages
         from gemmtune.kernels.triton.fused_moe import ACT_CODES, route
 
-        hidden, _, _, topk_weight, topk_ids, expert_map, problem = prepared.inputs
+        case: MoeCase = prepared.inputs
+        hidden, _, _, topk_weight, topk_ids, expert_map, problem, scales = case
         act = ACT_CODES[problem.activation]
         experts = problem.experts
         if "+" in name or not name.startswith((STAGE1_PREFIX + ":", STAGE2_PREFIX + ":")):
             kernel = self._kernel(name, problem)
-            return lambda copy: kernel(hidden, copy[0], copy[1], topk_weight, topk_ids,
-                                       expert_map, problem)
+            return lambda copy: case.run(kernel, copy)
         config = _config(name)
         if isinstance(config, MoeStage1Config):
             def stage1(copy):
                 routing = route(config, topk_ids, expert_map, experts)
                 moe_stages.run_stage1(hidden, copy[0], topk_weight, topk_ids, expert_map,
-                                      routing, act, problem.doweight_stage1, config)
+                                      routing, act, problem.doweight_stage1, config,
+                                      scales=scales, scaling=problem.scaling)
             return stage1
         routing = route(config, topk_ids, expert_map, experts)
-        inter = moe_stages.run_stage1(hidden, prepared.inputs[1], topk_weight, topk_ids,
-                                      expert_map, routing, act, problem.doweight_stage1,
-                                      _partner(config))
+        inter = moe_stages.run_stage1(hidden, case.w1, topk_weight, topk_ids, expert_map,
+                                      routing, act, problem.doweight_stage1, _partner(config),
+                                      scales=scales, scaling=problem.scaling)
 
         def stage2(copy):
             moe_stages.run_stage2(inter, copy[1], topk_weight, topk_ids, expert_map, routing,
-                                  problem.doweight_stage1, config, hidden.shape[0], hidden.dtype)
+                                  problem.doweight_stage1, config, hidden.shape[0], hidden.dtype,
+                                  scales=scales)
         return stage2
 
     # ---------------------------------------------------------------------- the pairing
@@ -354,10 +393,11 @@ class FmoeTuner(FamilyTuner):
         """(TFLOP/s, GB/s): the FLOPs of every routed pair's three projections, and the bytes
         of the experts uniform routing is expected to reach plus activations in and out."""
         p = self.shape(key)
-        flops = 2.0 * p.tokens * p.topk * 3 * p.inter_dim * p.model_dim
-        reached = _reached(p)
-        nbytes = (reached * 3 * p.inter_dim * p.model_dim + 2 * p.tokens * p.model_dim) \
-            * p.dtype.itemsize
+        load = Load.of(p, self.ep)
+        flops = 2.0 * load.pairs * 3 * p.inter_dim * p.model_dim
+        weight_bytes = p.dtype.itemsize if p.scaling is Scaling.none else 1  # FP8 experts
+        nbytes = load.reached * 3 * p.inter_dim * p.model_dim * weight_bytes \
+            + 2 * p.tokens * p.model_dim * p.dtype.itemsize
         return flops / us / 1e6, nbytes / us / 1e3
 
 
@@ -391,5 +431,6 @@ def _rotating(prepared: Prepared) -> list[tuple[torch.Tensor, torch.Tensor]]:
     its experts from HBM."""
     sets = prepared.extra.get("rotating")
     if sets is None:
-        sets = prepared.extra["rotating"] = cold_copies(prepared.inputs[1:3])
+        sets = prepared.extra["rotating"] = cold_copies((prepared.inputs.w1,
+                                                         prepared.inputs.w2))
     return sets

@@ -36,14 +36,16 @@ OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 QUANT_DTYPES = (torch.float8_e4m3fn, torch.int8)
 
 
-@triton.jit
-def _probe():
-    pass
-
-
-# Under TRITON_INTERPRET=1 triton.jit returns an InterpretedFunction, which runs on CPU tensors.
-# The setting is read at decoration, so this probe answers for every kernel decorated after it.
-INTERPRETED = not isinstance(_probe, triton.runtime.JITFunction)
+@functools.cache
+def interpreted() -> bool:
+    """Whether our kernels run in Triton's interpreter. Under TRITON_INTERPRET=1 triton.jit
+    returns an InterpretedFunction, which runs on CPU tensors; the setting is read at
+    decoration, so a probe decorated at the first question answers for the kernel modules,
+    which are imported on first use. (Not at this module's import: a tuner worker imports it
+    with the package, before it sets the variable.)"""
+    def probe():
+        pass
+    return not isinstance(triton.jit(probe), triton.runtime.JITFunction)
 
 
 @functools.lru_cache(maxsize=16)
@@ -199,7 +201,7 @@ def validate_gemm_args(
     if w.device != x.device:
         raise ValueError(f"{kernel_name}: x is on {x.device} but w is on {w.device}; "
                          f"move both to one device")
-    if x.device.type != "cuda" and not INTERPRETED:
+    if x.device.type != "cuda" and not interpreted():
         raise ValueError(f"{kernel_name}: tensors on {x.device} need TRITON_INTERPRET=1, set "
                          f"before gemmtune's triton kernels are imported; or move them to a "
                          f"CUDA device")

@@ -88,7 +88,7 @@ class TritonKernel:
         """Compile for this call's arguments without running anything on the GPU."""
         x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
         y = torch.empty((x2.shape[0], w.shape[0]), dtype=out_dtype, device=x.device)
-        if y.numel() and not self._module._checks.INTERPRETED:
+        if y.numel() and not self._module._checks.interpreted():
             self._launch(x2, w, bias, y, scale_a, scale_b, self.config, warmup=True,
                          **self._launch_kwargs)
 

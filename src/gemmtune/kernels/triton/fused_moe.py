@@ -92,22 +92,25 @@ class TritonTwoStageMoe:
                     f"{self.stage1.pair_blocks} and stage 2 block_m={self.stage2.block_m}, "
                     f"pair_blocks={self.stage2.pair_blocks}: both run over one routing, so they "
                     f"must agree")
-        return (why_not_stage1(self.stage1, operands)
+        if self.stage1.split_k > 1 and problem.doweight_stage1:
+            return (f"split_k={self.stage1.split_k}: a split stage 1 leaves the activation to "
+                    f"the quantiser, which does not apply the routing weight (doweight_stage1)")
+        return (why_not_stage1(self.stage1, operands, problem.model_dim)
                 or why_not_stage2(self.stage2, operands, problem.inter_dim)
                 or _checks.why_not_dot_k(self.stage1, operands)
                 or _checks.why_not_dot_k(self.stage2, operands)
                 or why_not_tma(self.stage1, operands, problem.model_dim)
                 or why_not_tma(self.stage2, operands, problem.inter_dim))
 
-    def warmup(self, hidden, w1, w2, topk_weight, topk_ids, expert_map,
-               problem: MoeProblem) -> None:
+    def warmup(self, hidden, w1, w2, topk_weight, topk_ids, expert_map, problem: MoeProblem,
+               scales: MoeScales | None = None) -> None:
         """Compile every kernel of this solution for these arguments, launching none (the
         interpreter has nothing to compile)."""
-        if hidden.shape[0] and not _checks.INTERPRETED:
+        if hidden.shape[0] and not _checks.interpreted():
             routing = route(self.stage1, topk_ids, expert_map, w1.shape[0], warmup=True)
             moe_stages(hidden, w1, w2, topk_weight, topk_ids, expert_map, routing,
                        ACT_CODES[problem.activation], problem.doweight_stage1, self.stage1,
-                       self.stage2, warmup=True)
+                       self.stage2, warmup=True, scales=scales, scaling=problem.scaling)
 
     def __call__(self, hidden, w1, w2, topk_weight, topk_ids, expert_map, problem: MoeProblem,
                  out=None, scales: MoeScales | None = None):
@@ -138,7 +141,7 @@ class _OneLaunchMoe:
     def warmup(self, hidden, w1, w2, topk_weight, topk_ids, expert_map,
                problem: MoeProblem) -> None:
         """Compile the kernel for these arguments, launching nothing."""
-        if hidden.shape[0] and not _checks.INTERPRETED:
+        if hidden.shape[0] and not _checks.interpreted():
             self.launch(hidden, w1, w2, topk_weight, topk_ids, expert_map,
                         ACT_CODES[problem.activation], problem.doweight_stage1, self.config,
                         warmup=True)
@@ -191,7 +194,7 @@ class TritonGroupedMmMoe:
     def warmup(self, hidden, w1, w2, topk_weight, topk_ids, expert_map,
                problem: MoeProblem) -> None:
         """Compile the Triton steps for these arguments, launching nothing."""
-        if hidden.shape[0] and not _checks.INTERPRETED:
+        if hidden.shape[0] and not _checks.interpreted():
             moe_grouped_mm(hidden, w1, w2, topk_weight, topk_ids, expert_map,
                            ACT_CODES[problem.activation], problem.doweight_stage1, warmup=True)
 

@@ -449,7 +449,7 @@ def _capability_major(device_index: int) -> int:
 def pdl_supported(device: torch.device) -> bool:
     """Programmatic dependent launch needs sm_90+ (and a compiled, not interpreted, kernel);
     elsewhere a PDL config runs as a plain launch, which computes the same result."""
-    return (not _checks.INTERPRETED and device.type == "cuda"
+    return (not _checks.interpreted() and device.type == "cuda"
             and _capability_major(device.index if device.index is not None
                                   else torch.cuda.current_device()) >= 9)
 

@@ -15,7 +15,7 @@ from gemmtune.kernels.triton import _checks
 SILU, GELU = 0, 1  # the ACT constexpr
 # Each launch waits on the one before with programmatic dependent launch (Hopper+; the
 # interpreter has none): the next grid is scheduled while the previous one drains.
-PDL = not _checks.INTERPRETED
+PDL = not _checks.interpreted()
 
 
 @triton.jit
@@ -47,18 +47,19 @@ SCALE_BLOCK = tl.constexpr(128)  # K extent of FP8 block scales (constexpr: jitt
 
 
 @triton.jit
-def gate_up_sums(x_ptr, w1_ptr, rows, row_real, expert, cols, D, I, stride_xt, stride_xd,
-                 stride_we, stride_wn, stride_wd, xs_ptr, ws_ptr, stride_xs, stride_xk,
-                 stride_se, stride_sn, stride_sk, INPUT_PRECISION: tl.constexpr,
+def gate_up_sums(x_ptr, w1_ptr, rows, row_real, expert, cols, k_lo, k_hi, I, stride_xt,
+                 stride_xd, stride_we, stride_wn, stride_wd, xs_ptr, ws_ptr, stride_xs,
+                 stride_xk, stride_se, stride_sn, stride_sk, INPUT_PRECISION: tl.constexpr,
                  BLOCK_SCALED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr):
-    """Stage 1's two GEMMs over model_dim in one pass: fp32 (BLOCK_M, BLOCK_N) tiles of
+    """Stage 1's two GEMMs over model_dim columns [k_lo, k_hi) (k_lo a multiple of BLOCK_K, k_hi
+    model_dim or one) in one pass: fp32 (BLOCK_M, BLOCK_N) tiles of
     ``x[rows] @ w1[expert, cols].T`` (gate) and of the same columns + I (up); rows not
     ``row_real`` read as zeros. ``BLOCK_SCALED`` (FP8 x and w1): each K step's products (one
     128 block: block_k divides 128) times x's 1x128 scale (``xs_ptr``, strides per row and K
     block) and w1's 128x128 one (``ws_ptr``, strides per expert, N block, K block); the scale
     arguments are unread otherwise."""
-    offs_k = tl.arange(0, BLOCK_K)
+    offs_k = k_lo + tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + rows.to(tl.int64)[:, None] * stride_xt + offs_k[None, :] * stride_xd
     w_base = w1_ptr + expert * stride_we + offs_k[:, None] * stride_wd
     gate_ptrs = w_base + cols[None, :] * stride_wn  # (BK, BN): rows [0, I) of w1[e], transposed
@@ -68,11 +69,12 @@ def gate_up_sums(x_ptr, w1_ptr, rows, row_real, expert, cols, D, I, stride_xt, s
     up_scales = ws_ptr + expert * stride_se + ((cols + I) // SCALE_BLOCK) * stride_sn
     gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, D, BLOCK_K):
-        k_left = D - k0
-        a = tl.load(x_ptrs, mask=row_real[:, None] & (offs_k[None, :] < k_left), other=0.0)
-        wg = tl.load(gate_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
-        wu = tl.load(up_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+    lane = tl.arange(0, BLOCK_K)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        k_left = k_hi - k0
+        a = tl.load(x_ptrs, mask=row_real[:, None] & (lane[None, :] < k_left), other=0.0)
+        wg = tl.load(gate_ptrs, mask=lane[:, None] < k_left, other=0.0)
+        wu = tl.load(up_ptrs, mask=lane[:, None] < k_left, other=0.0)
         if BLOCK_SCALED:
             block = k0 // SCALE_BLOCK
             xs = tl.load(x_scales + block * stride_xk, mask=row_real, other=0.0)[:, None]

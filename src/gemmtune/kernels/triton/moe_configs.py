@@ -32,13 +32,15 @@ PERSISTENT, FLATTENED = 1, 2
 
 @dataclass(frozen=True)
 class MoeStage1Config(NamedConfig):
-    """``triton.moe1:BM32.BN64.BK64.W4.S3[.PB<0|1>[.P<1|2>]]``: one stage-1 launch (fields are
-    positional: a persistent config names ``PB0`` too)."""
+    """``triton.moe1:BM32.BN64.BK64.W4.S3[.PB<0|1>[.P<1|2>[.SK<n>]]]``: one stage-1 launch
+    (fields are positional: a persistent config names ``PB0`` too, a split one ``PB.. P0``).
+    ``split_k`` parts of model_dim add their sums into fp32 (FP8 experts, whose intermediate
+    gets a pass of its own anyway: the activation moves there)."""
 
     NAME_CODEC = NameCodec("MoE stage-1 config", STAGE1_PREFIX, (
         Field("BM", "block_m"), Field("BN", "block_n"), Field("BK", "block_k"),
         Field("W", "num_warps"), Field("S", "num_stages"), Field("PB", "pair_blocks", default=0),
-        Field("P", "persistent", default=0)))
+        Field("P", "persistent", default=0), Field("SK", "split_k", default=1)))
 
     block_m: int
     block_n: int
@@ -47,6 +49,7 @@ class MoeStage1Config(NamedConfig):
     num_stages: int
     pair_blocks: int = 0  # 1: a block per routed pair, no routing preparation (PAIR_BLOCK_M)
     persistent: int = 0  # 1: a persistent TMA program per SM; 2: its tile loop flattened
+    split_k: int = 1
 
 
 @dataclass(frozen=True)

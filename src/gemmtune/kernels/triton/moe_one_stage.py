@@ -42,7 +42,7 @@ MAX_ACC_REGS = 128
 WORKSPACE_KIND = "moe_1stage"  # its workspaces' key in moe_common's cache
 # Each launch waits on the kernel before it with programmatic dependent launch (Hopper+; the
 # interpreter has none).
-PDL = not _checks.INTERPRETED
+PDL = not _checks.interpreted()
 
 
 def token_block(tokens: int) -> int:
@@ -165,7 +165,7 @@ def _stage1(x_ptr, w1_ptr, inter_ptr, ready_ptr, topk_weight_ptr, topk_ids_ptr, 
         offs_t = tl.arange(0, BLOCK_T)
         offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
         cols = tl.where(offs_n < I, offs_n, 0).to(tl.int64)
-        gate, up = gate_up_sums(x_ptr, w1_ptr, offs_t, routed, expert, cols, D, I, stride_xt,
+        gate, up = gate_up_sums(x_ptr, w1_ptr, offs_t, routed, expert, cols, 0, D, I, stride_xt,
                                 stride_xd, stride_1e, stride_1n, stride_1d, x_ptr, w1_ptr,
                                 0, 0, 0, 0, 0, INPUT_PRECISION, False, BLOCK_T, BLOCK_N,
                                 BLOCK_K)  # no scales: bf16 / fp16 / fp32 experts

@@ -6,11 +6,15 @@ row's (tensor's) scale NaN."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 
 from gemmtune.kernels.triton import _checks
+from gemmtune.kernels.triton.moe_common import (PDL, gated_activation, let_next_start,
+                                                wait_for_inputs)
 
 # gemmtune.quant's values (tests check they agree; kernels do not import the layer above).
 FP8_MAX = 448.0
@@ -18,26 +22,71 @@ AMAX_FLOOR = 1e-12
 BLOCK = 128  # the K extent of a block scale (activations 1x128, weights 128x128)
 
 
+# Which rows of the input hold values (ROUTED): all; those a grouped routing filled (a block's
+# first block_rows rows, below rows_used); those of pairs routed to a local expert (pair blocks).
+ALL_ROWS, GROUPED_ROWS, PAIR_ROWS = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
+
+
 @triton.jit
-def quant_rows_kernel(x_ptr, q_ptr, scale_ptr, D, GROUP, stride_xt, stride_xd, stride_qt,
-                      stride_sr, stride_sg, FP8_MAX: tl.constexpr, AMAX_FLOOR: tl.constexpr,
-                      SCALE_GIVEN: tl.constexpr, WRITE_Q: tl.constexpr, BLOCK_D: tl.constexpr):
+def _holds_values(row, routed_a_ptr, routed_b_ptr, ROUTED: tl.constexpr,
+                  ROUTED_BLOCK_M: tl.constexpr):
+    """Whether ``row`` holds values (ROUTED above; routed_a/b: block_rows and rows_used of a
+    grouped routing, or topk_ids and expert_map of pair blocks)."""
+    if ROUTED == GROUPED_ROWS:
+        return (row < tl.load(routed_b_ptr)) \
+            & (row % ROUTED_BLOCK_M < tl.load(routed_a_ptr + row // ROUTED_BLOCK_M))
+    if ROUTED == PAIR_ROWS:
+        return tl.load(routed_b_ptr + tl.load(routed_a_ptr + row)) >= 0
+    return True
+
+
+@triton.jit
+def _values(x_ptr, row, cols, inside, D, stride_xt, stride_xd, GATED: tl.constexpr,
+            ACT: tl.constexpr):
+    """fp32 values of ``row`` at ``cols``: x's own, or with GATED ``act(gate) * up`` of the
+    gate sums at ``cols`` and the up sums D columns on."""
+    at = x_ptr + row * stride_xt + cols * stride_xd
+    v = tl.load(at, mask=inside, other=0.0).to(tl.float32)
+    if GATED:
+        v = gated_activation(v, tl.load(at + D * stride_xd, mask=inside, other=0.0), ACT)
+    return v
+
+
+@triton.jit
+def quant_rows_kernel(x_ptr, q_ptr, scale_ptr, routed_a_ptr, routed_b_ptr, D, GROUP,
+                      stride_xt, stride_xd, stride_qt, stride_sr, stride_sg,
+                      FP8_MAX: tl.constexpr, AMAX_FLOOR: tl.constexpr,
+                      SCALE_GIVEN: tl.constexpr, WRITE_Q: tl.constexpr, ROUTED: tl.constexpr,
+                      ROUTED_BLOCK_M: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr,
+                      PDL: tl.constexpr, BLOCK_D: tl.constexpr):
     """One group of ``GROUP`` columns of one row (program (row, group)): its scale (or,
-    ``SCALE_GIVEN``, the one stored for it) and, with ``WRITE_Q``, its FP8 values."""
+    ``SCALE_GIVEN``, the one stored for it) and, with ``WRITE_Q``, its FP8 values. A row
+    without values (padding of a routing: ``ROUTED``) is neither read nor written, but for a
+    scale of 0 when measuring (so a per-tensor maximum over rows ignores it). ``GATED``: x is
+    (rows, 2D) gate and up sums of a split stage 1, each value ``act(gate) * up`` (ACT), and
+    the writing pass leaves the sums it read zero (x is a workspace). With PDL it waits for the
+    kernel that wrote x, and lets the next one be scheduled at once (its grid is small; the
+    next kernel waits for it to finish before reading)."""
+    wait_for_inputs(PDL)
+    let_next_start(PDL)
     row = tl.program_id(0).to(tl.int64)
     group = tl.program_id(1)
     lo = group * GROUP
     hi = tl.minimum(lo + GROUP, D)
     offs = tl.arange(0, BLOCK_D)
     where = scale_ptr + row * stride_sr + group * stride_sg
+    if not _holds_values(row, routed_a_ptr, routed_b_ptr, ROUTED, ROUTED_BLOCK_M):
+        if not SCALE_GIVEN:
+            tl.store(where, 0.0)
+        return
     if SCALE_GIVEN:
         scale = tl.load(where)
     else:
         amax = tl.zeros((BLOCK_D,), dtype=tl.float32)
         nan = tl.zeros((BLOCK_D,), dtype=tl.int32)
         for d0 in range(lo, hi, BLOCK_D):
-            v = tl.load(x_ptr + row * stride_xt + (d0 + offs) * stride_xd, mask=d0 + offs < hi,
-                        other=0.0).to(tl.float32)
+            v = _values(x_ptr, row, d0 + offs, d0 + offs < hi, D, stride_xt, stride_xd, GATED,
+                        ACT)
             amax = tl.maximum(amax, tl.abs(v))
             nan += (v != v).to(tl.int32)
         # Divisions rounded to nearest, as torch's (Triton's "/" may be approximate on a GPU).
@@ -47,54 +96,90 @@ def quant_rows_kernel(x_ptr, q_ptr, scale_ptr, D, GROUP, stride_xt, stride_xd, s
     if WRITE_Q:
         for d0 in range(lo, hi, BLOCK_D):
             inside = d0 + offs < hi
-            v = tl.load(x_ptr + row * stride_xt + (d0 + offs) * stride_xd, mask=inside,
-                        other=0.0).to(tl.float32)
+            v = _values(x_ptr, row, d0 + offs, inside, D, stride_xt, stride_xd, GATED, ACT)
             v = tl.clamp(tl.div_rn(v, scale), -FP8_MAX, FP8_MAX,
                          propagate_nan=tl.PropagateNan.ALL)
             tl.store(q_ptr + row * stride_qt + d0 + offs, v.to(q_ptr.dtype.element_ty),
                      mask=inside)
+            if GATED:  # leave the workspace as it was found
+                at = x_ptr + row * stride_xt + (d0 + offs) * stride_xd
+                tl.store(at, tl.zeros((BLOCK_D,), dtype=tl.float32), mask=inside)
+                tl.store(at + D * stride_xd, tl.zeros((BLOCK_D,), dtype=tl.float32),
+                         mask=inside)
+
+
+class RoutedRows(NamedTuple):
+    """Which rows of an intermediate hold values (the rest are a routing's padding, never
+    written): ``kind`` GROUPED_ROWS with a grouped routing's (block_rows, rows_used, block_m),
+    PAIR_ROWS with pair blocks' (topk_ids, expert_map)."""
+
+    kind: int
+    a: torch.Tensor
+    b: torch.Tensor
+    block_m: int = 1
 
 
 def _launch(x, q, scale, group: int, scale_strides: tuple[int, int], given: bool,
-            write_q: bool, warmup: bool) -> None:
-    rows, dim = x.shape
+            write_q: bool, warmup: bool, routed: RoutedRows | None, act: int | None) -> None:
+    rows, dim = q.shape
+    kind, a, b, block_m = routed if routed is not None else (ALL_ROWS.value, scale, scale, 1)
     if rows and dim:
-        _checks.start(quant_rows_kernel, (rows, triton.cdiv(dim, group)), warmup)(
-            x, q, scale, dim, group, x.stride(0), x.stride(1), q.stride(0), *scale_strides,
-            FP8_MAX=FP8_MAX, AMAX_FLOOR=AMAX_FLOOR, SCALE_GIVEN=given, WRITE_Q=write_q,
+        _checks.start(quant_rows_kernel, (rows, triton.cdiv(dim, group)), warmup,
+                      launch_pdl=PDL)(
+            x, q, scale, a, b, dim, group, x.stride(0), x.stride(1), q.stride(0),
+            *scale_strides, FP8_MAX=FP8_MAX, AMAX_FLOOR=AMAX_FLOOR, SCALE_GIVEN=given,
+            WRITE_Q=write_q, ROUTED=kind, ROUTED_BLOCK_M=block_m, GATED=act is not None,
+            ACT=act or 0, PDL=PDL,
             BLOCK_D=min(1024, triton.next_power_of_2(max(min(dim, group), 16))), num_warps=4)
 
 
-def quant_rows(x: torch.Tensor, warmup: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def _quantised_shape(x: torch.Tensor, act: int | None) -> tuple[int, int]:
+    """The values' shape: x's, or with ``act`` (x holds gate and up sums) half as wide."""
+    return (x.shape[0], x.shape[1] // 2) if act is not None else tuple(x.shape)
+
+
+def quant_rows(x: torch.Tensor, warmup: bool = False, routed: RoutedRows | None = None,
+               act: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x (R, D) -> (q float8_e4m3fn (R, D) contiguous, scale float32 (R,)): one scale per row,
-    as ``gemmtune.quant.per_token_fp8``."""
-    q = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
-    scale = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
-    _launch(x, q, scale, max(1, x.shape[1]), (1, 0), given=False, write_q=True, warmup=warmup)
+    as ``gemmtune.quant.per_token_fp8``. Rows ``routed`` says are empty are left unset. With
+    ``act`` (SILU or GELU) x is (R, 2D) fp32 gate and up sums: the values quantised are
+    ``act(gate) * up``, and the sums read are left zero."""
+    q = torch.empty(_quantised_shape(x, act), dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty(q.shape[0], dtype=torch.float32, device=x.device)
+    _launch(x, q, scale, max(1, q.shape[1]), (1, 0), given=False, write_q=True, warmup=warmup,
+            routed=routed, act=act)
     return q, scale
 
 
-def quant_blocks(x: torch.Tensor, warmup: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def quant_blocks(x: torch.Tensor, warmup: bool = False, routed: RoutedRows | None = None,
+                 act: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x (R, D) -> (q float8_e4m3fn (R, D), scale float32 (R, ceil(D/128))): one scale per
-    1x128 block, as ``gemmtune.quant.per_block_fp8(x, ACT_BLOCK)``."""
-    q = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
-    scale = torch.empty((x.shape[0], triton.cdiv(x.shape[1], BLOCK)), dtype=torch.float32,
+    1x128 block, as ``gemmtune.quant.per_block_fp8(x, ACT_BLOCK)``. Rows ``routed`` says are
+    empty are left unset; ``act`` as in quant_rows."""
+    q = torch.empty(_quantised_shape(x, act), dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty((q.shape[0], triton.cdiv(q.shape[1], BLOCK)), dtype=torch.float32,
                         device=x.device)
-    _launch(x, q, scale, BLOCK, (scale.stride(0), 1), given=False, write_q=True, warmup=warmup)
+    _launch(x, q, scale, BLOCK, (scale.stride(0), 1), given=False, write_q=True, warmup=warmup,
+            routed=routed, act=act)
     return q, scale
 
 
-def quant_tensor(x: torch.Tensor, scale: torch.Tensor | None = None,
-                 warmup: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def quant_tensor(x: torch.Tensor, scale: torch.Tensor | None = None, warmup: bool = False,
+                 routed: RoutedRows | None = None,
+                 act: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x (R, D) -> (q float8_e4m3fn (R, D), scale float32 ()): one scale for the whole tensor,
-    the given one (a static scale) or its amax's, as ``gemmtune.quant.per_tensor_fp8``."""
-    q = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
-    group = max(1, x.shape[1])
+    the given one (a static scale) or its amax's, as ``gemmtune.quant.per_tensor_fp8``; rows
+    ``routed`` says are empty take no part (and are left unset); ``act`` as in quant_rows."""
+    q = torch.empty(_quantised_shape(x, act), dtype=torch.float8_e4m3fn, device=x.device)
+    group = max(1, q.shape[1])
     if scale is None:  # each row's scale, then the largest: the scale of the largest amax
-        rows = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
-        _launch(x, q, rows, group, (1, 0), given=False, write_q=False, warmup=warmup)
-        scale = rows.max() if x.shape[0] else torch.tensor(AMAX_FLOOR / FP8_MAX,
-                                                            device=x.device)
+        rows = torch.empty(q.shape[0], dtype=torch.float32, device=x.device)
+        _launch(x, q, rows, group, (1, 0), given=False, write_q=False, warmup=warmup,
+                routed=routed, act=act)
+        # (Empty rows measured 0: with every row empty, the scale of an all-zero tensor.)
+        scale = torch.clamp_min(rows.max(), AMAX_FLOOR / FP8_MAX) if x.shape[0] else \
+            torch.tensor(AMAX_FLOOR / FP8_MAX, device=x.device)
     scale = scale.reshape(()).to(torch.float32)
-    _launch(x, q, scale, group, (0, 0), given=True, write_q=True, warmup=warmup)
+    _launch(x, q, scale, group, (0, 0), given=True, write_q=True, warmup=warmup, routed=routed,
+            act=act)
     return q, scale

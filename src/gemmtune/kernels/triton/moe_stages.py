@@ -28,6 +28,8 @@ Persistent stages (``persistent`` 1 or 2) are in ``moe_persistent``.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -36,12 +38,13 @@ from gemmtune.kernels.problem import MoeScales, Scaling
 from gemmtune.kernels.triton import _checks
 from gemmtune.kernels.triton.moe_common import (PDL, SCALE_BLOCK, gate_up_sums,
                                                 gated_activation, let_next_start,
-                                                wait_for_inputs)
+                                                stream_workspace, wait_for_inputs)
 from gemmtune.kernels.triton.moe_configs import (BLOCK_MS, FLATTENED, PAIR_BLOCK_M, PERSISTENT,
                                                  MoeStage1Config, MoeStage2Config)
 from gemmtune.kernels.triton.moe_persistent import (launch_stage1_persistent,
                                                     launch_stage2_persistent)
-from gemmtune.kernels.triton.moe_quant import quant_blocks, quant_rows, quant_tensor
+from gemmtune.kernels.triton.moe_quant import (GROUPED_ROWS, PAIR_ROWS, RoutedRows, quant_blocks,
+                                               quant_rows, quant_tensor)
 
 
 
@@ -75,7 +78,17 @@ def why_not_stage(config, dtype: torch.dtype, accumulators: int, w_tiles: int) -
     return None
 
 
-def why_not_stage1(config: MoeStage1Config, dtype: torch.dtype) -> str | None:
+def why_not_stage1(config: MoeStage1Config, dtype: torch.dtype, model_dim: int) -> str | None:
+    if config.split_k != 1:
+        if dtype.itemsize != 1:
+            return (f"split_k={config.split_k}: stage 1 splits model_dim only for FP8 experts "
+                    f"(their intermediate has a pass of its own, where the activation goes)")
+        if config.persistent:
+            return f"a persistent stage 1 takes split_k=1, not {config.split_k}"
+        steps = triton.cdiv(model_dim, config.block_k)
+        if not 1 <= config.split_k <= min(16, steps):
+            return (f"split_k={config.split_k} must be in [1, 16] and leave each part a block_k "
+                    f"step: model_dim={model_dim} is {steps} steps of block_k={config.block_k}")
     return why_not_stage(config, dtype, accumulators=2, w_tiles=2)  # gate and up
 
 
@@ -134,7 +147,7 @@ SCALING_NONE, SCALING_ROWS, SCALING_BLOCKS = tl.constexpr(0), tl.constexpr(1), t
 def moe_stage1_kernel(
     x_ptr,  # (T, D)
     w1_ptr,  # (E, 2 * I, D)
-    inter_ptr,  # (routing rows, I)
+    inter_ptr,  # (routing rows, I); with SPLIT_K the gate and up sums, (routing rows, 2I) fp32
     topk_weight_ptr,  # (pairs,) fp32
     sorted_ids_ptr, block_expert_ptr, block_rows_ptr, rows_used_ptr,
     topk_ids_ptr, expert_map_ptr,  # read with PAIR_BLOCKS
@@ -151,6 +164,7 @@ def moe_stage1_kernel(
     INPUT_PRECISION: tl.constexpr,
     PAIR_BLOCKS: tl.constexpr,
     PDL: tl.constexpr,
+    SPLIT_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     expert, ids, real = _block_rows(sorted_ids_ptr, block_expert_ptr, block_rows_ptr,
@@ -161,9 +175,14 @@ def moe_stage1_kernel(
     tokens = tl.where(real, ids // TOPK, 0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.where(offs_n < I, offs_n, 0).to(tl.int64)
-    gate, up = gate_up_sums(x_ptr, w1_ptr, tokens, real, expert, cols, D, I, stride_xt,
-                            stride_xd, stride_we, stride_wn, stride_wd, xs_ptr, ws_ptr,
-                            stride_xs, stride_xk, stride_se, stride_sn, stride_sk,
+    # This program's part of model_dim: whole block_k steps, parts differing by at most one.
+    steps = tl.cdiv(D, BLOCK_K)
+    part = tl.program_id(2)
+    k_lo = part * steps // SPLIT_K * BLOCK_K
+    k_hi = tl.minimum((part + 1) * steps // SPLIT_K * BLOCK_K, D)
+    gate, up = gate_up_sums(x_ptr, w1_ptr, tokens, real, expert, cols, k_lo, k_hi, I,
+                            stride_xt, stride_xd, stride_we, stride_wn, stride_wd, xs_ptr,
+                            ws_ptr, stride_xs, stride_xk, stride_se, stride_sn, stride_sk,
                             INPUT_PRECISION, SCALED == SCALING_BLOCKS, BLOCK_M, BLOCK_N, BLOCK_K)
     if SCALED == SCALING_ROWS:  # the FP8 sums times the token's and the output channel's
         xs = tl.load(xs_ptr + tokens * stride_xs, mask=real, other=0.0)[:, None]
@@ -171,12 +190,17 @@ def moe_stage1_kernel(
         gate = gate * xs * tl.load(scales + cols * stride_sn)[None, :]
         up = up * xs * tl.load(scales + (cols + I) * stride_sn)[None, :]
     let_next_start(PDL)
-    h = gated_activation(gate, up, ACT)
-    if MUL_WEIGHT:
-        h = h * tl.load(topk_weight_ptr + ids, mask=real, other=0.0)[:, None]
     rows = _inter_rows(tl.program_id(0), ids, real, PAIR_BLOCKS, BLOCK_M)
     out = inter_ptr + rows[:, None] * stride_ip + offs_n.to(tl.int64)[None, :] * stride_in
-    tl.store(out, h.to(inter_ptr.dtype.element_ty), mask=real[:, None] & (offs_n[None, :] < I))
+    inside = real[:, None] & (offs_n[None, :] < I)
+    if SPLIT_K > 1:  # the parts' sums meet in fp32; the activation is the next pass's
+        tl.atomic_add(out, gate, mask=inside)
+        tl.atomic_add(out + I * stride_in, up, mask=inside)
+    else:
+        h = gated_activation(gate, up, ACT)
+        if MUL_WEIGHT:
+            h = h * tl.load(topk_weight_ptr + ids, mask=real, other=0.0)[:, None]
+        tl.store(out, h.to(inter_ptr.dtype.element_ty), mask=inside)
 
 
 @triton.jit
@@ -286,51 +310,76 @@ def moe_stages(x, w1, w2, topk_weight, topk_ids, expert_map, routing, activation
     (T, D) in x's dtype, into ``out`` if given. Launch only: the caller checked the shapes.
     ``warmup``: compile every kernel for these arguments, launch none. With ``scales`` (FP8
     w1 and w2 scaled per output channel, per expert or per 128x128 block, as ``scaling`` says:
-    rowwise, tensor, block): x is quantised per token, per tensor or per 1x128 block first, and
-    the intermediate (kept in fp32) likewise before stage 2."""
-    if scales is None:
-        inter = run_stage1(x, w1, topk_weight, topk_ids, expert_map, routing, activation,
-                           doweight_stage1, stage1, warmup)
-        return run_stage2(inter, w2, topk_weight, topk_ids, expert_map, routing,
-                          doweight_stage1, stage2, x.shape[0], x.dtype, out, warmup)
-    xq, x_scale = _quantised(x, scaling, scales.a1, warmup)
-    inter = run_stage1(xq, w1, topk_weight, topk_ids, expert_map, routing, activation,
-                       doweight_stage1, stage1, warmup, x_scale=x_scale, w_scale=scales.w1)
-    inter_q, inter_scale = _quantised(inter, scaling, scales.a2, warmup)
-    return run_stage2(inter_q, w2, topk_weight, topk_ids, expert_map, routing, doweight_stage1,
-                      stage2, x.shape[0], x.dtype, out, warmup, x_scale=inter_scale,
-                      w_scale=scales.w2)
+    rowwise, tensor, block): x is quantised first, and stage 1's intermediate for stage 2."""
+    inter = run_stage1(x, w1, topk_weight, topk_ids, expert_map, routing, activation,
+                       doweight_stage1, stage1, warmup, scales, scaling)
+    return run_stage2(inter, w2, topk_weight, topk_ids, expert_map, routing, doweight_stage1,
+                      stage2, x.shape[0], x.dtype, out, warmup, scales=scales)
 
 
-def _quantised(t: torch.Tensor, scaling: Scaling, static, warmup: bool):
-    """A stage's FP8 input: per row, per 1x128 block, or per tensor (by ``static`` if given)."""
+class QuantisedInter(NamedTuple):
+    """Stage 1's output for FP8 experts: the intermediate quantised for stage 2, and its scales
+    (per row, per 1x128 block or one)."""
+
+    q: torch.Tensor  # (rows of the routing, I) float8_e4m3fn
+    scale: torch.Tensor
+
+
+def _quantised(t: torch.Tensor, scaling: Scaling, static, warmup: bool,
+               routed: RoutedRows | None = None, act: int | None = None):
+    """A stage's FP8 input: per row, per 1x128 block, or per tensor (by ``static`` if given);
+    only the rows ``routed`` says hold values; with ``act`` t holds gate and up sums."""
     if scaling is Scaling.tensor:
-        return quant_tensor(t, static, warmup)
-    return quant_blocks(t, warmup) if scaling is Scaling.block else quant_rows(t, warmup)
+        return quant_tensor(t, static, warmup, routed, act)
+    quantiser = quant_blocks if scaling is Scaling.block else quant_rows
+    return quantiser(t, warmup, routed, act)
+
+
+def _routed_rows(routing, topk_ids, expert_map) -> RoutedRows:
+    """The intermediate's rows stage 1 wrote: a grouped routing's real rows, or with pair
+    blocks the pairs of local experts."""
+    if routing.pair_blocks:
+        return RoutedRows(PAIR_ROWS.value, topk_ids.reshape(-1), expert_map)
+    return RoutedRows(GROUPED_ROWS.value, routing.block_rows, routing.rows_used, routing.block_m)
+
+
+SUMS_KIND = "moe_stage1_sums"
+
+
+def _gate_up_sums(rows: int, inter_dim: int, device: torch.device) -> torch.Tensor:
+    """Split stage 1's fp32 workspace of gate and up sums, (rows, 2I), zero as every call
+    leaves it (the quantiser zeroes what it read)."""
+    return stream_workspace((SUMS_KIND, rows, inter_dim), device,
+                            lambda: torch.zeros((rows, 2 * inter_dim), dtype=torch.float32,
+                                                device=device))
 
 
 def run_stage1(x, w1, topk_weight, topk_ids, expert_map, routing, activation: int,
                doweight_stage1: bool, config: MoeStage1Config, warmup: bool = False,
-               x_scale: torch.Tensor | None = None,
-               w_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """Stage 1 alone: -> the intermediate, (rows of the routing, I). FP8 x and w1 come with
-    ``x_scale`` ((T,), () per tensor or (T, D/128) per block) and ``w_scale`` ((E, 2I, 1),
-    (E, 1, 1) or (E, 2I/128, D/128)); their intermediate is fp32."""
+               scales: MoeScales | None = None,
+               scaling: Scaling = Scaling.rowwise) -> torch.Tensor | QuantisedInter:
+    """Stage 1 alone: -> the intermediate, (rows of the routing, I). FP8 w1 comes with
+    ``scales.w1`` ((E, 2I, 1), (E, 1, 1) or (E, 2I/128, D/128), as ``scaling`` says): x is
+    quantised first (per token, per tensor or per 1x128 block), the intermediate made in fp32
+    is quantised the same way for stage 2 (a QuantisedInter); with split-K parts of model_dim
+    the activation is applied in that pass too."""
+    x_scale = w_scale = None
+    if scales is not None:
+        x, x_scale = _quantised(x, scaling, scales.a1, warmup)
+        w_scale = scales.w1
     tokens, model_dim = x.shape
     inter_dim = w1.shape[1] // 2
     topk = topk_weight.shape[1]
     pairs = tokens * topk
     scaled = x_scale is not None
-    # FP8 per tensor: the intermediate's amax is taken whole next, padding rows included (a
-    # block's rows past its pairs, other ranks' pairs): zeros there leave it to the real rows.
-    per_tensor = scaled and x_scale.dim() == 0
-    inter = (torch.zeros if per_tensor else torch.empty)(
-        (routing.sorted_ids.numel(), inter_dim), dtype=torch.float32 if scaled else x.dtype,
-        device=x.device)
+    rows = routing.sorted_ids.numel()
+    split = config.split_k > 1
+    inter = _gate_up_sums(rows, inter_dim, x.device) if split else torch.empty(
+        (rows, inter_dim), dtype=torch.float32 if scaled else x.dtype, device=x.device)
     if config.persistent:
         return launch_stage1_persistent(x, w1, inter, topk_weight, routing, activation,
                                         doweight_stage1, config, warmup)
-    grid = (routing.blocks, triton.cdiv(inter_dim, config.block_n))
+    grid = (routing.blocks, triton.cdiv(inter_dim, config.block_n), config.split_k)
     w_scale = w_scale if scaled else inter  # unread without SCALED
     _checks.start(moe_stage1_kernel, grid, warmup, launch_pdl=PDL)(
         x, w1, inter, topk_weight.reshape(-1), routing.sorted_ids, routing.block_expert,
@@ -340,20 +389,27 @@ def run_stage1(x, w1, topk_weight, topk_ids, expert_map, routing, activation: in
         inter.stride(0), inter.stride(1), *_scale_strides(x_scale, w_scale),
         TOPK=topk, ACT=activation, MUL_WEIGHT=doweight_stage1, SCALED=_scaling(x_scale),
         INPUT_PRECISION=_checks.input_precision(x.dtype), PAIR_BLOCKS=routing.pair_blocks,
-        PDL=PDL, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        num_warps=config.num_warps, num_stages=config.num_stages)
-    return inter
+        PDL=PDL, SPLIT_K=config.split_k, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k, num_warps=config.num_warps, num_stages=config.num_stages)
+    if not scaled:
+        return inter
+    return QuantisedInter(*_quantised(inter, scaling, scales.a2, warmup,
+                                      _routed_rows(routing, topk_ids, expert_map),
+                                      activation if split else None))
 
 
 def run_stage2(inter, w2, topk_weight, topk_ids, expert_map, routing, doweight_stage1: bool,
                config: MoeStage2Config, tokens: int, dtype: torch.dtype,
                out: torch.Tensor | None = None, warmup: bool = False,
-               with_sum: bool = True, x_scale: torch.Tensor | None = None,
-               w_scale: torch.Tensor | None = None) -> torch.Tensor:
+               with_sum: bool = True, scales: MoeScales | None = None) -> torch.Tensor:
     """Stage 2 and the sum over each token's slots: -> (T, D) in ``dtype``, into ``out`` if
     given. Without ``with_sum``: stage 2 alone, -> its (pairs, D) partial products (a
-    benchmark's split of the time). FP8 inter and w2 come with ``x_scale`` (one per row of
-    inter, (), or per 1x128 block) and ``w_scale`` ((E, D, 1), (E, 1, 1) or per 128x128)."""
+    benchmark's split of the time). FP8 experts: ``inter`` is stage 1's QuantisedInter and w2
+    comes with ``scales.w2`` ((E, D, 1), (E, 1, 1) or per 128x128)."""
+    x_scale = w_scale = None
+    if scales is not None:
+        inter, x_scale = inter
+        w_scale = scales.w2
     scaled = x_scale is not None
     inter_dim = inter.shape[1]
     pairs = topk_ids.numel()
