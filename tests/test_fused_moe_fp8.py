@@ -277,9 +277,11 @@ def test_only_fp8_experts_split_stage1():
                            ids, kernel=SPLIT_STAGE1)
 
 
-def test_the_triton_row_quantiser_rounds_as_gemmtune_quant():
+@pytest.mark.parametrize("one_tile_max", [8192, 64])  # rows read once; in two passes of 64
+def test_the_triton_row_quantiser_rounds_as_gemmtune_quant(one_tile_max, monkeypatch):
     from gemmtune.kernels.triton import moe_quant
 
+    monkeypatch.setattr(moe_quant, "ONE_TILE_MAX", one_tile_max)
     assert (moe_quant.FP8_MAX, moe_quant.AMAX_FLOOR) == (quant.FP8_MAX, quant.AMAX_FLOOR)
     x = torch.randn(5, 200, device=DEVICE) * torch.tensor([1, 100, 1e-3, 1, 3.0],
                                                           device=DEVICE)[:, None]

@@ -61,7 +61,7 @@ SCRIPT = textwrap.dedent("""
                          "routed_a_ptr": "*i32", "routed_b_ptr": "*i32"},
                         dict(FP8_MAX=448.0, AMAX_FLOOR=1e-12, SCALE_GIVEN=False, WRITE_Q=True,
                              ROUTED=routed, ROUTED_BLOCK_M=16, GATED=routed == 2, ACT=0,
-                             PDL=True, BLOCK_D=128))
+                             PDL=True, ONE_TILE=routed != 1, BLOCK_D=128))
         # Divisions rounded to nearest, as torch's: an approximate one would move FP8 roundings.
         # (The gated values' SiLU divides as stage 1's activation does.)
         assert "div.rn.f32" in quantiser and (routed == 2 or "div.approx" not in quantiser \\

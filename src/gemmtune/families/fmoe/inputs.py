@@ -26,7 +26,8 @@ class MoeInputs(NamedTuple):
 def random_inputs(p: MoeProblem, gen: torch.Generator, routing: str = "uniform",
                   global_experts: Optional[int] = None) -> MoeInputs:
     """Inputs of ``p`` on ``gen``'s device, drawn from ``gen``; tokens routed over
-    ``global_experts`` (expert parallelism: more than ``p.experts``, the local ones)."""
+    ``global_experts`` (expert parallelism: more than ``p.experts``, the local ones, which are
+    the first; at least one pair goes to them)."""
     device = gen.device
 
     def randn(*shape, scale=1.0):
@@ -39,6 +40,10 @@ def random_inputs(p: MoeProblem, gen: torch.Generator, routing: str = "uniform",
     w1 = experts(2 * p.inter_dim, p.model_dim, scale=p.model_dim ** -0.5)
     w2 = experts(p.model_dim, p.inter_dim, scale=p.inter_dim ** -0.5)
     topk_ids = route(p, routing, gen, global_experts or p.experts)
+    if global_experts and not bool((topk_ids < p.experts).any()):
+        # Expert parallelism (this rank's experts the first ones): at decode a rank may get no
+        # pair at all, which leaves nothing to time; give the first token's first slot one.
+        topk_ids[0, 0] = 0
     topk_weight = torch.rand(p.tokens, p.topk, generator=gen, device=device) + 0.1
     return MoeInputs(hidden, w1, w2, topk_weight, topk_ids)
 

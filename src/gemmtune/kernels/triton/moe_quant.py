@@ -20,6 +20,7 @@ from gemmtune.kernels.triton.moe_common import (PDL, gated_activation, let_next_
 FP8_MAX = 448.0
 AMAX_FLOOR = 1e-12
 BLOCK = 128  # the K extent of a block scale (activations 1x128, weights 128x128)
+ONE_TILE_MAX = 8192  # the widest group one program holds in registers (read once)
 
 
 # Which rows of the input hold values (ROUTED): all; those a grouped routing filled (a block's
@@ -58,14 +59,15 @@ def quant_rows_kernel(x_ptr, q_ptr, scale_ptr, routed_a_ptr, routed_b_ptr, D, GR
                       FP8_MAX: tl.constexpr, AMAX_FLOOR: tl.constexpr,
                       SCALE_GIVEN: tl.constexpr, WRITE_Q: tl.constexpr, ROUTED: tl.constexpr,
                       ROUTED_BLOCK_M: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr,
-                      PDL: tl.constexpr, BLOCK_D: tl.constexpr):
+                      PDL: tl.constexpr, ONE_TILE: tl.constexpr, BLOCK_D: tl.constexpr):
     """One group of ``GROUP`` columns of one row (program (row, group)): its scale (or,
     ``SCALE_GIVEN``, the one stored for it) and, with ``WRITE_Q``, its FP8 values. A row
     without values (padding of a routing: ``ROUTED``) is neither read nor written, but for a
     scale of 0 when measuring (so a per-tensor maximum over rows ignores it). ``GATED``: x is
     (rows, 2D) gate and up sums of a split stage 1, each value ``act(gate) * up`` (ACT), and
-    the writing pass leaves the sums it read zero (x is a workspace). With PDL it waits for the
-    kernel that wrote x, and lets the next one be scheduled at once (its grid is small; the
+    the writing pass leaves the sums it read zero (x is a workspace). ``ONE_TILE``: the group
+    fits BLOCK_D, read once (decode's rows: latency), else in two passes. With PDL it waits for
+    the kernel that wrote x, and lets the next one be scheduled at once (its grid is small; the
     next kernel waits for it to finish before reading)."""
     wait_for_inputs(PDL)
     let_next_start(PDL)
@@ -79,33 +81,58 @@ def quant_rows_kernel(x_ptr, q_ptr, scale_ptr, routed_a_ptr, routed_b_ptr, D, GR
         if not SCALE_GIVEN:
             tl.store(where, 0.0)
         return
-    if SCALE_GIVEN:
-        scale = tl.load(where)
+    if ONE_TILE:  # the whole group in registers: read once
+        inside = lo + offs < hi
+        v = _values(x_ptr, row, lo + offs, inside, D, stride_xt, stride_xd, GATED, ACT)
+        if SCALE_GIVEN:
+            scale = tl.load(where)
+        else:
+            scale = _scale(tl.max(tl.abs(v), 0), tl.sum((v != v).to(tl.int32), 0), FP8_MAX,
+                           AMAX_FLOOR)
+            tl.store(where, scale)
+        if WRITE_Q:
+            _store_q(x_ptr, q_ptr, row, lo + offs, inside, v, scale, D, stride_xt, stride_xd,
+                     stride_qt, GATED, FP8_MAX, BLOCK_D)
     else:
-        amax = tl.zeros((BLOCK_D,), dtype=tl.float32)
-        nan = tl.zeros((BLOCK_D,), dtype=tl.int32)
-        for d0 in range(lo, hi, BLOCK_D):
-            v = _values(x_ptr, row, d0 + offs, d0 + offs < hi, D, stride_xt, stride_xd, GATED,
-                        ACT)
-            amax = tl.maximum(amax, tl.abs(v))
-            nan += (v != v).to(tl.int32)
-        # Divisions rounded to nearest, as torch's (Triton's "/" may be approximate on a GPU).
-        scale = tl.div_rn(tl.maximum(tl.max(amax, 0), AMAX_FLOOR), FP8_MAX)
-        scale = tl.where(tl.sum(nan, 0) > 0, float("nan"), scale)
-        tl.store(where, scale)
-    if WRITE_Q:
-        for d0 in range(lo, hi, BLOCK_D):
-            inside = d0 + offs < hi
-            v = _values(x_ptr, row, d0 + offs, inside, D, stride_xt, stride_xd, GATED, ACT)
-            v = tl.clamp(tl.div_rn(v, scale), -FP8_MAX, FP8_MAX,
-                         propagate_nan=tl.PropagateNan.ALL)
-            tl.store(q_ptr + row * stride_qt + d0 + offs, v.to(q_ptr.dtype.element_ty),
-                     mask=inside)
-            if GATED:  # leave the workspace as it was found
-                at = x_ptr + row * stride_xt + (d0 + offs) * stride_xd
-                tl.store(at, tl.zeros((BLOCK_D,), dtype=tl.float32), mask=inside)
-                tl.store(at + D * stride_xd, tl.zeros((BLOCK_D,), dtype=tl.float32),
-                         mask=inside)
+        if SCALE_GIVEN:
+            scale = tl.load(where)
+        else:
+            amax = tl.zeros((BLOCK_D,), dtype=tl.float32)
+            nan = tl.zeros((BLOCK_D,), dtype=tl.int32)
+            for d0 in range(lo, hi, BLOCK_D):
+                v = _values(x_ptr, row, d0 + offs, d0 + offs < hi, D, stride_xt, stride_xd,
+                            GATED, ACT)
+                amax = tl.maximum(amax, tl.abs(v))
+                nan += (v != v).to(tl.int32)
+            scale = _scale(tl.max(amax, 0), tl.sum(nan, 0), FP8_MAX, AMAX_FLOOR)
+            tl.store(where, scale)
+        if WRITE_Q:
+            for d0 in range(lo, hi, BLOCK_D):
+                inside = d0 + offs < hi
+                v = _values(x_ptr, row, d0 + offs, inside, D, stride_xt, stride_xd, GATED, ACT)
+                _store_q(x_ptr, q_ptr, row, d0 + offs, inside, v, scale, D, stride_xt,
+                         stride_xd, stride_qt, GATED, FP8_MAX, BLOCK_D)
+
+
+@triton.jit
+def _scale(amax, nans, FP8_MAX: tl.constexpr, AMAX_FLOOR: tl.constexpr):
+    """The scale of a group from its amax; NaN if it held a NaN. Divisions rounded to nearest,
+    as torch's (Triton's "/" may be approximate on a GPU)."""
+    scale = tl.div_rn(tl.maximum(amax, AMAX_FLOOR), FP8_MAX)
+    return tl.where(nans > 0, float("nan"), scale)
+
+
+@triton.jit
+def _store_q(x_ptr, q_ptr, row, cols, inside, v, scale, D, stride_xt, stride_xd, stride_qt,
+             GATED: tl.constexpr, FP8_MAX: tl.constexpr, BLOCK_D: tl.constexpr):
+    """``v / scale`` rounded to FP8 (saturating) at ``cols`` of the row; with GATED the gate
+    and up sums read there are zeroed (the workspace left as it was found)."""
+    q = tl.clamp(tl.div_rn(v, scale), -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
+    tl.store(q_ptr + row * stride_qt + cols, q.to(q_ptr.dtype.element_ty), mask=inside)
+    if GATED:
+        at = x_ptr + row * stride_xt + cols * stride_xd
+        tl.store(at, tl.zeros((BLOCK_D,), dtype=tl.float32), mask=inside)
+        tl.store(at + D * stride_xd, tl.zeros((BLOCK_D,), dtype=tl.float32), mask=inside)
 
 
 class RoutedRows(NamedTuple):
@@ -123,14 +150,16 @@ def _launch(x, q, scale, group: int, scale_strides: tuple[int, int], given: bool
             write_q: bool, warmup: bool, routed: RoutedRows | None, act: int | None) -> None:
     rows, dim = q.shape
     kind, a, b, block_m = routed if routed is not None else (ALL_ROWS.value, scale, scale, 1)
+    span = triton.next_power_of_2(max(min(dim, group), 16))
+    block_d = min(ONE_TILE_MAX, span)
     if rows and dim:
         _checks.start(quant_rows_kernel, (rows, triton.cdiv(dim, group)), warmup,
                       launch_pdl=PDL)(
             x, q, scale, a, b, dim, group, x.stride(0), x.stride(1), q.stride(0),
             *scale_strides, FP8_MAX=FP8_MAX, AMAX_FLOOR=AMAX_FLOOR, SCALE_GIVEN=given,
             WRITE_Q=write_q, ROUTED=kind, ROUTED_BLOCK_M=block_m, GATED=act is not None,
-            ACT=act or 0, PDL=PDL,
-            BLOCK_D=min(1024, triton.next_power_of_2(max(min(dim, group), 16))), num_warps=4)
+            ACT=act or 0, PDL=PDL, ONE_TILE=span <= ONE_TILE_MAX, BLOCK_D=block_d,
+            num_warps=4 if block_d <= 1024 else 8)
 
 
 def _quantised_shape(x: torch.Tensor, act: int | None) -> tuple[int, int]:

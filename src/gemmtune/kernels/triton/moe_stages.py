@@ -8,9 +8,9 @@ the intermediate ``inter``.
 Stage 2 (``moe_stage2``): the down projection ``inter[row] @ w2[e].T`` per block, times the
 routing weight unless stage 1 applied it, into ``partial`` (T * topk, D), split over
 ``inter_dim`` in ``ksplit`` parts (fp32 atomic adds; one part writes plainly, in the output's
-dtype). Then ``moe_sum`` adds each token's ``topk`` rows in fp32 into the output, in slot order,
-skipping pairs of other ranks' experts: with one part the result does not depend on how the
-blocks were scheduled.
+dtype). Then ``moe_sum`` adds each token's ``topk`` rows in fp32 into the output, in a fixed
+order, skipping pairs of other ranks' experts: with one part the result does not depend on how
+the blocks were scheduled.
 
 The intermediate follows the routing's rows (row r of block b at ``b * block_m + r``), so
 stage 2 reads whole tiles of it; with pair blocks it has a row per pair. Its padding rows are
@@ -282,22 +282,25 @@ def moe_sum_kernel(
     D,
     stride_pp, stride_pn, stride_ot, stride_on,
     TOPK: tl.constexpr,
+    TOPK_P2: tl.constexpr,
     PDL: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
+    """A token's slots read at once (one round of loads, not one per slot: decode's sum is
+    latency), added in fp32 in a fixed order."""
     wait_for_inputs(PDL)
     token = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     inside = offs < D
-    total = tl.zeros((BLOCK_D,), dtype=tl.float32)
-    for k in tl.static_range(TOPK):
-        pair = token * TOPK + k
-        # A pair of another rank's expert was never written: its row is skipped, not read.
-        if tl.load(expert_map_ptr + tl.load(topk_ids_ptr + pair)) >= 0:
-            total += tl.load(partial_ptr + pair * stride_pp + offs * stride_pn, mask=inside,
-                             other=0.0).to(tl.float32)
+    slots = tl.arange(0, TOPK_P2)
+    pairs = token * TOPK + slots
+    # A pair of another rank's expert was never written: its row is skipped, not read.
+    local = tl.load(expert_map_ptr + tl.load(topk_ids_ptr + pairs, mask=slots < TOPK, other=0),
+                    mask=slots < TOPK, other=-1)
+    rows = tl.load(partial_ptr + pairs[:, None] * stride_pp + offs[None, :] * stride_pn,
+                   mask=(local >= 0)[:, None] & inside[None, :], other=0.0).to(tl.float32)
     tl.store(out_ptr + token * stride_ot + offs * stride_on,
-             total.to(out_ptr.dtype.element_ty), mask=inside)
+             tl.sum(rows, axis=0).to(out_ptr.dtype.element_ty), mask=inside)
 
 
 def moe_stages(x, w1, w2, topk_weight, topk_ids, expert_map, routing, activation: int,
@@ -463,13 +466,14 @@ def _scale_strides(x_scale, w_scale) -> tuple[int, int, int, int, int]:
 
 
 def run_sum(partial, topk_ids, expert_map, out, warmup: bool = False) -> torch.Tensor:
-    """Each token's ``topk`` rows of ``partial`` (pairs, D), added in fp32 in slot order (pairs
+    """Each token's ``topk`` rows of ``partial`` (pairs, D), added in fp32 in a fixed order (pairs
     of other ranks' experts skipped), into ``out`` (T, D)."""
     tokens, model_dim = out.shape
-    block_d = min(1024, triton.next_power_of_2(model_dim))
+    topk_p2 = triton.next_power_of_2(topk_ids.shape[1])
+    block_d = min(max(8192 // topk_p2, 16), triton.next_power_of_2(model_dim))
     _checks.start(moe_sum_kernel, (tokens, triton.cdiv(model_dim, block_d)), warmup,
                   launch_pdl=PDL)(
         partial, topk_ids.reshape(-1), expert_map, out, model_dim,
         partial.stride(0), partial.stride(1), out.stride(0), out.stride(1),
-        TOPK=topk_ids.shape[1], PDL=PDL, BLOCK_D=block_d, num_warps=4)
+        TOPK=topk_ids.shape[1], TOPK_P2=topk_p2, PDL=PDL, BLOCK_D=block_d, num_warps=4)
     return out
