@@ -37,9 +37,13 @@ MODELS = {
         num_experts_per_tok=8, norm_topk_prob=True, vocab_size=151936)),
 }
 LOGITS_BOUND = 2e-2  # bf16: the experts' sums in another order
+FP8 = "gemmtune_fp8"  # --fp8: gemmtune with its experts quantised (FP8 per channel / token)
+FP8_LOGITS_BOUND = 0.15  # FP8's own error through two layers (no trained weights to keep it low)
 
 
 def build(name: str, backend: str):
+    """The model with this experts backend; ``gemmtune_fp8``: gemmtune's with its routed
+    experts quantised to FP8 (``patch_moe(quant="fp8")``)."""
     import transformers
 
     config_class, dims = MODELS[name]
@@ -48,14 +52,18 @@ def build(name: str, backend: str):
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = transformers.AutoModelForCausalLM.from_config(config).to(torch.bfloat16).eval()
+    if backend == FP8:
+        return gemmtune.patch_moe(model, quant="fp8")
     model.set_experts_implementation(backend)
     return model
 
 
 @torch.no_grad()
-def run_model(name: str) -> list[dict]:
+def run_model(name: str, fp8: bool = False) -> list[dict]:
     variants = {backend: build(name, backend) for backend in BACKENDS}
     first = list(variants["grouped_mm"].parameters())
+    if fp8:
+        variants[FP8] = build(name, FP8)
     for backend in BACKENDS[1:]:
         if not all(torch.equal(a, b) for a, b in zip(first, variants[backend].parameters())):
             raise RuntimeError(f"{name}: the {backend} build has other weights")
@@ -75,7 +83,8 @@ def run_model(name: str) -> list[dict]:
             graphs[backend] = capture(point, variant)[0]
         errors = {b: rel_err(logits[b], logits["grouped_mm"]) for b in logits
                   if b != "grouped_mm"}
-        if errors["gemmtune"] > max(LOGITS_BOUND, 3 * errors.get("batched_mm", 0)):
+        if errors["gemmtune"] > max(LOGITS_BOUND, 3 * errors.get("batched_mm", 0)) \
+                or errors.get(FP8, 0) > FP8_LOGITS_BOUND:
             raise RuntimeError(f"{name} {label}: gemmtune's logits off grouped_mm's by "
                                f"{errors['gemmtune']:.2e}")
         # Base gemmtune: each ratio is gemmtune's time over a backend's, per round.
@@ -89,11 +98,30 @@ def run_model(name: str) -> list[dict]:
             row[f"{kind}_x_faster"] = round(min(over.values()), 3)
         row.update((f"logits_err_{b}", f"{errors[b]:.1e}" if b in errors else "")
                    for b in BACKENDS[1:])
+        if fp8:  # FP8 experts: per-round ratios to gemmtune's bf16, medians to the others
+            for kind in ("eager", "graph"):
+                faster = min(timed[kind, b][0] for b in BACKENDS[:2] if b in timed_here)
+                fp8_ms = timed[kind, FP8][0]
+                row[f"fp8_{kind}_ms"] = round(fp8_ms, 4)
+                row[f"fp8_{kind}_x_gemmtune"] = round(timed[kind, FP8][1], 3)
+                row[f"fp8_{kind}_x_faster"] = round(faster / fp8_ms, 3)
+            row["logits_err_fp8"] = f"{errors[FP8]:.1e}"
         rows.append(row)
         del graphs
     del variants, model
     torch.cuda.empty_cache()
     return rows
+
+
+def report_fp8(rows: list[dict]) -> None:
+    print("FP8 experts (patch_moe(quant='fp8')): their speed-up over gemmtune's bf16 (gt) and "
+          "the faster of grouped_mm and batched_mm (f)")
+    print(f"{'model':<14} {'point':<12} {'eager ms':>8} {'x gt':>6} {'x f':>6} {'graph ms':>8} "
+          f"{'x gt':>6} {'x f':>6}  logits err")
+    for r in rows:
+        cells = " ".join(f"{r[f'fp8_{kind}_ms']:>8.3f} {r[f'fp8_{kind}_x_gemmtune']:>6} "
+                         f"{r[f'fp8_{kind}_x_faster']:>6}" for kind in ("eager", "graph"))
+        print(f"{r['model']:<14} {r['point']:<12} {cells}  {r['logits_err_fp8']}")
 
 
 def report(rows: list[dict], out_dir: Path) -> None:
@@ -115,11 +143,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default=",".join(MODELS),
                         help=f"comma-separated, of {', '.join(MODELS)}")
+    parser.add_argument("--fp8", action="store_true",
+                        help="also gemmtune with its experts quantised to FP8 (per channel)")
     args = parser.parse_args()
     out_dir = Path(os.environ.get("OUT", "out"))
     out_dir.mkdir(parents=True, exist_ok=True)
     gemmtune.experts.register()
-    report([row for name in args.models.split(",") for row in run_model(name)], out_dir)
+    rows = [row for name in args.models.split(",") for row in run_model(name, args.fp8)]
+    report(rows, out_dir)
+    if args.fp8:
+        report_fp8(rows)
 
 
 if __name__ == "__main__":

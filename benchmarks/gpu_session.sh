@@ -251,10 +251,11 @@ for what in "$@"; do
             TAIL=16 stage "e2eone_${what#e2eone:}" 300 python3 benchmarks/e2e_hf_diag.py \
                 --one-kernel "${what#e2eone:}" ;;
         e2emoe*)  # e2emoe[:MODELS]: transformers MoE models, experts through gemmtune vs
-            # transformers' grouped_mm and batched_mm
+            # transformers' grouped_mm and batched_mm (E2E_FP8=1: gemmtune's FP8 experts too)
             models=${what#e2emoe}; models=${models#:}
-            TAIL=12 stage "e2emoe${models:+_$models}" 300 python3 benchmarks/e2e_hf_moe.py \
-                ${models:+--models $models} ;;
+            TAIL=${E2E_FP8:+24} stage "e2emoe${models:+_$models}" 400 \
+                python3 benchmarks/e2e_hf_moe.py ${models:+--models $models} \
+                ${E2E_FP8:+--fp8} ;;
         e2e*)  # e2e[:MODELS]: transformers Llama models patched vs not (tunes missing shapes first)
             models=${what#e2e}; models=${models#:}
             TAIL=16 stage e2e 580 python3 benchmarks/e2e_hf.py ${models:+--models $models} ;;

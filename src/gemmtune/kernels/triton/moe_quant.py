@@ -159,7 +159,7 @@ def _launch(x, q, scale, group: int, scale_strides: tuple[int, int], given: bool
             *scale_strides, FP8_MAX=FP8_MAX, AMAX_FLOOR=AMAX_FLOOR, SCALE_GIVEN=given,
             WRITE_Q=write_q, ROUTED=kind, ROUTED_BLOCK_M=block_m, GATED=act is not None,
             ACT=act or 0, PDL=PDL, ONE_TILE=span <= ONE_TILE_MAX, BLOCK_D=block_d,
-            num_warps=4 if block_d <= 1024 else 8)
+            num_warps=min(16, max(4, block_d // 512)))  # a wide row alone: many threads
 
 
 def _quantised_shape(x: torch.Tensor, act: int | None) -> tuple[int, int]:
