@@ -38,7 +38,9 @@ MODELS = {
 }
 LOGITS_BOUND = 2e-2  # bf16: the experts' sums in another order
 FP8 = "gemmtune_fp8"  # --fp8: gemmtune with its experts quantised (FP8 per channel / token)
-FP8_LOGITS_BOUND = 0.15  # FP8's own error through two layers (no trained weights to keep it low)
+# FP8's own error through two layers of random weights (nothing trained keeps it low) is
+# reported; only an error this large stops the run, as broken rather than imprecise.
+FP8_LOGITS_BOUND = 0.5
 
 
 def build(name: str, backend: str):
@@ -83,10 +85,12 @@ def run_model(name: str, fp8: bool = False) -> list[dict]:
             graphs[backend] = capture(point, variant)[0]
         errors = {b: rel_err(logits[b], logits["grouped_mm"]) for b in logits
                   if b != "grouped_mm"}
-        if errors["gemmtune"] > max(LOGITS_BOUND, 3 * errors.get("batched_mm", 0)) \
-                or errors.get(FP8, 0) > FP8_LOGITS_BOUND:
+        if errors["gemmtune"] > max(LOGITS_BOUND, 3 * errors.get("batched_mm", 0)):
             raise RuntimeError(f"{name} {label}: gemmtune's logits off grouped_mm's by "
                                f"{errors['gemmtune']:.2e}")
+        if errors.get(FP8, 0) > FP8_LOGITS_BOUND:
+            raise RuntimeError(f"{name} {label}: gemmtune's FP8 logits off grouped_mm's by "
+                               f"{errors[FP8]:.2e}: not FP8's error, something broken")
         # Base gemmtune: each ratio is gemmtune's time over a backend's, per round.
         timed = time_point(point, timed_here, graphs, base="gemmtune")
         row = dict(model=name, point=label)

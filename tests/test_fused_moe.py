@@ -546,6 +546,8 @@ def test_routing_is_refused_for_a_gemm_family_and_an_old_profile_is_not_appended
     args = ["tune", "bf16", "-i", str(untuned), "-o", str(tmp_path / "t.csv")]
     assert main(args + ["--routing", "zipf"]) == 2
     assert "--routing is an option of fmoe" in capsys.readouterr().err
+    assert main(args + ["--ep", "8"]) == 2
+    assert "--ep is an option of fmoe" in capsys.readouterr().err
     old = tmp_path / "old_profile.csv"
     old.write_text("arch,cu_num,M,N,K,kernelName,status\n")
     assert main(args + ["-o2", str(old)]) == 2

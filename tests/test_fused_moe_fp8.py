@@ -395,3 +395,82 @@ def test_gpu_fp8_triton_rows_capture_in_a_cuda_graph():
     torch.cuda.synchronize()
     # (bf16 rounding of sums whose order split-K's atomic adds may change)
     assert relative(captured, y) < EMULATION_TOLERANCE[torch.bfloat16]
+
+
+FP8_NAME = "torch.float8_e4m3fn"
+
+
+def fp8_key(token, q_type, doweight_stage1=False):
+    from gemmtune.families.fmoe.op import FmoeKey
+
+    return FmoeKey(token, 64, 32, 4, 2, "ActivationType.Silu", "torch.bfloat16", FP8_NAME,
+                   FP8_NAME, QuantType.from_str(q_type).canonical, True, doweight_stage1)
+
+
+def test_the_tuner_checks_fp8_candidates_against_the_dequantised_reference_on_an_ep_rank():
+    from gemmtune.families.fmoe.quantised import FP8_TOLERANCE
+    from gemmtune.families.fmoe.tuner import FmoeTuner
+    from gemmtune.measure.accuracy import gate
+
+    key = fp8_key(3, "per_1x128")
+    tuner = FmoeTuner(ep=2)  # this rank holds experts 0-3 of 8
+    prepared = tuner.prepare(key, seed=3)
+    case = prepared.inputs
+    assert case.w1.dtype == quant.FP8_DTYPE and case.scales.w1.shape == (4, 1, 1)
+    assert bool((case.topk_ids < 8).all()) and bool((case.topk_ids < 4).any())
+    assert case.expert_map.tolist() == [0, 1, 2, 3, -1, -1, -1, -1]
+    assert tuner.inputs_note(3) == "routing=uniform;ep=2;seed=3"
+    expected = reference(case.hidden, case.w1, case.w2, case.topk_weight, case.topk_ids,
+                         case.expert_map, QuantType.per_1x128, case.scales)
+    assert torch.equal(prepared.reference, expected)
+    atol, rtol, bound = tuner.tolerance(key)
+    assert (atol, rtol, bound) == FP8_TOLERANCE
+    names = [c.name for c in tuner.candidates(key, frozenset())]
+    assert names[0] == "torch.moe" and len(names) == 3  # torch and one config of each stage
+    for name in (names[0], FP8_TWO_STAGE[0]):
+        verdict = gate(tuner.run(name, prepared), prepared.reference, atol=atol, rtol=rtol,
+                       max_err_ratio=0.5, rel_bound=bound)
+        assert verdict.ok, (name, verdict.detail)
+    for name in names[1:]:  # a stage screened alone times its own launches
+        assert tuner.time(name, prepared, iters=1, warmup=0)[0] > 0
+    with pytest.raises(ValueError, match="expert-parallel"):
+        FmoeTuner(ep=0)
+
+
+def test_bench_fmoe_times_fp8_rows_beside_the_bf16_op(tmp_path, capsys):
+    from gemmtune.cli import main
+
+    shapes = tmp_path / "untuned_fmoe.csv"
+    shapes.write_text("token,model_dim,inter_dim,expert,topk,dtype,q_dtype_a,q_dtype_w,q_type\n"
+                      f"2,64,32,4,2,torch.bfloat16,{FP8_NAME},{FP8_NAME},QuantType.per_Token\n")
+    out = tmp_path / "bench"
+    assert main(["bench", "fmoe", "--shapes", str(shapes), "-o", str(out)]) == 0
+    header, row = (out / "bench_fmoe.csv").read_text().splitlines()
+    values = dict(zip(header.split(","), row.split(",")))
+    assert values["q_type"] == "QuantType.per_Token" and values["ok"] == "True"
+    assert float(values["bf16_us"]) > 0 and float(values["vs_bf16"]) > 0
+    assert "WRONG" not in capsys.readouterr().out
+
+
+def test_a_tuner_worker_starts_with_its_environment(monkeypatch):
+    # A spawned worker imports the family before its first line runs: a variable that decides
+    # what an import makes (TRITON_INTERPRET) must be in its environment when it starts.
+    import os
+
+    from gemmtune.tune import workers
+
+    seen = {}
+
+    class Started(Exception):
+        pass
+
+    def start(self):
+        seen["mark"] = os.environ.get("GEMMTUNE_TEST_MARK")
+        raise Started
+
+    monkeypatch.delenv("GEMMTUNE_TEST_MARK", raising=False)
+    monkeypatch.setattr(workers.mp.get_context("spawn").Process, "start", start)
+    worker = workers.Worker(workers.WorkerSpec(dict, (("GEMMTUNE_TEST_MARK", "1"),)))
+    with pytest.raises(Started):
+        worker.start()
+    assert seen == {"mark": "1"} and "GEMMTUNE_TEST_MARK" not in os.environ

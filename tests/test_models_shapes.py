@@ -29,6 +29,7 @@ from gemmtune.models.shapes import (
     valid_tp,
 )
 from gemmtune.families import get_family
+from gemmtune.tables.values import QuantType
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
@@ -368,6 +369,20 @@ def test_fmoe_rows_columns_and_values():
     }
     # 11 distinct projections at tp=2 (see test_tiny_mla_moe_tp2) x 11 default M.
     assert len(rows["bf16"]) == 11 * len(DEFAULT_M)
+
+
+def test_fmoe_rows_of_fp8_experts_and_of_an_expert_parallel_rank():
+    spec = load_preset("deepseek-v3")
+    (row,) = untuned_rows(spec, 8, (4,), fmoe_q_type=QuantType.per_1x128)["fmoe"]
+    assert (row.key.inter_dim, row.key.expert) == (256, 256)  # TP8: every expert, 1/8 wide
+    assert (row.key.q_dtype_a, row.key.q_dtype_w, row.key.q_type) == (
+        "torch.float8_e4m3fn", "torch.float8_e4m3fn", "QuantType.per_1x128")
+    (row,) = untuned_rows(spec, 1, (4,), ep=8)["fmoe"]
+    assert (row.key.inter_dim, row.key.expert, row.key.q_type) == (2048, 32, "QuantType.No")
+    with pytest.raises(ValueError, match="per_Token"):
+        untuned_rows(spec, 1, (4,), fmoe_q_type=QuantType.per_128x128)
+    with pytest.raises(TensorParallelError, match="ep=3"):
+        untuned_rows(spec, 1, (4,), ep=3)
 
 
 def test_rows_have_no_duplicates():

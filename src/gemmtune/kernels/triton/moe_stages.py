@@ -8,9 +8,9 @@ the intermediate ``inter``.
 Stage 2 (``moe_stage2``): the down projection ``inter[row] @ w2[e].T`` per block, times the
 routing weight unless stage 1 applied it, into ``partial`` (T * topk, D), split over
 ``inter_dim`` in ``ksplit`` parts (fp32 atomic adds; one part writes plainly, in the output's
-dtype). Then ``moe_sum`` adds each token's ``topk`` rows in fp32 into the output, in a fixed
-order, skipping pairs of other ranks' experts: with one part the result does not depend on how
-the blocks were scheduled.
+dtype). Then ``moe_sum`` adds each token's ``topk`` rows in fp32 into the output, in slot order,
+skipping pairs of other ranks' experts: with one part the result does not depend on how the
+blocks were scheduled.
 
 The intermediate follows the routing's rows (row r of block b at ``b * block_m + r``), so
 stage 2 reads whole tiles of it; with pair blocks it has a row per pair. Its padding rows are
@@ -287,7 +287,7 @@ def moe_sum_kernel(
     BLOCK_D: tl.constexpr,
 ):
     """A token's slots read at once (one round of loads, not one per slot: decode's sum is
-    latency), added in fp32 in a fixed order."""
+    latency), then added in fp32 in slot order."""
     wait_for_inputs(PDL)
     token = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -299,8 +299,11 @@ def moe_sum_kernel(
                     mask=slots < TOPK, other=-1)
     rows = tl.load(partial_ptr + pairs[:, None] * stride_pp + offs[None, :] * stride_pn,
                    mask=(local >= 0)[:, None] & inside[None, :], other=0.0).to(tl.float32)
+    total = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    for k in tl.static_range(TOPK):  # (a sum over one row and zeros: that row, exactly)
+        total += tl.sum(tl.where((slots == k)[:, None], rows, 0.0), axis=0)
     tl.store(out_ptr + token * stride_ot + offs * stride_on,
-             tl.sum(rows, axis=0).to(out_ptr.dtype.element_ty), mask=inside)
+             total.to(out_ptr.dtype.element_ty), mask=inside)
 
 
 def moe_stages(x, w1, w2, topk_weight, topk_ids, expert_map, routing, activation: int,
@@ -466,7 +469,7 @@ def _scale_strides(x_scale, w_scale) -> tuple[int, int, int, int, int]:
 
 
 def run_sum(partial, topk_ids, expert_map, out, warmup: bool = False) -> torch.Tensor:
-    """Each token's ``topk`` rows of ``partial`` (pairs, D), added in fp32 in a fixed order (pairs
+    """Each token's ``topk`` rows of ``partial`` (pairs, D), added in fp32 in slot order (pairs
     of other ranks' experts skipped), into ``out`` (T, D)."""
     tokens, model_dim = out.shape
     topk_p2 = triton.next_power_of_2(topk_ids.shape[1])
