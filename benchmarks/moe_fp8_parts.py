@@ -68,7 +68,10 @@ def parts(model: str, tokens: int, q_type: str, kernel_name: str) -> dict[str, f
     routing = route(kernel.stage1, ids, emap, e)
     inter = moe_stages.run_stage1(hidden, w1q, weight, ids, emap, routing, act, False,
                                   kernel.stage1, scales=scales, scaling=problem.scaling)
-    inter_f32 = torch.randn(routing.sorted_ids.numel(), i, device="cuda")
+    # The intermediate's quantiser as this solution runs it: of gate and up sums (2I wide, the
+    # activation applied there) after a split stage 1.
+    split = kernel.stage1.split_k > 1
+    inter_f32 = torch.randn(routing.sorted_ids.numel(), 2 * i if split else i, device="cuda")
     routed = moe_stages._routed_rows(routing, ids, emap)
     partial = moe_stages.run_stage2(inter, w2q, weight, ids, emap, routing, False,
                                     kernel.stage2, tokens, hidden.dtype, with_sum=False,
@@ -81,7 +84,7 @@ def parts(model: str, tokens: int, q_type: str, kernel_name: str) -> dict[str, f
             hidden, s[0], weight, ids, emap, routing, act, False, kernel.stage1, scales=scales,
             scaling=problem.scaling),
         "quant_inter": lambda s: moe_stages._quantised(inter_f32, problem.scaling, None, False,
-                                                       routed),
+                                                       routed, act if split else None),
         "stage2_chain": lambda s: moe_stages.run_stage2(
             inter, s[1], weight, ids, emap, routing, False, kernel.stage2, tokens,
             hidden.dtype, scales=scales),

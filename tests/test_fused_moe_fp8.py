@@ -433,8 +433,10 @@ def test_the_tuner_checks_fp8_candidates_against_the_dequantised_reference_on_an
         assert verdict.ok, (name, verdict.detail)
     for name in names[1:]:  # a stage screened alone times its own launches
         assert tuner.time(name, prepared, iters=1, warmup=0)[0] > 0
+    from argparse import Namespace
+
     with pytest.raises(ValueError, match="expert-parallel"):
-        FmoeTuner(ep=0)
+        FmoeTuner.factory_from_args(Namespace(routing=None, ep=0))()
 
 
 def test_bench_fmoe_times_fp8_rows_beside_the_bf16_op(tmp_path, capsys):
@@ -450,6 +452,8 @@ def test_bench_fmoe_times_fp8_rows_beside_the_bf16_op(tmp_path, capsys):
     assert values["q_type"] == "QuantType.per_Token" and values["ok"] == "True"
     assert float(values["bf16_us"]) > 0 and float(values["vs_bf16"]) > 0
     assert "WRONG" not in capsys.readouterr().out
+    assert main(["bench", "fmoe", "--shapes", str(shapes), "--ep", "0", "-o", str(out)]) == 2
+    assert "--ep 0: expected a positive number" in capsys.readouterr().err
 
 
 def test_a_tuner_worker_starts_with_its_environment(monkeypatch):

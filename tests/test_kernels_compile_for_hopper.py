@@ -55,16 +55,23 @@ SCRIPT = textwrap.dedent("""
                          PDL=True, BLOCK_T=16, BLOCK_N=64, BLOCK_K=64, BLOCK_D=64, BLOCK_I=64,
                          TRACE=False))
     assert "bf16.bf16" in one_stage
-    for routed in (0, 1, 2):  # every row; a grouped routing's; pair blocks' (gated: split)
+    moe_sum = ptx(moe_stages.moe_sum_kernel,
+                  {"partial_ptr": "*bf16", "topk_ids_ptr": "*i32", "expert_map_ptr": "*i32",
+                   "out_ptr": "*bf16"}, dict(TOPK=6, TOPK_P2=8, PDL=True, BLOCK_D=1024))
+    assert "ld.global" in moe_sum
+    # Every row; a grouped routing's; pair blocks'; gate and up sums (a split stage 1's), in
+    # one tile or two passes.
+    for routed, gated, one_tile in ((0, False, True), (1, False, False), (2, True, True),
+                                    (1, True, False)):
         quantiser = ptx(moe_quant.quant_rows_kernel,
                         {"x_ptr": "*fp32", "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32",
                          "routed_a_ptr": "*i32", "routed_b_ptr": "*i32"},
                         dict(FP8_MAX=448.0, AMAX_FLOOR=1e-12, SCALE_GIVEN=False, WRITE_Q=True,
-                             ROUTED=routed, ROUTED_BLOCK_M=16, GATED=routed == 2, ACT=0,
-                             PDL=True, ONE_TILE=routed != 1, BLOCK_D=128))
+                             ROUTED=routed, ROUTED_BLOCK_M=16, GATED=gated, ACT=0,
+                             PDL=True, ONE_TILE=one_tile, BLOCK_D=128))
         # Divisions rounded to nearest, as torch's: an approximate one would move FP8 roundings.
         # (The gated values' SiLU divides as stage 1's activation does.)
-        assert "div.rn.f32" in quantiser and (routed == 2 or "div.approx" not in quantiser \\
+        assert "div.rn.f32" in quantiser and (gated or "div.approx" not in quantiser \\
             and "div.full" not in quantiser)
     print("ok")
 """)

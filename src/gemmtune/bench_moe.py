@@ -224,22 +224,26 @@ def run_moe_bench(shapes: list[tuple[str, FmoeKey]], out_dir: Path, title: str,
     dev = current_device()
     print(f"GPU: {torch.cuda.get_device_name()} ({dev})" if gpu else
           f"no GPU found: benchmarking on the CPU ({dev}); times are CPU wall times")
-    fp8 = any(key.q_type != QuantType.No.canonical for _, key in shapes)
+    kinds = {key.q_type != QuantType.No.canonical for _, key in shapes}  # FP8 experts or not
     with GpuLock(gpu_label(torch.cuda.current_device())) if gpu else contextlib.nullcontext():
-        ceilings = _ceilings(fp8) if gpu else None
+        # The FLOP/s ceiling of each kind of experts benched (a GEMM of their type).
+        ceilings = {kind: _ceilings(kind) if gpu else None for kind in kinds}
         gen = torch.Generator(device="cuda" if gpu else "cpu").manual_seed(0)
         rows = []
         for name, key in shapes:
-            rows.append(bench_moe_shape(name, key, ceilings, gen, ep))
+            kind = key.q_type != QuantType.No.canonical
+            rows.append(bench_moe_shape(name, key, ceilings[kind], gen, ep))
             print(f"  {name} T={key.token}: tuned {rows[-1].tuned_us:.2f} us", flush=True)
     csv_path, png_path = out_dir / "bench_fmoe.csv", out_dir / "bench_fmoe.png"
     write_records([{k: format(v, ".6g") if isinstance(v, float) else v
                     for k, v in asdict(r).items()} for r in rows], csv_path)
     series: dict[str, list[tuple[int, float, float]]] = {}
-    for r in rows:
-        series.setdefault(r.layer, []).append((r.token, r.vs_bf16 if fp8 else r.speedup,
-                                               r.attainable_efficiency))
+    for r in rows:  # FP8 rows: the speed-up over the bf16 op; bf16 rows: over torch
+        is_fp8 = r.q_type != QuantType.No.canonical
+        series.setdefault(f"{r.layer} {r.q_type}" if is_fp8 else r.layer, []).append(
+            (r.token, r.vs_bf16 if is_fp8 else r.speedup, r.attainable_efficiency))
     why_no_plot = plot_curves(series, png_path, title, "tokens")
+    fp8 = True in kinds
     print(f"{'shape':<16} {'T':>5} {'torch us':>9} {'tuned us':>9} {'speedup':>7} "
           + (f"{'bf16 us':>9} {'vs bf16':>7} " if fp8 else "")
           + f"{'att us':>8} {'att':>5} {'torch':>6} {'rule':<8} kernel")
@@ -263,6 +267,8 @@ def bench_from_args(args) -> int:
         raise ValueError(f"fmoe benches bf16 experts, or FP8 ones with --q_type, not "
                          f"--dtype {args.dtype}")
     q_type = QuantType.from_str(args.q_type or "No")
+    if isinstance(args.ep, bool) or not isinstance(args.ep, int) or args.ep < 1:
+        raise ValueError(f"--ep {args.ep}: expected a positive number of expert-parallel ranks")
     out = Path(args.output)
     if args.shapes:
         if args.q_type:

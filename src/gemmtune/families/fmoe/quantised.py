@@ -105,8 +105,8 @@ def why_not_scaled_grouped_mm(hidden: torch.Tensor, w1: torch.Tensor, w2: torch.
         return "torch's FP8 grouped GEMM runs on Hopper (sm_90) only"
     if hidden.dtype != torch.bfloat16:
         return f"{hidden.dtype} activations: torch's FP8 grouped GEMM writes bf16"
-    if any(d % 16 for d in (*w1.shape[1:], w2.shape[1])):
-        return "torch's FP8 grouped GEMM wants model_dim and 2 * inter_dim multiples of 16"
+    if any(d % 16 for d in (*w1.shape[1:], *w2.shape[1:])):
+        return "torch's FP8 grouped GEMM wants model_dim and inter_dim multiples of 16"
     return None
 
 

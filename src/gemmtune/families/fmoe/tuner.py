@@ -194,8 +194,9 @@ class FmoeTuner(FamilyTuner):
 
     @classmethod
     def factory_from_args(cls, args):
+        ep = getattr(args, "ep", None)
         return functools.partial(cls, routing=getattr(args, "routing", None) or "uniform",
-                                 ep=getattr(args, "ep", None) or 1)
+                                 ep=1 if ep is None else ep)
 
     def inputs_note(self, seed: int) -> str:
         ep = f"ep={self.ep};" if self.ep > 1 else ""

@@ -380,6 +380,9 @@ def run_stage1(x, w1, topk_weight, topk_ids, expert_map, routing, activation: in
     scaled = x_scale is not None
     rows = routing.sorted_ids.numel()
     split = config.split_k > 1
+    if split and not scaled:  # (the check refuses it; the workspace must never be left dirty)
+        raise ValueError(f"{config.name}: a split stage 1 is for FP8 experts, whose "
+                         f"quantiser applies the activation and zeroes the sums")
     inter = _gate_up_sums(rows, inter_dim, x.device) if split else torch.empty(
         (rows, inter_dim), dtype=torch.float32 if scaled else x.dtype, device=x.device)
     if config.persistent:
