@@ -246,20 +246,20 @@ SPLIT_STAGE1 = ("triton.moe1:BM16.BN16.BK32.W4.S1.PB0.P0.SK3"
                 "+triton.moe2:BM16.BN16.BK32.SK1.W4.S1")
 
 
-@pytest.mark.parametrize("q_type", [QuantType.per_Tensor, QuantType.per_1x128])
-def test_split_stage1_sums_parts_and_leaves_its_workspace_zero(q_type):
+@pytest.mark.parametrize("q_type,activation", [(QuantType.per_Tensor, "silu"),
+                                               (QuantType.per_1x128, "gelu")])
+def test_split_stage1_sums_parts_and_leaves_its_workspace_zero(q_type, activation):
     from gemmtune.kernels.triton.moe_common import cached_workspaces
     from gemmtune.kernels.triton.moe_stages import SUMS_KIND
 
     T, D, I, E, topk = 3, 136, 40, 4, 2  # noqa: E741  (D: 5 steps of 32 in 3 parts)
     layer = fp8_layer(T, D, I, E, topk, q_type, seed=30, dtype=torch.bfloat16)
-    for activation in ("silu", "gelu"):
-        y = gemmtune.fused_moe(layer.hidden, layer.w1q, layer.w2q, layer.topk_weight,
-                               layer.topk_ids, activation=activation, quant_type=q_type,
-                               w1_scale=layer.s1, w2_scale=layer.s2, kernel=SPLIT_STAGE1)
-        expected = emulate(layer.hidden, layer.w1q, layer.w2q, layer.s1, layer.s2,
-                           layer.topk_weight, layer.topk_ids, q_type, activation=activation)
-        assert relative(y, expected) < EMULATION_TOLERANCE[torch.bfloat16]
+    y = gemmtune.fused_moe(layer.hidden, layer.w1q, layer.w2q, layer.topk_weight,
+                           layer.topk_ids, activation=activation, quant_type=q_type,
+                           w1_scale=layer.s1, w2_scale=layer.s2, kernel=SPLIT_STAGE1)
+    expected = emulate(layer.hidden, layer.w1q, layer.w2q, layer.s1, layer.s2,
+                       layer.topk_weight, layer.topk_ids, q_type, activation=activation)
+    assert relative(y, expected) < EMULATION_TOLERANCE[torch.bfloat16]
     sums = [w for w in cached_workspaces(SUMS_KIND) if w.shape[1] == 2 * I]
     assert sums and all(not w.any() for w in sums)
     with pytest.raises(ValueError, match="routing weight"):
