@@ -426,12 +426,14 @@ def test_the_tuner_checks_fp8_candidates_against_the_dequantised_reference_on_an
     atol, rtol, bound = tuner.tolerance(key)
     assert (atol, rtol, bound) == FP8_TOLERANCE
     names = [c.name for c in tuner.candidates(key, frozenset())]
-    assert names[0] == "torch.moe" and len(names) == 3  # torch and one config of each stage
+    assert names[0] == "torch.moe"
+    if DEVICE == "cpu":  # torch and the interpreter's one config of each stage
+        assert len(names) == 3
     for name in (names[0], FP8_TWO_STAGE[0]):
         verdict = gate(tuner.run(name, prepared), prepared.reference, atol=atol, rtol=rtol,
                        max_err_ratio=0.5, rel_bound=bound)
         assert verdict.ok, (name, verdict.detail)
-    for name in names[1:]:  # a stage screened alone times its own launches
+    for name in names[1:3]:  # a stage screened alone times its own launches
         assert tuner.time(name, prepared, iters=1, warmup=0)[0] > 0
     from argparse import Namespace
 
