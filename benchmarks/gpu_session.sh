@@ -182,8 +182,8 @@ for what in "$@"; do
                 -o "$dir" ${FMOE_Q:+--q_type "$FMOE_Q"} ${FMOE_EP:+--ep "$FMOE_EP"} \
                 --nsets "${FMOE_NSETS:-1,2,4,8,16,32,64,128,256,512,1024,2048,4096,8192}" \
                 > /dev/null
-            TAIL=30 stage "fmoetune_$model${FMOE_Q:+_$FMOE_Q}${FMOE_EP:+_ep$FMOE_EP}" "${FMOE_LIMIT:-330}" \
-                python3 -m gemmtune.cli tune fmoe \
+            TAIL=30 stage "fmoetune_$model${FMOE_Q:+_$FMOE_Q}${FMOE_EP:+_ep$FMOE_EP}" \
+                "${FMOE_LIMIT:-330}" python3 -m gemmtune.cli tune fmoe \
                 -i "$dir/untuned_fmoe.csv" -o "$dir/tuned_fmoe.csv" \
                 -o2 "$dir/profile.csv" --mp "${FMOE_MP:-8}" --batch 1 ${FMOE_EP:+--ep "$FMOE_EP"}
             python3 benchmarks/fmoe_tune_summary.py "$dir/tuned_fmoe.csv" \
