@@ -26,7 +26,7 @@ from gemmtune.bench import (capped_geomean, cpu_summary, finish_report, geomean,
 from gemmtune.device import current_device
 from gemmtune.families import get_family
 from gemmtune.families.fmoe import quantised
-from gemmtune.families.fmoe.inputs import quantised_experts, random_inputs
+from gemmtune.families.fmoe.inputs import quantised_experts, random_inputs, rank_mask
 from gemmtune.families.fmoe.op import FmoeKey, expert_map_of, problem_of
 from gemmtune.kernels.problem import Scaling
 from gemmtune.kernels.torch_ref import TORCH_MOE, fused_moe_ref
@@ -116,7 +116,7 @@ def bench_moe_shape(name: str, key: FmoeKey, ceilings: Ceilings | None,
 
     problem = problem_of(key)
     hidden, w1, w2, weight, ids = random_inputs(problem, gen, global_experts=key.expert * ep)
-    mask = torch.arange(key.expert * ep, device=hidden.device) < key.expert if ep > 1 else None
+    mask = rank_mask(key.expert, ep, hidden.device)
     expert_map = expert_map_of(mask, w1.shape[0], hidden.device)
     fused_moe = functools.partial(op, expert_mask=mask)
     nan = float("nan")

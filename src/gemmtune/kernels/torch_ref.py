@@ -10,6 +10,7 @@ copy. A ``*_ref`` function computes the same product in fp32, cast to ``out_dtyp
 from __future__ import annotations
 
 import warnings
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -293,6 +294,37 @@ def fused_moe_ref(hidden, w1, w2, topk_weight, topk_ids, expert_map, activation=
     return out.to(out_dtype)
 
 
+class GroupedPairs(NamedTuple):
+    """The routed pairs sorted by local expert for a grouped GEMM: other ranks' pairs sort last,
+    past the last group, so nothing is selected by value (no host read: graph-capturable)."""
+
+    order: torch.Tensor  # (pairs,) pair ids by expert
+    offsets: torch.Tensor  # (E,) int32: where each expert's group ends
+    kept: torch.Tensor  # (pairs, 1) bool, in ``order``: a local expert's pair
+    weights: torch.Tensor  # (pairs, 1) fp32 routing weights, in ``order``
+
+
+def grouped_pairs(topk_weight, topk_ids, expert_map, experts: int) -> GroupedPairs:
+    local = expert_map[topk_ids.reshape(-1).long()].long()
+    group = torch.where(local >= 0, local, experts)  # other ranks' pairs: one group past the end
+    order = torch.argsort(group, stable=True)
+    sizes = torch.zeros(experts + 1, dtype=torch.long, device=topk_ids.device)
+    sizes.scatter_add_(0, group, torch.ones_like(group))
+    offsets = torch.cumsum(sizes[:experts], 0).to(torch.int32)
+    return GroupedPairs(order, offsets, (local[order] >= 0)[:, None],
+                        topk_weight.reshape(-1)[order].float()[:, None])
+
+
+def combine_pairs(y: torch.Tensor, pairs: GroupedPairs, doweight_stage1: bool,
+                  topk: int) -> torch.Tensor:
+    """Stage 2's rows (in ``pairs.order``, fp32) times their routing weights unless stage 1
+    applied them, back in pair order and summed over each token's slots: (T, D) fp32."""
+    # Rows past the last group are never written by the grouped GEMM: where(), not a product.
+    y = torch.where(pairs.kept, y if doweight_stage1 else y * pairs.weights, 0.0)
+    per_pair = torch.empty_like(y).index_copy_(0, pairs.order, y)  # back to pair order
+    return per_pair.view(-1, topk, y.shape[1]).sum(1)
+
+
 def fused_moe_torch(hidden, w1, w2, topk_weight, topk_ids, expert_map, problem, out=None):
     """The torch backend, as a torch user would write it: pairs sorted by expert (argsort),
     gathered, ``torch._grouped_mm`` for both stages (bf16 with 8-aligned dims; elsewhere the
@@ -305,22 +337,11 @@ def fused_moe_torch(hidden, w1, w2, topk_weight, topk_ids, expert_map, problem, 
         y = fused_moe_ref(hidden, w1, w2, topk_weight, topk_ids, expert_map,
                           problem.activation, problem.doweight_stage1, dtype)
         return y if out is None else out.copy_(y)
-    tokens, topk = topk_ids.shape
-    experts = w1.shape[0]
-    local = expert_map[topk_ids.reshape(-1).long()].long()
-    group = torch.where(local >= 0, local, experts)  # other ranks' pairs: one group past the end
-    order = torch.argsort(group, stable=True)
-    sizes = torch.zeros(experts + 1, dtype=torch.long, device=hidden.device)
-    sizes.scatter_add_(0, group, torch.ones_like(group))
-    offsets = torch.cumsum(sizes[:experts], 0).to(torch.int32)
-    kept = (local[order] >= 0)[:, None]
-    weights = topk_weight.reshape(-1)[order].float()[:, None]
-    h = torch._grouped_mm(hidden[order // topk], w1.transpose(1, 2), offs=offsets)
+    topk = topk_ids.shape[1]
+    pairs = grouped_pairs(topk_weight, topk_ids, expert_map, w1.shape[0])
+    h = torch._grouped_mm(hidden[pairs.order // topk], w1.transpose(1, 2), offs=pairs.offsets)
     h = moe_act(h[:, :inter_dim].float(), problem.activation) * h[:, inter_dim:].float()
-    h = (h * weights if problem.doweight_stage1 else h).to(dtype)
-    y = torch._grouped_mm(h, w2.transpose(1, 2), offs=offsets).float()
-    # Rows past the last group are never written by the grouped GEMM: where(), not a product.
-    y = torch.where(kept, y if problem.doweight_stage1 else y * weights, 0.0)
-    per_pair = torch.empty_like(y).index_copy_(0, order, y)  # back to pair order
-    total = per_pair.view(tokens, topk, -1).sum(1)
+    h = (h * pairs.weights if problem.doweight_stage1 else h).to(dtype)
+    y = torch._grouped_mm(h, w2.transpose(1, 2), offs=pairs.offsets).float()
+    total = combine_pairs(y, pairs, problem.doweight_stage1, topk)
     return total.to(dtype) if out is None else out.copy_(total)

@@ -66,6 +66,14 @@ def route(p: MoeProblem, routing: str, gen: torch.Generator,
     return picks.to(torch.int32)
 
 
+def rank_mask(experts: int, ep: int, device) -> Optional[torch.Tensor]:
+    """``fused_moe``'s expert_mask of the expert-parallel rank ``random_inputs`` routes for: the
+    first ``experts`` of ``experts * ep`` global ones (None without expert parallelism)."""
+    if ep == 1:
+        return None
+    return torch.arange(experts * ep, device=device) < experts
+
+
 class MoeCase(NamedTuple):
     """One call of a fused MoE backend, as the tuner and the bench make them: the arguments every
     backend takes (w1 and w2 FP8 with ``scales`` for quantised experts)."""

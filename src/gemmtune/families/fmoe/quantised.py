@@ -27,7 +27,7 @@ import torch
 
 from gemmtune import quant
 from gemmtune.kernels.problem import Activation, MoeProblem, MoeScales, Scaling
-from gemmtune.kernels.torch_ref import fused_moe_ref, moe_act
+from gemmtune.kernels.torch_ref import combine_pairs, fused_moe_ref, grouped_pairs, moe_act
 from gemmtune.tables.values import QuantType
 
 SCALINGS = {QuantType.per_Tensor: Scaling.tensor, QuantType.per_Token: Scaling.rowwise,
@@ -117,17 +117,10 @@ def fused_moe_fp8_grouped(hidden, w1, w2, topk_weight, topk_ids, expert_map,
     scale repeated per row), the activation in fp32 on its bf16 output, the intermediate
     requantised; nothing read back on the host, so it captures in a CUDA graph."""
     quant_type = QUANT_TYPES[problem.scaling]
-    tokens, topk = topk_ids.shape
+    topk = topk_ids.shape[1]
     experts, two_inter, _ = w1.shape
     inter_dim = two_inter // 2
-    local = expert_map[topk_ids.reshape(-1).long()].long()
-    group = torch.where(local >= 0, local, experts)  # other ranks' pairs: one group past the end
-    order = torch.argsort(group, stable=True)
-    sizes = torch.zeros(experts + 1, dtype=torch.long, device=hidden.device)
-    sizes.scatter_add_(0, group, torch.ones_like(group))
-    offsets = torch.cumsum(sizes[:experts], 0).to(torch.int32)
-    kept = (local[order] >= 0)[:, None]
-    weights = topk_weight.reshape(-1)[order].float()[:, None]
+    pairs = grouped_pairs(topk_weight, topk_ids, expert_map, experts)
 
     def rowwise(t, static):  # (rows, K) -> (fp8 rows, one fp32 scale per row)
         if quant_type == QuantType.per_Tensor:
@@ -138,20 +131,18 @@ def fused_moe_fp8_grouped(hidden, w1, w2, topk_weight, topk_ids, expert_map,
         return q, scale.reshape(-1)
 
     xq, x_scale = rowwise(hidden, scales.a1)
-    rows = order // topk
+    rows = pairs.order // topk
     h = torch._scaled_grouped_mm(xq[rows], w1.transpose(1, 2), x_scale[rows],
                                  scales.w1.reshape(experts, -1).expand(experts, two_inter)
-                                 .contiguous(), offs=offsets, out_dtype=torch.bfloat16)
+                                 .contiguous(), offs=pairs.offsets, out_dtype=torch.bfloat16)
     h = moe_act(h[:, :inter_dim].float(), problem.activation) * h[:, inter_dim:].float()
-    h = torch.where(kept, h * weights if problem.doweight_stage1 else h, 0.0)
+    h = torch.where(pairs.kept, h * pairs.weights if problem.doweight_stage1 else h, 0.0)
     hq, h_scale = rowwise(h, scales.a2)
     y = torch._scaled_grouped_mm(hq, w2.transpose(1, 2), h_scale,
                                  scales.w2.reshape(experts, -1).expand(experts, w2.shape[1])
-                                 .contiguous(), offs=offsets, out_dtype=torch.bfloat16).float()
-    # Rows past the last group are never written by the grouped GEMM: where(), not a product.
-    y = torch.where(kept, y if problem.doweight_stage1 else y * weights, 0.0)
-    per_pair = torch.empty_like(y).index_copy_(0, order, y)  # back to pair order
-    total = per_pair.view(tokens, topk, -1).sum(1)
+                                 .contiguous(), offs=pairs.offsets,
+                                 out_dtype=torch.bfloat16).float()
+    total = combine_pairs(y, pairs, problem.doweight_stage1, topk)
     return total.to(hidden.dtype) if out is None else out.copy_(total)
 
 

@@ -24,7 +24,8 @@ from typing import NamedTuple
 import torch
 
 from gemmtune.families.fmoe import quantised
-from gemmtune.families.fmoe.inputs import ROUTINGS, MoeCase, quantised_experts, random_inputs
+from gemmtune.families.fmoe.inputs import (ROUTINGS, MoeCase, quantised_experts, random_inputs,
+                                           rank_mask)
 from gemmtune.families.fmoe.op import REGISTRY, SCHEMA, FmoeKey, expert_map_of, problem_of
 from gemmtune.kernels.problem import MoeProblem, Scaling
 from gemmtune.kernels.torch_ref import TORCH_MOE, fused_moe_ref
@@ -237,10 +238,8 @@ class FmoeTuner(FamilyTuner):
         gen = torch.Generator(device=device).manual_seed(seed)
         hidden, w1, w2, topk_weight, topk_ids = random_inputs(p, gen, self.routing,
                                                               p.experts * self.ep)
-        # Expert parallelism: this rank holds the first of the global experts.
-        mask = (torch.arange(p.experts * self.ep, device=hidden.device) < p.experts
-                if self.ep > 1 else None)
-        expert_map = expert_map_of(mask, p.experts, hidden.device)
+        expert_map = expert_map_of(rank_mask(p.experts, self.ep, hidden.device), p.experts,
+                                   hidden.device)
         if p.scaling is Scaling.none:
             case = MoeCase(hidden, w1, w2, topk_weight, topk_ids, expert_map, p)
             ref = fused_moe_ref(hidden, w1, w2, topk_weight, topk_ids, expert_map, p.activation,
