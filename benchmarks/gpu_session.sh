@@ -230,6 +230,20 @@ for what in "$@"; do
                 --model "$model" --tp "$tp" -o "$OUT/bench_fmoe_$name" ${BENCH_M:+--M "$BENCH_M"} \
                 ${FMOE_Q:+--q_type "$FMOE_Q"} ${FMOE_EP:+--ep "$FMOE_EP"}
             unset GEMMTUNE_CONFIG_FMOE ;;
+        quantprobe)  # the row quantiser of decode's activations, by warps and passes
+            TAIL=8 stage quantprobe 200 python3 benchmarks/quant_rows_probe.py --out "$OUT" ;;
+        fp8parts:*)  # fp8parts:MODEL[:TABLE_MODEL]: each launch of the tuned FP8 solution at
+            # PARTS_T tokens (FMOE_Q, default per_Token; MODEL as moe_fp8_parts.py names it),
+            # from this call's fmoetune:TABLE_MODEL table if given, else the shipped one
+            spec=${what#fp8parts:}
+            model=${spec%%:*}
+            q=${FMOE_Q:-per_Token}
+            table=""; [[ $spec == *:* ]] && table="$OUT/fmoe_${spec#*:}_$q/tuned_fmoe.csv"
+            for t in ${PARTS_T:-1}; do
+                TAIL=3 stage "fp8parts_${model}_$t" 200 python3 benchmarks/moe_fp8_parts.py \
+                    --model "$model" --tokens "$t" --q_type "$q" ${table:+--table "$table"} \
+                    --out "$OUT"
+            done ;;
         overhead)  # host µs per eager call of every op's backends (benchmarks/dispatch_overhead.py)
             TAIL=40 stage overhead 400 python3 benchmarks/dispatch_overhead.py ;;
         probe)  # the host cost of a Triton row's eager call, layer by layer

@@ -3,7 +3,10 @@ and in the chains the op makes, under CUDA-graph replay with cold weights, besid
 a chain of empty launches (the fixed cost of a launch in a graph, with and without PDL).
 
     PYTHONPATH=src python3 benchmarks/moe_fp8_parts.py --model deepseek-v3-tp8 --tokens 1 \\
-        --q_type per_Token --kernel 'triton.moe1:...+triton.moe2:...' [--out DIR]
+        --q_type per_Token [--kernel 'triton.moe1:...+triton.moe2:...' | --table CSV] [--out DIR]
+
+Without ``--kernel`` the solution is the one a tuned fmoe table (``--table``, by default the
+shipped one) holds for this shape.
 
 Parts (µs): quant_x (the activations' quantiser), stage1_chain (quant_x, stage 1, the
 intermediate's quantiser), quant_inter (the intermediate's quantiser alone, on an intermediate
@@ -15,6 +18,7 @@ stage1_chain - quant_x - quant_inter; stage 2's about stage2_chain - sum.
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 from pathlib import Path
 
@@ -104,21 +108,36 @@ def parts(model: str, tokens: int, q_type: str, kernel_name: str) -> dict[str, f
     return found
 
 
+def tuned_kernel(table: Path, model: str, tokens: int, q_type: str) -> str:
+    """The two-stage solution ``table`` holds for this shape (bf16 activations, SiLU)."""
+    d, i, e, topk = SHAPES[model]
+    with open(table, newline="") as f:
+        for row in csv.DictReader(f):
+            if (int(row["token"]), int(row["model_dim"]), int(row["inter_dim"]),
+                    int(row["expert"]), int(row["topk"]), row["q_type"]) == \
+                    (tokens, d, i, e, topk, f"QuantType.{q_type}") and row["kernelName2"]:
+                return f"{row['kernelName1']}+{row['kernelName2']}"
+    raise SystemExit(f"{table}: no two-stage row for {model} T={tokens} {q_type}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", choices=sorted(SHAPES), required=True)
     p.add_argument("--tokens", type=int, default=1)
     p.add_argument("--q_type", choices=sorted(SCALINGS), default="per_Token")
-    p.add_argument("--kernel", required=True, help="the two-stage FP8 solution to take apart")
+    p.add_argument("--kernel", help="the two-stage FP8 solution to take apart")
+    p.add_argument("--table", type=Path, default=Path(gemmtune.__file__).parent / "configs"
+                   / "tuned_fmoe.csv", help="without --kernel: the tuned fmoe table to take it from")
     p.add_argument("--out", default="out")
     args = p.parse_args()
-    found = parts(args.model, args.tokens, args.q_type, args.kernel)
-    print(f"{args.model} T={args.tokens} {args.q_type} {args.kernel}")
+    kernel = args.kernel or tuned_kernel(args.table, args.model, args.tokens, args.q_type)
+    found = parts(args.model, args.tokens, args.q_type, kernel)
+    print(f"{args.model} T={args.tokens} {args.q_type} {kernel}")
     print("  " + "  ".join(f"{name} {us:.2f}" for name, us in found.items()))
     Path(args.out).mkdir(parents=True, exist_ok=True)
     with open(Path(args.out) / "moe_fp8_parts.jsonl", "a") as f:
         f.write(json.dumps({"model": args.model, "tokens": args.tokens, "q_type": args.q_type,
-                            "kernel": args.kernel, **found}) + "\n")
+                            "kernel": kernel, **found}) + "\n")
 
 
 if __name__ == "__main__":

@@ -117,9 +117,14 @@ KERNEL_CASES = [
 ]
 
 
+# Every routing case in bf16; the dtypes' loads, dots and stores (the same code whatever the
+# routing) on the first case.
+DTYPE_CASES = [(torch.bfloat16, case) for case in KERNEL_CASES] \
+    + [(dtype, KERNEL_CASES[0]) for dtype in (torch.float32, torch.float16)]
+
+
 @pytest.mark.filterwarnings(UNWRITTEN_ROWS_WARNINGS)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("case", KERNEL_CASES)
+@pytest.mark.parametrize("dtype,case", DTYPE_CASES)
 @pytest.mark.parametrize("solution", [TWO_STAGE, PAIR_BLOCKS, ONE_STAGE, STREAM, PERSISTENT,
                                       FLATTENED])
 def test_the_kernels_match_the_reference(dtype, case, solution):
@@ -224,24 +229,53 @@ def test_persistent_stages_refuse_rows_tma_cannot_read():
 
 
 @pytest.mark.filterwarnings(UNWRITTEN_ROWS_WARNINGS)
+def poison_empty(monkeypatch):
+    """From here on torch.empty fills what it makes with NaN (int32: 2**30): what a kernel
+    leaves unwritten, and then uses, shows."""
+    empty = torch.empty
+
+    def poisoned(*args, **kwargs):
+        t = empty(*args, **kwargs)
+        return t.fill_(2 ** 30) if t.dtype == torch.int32 else t.fill_(float("nan"))
+    monkeypatch.setattr(torch, "empty", poisoned)
+
+
+@pytest.mark.parametrize("speculate", [True, False])
+def test_the_sum_never_uses_rows_of_other_ranks_experts(speculate, monkeypatch):
+    # Few tokens: the sum loads every slot's row before it knows which are local (the rows of
+    # other ranks' experts, never written, poisoned here); many: only the local ones.
+    from gemmtune.families.fmoe.op import REGISTRY, problem_of
+    from gemmtune.kernels.triton import moe_stages
+
+    monkeypatch.setattr(moe_stages, "SPECULATIVE_SUM_TOKENS", 64 if speculate else 0)
+    mask = torch.zeros(8, dtype=torch.bool, device=DEVICE)
+    mask[[2, 5]] = True
+    hidden, w1, w2, weight, ids = moe_inputs(4, 32, 16, 2, 2, seed=3,
+                                             route=[2, 0, 5, 2, 1, 7, 0, 5])
+    emap = expert_map_of(mask, 2, hidden.device)
+    ref = fused_moe_ref(hidden, w1, w2, weight, ids, emap)
+    problem = problem_of(DISPATCH.to_table_key((4, 32, 16, 2, 2, torch.float32,
+                                                ActivationType.Silu, False)))
+    poison_empty(monkeypatch)
+    for name in (TWO_STAGE.format(sk=1), PAIR_BLOCKS.format(sk=1)):
+        out = torch.full_like(hidden, float("nan"))
+        REGISTRY.resolve_for(name, problem)(hidden, w1, w2, weight, ids, emap, problem, out=out)
+        assert torch.isfinite(out).all() and rel_err(out, ref) < 1e-4, name
+        assert torch.equal(out[2], torch.zeros_like(out[2])), name  # experts 1 and 7: elsewhere
+
+
 def test_padding_rows_and_unset_routing_entries_are_never_read(monkeypatch):
     # The routing leaves padding rows of sorted_ids (and blocks past the rows used) unset, and
     # stage 1 leaves the intermediate's padding rows unwritten: poison every such buffer so a
     # missing mask shows up as a wrong or non-finite result.
     from gemmtune.families.fmoe.op import REGISTRY, problem_of
 
-    empty = torch.empty
-
-    def poisoned(*args, **kwargs):
-        t = empty(*args, **kwargs)
-        return t.fill_(2 ** 30) if t.dtype == torch.int32 else t.fill_(float("nan"))
-
     hidden, w1, w2, weight, ids = moe_inputs(9, 40, 24, 4, 2, seed=12)
     key = DISPATCH.to_table_key((9, 40, 24, 4, 2, torch.float32, ActivationType.Silu, False))
     problem = problem_of(key)
     emap = expert_map_of(None, 4, hidden.device)
     ref = fused_moe_ref(hidden, w1, w2, weight, ids, emap)
-    monkeypatch.setattr(torch, "empty", poisoned)
+    poison_empty(monkeypatch)
     for name in (TWO_STAGE.format(sk=1), PERSISTENT, FLATTENED):
         out = torch.full_like(hidden, float("nan"))
         REGISTRY.resolve_for(name, problem)(hidden, w1, w2, weight, ids, emap, problem, out=out)

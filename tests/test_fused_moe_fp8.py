@@ -277,11 +277,61 @@ def test_only_fp8_experts_split_stage1():
                            ids, kernel=SPLIT_STAGE1)
 
 
-@pytest.mark.parametrize("one_tile_max", [8192, 64])  # rows read once; in two passes of 64
-def test_the_triton_row_quantiser_rounds_as_gemmtune_quant(one_tile_max, monkeypatch):
+# Stage 1 quantising its own output (QO1): the program that finishes a block quantises its rows,
+# with the bits of the quantiser's launch it saves. Grouped routing per token; pair blocks
+# split over model_dim (the gate and up sums activated there) with 1x128 block scales.
+QUANT_OUT = [("triton.moe1:BM16.BN16.BK32.W4.S1.PB0.P0.SK1.QO1"
+              "+triton.moe2:BM16.BN16.BK32.SK1.W4.S1", QuantType.per_Token),
+             ("triton.moe1:BM16.BN16.BK32.W4.S1.PB1.P0.SK2.QO1"
+              "+triton.moe2:BM16.BN16.BK32.SK1.W4.S1.PB1", QuantType.per_1x128)]
+
+
+@pytest.mark.parametrize("kernel,q_type", QUANT_OUT)
+def test_stage1_quantising_its_output_gives_the_quantisers_bits(kernel, q_type):
+    from gemmtune.kernels.triton.moe_common import cached_workspaces
+    from gemmtune.kernels.triton.moe_stages import ARRIVALS_KIND
+
+    T, D, I, topk = 5, 136, 150, 2  # noqa: E741  (I: 10 column tiles of 16, 2 blocks of 128)
+    mask = torch.tensor([True, True, False, True, True], device=DEVICE)
+    layer = fp8_layer(T, D, I, 4, topk, q_type, seed=40, dtype=torch.bfloat16)
+    topk_ids = routing(T, 4, topk, seed=41, experts_global=5)[1]
+    topk_ids[0] = torch.tensor([2, 4])  # one slot elsewhere
+    split = ".SK2" in kernel
+    for doweight_stage1, activation in ((False, "silu"), (True, "gelu"))[:1 if split else 2]:
+        def run(name):
+            return gemmtune.fused_moe(layer.hidden, layer.w1q, layer.w2q, layer.topk_weight,
+                                      topk_ids, activation=activation, quant_type=q_type,
+                                      doweight_stage1=doweight_stage1, w1_scale=layer.s1,
+                                      w2_scale=layer.s2, expert_mask=mask, kernel=name)
+        quantised_in_stage1 = run(kernel)
+        assert not torch.isnan(quantised_in_stage1).any()
+        assert torch.equal(quantised_in_stage1, run(kernel.replace(".QO1", "")))
+        expected = emulate(layer.hidden, layer.w1q, layer.w2q, layer.s1, layer.s2,
+                           layer.topk_weight, topk_ids, q_type, local_of={
+                               0: 0, 1: 1, 2: -1, 3: 2, 4: 3}, activation=activation,
+                           doweight_stage1=doweight_stage1)
+        assert relative(quantised_in_stage1, expected) < EMULATION_TOLERANCE[torch.bfloat16]
+    counts = cached_workspaces(ARRIVALS_KIND)
+    assert counts and all(not c.any() for c in counts)  # every call leaves them zero
+
+
+def test_stage1_quantises_its_output_per_token_or_per_block_only():
+    layer = fp8_layer(3, 128, 32, 2, 1, QuantType.per_Tensor, seed=42, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="per token or per block, not tensor"):
+        gemmtune.fused_moe(layer.hidden, layer.w1q, layer.w2q, layer.topk_weight,
+                           layer.topk_ids, quant_type=QuantType.per_Tensor, w1_scale=layer.s1,
+                           w2_scale=layer.s2, kernel=QUANT_OUT[0][0])
+
+
+# Rows read once; in two passes of 64; read once by 4 programs each dividing a quarter (blocks
+# of 128: 2 programs).
+@pytest.mark.parametrize("one_tile_max,chunk_values", [(8192, 1024), (64, 1024), (8192, 64)])
+def test_the_triton_row_quantiser_rounds_as_gemmtune_quant(one_tile_max, chunk_values,
+                                                           monkeypatch):
     from gemmtune.kernels.triton import moe_quant
 
     monkeypatch.setattr(moe_quant, "ONE_TILE_MAX", one_tile_max)
+    monkeypatch.setattr(moe_quant, "CHUNK_VALUES", chunk_values)
     assert (moe_quant.FP8_MAX, moe_quant.AMAX_FLOOR) == (quant.FP8_MAX, quant.AMAX_FLOOR)
     x = torch.randn(5, 200, device=DEVICE) * torch.tensor([1, 100, 1e-3, 1, 3.0],
                                                           device=DEVICE)[:, None]
@@ -322,6 +372,29 @@ def test_gpu_fp8_per_token_two_stage_at_real_sizes(tokens):
     expected = emulate(layer.hidden, layer.w1q, layer.w2q, layer.s1, layer.s2,
                        layer.topk_weight, layer.topk_ids, QuantType.per_Token)
     assert relative(y, expected) < 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens,blocks,q_type", [
+    (1, ".PB1.P0.SK1", QuantType.per_Token), (1, ".PB1.P0.SK2", QuantType.per_Token),
+    (8, ".PB1.P0.SK1", QuantType.per_1x128), (64, ".PB0.P0.SK1", QuantType.per_Token)])
+def test_gpu_stage1_quantising_its_output_gives_the_quantisers_bits(tokens, blocks, q_type):
+    # deepseek-v3's TP8 shard, 32 of its experts: the same bits as the quantiser's launch, over
+    # many programs finishing blocks at once (split parts and column tiles).
+    plain = (f"triton.moe1:BM16.BN32.BK128.W4.S4{blocks}"
+             f"+triton.moe2:BM16.BN64.BK128.SK1.W4.S3{blocks[:4]}")
+    layer = fp8_layer(tokens, 7168, 256, 32, 8, q_type, seed=tokens, dtype=torch.bfloat16)
+
+    def run(name):
+        return gemmtune.fused_moe(layer.hidden, layer.w1q, layer.w2q, layer.topk_weight,
+                                  layer.topk_ids, quant_type=q_type, w1_scale=layer.s1,
+                                  w2_scale=layer.s2, kernel=name)
+    expected = run(plain)
+    quantised_in_stage1 = plain.replace("+", ".QO1+")
+    for _ in range(3):  # (a count left behind would show in a later call)
+        assert torch.equal(run(quantised_in_stage1), expected)
+    assert relative(expected, emulate(layer.hidden, layer.w1q, layer.w2q, layer.s1, layer.s2,
+                                      layer.topk_weight, layer.topk_ids, q_type)) < 2e-2
 
 
 @pytest.mark.gpu
@@ -395,6 +468,44 @@ def test_gpu_fp8_triton_rows_capture_in_a_cuda_graph():
     torch.cuda.synchronize()
     # (bf16 rounding of sums whose order split-K's atomic adds may change)
     assert relative(captured, y) < EMULATION_TOLERANCE[torch.bfloat16]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("q_type,tokens,blocks", [
+    (QuantType.per_Token, 1, ".PB1"), (QuantType.per_Token, 64, ".PB0"),
+    (QuantType.No, 1, ".PB1"), (QuantType.No, 64, ".PB0")])
+def test_gpu_stages_asking_for_weights_early_under_a_graph_that_routes(q_type, tokens, blocks):
+    # The router's top-k runs in the same graph as the layer, right before it: a stage that
+    # reads its routing before waiting for the launch before it (PF1) must still see this
+    # replay's. The same bits as without prefetching, eagerly and replayed with new logits.
+    fp8 = q_type is not QuantType.No
+    first = f"triton.moe1:BM16.BN64.BK128.W4.S3{blocks}" + (".P0.SK1.QO0.PF1" if fp8 else "")
+    second = f"triton.moe2:BM16.BN64.BK128.SK1.W4.S3{blocks}.P0.PF1"
+    prefetching = f"{first}+{second}"
+    plain = prefetching.replace(".P0.SK1.QO0.PF1", "").replace(".P0.PF1", "")
+    layer = fp8_layer(tokens, 2048, 768, 16, 4, QuantType.per_Token, seed=10,
+                      dtype=torch.bfloat16)
+    w1, w2 = (layer.w1q, layer.w2q) if fp8 else (layer.w1.to(torch.bfloat16),
+                                                  layer.w2.to(torch.bfloat16))
+    scales = dict(quant_type=q_type, w1_scale=layer.s1, w2_scale=layer.s2) if fp8 else {}
+    logits = torch.randn(tokens, 16, device=DEVICE)
+
+    def layer_call(kernel):
+        weight, ids = torch.topk(torch.softmax(logits, -1), 4)
+        return gemmtune.fused_moe(layer.hidden, w1, w2, weight, ids.to(torch.int32),
+                                  kernel=kernel, **scales)
+
+    graph = torch.cuda.CUDAGraph()
+    layer_call(prefetching)
+    with torch.cuda.graph(graph):
+        captured = layer_call(prefetching)
+    for seed in range(3):
+        logits.copy_(torch.randn(tokens, 16, device=DEVICE,
+                                 generator=torch.Generator(DEVICE).manual_seed(seed)))
+        graph.replay()
+        expected = layer_call(plain)
+        assert torch.equal(layer_call(prefetching), expected)
+        assert torch.equal(captured, expected)
 
 
 FP8_NAME = "torch.float8_e4m3fn"

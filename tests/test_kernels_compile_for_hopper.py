@@ -32,19 +32,35 @@ SCRIPT = textwrap.dedent("""
     routing = {n: "*i32" for n in ("sorted_ids_ptr", "block_expert_ptr", "block_rows_ptr",
                                    "rows_used_ptr", "topk_ids_ptr", "expert_map_ptr")}
     fp32 = {n: "*fp32" for n in ("inter_ptr", "partial_ptr", "topk_weight_ptr", "xs_ptr",
-                                 "is_ptr", "ws_ptr")}
+                                 "is_ptr", "ws_ptr", "qs_ptr")}
+    quant_out = {"arrivals_ptr": "*i32", "q_ptr": "*fp8e4nv"}
+    no_quant_out = dict(QUANT_OUT=False, FP8_MAX=448.0, AMAX_FLOOR=1e-12, ONE_TILE=True,
+                        BLOCK_Q=16, ROUTING_READY=False, PREFETCH=False)
     tiles = dict(PAIR_BLOCKS=False, PDL=True, BLOCK_M=64, BLOCK_N=64, BLOCK_K=64,
                  INPUT_PRECISION="tf32")
     for dtype, scaled, mma in (("bf16", 0, "bf16.bf16"), ("fp8e4nv", 1, "e4m3.e4m3"),
                                ("fp8e4nv", 2, "e4m3.e4m3")):
         first = ptx(moe_stages.moe_stage1_kernel,
-                    {**routing, **fp32, "x_ptr": f"*{dtype}", "w1_ptr": f"*{dtype}"},
+                    {**routing, **fp32, **quant_out, "x_ptr": f"*{dtype}",
+                     "w1_ptr": f"*{dtype}"},
                     dict(TOPK=2, ACT=0, MUL_WEIGHT=False, SCALED=scaled,
-                         SPLIT_K=2 if scaled else 1, **tiles))  # FP8: parts added atomically
+                         SPLIT_K=2 if scaled else 1, **no_quant_out, **tiles))  # FP8: parts
+        # added atomically
         second = ptx(moe_stages.moe_stage2_kernel,
                      {**routing, **fp32, "inter_ptr": f"*{dtype}", "w2_ptr": f"*{dtype}"},
-                     dict(MUL_WEIGHT=True, SCALED=scaled, SPLIT_K=1, **tiles))
+                     dict(MUL_WEIGHT=True, SCALED=scaled, SPLIT_K=1, PREFETCH=False, **tiles))
         assert "wgmma.mma_async" in first and mma in first and mma in second, (dtype, scaled)
+    # Weights asked of L2 before waiting for the launch before (stage 1: after the routing,
+    # read first), and then the wait.
+    first = ptx(moe_stages.moe_stage1_kernel,
+                {**routing, **fp32, **quant_out, "x_ptr": "*fp8e4nv", "w1_ptr": "*fp8e4nv"},
+                dict(TOPK=2, ACT=0, MUL_WEIGHT=False, SCALED=1, SPLIT_K=1,
+                     **{**no_quant_out, "ROUTING_READY": True, "PREFETCH": True}, **tiles))
+    second = ptx(moe_stages.moe_stage2_kernel,
+                 {**routing, **fp32, "inter_ptr": "*bf16", "w2_ptr": "*bf16"},
+                 dict(MUL_WEIGHT=True, SCALED=0, SPLIT_K=1, PREFETCH=True, **tiles))
+    for kernel in (first, second):
+        assert -1 < kernel.find("prefetch.global.L2") < kernel.find("griddepcontrol.wait")
     one_stage = ptx(moe_one_stage.moe_one_stage_kernel,
                     {**{n: "*bf16" for n in ("x_ptr", "w1_ptr", "w2_ptr", "out_ptr",
                                              "inter_ptr")},
@@ -55,20 +71,37 @@ SCRIPT = textwrap.dedent("""
                          PDL=True, BLOCK_T=16, BLOCK_N=64, BLOCK_K=64, BLOCK_D=64, BLOCK_I=64,
                          TRACE=False))
     assert "bf16.bf16" in one_stage
+    # Stage 1 quantising its own output, split or not, in one tile or two passes: the count's
+    # acquire-release atomic, and the other programs' rows read past L1.
+    for split, one_tile in ((1, True), (2, False)):
+        first = ptx(moe_stages.moe_stage1_kernel,
+                    {**routing, **fp32, **quant_out, "x_ptr": "*fp8e4nv", "w1_ptr": "*fp8e4nv"},
+                    dict(TOPK=2, ACT=0, MUL_WEIGHT=False, SCALED=1, SPLIT_K=split,
+                         **{**no_quant_out, "QUANT_OUT": True, "ONE_TILE": one_tile,
+                            "BLOCK_Q": 256}, **{**tiles, "PAIR_BLOCKS": split == 2}))
+        assert "gpu.acq_rel.add" in first and "ld.global.cg" in first and \
+            "cvt.rn.satfinite.e4m3x2.f32" in first, (split, one_tile)
     moe_sum = ptx(moe_stages.moe_sum_kernel,
                   {"partial_ptr": "*bf16", "topk_ids_ptr": "*i32", "expert_map_ptr": "*i32",
-                   "out_ptr": "*bf16"}, dict(TOPK=6, TOPK_P2=8, PDL=True, BLOCK_D=1024))
+                   "out_ptr": "*bf16"}, dict(TOPK=6, TOPK_P2=8, PDL=True, SPECULATE=False,
+                                            BLOCK_D=1024))
+    assert "ld.global" in moe_sum
+    moe_sum = ptx(moe_stages.moe_sum_kernel,
+                  {"partial_ptr": "*bf16", "topk_ids_ptr": "*i32", "expert_map_ptr": "*i32",
+                   "out_ptr": "*bf16"}, dict(TOPK=6, TOPK_P2=8, PDL=True, SPECULATE=True,
+                                            BLOCK_D=1024))
     assert "ld.global" in moe_sum
     # Every row; a grouped routing's; pair blocks'; gate and up sums (a split stage 1's), in
     # one tile or two passes.
-    for routed, gated, one_tile in ((0, False, True), (1, False, False), (2, True, True),
-                                    (1, True, False)):
+    for routed, gated, one_tile, chunks in ((0, False, True, 1), (1, False, False, 1),
+                                            (2, True, True, 1), (1, True, False, 1),
+                                            (0, False, True, 4)):
         quantiser = ptx(moe_quant.quant_rows_kernel,
                         {"x_ptr": "*fp32", "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32",
                          "routed_a_ptr": "*i32", "routed_b_ptr": "*i32"},
                         dict(FP8_MAX=448.0, AMAX_FLOOR=1e-12, SCALE_GIVEN=False, WRITE_Q=True,
                              ROUTED=routed, ROUTED_BLOCK_M=16, GATED=gated, ACT=0,
-                             PDL=True, ONE_TILE=one_tile, BLOCK_D=128))
+                             PDL=True, ONE_TILE=one_tile, BLOCK_D=128, CHUNKS=chunks))
         # Divisions rounded to nearest, as torch's: an approximate one would move FP8 roundings.
         # (The gated values' SiLU divides as stage 1's activation does.)
         assert "div.rn.f32" in quantiser and (gated or "div.approx" not in quantiser \\

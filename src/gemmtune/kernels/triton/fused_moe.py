@@ -56,6 +56,17 @@ def _why_not_fp8(solution: "TritonTwoStageMoe", problem: MoeProblem) -> str | No
     return None
 
 
+def _why_not_quant_out(stage1: MoeStage1Config, problem: MoeProblem) -> str | None:
+    """Stage 1 quantising its own output (``QO1``): for FP8 experts scaled per token or per 1x128
+    block (a per-tensor scale needs every row first), outside the persistent stage."""
+    if stage1.quant_out not in (0, 1):
+        return f"quant_out={stage1.quant_out} must be 0 or 1"
+    if stage1.quant_out and problem.scaling not in (Scaling.rowwise, Scaling.block):
+        return (f"quant_out: stage 1 quantises its output per row or per 1x128 block, for FP8 "
+                f"experts scaled per token or per block, not {problem.scaling.value} scales")
+    return None
+
+
 def _why_not_dtype(problem: MoeProblem) -> str | None:
     if problem.scaling is not Scaling.none:
         return (f"FP8 experts ({problem.scaling.value} scales): the Triton MoE kernels take "
@@ -92,6 +103,9 @@ class TritonTwoStageMoe:
                     f"{self.stage1.pair_blocks} and stage 2 block_m={self.stage2.block_m}, "
                     f"pair_blocks={self.stage2.pair_blocks}: both run over one routing, so they "
                     f"must agree")
+        quant_out = _why_not_quant_out(self.stage1, problem)
+        if quant_out:
+            return quant_out
         if self.stage1.split_k > 1 and problem.doweight_stage1:
             return (f"split_k={self.stage1.split_k}: a split stage 1 leaves the activation to "
                     f"the quantiser, which does not apply the routing weight (doweight_stage1)")

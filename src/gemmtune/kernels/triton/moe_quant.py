@@ -21,6 +21,11 @@ FP8_MAX = 448.0
 AMAX_FLOOR = 1e-12
 BLOCK = 128  # the K extent of a block scale (activations 1x128, weights 128x128)
 ONE_TILE_MAX = 8192  # the widest group one program holds in registers (read once)
+# Decode's few rows: a wide row's divisions spread over programs of CHUNK_VALUES values each
+# (at most MAX_CHUNKS), each program measuring the whole row (benchmarks/quant_rows_probe.py).
+CHUNKED_MAX_ROWS = 16
+CHUNK_VALUES = 1024
+MAX_CHUNKS = 8
 
 
 # Which rows of the input hold values (ROUTED): all; those a grouped routing filled (a block's
@@ -43,13 +48,14 @@ def _holds_values(row, routed_a_ptr, routed_b_ptr, ROUTED: tl.constexpr,
 
 @triton.jit
 def _values(x_ptr, row, cols, inside, D, stride_xt, stride_xd, GATED: tl.constexpr,
-            ACT: tl.constexpr):
+            ACT: tl.constexpr, CACHE: tl.constexpr):
     """fp32 values of ``row`` at ``cols``: x's own, or with GATED ``act(gate) * up`` of the
-    gate sums at ``cols`` and the up sums D columns on."""
+    gate sums at ``cols`` and the up sums D columns on; loaded with the CACHE modifier."""
     at = x_ptr + row * stride_xt + cols * stride_xd
-    v = tl.load(at, mask=inside, other=0.0).to(tl.float32)
+    v = tl.load(at, mask=inside, other=0.0, cache_modifier=CACHE).to(tl.float32)
     if GATED:
-        v = gated_activation(v, tl.load(at + D * stride_xd, mask=inside, other=0.0), ACT)
+        v = gated_activation(v, tl.load(at + D * stride_xd, mask=inside, other=0.0,
+                                        cache_modifier=CACHE), ACT)
     return v
 
 
@@ -59,40 +65,76 @@ def quant_rows_kernel(x_ptr, q_ptr, scale_ptr, routed_a_ptr, routed_b_ptr, D, GR
                       FP8_MAX: tl.constexpr, AMAX_FLOOR: tl.constexpr,
                       SCALE_GIVEN: tl.constexpr, WRITE_Q: tl.constexpr, ROUTED: tl.constexpr,
                       ROUTED_BLOCK_M: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr,
-                      PDL: tl.constexpr, ONE_TILE: tl.constexpr, BLOCK_D: tl.constexpr):
+                      PDL: tl.constexpr, ONE_TILE: tl.constexpr, BLOCK_D: tl.constexpr,
+                      CHUNKS: tl.constexpr = 1):
     """One group of ``GROUP`` columns of one row (program (row, group)): its scale (or,
     ``SCALE_GIVEN``, the one stored for it) and, with ``WRITE_Q``, its FP8 values. A row
     without values (padding of a routing: ``ROUTED``) is neither read nor written, but for a
     scale of 0 when measuring (so a per-tensor maximum over rows ignores it). ``GATED``: x is
     (rows, 2D) gate and up sums of a split stage 1, each value ``act(gate) * up`` (ACT), and
     the writing pass leaves the sums it read zero (x is a workspace). ``ONE_TILE``: the group
-    fits BLOCK_D, read once (decode's rows: latency), else in two passes. With PDL it waits for
-    the kernel that wrote x, and lets the next one be scheduled at once (its grid is small; the
-    next kernel waits for it to finish before reading)."""
+    fits BLOCK_D, read once (decode's rows: latency), else in two passes. ``CHUNKS`` > 1 (one
+    tile, not GATED): program (row, group, chunk) measures the whole group but divides and
+    writes only its 1/CHUNKS of it, so a wide row's divisions spread over several SMs. With PDL
+    it waits for the kernel that wrote x, and lets the next one be scheduled at once (its grid is
+    small; the next kernel waits for it to finish before reading)."""
     wait_for_inputs(PDL)
     let_next_start(PDL)
     row = tl.program_id(0).to(tl.int64)
     group = tl.program_id(1)
+    where = scale_ptr + row * stride_sr + group * stride_sg
     lo = group * GROUP
     hi = tl.minimum(lo + GROUP, D)
-    offs = tl.arange(0, BLOCK_D)
-    where = scale_ptr + row * stride_sr + group * stride_sg
-    if not _holds_values(row, routed_a_ptr, routed_b_ptr, ROUTED, ROUTED_BLOCK_M):
+    holds = _holds_values(row, routed_a_ptr, routed_b_ptr, ROUTED, ROUTED_BLOCK_M)
+    if ONE_TILE and CHUNKS == 1:
+        # The group's values load beside the routing's answer whether the row holds any: one
+        # round of loads less on decode's critical path (a row without values is read, unused).
+        offs = lo + tl.arange(0, BLOCK_D)
+        inside = offs < hi
+        v = _values(x_ptr, row, offs, inside, D, stride_xt, stride_xd, GATED, ACT, "")
+        if holds:
+            _quantise_values(v, x_ptr, q_ptr, where, row, offs, inside, D, stride_xt, stride_xd,
+                             stride_qt, FP8_MAX, AMAX_FLOOR, SCALE_GIVEN, WRITE_Q, GATED,
+                             BLOCK_D)
+        elif not SCALE_GIVEN:
+            tl.store(where, 0.0)
+    elif not holds:
         if not SCALE_GIVEN:
             tl.store(where, 0.0)
-        return
-    if ONE_TILE:  # the whole group in registers: read once
-        inside = lo + offs < hi
-        v = _values(x_ptr, row, lo + offs, inside, D, stride_xt, stride_xd, GATED, ACT)
-        if SCALE_GIVEN:
-            scale = tl.load(where)
-        else:
-            scale = _scale(tl.max(tl.abs(v), 0), tl.sum((v != v).to(tl.int32), 0), FP8_MAX,
-                           AMAX_FLOOR)
+    elif CHUNKS == 1:
+        quantise_group(x_ptr, q_ptr, where, row, lo, hi, D, stride_xt, stride_xd, stride_qt,
+                       FP8_MAX, AMAX_FLOOR, SCALE_GIVEN, WRITE_Q, GATED, ACT, ONE_TILE, BLOCK_D,
+                       "")
+    else:  # (the launch asks for chunks with ONE_TILE, neither GATED nor SCALE_GIVEN)
+        offs = tl.arange(0, BLOCK_D)
+        v = _values(x_ptr, row, lo + offs, lo + offs < hi, D, stride_xt, stride_xd, False, 0, "")
+        scale = _scale(tl.max(tl.abs(v), 0), tl.sum((v != v).to(tl.int32), 0), FP8_MAX,
+                       AMAX_FLOOR)
+        chunk = tl.program_id(2)
+        if chunk == 0:
             tl.store(where, scale)
         if WRITE_Q:
-            _store_q(x_ptr, q_ptr, row, lo + offs, inside, v, scale, D, stride_xt, stride_xd,
-                     stride_qt, GATED, FP8_MAX, BLOCK_D)
+            cols = lo + chunk * (BLOCK_D // CHUNKS) + tl.arange(0, BLOCK_D // CHUNKS)
+            inside = cols < hi
+            v = _values(x_ptr, row, cols, inside, D, stride_xt, stride_xd, False, 0, "")
+            _store_q(x_ptr, q_ptr, row, cols, inside, v, scale, D, stride_xt, stride_xd,
+                     stride_qt, False, FP8_MAX, BLOCK_D // CHUNKS)
+
+
+@triton.jit
+def quantise_group(x_ptr, q_ptr, where, row, lo, hi, D, stride_xt, stride_xd, stride_qt,
+                   FP8_MAX: tl.constexpr, AMAX_FLOOR: tl.constexpr, SCALE_GIVEN: tl.constexpr,
+                   WRITE_Q: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr,
+                   ONE_TILE: tl.constexpr, BLOCK_D: tl.constexpr, CACHE: tl.constexpr):
+    """Columns [lo, hi) of ``row`` as quant_rows_kernel says, their scale at ``where``; x read
+    with the CACHE modifier (".cg" where other programs of the same launch wrote it)."""
+    offs = tl.arange(0, BLOCK_D)
+    if ONE_TILE:  # the whole group in registers: read once
+        inside = lo + offs < hi
+        v = _values(x_ptr, row, lo + offs, inside, D, stride_xt, stride_xd, GATED, ACT, CACHE)
+        _quantise_values(v, x_ptr, q_ptr, where, row, lo + offs, inside, D, stride_xt,
+                         stride_xd, stride_qt, FP8_MAX, AMAX_FLOOR, SCALE_GIVEN, WRITE_Q, GATED,
+                         BLOCK_D)
     else:
         if SCALE_GIVEN:
             scale = tl.load(where)
@@ -101,7 +143,7 @@ def quant_rows_kernel(x_ptr, q_ptr, scale_ptr, routed_a_ptr, routed_b_ptr, D, GR
             nan = tl.zeros((BLOCK_D,), dtype=tl.int32)
             for d0 in range(lo, hi, BLOCK_D):
                 v = _values(x_ptr, row, d0 + offs, d0 + offs < hi, D, stride_xt, stride_xd,
-                            GATED, ACT)
+                            GATED, ACT, CACHE)
                 amax = tl.maximum(amax, tl.abs(v))
                 nan += (v != v).to(tl.int32)
             scale = _scale(tl.max(amax, 0), tl.sum(nan, 0), FP8_MAX, AMAX_FLOOR)
@@ -109,9 +151,28 @@ def quant_rows_kernel(x_ptr, q_ptr, scale_ptr, routed_a_ptr, routed_b_ptr, D, GR
         if WRITE_Q:
             for d0 in range(lo, hi, BLOCK_D):
                 inside = d0 + offs < hi
-                v = _values(x_ptr, row, d0 + offs, inside, D, stride_xt, stride_xd, GATED, ACT)
+                v = _values(x_ptr, row, d0 + offs, inside, D, stride_xt, stride_xd, GATED, ACT,
+                            CACHE)
                 _store_q(x_ptr, q_ptr, row, d0 + offs, inside, v, scale, D, stride_xt,
                          stride_xd, stride_qt, GATED, FP8_MAX, BLOCK_D)
+
+
+@triton.jit
+def _quantise_values(v, x_ptr, q_ptr, where, row, cols, inside, D, stride_xt, stride_xd,
+                     stride_qt, FP8_MAX: tl.constexpr, AMAX_FLOOR: tl.constexpr,
+                     SCALE_GIVEN: tl.constexpr, WRITE_Q: tl.constexpr, GATED: tl.constexpr,
+                     BLOCK_D: tl.constexpr):
+    """A group's values ``v`` held whole: their scale (or the one stored at ``where``) and, with
+    WRITE_Q, their FP8 codes at ``cols``."""
+    if SCALE_GIVEN:
+        scale = tl.load(where)
+    else:
+        scale = _scale(tl.max(tl.abs(v), 0), tl.sum((v != v).to(tl.int32), 0), FP8_MAX,
+                       AMAX_FLOOR)
+        tl.store(where, scale)
+    if WRITE_Q:
+        _store_q(x_ptr, q_ptr, row, cols, inside, v, scale, D, stride_xt, stride_xd, stride_qt,
+                 GATED, FP8_MAX, BLOCK_D)
 
 
 @triton.jit
@@ -152,13 +213,17 @@ def _launch(x, q, scale, group: int, scale_strides: tuple[int, int], given: bool
     kind, a, b, block_m = routed if routed is not None else (ALL_ROWS.value, scale, scale, 1)
     span = triton.next_power_of_2(max(min(dim, group), 16))
     block_d = min(ONE_TILE_MAX, span)
+    one_tile = span <= ONE_TILE_MAX
+    chunks = 1
+    if one_tile and act is None and not given and rows <= CHUNKED_MAX_ROWS:
+        chunks = max(1, min(MAX_CHUNKS, block_d // CHUNK_VALUES))
     if rows and dim:
-        _checks.start(quant_rows_kernel, (rows, triton.cdiv(dim, group)), warmup,
+        _checks.start(quant_rows_kernel, (rows, triton.cdiv(dim, group), chunks), warmup,
                       launch_pdl=PDL)(
             x, q, scale, a, b, dim, group, x.stride(0), x.stride(1), q.stride(0),
             *scale_strides, FP8_MAX=FP8_MAX, AMAX_FLOOR=AMAX_FLOOR, SCALE_GIVEN=given,
             WRITE_Q=write_q, ROUTED=kind, ROUTED_BLOCK_M=block_m, GATED=act is not None,
-            ACT=act or 0, PDL=PDL, ONE_TILE=span <= ONE_TILE_MAX, BLOCK_D=block_d,
+            ACT=act or 0, PDL=PDL, ONE_TILE=one_tile, BLOCK_D=block_d, CHUNKS=chunks,
             num_warps=min(16, max(4, block_d // 512)))  # a wide row alone: many threads
 
 

@@ -38,13 +38,15 @@ from gemmtune.kernels.problem import MoeScales, Scaling
 from gemmtune.kernels.triton import _checks
 from gemmtune.kernels.triton.moe_common import (PDL, SCALE_BLOCK, gate_up_sums,
                                                 gated_activation, let_next_start,
-                                                stream_workspace, wait_for_inputs)
+                                                prefetch_rows, stream_workspace,
+                                                wait_for_inputs)
 from gemmtune.kernels.triton.moe_configs import (BLOCK_MS, FLATTENED, PAIR_BLOCK_M, PERSISTENT,
                                                  MoeStage1Config, MoeStage2Config)
 from gemmtune.kernels.triton.moe_persistent import (launch_stage1_persistent,
                                                     launch_stage2_persistent)
-from gemmtune.kernels.triton.moe_quant import (GROUPED_ROWS, PAIR_ROWS, RoutedRows, quant_blocks,
-                                               quant_rows, quant_tensor)
+from gemmtune.kernels.triton.moe_quant import (AMAX_FLOOR, BLOCK, FP8_MAX, GROUPED_ROWS,
+                                               PAIR_ROWS, RoutedRows, quant_blocks, quant_rows,
+                                               quant_tensor, quantise_group)
 
 
 
@@ -79,6 +81,12 @@ def why_not_stage(config, dtype: torch.dtype, accumulators: int, w_tiles: int) -
 
 
 def why_not_stage1(config: MoeStage1Config, dtype: torch.dtype, model_dim: int) -> str | None:
+    prefetch = _why_not_prefetch(config)
+    if prefetch:
+        return prefetch
+    if config.prefetch and dtype.itemsize != 1:
+        return ("prefetch: stage 1 asks for its weights early only after the activations' "
+                "quantiser (FP8 experts); first in the op, it has nothing to overlap")
     if config.split_k != 1:
         if dtype.itemsize != 1:
             return (f"split_k={config.split_k}: stage 1 splits model_dim only for FP8 experts "
@@ -92,7 +100,18 @@ def why_not_stage1(config: MoeStage1Config, dtype: torch.dtype, model_dim: int) 
     return why_not_stage(config, dtype, accumulators=2, w_tiles=2)  # gate and up
 
 
+def _why_not_prefetch(config: MoeStage1Config | MoeStage2Config) -> str | None:
+    if config.prefetch not in (0, 1):
+        return f"prefetch={config.prefetch} must be 0 or 1"
+    if config.prefetch and config.persistent:
+        return "prefetch: the persistent stages read their weights through TMA; not theirs"
+    return None
+
+
 def why_not_stage2(config: MoeStage2Config, dtype: torch.dtype, inter_dim: int) -> str | None:
+    prefetch = _why_not_prefetch(config)
+    if prefetch:
+        return prefetch
     if not 1 <= config.split_k <= 16:
         return f"split_k={config.split_k} must be in [1, 16]"
     if config.persistent and config.split_k != 1:
@@ -106,14 +125,11 @@ def why_not_stage2(config: MoeStage2Config, dtype: torch.dtype, inter_dim: int) 
 
 @triton.jit
 def _block_rows(sorted_ids_ptr, block_expert_ptr, block_rows_ptr, rows_used_ptr, topk_ids_ptr,
-                expert_map_ptr, block, pairs, BLOCK_M: tl.constexpr, PAIR_BLOCKS: tl.constexpr,
-                PDL: tl.constexpr):
+                expert_map_ptr, block, pairs, BLOCK_M: tl.constexpr, PAIR_BLOCKS: tl.constexpr):
     """A block's local expert (int64; -1: nothing to compute, a block past the rows used or a
     pair of another rank's expert), the pair ids of its rows (``pairs`` on padding rows), and
     which rows hold a pair. Pair blocks: block b holds pair b in its first row, its
-    expert read from topk_ids. With PDL it first waits for the kernels that wrote what it
-    reads."""
-    wait_for_inputs(PDL)
+    expert read from topk_ids."""
     lanes = tl.arange(0, BLOCK_M)
     if PAIR_BLOCKS:
         expert = tl.load(expert_map_ptr + tl.load(topk_ids_ptr + block))
@@ -136,6 +152,15 @@ def _inter_rows(block, ids, real, PAIR_BLOCKS: tl.constexpr, BLOCK_M: tl.constex
     return (block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
 
 
+# PDL_EARLY: with programmatic dependent launch a kernel starts while the one before drains, and
+# waits (wait_for_inputs) before reading what that one wrote. A launch that follows another of
+# the op's own (ROUTING_READY: stage 1 after the activations' quantiser, stage 2 always) reads
+# its routing first: the routing was complete before that kernel passed its own wait, which
+# came before it let this one start. It then knows its expert, and with PREFETCH asks L2 for its
+# weight rows before waiting, so their reads overlap the previous kernel's tail.
+PREFETCH_LINES = tl.constexpr(8)  # L2 lines of a weight row asked for per round
+
+
 # SCALED: how FP8 operands' scales apply. Rows: after the sums, one per row of the activations
 # (or one per tensor: stride 0) times one per output channel of the expert (or one per expert).
 # Blocks: at each K step, the activations' 1x128 block scale times the weights' 128x128 one.
@@ -152,11 +177,13 @@ def moe_stage1_kernel(
     sorted_ids_ptr, block_expert_ptr, block_rows_ptr, rows_used_ptr,
     topk_ids_ptr, expert_map_ptr,  # read with PAIR_BLOCKS
     xs_ptr, ws_ptr,  # SCALED (FP8 x and w1): x's scales and w1's (SCALING_* above)
-    pairs, D, I,
+    arrivals_ptr, q_ptr, qs_ptr,  # QUANT_OUT: per block, programs done; inter's FP8 and scales
+    pairs, D, I, group,  # group: QUANT_OUT's columns per scale (I, or 128 for 1x128 blocks)
     stride_xt, stride_xd,
     stride_we, stride_wn, stride_wd,
     stride_ip, stride_in,
     stride_xs, stride_xk, stride_se, stride_sn, stride_sk,  # 0 where one scale covers many
+    stride_qp, stride_qsr, stride_qsg,
     TOPK: tl.constexpr,
     ACT: tl.constexpr,
     MUL_WEIGHT: tl.constexpr,
@@ -164,12 +191,19 @@ def moe_stage1_kernel(
     INPUT_PRECISION: tl.constexpr,
     PAIR_BLOCKS: tl.constexpr,
     PDL: tl.constexpr,
+    ROUTING_READY: tl.constexpr,  # PDL_EARLY's condition (see below)
+    PREFETCH: tl.constexpr,
     SPLIT_K: tl.constexpr,
+    QUANT_OUT: tl.constexpr,  # the block's last program quantises its rows
+    FP8_MAX: tl.constexpr, AMAX_FLOOR: tl.constexpr,
+    ONE_TILE: tl.constexpr, BLOCK_Q: tl.constexpr,  # quantise_group's
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
+    if not ROUTING_READY:
+        wait_for_inputs(PDL)
     expert, ids, real = _block_rows(sorted_ids_ptr, block_expert_ptr, block_rows_ptr,
                                     rows_used_ptr, topk_ids_ptr, expert_map_ptr,
-                                    tl.program_id(0), pairs, BLOCK_M, PAIR_BLOCKS, PDL)
+                                    tl.program_id(0), pairs, BLOCK_M, PAIR_BLOCKS)
     if expert < 0:
         return
     tokens = tl.where(real, ids // TOPK, 0).to(tl.int64)
@@ -180,6 +214,14 @@ def moe_stage1_kernel(
     part = tl.program_id(2)
     k_lo = part * steps // SPLIT_K * BLOCK_K
     k_hi = tl.minimum((part + 1) * steps // SPLIT_K * BLOCK_K, D)
+    if ROUTING_READY:
+        if PREFETCH:
+            weights = w1_ptr + expert * stride_we
+            prefetch_rows(weights, cols, k_lo, k_hi, stride_wn, stride_wd, BLOCK_N,
+                          PREFETCH_LINES)
+            prefetch_rows(weights, cols + I, k_lo, k_hi, stride_wn, stride_wd, BLOCK_N,
+                          PREFETCH_LINES)
+        wait_for_inputs(PDL)
     gate, up = gate_up_sums(x_ptr, w1_ptr, tokens, real, expert, cols, k_lo, k_hi, I,
                             stride_xt, stride_xd, stride_we, stride_wn, stride_wd, xs_ptr,
                             ws_ptr, stride_xs, stride_xk, stride_se, stride_sn, stride_sk,
@@ -201,6 +243,37 @@ def moe_stage1_kernel(
         if MUL_WEIGHT:
             h = h * tl.load(topk_weight_ptr + ids, mask=real, other=0.0)[:, None]
         tl.store(out, h.to(inter_ptr.dtype.element_ty), mask=inside)
+    if QUANT_OUT:
+        _quantise_when_last(inter_ptr, arrivals_ptr, q_ptr, qs_ptr, block_rows_ptr,
+                            tl.program_id(0), I, group, stride_ip, stride_in, stride_qp,
+                            stride_qsr, stride_qsg, SPLIT_K > 1, ACT, PAIR_BLOCKS, FP8_MAX,
+                            AMAX_FLOOR, ONE_TILE, BLOCK_Q, BLOCK_M)
+
+
+@triton.jit
+def _quantise_when_last(inter_ptr, arrivals_ptr, q_ptr, qs_ptr, block_rows_ptr, block, I, group,
+                        stride_ip, stride_in, stride_qp, stride_qsr, stride_qsg,
+                        GATED: tl.constexpr, ACT: tl.constexpr, PAIR_BLOCKS: tl.constexpr,
+                        FP8_MAX: tl.constexpr, AMAX_FLOOR: tl.constexpr,
+                        ONE_TILE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Count this program's tiles of ``block`` done; the program that completes the block
+    quantises its rows (a scale per ``group`` columns, as the quantiser's launch would: the same bits;
+    GATED: of the split parts' gate and up sums, which it leaves zero) and sets the count back
+    to 0 for the next call. The count's release and acquire order every program's stores
+    before the last one's loads, which bypass L1 (".cg": other SMs wrote the rows)."""
+    tl.debug_barrier()  # every thread's stores issued before the count says they are
+    parts = tl.num_programs(1) * tl.num_programs(2)
+    if tl.atomic_add(arrivals_ptr + block, 1, sem="acq_rel") == parts - 1:
+        tl.store(arrivals_ptr + block, 0)
+        rows = 1 if PAIR_BLOCKS else tl.load(block_rows_ptr + block)
+        first = block if PAIR_BLOCKS else block * BLOCK_M  # pair b's row is b
+        for r in range(rows):
+            row = (first + r).to(tl.int64)
+            for lo in range(0, I, group):
+                quantise_group(inter_ptr, q_ptr, qs_ptr + row * stride_qsr
+                               + (lo // group) * stride_qsg, row, lo, tl.minimum(lo + group, I),
+                               I, stride_ip, stride_in, stride_qp, FP8_MAX, AMAX_FLOOR, False,
+                               True, GATED, ACT, ONE_TILE, BLOCK_Q, ".cg")
 
 
 @triton.jit
@@ -223,11 +296,13 @@ def moe_stage2_kernel(
     INPUT_PRECISION: tl.constexpr,
     PAIR_BLOCKS: tl.constexpr,
     PDL: tl.constexpr,
+    PREFETCH: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
+    # Stage 2 follows a launch of the op's own: its routing is in place (PDL_EARLY below).
     expert, ids, real = _block_rows(sorted_ids_ptr, block_expert_ptr, block_rows_ptr,
                                     rows_used_ptr, topk_ids_ptr, expert_map_ptr,
-                                    tl.program_id(0), pairs, BLOCK_M, PAIR_BLOCKS, PDL)
+                                    tl.program_id(0), pairs, BLOCK_M, PAIR_BLOCKS)
     if expert < 0:
         return
     rows = tl.where(real, ids, 0).to(tl.int64)
@@ -239,6 +314,10 @@ def moe_stage2_kernel(
     part = tl.program_id(2)
     k_lo = part * steps // SPLIT_K * BLOCK_K
     k_hi = (part + 1) * steps // SPLIT_K * BLOCK_K
+    if PREFETCH:
+        prefetch_rows(w2_ptr + expert * stride_we, cols, k_lo, tl.minimum(k_hi, I), stride_wn,
+                      stride_wk, BLOCK_N, PREFETCH_LINES)
+    wait_for_inputs(PDL)
     offs_k = k_lo + tl.arange(0, BLOCK_K)
     a_ptrs = inter_ptr + inter_rows[:, None] * stride_ip + offs_k[None, :] * stride_in
     b_ptrs = w2_ptr + expert * stride_we + cols[None, :] * stride_wn + offs_k[:, None] * stride_wk
@@ -284,10 +363,13 @@ def moe_sum_kernel(
     TOPK: tl.constexpr,
     TOPK_P2: tl.constexpr,
     PDL: tl.constexpr,
+    SPECULATE: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
     """A token's slots read at once (one round of loads, not one per slot: decode's sum is
-    latency), then added in fp32 in slot order."""
+    latency), then added in fp32 in slot order. SPECULATE (few tokens): every slot's row is
+    loaded beside the expert map's answer whether its expert is local, a round of loads less
+    on the critical path; a row of another rank's expert (never written) is read but unused."""
     wait_for_inputs(PDL)
     token = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -297,8 +379,13 @@ def moe_sum_kernel(
     # A pair of another rank's expert was never written: its row is skipped, not read.
     local = tl.load(expert_map_ptr + tl.load(topk_ids_ptr + pairs, mask=slots < TOPK, other=0),
                     mask=slots < TOPK, other=-1)
-    rows = tl.load(partial_ptr + pairs[:, None] * stride_pp + offs[None, :] * stride_pn,
-                   mask=(local >= 0)[:, None] & inside[None, :], other=0.0).to(tl.float32)
+    at = partial_ptr + pairs[:, None] * stride_pp + offs[None, :] * stride_pn
+    if SPECULATE:
+        rows = tl.load(at, mask=(slots < TOPK)[:, None] & inside[None, :], other=0.0)
+        rows = tl.where((local >= 0)[:, None], rows.to(tl.float32), 0.0)
+    else:
+        rows = tl.load(at, mask=(local >= 0)[:, None] & inside[None, :],
+                       other=0.0).to(tl.float32)
     total = tl.zeros((BLOCK_D,), dtype=tl.float32)
     for k in tl.static_range(TOPK):  # (a sum over one row and zeros: that row, exactly)
         total += tl.sum(tl.where((slots == k)[:, None], rows, 0.0), axis=0)
@@ -390,21 +477,74 @@ def run_stage1(x, w1, topk_weight, topk_ids, expert_map, routing, activation: in
                                         doweight_stage1, config, warmup)
     grid = (routing.blocks, triton.cdiv(inter_dim, config.block_n), config.split_k)
     w_scale = w_scale if scaled else inter  # unread without SCALED
+    if config.quant_out and not (scaled and scaling in (Scaling.rowwise, Scaling.block)):
+        raise ValueError(f"{config.name}: stage 1 quantises its output for FP8 experts scaled "
+                         f"per token or per 1x128 block only")
+    out = _QuantOut.of(inter, inter_dim, routing, scaling, config.quant_out)
     _checks.start(moe_stage1_kernel, grid, warmup, launch_pdl=PDL)(
         x, w1, inter, topk_weight.reshape(-1), routing.sorted_ids, routing.block_expert,
         routing.block_rows, routing.rows_used, topk_ids.reshape(-1), expert_map,
-        x_scale if scaled else inter, w_scale, pairs,
-        model_dim, inter_dim, x.stride(0), x.stride(1), w1.stride(0), w1.stride(1), w1.stride(2),
-        inter.stride(0), inter.stride(1), *_scale_strides(x_scale, w_scale),
-        TOPK=topk, ACT=activation, MUL_WEIGHT=doweight_stage1, SCALED=_scaling(x_scale),
-        INPUT_PRECISION=_checks.input_precision(x.dtype), PAIR_BLOCKS=routing.pair_blocks,
-        PDL=PDL, SPLIT_K=config.split_k, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-        BLOCK_K=config.block_k, num_warps=config.num_warps, num_stages=config.num_stages)
+        x_scale if scaled else inter, w_scale, out.arrivals, out.q, out.scale, pairs,
+        model_dim, inter_dim, out.group, x.stride(0), x.stride(1), w1.stride(0), w1.stride(1),
+        w1.stride(2), inter.stride(0), inter.stride(1), *_scale_strides(x_scale, w_scale),
+        *out.strides, TOPK=topk, ACT=activation, MUL_WEIGHT=doweight_stage1,
+        SCALED=_scaling(x_scale), INPUT_PRECISION=_checks.input_precision(x.dtype),
+        PAIR_BLOCKS=routing.pair_blocks, PDL=PDL, ROUTING_READY=scaled,
+        PREFETCH=_prefetch(config), SPLIT_K=config.split_k, QUANT_OUT=bool(config.quant_out), FP8_MAX=FP8_MAX, AMAX_FLOOR=AMAX_FLOOR,
+        ONE_TILE=out.one_tile, BLOCK_Q=out.block, BLOCK_M=config.block_m,
+        BLOCK_N=config.block_n, BLOCK_K=config.block_k, num_warps=config.num_warps,
+        num_stages=config.num_stages)
     if not scaled:
         return inter
+    if config.quant_out:
+        return QuantisedInter(out.q, out.scale)
     return QuantisedInter(*_quantised(inter, scaling, scales.a2, warmup,
                                       _routed_rows(routing, topk_ids, expert_map),
                                       activation if split else None))
+
+
+ARRIVALS_KIND = "moe_stage1_arrivals"
+# The widest group of columns the program finishing a block holds in registers at once (wider
+# groups take two passes): its registers are those of the GEMM it ran.
+QUANT_OUT_BLOCK_MAX = 2048
+
+
+class _QuantOut(NamedTuple):
+    """What stage 1 quantising its own output (``quant_out``) launches with: the count of each
+    block's programs done (a workspace every call leaves zero), the FP8 intermediate and its
+    scales, ``group`` columns per scale, and quantise_group's tile. Without quant_out, unread
+    stand-ins."""
+
+    arrivals: torch.Tensor
+    q: torch.Tensor
+    scale: torch.Tensor
+    group: int
+    strides: tuple[int, int, int]  # q's row, the scales' row and group
+    one_tile: bool
+    block: int
+
+    @classmethod
+    def of(cls, inter: torch.Tensor, inter_dim: int, routing, scaling: Scaling,
+           quant_out: int) -> "_QuantOut":
+        """For stage 1's ``inter`` (rows, inter_dim), or its split parts' sums (rows, 2I)."""
+        rows = inter.shape[0]
+        if not quant_out:
+            return cls(inter, inter, inter, inter_dim, (0, 0, 0), True, 16)
+        device = inter.device
+        arrivals = stream_workspace((ARRIVALS_KIND, routing.blocks), device,
+                                    lambda: torch.zeros(routing.blocks, dtype=torch.int32,
+                                                        device=device))
+        q = torch.empty((rows, inter_dim), dtype=torch.float8_e4m3fn, device=device)
+        group = BLOCK if scaling is Scaling.block else inter_dim
+        scale = torch.empty((rows, triton.cdiv(inter_dim, group)), dtype=torch.float32,
+                            device=device)
+        if scaling is not Scaling.block:
+            scale = scale.reshape(rows)
+        span = triton.next_power_of_2(max(min(inter_dim, group), 16))
+        block = min(span, QUANT_OUT_BLOCK_MAX)
+        return cls(arrivals, q, scale, group,
+                   (q.stride(0), scale.stride(0), scale.stride(1) if scale.dim() == 2 else 0),
+                   span <= block, block)
 
 
 def run_stage2(inter, w2, topk_weight, topk_ids, expert_map, routing, doweight_stage1: bool,
@@ -443,13 +583,20 @@ def run_stage2(inter, w2, topk_weight, topk_ids, expert_map, routing, doweight_s
             partial.stride(0), partial.stride(1), *_scale_strides(x_scale, w_scale),
             MUL_WEIGHT=not doweight_stage1, SCALED=_scaling(x_scale), SPLIT_K=config.split_k,
             INPUT_PRECISION=_checks.input_precision(dtype), PAIR_BLOCKS=routing.pair_blocks,
-            PDL=PDL, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-            num_warps=config.num_warps, num_stages=config.num_stages)
+            PDL=PDL, PREFETCH=_prefetch(config), BLOCK_M=config.block_m,
+            BLOCK_N=config.block_n, BLOCK_K=config.block_k, num_warps=config.num_warps,
+            num_stages=config.num_stages)
     if not with_sum:
         return partial
     if out is None:
         out = torch.empty((tokens, model_dim), dtype=dtype, device=inter.device)
     return run_sum(partial, topk_ids, expert_map, out, warmup)
+
+
+def _prefetch(config: MoeStage1Config | MoeStage2Config) -> bool:
+    """Whether the stage asks L2 for its weights before waiting (never in the interpreter: it
+    has no PTX, and nothing to wait for)."""
+    return bool(config.prefetch) and not _checks.interpreted()
 
 
 def _scaling(x_scale) -> int:
@@ -471,6 +618,11 @@ def _scale_strides(x_scale, w_scale) -> tuple[int, int, int, int, int]:
     return (*x_strides, *w_strides)
 
 
+# Up to this many tokens the sum reads every slot's row without waiting for the expert map (the
+# rows of other ranks' experts too: bytes a prefill would not want to waste).
+SPECULATIVE_SUM_TOKENS = 64
+
+
 def run_sum(partial, topk_ids, expert_map, out, warmup: bool = False) -> torch.Tensor:
     """Each token's ``topk`` rows of ``partial`` (pairs, D), added in fp32 in slot order (pairs
     of other ranks' experts skipped), into ``out`` (T, D)."""
@@ -481,5 +633,6 @@ def run_sum(partial, topk_ids, expert_map, out, warmup: bool = False) -> torch.T
                   launch_pdl=PDL)(
         partial, topk_ids.reshape(-1), expert_map, out, model_dim,
         partial.stride(0), partial.stride(1), out.stride(0), out.stride(1),
-        TOPK=topk_ids.shape[1], TOPK_P2=topk_p2, PDL=PDL, BLOCK_D=block_d, num_warps=4)
+        TOPK=topk_ids.shape[1], TOPK_P2=topk_p2, PDL=PDL,
+        SPECULATE=tokens <= SPECULATIVE_SUM_TOKENS, BLOCK_D=block_d, num_warps=4)
     return out
