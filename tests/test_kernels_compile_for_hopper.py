@@ -35,7 +35,7 @@ SCRIPT = textwrap.dedent("""
                                  "is_ptr", "ws_ptr", "qs_ptr")}
     quant_out = {"arrivals_ptr": "*i32", "q_ptr": "*fp8e4nv"}
     no_quant_out = dict(QUANT_OUT=False, FP8_MAX=448.0, AMAX_FLOOR=1e-12, ONE_TILE=True,
-                        BLOCK_Q=16, ROUTING_READY=False, PREFETCH=False)
+                        BLOCK_Q=16, ROUTING_READY=False)
     tiles = dict(PAIR_BLOCKS=False, PDL=True, BLOCK_M=64, BLOCK_N=64, BLOCK_K=64,
                  INPUT_PRECISION="tf32")
     for dtype, scaled, mma in (("bf16", 0, "bf16.bf16"), ("fp8e4nv", 1, "e4m3.e4m3"),
@@ -44,23 +44,18 @@ SCRIPT = textwrap.dedent("""
                     {**routing, **fp32, **quant_out, "x_ptr": f"*{dtype}",
                      "w1_ptr": f"*{dtype}"},
                     dict(TOPK=2, ACT=0, MUL_WEIGHT=False, SCALED=scaled,
-                         SPLIT_K=2 if scaled else 1, **no_quant_out, **tiles))  # FP8: parts
+                         SPLIT_K=2 if scaled else 1,
+                         **{**no_quant_out, "ROUTING_READY": bool(scaled)}, **tiles))  # FP8: parts
         # added atomically
         second = ptx(moe_stages.moe_stage2_kernel,
                      {**routing, **fp32, "inter_ptr": f"*{dtype}", "w2_ptr": f"*{dtype}"},
-                     dict(MUL_WEIGHT=True, SCALED=scaled, SPLIT_K=1, PREFETCH=False, **tiles))
+                     dict(MUL_WEIGHT=True, SCALED=scaled, SPLIT_K=1, **tiles))
         assert "wgmma.mma_async" in first and mma in first and mma in second, (dtype, scaled)
-    # Weights asked of L2 before waiting for the launch before (stage 1: after the routing,
-    # read first), and then the wait.
-    first = ptx(moe_stages.moe_stage1_kernel,
-                {**routing, **fp32, **quant_out, "x_ptr": "*fp8e4nv", "w1_ptr": "*fp8e4nv"},
-                dict(TOPK=2, ACT=0, MUL_WEIGHT=False, SCALED=1, SPLIT_K=1,
-                     **{**no_quant_out, "ROUTING_READY": True, "PREFETCH": True}, **tiles))
-    second = ptx(moe_stages.moe_stage2_kernel,
-                 {**routing, **fp32, "inter_ptr": "*bf16", "w2_ptr": "*bf16"},
-                 dict(MUL_WEIGHT=True, SCALED=0, SPLIT_K=1, PREFETCH=True, **tiles))
-    for kernel in (first, second):
-        assert -1 < kernel.find("prefetch.global.L2") < kernel.find("griddepcontrol.wait")
+        # The routing read before waiting for the launch before where it was in place already
+        # (stage 2; stage 1 after the activations' quantiser), after it where not.
+        loads_first = first.find("ld.global") < first.find("griddepcontrol.wait")
+        assert loads_first == bool(scaled), scaled
+        assert -1 < second.find("ld.global") < second.find("griddepcontrol.wait")
     one_stage = ptx(moe_one_stage.moe_one_stage_kernel,
                     {**{n: "*bf16" for n in ("x_ptr", "w1_ptr", "w2_ptr", "out_ptr",
                                              "inter_ptr")},

@@ -54,13 +54,11 @@ STREAM_MAX_TOKENS = 2
 GROUPED_MM_MIN_TOKENS = 256
 # Persistent stages (``P1``, ``P2``) walk many tiles per SM: prefill token counts too.
 PERSISTENT_MIN_TOKENS = 256
-# Stage 1 quantising its own output (``QO1``) saves a launch of a few µs: decode's and short
-# batches' token counts (it is no candidate beyond), FP8 experts scaled per token or per block.
+# Stage 1 quantising its own output (``QO1``) saves a launch (a few µs) at decode's and short
+# batches' token counts. It won 1x128 block-scale rows on the H100 and no per-token row: its
+# count's release and the re-read cost what the launch did there (docs/benchmarks.md).
 QUANT_OUT_MAX_TOKENS = 256
-QUANT_OUT_SCALINGS = (Scaling.rowwise, Scaling.block)
-# Stages asking L2 for their weights before the launch before them ends (``PF1``) overlap that
-# launch's tail: it pays where a stage is short, at decode's and short batches' token counts.
-PREFETCH_MAX_TOKENS = 256
+QUANT_OUT_SCALINGS = (Scaling.block,)
 
 
 class Load(NamedTuple):
@@ -106,11 +104,9 @@ def _stage_space(problem: MoeProblem, gpu: bool,
             for bk in (64, 128):
                 for warps, stages in ((4, 3), (4, 4), (8, 3)) + (((4, 6),) if fp8 else ()):
                     first.append(MoeStage1Config(bm, bn, bk, warps, stages))
-                    short = warps == 4 and stages in (3, 4)
-                    if quant_out and problem.tokens <= QUANT_OUT_MAX_TOKENS and short:
+                    if (quant_out and problem.tokens <= QUANT_OUT_MAX_TOKENS and warps == 4
+                            and stages in (3, 4)):
                         first.append(MoeStage1Config(bm, bn, bk, warps, stages, quant_out=1))
-                    if fp8 and problem.tokens <= PREFETCH_MAX_TOKENS and short:
-                        first.append(MoeStage1Config(bm, bn, bk, warps, stages, prefetch=1))
         blocks = load.blocks(bm)
         for bn in (64, 128, 256):
             for bk in (64, 128):
@@ -121,9 +117,6 @@ def _stage_space(problem: MoeProblem, gpu: bool,
                         continue
                     for warps, stages in ((4, 3), (8, 3)):
                         second.append(MoeStage2Config(bm, bn, bk, split_k, warps, stages))
-                        if problem.tokens <= PREFETCH_MAX_TOKENS and warps == 4:
-                            second.append(MoeStage2Config(bm, bn, bk, split_k, warps, stages,
-                                                          prefetch=1))
     persistent_first, persistent_second = _persistent_space(problem, load)
     return first + persistent_first, second + persistent_second
 
@@ -162,12 +155,9 @@ def _pair_block_space(problem: MoeProblem, load: Load) -> tuple[list[MoeStage1Co
     second = [MoeStage2Config(PAIR_BLOCK_M, bn, bk, split_k, 4, 3, pair_blocks=1)
               for bn in (32, 64, 128) for bk in (64, 128, 256) for split_k in (1, 2)
               if problem.inter_dim >= 2 * split_k * bk]
-    if fp8:  # the weights asked of L2 while the activations' quantiser runs
-        first += [dataclasses.replace(config, prefetch=1) for config in first]
     if problem.scaling in QUANT_OUT_SCALINGS:
         first += [dataclasses.replace(config, quant_out=1) for config in first
                   if config.num_stages in (3, 4)]
-    second += [dataclasses.replace(config, prefetch=1) for config in second]
     return first, second
 
 

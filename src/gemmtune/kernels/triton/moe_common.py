@@ -44,28 +44,6 @@ def global_time_ns(anything):
 
 
 SCALE_BLOCK = tl.constexpr(128)  # K extent of FP8 block scales (constexpr: jitted code reads it)
-L2_LINE = tl.constexpr(128)  # bytes of an L2 line: what one prefetch asks for
-
-
-@triton.jit
-def _prefetch_l2(ptrs):
-    """Ask L2 for the line holding each address (a hint: nothing is returned or waited for)."""
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs],
-                              dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def prefetch_rows(base, rows, k_lo, k_hi, stride_row, stride_k, BLOCK_ROWS: tl.constexpr,
-                  LINES: tl.constexpr):
-    """Prefetch into L2 the (BLOCK_ROWS,) ``rows`` of a weight over K columns [k_lo, k_hi): a
-    line per L2_LINE bytes of a row (K contiguous), LINES lines of each row per round. Before a
-    kernel waits for the one it follows (PDL), its weight reads so overlap that kernel's tail."""
-    step = L2_LINE * 8 // base.dtype.element_ty.primitive_bitwidth  # elements a line
-    lines = tl.arange(0, LINES) * step
-    at = base + rows.to(tl.int64)[:, None] * stride_row
-    for k0 in range(k_lo, k_hi, LINES * step):
-        k = tl.minimum(k0 + lines, k_hi - 1)  # (a clamped line is asked for again: harmless)
-        _prefetch_l2(at + k[None, :].to(tl.int64) * stride_k)
 
 
 @triton.jit

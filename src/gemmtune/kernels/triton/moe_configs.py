@@ -32,19 +32,18 @@ PERSISTENT, FLATTENED = 1, 2
 
 @dataclass(frozen=True)
 class MoeStage1Config(NamedConfig):
-    """``triton.moe1:BM32.BN64.BK64.W4.S3[.PB<0|1>[.P<1|2>[.SK<n>[.QO1[.PF1]]]]]``: one
+    """``triton.moe1:BM32.BN64.BK64.W4.S3[.PB<0|1>[.P<1|2>[.SK<n>[.QO1]]]]``: one
     stage-1 launch (fields are positional: a persistent config names ``PB0`` too, a split one
     ``PB.. P0``). ``split_k`` parts of model_dim add their sums into fp32 (FP8 experts, whose
     intermediate gets a pass of its own anyway: the activation moves there). ``quant_out``
     (FP8 experts scaled per token or per block): that pass is no launch of its own; the last
-    program to finish a block's tiles quantises the block's rows. ``prefetch`` (FP8 experts):
-    each program asks L2 for its weight rows while the activations' quantiser still runs."""
+    program to finish a block's tiles quantises the block's rows."""
 
     NAME_CODEC = NameCodec("MoE stage-1 config", STAGE1_PREFIX, (
         Field("BM", "block_m"), Field("BN", "block_n"), Field("BK", "block_k"),
         Field("W", "num_warps"), Field("S", "num_stages"), Field("PB", "pair_blocks", default=0),
         Field("P", "persistent", default=0), Field("SK", "split_k", default=1),
-        Field("QO", "quant_out", default=0), Field("PF", "prefetch", default=0)))
+        Field("QO", "quant_out", default=0)))
 
     block_m: int
     block_n: int
@@ -55,20 +54,17 @@ class MoeStage1Config(NamedConfig):
     persistent: int = 0  # 1: a persistent TMA program per SM; 2: its tile loop flattened
     split_k: int = 1
     quant_out: int = 0  # 1: the block's last program quantises its rows (FP8 rows or blocks)
-    prefetch: int = 0  # 1: weight rows asked of L2 before waiting for the previous launch
 
 
 @dataclass(frozen=True)
 class MoeStage2Config(NamedConfig):
-    """``triton.moe2:BM32.BN64.BK64.SK1.W4.S3[.PB<0|1>[.P<1|2>[.PF1]]]``: one stage-2 launch,
-    ``split_k`` parts of inter_dim; ``prefetch``: each program asks L2 for its weight rows
-    while the launch before it still runs."""
+    """``triton.moe2:BM32.BN64.BK64.SK1.W4.S3[.PB<0|1>[.P<1|2>]]``: one stage-2 launch,
+    ``split_k`` parts of inter_dim."""
 
     NAME_CODEC = NameCodec("MoE stage-2 config", STAGE2_PREFIX, (
         Field("BM", "block_m"), Field("BN", "block_n"), Field("BK", "block_k"),
         Field("SK", "split_k"), Field("W", "num_warps"), Field("S", "num_stages"),
-        Field("PB", "pair_blocks", default=0), Field("P", "persistent", default=0),
-        Field("PF", "prefetch", default=0)))
+        Field("PB", "pair_blocks", default=0), Field("P", "persistent", default=0)))
 
     block_m: int
     block_n: int
@@ -78,7 +74,6 @@ class MoeStage2Config(NamedConfig):
     num_stages: int
     pair_blocks: int = 0
     persistent: int = 0
-    prefetch: int = 0
 
 
 @dataclass(frozen=True)

@@ -38,8 +38,7 @@ from gemmtune.kernels.problem import MoeScales, Scaling
 from gemmtune.kernels.triton import _checks
 from gemmtune.kernels.triton.moe_common import (PDL, SCALE_BLOCK, gate_up_sums,
                                                 gated_activation, let_next_start,
-                                                prefetch_rows, stream_workspace,
-                                                wait_for_inputs)
+                                                stream_workspace, wait_for_inputs)
 from gemmtune.kernels.triton.moe_configs import (BLOCK_MS, FLATTENED, PAIR_BLOCK_M, PERSISTENT,
                                                  MoeStage1Config, MoeStage2Config)
 from gemmtune.kernels.triton.moe_persistent import (launch_stage1_persistent,
@@ -81,12 +80,6 @@ def why_not_stage(config, dtype: torch.dtype, accumulators: int, w_tiles: int) -
 
 
 def why_not_stage1(config: MoeStage1Config, dtype: torch.dtype, model_dim: int) -> str | None:
-    prefetch = _why_not_prefetch(config)
-    if prefetch:
-        return prefetch
-    if config.prefetch and dtype.itemsize != 1:
-        return ("prefetch: stage 1 asks for its weights early only after the activations' "
-                "quantiser (FP8 experts); first in the op, it has nothing to overlap")
     if config.split_k != 1:
         if dtype.itemsize != 1:
             return (f"split_k={config.split_k}: stage 1 splits model_dim only for FP8 experts "
@@ -100,18 +93,7 @@ def why_not_stage1(config: MoeStage1Config, dtype: torch.dtype, model_dim: int) 
     return why_not_stage(config, dtype, accumulators=2, w_tiles=2)  # gate and up
 
 
-def _why_not_prefetch(config: MoeStage1Config | MoeStage2Config) -> str | None:
-    if config.prefetch not in (0, 1):
-        return f"prefetch={config.prefetch} must be 0 or 1"
-    if config.prefetch and config.persistent:
-        return "prefetch: the persistent stages read their weights through TMA; not theirs"
-    return None
-
-
 def why_not_stage2(config: MoeStage2Config, dtype: torch.dtype, inter_dim: int) -> str | None:
-    prefetch = _why_not_prefetch(config)
-    if prefetch:
-        return prefetch
     if not 1 <= config.split_k <= 16:
         return f"split_k={config.split_k} must be in [1, 16]"
     if config.persistent and config.split_k != 1:
@@ -152,13 +134,11 @@ def _inter_rows(block, ids, real, PAIR_BLOCKS: tl.constexpr, BLOCK_M: tl.constex
     return (block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
 
 
-# PDL_EARLY: with programmatic dependent launch a kernel starts while the one before drains, and
-# waits (wait_for_inputs) before reading what that one wrote. A launch that follows another of
-# the op's own (ROUTING_READY: stage 1 after the activations' quantiser, stage 2 always) reads
-# its routing first: the routing was complete before that kernel passed its own wait, which
-# came before it let this one start. It then knows its expert, and with PREFETCH asks L2 for its
-# weight rows before waiting, so their reads overlap the previous kernel's tail.
-PREFETCH_LINES = tl.constexpr(8)  # L2 lines of a weight row asked for per round
+# ROUTING_FIRST: with programmatic dependent launch a kernel starts while the one before drains,
+# and waits (wait_for_inputs) before reading what that one wrote. A launch that follows another
+# of the op's own (ROUTING_READY: stage 1 after the activations' quantiser, stage 2 always)
+# reads its routing before waiting, overlapping the previous kernel's tail: the routing was
+# complete before that kernel passed its own wait, which came before it let this one start.
 
 
 # SCALED: how FP8 operands' scales apply. Rows: after the sums, one per row of the activations
@@ -191,8 +171,7 @@ def moe_stage1_kernel(
     INPUT_PRECISION: tl.constexpr,
     PAIR_BLOCKS: tl.constexpr,
     PDL: tl.constexpr,
-    ROUTING_READY: tl.constexpr,  # PDL_EARLY's condition (see below)
-    PREFETCH: tl.constexpr,
+    ROUTING_READY: tl.constexpr,  # ROUTING_FIRST below
     SPLIT_K: tl.constexpr,
     QUANT_OUT: tl.constexpr,  # the block's last program quantises its rows
     FP8_MAX: tl.constexpr, AMAX_FLOOR: tl.constexpr,
@@ -215,12 +194,6 @@ def moe_stage1_kernel(
     k_lo = part * steps // SPLIT_K * BLOCK_K
     k_hi = tl.minimum((part + 1) * steps // SPLIT_K * BLOCK_K, D)
     if ROUTING_READY:
-        if PREFETCH:
-            weights = w1_ptr + expert * stride_we
-            prefetch_rows(weights, cols, k_lo, k_hi, stride_wn, stride_wd, BLOCK_N,
-                          PREFETCH_LINES)
-            prefetch_rows(weights, cols + I, k_lo, k_hi, stride_wn, stride_wd, BLOCK_N,
-                          PREFETCH_LINES)
         wait_for_inputs(PDL)
     gate, up = gate_up_sums(x_ptr, w1_ptr, tokens, real, expert, cols, k_lo, k_hi, I,
                             stride_xt, stride_xd, stride_we, stride_wn, stride_wd, xs_ptr,
@@ -296,10 +269,9 @@ def moe_stage2_kernel(
     INPUT_PRECISION: tl.constexpr,
     PAIR_BLOCKS: tl.constexpr,
     PDL: tl.constexpr,
-    PREFETCH: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    # Stage 2 follows a launch of the op's own: its routing is in place (PDL_EARLY below).
+    # Stage 2 follows a launch of the op's own: its routing is in place (ROUTING_FIRST).
     expert, ids, real = _block_rows(sorted_ids_ptr, block_expert_ptr, block_rows_ptr,
                                     rows_used_ptr, topk_ids_ptr, expert_map_ptr,
                                     tl.program_id(0), pairs, BLOCK_M, PAIR_BLOCKS)
@@ -314,9 +286,6 @@ def moe_stage2_kernel(
     part = tl.program_id(2)
     k_lo = part * steps // SPLIT_K * BLOCK_K
     k_hi = (part + 1) * steps // SPLIT_K * BLOCK_K
-    if PREFETCH:
-        prefetch_rows(w2_ptr + expert * stride_we, cols, k_lo, tl.minimum(k_hi, I), stride_wn,
-                      stride_wk, BLOCK_N, PREFETCH_LINES)
     wait_for_inputs(PDL)
     offs_k = k_lo + tl.arange(0, BLOCK_K)
     a_ptrs = inter_ptr + inter_rows[:, None] * stride_ip + offs_k[None, :] * stride_in
@@ -490,7 +459,7 @@ def run_stage1(x, w1, topk_weight, topk_ids, expert_map, routing, activation: in
         *out.strides, TOPK=topk, ACT=activation, MUL_WEIGHT=doweight_stage1,
         SCALED=_scaling(x_scale), INPUT_PRECISION=_checks.input_precision(x.dtype),
         PAIR_BLOCKS=routing.pair_blocks, PDL=PDL, ROUTING_READY=scaled,
-        PREFETCH=_prefetch(config), SPLIT_K=config.split_k, QUANT_OUT=bool(config.quant_out), FP8_MAX=FP8_MAX, AMAX_FLOOR=AMAX_FLOOR,
+        SPLIT_K=config.split_k, QUANT_OUT=bool(config.quant_out), FP8_MAX=FP8_MAX, AMAX_FLOOR=AMAX_FLOOR,
         ONE_TILE=out.one_tile, BLOCK_Q=out.block, BLOCK_M=config.block_m,
         BLOCK_N=config.block_n, BLOCK_K=config.block_k, num_warps=config.num_warps,
         num_stages=config.num_stages)
@@ -583,20 +552,13 @@ def run_stage2(inter, w2, topk_weight, topk_ids, expert_map, routing, doweight_s
             partial.stride(0), partial.stride(1), *_scale_strides(x_scale, w_scale),
             MUL_WEIGHT=not doweight_stage1, SCALED=_scaling(x_scale), SPLIT_K=config.split_k,
             INPUT_PRECISION=_checks.input_precision(dtype), PAIR_BLOCKS=routing.pair_blocks,
-            PDL=PDL, PREFETCH=_prefetch(config), BLOCK_M=config.block_m,
-            BLOCK_N=config.block_n, BLOCK_K=config.block_k, num_warps=config.num_warps,
-            num_stages=config.num_stages)
+            PDL=PDL, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+            num_warps=config.num_warps, num_stages=config.num_stages)
     if not with_sum:
         return partial
     if out is None:
         out = torch.empty((tokens, model_dim), dtype=dtype, device=inter.device)
     return run_sum(partial, topk_ids, expert_map, out, warmup)
-
-
-def _prefetch(config: MoeStage1Config | MoeStage2Config) -> bool:
-    """Whether the stage asks L2 for its weights before waiting (never in the interpreter: it
-    has no PTX, and nothing to wait for)."""
-    return bool(config.prefetch) and not _checks.interpreted()
 
 
 def _scaling(x_scale) -> int:
