@@ -240,6 +240,30 @@ def test_the_two_stage_kernels_take_fp8_experts(kernel, q_type):
         assert relative(y, expected) < EMULATION_TOLERANCE[torch.bfloat16]
 
 
+# The persistent stages through TMA (rows of 16-byte multiples: D and I multiples of 16; D
+# leaves a partial 128 block), per-token scales as written, block scales flattened.
+PERSISTENT_FP8 = [("triton.moe1:BM16.BN16.BK32.W4.S1.PB0.P1"
+                   "+triton.moe2:BM16.BN16.BK32.SK1.W4.S1.PB0.P1", QuantType.per_Token),
+                  ("triton.moe1:BM16.BN16.BK32.W4.S1.PB0.P2"
+                   "+triton.moe2:BM16.BN16.BK32.SK1.W4.S1.PB0.P2", QuantType.per_1x128)]
+
+
+@pytest.mark.filterwarnings("ignore:(invalid value|overflow) encountered in:RuntimeWarning")
+@pytest.mark.parametrize("kernel,q_type", PERSISTENT_FP8)
+def test_the_persistent_stages_take_fp8_experts(kernel, q_type):
+    T, D, I, topk = 6, 144, 48, 2  # noqa: E741
+    mask = torch.tensor([True, True, False, True, True], device=DEVICE)
+    layer = fp8_layer(T, D, I, 4, topk, q_type, seed=50, dtype=torch.bfloat16)
+    topk_ids = routing(T, 4, topk, seed=51, experts_global=5)[1]
+    y = gemmtune.fused_moe(layer.hidden, layer.w1q, layer.w2q, layer.topk_weight, topk_ids,
+                           quant_type=q_type, w1_scale=layer.s1, w2_scale=layer.s2,
+                           expert_mask=mask, kernel=kernel)
+    expected = emulate(layer.hidden, layer.w1q, layer.w2q, layer.s1, layer.s2,
+                       layer.topk_weight, topk_ids, q_type, {0: 0, 1: 1, 2: -1, 3: 2, 4: 3})
+    assert not torch.isnan(y).any()
+    assert relative(y, expected) < EMULATION_TOLERANCE[torch.bfloat16]
+
+
 # Stage 1 over model_dim in parts (FP8 only): the parts' gate and up sums meet in an fp32
 # workspace, and the quantiser applies the activation (per tensor: in both of its passes).
 SPLIT_STAGE1 = ("triton.moe1:BM16.BN16.BK32.W4.S1.PB0.P0.SK3"
@@ -420,6 +444,24 @@ def test_gpu_every_scheme_through_triton_with_long_k_and_expert_parallelism(q_ty
     ref = reference(layer.hidden, layer.w1q, layer.w2q, layer.topk_weight, topk_ids, emap,
                     q_type, MoeScales(layer.s1, layer.s2))
     assert relative(y, ref) < FP8_TOLERANCE
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("q_type", SCHEMES)
+def test_gpu_persistent_fp8_stages_at_a_prefill_size(q_type):
+    # deepseek-v3's TP8 shard over 32 of its experts, 1024 tokens: the persistent TMA stages
+    # against the plain ones (the same quantised inputs; sums in other orders).
+    kernel = ("triton.moe1:BM64.BN128.BK128.W8.S3.PB0.P1"
+              "+triton.moe2:BM64.BN256.BK64.SK1.W8.S3.PB0.P2")
+    plain = "triton.moe1:BM64.BN128.BK128.W8.S3+triton.moe2:BM64.BN128.BK64.SK1.W8.S3"
+    layer = fp8_layer(1024, 7168, 256, 32, 8, q_type, seed=11, dtype=torch.bfloat16)
+
+    def run(name):
+        return gemmtune.fused_moe(layer.hidden, layer.w1q, layer.w2q, layer.topk_weight,
+                                  layer.topk_ids, quant_type=q_type, w1_scale=layer.s1,
+                                  w2_scale=layer.s2, kernel=name)
+    y = run(kernel)
+    assert not torch.isnan(y).any() and relative(y, run(plain)) < 2e-2
 
 
 @pytest.mark.gpu

@@ -58,7 +58,7 @@ PERSISTENT_MIN_TOKENS = 256
 # batches' token counts. It won 1x128 block-scale rows on the H100 and no per-token row: its
 # count's release and the re-read cost what the launch did there (docs/benchmarks.md).
 QUANT_OUT_MAX_TOKENS = 256
-QUANT_OUT_SCALINGS = (Scaling.block,)
+QUANT_OUT_OFFERED = (Scaling.block,)
 
 
 class Load(NamedTuple):
@@ -98,7 +98,7 @@ def _stage_space(problem: MoeProblem, gpu: bool,
     sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
     first, second = _pair_block_space(problem, load)
     fp8 = problem.scaling is not Scaling.none
-    quant_out = problem.scaling in QUANT_OUT_SCALINGS
+    quant_out = problem.scaling in QUANT_OUT_OFFERED
     for bm in (b for b in BLOCK_MS if b <= max(16, 2 * per_expert)):
         for bn in (32, 64, 128) if bm == 16 else (64, 128):
             for bk in (64, 128):
@@ -125,15 +125,18 @@ def _persistent_space(problem: MoeProblem, load: Load) -> tuple[list[MoeStage1Co
                                                                 list[MoeStage2Config]]:
     """Persistent stage configs from PERSISTENT_MIN_TOKENS tokens: 64-128 row blocks (up to
     twice an expert's pairs), wide tiles (128x256 of output at stage 2, gate and up 128x128 at
-    stage 1), 8 warps, 3-4 stages of 64-wide steps, the tile loop as written or flattened
-    (each wins some shapes on the H100: docs/benchmarks.md)."""
+    stage 1), 8 warps, 3-4 stages of 64-wide steps (FP8: also 128-wide, the same bytes), the
+    tile loop as written or flattened (each wins some shapes on the H100: docs/benchmarks.md)."""
     if problem.tokens < PERSISTENT_MIN_TOKENS:
         return [], []
     block_ms = [bm for bm in (64, 128) if bm <= max(64, 2 * load.per_expert(problem))]
-    first = [MoeStage1Config(bm, bn, 64, 8, stages, persistent=kind)
-             for bm in block_ms for bn in (64, 128) for stages in (3, 4) for kind in (1, 2)]
-    second = [MoeStage2Config(bm, bn, 64, 1, 8, stages, persistent=kind)
-              for bm in block_ms for bn in (128, 256) for stages in (3, 4) for kind in (1, 2)]
+    block_ks = (64,) if problem.scaling is Scaling.none else (64, 128)
+    first = [MoeStage1Config(bm, bn, bk, 8, stages, persistent=kind)
+             for bm in block_ms for bn in (64, 128) for bk in block_ks for stages in (3, 4)
+             for kind in (1, 2)]
+    second = [MoeStage2Config(bm, bn, bk, 1, 8, stages, persistent=kind)
+              for bm in block_ms for bn in (128, 256) for bk in block_ks for stages in (3, 4)
+              for kind in (1, 2)]
     return first, second
 
 
@@ -155,7 +158,7 @@ def _pair_block_space(problem: MoeProblem, load: Load) -> tuple[list[MoeStage1Co
     second = [MoeStage2Config(PAIR_BLOCK_M, bn, bk, split_k, 4, 3, pair_blocks=1)
               for bn in (32, 64, 128) for bk in (64, 128, 256) for split_k in (1, 2)
               if problem.inter_dim >= 2 * split_k * bk]
-    if problem.scaling in QUANT_OUT_SCALINGS:
+    if problem.scaling in QUANT_OUT_OFFERED:
         first += [dataclasses.replace(config, quant_out=1) for config in first
                   if config.num_stages in (3, 4)]
     return first, second

@@ -27,7 +27,8 @@ from gemmtune.kernels.triton.moe_grouped_mm import moe_grouped_mm, why_not_group
 from gemmtune.kernels.triton.moe_one_stage import moe_one_stage, why_not_one_stage
 from gemmtune.kernels.triton.moe_persistent import why_not_tma
 from gemmtune.kernels.triton.moe_routing import moe_routing, pair_blocks
-from gemmtune.kernels.triton.moe_stages import moe_stages, why_not_stage1, why_not_stage2
+from gemmtune.kernels.triton.moe_stages import (QUANT_OUT_SCALINGS, moe_stages, why_not_stage1,
+                                                why_not_stage2)
 from gemmtune.kernels.triton.moe_stream import moe_stream, why_not_stream
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -43,16 +44,13 @@ def route(config: MoeStage1Config | MoeStage2Config, topk_ids, expert_map, exper
 
 def _why_not_fp8(solution: "TritonTwoStageMoe", problem: MoeProblem) -> str | None:
     """What the two-stage kernels take of FP8 experts: every scheme (per token, per tensor,
-    per 1x128 block; block scales need K steps inside one block), without the persistent TMA
-    stages so far."""
+    per 1x128 block; block scales need K steps inside one block)."""
     if problem.scaling is Scaling.block and any(128 % stage.block_k
                                                 for stage in (solution.stage1, solution.stage2)):
         return (f"block_k={solution.stage1.block_k}/{solution.stage2.block_k}: with 128x128 "
                 f"block scales each K step must lie in one block (block_k divides 128)")
     if problem.dtype not in DTYPES:
         return f"{problem.dtype} activations: the Triton MoE kernels take {DTYPES}"
-    if solution.stage1.persistent or solution.stage2.persistent:
-        return "FP8 experts: the persistent (TMA) stages do not take scales yet"
     return None
 
 
@@ -61,7 +59,9 @@ def _why_not_quant_out(stage1: MoeStage1Config, problem: MoeProblem) -> str | No
     block (a per-tensor scale needs every row first), outside the persistent stage."""
     if stage1.quant_out not in (0, 1):
         return f"quant_out={stage1.quant_out} must be 0 or 1"
-    if stage1.quant_out and problem.scaling not in (Scaling.rowwise, Scaling.block):
+    if stage1.quant_out and stage1.persistent:
+        return "quant_out: the persistent stage 1 leaves its output to the quantiser's launch"
+    if stage1.quant_out and problem.scaling not in QUANT_OUT_SCALINGS:
         return (f"quant_out: stage 1 quantises its output per row or per 1x128 block, for FP8 "
                 f"experts scaled per token or per block, not {problem.scaling.value} scales")
     return None

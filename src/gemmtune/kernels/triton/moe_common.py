@@ -44,6 +44,32 @@ def global_time_ns(anything):
 
 
 SCALE_BLOCK = tl.constexpr(128)  # K extent of FP8 block scales (constexpr: jitted code reads it)
+# SCALED: how FP8 operands' scales apply. Rows: after the sums, one per row of the activations
+# (or one per tensor: stride 0) times one per output channel of the expert (or one per expert).
+# Blocks: at each K step, the activations' 1x128 block scale times the weights' 128x128 one.
+# (constexpr: jitted code may read no other global)
+SCALING_NONE, SCALING_ROWS, SCALING_BLOCKS = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
+
+
+@triton.jit
+def rows_and_channels_scaled(acc, xs_ptr, rows, real, stride_xs, ws_ptr, expert, cols,
+                             stride_se, stride_sn):
+    """FP8 sums (BLOCK_M, BLOCK_N) times each row's activation scale (``xs_ptr`` by row; rows
+    not ``real`` get 0) and each output channel's weight scale (``ws_ptr`` by expert, column)."""
+    return acc * tl.load(xs_ptr + rows * stride_xs, mask=real, other=0.0)[:, None] \
+        * tl.load(ws_ptr + expert * stride_se + cols * stride_sn)[None, :]
+
+
+@triton.jit
+def block_scales(xs_ptr, rows, real, stride_xs, stride_xk, ws_ptr, expert, cols, stride_se,
+                 stride_sn, stride_sk, k0):
+    """The 1x128 and 128x128 block scales of the K step at ``k0`` (it lies in one block: block_k
+    divides 128), as (BLOCK_M, 1) activation and (1, BLOCK_N) weight factors."""
+    block = k0 // SCALE_BLOCK
+    xs = tl.load(xs_ptr + rows * stride_xs + block * stride_xk, mask=real, other=0.0)
+    ws = tl.load(ws_ptr + expert * stride_se + (cols // SCALE_BLOCK) * stride_sn
+                 + block * stride_sk)
+    return xs[:, None], ws[None, :]
 
 
 @triton.jit
@@ -64,9 +90,6 @@ def gate_up_sums(x_ptr, w1_ptr, rows, row_real, expert, cols, k_lo, k_hi, I, str
     w_base = w1_ptr + expert * stride_we + offs_k[:, None] * stride_wd
     gate_ptrs = w_base + cols[None, :] * stride_wn  # (BK, BN): rows [0, I) of w1[e], transposed
     up_ptrs = w_base + (cols + I)[None, :] * stride_wn  # rows [I, 2I)
-    x_scales = xs_ptr + rows.to(tl.int64) * stride_xs
-    gate_scales = ws_ptr + expert * stride_se + (cols // SCALE_BLOCK) * stride_sn
-    up_scales = ws_ptr + expert * stride_se + ((cols + I) // SCALE_BLOCK) * stride_sn
     gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     lane = tl.arange(0, BLOCK_K)
@@ -76,18 +99,30 @@ def gate_up_sums(x_ptr, w1_ptr, rows, row_real, expert, cols, k_lo, k_hi, I, str
         wg = tl.load(gate_ptrs, mask=lane[:, None] < k_left, other=0.0)
         wu = tl.load(up_ptrs, mask=lane[:, None] < k_left, other=0.0)
         if BLOCK_SCALED:
-            block = k0 // SCALE_BLOCK
-            xs = tl.load(x_scales + block * stride_xk, mask=row_real, other=0.0)[:, None]
-            gate += tl.dot(a, wg, input_precision=INPUT_PRECISION) * xs \
-                * tl.load(gate_scales + block * stride_sk)[None, :]
-            up += tl.dot(a, wu, input_precision=INPUT_PRECISION) * xs \
-                * tl.load(up_scales + block * stride_sk)[None, :]
+            gate, up = gate_up_block_step(gate, up, a, wg, wu, xs_ptr, rows, row_real, stride_xs,
+                                          stride_xk, ws_ptr, expert, cols, I, stride_se,
+                                          stride_sn, stride_sk, k0, INPUT_PRECISION)
         else:
             gate = tl.dot(a, wg, gate, input_precision=INPUT_PRECISION)
             up = tl.dot(a, wu, up, input_precision=INPUT_PRECISION)
         x_ptrs += BLOCK_K * stride_xd
         gate_ptrs += BLOCK_K * stride_wd
         up_ptrs += BLOCK_K * stride_wd
+    return gate, up
+
+
+@triton.jit
+def gate_up_block_step(gate, up, a, wg, wu, xs_ptr, rows, real, stride_xs, stride_xk, ws_ptr,
+                       expert, cols, I, stride_se, stride_sn, stride_sk, k0,
+                       INPUT_PRECISION: tl.constexpr):
+    """One K step of stage 1's sums with 1x128 / 128x128 block scales: ``a @ wg`` and
+    ``a @ wu`` (a (BM, BK), the weights (BK, BN)) scaled and added to gate and up."""
+    xs, gate_ws = block_scales(xs_ptr, rows, real, stride_xs, stride_xk, ws_ptr, expert, cols,
+                               stride_se, stride_sn, stride_sk, k0)
+    _, up_ws = block_scales(xs_ptr, rows, real, stride_xs, stride_xk, ws_ptr, expert, cols + I,
+                            stride_se, stride_sn, stride_sk, k0)
+    gate += tl.dot(a, wg, input_precision=INPUT_PRECISION) * xs * gate_ws
+    up += tl.dot(a, wu, input_precision=INPUT_PRECISION) * xs * up_ws
     return gate, up
 
 

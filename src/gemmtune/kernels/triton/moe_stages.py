@@ -36,12 +36,13 @@ import triton.language as tl
 
 from gemmtune.kernels.problem import MoeScales, Scaling
 from gemmtune.kernels.triton import _checks
-from gemmtune.kernels.triton.moe_common import (PDL, SCALE_BLOCK, gate_up_sums,
+from gemmtune.kernels.triton.moe_common import (PDL, SCALING_BLOCKS, SCALING_ROWS, block_scales, gate_up_sums,
                                                 gated_activation, let_next_start,
-                                                stream_workspace, wait_for_inputs)
+                                                rows_and_channels_scaled, stream_workspace,
+                                                wait_for_inputs)
 from gemmtune.kernels.triton.moe_configs import (BLOCK_MS, FLATTENED, PAIR_BLOCK_M, PERSISTENT,
                                                  MoeStage1Config, MoeStage2Config)
-from gemmtune.kernels.triton.moe_persistent import (launch_stage1_persistent,
+from gemmtune.kernels.triton.moe_persistent import (StageScales, launch_stage1_persistent,
                                                     launch_stage2_persistent)
 from gemmtune.kernels.triton.moe_quant import (AMAX_FLOOR, BLOCK, FP8_MAX, GROUPED_ROWS,
                                                PAIR_ROWS, RoutedRows, quant_blocks, quant_rows,
@@ -141,11 +142,6 @@ def _inter_rows(block, ids, real, PAIR_BLOCKS: tl.constexpr, BLOCK_M: tl.constex
 # complete before that kernel passed its own wait, which came before it let this one start.
 
 
-# SCALED: how FP8 operands' scales apply. Rows: after the sums, one per row of the activations
-# (or one per tensor: stride 0) times one per output channel of the expert (or one per expert).
-# Blocks: at each K step, the activations' 1x128 block scale times the weights' 128x128 one.
-# (constexpr: jitted code may read no other global)
-SCALING_NONE, SCALING_ROWS, SCALING_BLOCKS = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 
 
 @triton.jit
@@ -200,10 +196,10 @@ def moe_stage1_kernel(
                             ws_ptr, stride_xs, stride_xk, stride_se, stride_sn, stride_sk,
                             INPUT_PRECISION, SCALED == SCALING_BLOCKS, BLOCK_M, BLOCK_N, BLOCK_K)
     if SCALED == SCALING_ROWS:  # the FP8 sums times the token's and the output channel's
-        xs = tl.load(xs_ptr + tokens * stride_xs, mask=real, other=0.0)[:, None]
-        scales = ws_ptr + expert * stride_se
-        gate = gate * xs * tl.load(scales + cols * stride_sn)[None, :]
-        up = up * xs * tl.load(scales + (cols + I) * stride_sn)[None, :]
+        gate = rows_and_channels_scaled(gate, xs_ptr, tokens, real, stride_xs, ws_ptr, expert,
+                                        cols, stride_se, stride_sn)
+        up = rows_and_channels_scaled(up, xs_ptr, tokens, real, stride_xs, ws_ptr, expert,
+                                      cols + I, stride_se, stride_sn)
     let_next_start(PDL)
     rows = _inter_rows(tl.program_id(0), ids, real, PAIR_BLOCKS, BLOCK_M)
     out = inter_ptr + rows[:, None] * stride_ip + offs_n.to(tl.int64)[None, :] * stride_in
@@ -291,26 +287,23 @@ def moe_stage2_kernel(
     a_ptrs = inter_ptr + inter_rows[:, None] * stride_ip + offs_k[None, :] * stride_in
     b_ptrs = w2_ptr + expert * stride_we + cols[None, :] * stride_wn + offs_k[:, None] * stride_wk
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    row_scales = is_ptr + inter_rows * stride_is
-    col_scales = ws_ptr + expert * stride_se + (cols // SCALE_BLOCK) * stride_sn
     for k0 in range(k_lo, k_hi, BLOCK_K):
         k_left = I - k0
         lane = tl.arange(0, BLOCK_K)
         a = tl.load(a_ptrs, mask=real[:, None] & (lane[None, :] < k_left), other=0.0)
         b = tl.load(b_ptrs, mask=lane[:, None] < k_left, other=0.0)
         if SCALED == SCALING_BLOCKS:  # each K step lies in one 128 block (block_k | 128)
-            block = k0 // SCALE_BLOCK
-            acc += tl.dot(a, b, input_precision=INPUT_PRECISION) \
-                * tl.load(row_scales + block * stride_ik, mask=real, other=0.0)[:, None] \
-                * tl.load(col_scales + block * stride_sk)[None, :]
+            xs, ws = block_scales(is_ptr, inter_rows, real, stride_is, stride_ik, ws_ptr, expert,
+                                  cols, stride_se, stride_sn, stride_sk, k0)
+            acc += tl.dot(a, b, input_precision=INPUT_PRECISION) * xs * ws
         else:
             acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
         a_ptrs += BLOCK_K * stride_in
         b_ptrs += BLOCK_K * stride_wk
     let_next_start(PDL)
     if SCALED == SCALING_ROWS:
-        acc = acc * tl.load(is_ptr + inter_rows * stride_is, mask=real, other=0.0)[:, None] \
-            * tl.load(ws_ptr + expert * stride_se + cols * stride_sn)[None, :]
+        acc = rows_and_channels_scaled(acc, is_ptr, inter_rows, real, stride_is, ws_ptr, expert,
+                                       cols, stride_se, stride_sn)
     if MUL_WEIGHT:
         acc = acc * tl.load(topk_weight_ptr + ids, mask=real, other=0.0)[:, None]
     out = partial_ptr + rows[:, None] * stride_pp + offs_n.to(tl.int64)[None, :] * stride_pn
@@ -441,28 +434,31 @@ def run_stage1(x, w1, topk_weight, topk_ids, expert_map, routing, activation: in
                          f"quantiser applies the activation and zeroes the sums")
     inter = _gate_up_sums(rows, inter_dim, x.device) if split else torch.empty(
         (rows, inter_dim), dtype=torch.float32 if scaled else x.dtype, device=x.device)
-    if config.persistent:
-        return launch_stage1_persistent(x, w1, inter, topk_weight, routing, activation,
-                                        doweight_stage1, config, warmup)
-    grid = (routing.blocks, triton.cdiv(inter_dim, config.block_n), config.split_k)
-    w_scale = w_scale if scaled else inter  # unread without SCALED
-    if config.quant_out and not (scaled and scaling in (Scaling.rowwise, Scaling.block)):
+    stage_scales = _stage_scales(x_scale, w_scale, inter)
+    if config.quant_out and (config.persistent or scaling not in QUANT_OUT_SCALINGS
+                             or not scaled):
         raise ValueError(f"{config.name}: stage 1 quantises its output for FP8 experts scaled "
-                         f"per token or per 1x128 block only")
+                         f"per token or per 1x128 block only, outside the persistent stage")
     out = _QuantOut.of(inter, inter_dim, routing, scaling, config.quant_out)
-    _checks.start(moe_stage1_kernel, grid, warmup, launch_pdl=PDL)(
-        x, w1, inter, topk_weight.reshape(-1), routing.sorted_ids, routing.block_expert,
-        routing.block_rows, routing.rows_used, topk_ids.reshape(-1), expert_map,
-        x_scale if scaled else inter, w_scale, out.arrivals, out.q, out.scale, pairs,
-        model_dim, inter_dim, out.group, x.stride(0), x.stride(1), w1.stride(0), w1.stride(1),
-        w1.stride(2), inter.stride(0), inter.stride(1), *_scale_strides(x_scale, w_scale),
-        *out.strides, TOPK=topk, ACT=activation, MUL_WEIGHT=doweight_stage1,
-        SCALED=_scaling(x_scale), INPUT_PRECISION=_checks.input_precision(x.dtype),
-        PAIR_BLOCKS=routing.pair_blocks, PDL=PDL, ROUTING_READY=scaled,
-        SPLIT_K=config.split_k, QUANT_OUT=bool(config.quant_out), FP8_MAX=FP8_MAX, AMAX_FLOOR=AMAX_FLOOR,
-        ONE_TILE=out.one_tile, BLOCK_Q=out.block, BLOCK_M=config.block_m,
-        BLOCK_N=config.block_n, BLOCK_K=config.block_k, num_warps=config.num_warps,
-        num_stages=config.num_stages)
+    if config.persistent:
+        launch_stage1_persistent(x, w1, inter, topk_weight, routing, activation,
+                                 doweight_stage1, config, warmup, stage_scales)
+    else:
+        _checks.start(moe_stage1_kernel,
+                      (routing.blocks, triton.cdiv(inter_dim, config.block_n), config.split_k),
+                      warmup, launch_pdl=PDL)(
+            x, w1, inter, topk_weight.reshape(-1), routing.sorted_ids, routing.block_expert,
+            routing.block_rows, routing.rows_used, topk_ids.reshape(-1), expert_map,
+            stage_scales.x, stage_scales.w, out.arrivals, out.q, out.scale, pairs, model_dim,
+            inter_dim, out.group, x.stride(0), x.stride(1), w1.stride(0), w1.stride(1),
+            w1.stride(2), inter.stride(0), inter.stride(1), *stage_scales.strides,
+            *out.strides, TOPK=topk, ACT=activation, MUL_WEIGHT=doweight_stage1,
+            SCALED=stage_scales.kind, INPUT_PRECISION=_checks.input_precision(x.dtype),
+            PAIR_BLOCKS=routing.pair_blocks, PDL=PDL, ROUTING_READY=scaled,
+            SPLIT_K=config.split_k, QUANT_OUT=bool(config.quant_out), FP8_MAX=FP8_MAX,
+            AMAX_FLOOR=AMAX_FLOOR, ONE_TILE=out.one_tile, BLOCK_Q=out.block,
+            BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+            num_warps=config.num_warps, num_stages=config.num_stages)
     if not scaled:
         return inter
     if config.quant_out:
@@ -473,6 +469,7 @@ def run_stage1(x, w1, topk_weight, topk_ids, expert_map, routing, activation: in
 
 
 ARRIVALS_KIND = "moe_stage1_arrivals"
+QUANT_OUT_SCALINGS = (Scaling.rowwise, Scaling.block)  # what stage 1 can quantise itself
 # The widest group of columns the program finishing a block holds in registers at once (wider
 # groups take two passes): its registers are those of the GEMM it ran.
 QUANT_OUT_BLOCK_MAX = 2048
@@ -528,7 +525,6 @@ def run_stage2(inter, w2, topk_weight, topk_ids, expert_map, routing, doweight_s
     if scales is not None:
         inter, x_scale = inter
         w_scale = scales.w2
-    scaled = x_scale is not None
     inter_dim = inter.shape[1]
     pairs = topk_ids.numel()
     model_dim = w2.shape[1]
@@ -538,19 +534,19 @@ def run_stage2(inter, w2, topk_weight, topk_ids, expert_map, routing, doweight_s
         partial = torch.zeros((pairs, model_dim), dtype=torch.float32, device=inter.device)
     else:
         partial = torch.empty((pairs, model_dim), dtype=dtype, device=inter.device)
+    stage_scales = _stage_scales(x_scale, w_scale, partial)
     if config.persistent:
         launch_stage2_persistent(inter, w2, partial, topk_weight, routing, doweight_stage1,
-                                 config, warmup)
+                                 config, warmup, stage_scales)
     else:
         grid = (routing.blocks, triton.cdiv(model_dim, config.block_n), config.split_k)
-        w_scale = w_scale if scaled else partial  # unread without SCALED
         _checks.start(moe_stage2_kernel, grid, warmup, launch_pdl=PDL)(
             inter, w2, partial, topk_weight.reshape(-1), routing.sorted_ids,
             routing.block_expert, routing.block_rows, routing.rows_used, topk_ids.reshape(-1),
-            expert_map, x_scale if scaled else partial, w_scale, pairs, model_dim, inter_dim,
+            expert_map, stage_scales.x, stage_scales.w, pairs, model_dim, inter_dim,
             inter.stride(0), inter.stride(1), w2.stride(0), w2.stride(1), w2.stride(2),
-            partial.stride(0), partial.stride(1), *_scale_strides(x_scale, w_scale),
-            MUL_WEIGHT=not doweight_stage1, SCALED=_scaling(x_scale), SPLIT_K=config.split_k,
+            partial.stride(0), partial.stride(1), *stage_scales.strides,
+            MUL_WEIGHT=not doweight_stage1, SCALED=stage_scales.kind, SPLIT_K=config.split_k,
             INPUT_PRECISION=_checks.input_precision(dtype), PAIR_BLOCKS=routing.pair_blocks,
             PDL=PDL, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
             num_warps=config.num_warps, num_stages=config.num_stages)
@@ -561,11 +557,13 @@ def run_stage2(inter, w2, topk_weight, topk_ids, expert_map, routing, doweight_s
     return run_sum(partial, topk_ids, expert_map, out, warmup)
 
 
-def _scaling(x_scale) -> int:
-    """SCALED for these activation scales: none, (T,) / () rows, (T, K/128) blocks."""
+def _stage_scales(x_scale, w_scale, stand_in: torch.Tensor) -> StageScales:
+    """A stage's scales as its kernels take them (``stand_in`` for the unread pointers of a
+    bf16 stage): SCALED none, rows for (T,) / () activation scales, blocks for (T, K/128)."""
     if x_scale is None:
-        return SCALING_NONE
-    return SCALING_BLOCKS if x_scale.dim() == 2 else SCALING_ROWS
+        return StageScales.none(stand_in)
+    kind = SCALING_BLOCKS if x_scale.dim() == 2 else SCALING_ROWS
+    return StageScales(x_scale, w_scale, kind, _scale_strides(x_scale, w_scale))
 
 
 def _scale_strides(x_scale, w_scale) -> tuple[int, int, int, int, int]:
