@@ -126,8 +126,9 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=1)
     p.add_argument("--q_type", choices=sorted(SCALINGS), default="per_Token")
     p.add_argument("--kernel", help="the two-stage FP8 solution to take apart")
-    p.add_argument("--table", type=Path, default=Path(gemmtune.__file__).parent / "configs"
-                   / "tuned_fmoe.csv", help="without --kernel: the tuned fmoe table to take it from")
+    p.add_argument("--table", type=Path,
+                   default=Path(gemmtune.__file__).parent / "configs" / "tuned_fmoe.csv",
+                   help="without --kernel: the tuned fmoe table to take it from")
     p.add_argument("--out", default="out")
     args = p.parse_args()
     kernel = args.kernel or tuned_kernel(args.table, args.model, args.tokens, args.q_type)

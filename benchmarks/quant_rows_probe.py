@@ -7,9 +7,9 @@ a single launch timed under CUDA-graph replay (median of 50 replays of a graph o
 Rows: (tokens, width) of qwen3-30b-a3b (2048), mixtral (4096) and deepseek-v3 (7168) at 1 and 8
 tokens. Columns: ``default`` (what quant_rows launches), ``wN`` (the whole row in registers,
 N warps), ``passes_B`` (the row in two passes of B values, 4 warps), ``chunksC`` (C programs
-a row, each measuring all of it and dividing 1/C, 16 warps), ``before`` (the launch of
-session 14: one program a row, warps by width) and ``empty`` (a launch that does nothing:
-the floor).
+a row, each measuring all of it and dividing 1/C, 16 warps), ``before`` (one program a row,
+warps by width: quant_rows without chunks) and ``empty`` (a launch that does nothing: the
+floor).
 """
 
 from __future__ import annotations

@@ -228,7 +228,6 @@ def test_persistent_stages_refuse_rows_tma_cannot_read():
         gemmtune.fused_moe(hidden, w1_strided, w2, weight, ids, kernel=PERSISTENT)
 
 
-@pytest.mark.filterwarnings(UNWRITTEN_ROWS_WARNINGS)
 def poison_empty(monkeypatch):
     """From here on torch.empty fills what it makes with NaN (int32: 2**30): what a kernel
     leaves unwritten, and then uses, shows."""
@@ -240,6 +239,7 @@ def poison_empty(monkeypatch):
     monkeypatch.setattr(torch, "empty", poisoned)
 
 
+@pytest.mark.filterwarnings(UNWRITTEN_ROWS_WARNINGS)
 @pytest.mark.parametrize("speculate", [True, False])
 def test_the_sum_never_uses_rows_of_other_ranks_experts(speculate, monkeypatch):
     # Few tokens: the sum loads every slot's row before it knows which are local (the rows of
@@ -264,6 +264,7 @@ def test_the_sum_never_uses_rows_of_other_ranks_experts(speculate, monkeypatch):
         assert torch.equal(out[2], torch.zeros_like(out[2])), name  # experts 1 and 7: elsewhere
 
 
+@pytest.mark.filterwarnings(UNWRITTEN_ROWS_WARNINGS)
 def test_padding_rows_and_unset_routing_entries_are_never_read(monkeypatch):
     # The routing leaves padding rows of sorted_ids (and blocks past the rows used) unset, and
     # stage 1 leaves the intermediate's padding rows unwritten: poison every such buffer so a

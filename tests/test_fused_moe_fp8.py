@@ -514,34 +514,39 @@ def test_gpu_fp8_triton_rows_capture_in_a_cuda_graph():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("q_type,tokens,blocks", [
-    (QuantType.per_Token, 1, ".PB1"), (QuantType.per_Token, 64, ".PB0"),
-    (QuantType.No, 1, ".PB1"), (QuantType.No, 64, ".PB0")])
-def test_gpu_stages_read_this_replays_routing_under_a_graph_that_routes(q_type, tokens, blocks):
+@pytest.mark.parametrize("q_type,tokens,blocks,ranks", [
+    (QuantType.per_Token, 1, ".PB1", 1), (QuantType.per_Token, 64, ".PB0", 1),
+    (QuantType.No, 1, ".PB1", 1), (QuantType.No, 64, ".PB0", 1),
+    (QuantType.per_Token, 1, ".PB1", 4), (QuantType.per_1x128, 1, ".PB1.P0.SK2.QO1", 4)])
+def test_gpu_stages_read_this_replays_routing_under_a_graph_that_routes(q_type, tokens, blocks,
+                                                                        ranks):
     # The router's top-k runs in the same graph as the layer, right before it: the stages that
     # read their routing before waiting for the launch before them (stage 2; stage 1 after the
-    # activations' quantiser) must still see this replay's. The eager call's bits.
+    # activations' quantiser) must still see this replay's. The eager call's bits. With
+    # expert parallelism (16 of ranks x 16 experts here) a replay often routes one token to no
+    # local expert, when every program of both stages has nothing to compute.
     fp8 = q_type is not QuantType.No
     kernel = (f"triton.moe1:BM16.BN64.BK128.W4.S3{blocks}"
-              f"+triton.moe2:BM16.BN64.BK128.SK1.W4.S3{blocks}")
-    layer = fp8_layer(tokens, 2048, 768, 16, 4, QuantType.per_Token, seed=10,
-                      dtype=torch.bfloat16)
+              f"+triton.moe2:BM16.BN64.BK128.SK1.W4.S3{blocks[:4]}")
+    layer = fp8_layer(tokens, 2048, 768, 16, 4, QuantType.per_Token if not fp8 else q_type,
+                      seed=10, dtype=torch.bfloat16)
     w1, w2 = (layer.w1q, layer.w2q) if fp8 else (layer.w1.to(torch.bfloat16),
                                                   layer.w2.to(torch.bfloat16))
     scales = dict(quant_type=q_type, w1_scale=layer.s1, w2_scale=layer.s2) if fp8 else {}
-    logits = torch.randn(tokens, 16, device=DEVICE)
+    mask = torch.arange(16 * ranks, device=DEVICE) < 16 if ranks > 1 else None
+    logits = torch.randn(tokens, 16 * ranks, device=DEVICE)
 
     def layer_call():
         weight, ids = torch.topk(torch.softmax(logits, -1), 4)
         return gemmtune.fused_moe(layer.hidden, w1, w2, weight, ids.to(torch.int32),
-                                  kernel=kernel, **scales)
+                                  expert_mask=mask, kernel=kernel, **scales)
 
     graph = torch.cuda.CUDAGraph()
     layer_call()
     with torch.cuda.graph(graph):
         captured = layer_call()
-    for seed in range(3):
-        logits.copy_(torch.randn(tokens, 16, device=DEVICE,
+    for seed in range(8):
+        logits.copy_(torch.randn(tokens, 16 * ranks, device=DEVICE,
                                  generator=torch.Generator(DEVICE).manual_seed(seed)))
         graph.replay()
         assert torch.equal(captured, layer_call())

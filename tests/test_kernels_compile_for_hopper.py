@@ -44,15 +44,15 @@ SCRIPT = textwrap.dedent("""
                     {**routing, **fp32, **quant_out, "x_ptr": f"*{dtype}",
                      "w1_ptr": f"*{dtype}"},
                     dict(TOPK=2, ACT=0, MUL_WEIGHT=False, SCALED=scaled,
-                         SPLIT_K=2 if scaled else 1,
-                         **{**no_quant_out, "ROUTING_READY": bool(scaled)}, **tiles))  # FP8: parts
-        # added atomically
+                         SPLIT_K=2 if scaled else 1,  # FP8: parts added atomically
+                         **{**no_quant_out, "ROUTING_READY": bool(scaled)}, **tiles))
         second = ptx(moe_stages.moe_stage2_kernel,
                      {**routing, **fp32, "inter_ptr": f"*{dtype}", "w2_ptr": f"*{dtype}"},
                      dict(MUL_WEIGHT=True, SCALED=scaled, SPLIT_K=1, **tiles))
         assert "wgmma.mma_async" in first and mma in first and mma in second, (dtype, scaled)
         # The routing read before waiting for the launch before where it was in place already
         # (stage 2; stage 1 after the activations' quantiser), after it where not.
+        assert -1 < first.find("ld.global") and -1 < first.find("griddepcontrol.wait")
         loads_first = first.find("ld.global") < first.find("griddepcontrol.wait")
         assert loads_first == bool(scaled), scaled
         assert -1 < second.find("ld.global") < second.find("griddepcontrol.wait")

@@ -160,7 +160,7 @@ def _pair_block_space(problem: MoeProblem, load: Load) -> tuple[list[MoeStage1Co
               if problem.inter_dim >= 2 * split_k * bk]
     if problem.scaling in QUANT_OUT_OFFERED:
         first += [dataclasses.replace(config, quant_out=1) for config in first
-                  if config.num_stages in (3, 4)]
+                  if config.num_stages in (3, 4, 6)]
     return first, second
 
 

@@ -27,7 +27,7 @@ from gemmtune.kernels.triton.moe_grouped_mm import moe_grouped_mm, why_not_group
 from gemmtune.kernels.triton.moe_one_stage import moe_one_stage, why_not_one_stage
 from gemmtune.kernels.triton.moe_persistent import why_not_tma
 from gemmtune.kernels.triton.moe_routing import moe_routing, pair_blocks
-from gemmtune.kernels.triton.moe_stages import (QUANT_OUT_SCALINGS, moe_stages, why_not_stage1,
+from gemmtune.kernels.triton.moe_stages import (moe_stages, why_not_quant_out, why_not_stage1,
                                                 why_not_stage2)
 from gemmtune.kernels.triton.moe_stream import moe_stream, why_not_stream
 
@@ -51,19 +51,6 @@ def _why_not_fp8(solution: "TritonTwoStageMoe", problem: MoeProblem) -> str | No
                 f"block scales each K step must lie in one block (block_k divides 128)")
     if problem.dtype not in DTYPES:
         return f"{problem.dtype} activations: the Triton MoE kernels take {DTYPES}"
-    return None
-
-
-def _why_not_quant_out(stage1: MoeStage1Config, problem: MoeProblem) -> str | None:
-    """Stage 1 quantising its own output (``QO1``): for FP8 experts scaled per token or per 1x128
-    block (a per-tensor scale needs every row first), outside the persistent stage."""
-    if stage1.quant_out not in (0, 1):
-        return f"quant_out={stage1.quant_out} must be 0 or 1"
-    if stage1.quant_out and stage1.persistent:
-        return "quant_out: the persistent stage 1 leaves its output to the quantiser's launch"
-    if stage1.quant_out and problem.scaling not in QUANT_OUT_SCALINGS:
-        return (f"quant_out: stage 1 quantises its output per row or per 1x128 block, for FP8 "
-                f"experts scaled per token or per block, not {problem.scaling.value} scales")
     return None
 
 
@@ -103,7 +90,7 @@ class TritonTwoStageMoe:
                     f"{self.stage1.pair_blocks} and stage 2 block_m={self.stage2.block_m}, "
                     f"pair_blocks={self.stage2.pair_blocks}: both run over one routing, so they "
                     f"must agree")
-        quant_out = _why_not_quant_out(self.stage1, problem)
+        quant_out = why_not_quant_out(self.stage1, problem.scaling)
         if quant_out:
             return quant_out
         if self.stage1.split_k > 1 and problem.doweight_stage1:

@@ -207,15 +207,27 @@ class RoutedRows(NamedTuple):
     block_m: int = 1
 
 
+class GroupTile(NamedTuple):
+    """How a program holds a group of columns: ``block`` values at a time, and whether that is
+    the whole group (read once)."""
+
+    block: int
+    one_tile: bool
+
+
+def group_tile(width: int, group: int, block_max: int) -> GroupTile:
+    """The tile for groups of ``group`` columns of rows ``width`` wide, at most ``block_max``."""
+    span = triton.next_power_of_2(max(min(width, group), 16))
+    return GroupTile(min(span, block_max), span <= block_max)
+
+
 def _launch(x, q, scale, group: int, scale_strides: tuple[int, int], given: bool,
             write_q: bool, warmup: bool, routed: RoutedRows | None, act: int | None) -> None:
     rows, dim = q.shape
     kind, a, b, block_m = routed if routed is not None else (ALL_ROWS.value, scale, scale, 1)
-    span = triton.next_power_of_2(max(min(dim, group), 16))
-    block_d = min(ONE_TILE_MAX, span)
-    one_tile = span <= ONE_TILE_MAX
-    chunks = 1
-    if one_tile and act is None and not given and rows <= CHUNKED_MAX_ROWS:
+    block_d, one_tile = group_tile(dim, group, ONE_TILE_MAX)
+    chunks = 1  # (a pass that only measures gains nothing from chunks: each measures it all)
+    if one_tile and write_q and act is None and not given and rows <= CHUNKED_MAX_ROWS:
         chunks = max(1, min(MAX_CHUNKS, block_d // CHUNK_VALUES))
     if rows and dim:
         _checks.start(quant_rows_kernel, (rows, triton.cdiv(dim, group), chunks), warmup,

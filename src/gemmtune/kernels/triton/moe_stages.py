@@ -36,18 +36,17 @@ import triton.language as tl
 
 from gemmtune.kernels.problem import MoeScales, Scaling
 from gemmtune.kernels.triton import _checks
-from gemmtune.kernels.triton.moe_common import (PDL, SCALING_BLOCKS, SCALING_ROWS, block_scales, gate_up_sums,
-                                                gated_activation, let_next_start,
-                                                rows_and_channels_scaled, stream_workspace,
-                                                wait_for_inputs)
+from gemmtune.kernels.triton.moe_common import (PDL, SCALING_BLOCKS, SCALING_ROWS,
+                                                block_scales, gate_up_sums, gated_activation,
+                                                let_next_start, rows_and_channels_scaled,
+                                                stream_workspace, wait_for_inputs)
 from gemmtune.kernels.triton.moe_configs import (BLOCK_MS, FLATTENED, PAIR_BLOCK_M, PERSISTENT,
                                                  MoeStage1Config, MoeStage2Config)
 from gemmtune.kernels.triton.moe_persistent import (StageScales, launch_stage1_persistent,
                                                     launch_stage2_persistent)
 from gemmtune.kernels.triton.moe_quant import (AMAX_FLOOR, BLOCK, FP8_MAX, GROUPED_ROWS,
-                                               PAIR_ROWS, RoutedRows, quant_blocks, quant_rows,
-                                               quant_tensor, quantise_group)
-
+                                               PAIR_ROWS, RoutedRows, group_tile, quant_blocks,
+                                               quant_rows, quant_tensor, quantise_group)
 
 
 def why_not_stage(config, dtype: torch.dtype, accumulators: int, w_tiles: int) -> str | None:
@@ -140,8 +139,9 @@ def _inter_rows(block, ids, real, PAIR_BLOCKS: tl.constexpr, BLOCK_M: tl.constex
 # of the op's own (ROUTING_READY: stage 1 after the activations' quantiser, stage 2 always)
 # reads its routing before waiting, overlapping the previous kernel's tail: the routing was
 # complete before that kernel passed its own wait, which came before it let this one start.
-
-
+# Every program still waits, those with nothing to compute too: a launch whose programs all
+# returned without waiting would count as done while the one before it still wrote, and the
+# launch after it waits for this one only.
 
 
 @triton.jit
@@ -167,7 +167,7 @@ def moe_stage1_kernel(
     INPUT_PRECISION: tl.constexpr,
     PAIR_BLOCKS: tl.constexpr,
     PDL: tl.constexpr,
-    ROUTING_READY: tl.constexpr,  # ROUTING_FIRST below
+    ROUTING_READY: tl.constexpr,  # ROUTING_FIRST above
     SPLIT_K: tl.constexpr,
     QUANT_OUT: tl.constexpr,  # the block's last program quantises its rows
     FP8_MAX: tl.constexpr, AMAX_FLOOR: tl.constexpr,
@@ -180,6 +180,8 @@ def moe_stage1_kernel(
                                     rows_used_ptr, topk_ids_ptr, expert_map_ptr,
                                     tl.program_id(0), pairs, BLOCK_M, PAIR_BLOCKS)
     if expert < 0:
+        if ROUTING_READY:  # (every program waits: see ROUTING_FIRST)
+            wait_for_inputs(PDL)
         return
     tokens = tl.where(real, ids // TOPK, 0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -226,9 +228,9 @@ def _quantise_when_last(inter_ptr, arrivals_ptr, q_ptr, qs_ptr, block_rows_ptr, 
                         FP8_MAX: tl.constexpr, AMAX_FLOOR: tl.constexpr,
                         ONE_TILE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr):
     """Count this program's tiles of ``block`` done; the program that completes the block
-    quantises its rows (a scale per ``group`` columns, as the quantiser's launch would: the same bits;
-    GATED: of the split parts' gate and up sums, which it leaves zero) and sets the count back
-    to 0 for the next call. The count's release and acquire order every program's stores
+    quantises its rows (a scale per ``group`` columns, as the quantiser's launch would: the same
+    bits; GATED: of the split parts' gate and up sums, which it leaves zero) and sets the count
+    back to 0 for the next call. The count's release and acquire order every program's stores
     before the last one's loads, which bypass L1 (".cg": other SMs wrote the rows)."""
     tl.debug_barrier()  # every thread's stores issued before the count says they are
     parts = tl.num_programs(1) * tl.num_programs(2)
@@ -272,6 +274,7 @@ def moe_stage2_kernel(
                                     rows_used_ptr, topk_ids_ptr, expert_map_ptr,
                                     tl.program_id(0), pairs, BLOCK_M, PAIR_BLOCKS)
     if expert < 0:
+        wait_for_inputs(PDL)
         return
     rows = tl.where(real, ids, 0).to(tl.int64)
     inter_rows = _inter_rows(tl.program_id(0), ids, real, PAIR_BLOCKS, BLOCK_M)
@@ -435,10 +438,9 @@ def run_stage1(x, w1, topk_weight, topk_ids, expert_map, routing, activation: in
     inter = _gate_up_sums(rows, inter_dim, x.device) if split else torch.empty(
         (rows, inter_dim), dtype=torch.float32 if scaled else x.dtype, device=x.device)
     stage_scales = _stage_scales(x_scale, w_scale, inter)
-    if config.quant_out and (config.persistent or scaling not in QUANT_OUT_SCALINGS
-                             or not scaled):
-        raise ValueError(f"{config.name}: stage 1 quantises its output for FP8 experts scaled "
-                         f"per token or per 1x128 block only, outside the persistent stage")
+    quant_out = why_not_quant_out(config, scaling if scaled else Scaling.none)
+    if quant_out:  # (the check refuses it; a direct caller gets the same words)
+        raise ValueError(f"{config.name}: {quant_out}")
     out = _QuantOut.of(inter, inter_dim, routing, scaling, config.quant_out)
     if config.persistent:
         launch_stage1_persistent(x, w1, inter, topk_weight, routing, activation,
@@ -470,6 +472,21 @@ def run_stage1(x, w1, topk_weight, topk_ids, expert_map, routing, activation: in
 
 ARRIVALS_KIND = "moe_stage1_arrivals"
 QUANT_OUT_SCALINGS = (Scaling.rowwise, Scaling.block)  # what stage 1 can quantise itself
+
+
+def why_not_quant_out(config: MoeStage1Config, scaling: Scaling) -> str | None:
+    """Stage 1 quantising its own output (``QO1``): for FP8 experts scaled per token or per
+    1x128 block (a per-tensor scale needs every row first), outside the persistent stage."""
+    if config.quant_out not in (0, 1):
+        return f"quant_out={config.quant_out} must be 0 or 1"
+    if not config.quant_out:
+        return None
+    if config.persistent:
+        return "quant_out: the persistent stage 1 leaves its output to the quantiser's launch"
+    if scaling not in QUANT_OUT_SCALINGS:
+        return (f"quant_out: stage 1 quantises its output per row or per 1x128 block, for FP8 "
+                f"experts scaled per token or per block, not {scaling.value} scales")
+    return None
 # The widest group of columns the program finishing a block holds in registers at once (wider
 # groups take two passes): its registers are those of the GEMM it ran.
 QUANT_OUT_BLOCK_MAX = 2048
@@ -506,11 +523,10 @@ class _QuantOut(NamedTuple):
                             device=device)
         if scaling is not Scaling.block:
             scale = scale.reshape(rows)
-        span = triton.next_power_of_2(max(min(inter_dim, group), 16))
-        block = min(span, QUANT_OUT_BLOCK_MAX)
+        tile = group_tile(inter_dim, group, QUANT_OUT_BLOCK_MAX)
         return cls(arrivals, q, scale, group,
                    (q.stride(0), scale.stride(0), scale.stride(1) if scale.dim() == 2 else 0),
-                   span <= block, block)
+                   tile.one_tile, tile.block)
 
 
 def run_stage2(inter, w2, topk_weight, topk_ids, expert_map, routing, doweight_stage1: bool,
