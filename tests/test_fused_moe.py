@@ -106,8 +106,8 @@ PERSISTENT = ("triton.moe1:BM16.BN16.BK16.W4.S1.PB0.P1"
 FLATTENED = PERSISTENT.replace(".P1", ".P2")  # the tile loop flattened into the K loop
 # Tiles of 16 and steps of 16 on both stages: ragged tiles and steps below.
 ONE_STAGE = "triton.moe_1stage:BN16.BK16.BD16.BI16.W4.S1"
-# Chunks of 2 columns and steps of 16 on both stages: ragged chunks and steps below.
-STREAM = "triton.moe_stream:BN2.BK16.BD2.BI16.W4"
+# Chunks of 16 columns and steps of 16 on both stages: ragged chunks and steps below.
+STREAM = "triton.moe_stream:BN16.BK16.BD16.BI16.W4"
 GROUPED_MM = "triton.moe_gmm"
 KERNEL_CASES = [
     # tokens, model_dim, inter_dim, experts, topk, activation, doweight_stage1, split_k, route

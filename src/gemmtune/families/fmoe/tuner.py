@@ -187,7 +187,7 @@ def _stream_space(problem: MoeProblem, gpu: bool) -> list[MoeStreamConfig]:
     if problem.tokens > STREAM_MAX_TOKENS:
         return []
     if not gpu:
-        return [MoeStreamConfig(2, 16, 2, 16, 4)]
+        return [MoeStreamConfig(16, 16, 16, 16, 4)]
     return [MoeStreamConfig(bn, bk, bd, bi, 4) for bn in (4, 8, 16) for bk in (256, 512)
             for bd in (4, 8, 16) for bi in (64, 128)]
 
