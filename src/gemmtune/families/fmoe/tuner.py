@@ -98,15 +98,11 @@ def _stage_space(problem: MoeProblem, gpu: bool,
     sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
     first, second = _pair_block_space(problem, load)
     fp8 = problem.scaling is not Scaling.none
-    quant_out = problem.scaling in QUANT_OUT_OFFERED
     for bm in (b for b in BLOCK_MS if b <= max(16, 2 * per_expert)):
         for bn in (32, 64, 128) if bm == 16 else (64, 128):
             for bk in (64, 128):
                 for warps, stages in ((4, 3), (4, 4), (8, 3)) + (((4, 6),) if fp8 else ()):
                     first.append(MoeStage1Config(bm, bn, bk, warps, stages))
-                    if (quant_out and problem.tokens <= QUANT_OUT_MAX_TOKENS and warps == 4
-                            and stages in (3, 4)):
-                        first.append(MoeStage1Config(bm, bn, bk, warps, stages, quant_out=1))
         blocks = load.blocks(bm)
         for bn in (64, 128, 256):
             for bk in (64, 128):
@@ -117,8 +113,19 @@ def _stage_space(problem: MoeProblem, gpu: bool,
                         continue
                     for warps, stages in ((4, 3), (8, 3)):
                         second.append(MoeStage2Config(bm, bn, bk, split_k, warps, stages))
+    first += _quant_out_variants(problem, [c for c in first if not c.pair_blocks], (3, 4))
     persistent_first, persistent_second = _persistent_space(problem, load)
     return first + persistent_first, second + persistent_second
+
+
+def _quant_out_variants(problem: MoeProblem, configs: list[MoeStage1Config],
+                        stages: tuple[int, ...]) -> list[MoeStage1Config]:
+    """Stage-1 configs (4 warps, ``stages`` deep) quantising their own output, where it is
+    offered (QUANT_OUT_OFFERED, up to QUANT_OUT_MAX_TOKENS tokens)."""
+    if problem.scaling not in QUANT_OUT_OFFERED or problem.tokens > QUANT_OUT_MAX_TOKENS:
+        return []
+    return [dataclasses.replace(c, quant_out=1) for c in configs
+            if c.num_warps == 4 and c.num_stages in stages]
 
 
 def _persistent_space(problem: MoeProblem, load: Load) -> tuple[list[MoeStage1Config],
@@ -158,10 +165,7 @@ def _pair_block_space(problem: MoeProblem, load: Load) -> tuple[list[MoeStage1Co
     second = [MoeStage2Config(PAIR_BLOCK_M, bn, bk, split_k, 4, 3, pair_blocks=1)
               for bn in (32, 64, 128) for bk in (64, 128, 256) for split_k in (1, 2)
               if problem.inter_dim >= 2 * split_k * bk]
-    if problem.scaling in QUANT_OUT_OFFERED:
-        first += [dataclasses.replace(config, quant_out=1) for config in first
-                  if config.num_stages in (3, 4, 6)]
-    return first, second
+    return first + _quant_out_variants(problem, first, (3, 4, 6)), second
 
 
 def _one_stage_space(problem: MoeProblem, gpu: bool) -> list[MoeOneStageConfig]:

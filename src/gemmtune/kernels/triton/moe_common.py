@@ -4,7 +4,7 @@ launch leaves zero for the next."""
 
 from __future__ import annotations
 
-from typing import Callable, TypeVar
+from typing import Callable, NamedTuple, TypeVar
 
 import torch
 import triton
@@ -112,17 +112,25 @@ def gate_up_sums(x_ptr, w1_ptr, rows, row_real, expert, cols, k_lo, k_hi, I, str
 
 
 @triton.jit
+def block_scaled_dot(acc, a, b, xs_ptr, rows, real, stride_xs, stride_xk, ws_ptr, expert, cols,
+                     stride_se, stride_sn, stride_sk, k0, INPUT_PRECISION: tl.constexpr):
+    """One K step with 1x128 / 128x128 block scales: ``acc + (a @ b) * scales`` (a (BM, BK),
+    b (BK, BN) of output columns ``cols``)."""
+    xs, ws = block_scales(xs_ptr, rows, real, stride_xs, stride_xk, ws_ptr, expert, cols,
+                          stride_se, stride_sn, stride_sk, k0)
+    return acc + tl.dot(a, b, input_precision=INPUT_PRECISION) * xs * ws
+
+
+@triton.jit
 def gate_up_block_step(gate, up, a, wg, wu, xs_ptr, rows, real, stride_xs, stride_xk, ws_ptr,
                        expert, cols, I, stride_se, stride_sn, stride_sk, k0,
                        INPUT_PRECISION: tl.constexpr):
-    """One K step of stage 1's sums with 1x128 / 128x128 block scales: ``a @ wg`` and
-    ``a @ wu`` (a (BM, BK), the weights (BK, BN)) scaled and added to gate and up."""
-    xs, gate_ws = block_scales(xs_ptr, rows, real, stride_xs, stride_xk, ws_ptr, expert, cols,
-                               stride_se, stride_sn, stride_sk, k0)
-    _, up_ws = block_scales(xs_ptr, rows, real, stride_xs, stride_xk, ws_ptr, expert, cols + I,
-                            stride_se, stride_sn, stride_sk, k0)
-    gate += tl.dot(a, wg, input_precision=INPUT_PRECISION) * xs * gate_ws
-    up += tl.dot(a, wu, input_precision=INPUT_PRECISION) * xs * up_ws
+    """One K step of stage 1's sums with block scales: ``a @ wg`` and ``a @ wu`` (the weights
+    (BK, BN), up's columns I on) scaled and added to gate and up."""
+    gate = block_scaled_dot(gate, a, wg, xs_ptr, rows, real, stride_xs, stride_xk, ws_ptr,
+                            expert, cols, stride_se, stride_sn, stride_sk, k0, INPUT_PRECISION)
+    up = block_scaled_dot(up, a, wu, xs_ptr, rows, real, stride_xs, stride_xk, ws_ptr, expert,
+                          cols + I, stride_se, stride_sn, stride_sk, k0, INPUT_PRECISION)
     return gate, up
 
 
@@ -135,6 +143,30 @@ def gated_activation(gate, up, ACT: tl.constexpr):
     else:
         act = 0.5 * gate * (1.0 + tl.erf(gate * 0.7071067811865476))
     return act * up.to(tl.float32)
+
+
+class StageScales(NamedTuple):
+    """An FP8 stage's scales as its kernels take them: the activations' and the weights', the
+    kind (SCALING_*) and their strides (activations by row and K block, weights by expert, row
+    or N block and K block; 0 where one scale covers many)."""
+
+    x: torch.Tensor
+    w: torch.Tensor
+    kind: int
+    strides: tuple[int, int, int, int, int]
+
+    @classmethod
+    def of(cls, x_scale, w_scale, stand_in: torch.Tensor) -> "StageScales":
+        """From a stage's activation scales ((T,) or () per row or tensor, (T, K/128) per
+        block, or None for bf16: ``stand_in`` takes the unread pointers' places) and weight
+        scales."""
+        if x_scale is None:
+            return cls(stand_in, stand_in, SCALING_NONE.value, (0, 0, 0, 0, 0))
+        kind = SCALING_BLOCKS if x_scale.dim() == 2 else SCALING_ROWS
+        x_strides = [x_scale.stride(d) if x_scale.dim() > d and x_scale.shape[d] > 1 else 0
+                     for d in (0, 1)]
+        w_strides = [w_scale.stride(d) if w_scale.shape[d] > 1 else 0 for d in (0, 1, 2)]
+        return cls(x_scale, w_scale, kind.value, (*x_strides, *w_strides))
 
 
 Workspace = TypeVar("Workspace")

@@ -13,8 +13,6 @@ rows (``why_not_tma``). FP8 experts are scaled as the other stages scale them (`
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 import triton
 import triton.language as tl
@@ -22,8 +20,8 @@ import triton.language as tl
 from gemmtune.kernels.triton import _checks
 from gemmtune.kernels.triton.gemm_persistent import _TMA_ALIGN
 from gemmtune.kernels.triton.gemm_tile import grouped_tile
-from gemmtune.kernels.triton.moe_common import (PDL, SCALING_BLOCKS, SCALING_ROWS,
-                                                block_scales, gate_up_block_step,
+from gemmtune.kernels.triton.moe_common import (PDL, SCALING_BLOCKS, SCALING_ROWS, StageScales,
+                                                block_scaled_dot, gate_up_block_step,
                                                 gated_activation, let_next_start,
                                                 rows_and_channels_scaled, wait_for_inputs)
 from gemmtune.kernels.triton.moe_configs import FLATTENED
@@ -158,9 +156,9 @@ def moe_stage2_tma_kernel(
             a = inter_desc.load([block * BLOCK_M, k0])
             b = w2_desc.load([w_row, k0])
             if SCALED == SCALING_BLOCKS:
-                xs, ws = block_scales(is_ptr, inter_rows, real, stride_is, stride_ik, ws_ptr,
-                                      expert, cols, stride_se, stride_sn, stride_sk, k0)
-                acc += tl.dot(a, b.T, input_precision=INPUT_PRECISION) * xs * ws
+                acc = block_scaled_dot(acc, a, b.T, is_ptr, inter_rows, real, stride_is,
+                                       stride_ik, ws_ptr, expert, cols, stride_se, stride_sn,
+                                       stride_sk, k0, INPUT_PRECISION)
             else:
                 acc = tl.dot(a, b.T, acc, input_precision=INPUT_PRECISION)
         if SCALED == SCALING_ROWS:
@@ -176,12 +174,11 @@ def moe_stage2_tma_kernel(
 
 
 def launch_stage1_persistent(x, w1, inter, topk_weight, routing, activation: int,
-                             doweight_stage1: bool, config, warmup: bool = False,
-                             scales: StageScales | None = None):
+                             doweight_stage1: bool, config, scales: StageScales,
+                             warmup: bool = False):
     """Stage 1 over ``routing`` into ``inter`` (the routing's rows, I); -> ``inter``. FP8 x and
     w1 come with their ``scales``."""
     pairs = topk_weight.numel()
-    scales = scales or StageScales.none(inter)
     _start(moe_stage1_tma_kernel, x.device, warmup)(
         x, _descriptor(w1, "w1", config.block_n, config.block_k), inter,
         topk_weight.reshape(-1), routing.sorted_ids, routing.block_expert, routing.block_rows,
@@ -196,11 +193,9 @@ def launch_stage1_persistent(x, w1, inter, topk_weight, routing, activation: int
 
 
 def launch_stage2_persistent(inter, w2, partial, topk_weight, routing, doweight_stage1: bool,
-                             config, warmup: bool = False,
-                             scales: StageScales | None = None) -> None:
+                             config, scales: StageScales, warmup: bool = False) -> None:
     """Stage 2 over ``routing`` into ``partial`` (pairs, D), one row per pair. An FP8
     intermediate and w2 come with their ``scales``."""
-    scales = scales or StageScales.none(partial)
     _start(moe_stage2_tma_kernel, inter.device, warmup)(
         _descriptor(inter, "the intermediate", config.block_m, config.block_k),
         _descriptor(w2, "w2", config.block_n, config.block_k), partial,
@@ -212,22 +207,6 @@ def launch_stage2_persistent(inter, w2, partial, topk_weight, routing, doweight_
         PDL=PDL, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         GROUP_M=GROUP_BLOCKS, FLATTEN=config.persistent == FLATTENED,
         num_warps=config.num_warps, num_stages=config.num_stages)
-
-
-class StageScales(NamedTuple):
-    """An FP8 stage's scales as its kernel takes them: the activations' and the weights', the
-    kind (moe_common's SCALING_*) and their strides (activations by row and K block, weights by
-    expert, row or N block and K block; 0 where one scale covers many)."""
-
-    x: torch.Tensor
-    w: torch.Tensor
-    kind: int
-    strides: tuple[int, int, int, int, int]
-
-    @classmethod
-    def none(cls, stand_in: torch.Tensor) -> "StageScales":
-        """No scales (bf16 experts): ``stand_in`` takes the unread pointers' places."""
-        return cls(stand_in, stand_in, 0, (0, 0, 0, 0, 0))
 
 
 def _programs(device: torch.device) -> int:

@@ -108,8 +108,7 @@ def quant_rows_kernel(x_ptr, q_ptr, scale_ptr, routed_a_ptr, routed_b_ptr, D, GR
     else:  # (the launch asks for chunks with ONE_TILE, neither GATED nor SCALE_GIVEN)
         offs = tl.arange(0, BLOCK_D)
         v = _values(x_ptr, row, lo + offs, lo + offs < hi, D, stride_xt, stride_xd, False, 0, "")
-        scale = _scale(tl.max(tl.abs(v), 0), tl.sum((v != v).to(tl.int32), 0), FP8_MAX,
-                       AMAX_FLOOR)
+        scale = _scale_of(v, FP8_MAX, AMAX_FLOOR)
         chunk = tl.program_id(2)
         if chunk == 0:
             tl.store(where, scale)
@@ -167,12 +166,17 @@ def _quantise_values(v, x_ptr, q_ptr, where, row, cols, inside, D, stride_xt, st
     if SCALE_GIVEN:
         scale = tl.load(where)
     else:
-        scale = _scale(tl.max(tl.abs(v), 0), tl.sum((v != v).to(tl.int32), 0), FP8_MAX,
-                       AMAX_FLOOR)
+        scale = _scale_of(v, FP8_MAX, AMAX_FLOOR)
         tl.store(where, scale)
     if WRITE_Q:
         _store_q(x_ptr, q_ptr, row, cols, inside, v, scale, D, stride_xt, stride_xd, stride_qt,
                  GATED, FP8_MAX, BLOCK_D)
+
+
+@triton.jit
+def _scale_of(v, FP8_MAX: tl.constexpr, AMAX_FLOOR: tl.constexpr):
+    """The scale of a group's values held whole (masked-out lanes 0)."""
+    return _scale(tl.max(tl.abs(v), 0), tl.sum((v != v).to(tl.int32), 0), FP8_MAX, AMAX_FLOOR)
 
 
 @triton.jit
@@ -244,16 +248,27 @@ def _quantised_shape(x: torch.Tensor, act: int | None) -> tuple[int, int]:
     return (x.shape[0], x.shape[1] // 2) if act is not None else tuple(x.shape)
 
 
+def empty_quantised(rows: int, width: int, per_block: bool,
+                    device) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Room for ``rows`` x ``width`` FP8 values and their scales, one a row ((rows,)) or one a
+    1x128 block ((rows, ceil(width/128))), and the columns a scale covers."""
+    q = torch.empty((rows, width), dtype=torch.float8_e4m3fn, device=device)
+    if per_block:
+        scale = torch.empty((rows, triton.cdiv(width, BLOCK)), dtype=torch.float32,
+                            device=device)
+        return q, scale, BLOCK
+    return q, torch.empty(rows, dtype=torch.float32, device=device), max(1, width)
+
+
 def quant_rows(x: torch.Tensor, warmup: bool = False, routed: RoutedRows | None = None,
                act: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x (R, D) -> (q float8_e4m3fn (R, D) contiguous, scale float32 (R,)): one scale per row,
     as ``gemmtune.quant.per_token_fp8``. Rows ``routed`` says are empty are left unset. With
     ``act`` (SILU or GELU) x is (R, 2D) fp32 gate and up sums: the values quantised are
     ``act(gate) * up``, and the sums read are left zero."""
-    q = torch.empty(_quantised_shape(x, act), dtype=torch.float8_e4m3fn, device=x.device)
-    scale = torch.empty(q.shape[0], dtype=torch.float32, device=x.device)
-    _launch(x, q, scale, max(1, q.shape[1]), (1, 0), given=False, write_q=True, warmup=warmup,
-            routed=routed, act=act)
+    q, scale, group = empty_quantised(*_quantised_shape(x, act), False, x.device)
+    _launch(x, q, scale, group, (1, 0), given=False, write_q=True, warmup=warmup, routed=routed,
+            act=act)
     return q, scale
 
 
@@ -262,10 +277,8 @@ def quant_blocks(x: torch.Tensor, warmup: bool = False, routed: RoutedRows | Non
     """x (R, D) -> (q float8_e4m3fn (R, D), scale float32 (R, ceil(D/128))): one scale per
     1x128 block, as ``gemmtune.quant.per_block_fp8(x, ACT_BLOCK)``. Rows ``routed`` says are
     empty are left unset; ``act`` as in quant_rows."""
-    q = torch.empty(_quantised_shape(x, act), dtype=torch.float8_e4m3fn, device=x.device)
-    scale = torch.empty((q.shape[0], triton.cdiv(q.shape[1], BLOCK)), dtype=torch.float32,
-                        device=x.device)
-    _launch(x, q, scale, BLOCK, (scale.stride(0), 1), given=False, write_q=True, warmup=warmup,
+    q, scale, group = empty_quantised(*_quantised_shape(x, act), True, x.device)
+    _launch(x, q, scale, group, (scale.stride(0), 1), given=False, write_q=True, warmup=warmup,
             routed=routed, act=act)
     return q, scale
 

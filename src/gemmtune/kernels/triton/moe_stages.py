@@ -36,17 +36,19 @@ import triton.language as tl
 
 from gemmtune.kernels.problem import MoeScales, Scaling
 from gemmtune.kernels.triton import _checks
-from gemmtune.kernels.triton.moe_common import (PDL, SCALING_BLOCKS, SCALING_ROWS,
-                                                block_scales, gate_up_sums, gated_activation,
-                                                let_next_start, rows_and_channels_scaled,
-                                                stream_workspace, wait_for_inputs)
+from gemmtune.kernels.triton.moe_common import (PDL, SCALING_BLOCKS, SCALING_ROWS, StageScales,
+                                                block_scaled_dot, gate_up_sums,
+                                                gated_activation, let_next_start,
+                                                rows_and_channels_scaled, stream_workspace,
+                                                wait_for_inputs)
 from gemmtune.kernels.triton.moe_configs import (BLOCK_MS, FLATTENED, PAIR_BLOCK_M, PERSISTENT,
                                                  MoeStage1Config, MoeStage2Config)
-from gemmtune.kernels.triton.moe_persistent import (StageScales, launch_stage1_persistent,
+from gemmtune.kernels.triton.moe_persistent import (launch_stage1_persistent,
                                                     launch_stage2_persistent)
-from gemmtune.kernels.triton.moe_quant import (AMAX_FLOOR, BLOCK, FP8_MAX, GROUPED_ROWS,
-                                               PAIR_ROWS, RoutedRows, group_tile, quant_blocks,
-                                               quant_rows, quant_tensor, quantise_group)
+from gemmtune.kernels.triton.moe_quant import (AMAX_FLOOR, FP8_MAX, GROUPED_ROWS, PAIR_ROWS,
+                                               RoutedRows, empty_quantised, group_tile,
+                                               quant_blocks, quant_rows, quant_tensor,
+                                               quantise_group)
 
 
 def why_not_stage(config, dtype: torch.dtype, accumulators: int, w_tiles: int) -> str | None:
@@ -296,9 +298,9 @@ def moe_stage2_kernel(
         a = tl.load(a_ptrs, mask=real[:, None] & (lane[None, :] < k_left), other=0.0)
         b = tl.load(b_ptrs, mask=lane[:, None] < k_left, other=0.0)
         if SCALED == SCALING_BLOCKS:  # each K step lies in one 128 block (block_k | 128)
-            xs, ws = block_scales(is_ptr, inter_rows, real, stride_is, stride_ik, ws_ptr, expert,
-                                  cols, stride_se, stride_sn, stride_sk, k0)
-            acc += tl.dot(a, b, input_precision=INPUT_PRECISION) * xs * ws
+            acc = block_scaled_dot(acc, a, b, is_ptr, inter_rows, real, stride_is, stride_ik,
+                                   ws_ptr, expert, cols, stride_se, stride_sn, stride_sk, k0,
+                                   INPUT_PRECISION)
         else:
             acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
         a_ptrs += BLOCK_K * stride_in
@@ -341,7 +343,8 @@ def moe_sum_kernel(
     inside = offs < D
     slots = tl.arange(0, TOPK_P2)
     pairs = token * TOPK + slots
-    # A pair of another rank's expert was never written: its row is skipped, not read.
+    # A pair of another rank's expert was never written: its row is not used (nor read, but
+    # with SPECULATE).
     local = tl.load(expert_map_ptr + tl.load(topk_ids_ptr + pairs, mask=slots < TOPK, other=0),
                     mask=slots < TOPK, other=-1)
     at = partial_ptr + pairs[:, None] * stride_pp + offs[None, :] * stride_pn
@@ -437,14 +440,15 @@ def run_stage1(x, w1, topk_weight, topk_ids, expert_map, routing, activation: in
                          f"quantiser applies the activation and zeroes the sums")
     inter = _gate_up_sums(rows, inter_dim, x.device) if split else torch.empty(
         (rows, inter_dim), dtype=torch.float32 if scaled else x.dtype, device=x.device)
-    stage_scales = _stage_scales(x_scale, w_scale, inter)
-    quant_out = why_not_quant_out(config, scaling if scaled else Scaling.none)
-    if quant_out:  # (the check refuses it; a direct caller gets the same words)
-        raise ValueError(f"{config.name}: {quant_out}")
+    stage_scales = StageScales.of(x_scale, w_scale, inter)
+    if config.quant_out:  # (the check refuses what cannot run; a direct caller gets its words)
+        quant_out = why_not_quant_out(config, scaling if scaled else Scaling.none)
+        if quant_out:
+            raise ValueError(f"{config.name}: {quant_out}")
     out = _QuantOut.of(inter, inter_dim, routing, scaling, config.quant_out)
     if config.persistent:
         launch_stage1_persistent(x, w1, inter, topk_weight, routing, activation,
-                                 doweight_stage1, config, warmup, stage_scales)
+                                 doweight_stage1, config, stage_scales, warmup)
     else:
         _checks.start(moe_stage1_kernel,
                       (routing.blocks, triton.cdiv(inter_dim, config.block_n), config.split_k),
@@ -487,6 +491,8 @@ def why_not_quant_out(config: MoeStage1Config, scaling: Scaling) -> str | None:
         return (f"quant_out: stage 1 quantises its output per row or per 1x128 block, for FP8 "
                 f"experts scaled per token or per block, not {scaling.value} scales")
     return None
+
+
 # The widest group of columns the program finishing a block holds in registers at once (wider
 # groups take two passes): its registers are those of the GEMM it ran.
 QUANT_OUT_BLOCK_MAX = 2048
@@ -517,12 +523,7 @@ class _QuantOut(NamedTuple):
         arrivals = stream_workspace((ARRIVALS_KIND, routing.blocks), device,
                                     lambda: torch.zeros(routing.blocks, dtype=torch.int32,
                                                         device=device))
-        q = torch.empty((rows, inter_dim), dtype=torch.float8_e4m3fn, device=device)
-        group = BLOCK if scaling is Scaling.block else inter_dim
-        scale = torch.empty((rows, triton.cdiv(inter_dim, group)), dtype=torch.float32,
-                            device=device)
-        if scaling is not Scaling.block:
-            scale = scale.reshape(rows)
+        q, scale, group = empty_quantised(rows, inter_dim, scaling is Scaling.block, device)
         tile = group_tile(inter_dim, group, QUANT_OUT_BLOCK_MAX)
         return cls(arrivals, q, scale, group,
                    (q.stride(0), scale.stride(0), scale.stride(1) if scale.dim() == 2 else 0),
@@ -550,10 +551,10 @@ def run_stage2(inter, w2, topk_weight, topk_ids, expert_map, routing, doweight_s
         partial = torch.zeros((pairs, model_dim), dtype=torch.float32, device=inter.device)
     else:
         partial = torch.empty((pairs, model_dim), dtype=dtype, device=inter.device)
-    stage_scales = _stage_scales(x_scale, w_scale, partial)
+    stage_scales = StageScales.of(x_scale, w_scale, partial)
     if config.persistent:
         launch_stage2_persistent(inter, w2, partial, topk_weight, routing, doweight_stage1,
-                                 config, warmup, stage_scales)
+                                 config, stage_scales, warmup)
     else:
         grid = (routing.blocks, triton.cdiv(model_dim, config.block_n), config.split_k)
         _checks.start(moe_stage2_kernel, grid, warmup, launch_pdl=PDL)(
@@ -571,27 +572,6 @@ def run_stage2(inter, w2, topk_weight, topk_ids, expert_map, routing, doweight_s
     if out is None:
         out = torch.empty((tokens, model_dim), dtype=dtype, device=inter.device)
     return run_sum(partial, topk_ids, expert_map, out, warmup)
-
-
-def _stage_scales(x_scale, w_scale, stand_in: torch.Tensor) -> StageScales:
-    """A stage's scales as its kernels take them (``stand_in`` for the unread pointers of a
-    bf16 stage): SCALED none, rows for (T,) / () activation scales, blocks for (T, K/128)."""
-    if x_scale is None:
-        return StageScales.none(stand_in)
-    kind = SCALING_BLOCKS if x_scale.dim() == 2 else SCALING_ROWS
-    return StageScales(x_scale, w_scale, kind, _scale_strides(x_scale, w_scale))
-
-
-def _scale_strides(x_scale, w_scale) -> tuple[int, int, int, int, int]:
-    """The activations' scale strides (row, K block) and the weights' (expert, row or N
-    block, K block); 0 where one scale covers many (one per tensor, one per expert) or where
-    none is read."""
-    if x_scale is None:
-        return 0, 0, 0, 0, 0
-    x_strides = [x_scale.stride(d) if x_scale.dim() > d and x_scale.shape[d] > 1 else 0
-                 for d in (0, 1)]
-    w_strides = [w_scale.stride(d) if w_scale.shape[d] > 1 else 0 for d in (0, 1, 2)]
-    return (*x_strides, *w_strides)
 
 
 # Up to this many tokens the sum reads every slot's row without waiting for the expert map (the
