@@ -10,7 +10,15 @@ captured CUDA graph, the backends in an order rotated each round; a speed-up is 
 the rounds of the round's ratio. Logits of gemmtune and batched_mm against grouped_mm's.
 Prints gemmtune's speed-up over each backend and over the faster of the two.
 
+``--experts``: what a CUDA-graph decode step could gain from the experts at all. At each decode
+point the first layer's experts, on the inputs the model's router gave them, run alone as a CUDA
+graph through each backend; their floor is the bytes of the experts the routing picks (each read
+once) over the streaming bandwidth measured in the same run, plus t_launch. The step's ceiling
+is then the faster backend's step over gemmtune's step with every layer's experts at that floor
+(the attention, router and norms are transformers' own, the same in every backend).
+
     PYTHONPATH=src python3 benchmarks/e2e_hf_moe.py [--models mixtral-8x7b,qwen3-30b-a3b]
+        [--fp8] [--experts]
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ from __future__ import annotations
 import argparse
 import os
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -60,8 +69,51 @@ def build(name: str, backend: str):
     return model
 
 
+class ExpertsCeiling(NamedTuple):
+    """What one layer's experts take and could take, per decode point."""
+
+    experts_us: dict  # backend -> µs per call of the first layer's experts, graph replay
+    floor_us: float  # the routed experts' bytes over the streaming bandwidth, plus t_launch
+    distinct: int  # experts the routing picks
+
+
+def routed_inputs(point, model) -> tuple:
+    """The first layer's experts' inputs (hidden, top_k_index, top_k_weights) in a step."""
+    experts = model.model.layers[0].mlp.experts
+    seen = []
+    handle = experts.register_forward_pre_hook(
+        lambda module, args: seen.append(tuple(a.clone() for a in args)))
+    try:
+        point.rewind()
+        point.step(model)
+    finally:
+        handle.remove()
+    return seen[0]
+
+
+def experts_ceiling(point, model, bandwidth: float, launch: float) -> ExpertsCeiling:
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    from gemmtune.measure.timing import interleaved_graph_us
+
+    experts = model.model.layers[0].mlp.experts
+    inputs = routed_inputs(point, model)
+    functions = {b: ALL_EXPERTS_FUNCTIONS[b] for b in BACKENDS[:2]}
+    functions["gemmtune"] = gemmtune.experts.experts_forward
+    fns = [lambda args, f=f: f(experts, *args) for f in functions.values()]
+    for fn in fns:  # planned, compiled
+        fn(inputs)
+    torch.cuda.synchronize()
+    times = interleaved_graph_us(fns, [inputs], rounds=15, replays=2)
+    distinct = int(torch.unique(inputs[1]).numel())
+    per_expert = (experts.gate_up_proj[0].numel() + experts.down_proj[0].numel()) \
+        * experts.gate_up_proj.element_size()
+    floor = distinct * per_expert / bandwidth * 1e6 + launch
+    return ExpertsCeiling({b: t for b, (t, _) in zip(functions, times)}, floor, distinct)
+
+
 @torch.no_grad()
-def run_model(name: str, fp8: bool = False) -> list[dict]:
+def run_model(name: str, fp8: bool = False, experts: bool = False) -> list[dict]:
     variants = {backend: build(name, backend) for backend in BACKENDS}
     first = list(variants["grouped_mm"].parameters())
     if fp8:
@@ -72,6 +124,10 @@ def run_model(name: str, fp8: bool = False) -> list[dict]:
     model = variants["grouped_mm"]
     points = [(f"decode b={b}", DecodePoint(model, b)) for b in BATCHES]
     points.append((f"prefill {PREFILL}", PrefillPoint(model)))
+    if experts:
+        from gemmtune.measure.ceilings import launch_us, streaming_read_bytes_per_s
+
+        bandwidth, launch = streaming_read_bytes_per_s(), launch_us()
     rows = []
     for label, point in points:
         # batched_mm copies each token's experts' weights (a prefill of 512 Mixtral tokens:
@@ -110,11 +166,40 @@ def run_model(name: str, fp8: bool = False) -> list[dict]:
                 row[f"fp8_{kind}_x_gemmtune"] = round(timed[kind, FP8][1], 3)
                 row[f"fp8_{kind}_x_faster"] = round(faster / fp8_ms, 3)
             row["logits_err_fp8"] = f"{errors[FP8]:.1e}"
+        if experts and label.startswith("decode"):
+            row.update(ceiling_columns(experts_ceiling(point, model, bandwidth, launch),
+                                       timed, timed_here))
         rows.append(row)
         del graphs
     del variants, model
     torch.cuda.empty_cache()
     return rows
+
+
+def ceiling_columns(ceiling: ExpertsCeiling, timed: dict, timed_here: dict) -> dict:
+    """The step's ceiling under CUDA graphs: the faster backend's step over gemmtune's with
+    every layer's experts at their floor."""
+    faster = min(timed["graph", b][0] for b in BACKENDS[:2] if b in timed_here) * 1e3
+    step = timed["graph", "gemmtune"][0] * 1e3
+    rest = step - LAYERS * ceiling.experts_us["gemmtune"]
+    columns = {f"experts_us_{b}": round(t, 1) for b, t in ceiling.experts_us.items()}
+    columns.update(experts_floor_us=round(ceiling.floor_us, 1), experts_distinct=ceiling.distinct,
+                   step_rest_us=round(rest, 1),
+                   graph_ceiling_x_faster=round(faster / (rest + LAYERS * ceiling.floor_us), 3))
+    return columns
+
+
+def report_ceilings(rows: list[dict]) -> None:
+    print("CUDA-graph decode: one layer's experts alone (µs, graph replay), their floor, the "
+          "rest of gemmtune's step, and the step's ceiling over the faster backend")
+    print(f"{'model':<14} {'point':<12} {'grouped':>8} {'batched':>8} {'gemmtune':>8} "
+          f"{'floor':>7} {'picked':>6} {'rest':>7} {'ceiling':>7}")
+    for r in rows:
+        if "experts_floor_us" in r:
+            print(f"{r['model']:<14} {r['point']:<12} {r['experts_us_grouped_mm']:>8} "
+                  f"{r['experts_us_batched_mm']:>8} {r['experts_us_gemmtune']:>8} "
+                  f"{r['experts_floor_us']:>7} {r['experts_distinct']:>6} "
+                  f"{r['step_rest_us']:>7} {r['graph_ceiling_x_faster']:>7}")
 
 
 def report_fp8(rows: list[dict]) -> None:
@@ -149,14 +234,19 @@ def main() -> None:
                         help=f"comma-separated, of {', '.join(MODELS)}")
     parser.add_argument("--fp8", action="store_true",
                         help="also gemmtune with its experts quantised to FP8 (per channel)")
+    parser.add_argument("--experts", action="store_true",
+                        help="also each backend's experts alone and the step's ceiling")
     args = parser.parse_args()
     out_dir = Path(os.environ.get("OUT", "out"))
     out_dir.mkdir(parents=True, exist_ok=True)
     gemmtune.experts.register()
-    rows = [row for name in args.models.split(",") for row in run_model(name, args.fp8)]
+    rows = [row for name in args.models.split(",")
+            for row in run_model(name, args.fp8, args.experts)]
     report(rows, out_dir)
     if args.fp8:
         report_fp8(rows)
+    if args.experts:
+        report_ceilings(rows)
 
 
 if __name__ == "__main__":

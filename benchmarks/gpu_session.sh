@@ -244,6 +244,8 @@ for what in "$@"; do
                     --model "$model" --tokens "$t" --q_type "$q" ${table:+--table "$table"} \
                     --out "$OUT"
             done ;;
+        moehost)  # host µs per eager MoE call: plain, recorded chain, transformers' backends
+            TAIL=20 stage moehost 300 python3 benchmarks/moe_host_cost.py ;;
         overhead)  # host µs per eager call of every op's backends (benchmarks/dispatch_overhead.py)
             TAIL=40 stage overhead 400 python3 benchmarks/dispatch_overhead.py ;;
         probe)  # the host cost of a Triton row's eager call, layer by layer
@@ -265,11 +267,12 @@ for what in "$@"; do
             TAIL=16 stage "e2eone_${what#e2eone:}" 300 python3 benchmarks/e2e_hf_diag.py \
                 --one-kernel "${what#e2eone:}" ;;
         e2emoe*)  # e2emoe[:MODELS]: transformers MoE models, experts through gemmtune vs
-            # transformers' grouped_mm and batched_mm (E2E_FP8=1: gemmtune's FP8 experts too)
+            # transformers' grouped_mm and batched_mm (E2E_FP8=1: gemmtune's FP8 experts too;
+            # E2E_EXPERTS=1: each backend's experts alone and the graph step's ceiling)
             models=${what#e2emoe}; models=${models#:}
-            TAIL=${E2E_FP8:+24} stage "e2emoe${models:+_$models}" 400 \
+            TAIL=$((12 ${E2E_FP8:+ + 12} ${E2E_EXPERTS:+ + 10})) stage "e2emoe${models:+_$models}" 400 \
                 python3 benchmarks/e2e_hf_moe.py ${models:+--models $models} \
-                ${E2E_FP8:+--fp8} ;;
+                ${E2E_FP8:+--fp8} ${E2E_EXPERTS:+--experts} ;;
         e2e*)  # e2e[:MODELS]: transformers Llama models patched vs not (tunes missing shapes first)
             models=${what#e2e}; models=${models#:}
             TAIL=16 stage e2e 580 python3 benchmarks/e2e_hf.py ${models:+--models $models} ;;

@@ -333,6 +333,24 @@ def test_one_launch_kernels_leave_their_workspace_zero_for_the_next_call(kernel)
         assert not any(c.any() for c in counters)
 
 
+@pytest.mark.parametrize("kernel", [TWO_STAGE.format(sk=2), PAIR_BLOCKS.format(sk=2)])
+def test_split_stage_2_leaves_its_streams_partials_zero_for_the_next_call(kernel):
+    # Split stage 2 adds its parts into the stream's fp32 rows; the sum zeroes what it read, so
+    # the next call (new routing, a rank without some experts) starts from zero.
+    from gemmtune.kernels.triton.moe_common import cached_workspaces
+    from gemmtune.kernels.triton.moe_stages import PARTIALS_KIND
+
+    mask = torch.tensor([True, False, True, True, True], device=DEVICE)
+    emap = expert_map_of(mask, 4, DEVICE)
+    for seed, route in ((4, None), (5, [0, 2, 3, 4, 2, 0, 1, 3, 4, 0]), (6, None)):
+        hidden, w1, w2, weight, ids = moe_inputs(5, 48, 24, 4, 2, seed=seed, route=route,
+                                                 global_experts=5)
+        y = gemmtune.fused_moe(hidden, w1, w2, weight, ids, expert_mask=mask, kernel=kernel)
+        assert rel_err(y, fused_moe_ref(hidden, w1, w2, weight, ids, emap)) < 1e-4
+        partials = [w for w in cached_workspaces(PARTIALS_KIND) if w.shape == (10, 48)]
+        assert len(partials) == 1 and not partials[0].any()
+
+
 @pytest.mark.parametrize("act, dw1, local", [("Silu", False, None),
                                              ("Gelu", True, [1, 0, 1, 1, 0])])
 def test_the_torch_backend_in_bf16_takes_the_grouped_gemm_path(act, dw1, local, monkeypatch):
@@ -423,6 +441,39 @@ def test_bad_calls_say_what_is_wrong():
                            kernel=PAIR_BLOCKS.format(sk=1).replace("BM16", "BM32"))
     with pytest.raises(ValueError, match="activation ActivationType.Swiglu is not supported"):
         gemmtune.fused_moe(hidden, w1, w2, weight, ids, activation=ActivationType.Swiglu)
+
+
+def test_eager_calls_of_a_checked_key_take_the_bound_path_and_new_keys_are_checked():
+    from gemmtune.families.fmoe import op
+
+    hidden, w1, w2, weight, ids = moe_inputs(3, 32, 16, 4, 2, seed=21)
+    emap = expert_map_of(None, 4, hidden.device)
+    gemmtune.reset()
+    assert rel_err(gemmtune.fused_moe(hidden, w1, w2, weight, ids),
+                   fused_moe_ref(hidden, w1, w2, weight, ids, emap)) < 1e-4
+    (run,) = op._CALLS.values()
+    assert run.chain.refusal == ("the call is not on a GPU" if DEVICE == "cpu" else None)
+    for seed in (22, 23):  # new tensors, the same key: the bound call
+        args = moe_inputs(3, 32, 16, 4, 2, seed=seed)
+        assert rel_err(gemmtune.fused_moe(*args), fused_moe_ref(*args, emap)) < 1e-4
+    assert len(op._CALLS) == 1
+    # Another key goes the checked way again: what is wrong is still said.
+    with pytest.raises(ValueError, match="topk_ids must be int32"):
+        gemmtune.fused_moe(hidden, w1, w2, weight, ids.long())
+    with pytest.raises(ValueError, match="scales are for FP8 experts"):
+        gemmtune.fused_moe(hidden, w1, w2, weight, ids, w1_scale=torch.ones(4, 32))
+    with pytest.raises(ValueError, match="scales are for FP8 experts"):  # not remembered
+        gemmtune.fused_moe(hidden, w1, w2, weight, ids, w1_scale=torch.ones(4, 32))
+    with pytest.raises(TypeError, match="hidden must be a torch.Tensor, got list"):  # no key
+        gemmtune.fused_moe([[1.0]], w1, w2, weight, ids)
+    # Expert parallelism: the map follows each call's mask.
+    mask = torch.tensor([True, False, True, True, False, True], device=DEVICE)
+    *_, wide_ids = moe_inputs(3, 32, 16, 6, 2, seed=24)
+    for local in ([True, False, True, True, False, True], [False, True, True, True, True, False]):
+        mask = torch.tensor(local, device=DEVICE)
+        want = fused_moe_ref(hidden, w1, w2, weight, wide_ids, expert_map_of(mask, 4, DEVICE))
+        got = gemmtune.fused_moe(hidden, w1, w2, weight, wide_ids, expert_mask=mask)
+        assert rel_err(got, want) < 1e-4
 
 
 def test_custom_op_and_its_fake():

@@ -47,7 +47,7 @@ def _stream_zero(request, monkeypatch):
     """The CPU has no CUDA stream: there the current one is 0 unless a test says otherwise
     (the GPU tests keep the real one)."""
     if request.node.get_closest_marker("gpu") is None:
-        monkeypatch.setattr(_replay, "_current_stream", lambda device: 0)
+        monkeypatch.setattr(_replay, "current_stream", lambda device: 0)
 
 
 def _recording(x, w, y, workspace=None):
@@ -107,21 +107,21 @@ def test_a_scale_of_another_shape_is_another_launch():
 def test_a_replay_holding_its_own_buffers_serves_its_stream_only(monkeypatch):
     x, w, y = torch.randn(4, 8), torch.randn(6, 8), torch.empty(4, 6)
     workspace = torch.zeros(16)
-    monkeypatch.setattr(_replay, "_current_stream", lambda device: 7)
+    monkeypatch.setattr(_replay, "current_stream", lambda device: 7)
     replay, compiled = _recording(x, w, y, workspace=workspace)
     assert replay.stream == 7
     roles = (torch.randn(4, 8), w, torch.empty(4, 6), None, None, None)
     assert replay.serves(roles)
     replay(roles)
     assert compiled.calls[0][6] is workspace  # the split-K partials stay the recording's
-    monkeypatch.setattr(_replay, "_current_stream", lambda device: 8)
+    monkeypatch.setattr(_replay, "current_stream", lambda device: 8)
     assert not replay.serves(roles)
 
 
 def test_a_profilers_launch_hooks_still_see_replayed_launches(monkeypatch):
     x, w, y = torch.randn(4, 8), torch.randn(6, 8), torch.empty(4, 6)
     replay, compiled = _recording(x, w, y)
-    monkeypatch.setattr(_replay, "_no_launch_hooks", lambda: False)
+    monkeypatch.setattr(_replay, "no_launch_hooks", lambda: False)
     replay((x, w, y, None, None, None))  # through the runner, which calls the hooks
     assert compiled.calls[0][0] is x and len(compiled.calls[0]) == 8
 
@@ -147,7 +147,7 @@ def _fast_recording(monkeypatch, x, w, y, workspace=None):
     """A recording launched through a stand-in for Triton's C launcher: (the replay, the
     argument lists the launcher got)."""
     launches = []
-    monkeypatch.setattr(_replay, "_direct_launch", lambda compiled: _replay.DirectLaunch(
+    monkeypatch.setattr(_replay, "direct_launch", lambda compiled: _replay.DirectLaunch(
         lambda *args: launches.append(args), ("between",)))
     replay, _ = _recording(x, w, y, workspace)
     return replay, launches
@@ -174,17 +174,17 @@ def test_a_fast_launch_refuses_what_the_recording_did_not_see(monkeypatch):
     for roles in ((strided, w, y, None, None, None), (unaligned, w, y, None, None, None),
                   (x, w, y, torch.randn(6), None, None)):  # a bias where none was recorded
         assert not replay.launch_fast(roles)
-    monkeypatch.setattr(_replay, "_no_launch_hooks", lambda: False)  # a profiler listens
+    monkeypatch.setattr(_replay, "no_launch_hooks", lambda: False)  # a profiler listens
     assert not replay.launch_fast((x, w, y, None, None, None))
     assert launches == []
 
 
 def test_a_fast_launch_of_a_recording_bound_to_a_stream_keeps_to_it(monkeypatch):
     x, w, y = torch.randn(4, 8), torch.randn(6, 8), torch.empty(4, 6)
-    monkeypatch.setattr(_replay, "_current_stream", lambda device: 7)
+    monkeypatch.setattr(_replay, "current_stream", lambda device: 7)
     replay, launches = _fast_recording(monkeypatch, x, w, y, workspace=torch.zeros(16))
     assert replay.launch_fast((x, w, y, None, None, None))
-    monkeypatch.setattr(_replay, "_current_stream", lambda device: 8)
+    monkeypatch.setattr(_replay, "current_stream", lambda device: 8)
     assert not replay.launch_fast((x, w, y, None, None, None))
     assert len(launches) == 1
 
@@ -237,7 +237,7 @@ def _described_recording(monkeypatch, descriptors):
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     launches = []
-    monkeypatch.setattr(_replay, "_direct_launch", lambda compiled: _replay.DirectLaunch(
+    monkeypatch.setattr(_replay, "direct_launch", lambda compiled: _replay.DirectLaunch(
         lambda *args: launches.append(args), ("between",), descriptors))
     x, w, y = torch.randn(16, 32), torch.randn(16, 32), torch.empty(16, 16)
     x_desc = TensorDescriptor.from_tensor(x, [16, 16])
@@ -313,15 +313,15 @@ def test_the_c_launch_is_read_from_the_launchers_wrapper(monkeypatch):
                                      profile_scratch_size=0, launch_cooperative_grid=False,
                                      launch_pdl=True)
     compiled = types.SimpleNamespace(run=launcher, function=7, packed_metadata="packed")
-    direct = _replay._direct_launch(compiled)
+    direct = _replay.direct_launch(compiled)
     assert direct == _replay.DirectLaunch(
         max, (7, False, True, None, None, "packed", None, None, None), meta)
     launcher.launch = max  # no descriptors: the C launch itself
-    assert _replay._direct_launch(compiled).descriptors is None
+    assert _replay.direct_launch(compiled).descriptors is None
     launcher.launch = lambda *args: None  # a wrapper of another shape: not known here
-    assert _replay._direct_launch(compiled) is None
+    assert _replay.direct_launch(compiled) is None
     launcher.launch, launcher.global_scratch_size = max, 128  # needs scratch memory
-    assert _replay._direct_launch(compiled) is None
+    assert _replay.direct_launch(compiled) is None
 
 
 def test_descriptors_the_recording_cannot_place_go_through_the_compiled_kernel(monkeypatch):

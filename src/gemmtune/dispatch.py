@@ -249,6 +249,10 @@ class Dispatcher:
         rule has the kept one count its calls as ``plan_for`` does (~0.1 µs more per call; an
         exact row's calls count nothing); the call at hand was counted by ``plan_for``."""
         bound = self.registry.bound_call(plan.decision.kernel_name, plan.run, *args)
+        return self.remember_bound(call_key, plan, bound)
+
+    def remember_bound(self, call_key: tuple, plan: Plan, bound: Callable) -> Callable:
+        """``remember`` for an op that binds its plan itself (``bound``, made from ``plan``)."""
         with _lock:
             if plan.generation == _generation:  # else the tables changed while it was made
                 self.calls[call_key] = (bound if plan.miss_calls is None
@@ -340,8 +344,9 @@ class Dispatcher:
 
 
 def _counting(run: Callable, calls: list[int]) -> Callable:
-    """``run``, counting its calls in ``calls[0]``."""
+    """``run``, counting its calls in ``calls[0]`` (with ``run``'s attributes)."""
 
+    @functools.wraps(run)
     def counted(*args):
         calls[0] += 1
         return run(*args)

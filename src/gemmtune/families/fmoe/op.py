@@ -19,9 +19,12 @@ import torch
 from gemmtune.device import CPU_ARCH, DeviceId
 from gemmtune.dispatch import Dispatcher, KernelRegistry
 from gemmtune.families._gemm import model_config_glob
+from gemmtune.families._switches import compiler as _compiler
+from gemmtune.families._switches import dynamo_compiling as _dynamo_compiling
 from gemmtune.families.fmoe.quantised import SCALINGS, checked_scales, fused_moe_fp8_torch
 from gemmtune.kernels.problem import Activation, MoeProblem, MoeScales, Scaling
 from gemmtune.kernels.torch_ref import TORCH_MOE, fused_moe_torch
+from gemmtune.kernels.triton._chain import ChainCall
 from gemmtune.kernels.triton.moe_configs import (GROUPED_MM_NAME, ONE_STAGE_PREFIX, STAGE1_PREFIX,
                                                  STREAM_PREFIX, default_two_stage)
 from gemmtune.tables.schema import FMOE_RESULT_COLUMNS, Column, Kind, Schema, int_columns
@@ -143,6 +146,7 @@ def _default_kernel(key: FmoeKey, device: DeviceId) -> str:
 
 DISPATCH = Dispatcher(SCHEMA, REGISTRY, _to_table_key, problem_of, _default_kernel,
                       row_kernel=row_kernel)
+_CALLS = DISPATCH.calls  # the eager hot path's dict (Dispatcher.remember_bound)
 
 
 @functools.lru_cache(maxsize=64)
@@ -168,6 +172,10 @@ def _check(hidden, w1, w2, topk_weight, topk_ids, activation, quant_type, expert
     if activation not in _ACTIVATIONS:
         raise ValueError(f"{op}: activation {activation.canonical} is not supported; use "
                          f"{' or '.join(a.canonical for a in _ACTIVATIONS)}")
+    for name, t in (("hidden", hidden), ("w1", w1), ("w2", w2), ("topk_weight", topk_weight),
+                    ("topk_ids", topk_ids), ("expert_mask", expert_mask)):
+        if not isinstance(t, torch.Tensor) and (t is not None or name != "expert_mask"):
+            raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
     if hidden.dim() != 2 or w1.dim() != 3 or w2.dim() != 3:
         raise ValueError(f"{op}: expected hidden (T, D), w1 (E, 2I, D) and w2 (E, D, I), got "
                          f"{tuple(hidden.shape)}, {tuple(w1.shape)} and {tuple(w2.shape)}")
@@ -200,8 +208,8 @@ def _check(hidden, w1, w2, topk_weight, topk_ids, activation, quant_type, expert
                          f"{tuple(expert_mask.shape)} {expert_mask.dtype}")
 
 
-def _run(hidden, w1, w2, topk_weight, topk_ids, activation, quant_type, doweight_stage1,
-         expert_mask, kernel, scales: Optional[MoeScales] = None):
+def _plan(hidden, w1, w2, topk_weight, topk_ids, activation, quant_type, doweight_stage1,
+          expert_mask, kernel):
     args = (hidden, w1, w2, topk_weight, topk_ids, activation, quant_type, expert_mask)
     try:
         device = hidden.get_device()
@@ -213,12 +221,80 @@ def _run(hidden, w1, w2, topk_weight, topk_ids, activation, quant_type, doweight
     except (AttributeError, IndexError):
         _check(*args)
         raise
-    plan = DISPATCH.plan_for(key, device, kernel, _check, args)
+    return DISPATCH.plan_for(key, device, kernel, _check, args)
+
+
+def _run(hidden, w1, w2, topk_weight, topk_ids, activation, quant_type, doweight_stage1,
+         expert_mask, kernel, scales: Optional[MoeScales] = None):
+    plan = _plan(hidden, w1, w2, topk_weight, topk_ids, activation, quant_type, doweight_stage1,
+                 expert_mask, kernel)
     expert_map = expert_map_of(expert_mask, w1.shape[0], hidden.device)
     problem = problem_of(plan.decision.key)
     if scales is None:
         return plan.run(hidden, w1, w2, topk_weight, topk_ids, expert_map, problem)
     return plan.run(hidden, w1, w2, topk_weight, topk_ids, expert_map, problem, scales=scales)
+
+
+def _bound(plan, hidden: torch.Tensor, experts: int, scales: Optional[MoeScales]):
+    """``plan``'s solution for the calls of one call key (each tensor's shape, dtype and
+    device, the options) as ``run(hidden, w1, w2, topk_weight, topk_ids, expert_mask,
+    w1_scale, w2_scale, a1_scale, a2_scale)``: its chain of launches replayed once recorded
+    (``_chain``); ``scales``: the first call's checked scales, whose shapes the later ones'
+    take."""
+    solution, problem = plan.run, problem_of(plan.decision.key)
+    identity = _identity_map(experts, hidden.device)
+    scale_shapes = None if scales is None else tuple(
+        None if s is None else s.shape for s in scales)
+
+    def launch(roles: tuple) -> torch.Tensor:
+        if scale_shapes is None:
+            return solution(*roles, problem)
+        return solution(*roles[:6], problem, scales=MoeScales(*roles[6:]))
+
+    chain = ChainCall(launch, hidden.get_device())
+
+    def run(hidden, w1, w2, topk_weight, topk_ids, expert_mask, *raw_scales):
+        expert_map = identity if expert_mask is None else \
+            expert_map_of(expert_mask, experts, hidden.device)
+        if scale_shapes is None:
+            return chain((hidden, w1, w2, topk_weight, topk_ids, expert_map))
+        return chain((hidden, w1, w2, topk_weight, topk_ids, expert_map) + tuple(
+            None if s is None else s.reshape(shape) for s, shape in zip(raw_scales,
+                                                                        scale_shapes)))
+
+    run.chain = chain  # (what tests and benchmarks ask: recorded, or why not)
+    return run
+
+
+def _run_and_remember(call_key: tuple, hidden, w1, w2, topk_weight, topk_ids, activation,
+                      quant_type, doweight_stage1, expert_mask, kernel, raw_scales: tuple,
+                      scales: Optional[MoeScales]):
+    """The first eager call with ``call_key``: checked in full, planned, and its plan's
+    solution bound to the key for the calls after it."""
+    _check(hidden, w1, w2, topk_weight, topk_ids, activation, quant_type, expert_mask)
+    plan = _plan(hidden, w1, w2, topk_weight, topk_ids, activation, quant_type, doweight_stage1,
+                 expert_mask, kernel)
+    DISPATCH.remember_bound(call_key, plan, _bound(plan, hidden, w1.shape[0], scales))
+    return _run(hidden, w1, w2, topk_weight, topk_ids, activation, quant_type, doweight_stage1,
+                expert_mask, kernel, scales)
+
+
+def _layout(t) -> tuple | None:
+    return None if t is None else (t.shape, t.dtype, t.get_device())
+
+
+def _call_key(hidden, w1, w2, topk_weight, topk_ids, activation, quant_type, doweight_stage1,
+              expert_mask, kernel, raw_scales: tuple) -> tuple | None:
+    """Everything the checks and the plan depend on (every tensor's shape, dtype and device,
+    the options); None where an argument is not a tensor (the checked path says which)."""
+    try:
+        return (hidden.shape, w1.shape, w2.shape, topk_weight.shape, topk_ids.shape,
+                hidden.dtype, w1.dtype, w2.dtype, topk_weight.dtype, topk_ids.dtype,
+                hidden.get_device(), w1.get_device(), w2.get_device(), topk_weight.get_device(),
+                topk_ids.get_device(), activation, quant_type, doweight_stage1, kernel,
+                _layout(expert_mask), *map(_layout, raw_scales))
+    except AttributeError:
+        return None
 
 
 @torch.library.custom_op("gemmtune::fused_moe", mutates_args=())
@@ -273,6 +349,15 @@ def fused_moe(hidden: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
         activation = ActivationType.from_str(_text("activation", activation, ActivationType))
     if not isinstance(quant_type, QuantType):
         quant_type = QuantType.from_str(_text("quant_type", quant_type, QuantType))
+    raw_scales = (w1_scale, w2_scale, a1_scale, a2_scale)
+    compiling = _dynamo_compiling() or _compiler._is_compiling_flag
+    if not compiling:
+        # The eager hot path: one dict hit, then the solution bound to this key (_bound).
+        call_key = _call_key(hidden, w1, w2, topk_weight, topk_ids, activation, quant_type,
+                             doweight_stage1, expert_mask, kernel, raw_scales)
+        run = _CALLS.get(call_key)
+        if run is not None:
+            return run(hidden, w1, w2, topk_weight, topk_ids, expert_mask, *raw_scales)
     if quant_type is QuantType.No:
         if any(s is not None for s in (w1_scale, w2_scale, a1_scale, a2_scale)):
             raise ValueError("fused_moe: scales are for FP8 experts; pass the quant_type they "
@@ -281,9 +366,13 @@ def fused_moe(hidden: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
     else:
         scales = checked_scales(quant_type, hidden, w1, w2, w1_scale, w2_scale, a1_scale,
                                 a2_scale)
-    if torch.compiler.is_compiling():
+    if compiling:
         return _fused_moe_op(hidden, w1, w2, topk_weight, topk_ids, activation.value,
                              doweight_stage1, expert_mask, kernel, quant_type.value,
                              *(scales or (None, None, None, None)))
-    return _run(hidden, w1, w2, topk_weight, topk_ids, activation, quant_type, doweight_stage1,
-                expert_mask, kernel, scales)
+    if call_key is None:
+        return _run(hidden, w1, w2, topk_weight, topk_ids, activation, quant_type,
+                    doweight_stage1, expert_mask, kernel, scales)
+    return _run_and_remember(call_key, hidden, w1, w2, topk_weight, topk_ids, activation,
+                             quant_type, doweight_stage1, expert_mask, kernel, raw_scales,
+                             scales)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import threading
 
 import torch
 import triton
@@ -298,11 +299,27 @@ def validated_launch(kernel_name: str, launch, default_config, why_not_fits,
     return launch(x, w, bias, out, scale_a, scale_b, config, block_scales=block_scales)
 
 
+class _LaunchObserver(threading.local):
+    """Per thread, what sees each launch ``start`` makes: set by ``_chain`` while it records a
+    call's chain of launches, as ``record(kernel, grid, launch, *args, **kwargs)``."""
+
+    record = None
+
+
+LAUNCHES = _LaunchObserver()
+
+
 def start(kernel, grid: tuple, warmup: bool, launch_pdl: bool = False):
     """``kernel[grid]``, or with ``warmup`` Triton's compile-without-launch for the same
     arguments: the tuner compiles candidates in several processes at once, outside the lock that
     keeps their GPU timings apart, so compiles stop being the serial cost of tuning.
     ``launch_pdl`` launches with programmatic dependent launch (only asked for where supported:
-    the interpreter takes no such option)."""
+    the interpreter takes no such option). While a chain is recorded (``LAUNCHES.record``) the
+    launch is handed to it as well."""
     launch = functools.partial(kernel.warmup, grid=grid) if warmup else kernel[grid]
-    return functools.partial(launch, launch_pdl=True) if launch_pdl else launch
+    if launch_pdl:
+        launch = functools.partial(launch, launch_pdl=True)
+    record = LAUNCHES.record
+    if record is None or warmup:
+        return launch
+    return functools.partial(record, kernel, grid, launch)

@@ -76,7 +76,7 @@ class DirectLaunch(NamedTuple):
     descriptors: list | None = None
 
 
-def _direct_launch(compiled) -> DirectLaunch | None:
+def direct_launch(compiled) -> DirectLaunch | None:
     """How to call Triton's C launch function for a kernel that needs no scratch memory, on a
     Triton whose launcher is known; else None. A kernel taking host TMA descriptors has its C
     launch wrapped in a Python function that encodes each descriptor on every call: the C
@@ -115,11 +115,11 @@ def _layout(t: torch.Tensor | None) -> tuple | None:
     return t.dtype, t.shape, t.stride(), t.data_ptr() % 16 == 0
 
 
-def _current_stream(device_index: int) -> int:
+def current_stream(device_index: int) -> int:
     return torch._C._cuda_getCurrentRawStream(device_index)
 
 
-def _grid3(grid: tuple) -> tuple:
+def grid3(grid: tuple) -> tuple:
     return tuple(grid) + (1,) * (3 - len(grid))
 
 
@@ -243,7 +243,7 @@ def _lead_roles(template: list, roles: tuple) -> tuple | None:
     return tuple(roles_at[:lead])
 
 
-def _no_launch_hooks() -> bool:
+def no_launch_hooks() -> bool:
     """Whether no launch hook is set (a profiler sets them; Triton keeps each in a chain, None
     in older versions)."""
     enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
@@ -258,7 +258,7 @@ class Replay:
 
     def __init__(self, call: KernelCall, compiled, roles: tuple, arguments: list,
                  lead_roles: tuple, stream: int, device_index: int):
-        self._grid = _grid3(call.grid)
+        self._grid = grid3(call.grid)
         self._runner = compiled[self._grid]  # also loads the kernel (its function handle)
         self._compiled = compiled
         self._device = device_index
@@ -282,7 +282,7 @@ class Replay:
         self._pick = (operator.itemgetter(*lead_roles) if len(lead_roles) > 1
                       else lambda addresses: (addresses[lead_roles[0]],))
         contiguous = all(t is None or t.is_contiguous() for t in roles)
-        self._direct = _direct_launch(compiled) if contiguous else None
+        self._direct = direct_launch(compiled) if contiguous else None
         # With descriptors: each made once per address, handed to the C launch as the wrapper
         # around it would have expanded them.
         self._encoded = None
@@ -307,7 +307,7 @@ class Replay:
         lead_roles = _lead_roles(arguments, roles)
         if lead_roles is None:
             return None
-        return cls(call, compiled, roles, arguments, lead_roles, _current_stream(device_index),
+        return cls(call, compiled, roles, arguments, lead_roles, current_stream(device_index),
                    device_index)
 
     def serves(self, roles: tuple) -> bool:
@@ -315,7 +315,7 @@ class Replay:
         for r, layout in zip(self._checked, self._layouts):
             if _layout(roles[r]) != layout:
                 return False
-        return self.stream is None or _current_stream(self._device) == self.stream
+        return self.stream is None or current_stream(self._device) == self.stream
 
     def launch_fast(self, roles: tuple) -> bool:
         """Launch as recorded with these tensors, whose dtypes, shapes and devices the caller
@@ -324,7 +324,7 @@ class Replay:
         recorded, another stream for a recording bound to its own, a profiler's hooks."""
         if not self._contiguous:
             return False
-        stream = _current_stream(self._device)
+        stream = current_stream(self._device)
         if self.stream is not None and stream != self.stream:
             return False
         # Only the present roles' addresses are read (in a model every step of this costs
@@ -341,7 +341,7 @@ class Replay:
         for r in self._absent:
             if roles[r] is not None:
                 return False
-        if not _no_launch_hooks():
+        if not no_launch_hooks():
             return False
         if self._encoded is not None:  # the C launch's own expansion of each descriptor
             args = []
@@ -372,11 +372,11 @@ class Replay:
 
     def __call__(self, roles: tuple) -> None:
         args = self._arguments_of(roles)
-        if _no_launch_hooks():
+        if no_launch_hooks():
             # The compiled kernel's launcher straight away (what its [grid] runner calls after
             # asking the driver for the current device and stream).
             compiled = self._compiled
-            compiled.run(*self._grid, _current_stream(self._device), compiled.function,
+            compiled.run(*self._grid, current_stream(self._device), compiled.function,
                          compiled.packed_metadata, None, None, None, *args, *self._rest)
         else:  # a profiler's launch hooks: through the runner, which calls them
             self._runner(*args, *self._rest)

@@ -331,12 +331,14 @@ def moe_sum_kernel(
     TOPK_P2: tl.constexpr,
     PDL: tl.constexpr,
     SPECULATE: tl.constexpr,
+    ZERO: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
     """A token's slots read at once (one round of loads, not one per slot: decode's sum is
     latency), then added in fp32 in slot order. SPECULATE (few tokens): every slot's row is
     loaded beside the expert map's answer whether its expert is local, a round of loads less
-    on the critical path; a row of another rank's expert (never written) is read but unused."""
+    on the critical path; a row of another rank's expert (never written) is read but unused.
+    ZERO: every slot's row is left zero (those of other ranks' experts are zero already)."""
     wait_for_inputs(PDL)
     token = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -354,6 +356,9 @@ def moe_sum_kernel(
     else:
         rows = tl.load(at, mask=(local >= 0)[:, None] & inside[None, :],
                        other=0.0).to(tl.float32)
+    if ZERO:
+        tl.store(at, tl.zeros((TOPK_P2, BLOCK_D), dtype=partial_ptr.dtype.element_ty),
+                 mask=(slots < TOPK)[:, None] & inside[None, :])
     total = tl.zeros((BLOCK_D,), dtype=tl.float32)
     for k in tl.static_range(TOPK):  # (a sum over one row and zeros: that row, exactly)
         total += tl.sum(tl.where((slots == k)[:, None], rows, 0.0), axis=0)
@@ -547,8 +552,9 @@ def run_stage2(inter, w2, topk_weight, topk_ids, expert_map, routing, doweight_s
     model_dim = w2.shape[1]
     # Split-K parts add into fp32; a whole product is rounded to the output's dtype once, which
     # halves the traffic of the sum over slots (it reads every pair's row).
+    kept = False
     if config.split_k > 1:
-        partial = torch.zeros((pairs, model_dim), dtype=torch.float32, device=inter.device)
+        partial, kept = _split_partials(pairs, model_dim, inter.device, with_sum)
     else:
         partial = torch.empty((pairs, model_dim), dtype=dtype, device=inter.device)
     stage_scales = StageScales.of(x_scale, w_scale, partial)
@@ -571,7 +577,24 @@ def run_stage2(inter, w2, topk_weight, topk_ids, expert_map, routing, doweight_s
         return partial
     if out is None:
         out = torch.empty((tokens, model_dim), dtype=dtype, device=inter.device)
-    return run_sum(partial, topk_ids, expert_map, out, warmup)
+    return run_sum(partial, topk_ids, expert_map, out, warmup, zero=kept)
+
+
+PARTIALS_KIND = "moe_stage2_partials"
+# Split stage 2's fp32 rows are kept per stream up to this size, zero as the sum leaves them: no
+# fill launch per call (nor a fill node in each replay of a captured graph).
+KEPT_PARTIALS_BYTES = 32 << 20
+
+
+def _split_partials(pairs: int, model_dim: int, device: torch.device,
+                    summed: bool) -> tuple[torch.Tensor, bool]:
+    """Split stage 2's zeroed fp32 rows (pairs, D), and whether they are the stream's kept ones
+    (which the sum must zero again): not for rows nobody sums here, nor past the size kept."""
+    if not summed or pairs * model_dim * 4 > KEPT_PARTIALS_BYTES:
+        return torch.zeros((pairs, model_dim), dtype=torch.float32, device=device), False
+    return stream_workspace((PARTIALS_KIND, pairs, model_dim), device,
+                            lambda: torch.zeros((pairs, model_dim), dtype=torch.float32,
+                                                device=device)), True
 
 
 # Up to this many tokens the sum reads every slot's row without waiting for the expert map (the
@@ -579,9 +602,11 @@ def run_stage2(inter, w2, topk_weight, topk_ids, expert_map, routing, doweight_s
 SPECULATIVE_SUM_TOKENS = 64
 
 
-def run_sum(partial, topk_ids, expert_map, out, warmup: bool = False) -> torch.Tensor:
+def run_sum(partial, topk_ids, expert_map, out, warmup: bool = False,
+            zero: bool = False) -> torch.Tensor:
     """Each token's ``topk`` rows of ``partial`` (pairs, D), added in fp32 in slot order (pairs
-    of other ranks' experts skipped), into ``out`` (T, D)."""
+    of other ranks' experts skipped), into ``out`` (T, D); ``zero``: the rows read are left
+    zero (a workspace's)."""
     tokens, model_dim = out.shape
     topk_p2 = triton.next_power_of_2(topk_ids.shape[1])
     block_d = min(max(8192 // topk_p2, 16), triton.next_power_of_2(model_dim))
@@ -590,5 +615,5 @@ def run_sum(partial, topk_ids, expert_map, out, warmup: bool = False) -> torch.T
         partial, topk_ids.reshape(-1), expert_map, out, model_dim,
         partial.stride(0), partial.stride(1), out.stride(0), out.stride(1),
         TOPK=topk_ids.shape[1], TOPK_P2=topk_p2, PDL=PDL,
-        SPECULATE=tokens <= SPECULATIVE_SUM_TOKENS, BLOCK_D=block_d, num_warps=4)
+        SPECULATE=tokens <= SPECULATIVE_SUM_TOKENS, ZERO=zero, BLOCK_D=block_d, num_warps=4)
     return out

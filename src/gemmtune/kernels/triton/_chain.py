@@ -1,0 +1,291 @@
+"""Eager calls of a planned chain of Triton launches (a fused MoE's routing, quantisers, stages
+and sum) at the cost of the compiled kernels' own launchers.
+
+A fused MoE call is a few launches through ``kernel[grid](...)``: Triton's binder specialises
+each of a kernel's 30-45 arguments on every call, and the Python around the launches derives
+routing sizes, buffers and strides that the call's shapes fix. A ``ChainCall`` records one call
+of its function: every launch made through ``_checks.start`` with its compiled kernel, each
+tensor argument placed as one of the call's tensors (a role, told by address), the returned
+output, or a buffer of the call's own. Later calls replay the launches through Triton's C
+launcher with the roles' new addresses, the same buffers and a new output.
+
+What may be recorded (else the function runs as it is, on every call; ``refusal`` says why):
+- only Triton launches touch the GPU: the torch ops seen in the call (launches excepted) only
+  allocate or view, so no fill or copy that each call needs is left out of a replay;
+- no launch takes host TMA descriptors or Triton's scratch memory, and each passes its
+  constexprs by name;
+- the roles are distinct, contiguous tensors, no argument views a role at an offset, and the
+  output owns its memory;
+- the buffers kept hold at most ``KEPT_BYTES_MAX`` (the intermediates of a decode step, not
+  those of a long prefill, whose launches cost little beside their kernels).
+
+The buffers serve the recording's stream and thread only: stream order puts one call's use of
+them before the next call's. A call from another stream or thread, inside a CUDA-graph capture,
+with a profiler's launch hooks set, or with a role whose contiguity or 16-byte alignment differs
+from the recording's runs the function.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from gemmtune.kernels.triton import _checks, _replay
+from gemmtune.kernels.triton._replay import KernelCall
+
+# The most bytes of buffers a recording keeps alive.
+KEPT_BYTES_MAX = 64 << 20
+# The torch ops a recorded call may run besides its launches: allocations and views.
+_HOST_OPS = frozenset(
+    getattr(torch.ops.aten, name) for name in (
+        "empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "view",
+        "_unsafe_view", "reshape", "as_strided", "alias", "expand", "slice", "select",
+        "unsqueeze", "squeeze", "permute", "t", "transpose", "detach", "unflatten", "flatten"))
+# Whether the current stream is capturing a CUDA graph (a CPU build has no streams to ask).
+_capturing = torch.cuda.is_current_stream_capturing if torch.cuda.is_available() else \
+    (lambda: False)
+# Recording attempts before a refusal is final: the first call of a stream may make its
+# workspaces (a fill the calls after it do not repeat).
+_ATTEMPTS = 2
+
+
+class _OpsSeen(TorchDispatchMode):
+    """Notes the first torch op of a recorded call that neither allocates nor views."""
+
+    def __init__(self):
+        super().__init__()
+        self.other: str | None = None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.other is None and func.overloadpacket not in _HOST_OPS:
+            self.other = str(func)
+        return func(*args, **(kwargs or {}))
+
+
+class _Made(NamedTuple):
+    """One launch as a recorded call made it."""
+
+    call: KernelCall
+    compiled: object
+
+
+class _Launch(NamedTuple):
+    """One launch of a recording: ``run(*grid, stream, *between, *arguments)`` with each role's
+    address put at its positions."""
+
+    run: Callable
+    grid: tuple
+    between: tuple
+    template: tuple  # every argument, a buffer's address for a buffer, 0 for a role
+    patches: tuple  # (position, role)
+
+
+def _launcher(compiled) -> tuple[Callable, tuple] | str:
+    """How a replay launches ``compiled``: Triton's C launch where its version is known, else
+    the compiled kernel's launcher; or why it cannot be replayed."""
+    launcher = compiled.run
+    if getattr(launcher, "global_scratch_size", 0) or getattr(launcher, "profile_scratch_size",
+                                                              0):
+        return "a launch takes Triton's scratch memory"
+    direct = _replay.direct_launch(compiled)
+    if direct is not None:
+        if direct.descriptors is not None:
+            return "a launch takes host TMA descriptors"
+        return direct.c_launch, direct.between
+    compiled[(1, 1, 1)]  # loads the kernel: its function handle
+    return launcher, (compiled.function, compiled.packed_metadata, None, None, None)
+
+
+class _Places:
+    """Where a recorded call's tensors belong: the roles by address (the output last), the
+    buffers the recording keeps."""
+
+    def __init__(self, roles: tuple, out: torch.Tensor):
+        present = [t for t in roles if t is not None]
+        self.addresses = {t.data_ptr(): r for r, t in enumerate(roles) if t is not None}
+        self.addresses[out.data_ptr()] = len(roles)
+        self.storages = {t.untyped_storage().data_ptr() for t in present + [out]}
+        self.distinct = len(self.addresses) == len(present) + 1
+        self.kept: dict[int, torch.Tensor] = {}  # a buffer's storage address -> a view of it
+
+    def place(self, t: torch.Tensor) -> int | str | None:
+        """The role of ``t``, None for a buffer (kept), or why the recording cannot place it."""
+        address = t.data_ptr()
+        role = self.addresses.get(address)
+        if role is not None:
+            return role
+        storage = t.untyped_storage()
+        if storage.data_ptr() in self.storages:
+            return "an argument views one of the call's tensors at an offset"
+        self.kept.setdefault(storage.data_ptr(), t)
+        return None
+
+    def kept_bytes(self) -> int:
+        return sum(t.untyped_storage().nbytes() for t in self.kept.values())
+
+
+def _laid_out(t: torch.Tensor | None) -> bool | None:
+    """A role as a recording pins it: absent (None), or its 16-byte alignment."""
+    return None if t is None else t.data_ptr() % 16 == 0
+
+
+class Recording:
+    """A recorded call's launches, replayed with new tensors in its roles."""
+
+    def __init__(self, launches: list[_Launch], places: _Places, roles: tuple,
+                 out: torch.Tensor, stream: int, device_index: int):
+        self._launches = tuple(launches)
+        self._kept = tuple(places.kept.values())  # alive while the recording is
+        self._layouts = tuple(_laid_out(t) for t in roles)
+        self._out_shape, self._out_dtype = tuple(out.shape), out.dtype
+        self._out_like_role = out.dtype == roles[0].dtype and out.device == roles[0].device
+        self._device = device_index
+        self.stream = stream
+        self.thread = threading.get_ident()
+
+    @classmethod
+    def of(cls, made: list[_Made], roles: tuple, out, ops_seen: str | None,
+           device_index: int, stream: int) -> "Recording | str":
+        """The recording of a call that made ``made`` and returned ``out``, or why none."""
+        if ops_seen is not None:
+            return f"the call runs {ops_seen} (a recorded call only launches, allocates, views)"
+        if not made:
+            return "the call launches no Triton kernel"
+        if not isinstance(out, torch.Tensor) or not out.is_contiguous() \
+                or out.data_ptr() != out.untyped_storage().data_ptr():
+            return "the call's output does not own its memory"
+        if any(t is not None and not t.is_contiguous() for t in roles):
+            return "a tensor of the call is not contiguous"
+        places = _Places(roles, out)
+        if not places.distinct:
+            return "two of the call's tensors share an address"
+        launches = []
+        for launch in made:
+            recorded = _recorded_launch(launch, places)
+            if isinstance(recorded, str):
+                return recorded
+            launches.append(recorded)
+        if places.kept_bytes() > KEPT_BYTES_MAX:
+            return (f"its buffers hold {places.kept_bytes()} bytes (a recording keeps at most "
+                    f"{KEPT_BYTES_MAX})")
+        return cls(launches, places, roles, out, stream, device_index)
+
+    def launch(self, roles: tuple) -> torch.Tensor | None:
+        """The recorded launches with these tensors in the roles (dtypes, shapes and devices as
+        recorded: the caller's key holds them), and their output; None where this call must run
+        the function instead."""
+        if (threading.get_ident() != self.thread
+                or _replay.current_stream(self._device) != self.stream
+                or _capturing() or not _replay.no_launch_hooks()):
+            return None
+        addresses = []
+        for t, aligned in zip(roles, self._layouts):
+            if t is None:
+                if aligned is not None:
+                    return None
+                addresses.append(0)
+                continue
+            address = t.data_ptr()
+            if aligned is None or (not address & 15) is not aligned or not t.is_contiguous():
+                return None
+            addresses.append(address)
+        first = roles[0]
+        out = (first.new_empty(self._out_shape) if self._out_like_role else
+               torch.empty(self._out_shape, dtype=self._out_dtype, device=first.device))
+        addresses.append(out.data_ptr())
+        stream = self.stream
+        for launch in self._launches:
+            args = list(launch.template)
+            for position, role in launch.patches:
+                args[position] = addresses[role]
+            launch.run(*launch.grid, stream, *launch.between, *args)
+        return out
+
+
+def _recorded_launch(made: _Made, places: _Places) -> _Launch | str:
+    """One launch of a recording, or why it cannot be replayed."""
+    call, compiled = made
+    if compiled is None:
+        return "the kernels are interpreted"
+    if callable(call.grid):
+        return "a launch's grid is a function"
+    launcher = _launcher(compiled)
+    if isinstance(launcher, str):
+        return launcher
+    try:
+        arguments = _replay.all_arguments(call)
+    except KeyError as e:
+        return f"a launch leaves its argument {e} to its default"
+    template, patches = [], []
+    for position, value in enumerate(arguments):
+        if isinstance(value, TensorDescriptor):
+            return "a launch takes host TMA descriptors"
+        if not isinstance(value, torch.Tensor):
+            template.append(value)
+            continue
+        role = places.place(value)
+        if isinstance(role, str):
+            return role
+        if role is None:
+            template.append(value.data_ptr())
+        else:
+            template.append(0)
+            patches.append((position, role))
+    run, between = launcher
+    return _Launch(run, _replay.grid3(call.grid), between, tuple(template), tuple(patches))
+
+
+def record(fn: Callable, roles: tuple, device_index: int):
+    """Run ``fn(roles)`` once, recording its launches: -> (its output, a Recording or why
+    none)."""
+    made: list[_Made] = []
+
+    def observe(kernel, grid, launch, *args, **kwargs):
+        with _disable_current_modes():
+            compiled = launch(*args, **kwargs)
+        made.append(_Made(KernelCall(kernel, grid, args, kwargs, {}), compiled))
+        return compiled
+
+    stream = _replay.current_stream(device_index)
+    seen = _OpsSeen()
+    _checks.LAUNCHES.record = observe
+    try:
+        with seen:
+            out = fn(roles)
+    finally:
+        _checks.LAUNCHES.record = None
+    return out, Recording.of(made, roles, out, seen.other, device_index, stream)
+
+
+class ChainCall:
+    """``fn(roles)`` (a call's tensors in fixed places, the first a tensor, -> a new tensor)
+    for calls whose roles have the same dtypes, shapes and devices (the caller's key): its
+    launches replayed once recorded."""
+
+    def __init__(self, fn: Callable, device_index: int):
+        self._fn = fn
+        self._device = device_index
+        self._recording: Recording | None = None
+        self._attempts = _ATTEMPTS if device_index >= 0 else 0
+        self.refusal: str | None = None if device_index >= 0 else "the call is not on a GPU"
+
+    def __call__(self, roles: tuple):
+        recording = self._recording
+        if recording is not None:
+            out = recording.launch(roles)
+            return self._fn(roles) if out is None else out
+        if (not self._attempts or _capturing()
+                or not _replay.no_launch_hooks()):
+            return self._fn(roles)
+        out, made = record(self._fn, roles, self._device)
+        if isinstance(made, Recording):
+            self._recording, self.refusal = made, None
+        else:
+            self._attempts -= 1
+            self.refusal = made
+        return out

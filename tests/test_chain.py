@@ -1,0 +1,390 @@
+"""Recorded chains of Triton launches (``kernels/triton/_chain.py``): what a replay launches with,
+what a recording refuses (so the call runs its function every time) and when a replay declines
+a call; on the GPU, ``fused_moe``'s eager calls replayed against the plain path bit for bit."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from gemmtune.kernels.triton import _chain, _checks, _replay
+from gemmtune.kernels.triton._chain import ChainCall
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+class _FakeCompiled:
+    """A compiled kernel whose launcher notes each launch (grid, stream, arguments)."""
+
+    function, packed_metadata = "function", "metadata"
+
+    def __init__(self, launches: list):
+        self._launches = launches
+        self.run = self._run
+
+    def __getitem__(self, grid):
+        return lambda *args: None
+
+    def _run(self, *launch):
+        grid, stream, between, args = launch[:3], launch[3], launch[4:9], launch[9:]
+        assert between == ("function", "metadata", None, None, None)
+        self._launches.append((self._name, grid, stream, args))
+
+
+class _FakeKernel:
+    """A @triton.jit function as ``_checks.start`` uses it: ``kernel[grid](*args, **kw)``
+    launches (noting the tensors it got) and returns its compiled kernel."""
+
+    def __init__(self, name: str, arg_names: list[str], launches: list):
+        self.arg_names = arg_names
+        self.compiled = _FakeCompiled(launches)
+        self.compiled._name = name
+        self.direct = []  # the calls the usual way
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.direct.append((grid, args, kwargs))
+            return self.compiled
+        return launch
+
+
+@pytest.fixture(autouse=True)
+def _stream_zero(request, monkeypatch):
+    """The CPU has no stream: there the current one is 0 (the GPU tests keep the real one)."""
+    if request.node.get_closest_marker("gpu") is None:
+        monkeypatch.setattr(_replay, "current_stream", lambda device: 0)
+        monkeypatch.setattr(_replay, "direct_launch", lambda compiled: None)
+
+
+class _Chain:
+    """Two launches as a fused MoE makes them: ``first`` writes a buffer of the call's own from
+    x and w, ``second`` reads it into a new output; ``before``: host work before them."""
+
+    def __init__(self, before=None, buffer_bytes: int = 64):
+        self.launches = []
+        self.first = _FakeKernel("first", ["x_ptr", "w_ptr", "buf_ptr", "n", "BLOCK"],
+                                 self.launches)
+        self.second = _FakeKernel("second", ["buf_ptr", "out_ptr", "n", "ACT"], self.launches)
+        self.before = before
+        self.buffer_bytes = buffer_bytes
+        self.buffers = []
+
+    def __call__(self, roles):
+        x, w = roles
+        if self.before is not None:
+            self.before(roles)
+        buf = torch.empty(self.buffer_bytes // 4, dtype=torch.float32)
+        self.buffers.append(buf)
+        out = torch.empty(x.shape[0], 8)
+        _checks.start(self.first, (3, 2), False)(x, w, buf, x.shape[0], BLOCK=16)
+        _checks.start(self.second, (3,), False, launch_pdl=True)(buf.view(-1, 4), out,
+                                                                 x.shape[0], ACT=1)
+        return out
+
+
+def _roles():
+    return torch.randn(4, 8), torch.randn(6, 8)
+
+
+def _recorded(chain=None):
+    """A ChainCall that has recorded one call of ``chain``: (it, the chain, the output)."""
+    chain = chain or _Chain()
+    call = ChainCall(chain, 0)
+    roles = _roles()
+    out = call(roles)
+    assert call.refusal is None, call.refusal
+    return call, chain, roles, out
+
+
+def test_the_recorded_call_runs_as_usual_and_returns_its_output():
+    call, chain, (x, w), out = _recorded()
+    (grid, args, kwargs), = chain.first.direct
+    assert grid == (3, 2) and args[0] is x and args[1] is w and kwargs == {"BLOCK": 16}
+    (_, args, kwargs), = chain.second.direct
+    assert args[1] is out and kwargs == {"ACT": 1, "launch_pdl": True}
+    assert not chain.launches  # nothing replayed yet
+
+
+def test_a_replay_puts_new_tensors_in_the_roles_keeps_its_buffers_and_makes_a_new_output():
+    call, chain, _, first_out = _recorded()
+    x2, w2 = _roles()
+    out = call((x2, w2))
+    assert len(chain.first.direct) == 1  # the function did not run again
+    (first, grid1, stream1, args1), (second, grid2, stream2, args2) = chain.launches
+    assert (first, grid1, second, grid2) == ("first", (3, 2, 1), "second", (3, 1, 1))
+    assert stream1 == stream2 == 0
+    buf = chain.buffers[0]
+    assert args1 == (x2.data_ptr(), w2.data_ptr(), buf.data_ptr(), 4, 16)
+    assert args2 == (buf.data_ptr(), out.data_ptr(), 4, 1)
+    assert out.shape == (4, 8) and out.dtype == torch.float32
+    assert out.data_ptr() != first_out.data_ptr()
+
+
+def test_a_replayed_calls_buffers_stay_alive_with_the_recording():
+    call, chain, _, _ = _recorded()
+    address = chain.buffers[0].data_ptr()
+    chain.buffers.clear()
+    call(_roles())
+    assert chain.launches[0][3][2] == address
+    assert any(t.data_ptr() == address for t in call._recording._kept)
+
+
+@pytest.mark.parametrize("before, why", [
+    (lambda roles: torch.zeros(3), "aten.zeros"),  # a fill each call would need
+    (lambda roles: roles[0].sum(), "aten.sum"),
+])
+def test_a_call_running_other_torch_ops_is_not_recorded(before, why):
+    chain = _Chain(before)
+    call = ChainCall(chain, 0)
+    for calls in range(1, 5):
+        call(_roles())
+        assert why in call.refusal
+        assert len(chain.first.direct) == calls  # every call runs the function
+    assert not chain.launches
+
+
+def test_a_second_attempt_records_after_a_first_calls_workspace_fill():
+    # The first call of a stream may make its workspaces: its fill is not the calls' after it.
+    made = []
+
+    def workspace_once(roles):
+        if not made:
+            made.append(torch.zeros(4))
+
+    chain = _Chain(workspace_once)
+    call = ChainCall(chain, 0)
+    call(_roles())
+    assert "aten.zeros" in call.refusal
+    call(_roles())
+    assert call.refusal is None
+    call(_roles())
+    assert len(chain.first.direct) == 2 and len(chain.launches) == 2
+
+
+def _refusal(chain_call) -> str:
+    call = ChainCall(chain_call, 0)
+    call(_roles())
+    return call.refusal
+
+
+def test_what_a_recording_cannot_place_is_refused(monkeypatch):
+    class Offset(_Chain):  # a launch reading x from its second row
+        def __call__(self, roles):
+            out = torch.empty(4, 8)
+            _checks.start(self.second, (1,), False)(roles[0][1:], out, 3, ACT=0)
+            return out
+
+    assert "offset" in _refusal(Offset())
+
+    class Shared(_Chain):
+        def __call__(self, roles):
+            return super().__call__((roles[0], roles[0]))
+
+    call = ChainCall(Shared(), 0)
+    x = torch.randn(4, 8)
+    call((x, x))
+    assert "share an address" in call.refusal
+
+    class ReturnsAView(_Chain):
+        def __call__(self, roles):
+            return super().__call__(roles)[1:]
+
+    assert "own its memory" in _refusal(ReturnsAView())
+    assert "bytes" in _refusal(_Chain(buffer_bytes=_chain.KEPT_BYTES_MAX + 64))
+
+    class Defaulted(_Chain):
+        def __call__(self, roles):
+            out = torch.empty(4, 8)
+            _checks.start(self.second, (1,), False)(roles[0], out, 4)  # ACT left to its default
+            return out
+
+    assert "default" in _refusal(Defaulted())
+    assert "no Triton kernel" in _refusal(lambda roles: torch.empty(4, 8))
+
+
+def test_interpreted_kernels_and_descriptors_are_not_recorded():
+    chain = _Chain()
+    chain.first.compiled = None  # the interpreter compiles nothing
+    chain.second.compiled = None
+    assert "interpreted" in _refusal(chain)
+
+    class Described(_Chain):
+        def __call__(self, roles):
+            from triton.tools.tensor_descriptor import TensorDescriptor
+
+            out = torch.empty(4, 8)
+            desc = TensorDescriptor(roles[0], list(roles[0].shape), [8, 1], [4, 8])
+            _checks.start(self.second, (1,), False)(desc, out, 4, ACT=0)
+            return out
+
+    assert "descriptors" in _refusal(Described())
+
+
+def test_a_non_contiguous_role_is_not_recorded():
+    call = ChainCall(_Chain(), 0)
+    x, w = _roles()
+    call((torch.randn(8, 4).t(), w))
+    assert "contiguous" in call.refusal
+
+
+def test_on_the_cpu_nothing_is_recorded():
+    chain = _Chain()
+    call = ChainCall(chain, -1)
+    for _ in range(3):
+        call(_roles())
+    assert call.refusal == "the call is not on a GPU" and len(chain.first.direct) == 3
+
+
+def _declined(call, chain, roles) -> bool:
+    """Whether the call ran the function (not the recording)."""
+    ran = len(chain.first.direct)
+    call(roles)
+    return len(chain.first.direct) == ran + 1
+
+
+def test_a_replay_declines_a_call_it_could_not_launch_as_recorded(monkeypatch):
+    call, chain, _, _ = _recorded()
+    x, w = _roles()
+    assert not _declined(call, chain, (x, w))
+    assert _declined(call, chain, (torch.randn(8, 4).t(), w))  # not contiguous
+    unaligned = torch.randn(4 * 8 + 1)[1:].view(4, 8)
+    assert _declined(call, chain, (unaligned, w))  # not 16-byte aligned as recorded
+    monkeypatch.setattr(_replay, "current_stream", lambda device: 5)
+    assert _declined(call, chain, (x, w))  # another stream: the buffers are the recording's
+    monkeypatch.setattr(_replay, "current_stream", lambda device: 0)
+    monkeypatch.setattr(_replay, "no_launch_hooks", lambda: False)
+    assert _declined(call, chain, (x, w))  # a profiler's hooks see only the usual launches
+    monkeypatch.setattr(_replay, "no_launch_hooks", lambda: True)
+    declined = []
+    thread = threading.Thread(target=lambda: declined.append(_declined(call, chain, (x, w))))
+    thread.start()
+    thread.join()
+    assert declined == [True]  # another thread: its launches could interleave with these
+    assert not _declined(call, chain, (x, w))
+
+
+def test_no_launch_is_observed_outside_a_recording():
+    chain = _Chain()
+    chain(_roles())
+    assert _checks.LAUNCHES.record is None and len(chain.first.direct) == 1
+
+
+def test_a_failing_call_leaves_no_observer_behind():
+    def broken(roles):
+        raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        ChainCall(broken, 0)(_roles())
+    assert _checks.LAUNCHES.record is None
+
+
+def test_the_c_launch_gets_the_recorded_grid_stream_and_arguments(monkeypatch):
+    got = []
+    monkeypatch.setattr(_replay, "direct_launch", lambda compiled: _replay.DirectLaunch(
+        lambda *args: got.append(args), ("between",)))
+    call, chain, _, _ = _recorded()
+    x2, w2 = _roles()
+    out = call((x2, w2))
+    buf = chain.buffers[0].data_ptr()
+    assert got == [(3, 2, 1, 0, "between", x2.data_ptr(), w2.data_ptr(), buf, 4, 16),
+                   (3, 1, 1, 0, "between", buf, out.data_ptr(), 4, 1)]
+
+
+# ---------------------------------------------------------------- GPU: fused_moe's eager calls
+
+MOE_CASES = {
+    # (tokens, model_dim, inter_dim, experts, topk, kernel)
+    "pair blocks": (1, 512, 256, 16, 4, "triton.moe1:BM16.BN64.BK128.W4.S4.PB1"
+                    "+triton.moe2:BM16.BN128.BK128.SK1.W4.S3.PB1"),
+    "routed": (24, 512, 256, 16, 4, "triton.moe1:BM16.BN64.BK64.W4.S3"
+               "+triton.moe2:BM16.BN64.BK64.SK1.W4.S3"),
+    "one stage": (4, 512, 256, 16, 4, "triton.moe_1stage:BN32.BK128.BD64.BI128.W4.S4"),
+}
+
+
+def _moe_inputs(tokens, model_dim, inter_dim, experts, topk, dtype=torch.bfloat16):
+    g = torch.Generator(device="cuda").manual_seed(tokens)
+    hidden = torch.randn(tokens, model_dim, device="cuda", generator=g).to(dtype)
+    w1 = (torch.randn(experts, 2 * inter_dim, model_dim, device="cuda", generator=g)
+          / model_dim ** 0.5).to(dtype)
+    w2 = (torch.randn(experts, model_dim, inter_dim, device="cuda", generator=g)
+          / inter_dim ** 0.5).to(dtype)
+    scores = torch.rand(tokens, experts, device="cuda", generator=g)
+    weight, ids = torch.topk(scores, topk, dim=1)
+    return hidden, w1, w2, weight.float(), ids.to(torch.int32)
+
+
+def _bound(op, tokens: int, model_dim: int, kernel: str, quant_type):
+    """The op's bound call for these shapes, kernel and quant type."""
+    (run,) = [run for key, run in op._CALLS.items() if tuple(key[0]) == (tokens, model_dim)
+              and key[16] is quant_type and key[18] == kernel]
+    return run
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", sorted(MOE_CASES))
+def test_fused_moe_eager_calls_replay_bit_equal_to_the_plain_path(case):
+    from gemmtune.families.fmoe import op
+
+    tokens, model_dim, inter_dim, experts, topk, kernel = MOE_CASES[case]
+    calls = []
+    for _ in range(4):  # new activations, routing and weights (another layer) every call
+        args = _moe_inputs(tokens, model_dim, inter_dim, experts, topk)
+        calls.append((args, op.fused_moe(*args, kernel=kernel)))
+    chain = _bound(op, tokens, model_dim, kernel, op.QuantType.No).chain
+    assert chain.refusal is None and chain._recording is not None, chain.refusal
+    for args, out in calls:
+        plain = op._run(*args, op.ActivationType.Silu, op.QuantType.No, False, None, kernel)
+        torch.testing.assert_close(out, plain, rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+def test_fp8_experts_replay_bit_equal_to_the_plain_path():
+    from gemmtune import quant
+    from gemmtune.families.fmoe import op
+
+    tokens, model_dim, inter_dim, experts, topk = 2, 512, 256, 16, 4
+    kernel = ("triton.moe1:BM16.BN64.BK128.W4.S4.PB1"
+              "+triton.moe2:BM16.BN128.BK128.SK1.W4.S3.PB1")
+    outs = []
+    for layer in range(3):
+        hidden, w1, w2, weight, ids = _moe_inputs(tokens + layer, model_dim, inter_dim,
+                                                  experts, topk)
+        hidden = hidden[:tokens]
+        weight, ids = weight[:tokens].contiguous(), ids[:tokens].contiguous()
+        w1q, w1s = quant.quantize_experts(w1, op.QuantType.per_Token)
+        w2q, w2s = quant.quantize_experts(w2, op.QuantType.per_Token)
+        args = (hidden, w1q, w2q, weight, ids)
+        scales = dict(w1_scale=w1s, w2_scale=w2s)
+        outs.append((args, scales, op.fused_moe(*args, quant_type=op.QuantType.per_Token,
+                                                kernel=kernel, **scales)))
+    chain = _bound(op, tokens, model_dim, kernel, op.QuantType.per_Token).chain
+    assert chain.refusal is None, chain.refusal
+    for args, scales, out in outs:
+        plain = op._run(*args, op.ActivationType.Silu, op.QuantType.per_Token, False, None,
+                        kernel, op.checked_scales(op.QuantType.per_Token, args[0], args[1],
+                                                  args[2], scales["w1_scale"],
+                                                  scales["w2_scale"], None, None))
+        torch.testing.assert_close(out, plain, rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+def test_a_replayed_layer_under_a_cuda_graph_runs_its_function():
+    from gemmtune.families.fmoe import op
+
+    tokens, model_dim, inter_dim, experts, topk, kernel = MOE_CASES["pair blocks"]
+    args = _moe_inputs(tokens, model_dim, inter_dim, experts, topk)
+    for _ in range(3):
+        op.fused_moe(*args, kernel=kernel)
+    static = [a.clone() for a in args]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = op.fused_moe(*static, kernel=kernel)
+    fresh = _moe_inputs(tokens + 1, model_dim, inter_dim, experts, topk)
+    for s, f in zip(static, fresh):
+        s.copy_(f[:tokens])
+    graph.replay()
+    eager = op.fused_moe(*static, kernel=kernel)
+    torch.testing.assert_close(out, eager, rtol=0, atol=0)
