@@ -45,7 +45,7 @@ CASES = {  # label: (tokens, quant type, kernel)
     "T=1 fp8 1x128 QO1": (1, QuantType.per_1x128, "triton.moe1:BM16.BN64.BK128.W4.S4.PB1.P0"
                           ".SK1.QO1+triton.moe2:BM16.BN128.BK128.SK1.W4.S3.PB1"),
     "T=1 split stage 2": (1, QuantType.No, "triton.moe1:BM16.BN64.BK128.W4.S4.PB1"
-                          "+triton.moe2:BM16.BN128.BK128.SK2.W4.S3.PB1"),
+                          "+triton.moe2:BM16.BN128.BK64.SK2.W4.S3.PB1"),
 }
 CALLS, LOOPS = 400, 7
 
