@@ -143,7 +143,8 @@ def run_model(name: str, fp8: bool = False, experts: bool = False) -> list[dict]
                   if b != "grouped_mm"}
         if errors["gemmtune"] > max(LOGITS_BOUND, 3 * errors.get("batched_mm", 0)):
             raise RuntimeError(f"{name} {label}: gemmtune's logits off grouped_mm's by "
-                               f"{errors['gemmtune']:.2e}")
+                               f"{errors['gemmtune']:.2e} (batched_mm's by "
+                               f"{errors.get('batched_mm', float('nan')):.2e})")
         if errors.get(FP8, 0) > FP8_LOGITS_BOUND:
             raise RuntimeError(f"{name} {label}: gemmtune's FP8 logits off grouped_mm's by "
                                f"{errors[FP8]:.2e}: not FP8's error, something broken")
