@@ -222,6 +222,37 @@ def test_interpreted_kernels_and_descriptors_are_not_recorded():
     assert "descriptors" in _refusal(Described())
 
 
+class _Described(_Chain):
+    """A launch taking host TMA descriptors around x (a role) and a buffer of its own."""
+
+    def __call__(self, roles):
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        buf = torch.empty(16, 8)
+        self.buffers.append(buf)
+        out = torch.empty(4, 8)
+        _checks.start(self.second, (1,), False)(
+            TensorDescriptor(roles[0], [4, 8], [8, 1], [4, 8]),
+            TensorDescriptor(buf, [16, 8], [8, 1], [8, 8]), out, ACT=0)
+        return out
+
+
+def test_descriptors_are_expanded_around_each_calls_tensor(monkeypatch):
+    got = []
+    monkeypatch.setattr(_replay, "direct_launch", lambda compiled: _replay.DirectLaunch(
+        lambda *args: got.append(args), ("between",), [None, None]))
+    chain = _Described()
+    chain.second.arg_names = ["x_desc", "buf_desc", "out_ptr", "ACT"]
+    call, _, _, _ = _recorded(chain)
+    x2, w2 = _roles()
+    out = call((x2, w2))
+    buf = chain.buffers[0].data_ptr()
+    # Without Triton's descriptor metadata the C launch takes each descriptor as its address,
+    # shape, strides, padding, shape and strides (what the launcher's wrapper would pass).
+    assert got == [(1, 1, 1, 0, "between", x2.data_ptr(), 4, 8, 8, 1, False, 4, 8, 8, 1,
+                    buf, 16, 8, 8, 1, False, 16, 8, 8, 1, out.data_ptr(), 0)]
+
+
 def test_a_non_contiguous_role_is_not_recorded():
     call = ChainCall(_Chain(), 0)
     x, w = _roles()
@@ -301,6 +332,10 @@ MOE_CASES = {
     "routed": (24, 512, 256, 16, 4, "triton.moe1:BM16.BN64.BK64.W4.S3"
                "+triton.moe2:BM16.BN64.BK64.SK1.W4.S3"),
     "one stage": (4, 512, 256, 16, 4, "triton.moe_1stage:BN32.BK128.BD64.BI128.W4.S4"),
+    "split stage 2": (1, 512, 256, 16, 4, "triton.moe1:BM16.BN64.BK128.W4.S4.PB1"
+                      "+triton.moe2:BM16.BN128.BK64.SK2.W4.S3.PB1"),
+    "persistent": (64, 512, 256, 16, 4, "triton.moe1:BM64.BN64.BK64.W4.S3.PB0.P1"
+                   "+triton.moe2:BM64.BN128.BK64.SK1.W8.S3.PB0.P2"),
 }
 
 

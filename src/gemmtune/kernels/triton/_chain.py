@@ -12,8 +12,9 @@ launcher with the roles' new addresses, the same buffers and a new output.
 What may be recorded (else the function runs as it is, on every call; ``refusal`` says why):
 - only Triton launches touch the GPU: the torch ops seen in the call (launches excepted) only
   allocate or view, so no fill or copy that each call needs is left out of a replay;
-- no launch takes host TMA descriptors or Triton's scratch memory, and each passes its
-  constexprs by name;
+- no launch takes Triton's scratch memory, each passes its constexprs by name, and host TMA
+  descriptors only where Triton's launcher is known (each is encoded once per address, as the
+  GEMM replays do);
 - the roles are distinct, contiguous tensors, no argument views a role at an offset, and the
   output owns its memory;
 - the buffers kept hold at most ``KEPT_BYTES_MAX`` (the intermediates of a decode step, not
@@ -74,31 +75,51 @@ class _Made(NamedTuple):
     compiled: object
 
 
+class _Described(NamedTuple):
+    """A host TMA descriptor around a role's tensor: the C launch's arguments it expands to
+    (``width`` of them from ``position``), made per address by ``encoded``."""
+
+    position: int
+    width: int
+    role: int
+    encoded: _replay.EncodedDescriptor
+
+
 class _Launch(NamedTuple):
     """One launch of a recording: ``run(*grid, stream, *between, *arguments)`` with each role's
-    address put at its positions."""
+    address put at its positions, and each descriptor around a role expanded in place."""
 
     run: Callable
     grid: tuple
     between: tuple
-    template: tuple  # every argument, a buffer's address for a buffer, 0 for a role
+    template: tuple  # the arguments: a buffer's address (or descriptor) as made, 0 for a role
     patches: tuple  # (position, role)
+    described: tuple  # _Described
 
 
-def _launcher(compiled) -> tuple[Callable, tuple] | str:
-    """How a replay launches ``compiled``: Triton's C launch where its version is known, else
-    the compiled kernel's launcher; or why it cannot be replayed."""
+class _Launcher(NamedTuple):
+    """How a replay launches a compiled kernel: ``run(*grid, stream, *between, *arguments)``,
+    with ``descriptors`` (Triton's metadata per host TMA descriptor argument) where the C launch
+    takes them expanded."""
+
+    run: Callable
+    between: tuple
+    descriptors: list | None
+
+
+def _launcher(compiled) -> _Launcher | str:
+    """Triton's C launch where its version is known, else the compiled kernel's launcher; or
+    why the kernel cannot be replayed."""
     launcher = compiled.run
     if getattr(launcher, "global_scratch_size", 0) or getattr(launcher, "profile_scratch_size",
                                                               0):
         return "a launch takes Triton's scratch memory"
     direct = _replay.direct_launch(compiled)
     if direct is not None:
-        if direct.descriptors is not None:
-            return "a launch takes host TMA descriptors"
-        return direct.c_launch, direct.between
+        return _Launcher(direct.c_launch, direct.between, direct.descriptors)
     compiled[(1, 1, 1)]  # loads the kernel: its function handle
-    return launcher, (compiled.function, compiled.packed_metadata, None, None, None)
+    return _Launcher(launcher, (compiled.function, compiled.packed_metadata, None, None, None),
+                     None)
 
 
 class _Places:
@@ -203,6 +224,8 @@ class Recording:
             args = list(launch.template)
             for position, role in launch.patches:
                 args[position] = addresses[role]
+            for d in launch.described:
+                args[d.position:d.position + d.width] = d.encoded.arguments(addresses[d.role])
             launch.run(*launch.grid, stream, *launch.between, *args)
         return out
 
@@ -221,10 +244,21 @@ def _recorded_launch(made: _Made, places: _Places) -> _Launch | str:
         arguments = _replay.all_arguments(call)
     except KeyError as e:
         return f"a launch leaves its argument {e} to its default"
-    template, patches = [], []
-    for position, value in enumerate(arguments):
+    described_count = sum(isinstance(value, TensorDescriptor) for value in arguments)
+    if described_count and len(launcher.descriptors or ()) != described_count:
+        return "a launch takes host TMA descriptors its launcher's version does not expand"
+    metas = iter(launcher.descriptors or ())
+    template, patches, described = [], [], []
+    for value in arguments:
         if isinstance(value, TensorDescriptor):
-            return "a launch takes host TMA descriptors"
+            expanded = _expanded(value, next(metas), places, len(template))
+            if isinstance(expanded, str):
+                return expanded
+            pieces, entry = expanded
+            template.extend(pieces)
+            if entry is not None:
+                described.append(entry)
+            continue
         if not isinstance(value, torch.Tensor):
             template.append(value)
             continue
@@ -234,10 +268,27 @@ def _recorded_launch(made: _Made, places: _Places) -> _Launch | str:
         if role is None:
             template.append(value.data_ptr())
         else:
+            patches.append((len(template), role))
             template.append(0)
-            patches.append((position, role))
-    run, between = launcher
-    return _Launch(run, _replay.grid3(call.grid), between, tuple(template), tuple(patches))
+    return _Launch(launcher.run, _replay.grid3(call.grid), launcher.between, tuple(template),
+                   tuple(patches), tuple(described))
+
+
+def _expanded(descriptor: TensorDescriptor, meta, places: _Places,
+              position: int) -> tuple[tuple, _Described | None] | str:
+    """A host descriptor's arguments to the C launch as made now, and where it is around a
+    role, how each call expands it again; or why it cannot be placed."""
+    base = descriptor.base
+    role = places.place(base)
+    if isinstance(role, str):
+        return role
+    geometry = _replay.DescribedRole(role or 0, list(descriptor.shape), list(descriptor.strides),
+                                     list(descriptor.block_shape), descriptor.padding)
+    encoded = _replay.EncodedDescriptor(geometry, meta)
+    arguments = encoded.arguments(base.data_ptr())
+    if role is None:  # around a buffer of the recording's: the same every call
+        return arguments, None
+    return arguments, _Described(position, len(arguments), role, encoded)
 
 
 def record(fn: Callable, roles: tuple, device_index: int):

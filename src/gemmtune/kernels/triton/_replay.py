@@ -169,7 +169,7 @@ def _tma_fill():
     return triton.runtime.driver.active.utils.fill_tma_descriptor
 
 
-class _EncodedDescriptor:
+class EncodedDescriptor:
     """A described role's arguments to Triton 3.6's C launch, as its launcher's Python wrapper
     makes them from a descriptor (``make_tensordesc_arg``): a CUtensorMap and the shape and
     strides, or with no descriptor metadata the address, shape, strides and padding. Given the
@@ -207,13 +207,13 @@ class _EncodedDescriptor:
 
 
 def _encoded_pieces(lead_roles: tuple, descriptors: list) -> tuple | None:
-    """Per leading argument, its role (an address) or its _EncodedDescriptor; None unless the
+    """Per leading argument, its role (an address) or its EncodedDescriptor; None unless the
     described arguments are exactly the kernel's descriptor arguments (then in order)."""
     described = [r for r in lead_roles if isinstance(r, DescribedRole)]
     if len(described) != len(descriptors):
         return None
     metas = iter(descriptors)
-    return tuple(_EncodedDescriptor(r, next(metas)) if isinstance(r, DescribedRole) else r
+    return tuple(EncodedDescriptor(r, next(metas)) if isinstance(r, DescribedRole) else r
                  for r in lead_roles)
 
 
