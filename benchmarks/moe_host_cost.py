@@ -46,6 +46,8 @@ CASES = {  # label: (tokens, quant type, kernel)
                           ".SK1.QO1+triton.moe2:BM16.BN128.BK128.SK1.W4.S3.PB1"),
     "T=1 split stage 2": (1, QuantType.No, "triton.moe1:BM16.BN64.BK128.W4.S4.PB1"
                           "+triton.moe2:BM16.BN128.BK64.SK2.W4.S3.PB1"),
+    "T=64 persistent": (64, QuantType.No, "triton.moe1:BM64.BN64.BK64.W4.S3.PB0.P1"
+                        "+triton.moe2:BM64.BN128.BK64.SK1.W8.S3.PB0.P2"),
 }
 CALLS, LOOPS = 400, 7
 
