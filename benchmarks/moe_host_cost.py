@@ -82,7 +82,8 @@ def op_case(label: str) -> dict:
 
     for _ in range(3):
         fast()
-    torch.testing.assert_close(fast(), plain(), rtol=0, atol=0)
+    # (bf16's tolerance: the 1-stage kernel's atomics add in no fixed order)
+    torch.testing.assert_close(fast(), plain())
     # The op's bound call of this case (its call key: hidden's shape first, then the quant
     # type and kernel at fused_moe's _call_key places).
     chain = next(run for key, run in op._CALLS.items() if tuple(key[0]) == args[0].shape

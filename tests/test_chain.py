@@ -370,9 +370,13 @@ def test_fused_moe_eager_calls_replay_bit_equal_to_the_plain_path(case):
         calls.append((args, op.fused_moe(*args, kernel=kernel)))
     chain = _bound(op, tokens, model_dim, kernel, op.QuantType.No).chain
     assert chain.refusal is None and chain._recording is not None, chain.refusal
+    # The 1-stage kernel adds each token's pairs in fp32 with atomics, in the order its
+    # programs finish: the same inputs may round one element of bf16 either way.
+    exact = case != "one stage"
     for args, out in calls:
         plain = op._run(*args, op.ActivationType.Silu, op.QuantType.No, False, None, kernel)
-        torch.testing.assert_close(out, plain, rtol=0, atol=0)
+        torch.testing.assert_close(out, plain, rtol=0 if exact else 2 ** -7,
+                                   atol=0 if exact else 1e-3)
 
 
 @pytest.mark.gpu
