@@ -10,12 +10,14 @@ captured CUDA graph, the backends in an order rotated each round; a speed-up is 
 the rounds of the round's ratio. Logits of gemmtune and batched_mm against grouped_mm's.
 Prints gemmtune's speed-up over each backend and over the faster of the two.
 
-``--experts``: what a CUDA-graph decode step could gain from the experts at all. At each decode
-point the first layer's experts, on the inputs the model's router gave them, run alone as a CUDA
-graph through each backend; their floor is the bytes of the experts the routing picks (each read
-once) over the streaming bandwidth measured in the same run, plus t_launch. The step's ceiling
-is then the faster backend's step over gemmtune's step with every layer's experts at that floor
-(the attention, router and norms are transformers' own, the same in every backend).
+``--experts``: what a CUDA-graph decode step could gain from the experts at all. One more model
+runs experts that do nothing (they return their input): its step is the rest of every
+backend's (attention, router, norms, embedding, lm_head: transformers' own). At each decode
+point the first layer's experts, on the inputs the model's router gave them, also run alone as
+a CUDA graph through each backend; their floor is the bytes of the experts the routing picks
+(each read once) over the streaming bandwidth measured in the same run, plus t_launch. The
+step's ceiling is the faster backend's step over the rest with every layer's experts at that
+floor.
 
     PYTHONPATH=src python3 benchmarks/e2e_hf_moe.py [--models mixtral-8x7b,qwen3-30b-a3b]
         [--fp8] [--experts]
@@ -47,6 +49,7 @@ MODELS = {
 }
 LOGITS_BOUND = 2e-2  # bf16: the experts' sums in another order
 FP8 = "gemmtune_fp8"  # --fp8: gemmtune with its experts quantised (FP8 per channel / token)
+NO_EXPERTS = "no_experts"  # --experts: experts that return their input (the rest of a step)
 # FP8's own error through two layers of random weights (nothing trained keeps it low) is
 # reported; only an error this large stops the run, as broken rather than imprecise.
 FP8_LOGITS_BOUND = 0.5
@@ -65,6 +68,11 @@ def build(name: str, backend: str):
         model = transformers.AutoModelForCausalLM.from_config(config).to(torch.bfloat16).eval()
     if backend == FP8:
         return gemmtune.patch_moe(model, quant="fp8")
+    if backend == NO_EXPERTS:
+        from transformers.integrations.moe import ExpertsInterface
+
+        ExpertsInterface.register(NO_EXPERTS, lambda module, hidden_states, *routing:
+                                  hidden_states)
     model.set_experts_implementation(backend)
     return model
 
@@ -118,6 +126,8 @@ def run_model(name: str, fp8: bool = False, experts: bool = False) -> list[dict]
     first = list(variants["grouped_mm"].parameters())
     if fp8:
         variants[FP8] = build(name, FP8)
+    if experts:
+        variants[NO_EXPERTS] = build(name, NO_EXPERTS)
     for backend in BACKENDS[1:]:
         if not all(torch.equal(a, b) for a, b in zip(first, variants[backend].parameters())):
             raise RuntimeError(f"{name}: the {backend} build has other weights")
@@ -140,7 +150,7 @@ def run_model(name: str, fp8: bool = False, experts: bool = False) -> list[dict]
             logits[backend] = point.step(variant).clone()
             graphs[backend] = capture(point, variant)[0]
         errors = {b: rel_err(logits[b], logits["grouped_mm"]) for b in logits
-                  if b != "grouped_mm"}
+                  if b not in ("grouped_mm", NO_EXPERTS)}
         if errors["gemmtune"] > max(LOGITS_BOUND, 3 * errors.get("batched_mm", 0)):
             raise RuntimeError(f"{name} {label}: gemmtune's logits off grouped_mm's by "
                                f"{errors['gemmtune']:.2e} (batched_mm's by "
@@ -178,12 +188,16 @@ def run_model(name: str, fp8: bool = False, experts: bool = False) -> list[dict]
 
 
 def ceiling_columns(ceiling: ExpertsCeiling, timed: dict, timed_here: dict) -> dict:
-    """The step's ceiling under CUDA graphs: the faster backend's step over gemmtune's with
-    every layer's experts at their floor."""
+    """The step's ceiling under CUDA graphs: the faster backend's step over the rest (the step
+    with experts doing nothing) with every layer's experts at their floor; beside it, each
+    backend's step less its layers' experts timed alone (what the rest would be if the experts
+    cost in the step what they cost alone)."""
     faster = min(timed["graph", b][0] for b in BACKENDS[:2] if b in timed_here) * 1e3
-    step = timed["graph", "gemmtune"][0] * 1e3
-    rest = step - LAYERS * ceiling.experts_us["gemmtune"]
+    rest = timed["graph", NO_EXPERTS][0] * 1e3
     columns = {f"experts_us_{b}": round(t, 1) for b, t in ceiling.experts_us.items()}
+    columns.update((f"step_less_experts_us_{b}", round(
+        timed["graph", b][0] * 1e3 - LAYERS * t, 1)) for b, t in ceiling.experts_us.items()
+        if b in timed_here)
     columns.update(experts_floor_us=round(ceiling.floor_us, 1), experts_distinct=ceiling.distinct,
                    step_rest_us=round(rest, 1),
                    graph_ceiling_x_faster=round(faster / (rest + LAYERS * ceiling.floor_us), 3))
@@ -192,15 +206,19 @@ def ceiling_columns(ceiling: ExpertsCeiling, timed: dict, timed_here: dict) -> d
 
 def report_ceilings(rows: list[dict]) -> None:
     print("CUDA-graph decode: one layer's experts alone (µs, graph replay), their floor, the "
-          "rest of gemmtune's step, and the step's ceiling over the faster backend")
+          "step with experts doing nothing (rest), each step less its experts timed alone, and "
+          "the step's ceiling over the faster backend")
     print(f"{'model':<14} {'point':<12} {'grouped':>8} {'batched':>8} {'gemmtune':>8} "
-          f"{'floor':>7} {'picked':>6} {'rest':>7} {'ceiling':>7}")
+          f"{'floor':>7} {'picked':>6} {'rest':>7} {'g-less':>7} {'b-less':>7} {'t-less':>7} "
+          f"{'ceiling':>7}")
     for r in rows:
         if "experts_floor_us" in r:
             print(f"{r['model']:<14} {r['point']:<12} {r['experts_us_grouped_mm']:>8} "
                   f"{r['experts_us_batched_mm']:>8} {r['experts_us_gemmtune']:>8} "
                   f"{r['experts_floor_us']:>7} {r['experts_distinct']:>6} "
-                  f"{r['step_rest_us']:>7} {r['graph_ceiling_x_faster']:>7}")
+                  f"{r['step_rest_us']:>7} {r['step_less_experts_us_grouped_mm']:>7} "
+                  f"{r['step_less_experts_us_batched_mm']:>7} "
+                  f"{r['step_less_experts_us_gemmtune']:>7} {r['graph_ceiling_x_faster']:>7}")
 
 
 def report_fp8(rows: list[dict]) -> None:
