@@ -47,7 +47,11 @@ MODELS = {
         num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
         num_experts_per_tok=8, norm_topk_prob=True, vocab_size=151936)),
 }
-LOGITS_BOUND = 2e-2  # bf16: the experts' sums in another order
+# bf16: the experts' sums in another order, and through random weights (nothing trained) a
+# near tie among a token's top-8 of 128 experts in the second layer picked the other way: Qwen3
+# at batch 32 measured 1.8e-2 and 2.2e-2 (the latter with batched_mm bit-equal to grouped_mm),
+# docs/benchmarks.md session 16. A broken kernel is off by O(1).
+LOGITS_BOUND = 3e-2
 FP8 = "gemmtune_fp8"  # --fp8: gemmtune with its experts quantised (FP8 per channel / token)
 NO_EXPERTS = "no_experts"  # --experts: experts that return their input (the rest of a step)
 # FP8's own error through two layers of random weights (nothing trained keeps it low) is
