@@ -178,15 +178,6 @@ def test_what_a_recording_cannot_place_is_refused(monkeypatch):
 
     assert "offset" in _refusal(Offset())
 
-    class Shared(_Chain):
-        def __call__(self, roles):
-            return super().__call__((roles[0], roles[0]))
-
-    call = ChainCall(Shared(), 0)
-    x = torch.randn(4, 8)
-    call((x, x))
-    assert "share an address" in call.refusal
-
     class ReturnsAView(_Chain):
         def __call__(self, roles):
             return super().__call__(roles)[1:]
@@ -253,11 +244,119 @@ def test_descriptors_are_expanded_around_each_calls_tensor(monkeypatch):
                     buf, 16, 8, 8, 1, False, 16, 8, 8, 1, out.data_ptr(), 0)]
 
 
-def test_a_non_contiguous_role_is_not_recorded():
-    call = ChainCall(_Chain(), 0)
+def test_a_call_that_could_not_be_recorded_spends_no_attempt():
+    # A role not contiguous, or two roles of one tensor: this call's, not the next one's.
+    chain = _Chain()
+    call = ChainCall(chain, 0)
     x, w = _roles()
-    call((torch.randn(8, 4).t(), w))
-    assert "contiguous" in call.refusal
+    for _ in range(3):
+        call((torch.randn(8, 4).t(), w))
+        call((x, x))
+    assert call.refusal is None and call._recording is None and not chain.launches
+    call((x, w))
+    call(_roles())
+    assert call._recording is not None and len(chain.launches) == 2
+
+
+def test_a_refusal_given_up_front_is_kept_and_nothing_is_recorded():
+    chain = _Chain()
+    call = ChainCall(chain, 0, refusal="fp32 operands")
+    for _ in range(3):
+        call(_roles())
+    assert call.refusal == "fp32 operands" and len(chain.first.direct) == 3
+
+
+def test_nothing_is_recorded_or_replayed_while_a_graph_is_captured(monkeypatch):
+    chain = _Chain()
+    call = ChainCall(chain, 0)
+    monkeypatch.setattr(_chain, "_capturing", lambda: True)
+    call(_roles())
+    assert call._recording is None and call.refusal is None  # no attempt spent
+    monkeypatch.setattr(_chain, "_capturing", lambda: False)
+    call(_roles())
+    assert call._recording is not None
+    monkeypatch.setattr(_chain, "_capturing", lambda: True)
+    assert _declined(call, chain, _roles()) and call.declines == 0  # as meant
+
+
+def test_recordings_past_the_budget_give_their_buffers_back_oldest_first(monkeypatch):
+    monkeypatch.setattr(_chain, "_RECORDINGS", __import__("weakref").WeakSet())
+    monkeypatch.setattr(_chain, "KEPT_BYTES_TOTAL", 2500)
+    calls = [ChainCall(_Chain(buffer_bytes=1024), 0) for _ in range(3)]
+    for c in calls[:2]:
+        c(_roles())
+    calls[0](_roles())  # replayed: now the more recently used
+    calls[2](_roles())  # 3 x 1 KiB > 2500 bytes: the least recently used gives its back
+    first, second, third = (c._recording for c in calls)
+    assert not first.evicted and second.evicted and not third.evicted
+    assert second._kept == () and second.kept_bytes == 1024
+    # Its call records again when next made (and the oldest then gives way).
+    calls[1](_roles())
+    assert calls[1]._recording is not second and not calls[1]._recording.evicted
+    assert first.evicted
+
+
+def test_a_role_absent_or_present_otherwise_than_recorded_is_declined():
+    class Optional(_Chain):
+        def __call__(self, roles):
+            x, w, scale = roles
+            return super().__call__((x, w if scale is None else scale))
+
+    chain = Optional()
+    call = ChainCall(chain, 0)
+    x, w = _roles()
+    call((x, w, None))
+    assert call._recording is not None
+    assert _declined(call, chain, (x, w, torch.randn(6, 8)))
+    assert not _declined(call, chain, (x, w, None))
+    call2 = ChainCall(chain, 0)
+    call2((x, w, torch.randn(6, 8)))
+    assert _declined(call2, chain, (x, w, None))
+
+
+def test_an_output_of_another_dtype_is_made_in_that_dtype():
+    class Half(_Chain):
+        def __call__(self, roles):
+            out = torch.empty(roles[0].shape[0], 8, dtype=torch.float16)
+            _checks.start(self.second, (1,), False)(roles[0], out, 4, ACT=0)
+            return out
+
+    call, chain, _, _ = _recorded(Half())
+    out = call(_roles())
+    assert out.dtype == torch.float16 and out.shape == (4, 8) and chain.launches
+
+
+def test_a_gemm_replay_declines_while_a_chain_is_recorded():
+    from gemmtune.kernels.triton._replay import KernelCall, Replay
+
+    x, w, y = torch.randn(4, 8), torch.randn(6, 8), torch.empty(4, 6)
+    kernel = _FakeKernel("gemm", ["x_ptr", "w_ptr", "y_ptr", "M"], [])
+    replay = Replay.record(KernelCall(kernel, (1,), (x, w, y, 4), {}, {}), kernel.compiled,
+                           (x, w, y, None, None, None), 0)
+    roles = (x, w, y, None, None, None)
+    assert replay.serves(roles)
+    _checks.LAUNCHES.record = lambda *args: None
+    try:
+        assert not replay.serves(roles) and not replay.launch_fast(roles)
+    finally:
+        _checks.LAUNCHES.record = None
+
+
+def test_a_launch_from_another_thread_is_not_seen_by_a_recording():
+    other = _Chain()
+
+    class WithAThread(_Chain):
+        def __call__(self, roles):
+            thread = threading.Thread(target=other, args=(roles,))
+            thread.start()
+            thread.join()
+            return super().__call__(roles)
+
+    chain = WithAThread()
+    call, _, _, _ = _recorded(chain)
+    call(_roles())
+    assert [name for name, *_ in chain.launches] == ["first", "second"]
+    assert len(other.first.direct) == 1  # launched the usual way, unrecorded
 
 
 def test_on_the_cpu_nothing_is_recorded():
@@ -294,6 +393,7 @@ def test_a_replay_declines_a_call_it_could_not_launch_as_recorded(monkeypatch):
     thread.join()
     assert declined == [True]  # another thread: its launches could interleave with these
     assert not _declined(call, chain, (x, w))
+    assert call.declines == 5
 
 
 def test_no_launch_is_observed_outside_a_recording():
@@ -351,13 +451,6 @@ def _moe_inputs(tokens, model_dim, inter_dim, experts, topk, dtype=torch.bfloat1
     return hidden, w1, w2, weight.float(), ids.to(torch.int32)
 
 
-def _bound(op, tokens: int, model_dim: int, kernel: str, quant_type):
-    """The op's bound call for these shapes, kernel and quant type."""
-    (run,) = [run for key, run in op._CALLS.items() if tuple(key[0]) == (tokens, model_dim)
-              and key[16] is quant_type and key[18] == kernel]
-    return run
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", sorted(MOE_CASES))
 def test_fused_moe_eager_calls_replay_bit_equal_to_the_plain_path(case):
@@ -368,7 +461,7 @@ def test_fused_moe_eager_calls_replay_bit_equal_to_the_plain_path(case):
     for _ in range(4):  # new activations, routing and weights (another layer) every call
         args = _moe_inputs(tokens, model_dim, inter_dim, experts, topk)
         calls.append((args, op.fused_moe(*args, kernel=kernel)))
-    chain = _bound(op, tokens, model_dim, kernel, op.QuantType.No).chain
+    chain = op.bound_call(*calls[-1][0], kernel=kernel).chain
     assert chain.refusal is None and chain._recording is not None, chain.refusal
     # The 1-stage kernel adds each token's pairs in fp32 with atomics, in the order its
     # programs finish: the same inputs may round one element of bf16 either way.
@@ -399,7 +492,9 @@ def test_fp8_experts_replay_bit_equal_to_the_plain_path():
         scales = dict(w1_scale=w1s, w2_scale=w2s)
         outs.append((args, scales, op.fused_moe(*args, quant_type=op.QuantType.per_Token,
                                                 kernel=kernel, **scales)))
-    chain = _bound(op, tokens, model_dim, kernel, op.QuantType.per_Token).chain
+    args, scales, _ = outs[-1]
+    chain = op.bound_call(*args, quant_type=op.QuantType.per_Token, kernel=kernel,
+                          **scales).chain
     assert chain.refusal is None, chain.refusal
     for args, scales, out in outs:
         plain = op._run(*args, op.ActivationType.Silu, op.QuantType.per_Token, False, None,

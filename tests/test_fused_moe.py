@@ -333,22 +333,42 @@ def test_one_launch_kernels_leave_their_workspace_zero_for_the_next_call(kernel)
         assert not any(c.any() for c in counters)
 
 
-@pytest.mark.parametrize("kernel", [TWO_STAGE.format(sk=2), PAIR_BLOCKS.format(sk=2)])
-def test_split_stage_2_leaves_its_streams_partials_zero_for_the_next_call(kernel):
-    # Split stage 2 adds its parts into the stream's fp32 rows; the sum zeroes what it read, so
-    # the next call (new routing, a rank without some experts) starts from zero.
+@pytest.mark.parametrize("kernel, speculate", [(TWO_STAGE.format(sk=2), True),
+                                               (PAIR_BLOCKS.format(sk=2), False)])
+def test_split_stage_2_leaves_its_streams_partials_zero_for_the_next_call(kernel, speculate,
+                                                                          monkeypatch):
+    # Split stage 2 adds its parts into the stream's fp32 rows; the sum zeroes what it read
+    # (every slot's row, whether or not it loaded it before knowing the expert is local), so the
+    # next call (new routing, a rank without some experts, fewer pairs) starts from zero.
+    from gemmtune.kernels.triton import moe_stages
     from gemmtune.kernels.triton.moe_common import cached_workspaces
-    from gemmtune.kernels.triton.moe_stages import PARTIALS_KIND
 
+    monkeypatch.setattr(moe_stages, "SPECULATIVE_SUM_TOKENS", 64 if speculate else 0)
     mask = torch.tensor([True, False, True, True, True], device=DEVICE)
     emap = expert_map_of(mask, 4, DEVICE)
-    for seed, route in ((4, None), (5, [0, 2, 3, 4, 2, 0, 1, 3, 4, 0]), (6, None)):
-        hidden, w1, w2, weight, ids = moe_inputs(5, 48, 24, 4, 2, seed=seed, route=route,
+    for seed, tokens, route in ((4, 5, None), (5, 5, [0, 2, 3, 4, 2, 0, 1, 3, 4, 0]),
+                                (6, 3, None), (7, 5, None)):
+        hidden, w1, w2, weight, ids = moe_inputs(tokens, 48, 24, 4, 2, seed=seed, route=route,
                                                  global_experts=5)
         y = gemmtune.fused_moe(hidden, w1, w2, weight, ids, expert_mask=mask, kernel=kernel)
         assert rel_err(y, fused_moe_ref(hidden, w1, w2, weight, ids, emap)) < 1e-4
-        partials = [w for w in cached_workspaces(PARTIALS_KIND) if w.shape == (10, 48)]
-        assert len(partials) == 1 and not partials[0].any()
+        (partials,) = [w for w in cached_workspaces(moe_stages.PARTIALS_KIND)
+                       if w.shape[1] == 48]
+        assert partials.shape[0] >= 10 and not partials.any()
+
+
+def test_split_stage_2_past_the_kept_size_takes_zeros_of_its_own(monkeypatch):
+    from gemmtune.kernels.triton import moe_stages
+    from gemmtune.kernels.triton.moe_common import cached_workspaces
+
+    monkeypatch.setattr(moe_stages, "KEPT_PARTIALS_BYTES", 4 * 40 * 4 - 1)  # < 4 pairs x D=40
+    kept = [id(w) for w in cached_workspaces(moe_stages.PARTIALS_KIND)]
+    for seed in (8, 9):
+        hidden, w1, w2, weight, ids = moe_inputs(2, 40, 24, 4, 2, seed=seed)
+        y = gemmtune.fused_moe(hidden, w1, w2, weight, ids, kernel=TWO_STAGE.format(sk=2))
+        ref = fused_moe_ref(hidden, w1, w2, weight, ids, expert_map_of(None, 4, DEVICE))
+        assert rel_err(y, ref) < 1e-4
+    assert [id(w) for w in cached_workspaces(moe_stages.PARTIALS_KIND)] == kept
 
 
 @pytest.mark.parametrize("act, dw1, local", [("Silu", False, None),
@@ -443,7 +463,7 @@ def test_bad_calls_say_what_is_wrong():
         gemmtune.fused_moe(hidden, w1, w2, weight, ids, activation=ActivationType.Swiglu)
 
 
-def test_eager_calls_of_a_checked_key_take_the_bound_path_and_new_keys_are_checked():
+def test_eager_calls_of_a_checked_key_take_the_bound_path_and_new_keys_are_checked(monkeypatch):
     from gemmtune.families.fmoe import op
 
     hidden, w1, w2, weight, ids = moe_inputs(3, 32, 16, 4, 2, seed=21)
@@ -451,12 +471,20 @@ def test_eager_calls_of_a_checked_key_take_the_bound_path_and_new_keys_are_check
     gemmtune.reset()
     assert rel_err(gemmtune.fused_moe(hidden, w1, w2, weight, ids),
                    fused_moe_ref(hidden, w1, w2, weight, ids, emap)) < 1e-4
-    (run,) = op._CALLS.values()
-    assert run.chain.refusal == ("the call is not on a GPU" if DEVICE == "cpu" else None)
+    (miss,) = gemmtune.report_misses()
+    assert miss.calls == 1  # the first call is counted once
+    run = op.bound_call(hidden, w1, w2, weight, ids)
+    assert run is not None and "tf32" in run.chain.refusal  # fp32: never recorded
+
+    def unchecked(*args):
+        raise AssertionError("a bound call checks and plans nothing")
+    monkeypatch.setattr(op, "_check", unchecked)
+    monkeypatch.setattr(op, "_plan", unchecked)
     for seed in (22, 23):  # new tensors, the same key: the bound call
         args = moe_inputs(3, 32, 16, 4, 2, seed=seed)
         assert rel_err(gemmtune.fused_moe(*args), fused_moe_ref(*args, emap)) < 1e-4
-    assert len(op._CALLS) == 1
+    assert len(op._CALLS) == 1 and gemmtune.report_misses()[0].calls == 3
+    monkeypatch.undo()
     # Another key goes the checked way again: what is wrong is still said.
     with pytest.raises(ValueError, match="topk_ids must be int32"):
         gemmtune.fused_moe(hidden, w1, w2, weight, ids.long())
@@ -467,7 +495,6 @@ def test_eager_calls_of_a_checked_key_take_the_bound_path_and_new_keys_are_check
     with pytest.raises(TypeError, match="hidden must be a torch.Tensor, got list"):  # no key
         gemmtune.fused_moe([[1.0]], w1, w2, weight, ids)
     # Expert parallelism: the map follows each call's mask.
-    mask = torch.tensor([True, False, True, True, False, True], device=DEVICE)
     *_, wide_ids = moe_inputs(3, 32, 16, 6, 2, seed=24)
     for local in ([True, False, True, True, False, True], [False, True, True, True, True, False]):
         mask = torch.tensor(local, device=DEVICE)

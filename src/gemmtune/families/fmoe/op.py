@@ -235,6 +235,22 @@ def _run(hidden, w1, w2, topk_weight, topk_ids, activation, quant_type, doweight
     return plan.run(hidden, w1, w2, topk_weight, topk_ids, expert_map, problem, scales=scales)
 
 
+class MoeRoles(NamedTuple):
+    """A call's tensors as its recorded chain places them (``_chain``): the scales None
+    without FP8 experts."""
+
+    hidden: torch.Tensor
+    w1: torch.Tensor
+    w2: torch.Tensor
+    topk_weight: torch.Tensor
+    topk_ids: torch.Tensor
+    expert_map: torch.Tensor
+    w1_scale: Optional[torch.Tensor] = None
+    w2_scale: Optional[torch.Tensor] = None
+    a1_scale: Optional[torch.Tensor] = None
+    a2_scale: Optional[torch.Tensor] = None
+
+
 def _bound(plan, hidden: torch.Tensor, experts: int, scales: Optional[MoeScales]):
     """``plan``'s solution for the calls of one call key (each tensor's shape, dtype and
     device, the options) as ``run(hidden, w1, w2, topk_weight, topk_ids, expert_mask,
@@ -246,37 +262,41 @@ def _bound(plan, hidden: torch.Tensor, experts: int, scales: Optional[MoeScales]
     scale_shapes = None if scales is None else tuple(
         None if s is None else s.shape for s in scales)
 
-    def launch(roles: tuple) -> torch.Tensor:
+    def launch(roles: MoeRoles) -> torch.Tensor:
+        operands = roles[:6]
         if scale_shapes is None:
-            return solution(*roles, problem)
-        return solution(*roles[:6], problem, scales=MoeScales(*roles[6:]))
+            return solution(*operands, problem)
+        return solution(*operands, problem, scales=MoeScales(
+            roles.w1_scale, roles.w2_scale, roles.a1_scale, roles.a2_scale))
 
-    chain = ChainCall(launch, hidden.get_device())
+    # fp32 operands' dot precision follows torch's tf32 switch at each launch (a recording
+    # would keep the one it saw).
+    refusal = ("fp32 operands (their dot precision follows torch's tf32 switch)"
+               if hidden.dtype == torch.float32 else None)
+    chain = ChainCall(launch, hidden.get_device(), refusal)
 
     def run(hidden, w1, w2, topk_weight, topk_ids, expert_mask, *raw_scales):
         expert_map = identity if expert_mask is None else \
             expert_map_of(expert_mask, experts, hidden.device)
         if scale_shapes is None:
-            return chain((hidden, w1, w2, topk_weight, topk_ids, expert_map))
-        return chain((hidden, w1, w2, topk_weight, topk_ids, expert_map) + tuple(
-            None if s is None else s.reshape(shape) for s, shape in zip(raw_scales,
-                                                                        scale_shapes)))
+            return chain(MoeRoles(hidden, w1, w2, topk_weight, topk_ids, expert_map))
+        return chain(MoeRoles(hidden, w1, w2, topk_weight, topk_ids, expert_map, *(
+            None if s is None else s.reshape(shape)
+            for s, shape in zip(raw_scales, scale_shapes))))
 
     run.chain = chain  # (what tests and benchmarks ask: recorded, or why not)
     return run
 
 
-def _run_and_remember(call_key: tuple, hidden, w1, w2, topk_weight, topk_ids, activation,
-                      quant_type, doweight_stage1, expert_mask, kernel, raw_scales: tuple,
-                      scales: Optional[MoeScales]):
+def _remember(call_key: tuple, hidden, w1, w2, topk_weight, topk_ids, activation, quant_type,
+              doweight_stage1, expert_mask, kernel, scales: Optional[MoeScales]):
     """The first eager call with ``call_key``: checked in full, planned, and its plan's
-    solution bound to the key for the calls after it."""
+    solution bound to the key (``_bound``) for the calls after it; -> the bound call, for the
+    call at hand too (which ``plan_for`` counted)."""
     _check(hidden, w1, w2, topk_weight, topk_ids, activation, quant_type, expert_mask)
     plan = _plan(hidden, w1, w2, topk_weight, topk_ids, activation, quant_type, doweight_stage1,
                  expert_mask, kernel)
-    DISPATCH.remember_bound(call_key, plan, _bound(plan, hidden, w1.shape[0], scales))
-    return _run(hidden, w1, w2, topk_weight, topk_ids, activation, quant_type, doweight_stage1,
-                expert_mask, kernel, scales)
+    return DISPATCH.remember_bound(call_key, plan, _bound(plan, hidden, w1.shape[0], scales))
 
 
 def _layout(t) -> tuple | None:
@@ -352,7 +372,9 @@ def fused_moe(hidden: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
     raw_scales = (w1_scale, w2_scale, a1_scale, a2_scale)
     compiling = _dynamo_compiling() or _compiler._is_compiling_flag
     if not compiling:
-        # The eager hot path: one dict hit, then the solution bound to this key (_bound).
+        # The eager hot path: one dict hit, then the solution bound to this key (_bound), whose
+        # launches are replayed: 18-71 µs of host time per call on an H100 host, against
+        # 81-570 µs for the checked path below (docs/benchmarks.md, session 16).
         call_key = _call_key(hidden, w1, w2, topk_weight, topk_ids, activation, quant_type,
                              doweight_stage1, expert_mask, kernel, raw_scales)
         run = _CALLS.get(call_key)
@@ -373,6 +395,16 @@ def fused_moe(hidden: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
     if call_key is None:
         return _run(hidden, w1, w2, topk_weight, topk_ids, activation, quant_type,
                     doweight_stage1, expert_mask, kernel, scales)
-    return _run_and_remember(call_key, hidden, w1, w2, topk_weight, topk_ids, activation,
-                             quant_type, doweight_stage1, expert_mask, kernel, raw_scales,
-                             scales)
+    run = _remember(call_key, hidden, w1, w2, topk_weight, topk_ids, activation, quant_type,
+                    doweight_stage1, expert_mask, kernel, scales)
+    return run(hidden, w1, w2, topk_weight, topk_ids, expert_mask, *raw_scales)
+
+
+def bound_call(hidden, w1, w2, topk_weight, topk_ids, activation=ActivationType.Silu,
+               quant_type=QuantType.No, doweight_stage1=False, w1_scale=None, w2_scale=None,
+               a1_scale=None, a2_scale=None, expert_mask=None, kernel=None):
+    """The eager hot path's bound call for fused_moe's arguments (None before their first
+    call): what tests and benchmarks ask of its chain (``.chain``)."""
+    return _CALLS.get(_call_key(hidden, w1, w2, topk_weight, topk_ids, activation, quant_type,
+                                doweight_stage1, expert_mask, kernel,
+                                (w1_scale, w2_scale, a1_scale, a2_scale)))

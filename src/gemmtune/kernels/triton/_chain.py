@@ -20,15 +20,25 @@ What may be recorded (else the function runs as it is, on every call; ``refusal`
 - the buffers kept hold at most ``KEPT_BYTES_MAX`` (the intermediates of a decode step, not
   those of a long prefill, whose launches cost little beside their kernels).
 
-The buffers serve the recording's stream and thread only: stream order puts one call's use of
-them before the next call's. A call from another stream or thread, inside a CUDA-graph capture,
-with a profiler's launch hooks set, or with a role whose contiguity or 16-byte alignment differs
-from the recording's runs the function.
+The launches seen are those made through ``_checks.start`` (a GEMM ``Replay`` declines while a
+chain records, so its launch goes that way too) and torch's ops; a solution launching anything
+else (cuBLASLt) would not be replayed right. No MoE solution does.
+
+All recordings together keep at most ``KEPT_BYTES_TOTAL``: a server meets many token counts, a
+recording each. Past it the least recently replayed give their buffers back (their calls record
+again when next made).
+
+The buffers serve the recording's device, stream and thread only: stream order puts one call's
+use of them before the next call's. A call from elsewhere, inside a CUDA-graph capture, with a
+profiler's launch hooks set, or with a role whose contiguity or 16-byte alignment differs from
+the recording's runs the function (counted in ``declines``, captures aside).
 """
 
 from __future__ import annotations
 
+import itertools
 import threading
+import weakref
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -39,17 +49,20 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from gemmtune.kernels.triton import _checks, _replay
 from gemmtune.kernels.triton._replay import KernelCall
 
-# The most bytes of buffers a recording keeps alive.
+# The most bytes of buffers a recording keeps alive, and all recordings together.
 KEPT_BYTES_MAX = 64 << 20
-# The torch ops a recorded call may run besides its launches: allocations and views.
-_HOST_OPS = frozenset(
+KEPT_BYTES_TOTAL = 512 << 20
+# The torch ops a recorded call may run besides its launches.
+_ALLOCATION_AND_VIEW_OPS = frozenset(
     getattr(torch.ops.aten, name) for name in (
         "empty", "empty_strided", "empty_like", "new_empty", "new_empty_strided", "view",
         "_unsafe_view", "reshape", "as_strided", "alias", "expand", "slice", "select",
         "unsqueeze", "squeeze", "permute", "t", "transpose", "detach", "unflatten", "flatten"))
-# Whether the current stream is capturing a CUDA graph (a CPU build has no streams to ask).
+# Whether the current stream is capturing a CUDA graph, and the current device (a CPU build has
+# neither to ask).
 _capturing = torch.cuda.is_current_stream_capturing if torch.cuda.is_available() else \
     (lambda: False)
+_current_device = torch._C._cuda_getDevice if torch.cuda.is_available() else (lambda: 0)
 # Recording attempts before a refusal is final: the first call of a stream may make its
 # workspaces (a fill the calls after it do not repeat).
 _ATTEMPTS = 2
@@ -63,7 +76,7 @@ class _OpsSeen(TorchDispatchMode):
         self.other: str | None = None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if self.other is None and func.overloadpacket not in _HOST_OPS:
+        if self.other is None and func.overloadpacket not in _ALLOCATION_AND_VIEW_OPS:
             self.other = str(func)
         return func(*args, **(kwargs or {}))
 
@@ -162,6 +175,9 @@ class Recording:
                  out: torch.Tensor, stream: int, device_index: int):
         self._launches = tuple(launches)
         self._kept = tuple(places.kept.values())  # alive while the recording is
+        self.kept_bytes = places.kept_bytes()
+        self.used = next(_USES)
+        self.evicted = False
         self._layouts = tuple(_laid_out(t) for t in roles)
         self._out_shape, self._out_dtype = tuple(out.shape), out.dtype
         self._out_like_role = out.dtype == roles[0].dtype and out.device == roles[0].device
@@ -170,12 +186,13 @@ class Recording:
         self.thread = threading.get_ident()
 
     @classmethod
-    def of(cls, made: list[_Made], roles: tuple, out, ops_seen: str | None,
+    def of(cls, launched: list[_Made], roles: tuple, out, ops_seen: str | None,
            device_index: int, stream: int) -> "Recording | str":
-        """The recording of a call that made ``made`` and returned ``out``, or why none."""
+        """The recording of a call that launched ``launched`` and returned ``out``, or why
+        none."""
         if ops_seen is not None:
             return f"the call runs {ops_seen} (a recorded call only launches, allocates, views)"
-        if not made:
+        if not launched:
             return "the call launches no Triton kernel"
         if not isinstance(out, torch.Tensor) or not out.is_contiguous() \
                 or out.data_ptr() != out.untyped_storage().data_ptr():
@@ -186,7 +203,7 @@ class Recording:
         if not places.distinct:
             return "two of the call's tensors share an address"
         launches = []
-        for launch in made:
+        for launch in launched:
             recorded = _recorded_launch(launch, places)
             if isinstance(recorded, str):
                 return recorded
@@ -200,7 +217,7 @@ class Recording:
         """The recorded launches with these tensors in the roles (dtypes, shapes and devices as
         recorded: the caller's key holds them), and their output; None where this call must run
         the function instead."""
-        if (threading.get_ident() != self.thread
+        if (threading.get_ident() != self.thread or _current_device() != self._device
                 or _replay.current_stream(self._device) != self.stream
                 or _capturing() or not _replay.no_launch_hooks()):
             return None
@@ -219,6 +236,7 @@ class Recording:
         out = (first.new_empty(self._out_shape) if self._out_like_role else
                torch.empty(self._out_shape, dtype=self._out_dtype, device=first.device))
         addresses.append(out.data_ptr())
+        self.used = next(_USES)
         stream = self.stream
         for launch in self._launches:
             args = list(launch.template)
@@ -228,6 +246,28 @@ class Recording:
                 args[d.position:d.position + d.width] = d.encoded.arguments(addresses[d.role])
             launch.run(*launch.grid, stream, *launch.between, *args)
         return out
+
+
+    def evict(self) -> None:
+        """Give the buffers back: the call that made this records again."""
+        self.evicted, self._kept, self._launches = True, (), ()
+
+
+# Every live recording (dropped with its ChainCall), and a clock of their uses.
+_RECORDINGS: "weakref.WeakSet[Recording]" = weakref.WeakSet()
+_USES = itertools.count()
+
+
+def _keep(recording: Recording) -> None:
+    """Count ``recording`` in, evicting the least recently used others past KEPT_BYTES_TOTAL."""
+    others = sorted((r for r in _RECORDINGS if not r.evicted), key=lambda r: r.used)
+    kept = recording.kept_bytes + sum(r.kept_bytes for r in others)
+    for oldest in others:
+        if kept <= KEPT_BYTES_TOTAL:
+            break
+        oldest.evict()
+        kept -= oldest.kept_bytes
+    _RECORDINGS.add(recording)
 
 
 def _recorded_launch(made: _Made, places: _Places) -> _Launch | str:
@@ -282,6 +322,7 @@ def _expanded(descriptor: TensorDescriptor, meta, places: _Places,
     role = places.place(base)
     if isinstance(role, str):
         return role
+    # (A buffer's descriptor is encoded once, here: the role it names is never read.)
     geometry = _replay.DescribedRole(role or 0, list(descriptor.shape), list(descriptor.strides),
                                      list(descriptor.block_shape), descriptor.padding)
     encoded = _replay.EncodedDescriptor(geometry, meta)
@@ -294,12 +335,12 @@ def _expanded(descriptor: TensorDescriptor, meta, places: _Places,
 def record(fn: Callable, roles: tuple, device_index: int):
     """Run ``fn(roles)`` once, recording its launches: -> (its output, a Recording or why
     none)."""
-    made: list[_Made] = []
+    launched: list[_Made] = []
 
     def observe(kernel, grid, launch, *args, **kwargs):
         with _disable_current_modes():
             compiled = launch(*args, **kwargs)
-        made.append(_Made(KernelCall(kernel, grid, args, kwargs, {}), compiled))
+        launched.append(_Made(KernelCall(kernel, grid, args, kwargs, {}), compiled))
         return compiled
 
     stream = _replay.current_stream(device_index)
@@ -310,33 +351,51 @@ def record(fn: Callable, roles: tuple, device_index: int):
             out = fn(roles)
     finally:
         _checks.LAUNCHES.record = None
-    return out, Recording.of(made, roles, out, seen.other, device_index, stream)
+    return out, Recording.of(launched, roles, out, seen.other, device_index, stream)
 
 
 class ChainCall:
     """``fn(roles)`` (a call's tensors in fixed places, the first a tensor, -> a new tensor)
     for calls whose roles have the same dtypes, shapes and devices (the caller's key): its
-    launches replayed once recorded."""
+    launches replayed once recorded. ``refusal``: why these calls are never recorded."""
 
-    def __init__(self, fn: Callable, device_index: int):
+    def __init__(self, fn: Callable, device_index: int, refusal: str | None = None):
         self._fn = fn
         self._device = device_index
         self._recording: Recording | None = None
-        self._attempts = _ATTEMPTS if device_index >= 0 else 0
-        self.refusal: str | None = None if device_index >= 0 else "the call is not on a GPU"
+        if refusal is None and device_index < 0:
+            refusal = "the call is not on a GPU"
+        self.refusal = refusal
+        self._attempts = 0 if refusal else _ATTEMPTS
+        self.declines = 0  # calls a recording could not serve
 
     def __call__(self, roles: tuple):
         recording = self._recording
         if recording is not None:
-            out = recording.launch(roles)
-            return self._fn(roles) if out is None else out
-        if (not self._attempts or _capturing()
-                or not _replay.no_launch_hooks()):
+            if not recording.evicted:
+                out = recording.launch(roles)
+                if out is not None:
+                    return out
+                if not _capturing():  # (a capture is meant to run the function)
+                    self.declines += 1
+                return self._fn(roles)
+            self._recording, self._attempts = None, _ATTEMPTS
+        if (not self._attempts or _capturing() or not _replay.no_launch_hooks()
+                or not _distinct_and_contiguous(roles)):
             return self._fn(roles)
-        out, made = record(self._fn, roles, self._device)
-        if isinstance(made, Recording):
-            self._recording, self.refusal = made, None
+        out, recorded = record(self._fn, roles, self._device)
+        if isinstance(recorded, Recording):
+            _keep(recorded)
+            self._recording, self.refusal = recorded, None
         else:
             self._attempts -= 1
-            self.refusal = made
+            self.refusal = recorded
         return out
+
+
+def _distinct_and_contiguous(roles: tuple) -> bool:
+    """Whether this call's tensors could be recorded (else it says nothing of the next call's:
+    no attempt is spent on it)."""
+    present = [t for t in roles if t is not None]
+    return (all(t.is_contiguous() for t in present)
+            and len({t.data_ptr() for t in present}) == len(present))

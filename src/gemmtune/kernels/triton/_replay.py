@@ -160,8 +160,9 @@ class _Descriptor:
 
 # The launcher's wrapper reads only those fields in the versions whose launcher is known.
 _LIGHT_DESCRIPTORS = triton.__version__.startswith(_DIRECT_LAUNCH_VERSIONS)
-# Descriptors kept per described argument of a recording, by address (then all dropped).
-_DESCRIPTORS_KEPT = 64
+# Descriptors kept per described argument of a recording, by address (then all dropped): more
+# than the layers of a model sharing one shape (Qwen3-235B has 94).
+_DESCRIPTORS_KEPT = 256
 
 
 def _tma_fill():
@@ -311,7 +312,11 @@ class Replay:
                    device_index)
 
     def serves(self, roles: tuple) -> bool:
-        """Whether these tensors, on the current stream, would launch exactly as recorded."""
+        """Whether these tensors, on the current stream, would launch exactly as recorded (and
+        no chain is being recorded: its recording sees launches made through _checks.start
+        only)."""
+        if _checks.LAUNCHES.record is not None:
+            return False
         for r, layout in zip(self._checked, self._layouts):
             if _layout(roles[r]) != layout:
                 return False
@@ -321,8 +326,9 @@ class Replay:
         """Launch as recorded with these tensors, whose dtypes, shapes and devices the caller
         has matched to the recording's (its call key holds them), and True; or False where this
         call must go the checked way: a tensor not contiguous or aligned otherwise than
-        recorded, another stream for a recording bound to its own, a profiler's hooks."""
-        if not self._contiguous:
+        recorded, another stream for a recording bound to its own, a profiler's hooks, a chain
+        being recorded (``_chain``)."""
+        if not self._contiguous or _checks.LAUNCHES.record is not None:
             return False
         stream = current_stream(self._device)
         if self.stream is not None and stream != self.stream:

@@ -174,14 +174,16 @@ Workspace = TypeVar("Workspace")
 _WORKSPACES: dict[tuple, object] = {}
 
 
-def stream_workspace(key: tuple, device: torch.device, make: Callable[[], Workspace]) -> Workspace:
-    """The workspace cached for ``key`` on this device's current stream (made by ``make``).
-    Inside a CUDA-graph capture with none cached, a fresh one: its zero fill becomes part of
-    the graph (a cached one made there would not be zero until the graph first ran)."""
+def stream_workspace(key: tuple, device: torch.device, make: Callable[[], Workspace],
+                     fits: Callable[[Workspace], bool] | None = None) -> Workspace:
+    """The workspace cached for ``key`` on this device's current stream (made by ``make``;
+    made again, and kept instead, where the cached one does not ``fits``). Inside a CUDA-graph
+    capture with none cached that fits, a fresh one: its zero fill becomes part of the graph (a
+    cached one made there would not be zero until the graph first ran)."""
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
     full_key = (device, stream) + key
     found = _WORKSPACES.get(full_key)
-    if found is None:
+    if found is None or (fits is not None and not fits(found)):
         found = make()
         if device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
             _WORKSPACES[full_key] = found

@@ -581,20 +581,24 @@ def run_stage2(inter, w2, topk_weight, topk_ids, expert_map, routing, doweight_s
 
 
 PARTIALS_KIND = "moe_stage2_partials"
-# Split stage 2's fp32 rows are kept per stream up to this size, zero as the sum leaves them: no
-# fill launch per call (nor a fill node in each replay of a captured graph).
+# Split stage 2's fp32 rows are kept per stream and model_dim up to this size, zero as the sum
+# leaves them: no fill launch per call. (A graph captured where its stream has none that fits
+# makes its own, zero-filled in every replay.)
 KEPT_PARTIALS_BYTES = 32 << 20
 
 
 def _split_partials(pairs: int, model_dim: int, device: torch.device,
                     summed: bool) -> tuple[torch.Tensor, bool]:
     """Split stage 2's zeroed fp32 rows (pairs, D), and whether they are the stream's kept ones
-    (which the sum must zero again): not for rows nobody sums here, nor past the size kept."""
+    (which the sum must zero again): the first ``pairs`` rows of the most any call took so far,
+    not for rows nobody sums here, nor past the size kept."""
     if not summed or pairs * model_dim * 4 > KEPT_PARTIALS_BYTES:
         return torch.zeros((pairs, model_dim), dtype=torch.float32, device=device), False
-    return stream_workspace((PARTIALS_KIND, pairs, model_dim), device,
+    rows = stream_workspace((PARTIALS_KIND, model_dim), device,
                             lambda: torch.zeros((pairs, model_dim), dtype=torch.float32,
-                                                device=device)), True
+                                                device=device),
+                            fits=lambda kept: kept.shape[0] >= pairs)
+    return rows[:pairs], True
 
 
 # Up to this many tokens the sum reads every slot's row without waiting for the expert map (the
