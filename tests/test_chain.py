@@ -5,6 +5,7 @@ a call; on the GPU, ``fused_moe``'s eager calls replayed against the plain path 
 from __future__ import annotations
 
 import threading
+import weakref
 
 import pytest
 import torch
@@ -280,7 +281,7 @@ def test_nothing_is_recorded_or_replayed_while_a_graph_is_captured(monkeypatch):
 
 
 def test_recordings_past_the_budget_give_their_buffers_back_oldest_first(monkeypatch):
-    monkeypatch.setattr(_chain, "_RECORDINGS", __import__("weakref").WeakSet())
+    monkeypatch.setattr(_chain, "_RECORDINGS", weakref.WeakSet())
     monkeypatch.setattr(_chain, "KEPT_BYTES_TOTAL", 2500)
     calls = [ChainCall(_Chain(buffer_bytes=1024), 0) for _ in range(3)]
     for c in calls[:2]:
