@@ -253,21 +253,24 @@ class Recording:
         self.evicted, self._kept, self._launches = True, (), ()
 
 
-# Every live recording (dropped with its ChainCall), and a clock of their uses.
+# Every live recording (dropped with its ChainCall), a clock of their uses, and a lock for two
+# threads recording at once.
 _RECORDINGS: "weakref.WeakSet[Recording]" = weakref.WeakSet()
 _USES = itertools.count()
+_KEEPING = threading.Lock()
 
 
 def _keep(recording: Recording) -> None:
     """Count ``recording`` in, evicting the least recently used others past KEPT_BYTES_TOTAL."""
-    others = sorted((r for r in _RECORDINGS if not r.evicted), key=lambda r: r.used)
-    kept = recording.kept_bytes + sum(r.kept_bytes for r in others)
-    for oldest in others:
-        if kept <= KEPT_BYTES_TOTAL:
-            break
-        oldest.evict()
-        kept -= oldest.kept_bytes
-    _RECORDINGS.add(recording)
+    with _KEEPING:
+        others = sorted((r for r in _RECORDINGS if not r.evicted), key=lambda r: r.used)
+        kept = recording.kept_bytes + sum(r.kept_bytes for r in others)
+        for oldest in others:
+            if kept <= KEPT_BYTES_TOTAL:
+                break
+            oldest.evict()
+            kept -= oldest.kept_bytes
+        _RECORDINGS.add(recording)
 
 
 def _recorded_launch(made: _Made, places: _Places) -> _Launch | str:
