@@ -1,0 +1,135 @@
+"""How close to the attainable floor can anything that reads a decode GEMM's weight get? (issue 15)
+
+Issue 15 asks decode GEMMs (M <= 64) for a geometric mean of 0.90 of the attainable floor
+(bytes over the streaming-read bandwidth, plus t_launch) and no shape below 0.75. A GEMM at M = 1
+must at least read its weight once. Here, per (N, K) of the bf16 presets, the weight alone is
+read by a kernel that does nothing else (each program sums a contiguous slice of it into one
+float: no x, no dot, no reduction across programs), in 16 configs (programs per SM, loads per
+step, warps), beside torch's M = 1 GEMM and torch's own sum. All are timed alike (CUDA-graph
+replay of back-to-back calls over weight copies exceeding L2), interleaved per shape.
+
+The best reader's efficiency is what a GEMV that reads as well as a pure read would score: a
+ceiling on the issue's targets for that (N, K). Prints per preset the geomean and minimum of
+each column and the shapes below 0.75; writes every shape to $OUT/read_floor.csv.
+
+    PYTHONPATH=src python3 benchmarks/read_floor_probe.py [--presets llama3-8b:1,...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+import os
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+
+from gemmtune.measure.ceilings import launch_us, streaming_read_bytes_per_s
+from gemmtune.measure.timing import copies_to_exceed_l2, interleaved_graph_us
+from gemmtune.models.shapes import dense_projections, load_preset
+
+PRESETS = "llama3-8b:1,llama3-70b:8,qwen3-32b:1,deepseek-v3:8"
+PROGRAMS_PER_SM = (1, 2, 4, 8)
+STEPS = ((2048, 4), (8192, 8))  # (elements per load step, warps)
+
+
+@triton.jit
+def _read(w_ptr, out_ptr, n, chunk, BLOCK: tl.constexpr):
+    """Program p sums w[p * chunk : (p + 1) * chunk] (bf16, in fp32) into out[p]."""
+    start = tl.program_id(0).to(tl.int64) * chunk
+    acc = tl.zeros((BLOCK,), tl.float32)
+    for off in range(0, chunk, BLOCK):
+        idx = start + off + tl.arange(0, BLOCK)
+        acc += tl.load(w_ptr + idx, mask=idx < n, other=0.0).to(tl.float32)
+    tl.store(out_ptr + tl.program_id(0), tl.sum(acc))
+
+
+def _reader(programs: int, block: int, warps: int, n: int):
+    chunk = -(-n // programs)
+    chunk = -(-chunk // block) * block
+    out = torch.empty(programs, device="cuda", dtype=torch.float32)
+
+    def read(w):
+        _read[(programs,)](w, out, n, chunk, BLOCK=block, num_warps=warps)
+    return read
+
+
+def shapes(presets: str) -> dict[str, list[tuple[str, int, int]]]:
+    """Per preset, its distinct (N, K) (the first projection's name for each)."""
+    out = {}
+    for item in presets.split(","):
+        name, _, tp = item.partition(":")
+        seen = {}
+        for p in dense_projections(load_preset(name), int(tp or 1)):
+            seen.setdefault((p.N, p.K), p.name)
+        out[item] = [(label, n, k) for (n, k), label in seen.items()]
+    return out
+
+
+def probe_shape(n: int, k: int, bandwidth: float, launch: float) -> dict:
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    nbytes = n * k * 2
+    copies = copies_to_exceed_l2(nbytes)
+    gen = torch.Generator(device="cuda").manual_seed(n ^ k)
+    weights = [torch.randn(n, k, device="cuda", generator=gen).to(torch.bfloat16)
+               for _ in range(copies)]
+    x = torch.randn(1, k, device="cuda", generator=gen).to(torch.bfloat16)
+    readers = {f"P{per}xB{block}xW{warps}": _reader(per * sms, block, warps, n * k)
+               for per in PROGRAMS_PER_SM for block, warps in STEPS}
+    fns = [lambda w, r=r: r(w) for r in readers.values()]
+    fns.append(lambda w: torch.mm(x, w.t()))
+    fns.append(lambda w: w.sum(dtype=torch.float32))
+    times = [t for t, _ in interleaved_graph_us(fns, weights, rounds=9, replays=2)]
+    best = min(range(len(readers)), key=lambda i: times[i])
+    floor = nbytes / bandwidth * 1e6 + launch
+    row = dict(N=n, K=k, MB=round(nbytes / 1e6, 2), floor_us=round(floor, 2),
+               read_us=round(times[best], 2), read_config=list(readers)[best],
+               mm_us=round(times[-2], 2), sum_us=round(times[-1], 2))
+    row.update(eff_read=round(floor / times[best], 3), eff_mm=round(floor / times[-2], 3),
+               eff_sum=round(floor / times[-1], 3))
+    del weights
+    return row
+
+
+def geomean(values: list[float]) -> float:
+    return math.exp(sum(math.log(v) for v in values) / len(values))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--presets", default=PRESETS, help="NAME:TP,... (default: %(default)s)")
+    args = parser.parse_args()
+    out_dir = Path(os.environ.get("OUT", "out"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    bandwidth, launch = streaming_read_bytes_per_s(), launch_us()
+    rows = []
+    for preset, items in shapes(args.presets).items():
+        for label, n, k in items:
+            rows.append(dict(preset=preset, name=label, **probe_shape(n, k, bandwidth, launch)))
+    with open(out_dir / "read_floor.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    print(f"{torch.cuda.get_device_name()}: streaming read {bandwidth / 1e9:.0f} GB/s, t_launch "
+          f"{launch:.2f} µs; attainable efficiency (floor / time) at M = 1, bf16")
+    print(f"{'preset':<16} {'shapes':>6} {'reader geo (min)':>17} {'torch.mm geo (min)':>19} "
+          f"{'w.sum geo (min)':>16}")
+    for preset in dict.fromkeys(r["preset"] for r in rows):
+        mine = [r for r in rows if r["preset"] == preset]
+        cells = " ".join(
+            f"{geomean([r[c] for r in mine]):>9.3f} ({min(r[c] for r in mine):.3f})"
+            for c in ("eff_read", "eff_mm", "eff_sum"))
+        print(f"{preset:<16} {len(mine):>6} {cells}")
+    print("shapes whose best reader is below 0.75 of the floor:")
+    for r in rows:
+        if r["eff_read"] < 0.75:
+            print(f"  {r['preset']:<16} {r['name']:<12} {r['N']:>6}x{r['K']:<6} {r['MB']:>7} MB "
+                  f"floor {r['floor_us']:>6} µs, reader {r['read_us']:>6} ({r['read_config']}), "
+                  f"torch.mm {r['mm_us']:>6}")
+
+
+if __name__ == "__main__":
+    main()
