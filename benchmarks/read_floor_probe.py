@@ -4,7 +4,7 @@ Issue 15 asks decode GEMMs (M <= 64) for a geometric mean of 0.90 of the attaina
 (bytes over the streaming-read bandwidth, plus t_launch) and no shape below 0.75. A GEMM at M = 1
 must at least read its weight once. Here, per (N, K) of the bf16 presets, the weight alone is
 read by a kernel that does nothing else (each program sums a contiguous slice of it into one
-float: no x, no dot, no reduction across programs), in 16 configs (programs per SM, loads per
+float: no x, no dot, no reduction across programs), in 18 configs (programs per SM, loads per
 step, warps), beside torch's M = 1 GEMM and torch's own sum. All are timed alike (CUDA-graph
 replay of back-to-back calls over weight copies exceeding L2), interleaved per shape.
 
@@ -32,8 +32,8 @@ from gemmtune.measure.timing import copies_to_exceed_l2, interleaved_graph_us
 from gemmtune.models.shapes import dense_projections, load_preset
 
 PRESETS = "llama3-8b:1,llama3-70b:8,qwen3-32b:1,deepseek-v3:8"
-PROGRAMS_PER_SM = (1, 2, 4, 8)
-STEPS = ((2048, 4), (8192, 8))  # (elements per load step, warps)
+PROGRAMS_PER_SM = (1, 2, 4, 8, 16, 32)
+STEPS = ((1024, 4), (2048, 4), (8192, 8))  # (elements per load step, warps)
 
 
 @triton.jit
