@@ -245,7 +245,7 @@ for what in "$@"; do
                     --out "$OUT"
             done ;;
         readfloor)  # issue 15: how near the attainable floor a pure read of each decode weight gets
-            TAIL=20 stage readfloor 400 python3 benchmarks/read_floor_probe.py ;;
+            TAIL=50 stage readfloor 400 python3 benchmarks/read_floor_probe.py ;;
         moehost)  # host µs per eager MoE call: plain, recorded chain, transformers' backends
             TAIL=20 stage moehost 300 python3 benchmarks/moe_host_cost.py ;;
         overhead)  # host µs per eager call of every op's backends (benchmarks/dispatch_overhead.py)

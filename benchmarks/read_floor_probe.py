@@ -9,7 +9,10 @@ step, warps), beside torch's M = 1 GEMM and torch's own sum. All are timed alike
 replay of back-to-back calls over weight copies exceeding L2), interleaved per shape.
 
 The best reader's efficiency is what a GEMV that reads as well as a pure read would score: a
-ceiling on the issue's targets for that (N, K). Prints per preset the geomean and minimum of
+ceiling on the issue's targets for that (N, K). Beside it, a first GEMV of that shape (M = 1,
+bf16): programs over row blocks and K slices as many as the reader's, each adding its rows'
+partial dot products into an fp32 buffer with atomics, then a second launch converting the
+buffer to bf16 and zeroing it (8 configs; its result checked against torch's). Prints per preset the geomean and minimum of
 each column and the shapes below 0.75; writes every shape to $OUT/read_floor.csv.
 
     PYTHONPATH=src python3 benchmarks/read_floor_probe.py [--presets llama3-8b:1,...]
@@ -47,6 +50,53 @@ def _read(w_ptr, out_ptr, n, chunk, BLOCK: tl.constexpr):
     tl.store(out_ptr + tl.program_id(0), tl.sum(acc))
 
 
+@triton.jit
+def _gemv_parts(x_ptr, w_ptr, acc_ptr, N, K, k_per, BLOCK_N: tl.constexpr,
+                BLOCK_K: tl.constexpr):
+    """Rows [pid_n * BLOCK_N, +BLOCK_N) of x @ w.T over K slice pid_k, added into acc (fp32)."""
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k0 = tl.program_id(1) * k_per
+    total = tl.zeros((BLOCK_N,), tl.float32)
+    for off in range(0, k_per, BLOCK_K):
+        ks = k0 + off + tl.arange(0, BLOCK_K)
+        inside = ks < K
+        x = tl.load(x_ptr + ks, mask=inside, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + rows[:, None].to(tl.int64) * K + ks[None, :],
+                    mask=(rows[:, None] < N) & inside[None, :], other=0.0).to(tl.float32)
+        total += tl.sum(w * x[None, :], axis=1)
+    tl.atomic_add(acc_ptr + rows, total, mask=rows < N, sem="relaxed")
+
+
+@triton.jit
+def _gemv_out(acc_ptr, y_ptr, N, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    inside = offs < N
+    tl.store(y_ptr + offs, tl.load(acc_ptr + offs, mask=inside).to(y_ptr.dtype.element_ty),
+             mask=inside)
+    tl.store(acc_ptr + offs, tl.zeros((BLOCK,), tl.float32), mask=inside)
+
+
+GEMV_CONFIGS = tuple((bn, bk, per) for bn, bk in ((2, 2048), (4, 1024), (8, 1024), (16, 512))
+                     for per in (8, 32))
+
+
+def _gemv(x: torch.Tensor, n: int, k: int, block_n: int, block_k: int, programs: int):
+    """y = x @ w.T (x (1, K) bf16) in row blocks x K slices about ``programs`` in all."""
+    row_blocks = -(-n // block_n)
+    splits = max(1, min(-(-k // block_k), round(programs / row_blocks)))
+    k_per = -(-(-(-k // splits)) // block_k) * block_k
+    splits = -(-k // k_per)
+    acc = torch.zeros(n, device="cuda", dtype=torch.float32)
+    y = torch.empty(1, n, device="cuda", dtype=torch.bfloat16)
+
+    def gemv(w):
+        _gemv_parts[(row_blocks, splits)](x, w, acc, n, k, k_per, BLOCK_N=block_n,
+                                          BLOCK_K=block_k, num_warps=4)
+        _gemv_out[(-(-n // 1024),)](acc, y, n, BLOCK=1024, num_warps=4)
+        return y
+    return gemv
+
+
 def _reader(programs: int, block: int, warps: int, n: int):
     chunk = -(-n // programs)
     chunk = -(-chunk // block) * block
@@ -79,16 +129,28 @@ def probe_shape(n: int, k: int, bandwidth: float, launch: float) -> dict:
     x = torch.randn(1, k, device="cuda", generator=gen).to(torch.bfloat16)
     readers = {f"P{per}xB{block}xW{warps}": _reader(per * sms, block, warps, n * k)
                for per in PROGRAMS_PER_SM for block, warps in STEPS}
+    gemvs = {f"BN{bn}xBK{bk}xP{per}": _gemv(x, n, k, bn, bk, per * sms)
+             for bn, bk, per in GEMV_CONFIGS}
+    want = torch.mm(x, weights[0].t()).float()
+    for name, gemv in gemvs.items():
+        err = float((gemv(weights[0]).float() - want).norm() / want.norm())
+        if err > 1e-2:
+            raise RuntimeError(f"{n}x{k} {name}: the GEMV is off torch's by {err:.2e}")
     fns = [lambda w, r=r: r(w) for r in readers.values()]
+    fns += [lambda w, g=g: g(w) for g in gemvs.values()]
     fns.append(lambda w: torch.mm(x, w.t()))
     fns.append(lambda w: w.sum(dtype=torch.float32))
     times = [t for t, _ in interleaved_graph_us(fns, weights, rounds=9, replays=2)]
     best = min(range(len(readers)), key=lambda i: times[i])
+    best_gemv = min(range(len(readers), len(readers) + len(gemvs)), key=lambda i: times[i])
     floor = nbytes / bandwidth * 1e6 + launch
     row = dict(N=n, K=k, MB=round(nbytes / 1e6, 2), floor_us=round(floor, 2),
                read_us=round(times[best], 2), read_config=list(readers)[best],
+               gemv_us=round(times[best_gemv], 2),
+               gemv_config=list(gemvs)[best_gemv - len(readers)],
                mm_us=round(times[-2], 2), sum_us=round(times[-1], 2))
-    row.update(eff_read=round(floor / times[best], 3), eff_mm=round(floor / times[-2], 3),
+    row.update(eff_read=round(floor / times[best], 3),
+               eff_gemv=round(floor / times[best_gemv], 3), eff_mm=round(floor / times[-2], 3),
                eff_sum=round(floor / times[-1], 3))
     del weights
     return row
@@ -115,13 +177,13 @@ def main() -> None:
         writer.writerows(rows)
     print(f"{torch.cuda.get_device_name()}: streaming read {bandwidth / 1e9:.0f} GB/s, t_launch "
           f"{launch:.2f} µs; attainable efficiency (floor / time) at M = 1, bf16")
-    print(f"{'preset':<16} {'shapes':>6} {'reader geo (min)':>17} {'torch.mm geo (min)':>19} "
-          f"{'w.sum geo (min)':>16}")
+    print(f"{'preset':<16} {'shapes':>6} {'reader geo (min)':>17} {'gemv geo (min)':>17} "
+          f"{'torch.mm geo (min)':>19} {'w.sum geo (min)':>16}")
     for preset in dict.fromkeys(r["preset"] for r in rows):
         mine = [r for r in rows if r["preset"] == preset]
         cells = " ".join(
             f"{geomean([r[c] for r in mine]):>9.3f} ({min(r[c] for r in mine):.3f})"
-            for c in ("eff_read", "eff_mm", "eff_sum"))
+            for c in ("eff_read", "eff_gemv", "eff_mm", "eff_sum"))
         print(f"{preset:<16} {len(mine):>6} {cells}")
     print("shapes whose best reader is below 0.75 of the floor:")
     for r in rows:
@@ -129,6 +191,11 @@ def main() -> None:
             print(f"  {r['preset']:<16} {r['name']:<12} {r['N']:>6}x{r['K']:<6} {r['MB']:>7} MB "
                   f"floor {r['floor_us']:>6} µs, reader {r['read_us']:>6} ({r['read_config']}), "
                   f"torch.mm {r['mm_us']:>6}")
+    print("GEMV against torch.mm per shape (µs):")
+    for r in rows:
+        print(f"  {r['preset']:<16} {r['name']:<14} {r['N']:>6}x{r['K']:<6} gemv "
+              f"{r['gemv_us']:>7} ({r['gemv_config']}) torch.mm {r['mm_us']:>7} "
+              f"x {r['mm_us'] / r['gemv_us']:.3f}")
 
 
 if __name__ == "__main__":
