@@ -12,7 +12,9 @@ The best reader's efficiency is what a GEMV that reads as well as a pure read wo
 ceiling on the issue's targets for that (N, K). Beside it, a first GEMV of that shape (M = 1,
 bf16): programs over row blocks and K slices as many as the reader's, each adding its rows'
 partial dot products into an fp32 buffer with atomics, then a second launch converting the
-buffer to bf16 and zeroing it (8 configs; its result checked against torch's). Prints per preset the geomean and minimum of
+buffer to bf16 and zeroing it, with or without programmatic dependent launch, and a one-launch
+GEMV whose programs take their rows' whole K (for short K); 28 configs in all, each checked
+against torch's result. Prints per preset the geomean and minimum of
 each column and the shapes below 0.75; writes every shape to $OUT/read_floor.csv.
 
     PYTHONPATH=src python3 benchmarks/read_floor_probe.py [--presets llama3-8b:1,...]
@@ -51,9 +53,22 @@ def _read(w_ptr, out_ptr, n, chunk, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _pdl_wait(PDL: tl.constexpr):
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
+def _pdl_release(PDL: tl.constexpr):
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
 def _gemv_parts(x_ptr, w_ptr, acc_ptr, N, K, k_per, BLOCK_N: tl.constexpr,
-                BLOCK_K: tl.constexpr):
+                BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """Rows [pid_n * BLOCK_N, +BLOCK_N) of x @ w.T over K slice pid_k, added into acc (fp32)."""
+    _pdl_wait(PDL)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     k0 = tl.program_id(1) * k_per
     total = tl.zeros((BLOCK_N,), tl.float32)
@@ -64,11 +79,14 @@ def _gemv_parts(x_ptr, w_ptr, acc_ptr, N, K, k_per, BLOCK_N: tl.constexpr,
         w = tl.load(w_ptr + rows[:, None].to(tl.int64) * K + ks[None, :],
                     mask=(rows[:, None] < N) & inside[None, :], other=0.0).to(tl.float32)
         total += tl.sum(w * x[None, :], axis=1)
+    _pdl_release(PDL)
     tl.atomic_add(acc_ptr + rows, total, mask=rows < N, sem="relaxed")
 
 
 @triton.jit
-def _gemv_out(acc_ptr, y_ptr, N, BLOCK: tl.constexpr):
+def _gemv_out(acc_ptr, y_ptr, N, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    _pdl_wait(PDL)
+    _pdl_release(PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     inside = offs < N
     tl.store(y_ptr + offs, tl.load(acc_ptr + offs, mask=inside).to(y_ptr.dtype.element_ty),
@@ -76,11 +94,35 @@ def _gemv_out(acc_ptr, y_ptr, N, BLOCK: tl.constexpr):
     tl.store(acc_ptr + offs, tl.zeros((BLOCK,), tl.float32), mask=inside)
 
 
-GEMV_CONFIGS = tuple((bn, bk, per) for bn, bk in ((2, 2048), (4, 1024), (8, 1024), (16, 512))
-                     for per in (8, 32))
+@triton.jit
+def _gemv_rows(x_ptr, w_ptr, y_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+               PDL: tl.constexpr):
+    """Rows [pid * BLOCK_N, +BLOCK_N) of x @ w.T over the whole K, stored in y's dtype: one
+    launch, no reduction across programs (for short K)."""
+    _pdl_wait(PDL)
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    total = tl.zeros((BLOCK_N,), tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        inside = ks < K
+        x = tl.load(x_ptr + ks, mask=inside, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + rows[:, None].to(tl.int64) * K + ks[None, :],
+                    mask=(rows[:, None] < N) & inside[None, :], other=0.0).to(tl.float32)
+        total += tl.sum(w * x[None, :], axis=1)
+    _pdl_release(PDL)
+    tl.store(y_ptr + rows, total.to(y_ptr.dtype.element_ty), mask=rows < N)
 
 
-def _gemv(x: torch.Tensor, n: int, k: int, block_n: int, block_k: int, programs: int):
+# (rows per program, K step, programs per SM, PDL) of the split GEMV; (rows, K step, PDL) of
+# the whole-K one.
+GEMV_CONFIGS = tuple((bn, bk, per, pdl) for bn, bk in ((2, 2048), (4, 1024), (8, 1024), (16, 512))
+                     for per in (8, 32) for pdl in (False, True))
+ROWS_CONFIGS = tuple((bn, bk, pdl) for bn in (1, 2, 4) for bk in (512, 1024)
+                     for pdl in (False, True))
+
+
+def _gemv(x: torch.Tensor, n: int, k: int, block_n: int, block_k: int, programs: int,
+          pdl: bool):
     """y = x @ w.T (x (1, K) bf16) in row blocks x K slices about ``programs`` in all."""
     row_blocks = -(-n // block_n)
     splits = max(1, min(-(-k // block_k), round(programs / row_blocks)))
@@ -91,8 +133,20 @@ def _gemv(x: torch.Tensor, n: int, k: int, block_n: int, block_k: int, programs:
 
     def gemv(w):
         _gemv_parts[(row_blocks, splits)](x, w, acc, n, k, k_per, BLOCK_N=block_n,
-                                          BLOCK_K=block_k, num_warps=4)
-        _gemv_out[(-(-n // 1024),)](acc, y, n, BLOCK=1024, num_warps=4)
+                                          BLOCK_K=block_k, PDL=pdl, num_warps=4,
+                                          launch_pdl=pdl)
+        _gemv_out[(-(-n // 1024),)](acc, y, n, BLOCK=1024, PDL=pdl, num_warps=4,
+                                    launch_pdl=pdl)
+        return y
+    return gemv
+
+
+def _gemv_whole_k(x: torch.Tensor, n: int, k: int, block_n: int, block_k: int, pdl: bool):
+    y = torch.empty(1, n, device="cuda", dtype=torch.bfloat16)
+
+    def gemv(w):
+        _gemv_rows[(-(-n // block_n),)](x, w, y, n, k, BLOCK_N=block_n, BLOCK_K=block_k,
+                                        PDL=pdl, num_warps=4, launch_pdl=pdl)
         return y
     return gemv
 
@@ -129,8 +183,11 @@ def probe_shape(n: int, k: int, bandwidth: float, launch: float) -> dict:
     x = torch.randn(1, k, device="cuda", generator=gen).to(torch.bfloat16)
     readers = {f"P{per}xB{block}xW{warps}": _reader(per * sms, block, warps, n * k)
                for per in PROGRAMS_PER_SM for block, warps in STEPS}
-    gemvs = {f"BN{bn}xBK{bk}xP{per}": _gemv(x, n, k, bn, bk, per * sms)
-             for bn, bk, per in GEMV_CONFIGS}
+    gemvs = {f"BN{bn}xBK{bk}xP{per}{'.PDL' if pdl else ''}": _gemv(x, n, k, bn, bk, per * sms,
+                                                                  pdl)
+             for bn, bk, per, pdl in GEMV_CONFIGS}
+    gemvs.update((f"rows.BN{bn}xBK{bk}{'.PDL' if pdl else ''}",
+                  _gemv_whole_k(x, n, k, bn, bk, pdl)) for bn, bk, pdl in ROWS_CONFIGS)
     want = torch.mm(x, weights[0].t()).float()
     for name, gemv in gemvs.items():
         err = float((gemv(weights[0]).float() - want).norm() / want.norm())
