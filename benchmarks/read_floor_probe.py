@@ -189,10 +189,16 @@ def probe_shape(n: int, k: int, bandwidth: float, launch: float) -> dict:
     gemvs.update((f"rows.BN{bn}xBK{bk}{'.PDL' if pdl else ''}",
                   _gemv_whole_k(x, n, k, bn, bk, pdl)) for bn, bk, pdl in ROWS_CONFIGS)
     want = torch.mm(x, weights[0].t()).float()
-    for name, gemv in gemvs.items():
-        err = float((gemv(weights[0]).float() - want).norm() / want.norm())
-        if err > 1e-2:
-            raise RuntimeError(f"{n}x{k} {name}: the GEMV is off torch's by {err:.2e}")
+    wrong = {}
+    for name, gemv in list(gemvs.items()):
+        for w in weights[:2]:  # twice: a config whose sums are left dirty shows on the second
+            err = float((gemv(w).float() - torch.mm(x, w.t()).float()).norm() / want.norm())
+            if err > 1e-2:
+                wrong[name] = err
+                del gemvs[name]
+                break
+    for name, err in wrong.items():
+        print(f"{n}x{k} {name}: the GEMV is off torch's by {err:.2e}; not timed")
     fns = [lambda w, r=r: r(w) for r in readers.values()]
     fns += [lambda w, g=g: g(w) for g in gemvs.values()]
     fns.append(lambda w: torch.mm(x, w.t()))
@@ -205,7 +211,8 @@ def probe_shape(n: int, k: int, bandwidth: float, launch: float) -> dict:
                read_us=round(times[best], 2), read_config=list(readers)[best],
                gemv_us=round(times[best_gemv], 2),
                gemv_config=list(gemvs)[best_gemv - len(readers)],
-               mm_us=round(times[-2], 2), sum_us=round(times[-1], 2))
+               mm_us=round(times[-2], 2), sum_us=round(times[-1], 2),
+               gemv_wrong=" ".join(f"{name}:{err:.1e}" for name, err in wrong.items()))
     row.update(eff_read=round(floor / times[best], 3),
                eff_gemv=round(floor / times[best_gemv], 3), eff_mm=round(floor / times[-2], 3),
                eff_sum=round(floor / times[-1], 3))
