@@ -188,11 +188,12 @@ def probe_shape(n: int, k: int, bandwidth: float, launch: float) -> dict:
              for bn, bk, per, pdl in GEMV_CONFIGS}
     gemvs.update((f"rows.BN{bn}xBK{bk}{'.PDL' if pdl else ''}",
                   _gemv_whole_k(x, n, k, bn, bk, pdl)) for bn, bk, pdl in ROWS_CONFIGS)
-    want = torch.mm(x, weights[0].t()).float()
+    wants = [torch.mm(x, w.t()).float() for w in weights[:2]]
     wrong = {}
     for name, gemv in list(gemvs.items()):
-        for w in weights[:2]:  # twice: a config whose sums are left dirty shows on the second
-            err = float((gemv(w).float() - torch.mm(x, w.t()).float()).norm() / want.norm())
+        # Twice: a config whose sums are left dirty shows on the second.
+        for w, want in zip(weights, wants):
+            err = float((gemv(w).float() - want).norm() / want.norm())
             if err > 1e-2:
                 wrong[name] = err
                 del gemvs[name]
