@@ -66,8 +66,9 @@ def _pdl_release(PDL: tl.constexpr):
 
 @triton.jit
 def _gemv_parts(x_ptr, w_ptr, acc_ptr, N, K, k_per, BLOCK_N: tl.constexpr,
-                BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-    """Rows [pid_n * BLOCK_N, +BLOCK_N) of x @ w.T over K slice pid_k, added into acc (fp32)."""
+                BLOCK_K: tl.constexpr, PDL: tl.constexpr, RELEASE_LAST: tl.constexpr):
+    """Rows [pid_n * BLOCK_N, +BLOCK_N) of x @ w.T over K slice pid_k, added into acc (fp32);
+    with PDL the next launch is let start before the additions, or with RELEASE_LAST after."""
     _pdl_wait(PDL)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     k0 = tl.program_id(1) * k_per
@@ -79,8 +80,9 @@ def _gemv_parts(x_ptr, w_ptr, acc_ptr, N, K, k_per, BLOCK_N: tl.constexpr,
         w = tl.load(w_ptr + rows[:, None].to(tl.int64) * K + ks[None, :],
                     mask=(rows[:, None] < N) & inside[None, :], other=0.0).to(tl.float32)
         total += tl.sum(w * x[None, :], axis=1)
-    _pdl_release(PDL)
+    _pdl_release(PDL and not RELEASE_LAST)
     tl.atomic_add(acc_ptr + rows, total, mask=rows < N, sem="relaxed")
+    _pdl_release(PDL and RELEASE_LAST)
 
 
 @triton.jit
@@ -113,10 +115,11 @@ def _gemv_rows(x_ptr, w_ptr, y_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.con
     tl.store(y_ptr + rows, total.to(y_ptr.dtype.element_ty), mask=rows < N)
 
 
-# (rows per program, K step, programs per SM, PDL) of the split GEMV; (rows, K step, PDL) of
+# (rows per program, K step, programs per SM, PDL: off, on, or "last": the next launch
+# let start only after the atomics) of the split GEMV; (rows, K step, PDL) of
 # the whole-K one.
 GEMV_CONFIGS = tuple((bn, bk, per, pdl) for bn, bk in ((2, 2048), (4, 1024), (8, 1024), (16, 512))
-                     for per in (8, 32) for pdl in (False, True))
+                     for per in (8, 32) for pdl in (False, True, "last"))
 ROWS_CONFIGS = tuple((bn, bk, pdl) for bn in (1, 2, 4) for bk in (512, 1024)
                      for pdl in (False, True))
 
@@ -133,10 +136,11 @@ def _gemv(x: torch.Tensor, n: int, k: int, block_n: int, block_k: int, programs:
 
     def gemv(w):
         _gemv_parts[(row_blocks, splits)](x, w, acc, n, k, k_per, BLOCK_N=block_n,
-                                          BLOCK_K=block_k, PDL=pdl, num_warps=4,
-                                          launch_pdl=pdl)
-        _gemv_out[(-(-n // 1024),)](acc, y, n, BLOCK=1024, PDL=pdl, num_warps=4,
-                                    launch_pdl=pdl)
+                                          BLOCK_K=block_k, PDL=bool(pdl),
+                                          RELEASE_LAST=pdl == "last", num_warps=4,
+                                          launch_pdl=bool(pdl))
+        _gemv_out[(-(-n // 1024),)](acc, y, n, BLOCK=1024, PDL=bool(pdl), num_warps=4,
+                                    launch_pdl=bool(pdl))
         return y
     return gemv
 
@@ -183,8 +187,8 @@ def probe_shape(n: int, k: int, bandwidth: float, launch: float) -> dict:
     x = torch.randn(1, k, device="cuda", generator=gen).to(torch.bfloat16)
     readers = {f"P{per}xB{block}xW{warps}": _reader(per * sms, block, warps, n * k)
                for per in PROGRAMS_PER_SM for block, warps in STEPS}
-    gemvs = {f"BN{bn}xBK{bk}xP{per}{'.PDL' if pdl else ''}": _gemv(x, n, k, bn, bk, per * sms,
-                                                                  pdl)
+    pdl_names = {False: "", True: ".PDL", "last": ".PDLlast"}
+    gemvs = {f"BN{bn}xBK{bk}xP{per}{pdl_names[pdl]}": _gemv(x, n, k, bn, bk, per * sms, pdl)
              for bn, bk, per, pdl in GEMV_CONFIGS}
     gemvs.update((f"rows.BN{bn}xBK{bk}{'.PDL' if pdl else ''}",
                   _gemv_whole_k(x, n, k, bn, bk, pdl)) for bn, bk, pdl in ROWS_CONFIGS)
