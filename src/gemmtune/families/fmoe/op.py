@@ -263,7 +263,8 @@ def _bound(plan, hidden: torch.Tensor, experts: int, scales: Optional[MoeScales]
         None if s is None else s.shape for s in scales)
 
     def launch(roles: MoeRoles) -> torch.Tensor:
-        operands = roles[:6]
+        operands = (roles.hidden, roles.w1, roles.w2, roles.topk_weight, roles.topk_ids,
+                    roles.expert_map)
         if scale_shapes is None:
             return solution(*operands, problem)
         return solution(*operands, problem, scales=MoeScales(
