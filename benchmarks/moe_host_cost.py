@@ -110,9 +110,9 @@ def experts_module():
     return module
 
 
-def experts_cases(table: Path) -> list[dict]:
+def experts_cases() -> list[dict]:
     """experts_forward against transformers' backends on one module, per token count (the
-    table names the kernels of CASES' bf16 rows)."""
+    caller's table, ``table_of_cases``, names the kernels of CASES' bf16 rows)."""
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
     module = experts_module()
@@ -160,7 +160,7 @@ def main() -> None:
         table_of_cases(table)
         os.environ["GEMMTUNE_CONFIG_FMOE"] = f"replace:{table}"
         gemmtune.reset()
-        experts = experts_cases(table)
+        experts = experts_cases()
     with open(out_dir / "moe_host_cost.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=sorted({c for r in rows + experts for c in r}))
         writer.writeheader()

@@ -144,7 +144,7 @@ class _Places:
         self.addresses = {t.data_ptr(): r for r, t in enumerate(roles) if t is not None}
         self.addresses[out.data_ptr()] = len(roles)
         self.storages = {t.untyped_storage().data_ptr() for t in present + [out]}
-        self.distinct = len(self.addresses) == len(present) + 1
+        self.distinct = len(self.addresses) == len(present) + 1  # the output among them too
         self.kept: dict[int, torch.Tensor] = {}  # a buffer's storage address -> a view of it
 
     def place(self, t: torch.Tensor) -> int | str | None:
@@ -171,11 +171,11 @@ def _laid_out(t: torch.Tensor | None) -> bool | None:
 class Recording:
     """A recorded call's launches, replayed with new tensors in its roles."""
 
-    def __init__(self, launches: list[_Launch], places: _Places, roles: tuple,
+    def __init__(self, launches: list[_Launch], places: _Places, kept_bytes: int, roles: tuple,
                  out: torch.Tensor, stream: int, device_index: int):
         self._launches = tuple(launches)
         self._kept = tuple(places.kept.values())  # alive while the recording is
-        self.kept_bytes = places.kept_bytes()
+        self.kept_bytes = kept_bytes
         self.used = next(_USES)
         self.evicted = False
         self._layouts = tuple(_laid_out(t) for t in roles)
@@ -197,21 +197,21 @@ class Recording:
         if not isinstance(out, torch.Tensor) or not out.is_contiguous() \
                 or out.data_ptr() != out.untyped_storage().data_ptr():
             return "the call's output does not own its memory"
-        if any(t is not None and not t.is_contiguous() for t in roles):
-            return "a tensor of the call is not contiguous"
+        # (The roles' contiguity and distinct addresses ChainCall checked before recording.)
         places = _Places(roles, out)
         if not places.distinct:
-            return "two of the call's tensors share an address"
+            return "the call's output is one of its tensors"
         launches = []
         for launch in launched:
             recorded = _recorded_launch(launch, places)
             if isinstance(recorded, str):
                 return recorded
             launches.append(recorded)
-        if places.kept_bytes() > KEPT_BYTES_MAX:
-            return (f"its buffers hold {places.kept_bytes()} bytes (a recording keeps at most "
+        kept_bytes = places.kept_bytes()
+        if kept_bytes > KEPT_BYTES_MAX:
+            return (f"its buffers hold {kept_bytes} bytes (a recording keeps at most "
                     f"{KEPT_BYTES_MAX})")
-        return cls(launches, places, roles, out, stream, device_index)
+        return cls(launches, places, kept_bytes, roles, out, stream, device_index)
 
     def launch(self, roles: tuple) -> torch.Tensor | None:
         """The recorded launches with these tensors in the roles (dtypes, shapes and devices as
