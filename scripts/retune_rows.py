@@ -1,16 +1,20 @@
-"""Tune again, in place, the rows of a tuned table whose kernel names start with a prefix, with
-the backends given: ``gemmtune tune --all`` on those rows' shapes alone, so every other row of
-the table is kept as it is (the tuned rows move to the table's end).
+"""Tune again, in place, the rows of a tuned table whose kernel names start with a prefix
+(``--kernel``; default every row) and whose M is one of ``--m`` (default any), on those rows'
+shapes alone, so every other row of the table is kept as it is (the tuned rows move to the
+table's end). Either with the backends given (``--libtype``: ``gemmtune tune --all``), or
+against a new kernel (``--challenge PREFIX``: ``gemmtune tune --kernels PREFIX``, the rows'
+own kernels re-timed beside that kernel's configs and torch's):
 
     python3 scripts/retune_rows.py bf16 --kernel torch. --libtype torch,cublaslt -- --mp 8
+    python3 scripts/retune_rows.py bf16 --m 1,16 --challenge triton.gemv -- --mp 8
 
 (flags after ``--`` go to ``gemmtune tune``).
 
 What it is for: rows that won before a change to the tuner's choice (e.g. its tie order) and
-that only some backends could now replace. The rows' own backend must be among ``--libtype``:
-their kernel competes again, so a row changes only for one the tuner measures as fast (its tie
-rule deciding between equals). Resumable like any
-``--all`` run: the same command after an interruption skips the shapes it finished.
+that only some backends could now replace, or before a kernel existed. With ``--libtype`` the
+rows' own backend must be among those given: their kernel competes again, so a row changes
+only for one the tuner measures as fast (its tie rule deciding between equals). Resumable like
+any ``--all`` run: the same command after an interruption skips the shapes it finished.
 """
 
 from __future__ import annotations
@@ -29,10 +33,16 @@ from gemmtune.tables.sources import configs_dir
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("family", help="table family (bf16, a8w8, a8w8-blockscale, ...)")
-    parser.add_argument("--kernel", required=True,
-                        help="retune the rows whose kernelName starts with this")
-    parser.add_argument("--libtype", required=True,
-                        help="backends to try (gemmtune tune --libtype), the rows' own included")
+    parser.add_argument("--kernel", default="",
+                        help="retune the rows whose kernelName starts with this (default: all)")
+    parser.add_argument("--m", type=_ms, default=None, metavar="M,M",
+                        help="only the rows of these M (default: every M)")
+    how = parser.add_mutually_exclusive_group(required=True)
+    how.add_argument("--libtype",
+                     help="backends to try (gemmtune tune --libtype), the rows' own included")
+    how.add_argument("--challenge", metavar="PREFIX,...",
+                     help="kernel-name prefixes to try against the rows' own kernels "
+                          "(gemmtune tune --kernels)")
     parser.add_argument("--table", type=Path,
                         help="tuned table to update (default: the family's shipped table)")
     parser.add_argument("--work", type=Path, default=Path("out/retune"),
@@ -45,17 +55,19 @@ def main(argv: list[str] | None = None) -> int:
     schema = get_family(args.family).schema
     table = args.table or configs_dir() / schema.tuned_file
     backend = args.kernel.split(".")[0].split(":")[0]
-    if backend not in args.libtype.split(","):
-        parser.error(f"--libtype {args.libtype} lacks {backend}, the backend of the rows to "
-                     f"tune: each must be able to keep its own kernel")
+    if args.libtype and backend not in args.libtype.split(","):
+        parser.error(f"--libtype {args.libtype} lacks {backend or 'every backend'}, the backend "
+                     f"of the rows to tune: each must be able to keep its own kernel")
     device = current_device()
     with open(table, newline="", encoding="utf-8") as f:
         keys = sorted({tuple(row[name] for name in schema.key_names)
                        for row in csv.DictReader(f)
-                       if _names(row, schema, args.kernel) and _of(device, row)})
+                       if _names(row, schema, args.kernel) and _of(device, row)
+                       and (args.m is None or int(row[schema.key_names[schema.m_index]])
+                            in args.m)})
     if not keys:
-        print(f"{table}: no row of {device} names a kernel starting with {args.kernel!r}; "
-              f"nothing to do")
+        print(f"{table}: no row of {device} names a kernel starting with {args.kernel!r}"
+              f"{f' at M in {sorted(args.m)}' if args.m else ''}; nothing to do")
         return 0
     args.work.mkdir(parents=True, exist_ok=True)
     shapes = args.work / f"{schema.family}_retune_shapes.csv"
@@ -63,11 +75,21 @@ def main(argv: list[str] | None = None) -> int:
         writer = csv.writer(f)
         writer.writerow(schema.key_names)
         writer.writerows(keys)
-    print(f"{table}: {len(keys)} rows name {args.kernel}*; tuning them with {args.libtype}")
+    how = (["--all", "--libtype", args.libtype] if args.libtype
+           else ["--kernels", args.challenge])
+    print(f"{table}: {len(keys)} rows name {args.kernel or ''}*; tuning them with "
+          f"{' '.join(how)}")
     return subprocess.call([
         sys.executable, "-m", "gemmtune.cli", "tune", args.family, "-i", str(shapes),
         "-o", str(table), "-o2", str(args.work / f"{schema.family}_retune_profile.csv"),
-        "--all", "--libtype", args.libtype, *tune_args])
+        *how, *tune_args])
+
+
+def _ms(text: str) -> set[int]:
+    try:
+        return {int(v) for v in text.split(",") if v.strip()}
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a comma list of M, e.g. 1,16")
 
 
 def _names(row: dict, schema, prefix: str) -> bool:

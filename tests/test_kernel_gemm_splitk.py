@@ -23,10 +23,10 @@ from gemmtune.kernels.triton.gemm_splitk import (
     launch_gemm_splitk,
     num_tiles,
     prefetch_row_bytes,
-    stream_counters,
     why_not_fits,
     why_not_supported,
 )
+from gemmtune.kernels.triton._splits import stream_counters
 
 # (M, N, K): M 1, 13 and 33 (one ragged M tile, two), N ragged against every BN, and K a multiple
 # of neither BK nor BK * split_k, so the last K step of the last split is partial.

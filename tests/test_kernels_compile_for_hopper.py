@@ -127,3 +127,52 @@ def test_moe_stage_kernels_and_the_fp8_quantiser_compile_for_sm90():
     done = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True,
                           text=True, timeout=600)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+
+
+GEMV_SCRIPT = textwrap.dedent("""
+    import inspect
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from gemmtune.kernels.triton import gemm_gemv
+
+    kernel = gemm_gemv.gemm_gemv_kernel
+    names = list(inspect.signature(kernel.fn).parameters)
+    # What a launch specialises on its own: 16-byte aligned pointers, K and row strides
+    # divisible by 16, unit K strides.
+    aligned = {(names.index(n),): [["tt.divisibility", 16]] for n in names
+               if n.endswith("_ptr") or n in ("K", "stride_xm", "stride_wn")}
+
+    def ptx(dtype, constexprs):
+        constexprs = {**constexprs, "stride_xk": 1, "stride_wk": 1, "stride_yn": 1}
+        pointers = {n: "*fp32" for n in ("scale_a_ptr", "scale_b_ptr", "part_ptr")}
+        pointers.update(x_ptr=f"*{dtype}", w_ptr=f"*{dtype}", y_ptr="*bf16", bias_ptr="*bf16",
+                        count_ptr="*i32")
+        signature = {n: pointers.get(n, "constexpr" if n in constexprs else "i32")
+                     for n in names}
+        return triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs,
+                                        attrs=aligned),
+                              target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+
+    common = dict(HAS_BIAS=True, SPLIT_CHUNK=16, PDL=1)
+    whole_k = ptx("bf16", dict(SCALE_A=0, SCALE_B=0, USE_WORKSPACE=False, BLOCK_M=1,
+                               BLOCK_N=4, BLOCK_K=1024, **common))
+    split = ptx("fp8e4nv", dict(SCALE_A=3, SCALE_B=3, USE_WORKSPACE=True, BLOCK_M=2,
+                                BLOCK_N=4, BLOCK_K=1024, **common))
+    for text in (whole_k, split):
+        # w streams in 16-byte vectors, and nothing is loaded before the PDL wait.
+        assert "ld.global.v4" in text or "ld.global.nc.v4" in text
+        assert -1 < text.find("griddepcontrol.wait") < text.find("ld.global")
+    assert "gpu.acq_rel.add" in split and "ld.global.cg" in split
+    print("ok")
+""")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the kernel's own tests compile "
+                                                        "it for real")
+def test_gemv_kernel_compiles_for_sm90_with_vector_loads():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(SRC)
+    done = subprocess.run([sys.executable, "-c", GEMV_SCRIPT], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]

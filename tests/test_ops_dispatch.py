@@ -581,7 +581,8 @@ def test_forgetting_the_tables_forgets_the_bound_calls(user_table):
     torch.testing.assert_close(y, gemm_a16w16_ref(x, w), rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("kernel", [TILE, "triton.splitk:BM16.BN16.BK16.SK2.W4.S1"])
+@pytest.mark.parametrize("kernel", [TILE, "triton.splitk:BM16.BN16.BK16.SK2.W4.S1",
+                                    "triton.gemv:BN8.BK16.SK2.W4.S1"])
 def test_bound_triton_calls_match_the_reference_on_fresh_inputs(user_table, kernel):
     # The bound call of a Triton row: every call with a new x (2-D and with leading dims) and
     # a poisoned previous output computes the product afresh. On the GPU in bf16, where calls
@@ -600,6 +601,24 @@ def test_bound_triton_calls_match_the_reference_on_fresh_inputs(user_table, kern
                 err = float((y.float() - ref).norm() / ref.norm())
                 assert err < (1e-2 if dtype == torch.bfloat16 else 1e-5), (seed, err)
                 y.fill_(float("nan"))
+
+
+def test_a_gemv_row_serves_the_smaller_m_padded_up_to_it(user_table):
+    # The GEMV takes all of x's rows in one program, however many up to 16: the M = 16 row
+    # serves M = 1..16 (padded), and M = 17 goes elsewhere.
+    gemv = "triton.gemv:BN4.BK32.SK2.W4.S1"
+    user_table(row(16, 24, 64, gemv))
+    w = fresh(24, 64, seed=1)
+    for m in (1, 3, 16):
+        x = fresh(m, 64, seed=m)
+        torch.testing.assert_close(gemmtune.gemm_a16w16(x, w), gemm_a16w16_ref(x, w),
+                                   rtol=1e-5, atol=1e-5)
+        decision = plan_for(m, 24, 64).decision
+        assert decision.kernel_name == gemv and decision.rule.value in ("exact", "padded"), m
+    # The nearest row's kernel cannot take M = 17: the family default serves it, said once.
+    with pytest.warns(UserWarning, match="M=17 exceeds 16, the rows of x one GEMV program"):
+        gemmtune.gemm_a16w16(fresh(17, 64, seed=17), w)
+    assert plan_for(17, 24, 64).decision.kernel_name != gemv
 
 
 def test_a_plan_made_while_the_tables_change_is_not_kept(monkeypatch):

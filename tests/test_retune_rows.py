@@ -48,3 +48,31 @@ def test_the_rows_own_backend_must_compete(tmp_path):
         text=True, timeout=300)
     assert done.returncode == 2 and "--libtype cublaslt lacks torch" in done.stderr
     assert "999.0" in table.read_text()
+
+
+def test_challenge_tries_a_kernel_against_the_rows_of_the_m_given(tmp_path):
+    table = tmp_path / "t.csv"
+    table.write_text(
+        HEADER
+        + f"cpu,0,,1,8,16,{KEY},torch,0,0,999.0,torch.linear,0,0,0\n"
+        + f"cpu,0,,5,8,16,{KEY},torch,0,0,999.0,torch.linear,0,0,0\n"
+        + f"cpu,0,,64,8,16,{KEY},torch,0,0,999.0,torch.linear,0,0,0\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "scripts/retune_rows.py"), "bf16", "--m", "1,5",
+         "--challenge", "triton.gemv", "--table", str(table), "--work", str(tmp_path / "work"),
+         "--", "--mp", "1", "--iters", "2"], env=env, capture_output=True, text=True,
+        timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = {r["M"]: r for r in csv.DictReader(table.open())}
+    assert sorted(rows, key=int) == ["1", "5", "64"]
+    assert float(rows["64"]["us"]) == 999.0  # not an M asked for
+    profile = list(csv.DictReader((tmp_path / "work" / "bf16_retune_profile.csv").open()))
+    # Per shape: the row's kernel (here torch's, also the baseline) and GEMV configs only.
+    assert {r["M"] for r in profile} == {"1", "5"}
+    assert all(r["kernelName"] == "torch.linear" or r["kernelName"].startswith("triton.gemv:")
+               for r in profile), [r["kernelName"] for r in profile]
+    assert any(r["kernelName"].startswith("triton.gemv:") and r["status"] == "ok"
+               for r in profile)
+    for m in ("1", "5"):
+        assert float(rows[m]["us"]) != 999.0

@@ -423,8 +423,10 @@ def test_real_bf16_family_on_cpu(tmp_path):
     assert row.arch == "cpu" and row.results["timing"] == "cpu.wall"
     statuses = profile(tmp_path)
     assert statuses["torch.linear"] == "ok"
-    # M = 5 is split-K's ground (the tile kernel starts at M = 65); two configs on the CPU.
-    assert [s for n, s in statuses.items() if n.startswith("triton.")] == ["ok", "ok"]
+    # M = 5 is split-K's and the GEMV's ground (the tile kernel starts at M = 65): two split-K
+    # configs and one GEMV on the CPU, bf16 refused for split-K only (the interpreter's dot).
+    assert [s for n, s in statuses.items() if n.startswith("triton.splitk:")] == ["ok", "ok"]
+    assert [s for n, s in statuses.items() if n.startswith("triton.gemv:")] == ["ok"]
 
 
 def test_real_a8w8_family(tmp_path):
@@ -456,8 +458,10 @@ def test_real_a8w8_family(tmp_path):
         from gemmtune.kernels import cublaslt
 
         assert splitk >= 4 and (lt > 0) == (cublaslt.nvmath_missing() is None), statuses
-    else:  # the interpreter runs two Triton configs per shape; no cuBLASLt off the GPU
-        assert len(statuses) == 6 and splitk == 4 and lt == 0, statuses
+    else:  # the interpreter runs two split-K configs per shape and one GEMV for FP8 (the GEMV
+        # refuses int8); no cuBLASLt off the GPU
+        gemv = sum(1 for n, _ in statuses if n.startswith("triton.gemv:"))
+        assert len(statuses) == 7 and splitk == 4 and gemv == 1 and lt == 0, statuses
 
 
 def test_real_a8w8_blockscale_family(tmp_path):
@@ -479,9 +483,13 @@ def test_real_a8w8_blockscale_family(tmp_path):
     statuses = [(r["kernelName"], r["status"]) for r in profiled]
     assert all(s == "ok" for _, s in statuses), not_ok(profiled)
     assert statuses[0][0].startswith("torch."), statuses
-    # The interpreter runs two Triton configs; a GPU the whole (pruned) space.
-    assert len(statuses) == 3 if not torch.cuda.is_available() else len(statuses) >= 3, statuses
-    assert all("BK64." in n or "BK128." in n for n, _ in statuses[1:]), statuses
+    # The interpreter runs two split-K configs and a GEMV; a GPU the whole (pruned) spaces.
+    assert len(statuses) == 4 if not torch.cuda.is_available() else len(statuses) >= 4, statuses
+    # Split-K's K steps lie in one scale block, the GEMV's span whole ones.
+    assert all("BK64." in n or "BK128." in n for n, _ in statuses[1:]
+               if n.startswith("triton.splitk:")), statuses
+    assert all(int(n.split(".BK")[1].split(".")[0]) % 128 == 0 for n, _ in statuses
+               if n.startswith("triton.gemv:")), statuses
 
 
 def test_refused_key_fails_that_shape_only(tmp_path):
@@ -647,3 +655,41 @@ def test_the_run_says_why_candidates_failed(tmp_path, monkeypatch):
     _, log = tune(tmp_path, untuned(tmp_path / "u.csv", [1, 2]))
     assert "  error: 2 x ValueError: this candidate always raises" in log
     assert "  wrong: 2 x #" in log and "of elements outside tolerance" in log
+
+
+def test_kernels_challenges_each_row_with_the_named_kernels_only(tmp_path, monkeypatch):
+    monkeypatch.setenv("FAULTY_WITH_FAULTS", "0")
+    inp = untuned(tmp_path / "u.csv", [1, 2])
+    path = tmp_path / "tuned.csv"
+    monkeypatch.setenv("FAULTY_CANDIDATES", "torch.linear,good.slow")
+    tune(tmp_path, inp)
+    assert {r[1] for r in rows(path)} == {"good.slow"}
+    # The challengers (good.f...) against the row's kernel and the torch baseline, nothing else.
+    monkeypatch.setenv("FAULTY_CANDIDATES", "torch.linear,good.slow,good.fast,fault.raise")
+    tuner, _ = tune(tmp_path, inp, kernels=("good.f",))
+    assert {r[1] for r in rows(path)} == {"good.fast"} and len(rows(path)) == 2
+    assert profile(tmp_path) == {"torch.linear": "ok", "good.slow": "ok", "good.fast": "ok"}
+    assert tuner.summary.tuned == 2 and tuner.summary.skipped == 0
+
+
+def test_kernels_keeps_a_row_whose_kernel_the_family_no_longer_lists(tmp_path, monkeypatch):
+    monkeypatch.setenv("FAULTY_WITH_FAULTS", "0")
+    inp = untuned(tmp_path / "u.csv", [1])
+    path = tmp_path / "tuned.csv"
+    monkeypatch.setenv("FAULTY_CANDIDATES", "torch.linear,good.slow")
+    tune(tmp_path, inp)
+    # good.slow left the family's list: it still competes, as the row names it, and still wins.
+    monkeypatch.setenv("FAULTY_CANDIDATES", "torch.linear,fault.raise")
+    tune(tmp_path, inp, kernels=("fault.r",))
+    assert [r[1] for r in rows(path)] == ["good.slow"]
+    assert profile(tmp_path) == {"torch.linear": "ok", "good.slow": "ok", "fault.raise": "error"}
+
+
+def test_kernels_refuses_families_with_several_kernels_per_row(tmp_path):
+    class TwoKernels(FaultyFamily):
+        schema = get_family("fmoe").schema
+
+    config = TuneConfig(input=untuned(tmp_path / "u.csv", [1]), output=tmp_path / "t.csv",
+                        kernels=("triton.",))
+    with pytest.raises(ValueError, match="--kernels challenges a row's one kernel; fmoe rows"):
+        Tuner(TwoKernels, config)

@@ -95,6 +95,22 @@ def triton_splitk_candidates(m: int, n: int, k: int, dtype: torch.dtype,
             and not (block_scales and why_not_block_scaled(c, dtype))]
 
 
+def triton_gemv_candidates(m: int, n: int, k: int, dtype: torch.dtype,
+                           out_dtype: torch.dtype, block_scales: bool = False
+                           ) -> list[Candidate]:
+    """The GEMV kernel's configs for M <= its MAX_M (none above), with PDL where the GPU has
+    it, as the split-K kernel's."""
+    from gemmtune.kernels.triton import gemm_gemv
+
+    if m > gemm_gemv.MAX_M:
+        return []
+    pdl = (gemm_gemv.PDL_WAIT if torch.cuda.is_available()
+           and gemm_gemv.pdl_supported(torch.device("cuda")) else gemm_gemv.PDL_OFF)
+    return [Candidate(c.name, "triton", splitk=c.split_k)
+            for c in gemm_gemv.candidates(m, n, k, dtype, pdl=pdl, block_scales=block_scales)
+            if gemm_gemv.why_not_supported(c, m, n, k, dtype, out_dtype) is None]
+
+
 # What a GEMM row keeps when candidates tie within noise on the GPU, simplest first: cuBLASLt's
 # own pick, then torch's row, then anything tuned. cuBLASLt's pick is mostly the algorithm
 # torch's row runs, through a call that costs the host less (docs/benchmarks.md, session 12:
@@ -128,14 +144,16 @@ INTERPRETER_BF16 = ("Triton's CPU interpreter computes bf16 dots wrongly (triton
 
 def triton_candidates(m: int, n: int, k: int, dtype: torch.dtype,
                       out_dtype: torch.dtype, block_scales: bool = False) -> list[Candidate]:
-    found = triton_tile_candidates(m, n, k, dtype, out_dtype, block_scales) + \
+    dots = triton_tile_candidates(m, n, k, dtype, out_dtype, block_scales) + \
         triton_splitk_candidates(m, n, k, dtype, out_dtype, block_scales) + \
         triton_persistent_candidates(m, n, k, dtype, out_dtype, block_scales)
+    gemvs = triton_gemv_candidates(m, n, k, dtype, out_dtype, block_scales)
     if torch.cuda.is_available():
-        return found
-    # On the CPU (interpreter) a few configs are enough to exercise the path.
+        return dots + gemvs
+    # On the CPU (interpreter) a few configs are enough to exercise the path. The GEMV has no
+    # tl.dot, so bf16 runs right there.
     refused = INTERPRETER_BF16 if dtype == torch.bfloat16 else ""
-    return [dataclasses.replace(c, refused=refused) for c in found[:2]]
+    return [dataclasses.replace(c, refused=refused) for c in dots[:2]] + gemvs[:1]
 
 
 def number_candidates(found: list[Candidate]) -> list[Candidate]:

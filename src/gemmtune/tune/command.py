@@ -26,6 +26,15 @@ def _libtypes(text: str) -> frozenset[str]:
     return frozenset(names)
 
 
+def _prefixes(text: str) -> tuple[str, ...]:
+    """A comma list of kernel-name prefixes (``triton.gemv``, ``cublaslt:``)."""
+    names = tuple(dict.fromkeys(t.strip() for t in text.split(",") if t.strip()))
+    if not names:
+        raise argparse.ArgumentTypeError("expected a comma list of kernel-name prefixes, "
+                                         "e.g. triton.gemv")
+    return names
+
+
 def add_tune_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-i", "--untune_file", "--input_file", dest="input", required=True,
                    metavar="CSV", help="shapes to tune (an untuned CSV: key columns)")
@@ -67,6 +76,11 @@ def add_tune_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--libtype", type=_libtypes, default=frozenset(), metavar="L,L",
                    help=f"backends to try: all or a comma list of {','.join(LIBTYPES)} "
                         f"(default: every backend of the family available here)")
+    p.add_argument("--kernels", type=_prefixes, default=(), metavar="PREFIX,...",
+                   help="challengers only: try the candidates whose kernel names start with "
+                        "these (e.g. triton.gemv) against each shape's row in the output, whose "
+                        "kernel is re-timed in the same run, and the torch baseline; shapes with "
+                        "a row are tuned again (resumable like --all)")
     p.add_argument("--compare", action="store_true",
                    help="print old vs new time for shapes that already had a row")
     p.add_argument("--update_improved", action="store_true",
@@ -98,7 +112,7 @@ def config_from_args(args: argparse.Namespace, default_err_ratio: float = 0.05) 
                             accurate_iters=5 * args.iters),
         batch=args.batch, retune_all=args.all, last_only=args.last, sort=args.sort,
         timeout=args.timeout, verbose=args.verbose, libtypes=args.libtype,
-        compare=args.compare, update_improved=args.update_improved,
+        compare=args.compare, update_improved=args.update_improved, kernels=args.kernels,
         min_improvement_pct=args.min_improvement_pct, gpus=gpus)
 
 

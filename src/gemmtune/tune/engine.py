@@ -61,6 +61,9 @@ class TuneConfig:
     compare: bool = False
     update_improved: bool = False
     min_improvement_pct: float = 3.0
+    # Challengers only: the candidates whose names start with one of these, against each shape's
+    # current row (its kernel re-timed in the same run) and the family's torch baseline.
+    kernels: tuple[str, ...] = ()
     # CUDA_VISIBLE_DEVICES value per worker; empty: no GPU (hidden; Triton's CPU interpreter)
     gpus: tuple[str, ...] = ()
 
@@ -99,14 +102,15 @@ class RunSummary:
 
 
 class RetuneLog:
-    """Shapes finished by an ``--all`` / ``--update_improved`` run, beside the output and named
-    after the run's input and flags, so only the same command resumes from it."""
+    """Shapes finished by an ``--all`` / ``--update_improved`` / ``--kernels`` run, beside the
+    output and named after the run's input and flags, so only the same command resumes from it."""
 
     def __init__(self, config: TuneConfig):
-        self.active = config.retune_all or config.update_improved
+        self.active = config.retune_all or config.update_improved or bool(config.kernels)
         ident = hashlib.sha1(repr((str(config.input.resolve()), config.retune_all,
                                    config.update_improved, config.min_improvement_pct,
-                                   sorted(config.libtypes))).encode()).hexdigest()[:12]
+                                   sorted(config.libtypes), config.kernels)
+                                  ).encode()).hexdigest()[:12]
         self.path = config.output.with_name(f"{config.output.name}.retune-{ident}.jsonl")
 
     def done(self) -> set[tuple]:
@@ -134,6 +138,10 @@ class Tuner:
         self.factory = factory
         self.family = factory()  # families construct without touching the GPU
         self.schema: Schema = self.family.schema
+        if config.kernels and len(self.schema.kernel_columns) != 1:
+            raise ValueError(f"--kernels challenges a row's one kernel; {self.schema.family} rows "
+                             f"name {len(self.schema.kernel_columns)} "
+                             f"({', '.join(self.schema.kernel_columns)}): tune it without it")
         self.config = config
         self.out = out or sys.stderr  # looked up now: a default bound at import may be closed
         self.memo = CrashMemo(self.schema)
@@ -261,7 +269,7 @@ class Tuner:
         return {full_key(r): r for r in rows}
 
     def _select(self, keys: list[tuple], existing: dict[tuple, Row]) -> list[tuple]:
-        if self.config.retune_all or self.config.update_improved:
+        if self._retune_log.active:
             # Retuning rows that exist: the output cannot tell what this run already did, so a
             # sidecar lists the shapes it finished; the same command after an interruption skips
             # them. It is removed when the run completes.
@@ -288,7 +296,7 @@ class Tuner:
                 except queue.Empty:
                     return
                 try:
-                    result = self.tune_shape(worker, key)
+                    result = self.tune_shape(worker, key, existing.get(self.device + key))
                     if self._stop.is_set():
                         return  # interrupted mid-shape: its result may be partial
                     self._record(result, existing.get(self.device + key), progress)
@@ -307,11 +315,15 @@ class Tuner:
             raise errors[0]
 
     # --------------------------------------------------------------------------- one shape
-    def tune_shape(self, worker: Worker, key: tuple) -> ShapeResult:
+    def tune_shape(self, worker: Worker, key: tuple, current: Row | None = None) -> ShapeResult:
+        """Tune one shape; ``current``: its row in the output, if any (what ``--kernels``
+        challenges)."""
         device = self._device_name()
         try:
             candidates = worker.call("candidates", key, self.config.libtypes,
                                      timeout=max(self.config.timeout, 300.0))
+            if self.config.kernels:
+                candidates = self._challenge(candidates, current)
         except WorkerLost as e:
             self._recover(worker)
             return ShapeResult(key, None, [], f"could not list candidates: {e}")
@@ -493,6 +505,20 @@ class Tuner:
             if best_simple.us <= fastest.us * (1 + noise):
                 return best_simple
         return fastest
+
+    def _challenge(self, candidates: list[Candidate], current: Row | None) -> list[Candidate]:
+        """``--kernels``: the challengers (names starting with one of the prefixes), the torch
+        baseline, and the current row's kernel, as the family lists it or else as the row
+        names it (a config the family no longer lists still competes)."""
+        prefixes = self.config.kernels
+        incumbent = current.kernel_names(self.schema)[0] if current is not None else None
+        kept = [c for c in candidates if c.name.startswith(prefixes) or c.libtype == "torch"
+                or c.name == incumbent]
+        if incumbent is not None and all(c.name != incumbent for c in kept):
+            kept.append(Candidate(incumbent, str(current.results.get("libtype", "")),
+                                  splitk=int(current.results.get("splitK") or 0),
+                                  solidx=len(candidates)))
+        return kept
 
     # ------------------------------------------------------------------------- bookkeeping
     def _record(self, result: ShapeResult, old: Row | None, progress: Progress) -> None:

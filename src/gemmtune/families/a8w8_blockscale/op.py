@@ -45,7 +45,7 @@ def problem_of(key: BlockscaleKey) -> GemmProblem:
 
 # No persistent kernel: it takes no block scales.
 REGISTRY = gemm_registry("a8w8_blockscale", TORCH_BLOCKSCALE, blockscale_torch,
-                         ("triton.tile", "triton.splitk"), block_scales=True,
+                         ("triton.tile", "triton.splitk", "triton.gemv"), block_scales=True,
                          torch_bind=bind_blockscale)
 
 

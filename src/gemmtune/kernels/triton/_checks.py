@@ -268,13 +268,15 @@ def validate_block_scales(kernel_name: str, x: torch.Tensor, w: torch.Tensor,
 
 
 def fitting_config(kernel_name: str, config, default_config, why_not_fits,
-                   M: int, N: int, K: int, dtype: torch.dtype, block_scales: bool = False):
+                   M: int, N: int, K: int, dtype: torch.dtype, block_scales: bool = False,
+                   why_not_block_scaled=why_not_block_scaled):
     """``config``, or the family's ``default_config`` when None (with block_k 128 for block
-    scales); ValueError if ``config`` breaks one of the family's ``why_not_fits`` constraints or,
-    with ``block_scales``, ``why_not_block_scaled`` (the default is trusted: tests check it)."""
+    scales where its own does not suit them); ValueError if ``config`` breaks one of the
+    family's ``why_not_fits`` constraints or, with ``block_scales``, its
+    ``why_not_block_scaled`` (the default is trusted: tests check it)."""
     if config is None:
         config = default_config(M, N, K, dtype)
-        if block_scales and 128 % config.block_k:
+        if block_scales and why_not_block_scaled(config, dtype):
             config = dataclasses.replace(config, block_k=128)
         return config
     problem = why_not_fits(config, M, N, K, dtype)
@@ -287,13 +289,15 @@ def fitting_config(kernel_name: str, config, default_config, why_not_fits,
 
 
 def validated_launch(kernel_name: str, launch, default_config, why_not_fits,
-                     x, w, bias, out_dtype, scale_a, scale_b, config, out, block_scales):
-    """What each family's validating launcher (``gemm_tile``, ``gemm_splitk``) does: check the
-    arguments, settle the config, then ``launch`` (the family's launch-only function)."""
+                     x, w, bias, out_dtype, scale_a, scale_b, config, out, block_scales,
+                     why_not_block_scaled=why_not_block_scaled):
+    """What each family's validating launcher (``gemm_tile``, ``gemm_splitk``, ``gemm_gemv``)
+    does: check the arguments, settle the config, then ``launch`` (the family's launch-only
+    function). ``why_not_block_scaled``: the family's own, where its steps differ."""
     M, N, K, out_dtype, out = validate_gemm_args(kernel_name, x, w, bias, out_dtype, scale_a,
                                                  scale_b, out, block_scales)
     config = fitting_config(kernel_name, config, default_config, why_not_fits, M, N, K, x.dtype,
-                            block_scales)
+                            block_scales, why_not_block_scaled)
     if M == 0 or N == 0:
         return out
     return launch(x, w, bias, out, scale_a, scale_b, config, block_scales=block_scales)

@@ -1,4 +1,5 @@
-"""A Triton config name (``triton.tile:...``, ``triton.splitk:...``, ``triton.persistent:...``)
+"""A Triton config name (``triton.tile:...``, ``triton.splitk:...``, ``triton.gemv:...``,
+``triton.persistent:...``)
 as a callable for dispatch: checked once per problem, then each call only allocates and
 launches; each kernel replays its first launch of a shape through the compiled kernel's own
 launcher (``_replay``). Called as every backend is: ``kernel(x, w, bias,
@@ -15,9 +16,10 @@ from typing import NamedTuple
 import torch
 
 from gemmtune.kernels.problem import GemmProblem, Scaling
+from gemmtune.kernels.triton import _checks
 from gemmtune.kernels.triton._replay import Replay, launch
 
-PREFIXES = ("triton.tile", "triton.splitk", "triton.persistent")
+PREFIXES = ("triton.tile", "triton.splitk", "triton.gemv", "triton.persistent")
 
 
 class _KernelModule(NamedTuple):
@@ -26,6 +28,8 @@ class _KernelModule(NamedTuple):
     launch: Callable  # launch only (the plan checked the problem)
     validating_launch: Callable  # checks every argument, then launches
     call: Callable | None  # the launch as a KernelCall, where it can be replayed
+    # (config, dtype) -> why the config cannot take FP8 block scales, or None
+    why_not_block_scaled: Callable = _checks.why_not_block_scaled
 
 
 def _kernel_module(prefix: str) -> _KernelModule:
@@ -41,6 +45,11 @@ def _kernel_module(prefix: str) -> _KernelModule:
 
         return _KernelModule(m, m.SplitKConfig, m.launch_gemm_splitk, m.gemm_splitk,
                              m.splitk_call)
+    if prefix == "triton.gemv":
+        from gemmtune.kernels.triton import gemm_gemv as m
+
+        return _KernelModule(m, m.GemvConfig, m.launch_gemm_gemv, m.gemm_gemv, m.gemv_call,
+                             m.why_not_block_scaled)
     if prefix == "triton.persistent":
         from gemmtune.kernels.triton import gemm_persistent as m
 
@@ -60,6 +69,7 @@ class TritonKernel:
         self._launch = kernel.launch
         self._validating_launch = kernel.validating_launch
         self._call = kernel.call
+        self._why_not_block_scaled = kernel.why_not_block_scaled
         # (M, N, K, dtypes, bias and scales given, device) -> the Replay of its first launch
         self._replays: dict[tuple, Replay] = {}
         self.config = kernel.config_cls.from_name(name)
@@ -81,7 +91,7 @@ class TritonKernel:
         why = self._module.why_not_supported(self.config, problem.m, problem.n, problem.k,
                                              problem.dtype, problem.out_dtype)
         if why is None and blocks:
-            why = self._module._checks.why_not_block_scaled(self.config, problem.dtype)
+            why = self._why_not_block_scaled(self.config, problem.dtype)
         return why
 
     def warmup(self, x, w, bias, out_dtype, scale_a, scale_b) -> None:

@@ -25,7 +25,6 @@ fp16, bf16, fp32 or per-tensor-scaled float8_e4m3fn; accumulation is always fp32
 from __future__ import annotations
 
 import dataclasses
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -37,23 +36,12 @@ from gemmtune.kernels.triton import _checks
 from gemmtune.kernels.triton._epilogue import (SCALE_BLOCK, block_scaled_dot, scale_modes,
                                                store_tile)
 from gemmtune.kernels.triton._replay import KernelCall, launch
+from gemmtune.kernels.triton._splits import (MAX_SPLIT_K, PDL_OFF, PDL_PREFETCH, PDL_WAIT,
+                                             pdl_supported, split_chunk, sum_splits_and_store,
+                                             workspace)
 
 KERNEL_PREFIX = "triton.splitk"
 
-# The last program of a tile sums SPLIT_CHUNK partials per load: at most this many fp32 registers
-# per thread, so the reduction never needs more registers than the accumulator may have.
-REDUCE_REGS_PER_THREAD = 64
-# Grid: tiles on axis 0 (at most _checks.MAX_PROGRAMS), splits on axis 1 (at most 65535 in CUDA);
-# more than 64 splits only adds partials to sum, never bandwidth.
-MAX_SPLIT_K = 64
-
-# Programmatic dependent launch (Hopper+), a config field because it changes what a launch overlaps
-# with: PDL_OFF launches plainly; PDL_WAIT launches with PDL, so the grid is scheduled while the
-# previous kernel drains and waits (griddepcontrol.wait) before touching memory; PDL_PREFETCH
-# also asks L2 for the first bytes of its w slice before that wait, so the weight stream starts
-# under the previous kernel's tail (w never depends on the previous kernel; x, the partials and
-# the output are only touched after the wait).
-PDL_OFF, PDL_WAIT, PDL_PREFETCH = 0, 1, 2
 # The w bytes one launch may prefetch into L2 (H100: 50 MiB): more would evict its own prefetched
 # lines, or the previous kernel's working set, before they are read.
 PREFETCH_BUDGET_BYTES = 16 * 2**20
@@ -86,13 +74,6 @@ def _next_pow2(v: int) -> int:
 def num_tiles(config: SplitKConfig, M: int, N: int) -> int:
     """Output tiles, i.e. programs per split, and the int32 tile counters a launch needs."""
     return triton.cdiv(M, config.block_m) * triton.cdiv(N, config.block_n)
-
-
-def split_chunk(config: SplitKConfig) -> int:
-    """Partials the last program of a tile sums per load: one load of many partials costs one
-    L2 round trip where a load per split would cost split_k of them (~0.2 µs each)."""
-    per_load = REDUCE_REGS_PER_THREAD * 32 * config.num_warps // (config.block_m * config.block_n)
-    return max(1, min(MAX_SPLIT_K, per_load))
 
 
 def why_not_fits(config: SplitKConfig, M: int, N: int, K: int, dtype: torch.dtype) -> str | None:
@@ -340,32 +321,10 @@ def gemm_splitk_kernel(
         w_ptrs += w_step
 
     if USE_WORKSPACE:
-        # Partials are stored tile-major, [tile][split][BM][BN], and only where the output is.
-        local = tl.arange(0, BLOCK_M)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
-        inside = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-        tile_parts = part_ptr + pid.to(tl.int64) * SPLIT_K * (BLOCK_M * BLOCK_N)
-        tl.store(tile_parts + split.to(tl.int64) * (BLOCK_M * BLOCK_N) + local,
-                 acc.to(tl.float32), mask=inside)
-        # All threads' stores happen before one thread's release (the barrier orders them; the
-        # gpu-scope release makes them visible with it), as CUTLASS's arrive_inc does.
-        tl.debug_barrier()
-        arrived = tl.atomic_add(count_ptr + pid, 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLIT_K - 1:
-            # Last of the tile: the acquire above makes every split's partial visible. Sum them
-            # in split order, SPLIT_CHUNK per load (.cg reads L2, where the partials are).
-            offs_s = tl.arange(0, SPLIT_CHUNK)
-            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for s0 in range(0, SPLIT_K, SPLIT_CHUNK):
-                ss = s0 + offs_s
-                ptrs = tile_parts + ss.to(tl.int64)[:, None, None] * (BLOCK_M * BLOCK_N) \
-                    + local[None, :, :]
-                mask = (ss[:, None, None] < SPLIT_K) & inside[None, :, :]
-                parts = tl.load(ptrs, mask=mask, other=0.0, cache_modifier=".cg")
-                total += tl.sum(parts, axis=0)
-            tl.store(count_ptr + pid, 0)  # leave the counter zero for the next launch
-            store_tile(total, offs_m, offs_n, rows, cols, y_ptr, bias_ptr, scale_a_ptr,
-                       scale_b_ptr, M, N, stride_ym, stride_yn, stride_bias,
-                       HAS_BIAS, SCALE_A, SCALE_B)
+        sum_splits_and_store(acc, pid, split, SPLIT_K, part_ptr, count_ptr, offs_m, offs_n, rows,
+                             cols, y_ptr, bias_ptr, scale_a_ptr, scale_b_ptr, M, N, stride_ym,
+                             stride_yn, stride_bias, HAS_BIAS, SCALE_A, SCALE_B, BLOCK_M, BLOCK_N,
+                             SPLIT_CHUNK)
     else:
         store_tile(acc, offs_m, offs_n, rows, cols, y_ptr, bias_ptr, scale_a_ptr, scale_b_ptr,
                    M, N, stride_ym, stride_yn, stride_bias, HAS_BIAS, SCALE_A, SCALE_B)
@@ -392,68 +351,6 @@ def gemm_splitk(
         x, w, bias, out_dtype, scale_a, scale_b, config, out, block_scales)
 
 
-# A stream keeps at most this much of split-K partials; larger ones are made per call.
-STREAM_PARTIALS_MAX_BYTES = 256 << 20
-# (what, device index, stream handle) -> the stream's buffer of each kind, grown on demand.
-_STREAM_BUFFERS: dict[tuple[str, int, int], torch.Tensor] = {}
-# Outgrown buffers: a CUDA graph captured (or a launch recorded) before the growth still points
-# at them.
-_RETIRED_BUFFERS: list[torch.Tensor] = []
-
-
-def _stream_buffer(what: str, device: torch.device, numel: int, make) -> torch.Tensor:
-    """At least ``numel`` elements of the current stream's ``what`` buffer, made by
-    ``make(numel)`` and doubled when outgrown."""
-    stream = torch.cuda.current_stream(device)
-    key = (what, stream.device_index, stream.cuda_stream)
-    found = _STREAM_BUFFERS.get(key)
-    if found is not None and found.numel() >= numel:
-        return found
-    grown = make(max(numel, 2 * found.numel() if found is not None else 1024))
-    if found is not None:
-        _RETIRED_BUFFERS.append(found)
-    _STREAM_BUFFERS[key] = grown
-    return grown
-
-
-def stream_counters(device: torch.device, tiles: int) -> torch.Tensor:
-    """At least ``tiles`` zeroed counters owned by the current stream of ``device``: launches on
-    one stream run one after another (a PDL launch touches them only after its wait), so they
-    can share one buffer. The first launch on a stream allocates it (a memset); under graph
-    capture that memset is recorded once into the graph, and the buffer comes from the graph's
-    pool, kept alive here.
-
-    Limit: a graph uses the buffer of the stream it was captured on, and ``torch.cuda.graph``
-    captures on one shared stream unless given ``stream=``. Graphs with split-K launches that
-    are replayed at the same time on different streams must therefore be captured on different
-    streams; replayed one after another (as serving engines do), they may share one."""
-    return _stream_buffer("counters", device, tiles, lambda n: torch.zeros(
-        n, dtype=torch.int32, device=device))
-
-
-def stream_partials(device: torch.device, numel: int) -> torch.Tensor:
-    """At least ``numel`` fp32 split-K partials owned by the current stream of ``device``,
-    shared by every launch on it as ``stream_counters`` are (each launch writes a tile's
-    partials after its PDL wait and reads them back before it ends), with the same limit on
-    graphs. A buffer per stream, not per call: a dispatch plan's recorded launch keeps its
-    buffers, so per-call buffers would each be kept."""
-    return _stream_buffer("partials", device, numel, lambda n: torch.empty(
-        n, dtype=torch.float32, device=device))
-
-
-@functools.lru_cache(maxsize=None)
-def _capability_major(device_index: int) -> int:
-    return torch.cuda.get_device_capability(device_index)[0]
-
-
-def pdl_supported(device: torch.device) -> bool:
-    """Programmatic dependent launch needs sm_90+ (and a compiled, not interpreted, kernel);
-    elsewhere a PDL config runs as a plain launch, which computes the same result."""
-    return (not _checks.interpreted() and device.type == "cuda"
-            and _capability_major(device.index if device.index is not None
-                                  else torch.cuda.current_device()) >= 9)
-
-
 def prefetch_row_bytes(w: torch.Tensor, split_k: int) -> int:
     """The most bytes of one w row's slice (its K range in one split) to prefetch: the equal
     share of ``PREFETCH_BUDGET_BYTES`` over rows and splits, so every slice is prefetched whole
@@ -476,17 +373,8 @@ def splitk_call(x, w, bias, out, scale_a, scale_b, config: SplitKConfig,
     tiles = num_tiles(config, M, N)
     use_workspace = config.split_k > 1
     if use_workspace:
-        numel = tiles * config.split_k * config.block_m * config.block_n
-        shared = not warmup and x.is_cuda
-        # Partials past the cap are made per call (a stream's buffer would keep them).
-        per_call = not shared or numel * 4 > STREAM_PARTIALS_MAX_BYTES
-        parts = torch.empty(numel, dtype=torch.float32, device=x.device) if per_call \
-            else stream_partials(x.device, numel)
-        if counters is None and shared:
-            counters = stream_counters(x.device, tiles)
-        if counters is None:
-            counters = (torch.empty if warmup else torch.zeros)(tiles, dtype=torch.int32,
-                                                                 device=x.device)
+        parts, counters, per_call = workspace(x, tiles, config.block_m * config.block_n,
+                                              config.split_k, counters, warmup)
     else:
         parts = counters = out  # never read: USE_WORKSPACE is False
         per_call = False
@@ -515,7 +403,7 @@ def splitk_call(x, w, bias, out, scale_a, scale_b, config: SplitKConfig,
         BLOCK_M=config.block_m,
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
-        SPLIT_CHUNK=split_chunk(config),
+        SPLIT_CHUNK=split_chunk(config.block_m, config.block_n, config.num_warps),
         PDL=pdl,
         W_ELEM_BYTES=w.element_size())
     return KernelCall(gemm_splitk_kernel, (tiles, config.split_k), args, constexprs,
