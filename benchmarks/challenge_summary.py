@@ -1,11 +1,13 @@
-"""Per shape of a ``--challenge`` run (``scripts/retune_rows.py``): the row's kernel before, the
-fastest challenger and torch, all screened in the same run, and which one the table keeps now.
+"""Per shape of a ``--challenge`` run (``scripts/retune_rows.py``) or a ``tune --kernels`` run
+on new shapes: the row's kernel before, the fastest challenger and torch, all screened in the
+same run, and which one the table keeps now. BEFORE_CSV: the table before, or the untuned file.
 
     python3 benchmarks/challenge_summary.py BEFORE_CSV PROFILE_CSV AFTER_CSV [--prefix triton.gemv]
 
 Times are the screen's (graph replay, cold L2, median) from the profile, so the three columns
 of a line are comparable; ``x`` is the old row's kernel over the best challenger (> 1: the
-challenger is faster). Geomeans of ``x`` per M at the end.
+challenger is faster), or torch's where the shape had no row before. Geomeans of ``x`` per M at
+the end.
 """
 
 from __future__ import annotations
@@ -32,12 +34,13 @@ def main() -> None:
     parser.add_argument("--prefix", default="triton.gemv")
     args = parser.parse_args()
     columns, before = _rows(args.before)
-    key_names = columns[3:columns.index(KEY_END)]
+    # A tuned table's key columns; an untuned file (no kernels before) is all key.
+    key_names = columns[3:columns.index(KEY_END)] if KEY_END in columns else columns
 
     def key(row: dict) -> tuple:
         return tuple(row[c] for c in key_names)
 
-    old = {key(r): r["kernelName"] for r in before}
+    old = {key(r): r["kernelName"] for r in before if r.get("kernelName")}
     new = {key(r): r["kernelName"] for r in _rows(args.after)[1]}
     timed: dict[tuple, dict[str, float]] = defaultdict(dict)
     for r in _rows(args.profile)[1]:
@@ -47,15 +50,16 @@ def main() -> None:
     print(f"{'shape':<34} {'old µs':>8} {'best new µs':>11} {'torch µs':>9} {'x':>6}  kept")
     for k, times in timed.items():
         challengers = {n: t for n, t in times.items() if n.startswith(args.prefix)}
-        if not challengers or old.get(k) not in times:
+        torch_us = min((t for n, t in times.items() if n.startswith("torch.")), default=math.nan)
+        base = times.get(old.get(k), torch_us)
+        if not challengers or math.isnan(base):
             continue
         best = min(challengers, key=challengers.get)
-        torch_us = min((t for n, t in times.items() if n.startswith("torch.")), default=math.nan)
-        x = times[old[k]] / challengers[best]
+        x = base / challengers[best]
         ratios[k[0]].append(x)
         kept = "challenger" if new.get(k, "").startswith(args.prefix) else \
-            ("old" if new.get(k) == old[k] else new.get(k, "?"))
-        print(f"{'x'.join(k[:3]):<34} {times[old[k]]:>8.2f} {challengers[best]:>11.2f} "
+            ("old" if new.get(k) == old.get(k) else new.get(k, "?"))
+        print(f"{'x'.join(k[:3]):<34} {base:>8.2f} {challengers[best]:>11.2f} "
               f"{torch_us:>9.2f} {x:>6.3f}  {kept}  ({best})")
     for m in sorted(ratios, key=int):
         xs = ratios[m]

@@ -140,6 +140,24 @@ for what in "$@"; do
                 "$OUT/challenge_$family/${stem}_retune_profile.csv" "$table" \
                 --prefix "${CHALLENGE:-triton.gemv}" > "$OUT/challenge_$family.txt"
             grep '^M=' "$OUT/challenge_$family.txt" >> "$summary" ;;
+        gemvm:*)  # gemvm:FAMILY:MS: the presets' shapes at those M, GEMV configs against torch
+            # alone (a scratch table; where the GEMV stops paying as M grows)
+            spec=${what#gemvm:}
+            family=${spec%%:*}; ms=${spec#*:}
+            stem=${family//-/_}
+            dir="$OUT/gemvm_$family"
+            rm -f "$dir/${stem}_untuned_gemm.csv"
+            for preset in llama3-8b:1 llama3-70b:8 qwen3-32b:1 deepseek-v3:8; do
+                python3 -m gemmtune.cli shapes --model "${preset%%:*}" --tp "${preset#*:}" \
+                    --nsets "$ms" --families "$family" -o "$dir" > /dev/null
+            done
+            stage "gemvm_$family" "${CHALLENGE_LIMIT:-420}" python3 -m gemmtune.cli tune "$family" \
+                -i "$dir/${stem}_untuned_gemm.csv" -o "$dir/tuned.csv" -o2 "$dir/profile.csv" \
+                --kernels "${CHALLENGE:-triton.gemv}" --sort --mp "${MP:-14}" --timeout 60
+            python3 benchmarks/challenge_summary.py "$dir/${stem}_untuned_gemm.csv" \
+                "$dir/profile.csv" "$dir/tuned.csv" --prefix "${CHALLENGE:-triton.gemv}" \
+                > "$OUT/gemvm_$family.txt"
+            grep '^M=' "$OUT/gemvm_$family.txt" >> "$summary" ;;
         compare:*)  # compare:FAMILY:MODEL[:TP]: bench before (.before/src) and after, alternately
             spec=${what#compare:}
             family=${spec%%:*}; rest=${spec#*:}

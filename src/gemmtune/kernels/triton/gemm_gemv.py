@@ -46,8 +46,9 @@ MAX_BLOCK_N = 64
 MIN_BLOCK_K, MAX_BLOCK_K = 16, 8192
 INT8_REFUSED = ("int8 inputs are not supported by the GEMV kernel (its products are summed in "
                 "fp32, not exactly in int32); use a tile or split-K kernel")
-# The w step in fp32 registers per thread: BLOCK_N * BLOCK_K / (32 * num_warps), at most this.
-MAX_W_REGS_PER_THREAD = 128
+# The products of one step, kept per row of x until the end: BLOCK_M * BLOCK_N * BLOCK_K /
+# (32 * num_warps) fp32 registers per thread, at most this.
+MAX_ACC_REGS_PER_THREAD = 128
 
 
 @dataclass(frozen=True)
@@ -84,9 +85,9 @@ def num_tiles(config: GemvConfig, N: int) -> int:
     return triton.cdiv(N, config.block_n)
 
 
-def w_registers(config: GemvConfig) -> int:
-    """fp32 registers per thread that one step of w takes."""
-    return config.block_n * config.block_k // (32 * config.num_warps)
+def acc_registers(config: GemvConfig, M: int) -> int:
+    """fp32 registers per thread that the running products of M rows of x take."""
+    return block_m(M) * config.block_n * config.block_k // (32 * config.num_warps)
 
 
 def why_not_fits(config: GemvConfig, M: int, N: int, K: int, dtype: torch.dtype) -> str | None:
@@ -106,10 +107,10 @@ def why_not_fits(config: GemvConfig, M: int, N: int, K: int, dtype: torch.dtype)
         return problem
     if c.pdl not in (PDL_OFF, PDL_WAIT):
         return f"pdl={c.pdl} must be {PDL_OFF} (off) or {PDL_WAIT} (wait)"
-    if w_registers(c) > MAX_W_REGS_PER_THREAD:
-        return (f"a w step of block_n x block_k = {c.block_n} x {c.block_k} takes "
-                f"{w_registers(c)} fp32 registers per thread (> {MAX_W_REGS_PER_THREAD}); use "
-                f"smaller blocks or more warps")
+    if acc_registers(c, M) > MAX_ACC_REGS_PER_THREAD:
+        return (f"the running products of {block_m(M)} rows of x by block_n x block_k = "
+                f"{c.block_n} x {c.block_k} of w take {acc_registers(c, M)} fp32 registers per "
+                f"thread (> {MAX_ACC_REGS_PER_THREAD}); use smaller blocks or more warps")
     k_steps = triton.cdiv(K, c.block_k)
     if c.split_k > max(1, k_steps):
         return (f"split_k={c.split_k} leaves splits without a block_k step: K={K} is "
@@ -141,13 +142,15 @@ def fits(config: GemvConfig, M: int, N: int, K: int, dtype: torch.dtype) -> bool
 
 
 # Bytes of each w row per step: 1-2 KiB won every preset shape in the probe (16-byte vectors,
-# so at 4 warps a thread holds 2-4 of them per row).
-_ROW_STEP_BYTES = (1024, 2048)
+# so at 4 warps a thread holds 2-4 of them per row); 512 B leaves room for more rows of x.
+_ROW_STEP_BYTES = (512, 1024, 2048)
 _BLOCK_N = (1, 2, 4, 8, 16)
-# 4 warps (the probe's), 8 where a w step would take more than half of 4 warps' registers.
-_WARPS = 4
-_WARPS_WIDE = 8
-_WIDE_REGS = MAX_W_REGS_PER_THREAD // 2
+# 4 warps (the probe's), 8 where the running products would take more than half of 4 warps'
+# registers.
+_WARPS = (4, 8)
+_WIDE_REGS = MAX_ACC_REGS_PER_THREAD // 2
+# At most this many configs per shape: the widest steps first.
+_MAX_CANDIDATES = 24
 # Programs per SM the split aims at: the probe's best readers used 8-32 per SM.
 _PROGRAMS_PER_SM = (8, 32)
 
@@ -168,31 +171,35 @@ def candidates(M: int, N: int, K: int, dtype: torch.dtype, num_sms: int | None =
     found = {}
     for bn in _BLOCK_N:
         tiles = triton.cdiv(N, bn)
-        for row_bytes in _ROW_STEP_BYTES:
+        for row_bytes in sorted(_ROW_STEP_BYTES, reverse=True):
             bk = min(row_bytes // dtype.itemsize, max(MIN_BLOCK_K, _next_pow2(K)))
             if block_scales:
                 bk = max(bk, SCALE_BLOCK)
             k_steps = triton.cdiv(K, bk)
-            warps = _WARPS if bn * bk // (32 * _WARPS) <= _WIDE_REGS else _WARPS_WIDE
+            warps = next((w for w in _WARPS if block_m(M) * bn * bk // (32 * w) <= _WIDE_REGS),
+                         _WARPS[-1])
             for per_sm in _PROGRAMS_PER_SM:
                 split = _split_for(tiles, k_steps, per_sm * num_sms)
                 cfg = GemvConfig(bn, bk, split, warps, 1, pdl)
                 if fits(cfg, M, N, K, dtype) and not (
                         block_scales and why_not_block_scaled(cfg, dtype)):
                     found[cfg] = None
-    return list(found)
+    return list(found)[:_MAX_CANDIDATES]
 
 
 def default_config(M: int, N: int, K: int, dtype: torch.dtype,
                    num_sms: int | None = None) -> GemvConfig:
-    """A config that fits any M <= MAX_M and is reasonable untuned: 4 rows of w per program, 2 KiB
-    of each row per step (128-multiples, as block scales need), 4 warps, K split until there
-    are 8 programs per SM. The launcher trusts it; the tests check that it fits."""
+    """A config that fits any M <= MAX_M and is reasonable untuned: 4 rows of w per program
+    (1 from M = 8 on), 2 KiB of each row per step or less where M rows' products would take
+    more than half of 4 warps' registers (128-multiples, as block scales need), 4 warps, K split
+    until there are 8 programs per SM. The launcher checks it; the tests check that it fits."""
     num_sms = num_sms or _checks.sm_count()
+    bn = 4 if M < 8 else 1
     bk = max(SCALE_BLOCK, min(2048 // dtype.itemsize, _next_pow2(K)))
-    cfg = GemvConfig(4, bk, 1, 4, 1)
-    split = _split_for(num_tiles(cfg, N), triton.cdiv(K, bk), 8 * num_sms)
-    return GemvConfig(4, bk, split, 4, 1)
+    while bk > SCALE_BLOCK and block_m(M) * bn * bk // (32 * 4) > _WIDE_REGS:
+        bk //= 2
+    split = _split_for(triton.cdiv(N, bn), triton.cdiv(K, bk), 8 * num_sms)
+    return GemvConfig(bn, bk, split, 4, 1)
 
 
 @triton.jit(do_not_specialize=["M", "SPLIT_K"])
@@ -244,31 +251,34 @@ def gemm_gemv_kernel(
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
 
+    # Without block scales the products are only added up, per row of x and column of w, and
+    # reduced over K once at the end: no reduction across threads inside the loop.
+    products = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    x_rows = x_ptr + rows[:, None] * stride_xm  # (BLOCK_M, 1)
     for step in range(step_lo, step_hi):
         ks = tl.cast(step, tl.int64) * BLOCK_K + offs_k
         k_in = ks < K
         w = tl.load(w_rows + ks[None, :] * stride_wk, mask=k_in[None, :], other=0.0)
-        w = w.to(tl.float32)
+        # Rows of x past M read nothing (zeros).
+        x = tl.load(x_rows + ks[None, :] * stride_xk,
+                    mask=(offs_m[:, None] < M) & k_in[None, :], other=0.0)
+        prod = x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
         if SCALE_A == 3:
-            # The step's scale blocks: w's (BLOCK_N, blocks), shared by every row of x.
+            # Each 128 of K summed, then scaled by its blocks' scales: x's (BLOCK_M, blocks),
+            # w's (BLOCK_N, blocks).
             kbs = step * (BLOCK_K // 128) + tl.arange(0, BLOCK_K // 128)
             kb_in = kbs < scale_k_blocks
+            sa = tl.load(scale_a_ptr + rows[:, None] * scale_k_blocks + kbs[None, :],
+                         mask=(offs_m[:, None] < M) & kb_in[None, :], other=0.0)
             sb = tl.load(scale_b_ptr + (cols // 128)[:, None] * scale_k_blocks + kbs[None, :],
                          mask=kb_in[None, :], other=0.0)
-        for m in tl.static_range(BLOCK_M):
-            # Rows of x past M read nothing: their K ends at 0.
-            x_end = tl.where(m < M, K, 0)
-            xm = tl.load(x_ptr + m * stride_xm + ks * stride_xk, mask=ks < x_end, other=0.0)
-            prod = w * xm.to(tl.float32)[None, :]
-            if SCALE_A == 3:
-                sa = tl.load(scale_a_ptr + m * scale_k_blocks + kbs,
-                             mask=kbs < tl.where(m < M, scale_k_blocks, 0), other=0.0)
-                per_block = tl.sum(tl.reshape(prod, (BLOCK_N, BLOCK_K // 128, 128)), axis=2)
-                part = tl.sum(per_block * sb * sa[None, :], axis=1)
-            else:
-                part = tl.sum(prod, axis=1)
-            acc += tl.where(offs_m[:, None] == m, part[None, :], 0.0)
+            per_block = tl.sum(tl.reshape(prod, (BLOCK_M, BLOCK_N, BLOCK_K // 128, 128)), axis=3)
+            acc += tl.sum(per_block * sa[:, None, :] * sb[None, :, :], axis=2)
+        else:
+            products += prod
+    if SCALE_A != 3:
+        acc = tl.sum(products, axis=2)
 
     if USE_WORKSPACE:
         sum_splits_and_store(acc, pid, split, SPLIT_K, part_ptr, count_ptr, offs_m, offs_n, rows,
