@@ -5,9 +5,11 @@ At M = 1 a GEMM only has to read w once; what decides its time is how many bytes
 flight. Tensor-core tiles need 16 rows of x and a w tile of 16+ columns per program, which
 leaves narrow weights with too few programs to keep HBM busy. Here a program takes BLOCK_N rows
 of w (1-64) and a slice of K, loads BLOCK_K contiguous elements of each row per step (16-byte
-vectors, 1-8 KiB per row), multiplies them by the same K of each of x's M rows in fp32 and sums
-them per row. Many small programs (8-32 per SM) keep the weight stream wide; the CUDA cores have
-FLOPs to spare up to M of ~8 (2 FLOPs per 2-byte element per row of x).
+vectors, 1-2 KiB per row), multiplies them by the same K of x in fp32 and adds the products up
+in w's own layout, reducing them over K once at the end (no shared memory, no barrier in the
+loop). Many small programs (8-32 per SM) keep the weight stream wide. From M = 2 each row of x
+is multiplied and reduced per step, which is right but loses to tensor-core kernels from M = 2-4
+on (docs/benchmarks.md, session 17): tuning keeps it only where it wins.
 
 K is split over a second grid axis where there are too few row blocks to fill the GPU; the
 splits' fp32 partials are summed by the last one to finish (``_splits.sum_splits_and_store``:
@@ -46,9 +48,9 @@ MAX_BLOCK_N = 64
 MIN_BLOCK_K, MAX_BLOCK_K = 16, 8192
 INT8_REFUSED = ("int8 inputs are not supported by the GEMV kernel (its products are summed in "
                 "fp32, not exactly in int32); use a tile or split-K kernel")
-# The products of one step, kept per row of x until the end: BLOCK_M * BLOCK_N * BLOCK_K /
-# (32 * num_warps) fp32 registers per thread, at most this.
-MAX_ACC_REGS_PER_THREAD = 128
+# One step of w in fp32, BLOCK_N * BLOCK_K / (32 * num_warps) registers per thread, at most this:
+# as many again hold its products (kept to the end at M = 1), out of a thread's 255.
+MAX_W_REGS_PER_THREAD = 64
 
 
 @dataclass(frozen=True)
@@ -67,7 +69,7 @@ class GemvConfig(NamedConfig):
     block_k: int  # elements of each w row loaded per step
     split_k: int
     num_warps: int
-    num_stages: int
+    num_stages: int  # steps of w in flight per thread: 1, or 2 (the next loaded before use)
     pdl: int = PDL_OFF  # PDL_OFF or PDL_WAIT
 
 
@@ -85,9 +87,9 @@ def num_tiles(config: GemvConfig, N: int) -> int:
     return triton.cdiv(N, config.block_n)
 
 
-def acc_registers(config: GemvConfig, M: int) -> int:
-    """fp32 registers per thread that the running products of M rows of x take."""
-    return block_m(M) * config.block_n * config.block_k // (32 * config.num_warps)
+def w_registers(config: GemvConfig) -> int:
+    """fp32 registers per thread that one step of w takes."""
+    return config.block_n * config.block_k // (32 * config.num_warps)
 
 
 def why_not_fits(config: GemvConfig, M: int, N: int, K: int, dtype: torch.dtype) -> str | None:
@@ -105,12 +107,15 @@ def why_not_fits(config: GemvConfig, M: int, N: int, K: int, dtype: torch.dtype)
     problem = _checks.why_not_warps_stages(c)
     if problem is not None:
         return problem
+    if c.num_stages not in (1, 2):
+        return (f"num_stages={c.num_stages} must be 1 or 2, the steps of w in flight per "
+                f"thread")
     if c.pdl not in (PDL_OFF, PDL_WAIT):
         return f"pdl={c.pdl} must be {PDL_OFF} (off) or {PDL_WAIT} (wait)"
-    if acc_registers(c, M) > MAX_ACC_REGS_PER_THREAD:
-        return (f"the running products of {block_m(M)} rows of x by block_n x block_k = "
-                f"{c.block_n} x {c.block_k} of w take {acc_registers(c, M)} fp32 registers per "
-                f"thread (> {MAX_ACC_REGS_PER_THREAD}); use smaller blocks or more warps")
+    if w_registers(c) > MAX_W_REGS_PER_THREAD:
+        return (f"a step of block_n x block_k = {c.block_n} x {c.block_k} of w takes "
+                f"{w_registers(c)} fp32 registers per thread (> {MAX_W_REGS_PER_THREAD}), as "
+                f"many again for its products; use smaller blocks or more warps")
     k_steps = triton.cdiv(K, c.block_k)
     if c.split_k > max(1, k_steps):
         return (f"split_k={c.split_k} leaves splits without a block_k step: K={K} is "
@@ -142,15 +147,16 @@ def fits(config: GemvConfig, M: int, N: int, K: int, dtype: torch.dtype) -> bool
 
 
 # Bytes of each w row per step: 1-2 KiB won every preset shape in the probe (16-byte vectors,
-# so at 4 warps a thread holds 2-4 of them per row); 512 B leaves room for more rows of x.
-_ROW_STEP_BYTES = (512, 1024, 2048)
+# so at 4 warps a thread holds 2-4 of them per row).
+_ROW_STEP_BYTES = (1024, 2048)
 _BLOCK_N = (1, 2, 4, 8, 16)
-# 4 warps (the probe's), 8 where the running products would take more than half of 4 warps'
-# registers.
+# 4 warps (the probe's), 8 where a step of w would take more than half of 4 warps' registers.
 _WARPS = (4, 8)
-_WIDE_REGS = MAX_ACC_REGS_PER_THREAD // 2
+_WIDE_REGS = MAX_W_REGS_PER_THREAD // 2
+# Steps of w in flight per thread (``GemvConfig.num_stages``).
+_STAGES = (1, 2)
 # At most this many configs per shape: the widest steps first.
-_MAX_CANDIDATES = 24
+_MAX_CANDIDATES = 40
 # Programs per SM the split aims at: the probe's best readers used 8-32 per SM.
 _PROGRAMS_PER_SM = (8, 32)
 
@@ -176,30 +182,109 @@ def candidates(M: int, N: int, K: int, dtype: torch.dtype, num_sms: int | None =
             if block_scales:
                 bk = max(bk, SCALE_BLOCK)
             k_steps = triton.cdiv(K, bk)
-            warps = next((w for w in _WARPS if block_m(M) * bn * bk // (32 * w) <= _WIDE_REGS),
-                         _WARPS[-1])
+            warps = next((w for w in _WARPS if bn * bk // (32 * w) <= _WIDE_REGS), _WARPS[-1])
             for per_sm in _PROGRAMS_PER_SM:
                 split = _split_for(tiles, k_steps, per_sm * num_sms)
-                cfg = GemvConfig(bn, bk, split, warps, 1, pdl)
-                if fits(cfg, M, N, K, dtype) and not (
-                        block_scales and why_not_block_scaled(cfg, dtype)):
-                    found[cfg] = None
+                for stages in _STAGES:
+                    cfg = GemvConfig(bn, bk, split, warps, stages, pdl)
+                    if fits(cfg, M, N, K, dtype) and not (
+                            block_scales and why_not_block_scaled(cfg, dtype)):
+                        found[cfg] = None
     return list(found)[:_MAX_CANDIDATES]
 
 
 def default_config(M: int, N: int, K: int, dtype: torch.dtype,
                    num_sms: int | None = None) -> GemvConfig:
-    """A config that fits any M <= MAX_M and is reasonable untuned: 4 rows of w per program
-    (1 from M = 8 on), 2 KiB of each row per step or less where M rows' products would take
-    more than half of 4 warps' registers (128-multiples, as block scales need), 4 warps, K split
-    until there are 8 programs per SM. The launcher checks it; the tests check that it fits."""
+    """A config that fits any M <= MAX_M and is reasonable untuned: 4 rows of w per program,
+    2 KiB of each row per step (128-multiples, as block scales need), 4 warps, K split until
+    there are 8 programs per SM. The launcher checks it; the tests check that it fits."""
     num_sms = num_sms or _checks.sm_count()
-    bn = 4 if M < 8 else 1
     bk = max(SCALE_BLOCK, min(2048 // dtype.itemsize, _next_pow2(K)))
-    while bk > SCALE_BLOCK and block_m(M) * bn * bk // (32 * 4) > _WIDE_REGS:
-        bk //= 2
-    split = _split_for(triton.cdiv(N, bn), triton.cdiv(K, bk), 8 * num_sms)
-    return GemvConfig(bn, bk, split, 4, 1)
+    split = _split_for(triton.cdiv(N, 4), triton.cdiv(K, bk), 8 * num_sms)
+    return GemvConfig(4, bk, split, 4, 1)
+
+
+@triton.jit
+def _w_step(w_rows, step, step_hi, offs_k, K, stride_wk, BLOCK_K: tl.constexpr):
+    """Step ``step`` of the program's w rows, as stored (nothing past its last step)."""
+    ks = tl.cast(step, tl.int64) * BLOCK_K + offs_k
+    k_end = tl.where(step < step_hi, K, 0)
+    return tl.load(w_rows + ks[None, :] * stride_wk, mask=ks[None, :] < k_end, other=0.0)
+
+
+@triton.jit
+def _steps(x_ptr, w_rows, acc, offs_m, offs_k, step_lo, step_hi, M, K, stride_xm, stride_xk,
+           stride_wk, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+           STAGES: tl.constexpr):
+    """``acc`` (BLOCK_M, BLOCK_N) plus x @ w.T over steps [step_lo, step_hi). With STAGES 2 the
+    next step of w is loaded before this one is used: two loads in flight per thread."""
+    # One row of x (decode's M = 1): the products are only added up in w's own layout and
+    # reduced over K once at the end, so the loop holds no reduction across threads and no
+    # layout change. More rows: each row of x reduced per step (a 3-D broadcast of x against w
+    # would move both through shared memory at every step).
+    products = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    w_next = _w_step(w_rows, step_lo, step_hi, offs_k, K, stride_wk, BLOCK_K)
+    for step in range(step_lo, step_hi):
+        ks = tl.cast(step, tl.int64) * BLOCK_K + offs_k
+        if STAGES == 2:
+            w = w_next
+            w_next = _w_step(w_rows, step + 1, step_hi, offs_k, K, stride_wk, BLOCK_K)
+        else:
+            w = _w_step(w_rows, step, step_hi, offs_k, K, stride_wk, BLOCK_K)
+        w = w.to(tl.float32)
+        for m in tl.static_range(BLOCK_M):
+            # Rows of x past M read nothing: their K ends at 0.
+            x_end = tl.where(m < M, K, 0)
+            xm = tl.load(x_ptr + m * stride_xm + ks * stride_xk, mask=ks < x_end, other=0.0)
+            prod = w * xm.to(tl.float32)[None, :]
+            if BLOCK_M == 1:
+                products += prod
+            else:
+                part = tl.sum(prod, axis=1)
+                acc += tl.where(offs_m[:, None] == m, part[None, :], 0.0)
+    if BLOCK_M == 1:
+        acc = tl.sum(products, axis=1)[None, :]
+    return acc
+
+
+@triton.jit
+def _block_scaled_steps(x_ptr, w_ptr, scale_a_ptr, scale_b_ptr, acc, offs_m, cols, pid,
+                        step_lo, step_hi, M, K, scale_k_blocks, stride_xm, stride_xk, stride_wn,
+                        stride_wk, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
+    """``_steps`` with FP8 block scales. A step is BLOCKS whole scale blocks of K, and w and x
+    are loaded as (.., BLOCKS, 128): each 128 of x is scaled by its own block's scales (x's and
+    the program's w rows', which lie in one 128-row block) before the products, which then
+    only add up, as unscaled ones do."""
+    BLOCKS: tl.constexpr = BLOCK_K // 128
+    blocks = tl.arange(0, BLOCKS)
+    within = tl.arange(0, 128)
+    k_of = blocks[:, None] * 128 + within[None, :]  # (BLOCKS, 128): a step's K offsets
+    w_rows = w_ptr + cols[:, None, None] * stride_wn  # (BLOCK_N, 1, 1)
+    w_scale_row = scale_b_ptr + ((pid * BLOCK_N) // 128) * scale_k_blocks
+    products = tl.zeros((BLOCK_N, BLOCKS, 128), dtype=tl.float32)
+    for step in range(step_lo, step_hi):
+        ks = tl.cast(step, tl.int64) * BLOCK_K + k_of
+        k_in = ks < K
+        w = tl.load(w_rows + ks[None, :, :] * stride_wk, mask=k_in[None, :, :], other=0.0)
+        w = w.to(tl.float32)
+        kbs = step * BLOCKS + blocks
+        kb_in = kbs < scale_k_blocks
+        sb = tl.load(w_scale_row + kbs, mask=kb_in, other=0.0)
+        for m in tl.static_range(BLOCK_M):
+            x_end = tl.where(m < M, K, 0)
+            xm = tl.load(x_ptr + m * stride_xm + ks * stride_xk, mask=ks < x_end, other=0.0)
+            sa = tl.load(scale_a_ptr + m * scale_k_blocks + kbs,
+                         mask=kbs < tl.where(m < M, scale_k_blocks, 0), other=0.0)
+            prod = w * (xm.to(tl.float32) * (sa * sb)[:, None])[None, :, :]
+            if BLOCK_M == 1:
+                products += prod
+            else:
+                part = tl.sum(tl.sum(prod, axis=2), axis=1)
+                acc += tl.where(offs_m[:, None] == m, part[None, :], 0.0)
+    if BLOCK_M == 1:
+        acc = tl.sum(tl.sum(products, axis=2), axis=1)[None, :]
+    return acc
 
 
 @triton.jit(do_not_specialize=["M", "SPLIT_K"])
@@ -228,6 +313,7 @@ def gemm_gemv_kernel(
     BLOCK_K: tl.constexpr,
     SPLIT_CHUNK: tl.constexpr,
     PDL: tl.constexpr,
+    STAGES: tl.constexpr,  # steps of w in flight per thread: 1, or 2 (the next one loaded early)
 ):
     # Axis 0: row blocks of w; axis 1: the split of K, balanced as in gemm_splitk (split s takes
     # steps [s*n/S, (s+1)*n/S), never empty while SPLIT_K <= n).
@@ -251,34 +337,14 @@ def gemm_gemv_kernel(
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
 
-    # Without block scales the products are only added up, per row of x and column of w, and
-    # reduced over K once at the end: no reduction across threads inside the loop.
-    products = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    x_rows = x_ptr + rows[:, None] * stride_xm  # (BLOCK_M, 1)
-    for step in range(step_lo, step_hi):
-        ks = tl.cast(step, tl.int64) * BLOCK_K + offs_k
-        k_in = ks < K
-        w = tl.load(w_rows + ks[None, :] * stride_wk, mask=k_in[None, :], other=0.0)
-        # Rows of x past M read nothing (zeros).
-        x = tl.load(x_rows + ks[None, :] * stride_xk,
-                    mask=(offs_m[:, None] < M) & k_in[None, :], other=0.0)
-        prod = x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
-        if SCALE_A == 3:
-            # Each 128 of K summed, then scaled by its blocks' scales: x's (BLOCK_M, blocks),
-            # w's (BLOCK_N, blocks).
-            kbs = step * (BLOCK_K // 128) + tl.arange(0, BLOCK_K // 128)
-            kb_in = kbs < scale_k_blocks
-            sa = tl.load(scale_a_ptr + rows[:, None] * scale_k_blocks + kbs[None, :],
-                         mask=(offs_m[:, None] < M) & kb_in[None, :], other=0.0)
-            sb = tl.load(scale_b_ptr + (cols // 128)[:, None] * scale_k_blocks + kbs[None, :],
-                         mask=kb_in[None, :], other=0.0)
-            per_block = tl.sum(tl.reshape(prod, (BLOCK_M, BLOCK_N, BLOCK_K // 128, 128)), axis=3)
-            acc += tl.sum(per_block * sa[:, None, :] * sb[None, :, :], axis=2)
-        else:
-            products += prod
-    if SCALE_A != 3:
-        acc = tl.sum(products, axis=2)
+    if SCALE_A == 3:
+        acc = _block_scaled_steps(x_ptr, w_ptr, scale_a_ptr, scale_b_ptr, acc, offs_m, cols, pid,
+                                  step_lo, step_hi, M, K, scale_k_blocks, stride_xm, stride_xk,
+                                  stride_wn, stride_wk, BLOCK_M, BLOCK_N, BLOCK_K, STAGES)
+    else:
+        acc = _steps(x_ptr, w_rows, acc, offs_m, offs_k, step_lo, step_hi, M, K, stride_xm,
+                     stride_xk, stride_wk, BLOCK_M, BLOCK_N, BLOCK_K, STAGES)
 
     if USE_WORKSPACE:
         sum_splits_and_store(acc, pid, split, SPLIT_K, part_ptr, count_ptr, offs_m, offs_n, rows,
@@ -358,9 +424,10 @@ def gemv_call(x, w, bias, out, scale_a, scale_b, config: GemvConfig,
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
         SPLIT_CHUNK=split_chunk(bm, config.block_n, config.num_warps),
-        PDL=pdl)
+        PDL=pdl,
+        STAGES=config.num_stages)
     return KernelCall(gemm_gemv_kernel, (tiles, config.split_k), args, constexprs,
-                      dict(num_warps=config.num_warps, num_stages=config.num_stages),
+                      dict(num_warps=config.num_warps, num_stages=1),
                       launch_pdl=pdl != PDL_OFF, replayable=not per_call)
 
 
