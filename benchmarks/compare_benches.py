@@ -5,7 +5,9 @@
 Per M range: the geometric mean of after/before for the tuned op's time and for torch's (torch
 runs the same code in both runs, so its ratio is the run-to-run noise the tuned ratio is judged
 against), the largest deviation of each, the speed-up geomeans of both runs, and the shapes
-whose dispatched kernel differs (a change that should not change behaviour has none).
+whose dispatched kernel differs (a change that should not change behaviour has none). Then,
+per M range and M, the attainable efficiency (floor / time, each capped at 1.0 as the bench
+counts it) of the tuned op before and after: geomean (min).
 """
 
 from __future__ import annotations
@@ -33,6 +35,12 @@ def _speedup(run: dict[tuple, dict], shapes: list[tuple]) -> str:
     return f"{geomean(fast):.3f}" if fast else "n/a"
 
 
+def _efficiency(run: dict[tuple, dict], shapes: list[tuple]) -> str:
+    """Attainable efficiency of the tuned op, geomean (min), each capped at 1.0."""
+    eff = [min(1.0, float(run[s]["attainable_efficiency"])) for s in shapes]
+    return f"{geomean(eff):.3f} ({min(eff):.3f})"
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("before")
@@ -58,6 +66,14 @@ def main() -> None:
               f"{_speedup(before, sel):>10} {_speedup(after, sel):>10} {len(differs):>14}")
         for s in differs:
             print(f"    kernel differs at {s}: {before[s]['kernel']} -> {after[s]['kernel']}")
+    print(f"{'':<16} {'M':<10} {'shapes':>6} {'efficiency before':>19} {'after':>15}")
+    ranges = [(label, lo, hi) for label, lo, hi in M_RANGES] + \
+        [(f"M={m}", m, m) for m in sorted({s[1] for s in shared if s[1] <= 64})]
+    for label, lo, hi in ranges:
+        sel = [s for s in shared if lo <= s[1] <= hi]
+        if sel:
+            print(f"{args.label:<16} {label:<10} {len(sel):>6} {_efficiency(before, sel):>19} "
+                  f"{_efficiency(after, sel):>15}")
     bad = [s for s in shared if after[s]["ok"] != "True"]
     if missing or bad:
         print(f"    shapes in one run only: {sorted(missing)}; wrong after: {bad}")
