@@ -5,6 +5,8 @@ at a few dozen programs (tiles x splits). The ``gpu``-marked tests run decode si
 racing for the same tile counter, and CUDA-graph capture on the GPU machine.
 """
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -282,7 +284,9 @@ def test_gpu_bf16_decode_sizes(M, N, K):
                 SplitKConfig(config.block_m, 32, 64, 16, 4, 4),
                 SplitKConfig(config.block_m, 32, 128, 4, 2, 4, PDL_WAIT),
                 SplitKConfig(config.block_m, 32, 128, 4, 2, 4, PDL_PREFETCH),
-                SplitKConfig(config.block_m, 64, 128, 1, 4, 3, PDL_PREFETCH)}:
+                SplitKConfig(config.block_m, 64, 128, 1, 4, 3, PDL_PREFETCH),
+                SplitKConfig(config.block_m, 64, 128, 4, 4, 4, PDL_WAIT, swap_ab=1),
+                SplitKConfig(config.block_m, 128, 256, 1, 4, 3, PDL_WAIT, swap_ab=1)}:
         y = gemm_splitk(x, w, config=cfg, out=poisoned(M, N, torch.bfloat16))
         assert_matches_reference(y, x, w)
         gemm_checks.assert_within_torch_error(y, x, w, cfg.name)
@@ -295,9 +299,14 @@ def test_gpu_fp8_decode_size(M):
     gen = generator(M)
     x8, w8, scale_a, scale_b = gemm_checks.fp8_operands(M, N, K, gen)
     bias = randn(N, gen=gen, dtype=torch.bfloat16)
-    y = gemm_splitk(x8, w8, bias=bias, scale_a=scale_a, scale_b=scale_b,
-                    out=poisoned(M, N, torch.bfloat16))
-    assert_matches_reference(y, x8, w8, bias, scale=gemm_checks.FP8_SCALE)
+    bm = max(16, M)
+    for config in (None, SplitKConfig(bm, 64, 128, 4, 4, 4, PDL_WAIT, swap_ab=1),
+                   SplitKConfig(bm, 128, 128, 2, 4, 3, PDL_WAIT, swap_ab=1)):
+        y = gemm_splitk(x8, w8, bias=bias, scale_a=scale_a, scale_b=scale_b, config=config,
+                        out=poisoned(M, N, torch.bfloat16))
+        assert_matches_reference(y, x8, w8, bias, scale=gemm_checks.FP8_SCALE)
+    gemm_checks.block_scaled(gemm_splitk, M, N, K, SplitKConfig(bm, 64, 128, 4, 4, 4, PDL_WAIT,
+                                                                 swap_ab=1))
 
 
 @pytest.mark.gpu
@@ -437,3 +446,50 @@ def test_promote_k_name_follows_pdl():
 def test_gpu_promoted_fp8_accumulation_is_precise(split_k):
     gemm_checks.promoted_accumulation_is_precise(
         gemm_splitk, SplitKConfig(64, 64, 256, split_k, 4, 3), 64, 512, 16384)
+
+
+# --- the swapped dot (swap_ab: y.T = w @ x.T) ------------------------------------------------
+
+
+SWAPPED = SplitKConfig(16, 32, 32, 3, 4, 2, swap_ab=1)
+
+
+@pytest.mark.parametrize("M,N,K", RAGGED_SHAPES)
+@pytest.mark.parametrize("dtype,out_dtype", DTYPE_PAIRS)
+def test_swapped_ragged_shapes_match_reference(M, N, K, dtype, out_dtype):
+    gemm_checks.ragged_shape(gemm_splitk, M, N, K, dtype, out_dtype, M != 1,
+                             dataclasses.replace(SWAPPED, block_m=32 if M > 16 else 16))
+
+
+@pytest.mark.parametrize("q_dtype", [torch.float8_e4m3fn, torch.int8])
+@pytest.mark.parametrize("layout", list(gemm_checks.SCALE_LAYOUTS))
+def test_swapped_quantised_with_row_and_column_scales(q_dtype, layout):
+    gemm_checks.quantised_scaled(gemm_splitk, 13, 65, 200, q_dtype, layout, torch.bfloat16,
+                                 SWAPPED)
+
+
+def test_swapped_fp8_block_scales():
+    gemm_checks.block_scaled(gemm_splitk, 5, 200, 300,
+                             SplitKConfig(16, 32, 64, 3, 4, 2, swap_ab=1))
+
+
+def test_swapped_name_and_refusals():
+    assert SWAPPED.name == "triton.splitk:BM16.BN32.BK32.SK3.W4.S2.P0.PK0.SW1"
+    assert SplitKConfig.from_name(SWAPPED.name) == SWAPPED
+    assert "swap_ab=2" in why_not_fits(dataclasses.replace(SWAPPED, swap_ab=2), 16, 64, 256,
+                                       torch.bfloat16)
+    promoted = SplitKConfig(64, 64, 128, 1, 4, 2, promote_k=64, swap_ab=1)
+    assert "promote_k applies to unswapped dots" in why_not_fits(
+        promoted, 16, 64, 256, torch.float8_e4m3fn)
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES)
+def test_swapped_candidates_fit_for_m_up_to_64(dtype):
+    from gemmtune.kernels.triton.gemm_splitk import swapped_candidates
+
+    for N, K in DECODE_SHAPES:
+        for M in (1, 16, 64):
+            found = swapped_candidates(M, N, K, dtype)
+            assert 0 < len(found) <= 24 and all(c.swap_ab == 1 for c in found), (M, N, K)
+            assert all(fits(c, M, N, K, dtype) for c in found)
+        assert swapped_candidates(65, N, K, dtype) == []

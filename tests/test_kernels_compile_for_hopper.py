@@ -134,7 +134,7 @@ GEMV_SCRIPT = textwrap.dedent("""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    from gemmtune.kernels.triton import gemm_gemv
+    from gemmtune.kernels.triton import gemm_gemv, gemm_splitk
 
     kernel = gemm_gemv.gemm_gemv_kernel
     names = list(inspect.signature(kernel.fn).parameters)
@@ -164,13 +164,37 @@ GEMV_SCRIPT = textwrap.dedent("""
         assert "ld.global.v4" in text or "ld.global.nc.v4" in text
         assert -1 < text.find("griddepcontrol.wait") < text.find("ld.global")
     assert "gpu.acq_rel.add" in split and "ld.global.cg" in split
+
+    # The split-K kernel's swapped dot (swap_ab): w's 64 rows as a warpgroup MMA's M, x's 16
+    # rows as its N, FP8 from shared memory; unswapped, 16 rows of x only reach mma.sync.
+    splitk = gemm_splitk.gemm_splitk_kernel
+    names = list(inspect.signature(splitk.fn).parameters)
+    aligned = {(names.index(n),): [["tt.divisibility", 16]] for n in names
+               if n.endswith("_ptr") or n in ("K", "stride_xm", "stride_wn")}
+
+    def splitk_ptx(swap):
+        constexprs = dict(HAS_BIAS=False, SCALE_A=1, SCALE_B=1, USE_WORKSPACE=True,
+                          INPUT_PRECISION="tf32", MAX_IMPRECISE_ACC=None, BLOCK_M=16,
+                          BLOCK_N=64, BLOCK_K=128, SPLIT_CHUNK=16, PDL=1, W_ELEM_BYTES=1,
+                          SWAP_AB=swap, stride_xk=1, stride_wk=1, stride_yn=1)
+        pointers = {n: "*fp32" for n in ("scale_a_ptr", "scale_b_ptr", "part_ptr")}
+        pointers.update(x_ptr="*fp8e4nv", w_ptr="*fp8e4nv", y_ptr="*bf16", bias_ptr="*bf16",
+                        count_ptr="*i32")
+        signature = {n: pointers.get(n, "constexpr" if n in constexprs else "i32")
+                     for n in names}
+        return triton.compile(ASTSource(fn=splitk, signature=signature, constexprs=constexprs,
+                                        attrs=aligned), target=GPUTarget("cuda", 90, 32),
+                              options=dict(num_warps=4, num_stages=4)).asm["ptx"]
+
+    assert "wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3" in splitk_ptx(True)
+    assert "wgmma" not in splitk_ptx(False)
     print("ok")
 """)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the kernel's own tests compile "
                                                         "it for real")
-def test_gemv_kernel_compiles_for_sm90_with_vector_loads():
+def test_gemv_and_swapped_splitk_kernels_compile_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(SRC)
     done = subprocess.run([sys.executable, "-c", GEMV_SCRIPT], env=env, capture_output=True,

@@ -693,3 +693,13 @@ def test_kernels_refuses_families_with_several_kernels_per_row(tmp_path):
                         kernels=("triton.",))
     with pytest.raises(ValueError, match="--kernels challenges a row's one kernel; fmoe rows"):
         Tuner(TwoKernels, config)
+
+
+def test_kernels_patterns_are_prefixes_or_wildcards():
+    from gemmtune.tune.engine import challenges
+
+    assert challenges("triton.gemv:BN4.BK512.SK1.W4.S1", ("triton.gemv",))
+    assert challenges("triton.splitk:BM16.BN64.BK128.SK2.W4.S3.P1.PK0.SW1",
+                      ("triton.splitk:*SW1",))
+    assert not challenges("triton.splitk:BM16.BN64.BK128.SK2.W4.S3.P1", ("triton.splitk:*SW1",))
+    assert not challenges("cublaslt:id66", ("triton.gemv", "triton.splitk:*SW1"))

@@ -88,9 +88,10 @@ def triton_splitk_candidates(m: int, n: int, k: int, dtype: torch.dtype,
     # one's launch and weight stream with the previous one's tail (benchmarks/splitk_sweep.py).
     pdl = (gemm_splitk.PDL_WAIT if torch.cuda.is_available()
            and gemm_splitk.pdl_supported(torch.device("cuda")) else gemm_splitk.PDL_OFF)
-    return [Candidate(c.name, "triton", splitk=c.split_k)
-            for c in gemm_splitk.candidates(m, n, k, dtype, pdl=pdl,
-                                            block_ks=(64, 128) if block_scales else None)
+    block_ks = (64, 128) if block_scales else None
+    configs = gemm_splitk.candidates(m, n, k, dtype, pdl=pdl, block_ks=block_ks) + \
+        gemm_splitk.swapped_candidates(m, n, k, dtype, pdl=pdl, block_ks=block_ks)
+    return [Candidate(c.name, "triton", splitk=c.split_k) for c in configs
             if gemm_splitk.why_not_supported(c, m, n, k, dtype, out_dtype) is None
             and not (block_scales and why_not_block_scaled(c, dtype))]
 

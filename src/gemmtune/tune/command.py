@@ -78,7 +78,8 @@ def add_tune_arguments(p: argparse.ArgumentParser) -> None:
                         f"(default: every backend of the family available here)")
     p.add_argument("--kernels", type=_prefixes, default=(), metavar="PREFIX,...",
                    help="challengers only: try the candidates whose kernel names start with "
-                        "these (e.g. triton.gemv) against each shape's row in the output, whose "
+                        "these (e.g. triton.gemv) or match them with wildcards (e.g. "
+                        "'triton.splitk:*SW1') against each shape's row in the output, whose "
                         "kernel is re-timed in the same run, and the torch baseline; shapes with "
                         "a row are tuned again (resumable like --all)")
     p.add_argument("--compare", action="store_true",

@@ -10,6 +10,7 @@ what is done and loses nothing.
 
 from __future__ import annotations
 
+import fnmatch
 import hashlib
 import json
 import math
@@ -61,7 +62,8 @@ class TuneConfig:
     compare: bool = False
     update_improved: bool = False
     min_improvement_pct: float = 3.0
-    # Challengers only: the candidates whose names start with one of these, against each shape's
+    # Challengers only: the candidates whose names start with one of these (or match one with
+    # wildcards), against each shape's
     # current row (its kernel re-timed in the same run) and the family's torch baseline.
     kernels: tuple[str, ...] = ()
     # CUDA_VISIBLE_DEVICES value per worker; empty: no GPU (hidden; Triton's CPU interpreter)
@@ -99,6 +101,13 @@ class RunSummary:
         if self.interrupted:
             return 130
         return 1 if self.failed or self.bad_input or self.unsaved else 0
+
+
+def challenges(name: str, patterns: tuple[str, ...]) -> bool:
+    """Whether a kernel name is one ``--kernels`` names: it starts with a pattern, or matches
+    one with wildcards (``triton.splitk:*SW1``)."""
+    return any(fnmatch.fnmatchcase(name, p) if any(ch in p for ch in "*?[") else
+               name.startswith(p) for p in patterns)
 
 
 class RetuneLog:
@@ -510,10 +519,9 @@ class Tuner:
         """``--kernels``: the challengers (names starting with one of the prefixes), the torch
         baseline, and the current row's kernel, as the family lists it or else as the row
         names it (a config the family no longer lists still competes)."""
-        prefixes = self.config.kernels
         incumbent = current.kernel_names(self.schema)[0] if current is not None else None
-        kept = [c for c in candidates if c.name.startswith(prefixes) or c.libtype == "torch"
-                or c.name == incumbent]
+        kept = [c for c in candidates if challenges(c.name, self.config.kernels)
+                or c.libtype == "torch" or c.name == incumbent]
         if incumbent is not None and all(c.name != incumbent for c in kept):
             kept.append(Candidate(incumbent, str(current.results.get("libtype", "")),
                                   splitk=int(current.results.get("splitK") or 0),

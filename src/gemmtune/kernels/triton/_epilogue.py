@@ -67,3 +67,14 @@ def block_scaled_dot(a, b, acc, step, rows, cols, scale_a_ptr, scale_b_ptr, k_bl
     sa = tl.load(scale_a_ptr + rows * k_blocks + kb)
     sb = tl.load(scale_b_ptr + (cols // 128) * k_blocks + kb)
     return acc + tl.dot(a, b) * sa[:, None] * sb[None, :]
+
+
+@triton.jit
+def block_scaled_dot_t(wt, xt, acc_t, step, rows, cols, scale_a_ptr, scale_b_ptr, k_blocks,
+                       BLOCK_K: tl.constexpr):
+    """``block_scaled_dot`` for the transposed product: ``acc_t`` (BLOCK_N, BLOCK_M) plus
+    ``wt @ xt`` scaled by w's block scale per row and x's per column."""
+    kb = (step * BLOCK_K) // 128
+    sa = tl.load(scale_a_ptr + rows * k_blocks + kb)
+    sb = tl.load(scale_b_ptr + (cols // 128) * k_blocks + kb)
+    return acc_t + tl.dot(wt, xt) * sb[:, None] * sa[None, :]

@@ -33,8 +33,8 @@ import triton.language as tl
 
 from gemmtune.kernels._names import Field, NameCodec, NamedConfig
 from gemmtune.kernels.triton import _checks
-from gemmtune.kernels.triton._epilogue import (SCALE_BLOCK, block_scaled_dot, scale_modes,
-                                               store_tile)
+from gemmtune.kernels.triton._epilogue import (SCALE_BLOCK, block_scaled_dot, block_scaled_dot_t,
+                                               scale_modes, store_tile)
 from gemmtune.kernels.triton._replay import KernelCall, launch
 from gemmtune.kernels.triton._splits import (MAX_SPLIT_K, PDL_OFF, PDL_PREFETCH, PDL_WAIT,
                                              pdl_supported, split_chunk, sum_splits_and_store,
@@ -55,7 +55,8 @@ class SplitKConfig(NamedConfig):
     NAME_CODEC = NameCodec("split-K config", KERNEL_PREFIX, (
         Field("BM", "block_m"), Field("BN", "block_n"), Field("BK", "block_k"),
         Field("SK", "split_k"), Field("W", "num_warps"), Field("S", "num_stages"),
-        Field("P", "pdl", default=PDL_OFF), Field("PK", "promote_k", default=0)))
+        Field("P", "pdl", default=PDL_OFF), Field("PK", "promote_k", default=0),
+        Field("SW", "swap_ab", default=0)))
 
     block_m: int
     block_n: int
@@ -65,6 +66,9 @@ class SplitKConfig(NamedConfig):
     num_stages: int
     pdl: int = PDL_OFF  # PDL_OFF, PDL_WAIT or PDL_PREFETCH (see launch_gemm_splitk)
     promote_k: int = 0  # FP8: add the tensor cores' sums into fp32 every promote_k of K (0: never)
+    # 1: the dot computes y.T = w @ x.T, w's block_n rows as the MMA's M (64+: Hopper's
+    # warpgroup MMA, fed from shared memory by the pipeline) and x's few rows as its N
+    swap_ab: int = 0
 
 
 def _next_pow2(v: int) -> int:
@@ -86,6 +90,11 @@ def why_not_fits(config: SplitKConfig, M: int, N: int, K: int, dtype: torch.dtyp
     problem = _checks.why_not_warps_stages(config)
     if problem is not None:
         return problem
+    if config.swap_ab not in (0, 1):
+        return f"swap_ab={config.swap_ab} must be 0 or 1"
+    if config.swap_ab and config.promote_k:
+        return ("promote_k applies to unswapped dots (swap_ab=0): its wgmma check is on block_m; "
+                "use promote_k=0 with swap_ab=1")
     if config.pdl not in (PDL_OFF, PDL_WAIT, PDL_PREFETCH):
         return (f"pdl={config.pdl} must be {PDL_OFF} (off), {PDL_WAIT} (wait) or "
                 f"{PDL_PREFETCH} (prefetch w, then wait)")
@@ -188,6 +197,40 @@ def candidates(M: int, N: int, K: int, dtype: torch.dtype,
     return found
 
 
+# The swapped dot's w tile is the MMA's M: 64 or 128 rows for one warpgroup (4 warps).
+_SWAP_BLOCK_N = (64, 128)
+_SWAP_BLOCK_K = (128, 256)
+
+
+def swapped_candidates(M: int, N: int, K: int, dtype: torch.dtype,
+                       num_sms: int | None = None, pdl: int = PDL_OFF,
+                       block_ks: tuple[int, ...] | None = None) -> list[SplitKConfig]:
+    """Configs with ``swap_ab``, for M <= 64 (x's rows as the MMA's N): block_m covers M;
+    ``_SWAP_BLOCK_N`` rows of w per tile for one warpgroup; ``_SWAP_BLOCK_K`` (or ``block_ks``)
+    per step; splits and stages as ``candidates`` picks them."""
+    if M > 64:
+        return []
+    num_sms = num_sms or _checks.sm_count()
+    bm = _block_m_choices(M)[0]
+    found = []
+    for bn in _SWAP_BLOCK_N:
+        tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
+        for bk in block_ks or _SWAP_BLOCK_K:
+            k_steps = triton.cdiv(K, bk)
+            w_tile = bn * bk * dtype.itemsize
+            for sk in _splits_around_one_wave(tiles, k_steps, num_sms):
+                steps = max(1, k_steps // sk)
+                for stages in (3, 4, 5):
+                    if stages - 1 > steps or not (
+                            _W_IN_FLIGHT_BYTES[0] <= (stages - 1) * w_tile
+                            <= _W_IN_FLIGHT_BYTES[1]):
+                        continue
+                    cfg = SplitKConfig(bm, bn, bk, sk, 4, stages, pdl, swap_ab=1)
+                    if fits(cfg, M, N, K, dtype):
+                        found.append(cfg)
+    return found
+
+
 def default_config(M: int, N: int, K: int, dtype: torch.dtype,
                    num_sms: int | None = None) -> SplitKConfig:
     """A config that always fits and is reasonable without tuning (the fallback on a table miss).
@@ -259,6 +302,7 @@ def gemm_splitk_kernel(
     SPLIT_CHUNK: tl.constexpr,
     PDL: tl.constexpr,
     W_ELEM_BYTES: tl.constexpr,
+    SWAP_AB: tl.constexpr,
 ):
     # Axis 0: output tiles, M fastest, so the M tiles that share a w tile run side by side and
     # all but the first read it from L2. Axis 1: the split of K.
@@ -305,20 +349,32 @@ def gemm_splitk_kernel(
         tl.extra.cuda.gdc_wait()
 
     # int8 x int8 accumulates exactly in int32; everything else in fp32.
-    acc = tl.zeros((BLOCK_M, BLOCK_N),
-                   dtype=tl.int32 if x_ptr.dtype.element_ty == tl.int8 else tl.float32)
+    acc_dtype = tl.int32 if x_ptr.dtype.element_ty == tl.int8 else tl.float32
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=acc_dtype)
+    acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=acc_dtype)  # SWAP_AB's y.T tile
     for step in range(step_lo, step_hi):
         k_left = K - step * BLOCK_K
         a = tl.load(x_ptrs, mask=(offs_m[:, None] < M) & (offs_k[None, :] < k_left), other=0.0)
         b = tl.load(w_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
-        if SCALE_A == 3:
+        if SWAP_AB:
+            # Both operands stay K-contiguous (what FP8 warpgroup MMAs need) after the
+            # transposes, which only change how the tiles are read from shared memory.
+            if SCALE_A == 3:
+                acc_t = block_scaled_dot_t(tl.trans(b), tl.trans(a), acc_t, step, rows, cols,
+                                           scale_a_ptr, scale_b_ptr, scale_k_blocks, BLOCK_K)
+            else:
+                acc_t = tl.dot(tl.trans(b), tl.trans(a), acc_t, input_precision=INPUT_PRECISION,
+                               out_dtype=acc_dtype)
+        elif SCALE_A == 3:
             acc = block_scaled_dot(a, b, acc, step, rows, cols, scale_a_ptr, scale_b_ptr,
                                    scale_k_blocks, BLOCK_K)
         else:
-            acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION, out_dtype=acc.dtype,
+            acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION, out_dtype=acc_dtype,
                          max_num_imprecise_acc=MAX_IMPRECISE_ACC)
         x_ptrs += x_step
         w_ptrs += w_step
+    if SWAP_AB:
+        acc = tl.trans(acc_t)
 
     if USE_WORKSPACE:
         sum_splits_and_store(acc, pid, split, SPLIT_K, part_ptr, count_ptr, offs_m, offs_n, rows,
@@ -405,7 +461,8 @@ def splitk_call(x, w, bias, out, scale_a, scale_b, config: SplitKConfig,
         BLOCK_K=config.block_k,
         SPLIT_CHUNK=split_chunk(config.block_m, config.block_n, config.num_warps),
         PDL=pdl,
-        W_ELEM_BYTES=w.element_size())
+        W_ELEM_BYTES=w.element_size(),
+        SWAP_AB=bool(config.swap_ab))
     return KernelCall(gemm_splitk_kernel, (tiles, config.split_k), args, constexprs,
                       dict(num_warps=config.num_warps, num_stages=config.num_stages),
                       launch_pdl=pdl != PDL_OFF, replayable=not per_call)
