@@ -17,6 +17,8 @@ import csv
 import math
 from collections import defaultdict
 
+from gemmtune.tune.engine import challenges
+
 KEY_END = "libtype"  # a GEMM table's key columns come before it, after arch, cu_num, gpu
 
 
@@ -31,7 +33,9 @@ def main() -> None:
     parser.add_argument("before")
     parser.add_argument("profile")
     parser.add_argument("after")
-    parser.add_argument("--prefix", default="triton.gemv")
+    parser.add_argument("--prefix", default="triton.gemv",
+                        help="the challengers, as tune --kernels names them (a prefix, or a "
+                             "pattern with wildcards)")
     args = parser.parse_args()
     columns, before = _rows(args.before)
     # A tuned table's key columns; an untuned file (no kernels before) is all key.
@@ -49,7 +53,7 @@ def main() -> None:
     ratios = defaultdict(list)
     print(f"{'shape':<34} {'old µs':>8} {'best new µs':>11} {'torch µs':>9} {'x':>6}  kept")
     for k, times in timed.items():
-        challengers = {n: t for n, t in times.items() if n.startswith(args.prefix)}
+        challengers = {n: t for n, t in times.items() if challenges(n, (args.prefix,))}
         torch_us = min((t for n, t in times.items() if n.startswith("torch.")), default=math.nan)
         base = times.get(old.get(k), torch_us)
         if not challengers or math.isnan(base):
@@ -57,7 +61,7 @@ def main() -> None:
         best = min(challengers, key=challengers.get)
         x = base / challengers[best]
         ratios[k[0]].append(x)
-        kept = "challenger" if new.get(k, "").startswith(args.prefix) else \
+        kept = "challenger" if challenges(new.get(k, ""), (args.prefix,)) else \
             ("old" if new.get(k) == old.get(k) else new.get(k, "?"))
         print(f"{'x'.join(k[:3]):<34} {base:>8.2f} {challengers[best]:>11.2f} "
               f"{torch_us:>9.2f} {x:>6.3f}  {kept}  ({best})")
