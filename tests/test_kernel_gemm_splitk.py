@@ -286,7 +286,7 @@ def test_gpu_bf16_decode_sizes(M, N, K):
                 SplitKConfig(config.block_m, 32, 128, 4, 2, 4, PDL_PREFETCH),
                 SplitKConfig(config.block_m, 64, 128, 1, 4, 3, PDL_PREFETCH),
                 SplitKConfig(config.block_m, 64, 128, 4, 4, 4, PDL_WAIT, swap_ab=1),
-                SplitKConfig(config.block_m, 128, 256, 1, 4, 3, PDL_WAIT, swap_ab=1)}:
+                SplitKConfig(config.block_m, 128, 128, 1, 4, 3, PDL_WAIT, swap_ab=1)}:
         y = gemm_splitk(x, w, config=cfg, out=poisoned(M, N, torch.bfloat16))
         assert_matches_reference(y, x, w)
         gemm_checks.assert_within_torch_error(y, x, w, cfg.name)
