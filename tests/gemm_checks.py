@@ -426,5 +426,41 @@ def cuda_graph_replay_on_new_data(launch, M, N, K):
         assert_matches_reference(static_y, new_x, w, bias)
 
 
+def pdl_chain_reads_its_input_after_the_producer(launch_only, config, M, K, graph, seed,
+                                                links=12):
+    """GPU: each GEMM's x is the previous one's output, poisoned (NaN) until that one writes it:
+    a launch that read x before its griddepcontrol.wait would see NaN or an old value. Outputs
+    are also inputs' neighbours in the allocator, and the last GEMM of a link writes while the
+    next one is already resident. ``launch_only(x, w, bias, out, scale_a, scale_b, config)``."""
+    gen = generator(seed)
+    ws = [randn(K, K, gen=gen, dtype=torch.bfloat16) for _ in range(links)]
+    x0 = randn(M, K, gen=gen, dtype=torch.bfloat16)
+    ys = [poisoned(M, K, torch.bfloat16) for _ in range(links)]
+
+    def chain():
+        x = x0
+        for w, y in zip(ws, ys):
+            launch_only(x, w, None, y, None, None, config)
+            x = y
+
+    chain()  # compiles, and allocates this stream's tile counters
+    for y in ys:
+        y.fill_(float("nan"))
+    if graph:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            chain()
+        for y in ys:
+            y.fill_(float("nan"))
+        g.replay()
+    else:
+        chain()
+    torch.cuda.synchronize()
+    x = x0
+    for w, y in zip(ws, ys):
+        assert_matches_reference(y, x, w)
+        x = y
+
+
 LAUNCHER_CHECKS = (default_out_dtype_and_config, fp8_defaults_to_bf16_output, empty_k_gives_bias,
                    empty_m_returns_empty, rejects_bad_arguments)

@@ -318,38 +318,9 @@ def test_gpu_splits_race_deterministically():
 @pytest.mark.parametrize("split_k", [1, 4])
 @pytest.mark.parametrize("graph", [False, True])
 def test_gpu_pdl_chain_reads_its_input_after_the_producer(split_k, graph):
-    # Each GEMV's x is the previous one's output, poisoned (NaN) until that one writes it: a
-    # launch that read x before its griddepcontrol.wait would see NaN or an old value.
-    M, K, links = 1, 4096, 12
-    gen = generator(40 + split_k)
-    ws = [randn(K, K, gen=gen, dtype=torch.bfloat16) for _ in range(links)]
-    x0 = randn(M, K, gen=gen, dtype=torch.bfloat16)
-    ys = [poisoned(M, K, torch.bfloat16) for _ in range(links)]
-    config = GemvConfig(2, 512, split_k, 4, 1, PDL_WAIT)
-
-    def chain():
-        x = x0
-        for w, y in zip(ws, ys):
-            launch_gemm_gemv(x, w, None, y, None, None, config)
-            x = y
-
-    chain()  # compiles, and allocates this stream's tile counters
-    for y in ys:
-        y.fill_(float("nan"))
-    if graph:
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            chain()
-        for y in ys:
-            y.fill_(float("nan"))
-        g.replay()
-    else:
-        chain()
-    torch.cuda.synchronize()
-    x = x0
-    for w, y in zip(ws, ys):
-        assert_matches_reference(y, x, w)
-        x = y
+    gemm_checks.pdl_chain_reads_its_input_after_the_producer(
+        launch_gemm_gemv, GemvConfig(2, 512, split_k, 4, 1, PDL_WAIT), 1, 4096, graph,
+        40 + split_k)
 
 
 @pytest.mark.gpu

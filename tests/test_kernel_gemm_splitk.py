@@ -152,8 +152,9 @@ def test_name_format():
 
 
 @pytest.mark.parametrize("name,bad_part", [
-    ("triton.splitk:BM16.BN64.BK256.SK8.W4", "5 dot-separated fields, expected 6 to 8"),
-    ("triton.splitk:BM16.BN64.BK256.SK8.W4.S3.P1.PK0.P1", "9 dot-separated fields"),
+    ("triton.splitk:BM16.BN64.BK256.SK8.W4", "5 dot-separated fields, expected 6 to 9"),
+    ("triton.splitk:BM16.BN64.BK256.SK8.W4.S3.P1.PK0.SW1.P1", "10 dot-separated fields"),
+    ("triton.splitk:BM16.BN64.BK256.SK8.W4.S3.P1.PK0.P1", "'P1'"),
     ("triton.splitk:BM16.BN64.BK256.SK8.W4.S3.Q1", "'Q1'"),
     ("triton.tile:BM16.BN64.BK256.SK8.W4.S3", "'triton.tile'"),
     ("BM16.BN64.BK256.SK8.W4.S3", "prefix"),
@@ -164,7 +165,7 @@ def test_name_format():
 def test_from_name_rejects_bad_names(name, bad_part):
     gemm_checks.assert_bad_name(SplitKConfig.from_name, name, bad_part,
                                 "triton.splitk:BM<int>.BN<int>.BK<int>.SK<int>.W<int>.S<int>"
-                                ".[P<int>].[PK<int>]")
+                                ".[P<int>].[PK<int>].[SW<int>]")
 
 
 @pytest.mark.parametrize("config,reason", [
@@ -341,40 +342,8 @@ def test_gpu_cuda_graph_replay_on_new_data(M):
 @pytest.mark.parametrize("pdl", [PDL_WAIT, PDL_PREFETCH])
 @pytest.mark.parametrize("graph", [False, True])
 def test_gpu_pdl_chain_reads_its_input_after_the_producer(pdl, graph):
-    # Each GEMM's x is the previous GEMM's output, poisoned (NaN) until that GEMM writes it: a
-    # launch that read x before its griddepcontrol.wait would see NaN or an old value. Outputs
-    # are also inputs' neighbours in the allocator, and the last GEMM of a link writes while the
-    # next one is already resident.
-    M, K, links = 16, 2048, 12
-    gen = generator(40 + pdl)
-    ws = [randn(K, K, gen=gen, dtype=torch.bfloat16) for _ in range(links)]
-    x0 = randn(M, K, gen=gen, dtype=torch.bfloat16)
-    ys = [poisoned(M, K, torch.bfloat16) for _ in range(links)]
-    config = SplitKConfig(16, 32, 128, 4, 2, 4, pdl)
-
-    def chain():
-        x = x0
-        for w, y in zip(ws, ys):
-            launch_gemm_splitk(x, w, None, y, None, None, config)
-            x = y
-
-    chain()  # compiles, and allocates this stream's tile counters
-    for y in ys:
-        y.fill_(float("nan"))
-    if graph:
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            chain()
-        for y in ys:
-            y.fill_(float("nan"))
-        g.replay()
-    else:
-        chain()
-    torch.cuda.synchronize()
-    x = x0
-    for w, y in zip(ws, ys):
-        assert_matches_reference(y, x, w)
-        x = y
+    gemm_checks.pdl_chain_reads_its_input_after_the_producer(
+        launch_gemm_splitk, SplitKConfig(16, 32, 128, 4, 2, 4, pdl), 16, 2048, graph, 40 + pdl)
 
 
 @pytest.mark.gpu

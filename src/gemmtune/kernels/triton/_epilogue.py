@@ -26,6 +26,13 @@ def scale_modes(scale_a, scale_b, block_scales: bool) -> tuple[int, int]:
     return scale_mode(scale_a), scale_mode(scale_b)
 
 
+def epilogue_operands(x: torch.Tensor, bias: torch.Tensor | None,
+                      scale_a: torch.Tensor | None, scale_b: torch.Tensor | None) -> tuple:
+    """``(bias, scale_a, scale_b)`` as a launch passes them: an absent one as x, a pointer the
+    kernel never reads (HAS_BIAS, SCALE_A and SCALE_B say so)."""
+    return tuple(x if t is None else t for t in (bias, scale_a, scale_b))
+
+
 def scale_mode(scale: torch.Tensor | None) -> int:
     """NO_SCALE, PER_TENSOR (one value) or PER_VECTOR (a value per row of x / column of y)."""
     if scale is None:

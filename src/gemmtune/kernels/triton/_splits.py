@@ -111,12 +111,15 @@ class Workspace(NamedTuple):
     per_call: bool  # the partials were made for this call alone: a recording must not keep them
 
 
-def workspace(x: torch.Tensor, tiles: int, tile_numel: int, split_k: int,
+def workspace(x: torch.Tensor, out: torch.Tensor, tiles: int, tile_numel: int, split_k: int,
               counters: torch.Tensor | None, warmup: bool) -> Workspace:
     """The partials (``tiles * split_k * tile_numel`` fp32) and ``tiles`` counters of a split
     launch on x's device: the current stream's (``stream_partials``, ``stream_counters``), or
     per call past ``STREAM_PARTIALS_MAX_BYTES``, under the interpreter, and for a warmup (which
-    launches nothing, so needs no zeroed counters). ``counters``: the caller's own, if given."""
+    launches nothing, so needs no zeroed counters). ``counters``: the caller's own, if given.
+    One split needs none: ``out`` stands in for both, never read."""
+    if split_k == 1:
+        return Workspace(out, out, False)
     numel = tiles * split_k * tile_numel
     shared = not warmup and x.is_cuda
     per_call = not shared or numel * 4 > STREAM_PARTIALS_MAX_BYTES
@@ -163,4 +166,22 @@ def sum_splits_and_store(acc, tile, split, SPLIT_K, part_ptr, count_ptr, offs_m,
             total += tl.sum(parts, axis=0)
         tl.store(count_ptr + tile, 0)  # leave the counter zero for the next launch
         store_tile(total, offs_m, offs_n, rows, cols, y_ptr, bias_ptr, scale_a_ptr, scale_b_ptr,
+                   M, N, stride_ym, stride_yn, stride_bias, HAS_BIAS, SCALE_A, SCALE_B)
+
+
+@triton.jit
+def store_split_tile(acc, tile, split, SPLIT_K, part_ptr, count_ptr, offs_m, offs_n, rows, cols,
+                     y_ptr, bias_ptr, scale_a_ptr, scale_b_ptr, M, N, stride_ym, stride_yn,
+                     stride_bias, HAS_BIAS: tl.constexpr, SCALE_A: tl.constexpr,
+                     SCALE_B: tl.constexpr, USE_WORKSPACE: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, SPLIT_CHUNK: tl.constexpr):
+    """A split launch's last step: ``sum_splits_and_store`` where K is split (USE_WORKSPACE),
+    else ``store_tile`` of the program's own sum."""
+    if USE_WORKSPACE:
+        sum_splits_and_store(acc, tile, split, SPLIT_K, part_ptr, count_ptr, offs_m, offs_n,
+                             rows, cols, y_ptr, bias_ptr, scale_a_ptr, scale_b_ptr, M, N,
+                             stride_ym, stride_yn, stride_bias, HAS_BIAS, SCALE_A, SCALE_B,
+                             BLOCK_M, BLOCK_N, SPLIT_CHUNK)
+    else:
+        store_tile(acc, offs_m, offs_n, rows, cols, y_ptr, bias_ptr, scale_a_ptr, scale_b_ptr,
                    M, N, stride_ym, stride_yn, stride_bias, HAS_BIAS, SCALE_A, SCALE_B)

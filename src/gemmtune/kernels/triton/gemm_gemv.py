@@ -35,15 +35,16 @@ import triton.language as tl
 
 from gemmtune.kernels._names import Field, NameCodec, NamedConfig
 from gemmtune.kernels.triton import _checks
-from gemmtune.kernels.triton._epilogue import SCALE_BLOCK, scale_modes, store_tile
+from gemmtune.kernels.triton._epilogue import SCALE_BLOCK, epilogue_operands, scale_modes
 from gemmtune.kernels.triton._replay import KernelCall, launch
 from gemmtune.kernels.triton._splits import (MAX_SPLIT_K, PDL_OFF, PDL_WAIT, pdl_supported,
-                                             split_chunk, sum_splits_and_store, workspace)
+                                             split_chunk, store_split_tile, workspace)
 
 KERNEL_PREFIX = "triton.gemv"
 # Rows of x one launch takes: all of them live in one program's registers, and the CUDA cores'
 # FLOPs (2 per w element per row) outgrow the weight stream past a few rows.
 MAX_M = 16
+# At most 64 rows of w per program: they then lie in one 128-row block of FP8 block scales.
 MAX_BLOCK_N = 64
 MIN_BLOCK_K, MAX_BLOCK_K = 16, 8192
 INT8_REFUSED = ("int8 inputs are not supported by the GEMV kernel (its products are summed in "
@@ -168,9 +169,11 @@ def _split_for(tiles: int, k_steps: int, programs: int) -> int:
 
 def candidates(M: int, N: int, K: int, dtype: torch.dtype, num_sms: int | None = None,
                pdl: int = PDL_OFF, block_scales: bool = False) -> list[GemvConfig]:
-    """The pruned search space for one shape (at most 20 configs): rows per program ``_BLOCK_N``; steps of ``_ROW_STEP_BYTES`` per row (at least 128 elements with
-    block scales, and no more than K needs); 4 warps, or 8 for wide steps; K split to reach
-    each of ``_PROGRAMS_PER_SM``. Every config gets ``pdl``. Empty for M > MAX_M."""
+    """The pruned search space for one shape (at most ``_MAX_CANDIDATES``): rows per program
+    ``_BLOCK_N``; steps of ``_ROW_STEP_BYTES`` per row (at least 128 elements with block
+    scales, and no more than K needs); 4 warps, or 8 for wide steps; K split to reach each of
+    ``_PROGRAMS_PER_SM``; one or two steps of w in flight (``_STAGES``). Every config gets
+    ``pdl``. Empty for M > MAX_M."""
     if M > MAX_M:
         return []
     num_sms = num_sms or _checks.sm_count()
@@ -346,14 +349,10 @@ def gemm_gemv_kernel(
         acc = _steps(x_ptr, w_rows, acc, offs_m, offs_k, step_lo, step_hi, M, K, stride_xm,
                      stride_xk, stride_wk, BLOCK_M, BLOCK_N, BLOCK_K, STAGES)
 
-    if USE_WORKSPACE:
-        sum_splits_and_store(acc, pid, split, SPLIT_K, part_ptr, count_ptr, offs_m, offs_n, rows,
-                             cols, y_ptr, bias_ptr, scale_a_ptr, scale_b_ptr, M, N, stride_ym,
-                             stride_yn, stride_bias, HAS_BIAS, SCALE_A, SCALE_B, BLOCK_M, BLOCK_N,
-                             SPLIT_CHUNK)
-    else:
-        store_tile(acc, offs_m, offs_n, rows, cols, y_ptr, bias_ptr, scale_a_ptr, scale_b_ptr,
-                   M, N, stride_ym, stride_yn, stride_bias, HAS_BIAS, SCALE_A, SCALE_B)
+    store_split_tile(acc, pid, split, SPLIT_K, part_ptr, count_ptr, offs_m, offs_n, rows, cols,
+                     y_ptr, bias_ptr, scale_a_ptr, scale_b_ptr, M, N, stride_ym, stride_yn,
+                     stride_bias, HAS_BIAS, SCALE_A, SCALE_B, USE_WORKSPACE, BLOCK_M, BLOCK_N,
+                     SPLIT_CHUNK)
 
 
 def gemm_gemv(
@@ -395,18 +394,12 @@ def gemv_call(x, w, bias, out, scale_a, scale_b, config: GemvConfig,
     bm = block_m(M)
     tiles = num_tiles(config, N)
     use_workspace = config.split_k > 1
-    if use_workspace:
-        parts, counters, per_call = workspace(x, tiles, bm * config.block_n,
-                                              config.split_k, counters, warmup)
-    else:
-        parts = counters = out  # never read: USE_WORKSPACE is False
-        per_call = False
+    parts, counters, per_call = workspace(x, out, tiles, bm * config.block_n,
+                                          config.split_k, counters, warmup)
     pdl = config.pdl if pdl_supported(x.device) else PDL_OFF
     modes = scale_modes(scale_a, scale_b, block_scales)
     args = (x, w, out,
-            bias if bias is not None else x,
-            scale_a if scale_a is not None else x,
-            scale_b if scale_b is not None else x,
+            *epilogue_operands(x, bias, scale_a, scale_b),
             parts, counters,
             M, N, K,
             triton.cdiv(K, SCALE_BLOCK),

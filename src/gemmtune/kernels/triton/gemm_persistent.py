@@ -23,7 +23,7 @@ import triton.language as tl
 from gemmtune.kernels._names import Field, NameCodec
 from gemmtune.kernels.triton import _checks
 from gemmtune.kernels.triton._replay import KernelCall, launch
-from gemmtune.kernels.triton._epilogue import scale_modes, store_tile
+from gemmtune.kernels.triton._epilogue import epilogue_operands, scale_modes, store_tile
 from gemmtune.kernels.triton.gemm_tile import TileConfig, grouped_tile
 
 KERNEL_PREFIX = "triton.persistent"
@@ -174,9 +174,7 @@ def persistent_call(x, w, bias, out, scale_a, scale_b, config: PersistentConfig,
     tiles = triton.cdiv(M, config.block_m) * triton.cdiv(N, config.block_n)
     programs = min(tiles, _checks.device_sms(x.device.index) if x.is_cuda else 4)
     args = (x_desc, w_desc, out,
-            bias if bias is not None else x,
-            scale_a if scale_a is not None else x,
-            scale_b if scale_b is not None else x,
+            *epilogue_operands(x, bias, scale_a, scale_b),
             M, N, K,
             programs,
             out.stride(0), out.stride(1),

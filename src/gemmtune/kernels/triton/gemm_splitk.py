@@ -34,10 +34,10 @@ import triton.language as tl
 from gemmtune.kernels._names import Field, NameCodec, NamedConfig
 from gemmtune.kernels.triton import _checks
 from gemmtune.kernels.triton._epilogue import (SCALE_BLOCK, block_scaled_dot, block_scaled_dot_t,
-                                               scale_modes, store_tile)
+                                               epilogue_operands, scale_modes)
 from gemmtune.kernels.triton._replay import KernelCall, launch
 from gemmtune.kernels.triton._splits import (MAX_SPLIT_K, PDL_OFF, PDL_PREFETCH, PDL_WAIT,
-                                             pdl_supported, split_chunk, sum_splits_and_store,
+                                             pdl_supported, split_chunk, store_split_tile,
                                              workspace)
 
 KERNEL_PREFIX = "triton.splitk"
@@ -376,14 +376,10 @@ def gemm_splitk_kernel(
     if SWAP_AB:
         acc = tl.trans(acc_t)
 
-    if USE_WORKSPACE:
-        sum_splits_and_store(acc, pid, split, SPLIT_K, part_ptr, count_ptr, offs_m, offs_n, rows,
-                             cols, y_ptr, bias_ptr, scale_a_ptr, scale_b_ptr, M, N, stride_ym,
-                             stride_yn, stride_bias, HAS_BIAS, SCALE_A, SCALE_B, BLOCK_M, BLOCK_N,
-                             SPLIT_CHUNK)
-    else:
-        store_tile(acc, offs_m, offs_n, rows, cols, y_ptr, bias_ptr, scale_a_ptr, scale_b_ptr,
-                   M, N, stride_ym, stride_yn, stride_bias, HAS_BIAS, SCALE_A, SCALE_B)
+    store_split_tile(acc, pid, split, SPLIT_K, part_ptr, count_ptr, offs_m, offs_n, rows, cols,
+                     y_ptr, bias_ptr, scale_a_ptr, scale_b_ptr, M, N, stride_ym, stride_yn,
+                     stride_bias, HAS_BIAS, SCALE_A, SCALE_B, USE_WORKSPACE, BLOCK_M, BLOCK_N,
+                     SPLIT_CHUNK)
 
 
 def gemm_splitk(
@@ -428,18 +424,12 @@ def splitk_call(x, w, bias, out, scale_a, scale_b, config: SplitKConfig,
     N = w.shape[0]
     tiles = num_tiles(config, M, N)
     use_workspace = config.split_k > 1
-    if use_workspace:
-        parts, counters, per_call = workspace(x, tiles, config.block_m * config.block_n,
-                                              config.split_k, counters, warmup)
-    else:
-        parts = counters = out  # never read: USE_WORKSPACE is False
-        per_call = False
+    parts, counters, per_call = workspace(x, out, tiles, config.block_m * config.block_n,
+                                          config.split_k, counters, warmup)
     pdl = config.pdl if pdl_supported(x.device) else PDL_OFF
     modes = scale_modes(scale_a, scale_b, block_scales)
     args = (x, w, out,
-            bias if bias is not None else x,
-            scale_a if scale_a is not None else x,
-            scale_b if scale_b is not None else x,
+            *epilogue_operands(x, bias, scale_a, scale_b),
             parts, counters,
             M, N, K,
             triton.cdiv(K, SCALE_BLOCK),

@@ -15,8 +15,8 @@ import triton.language as tl
 
 from gemmtune.kernels._names import Field, NameCodec, NamedConfig
 from gemmtune.kernels.triton import _checks
-from gemmtune.kernels.triton._epilogue import (SCALE_BLOCK, block_scaled_dot, scale_modes,
-                                               store_tile)
+from gemmtune.kernels.triton._epilogue import (SCALE_BLOCK, block_scaled_dot,
+                                               epilogue_operands, scale_modes, store_tile)
 from gemmtune.kernels.triton._replay import KernelCall, launch
 
 KERNEL_PREFIX = "triton.tile"
@@ -215,9 +215,7 @@ def tile_call(x, w, bias, out, scale_a, scale_b, config: TileConfig,
     N = w.shape[0]
     grid = (triton.cdiv(M, config.block_m) * triton.cdiv(N, config.block_n),)
     args = (x, w, out,
-            bias if bias is not None else x,
-            scale_a if scale_a is not None else x,
-            scale_b if scale_b is not None else x,
+            *epilogue_operands(x, bias, scale_a, scale_b),
             M, N, K,
             triton.cdiv(K, SCALE_BLOCK),
             x.stride(0), x.stride(1),
