@@ -140,6 +140,29 @@ for what in "$@"; do
                 "$OUT/challenge_$family/${stem}_retune_profile.csv" "$table" \
                 --prefix "${CHALLENGE:-triton.gemv}" > "$OUT/challenge_$family.txt"
             grep '^M=' "$OUT/challenge_$family.txt" >> "$summary" ;;
+        newshapes:*)  # newshapes:FAMILY: (N, K) that no preset has (NEW_NK, default three), at
+            # NEW_M (default 1,16,32,64): tuned with every candidate, then benched through that
+            # table alone (issue 15 asks the kernels to hold off the presets too)
+            family=${what#newshapes:}
+            stem=${family//-/_}
+            dir="$OUT/new_$stem"; mkdir -p "$dir"
+            case $family in
+                bf16) header=M,N,K,bias,dtype,outdtype,scaleAB,bpreshuffle
+                      tail=,False,torch.bfloat16,torch.bfloat16,False,False; dtype=bf16 ;;
+                a8w8) header=M,N,K,q_dtype_w; tail=,torch.float8_e4m3fn; dtype=fp8 ;;
+                *) header=M,N,K; tail=""; dtype=fp8 ;;
+            esac
+            echo "$header" > "$dir/untuned.csv"
+            for nk in ${NEW_NK:-2048,8192 16384,4096 3584,12288}; do
+                for m in ${NEW_M:-1 16 32 64}; do echo "$m,$nk$tail" >> "$dir/untuned.csv"; done
+            done
+            stage "newshapes_tune_$stem" "${NEW_LIMIT:-330}" python3 -m gemmtune.cli tune "$family" \
+                -i "$dir/untuned.csv" -o "$dir/tuned.csv" -o2 "$dir/profile.csv" --sort \
+                --mp "${MP:-14}" --timeout 60
+            export "GEMMTUNE_CONFIG_${stem^^}=replace:$dir/tuned.csv"
+            TAIL=20 stage "newshapes_bench_$stem" 200 python3 -m gemmtune.cli bench "$family" \
+                --dtype "$dtype" --shapes "$dir/untuned.csv" -o "$dir/bench"
+            unset "GEMMTUNE_CONFIG_${stem^^}" ;;
         gemvm:*)  # gemvm:FAMILY:MS: the presets' shapes at those M, GEMV configs against torch
             # alone (a scratch table; where the GEMV stops paying as M grows)
             spec=${what#gemvm:}
