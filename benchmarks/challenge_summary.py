@@ -55,7 +55,10 @@ def main() -> None:
     for k, times in timed.items():
         challengers = {n: t for n, t in times.items() if challenges(n, (args.prefix,))}
         torch_us = min((t for n, t in times.items() if n.startswith("torch.")), default=math.nan)
-        base = times.get(old.get(k), torch_us)
+        if k in old and old[k] not in times:
+            print(f"{'x'.join(k[:3]):<34} the old kernel {old[k]} has no passing time here")
+            continue
+        base = times[old[k]] if k in old else torch_us
         if not challengers or math.isnan(base):
             continue
         best = min(challengers, key=challengers.get)

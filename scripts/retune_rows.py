@@ -54,17 +54,16 @@ def main(argv: list[str] | None = None) -> int:
 
     schema = get_family(args.family).schema
     table = args.table or configs_dir() / schema.tuned_file
-    backend = args.kernel.split(".")[0].split(":")[0]
-    if args.libtype and backend not in args.libtype.split(","):
-        parser.error(f"--libtype {args.libtype} lacks {backend or 'every backend'}, the backend "
-                     f"of the rows to tune: each must be able to keep its own kernel")
     device = current_device()
     with open(table, newline="", encoding="utf-8") as f:
-        keys = sorted({tuple(row[name] for name in schema.key_names)
-                       for row in csv.DictReader(f)
-                       if _names(row, schema, args.kernel) and _of(device, row)
-                       and (args.m is None or int(row[schema.key_names[schema.m_index]])
-                            in args.m)})
+        chosen = [row for row in csv.DictReader(f)
+                  if _names(row, schema, args.kernel) and _of(device, row)
+                  and (args.m is None or int(row[schema.key_names[schema.m_index]]) in args.m)]
+    keys = sorted({tuple(row[name] for name in schema.key_names) for row in chosen})
+    missing = {row.get("libtype") or "?" for row in chosen} - set((args.libtype or "").split(","))
+    if args.libtype and missing:
+        parser.error(f"--libtype {args.libtype} lacks {', '.join(sorted(missing))}, the backend "
+                     f"of rows to tune: each must be able to keep its own kernel")
     if not keys:
         print(f"{table}: no row of {device} names a kernel starting with {args.kernel!r}"
               f"{f' at M in {sorted(args.m)}' if args.m else ''}; nothing to do")

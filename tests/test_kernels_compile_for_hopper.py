@@ -155,11 +155,12 @@ GEMV_SCRIPT = textwrap.dedent("""
                               target=GPUTarget("cuda", 90, 32)).asm["ptx"]
 
     common = dict(HAS_BIAS=True, SPLIT_CHUNK=16, PDL=1)
-    whole_k = ptx("bf16", dict(SCALE_A=0, SCALE_B=0, USE_WORKSPACE=False, BLOCK_M=1,
-                               BLOCK_N=4, BLOCK_K=1024, **common))
+    whole_k = [ptx("bf16", dict(SCALE_A=0, SCALE_B=0, USE_WORKSPACE=False, BLOCK_M=1,
+                                BLOCK_N=4, BLOCK_K=1024, STAGES=stages, **common))
+               for stages in (1, 2)]
     split = ptx("fp8e4nv", dict(SCALE_A=3, SCALE_B=3, USE_WORKSPACE=True, BLOCK_M=2,
-                                BLOCK_N=4, BLOCK_K=1024, **common))
-    for text in (whole_k, split):
+                                BLOCK_N=4, BLOCK_K=1024, STAGES=1, **common))
+    for text in (*whole_k, split):
         # w streams in 16-byte vectors, and nothing is loaded before the PDL wait.
         assert "ld.global.v4" in text or "ld.global.nc.v4" in text
         assert -1 < text.find("griddepcontrol.wait") < text.find("ld.global")

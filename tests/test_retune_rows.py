@@ -76,3 +76,19 @@ def test_challenge_tries_a_kernel_against_the_rows_of_the_m_given(tmp_path):
                for r in profile)
     for m in ("1", "5"):
         assert float(rows[m]["us"]) != 999.0
+
+
+def test_libtype_must_cover_every_chosen_rows_backend(tmp_path):
+    # Without --kernel every row of the M given is chosen: here a torch row and a Triton row.
+    table = tmp_path / "t.csv"
+    table.write_text(
+        HEADER
+        + f"cpu,0,,4,8,16,{KEY},torch,0,0,999.0,torch.linear,0,0,0\n"
+        + f"cpu,0,,5,8,16,{KEY},triton,0,0,999.0,triton.tile:BM16.BN32.BK32.G1.W4.S2,0,0,0\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "scripts/retune_rows.py"), "bf16", "--m", "4,5",
+         "--libtype", "torch", "--table", str(table)], env=env, capture_output=True,
+        text=True, timeout=300)
+    assert done.returncode == 2 and "--libtype torch lacks triton" in done.stderr
+    assert table.read_text().count("999.0") == 2

@@ -667,6 +667,7 @@ def test_kernels_challenges_each_row_with_the_named_kernels_only(tmp_path, monke
     tune(tmp_path, inp)
     assert {r[1] for r in rows(path)} == {"good.slow"}
     # The challengers (good.f...) against the row's kernel and the torch baseline, nothing else.
+    (tmp_path / "prof.csv").unlink()  # the profile appends: keep this run's lines alone
     monkeypatch.setenv("FAULTY_CANDIDATES", "torch.linear,good.slow,good.fast,fault.raise")
     tuner, _ = tune(tmp_path, inp, kernels=("good.f",))
     assert {r[1] for r in rows(path)} == {"good.fast"} and len(rows(path)) == 2
@@ -681,10 +682,22 @@ def test_kernels_keeps_a_row_whose_kernel_the_family_no_longer_lists(tmp_path, m
     monkeypatch.setenv("FAULTY_CANDIDATES", "torch.linear,good.slow")
     tune(tmp_path, inp)
     # good.slow left the family's list: it still competes, as the row names it, and still wins.
+    (tmp_path / "prof.csv").unlink()
     monkeypatch.setenv("FAULTY_CANDIDATES", "torch.linear,fault.raise")
     tune(tmp_path, inp, kernels=("fault.r",))
     assert [r[1] for r in rows(path)] == ["good.slow"]
     assert profile(tmp_path) == {"torch.linear": "ok", "good.slow": "ok", "fault.raise": "error"}
+
+
+def test_kernels_matching_no_candidate_is_reported(tmp_path, monkeypatch):
+    monkeypatch.setenv("FAULTY_WITH_FAULTS", "0")
+    monkeypatch.setenv("FAULTY_CANDIDATES", "torch.linear,good.slow")
+    inp = untuned(tmp_path / "u.csv", [1, 2])
+    tune(tmp_path, inp)
+    tuner, log = tune(tmp_path, inp, kernels=("triton.gmev",))
+    assert len(tuner.summary.unchallenged) == 2
+    assert "2 shape(s) had no candidate matching --kernels triton.gmev" in log
+    assert {r[1] for r in rows(tmp_path / "tuned.csv")} == {"good.slow"}
 
 
 def test_kernels_refuses_families_with_several_kernels_per_row(tmp_path):

@@ -80,8 +80,9 @@ def add_tune_arguments(p: argparse.ArgumentParser) -> None:
                    help="challengers only: try the candidates whose kernel names start with "
                         "these (e.g. triton.gemv) or match them with wildcards (e.g. "
                         "'triton.splitk:*SW1') against each shape's row in the output, whose "
-                        "kernel is re-timed in the same run, and the torch baseline; shapes with "
-                        "a row are tuned again (resumable like --all)")
+                        "kernel is re-timed in the same run, and the torch baseline (where "
+                        "--libtype allows it); shapes with a row are tuned again (resumable like "
+                        "--all), shapes without one get a row chosen among those alone")
     p.add_argument("--compare", action="store_true",
                    help="print old vs new time for shapes that already had a row")
     p.add_argument("--update_improved", action="store_true",

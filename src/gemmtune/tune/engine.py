@@ -91,6 +91,8 @@ class RunSummary:
     interrupted: bool = False
     # Shapes tuned without some candidates that ran out of GPU memory twice.
     short_of_memory: list[tuple] = field(default_factory=list)
+    # --kernels: shapes none of whose candidates the patterns named (tuned without a challenger)
+    unchallenged: list[tuple] = field(default_factory=list)
     # status -> reason -> candidates: why candidates did not pass (wrong, error, refused)
     reasons: dict[str, Counter] = field(default_factory=dict)
     unsaved: str = ""  # why the output could not be written at the end, if it could not
@@ -332,7 +334,7 @@ class Tuner:
             candidates = worker.call("candidates", key, self.config.libtypes,
                                      timeout=max(self.config.timeout, 300.0))
             if self.config.kernels:
-                candidates = self._challenge(candidates, current)
+                candidates = self._challenge(key, candidates, current)
         except WorkerLost as e:
             self._recover(worker)
             return ShapeResult(key, None, [], f"could not list candidates: {e}")
@@ -515,13 +517,19 @@ class Tuner:
                 return best_simple
         return fastest
 
-    def _challenge(self, candidates: list[Candidate], current: Row | None) -> list[Candidate]:
-        """``--kernels``: the challengers (names starting with one of the prefixes), the torch
-        baseline, and the current row's kernel, as the family lists it or else as the row
-        names it (a config the family no longer lists still competes)."""
+    def _challenge(self, key: tuple, candidates: list[Candidate],
+                   current: Row | None) -> list[Candidate]:
+        """``--kernels``: the challengers (names the patterns match), the torch baseline, and
+        the current row's kernel, as the family lists it or else as the row names it (a config
+        the family no longer lists still competes). A shape none of whose candidates the
+        patterns name is noted (the report lists it): its row is chosen between the rest."""
         incumbent = current.kernel_names(self.schema)[0] if current is not None else None
-        kept = [c for c in candidates if challenges(c.name, self.config.kernels)
-                or c.libtype == "torch" or c.name == incumbent]
+        challengers = {c.name for c in candidates if challenges(c.name, self.config.kernels)}
+        if not challengers:
+            with self._lock:
+                self.summary.unchallenged.append(key)
+        kept = [c for c in candidates if c.name in challengers or c.libtype == "torch"
+                or c.name == incumbent]
         if incumbent is not None and all(c.name != incumbent for c in kept):
             kept.append(Candidate(incumbent, str(current.results.get("libtype", "")),
                                   splitk=int(current.results.get("splitK") or 0),
@@ -616,6 +624,12 @@ class Tuner:
             self._say("  rows chosen without them (re-tune these shapes with --all and a smaller "
                       "--mp to let them compete):")
             for key in s.short_of_memory:
+                self._say("    " + self.schema.describe_key(key))
+        if s.unchallenged:
+            self._say(f"  {len(s.unchallenged)} shape(s) had no candidate matching --kernels "
+                      f"{','.join(self.config.kernels)} (a typo, or a kernel that cannot run "
+                      f"them); their rows were chosen between their own kernel and torch's:")
+            for key in s.unchallenged:
                 self._say("    " + self.schema.describe_key(key))
         for key in s.failed:
             self._say("  failed: " + self.schema.describe_key(key))

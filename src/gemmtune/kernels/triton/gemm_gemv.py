@@ -140,6 +140,9 @@ def why_not_block_scaled(config: GemvConfig, dtype: torch.dtype) -> str | None:
     if config.block_k % SCALE_BLOCK:
         return (f"block_k={config.block_k} must be a multiple of {SCALE_BLOCK}, the K extent of "
                 f"one block scale (each step spans whole scale blocks)")
+    if config.num_stages != 1:
+        return (f"num_stages={config.num_stages}: the block-scaled steps load w as they use it; "
+                f"use num_stages=1")
     return None
 
 
@@ -172,8 +175,8 @@ def candidates(M: int, N: int, K: int, dtype: torch.dtype, num_sms: int | None =
     """The pruned search space for one shape (at most ``_MAX_CANDIDATES``): rows per program
     ``_BLOCK_N``; steps of ``_ROW_STEP_BYTES`` per row (at least 128 elements with block
     scales, and no more than K needs); 4 warps, or 8 for wide steps; K split to reach each of
-    ``_PROGRAMS_PER_SM``; one or two steps of w in flight (``_STAGES``). Every config gets
-    ``pdl``. Empty for M > MAX_M."""
+    ``_PROGRAMS_PER_SM``; one or two steps of w in flight (``_STAGES``; one with block
+    scales). Every config gets ``pdl``. Empty for M > MAX_M."""
     if M > MAX_M:
         return []
     num_sms = num_sms or _checks.sm_count()
@@ -188,7 +191,7 @@ def candidates(M: int, N: int, K: int, dtype: torch.dtype, num_sms: int | None =
             warps = next((w for w in _WARPS if bn * bk // (32 * w) <= _WIDE_REGS), _WARPS[-1])
             for per_sm in _PROGRAMS_PER_SM:
                 split = _split_for(tiles, k_steps, per_sm * num_sms)
-                for stages in _STAGES:
+                for stages in _STAGES if not block_scales else (1,):
                     cfg = GemvConfig(bn, bk, split, warps, stages, pdl)
                     if fits(cfg, M, N, K, dtype) and not (
                             block_scales and why_not_block_scaled(cfg, dtype)):
@@ -254,11 +257,12 @@ def _steps(x_ptr, w_rows, acc, offs_m, offs_k, step_lo, step_hi, M, K, stride_xm
 def _block_scaled_steps(x_ptr, w_ptr, scale_a_ptr, scale_b_ptr, acc, offs_m, cols, pid,
                         step_lo, step_hi, M, K, scale_k_blocks, stride_xm, stride_xk, stride_wn,
                         stride_wk, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr, STAGES: tl.constexpr):
-    """``_steps`` with FP8 block scales. A step is BLOCKS whole scale blocks of K, and w and x
-    are loaded as (.., BLOCKS, 128): each 128 of x is scaled by its own block's scales (x's and
-    the program's w rows', which lie in one 128-row block) before the products, which then
-    only add up, as unscaled ones do."""
+                        BLOCK_K: tl.constexpr):
+    """``_steps`` with FP8 block scales, one step of w in flight (``why_not_block_scaled``
+    refuses two). A step is BLOCKS whole scale blocks of K, and w and x are loaded as
+    (.., BLOCKS, 128): each 128 of x is scaled by its own block's scales (x's and the program's
+    w rows', which lie in one 128-row block) before the products, which then only add up, as
+    unscaled ones do."""
     BLOCKS: tl.constexpr = BLOCK_K // 128
     blocks = tl.arange(0, BLOCKS)
     within = tl.arange(0, 128)
@@ -344,7 +348,7 @@ def gemm_gemv_kernel(
     if SCALE_A == 3:
         acc = _block_scaled_steps(x_ptr, w_ptr, scale_a_ptr, scale_b_ptr, acc, offs_m, cols, pid,
                                   step_lo, step_hi, M, K, scale_k_blocks, stride_xm, stride_xk,
-                                  stride_wn, stride_wk, BLOCK_M, BLOCK_N, BLOCK_K, STAGES)
+                                  stride_wn, stride_wk, BLOCK_M, BLOCK_N, BLOCK_K)
     else:
         acc = _steps(x_ptr, w_rows, acc, offs_m, offs_k, step_lo, step_hi, M, K, stride_xm,
                      stride_xk, stride_wk, BLOCK_M, BLOCK_N, BLOCK_K, STAGES)
