@@ -638,3 +638,25 @@ def test_a_plan_made_while_the_tables_change_is_not_kept(monkeypatch):
     y = gemmtune.gemm_a16w16(x, w)
     torch.testing.assert_close(y, gemm_a16w16_ref(x, w), rtol=1e-5, atol=1e-5)
     assert not DISPATCH.plans and not op._CALLS
+
+
+@pytest.mark.parametrize("family,op_module", [
+    ("bf16", "gemmtune.families.bf16.op"), ("a8w8", "gemmtune.families.a8w8.op"),
+    ("a8w8-blockscale", "gemmtune.families.a8w8_blockscale.op")])
+def test_every_shipped_torch_and_triton_row_can_run_its_shape(family, op_module):
+    # What dispatch checks once per shape, for every shipped row whose check needs no GPU
+    # library (cuBLASLt rows need nvmath and a driver to be checked): a row whose kernel
+    # refused its own shape would fall back to the family default, with a warning, at run time.
+    import importlib
+
+    from gemmtune.families import get_family
+    from gemmtune.tables.sources import configs_dir
+    from gemmtune.tables.store import read_table
+
+    op = importlib.import_module(op_module)
+    schema = get_family(family).schema
+    rows = [r for r in read_table(configs_dir() / schema.tuned_file, schema).rows
+            if not r.kernel_names(schema)[0].startswith("cublaslt:")]
+    assert len(rows) > 50
+    for r in rows:
+        op.REGISTRY.resolve_for(r.kernel_names(schema)[0], op.problem_of(r.key))
