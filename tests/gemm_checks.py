@@ -426,6 +426,24 @@ def cuda_graph_replay_on_new_data(launch, M, N, K):
         assert_matches_reference(static_y, new_x, w, bias)
 
 
+def splits_race_deterministically(launch, launch_only, config, tiles, M, N, K, runs=50):
+    """GPU: the splits of each tile finish in whatever order the SMs give; the last of each must
+    still see every partial (a missing barrier or acquire shows up as a changing result), and
+    sums them in split order, so every run is bitwise the same and leaves its ``tiles``
+    counters zero."""
+    gen = generator(30)
+    x, w = randn(M, K, gen=gen, dtype=torch.bfloat16), randn(N, K, gen=gen,
+                                                             dtype=torch.bfloat16)
+    counters = torch.zeros(tiles, dtype=torch.int32, device=DEVICE)
+    first = launch(x, w, config=config)
+    assert_matches_reference(first, x, w)
+    for _ in range(runs):
+        out = poisoned(M, N, torch.bfloat16)
+        launch_only(x, w, None, out, None, None, config, counters=counters)
+        assert torch.equal(out, first)
+    assert not counters.any()
+
+
 def pdl_chain_reads_its_input_after_the_producer(launch_only, config, M, K, graph, seed,
                                                 links=12):
     """GPU: each GEMM's x is the previous one's output, poisoned (NaN) until that one writes it:

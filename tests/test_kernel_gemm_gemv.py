@@ -302,21 +302,10 @@ def test_gpu_fp8_decode_sizes(M):
 
 @pytest.mark.gpu
 def test_gpu_splits_race_deterministically():
-    # 32 splits of 64 row blocks finish in whatever order the SMs give; the last of each block
-    # must see every partial and sums them in split order, so every run is bitwise the same.
-    M, N, K = 4, 256, 7168
-    gen = generator(30)
-    x, w = randn(M, K, gen=gen, dtype=torch.bfloat16), randn(N, K, gen=gen,
-                                                             dtype=torch.bfloat16)
+    # 32 splits of 64 row blocks.
     config = GemvConfig(4, 128, 32, 4, 1)
-    counters = torch.zeros(num_tiles(config, N), dtype=torch.int32, device=DEVICE)
-    first = gemm_gemv(x, w, config=config)
-    assert_matches_reference(first, x, w)
-    for _ in range(50):
-        out = poisoned(M, N, torch.bfloat16)
-        launch_gemm_gemv(x, w, None, out, None, None, config, counters=counters)
-        assert torch.equal(out, first)
-    assert not counters.any()
+    gemm_checks.splits_race_deterministically(gemm_gemv, launch_gemm_gemv, config,
+                                              num_tiles(config, 256), 4, 256, 7168)
 
 
 @pytest.mark.gpu

@@ -312,22 +312,10 @@ def test_gpu_fp8_decode_size(M):
 
 @pytest.mark.gpu
 def test_gpu_splits_race_deterministically():
-    # 16 splits of 18 tiles finish in whatever order the SMs give; the last of each tile must
-    # still see every partial (a missing barrier or acquire shows up as a changing result), and
-    # sums them in split order, so every run is bitwise the same.
-    M, N, K = 16, 576, 7168
-    gen = generator(30)
-    x, w = randn(M, K, gen=gen, dtype=torch.bfloat16), randn(N, K, gen=gen,
-                                                             dtype=torch.bfloat16)
+    # 16 splits of 18 tiles.
     config = SplitKConfig(16, 32, 256, 16, 4, 3)
-    counters = torch.zeros(num_tiles(config, M, N), dtype=torch.int32, device=DEVICE)
-    first = gemm_splitk(x, w, config=config)
-    assert_matches_reference(first, x, w)
-    for _ in range(50):
-        out = poisoned(M, N, torch.bfloat16)
-        launch_gemm_splitk(x, w, None, out, None, None, config, counters=counters)
-        assert torch.equal(out, first)
-    assert not counters.any()
+    gemm_checks.splits_race_deterministically(gemm_splitk, launch_gemm_splitk, config,
+                                              num_tiles(config, 16, 576), 16, 576, 7168)
 
 
 @pytest.mark.gpu

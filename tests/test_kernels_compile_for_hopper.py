@@ -136,14 +136,12 @@ GEMV_SCRIPT = textwrap.dedent("""
     from triton.compiler import ASTSource
     from gemmtune.kernels.triton import gemm_gemv, gemm_splitk
 
-    kernel = gemm_gemv.gemm_gemv_kernel
-    names = list(inspect.signature(kernel.fn).parameters)
-    # What a launch specialises on its own: 16-byte aligned pointers, K and row strides
-    # divisible by 16, unit K strides.
-    aligned = {(names.index(n),): [["tt.divisibility", 16]] for n in names
-               if n.endswith("_ptr") or n in ("K", "stride_xm", "stride_wn")}
-
-    def ptx(dtype, constexprs):
+    def ptx(kernel, dtype, constexprs, **options):
+        # What a launch specialises on its own: 16-byte aligned pointers, K and row strides
+        # divisible by 16, unit K strides.
+        names = list(inspect.signature(kernel.fn).parameters)
+        aligned = {(names.index(n),): [["tt.divisibility", 16]] for n in names
+                   if n.endswith("_ptr") or n in ("K", "stride_xm", "stride_wn")}
         constexprs = {**constexprs, "stride_xk": 1, "stride_wk": 1, "stride_yn": 1}
         pointers = {n: "*fp32" for n in ("scale_a_ptr", "scale_b_ptr", "part_ptr")}
         pointers.update(x_ptr=f"*{dtype}", w_ptr=f"*{dtype}", y_ptr="*bf16", bias_ptr="*bf16",
@@ -152,14 +150,15 @@ GEMV_SCRIPT = textwrap.dedent("""
                      for n in names}
         return triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs,
                                         attrs=aligned),
-                              target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+                              target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
 
+    gemv = gemm_gemv.gemm_gemv_kernel
     common = dict(HAS_BIAS=True, SPLIT_CHUNK=16, PDL=1)
-    whole_k = [ptx("bf16", dict(SCALE_A=0, SCALE_B=0, USE_WORKSPACE=False, BLOCK_M=1,
-                                BLOCK_N=4, BLOCK_K=1024, STAGES=stages, **common))
+    whole_k = [ptx(gemv, "bf16", dict(SCALE_A=0, SCALE_B=0, USE_WORKSPACE=False, BLOCK_M=1,
+                                      BLOCK_N=4, BLOCK_K=1024, STAGES=stages, **common))
                for stages in (1, 2)]
-    split = ptx("fp8e4nv", dict(SCALE_A=3, SCALE_B=3, USE_WORKSPACE=True, BLOCK_M=2,
-                                BLOCK_N=4, BLOCK_K=1024, STAGES=1, **common))
+    split = ptx(gemv, "fp8e4nv", dict(SCALE_A=3, SCALE_B=3, USE_WORKSPACE=True, BLOCK_M=2,
+                                      BLOCK_N=4, BLOCK_K=1024, STAGES=1, **common))
     for text in (*whole_k, split):
         # w streams in 16-byte vectors, and nothing is loaded before the PDL wait.
         assert "ld.global.v4" in text or "ld.global.nc.v4" in text
@@ -168,29 +167,18 @@ GEMV_SCRIPT = textwrap.dedent("""
 
     # The split-K kernel's swapped dot (swap_ab): w's 64 rows as a warpgroup MMA's M, x's 16
     # rows as its N, FP8 from shared memory; unswapped, 16 rows of x only reach mma.sync.
-    splitk = gemm_splitk.gemm_splitk_kernel
-    names = list(inspect.signature(splitk.fn).parameters)
-    aligned = {(names.index(n),): [["tt.divisibility", 16]] for n in names
-               if n.endswith("_ptr") or n in ("K", "stride_xm", "stride_wn")}
-
     def splitk_ptx(swap):
-        constexprs = dict(HAS_BIAS=False, SCALE_A=1, SCALE_B=1, USE_WORKSPACE=True,
-                          INPUT_PRECISION="tf32", MAX_IMPRECISE_ACC=None, BLOCK_M=16,
-                          BLOCK_N=64, BLOCK_K=128, SPLIT_CHUNK=16, PDL=1, W_ELEM_BYTES=1,
-                          SWAP_AB=swap, stride_xk=1, stride_wk=1, stride_yn=1)
-        pointers = {n: "*fp32" for n in ("scale_a_ptr", "scale_b_ptr", "part_ptr")}
-        pointers.update(x_ptr="*fp8e4nv", w_ptr="*fp8e4nv", y_ptr="*bf16", bias_ptr="*bf16",
-                        count_ptr="*i32")
-        signature = {n: pointers.get(n, "constexpr" if n in constexprs else "i32")
-                     for n in names}
-        return triton.compile(ASTSource(fn=splitk, signature=signature, constexprs=constexprs,
-                                        attrs=aligned), target=GPUTarget("cuda", 90, 32),
-                              options=dict(num_warps=4, num_stages=4)).asm["ptx"]
+        return ptx(gemm_splitk.gemm_splitk_kernel, "fp8e4nv",
+                   dict(HAS_BIAS=False, SCALE_A=1, SCALE_B=1, USE_WORKSPACE=True,
+                        INPUT_PRECISION="tf32", MAX_IMPRECISE_ACC=None, BLOCK_M=16, BLOCK_N=64,
+                        BLOCK_K=128, SPLIT_CHUNK=16, PDL=1, W_ELEM_BYTES=1, SWAP_AB=swap),
+                   num_warps=4, num_stages=4)
 
     assert "wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3" in splitk_ptx(True)
     assert "wgmma" not in splitk_ptx(False)
     print("ok")
 """)
+
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the kernel's own tests compile "

@@ -83,11 +83,10 @@ def triton_splitk_candidates(m: int, n: int, k: int, dtype: torch.dtype,
         return []
     from gemmtune.kernels.triton import gemm_splitk
     from gemmtune.kernels.triton._checks import why_not_block_scaled
+    from gemmtune.kernels.triton._splits import pdl_where_supported
 
-    # With programmatic dependent launch where the GPU has it: consecutive GEMMs then overlap
-    # one's launch and weight stream with the previous one's tail (benchmarks/splitk_sweep.py).
-    pdl = (gemm_splitk.PDL_WAIT if torch.cuda.is_available()
-           and gemm_splitk.pdl_supported(torch.device("cuda")) else gemm_splitk.PDL_OFF)
+    # With programmatic dependent launch where the GPU has it (benchmarks/splitk_sweep.py).
+    pdl = pdl_where_supported()
     block_ks = (64, 128) if block_scales else None
     configs = gemm_splitk.candidates(m, n, k, dtype, pdl=pdl, block_ks=block_ks) + \
         gemm_splitk.swapped_candidates(m, n, k, dtype, pdl=pdl, block_ks=block_ks)
@@ -102,13 +101,13 @@ def triton_gemv_candidates(m: int, n: int, k: int, dtype: torch.dtype,
     """The GEMV kernel's configs for M <= its MAX_M (none above), with PDL where the GPU has
     it, as the split-K kernel's."""
     from gemmtune.kernels.triton import gemm_gemv
+    from gemmtune.kernels.triton._splits import pdl_where_supported
 
     if m > gemm_gemv.MAX_M:
         return []
-    pdl = (gemm_gemv.PDL_WAIT if torch.cuda.is_available()
-           and gemm_gemv.pdl_supported(torch.device("cuda")) else gemm_gemv.PDL_OFF)
     return [Candidate(c.name, "triton", splitk=c.split_k)
-            for c in gemm_gemv.candidates(m, n, k, dtype, pdl=pdl, block_scales=block_scales)
+            for c in gemm_gemv.candidates(m, n, k, dtype, pdl=pdl_where_supported(),
+                                          block_scales=block_scales)
             if gemm_gemv.why_not_supported(c, m, n, k, dtype, out_dtype) is None]
 
 

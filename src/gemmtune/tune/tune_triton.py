@@ -83,9 +83,9 @@ def kernel_configs(kernel: str, space: SearchSpace, m: int, n: int, k: int,
         or [min(space.BLOCK_SIZE_M)]
     if kernel == "splitk":
         from gemmtune.kernels.triton import gemm_splitk as module
+        from gemmtune.kernels.triton._splits import pdl_where_supported
 
-        pdl = (module.PDL_WAIT if torch.cuda.is_available()
-               and module.pdl_supported(torch.device("cuda")) else module.PDL_OFF)
+        pdl = pdl_where_supported()
         make = [module.SplitKConfig(bm, bn, bk, sk, w, s, pdl) for bm in bms
                 for bn in space.BLOCK_SIZE_N for bk in space.BLOCK_SIZE_K
                 for sk in space.NUM_KSPLIT for w in space.num_warps for s in space.num_stages]

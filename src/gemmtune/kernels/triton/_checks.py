@@ -273,11 +273,15 @@ def fitting_config(kernel_name: str, config, default_config, why_not_fits,
     """``config``, or the family's ``default_config`` when None (with block_k 128 for block
     scales where its own does not suit them); ValueError if ``config`` breaks one of the
     family's ``why_not_fits`` constraints or, with ``block_scales``, its
-    ``why_not_block_scaled`` (the default is trusted: tests check it)."""
+    ``why_not_block_scaled``. A default fits every shape its family takes (tests check it): where
+    it does not, the family does not take the shape, which the error says."""
     if config is None:
         config = default_config(M, N, K, dtype)
         if block_scales and why_not_block_scaled(config, dtype):
             config = dataclasses.replace(config, block_k=128)
+        problem = why_not_fits(config, M, N, K, dtype)
+        if problem is not None:
+            raise ValueError(f"{kernel_name}: {problem}")
         return config
     problem = why_not_fits(config, M, N, K, dtype)
     if problem is not None:

@@ -33,6 +33,21 @@ def epilogue_operands(x: torch.Tensor, bias: torch.Tensor | None,
     return tuple(x if t is None else t for t in (bias, scale_a, scale_b))
 
 
+def epilogue_constexprs(bias: torch.Tensor | None, scale_a: torch.Tensor | None,
+                        scale_b: torch.Tensor | None, block_scales: bool) -> dict:
+    """The constexprs a launch gives ``store_tile``: HAS_BIAS, SCALE_A and SCALE_B."""
+    mode_a, mode_b = scale_modes(scale_a, scale_b, block_scales)
+    return dict(HAS_BIAS=bias is not None, SCALE_A=mode_a, SCALE_B=mode_b)
+
+
+def operand_strides(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor,
+                    bias: torch.Tensor | None) -> tuple:
+    """x's, w's and out's (row, column) strides, then bias's (0 without one): the order in
+    which the GEMM kernels take them."""
+    return (x.stride(0), x.stride(1), w.stride(0), w.stride(1), out.stride(0), out.stride(1),
+            bias.stride(0) if bias is not None else 0)
+
+
 def scale_mode(scale: torch.Tensor | None) -> int:
     """NO_SCALE, PER_TENSOR (one value) or PER_VECTOR (a value per row of x / column of y)."""
     if scale is None:

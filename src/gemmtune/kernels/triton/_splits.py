@@ -54,6 +54,14 @@ def pdl_supported(device: torch.device) -> bool:
                                   else torch.cuda.current_device()) >= 9)
 
 
+def pdl_where_supported() -> int:
+    """The launch mode tuner candidates get: PDL_WAIT where this process's GPU has it (consecutive
+    GEMMs then overlap one's launch and weight stream with the previous one's tail), else
+    PDL_OFF."""
+    return (PDL_WAIT if torch.cuda.is_available() and pdl_supported(torch.device("cuda"))
+            else PDL_OFF)
+
+
 # A stream keeps at most this much of split-K partials; larger ones are made per call.
 STREAM_PARTIALS_MAX_BYTES = 256 << 20
 # (what, device index, stream handle) -> the stream's buffer of each kind, grown on demand.

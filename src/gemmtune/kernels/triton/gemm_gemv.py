@@ -35,7 +35,8 @@ import triton.language as tl
 
 from gemmtune.kernels._names import Field, NameCodec, NamedConfig
 from gemmtune.kernels.triton import _checks
-from gemmtune.kernels.triton._epilogue import SCALE_BLOCK, epilogue_operands, scale_modes
+from gemmtune.kernels.triton._epilogue import (SCALE_BLOCK, epilogue_constexprs,
+                                               epilogue_operands, operand_strides)
 from gemmtune.kernels.triton._replay import KernelCall, launch
 from gemmtune.kernels.triton._splits import (MAX_SPLIT_K, PDL_OFF, PDL_WAIT, pdl_supported,
                                              split_chunk, store_split_tile, workspace)
@@ -47,8 +48,6 @@ MAX_M = 16
 # At most 64 rows of w per program: they then lie in one 128-row block of FP8 block scales.
 MAX_BLOCK_N = 64
 MIN_BLOCK_K, MAX_BLOCK_K = 16, 8192
-INT8_REFUSED = ("int8 inputs are not supported by the GEMV kernel (its products are summed in "
-                "fp32, not exactly in int32); use a tile or split-K kernel")
 # One step of w in fp32, BLOCK_N * BLOCK_K / (32 * num_warps) registers per thread, at most this:
 # as many again hold its products (kept to the end at M = 1), out of a thread's 255.
 MAX_W_REGS_PER_THREAD = 64
@@ -74,13 +73,9 @@ class GemvConfig(NamedConfig):
     pdl: int = PDL_OFF  # PDL_OFF or PDL_WAIT
 
 
-def _next_pow2(v: int) -> int:
-    return 1 << max(0, v - 1).bit_length()
-
-
 def block_m(M: int) -> int:
     """Rows of x one program takes (all of them): the next power of 2."""
-    return _next_pow2(max(1, M))
+    return triton.next_power_of_2(max(1, M))
 
 
 def num_tiles(config: GemvConfig, N: int) -> int:
@@ -122,7 +117,8 @@ def why_not_fits(config: GemvConfig, M: int, N: int, K: int, dtype: torch.dtype)
         return (f"split_k={c.split_k} leaves splits without a block_k step: K={K} is "
                 f"{k_steps} steps of block_k={c.block_k}; use split_k <= {max(1, k_steps)}")
     if dtype == torch.int8:
-        return INT8_REFUSED
+        return ("int8 inputs are not supported by the GEMV kernel (its products are summed in "
+                "fp32, not exactly in int32); use a tile or split-K kernel")
     return None
 
 
@@ -184,7 +180,7 @@ def candidates(M: int, N: int, K: int, dtype: torch.dtype, num_sms: int | None =
     for bn in _BLOCK_N:
         tiles = triton.cdiv(N, bn)
         for row_bytes in sorted(_ROW_STEP_BYTES, reverse=True):
-            bk = min(row_bytes // dtype.itemsize, max(MIN_BLOCK_K, _next_pow2(K)))
+            bk = min(row_bytes // dtype.itemsize, max(MIN_BLOCK_K, triton.next_power_of_2(K)))
             if block_scales:
                 bk = max(bk, SCALE_BLOCK)
             k_steps = triton.cdiv(K, bk)
@@ -203,9 +199,9 @@ def default_config(M: int, N: int, K: int, dtype: torch.dtype,
                    num_sms: int | None = None) -> GemvConfig:
     """A config that fits any M <= MAX_M and is reasonable untuned: 4 rows of w per program,
     2 KiB of each row per step (128-multiples, as block scales need), 4 warps, K split until
-    there are 8 programs per SM. The launcher checks it; the tests check that it fits."""
+    there are 8 programs per SM. The tests check that it fits every M <= MAX_M."""
     num_sms = num_sms or _checks.sm_count()
-    bk = max(SCALE_BLOCK, min(2048 // dtype.itemsize, _next_pow2(K)))
+    bk = max(SCALE_BLOCK, min(2048 // dtype.itemsize, triton.next_power_of_2(K)))
     split = _split_for(triton.cdiv(N, 4), triton.cdiv(K, bk), 8 * num_sms)
     return GemvConfig(4, bk, split, 4, 1)
 
@@ -374,19 +370,9 @@ def gemm_gemv(
     (default ``x.dtype``, bf16 for fp8 inputs); ``config`` defaults to ``default_config``. No
     host synchronisation, so a call can be captured in a CUDA graph."""
     return _checks.validated_launch(
-        "gemm_gemv", launch_gemm_gemv, _default_for_launch, why_not_fits,
+        "gemm_gemv", launch_gemm_gemv, default_config, why_not_fits,
         x, w, bias, out_dtype, scale_a, scale_b, config, out, block_scales,
         why_not_block_scaled=why_not_block_scaled)
-
-
-def _default_for_launch(M: int, N: int, K: int, dtype: torch.dtype) -> GemvConfig:
-    """``default_config``, checked, since the launcher trusts it: it fits every shape but those
-    no config takes (M > MAX_M, int8 inputs), which are refused here, after the arguments."""
-    config = default_config(M, N, K, dtype)
-    problem = why_not_fits(config, M, N, K, dtype)
-    if problem is not None:
-        raise ValueError(f"gemm_gemv: {problem}")
-    return config
 
 
 def gemv_call(x, w, bias, out, scale_a, scale_b, config: GemvConfig,
@@ -401,21 +387,15 @@ def gemv_call(x, w, bias, out, scale_a, scale_b, config: GemvConfig,
     parts, counters, per_call = workspace(x, out, tiles, bm * config.block_n,
                                           config.split_k, counters, warmup)
     pdl = config.pdl if pdl_supported(x.device) else PDL_OFF
-    modes = scale_modes(scale_a, scale_b, block_scales)
     args = (x, w, out,
             *epilogue_operands(x, bias, scale_a, scale_b),
             parts, counters,
             M, N, K,
             triton.cdiv(K, SCALE_BLOCK),
             config.split_k,
-            x.stride(0), x.stride(1),
-            w.stride(0), w.stride(1),
-            out.stride(0), out.stride(1),
-            bias.stride(0) if bias is not None else 0)
+            *operand_strides(x, w, out, bias))
     constexprs = dict(
-        HAS_BIAS=bias is not None,
-        SCALE_A=modes[0],
-        SCALE_B=modes[1],
+        **epilogue_constexprs(bias, scale_a, scale_b, block_scales),
         USE_WORKSPACE=use_workspace,
         BLOCK_M=bm,
         BLOCK_N=config.block_n,

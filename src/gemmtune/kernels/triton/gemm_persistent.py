@@ -23,7 +23,8 @@ import triton.language as tl
 from gemmtune.kernels._names import Field, NameCodec
 from gemmtune.kernels.triton import _checks
 from gemmtune.kernels.triton._replay import KernelCall, launch
-from gemmtune.kernels.triton._epilogue import epilogue_operands, scale_modes, store_tile
+from gemmtune.kernels.triton._epilogue import (epilogue_constexprs, epilogue_operands,
+                                               store_tile)
 from gemmtune.kernels.triton.gemm_tile import TileConfig, grouped_tile
 
 KERNEL_PREFIX = "triton.persistent"
@@ -165,7 +166,6 @@ def persistent_call(x, w, bias, out, scale_a, scale_b, config: PersistentConfig,
 
     if block_scales:
         raise ValueError("gemm_persistent: FP8 block scales are not supported")
-    modes = scale_modes(scale_a, scale_b, False)
     M, K = x.shape
     N = w.shape[0]
     x, w = _tma_ready(x), _tma_ready(w)
@@ -180,9 +180,7 @@ def persistent_call(x, w, bias, out, scale_a, scale_b, config: PersistentConfig,
             out.stride(0), out.stride(1),
             bias.stride(0) if bias is not None else 0)
     constexprs = dict(
-        HAS_BIAS=bias is not None,
-        SCALE_A=modes[0],
-        SCALE_B=modes[1],
+        **epilogue_constexprs(bias, scale_a, scale_b, False),
         INPUT_PRECISION=_checks.input_precision(x.dtype),
         MAX_IMPRECISE_ACC=config.promote_k or None,
         ACC_INT32=x.dtype == torch.int8,

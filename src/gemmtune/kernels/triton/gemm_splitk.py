@@ -34,7 +34,8 @@ import triton.language as tl
 from gemmtune.kernels._names import Field, NameCodec, NamedConfig
 from gemmtune.kernels.triton import _checks
 from gemmtune.kernels.triton._epilogue import (SCALE_BLOCK, block_scaled_dot, block_scaled_dot_t,
-                                               epilogue_operands, scale_modes)
+                                               epilogue_constexprs, epilogue_operands,
+                                               operand_strides)
 from gemmtune.kernels.triton._replay import KernelCall, launch
 from gemmtune.kernels.triton._splits import (MAX_SPLIT_K, PDL_OFF, PDL_PREFETCH, PDL_WAIT,
                                              pdl_supported, split_chunk, store_split_tile,
@@ -427,7 +428,6 @@ def splitk_call(x, w, bias, out, scale_a, scale_b, config: SplitKConfig,
     parts, counters, per_call = workspace(x, out, tiles, config.block_m * config.block_n,
                                           config.split_k, counters, warmup)
     pdl = config.pdl if pdl_supported(x.device) else PDL_OFF
-    modes = scale_modes(scale_a, scale_b, block_scales)
     args = (x, w, out,
             *epilogue_operands(x, bias, scale_a, scale_b),
             parts, counters,
@@ -435,14 +435,9 @@ def splitk_call(x, w, bias, out, scale_a, scale_b, config: SplitKConfig,
             triton.cdiv(K, SCALE_BLOCK),
             config.split_k,
             prefetch_row_bytes(w, config.split_k) if pdl == PDL_PREFETCH else 0,
-            x.stride(0), x.stride(1),
-            w.stride(0), w.stride(1),
-            out.stride(0), out.stride(1),
-            bias.stride(0) if bias is not None else 0)
+            *operand_strides(x, w, out, bias))
     constexprs = dict(
-        HAS_BIAS=bias is not None,
-        SCALE_A=modes[0],
-        SCALE_B=modes[1],
+        **epilogue_constexprs(bias, scale_a, scale_b, block_scales),
         USE_WORKSPACE=use_workspace,
         INPUT_PRECISION=_checks.input_precision(x.dtype),
         MAX_IMPRECISE_ACC=config.promote_k or None,

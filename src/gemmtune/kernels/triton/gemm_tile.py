@@ -16,7 +16,8 @@ import triton.language as tl
 from gemmtune.kernels._names import Field, NameCodec, NamedConfig
 from gemmtune.kernels.triton import _checks
 from gemmtune.kernels.triton._epilogue import (SCALE_BLOCK, block_scaled_dot,
-                                               epilogue_operands, scale_modes, store_tile)
+                                               epilogue_constexprs, epilogue_operands,
+                                               operand_strides, store_tile)
 from gemmtune.kernels.triton._replay import KernelCall, launch
 
 KERNEL_PREFIX = "triton.tile"
@@ -210,7 +211,6 @@ def gemm_tile(
 def tile_call(x, w, bias, out, scale_a, scale_b, config: TileConfig,
               block_scales: bool = False) -> KernelCall:
     """The launch of ``launch_gemm_tile`` as data (what a dispatch plan records and replays)."""
-    modes = scale_modes(scale_a, scale_b, block_scales)
     M, K = x.shape
     N = w.shape[0]
     grid = (triton.cdiv(M, config.block_m) * triton.cdiv(N, config.block_n),)
@@ -218,14 +218,9 @@ def tile_call(x, w, bias, out, scale_a, scale_b, config: TileConfig,
             *epilogue_operands(x, bias, scale_a, scale_b),
             M, N, K,
             triton.cdiv(K, SCALE_BLOCK),
-            x.stride(0), x.stride(1),
-            w.stride(0), w.stride(1),
-            out.stride(0), out.stride(1),
-            bias.stride(0) if bias is not None else 0)
+            *operand_strides(x, w, out, bias))
     constexprs = dict(
-        HAS_BIAS=bias is not None,
-        SCALE_A=modes[0],
-        SCALE_B=modes[1],
+        **epilogue_constexprs(bias, scale_a, scale_b, block_scales),
         INPUT_PRECISION=_checks.input_precision(x.dtype),
         MAX_IMPRECISE_ACC=config.promote_k or None,
         BLOCK_M=config.block_m,
