@@ -6,7 +6,8 @@ adds the partial sums into a true fp32 accumulator every ``promote_k`` elements 
 For each shipped Triton FP8 row of the a8w8 table (and a few long-K decode shapes), this runs the
 row's config as tuned (promote_k 0) and promoted every min(block_k, 128), next to
 torch._scaled_mm (cuBLAS without fast accumulation): error against the dequantised fp32
-reference, as the tuner's gate measures it, and time (interleaved CUDA graphs, cold L2).
+reference, as the tuner's gate measures it (bf16 out, the rows' dtype) and with fp32 out (no
+output rounding to hide the accumulation's error), and time (interleaved CUDA graphs, cold L2).
 
     PYTHONPATH=src python3 benchmarks/fp8_accumulation.py [--out DIR] [--limit N]
 """
@@ -29,7 +30,7 @@ from gemmtune.kernels.triton.gemm_splitk import SplitKConfig
 from gemmtune.kernels.triton.gemm_tile import TileConfig, launch_gemm_tile
 from gemmtune.measure.accuracy import gate
 from gemmtune.families._gemm_tuner import _rotating
-from gemmtune.families.a8w8.op import A8w8Key
+from gemmtune.families.a8w8.op import REGISTRY, A8w8Key
 from gemmtune.families.a8w8.tuner import A8w8Tuner
 from gemmtune.measure.timing import interleaved_graph_us
 
@@ -43,7 +44,11 @@ FP8 = "torch.float8_e4m3fn"
 # wgmma tiles (block_m 64, 4 warps): smaller split-K tiles run mma.sync, exact in fp32 already.
 EXTRA = (("1", "5120", "25600", "triton.splitk:BM64.BN64.BK256.SK4.W4.S3"),
          ("64", "5120", "25600", "triton.splitk:BM64.BN64.BK256.SK1.W4.S3"),
-         ("16", "8192", "28672", "triton.splitk:BM64.BN64.BK256.SK2.W4.S3"))
+         ("16", "8192", "28672", "triton.splitk:BM64.BN64.BK256.SK2.W4.S3"),
+         # The swapped dot (M <= 64 rows): w's 64 rows are the wgmma's M.
+         ("16", "5120", "25600", "triton.splitk:BM16.BN64.BK256.SK2.W4.S4.P1.PK0.SW1"),
+         ("64", "4096", "14336", "triton.splitk:BM64.BN64.BK256.SK2.W4.S4.P1.PK0.SW1"),
+         ("32", "1280", "8192", "triton.splitk:BM32.BN64.BK256.SK4.W4.S4.P1.PK0.SW1"))
 
 
 def shipped_rows() -> list[tuple[str, str, str, str]]:
@@ -56,6 +61,8 @@ def shipped_rows() -> list[tuple[str, str, str, str]]:
 def promoted(name: str, m: int, n: int, k: int):
     """The row's config with promote_k = min(block_k, 128), or why it cannot have it."""
     prefix = name.partition(":")[0]
+    if prefix not in CONFIGS:  # the GEMV: CUDA cores, fp32 products and sums
+        return None, "no tensor cores"
     config = CONFIGS[prefix].from_name(name)
     config = dataclasses.replace(config, promote_k=min(config.block_k, 128))
     why = WHY_NOT_FITS[prefix](config, m, n, k, torch.float8_e4m3fn)
@@ -65,13 +72,16 @@ def promoted(name: str, m: int, n: int, k: int):
 def measure(family: A8w8Tuner, key: tuple, names: list[str]) -> list[dict]:
     prepared = family.prepare(key, seed=0)
     atol, rtol, bound = family.tolerance(key)
+    xq, wq, bias, _, x_scale, w_scale = prepared.inputs
+    ref = prepared.reference
     results = []
     for name in names:
         out = family.run(name, prepared)
-        verdict = gate(out, prepared.reference, atol=atol, rtol=rtol, max_err_ratio=0.05,
-                       rel_bound=bound)
+        verdict = gate(out, ref, atol=atol, rtol=rtol, max_err_ratio=0.05, rel_bound=bound)
+        out32 = REGISTRY.resolve(name)(xq, wq, bias, torch.float32, x_scale, w_scale)
         results.append({"kernel": name, "rel_err": verdict.rel_err,
-                        "err_ratio": verdict.err_ratio})
+                        "err_ratio": verdict.err_ratio,
+                        "rel_err32": float((out32 - ref).norm() / ref.norm())})
     times = family.time_many(names, prepared, iters=50, warmup=3)
     for result, (us, spread) in zip(results, times):
         result.update(us=us, spread=spread)
@@ -85,9 +95,10 @@ def wide_tiles_unchecked(family: A8w8Tuner, rows: list) -> list[str]:
     seen = set()
     for m, n, k, name in rows:
         prefix = name.partition(":")[0]
+        if prefix not in ("triton.tile", "triton.persistent"):
+            continue
         config = CONFIGS[prefix].from_name(name)
-        if prefix == "triton.splitk" or _checks.accumulator_registers(config) <= 64 or \
-                config in seen:
+        if _checks.accumulator_registers(config) <= 64 or config in seen:
             continue
         seen.add(config)
         launch = launch_gemm_tile if prefix == "triton.tile" else launch_gemm_persistent
@@ -115,7 +126,7 @@ def wide_tiles_unchecked(family: A8w8Tuner, rows: list) -> list[str]:
 
 
 FIELDS = ["M", "N", "K", "kernel", "promoted"] + [f"{who}_{what}" for who in (
-    "torch", "fast", "promoted") for what in ("rel_err", "err_ratio", "us")]
+    "torch", "fast", "promoted") for what in ("rel_err", "rel_err32", "err_ratio", "us")]
 
 
 def measure_row(family: A8w8Tuner, m: str, n: str, k: str, name: str) -> dict | None:
@@ -131,8 +142,17 @@ def measure_row(family: A8w8Tuner, m: str, n: str, k: str, name: str) -> dict | 
         return None
     rec = {"M": m, "N": n, "K": k, "kernel": name, "promoted": slow_name or why}
     for who, result in (("torch", torch_r), ("fast", fast_r), *(("promoted", r) for r in slow_r)):
-        rec.update({f"{who}_{what}": result[what] for what in ("rel_err", "err_ratio", "us")})
+        rec.update({f"{who}_{what}": result[what]
+                    for what in ("rel_err", "rel_err32", "err_ratio", "us")})
     return rec
+
+
+GROUPS = ("triton.gemv", "triton.splitk SW1", "triton.splitk", "triton.tile", "triton.persistent")
+
+
+def group_of(name: str) -> str:
+    prefix = name.partition(":")[0]
+    return f"{prefix} SW1" if name.endswith(".SW1") else prefix
 
 
 def geomean(values: list[float]) -> float:
@@ -162,22 +182,23 @@ def main() -> None:
             records.append(rec)
             writer.writerow(rec)
             f.flush()
-            slow = (f"promoted {rec['promoted_rel_err']:.2e}/{rec['promoted_err_ratio']:.4f} "
-                    f"{rec['promoted_us']:8.1f} us" if "promoted_us" in rec
-                    else f"promoted n/a ({rec['promoted']})")
+            slow = (f"promoted {rec['promoted_rel_err32']:.2e} {rec['promoted_us']:8.1f} us"
+                    if "promoted_us" in rec else f"promoted n/a ({rec['promoted']})")
             print(f"[{i}/{len(rows)} {time.monotonic() - t0:5.0f} s] {m:>5}x{n}x{k} {name}: "
-                  f"torch {rec['torch_rel_err']:.2e}/{rec['torch_err_ratio']:.4f} "
-                  f"{rec['torch_us']:8.1f} us | fast {rec['fast_rel_err']:.2e}/"
-                  f"{rec['fast_err_ratio']:.4f} {rec['fast_us']:8.1f} us | {slow}", flush=True)
-    print("\nkernel family       rows  rel err torch / fast / promoted (median, promoted rows)  "
-          "time promoted/fast (geomean)  fast/torch")
-    for prefix in CONFIGS:
-        mine = [r for r in records if r["kernel"].startswith(prefix)]
+                  f"fp32-out err / us: torch {rec['torch_rel_err32']:.2e} {rec['torch_us']:8.1f} "
+                  f"| fast {rec['fast_rel_err32']:.2e} {rec['fast_us']:8.1f} | {slow}",
+                  flush=True)
+    print("\nkernel family       rows  fp32-out rel err torch / fast / promoted (median, "
+          "promoted rows)  bf16-out rel err the same  time promoted/fast (geomean)  fast/torch")
+    for group in GROUPS:
+        mine = [r for r in records if group_of(r["kernel"]) == group]
         both = [r for r in mine if "promoted_us" in r]  # the error medians: these rows only
         if not mine:
             continue
         med = lambda f, rs: statistics.median(r[f] for r in rs) if rs else math.nan  # noqa: E731
-        print(f"{prefix:<19} {len(mine):>4}  {med('torch_rel_err', both):.2e} / "
+        print(f"{group:<19} {len(mine):>4}  {med('torch_rel_err32', both):.2e} / "
+              f"{med('fast_rel_err32', both):.2e} / {med('promoted_rel_err32', both):.2e}  "
+              f"{med('torch_rel_err', both):.2e} / "
               f"{med('fast_rel_err', both):.2e} / {med('promoted_rel_err', both):.2e}   "
               f"{geomean([r['promoted_us'] / r['fast_us'] for r in both]):.3f} ({len(both)} rows)"
               f"  {geomean([r['fast_us'] / r['torch_us'] for r in mine]):.3f}")

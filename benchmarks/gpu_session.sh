@@ -213,15 +213,32 @@ for what in "$@"; do
             stage ltprobe 120 python3 benchmarks/cublaslt_fp8_probe.py ;;
         smallm)  # one split-K config over M = 1..16 and one-change variants
             stage smallm 120 python3 benchmarks/small_m.py ;;
-        triton:*)  # tune-triton split-K JSONs for the presets' (N, K); resumable
-            dtype=${what#triton:}
+        triton:*)  # triton:DTYPE[:FAMILY]: tune-triton split-K JSONs for the presets' (N, K),
+            # space benchmarks/spaces/splitk_DTYPE[_FAMILY].json; resumable
+            spec=${what#triton:}
+            dtype=${spec%%:*}
+            family=""; [[ $spec == *:* ]] && family=${spec#*:}
+            space="benchmarks/spaces/splitk_${dtype}${family:+_${family//-/_}}.json"
             mkdir -p "$OUT/triton"
             cp src/gemmtune/configs/triton/*.json "$OUT/triton/" 2>/dev/null
             nks=$(python3 -c "import csv; print(' '.join(f'--nk {n},{k}' for n, k in sorted({(int(r['N']), int(r['K'])) for r in csv.DictReader(open('src/gemmtune/configs/bf16_tuned_gemm.csv'))})))")
-            TAIL=40 stage "triton_$dtype" "${TRITON_LIMIT:-420}" python3 -m gemmtune.cli \
-                tune-triton splitk --dtype "$dtype" $nks --m 16,32,64,128,256 \
-                --space "benchmarks/spaces/splitk_$dtype.json" --jobs 14 --resume \
-                -o "$OUT/triton" ;;
+            TAIL=40 stage "triton_$dtype${family:+_$family}" "${TRITON_LIMIT:-420}" \
+                python3 -m gemmtune.cli tune-triton splitk --dtype "$dtype" \
+                ${family:+--family "$family"} $nks --m 16,32,64,128,256 --space "$space" \
+                --jobs 14 --resume -o "$OUT/triton" ;;
+        jsondefault:*)  # jsondefault:FAMILY[:DTYPE]: (N, K) no preset has, at M of each JSON
+            # bucket, through the op (no CSV row: the default JSON file in $OUT/triton, else the
+            # shipped one, names the kernel) against torch
+            spec=${what#jsondefault:}
+            family=${spec%%:*}
+            dtype=""; [[ $spec == *:* ]] && dtype=${spec#*:}
+            printf 'M,N,K\n' > "$OUT/jsondefault_shapes.csv"
+            for nk in 2048,8192 16384,4096 3584,12288; do
+                for m in 8 24 48 100 200; do echo "$m,$nk" >> "$OUT/jsondefault_shapes.csv"; done
+            done
+            GEMMTUNE_TRITON_CONFIG_DIR="$OUT/triton" TAIL=40 stage "jsondefault_$family" 240 \
+                python3 -m gemmtune.cli bench "$family" ${dtype:+--dtype "$dtype"} \
+                --shapes "$OUT/jsondefault_shapes.csv" -o "$OUT/bench_jsondefault_$family" ;;
         json8)  # FP8 shapes with no table row: dispatch takes the shipped Triton JSON or torch
             printf 'M,N,K,q_dtype_w\n' > "$OUT/json8_shapes.csv"
             for nk in 576,7168 7168,2048 4096,4096 6144,4096 4096,14336 28672,4096; do

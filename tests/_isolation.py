@@ -21,3 +21,14 @@ def isolated_gemmtune(tmp_path_factory, monkeypatch):
     gemmtune.reset()
     yield
     gemmtune.reset()
+
+
+@pytest.fixture
+def without_shipped_json(tmp_path_factory, monkeypatch):
+    """No Triton JSON config files anywhere: a shape without a table row runs the family's torch
+    backend even on a GPU, where the shipped default files would name a Triton kernel for it.
+    For the tests of what dispatch does without a row; tests/test_triton_json.py covers the
+    files."""
+    from gemmtune.tables import triton_json
+
+    monkeypatch.setattr(triton_json, "SHIPPED_DIR", tmp_path_factory.mktemp("no-json"))

@@ -192,4 +192,4 @@ def pytest_collection_modifyitems(config, items):
 
 # Every test runs with a fresh cache folder, no GEMMTUNE_*/AITER_* variables and empty dispatch
 # caches, so the user's own tables and captures can never leak into a result.
-from _isolation import isolated_gemmtune  # noqa: E402,F401
+from _isolation import isolated_gemmtune, without_shipped_json  # noqa: E402,F401

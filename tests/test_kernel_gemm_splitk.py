@@ -435,9 +435,28 @@ def test_swapped_name_and_refusals():
     assert SplitKConfig.from_name(SWAPPED.name) == SWAPPED
     assert "swap_ab=2" in why_not_fits(dataclasses.replace(SWAPPED, swap_ab=2), 16, 64, 256,
                                        torch.bfloat16)
-    promoted = SplitKConfig(64, 64, 128, 1, 4, 2, promote_k=64, swap_ab=1)
-    assert "promote_k applies to unswapped dots" in why_not_fits(
-        promoted, 16, 64, 256, torch.float8_e4m3fn)
+    # Promotion needs a wgmma dot: swapped, w's block_n rows are its M.
+    promoted = SplitKConfig(16, 64, 128, 1, 4, 2, promote_k=64, swap_ab=1)
+    assert why_not_fits(promoted, 16, 64, 256, torch.float8_e4m3fn) is None
+    assert "block_n a multiple of 64" in why_not_fits(
+        dataclasses.replace(promoted, block_n=32), 16, 64, 256, torch.float8_e4m3fn)
+
+
+def test_swapped_promoted_fp8_matches_reference():
+    gemm_checks.promoted_fp8(gemm_splitk, SplitKConfig(16, 64, 64, 3, 4, 2, promote_k=64,
+                                                       swap_ab=1))
+
+
+def test_swapped_promote_k_reaches_the_dot():
+    gemm_checks.promote_k_reaches_the_dot(
+        launch_gemm_splitk, SplitKConfig(16, 64, 64, 2, 4, 2, promote_k=128, swap_ab=1))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("split_k", [1, 4])
+def test_gpu_swapped_promoted_fp8_accumulation_is_precise(split_k):
+    gemm_checks.promoted_accumulation_is_precise(
+        gemm_splitk, SplitKConfig(16, 64, 256, split_k, 4, 3, swap_ab=1), 16, 512, 16384)
 
 
 @pytest.mark.parametrize("dtype", ALL_DTYPES)

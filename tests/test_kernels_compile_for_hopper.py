@@ -167,15 +167,22 @@ GEMV_SCRIPT = textwrap.dedent("""
 
     # The split-K kernel's swapped dot (swap_ab): w's 64 rows as a warpgroup MMA's M, x's 16
     # rows as its N, FP8 from shared memory; unswapped, 16 rows of x only reach mma.sync.
-    def splitk_ptx(swap):
+    def splitk_ptx(swap, promote_k=None):
         return ptx(gemm_splitk.gemm_splitk_kernel, "fp8e4nv",
                    dict(HAS_BIAS=False, SCALE_A=1, SCALE_B=1, USE_WORKSPACE=True,
-                        INPUT_PRECISION="tf32", MAX_IMPRECISE_ACC=None, BLOCK_M=16, BLOCK_N=64,
+                        INPUT_PRECISION="tf32", MAX_IMPRECISE_ACC=promote_k, BLOCK_M=16, BLOCK_N=64,
                         BLOCK_K=128, SPLIT_CHUNK=16, PDL=1, W_ELEM_BYTES=1, SWAP_AB=swap),
                    num_warps=4, num_stages=4)
 
-    assert "wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3" in splitk_ptx(True)
+    fast = splitk_ptx(True)
+    assert "wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3" in fast
     assert "wgmma" not in splitk_ptx(False)
+    # Promoted every 64 of a 128 step: the swapped dot's sums go into fp32 twice per step, so
+    # more fp32 adds than the fast dot, still on wgmma.
+    promoted = splitk_ptx(True, 64)
+    assert "wgmma.mma_async.sync.aligned.m64n16k32" in promoted
+    assert promoted.count("add.f32") > fast.count("add.f32"), (promoted.count("add.f32"),
+                                                               fast.count("add.f32"))
     print("ok")
 """)
 

@@ -88,6 +88,111 @@ def test_dispatch_uses_a_json_config_on_a_table_miss(tmp_path, monkeypatch):
     assert names == {SPLITK, "torch.linear"}
 
 
+def test_default_of_keeps_the_buckets_configs_won_for_half_the_nk():
+    a, b = BucketConfig(SPLITK, {"BLOCK_SIZE_M": 16}), BucketConfig(TILE, {"BLOCK_SIZE_M": 16})
+    per_nk = [{"small": a, "medium_M32": a, "large": b, "any": b},
+              {"small": b, "medium_M32": a},
+              {"small": a},
+              {}]  # torch won every bucket of the fourth (N, K)
+    default = triton_json.default_of(per_nk, tuned=4)
+    # small: 3 of 4, most often SPLITK; medium_M32: 2 of 4 (half) -> kept; large: 1 of 4 -> torch;
+    # "any" of a per-(N, K) file is not a bucket winner.
+    assert {bucket: c.kernel for bucket, c in default.items()} == {"small": SPLITK,
+                                                                   "medium_M32": SPLITK}
+    assert list(triton_json.default_of(per_nk, tuned=5)) == ["small"]  # a 5th (N, K) has no file
+    assert triton_json.default_of([], tuned=0) == {}
+
+
+def test_write_default_from_a_folders_files(tmp_path):
+    a = BucketConfig(SPLITK, {"BLOCK_SIZE_M": 16})
+    for n in (8, 16):
+        write_configs(tmp_path / triton_json.file_name("sm_90", "A8W8", n, 64), {"small": a})
+    # Other tags' files in the folder are not counted.
+    write_configs(tmp_path / triton_json.file_name("sm_90", "A8W8_BLOCKSCALE", 8, 64),
+                  {"large": a})
+    path = triton_json.write_default(tmp_path, "sm_90", "A8W8")
+    assert path == tmp_path / "sm_90-GEMM-A8W8.json" and set(read_configs(path)) == {"small"}
+    assert triton_json.write_default(tmp_path, "sm_90", "A8W8", tuned=5) is None
+    assert not path.exists()  # 2 of 5: the stale default is removed
+
+
+def test_dispatch_falls_back_to_the_default_file(tmp_path, monkeypatch):
+    """An (N, K) without its own file runs what the default names for M's bucket; a default
+    config that cannot run the shape, or M in a bucket the default leaves out, runs torch, with
+    no warning (the default was not tuned for this (N, K))."""
+    dev = gemmtune.current_device()
+    write_configs(tmp_path / triton_json.file_name(dev.arch, "A16W16_FP16"),
+                  {"small": BucketConfig(SPLITK, {}),
+                   "medium_M32": BucketConfig("triton.splitk:BM16.BN32.BK256.SK9.W4.S2", {})})
+    monkeypatch.setenv("GEMMTUNE_TRITON_CONFIG_DIR", str(tmp_path))
+    gemmtune.reset()
+    gen = torch.Generator(device=DEVICE).manual_seed(1)
+    w = torch.randn(24, 96, generator=gen, device=DEVICE).half()
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for m in (3, 20, 70):
+            x = torch.randn(m, 96, generator=gen, device=DEVICE).half()
+            y = gemmtune.gemm_a16w16(x, w)
+            torch.testing.assert_close(y.float(), x.float() @ w.float().T, atol=2e-2, rtol=2e-2)
+    names = {plan.decision.key.M: plan.decision.kernel_name for plan in DISPATCH.plans.values()}
+    assert names == {3: SPLITK, 20: "torch.linear", 70: "torch.linear"}
+
+
+def test_blockscale_dispatch_uses_its_json_configs(tmp_path, monkeypatch):
+    from gemmtune import quant
+    from gemmtune.families.a8w8_blockscale.op import DISPATCH as BLOCKSCALE
+    from gemmtune.kernels.torch_ref import TORCH_BLOCKSCALE, gemm_a8w8_blockscale_ref
+
+    dev = gemmtune.current_device()
+    splitk = "triton.splitk:BM16.BN32.BK128.SK2.W4.S2"
+    write_configs(tmp_path / triton_json.file_name(dev.arch, "A8W8_BLOCKSCALE", 40, 256),
+                  {"small": BucketConfig(splitk, {})})
+    # A config whose K step spans two block scales cannot serve block scales: torch.
+    write_configs(tmp_path / triton_json.file_name(dev.arch, "A8W8_BLOCKSCALE"),
+                  {"small": BucketConfig("triton.splitk:BM16.BN32.BK256.SK1.W4.S2", {})})
+    monkeypatch.setenv("GEMMTUNE_TRITON_CONFIG_DIR", str(tmp_path))
+    gemmtune.reset()
+    gen = torch.Generator(device=DEVICE).manual_seed(2)
+    for n in (40, 24):
+        xq, xs = quant.per_block_fp8(torch.randn(5, 256, generator=gen, device=DEVICE),
+                                     quant.ACT_BLOCK)
+        wq, ws = quant.per_block_fp8(torch.randn(n, 256, generator=gen, device=DEVICE) / 16,
+                                     quant.WEIGHT_BLOCK)
+        y = gemmtune.gemm_a8w8_blockscale(xq, wq, xs, ws)
+        ref = gemm_a8w8_blockscale_ref(xq, wq, xs, ws, out_dtype=torch.float32)
+        torch.testing.assert_close(y.float(), ref, atol=3e-2, rtol=3e-2)
+    names = {plan.decision.key.N: plan.decision.kernel_name for plan in BLOCKSCALE.plans.values()}
+    assert names == {40: splitk, 24: TORCH_BLOCKSCALE}
+
+
+def test_tune_triton_refuses_a_kernel_the_family_lacks(tmp_path, capsys):
+    assert main(["tune-triton", "persistent", "--nk", "40,256", "--m", "1", "--dtype", "fp8",
+                 "--family", "a8w8-blockscale", "-o", str(tmp_path / "cfg")]) == 2
+    assert "has no persistent kernel" in capsys.readouterr().err
+
+
+def test_tune_triton_block_scales(tmp_path, capsys):
+    """A block-scale family's configs: only K steps within one block scale are candidates."""
+    out_dir = tmp_path / "cfg"
+    space = tiny_space(tmp_path)
+    data = json.loads(open(space).read())
+    data.update(BLOCK_SIZE_K=[64, 256], NUM_KSPLIT=[1])
+    open(space, "w").write(json.dumps(data))
+    assert main(["tune-triton", "splitk", "--nk", "40,256", "--m", "1", "--dtype", "fp8",
+                 "--family", "a8w8-blockscale", "--space", space, "-o", str(out_dir)]) == 0
+    arch = gemmtune.current_device().arch
+    (cfg,) = read_configs(out_dir / triton_json.file_name(arch, "A8W8_BLOCKSCALE", 40,
+                                                          256)).values()
+    assert cfg.kernel.startswith("triton.splitk:BM16.BN32.BK64.SK1")
+    with open(out_dir / "tune-triton-splitk-A8W8_BLOCKSCALE-profile.csv") as f:
+        ran = {r["kernelName"]: r["status"] for r in csv.DictReader(f)}
+    # torch and the one BK64 config ran and passed the gate; BK256 was never a candidate.
+    assert len(ran) == 2 and set(ran.values()) == {"ok"}
+    assert not any(".BK256." in name for name in ran)
+
+
 def tiny_space(tmp_path, **extra) -> str:
     path = tmp_path / "space.json"
     path.write_text(json.dumps({"BLOCK_SIZE_M": [16], "BLOCK_SIZE_N": [32], "BLOCK_SIZE_K": [32],
@@ -106,7 +211,9 @@ def test_tune_triton_end_to_end(tmp_path, capsys):
                      f"{arch}-GEMM-A16W16_FP16-N=40-K=64.json", f"{arch}-GEMM-A16W16_FP16.json"]
     per_nk = read_configs(out_dir / files[1])
     assert set(per_nk) == {"small", "medium_M32"}  # no "any": M = 500 keeps torch
-    assert "any" in read_configs(out_dir / files[2])
+    # Both (N, K) have both buckets: the default has them too, and no "any" (M = 500 of an
+    # untuned (N, K) keeps torch as well).
+    assert set(read_configs(out_dir / files[2])) == {"small", "medium_M32"}
     assert all(c.kernel.startswith("triton.splitk:BM16.BN32.BK32.SK") for c in per_nk.values())
     assert per_nk["small"].params["NUM_KSPLIT"] in (1, 2)
     err = capsys.readouterr().err
@@ -165,7 +272,7 @@ def test_finer_m_leq_buckets_win(tmp_path, monkeypatch):
     assert lookup("cpu", "A16W16", 8, 8, 5) == SPLITK
 
 
-def test_tune_triton_resume_keeps_finished_files(tmp_path, capsys):
+def test_tune_triton_resume_keeps_finished_files(tmp_path, capsys, monkeypatch):
     out_dir = tmp_path / "cfg"
     common = ["--m", "1", "--dtype", "fp16", "--space", tiny_space(tmp_path), "-o", str(out_dir)]
     assert main(["tune-triton", "splitk", "--nk", "40,64", *common]) == 0
@@ -178,9 +285,24 @@ def test_tune_triton_resume_keeps_finished_files(tmp_path, capsys):
     assert "tuning 1 shape(s)" in err and "N=24 K=96" in err  # the finished (N, K) is kept
     arch = gemmtune.current_device().arch
     assert (out_dir / triton_json.file_name(arch, "A16W16_FP16", 40, 64)).read_text() == first
+    # The default counts the kept file beside the new one.
+    monkeypatch.setattr(triton_json, "default_of", spy(triton_json.default_of, calls := []))
+    assert main(["tune-triton", "splitk", "--nk", "40,64", "--nk", "24,96", "--resume",
+                 *common]) == 0
+    ((per_nk, tuned),) = calls
+    assert tuned == 2 and [set(buckets) for buckets in per_nk] == [{"small"}, {"small"}]
     default = read_configs(out_dir / triton_json.file_name(arch, "A16W16_FP16"))
-    assert set(default) == {"small", "any"}
+    assert set(default) == {"small"}
     assert "N=40 K=64: kept from an earlier run" in err
+
+
+def spy(function, calls: list):
+    def recorded(per_nk, tuned):
+        per_nk = list(per_nk)
+        calls.append((per_nk, tuned))
+        return function(per_nk, tuned)
+
+    return recorded
 
 
 def test_pick_buckets_leaves_a_bucket_to_torch_where_torch_is_faster():

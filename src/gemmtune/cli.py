@@ -246,6 +246,11 @@ def _cmd_tune_triton(args) -> int:
               file=sys.stderr)
         return 2
     family = owners[0]
+    if f"triton.{args.kernel}" not in family.dispatcher.registry.prefixes:
+        print(f"gemmtune tune-triton: error: the {family.cli_name} family has no {args.kernel} "
+              f"kernel; it has {', '.join(p for p in family.dispatcher.registry.prefixes)}",
+              file=sys.stderr)
+        return 2
     target = TritonTarget(family.tuner_class(),
                     lambda m, n, k: family.gemm_key(m, n, k, args.dtype),
                     family.triton_json_tags[dtype], dtype)
@@ -399,9 +404,10 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Per (N, K) and M bucket, the fastest config of an editable "
                                    "search space that matches torch; writes "
                                    "{arch}-GEMM-{TAG}-N={N}-K={K}.json per (N, K) and a "
-                                   "{arch}-GEMM-{TAG}.json default. Dispatch uses a per-(N, K) "
-                                   "file for shapes without a CSV row (folders in "
-                                   "$GEMMTUNE_TRITON_CONFIG_DIR, then the shipped ones).",
+                                   "{arch}-GEMM-{TAG}.json default. A shape without a CSV row "
+                                   "runs what its (N, K)'s file names, else what the default "
+                                   "names (folders in $GEMMTUNE_TRITON_CONFIG_DIR, then the "
+                                   "shipped ones).",
                        epilog="example: gemmtune tune-triton splitk --nk 4096,4096 --nk 576,7168 "
                               "--m 1,16,32,64 -o configs")
     from gemmtune.tune.tune_triton import add_arguments as add_tune_triton_arguments

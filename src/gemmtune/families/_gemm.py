@@ -87,13 +87,16 @@ def check_out_dtype_and_device(op: str, xq: torch.Tensor, wq: torch.Tensor, dtyp
 
 def json_config_or(fallback: str, registry: KernelRegistry, problem, device,
                    tag: str) -> str:
-    """The kernel a per-(N, K) Triton JSON config file names for M's bucket, if there is one and
-    it can run ``problem``; else ``fallback``. A broken file warns once and is ignored."""
+    """The kernel a Triton JSON config file names for M's bucket, if there is one and it can run
+    ``problem``; else ``fallback``. The per-(N, K) file decides where there is one (a config of
+    it that cannot run the shape warns); else the default file, whose configs were picked for
+    other (N, K): one that cannot run this shape is passed over quietly. A broken file warns
+    once and is ignored."""
     m, n, k = problem.m, problem.n, problem.k
     try:
         name = triton_json.lookup(device.arch, tag, n, k, m, device.gpu)
         if name is None:
-            return fallback
+            return _default_config_or(fallback, registry, problem, device, tag)
         registry.resolve_for(name, problem)
     except KernelNameError as e:
         warnings.warn(f"gemmtune: Triton JSON config for N={n} K={k} cannot run M={m}: {e}; "
@@ -101,5 +104,20 @@ def json_config_or(fallback: str, registry: KernelRegistry, problem, device,
         return fallback
     except (ValueError, OSError) as e:
         warnings.warn(f"gemmtune: Triton JSON config for N={n} K={k} ignored: {e}", stacklevel=2)
+        return fallback
+    return name
+
+
+def _default_config_or(fallback: str, registry: KernelRegistry, problem, device,
+                       tag: str) -> str:
+    try:
+        name = triton_json.lookup_default(device.arch, tag, problem.m, device.gpu)
+        if name is None:
+            return fallback
+        registry.resolve_for(name, problem)
+    except KernelNameError:
+        return fallback
+    except (ValueError, OSError) as e:
+        warnings.warn(f"gemmtune: default Triton JSON config of {tag} ignored: {e}", stacklevel=3)
         return fallback
     return name

@@ -5,10 +5,13 @@ also hold the guide's optional finer ``M_LEQ_<x>`` buckets. A file may name the 
 instead of the arch (``H100-80GB-HBM3-GEMM-...``, what tune-triton writes on a GPU); look-up
 prefers it, as table look-up prefers rows of the same model.
 
-Dispatch uses a per-(N, K) file for a shape that has no CSV row (``lookup``); the default file
-is what ``gemmtune tune-triton`` reports as the best config for untuned (N, K). Files are read
-from ``$GEMMTUNE_TRITON_CONFIG_DIR`` (colon-separated folders, first match wins) and then from
-the package's ``configs/triton/``.
+A shape that has no CSV row runs what the per-(N, K) file names for M's bucket (``lookup``), and
+for an (N, K) without a file, what the default names (``lookup_default``). The default is a
+function of the per-(N, K) files (``default_of``): per bucket, the most common config, for the
+buckets a config won (beat torch) in at least half of the tuned (N, K); a bucket torch won more
+often is left out, so such shapes keep torch. Files are read from
+``$GEMMTUNE_TRITON_CONFIG_DIR`` (colon-separated folders, first match wins) and then from the
+package's ``configs/triton/``.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ from __future__ import annotations
 import functools
 import json
 import re
+from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -102,6 +107,16 @@ def lookup(arch: str, tag: str, n: int, k: int, m: int, gpu: str = "") -> str | 
     """The kernel name the per-(N, K) file gives M's bucket (or its ``any``), or None. A file
     named after the GPU model (``H100-80GB-HBM3-GEMM-...``) wins over one named after its arch
     (``sm_90-GEMM-...``), in any of the folders."""
+    return _lookup(arch, tag, n, k, m, gpu)
+
+
+def lookup_default(arch: str, tag: str, m: int, gpu: str = "") -> str | None:
+    """The kernel name the default file (``{arch}-GEMM-{TAG}.json``) gives M's bucket (or its
+    ``any``), or None; the same preference of the GPU model's file as ``lookup``."""
+    return _lookup(arch, tag, None, None, m, gpu)
+
+
+def _lookup(arch: str, tag: str, n: int | None, k: int | None, m: int, gpu: str) -> str | None:
     for prefix in (gpu, arch) if gpu else (arch,):
         name = file_name(prefix, tag, n, k)
         for folder in search_dirs():
@@ -110,6 +125,46 @@ def lookup(arch: str, tag: str, n: int, k: int, m: int, gpu: str = "") -> str | 
                 found = pick(_load(path, path.stat().st_mtime_ns), m)
                 return found.kernel if found else None
     return None
+
+
+def default_of(per_nk: Iterable[dict[str, BucketConfig]], tuned: int) -> dict[str, BucketConfig]:
+    """The default file's buckets from the per-(N, K) files of ``tuned`` (N, K) (an (N, K) with no
+    file counts as torch's in every bucket): a bucket holds its most common config where configs
+    won it in at least half of them. No ``any``: the default serves (N, K) no one tuned, and a
+    config picked for some M buckets must not run M far from them."""
+    winners: dict[str, Counter] = {}
+    configs: dict[str, BucketConfig] = {}
+    for buckets in per_nk:
+        for bucket, config in buckets.items():
+            if bucket != ANY:
+                winners.setdefault(bucket, Counter())[config.kernel] += 1
+                configs[config.kernel] = config
+    return {bucket: configs[count.most_common(1)[0][0]]
+            for bucket, count in sorted(winners.items(), key=lambda item: _order(item[0]))
+            if 2 * sum(count.values()) >= tuned}
+
+
+def write_default(folder: Path, prefix: str, tag: str, tuned: int | None = None) -> Path | None:
+    """Write ``{prefix}-GEMM-{TAG}.json`` from the folder's per-(N, K) files of that prefix and tag
+    (``tuned``: how many (N, K) were tuned, by default the number of files); a default with no
+    bucket is removed instead. Returns the path written, or None."""
+    files = sorted(Path(folder).glob(f"{file_name(prefix, tag)[:-len('.json')]}-N=*-K=*.json"))
+    default = default_of((read_configs(path) for path in files),
+                         len(files) if tuned is None else tuned)
+    path = Path(folder) / file_name(prefix, tag)
+    if not default:
+        path.unlink(missing_ok=True)
+        return None
+    write_configs(path, default)
+    return path
+
+
+def _order(bucket: str) -> tuple[int, int]:
+    names = [b for b, _ in BUCKETS]
+    if bucket in names:
+        return (0, names.index(bucket))
+    match = _FINE.fullmatch(bucket)
+    return (1, int(match.group(1))) if match else (2, 0)
 
 
 def pick(configs: dict[str, BucketConfig], m: int) -> BucketConfig | None:

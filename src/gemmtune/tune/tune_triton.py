@@ -10,7 +10,8 @@ as deployed (CUDA-graph replay over copies larger than L2). Every candidate's re
 profile file in the output folder; the JSON export, the last step, reads it: per (N, K) and M
 bucket the config with the best geometric-mean time relative to each M's fastest is written to
 ``{arch}-GEMM-{TAG}-N={N}-K={K}.json`` unless torch was faster there, and
-``{arch}-GEMM-{TAG}.json`` gets the most common bucket winner over all (N, K).
+``{arch}-GEMM-{TAG}.json`` gets the most common bucket winner over all (N, K), in the buckets a
+config won for at least half of them (``triton_json.default_of``).
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ import json
 import math
 import statistics
 import sys
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -31,6 +31,7 @@ from typing import NamedTuple
 
 import torch
 
+from gemmtune.kernels.problem import Scaling
 from gemmtune.tables import triton_json
 from gemmtune.tables.schema import Schema
 from gemmtune.tables.store import Row, write_table
@@ -74,13 +75,15 @@ class SearchSpace:
 
 
 def kernel_configs(kernel: str, space: SearchSpace, m: int, n: int, k: int,
-                   dtype: torch.dtype) -> list:
-    """The space's configs of ``kernel`` that fit (M, N, K) on ``dtype``, each once. A block_m
-    taller than M needs (16 or M's next power of two) only computes padding rows: pruned, unless
-    nothing else is left. Split-K configs get programmatic dependent launch where the GPU has
-    it, as the tuner's candidates do."""
+                   dtype: torch.dtype, block_scales: bool = False) -> list:
+    """The space's configs of ``kernel`` that fit (M, N, K) on ``dtype`` (and FP8 block scales,
+    with ``block_scales``), each once. A block_m taller than M needs (16 or M's next power of
+    two) only computes padding rows: pruned, unless nothing else is left. Split-K configs get
+    programmatic dependent launch where the GPU has it, as the tuner's candidates do."""
     bms = [bm for bm in space.BLOCK_SIZE_M if bm <= max(16, 1 << (m - 1).bit_length())] \
         or [min(space.BLOCK_SIZE_M)]
+    from gemmtune.kernels.triton._checks import why_not_block_scaled
+
     if kernel == "splitk":
         from gemmtune.kernels.triton import gemm_splitk as module
         from gemmtune.kernels.triton._splits import pdl_where_supported
@@ -101,7 +104,8 @@ def kernel_configs(kernel: str, space: SearchSpace, m: int, n: int, k: int,
         make = [cls(bm, bn, bk, g, w, s) for bm in bms
                 for bn in space.BLOCK_SIZE_N for bk in space.BLOCK_SIZE_K
                 for g in space.GROUP_SIZE_M for w in space.num_warps for s in space.num_stages]
-    return [c for c in dict.fromkeys(make) if module.fits(c, m, n, k, dtype)]
+    return [c for c in dict.fromkeys(make) if module.fits(c, m, n, k, dtype)
+            and not (block_scales and why_not_block_scaled(c, dtype))]
 
 
 def params_of(config) -> dict:
@@ -130,7 +134,8 @@ class SpaceTuner:
         p = self.base.shape(key)
         baseline = self.base.candidates(key, frozenset({LibType.torch.value}))
         configs = [Candidate(c.name, LibType.triton.value, splitk=getattr(c, "split_k", 0))
-                   for c in kernel_configs(self.kernel, self.space, p.m, p.n, p.k, p.dtype)]
+                   for c in kernel_configs(self.kernel, self.space, p.m, p.n, p.k, p.dtype,
+                                           p.scaling is Scaling.block)]
         return [dataclasses.replace(c, solidx=i) for i, c in enumerate(baseline + configs)]
 
 
@@ -297,8 +302,7 @@ def run(args: argparse.Namespace, target: TritonTarget, out=None) -> int:
             return summary.exit_code
     results = read_profile(files.profile, schema, (device.arch, device.cu_num, device.gpu))
     failures: list[Failure] = []
-    winners: dict[str, Counter] = {}
-    params_by_name: dict[str, dict] = {}
+    chosen_by_nk: dict[tuple[int, int], dict] = {}
     written, missing = [], []
     for n, k in args.nk:
         path = out_dir / triton_json.file_name(prefix, target.tag, n, k)
@@ -317,23 +321,15 @@ def run(args: argparse.Namespace, target: TritonTarget, out=None) -> int:
                 if not left_out:
                     missing.append((n, k))
             note = "; ".join([f"{len(chosen)} bucket(s)", *left_out])
-        for bucket, cfg in chosen.items():
-            if bucket != triton_json.ANY:
-                winners.setdefault(bucket, Counter())[cfg.kernel] += 1
-                params_by_name[cfg.kernel] = cfg.params
+        chosen_by_nk[(n, k)] = chosen
         out.write(f"tune-triton {args.kernel} {target.tag} N={n} K={k}: {note}\n")
-    if winners:
-        default = {b: triton_json.BucketConfig(c.most_common(1)[0][0],
-                                               params_by_name[c.most_common(1)[0][0]])
-                   for b, c in winners.items()}
-        # The arch default also names the most common winner over all buckets, for a reader
-        # that wants one config.
-        overall = Counter(name for c in winners.values() for name in c.elements())
-        best = overall.most_common(1)[0][0]
-        default[triton_json.ANY] = triton_json.BucketConfig(best, params_by_name[best])
-        path = out_dir / triton_json.file_name(prefix, target.tag)
-        triton_json.write_configs(path, default)
-        written.append(path)
+    default = triton_json.default_of(chosen_by_nk.values(), tuned=len(args.nk))
+    default_path = out_dir / triton_json.file_name(prefix, target.tag)
+    if default:
+        triton_json.write_configs(default_path, default)
+        written.append(default_path)
+    else:  # torch won every bucket in most (N, K): an older default must not outlive that
+        default_path.unlink(missing_ok=True)
     for f in failures:
         out.write(f"skipped N={f.n} K={f.k} M={f.m} {f.config}: {f.why}\n")
     out.write(f"wrote {len(written)} file(s) to {out_dir}; {len(failures)} config run(s) "

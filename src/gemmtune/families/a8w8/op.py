@@ -63,7 +63,8 @@ def _to_table_key(raw: tuple) -> A8w8Key:
 
 
 def _default_kernel(key: A8w8Key, device: DeviceId) -> str:
-    # torch, unless a per-(N, K) Triton JSON config file (gemmtune tune-triton) names a kernel.
+    # torch, unless a Triton JSON config file (gemmtune tune-triton), the (N, K)'s own or the
+    # default, names a kernel for M.
     problem = problem_of(key)
     tag = JSON_TAGS.get(problem.dtype)
     if tag is None:

@@ -7,7 +7,7 @@ import torch
 
 from gemmtune import quant
 from gemmtune.families._family import BenchOp, Family
-from gemmtune.families.a8w8_blockscale.op import (DISPATCH, SCHEMA, TUNED_OUT_DTYPE,
+from gemmtune.families.a8w8_blockscale.op import (DISPATCH, JSON_TAG, SCHEMA, TUNED_OUT_DTYPE,
                                                   BlockscaleKey, gemm_a8w8_blockscale)
 from gemmtune.kernels.torch_ref import (TORCH_BLOCKSCALE, blockscale_torch, cublas_block_wise,
                                         gemm_a8w8_blockscale_ref)
@@ -46,4 +46,5 @@ def bench_op(dtype: str) -> BenchOp:
 FAMILY = Family(
     "a8w8_blockscale", SCHEMA, DISPATCH,
     tuner="gemmtune.families.a8w8_blockscale.tuner:A8w8BlockscaleTuner", bench=bench_op,
-    bench_dtypes=BENCH_DTYPES, gemm_key=gemm_key, dtype_of_key=lambda key: "fp8")
+    bench_dtypes=BENCH_DTYPES, gemm_key=gemm_key, dtype_of_key=lambda key: "fp8",
+    triton_json_tags={torch.float8_e4m3fn: JSON_TAG})

@@ -4,7 +4,8 @@ scales, x per 1x128 and w per 128x128 of K, applied per K block in the main loop
 xq (..., K) and wq (N, K) float8_e4m3fn; x_scale (..., ceil(K/128)), w_scale (ceil(N/128),
 ceil(K/128)), fp32 (``gemmtune.quant.per_block_fp8`` with ACT_BLOCK / WEIGHT_BLOCK makes them).
 Dispatched per shape through ``a8w8_blockscale_tuned_gemm.csv`` (key ``BlockscaleKey``); a shape
-without a row runs the torch backend. Registered as ``torch.ops.gemmtune.gemm_a8w8_blockscale``.
+without a row runs what a Triton JSON config file (tag ``A8W8_BLOCKSCALE``) names for it, else the
+torch backend. Registered as ``torch.ops.gemmtune.gemm_a8w8_blockscale``.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ import torch
 from gemmtune.device import DeviceId
 from gemmtune.dispatch import Dispatcher
 from gemmtune.families._gemm import (OUT_DTYPES, TUNED_OUT_DTYPE, check_multiply,
-                                     check_out_dtype_and_device, gemm_registry, gemm_schema)
+                                     check_out_dtype_and_device, gemm_registry, gemm_schema,
+                                     json_config_or)
 from gemmtune.families._switches import compiler as _compiler
 from gemmtune.families._switches import dynamo_compiling as _dynamo_compiling
 from gemmtune.kernels.problem import GemmProblem, Scaling
@@ -43,6 +45,8 @@ def problem_of(key: BlockscaleKey) -> GemmProblem:
                        scaling=Scaling.block)
 
 
+# The tag of the Triton JSON config files (gemmtune tune-triton) a shape without a row may use.
+JSON_TAG = "A8W8_BLOCKSCALE"
 # No persistent kernel: it takes no block scales.
 REGISTRY = gemm_registry("a8w8_blockscale", TORCH_BLOCKSCALE, blockscale_torch,
                          ("triton.tile", "triton.splitk", "triton.gemv"), block_scales=True,
@@ -55,7 +59,9 @@ def _to_table_key(raw: tuple) -> BlockscaleKey:
 
 
 def _default_kernel(key: BlockscaleKey, device: DeviceId) -> str:
-    return TORCH_BLOCKSCALE
+    # torch, unless a Triton JSON config file (gemmtune tune-triton), the (N, K)'s own or the
+    # default, names a kernel for M.
+    return json_config_or(TORCH_BLOCKSCALE, REGISTRY, problem_of(key), device, JSON_TAG)
 
 
 DISPATCH = Dispatcher(SCHEMA, REGISTRY, _to_table_key, problem_of, _default_kernel)

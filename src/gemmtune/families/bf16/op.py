@@ -72,7 +72,8 @@ def _to_table_key(raw: tuple) -> Bf16Key:
 
 def _default_kernel(key: Bf16Key, device: DeviceId) -> str:
     # cuBLAS's own heuristic is right for every shape and the baseline tuned rows must beat;
-    # a shape without a row runs it, unless a per-(N, K) Triton JSON config file names a kernel.
+    # a shape without a row runs it, unless a Triton JSON config file (the (N, K)'s own or the
+    # default) names a kernel for M.
     problem = problem_of(key)
     tag = JSON_TAGS.get(problem.dtype)
     if tag is None or key.outdtype != key.dtype or key.scaleAB or key.bpreshuffle:

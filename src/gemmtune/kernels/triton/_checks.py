@@ -109,7 +109,8 @@ def why_not_promote(config, dtype: torch.dtype) -> str | None:
     kernel adds its partial sum into a true fp32 accumulator instead, as cuBLAS without fast
     accumulation and DeepGEMM (every 128) do. Triton takes wgmma only for block_m a multiple of
     64 and num_warps a multiple of 4; smaller dots run mma.sync, which converts FP8 to fp16 and
-    accumulates in fp32 (exact products, no promotion needed, and the setting is ignored)."""
+    accumulates in fp32 (exact products, no promotion needed, and the setting is ignored). In a
+    swapped dot (y.T = w @ x.T) w's rows, block_n, are the MMA's M."""
     promote_k = getattr(config, "promote_k", 0)
     if promote_k == 0:
         return None
@@ -118,9 +119,12 @@ def why_not_promote(config, dtype: torch.dtype) -> str | None:
     if promote_k < 0 or promote_k % 32 or config.block_k % promote_k:
         return (f"promote_k={promote_k} must be a multiple of 32 that divides "
                 f"block_k={config.block_k}")
-    if config.block_m % 64 or config.num_warps % 4:
-        return (f"promote_k={promote_k} applies to wgmma dots only (block_m a multiple of 64, "
-                f"num_warps of 4); block_m={config.block_m} with num_warps={config.num_warps} "
+    # A swapped dot (split-K's swap_ab) computes y.T: w's block_n rows are the MMA's M.
+    mma_m, field = ((config.block_n, "block_n") if getattr(config, "swap_ab", 0)
+                    else (config.block_m, "block_m"))
+    if mma_m % 64 or config.num_warps % 4:
+        return (f"promote_k={promote_k} applies to wgmma dots only ({field} a multiple of 64, "
+                f"num_warps of 4); {field}={mma_m} with num_warps={config.num_warps} "
                 f"runs mma.sync, which accumulates FP8 products in fp32 already: use 0")
     return None
 

@@ -93,9 +93,6 @@ def why_not_fits(config: SplitKConfig, M: int, N: int, K: int, dtype: torch.dtyp
         return problem
     if config.swap_ab not in (0, 1):
         return f"swap_ab={config.swap_ab} must be 0 or 1"
-    if config.swap_ab and config.promote_k:
-        return ("promote_k applies to unswapped dots (swap_ab=0): its wgmma check is on block_m; "
-                "use promote_k=0 with swap_ab=1")
     if config.pdl not in (PDL_OFF, PDL_WAIT, PDL_PREFETCH):
         return (f"pdl={config.pdl} must be {PDL_OFF} (off), {PDL_WAIT} (wait) or "
                 f"{PDL_PREFETCH} (prefetch w, then wait)")
@@ -365,7 +362,7 @@ def gemm_splitk_kernel(
                                            scale_a_ptr, scale_b_ptr, scale_k_blocks, BLOCK_K)
             else:
                 acc_t = tl.dot(tl.trans(b), tl.trans(a), acc_t, input_precision=INPUT_PRECISION,
-                               out_dtype=acc_dtype)
+                               out_dtype=acc_dtype, max_num_imprecise_acc=MAX_IMPRECISE_ACC)
         elif SCALE_A == 3:
             acc = block_scaled_dot(a, b, acc, step, rows, cols, scale_a_ptr, scale_b_ptr,
                                    scale_k_blocks, BLOCK_K)
