@@ -221,8 +221,8 @@ for what in "$@"; do
             space="benchmarks/spaces/splitk_${dtype}${family:+_${family//-/_}}.json"
             mkdir -p "$OUT/triton"
             cp src/gemmtune/configs/triton/*.json "$OUT/triton/" 2>/dev/null
-            # TRITON_FROM: the output folder of a run cut off earlier (carried), to resume
-            [[ -n ${TRITON_FROM:-} ]] && cp "$TRITON_FROM"/* "$OUT/triton/"
+            # TRITON_FROM: the output folder of a run cut off earlier (carried), to resume (files already there, from an earlier stage of this call, are kept)
+            [[ -n ${TRITON_FROM:-} ]] && cp -n "$TRITON_FROM"/* "$OUT/triton/"
             nks=$(python3 -c "import csv; print(' '.join(f'--nk {n},{k}' for n, k in sorted({(int(r['N']), int(r['K'])) for r in csv.DictReader(open('src/gemmtune/configs/bf16_tuned_gemm.csv'))})))")
             TAIL=40 stage "triton_$dtype${family:+_$family}" "${TRITON_LIMIT:-420}" \
                 python3 -m gemmtune.cli tune-triton splitk --dtype "$dtype" \
