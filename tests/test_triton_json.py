@@ -252,10 +252,52 @@ def test_export_reads_the_profile_and_names_what_failed(tmp_path, capsys):
                                       "A16W16_FP16", torch.float16)
     failures = []
     chosen, notes = tune_triton.export_nk("splitk", space, target, 40, 64, [1], results,
-                                          failures)
+                                          failures, on_gpu=False)
     assert {b: c.kernel for b, c in chosen.items()} == {"small": sk1.name} and notes == []
     assert [(f.m, f.config) for f in failures] == [(1, sk2.name)]
     assert "CompilationError: out of resources" in failures[0].why
+
+
+def test_export_only_writes_a_gpu_profiles_files_anywhere(tmp_path, capsys):
+    """--export-only tunes nothing: the files come from the profile, named after the device it
+    measured, with that device's config names (PDL on) and torch's times deciding the buckets
+    (a GPU profile), wherever the export runs."""
+    out_dir = tmp_path / "cfg"
+    out_dir.mkdir()
+    head = ("arch,cu_num,gpu,M,N,K,bias,dtype,outdtype,scaleAB,bpreshuffle,kernelName,status,us,"
+            "spread,err_ratio,rel_err,seconds,detail\n")
+    h100 = "sm_90,132,H100-80GB-HBM3"
+    fast, slow = ("triton.splitk:BM16.BN32.BK32.SK1.W4.S2.P1",
+                  "triton.splitk:BM16.BN32.BK32.SK2.W4.S2.P1")
+    lines = []
+    for m, torch_us in ((1, 9.0), (20, 5.0)):  # torch wins M = 20's bucket
+        key = f"{m},40,64,False,torch.float16,torch.float16,False,False"
+        lines += [f"{h100},{key},torch.linear,ok,{torch_us},0,0,0,0.1,",
+                  f"{h100},{key},{fast},ok,7.0,0,0,0,0.1,",
+                  f"{h100},{key},{slow},ok,8.0,0,0,0,0.1,"]
+    profile = out_dir / "tune-triton-splitk-A16W16_FP16-profile.csv"
+    # A third shape was cut off mid-screen: its partial results are not exported.
+    cut = "64,40,64,False,torch.float16,torch.float16,False,False"
+    profile.write_text(head + "\n".join(lines) + f"\n{h100},{cut},{fast},ok,1.0,0,0,0,0.1,\n")
+    # The engine's table: the shapes it finished.
+    (out_dir / "tune-triton-splitk-A16W16_FP16.csv").write_text(
+        "arch,cu_num,gpu,M,N,K,bias,dtype,outdtype,scaleAB,bpreshuffle,libtype,solidx,splitK,us,"
+        "kernelName,err_ratio\n" + "".join(
+            f"{h100},{m},40,64,False,torch.float16,torch.float16,False,False,triton,1,1,7.0,"
+            f"{fast},0\n" for m in (1, 20)))
+    args = ["tune-triton", "splitk", "--nk", "40,64", "--m", "1,20,64", "--dtype", "fp16",
+            "--space", tiny_space(tmp_path), "-o", str(out_dir), "--export-only"]
+    assert main(args) == 0
+    err = capsys.readouterr().err
+    assert "tuning" not in err and "medium_M32 left to torch (best config 1.40x its time)" in err
+    written = read_configs(out_dir / "H100-80GB-HBM3-GEMM-A16W16_FP16-N=40-K=64.json")
+    assert {b: c.kernel for b, c in written.items()} == {"small": fast}  # no medium_M64
+    assert written["small"].params["NUM_KSPLIT"] == 1
+    # A profile of two devices: which one the files are for is not clear.
+    with open(profile, "a") as f:
+        f.write(lines[0].replace(h100, "sm_90,114,H100-PCIe") + "\n")
+    assert main(args) == 2
+    assert "--export-only needs a profile of one device, found 2" in capsys.readouterr().err
 
 
 def test_tune_triton_refuses_a_cache_modifier(tmp_path, capsys):
@@ -323,9 +365,12 @@ def test_pick_buckets_leaves_a_bucket_to_torch_where_torch_is_faster():
 
 def test_shipped_json_configs_parse_and_name_kernels_that_exist():
     from gemmtune.families.a8w8.op import REGISTRY as A8W8
+    from gemmtune.families.a8w8_blockscale.op import REGISTRY as BLOCKSCALE
     from gemmtune.families.bf16.op import REGISTRY as A16W16
+    from gemmtune.kernels.problem import GemmProblem, Scaling
 
-    registries = {"A8W8": A8W8, "A8W8_INT8": A8W8, "A16W16": A16W16, "A16W16_FP16": A16W16}
+    registries = {"A8W8": A8W8, "A8W8_INT8": A8W8, "A16W16": A16W16, "A16W16_FP16": A16W16,
+                  "A8W8_BLOCKSCALE": BLOCKSCALE}
     files = sorted(triton_json.SHIPPED_DIR.glob("*.json"))
     assert files, "no shipped Triton JSON configs"
     for path in files:
@@ -333,6 +378,9 @@ def test_shipped_json_configs_parse_and_name_kernels_that_exist():
         for bucket, cfg in read_configs(path).items():
             kernel = registries[tag].resolve(cfg.kernel)  # raises on a name no backend parses
             assert kernel is not None
+            if tag == "A8W8_BLOCKSCALE":  # a config that cannot take block scales is refused
+                BLOCKSCALE.resolve_for(cfg.kernel, GemmProblem(
+                    16, 4096, 4096, torch.float8_e4m3fn, torch.bfloat16, scaling=Scaling.block))
             # The guide's keys agree with the kernel name they sit beside.
             assert f"BM{cfg.params['BLOCK_SIZE_M']}.BN{cfg.params['BLOCK_SIZE_N']}." \
                    f"BK{cfg.params['BLOCK_SIZE_K']}" in cfg.kernel, (path.name, bucket)
@@ -354,7 +402,7 @@ def test_tune_triton_resume_retunes_a_corrupt_file_and_drops_a_stale_one(tmp_pat
     assert set(read_configs(corrupt)) == {"small"}  # re-tuned and rewritten
     # A re-run where torch wins every bucket removes the older file instead of keeping it.
     monkeypatch.setattr(tune_triton, "export_nk",
-                        lambda *a: ({}, ["small left to torch (best config 1.20x its time)"]))
+                        lambda *a, **kw: ({}, ["small left to torch (best config 1.20x its time)"]))
     assert main(["tune-triton", "splitk", "--nk", "40,64", *common]) == 0
     assert not corrupt.exists()
     assert "small left to torch" in capsys.readouterr().err

@@ -34,7 +34,7 @@ import torch
 from gemmtune.kernels.problem import Scaling
 from gemmtune.tables import triton_json
 from gemmtune.tables.schema import Schema
-from gemmtune.tables.store import Row, write_table
+from gemmtune.tables.store import Row, read_table, write_table
 from gemmtune.tables.values import LibType
 from gemmtune.tune.engine import TuneConfig, Tuner, default_gpus
 from gemmtune.tune.family import Candidate, FamilyTuner, TuneOptions
@@ -216,7 +216,8 @@ def pick_buckets(timings: dict[int, dict], configs_by_name: dict,
                  torch_us: dict[int, float] | None = None) -> tuple[dict, list[str]]:
     """Per bucket: the config with the lowest geometric mean of time / fastest over the bucket's
     M values (among configs that ran at all of them), and notes on the buckets left out. A
-    bucket whose pick is slower than torch there (geometric mean over its M) is left out: a
+    bucket whose pick is slower than torch there (geometric mean over its M, where torch has a
+    time at each; ``torch_us`` None: no comparison) is left out: a
     shape without a CSV row then runs torch, as it would without the file. No ``any``: a bucket
     that no tuned M fell into keeps torch too, rather than a config picked for other M (a
     split-K config tuned at M <= 256 would run M = 4096 far slower than cuBLAS)."""
@@ -234,7 +235,7 @@ def pick_buckets(timings: dict[int, dict], configs_by_name: dict,
                                     for m in ms)
 
         best = min(sorted(common), key=score)
-        if torch_us:
+        if torch_us is not None and all(m in torch_us for m in ms):
             vs_torch = math.exp(statistics.fmean(math.log(timings[m][best] / torch_us[m])
                                                  for m in ms))
             if vs_torch > 1.0:
@@ -246,26 +247,65 @@ def pick_buckets(timings: dict[int, dict], configs_by_name: dict,
 
 
 def export_nk(kernel: str, space: SearchSpace, target: TritonTarget, n: int, k: int, ms: list[int],
-              results: dict, failures: list[Failure]) -> tuple[dict, list[str]]:
-    """The buckets of one (N, K) from the profile's results of its shapes."""
+              results: dict, failures: list[Failure], on_gpu: bool) -> tuple[dict, list[str]]:
+    """The buckets of one (N, K) from the profile's results of its shapes: the configs of
+    ``kernel`` it names (as they ran, PDL included) that lie in ``space``. ``on_gpu``: the
+    profile was measured on a GPU, so torch's times there decide the buckets it keeps (on the
+    CPU both are interpreter wall times: no basis for that)."""
     timings: dict[int, dict] = {}
     torch_us: dict[int, float] = {}
     configs_by_name: dict = {}
     for m in ms:
         shape = results.get(target.gemm_key(m, n, k), {})
-        for config in kernel_configs(kernel, space, m, n, k, target.dtype):
-            configs_by_name[config.name] = config
         for name, screened in shape.items():
             if screened.status != "ok" and LibType.of_kernel(name) is not LibType.torch:
                 failures.append(Failure(n, k, m, name,
                                         f"{screened.status}: {screened.detail}"[:200]))
+        configs_by_name.update(configs_in_space(kernel, space, shape))
         timings[m], baseline = timings_of(shape)
         timings[m] = {name: us for name, us in timings[m].items() if name in configs_by_name}
         if baseline is not None:
             torch_us[m] = baseline
-    # On the CPU both are interpreter wall times: no basis to leave a bucket to torch.
-    gpu = torch.cuda.is_available() and len(torch_us) == len(ms)
-    return pick_buckets(timings, configs_by_name, torch_us if gpu else None)
+    return pick_buckets(timings, configs_by_name, torch_us if on_gpu else None)
+
+
+def configs_in_space(kernel: str, space: SearchSpace, names) -> dict:
+    """{name: config} of the names that are ``kernel``'s configs with every parameter it has in
+    ``space`` (a resumed run with a smaller space exports from that space only)."""
+    cls = _config_class(kernel)
+    ignored = {"GROUP_SIZE_M"} if kernel == "splitk" else {"NUM_KSPLIT"}
+    found = {}
+    for name in names:
+        if not name.startswith(f"triton.{kernel}:"):
+            continue
+        config = cls.from_name(name)
+        params = params_of(config)
+        if all(params[key] in getattr(space, key) for key in params
+               if key not in ignored and key != "cache_modifier"):
+            found[name] = config
+    return found
+
+
+def _config_class(kernel: str) -> type:
+    if kernel == "splitk":
+        from gemmtune.kernels.triton.gemm_splitk import SplitKConfig
+
+        return SplitKConfig
+    if kernel == "tile":
+        from gemmtune.kernels.triton.gemm_tile import TileConfig
+
+        return TileConfig
+    from gemmtune.kernels.triton.gemm_persistent import PersistentConfig
+
+    return PersistentConfig
+
+
+def profile_devices(path: Path) -> set[tuple[str, int, str]]:
+    """The (arch, cu_num, gpu) of every device a profile file has results of."""
+    if not path.exists():
+        return set()
+    with open(path, newline="", encoding="utf-8") as f:
+        return {(r["arch"], int(r["cu_num"]), r.get("gpu", "")) for r in csv.DictReader(f)}
 
 
 def run(args: argparse.Namespace, target: TritonTarget, out=None) -> int:
@@ -273,12 +313,22 @@ def run(args: argparse.Namespace, target: TritonTarget, out=None) -> int:
 
     out = out or sys.stderr
     space = SearchSpace.from_file(args.space) if args.space else SearchSpace()
-    device = current_device()
-    # Files are named after the GPU model where there is one, as dispatch looks for them first.
-    prefix = device.gpu or device.arch
     out_dir = Path(args.output)
     out_dir.mkdir(parents=True, exist_ok=True)
     files = RunFiles.of(out_dir, args.kernel, target.tag)
+    if getattr(args, "export_only", False):
+        # The device the profile measured, wherever the export runs.
+        devices = profile_devices(files.profile)
+        if len(devices) != 1:
+            raise ValueError(f"{files.profile}: --export-only needs a profile of one device, "
+                             f"found {len(devices)}: {sorted(devices)}")
+        (device,) = devices
+    else:
+        here = current_device()
+        device = (here.arch, here.cu_num, here.gpu)
+    arch, _, gpu = device
+    # Files are named after the GPU model where there is one, as dispatch looks for them first.
+    prefix = gpu or arch
     kept: dict[tuple[int, int], dict] = {}
     for nk in args.nk if args.resume else []:
         configs = _readable(out_dir / triton_json.file_name(prefix, target.tag, *nk), out)
@@ -287,7 +337,7 @@ def run(args: argparse.Namespace, target: TritonTarget, out=None) -> int:
     todo = [nk for nk in args.nk if nk not in kept]
     tuner_factory = functools.partial(SpaceTuner, target.tuner, args.kernel, space)
     schema = target.tuner.schema
-    if todo:
+    if todo and not getattr(args, "export_only", False):
         write_table(files.shapes, schema, [Row("", 0, target.gemm_key(m, n, k))
                                            for n, k in todo for m in args.m], untuned=True)
         gpus = default_gpus()
@@ -300,7 +350,12 @@ def run(args: argparse.Namespace, target: TritonTarget, out=None) -> int:
         summary = Tuner(tuner_factory, config, out=out).run()
         if summary.interrupted:
             return summary.exit_code
-    results = read_profile(files.profile, schema, (device.arch, device.cu_num, device.gpu))
+    # Only the shapes the run finished (the engine's table has them): a shape cut off mid-way
+    # has screens of only some of its configs.
+    finished = {row.key for row in read_table(files.table, schema).rows} \
+        if files.table.exists() else set()
+    results = {key: found for key, found in read_profile(files.profile, schema, device).items()
+               if key in finished}
     failures: list[Failure] = []
     chosen_by_nk: dict[tuple[int, int], dict] = {}
     written, missing = [], []
@@ -310,7 +365,7 @@ def run(args: argparse.Namespace, target: TritonTarget, out=None) -> int:
             chosen, note = kept[(n, k)], "kept from an earlier run"
         else:
             chosen, left_out = export_nk(args.kernel, space, target, n, k, args.m, results,
-                                         failures)
+                                         failures, on_gpu=arch != "cpu")
             if chosen:
                 triton_json.write_configs(path, chosen)
                 written.append(path)
@@ -383,6 +438,10 @@ def add_arguments(p: argparse.ArgumentParser, dtypes: list[str]) -> None:
     p.add_argument("--resume", action="store_true",
                    help="keep the per-(N, K) files already in the output folder and the shapes "
                         "the last run finished (a run cut off goes on where it stopped)")
+    p.add_argument("--export-only", action="store_true",
+                   help="tune nothing: write the JSON files from the output folder's profile "
+                        "(of one device, named after it), e.g. of a run cut off before its end "
+                        "or copied from the GPU machine")
     p.add_argument("--jobs", "--mp", type=int, default=None, metavar="J",
                    help="worker processes (default: one per GPU); more than the GPUs compile "
                         "configs in parallel while timing stays one worker per GPU")
