@@ -95,6 +95,25 @@ def test_interleaved_timing_of_one_kernel_twice_agrees():
     assert abs(a - b) / min(a, b) < 0.2 and spread_a < 1 and spread_b < 1
 
 
+def test_a_call_that_captures_no_gpu_work_is_not_timed():
+    """A call that runs its GPU work outside the capturing stream leaves an empty graph, whose
+    replays take no time: timing refuses it rather than report it as the fastest."""
+    from gemmtune.measure.timing import EmptyGraphError, graph_replay_us
+
+    x = torch.randn(256, 256, device="cuda")
+
+    def elsewhere(inp):
+        if torch.cuda.is_current_stream_capturing():
+            return None  # as a call that launches on a cached, non-capturing stream does
+        return inp @ inp
+
+    with pytest.raises(EmptyGraphError, match="put no GPU work into its CUDA graph"):
+        graph_replay_us(elsewhere, [x])
+    # Work on the capturing stream is timed as before.
+    us, _ = graph_replay_us(lambda inp: inp @ inp, [x])
+    assert us > 0
+
+
 def _gpu_kernels(fn) -> list[str]:
     """Names of the CUDA kernels ``fn`` ran."""
     from torch.profiler import ProfilerActivity, profile

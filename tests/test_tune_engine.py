@@ -4,6 +4,7 @@ return wrong values, NaN or nothing; kill -9 and resume; concurrent tuners; bad 
 from __future__ import annotations
 
 import csv
+import dataclasses
 import io
 import os
 import random
@@ -282,6 +283,55 @@ def test_gemm_ties_keep_cublaslts_own_pick_then_torchs_row():
     assert pick(torch=10.0, other=9.9) == "torch.linear"
     assert pick(torch=10.0, pick=10.5, tile=9.0) == "triton.tile:k"
     assert pick(torch=10.0, pick=10.5) == "torch.linear"
+
+
+def test_fp8_splitk_configs_run_beside_their_promoted_twins_over_long_k():
+    from gemmtune.families._gemm_tuner import FAST_FP8_SIMPLICITY, triton_splitk_candidates
+    from gemmtune.kernels.triton._checks import why_not_promote
+    from gemmtune.kernels.triton.gemm_splitk import SplitKConfig
+
+    fp8, bf16 = torch.float8_e4m3fn, torch.bfloat16
+
+    def candidates(m, k, dtype=fp8, block_scales=False):
+        return {c.name: c for c in triton_splitk_candidates(m, 4096, k, dtype, bf16,
+                                                            block_scales)}
+
+    for m in (16, 64):  # swapped (M <= 64) and unswapped wgmma dots both get twins
+        found = candidates(m, 8192)
+        fast = [c for c in found.values() if c.simplicity == FAST_FP8_SIMPLICITY]
+        assert fast
+        for c in fast:
+            config = SplitKConfig.from_name(c.name)
+            assert config.promote_k == 0 and 8192 // config.split_k >= 2048
+            twin = dataclasses.replace(config, promote_k=min(config.block_k, 128))
+            assert found[twin.name].simplicity == 2 and found[twin.name].splitk == c.splitk
+        # A config that is no wgmma dot (mma.sync sums in fp32 already) has no twin.
+        assert any(why_not_promote(dataclasses.replace(SplitKConfig.from_name(name),
+                                                       promote_k=128), fp8)
+                   for name in found)
+        assert {c.simplicity for c in found.values()} == {2, FAST_FP8_SIMPLICITY}
+    # Short K per split, bf16, block scales: no twins, every config as tuned before.
+    for found in (candidates(16, 1024), candidates(16, 8192, bf16),
+                  candidates(16, 8192, block_scales=True)):
+        assert found and all(c.simplicity == 2 and SplitKConfig.from_name(name).promote_k == 0
+                             for name, c in found.items())
+
+
+def test_promoted_twin_kept_unless_the_fast_config_wins_beyond_noise():
+    from gemmtune.families._gemm_tuner import FAST_FP8_SIMPLICITY
+
+    tuner = Tuner.__new__(Tuner)
+    by_name = {"torch": Candidate("torch", "torch", simplicity=1),
+               "fast": Candidate("fast", "triton", simplicity=FAST_FP8_SIMPLICITY),
+               "twin": Candidate("twin", "triton")}
+
+    def pick(**us):
+        return tuner._choose([Evaluation(n, Status.ok, us=t, spread=0.005)
+                              for n, t in us.items()], by_name).name
+
+    assert pick(torch=12.0, fast=10.0, twin=10.15) == "twin"  # 1.5% slower: within the noise
+    assert pick(torch=12.0, fast=10.0, twin=10.6) == "fast"
+    assert pick(torch=10.1, fast=9.95, twin=10.6) == "torch"
 
 
 def test_retiming_takes_the_fastest_of_each_simplicity_beside_the_top_few(tmp_path):

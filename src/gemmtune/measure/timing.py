@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import statistics
 import time
+import warnings
 from collections.abc import Callable, Sequence
 
 import torch
@@ -86,12 +87,28 @@ def _capture(fn: Callable, inputs: Sequence) -> tuple[torch.cuda.CUDAGraph, int]
     return graph, len(inputs)
 
 
+class EmptyGraphError(RuntimeError):
+    """``fn`` put no GPU work into its graph: it ran eagerly or on another stream at capture, and
+    its replays would take no time at all."""
+
+
 def _graph_of(fn: Callable, inputs: Sequence, passes: int) -> torch.cuda.CUDAGraph:
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(passes):
-            for inp in inputs:
-                fn(inp)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with torch.cuda.graph(graph):
+            for _ in range(passes):
+                for inp in inputs:
+                    fn(inp)
+    for warning in caught:
+        # torch only warns on capturing an empty graph; timing its replays would report a
+        # candidate that does nothing as the fastest.
+        if "CUDA Graph is empty" in str(warning.message):
+            raise EmptyGraphError(
+                "the call put no GPU work into its CUDA graph (it ran eagerly, or on a stream "
+                "other than the capturing one): not timed, as its replays would take no time")
+        warnings.warn_explicit(warning.message, warning.category, warning.filename,
+                               warning.lineno)
     graph.replay()
     return graph
 

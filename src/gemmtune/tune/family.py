@@ -24,7 +24,8 @@ class Candidate:
     """One solution for a shape. ``name`` is its ``kernelName``, the whole truth about it.
     ``simplicity`` ranks what to keep when timings tie within noise, lowest first: the
     family's baseline (torch) and a library's own default choice (0 or 1, in the family's
-    order), 2 anything tuned."""
+    order), 2 anything tuned, 3 a tuned config that is kept only where it is faster beyond the
+    noise than the rest (an FP8 config with fast accumulation beside its promoted twin)."""
 
     name: str
     libtype: str
