@@ -594,6 +594,25 @@ def test_ctrl_c_keeps_finished_rows_and_blames_no_candidate(tmp_path):
     assert _count_rows(out) == 8
 
 
+def test_a_second_stop_signal_does_not_break_off_the_save(tmp_path):
+    """coreutils' timeout sends SIGTERM to the tuner and then to its process group: the second
+    one arrives while the run closes its workers and saves its last rows (session 18 lost two
+    rows that way). Only the first signal interrupts."""
+    config = TuneConfig(input=tmp_path / "in.csv", output=tmp_path / "out.csv")
+    tuner = Tuner(FaultyFamily, config, out=io.StringIO())
+    restore = tuner._handle_stop_signals()
+    try:
+        handler = signal.getsignal(signal.SIGTERM)
+        with pytest.raises(KeyboardInterrupt):
+            handler(signal.SIGTERM, None)
+        handler(signal.SIGTERM, None)  # returns: the clean-up goes on
+        signal.getsignal(signal.SIGINT)(signal.SIGINT, None)
+        assert tuner.summary.interrupted
+    finally:
+        restore()
+    assert signal.getsignal(signal.SIGTERM) is not handler
+
+
 def test_workers_sharing_a_device_never_time_at_once(tmp_path, monkeypatch):
     log = tmp_path / "timing.log"
     monkeypatch.setenv("FAULTY_WITH_FAULTS", "0")

@@ -219,8 +219,13 @@ class Tuner:
             return lambda: None
 
         def stop(signum, frame):
-            self._stop.set()
             self.summary.interrupted = True
+            if self._stop.is_set():
+                # Already stopping: a second signal (coreutils' timeout sends SIGTERM to the
+                # child and then to its whole process group) must not break off the clean-up,
+                # which saves the rows not yet written.
+                return
+            self._stop.set()
             raise KeyboardInterrupt
 
         old = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
