@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import json
+import warnings
 
 import pytest
 import torch
@@ -67,13 +68,18 @@ def test_bad_files_say_where(tmp_path, text, says):
         read_configs(path)
 
 
-def test_dispatch_uses_a_json_config_on_a_table_miss(tmp_path, monkeypatch):
-    dev = gemmtune.current_device()
-    write_configs(tmp_path / triton_json.file_name(dev.arch, "A16W16_FP16", 40, 64),
+def use_configs(tmp_path, monkeypatch, arch: str, n: int | None = None, k: int | None = None):
+    """An A16W16_FP16 file (of (N, K), or the default) in a folder dispatch searches: SPLITK for
+    small M, and for M32 a config that cannot run K = 64 (9 splits of one 256 step)."""
+    write_configs(tmp_path / triton_json.file_name(arch, "A16W16_FP16", n, k),
                   {"small": BucketConfig(SPLITK, {}),
                    "medium_M32": BucketConfig("triton.splitk:BM16.BN32.BK256.SK9.W4.S2", {})})
     monkeypatch.setenv("GEMMTUNE_TRITON_CONFIG_DIR", str(tmp_path))
     gemmtune.reset()
+
+
+def test_dispatch_uses_a_json_config_on_a_table_miss(tmp_path, monkeypatch):
+    use_configs(tmp_path, monkeypatch, gemmtune.current_device().arch, 40, 64)
     gen = torch.Generator(device=DEVICE).manual_seed(0)
     x = torch.randn(5, 64, generator=gen, device=DEVICE).half()
     w = torch.randn(40, 64, generator=gen, device=DEVICE).half()
@@ -120,16 +126,9 @@ def test_dispatch_falls_back_to_the_default_file(tmp_path, monkeypatch):
     """An (N, K) without its own file runs what the default names for M's bucket; a default
     config that cannot run the shape, or M in a bucket the default leaves out, runs torch, with
     no warning (the default was not tuned for this (N, K))."""
-    dev = gemmtune.current_device()
-    write_configs(tmp_path / triton_json.file_name(dev.arch, "A16W16_FP16"),
-                  {"small": BucketConfig(SPLITK, {}),
-                   "medium_M32": BucketConfig("triton.splitk:BM16.BN32.BK256.SK9.W4.S2", {})})
-    monkeypatch.setenv("GEMMTUNE_TRITON_CONFIG_DIR", str(tmp_path))
-    gemmtune.reset()
+    use_configs(tmp_path, monkeypatch, gemmtune.current_device().arch)  # the default file
     gen = torch.Generator(device=DEVICE).manual_seed(1)
     w = torch.randn(24, 96, generator=gen, device=DEVICE).half()
-    import warnings
-
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         for m in (3, 20, 70):
