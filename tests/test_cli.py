@@ -137,7 +137,7 @@ def test_bench_on_cpu_says_so_and_writes_csv_and_plot(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("dtype", ["fp8", "int8"])
-def test_bench_a8w8_checks_and_writes_csv(tmp_path, capsys, dtype):
+def test_bench_a8w8_checks_and_writes_csv(tmp_path, capsys, dtype, without_shipped_json):
     import csv
 
     shapes = tmp_path / "shapes.csv"
@@ -158,10 +158,11 @@ def test_bench_a8w8_checks_and_writes_csv(tmp_path, capsys, dtype):
         assert "speed-up geomean" in out
     if not gpu:
         assert "2 shape(s) checked against the fp32 reference: all within the bound" in out
+    # No row and (fixture) no Triton JSON config: torch.
     assert all(r["ok"] == "True" and r["kernel"] == "torch.scaled_mm" for r in rows)
 
 
-def test_bench_a8w8_blockscale_on_cpu(tmp_path, capsys):
+def test_bench_a8w8_blockscale_on_cpu(tmp_path, capsys, without_shipped_json):
     import csv
 
     shapes = tmp_path / "shapes.csv"

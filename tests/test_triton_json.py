@@ -4,6 +4,7 @@ tiny `gemmtune tune-triton` run end to end (in the interpreter on the CPU)."""
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import warnings
 
@@ -12,6 +13,7 @@ import torch
 
 import gemmtune
 from gemmtune.cli import main
+from gemmtune.families.a8w8.op import A8w8Key
 from gemmtune.families.bf16.op import DISPATCH
 from gemmtune.tables import triton_json
 from gemmtune.tables.triton_json import BucketConfig, bucket_of, lookup, read_configs, write_configs
@@ -43,7 +45,9 @@ def test_round_trip_and_any_fallback(tmp_path, monkeypatch):
     monkeypatch.setenv("GEMMTUNE_TRITON_CONFIG_DIR", str(tmp_path))
     assert lookup("cpu", "A16W16", 40, 64, 3) == SPLITK
     assert lookup("cpu", "A16W16", 40, 64, 500) == TILE  # no xlarge bucket: "any"
-    assert lookup("cpu", "A16W16", 41, 64, 3) is None  # no file for this (N, K)
+    assert lookup("cpu", "A16W16", 41, 64, 3) is triton_json.NO_FILE  # no file for this (N, K)
+    write_configs(path, {"small": BucketConfig(SPLITK, {})})
+    assert lookup("cpu", "A16W16", 40, 64, 500) is None  # a bucket the file leaves to torch
 
 
 def test_first_folder_wins(tmp_path, monkeypatch):
@@ -118,8 +122,17 @@ def test_write_default_from_a_folders_files(tmp_path):
                   {"large": a})
     path = triton_json.write_default(tmp_path, "sm_90", "A8W8")
     assert path == tmp_path / "sm_90-GEMM-A8W8.json" and set(read_configs(path)) == {"small"}
-    assert triton_json.write_default(tmp_path, "sm_90", "A8W8", tuned=5) is None
-    assert not path.exists()  # 2 of 5: the stale default is removed
+    # 2 of 5: the default is emptied (not removed: a default of the arch in another folder must
+    # not speak for these (N, K) either).
+    assert triton_json.write_default(tmp_path, "sm_90", "A8W8", tuned=5) == path
+    assert read_configs(path) == {}
+    # An empty per-(N, K) file is an (N, K) torch won throughout: it counts.
+    write_configs(tmp_path / triton_json.file_name("sm_90", "A8W8", 24, 64), {})
+    default = read_configs(triton_json.write_default(tmp_path, "sm_90", "A8W8"))
+    assert {b: c.kernel for b, c in default.items()} == {"small": SPLITK}  # 2 of 3
+    for n in (32, 48):
+        write_configs(tmp_path / triton_json.file_name("sm_90", "A8W8", n, 64), {})
+    assert read_configs(triton_json.write_default(tmp_path, "sm_90", "A8W8")) == {}  # 2 of 5
 
 
 def test_dispatch_falls_back_to_the_default_file(tmp_path, monkeypatch):
@@ -137,6 +150,27 @@ def test_dispatch_falls_back_to_the_default_file(tmp_path, monkeypatch):
             torch.testing.assert_close(y.float(), x.float() @ w.float().T, atol=2e-2, rtol=2e-2)
     names = {plan.decision.key.M: plan.decision.kernel_name for plan in DISPATCH.plans.values()}
     assert names == {3: SPLITK, 20: "torch.linear", 70: "torch.linear"}
+
+
+def test_an_nk_file_decides_even_where_it_leaves_m_to_torch(tmp_path, monkeypatch):
+    """The default speaks only for (N, K) without a file: a bucket an (N, K)'s file leaves out,
+    or an empty file, keeps torch. A default naming a kernel no backend knows warns."""
+    arch = gemmtune.current_device().arch
+    use_configs(tmp_path, monkeypatch, arch)  # a default with SPLITK for small M
+    write_configs(tmp_path / triton_json.file_name(arch, "A16W16_FP16", 24, 96),
+                  {"medium_M64": BucketConfig(SPLITK, {})})
+    write_configs(tmp_path / triton_json.file_name(arch, "A16W16_FP16", 40, 96), {})
+    for n in (24, 40):
+        x, w = torch.randn(3, 96, device=DEVICE).half(), torch.randn(n, 96, device=DEVICE).half()
+        torch.testing.assert_close(gemmtune.gemm_a16w16(x, w).float(), x.float() @ w.float().T,
+                                   atol=2e-2, rtol=2e-2)
+    assert {p.decision.kernel_name for p in DISPATCH.plans.values()} == {"torch.linear"}
+    write_configs(tmp_path / triton_json.file_name(arch, "A16W16_FP16"),
+                  {"small": BucketConfig("triton.nosuch:BM16", {})})
+    gemmtune.reset()
+    with pytest.warns(UserWarning, match="default Triton JSON config of A16W16_FP16 ignored"):
+        gemmtune.gemm_a16w16(torch.randn(3, 64, device=DEVICE).half(),
+                             torch.randn(8, 64, device=DEVICE).half())
 
 
 def test_blockscale_dispatch_uses_its_json_configs(tmp_path, monkeypatch):
@@ -164,6 +198,41 @@ def test_blockscale_dispatch_uses_its_json_configs(tmp_path, monkeypatch):
         torch.testing.assert_close(y.float(), ref, atol=3e-2, rtol=3e-2)
     names = {plan.decision.key.N: plan.decision.kernel_name for plan in BLOCKSCALE.plans.values()}
     assert names == {40: splitk, 24: TORCH_BLOCKSCALE}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [3, 24, 48, 100, 300])
+def test_gpu_shipped_defaults_serve_an_nk_no_preset_has(m):
+    """On an sm_90 GPU a shape whose (N, K) has no row and no file of its own runs what the
+    shipped default names for M's bucket (torch where it names nothing), and is right."""
+    from gemmtune import quant
+    from gemmtune.families.a8w8.op import DISPATCH as A8W8
+    from gemmtune.families.a8w8_blockscale.op import DISPATCH as BLOCKSCALE
+    from gemmtune.kernels.torch_ref import (TORCH_BLOCKSCALE, TORCH_SCALED_MM,
+                                            gemm_a8w8_blockscale_ref, gemm_a8w8_ref)
+
+    dev = gemmtune.current_device()
+    if dev.arch != "sm_90":
+        pytest.skip("the shipped defaults are Hopper's")
+    n, k = 1000, 3072
+    gen = torch.Generator(device="cuda").manual_seed(m)
+    x = torch.randn(m, k, generator=gen, device="cuda")
+    w = torch.randn(n, k, generator=gen, device="cuda") / k ** 0.5
+    xq, xs = quant.per_token_fp8(x)
+    wq, ws = quant.per_channel_fp8(w)
+    y = gemmtune.gemm_a8w8(xq, wq, xs, ws)
+    ref = gemm_a8w8_ref(xq, wq, xs.reshape(-1), ws.reshape(-1), None, torch.float32)
+    assert float((y.float() - ref).norm() / ref.norm()) < 1e-2
+    xb, xbs = quant.per_block_fp8(x, quant.ACT_BLOCK)
+    wb, wbs = quant.per_block_fp8(w, quant.WEIGHT_BLOCK)
+    yb = gemmtune.gemm_a8w8_blockscale(xb, wb, xbs, wbs)
+    refb = gemm_a8w8_blockscale_ref(xb, wb, xbs, wbs, out_dtype=torch.float32)
+    assert float((yb.float() - refb).norm() / refb.norm()) < 1e-2
+    for dispatch, tag, torch_name in ((A8W8, "A8W8", TORCH_SCALED_MM),
+                                      (BLOCKSCALE, "A8W8_BLOCKSCALE", TORCH_BLOCKSCALE)):
+        (plan,) = dispatch.plans.values()
+        named = triton_json.lookup_default(dev.arch, tag, m, dev.gpu)
+        assert plan.decision.kernel_name == (named or torch_name)
 
 
 def test_tune_triton_refuses_a_kernel_the_family_lacks(tmp_path, capsys):
@@ -299,6 +368,35 @@ def test_export_only_writes_a_gpu_profiles_files_anywhere(tmp_path, capsys):
     assert "--export-only needs a profile of one device, found 2" in capsys.readouterr().err
 
 
+def test_export_only_needs_the_runs_table_and_leaves_unfinished_nk_alone(tmp_path, capsys):
+    out_dir = tmp_path / "cfg"
+    out_dir.mkdir()
+    args = ["tune-triton", "splitk", "--nk", "40,64", "--m", "1", "--dtype", "fp16", "--space",
+            tiny_space(tmp_path), "-o", str(out_dir), "--export-only"]
+    assert main(args) == 2
+    assert "--export-only reads the run's profile" in capsys.readouterr().err
+    # A run that finished (40, 64) at M = 1, exported for an (N, K) it never reached: that
+    # (N, K)'s older file stays as it was.
+    assert main(args[:-1]) == 0
+    arch = gemmtune.current_device().arch
+    other = out_dir / triton_json.file_name(arch, "A16W16_FP16", 24, 96)
+    write_configs(other, {"small": BucketConfig(SPLITK, {})})
+    before = other.read_text()
+    capsys.readouterr()
+    assert main([*args, "--nk", "24,96"]) == 0
+    assert other.read_text() == before
+    assert "N=24 K=96: no shape finished; its file is left as it is" in capsys.readouterr().err
+
+
+def test_tune_triton_fp8_is_a8w8s_unless_family_says_otherwise(tmp_path):
+    out_dir = tmp_path / "cfg"
+    assert main(["tune-triton", "splitk", "--nk", "40,64", "--m", "1", "--dtype", "fp8",
+                 "--space", tiny_space(tmp_path), "-o", str(out_dir)]) == 0
+    arch = gemmtune.current_device().arch
+    assert (out_dir / triton_json.file_name(arch, "A8W8", 40, 64)).is_file()
+    assert not list(out_dir.glob("*A8W8_BLOCKSCALE*"))
+
+
 def test_tune_triton_refuses_a_cache_modifier(tmp_path, capsys):
     assert main(["tune-triton", "splitk", "--nk", "40,64", "--m", "1", "--space",
                  tiny_space(tmp_path, cache_modifier=[".cg"]), "-o", str(tmp_path)]) == 2
@@ -362,6 +460,35 @@ def test_pick_buckets_leaves_a_bucket_to_torch_where_torch_is_faster():
     assert chosen["medium_M64"].kernel == slow.name and notes == []
 
 
+def test_pick_buckets_prefers_the_promoted_twin_within_the_noise():
+    from gemmtune.kernels.triton.gemm_splitk import SplitKConfig
+    from gemmtune.tune.tune_triton import pick_buckets
+
+    fast = SplitKConfig(64, 64, 128, 1, 4, 3)
+    twin = dataclasses.replace(fast, promote_k=128)
+    configs = {c.name: c for c in (fast, twin)}
+    near = {16: {fast.name: 10.0, twin.name: 10.15}}  # 1.5% slower
+    far = {16: {fast.name: 10.0, twin.name: 10.5}}
+    assert pick_buckets(near, configs)[0]["small"].kernel == twin.name
+    assert pick_buckets(far, configs)[0]["small"].kernel == fast.name
+
+
+def test_tune_triton_candidates_have_promoted_twins_over_long_k():
+    from gemmtune.families.a8w8.tuner import A8w8Tuner
+    from gemmtune.tune.tune_triton import SearchSpace, SpaceTuner
+
+    space = SearchSpace(BLOCK_SIZE_M=(16, 64), BLOCK_SIZE_N=(64,), BLOCK_SIZE_K=(128,),
+                        NUM_KSPLIT=(1, 4), num_warps=(4,), num_stages=(3,))
+    tuner = SpaceTuner(A8w8Tuner, "splitk", space)
+    names = [c.name for c in tuner.candidates(A8w8Key(64, 64, 4096, "torch.float8_e4m3fn"),
+                                              frozenset())]
+    # BM64 with 4 warps is a wgmma dot: SK1 sums 4096 of K (a twin), SK4 1024 (none); BM16 runs
+    # mma.sync (none).
+    twins = [n for n in names if ".PK128" in n]
+    assert len(twins) == 1 and ".BM64." in twins[0].replace(":", ".") and ".SK1." in twins[0]
+    assert len(names) == 1 + 4 + 1  # torch, BM16/BM64 x SK1/SK4, the one twin
+
+
 def test_shipped_json_configs_parse_and_name_kernels_that_exist():
     from gemmtune.families.a8w8.op import REGISTRY as A8W8
     from gemmtune.families.a8w8_blockscale.op import REGISTRY as BLOCKSCALE
@@ -399,11 +526,13 @@ def test_tune_triton_resume_retunes_a_corrupt_file_and_drops_a_stale_one(tmp_pat
     err = capsys.readouterr().err
     assert "not valid JSON" in err and "; tuning this (N, K) again" in err
     assert set(read_configs(corrupt)) == {"small"}  # re-tuned and rewritten
-    # A re-run where torch wins every bucket removes the older file instead of keeping it.
+    # A re-run where torch wins every bucket empties the older file (an empty file keeps the
+    # (N, K) on torch even where a default file names a config), and the default too.
     monkeypatch.setattr(tune_triton, "export_nk",
                         lambda *a, **kw: ({}, ["small left to torch (best config 1.20x its time)"]))
     assert main(["tune-triton", "splitk", "--nk", "40,64", *common]) == 0
-    assert not corrupt.exists()
+    assert read_configs(corrupt) == {}
+    assert read_configs(out_dir / triton_json.file_name(arch, "A16W16_FP16")) == {}
     assert "small left to torch" in capsys.readouterr().err
 
 

@@ -233,12 +233,14 @@ def _cmd_tune_triton(args) -> int:
     from gemmtune.families import all_families, get_family
     from gemmtune.families._gemm import SHORT_DTYPES
     from gemmtune.tables.store import check_writable_dir
-    from gemmtune.tune.tune_triton import TritonTarget, run
+    from gemmtune.tune.tune_triton import KERNELS, TritonTarget, run
 
     dtype = SHORT_DTYPES[args.dtype]
     owners = [f for f in all_families() if dtype in f.triton_json_tags]
     if args.family:
         owners = [f for f in owners if f.name == get_family(args.family).name]
+    else:
+        owners = [f for f in owners if not f.triton_json_by_name_only]
     if len(owners) != 1:
         found = (f"the families {', '.join(f.cli_name for f in owners)}: choose one with --family"
                  if owners else "no family" + (f" {args.family}" if args.family else ""))
@@ -246,10 +248,10 @@ def _cmd_tune_triton(args) -> int:
               file=sys.stderr)
         return 2
     family = owners[0]
-    if f"triton.{args.kernel}" not in family.dispatcher.registry.prefixes:
+    kernels = [k for k in KERNELS if f"triton.{k}" in family.dispatcher.registry.prefixes]
+    if args.kernel not in kernels:
         print(f"gemmtune tune-triton: error: the {family.cli_name} family has no {args.kernel} "
-              f"kernel; it has {', '.join(p for p in family.dispatcher.registry.prefixes)}",
-              file=sys.stderr)
+              f"kernel; use {' or '.join(kernels)}", file=sys.stderr)
         return 2
     target = TritonTarget(family.tuner_class(),
                     lambda m, n, k: family.gemm_key(m, n, k, args.dtype),

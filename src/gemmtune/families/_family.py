@@ -58,6 +58,9 @@ class Family:
     gemm_key: Callable[..., tuple] | None = None
     # input dtype -> TAG of its Triton JSON config files ({arch}-GEMM-{TAG}-N=..-K=...json)
     triton_json_tags: Mapping[torch.dtype, str] = field(default_factory=dict)
+    # tune-triton tunes this family's tags only where --family names it: another family owns
+    # the same dtypes without it (a8w8-blockscale beside a8w8 for fp8)
+    triton_json_by_name_only: bool = False
     # key -> the dtype short name its bench runs in (``--run_config`` of a table)
     dtype_of_key: Callable[[tuple], str] | None = None
     # A bench that is not one of GEMMs (fmoe): "module:function" taking ``gemmtune bench``'s

@@ -88,15 +88,18 @@ def check_out_dtype_and_device(op: str, xq: torch.Tensor, wq: torch.Tensor, dtyp
 def json_config_or(fallback: str, registry: KernelRegistry, problem, device,
                    tag: str) -> str:
     """The kernel a Triton JSON config file names for M's bucket, if there is one and it can run
-    ``problem``; else ``fallback``. The per-(N, K) file decides where there is one (a config of
-    it that cannot run the shape warns); else the default file, whose configs were picked for
-    other (N, K): one that cannot run this shape is passed over quietly. A broken file warns
-    once and is ignored."""
+    ``problem``; else ``fallback``. The per-(N, K) file decides where there is one (a bucket it
+    leaves out keeps ``fallback``; a config of it that cannot run the shape warns); else the
+    default file, whose configs were picked for other (N, K): one that cannot run this shape
+    is passed over quietly. A broken file, or a kernel name no backend knows, warns once and is
+    ignored."""
     m, n, k = problem.m, problem.n, problem.k
     try:
         name = triton_json.lookup(device.arch, tag, n, k, m, device.gpu)
-        if name is None:
+        if name is triton_json.NO_FILE:
             return _default_config_or(fallback, registry, problem, device, tag)
+        if name is None:
+            return fallback
         registry.resolve_for(name, problem)
     except KernelNameError as e:
         warnings.warn(f"gemmtune: Triton JSON config for N={n} K={k} cannot run M={m}: {e}; "
@@ -112,12 +115,14 @@ def _default_config_or(fallback: str, registry: KernelRegistry, problem, device,
                        tag: str) -> str:
     try:
         name = triton_json.lookup_default(device.arch, tag, problem.m, device.gpu)
-        if name is None:
+        if name is None or name is triton_json.NO_FILE:
             return fallback
-        registry.resolve_for(name, problem)
-    except KernelNameError:
-        return fallback
-    except (ValueError, OSError) as e:
+        registry.resolve(name)  # a name no backend knows: the file is wrong (warned below)
+    except (KernelNameError, ValueError, OSError) as e:
         warnings.warn(f"gemmtune: default Triton JSON config of {tag} ignored: {e}", stacklevel=3)
+        return fallback
+    try:
+        registry.resolve_for(name, problem)
+    except KernelNameError:  # tuned for other (N, K); it cannot run this one
         return fallback
     return name

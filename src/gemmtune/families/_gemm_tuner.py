@@ -95,7 +95,7 @@ def triton_splitk_candidates(m: int, n: int, k: int, dtype: torch.dtype,
         if gemm_splitk.why_not_supported(c, m, n, k, dtype, out_dtype) is not None \
                 or (block_scales and why_not_block_scaled(c, dtype)):
             continue
-        twin = None if block_scales else promoted_twin(c, k, dtype)
+        twin = None if block_scales else gemm_splitk.promoted_twin(c, k, dtype)
         if twin is None or gemm_splitk.why_not_supported(twin, m, n, k, dtype, out_dtype):
             found.append(Candidate(c.name, "triton", splitk=c.split_k))
         else:
@@ -105,25 +105,10 @@ def triton_splitk_candidates(m: int, n: int, k: int, dtype: torch.dtype,
     return found
 
 
-# Hopper's FP8 warpgroup MMAs accumulate with reduced precision. Over 2048 or more of K per split
-# a split-K row's error with fp32 output is 10-30x cuBLAS's (1.3-4.1e-3 against 1.3e-4) and
-# 1.3-2.6x with bf16 output; promoting into fp32 every 128 of K matches cuBLAS and costs the
-# split-K kernel 1-5% (docs/benchmarks.md, session 18). So there each such config runs beside its
-# promoted twin, and the tuner keeps the twin unless the fast one is faster beyond the noise.
-# The tile kernel's promotion cost 5-37% there: its configs stay as they are.
-PROMOTE_FROM_K = 2048
-FAST_FP8_SIMPLICITY = 3  # kept on a tie after everything else (family.Candidate.simplicity)
-
-
-def promoted_twin(config, k: int, dtype: torch.dtype):
-    """``config`` with promote_k = min(block_k, 128) where it is an FP8 wgmma dot that sums at
-    least PROMOTE_FROM_K of K per split without promotion; else None."""
-    from gemmtune.kernels.triton._checks import why_not_promote
-
-    if dtype != torch.float8_e4m3fn or config.promote_k or k // config.split_k < PROMOTE_FROM_K:
-        return None
-    twin = dataclasses.replace(config, promote_k=min(config.block_k, 128))
-    return twin if why_not_promote(twin, dtype) is None else None
+# An FP8 split-K config with fast accumulation is kept only where it is faster beyond the noise
+# than its promoted twin (``gemm_splitk.promoted_twin``) and everything else
+# (family.Candidate.simplicity).
+FAST_FP8_SIMPLICITY = 3
 
 
 def triton_gemv_candidates(m: int, n: int, k: int, dtype: torch.dtype,

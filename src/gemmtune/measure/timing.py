@@ -87,6 +87,9 @@ def _capture(fn: Callable, inputs: Sequence) -> tuple[torch.cuda.CUDAGraph, int]
     return graph, len(inputs)
 
 
+_REEMITTED: dict = {}  # warnings' once-per-place registry for what a capture re-emits
+
+
 class EmptyGraphError(RuntimeError):
     """``fn`` put no GPU work into its graph: it ran eagerly or on another stream at capture, and
     its replays would take no time at all."""
@@ -107,8 +110,9 @@ def _graph_of(fn: Callable, inputs: Sequence, passes: int) -> torch.cuda.CUDAGra
             raise EmptyGraphError(
                 "the call put no GPU work into its CUDA graph (it ran eagerly, or on a stream "
                 "other than the capturing one): not timed, as its replays would take no time")
+        # The others as they were, shown once per place as the default filter would have.
         warnings.warn_explicit(warning.message, warning.category, warning.filename,
-                               warning.lineno)
+                               warning.lineno, registry=_REEMITTED)
     graph.replay()
     return graph
 

@@ -6,7 +6,9 @@ instead of the arch (``H100-80GB-HBM3-GEMM-...``, what tune-triton writes on a G
 prefers it, as table look-up prefers rows of the same model.
 
 A shape that has no CSV row runs what the per-(N, K) file names for M's bucket (``lookup``), and
-for an (N, K) without a file, what the default names (``lookup_default``). The default is a
+for an (N, K) without a file, what the default names (``lookup_default``). A file decides for its
+(N, K): a bucket it has no entry for (torch was faster there), or an empty file (``{}``: torch
+won every bucket), keeps torch. The default is a
 function of the per-(N, K) files (``default_of``): per bucket, the most common config, for the
 buckets a config won (beat torch) in at least half of the tuned (N, K); a bucket torch won more
 often is left out, so such shapes keep torch. Files are read from
@@ -103,20 +105,25 @@ def _load(path: Path, mtime_ns: int) -> dict[str, BucketConfig]:  # mtime in the
     return read_configs(path)
 
 
-def lookup(arch: str, tag: str, n: int, k: int, m: int, gpu: str = "") -> str | None:
-    """The kernel name the per-(N, K) file gives M's bucket (or its ``any``), or None. A file
-    named after the GPU model (``H100-80GB-HBM3-GEMM-...``) wins over one named after its arch
-    (``sm_90-GEMM-...``), in any of the folders."""
+# What a look-up found: no file at all (the caller may look further), or a file and what it names
+# for M (None: the file leaves M's bucket to torch).
+NO_FILE = object()
+
+
+def lookup(arch: str, tag: str, n: int, k: int, m: int, gpu: str = ""):
+    """The kernel name the per-(N, K) file gives M's bucket (or its ``any``); None where the file
+    leaves the bucket to torch; ``NO_FILE`` where there is no file. A file named after the GPU
+    model (``H100-80GB-HBM3-GEMM-...``) wins over one named after its arch (``sm_90-GEMM-...``),
+    in any of the folders."""
     return _lookup(arch, tag, n, k, m, gpu)
 
 
-def lookup_default(arch: str, tag: str, m: int, gpu: str = "") -> str | None:
-    """The kernel name the default file (``{arch}-GEMM-{TAG}.json``) gives M's bucket (or its
-    ``any``), or None; the same preference of the GPU model's file as ``lookup``."""
+def lookup_default(arch: str, tag: str, m: int, gpu: str = ""):
+    """The same for the default file (``{arch}-GEMM-{TAG}.json``)."""
     return _lookup(arch, tag, None, None, m, gpu)
 
 
-def _lookup(arch: str, tag: str, n: int | None, k: int | None, m: int, gpu: str) -> str | None:
+def _lookup(arch: str, tag: str, n: int | None, k: int | None, m: int, gpu: str):
     for prefix in (gpu, arch) if gpu else (arch,):
         name = file_name(prefix, tag, n, k)
         for folder in search_dirs():
@@ -124,7 +131,7 @@ def _lookup(arch: str, tag: str, n: int | None, k: int | None, m: int, gpu: str)
             if path.is_file():
                 found = pick(_load(path, path.stat().st_mtime_ns), m)
                 return found.kernel if found else None
-    return None
+    return NO_FILE
 
 
 def default_of(per_nk: Iterable[dict[str, BucketConfig]], tuned: int) -> dict[str, BucketConfig]:
@@ -144,19 +151,24 @@ def default_of(per_nk: Iterable[dict[str, BucketConfig]], tuned: int) -> dict[st
             if 2 * sum(count.values()) >= tuned}
 
 
-def write_default(folder: Path, prefix: str, tag: str, tuned: int | None = None) -> Path | None:
-    """Write ``{prefix}-GEMM-{TAG}.json`` from the folder's per-(N, K) files of that prefix and tag
-    (``tuned``: how many (N, K) were tuned, by default the number of files); a default with no
-    bucket is removed instead. Returns the path written, or None."""
-    files = sorted(Path(folder).glob(f"{file_name(prefix, tag)[:-len('.json')]}-N=*-K=*.json"))
-    default = default_of((read_configs(path) for path in files),
-                         len(files) if tuned is None else tuned)
+def write_configs_default(folder: Path, prefix: str, tag: str,
+                          per_nk: Iterable[dict[str, BucketConfig]], tuned: int) -> Path:
+    """Write ``{prefix}-GEMM-{TAG}.json`` in ``folder``: ``default_of(per_nk, tuned)``, empty
+    (``{}``) where no bucket qualifies. Returns its path."""
     path = Path(folder) / file_name(prefix, tag)
-    if not default:
-        path.unlink(missing_ok=True)
-        return None
-    write_configs(path, default)
+    write_configs(path, default_of(per_nk, tuned))
     return path
+
+
+def write_default(folder: Path, prefix: str, tag: str, tuned: int | None = None) -> Path:
+    """Write ``{prefix}-GEMM-{TAG}.json`` from the folder's per-(N, K) files of that prefix and tag
+    (``tuned``: how many (N, K) were tuned, by default the number of files, an empty one being
+    an (N, K) torch won throughout). A default with no bucket is written empty (``{}``): it
+    keeps torch for every untuned (N, K), also against a default of the arch in another
+    folder. Returns its path."""
+    files = sorted(Path(folder).glob(f"{file_name(prefix, tag)[:-len('.json')]}-N=*-K=*.json"))
+    return write_configs_default(folder, prefix, tag, (read_configs(path) for path in files),
+                                 len(files) if tuned is None else tuned)
 
 
 def _order(bucket: str) -> tuple[int, int]:

@@ -36,7 +36,7 @@ from gemmtune.tables import triton_json
 from gemmtune.tables.schema import Schema
 from gemmtune.tables.store import Row, read_table, write_table
 from gemmtune.tables.values import LibType
-from gemmtune.tune.engine import TuneConfig, Tuner, default_gpus
+from gemmtune.tune.engine import MIN_NOISE, TuneConfig, Tuner, default_gpus
 from gemmtune.tune.family import Candidate, FamilyTuner, TuneOptions
 
 KERNELS = ("splitk", "tile", "persistent")
@@ -131,12 +131,22 @@ class SpaceTuner:
         return getattr(self.base, name)
 
     def candidates(self, key: tuple, libtypes: frozenset[str]) -> list[Candidate]:
+        """torch's baseline and the space's configs; FP8 split-K configs that sum a long K
+        with fast accumulation also run promoted (``gemm_splitk.promoted_twin``), as the
+        table tuners' do."""
         p = self.base.shape(key)
         baseline = self.base.candidates(key, frozenset({LibType.torch.value}))
-        configs = [Candidate(c.name, LibType.triton.value, splitk=getattr(c, "split_k", 0))
-                   for c in kernel_configs(self.kernel, self.space, p.m, p.n, p.k, p.dtype,
-                                           p.scaling is Scaling.block)]
-        return [dataclasses.replace(c, solidx=i) for i, c in enumerate(baseline + configs)]
+        configs = kernel_configs(self.kernel, self.space, p.m, p.n, p.k, p.dtype,
+                                 p.scaling is Scaling.block)
+        if self.kernel == "splitk" and p.scaling is not Scaling.block:
+            from gemmtune.kernels.triton.gemm_splitk import promoted_twin, why_not_fits
+
+            twins = [promoted_twin(c, p.k, p.dtype) for c in configs]
+            configs += [t for t in twins
+                        if t is not None and why_not_fits(t, p.m, p.n, p.k, p.dtype) is None]
+        found = [Candidate(c.name, LibType.triton.value, splitk=getattr(c, "split_k", 0))
+                 for c in configs]
+        return [dataclasses.replace(c, solidx=i) for i, c in enumerate(baseline + found)]
 
 
 @dataclass(frozen=True)
@@ -235,6 +245,11 @@ def pick_buckets(timings: dict[int, dict], configs_by_name: dict,
                                     for m in ms)
 
         best = min(sorted(common), key=score)
+        # A fast-accumulating FP8 config gives way to its promoted twin within the noise, as in
+        # the table tuners (gemm_splitk.promoted_twin).
+        twin = _promoted_name(configs_by_name[best])
+        if twin in common and score(twin) <= score(best) + math.log1p(MIN_NOISE):
+            best = twin
         if torch_us is not None and all(m in torch_us for m in ms):
             vs_torch = math.exp(statistics.fmean(math.log(timings[m][best] / torch_us[m])
                                                  for m in ms))
@@ -244,6 +259,12 @@ def pick_buckets(timings: dict[int, dict], configs_by_name: dict,
         chosen[bucket] = best
     return ({b: triton_json.BucketConfig(name, params_of(configs_by_name[name]))
              for b, name in chosen.items()}, notes)
+
+
+def _promoted_name(config) -> str | None:
+    if getattr(config, "promote_k", None) != 0:
+        return None
+    return dataclasses.replace(config, promote_k=min(config.block_k, 128)).name
 
 
 def export_nk(kernel: str, space: SearchSpace, target: TritonTarget, n: int, k: int, ms: list[int],
@@ -317,6 +338,10 @@ def run(args: argparse.Namespace, target: TritonTarget, out=None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     files = RunFiles.of(out_dir, args.kernel, target.tag)
     if getattr(args, "export_only", False):
+        for what, path in (("profile", files.profile), ("table", files.table)):
+            if not path.is_file():
+                raise ValueError(f"--export-only reads the run's {what}, {path}, which is not "
+                                 f"there: copy the run's output folder (-o) whole")
         # The device the profile measured, wherever the export runs.
         devices = profile_devices(files.profile)
         if len(devices) != 1:
@@ -363,28 +388,29 @@ def run(args: argparse.Namespace, target: TritonTarget, out=None) -> int:
         path = out_dir / triton_json.file_name(prefix, target.tag, n, k)
         if (n, k) in kept:  # --resume: a file from an earlier run counts as tuned
             chosen, note = kept[(n, k)], "kept from an earlier run"
+        elif not any(target.gemm_key(m, n, k) in finished for m in args.m):
+            # --export-only of a run that never got to this (N, K): its file stays as it is.
+            out.write(f"tune-triton {args.kernel} {target.tag} N={n} K={k}: no shape finished; "
+                      f"its file is left as it is\n")
+            continue
         else:
             chosen, left_out = export_nk(args.kernel, space, target, n, k, args.m, results,
                                          failures, on_gpu=arch != "cpu")
-            if chosen:
-                triton_json.write_configs(path, chosen)
-                written.append(path)
-            else:
-                # No config beat torch (or none ran): an older file for this (N, K) must not
-                # keep sending shapes to configs this run found slower.
-                path.unlink(missing_ok=True)
-                if not left_out:
-                    missing.append((n, k))
+            # Written even when empty (no config beat torch, or none ran): an older file must
+            # not keep sending shapes to configs this run found slower, and an empty one keeps
+            # the (N, K) on torch where a default file would name a config.
+            triton_json.write_configs(path, chosen)
+            written.append(path)
+            if not chosen and not left_out:
+                missing.append((n, k))
             note = "; ".join([f"{len(chosen)} bucket(s)", *left_out])
         chosen_by_nk[(n, k)] = chosen
         out.write(f"tune-triton {args.kernel} {target.tag} N={n} K={k}: {note}\n")
-    default = triton_json.default_of(chosen_by_nk.values(), tuned=len(args.nk))
-    default_path = out_dir / triton_json.file_name(prefix, target.tag)
-    if default:
-        triton_json.write_configs(default_path, default)
-        written.append(default_path)
-    else:  # torch won every bucket in most (N, K): an older default must not outlive that
-        default_path.unlink(missing_ok=True)
+    if chosen_by_nk:
+        # Empty where torch won every bucket in most (N, K): an older default must not outlive
+        # that, nor a default of the arch in another folder speak for this GPU.
+        written.append(triton_json.write_configs_default(
+            out_dir, prefix, target.tag, chosen_by_nk.values(), len(chosen_by_nk)))
     for f in failures:
         out.write(f"skipped N={f.n} K={f.k} M={f.m} {f.config}: {f.why}\n")
     out.write(f"wrote {len(written)} file(s) to {out_dir}; {len(failures)} config run(s) "

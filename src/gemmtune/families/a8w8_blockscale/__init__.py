@@ -47,4 +47,4 @@ FAMILY = Family(
     "a8w8_blockscale", SCHEMA, DISPATCH,
     tuner="gemmtune.families.a8w8_blockscale.tuner:A8w8BlockscaleTuner", bench=bench_op,
     bench_dtypes=BENCH_DTYPES, gemm_key=gemm_key, dtype_of_key=lambda key: "fp8",
-    triton_json_tags={torch.float8_e4m3fn: JSON_TAG})
+    triton_json_tags={torch.float8_e4m3fn: JSON_TAG}, triton_json_by_name_only=True)

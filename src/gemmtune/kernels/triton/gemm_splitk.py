@@ -195,6 +195,23 @@ def candidates(M: int, N: int, K: int, dtype: torch.dtype,
     return found
 
 
+# Hopper's FP8 warpgroup MMAs accumulate with reduced precision. Over 2048 or more of K per split
+# a split-K config's error with fp32 output is 10-30x cuBLAS's (1.3-4.1e-3 against 1.3e-4) and
+# 1.3-2.6x with bf16 output; promoting into fp32 every 128 of K matches cuBLAS and costs this
+# kernel 2-5% (docs/benchmarks.md, session 18). Tuners run such configs beside their promoted
+# twin. (The tile kernel's promotion cost 20% there: its configs have no twin.)
+PROMOTE_FROM_K = 2048
+
+
+def promoted_twin(config: SplitKConfig, K: int, dtype: torch.dtype) -> SplitKConfig | None:
+    """``config`` with promote_k = min(block_k, 128) where it is an FP8 wgmma dot that sums at
+    least PROMOTE_FROM_K of K per split without promotion; else None."""
+    if dtype != torch.float8_e4m3fn or config.promote_k or K // config.split_k < PROMOTE_FROM_K:
+        return None
+    twin = dataclasses.replace(config, promote_k=min(config.block_k, 128))
+    return twin if _checks.why_not_promote(twin, dtype) is None else None
+
+
 # The swapped dot's w tile is the MMA's M: 64 or 128 rows for one warpgroup (4 warps).
 _SWAP_BLOCK_N = (64, 128)
 _SWAP_BLOCK_K = (128, 256)
