@@ -232,7 +232,11 @@ def test_gpu_shipped_defaults_serve_an_nk_no_preset_has(m):
                                       (BLOCKSCALE, "A8W8_BLOCKSCALE", TORCH_BLOCKSCALE)):
         (plan,) = dispatch.plans.values()
         named = triton_json.lookup_default(dev.arch, tag, m, dev.gpu)
-        assert plan.decision.kernel_name == (named or torch_name)
+        # Both defaults name a split-K config up to M = 128 (medium_M128) and nothing above.
+        if m <= 128:
+            assert named.startswith("triton.splitk:") and plan.decision.kernel_name == named
+        else:
+            assert named is None and plan.decision.kernel_name == torch_name
 
 
 def test_tune_triton_refuses_a_kernel_the_family_lacks(tmp_path, capsys):
@@ -386,6 +390,25 @@ def test_export_only_needs_the_runs_table_and_leaves_unfinished_nk_alone(tmp_pat
     assert main([*args, "--nk", "24,96"]) == 0
     assert other.read_text() == before
     assert "N=24 K=96: no shape finished; its file is left as it is" in capsys.readouterr().err
+    # The file left alone still counts in the default (2 of 2 (N, K) have "small").
+    assert set(read_configs(out_dir / triton_json.file_name(arch, "A16W16_FP16"))) == {"small"}
+
+
+def test_tune_triton_with_no_config_that_ran_leaves_no_file(tmp_path, monkeypatch, capsys):
+    """No config passed (nor lost to torch): no file, so that --resume tunes the (N, K) again;
+    the run says so and exits 1."""
+    from gemmtune.tune import tune_triton
+
+    out_dir = tmp_path / "cfg"
+    arch = gemmtune.current_device().arch
+    stale = out_dir / triton_json.file_name(arch, "A16W16_FP16", 40, 64)
+    write_configs(stale, {"small": BucketConfig(SPLITK, {})})
+    monkeypatch.setattr(tune_triton, "export_nk", lambda *a, **kw: ({}, []))
+    assert main(["tune-triton", "splitk", "--nk", "40,64", "--m", "1", "--dtype", "fp16",
+                 "--space", tiny_space(tmp_path), "-o", str(out_dir)]) == 1
+    assert not stale.exists()
+    assert "no config of the search space ran correctly for N=40 K=64: no file" in \
+        capsys.readouterr().err
 
 
 def test_tune_triton_fp8_is_a8w8s_unless_family_says_otherwise(tmp_path):

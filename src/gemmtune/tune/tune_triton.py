@@ -389,19 +389,26 @@ def run(args: argparse.Namespace, target: TritonTarget, out=None) -> int:
         if (n, k) in kept:  # --resume: a file from an earlier run counts as tuned
             chosen, note = kept[(n, k)], "kept from an earlier run"
         elif not any(target.gemm_key(m, n, k) in finished for m in args.m):
-            # --export-only of a run that never got to this (N, K): its file stays as it is.
+            # --export-only of a run that never got to this (N, K): its file stays as it is
+            # (and counts in the default, as a kept one does).
             out.write(f"tune-triton {args.kernel} {target.tag} N={n} K={k}: no shape finished; "
                       f"its file is left as it is\n")
+            earlier = _readable(path, out)
+            if earlier is not None:
+                chosen_by_nk[(n, k)] = earlier
             continue
         else:
             chosen, left_out = export_nk(args.kernel, space, target, n, k, args.m, results,
                                          failures, on_gpu=arch != "cpu")
-            # Written even when empty (no config beat torch, or none ran): an older file must
-            # not keep sending shapes to configs this run found slower, and an empty one keeps
-            # the (N, K) on torch where a default file would name a config.
-            triton_json.write_configs(path, chosen)
-            written.append(path)
-            if not chosen and not left_out:
+            if chosen or left_out:
+                # Written even when empty (torch won every bucket): an older file must not keep
+                # sending shapes to configs this run found slower, and an empty one keeps the
+                # (N, K) on torch where a default file would name a config.
+                triton_json.write_configs(path, chosen)
+                written.append(path)
+            else:
+                # No config ran correctly: no file, so that --resume tunes it again.
+                path.unlink(missing_ok=True)
                 missing.append((n, k))
             note = "; ".join([f"{len(chosen)} bucket(s)", *left_out])
         chosen_by_nk[(n, k)] = chosen
