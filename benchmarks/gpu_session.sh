@@ -80,6 +80,9 @@ for what in "$@"; do
             stage persistent_tests 240 python3 -m pytest -q -p no:cacheprovider --timeout 200 \
                 -m gpu tests/test_kernel_gemm_persistent.py
             stage persistent 240 python3 benchmarks/persistent_check.py ;;
+        preshuffle)  # issue 15 item 2: what a pre-shuffled FP8 weight layout buys, same kernel
+            TAIL=20 stage preshuffle "${PRESHUFFLE_LIMIT:-300}" python3 \
+                benchmarks/preshuffle_probe.py --out "$OUT" ;;
         fp8acc)  # the Triton FP8 rows' error and time with and without promoted accumulation
             TAIL=12 stage fp8acc "${FP8ACC_LIMIT:-540}" python3 benchmarks/fp8_accumulation.py --out "$OUT" ;;
         a8w8)  # tune FP8 a8w8 on decode and prefill shapes, then bench them through that table
