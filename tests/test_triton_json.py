@@ -173,6 +173,40 @@ def test_an_nk_file_decides_even_where_it_leaves_m_to_torch(tmp_path, monkeypatc
                              torch.randn(8, 64, device=DEVICE).half())
 
 
+def test_json_configs_can_be_turned_off(tmp_path, monkeypatch):
+    use_configs(tmp_path, monkeypatch, gemmtune.current_device().arch, 40, 64)
+    monkeypatch.setenv("GEMMTUNE_TRITON_JSON", "0")
+    gemmtune.gemm_a16w16(torch.randn(3, 64, device=DEVICE).half(),
+                         torch.randn(40, 64, device=DEVICE).half())
+    (plan,) = DISPATCH.plans.values()
+    assert plan.decision.kernel_name == "torch.linear"
+
+
+def test_files_in_force_and_gemmtune_tables_list_them(tmp_path, monkeypatch, capsys):
+    """Per (N, K) the file dispatch reads: the GPU model's over the arch's, the first folder's
+    over a later one's; the default likewise."""
+    first, second = tmp_path / "a", tmp_path / "b"
+    one = {"small": BucketConfig(SPLITK, {})}
+    write_configs(first / triton_json.file_name("sm_90", "A8W8", 8, 64), one)
+    write_configs(second / triton_json.file_name("sm_90", "A8W8", 8, 64), one)
+    write_configs(second / triton_json.file_name("H200", "A8W8", 16, 64), one)
+    write_configs(second / triton_json.file_name("sm_90", "A8W8"), one)
+    monkeypatch.setenv("GEMMTUNE_TRITON_CONFIG_DIR", f"{first}:{second}")
+    monkeypatch.setattr(triton_json, "SHIPPED_DIR", tmp_path / "none")
+    found = triton_json.files_in_force("sm_90", "A8W8", "H200")
+    assert found.per_nk == [first / "sm_90-GEMM-A8W8-N=8-K=64.json",
+                            second / "H200-GEMM-A8W8-N=16-K=64.json"]
+    assert found.default == second / "sm_90-GEMM-A8W8.json"
+    assert triton_json.files_in_force("sm_90", "A8W8_INT8") == ([], None)
+    monkeypatch.setenv("GEMMTUNE_DEVICE", "sm_90:132:H200")
+    monkeypatch.setenv("GEMMTUNE_TRITON_JSON", "off")
+    gemmtune.reset()
+    assert main(["tables"]) == 0
+    out = capsys.readouterr().out
+    assert (f"Triton JSON A8W8: 2 (N, K) file(s), default {second / 'sm_90-GEMM-A8W8.json'} "
+            f"(not used: GEMMTUNE_TRITON_JSON=0)") in out
+
+
 def test_blockscale_dispatch_uses_its_json_configs(tmp_path, monkeypatch):
     from gemmtune import quant
     from gemmtune.families.a8w8_blockscale.op import DISPATCH as BLOCKSCALE

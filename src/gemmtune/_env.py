@@ -73,6 +73,12 @@ def device_override() -> str | None:
     return os.environ.get("GEMMTUNE_DEVICE") or None
 
 
+def triton_json_enabled() -> bool:
+    """``GEMMTUNE_TRITON_JSON=0``: a shape without a table row runs its family's torch backend,
+    whatever Triton JSON config files say (default: on)."""
+    return os.environ.get("GEMMTUNE_TRITON_JSON") is None or _flag("GEMMTUNE_TRITON_JSON")
+
+
 def triton_config_dirs() -> list[Path]:
     """``GEMMTUNE_TRITON_CONFIG_DIR``: colon-separated folders of Triton JSON configs, searched
     before the shipped ones."""

@@ -170,7 +170,9 @@ def _cmd_shapes(args) -> int:
 
 # ---------------------------------------------------------------------------------------- tables
 def _cmd_tables(args) -> int:
+    from gemmtune import _env
     from gemmtune.device import current_device
+    from gemmtune.tables import triton_json
     from gemmtune.dispatch import table_index
     from gemmtune.families import all_families
     from gemmtune.tables.sources import table_sources, write_merged
@@ -189,6 +191,11 @@ def _cmd_tables(args) -> int:
                                                  if sources.replaced_shipped else ""))
         for p in sources.paths:
             print(f"{'':<18}{p}")
+        for tag in dict.fromkeys(family.triton_json_tags.values()):
+            files = triton_json.files_in_force(device.arch, tag, device.gpu)
+            state = "" if _env.triton_json_enabled() else " (not used: GEMMTUNE_TRITON_JSON=0)"
+            print(f"{'':<18}Triton JSON {tag}: {len(files.per_nk)} (N, K) file(s), default "
+                  f"{files.default or 'none'}{state}")
         try:
             merged = write_merged(schema)
         except OSError as e:

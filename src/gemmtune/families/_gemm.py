@@ -8,6 +8,7 @@ import warnings
 
 import torch
 
+from gemmtune import _env
 from gemmtune.dispatch import KernelNameError, KernelRegistry
 from gemmtune.kernels.triton.dispatchable import TritonKernel
 from gemmtune.tables import triton_json
@@ -93,6 +94,8 @@ def json_config_or(fallback: str, registry: KernelRegistry, problem, device,
     default file, whose configs were picked for other (N, K): one that cannot run this shape
     is passed over quietly. A broken file, or a kernel name no backend knows, warns once and is
     ignored."""
+    if not _env.triton_json_enabled():
+        return fallback
     m, n, k = problem.m, problem.n, problem.k
     try:
         name = triton_json.lookup(device.arch, tag, n, k, m, device.gpu)

@@ -25,6 +25,7 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from gemmtune import _env
 from gemmtune.tables.store import atomic_write_text
@@ -132,6 +133,28 @@ def _lookup(arch: str, tag: str, n: int | None, k: int | None, m: int, gpu: str)
                 found = pick(_load(path, path.stat().st_mtime_ns), m)
                 return found.kernel if found else None
     return NO_FILE
+
+
+class FilesInForce(NamedTuple):
+    """The Triton JSON files dispatch reads for one tag on one device."""
+
+    per_nk: list[Path]  # one per (N, K): the file that wins for it
+    default: Path | None
+
+
+def files_in_force(arch: str, tag: str, gpu: str = "") -> FilesInForce:
+    """What ``lookup`` and ``lookup_default`` would read for ``tag``: per (N, K) the first file
+    by the same preference (the GPU model's name, then the arch's; folders in order)."""
+    winners: dict[str, Path] = {}
+    default = None
+    for prefix in (gpu, arch) if gpu else (arch,):
+        base = file_name(prefix, tag)[:-len(".json")]
+        for folder in search_dirs():
+            for path in sorted(folder.glob(f"{base}-N=*-K=*.json")):
+                winners.setdefault(path.name[len(base):], path)
+            if default is None and (folder / f"{base}.json").is_file():
+                default = folder / f"{base}.json"
+    return FilesInForce(sorted(winners.values()), default)
 
 
 def default_of(per_nk: Iterable[dict[str, BucketConfig]], tuned: int) -> dict[str, BucketConfig]:
