@@ -8,12 +8,12 @@ prefers it, as table look-up prefers rows of the same model.
 A shape that has no CSV row runs what the per-(N, K) file names for M's bucket (``lookup``), and
 for an (N, K) without a file, what the default names (``lookup_default``). A file decides for its
 (N, K): a bucket it has no entry for (torch was faster there), or an empty file (``{}``: torch
-won every bucket), keeps torch. The default is a
-function of the per-(N, K) files (``default_of``): per bucket, the most common config, for the
-buckets a config won (beat torch) in at least half of the tuned (N, K); a bucket torch won more
-often is left out, so such shapes keep torch. Files are read from
-``$GEMMTUNE_TRITON_CONFIG_DIR`` (colon-separated folders, first match wins) and then from the
-package's ``configs/triton/``.
+won every bucket), keeps torch. The default is a function of the per-(N, K) files
+(``default_of``): per bucket, the most common config, for the buckets a config won (beat torch)
+in at least half of the tuned (N, K); a bucket torch won more often is left out, so such shapes
+keep torch. Files are read from ``$GEMMTUNE_TRITON_CONFIG_DIR`` (colon-separated folders, first
+match wins) and then from the package's ``configs/triton/`` (``files_in_force`` lists them;
+``GEMMTUNE_TRITON_JSON=0`` turns the fallback off).
 """
 
 from __future__ import annotations
