@@ -122,9 +122,14 @@ SCRIPT = textwrap.dedent("""
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the kernels' own tests compile "
                                                         "them for real")
 def test_moe_stage_kernels_and_the_fp8_quantiser_compile_for_sm90():
+    compiles_for_hopper(SCRIPT)
+
+
+def compiles_for_hopper(script: str) -> None:
+    """Run ``script`` (it compiles kernels for sm_90 and prints "ok") outside the interpreter."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(SRC)
-    done = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True,
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
                           text=True, timeout=600)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
 
@@ -191,8 +196,4 @@ GEMV_SCRIPT = textwrap.dedent("""
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the kernel's own tests compile "
                                                         "it for real")
 def test_gemv_and_swapped_splitk_kernels_compile_for_sm90():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = str(SRC)
-    done = subprocess.run([sys.executable, "-c", GEMV_SCRIPT], env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+    compiles_for_hopper(GEMV_SCRIPT)

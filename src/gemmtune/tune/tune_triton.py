@@ -262,9 +262,12 @@ def pick_buckets(timings: dict[int, dict], configs_by_name: dict,
 
 
 def _promoted_name(config) -> str | None:
-    if getattr(config, "promote_k", None) != 0:
+    """The name of a fast-accumulating split-K config's promoted twin, or None."""
+    from gemmtune.kernels.triton.gemm_splitk import SplitKConfig, promoted
+
+    if not isinstance(config, SplitKConfig) or config.promote_k:
         return None
-    return dataclasses.replace(config, promote_k=min(config.block_k, 128)).name
+    return promoted(config).name
 
 
 def export_nk(kernel: str, space: SearchSpace, target: TritonTarget, n: int, k: int, ms: list[int],

@@ -201,14 +201,20 @@ def candidates(M: int, N: int, K: int, dtype: torch.dtype,
 # kernel 2-5% (docs/benchmarks.md, session 18). Tuners run such configs beside their promoted
 # twin. (The tile kernel's promotion cost 20% there: its configs have no twin.)
 PROMOTE_FROM_K = 2048
+PROMOTE_EVERY = 128
+
+
+def promoted(config: SplitKConfig) -> SplitKConfig:
+    """``config`` promoting into fp32 every min(block_k, PROMOTE_EVERY) of K."""
+    return dataclasses.replace(config, promote_k=min(config.block_k, PROMOTE_EVERY))
 
 
 def promoted_twin(config: SplitKConfig, K: int, dtype: torch.dtype) -> SplitKConfig | None:
-    """``config`` with promote_k = min(block_k, 128) where it is an FP8 wgmma dot that sums at
-    least PROMOTE_FROM_K of K per split without promotion; else None."""
+    """``promoted(config)`` where ``config`` is an FP8 wgmma dot that sums at least
+    PROMOTE_FROM_K of K per split without promotion; else None."""
     if dtype != torch.float8_e4m3fn or config.promote_k or K // config.split_k < PROMOTE_FROM_K:
         return None
-    twin = dataclasses.replace(config, promote_k=min(config.block_k, 128))
+    twin = promoted(config)
     return twin if _checks.why_not_promote(twin, dtype) is None else None
 
 
