@@ -279,6 +279,12 @@ def test_tune_triton_refuses_a_kernel_the_family_lacks(tmp_path, capsys):
     assert "has no persistent kernel" in capsys.readouterr().err
 
 
+def run_prefix() -> str:
+    """What a tune-triton run here names its files after (the GPU model on a GPU)."""
+    dev = gemmtune.current_device()
+    return triton_json.tuned_prefix(dev.arch, dev.gpu)
+
+
 def test_tune_triton_block_scales(tmp_path, capsys):
     """A block-scale family's configs: only K steps within one block scale are candidates."""
     out_dir = tmp_path / "cfg"
@@ -288,8 +294,8 @@ def test_tune_triton_block_scales(tmp_path, capsys):
     open(space, "w").write(json.dumps(data))
     assert main(["tune-triton", "splitk", "--nk", "40,256", "--m", "1", "--dtype", "fp8",
                  "--family", "a8w8-blockscale", "--space", space, "-o", str(out_dir)]) == 0
-    arch = gemmtune.current_device().arch
-    (cfg,) = read_configs(out_dir / triton_json.file_name(arch, "A8W8_BLOCKSCALE", 40,
+    prefix = run_prefix()
+    (cfg,) = read_configs(out_dir / triton_json.file_name(prefix, "A8W8_BLOCKSCALE", 40,
                                                           256)).values()
     assert cfg.kernel.startswith("triton.splitk:BM16.BN32.BK64.SK1")
     with open(out_dir / "tune-triton-splitk-A8W8_BLOCKSCALE-profile.csv") as f:
@@ -311,10 +317,10 @@ def test_tune_triton_end_to_end(tmp_path, capsys):
     out_dir = tmp_path / "cfg"
     assert main(["tune-triton", "splitk", "--nk", "40,64", "--nk", "24,96", "--m", "1,20",
                  "--dtype", "fp16", "--space", tiny_space(tmp_path), "-o", str(out_dir)]) == 0
-    arch = gemmtune.current_device().arch
+    prefix = run_prefix()
     files = sorted(p.name for p in out_dir.glob("*.json"))
-    assert files == [f"{arch}-GEMM-A16W16_FP16-N=24-K=96.json",
-                     f"{arch}-GEMM-A16W16_FP16-N=40-K=64.json", f"{arch}-GEMM-A16W16_FP16.json"]
+    assert files == [f"{prefix}-GEMM-A16W16_FP16-N=24-K=96.json",
+                     f"{prefix}-GEMM-A16W16_FP16-N=40-K=64.json", f"{prefix}-GEMM-A16W16_FP16.json"]
     per_nk = read_configs(out_dir / files[1])
     assert set(per_nk) == {"small", "medium_M32"}  # no "any": M = 500 keeps torch
     # Both (N, K) have both buckets: the default has them too, and no "any" (M = 500 of an
@@ -416,8 +422,8 @@ def test_export_only_needs_the_runs_table_and_leaves_unfinished_nk_alone(tmp_pat
     # A run that finished (40, 64) at M = 1, exported for an (N, K) it never reached: that
     # (N, K)'s older file stays as it was.
     assert main(args[:-1]) == 0
-    arch = gemmtune.current_device().arch
-    other = out_dir / triton_json.file_name(arch, "A16W16_FP16", 24, 96)
+    prefix = run_prefix()
+    other = out_dir / triton_json.file_name(prefix, "A16W16_FP16", 24, 96)
     write_configs(other, {"small": BucketConfig(SPLITK, {})})
     before = other.read_text()
     capsys.readouterr()
@@ -425,7 +431,7 @@ def test_export_only_needs_the_runs_table_and_leaves_unfinished_nk_alone(tmp_pat
     assert other.read_text() == before
     assert "N=24 K=96: no shape finished; its file is left as it is" in capsys.readouterr().err
     # The file left alone still counts in the default (2 of 2 (N, K) have "small").
-    assert set(read_configs(out_dir / triton_json.file_name(arch, "A16W16_FP16"))) == {"small"}
+    assert set(read_configs(out_dir / triton_json.file_name(prefix, "A16W16_FP16"))) == {"small"}
 
 
 def test_tune_triton_with_no_config_that_ran_leaves_no_file(tmp_path, monkeypatch, capsys):
@@ -434,8 +440,8 @@ def test_tune_triton_with_no_config_that_ran_leaves_no_file(tmp_path, monkeypatc
     from gemmtune.tune import tune_triton
 
     out_dir = tmp_path / "cfg"
-    arch = gemmtune.current_device().arch
-    stale = out_dir / triton_json.file_name(arch, "A16W16_FP16", 40, 64)
+    prefix = run_prefix()
+    stale = out_dir / triton_json.file_name(prefix, "A16W16_FP16", 40, 64)
     write_configs(stale, {"small": BucketConfig(SPLITK, {})})
     monkeypatch.setattr(tune_triton, "export_nk", lambda *a, **kw: ({}, []))
     assert main(["tune-triton", "splitk", "--nk", "40,64", "--m", "1", "--dtype", "fp16",
@@ -449,8 +455,8 @@ def test_tune_triton_fp8_is_a8w8s_unless_family_says_otherwise(tmp_path):
     out_dir = tmp_path / "cfg"
     assert main(["tune-triton", "splitk", "--nk", "40,64", "--m", "1", "--dtype", "fp8",
                  "--space", tiny_space(tmp_path), "-o", str(out_dir)]) == 0
-    arch = gemmtune.current_device().arch
-    assert (out_dir / triton_json.file_name(arch, "A8W8", 40, 64)).is_file()
+    prefix = run_prefix()
+    assert (out_dir / triton_json.file_name(prefix, "A8W8", 40, 64)).is_file()
     assert not list(out_dir.glob("*A8W8_BLOCKSCALE*"))
 
 
@@ -472,22 +478,22 @@ def test_tune_triton_resume_keeps_finished_files(tmp_path, capsys, monkeypatch):
     out_dir = tmp_path / "cfg"
     common = ["--m", "1", "--dtype", "fp16", "--space", tiny_space(tmp_path), "-o", str(out_dir)]
     assert main(["tune-triton", "splitk", "--nk", "40,64", *common]) == 0
-    first = (out_dir / triton_json.file_name(gemmtune.current_device().arch, "A16W16_FP16", 40,
+    first = (out_dir / triton_json.file_name(run_prefix(), "A16W16_FP16", 40,
                                               64)).read_text()
     capsys.readouterr()
     assert main(["tune-triton", "splitk", "--nk", "40,64", "--nk", "24,96", "--resume",
                  *common]) == 0
     err = capsys.readouterr().err
     assert "tuning 1 shape(s)" in err and "N=24 K=96" in err  # the finished (N, K) is kept
-    arch = gemmtune.current_device().arch
-    assert (out_dir / triton_json.file_name(arch, "A16W16_FP16", 40, 64)).read_text() == first
+    prefix = run_prefix()
+    assert (out_dir / triton_json.file_name(prefix, "A16W16_FP16", 40, 64)).read_text() == first
     # The default counts the kept file beside the new one.
     monkeypatch.setattr(triton_json, "default_of", spy(triton_json.default_of, calls := []))
     assert main(["tune-triton", "splitk", "--nk", "40,64", "--nk", "24,96", "--resume",
                  *common]) == 0
     ((per_nk, tuned),) = calls
     assert tuned == 2 and [set(buckets) for buckets in per_nk] == [{"small"}, {"small"}]
-    default = read_configs(out_dir / triton_json.file_name(arch, "A16W16_FP16"))
+    default = read_configs(out_dir / triton_json.file_name(prefix, "A16W16_FP16"))
     assert set(default) == {"small"}
     assert "N=40 K=64: kept from an earlier run" in err
 
@@ -575,8 +581,8 @@ def test_tune_triton_resume_retunes_a_corrupt_file_and_drops_a_stale_one(tmp_pat
 
     out_dir = tmp_path / "cfg"
     out_dir.mkdir()
-    arch = gemmtune.current_device().arch
-    corrupt = out_dir / triton_json.file_name(arch, "A16W16_FP16", 40, 64)
+    prefix = run_prefix()
+    corrupt = out_dir / triton_json.file_name(prefix, "A16W16_FP16", 40, 64)
     corrupt.write_text("{ not json")
     common = ["--m", "1", "--dtype", "fp16", "--space", tiny_space(tmp_path), "-o", str(out_dir)]
     assert main(["tune-triton", "splitk", "--nk", "40,64", "--resume", *common]) == 0
@@ -589,7 +595,7 @@ def test_tune_triton_resume_retunes_a_corrupt_file_and_drops_a_stale_one(tmp_pat
                         lambda *a, **kw: ({}, ["small left to torch (best config 1.20x its time)"]))
     assert main(["tune-triton", "splitk", "--nk", "40,64", *common]) == 0
     assert read_configs(corrupt) == {}
-    assert read_configs(out_dir / triton_json.file_name(arch, "A16W16_FP16")) == {}
+    assert read_configs(out_dir / triton_json.file_name(prefix, "A16W16_FP16")) == {}
     assert "small left to torch" in capsys.readouterr().err
 
 
@@ -598,6 +604,6 @@ def test_tune_triton_persistent_kernel(tmp_path):
     # fp16: interpreter workers run without the test shim, so bf16 dots are wrong there.
     assert main(["tune-triton", "persistent", "--nk", "40,64", "--m", "20", "--dtype", "fp16",
                  "--space", tiny_space(tmp_path, GROUP_SIZE_M=[1, 4]), "-o", str(out_dir)]) == 0
-    arch = gemmtune.current_device().arch
-    (cfg,) = read_configs(out_dir / triton_json.file_name(arch, "A16W16_FP16", 40, 64)).values()
+    prefix = run_prefix()
+    (cfg,) = read_configs(out_dir / triton_json.file_name(prefix, "A16W16_FP16", 40, 64)).values()
     assert cfg.kernel.startswith("triton.persistent:BM16.BN32.BK32.G")

@@ -51,6 +51,12 @@ def bucket_of(m: int) -> str:
     return BUCKETS[-1][0]
 
 
+def tuned_prefix(arch: str, gpu: str = "") -> str:
+    """The prefix of the files a tuning run writes: the GPU model where there is one (dispatch
+    looks for it before the arch's, so a user's own run beats the shipped ``sm_90`` files)."""
+    return gpu or arch
+
+
 def file_name(arch: str, tag: str, n: int | None = None, k: int | None = None) -> str:
     base = f"{arch}-GEMM-{tag}"
     return f"{base}.json" if n is None else f"{base}-N={n}-K={k}.json"

@@ -355,8 +355,7 @@ def run(args: argparse.Namespace, target: TritonTarget, out=None) -> int:
         here = current_device()
         device = (here.arch, here.cu_num, here.gpu)
     arch, _, gpu = device
-    # Files are named after the GPU model where there is one, as dispatch looks for them first.
-    prefix = gpu or arch
+    prefix = triton_json.tuned_prefix(arch, gpu)
     kept: dict[tuple[int, int], dict] = {}
     for nk in args.nk if args.resume else []:
         configs = _readable(out_dir / triton_json.file_name(prefix, target.tag, *nk), out)
