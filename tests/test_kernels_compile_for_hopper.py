@@ -172,11 +172,12 @@ GEMV_SCRIPT = textwrap.dedent("""
 
     # The split-K kernel's swapped dot (swap_ab): w's 64 rows as a warpgroup MMA's M, x's 16
     # rows as its N, FP8 from shared memory; unswapped, 16 rows of x only reach mma.sync.
-    def splitk_ptx(swap, promote_k=None):
+    def splitk_ptx(swap, promote_k=None, tiled=False):
         return ptx(gemm_splitk.gemm_splitk_kernel, "fp8e4nv",
                    dict(HAS_BIAS=False, SCALE_A=1, SCALE_B=1, USE_WORKSPACE=True,
                         INPUT_PRECISION="tf32", MAX_IMPRECISE_ACC=promote_k, BLOCK_M=16, BLOCK_N=64,
-                        BLOCK_K=128, SPLIT_CHUNK=16, PDL=1, W_ELEM_BYTES=1, SWAP_AB=swap),
+                        BLOCK_K=128, SPLIT_CHUNK=16, PDL=1, W_ELEM_BYTES=1, SWAP_AB=swap,
+                        W_TILED=tiled),
                    num_warps=4, num_stages=4)
 
     fast = splitk_ptx(True)
@@ -188,6 +189,12 @@ GEMV_SCRIPT = textwrap.dedent("""
     assert "wgmma.mma_async.sync.aligned.m64n16k32" in promoted
     assert promoted.count("add.f32") > fast.count("add.f32"), (promoted.count("add.f32"),
                                                                fast.count("add.f32"))
+    # A pre-shuffled w (W_TILED) is copied to shared memory in 16-byte pieces as rows are: the
+    # tile addressing keeps the copies vectorised, and the dot is the same warpgroup MMA.
+    tiled = splitk_ptx(True, tiled=True)
+    assert "wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3" in tiled
+    copies = [t.count("cp.async.cg.shared.global") for t in (fast, tiled)]
+    assert copies[0] > 0 and copies[0] == copies[1], copies
     print("ok")
 """)
 

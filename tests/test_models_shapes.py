@@ -339,11 +339,14 @@ def shaped(family, rows):
 def test_bf16_rows_columns_order_and_values():
     spec = load_model_dir(FIXTURES / "tiny-llama")
     rows = untuned_rows(spec, 2, m_values=(16, 1, 16))
-    assert set(rows) == {"bf16", "a8w8", "a8w8_blockscale"}  # dense: no fmoe
+    # dense: no fmoe
+    assert set(rows) == {"bf16", "a8w8", "a8w8_blockscale", "a8w8_bpreshuffle"}
     bf16 = shaped("bf16", rows["bf16"])
-    # a8w8: the same GEMMs with FP8 weights, in the same order.
+    # a8w8: the same GEMMs with FP8 weights, in the same order; pre-shuffled too (every weight
+    # here tiles: N a multiple of 16, K of 128).
     assert [r.key for r in rows["a8w8"]] == [
         (r["M"], r["N"], r["K"], "torch.float8_e4m3fn") for r in bf16]
+    assert [r.key for r in rows["a8w8_bpreshuffle"]] == [r.key for r in rows["a8w8"]]
     assert [r.key for r in rows["a8w8_blockscale"]] == [
         (r["M"], r["N"], r["K"]) for r in bf16]
     # tp=2 shapes sorted by (N, K): (768,1024) (1024,512) (1024,1408) (2816,1024) (16000,1024); M 1 then 16.

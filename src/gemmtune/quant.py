@@ -34,6 +34,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from gemmtune.kernels import preshuffle
 from gemmtune.tables.values import QuantType
 
 __all__ = [
@@ -44,6 +45,7 @@ __all__ = [
     "quantize", "dequantize",
     "token_channel_quantisers",
     "MOE_QUANT_TYPES", "quantize_experts", "dequantize_experts",
+    "shuffle_weight", "unshuffle_weight",
 ]
 
 FP8_DTYPE = torch.float8_e4m3fn  # Hopper's FP8 compute format (no e4m3fnuz on NVIDIA)
@@ -381,3 +383,16 @@ def dequantize_experts(q: torch.Tensor, scale: torch.Tensor,
                        q_type: QuantType | str) -> torch.Tensor:
     """fp32 experts from ``quantize_experts``'s output."""
     return dequant_per_block(q, scale, _experts_block(q, _quant_type(q_type)))
+
+
+def shuffle_weight(wq: torch.Tensor) -> torch.Tensor:
+    """An FP8 or INT8 weight (N, K) packed once for ``gemm_a8w8_bpreshuffle``: 16-row x
+    128-byte tiles, each contiguous (``gemmtune.kernels.preshuffle``). Same shape and dtype,
+    a new contiguous tensor; N must be a multiple of 16 and K of 128 (ValueError otherwise).
+    Its scales (per channel of the row-major weight) are used as they are."""
+    return preshuffle.shuffle(wq)
+
+
+def unshuffle_weight(wq_shuffled: torch.Tensor) -> torch.Tensor:
+    """The row-major weight back from ``shuffle_weight``'s result."""
+    return preshuffle.unshuffle(wq_shuffled)

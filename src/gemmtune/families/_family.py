@@ -56,6 +56,9 @@ class Family:
     # (M, N, K, dtype short name, bias=False) -> the key of that GEMM: bench, tune-triton and
     # model shapes (a key without a bias column ignores it).
     gemm_key: Callable[..., tuple] | None = None
+    # (N, K, dtype short name) -> why the family has no GEMM of that weight shape, or None
+    # (a pre-shuffled weight must tile): model shapes leave such rows out
+    why_not_gemm: Callable[[int, int, str], str | None] | None = None
     # input dtype -> TAG of its Triton JSON config files ({arch}-GEMM-{TAG}-N=..-K=...json)
     triton_json_tags: Mapping[torch.dtype, str] = field(default_factory=dict)
     # tune-triton tunes this family's tags only where --family names it: another family owns

@@ -50,16 +50,17 @@ def gemm_schema(family: str, tuned_file: str, untuned_file: str, key_type: type,
 
 
 def gemm_registry(family: str, torch_name: str, torch_backend, triton_prefixes: tuple[str, ...],
-                  *, block_scales: bool = False, cublaslt: str = "",
+                  *, block_scales: bool = False, w_tiled: bool = False, cublaslt: str = "",
                   torch_bind=None) -> KernelRegistry:
     """The backends of a GEMM family: its torch backend by name (``torch_bind`` its ``bind``),
-    Triton kernels of the given prefixes (built for block scales or not), and with ``cublaslt``
-    ("unscaled" or "scaled") the cuBLASLt kernel of that kind, nvmath being loaded when a row
-    first names one."""
+    Triton kernels of the given prefixes (built for block scales or not, for pre-shuffled
+    weights or not), and with ``cublaslt`` ("unscaled" or "scaled") the cuBLASLt kernel of that
+    kind, nvmath being loaded when a row first names one."""
     registry = KernelRegistry(family)
     registry.register_exact(torch_name, torch_backend, torch_bind)
     for prefix in triton_prefixes:
-        registry.register(prefix, functools.partial(TritonKernel, block_scales=block_scales))
+        registry.register(prefix, functools.partial(TritonKernel, block_scales=block_scales,
+                                                    w_tiled=w_tiled))
     if cublaslt:
         registry.register("cublaslt", functools.partial(_cublaslt_kernel, cublaslt == "scaled"))
     return registry

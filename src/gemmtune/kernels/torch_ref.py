@@ -1,6 +1,7 @@
 """The ``torch`` backends (the floor every tuned kernel must beat) and the fp32 references of
 every GEMM op: ``gemm_a16w16`` (``F.linear``), ``gemm_a8w8`` (``torch._scaled_mm`` /
-``torch._int_mm``) and ``gemm_a8w8_blockscale`` (``torch._scaled_mm`` with block scales).
+``torch._int_mm``), ``gemm_a8w8_bpreshuffle`` (the weight unshuffled, then as ``gemm_a8w8``) and
+``gemm_a8w8_blockscale`` (``torch._scaled_mm`` with block scales).
 
 A backend is called as dispatch calls every kernel: ``(x, w, bias, out_dtype, scale_a, scale_b,
 out=None)`` with x (..., K) and w (N, K); ``out`` (the tuner's NaN-poisoned buffer) receives a
@@ -15,10 +16,13 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from gemmtune.kernels.preshuffle import unshuffle
+
 # The names tables give the torch backends (kernelName).
 TORCH_LINEAR = "torch.linear"
 TORCH_SCALED_MM = "torch.scaled_mm"
 TORCH_BLOCKSCALE = "torch.scaled_mm_blockwise"
+TORCH_UNSHUFFLED = "torch.unshuffle_scaled_mm"
 
 _FP8 = {getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, n)}
 # torch.mm(..., out_dtype=) (bf16/fp16 in, fp32 out) arrived in torch 2.8; older ones take the
@@ -144,6 +148,13 @@ def scaled_mm_torch(xq, wq, bias, out_dtype, x_scale, w_scale, out=None):  # xq 
         y = (y + bias.float()).to(out_dtype)
     y = y.view(*xq.shape[:-1], n)
     return y if out is None else out.copy_(y)
+
+
+def unshuffled_scaled_mm_torch(xq, wq, bias, out_dtype, x_scale, w_scale, out=None):
+    """The torch backend of pre-shuffled weights (``gemmtune.kernels.preshuffle``): the weight
+    put back in rows (a copy of it per call), then ``scaled_mm_torch``. The reference the
+    tuned kernels are checked against, not a fast path."""
+    return scaled_mm_torch(xq, unshuffle(wq), bias, out_dtype, x_scale, w_scale, out)
 
 
 def bind_scaled_mm(xq, wq, bias, out_dtype, x_scale, w_scale):

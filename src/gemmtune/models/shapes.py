@@ -447,7 +447,8 @@ def untuned_rows(
     fmoe_q_type: QuantType = QuantType.No, ep: int = 1,
 ) -> dict[str, list[Row]]:
     """Untuned-table rows per family name: the model's dense GEMMs for every family with a GEMM
-    key, in its default dtype (bf16; FP8 weights for a8w8 and a8w8_blockscale), and fmoe for
+    key, in its default dtype (bf16; FP8 weights for the a8w8 families; only the weight shapes
+    a family takes: ``Family.why_not_gemm``), and fmoe for
     MoE models (bf16 experts, or FP8 ones quantised by ``fmoe_q_type``; per EP rank with ``ep``).
 
     Rows are ordered by (N, K, bias) then M (fmoe: by shape, then token) and hold no duplicates.
@@ -459,8 +460,10 @@ def untuned_rows(
         if family.gemm_key is None or not family.bench_dtypes:
             continue
         # A family whose key has no bias column gives one key for both: keep it once.
-        keys = (family.gemm_key(m, n, k, family.bench_dtypes[0], bias=bias)
-                for n, k, bias in gemms for m in ms)
+        dtype = family.bench_dtypes[0]
+        keys = (family.gemm_key(m, n, k, dtype, bias=bias) for n, k, bias in gemms
+                if family.why_not_gemm is None or family.why_not_gemm(n, k, dtype) is None
+                for m in ms)
         rows[family.name] = [Row("", 0, key) for key in dict.fromkeys(keys)]
     moe = sorted({(s.model_dim, s.inter_dim, s.expert, s.topk) for s in moe_shapes(spec, tp, ep)})
     if fmoe_q_type is not QuantType.No and fmoe_q_type not in SCALINGS:

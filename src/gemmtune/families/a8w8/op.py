@@ -9,16 +9,14 @@ Registered as the custom op ``torch.ops.gemmtune.gemm_a8w8`` (shapes-only fake),
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple, Optional
 
 import torch
 
 from gemmtune.device import DeviceId
 from gemmtune.dispatch import Dispatcher
-from gemmtune.families._gemm import (OUT_DTYPES, TUNED_OUT_DTYPE, check_multiply,
-                                     check_out_dtype_and_device, gemm_registry, gemm_schema,
-                                     json_config_or)
+from gemmtune.families._gemm import TUNED_OUT_DTYPE, gemm_registry, gemm_schema, json_config_or
+from gemmtune.families._scaled_op import RowwiseScaledOp, check_rowwise_scaled
 from gemmtune.families._switches import compiler as _compiler
 from gemmtune.families._switches import dynamo_compiling as _dynamo_compiling
 from gemmtune.kernels.problem import GemmProblem, Scaling
@@ -26,9 +24,6 @@ from gemmtune.kernels.torch_ref import TORCH_SCALED_MM, bind_scaled_mm, scaled_m
 from gemmtune.kernels.triton.dispatchable import PREFIXES as TRITON_PREFIXES
 from gemmtune.tables.schema import Column, Kind
 from gemmtune.tables.values import DTYPE_NAMES, to_torch_dtype
-
-Q_DTYPES = (torch.float8_e4m3fn, torch.int8)
-
 
 class A8w8Key(NamedTuple):
     M: int
@@ -77,65 +72,17 @@ _CALLS = DISPATCH.calls  # the eager hot path's dict (Dispatcher.remember)
 
 
 def _check(xq, wq, x_scale, w_scale, bias, dtype) -> None:
-    check_multiply("gemm_a8w8", xq, wq)
-    if xq.dtype not in Q_DTYPES or wq.dtype != xq.dtype:
-        raise TypeError(f"gemm_a8w8: xq is {xq.dtype} and wq {wq.dtype}; both must be one of "
-                        f"{', '.join(str(d) for d in Q_DTYPES)} (quantise with gemmtune.quant)")
-    check_out_dtype_and_device("gemm_a8w8", xq, wq, dtype, OUT_DTYPES)
-    m = math.prod(xq.shape[:-1])
-    for name, s, count, per in (("x_scale", x_scale, m, "token (row of xq)"),
-                                ("w_scale", w_scale, wq.shape[0], "channel (row of wq)")):
-        if (not isinstance(s, torch.Tensor) or s.dtype != torch.float32
-                or s.device != xq.device or s.numel() not in (1, count)
-                or not s.is_contiguous()):
-            got = (f"{tuple(s.shape)} {s.dtype} on {s.device}" if isinstance(s, torch.Tensor)
-                   else type(s).__name__)
-            raise ValueError(f"gemm_a8w8: {name} must be contiguous float32 on {xq.device} with "
-                             f"1 value (per tensor) or {count} (one per {per}); got {got}")
-    if bias is not None and (bias.shape != (wq.shape[0],) or bias.device != xq.device
-                             or not bias.is_floating_point()):
-        raise ValueError(f"gemm_a8w8: bias must be a float ({wq.shape[0]},) tensor on "
-                         f"{xq.device}, got {tuple(bias.shape)} {bias.dtype} on {bias.device}")
+    check_rowwise_scaled("gemm_a8w8", xq, wq, x_scale, w_scale, bias, dtype)
 
 
-def _plan(xq, wq, x_scale, w_scale, bias, dtype, kernel):
-    args = (xq, wq, x_scale, w_scale, bias, dtype)
-    try:
-        k = xq.shape[-1]
-        m = xq.numel() // k if k else math.prod(xq.shape[:-1])
-        # The plan key holds everything the checks depend on but the scales' contiguity, which
-        # the call key holds (and reshape(-1) in _run makes good for the checked path).
-        device = xq.get_device()
-        key = (m, wq.shape[0], k, xq.dtype, wq.dtype, wq.dim(), wq.shape[-1], wq.get_device(),
-               x_scale.numel(), x_scale.dtype, x_scale.get_device(),
-               w_scale.numel(), w_scale.dtype, w_scale.get_device(),
-               None if bias is None else (bias.dtype, tuple(bias.shape), bias.get_device()),
-               dtype, device)
-    except (AttributeError, IndexError, ValueError):
-        _check(*args)
-        raise
-    return DISPATCH.plan_for(key, device, kernel, _check, args)
-
-
-def _run(xq, wq, x_scale, w_scale, bias, dtype, kernel):
-    plan = _plan(xq, wq, x_scale, w_scale, bias, dtype, kernel)
-    return plan.run(xq, wq, bias, dtype, x_scale.reshape(-1), w_scale.reshape(-1))
-
-
-def _run_and_remember(call_key: tuple, xq, wq, x_scale, w_scale, bias, dtype, kernel):
-    """The first eager call with ``call_key``: checked in full, planned, and its plan's kernel
-    bound to the key for the calls after it."""
-    _check(xq, wq, x_scale, w_scale, bias, dtype)
-    plan = _plan(xq, wq, x_scale, w_scale, bias, dtype, kernel)
-    run = DISPATCH.remember(call_key, plan, (xq, wq, bias, dtype, x_scale, w_scale))
-    return run(xq, wq, bias, x_scale, w_scale)
+_OP = RowwiseScaledOp(DISPATCH, _check)
 
 
 @torch.library.custom_op("gemmtune::gemm_a8w8", mutates_args=())
 def _gemm_a8w8_op(xq: torch.Tensor, wq: torch.Tensor, x_scale: torch.Tensor,
                   w_scale: torch.Tensor, bias: Optional[torch.Tensor],
                   dtype: torch.dtype, kernel_name: Optional[str] = None) -> torch.Tensor:
-    return _run(xq, wq, x_scale, w_scale, bias, dtype, kernel_name)
+    return _OP.run(xq, wq, x_scale, w_scale, bias, dtype, kernel_name)
 
 
 @_gemm_a8w8_op.register_fake
@@ -167,5 +114,5 @@ def gemm_a8w8(xq: torch.Tensor, wq: torch.Tensor, x_scale: torch.Tensor, w_scale
                 None if bias is None else (bias.shape, bias.dtype, bias.get_device()))
     run = _CALLS.get(call_key)
     if run is None:
-        return _run_and_remember(call_key, xq, wq, x_scale, w_scale, bias, dtype, kernel)
+        return _OP.run_and_remember(call_key, xq, wq, x_scale, w_scale, bias, dtype, kernel)
     return run(xq, wq, bias, x_scale, w_scale)

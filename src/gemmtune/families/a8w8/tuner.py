@@ -11,8 +11,8 @@ import torch
 
 from gemmtune import quant
 from gemmtune.families._gemm_tuner import GemmCall, GemmTuner
-from gemmtune.families.a8w8.op import (Q_DTYPES, REGISTRY, SCHEMA, TUNED_OUT_DTYPE, A8w8Key,
-                                      problem_of)
+from gemmtune.families._scaled_op import Q_DTYPES
+from gemmtune.families.a8w8.op import REGISTRY, SCHEMA, TUNED_OUT_DTYPE, A8w8Key, problem_of
 from gemmtune.kernels.torch_ref import TORCH_SCALED_MM, gemm_a8w8_ref
 from gemmtune.measure.accuracy import TOLERANCES
 from gemmtune.tune.family import Candidate, Prepared

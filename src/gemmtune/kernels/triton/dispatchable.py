@@ -30,6 +30,7 @@ class _KernelModule(NamedTuple):
     call: Callable | None  # the launch as a KernelCall, where it can be replayed
     # (config, dtype) -> why the config cannot take FP8 block scales, or None
     why_not_block_scaled: Callable = _checks.why_not_block_scaled
+    reads_tiled_w: bool = False  # its launch takes w_tiled (gemmtune.kernels.preshuffle)
 
 
 def _kernel_module(prefix: str) -> _KernelModule:
@@ -39,12 +40,13 @@ def _kernel_module(prefix: str) -> _KernelModule:
     if prefix == "triton.tile":
         from gemmtune.kernels.triton import gemm_tile as m
 
-        return _KernelModule(m, m.TileConfig, m.launch_gemm_tile, m.gemm_tile, m.tile_call)
+        return _KernelModule(m, m.TileConfig, m.launch_gemm_tile, m.gemm_tile, m.tile_call,
+                             reads_tiled_w=True)
     if prefix == "triton.splitk":
         from gemmtune.kernels.triton import gemm_splitk as m
 
         return _KernelModule(m, m.SplitKConfig, m.launch_gemm_splitk, m.gemm_splitk,
-                             m.splitk_call)
+                             m.splitk_call, reads_tiled_w=True)
     if prefix == "triton.gemv":
         from gemmtune.kernels.triton import gemm_gemv as m
 
@@ -61,10 +63,15 @@ def _kernel_module(prefix: str) -> _KernelModule:
 
 class TritonKernel:
     """One named config of one Triton kernel family. ``block_scales``: the kernel applies FP8
-    block scales (``gemm_a8w8_blockscale``), which its launch must be told."""
+    block scales (``gemm_a8w8_blockscale``), which its launch must be told. ``w_tiled``: it
+    reads pre-shuffled weights (``gemm_a8w8_bpreshuffle``), as only some kernels can."""
 
-    def __init__(self, name: str, block_scales: bool = False):
-        kernel = _kernel_module(name.split(":", 1)[0])
+    def __init__(self, name: str, block_scales: bool = False, w_tiled: bool = False):
+        prefix = name.split(":", 1)[0]
+        kernel = _kernel_module(prefix)
+        if w_tiled and not kernel.reads_tiled_w:
+            raise ValueError(f"{prefix} kernels do not read pre-shuffled weights; "
+                             f"triton.splitk and triton.tile do")
         self._module = kernel.module
         self._launch = kernel.launch
         self._validating_launch = kernel.validating_launch
@@ -74,24 +81,33 @@ class TritonKernel:
         self._replays: dict[tuple, Replay] = {}
         self.config = kernel.config_cls.from_name(name)
         self.name = self.config.name
-        # Only block-scaled kernels pass the flag: the common launch passes no extra argument.
-        self._launch_kwargs = {"block_scales": True} if block_scales else {}
+        # Only block-scaled and tiled kernels pass a flag: the common launch passes no extra
+        # argument. The validating launchers (only called to explain a bad call) take no w_tiled.
+        self._validating_kwargs = {"block_scales": True} if block_scales else {}
+        self._launch_kwargs = {**self._validating_kwargs, **({"w_tiled": True} if w_tiled else {})}
+        self._w_tiled = w_tiled
 
     def __repr__(self) -> str:
         return f"TritonKernel({self.name!r})"
 
     def check(self, problem: GemmProblem) -> str | None:
         """Why this config cannot run ``problem``, or None."""
-        blocks = bool(self._launch_kwargs)
+        blocks = bool(self._validating_kwargs)
         if blocks != (problem.scaling is Scaling.block):
             return (f"{self.name} was built {'with' if blocks else 'without'} block scales; the "
                     f"problem has {problem.scaling.value} scales")
-        if problem.preshuffled:
-            return "pre-shuffled weights are not supported by the Triton kernels"
+        if problem.preshuffled != self._w_tiled:
+            return (f"{self.name} was built for pre-shuffled weights; the problem's are row-major"
+                    if self._w_tiled else "pre-shuffled weights need a kernel built for them "
+                    "(the a8w8_bpreshuffle family's)")
         why = self._module.why_not_supported(self.config, problem.m, problem.n, problem.k,
                                              problem.dtype, problem.out_dtype)
         if why is None and blocks:
             why = self._why_not_block_scaled(self.config, problem.dtype)
+        if why is None and self._w_tiled:
+            from gemmtune.kernels.triton._wlayout import why_not_tiled
+
+            why = why_not_tiled(self.config, problem.n, problem.k, problem.dtype)
         return why
 
     def warmup(self, x, w, bias, out_dtype, scale_a, scale_b) -> None:
@@ -106,7 +122,7 @@ class TritonKernel:
         if (scale_a is None) != (scale_b is None):
             # The validating launcher explains what is wrong.
             return self._validating_launch(x, w, bias, out_dtype, scale_a, scale_b, self.config,
-                                           **self._launch_kwargs)
+                                           **self._validating_kwargs)
         n = w.shape[0]
         x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
         y = torch.empty((x2.shape[0], n), dtype=out_dtype, device=x.device) if out is None \

@@ -40,6 +40,7 @@ from gemmtune.kernels.triton._replay import KernelCall, launch
 from gemmtune.kernels.triton._splits import (MAX_SPLIT_K, PDL_OFF, PDL_PREFETCH, PDL_WAIT,
                                              pdl_supported, split_chunk, store_split_tile,
                                              workspace)
+from gemmtune.kernels.triton._wlayout import w_tile_pointers
 
 KERNEL_PREFIX = "triton.splitk"
 
@@ -324,6 +325,7 @@ def gemm_splitk_kernel(
     PDL: tl.constexpr,
     W_ELEM_BYTES: tl.constexpr,
     SWAP_AB: tl.constexpr,
+    W_TILED: tl.constexpr,  # w pre-shuffled (gemmtune.kernels.preshuffle); strides unused
 ):
     # Axis 0: output tiles, M fastest, so the M tiles that share a w tile run side by side and
     # all but the first read it from L2. Axis 1: the split of K.
@@ -352,12 +354,12 @@ def gemm_splitk_kernel(
     # stride_xk = M.
     ks = (step_lo * BLOCK_K).to(tl.int64) + offs_k.to(tl.int64)
     x_ptrs = x_ptr + rows[:, None] * stride_xm + ks[None, :] * stride_xk  # (BM, BK)
-    w_ptrs = w_ptr + ks[:, None] * stride_wk + cols[None, :] * stride_wn  # (BK, BN): w.T's tile
+    # (BK, BN): w.T's tile
+    w_ptrs, w_step = w_tile_pointers(w_ptr, ks, cols, K, stride_wk, stride_wn, BLOCK_K, W_TILED)
     # tl.cast, not .to(): a stride of 1 arrives as a constexpr, which has no .to().
     x_step = tl.cast(stride_xk, tl.int64) * BLOCK_K
-    w_step = tl.cast(stride_wk, tl.int64) * BLOCK_K
 
-    if PDL == 2:
+    if PDL == 2:  # never with W_TILED (_wlayout.why_not_tiled): the rows are not contiguous
         # The rows of this program's w slice, from its first K step: one thread per row.
         slice_bytes = (tl.minimum(step_hi * BLOCK_K, K) - step_lo * BLOCK_K) * W_ELEM_BYTES
         nbytes = tl.minimum(slice_bytes, prefetch_row_bytes) // 16 * 16
@@ -438,7 +440,7 @@ def prefetch_row_bytes(w: torch.Tensor, split_k: int) -> int:
 
 def splitk_call(x, w, bias, out, scale_a, scale_b, config: SplitKConfig,
                 counters: torch.Tensor | None = None, warmup: bool = False,
-                block_scales: bool = False) -> KernelCall:
+                block_scales: bool = False, w_tiled: bool = False) -> KernelCall:
     """The launch of ``launch_gemm_splitk`` as data (what a dispatch plan records and replays),
     its split-K workspace made as that function's docstring says."""
     M, K = x.shape
@@ -467,7 +469,8 @@ def splitk_call(x, w, bias, out, scale_a, scale_b, config: SplitKConfig,
         SPLIT_CHUNK=split_chunk(config.block_m, config.block_n, config.num_warps),
         PDL=pdl,
         W_ELEM_BYTES=w.element_size(),
-        SWAP_AB=bool(config.swap_ab))
+        SWAP_AB=bool(config.swap_ab),
+        W_TILED=w_tiled)
     return KernelCall(gemm_splitk_kernel, (tiles, config.split_k), args, constexprs,
                       dict(num_warps=config.num_warps, num_stages=config.num_stages),
                       launch_pdl=pdl != PDL_OFF, replayable=not per_call)
@@ -475,7 +478,7 @@ def splitk_call(x, w, bias, out, scale_a, scale_b, config: SplitKConfig,
 
 def launch_gemm_splitk(x, w, bias, out, scale_a, scale_b, config: SplitKConfig,
                        counters: torch.Tensor | None = None, warmup: bool = False,
-                       block_scales: bool = False) -> torch.Tensor:
+                       block_scales: bool = False, w_tiled: bool = False) -> torch.Tensor:
     """The launch alone, for callers that validated once per shape (dispatch plans). ``out`` is
     (M, N) with M, N > 0.
 
@@ -488,7 +491,9 @@ def launch_gemm_splitk(x, w, bias, out, scale_a, scale_b, config: SplitKConfig,
     never used by two launches at once (one stream at a time).
     ``warmup``: compile for these arguments without launching (and without the memset).
     ``block_scales``: ``scale_a``/``scale_b`` are FP8 block scales (see ``block_scaled_dot``).
+    ``w_tiled``: w is pre-shuffled (``gemmtune.kernels.preshuffle``; the caller checked
+    ``_wlayout.why_not_tiled``).
     """
     launch(splitk_call(x, w, bias, out, scale_a, scale_b, config, counters, warmup,
-                       block_scales), warmup)
+                       block_scales, w_tiled), warmup)
     return out

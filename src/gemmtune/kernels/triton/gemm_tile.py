@@ -19,6 +19,7 @@ from gemmtune.kernels.triton._epilogue import (SCALE_BLOCK, block_scaled_dot,
                                                epilogue_constexprs, epilogue_operands,
                                                operand_strides, store_tile)
 from gemmtune.kernels.triton._replay import KernelCall, launch
+from gemmtune.kernels.triton._wlayout import w_tile_pointers
 
 KERNEL_PREFIX = "triton.tile"
 
@@ -145,6 +146,7 @@ def gemm_tile_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
+    W_TILED: tl.constexpr,  # w pre-shuffled (gemmtune.kernels.preshuffle); strides unused
 ):
     pid_m, pid_n = grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N),
                                 GROUP_M)
@@ -162,10 +164,10 @@ def gemm_tile_kernel(
     # transposed view has stride_xk = M.
     ks = offs_k.to(tl.int64)
     x_ptrs = x_ptr + rows[:, None] * stride_xm + ks[None, :] * stride_xk  # (BM, BK)
-    w_ptrs = w_ptr + ks[:, None] * stride_wk + cols[None, :] * stride_wn  # (BK, BN): w.T's tile
+    # (BK, BN): w.T's tile
+    w_ptrs, w_step = w_tile_pointers(w_ptr, ks, cols, K, stride_wk, stride_wn, BLOCK_K, W_TILED)
     # tl.cast, not .to(): a stride of 1 arrives as a constexpr, which has no .to().
     x_step = tl.cast(stride_xk, tl.int64) * BLOCK_K
-    w_step = tl.cast(stride_wk, tl.int64) * BLOCK_K
 
     # int8 x int8 accumulates exactly in int32; everything else in fp32.
     acc = tl.zeros((BLOCK_M, BLOCK_N),
@@ -209,7 +211,7 @@ def gemm_tile(
 
 
 def tile_call(x, w, bias, out, scale_a, scale_b, config: TileConfig,
-              block_scales: bool = False) -> KernelCall:
+              block_scales: bool = False, w_tiled: bool = False) -> KernelCall:
     """The launch of ``launch_gemm_tile`` as data (what a dispatch plan records and replays)."""
     M, K = x.shape
     N = w.shape[0]
@@ -226,16 +228,20 @@ def tile_call(x, w, bias, out, scale_a, scale_b, config: TileConfig,
         BLOCK_M=config.block_m,
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
-        GROUP_M=config.group_m)
+        GROUP_M=config.group_m,
+        W_TILED=w_tiled)
     return KernelCall(gemm_tile_kernel, grid, args, constexprs,
                       dict(num_warps=config.num_warps, num_stages=config.num_stages))
 
 
 def launch_gemm_tile(x, w, bias, out, scale_a, scale_b, config: TileConfig,
-                     warmup: bool = False, block_scales: bool = False) -> torch.Tensor:
+                     warmup: bool = False, block_scales: bool = False,
+                     w_tiled: bool = False) -> torch.Tensor:
     """The launch alone, for callers that validated once per shape (dispatch plans): saves the
     ~5 µs of host checks ``gemm_tile`` does on every call. ``out`` is (M, N) with M, N > 0.
     ``warmup``: compile for these arguments without launching. ``block_scales``:
-    ``scale_a``/``scale_b`` are FP8 block scales (see ``block_scaled_dot``)."""
-    launch(tile_call(x, w, bias, out, scale_a, scale_b, config, block_scales), warmup)
+    ``scale_a``/``scale_b`` are FP8 block scales (see ``block_scaled_dot``). ``w_tiled``: w is
+    pre-shuffled (``gemmtune.kernels.preshuffle``; the caller checked ``_wlayout.why_not_tiled``).
+    """
+    launch(tile_call(x, w, bias, out, scale_a, scale_b, config, block_scales, w_tiled), warmup)
     return out
