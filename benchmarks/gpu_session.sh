@@ -83,6 +83,9 @@ for what in "$@"; do
         preshuffle)  # issue 15 item 2: what a pre-shuffled FP8 weight layout buys, same kernel
             TAIL=20 stage preshuffle "${PRESHUFFLE_LIMIT:-300}" python3 \
                 benchmarks/preshuffle_probe.py --out "$OUT" ;;
+        bpreshuffle)  # issue 15 item 2: gemm_a8w8_bpreshuffle beside gemm_a8w8, presets' (N, K)
+            TAIL=12 stage bpreshuffle "${BPRESHUFFLE_LIMIT:-300}" python3 \
+                benchmarks/bpreshuffle_vs_a8w8.py --m "${BPRESHUFFLE_M:-1,16,32,64}" --out "$OUT" ;;
         fp8acc)  # the Triton FP8 rows' error and time with and without promoted accumulation
             TAIL=12 stage fp8acc "${FP8ACC_LIMIT:-540}" python3 benchmarks/fp8_accumulation.py --out "$OUT" ;;
         a8w8)  # tune FP8 a8w8 on decode and prefill shapes, then bench them through that table
