@@ -160,11 +160,15 @@ GEMV_SCRIPT = textwrap.dedent("""
     gemv = gemm_gemv.gemm_gemv_kernel
     common = dict(HAS_BIAS=True, SPLIT_CHUNK=16, PDL=1)
     whole_k = [ptx(gemv, "bf16", dict(SCALE_A=0, SCALE_B=0, USE_WORKSPACE=False, BLOCK_M=1,
-                                      BLOCK_N=4, BLOCK_K=1024, STAGES=stages, **common))
+                                      BLOCK_N=4, BLOCK_K=1024, STAGES=stages, W_TILED=False,
+                                      **common))
                for stages in (1, 2)]
     split = ptx(gemv, "fp8e4nv", dict(SCALE_A=3, SCALE_B=3, USE_WORKSPACE=True, BLOCK_M=2,
-                                      BLOCK_N=4, BLOCK_K=1024, STAGES=1, **common))
-    for text in (*whole_k, split):
+                                      BLOCK_N=4, BLOCK_K=1024, STAGES=1, W_TILED=False, **common))
+    # A pre-shuffled w (whole 128-byte rows of tiles) streams in 16-byte vectors too.
+    tiled = ptx(gemv, "fp8e4nv", dict(SCALE_A=1, SCALE_B=1, USE_WORKSPACE=True, BLOCK_M=1,
+                                      BLOCK_N=4, BLOCK_K=1024, STAGES=2, W_TILED=True, **common))
+    for text in (*whole_k, split, tiled):
         # w streams in 16-byte vectors, and nothing is loaded before the PDL wait.
         assert "ld.global.v4" in text or "ld.global.nc.v4" in text
         assert -1 < text.find("griddepcontrol.wait") < text.find("ld.global")

@@ -24,6 +24,8 @@ Q_NAMES = {torch.float8_e4m3fn: "torch.float8_e4m3fn", torch.int8: "torch.int8"}
 SPLITK = "triton.splitk:BM16.BN32.BK128.SK2.W4.S2"
 SPLITK_SWAPPED = "triton.splitk:BM16.BN64.BK128.SK2.W4.S3.P0.PK0.SW1"
 TILE = "triton.tile:BM16.BN32.BK256.G2.W4.S2"
+GEMV = "triton.gemv:BN4.BK256.SK2.W4.S1"
+GEMV_TWO_STEPS = "triton.gemv:BN16.BK128.SK1.W4.S2"
 
 
 @pytest.fixture
@@ -98,12 +100,14 @@ def test_model_shapes_leave_out_weights_that_do_not_tile():
 # --- the op ------------------------------------------------------------------------------------
 
 
-# The swapped dot is an FP8 config (a wgmma with w's rows as M); int8 runs the others.
+# The swapped dot (a wgmma with w's rows as M) and the GEMV are FP8 kernels here; int8 runs the
+# others.
 @pytest.mark.parametrize("kernel, M, N, q_dtype", [
     *((kernel, M, N, q_dtype) for kernel, M, N in ((SPLITK, 13, 48), (TILE, 70, 48),
                                                    (TORCH_UNSHUFFLED, 13, 48))
       for q_dtype in Q_DTYPES),
-    (SPLITK_SWAPPED, 5, 64, torch.float8_e4m3fn)])
+    (SPLITK_SWAPPED, 5, 64, torch.float8_e4m3fn), (GEMV, 1, 48, torch.float8_e4m3fn),
+    (GEMV, 3, 48, torch.float8_e4m3fn), (GEMV_TWO_STEPS, 1, 32, torch.float8_e4m3fn)])
 def test_table_row_runs_its_kernel_on_the_shuffled_weight(bpreshuffle_table, kernel, M, N,
                                                           q_dtype):
     K = 384
@@ -133,7 +137,9 @@ def test_row_major_kernels_are_not_this_familys(bpreshuffle_table):
     xq, _, wqs, xs, ws = operands(4, 32, 256, torch.float8_e4m3fn)
     for kernel, why in (("triton.splitk:BM16.BN32.BK64.SK2.W4.S2", "use a multiple of 128"),
                         ("triton.splitk:BM16.BN32.BK128.SK2.W4.S2.P2", "pdl=2 prefetches"),
-                        ("triton.gemv:BN16.BK512.SK4.W4", "no backend for kernelName")):
+                        ("triton.gemv:BN16.BK64.SK4.W4.S1", "use a multiple of 128"),
+                        ("triton.persistent:BM16.BN32.BK128.G2.W4.S2",
+                         "no backend for kernelName")):
         with pytest.raises(ValueError, match=why):
             gemmtune.gemm_a8w8_bpreshuffle(xq, wqs, xs, ws, kernel=kernel)
 
@@ -170,7 +176,8 @@ GPU_SWAPPED = "triton.splitk:BM16.BN128.BK256.SK4.W4.S3.P1.PK128.SW1"
     *((kernel, M, q_dtype) for kernel in (None, "triton.splitk:BM16.BN32.BK256.SK4.W2.S4.P1",
                                           "triton.tile:BM64.BN128.BK128.G8.W4.S3")
       for M in (1, 16, 64, 200, 1000) for q_dtype in Q_DTYPES),
-    *((GPU_SWAPPED, M, torch.float8_e4m3fn) for M in (1, 16, 64))])
+    *((GPU_SWAPPED, M, torch.float8_e4m3fn) for M in (1, 16, 64)),
+    *(("triton.gemv:BN2.BK1024.SK4.W4.S2.P1", M, torch.float8_e4m3fn) for M in (1, 5, 16))])
 def test_gpu_real_sizes(bpreshuffle_table, kernel, M, q_dtype):
     N, K = 1536, 7168
     bpreshuffle_table(*([(M, N, K, Q_NAMES[q_dtype], kernel)] if kernel else []))
@@ -203,9 +210,9 @@ def test_gpu_cuda_graph_replay(bpreshuffle_table):
 
 
 def test_tuner_tries_only_kernels_that_read_the_tiles(tmp_path):
-    """Every candidate passes the gate against the row-major weight's reference; the GEMV and
-    persistent kernels (row-major only) are never candidates; a shape that does not tile fails
-    alone, saying why."""
+    """Every candidate passes the gate against the row-major weight's reference, the GEMV among
+    them for FP8; the persistent TMA kernel and cuBLASLt (row-major only) are never candidates;
+    a shape that does not tile fails alone, saying why."""
     from gemmtune.families.a8w8_bpreshuffle.op import SCHEMA
     from gemmtune.families.a8w8_bpreshuffle.tuner import A8w8BpreshuffleTuner
     from gemmtune.tables.store import read_table
@@ -228,4 +235,5 @@ def test_tuner_tries_only_kernels_that_read_the_tiles(tmp_path):
     assert statuses and all(s == "ok" for _, s in statuses), statuses
     names = [n for n, _ in statuses]
     assert TORCH_UNSHUFFLED in names and any(n.startswith("triton.splitk:") for n in names)
-    assert not any(n.startswith(("triton.gemv:", "triton.persistent:")) for n in names)
+    assert any(n.startswith("triton.gemv:") for n in names)
+    assert not any(n.startswith(("triton.persistent:", "cublaslt")) for n in names)

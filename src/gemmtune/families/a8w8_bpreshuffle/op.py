@@ -1,6 +1,7 @@
 """``gemm_a8w8_bpreshuffle(xq, wq, x_scale, w_scale, dtype) = (xq @ w.T) * x_scale * w_scale``
 with ``wq = gemmtune.quant.shuffle_weight(w)``: the weight packed once into 16-row x 128-byte
-tiles (``gemmtune.kernels.preshuffle``), read by the split-K and tile kernels built for it.
+tiles (``gemmtune.kernels.preshuffle``), read by the split-K, tile and GEMV kernels built for
+it.
 
 Scales and dtypes as ``gemm_a8w8``'s (FP8 or INT8; x_scale per tensor or per token, w_scale per
 tensor or per channel, fp32); N a multiple of 16 and K of 128. Dispatched per shape through
@@ -51,7 +52,7 @@ def problem_of(key: BpreshuffleKey) -> GemmProblem:
 
 # Only the kernels that read the tiled layout (gemmtune.kernels.triton._wlayout).
 REGISTRY = gemm_registry("a8w8_bpreshuffle", TORCH_UNSHUFFLED, unshuffled_scaled_mm_torch,
-                         ("triton.splitk", "triton.tile"), w_tiled=True)
+                         ("triton.splitk", "triton.tile", "triton.gemv"), w_tiled=True)
 
 
 def _to_table_key(raw: tuple) -> BpreshuffleKey:

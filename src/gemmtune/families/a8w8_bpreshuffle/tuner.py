@@ -3,8 +3,8 @@
 Inputs as ``gemm_a8w8``'s tuner makes them (per-token activations with outlier tokens,
 per-channel weights), the weight then pre-shuffled; each candidate is checked against the
 dequantised product of the row-major weight in fp32. Candidates: the torch backend, and the
-split-K and tile configs the a8w8 tuner would try that read the tiled weight (block_k a multiple
-of 128, no row prefetch).
+split-K, tile and GEMV configs the a8w8 tuner would try that read the tiled weight (block_k a
+multiple of 128, no row prefetch).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ class A8w8BpreshuffleTuner(GemmTuner):
     def candidates(self, key: BpreshuffleKey, libtypes: frozenset[str]) -> list[Candidate]:
         p = self.shape(key)
         # The a8w8 tuner's Triton space, less what cannot read the tiled weight (the registry
-        # has only the split-K and tile kernels built for it).
+        # has only the kernels built for it; no persistent TMA kernel, no cuBLASLt).
         return [c for c in self.gemm_candidates(p, libtypes, TORCH_UNSHUFFLED)
                 if c.libtype != "triton" or self._reads_tiled(c.name, p)]
 

@@ -15,19 +15,37 @@ _TILE_BYTES = tl.constexpr(preshuffle.TILE_BYTES)
 
 
 @triton.jit
+def w_row_offsets(cols, K, stride_wn, W_TILED: tl.constexpr):
+    """Element offsets of w's rows ``cols`` (int64) at K = 0: tiled, its 16-row band's start plus
+    the row's 128 bytes within a tile."""
+    if W_TILED:
+        return cols // _TILE_ROWS * (_TILE_ROWS * K) + cols % _TILE_ROWS * _TILE_BYTES
+    else:
+        return cols * stride_wn
+
+
+@triton.jit
+def w_k_offsets(ks, stride_wk, W_TILED: tl.constexpr):
+    """Element offsets of K positions ``ks`` (int64) within a row: tiled, whole 2 KiB tiles
+    along K, then the byte within the tile's row."""
+    if W_TILED:
+        return ks // _TILE_BYTES * (_TILE_ROWS * _TILE_BYTES) + ks % _TILE_BYTES
+    else:
+        return ks * stride_wk
+
+
+@triton.jit
 def w_tile_pointers(w_ptr, ks, cols, K, stride_wk, stride_wn, BLOCK_K: tl.constexpr,
                     W_TILED: tl.constexpr):
     """Pointers to w.T's (BLOCK_K, BLOCK_N) tile at K offsets ``ks`` (int64, from a multiple of
     BLOCK_K) and rows ``cols`` (int64) of w, and the pointer step to the next K block. Tiled, a
     K block that is a multiple of the tile's 128 bytes moves by 16 x BLOCK_K bytes in every band;
     one band's step is then BLOCK_K / 128 contiguous 2 KiB tiles."""
+    ptrs = w_ptr + w_k_offsets(ks, stride_wk, W_TILED)[:, None] \
+        + w_row_offsets(cols, K, stride_wn, W_TILED)[None, :]
     if W_TILED:
-        band = cols // _TILE_ROWS * (_TILE_ROWS * K) + cols % _TILE_ROWS * _TILE_BYTES
-        along_k = ks // _TILE_BYTES * (_TILE_ROWS * _TILE_BYTES) + ks % _TILE_BYTES
-        ptrs = w_ptr + along_k[:, None] + band[None, :]
         step = tl.cast(BLOCK_K * _TILE_ROWS, tl.int64)  # as the else branch's: one type
     else:
-        ptrs = w_ptr + ks[:, None] * stride_wk + cols[None, :] * stride_wn
         # tl.cast, not .to(): a stride of 1 arrives as a constexpr, which has no .to().
         step = tl.cast(stride_wk, tl.int64) * BLOCK_K
     return ptrs, step

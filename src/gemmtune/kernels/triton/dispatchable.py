@@ -51,7 +51,7 @@ def _kernel_module(prefix: str) -> _KernelModule:
         from gemmtune.kernels.triton import gemm_gemv as m
 
         return _KernelModule(m, m.GemvConfig, m.launch_gemm_gemv, m.gemm_gemv, m.gemv_call,
-                             m.why_not_block_scaled)
+                             m.why_not_block_scaled, reads_tiled_w=True)
     if prefix == "triton.persistent":
         from gemmtune.kernels.triton import gemm_persistent as m
 
@@ -71,7 +71,7 @@ class TritonKernel:
         kernel = _kernel_module(prefix)
         if w_tiled and not kernel.reads_tiled_w:
             raise ValueError(f"{prefix} kernels do not read pre-shuffled weights; "
-                             f"triton.splitk and triton.tile do")
+                             f"triton.splitk, triton.tile and triton.gemv do")
         self._module = kernel.module
         self._launch = kernel.launch
         self._validating_launch = kernel.validating_launch

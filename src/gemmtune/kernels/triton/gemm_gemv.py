@@ -40,6 +40,7 @@ from gemmtune.kernels.triton._epilogue import (SCALE_BLOCK, epilogue_constexprs,
 from gemmtune.kernels.triton._replay import KernelCall, launch
 from gemmtune.kernels.triton._splits import (MAX_SPLIT_K, PDL_OFF, PDL_WAIT, pdl_supported,
                                              split_chunk, store_split_tile, workspace)
+from gemmtune.kernels.triton._wlayout import w_k_offsets, w_row_offsets
 
 KERNEL_PREFIX = "triton.gemv"
 # Rows of x one launch takes: all of them live in one program's registers, and the CUDA cores'
@@ -207,17 +208,19 @@ def default_config(M: int, N: int, K: int, dtype: torch.dtype,
 
 
 @triton.jit
-def _w_step(w_rows, step, step_hi, offs_k, K, stride_wk, BLOCK_K: tl.constexpr):
+def _w_step(w_rows, step, step_hi, offs_k, K, stride_wk, BLOCK_K: tl.constexpr,
+            W_TILED: tl.constexpr):
     """Step ``step`` of the program's w rows, as stored (nothing past its last step)."""
     ks = tl.cast(step, tl.int64) * BLOCK_K + offs_k
     k_end = tl.where(step < step_hi, K, 0)
-    return tl.load(w_rows + ks[None, :] * stride_wk, mask=ks[None, :] < k_end, other=0.0)
+    return tl.load(w_rows + w_k_offsets(ks, stride_wk, W_TILED)[None, :],
+                   mask=ks[None, :] < k_end, other=0.0)
 
 
 @triton.jit
 def _steps(x_ptr, w_rows, acc, offs_m, offs_k, step_lo, step_hi, M, K, stride_xm, stride_xk,
            stride_wk, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-           STAGES: tl.constexpr):
+           STAGES: tl.constexpr, W_TILED: tl.constexpr):
     """``acc`` (BLOCK_M, BLOCK_N) plus x @ w.T over steps [step_lo, step_hi). With STAGES 2 the
     next step of w is loaded before this one is used: two loads in flight per thread."""
     # One row of x (decode's M = 1): the products are only added up in w's own layout and
@@ -225,14 +228,14 @@ def _steps(x_ptr, w_rows, acc, offs_m, offs_k, step_lo, step_hi, M, K, stride_xm
     # layout change. More rows: each row of x reduced per step (a 3-D broadcast of x against w
     # would move both through shared memory at every step).
     products = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    w_next = _w_step(w_rows, step_lo, step_hi, offs_k, K, stride_wk, BLOCK_K)
+    w_next = _w_step(w_rows, step_lo, step_hi, offs_k, K, stride_wk, BLOCK_K, W_TILED)
     for step in range(step_lo, step_hi):
         ks = tl.cast(step, tl.int64) * BLOCK_K + offs_k
         if STAGES == 2:
             w = w_next
-            w_next = _w_step(w_rows, step + 1, step_hi, offs_k, K, stride_wk, BLOCK_K)
+            w_next = _w_step(w_rows, step + 1, step_hi, offs_k, K, stride_wk, BLOCK_K, W_TILED)
         else:
-            w = _w_step(w_rows, step, step_hi, offs_k, K, stride_wk, BLOCK_K)
+            w = _w_step(w_rows, step, step_hi, offs_k, K, stride_wk, BLOCK_K, W_TILED)
         w = w.to(tl.float32)
         for m in tl.static_range(BLOCK_M):
             # Rows of x past M read nothing: their K ends at 0.
@@ -317,6 +320,7 @@ def gemm_gemv_kernel(
     SPLIT_CHUNK: tl.constexpr,
     PDL: tl.constexpr,
     STAGES: tl.constexpr,  # steps of w in flight per thread: 1, or 2 (the next one loaded early)
+    W_TILED: tl.constexpr,  # w pre-shuffled (gemmtune.kernels.preshuffle); never block-scaled
 ):
     # Axis 0: row blocks of w; axis 1: the split of K, balanced as in gemm_splitk (split s takes
     # steps [s*n/S, (s+1)*n/S), never empty while SPLIT_K <= n).
@@ -333,7 +337,7 @@ def gemm_gemv_kernel(
     # Rows of w past N re-read row 0 instead of being masked (the store drops them), so w's
     # loads need only the K mask.
     cols = tl.where(offs_n < N, offs_n, 0).to(tl.int64)
-    w_rows = w_ptr + cols[:, None] * stride_wn  # (BLOCK_N, 1)
+    w_rows = w_ptr + w_row_offsets(cols, K, stride_wn, W_TILED)[:, None]  # (BLOCK_N, 1)
     if PDL != 0:
         # Let the next kernel's grid be scheduled now (it waits for this grid to finish before
         # touching memory, as this one does here).
@@ -347,7 +351,7 @@ def gemm_gemv_kernel(
                                   stride_wn, stride_wk, BLOCK_M, BLOCK_N, BLOCK_K)
     else:
         acc = _steps(x_ptr, w_rows, acc, offs_m, offs_k, step_lo, step_hi, M, K, stride_xm,
-                     stride_xk, stride_wk, BLOCK_M, BLOCK_N, BLOCK_K, STAGES)
+                     stride_xk, stride_wk, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, W_TILED)
 
     store_split_tile(acc, pid, split, SPLIT_K, part_ptr, count_ptr, offs_m, offs_n, rows, cols,
                      y_ptr, bias_ptr, scale_a_ptr, scale_b_ptr, M, N, stride_ym, stride_yn,
@@ -377,7 +381,7 @@ def gemm_gemv(
 
 def gemv_call(x, w, bias, out, scale_a, scale_b, config: GemvConfig,
               counters: torch.Tensor | None = None, warmup: bool = False,
-              block_scales: bool = False) -> KernelCall:
+              block_scales: bool = False, w_tiled: bool = False) -> KernelCall:
     """The launch of ``launch_gemm_gemv`` as data (what a dispatch plan records and replays)."""
     M, K = x.shape
     N = w.shape[0]
@@ -402,7 +406,8 @@ def gemv_call(x, w, bias, out, scale_a, scale_b, config: GemvConfig,
         BLOCK_K=config.block_k,
         SPLIT_CHUNK=split_chunk(bm, config.block_n, config.num_warps),
         PDL=pdl,
-        STAGES=config.num_stages)
+        STAGES=config.num_stages,
+        W_TILED=w_tiled)
     return KernelCall(gemm_gemv_kernel, (tiles, config.split_k), args, constexprs,
                       dict(num_warps=config.num_warps, num_stages=1),
                       launch_pdl=pdl != PDL_OFF, replayable=not per_call)
@@ -410,10 +415,11 @@ def gemv_call(x, w, bias, out, scale_a, scale_b, config: GemvConfig,
 
 def launch_gemm_gemv(x, w, bias, out, scale_a, scale_b, config: GemvConfig,
                      counters: torch.Tensor | None = None, warmup: bool = False,
-                     block_scales: bool = False) -> torch.Tensor:
+                     block_scales: bool = False, w_tiled: bool = False) -> torch.Tensor:
     """The launch alone, for callers that validated once per shape (dispatch plans). ``out`` is
     (M, N) with 0 < M <= MAX_M and N > 0. Split launches take their partials and counters as
-    ``gemm_splitk``'s do (``_splits.workspace``); ``counters``: the caller's own zeroed ones."""
-    launch(gemv_call(x, w, bias, out, scale_a, scale_b, config, counters, warmup, block_scales),
-           warmup)
+    ``gemm_splitk``'s do (``_splits.workspace``); ``counters``: the caller's own zeroed ones.
+    ``w_tiled``: w is pre-shuffled (the caller checked ``_wlayout.why_not_tiled``)."""
+    launch(gemv_call(x, w, bias, out, scale_a, scale_b, config, counters, warmup, block_scales,
+                     w_tiled), warmup)
     return out
