@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import dataclasses
 import json
+import math
 import warnings
 
 import pytest
@@ -111,6 +112,40 @@ def test_default_of_keeps_the_buckets_configs_won_for_half_the_nk():
                                                                    "medium_M32": SPLITK}
     assert list(triton_json.default_of(per_nk, tuned=5)) == ["small"]  # a 5th (N, K) has no file
     assert triton_json.default_of([], tuned=0) == {}
+
+
+def test_default_of_takes_the_winner_that_serves_every_nk_and_beats_torch():
+    a, b, c = (BucketConfig(name, {"BLOCK_SIZE_M": 16}) for name in (SPLITK, TILE, "c"))
+    per_nk = [{"small": a, "medium_M32": a}, {"small": a, "medium_M32": b},
+              {"small": b, "medium_M32": c}]
+    # small: a won two (N, K) but runs all of them at 1.05x torch; b, 0.9x. medium_M32: no
+    # winner beats torch across the (N, K); large: not measured (the most common winner).
+    ratios = {("small", SPLITK): 1.05, ("small", TILE): 0.9, ("medium_M32", SPLITK): 1.1,
+              ("medium_M32", TILE): 1.2, ("medium_M32", "c"): 1.0}
+    default = triton_json.default_of(per_nk, tuned=3, vs_torch=lambda b, k: ratios.get((b, k)))
+    assert {bucket: c.kernel for bucket, c in default.items()} == {"small": TILE}
+    per_nk[0]["large"] = per_nk[1]["large"] = b
+    default = triton_json.default_of(per_nk, tuned=3, vs_torch=lambda b, k: ratios.get((b, k)))
+    assert {bucket: c.kernel for bucket, c in default.items()} == {"small": TILE, "large": TILE}
+
+
+def test_across_shapes_vs_torch_from_a_profile():
+    from gemmtune.families.bf16.op import Bf16Key
+    from gemmtune.tune.tune_triton import Screened, across_shapes_vs_torch
+
+    def key(m, n):
+        return Bf16Key(m, n, 64, False, "torch.float16", "torch.float16", False, False)
+
+    ok = lambda us: Screened("ok", us, "")  # noqa: E731
+    results = {key(1, 40): {"torch.linear": ok(10.0), SPLITK: ok(5.0)},
+               key(8, 48): {"torch.linear": ok(10.0), SPLITK: ok(20.0), TILE: ok(8.0)},
+               # a failed run and a shape without torch's time count for nothing / as torch
+               key(16, 48): {"torch.linear": ok(4.0), SPLITK: Screened("error", math.inf, "x")},
+               key(20, 56): {SPLITK: ok(1.0)}}
+    vs_torch = across_shapes_vs_torch(results)
+    assert vs_torch("small", SPLITK) == pytest.approx((0.5 * 2.0 * 1.0) ** (1 / 3))
+    assert vs_torch("small", TILE) == pytest.approx(0.8 ** (1 / 3))
+    assert vs_torch("large", SPLITK) is None
 
 
 def test_write_default_from_a_folders_files(tmp_path):
@@ -491,18 +526,21 @@ def test_tune_triton_resume_keeps_finished_files(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(triton_json, "default_of", spy(triton_json.default_of, calls := []))
     assert main(["tune-triton", "splitk", "--nk", "40,64", "--nk", "24,96", "--resume",
                  *common]) == 0
-    ((per_nk, tuned),) = calls
+    ((per_nk, tuned, vs_torch),) = calls
     assert tuned == 2 and [set(buckets) for buckets in per_nk] == [{"small"}, {"small"}]
+    # Interpreter times say nothing of torch's speed: the most common winner (on a GPU, the one
+    # that runs the run's shapes fastest against torch).
+    assert (vs_torch is None) == (not torch.cuda.is_available())
     default = read_configs(out_dir / triton_json.file_name(prefix, "A16W16_FP16"))
     assert set(default) == {"small"}
     assert "N=40 K=64: kept from an earlier run" in err
 
 
 def spy(function, calls: list):
-    def recorded(per_nk, tuned):
+    def recorded(per_nk, tuned, vs_torch=None):
         per_nk = list(per_nk)
-        calls.append((per_nk, tuned))
-        return function(per_nk, tuned)
+        calls.append((per_nk, tuned, vs_torch))
+        return function(per_nk, tuned, vs_torch)
 
     return recorded
 

@@ -9,9 +9,10 @@ A shape that has no CSV row runs what the per-(N, K) file names for M's bucket (
 for an (N, K) without a file, what the default names (``lookup_default``). A file decides for its
 (N, K): a bucket it has no entry for (torch was faster there), or an empty file (``{}``: torch
 won every bucket), keeps torch. The default is a function of the per-(N, K) files
-(``default_of``): per bucket, the most common config, for the buckets a config won (beat torch)
-in at least half of the tuned (N, K); a bucket torch won more often is left out, so such shapes
-keep torch. Files are read from ``$GEMMTUNE_TRITON_CONFIG_DIR`` (colon-separated folders, first
+(``default_of``), for the buckets a config won (beat torch) in at least half of the tuned (N, K)
+(a bucket torch won more often is left out, so such shapes keep torch): per bucket, the winner
+that runs all the tuned (N, K) fastest where the run's timings say so, and only where that is
+faster than torch; else the most common winner. Files are read from ``$GEMMTUNE_TRITON_CONFIG_DIR`` (colon-separated folders, first
 match wins) and then from the package's ``configs/triton/`` (``files_in_force`` lists them;
 ``GEMMTUNE_TRITON_JSON=0`` turns the fallback off).
 """
@@ -22,7 +23,7 @@ import functools
 import json
 import re
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -163,11 +164,20 @@ def files_in_force(arch: str, tag: str, gpu: str = "") -> FilesInForce:
     return FilesInForce(sorted(winners.values()), default)
 
 
-def default_of(per_nk: Iterable[dict[str, BucketConfig]], tuned: int) -> dict[str, BucketConfig]:
+def default_of(per_nk: Iterable[dict[str, BucketConfig]], tuned: int,
+               vs_torch: Callable[[str, str], float | None] | None = None
+               ) -> dict[str, BucketConfig]:
     """The default file's buckets from the per-(N, K) files of ``tuned`` (N, K) (an (N, K) with no
-    file counts as torch's in every bucket): a bucket holds its most common config where configs
-    won it in at least half of them. No ``any``: the default serves (N, K) no one tuned, and a
-    config picked for some M buckets must not run M far from them."""
+    file counts as torch's in every bucket), for the buckets configs won in at least half of
+    them. No ``any``: the default serves (N, K) no one tuned, and a config picked for some M
+    buckets must not run M far from them.
+
+    Which config: ``vs_torch(bucket, kernel)``, where given, is that config's time over torch's
+    across every tuned shape of the bucket (geometric mean; None: not measured): the bucket then
+    holds the winner that runs the other (N, K) fastest, and only if that is faster than torch.
+    One config has to serve (N, K) it was not picked for: block-scale winners that each won
+    their own (N, K) ran unseen ones at 0.61-1.06x torch (docs/benchmarks.md, session 19).
+    Without it, the most common winner."""
     winners: dict[str, Counter] = {}
     configs: dict[str, BucketConfig] = {}
     for buckets in per_nk:
@@ -175,17 +185,26 @@ def default_of(per_nk: Iterable[dict[str, BucketConfig]], tuned: int) -> dict[st
             if bucket != ANY:
                 winners.setdefault(bucket, Counter())[config.kernel] += 1
                 configs[config.kernel] = config
-    return {bucket: configs[count.most_common(1)[0][0]]
-            for bucket, count in sorted(winners.items(), key=lambda item: _order(item[0]))
-            if 2 * sum(count.values()) >= tuned}
+    chosen = {}
+    for bucket, count in sorted(winners.items(), key=lambda item: _order(item[0])):
+        if 2 * sum(count.values()) < tuned:
+            continue
+        scored = [] if vs_torch is None else sorted(
+            (ratio, name) for name in count if (ratio := vs_torch(bucket, name)) is not None)
+        if not scored:
+            chosen[bucket] = configs[count.most_common(1)[0][0]]
+        elif scored[0][0] < 1.0:
+            chosen[bucket] = configs[scored[0][1]]
+    return chosen
 
 
 def write_configs_default(folder: Path, prefix: str, tag: str,
-                          per_nk: Iterable[dict[str, BucketConfig]], tuned: int) -> Path:
-    """Write ``{prefix}-GEMM-{TAG}.json`` in ``folder``: ``default_of(per_nk, tuned)``, empty
-    (``{}``) where no bucket qualifies. Returns its path."""
+                          per_nk: Iterable[dict[str, BucketConfig]], tuned: int,
+                          vs_torch: Callable[[str, str], float | None] | None = None) -> Path:
+    """Write ``{prefix}-GEMM-{TAG}.json`` in ``folder``: ``default_of(per_nk, tuned, vs_torch)``,
+    empty (``{}``) where no bucket qualifies. Returns its path."""
     path = Path(folder) / file_name(prefix, tag)
-    write_configs(path, default_of(per_nk, tuned))
+    write_configs(path, default_of(per_nk, tuned, vs_torch))
     return path
 
 

@@ -10,8 +10,9 @@ as deployed (CUDA-graph replay over copies larger than L2). Every candidate's re
 profile file in the output folder; the JSON export, the last step, reads it: per (N, K) and M
 bucket the config with the best geometric-mean time relative to each M's fastest is written to
 ``{arch}-GEMM-{TAG}-N={N}-K={K}.json`` unless torch was faster there, and
-``{arch}-GEMM-{TAG}.json`` gets the most common bucket winner over all (N, K), in the buckets a
-config won for at least half of them (``triton_json.default_of``).
+``{arch}-GEMM-{TAG}.json`` gets, in the buckets a config won for at least half of the (N, K),
+the winner that runs all of the run's shapes of the bucket fastest, if that beats torch
+(``triton_json.default_of``, ``across_shapes_vs_torch``).
 """
 
 from __future__ import annotations
@@ -261,6 +262,27 @@ def pick_buckets(timings: dict[int, dict], configs_by_name: dict,
              for b, name in chosen.items()}, notes)
 
 
+def across_shapes_vs_torch(results: dict) -> Callable[[str, str], float | None]:
+    """``(bucket, kernel) ->`` the kernel's time over torch's, geometric mean over the profile's
+    shapes whose M lies in the bucket (None where no such shape has torch's time): how one
+    config would serve every (N, K) the run tuned. A shape it did not run counts as torch's own
+    time (dispatch runs torch where a default config cannot run)."""
+    per_bucket: dict[str, list[tuple[dict[str, float], float]]] = {}
+    for key, found in results.items():
+        configs, torch_us = timings_of(found)
+        if torch_us is not None:
+            per_bucket.setdefault(triton_json.bucket_of(key.M), []).append((configs, torch_us))
+
+    def vs_torch(bucket: str, kernel: str) -> float | None:
+        shapes = per_bucket.get(bucket)
+        if not shapes:
+            return None
+        return math.exp(statistics.fmean(math.log(configs.get(kernel, torch_us) / torch_us)
+                                         for configs, torch_us in shapes))
+
+    return vs_torch
+
+
 def _promoted_name(config) -> str | None:
     """The name of a fast-accumulating split-K config's promoted twin, or None."""
     from gemmtune.kernels.triton.gemm_splitk import SplitKConfig, promoted
@@ -419,7 +441,8 @@ def run(args: argparse.Namespace, target: TritonTarget, out=None) -> int:
         # Empty where torch won every bucket in most (N, K): an older default must not outlive
         # that, nor a default of the arch in another folder speak for this GPU.
         written.append(triton_json.write_configs_default(
-            out_dir, prefix, target.tag, chosen_by_nk.values(), len(chosen_by_nk)))
+            out_dir, prefix, target.tag, chosen_by_nk.values(), len(chosen_by_nk),
+            vs_torch=across_shapes_vs_torch(results) if arch != "cpu" else None))
     for f in failures:
         out.write(f"skipped N={f.n} K={f.k} M={f.m} {f.config}: {f.why}\n")
     out.write(f"wrote {len(written)} file(s) to {out_dir}; {len(failures)} config run(s) "
