@@ -172,6 +172,34 @@ def triton_candidates(m: int, n: int, k: int, dtype: torch.dtype,
     return [dataclasses.replace(c, refused=refused) for c in dots[:2]] + gemvs[:1]
 
 
+def eight_bit(family: str, p: GemmProblem) -> GemmProblem:
+    """``p``, if its operands are FP8 or INT8 (what the per-row-scaled families tune)."""
+    from gemmtune.families._scaled_op import Q_DTYPES
+
+    if p.dtype not in Q_DTYPES:
+        raise ValueError(f"q_dtype_w={p.dtype}: {family} tunes "
+                         f"{' and '.join(str(d) for d in Q_DTYPES)} weights")
+    return p
+
+
+def rowwise_scaled_inputs(p: GemmProblem, gen: torch.Generator):
+    """FP8/INT8 operands of ``p`` as serving has them: activations with a few outlier tokens
+    (as in LLMs: the per-token scales then differ) quantised per token, a weight per channel.
+    Returns (xq, wq, x_scale (M,), w_scale (N,), the dequantised product in fp32)."""
+    from gemmtune import quant
+    from gemmtune.kernels.torch_ref import gemm_a8w8_ref
+
+    device = gen.device
+    per_token, per_channel = quant.token_channel_quantisers(p.dtype)
+    x = torch.randn(p.m, p.k, generator=gen, device=device) \
+        * (1 + 4 * torch.rand(p.m, 1, generator=gen, device=device))
+    w = torch.randn(p.n, p.k, generator=gen, device=device) * p.k ** -0.5
+    xq, x_scale = per_token(x)
+    wq, w_scale = per_channel(w)
+    x_scale, w_scale = x_scale.reshape(-1), w_scale.reshape(-1)
+    return xq, wq, x_scale, w_scale, gemm_a8w8_ref(xq, wq, x_scale, w_scale, None, torch.float32)
+
+
 def number_candidates(found: list[Candidate]) -> list[Candidate]:
     """Each candidate's ``solidx``: its place in the list (the seeds' column)."""
     return [dataclasses.replace(c, solidx=i) for i, c in enumerate(found)]
