@@ -88,13 +88,33 @@ def test_model_shapes_leave_out_weights_that_do_not_tile():
     fits = gemmtune.get_family("a8w8_bpreshuffle").why_not_gemm
     assert fits(4096, 14336, "fp8") is None and fits(4096, 14336, "int8") is None
     assert "K of 128" in fits(4096, 1000, "fp8") and "N must be" in fits(4100, 4096, "fp8")
-    # hidden 1000: every projection has K or N of 1000, which does not tile
+    # An MLP of 1000: down (K = 1000) does not tile; gate/up (N = 2000), attention and the
+    # lm_head (K = hidden = 1024) do.
     spec = ModelSpec(name="odd", source="test", model_type="llama",
-                     architectures=("LlamaForCausalLM",), hidden_size=1000,
-                     num_attention_heads=8, num_key_value_heads=8, head_dim=125,
-                     vocab_size=32000, dense_intermediate_size=2048)
+                     architectures=("LlamaForCausalLM",), hidden_size=1024,
+                     num_attention_heads=8, num_key_value_heads=8, head_dim=128,
+                     vocab_size=32000, dense_intermediate_size=1000)
     rows = untuned_rows(spec, 1, m_values=(1,))
-    assert rows["a8w8"] and not rows["a8w8_bpreshuffle"]
+    every = {(r.key.N, r.key.K) for r in rows["a8w8"]}
+    tiled = {(r.key.N, r.key.K) for r in rows["a8w8_bpreshuffle"]}
+    assert tiled == {(n, k) for n, k in every if n % 16 == 0 and k % 128 == 0}
+    assert (2000, 1024) in tiled and every - tiled == {(1024, 1000)}
+
+
+def test_bench_leaves_out_weights_that_do_not_tile(capsys):
+    """A model's router (8 x 4096) has no tiled layout: the bench says so and runs the rest."""
+    from gemmtune.bench import BenchShape
+    from gemmtune.cli import _taken
+
+    family = gemmtune.get_family("a8w8-bpreshuffle")
+    shapes = [BenchShape("router", 1, 8, 4096), BenchShape("qkv", 1, 6144, 4096)]
+    assert _taken(shapes, family, "fp8") == shapes[1:]
+    assert "router M=1 N=8 K=4096 left out: a (8, 4096) weight does not tile" in \
+        capsys.readouterr().err
+    with pytest.raises(ValueError, match="none of the shapes"):
+        _taken(shapes[:1], family, "fp8")
+    # A family without the rule keeps everything.
+    assert _taken(shapes, gemmtune.get_family("a8w8"), "fp8") == shapes
 
 
 # --- the op ------------------------------------------------------------------------------------
@@ -148,6 +168,8 @@ def test_bad_arguments_say_what_to_do():
     xq, _, wqs, xs, ws = operands(4, 32, 256, torch.float8_e4m3fn)
     with pytest.raises(ValueError, match="N must be a multiple of 16"):
         gemmtune.gemm_a8w8_bpreshuffle(xq, wqs[:24], xs, ws[:24])
+    # A strided weight of a shape already served contiguously is checked, not run.
+    gemmtune.gemm_a8w8_bpreshuffle(xq, wqs, xs, ws)
     wide = torch.empty(32, 512, dtype=wqs.dtype, device=wqs.device)
     wide[:, :256] = wqs
     with pytest.raises(ValueError, match="wq must be contiguous"):

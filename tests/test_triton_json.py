@@ -139,13 +139,22 @@ def test_across_shapes_vs_torch_from_a_profile():
     ok = lambda us: Screened("ok", us, "")  # noqa: E731
     results = {key(1, 40): {"torch.linear": ok(10.0), SPLITK: ok(5.0)},
                key(8, 48): {"torch.linear": ok(10.0), SPLITK: ok(20.0), TILE: ok(8.0)},
-               # a failed run and a shape without torch's time count for nothing / as torch
-               key(16, 48): {"torch.linear": ok(4.0), SPLITK: Screened("error", math.inf, "x")},
+               key(16, 48): {"torch.linear": ok(4.0), SPLITK: ok(4.0)},
+               # no torch time: not counted
                key(20, 56): {SPLITK: ok(1.0)}}
     vs_torch = across_shapes_vs_torch(results)
     assert vs_torch("small", SPLITK) == pytest.approx((0.5 * 2.0 * 1.0) ** (1 / 3))
+    # TILE was no candidate at M = 1 and 16 (it did not fit): torch runs there, 1.0
     assert vs_torch("small", TILE) == pytest.approx(0.8 ** (1 / 3))
     assert vs_torch("large", SPLITK) is None
+    # A config that failed one shape (the gate, an error) is out, however fast elsewhere:
+    # dispatch would run it there.
+    results[key(16, 48)][TILE] = Screened("wrong", 1.0, "max error 0.3")
+    assert across_shapes_vs_torch(results)("small", TILE) == math.inf
+    a, b = BucketConfig(SPLITK, {}), BucketConfig(TILE, {})
+    default = triton_json.default_of([{"small": a}, {"small": b}], tuned=2,
+                                     vs_torch=across_shapes_vs_torch(results))
+    assert default == {}  # SPLITK is 1.0x torch across the shapes, TILE ruled out
 
 
 def test_write_default_from_a_folders_files(tmp_path):

@@ -288,7 +288,26 @@ def _cmd_bench(args) -> int:
         return family.run_bench_runner(args)
     op = family.bench_op(args.dtype)
     shapes, title = _bench_shapes(args, family, gpu=torch.cuda.is_available())
-    return run_bench(shapes, family, op, Path(args.output), title)
+    return run_bench(_taken(shapes, family, args.dtype or family.bench_dtypes[0]), family, op,
+                     Path(args.output), title)
+
+
+def _taken(shapes: list, family, dtype: str) -> list:
+    """The shapes whose weight the family takes (``Family.why_not_gemm``); the others said and
+    left out (a pre-shuffled weight must tile: a router's 8 x 4096 does not)."""
+    if family.why_not_gemm is None:
+        return shapes
+    kept = []
+    for s in shapes:
+        why = family.why_not_gemm(s.N, s.K, dtype)
+        if why is None:
+            kept.append(s)
+        else:
+            print(f"{family.cli_name}: {s.name} M={s.M} N={s.N} K={s.K} left out: {why}",
+                  file=sys.stderr)
+    if not kept:
+        raise ValueError(f"{family.cli_name}: none of the shapes has a weight it takes")
+    return kept
 
 
 def _bench_shapes(args, family, gpu: bool) -> tuple[list, str]:

@@ -389,7 +389,9 @@ def shuffle_weight(wq: torch.Tensor) -> torch.Tensor:
     """An FP8 or INT8 weight (N, K) packed once for ``gemm_a8w8_bpreshuffle``: 16-row x
     128-byte tiles, each contiguous (``gemmtune.kernels.preshuffle``). Same shape and dtype,
     a new contiguous tensor; N must be a multiple of 16 and K of 128 (ValueError otherwise).
-    Its scales (per channel of the row-major weight) are used as they are."""
+    Its scales (per channel of the row-major weight) are used as they are. The layout is
+    gemmtune's own: a weight shuffled by AITER's ``shuffle_weight`` (a different layout) must be
+    packed again from the row-major one."""
     return preshuffle.shuffle(wq)
 
 

@@ -26,7 +26,7 @@ def check_rowwise_scaled(op: str, xq, wq, x_scale, w_scale, bias, dtype) -> None
     check_out_dtype_and_device(op, xq, wq, dtype, OUT_DTYPES)
     m = math.prod(xq.shape[:-1])
     for name, s, count, per in (("x_scale", x_scale, m, "token (row of xq)"),
-                                ("w_scale", w_scale, wq.shape[0], "channel (row of wq)")):
+                                ("w_scale", w_scale, wq.shape[0], "output channel (N)")):
         if (not isinstance(s, torch.Tensor) or s.dtype != torch.float32
                 or s.device != xq.device or s.numel() not in (1, count)
                 or not s.is_contiguous()):

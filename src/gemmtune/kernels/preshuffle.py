@@ -4,8 +4,10 @@ along K. Element (n, k) lies at ``(n // 16) * 16 * K + (k // 128) * 2048 + (n % 
 k % 128``: one K step of a 16-row band is one contiguous run, whatever K is.
 
 The shuffled tensor keeps w's shape (N, K) and dtype, so the op checks shapes as for a plain
-weight (as AITER's ``shuffle_weight`` does); only its bytes move. Plain torch: the kernels that
-read it (``triton.splitk`` and ``triton.tile`` with ``w_tiled``) import the constants.
+weight (as AITER's ``shuffle_weight`` does); only its bytes move, and nothing in the tensor says
+that they did: a row-major weight, or one shuffled by AITER (16 x 16-byte interleave, not this
+layout), gives wrong results. Plain torch: the kernels that read it (``triton.splitk``,
+``triton.tile`` and ``triton.gemv`` with ``w_tiled``) use ``why_not_shufflable``.
 """
 
 from __future__ import annotations

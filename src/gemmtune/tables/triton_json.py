@@ -211,7 +211,9 @@ def write_configs_default(folder: Path, prefix: str, tag: str,
 def write_default(folder: Path, prefix: str, tag: str, tuned: int | None = None) -> Path:
     """Write ``{prefix}-GEMM-{TAG}.json`` from the folder's per-(N, K) files of that prefix and tag
     (``tuned``: how many (N, K) were tuned, by default the number of files, an empty one being
-    an (N, K) torch won throughout). A default with no bucket is written empty (``{}``): it
+    an (N, K) torch won throughout), by the most common winner per bucket: the files hold no
+    timings (tune-triton's own default also weighs its profile, ``default_of``'s ``vs_torch``).
+    A default with no bucket is written empty (``{}``): it
     keeps torch for every untuned (N, K), also against a default of the arch in another
     folder. Returns its path."""
     files = sorted(Path(folder).glob(f"{file_name(prefix, tag)[:-len('.json')]}-N=*-K=*.json"))

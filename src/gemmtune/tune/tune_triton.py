@@ -262,23 +262,39 @@ def pick_buckets(timings: dict[int, dict], configs_by_name: dict,
              for b, name in chosen.items()}, notes)
 
 
+class _Measured(NamedTuple):
+    """One shape of a profile as the default rule reads it."""
+
+    configs: dict[str, float]  # µs of the configs that passed
+    torch_us: float
+    failed: frozenset[str]  # configs that ran and did not pass (wrong, error, timeout, ...)
+
+
 def across_shapes_vs_torch(results: dict) -> Callable[[str, str], float | None]:
-    """``(bucket, kernel) ->`` the kernel's time over torch's, geometric mean over the profile's
-    shapes whose M lies in the bucket (None where no such shape has torch's time): how one
-    config would serve every (N, K) the run tuned. A shape it did not run counts as torch's own
-    time (dispatch runs torch where a default config cannot run)."""
-    per_bucket: dict[str, list[tuple[dict[str, float], float]]] = {}
+    """``(bucket, kernel) ->`` the kernel's time over torch's, geometric mean over the shapes of
+    ``results`` whose M lies in the bucket (None where no such shape has torch's time): how one
+    config would serve every (N, K) tuned. A shape the kernel was no candidate for counts as
+    torch's own time (dispatch runs torch where a default config cannot run the shape); one it
+    failed on (the gate, an error, a time-out) rules it out (inf): dispatch would run it."""
+    per_bucket: dict[str, list[_Measured]] = {}
     for key, found in results.items():
         configs, torch_us = timings_of(found)
         if torch_us is not None:
-            per_bucket.setdefault(triton_json.bucket_of(key.M), []).append((configs, torch_us))
+            failed = frozenset(name for name, s in found.items()
+                               if name not in configs and LibType.of_kernel(name)
+                               is not LibType.torch)
+            per_bucket.setdefault(triton_json.bucket_of(key.M), []).append(
+                _Measured(configs, torch_us, failed))
 
     def vs_torch(bucket: str, kernel: str) -> float | None:
         shapes = per_bucket.get(bucket)
         if not shapes:
             return None
-        return math.exp(statistics.fmean(math.log(configs.get(kernel, torch_us) / torch_us)
-                                         for configs, torch_us in shapes))
+        if any(kernel in shape.failed for shape in shapes):
+            return math.inf
+        return math.exp(statistics.fmean(
+            math.log(shape.configs.get(kernel, shape.torch_us) / shape.torch_us)
+            for shape in shapes))
 
     return vs_torch
 
@@ -440,9 +456,13 @@ def run(args: argparse.Namespace, target: TritonTarget, out=None) -> int:
     if chosen_by_nk:
         # Empty where torch won every bucket in most (N, K): an older default must not outlive
         # that, nor a default of the arch in another folder speak for this GPU.
+        # Judged on this run's shapes only: the profile may hold other (N, K) and M of
+        # earlier runs into the same folder.
+        ours = {target.gemm_key(m, n, k) for n, k in args.nk for m in args.m}
+        vs_torch = across_shapes_vs_torch({key: found for key, found in results.items()
+                                           if key in ours}) if arch != "cpu" else None
         written.append(triton_json.write_configs_default(
-            out_dir, prefix, target.tag, chosen_by_nk.values(), len(chosen_by_nk),
-            vs_torch=across_shapes_vs_torch(results) if arch != "cpu" else None))
+            out_dir, prefix, target.tag, chosen_by_nk.values(), len(chosen_by_nk), vs_torch))
     for f in failures:
         out.write(f"skipped N={f.n} K={f.k} M={f.m} {f.config}: {f.why}\n")
     out.write(f"wrote {len(written)} file(s) to {out_dir}; {len(failures)} config run(s) "

@@ -5,7 +5,8 @@ it.
 
 Scales and dtypes as ``gemm_a8w8``'s (FP8 or INT8; x_scale per tensor or per token, w_scale per
 tensor or per channel, fp32); N a multiple of 16 and K of 128. Dispatched per shape through
-``a8w8_bpreshuffle_tuned_gemm.csv`` (key ``BpreshuffleKey``, as AITER's); a shape without a row
+``a8w8_bpreshuffle_tuned_gemm.csv`` (key ``BpreshuffleKey``: AITER's table's columns; its
+layout and kernel names are gemmtune's own, not AITER's); a shape without a row
 runs the split-K kernel's (M <= 256) or the tile kernel's default config, and the torch backend
 (which puts the weight back in rows on every call) only where neither can. Registered as
 ``torch.ops.gemmtune.gemm_a8w8_bpreshuffle`` (shapes-only fake); no autograd.
@@ -120,8 +121,9 @@ def gemm_a8w8_bpreshuffle(xq: torch.Tensor, wq: torch.Tensor, x_scale: torch.Ten
     """``(xq @ w.T) * x_scale * w_scale`` where ``wq = gemmtune.quant.shuffle_weight(w)``, with
     the kernel the a8w8_bpreshuffle table names for this shape on this GPU.
 
-    xq: (..., K) and wq: (N, K), both float8_e4m3fn or both int8, wq pre-shuffled (a row-major
-    weight gives a wrong result: only its shape can be checked); x_scale: fp32, 1 value or one
+    xq: (..., K) and wq: (N, K), both float8_e4m3fn or both int8, wq pre-shuffled by
+    ``gemmtune.quant.shuffle_weight`` (a row-major weight, or one AITER shuffled, gives a wrong
+    result: only its shape can be checked); x_scale: fp32, 1 value or one
     per token; w_scale: fp32, 1 value or one per channel (of w's rows, not shuffled); dtype: the
     output dtype; kernel: a kernelName to run instead of the table's choice. Returns (..., N).
     """

@@ -98,8 +98,8 @@ class TritonKernel:
                     f"problem has {problem.scaling.value} scales")
         if problem.preshuffled != self._w_tiled:
             return (f"{self.name} was built for pre-shuffled weights; the problem's are row-major"
-                    if self._w_tiled else "pre-shuffled weights need a kernel built for them "
-                    "(the a8w8_bpreshuffle family's)")
+                    if self._w_tiled else "pre-shuffled weights are read only by the "
+                    "a8w8_bpreshuffle family's kernels (FP8/INT8)")
         why = self._module.why_not_supported(self.config, problem.m, problem.n, problem.k,
                                              problem.dtype, problem.out_dtype)
         if why is None and blocks:
