@@ -5,8 +5,8 @@ k % 128``: one K step of a 16-row band is one contiguous run, whatever K is.
 
 The shuffled tensor keeps w's shape (N, K) and dtype, so the op checks shapes as for a plain
 weight (as AITER's ``shuffle_weight`` does); only its bytes move, and nothing in the tensor says
-that they did: a row-major weight, or one shuffled by AITER (16 x 16-byte interleave, not this
-layout), gives wrong results. Plain torch: the kernels that read it (``triton.splitk``,
+that they did: a row-major weight, or one shuffled by AITER (16-row x 32-byte tiles of 16-byte
+columns, not this layout), gives wrong results. Plain torch: the kernels that read it (``triton.splitk``,
 ``triton.tile`` and ``triton.gemv`` with ``w_tiled``) use ``why_not_shufflable``.
 """
 
