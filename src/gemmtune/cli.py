@@ -469,7 +469,9 @@ def build_parser() -> argparse.ArgumentParser:
                        epilog="example: gemmtune precompile --families bf16,a8w8 -j 8")
     p.add_argument("--families", type=lambda t: [f.strip() for f in t.split(",") if f.strip()],
                    metavar="F,F", help="only these families (default: every family with a "
-                                       "tuner: " + ", ".join(_family_names("tuner")) + ")")
+                                       "tuner: " + ", ".join(
+                                           n for n in _family_names("tuner") if "_" not in n)
+                                       + ")")
     p.add_argument("-j", "--jobs", type=int, default=None, metavar="N",
                    help="worker processes (default: one per CPU core, at most 8)")
     p.add_argument("-v", "--verbose", action="store_true", help="a line per kernel built")
