@@ -83,6 +83,10 @@ for what in "$@"; do
         preshuffle)  # issue 15 item 2: what a pre-shuffled FP8 weight layout buys, same kernel
             TAIL=20 stage preshuffle "${PRESHUFFLE_LIMIT:-300}" python3 \
                 benchmarks/preshuffle_probe.py --out "$OUT" ;;
+        gluonfrag)  # issue 15 item 2: w's fragments loaded straight into wgmma's registers
+            # (Gluon) against the split-K kernel's shared-memory path
+            TAIL=14 stage gluonfrag "${GLUONFRAG_LIMIT:-300}" python3 \
+                benchmarks/gluon_frag_probe.py --out "$OUT" ;;
         bpreshuffle)  # issue 15 item 2: gemm_a8w8_bpreshuffle beside gemm_a8w8, presets' (N, K)
             TAIL=12 stage bpreshuffle "${BPRESHUFFLE_LIMIT:-300}" python3 \
                 benchmarks/bpreshuffle_vs_a8w8.py --m "${BPRESHUFFLE_M:-1,16,32,64}" --out "$OUT" ;;

@@ -4,6 +4,7 @@ global the jitted code reads, an FP8 dot's constraints) would otherwise first fa
 
 from __future__ import annotations
 
+import ast
 import os
 import subprocess
 import sys
@@ -208,3 +209,27 @@ GEMV_SCRIPT = textwrap.dedent("""
                                                         "it for real")
 def test_gemv_and_swapped_splitk_kernels_compile_for_sm90():
     compiles_for_hopper(GEMV_SCRIPT)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the probe itself runs and checks "
+                                                        "its results")
+def test_gluon_probe_loads_w_fragments_straight_into_wgmma_registers():
+    """benchmarks/gluon_frag_probe.py's premise, at compile time: w stored in fragment order
+    reaches the warpgroup MMA's A operand in 16-byte loads, row-major w in 4-byte ones, neither
+    through shared memory (the layout conversion is free: as many shared-memory accesses as x
+    and the epilogue need in both)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(SRC)
+    probe = Path(__file__).parent.parent / "benchmarks" / "gluon_frag_probe.py"
+    done = subprocess.run([sys.executable, str(probe), "--ptx"], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for line in done.stdout.splitlines():
+        bk, counts = line.split(": ", 1)
+        found = ast.literal_eval(counts)
+        frag, rowreg = found["frag"], found["rowreg"]
+        assert frag["wgmma"] == rowreg["wgmma"] > 0, line
+        assert frag["ld.global.b32"] == 0 and frag["ld.global.v4"] > rowreg["ld.global.v4"], line
+        assert rowreg["ld.global.b32"] > 0, line
+        assert (frag["ld.shared"], frag["st.shared"]) == (rowreg["ld.shared"],
+                                                          rowreg["st.shared"]), line
