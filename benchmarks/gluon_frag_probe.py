@@ -30,10 +30,7 @@ replays over weight copies exceeding L2).
 from __future__ import annotations
 
 import argparse
-import csv
-import math
 import re
-import statistics
 from pathlib import Path
 
 import torch
@@ -42,9 +39,11 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
 
-SHAPES = ((1280, 8192), (2048, 8192), (1536, 7168), (576, 7168), (4096, 14336), (5120, 25600),
-          (16384, 4096), (7168, 2048))
-MS = (1, 16, 32, 64)
+# The other probe's shapes, fragment order (``shuffle(w, "frag")``: per 16 rows x 32 of K, lane
+# l's 16 bytes contiguous, in the m16n8k32 A fragment's register order) and report; a sibling
+# script, found as this one is run.
+from preshuffle_probe import MS, SHAPES, best_by_kind, print_ratios, shuffle, write_rows
+
 BN = 64  # w rows per program: one warpgroup's MMA M
 
 
@@ -133,14 +132,6 @@ def ptx_counts(bk: int = 128, bm: int = 16) -> dict[str, dict[str, int]]:
     return found
 
 
-def frag_order(w):
-    """w (N, K) fp8 in fragment order (N % 16 == 0, K % 32 == 0), as ``frag_dot_kernel`` reads
-    it: (band, k32, row in 8, k4, k half, row half, byte)."""
-    n, k = w.shape
-    v = w.view(torch.uint8).view(n // 16, 2, 8, k // 32, 2, 4, 4)  # band, rh, g, kt, ch, t, b
-    return v.permute(0, 3, 2, 5, 4, 1, 6).contiguous().view(n, k).view(w.dtype)
-
-
 class Variant:
     def __init__(self, frag: bool, bk: int, split: int, m: int, n: int, k: int):
         self.frag, self.bk, self.split = frag, bk, split
@@ -187,7 +178,7 @@ def main() -> None:
     for n, k in SHAPES:
         gen = torch.Generator(device="cuda").manual_seed(n + k)
         w = (torch.randn(n, k, generator=gen, device="cuda") / 8).to(torch.float8_e4m3fn)
-        copies = [{"row": c, "frag": frag_order(c)}
+        copies = [{"row": c, "frag": shuffle(c, "frag").view(n, k)}
                   for c in [w] + [w.clone() for _ in range(copies_to_exceed_l2(2 * n * k) - 1)]]
         one = torch.ones(1, device="cuda")
         for m in MS:
@@ -218,29 +209,17 @@ def main() -> None:
             fns.append(lambda c: scaled_mm_torch(x, c["row"], None, torch.bfloat16, one, one))
             names.append("scaled_mm")
             times = [t for t, _ in interleaved_graph_us(fns, copies, rounds=9, replays=2)]
-            best = {}
-            for name, t in zip(names, times):
-                kind = name.split(".")[0]
-                if kind not in best or t < best[kind][0]:
-                    best[kind] = (t, name)
+            best = best_by_kind([(name.split(".")[0], name) for name in names], times)
             rec = {"M": m, "N": n, "K": k}
             for kind, (t, name) in best.items():
                 rec[f"{kind}_us"], rec[f"{kind}_cfg"] = t, name
             rows.append(rec)
             print(f"{m:>3}x{n}x{k}: " + " | ".join(f"{kind} {t:7.2f}" for kind, (t, _)
                                                    in sorted(best.items())), flush=True)
-    fields = sorted({f for r in rows for f in r}, key=lambda f: (f not in ("M", "N", "K"), f))
-    with open(args.out / "gluon_frag_probe.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=fields)
-        writer.writeheader()
-        writer.writerows(rows)
-    print("\nregister-direct / shared-memory split-K time, geomean (below 1: registers faster)")
-    for kind in ("frag", "rowreg"):
-        ratios = [r[f"{kind}_us"] / r["smem_us"] for r in rows if f"{kind}_us" in r]
-        if ratios:
-            gm = math.exp(statistics.fmean(math.log(v) for v in ratios))
-            print(f"  {kind}: {gm:.3f} (min {min(ratios):.3f}, max {max(ratios):.3f}, "
-                  f"{len(ratios)} shapes)")
+    write_rows(rows, args.out / "gluon_frag_probe.csv")
+    print_ratios(rows, "register-direct / shared-memory split-K time, geomean (below 1: "
+                 "registers faster)", {kind: (f"{kind}_us", "smem_us")
+                                       for kind in ("frag", "rowreg", "scaled_mm")})
 
 
 if __name__ == "__main__":

@@ -183,6 +183,35 @@ def check_on_cpu() -> None:
         print(f"m={m}: every layout matches the reference")
 
 
+def best_by_kind(entries, times) -> dict:
+    """{kind: (µs, name)} of the fastest entry of each kind; ``entries`` (kind, name) pairs in
+    the order of ``times``."""
+    best = {}
+    for (kind, name), t in zip(entries, times):
+        if kind not in best or t < best[kind][0]:
+            best[kind] = (t, name)
+    return best
+
+
+def write_rows(rows: list[dict], path: Path) -> None:
+    fields = sorted({f for r in rows for f in r}, key=lambda f: (f not in ("M", "N", "K"), f))
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields)
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def print_ratios(rows: list[dict], title: str, pairs: dict[str, tuple[str, str]]) -> None:
+    """Per label, the geometric mean (min, max) over the rows of field / baseline field."""
+    print(f"\n{title}")
+    for label, (field, base) in pairs.items():
+        ratios = [r[field] / r[base] for r in rows if field in r and base in r]
+        if ratios:
+            gm = math.exp(statistics.fmean(math.log(v) for v in ratios))
+            print(f"  {label}: {gm:.3f} (min {min(ratios):.3f}, max {max(ratios):.3f}, "
+                  f"{len(ratios)} shapes)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("out"))
@@ -213,11 +242,8 @@ def main() -> None:
             fns.append(lambda ws: scaled_mm_torch(x, ws["row"].view(n, k), None, torch.bfloat16,
                                                   one, one))
             times = [t for t, _ in interleaved_graph_us(fns, weights, rounds=9, replays=2)]
-            best = {}
-            for v, t in zip(good, times):
-                kind = ("dot" if v.dot else "gemv", v.layout)
-                if kind not in best or t < best[kind][0]:
-                    best[kind] = (t, v.name)
+            best = best_by_kind([(("dot" if v.dot else "gemv", v.layout), v.name) for v in good],
+                                times)
             rec = {"M": m, "N": n, "K": k, "scaled_mm_us": times[-1]}
             for (kind, layout), (t, name) in best.items():
                 rec[f"{kind}_{layout}_us"], rec[f"{kind}_{layout}_cfg"] = t, name
@@ -225,20 +251,10 @@ def main() -> None:
             print(f"{m:>3}x{n}x{k}: scaled_mm {times[-1]:7.2f} us | " + " | ".join(
                 f"{kind}.{layout} {t:7.2f}" for (kind, layout), (t, _) in sorted(best.items())),
                 flush=True)
-    fields = sorted({f for r in rows for f in r}, key=lambda f: (f not in ("M", "N", "K"), f))
-    with open(args.out / "preshuffle_probe.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=fields)
-        writer.writeheader()
-        writer.writerows(rows)
-    print("\nlayout / row time, geomean over shapes (below 1: the layout is faster)")
-    for kind in ("dot", "gemv"):
-        for layout in ("tile", "frag"):
-            ratios = [r[f"{kind}_{layout}_us"] / r[f"{kind}_row_us"] for r in rows
-                      if f"{kind}_{layout}_us" in r and f"{kind}_row_us" in r]
-            if ratios:
-                gm = math.exp(statistics.fmean(math.log(v) for v in ratios))
-                print(f"  {kind}.{layout}: {gm:.3f} (min {min(ratios):.3f}, max "
-                      f"{max(ratios):.3f}, {len(ratios)} shapes)")
+    write_rows(rows, args.out / "preshuffle_probe.csv")
+    print_ratios(rows, "layout / row time, geomean over shapes (below 1: the layout is faster)",
+                 {f"{kind}.{layout}": (f"{kind}_{layout}_us", f"{kind}_row_us")
+                  for kind in ("dot", "gemv") for layout in ("tile", "frag")})
 
 
 if __name__ == "__main__":
