@@ -103,7 +103,9 @@ def frag_dot_kernel(x_ptr, w_ptr, y_ptr, M, N, K, steps_per_split,
         x_smem.store(x)
         fence_async_shared()
         acc = warpgroup_mma(w_now, x_smem.permute((1, 0)), acc)
-    out_layout: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [4, 1], [1, 0])
+    # Exactly one thread per element (64 rows: 32 lanes x 2 warps; columns over the other two
+    # warps and registers): a layout that repeated elements across threads would add them twice.
+    out_layout: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [2, 2], [0, 1])
     out = gl.convert_layout(acc, out_layout)
     on = pid * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, out_layout))
     om = gl.arange(0, BM, layout=gl.SliceLayout(0, out_layout))
