@@ -15,14 +15,12 @@ from __future__ import annotations
 
 import argparse
 import csv
-import math
 import statistics
 from pathlib import Path
 
 import torch
 
 from gemmtune import quant
-from gemmtune.dispatch import KernelNameError
 from gemmtune.families.a8w8.op import DISPATCH as A8W8, A8w8Key, gemm_a8w8
 from gemmtune.families.a8w8_bpreshuffle.op import (DISPATCH as BPRESHUFFLE, REGISTRY,
                                                    BpreshuffleKey, gemm_a8w8_bpreshuffle,
@@ -41,11 +39,7 @@ def preset_nk() -> list[tuple[int, int]]:
 
 def tiled_twin(name: str, key: BpreshuffleKey) -> str | None:
     """``name`` if the pre-shuffled family's kernels can run it on ``key``, else None."""
-    try:
-        REGISTRY.resolve_for(name, problem_of(key))
-    except (KernelNameError, ValueError):
-        return None
-    return name
+    return name if REGISTRY.can_run(name, problem_of(key)) else None
 
 
 def close(y: torch.Tensor, ref: torch.Tensor) -> bool:
@@ -53,7 +47,7 @@ def close(y: torch.Tensor, ref: torch.Tensor) -> bool:
 
 
 def geomean(values: list[float]) -> float:
-    return math.exp(statistics.fmean(math.log(v) for v in values)) if values else float("nan")
+    return statistics.geometric_mean(values) if values else float("nan")
 
 
 def main() -> None:

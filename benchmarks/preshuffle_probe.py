@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import math
 import statistics
 from pathlib import Path
 
@@ -207,7 +206,7 @@ def print_ratios(rows: list[dict], title: str, pairs: dict[str, tuple[str, str]]
     for label, (field, base) in pairs.items():
         ratios = [r[field] / r[base] for r in rows if field in r and base in r]
         if ratios:
-            gm = math.exp(statistics.fmean(math.log(v) for v in ratios))
+            gm = statistics.geometric_mean(ratios)
             print(f"  {label}: {gm:.3f} (min {min(ratios):.3f}, max {max(ratios):.3f}, "
                   f"{len(ratios)} shapes)")
 

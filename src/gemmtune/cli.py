@@ -295,11 +295,9 @@ def _cmd_bench(args) -> int:
 def _taken(shapes: list, family, dtype: str) -> list:
     """The shapes whose weight the family takes (``Family.why_not_gemm``); the others said and
     left out (a pre-shuffled weight must tile: a router's 8 x 4096 does not)."""
-    if family.why_not_gemm is None:
-        return shapes
     kept = []
     for s in shapes:
-        why = family.why_not_gemm(s.N, s.K, dtype)
+        why = family.refuses_gemm(s.N, s.K, dtype)
         if why is None:
             kept.append(s)
         else:

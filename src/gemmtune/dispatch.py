@@ -126,6 +126,15 @@ class KernelRegistry:
             raise KernelNameError(f"{self.family}: {name} cannot run this shape: {why}", why)
         return kernel
 
+    def can_run(self, name: str, problem) -> bool:
+        """Whether ``resolve_for(name, problem)`` succeeds: a name a backend knows that can run
+        ``problem``."""
+        try:
+            self.resolve_for(name, problem)
+        except KernelNameError:
+            return False
+        return True
+
 
 @dataclass(frozen=True)
 class Decision:

@@ -77,6 +77,11 @@ class Family:
         if self.bench is not None and not self.bench_dtypes:
             raise ValueError(f"family {self.name!r}: a bench needs bench_dtypes")
 
+    def refuses_gemm(self, n: int, k: int, dtype: str) -> str | None:
+        """Why the family has no GEMM of an (N, K) weight in ``dtype`` (``why_not_gemm``), or
+        None: model shapes and the bench leave such weights out."""
+        return None if self.why_not_gemm is None else self.why_not_gemm(n, k, dtype)
+
     @property
     def cli_name(self) -> str:
         return self.name.replace("_", "-")

@@ -125,8 +125,5 @@ def _default_config_or(fallback: str, registry: KernelRegistry, problem, device,
     except (KernelNameError, ValueError, OSError) as e:
         warnings.warn(f"gemmtune: default Triton JSON config of {tag} ignored: {e}", stacklevel=3)
         return fallback
-    try:
-        registry.resolve_for(name, problem)
-    except KernelNameError:  # tuned for other (N, K); it cannot run this one
-        return fallback
-    return name
+    # Tuned for other (N, K): a config that cannot run this one is passed over.
+    return name if registry.can_run(name, problem) else fallback

@@ -16,6 +16,7 @@ from typing import NamedTuple
 import torch
 
 from gemmtune.dispatch import KernelRegistry
+from gemmtune.families._scaled_op import Q_DTYPES
 from gemmtune.kernels.problem import GemmProblem
 from gemmtune.measure.timing import (copies_to_exceed_l2, eager_us, graph_replay_us,
                                      interleaved_graph_us)
@@ -183,8 +184,6 @@ def _gemv_programs(name: str, n: int) -> int:
 
 def eight_bit(family: str, p: GemmProblem) -> GemmProblem:
     """``p``, if its operands are FP8 or INT8 (what the per-row-scaled families tune)."""
-    from gemmtune.families._scaled_op import Q_DTYPES
-
     if p.dtype not in Q_DTYPES:
         raise ValueError(f"q_dtype_w={p.dtype}: {family} tunes "
                          f"{' and '.join(str(d) for d in Q_DTYPES)} weights")

@@ -462,7 +462,7 @@ def untuned_rows(
         # A family whose key has no bias column gives one key for both: keep it once.
         dtype = family.bench_dtypes[0]
         keys = (family.gemm_key(m, n, k, dtype, bias=bias) for n, k, bias in gemms
-                if family.why_not_gemm is None or family.why_not_gemm(n, k, dtype) is None
+                if family.refuses_gemm(n, k, dtype) is None
                 for m in ms)
         rows[family.name] = [Row("", 0, key) for key in dict.fromkeys(keys)]
     moe = sorted({(s.model_dim, s.inter_dim, s.expert, s.topk) for s in moe_shapes(spec, tp, ep)})

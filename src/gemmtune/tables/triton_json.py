@@ -12,9 +12,10 @@ won every bucket), keeps torch. The default is a function of the per-(N, K) file
 (``default_of``), for the buckets a config won (beat torch) in at least half of the tuned (N, K)
 (a bucket torch won more often is left out, so such shapes keep torch): per bucket, the winner
 that runs all the tuned (N, K) fastest where the run's timings say so, and only where that is
-faster than torch; else the most common winner. Files are read from ``$GEMMTUNE_TRITON_CONFIG_DIR`` (colon-separated folders, first
-match wins) and then from the package's ``configs/triton/`` (``files_in_force`` lists them;
-``GEMMTUNE_TRITON_JSON=0`` turns the fallback off).
+faster than torch; else the most common winner. Files are read from
+``$GEMMTUNE_TRITON_CONFIG_DIR`` (colon-separated folders, first match wins) and then from the
+package's ``configs/triton/`` (``files_in_force`` lists them; ``GEMMTUNE_TRITON_JSON=0`` turns
+the fallback off).
 """
 
 from __future__ import annotations
@@ -131,8 +132,13 @@ def lookup_default(arch: str, tag: str, m: int, gpu: str = ""):
     return _lookup(arch, tag, None, None, m, gpu)
 
 
+def _prefixes(arch: str, gpu: str) -> tuple[str, ...]:
+    """File-name prefixes in the order dispatch prefers them: the GPU model's, then the arch's."""
+    return (gpu, arch) if gpu else (arch,)
+
+
 def _lookup(arch: str, tag: str, n: int | None, k: int | None, m: int, gpu: str):
-    for prefix in (gpu, arch) if gpu else (arch,):
+    for prefix in _prefixes(arch, gpu):
         name = file_name(prefix, tag, n, k)
         for folder in search_dirs():
             path = folder / name
@@ -154,7 +160,7 @@ def files_in_force(arch: str, tag: str, gpu: str = "") -> FilesInForce:
     by the same preference (the GPU model's name, then the arch's; folders in order)."""
     winners: dict[str, Path] = {}
     default = None
-    for prefix in (gpu, arch) if gpu else (arch,):
+    for prefix in _prefixes(arch, gpu):
         base = file_name(prefix, tag)[:-len(".json")]
         for folder in search_dirs():
             for path in sorted(folder.glob(f"{base}-N=*-K=*.json")):
@@ -213,9 +219,8 @@ def write_default(folder: Path, prefix: str, tag: str, tuned: int | None = None)
     (``tuned``: how many (N, K) were tuned, by default the number of files, an empty one being
     an (N, K) torch won throughout), by the most common winner per bucket: the files hold no
     timings (tune-triton's own default also weighs its profile, ``default_of``'s ``vs_torch``).
-    A default with no bucket is written empty (``{}``): it
-    keeps torch for every untuned (N, K), also against a default of the arch in another
-    folder. Returns its path."""
+    A default with no bucket is written empty (``{}``): it keeps torch for every untuned
+    (N, K), also against a default of the arch in another folder. Returns its path."""
     files = sorted(Path(folder).glob(f"{file_name(prefix, tag)[:-len('.json')]}-N=*-K=*.json"))
     return write_configs_default(folder, prefix, tag, (read_configs(path) for path in files),
                                  len(files) if tuned is None else tuned)

@@ -19,7 +19,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from gemmtune.device import DeviceId
-from gemmtune.dispatch import Dispatcher, KernelNameError
+from gemmtune.dispatch import Dispatcher
 from gemmtune.families._gemm import TUNED_OUT_DTYPE, gemm_registry, gemm_schema
 from gemmtune.families._scaled_op import RowwiseScaledOp, check_rowwise_scaled
 from gemmtune.families._switches import compiler as _compiler
@@ -75,11 +75,7 @@ def default_kernel_name(problem: GemmProblem) -> str:
     m, n, k, dtype = problem.m, problem.n, problem.k, problem.dtype
     module = gemm_splitk if m <= _SPLITK_DEFAULT_MAX_M else gemm_tile
     name = module.default_config(m, n, k, dtype).name
-    try:
-        REGISTRY.resolve_for(name, problem)
-    except KernelNameError:
-        return TORCH_UNSHUFFLED
-    return name
+    return name if REGISTRY.can_run(name, problem) else TORCH_UNSHUFFLED
 
 
 def _default_kernel(key: BpreshuffleKey, device: DeviceId) -> str:

@@ -10,7 +10,6 @@ multiple of 128, no row prefetch).
 from __future__ import annotations
 
 from gemmtune import quant
-from gemmtune.dispatch import KernelNameError
 from gemmtune.families._gemm_tuner import GemmCall, GemmTuner, eight_bit, rowwise_scaled_inputs
 from gemmtune.families.a8w8_bpreshuffle.op import (REGISTRY, SCHEMA, TUNED_OUT_DTYPE,
                                                    BpreshuffleKey, problem_of)
@@ -37,14 +36,7 @@ class A8w8BpreshuffleTuner(GemmTuner):
         # The a8w8 tuner's Triton space, less what cannot read the tiled weight (the registry
         # has only the kernels built for it; no persistent TMA kernel, no cuBLASLt).
         return [c for c in self.gemm_candidates(p, libtypes, TORCH_UNSHUFFLED)
-                if c.libtype != "triton" or self._reads_tiled(c.name, p)]
-
-    def _reads_tiled(self, name: str, problem) -> bool:
-        try:
-            self.registry.resolve_for(name, problem)
-        except KernelNameError:
-            return False
-        return True
+                if c.libtype != "triton" or self.registry.can_run(c.name, p)]
 
     def prepare(self, key: BpreshuffleKey, seed: int) -> Prepared:
         xq, wq, x_scale, w_scale, ref = rowwise_scaled_inputs(self.shape(key),
