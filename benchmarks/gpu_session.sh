@@ -87,6 +87,10 @@ for what in "$@"; do
             # (Gluon) against the split-K kernel's shared-memory path
             TAIL=14 stage gluonfrag "${GLUONFRAG_LIMIT:-300}" python3 \
                 benchmarks/gluon_frag_probe.py --out "$OUT" ;;
+        streamk)  # issue 15 item 1: the swapped dot fed by TMA, grid split and stream-K, against
+            # the shipped a8w8 rows (cuBLASLt at most M = 16-64 shapes) and _scaled_mm
+            TAIL=24 stage streamk "${STREAMK_LIMIT:-420}" python3 benchmarks/streamk_probe.py \
+                --m "${STREAMK_M:-16,32,64}" --out "$OUT" ;;
         bpreshuffle)  # issue 15 item 2: gemm_a8w8_bpreshuffle beside gemm_a8w8, presets' (N, K)
             TAIL=12 stage bpreshuffle "${BPRESHUFFLE_LIMIT:-300}" python3 \
                 benchmarks/bpreshuffle_vs_a8w8.py --m "${BPRESHUFFLE_M:-1,16,32,64}" --out "$OUT" ;;
