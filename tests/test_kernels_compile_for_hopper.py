@@ -166,10 +166,11 @@ GEMV_SCRIPT = textwrap.dedent("""
                for stages in (1, 2)]
     split = ptx(gemv, "fp8e4nv", dict(SCALE_A=3, SCALE_B=3, USE_WORKSPACE=True, BLOCK_M=2,
                                       BLOCK_N=4, BLOCK_K=1024, STAGES=1, W_TILED=False, **common))
-    # A pre-shuffled w (whole 128-byte rows of tiles) streams in 16-byte vectors too.
+    # A pre-shuffled w (fragment order, read element by element) compiles, in 4-byte pieces.
     tiled = ptx(gemv, "fp8e4nv", dict(SCALE_A=1, SCALE_B=1, USE_WORKSPACE=True, BLOCK_M=1,
                                       BLOCK_N=4, BLOCK_K=1024, STAGES=2, W_TILED=True, **common))
-    for text in (*whole_k, split, tiled):
+    assert "ld.global" in tiled and -1 < tiled.find("griddepcontrol.wait") < tiled.find("ld.g")
+    for text in (*whole_k, split):
         # w streams in 16-byte vectors, and nothing is loaded before the PDL wait.
         assert "ld.global.v4" in text or "ld.global.nc.v4" in text
         assert -1 < text.find("griddepcontrol.wait") < text.find("ld.global")
@@ -194,12 +195,9 @@ GEMV_SCRIPT = textwrap.dedent("""
     assert "wgmma.mma_async.sync.aligned.m64n16k32" in promoted
     assert promoted.count("add.f32") > fast.count("add.f32"), (promoted.count("add.f32"),
                                                                fast.count("add.f32"))
-    # A pre-shuffled w (W_TILED) is copied to shared memory in 16-byte pieces as rows are: the
-    # tile addressing keeps the copies vectorised, and the dot is the same warpgroup MMA.
+    # A pre-shuffled w (W_TILED, fragment order element by element): the same warpgroup MMA.
     tiled = splitk_ptx(True, tiled=True)
     assert "wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3" in tiled
-    copies = [t.count("cp.async.cg.shared.global") for t in (fast, tiled)]
-    assert copies[0] > 0 and copies[0] == copies[1], copies
     print("ok")
 """)
 
@@ -233,3 +231,50 @@ def test_gluon_probe_loads_w_fragments_straight_into_wgmma_registers():
         assert rowreg["ld.global.b32"] > 0, line
         assert (frag["ld.shared"], frag["st.shared"]) == (rowreg["ld.shared"],
                                                           rowreg["st.shared"]), line
+
+
+FRAG_SCRIPT = textwrap.dedent("""
+    import inspect
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental import gluon
+    from gemmtune.kernels.triton import gemm_frag
+
+    def compiled(block_m, block_k, split_k, ahead, pdl):
+        names = inspect.signature(gemm_frag.gemm_frag_kernel.fn).parameters
+        pointers = {"x_ptr": "*fp8e4nv", "w_ptr": "*fp8e4nv", "y_ptr": "*bf16",
+                    "bias_ptr": "*bf16", "scale_a_ptr": "*fp32", "scale_b_ptr": "*fp32",
+                    "part_ptr": "*fp32", "count_ptr": "*i32"}
+        constexprs = dict(HAS_BIAS=False, SCALE_A=2, SCALE_B=2, SPLIT_K=split_k,
+                          BLOCK_M=block_m, BLOCK_K=block_k, AHEAD=ahead, PDL=pdl)
+        signature = {n: pointers.get(n, "constexpr" if n in constexprs else "i32")
+                     for n in names}
+        aligned = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 6, 7)}
+        return triton.compile(gluon._runtime.GluonASTSource(
+            fn=gemm_frag.gemm_frag_kernel, signature=signature, attrs=aligned,
+            constexprs=constexprs), target=GPUTarget("cuda", 90, 128))
+
+    for block_m, block_k, split_k, ahead, pdl in ((8, 128, 1, 1, False), (16, 256, 4, 2, True),
+                                                  (64, 512, 8, 1, True), (256, 128, 2, 3, True)):
+        kernel = compiled(block_m, block_k, split_k, ahead, pdl)
+        text = kernel.asm["ptx"]
+        # w: one 16-byte load per fragment, (ahead + 1) steps of block_k / 32 of them (the
+        # steps before the loop and the one in it); x alone goes through shared memory.
+        fragments = block_k // 32 * (ahead + 1)
+        assert text.count("ld.global.v4") >= fragments, (block_m, text.count("ld.global.v4"))
+        assert kernel.metadata.shared <= max(block_m * block_k, 64 * block_m * 4), \
+            kernel.metadata.shared
+        assert f"wgmma.mma_async.sync.aligned.m64n{block_m}k32.f32.e4m3.e4m3" in text
+        # PDL: w's first steps load before the wait, x after it.
+        wait = text.find("griddepcontrol.wait")
+        assert (wait > text.find("ld.global.v4") > -1) if pdl else wait == -1
+        assert ("atom.global" in text) == (split_k > 1)
+    print("ok")
+""")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the kernel's own tests run it")
+def test_fragment_order_kernel_loads_w_straight_into_wgmma_registers():
+    """triton.frag (Gluon) for sm_90: w in 16-byte loads, no shared memory for it, the FP8
+    warpgroup MMA with x's block as its N, PDL's wait after w's first loads."""
+    compiles_for_hopper(FRAG_SCRIPT)

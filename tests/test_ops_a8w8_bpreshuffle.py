@@ -57,21 +57,30 @@ def assert_close_to_reference(y, xq, wq, x_scale, w_scale):
 
 
 @pytest.mark.parametrize("q_dtype", Q_DTYPES)
-def test_shuffle_packs_16_row_by_128_byte_tiles_and_round_trips(q_dtype):
-    _, wq, ws, _, _ = operands(1, 48, 384, q_dtype)
+def test_shuffle_packs_mma_fragments_and_round_trips(q_dtype):
+    N, K = 48, 96
+    _, wq, ws, _, _ = operands(1, N, K, q_dtype)
     assert ws.shape == wq.shape and ws.dtype == wq.dtype and ws.is_contiguous()
     flat, plain = ws.view(torch.uint8).reshape(-1), wq.view(torch.uint8)
-    # Band 0's tiles along K, then band 1's: each the 16 x 128 block, rows in order.
-    assert torch.equal(flat[:2048], plain[:16, :128].reshape(-1))
-    assert torch.equal(flat[2048:4096], plain[:16, 128:256].reshape(-1))
-    assert torch.equal(flat[3 * 2048:4 * 2048], plain[16:32, :128].reshape(-1))
-    assert not torch.equal(flat, plain.reshape(-1))
+    # Lane l of a warp holds the m16n8k32 A fragment of its 16 x 32 block as 16 bytes: rows
+    # l // 4 and l // 4 + 8, K 4 (l % 4) .. + 3 and the same + 16 (PTX ISA, mma .e4m3).
+    for band, kb, lane in ((0, 0, 0), (0, 0, 1), (0, 0, 31), (0, 2, 5), (2, 1, 17)):
+        r, c = 16 * band + lane // 4, 32 * kb + 4 * (lane % 4)
+        start = band * 16 * K + kb * 512 + lane * 16
+        fragment = torch.cat([plain[r, c:c + 4], plain[r + 8, c:c + 4],
+                              plain[r, c + 16:c + 20], plain[r + 8, c + 16:c + 20]])
+        assert torch.equal(flat[start:start + 16], fragment), (band, kb, lane)
+    # Every element where the documented offset puts it.
+    n, k = torch.meshgrid(torch.arange(N), torch.arange(K), indexing="ij")
+    offset = (n // 16 * 16 * K + k // 32 * 512 + n % 8 * 64 + k % 16 // 4 * 16
+              + k % 32 // 16 * 8 + n % 16 // 8 * 4 + k % 4).to(flat.device)
+    assert torch.equal(flat[offset], plain)
     assert torch.equal(quant.unshuffle_weight(ws).view(torch.uint8), plain)
 
 
 @pytest.mark.parametrize("shape, dtype, match", [
-    ((40, 128), torch.float8_e4m3fn, "N must be a multiple of 16 and K of 128"),
-    ((32, 96), torch.int8, "N must be a multiple of 16 and K of 128"),
+    ((40, 128), torch.float8_e4m3fn, "N must be a multiple of 16 and K of 32"),
+    ((32, 80), torch.int8, "N must be a multiple of 16 and K of 32"),
     ((32, 128), torch.bfloat16, "quantise to torch.float8_e4m3fn or torch.int8"),
 ])
 def test_shuffle_refuses_what_does_not_tile(shape, dtype, match):
@@ -87,7 +96,7 @@ def test_model_shapes_leave_out_weights_that_do_not_tile():
 
     fits = gemmtune.get_family("a8w8_bpreshuffle").why_not_gemm
     assert fits(4096, 14336, "fp8") is None and fits(4096, 14336, "int8") is None
-    assert "K of 128" in fits(4096, 1000, "fp8") and "N must be" in fits(4100, 4096, "fp8")
+    assert "K of 32" in fits(4096, 1000, "fp8") and "N must be" in fits(4100, 4096, "fp8")
     # An MLP of 1000: down (K = 1000) does not tile; gate/up (N = 2000), attention and the
     # lm_head (K = hidden = 1024) do.
     spec = ModelSpec(name="odd", source="test", model_type="llama",
@@ -97,7 +106,7 @@ def test_model_shapes_leave_out_weights_that_do_not_tile():
     rows = untuned_rows(spec, 1, m_values=(1,))
     every = {(r.key.N, r.key.K) for r in rows["a8w8"]}
     tiled = {(r.key.N, r.key.K) for r in rows["a8w8_bpreshuffle"]}
-    assert tiled == {(n, k) for n, k in every if n % 16 == 0 and k % 128 == 0}
+    assert tiled == {(n, k) for n, k in every if n % 16 == 0 and k % 32 == 0}
     assert (2000, 1024) in tiled and every - tiled == {(1024, 1000)}
 
 
@@ -109,7 +118,7 @@ def test_bench_leaves_out_weights_that_do_not_tile(capsys):
     family = gemmtune.get_family("a8w8-bpreshuffle")
     shapes = [BenchShape("router", 1, 8, 4096), BenchShape("qkv", 1, 6144, 4096)]
     assert _taken(shapes, family, "fp8") == shapes[1:]
-    assert "router M=1 N=8 K=4096 left out: a (8, 4096) weight does not tile" in \
+    assert "router M=1 N=8 K=4096 left out: a (8, 4096) weight has no pre-shuffled layout" in \
         capsys.readouterr().err
     with pytest.raises(ValueError, match="none of the shapes"):
         _taken(shapes[:1], family, "fp8")
@@ -155,13 +164,23 @@ def test_no_row_runs_a_triton_default_that_reads_the_tiles(bpreshuffle_table, la
 
 def test_row_major_kernels_are_not_this_familys(bpreshuffle_table):
     xq, _, wqs, xs, ws = operands(4, 32, 256, torch.float8_e4m3fn)
-    for kernel, why in (("triton.splitk:BM16.BN32.BK64.SK2.W4.S2", "use a multiple of 128"),
-                        ("triton.splitk:BM16.BN32.BK128.SK2.W4.S2.P2", "pdl=2 prefetches"),
-                        ("triton.gemv:BN16.BK64.SK4.W4.S1", "use a multiple of 128"),
+    for kernel, why in (("triton.splitk:BM16.BN32.BK128.SK2.W4.S2.P2", "pdl=2 prefetches"),
+                        ("triton.gemv:BN16.BK16.SK4.W4.S1", "use a multiple of 32"),
                         ("triton.persistent:BM16.BN32.BK128.G2.W4.S2",
                          "no backend for kernelName")):
         with pytest.raises(ValueError, match=why):
             gemmtune.gemm_a8w8_bpreshuffle(xq, wqs, xs, ws, kernel=kernel)
+
+
+def test_fragment_order_kernel_says_where_it_cannot_run(bpreshuffle_table):
+    """triton.frag is a Gluon kernel: FP8 on a GPU only, and only this family's."""
+    xq, _, wqs, xs, ws = operands(4, 32, 256, torch.int8)
+    why = "float8_e4m3fn only" if torch.cuda.is_available() else "do not run in Triton's interp"
+    with pytest.raises(ValueError, match=why):
+        gemmtune.gemm_a8w8_bpreshuffle(xq, wqs, xs, ws, kernel="triton.frag:BM16.BK128.SK2.A1")
+    xq8, wq8, _, xs8, ws8 = operands(4, 32, 256, torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="read pre-shuffled weights only"):
+        gemmtune.gemm_a8w8(xq8, wq8, xs8, ws8, kernel="triton.frag:BM16.BK128.SK2.A1")
 
 
 def test_bad_arguments_say_what_to_do():
@@ -199,7 +218,10 @@ GPU_SWAPPED = "triton.splitk:BM16.BN128.BK256.SK4.W4.S3.P1.PK128.SW1"
                                           "triton.tile:BM64.BN128.BK128.G8.W4.S3")
       for M in (1, 16, 64, 200, 1000) for q_dtype in Q_DTYPES),
     *((GPU_SWAPPED, M, torch.float8_e4m3fn) for M in (1, 16, 64)),
-    *(("triton.gemv:BN2.BK1024.SK4.W4.S2.P1", M, torch.float8_e4m3fn) for M in (1, 5, 16))])
+    *(("triton.gemv:BN2.BK1024.SK4.W4.S2.P1", M, torch.float8_e4m3fn) for M in (1, 5, 16)),
+    *((f"triton.frag:BM{bm}.BK{bk}.SK{sk}.A{a}.P1", M, torch.float8_e4m3fn)
+      for bm, bk, sk, a, M in ((8, 256, 4, 2, 1), (16, 512, 7, 1, 16), (64, 128, 8, 2, 64),
+                               (256, 256, 1, 1, 200), (256, 128, 2, 1, 1000)))])
 def test_gpu_real_sizes(bpreshuffle_table, kernel, M, q_dtype):
     N, K = 1536, 7168
     bpreshuffle_table(*([(M, N, K, Q_NAMES[q_dtype], kernel)] if kernel else []))
@@ -258,4 +280,6 @@ def test_tuner_tries_only_kernels_that_read_the_tiles(tmp_path):
     names = [n for n, _ in statuses]
     assert TORCH_UNSHUFFLED in names and any(n.startswith("triton.splitk:") for n in names)
     assert any(n.startswith("triton.gemv:") for n in names)
+    # The fragment-order Gluon kernel is a candidate where it runs: FP8 on a GPU.
+    assert any(n.startswith("triton.frag:") for n in names) == torch.cuda.is_available()
     assert not any(n.startswith(("triton.persistent:", "cublaslt")) for n in names)

@@ -1,14 +1,16 @@
 """``gemm_a8w8_bpreshuffle(xq, wq, x_scale, w_scale, dtype) = (xq @ w.T) * x_scale * w_scale``
-with ``wq = gemmtune.quant.shuffle_weight(w)``: the weight packed once into 16-row x 128-byte
-tiles (``gemmtune.kernels.preshuffle``), read by the split-K, tile and GEMV kernels built for
-it.
+with ``wq = gemmtune.quant.shuffle_weight(w)``: the weight packed once into the warpgroup MMA's
+register order (``gemmtune.kernels.preshuffle``), which the Gluon kernel ``triton.frag`` loads
+straight into the MMA's registers (FP8 on a GPU); the split-K, tile and GEMV kernels read it
+element by element (INT8, the CPU, and where the tuner finds them faster).
 
 Scales and dtypes as ``gemm_a8w8``'s (FP8 or INT8; x_scale per tensor or per token, w_scale per
-tensor or per channel, fp32); N a multiple of 16 and K of 128. Dispatched per shape through
+tensor or per channel, fp32); N a multiple of 16 and K of 32. Dispatched per shape through
 ``a8w8_bpreshuffle_tuned_gemm.csv`` (key ``BpreshuffleKey``: AITER's table's columns; its
-layout and kernel names are gemmtune's own, not AITER's); a shape without a row
-runs the split-K kernel's (M <= 256) or the tile kernel's default config, and the torch backend
-(which puts the weight back in rows on every call) only where neither can. Registered as
+layout and kernel names are gemmtune's own, not AITER's); a shape without a row runs the
+fragment-order kernel's default config (FP8 on a GPU), else the split-K kernel's (M <= 256) or
+the tile kernel's, and the torch backend (which puts the weight back in rows on every call)
+only where none can. Registered as
 ``torch.ops.gemmtune.gemm_a8w8_bpreshuffle`` (shapes-only fake); no autograd.
 """
 
@@ -51,9 +53,10 @@ def problem_of(key: BpreshuffleKey) -> GemmProblem:
                        scaling=Scaling.rowwise, preshuffled=True)
 
 
-# Only the kernels that read the tiled layout (gemmtune.kernels.triton._wlayout).
+# Only the kernels that read the pre-shuffled layout (gemmtune.kernels.triton._wlayout).
 REGISTRY = gemm_registry("a8w8_bpreshuffle", TORCH_UNSHUFFLED, unshuffled_scaled_mm_torch,
-                         ("triton.splitk", "triton.tile", "triton.gemv"), w_tiled=True)
+                         ("triton.frag", "triton.splitk", "triton.tile", "triton.gemv"),
+                         w_tiled=True)
 
 
 def _to_table_key(raw: tuple) -> BpreshuffleKey:
@@ -67,15 +70,19 @@ _SPLITK_DEFAULT_MAX_M = 256
 
 
 def default_kernel_name(problem: GemmProblem) -> str:
-    """The kernel of a shape without a row: the split-K kernel's default config up to M = 256,
-    the tile kernel's above (each as it would run row-major weights), where it reads the tiled
+    """The kernel of a shape without a row: the fragment-order kernel's default config where it
+    runs (FP8 on a GPU, M <= 256), else the split-K kernel's default up to M = 256 and the tile
+    kernel's above (each as it would run row-major weights) where it reads the pre-shuffled
     weight; else the torch backend."""
-    from gemmtune.kernels.triton import gemm_splitk, gemm_tile
+    from gemmtune.kernels.triton import gemm_frag, gemm_splitk, gemm_tile
 
     m, n, k, dtype = problem.m, problem.n, problem.k, problem.dtype
-    module = gemm_splitk if m <= _SPLITK_DEFAULT_MAX_M else gemm_tile
-    name = module.default_config(m, n, k, dtype).name
-    return name if REGISTRY.can_run(name, problem) else TORCH_UNSHUFFLED
+    modules = (gemm_frag, gemm_splitk) if m <= _SPLITK_DEFAULT_MAX_M else (gemm_tile,)
+    for module in modules:
+        name = module.default_config(m, n, k, dtype).name
+        if REGISTRY.can_run(name, problem):
+            return name
+    return TORCH_UNSHUFFLED
 
 
 def _default_kernel(key: BpreshuffleKey, device: DeviceId) -> str:
@@ -125,7 +132,7 @@ def gemm_a8w8_bpreshuffle(xq: torch.Tensor, wq: torch.Tensor, x_scale: torch.Ten
     """
     if _dynamo_compiling() or _compiler._is_compiling_flag:
         return _gemm_a8w8_bpreshuffle_op(xq, wq, x_scale, w_scale, dtype, kernel)
-    # The eager hot path, as gemm_a8w8's; wq's contiguity too (the tiled kernels need it).
+    # The eager hot path, as gemm_a8w8's; wq's contiguity too (the kernels ignore its strides).
     call_key = (xq.shape, wq.shape, x_scale.shape, w_scale.shape, xq.dtype, wq.dtype,
                 x_scale.dtype, w_scale.dtype, xq.get_device(), wq.get_device(),
                 x_scale.get_device(), w_scale.get_device(), x_scale.is_contiguous(),

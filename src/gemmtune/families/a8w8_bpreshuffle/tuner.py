@@ -2,15 +2,19 @@
 
 Inputs as ``gemm_a8w8``'s tuner makes them (``rowwise_scaled_inputs``), the weight then
 pre-shuffled; each candidate is checked against the
-dequantised product of the row-major weight in fp32. Candidates: the torch backend, and the
-split-K, tile and GEMV configs the a8w8 tuner would try that read the tiled weight (block_k a
-multiple of 128, no row prefetch).
+dequantised product of the row-major weight in fp32. Candidates: the torch backend, the
+fragment-order Gluon kernel's configs (FP8 on a GPU: ``gemm_frag.candidates``), and the split-K,
+tile and GEMV configs the a8w8 tuner would try that read the pre-shuffled weight (block_k a
+multiple of 32, no row prefetch).
 """
 
 from __future__ import annotations
 
+import torch
+
 from gemmtune import quant
-from gemmtune.families._gemm_tuner import GemmCall, GemmTuner, eight_bit, rowwise_scaled_inputs
+from gemmtune.families._gemm_tuner import (GemmCall, GemmTuner, eight_bit, number_candidates,
+                                           rowwise_scaled_inputs)
 from gemmtune.families.a8w8_bpreshuffle.op import (REGISTRY, SCHEMA, TUNED_OUT_DTYPE,
                                                    BpreshuffleKey, problem_of)
 from gemmtune.kernels.preshuffle import why_not_shufflable
@@ -33,10 +37,18 @@ class A8w8BpreshuffleTuner(GemmTuner):
 
     def candidates(self, key: BpreshuffleKey, libtypes: frozenset[str]) -> list[Candidate]:
         p = self.shape(key)
-        # The a8w8 tuner's Triton space, less what cannot read the tiled weight (the registry
-        # has only the kernels built for it; no persistent TMA kernel, no cuBLASLt).
-        return [c for c in self.gemm_candidates(p, libtypes, TORCH_UNSHUFFLED)
-                if c.libtype != "triton" or self.registry.can_run(c.name, p)]
+        # The a8w8 tuner's Triton space, less what cannot read the pre-shuffled weight (the
+        # registry has only the kernels built for it; no persistent TMA kernel, no cuBLASLt).
+        found = [c for c in self.gemm_candidates(p, libtypes, TORCH_UNSHUFFLED)
+                 if c.libtype != "triton" or self.registry.can_run(c.name, p)]
+        if "triton" in self.wanted(libtypes) and torch.cuda.is_available():
+            from gemmtune.kernels.triton import gemm_frag
+            from gemmtune.kernels.triton._splits import pdl_where_supported
+
+            found += [Candidate(cfg.name, "triton", splitk=cfg.split_k) for cfg in gemm_frag.candidates(
+                p.m, p.n, p.k, p.dtype, pdl=pdl_where_supported())
+                if self.registry.can_run(cfg.name, p)]
+        return number_candidates(found)
 
     def prepare(self, key: BpreshuffleKey, seed: int) -> Prepared:
         xq, wq, x_scale, w_scale, ref = rowwise_scaled_inputs(self.shape(key),

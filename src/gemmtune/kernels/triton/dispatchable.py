@@ -1,5 +1,5 @@
 """A Triton config name (``triton.tile:...``, ``triton.splitk:...``, ``triton.gemv:...``,
-``triton.persistent:...``)
+``triton.persistent:...``, ``triton.frag:...``, the last a Gluon kernel)
 as a callable for dispatch: checked once per problem, then each call only allocates and
 launches; each kernel replays its first launch of a shape through the compiled kernel's own
 launcher (``_replay``). Called as every backend is: ``kernel(x, w, bias,
@@ -19,7 +19,7 @@ from gemmtune.kernels.problem import GemmProblem, Scaling
 from gemmtune.kernels.triton import _checks
 from gemmtune.kernels.triton._replay import Replay, launch
 
-PREFIXES = ("triton.tile", "triton.splitk", "triton.gemv", "triton.persistent")
+PREFIXES = ("triton.tile", "triton.splitk", "triton.gemv", "triton.persistent", "triton.frag")
 
 
 class _KernelModule(NamedTuple):
@@ -31,6 +31,7 @@ class _KernelModule(NamedTuple):
     # (config, dtype) -> why the config cannot take FP8 block scales, or None
     why_not_block_scaled: Callable = _checks.why_not_block_scaled
     reads_tiled_w: bool = False  # its launch takes w_tiled (gemmtune.kernels.preshuffle)
+    only_tiled_w: bool = False  # it reads nothing else
 
 
 def _kernel_module(prefix: str) -> _KernelModule:
@@ -58,6 +59,11 @@ def _kernel_module(prefix: str) -> _KernelModule:
         # Its host TMA descriptors of x and w are rebuilt around each replayed call's tensors.
         return _KernelModule(m, m.PersistentConfig, m.launch_gemm_persistent,
                              m.gemm_persistent, m.persistent_call)
+    if prefix == "triton.frag":
+        from gemmtune.kernels.triton import gemm_frag as m
+
+        return _KernelModule(m, m.FragConfig, m.launch_gemm_frag, m.gemm_frag, m.frag_call,
+                             m.why_not_block_scaled, reads_tiled_w=True, only_tiled_w=True)
     raise ValueError(f"{prefix!r}: not a Triton kernel; prefixes: {', '.join(PREFIXES)}")
 
 
@@ -71,7 +77,10 @@ class TritonKernel:
         kernel = _kernel_module(prefix)
         if w_tiled and not kernel.reads_tiled_w:
             raise ValueError(f"{prefix} kernels do not read pre-shuffled weights; "
-                             f"triton.splitk, triton.tile and triton.gemv do")
+                             f"triton.frag, triton.splitk, triton.tile and triton.gemv do")
+        if kernel.only_tiled_w and not w_tiled:
+            raise ValueError(f"{prefix} kernels read pre-shuffled weights only "
+                             f"(gemm_a8w8_bpreshuffle)")
         self._module = kernel.module
         self._launch = kernel.launch
         self._validating_launch = kernel.validating_launch

@@ -1,0 +1,397 @@
+"""The pre-shuffled FP8 weight's decode GEMM, in Gluon (Triton's layout-explicit dialect):
+``y = (x @ w.T) * scale_a * scale_b + bias`` with w in the fragment order of
+``gemmtune.kernels.preshuffle``, loaded straight from global memory into the registers the
+warpgroup MMA takes its A operand from.
+
+Swapped as the split-K kernel's ``SW1`` configs are (y.T = w @ x.T): w's 64 rows of a program
+are the MMA's M, x's rows its N (BLOCK_M, 8-256). Plain Triton feeds both operands through
+shared memory, and a layout of w cannot change that; Hopper's ``wgmma`` takes A from registers,
+and in fragment order each thread's A fragment of a 16-row x 32-byte block is 16 contiguous
+bytes: one ``ld.global.v4`` per fragment, no shared memory and no barrier for w (the compile
+test checks both). x, a few KiB, goes through shared memory as the MMA's B. The next AHEAD
+K steps of w are loaded before the current one is multiplied.
+
+Each step's product is added into the fp32 accumulator (the MMA starts from zero per step), so
+FP8's reduced-precision accumulation spans one step of K at most. K is split over a second grid
+axis; the splits' fp32 partials are summed in split order by the last to finish (bitwise
+deterministic, as ``_splits.sum_splits_and_store``). A third grid axis takes x's rows in blocks
+of BLOCK_M. Scales per tensor or per row of x / of w, bias, and the output dtype in the
+epilogue.
+
+Measured against the shared-memory path (``benchmarks/gluon_frag_probe.py``, H100): the
+fragment order loaded this way ran at 0.853x the split-K kernel's time where the same kernel
+reading row-major w (4-byte loads) ran at 0.969x (docs/benchmarks.md, session 20).
+
+FP8 (float8_e4m3fn) only; a GPU with warpgroup MMA (sm_90) only: Gluon kernels do not run in
+Triton's interpreter, so the CPU checks only compile it (tests/test_kernels_compile_for_hopper.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
+
+from gemmtune.kernels import preshuffle
+from gemmtune.kernels._names import Field, NameCodec, NamedConfig
+from gemmtune.kernels.triton import _checks
+from gemmtune.kernels.triton._epilogue import epilogue_constexprs, epilogue_operands
+from gemmtune.kernels.triton._replay import KernelCall, launch
+from gemmtune.kernels.triton._splits import PDL_OFF, PDL_WAIT, pdl_supported, workspace
+
+KERNEL_PREFIX = "triton.frag"
+BLOCK_N = 64  # w rows per program: one warpgroup's MMA M (4 warps, a 16-row band each)
+NUM_WARPS = 4
+_BN = gl.constexpr(BLOCK_N)  # as the jitted code reads it
+# A barrier of the block's threads: gl.thread_barrier in Triton 3.6, gl.barrier from 3.7 on.
+_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
+BLOCK_MS = (8, 16, 32, 64, 128, 256)  # the MMA's N
+BLOCK_KS = (32, 64, 128, 256, 512)
+MAX_AHEAD = 3
+# More splits only add partials to sum (each is summed in one unrolled load).
+MAX_SPLIT_K = 32
+# Registers per thread a step of w takes: BLOCK_K / 32 fragments of 4; with the steps in flight
+# and the accumulator they must leave room in 255.
+MAX_W_REGS_PER_THREAD = 160
+
+
+@dataclass(frozen=True)
+class FragConfig(NamedConfig):
+    """One point of the kernel's config space, e.g. ``triton.frag:BM16.BK256.SK4.A2.P1``."""
+
+    NAME_CODEC = NameCodec("fragment-order config", KERNEL_PREFIX, (
+        Field("BM", "block_m"), Field("BK", "block_k"), Field("SK", "split_k"),
+        Field("A", "ahead"), Field("P", "pdl", default=PDL_OFF)))
+
+    block_m: int
+    block_k: int
+    split_k: int
+    ahead: int  # K steps of w loaded before the current one is multiplied
+    pdl: int = PDL_OFF  # PDL_OFF or PDL_WAIT: w's first steps load before the wait, x after
+
+
+def w_registers(config: FragConfig) -> int:
+    """32-bit registers per thread that the steps of w in flight take."""
+    return config.block_k // 32 * 4 * (config.ahead + 1)
+
+
+def num_tiles(config: FragConfig, M: int, N: int) -> int:
+    return triton.cdiv(N, BLOCK_N) * triton.cdiv(M, config.block_m)
+
+
+def why_not_fits(config: FragConfig, M: int, N: int, K: int, dtype: torch.dtype) -> str | None:
+    """The first constraint ``config`` breaks for an (M, N, K) GEMM, or None."""
+    c = config
+    if c.block_m not in BLOCK_MS:
+        return f"block_m={c.block_m} must be one of {BLOCK_MS}"
+    if c.block_k not in BLOCK_KS:
+        return f"block_k={c.block_k} must be one of {BLOCK_KS}"
+    if not 1 <= c.ahead <= MAX_AHEAD:
+        return f"ahead={c.ahead} must be in [1, {MAX_AHEAD}]"
+    if c.pdl not in (PDL_OFF, PDL_WAIT):
+        return f"pdl={c.pdl} must be {PDL_OFF} (off) or {PDL_WAIT} (wait)"
+    if w_registers(c) > MAX_W_REGS_PER_THREAD:
+        return (f"block_k={c.block_k} with {c.ahead} steps ahead holds {w_registers(c)} "
+                f"registers of w per thread (> {MAX_W_REGS_PER_THREAD}); use fewer")
+    if dtype != torch.float8_e4m3fn:
+        return (f"{dtype} weights: the fragment-order kernel takes float8_e4m3fn only; use a "
+                f"triton.splitk, triton.tile or triton.gemv config")
+    why = preshuffle.why_not_shufflable(N, K, dtype)
+    if why is not None:
+        return why
+    if K % c.block_k:
+        return f"K={K} is not a multiple of block_k={c.block_k}: use a block_k that divides it"
+    k_steps = K // c.block_k
+    if not 1 <= c.split_k <= min(MAX_SPLIT_K, k_steps):
+        return (f"split_k={c.split_k} must be in [1, {min(MAX_SPLIT_K, k_steps)}]: K={K} is "
+                f"{k_steps} steps of block_k={c.block_k}, at most {MAX_SPLIT_K} splits")
+    if num_tiles(c, M, N) * c.split_k > 2**31 - 1:
+        return "too many programs for one grid; use a larger block_m"
+    return None
+
+
+def why_not_supported(config: FragConfig, M: int, N: int, K: int, dtype: torch.dtype,
+                      out_dtype: torch.dtype) -> str | None:
+    """``why_not_fits``, the output dtypes, and whether Gluon kernels can run here."""
+    if _checks.interpreted():
+        return ("Gluon kernels do not run in Triton's interpreter (TRITON_INTERPRET=1); on the "
+                "CPU use a triton.splitk, triton.tile or triton.gemv config")
+    return _checks.why_not_dtypes(dtype, out_dtype) or why_not_fits(config, M, N, K, dtype)
+
+
+def why_not_block_scaled(config: FragConfig, dtype: torch.dtype) -> str | None:
+    return "the fragment-order kernel takes per-tensor or per-row scales, not FP8 block scales"
+
+
+def fits(config: FragConfig, M: int, N: int, K: int, dtype: torch.dtype) -> bool:
+    return why_not_fits(config, M, N, K, dtype) is None
+
+
+def block_m_for(M: int) -> int:
+    """The smallest block of x's rows that takes all of M (at most 256: larger M takes several)."""
+    return next((b for b in BLOCK_MS if b >= M), BLOCK_MS[-1])
+
+
+# Programs per SM the splits aim at: a program has 8 KiB (BK 128) to 32 KiB (BK 512) of w in
+# flight per step ahead; the probe's best had 1-4 programs per SM.
+_PROGRAMS_PER_SM = (1, 2, 4, 8)
+
+
+def _split_for(tiles: int, k_steps: int, programs: int) -> int:
+    """The split that brings tiles x split nearest above ``programs``, dividing the K steps
+    evenly where it can (a split never gets fewer steps than another but one)."""
+    return max(1, min(MAX_SPLIT_K, k_steps, triton.cdiv(programs, tiles)))
+
+
+def candidates(M: int, N: int, K: int, dtype: torch.dtype, num_sms: int | None = None,
+               pdl: int = PDL_OFF) -> list[FragConfig]:
+    """The configs to tune one shape with: block_m covering M (one block up to 256); each
+    block_k dividing K; 1-2 steps ahead; K split to reach each of ``_PROGRAMS_PER_SM``. Every
+    config gets ``pdl``."""
+    num_sms = num_sms or _checks.sm_count()
+    bm = block_m_for(M)
+    found = {}
+    for bk in (128, 256, 512):
+        if K % bk:
+            continue
+        tiles = triton.cdiv(N, BLOCK_N) * triton.cdiv(M, bm)
+        for per_sm in _PROGRAMS_PER_SM:
+            split = _split_for(tiles, K // bk, per_sm * num_sms)
+            for ahead in (1, 2):
+                cfg = FragConfig(bm, bk, split, ahead, pdl)
+                if fits(cfg, M, N, K, dtype):
+                    found[cfg] = None
+    return list(found)
+
+
+def default_config(M: int, N: int, K: int, dtype: torch.dtype,
+                   num_sms: int | None = None) -> FragConfig:
+    """Reasonable untuned: the widest step of up to 256 bytes that divides K, one step ahead, K
+    split until there are 2 programs per SM. Fits every shape the layout takes (K a multiple
+    of 32)."""
+    num_sms = num_sms or _checks.sm_count()
+    bm = block_m_for(M)
+    bk = next((b for b in (256, 128, 64) if K % b == 0), 32)
+    tiles = triton.cdiv(N, BLOCK_N) * triton.cdiv(M, bm)
+    return FragConfig(bm, bk, _split_for(tiles, K // bk, 2 * num_sms), 1)
+
+
+@gluon.jit
+def _w_offsets(pid_n, K, BLOCK_K: gl.constexpr, t_layout: gl.constexpr):
+    """Offsets of w's first K step for this program in fragment order, as T[band, k32, lane,
+    byte] (a warp per 16-row band, each lane's 16 bytes contiguous), and the band mask."""
+    bands: gl.constexpr = _BN // 16
+    b = gl.arange(0, bands, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, t_layout))))
+    kt = gl.arange(0, BLOCK_K // 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, t_layout))))
+    lane = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, t_layout))))
+    byte = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, t_layout))))
+    band = pid_n * bands + b
+    offs = (band.to(gl.int64) * 16 * K)[:, None, None, None] \
+        + (kt * 512)[None, :, None, None] + (lane * 16)[None, None, :, None] \
+        + byte[None, None, None, :]
+    return offs, band
+
+
+@gluon.jit
+def _w_step(w_ptr, offs, in_n, step, BLOCK_K: gl.constexpr):
+    """K step ``step`` of w: BLOCK_K * 16 bytes further along every band (bands past N read 0)."""
+    return gl.load(w_ptr + offs + step.to(gl.int64) * (BLOCK_K * 16), mask=in_n, other=0.0)
+
+
+@gluon.jit
+def _as_operand(w, BLOCK_K: gl.constexpr, a_layout: gl.constexpr):
+    """T[band, k32, lane, byte] as the MMA's (BLOCK_N, BLOCK_K) A operand: the lane is (row in
+    8, k4) and the byte (k half, row half, byte in 4), as ``preshuffle`` packs them; the
+    conversion moves no data (each thread already holds its fragment)."""
+    w7 = gl.reshape(w, [_BN // 16, BLOCK_K // 32, 8, 4, 2, 2, 4])
+    w2 = gl.reshape(gl.permute(w7, [0, 5, 2, 1, 4, 3, 6]), [_BN, BLOCK_K])
+    return gl.convert_layout(w2, a_layout)
+
+
+@gluon.jit
+def _scaled(acc, rows, cols, bias_ptr, scale_a_ptr, scale_b_ptr, stride_bias,
+            HAS_BIAS: gl.constexpr, SCALE_A: gl.constexpr, SCALE_B: gl.constexpr):
+    """acc (BLOCK_N, BLOCK_M) = y.T's tile with its scales and bias; ``rows`` of x and ``cols``
+    of w clamped into range."""
+    if SCALE_A == 1:
+        acc = acc * gl.load(scale_a_ptr)
+    if SCALE_A == 2:
+        acc = acc * gl.load(scale_a_ptr + rows)[None, :]
+    if SCALE_B == 1:
+        acc = acc * gl.load(scale_b_ptr)
+    if SCALE_B == 2:
+        acc = acc * gl.load(scale_b_ptr + cols)[:, None]
+    if HAS_BIAS:
+        acc = acc + gl.load(bias_ptr + cols * stride_bias).to(gl.float32)[:, None]
+    return acc
+
+
+@gluon.jit(do_not_specialize=["M"])
+def gemm_frag_kernel(
+    x_ptr,  # (M, K) float8_e4m3fn, K contiguous
+    w_ptr,  # (N, K) float8_e4m3fn in fragment order (preshuffle.shuffle)
+    y_ptr,  # (M, N)
+    bias_ptr, scale_a_ptr, scale_b_ptr,  # as gemm_splitk's (unused where the constexprs say)
+    part_ptr,  # (tiles, SPLIT_K, BLOCK_N, BLOCK_M) fp32; unused unless SPLIT_K > 1
+    count_ptr,  # (tiles,) int32, zero on entry and left zero; unused unless SPLIT_K > 1
+    M, N, K,
+    stride_xm, stride_ym, stride_yn, stride_bias,
+    HAS_BIAS: gl.constexpr, SCALE_A: gl.constexpr, SCALE_B: gl.constexpr,
+    SPLIT_K: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr,
+    AHEAD: gl.constexpr, PDL: gl.constexpr,
+):
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                  instr_shape=[16, BLOCK_M, 32])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=4)
+    t_layout: gl.constexpr = gl.BlockedLayout([1, 1, 1, 16], [1, 1, 32, 1], [4, 1, 1, 1],
+                                              [3, 2, 1, 0])
+    x_layout: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])
+    x_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K],
+                                                                       gl.float8e4nv)
+    # One thread per element of the (BLOCK_N, BLOCK_M) tile (64 rows: 32 lanes x 2 warps), so
+    # the partials' sum and the stores touch each element once.
+    out_layout: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [2, 2], [0, 1])
+
+    pid_n = gl.program_id(0)
+    split = gl.program_id(1)
+    pid_m = gl.program_id(2)
+    k_steps = K // BLOCK_K
+    step_lo = split * k_steps // SPLIT_K
+    step_hi = (split + 1) * k_steps // SPLIT_K
+
+    w_offs, band = _w_offsets(pid_n, K, BLOCK_K, t_layout)
+    in_n = (band < N // 16)[:, None, None, None]
+    # w never depends on the kernel before: its first steps load before the PDL wait.
+    w0 = _w_step(w_ptr, w_offs, in_n, step_lo, BLOCK_K)
+    if AHEAD >= 2:
+        w1 = _w_step(w_ptr, w_offs, in_n, gl.minimum(step_lo + 1, step_hi - 1), BLOCK_K)
+    if AHEAD >= 3:
+        w2 = _w_step(w_ptr, w_offs, in_n, gl.minimum(step_lo + 2, step_hi - 1), BLOCK_K)
+    if PDL:
+        # Let the next kernel's grid be scheduled now (it waits for this one before touching
+        # memory, as this one waits for the one before): its launch overlaps this tail.
+        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [],
+                                  dtype=gl.int32, is_pure=False, pack=1)
+        gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32,
+                                  is_pure=False, pack=1)
+
+    xm = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, x_layout))
+    xk = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, x_layout))
+    x_ptrs = x_ptr + xm.to(gl.int64)[:, None] * stride_xm + xk[None, :]
+    x_smem = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [BLOCK_M, BLOCK_K], x_smem_layout)
+    acc = gl.zeros([_BN, BLOCK_M], gl.float32, layout=mma)
+    for step in range(step_lo, step_hi):
+        w_now = w0
+        # The steps up to AHEAD on are in flight while this one multiplies (the last steps
+        # re-read the final one: a few L2 hits instead of a branch).
+        ahead = gl.minimum(step + AHEAD, step_hi - 1)
+        if AHEAD == 1:
+            w0 = _w_step(w_ptr, w_offs, in_n, ahead, BLOCK_K)
+        elif AHEAD == 2:
+            w0 = w1
+            w1 = _w_step(w_ptr, w_offs, in_n, ahead, BLOCK_K)
+        else:
+            w0 = w1
+            w1 = w2
+            w2 = _w_step(w_ptr, w_offs, in_n, ahead, BLOCK_K)
+        x = gl.load(x_ptrs + step.to(gl.int64) * BLOCK_K, mask=(xm < M)[:, None], other=0.0)
+        _barrier()  # the previous step's MMA has read x_smem
+        x_smem.store(x)
+        fence_async_shared()
+        # From zero per step: the MMA's reduced-precision FP8 sum spans one step, the fp32 add
+        # the rest.
+        acc += warpgroup_mma(_as_operand(w_now, BLOCK_K, a_layout), x_smem.permute((1, 0)),
+                             acc, use_acc=False)
+
+    out = gl.convert_layout(acc, out_layout)
+    on = pid_n * _BN + gl.arange(0, _BN, layout=gl.SliceLayout(1, out_layout))
+    om = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, out_layout))
+    cols = gl.where(on < N, on, 0).to(gl.int64)
+    rows = gl.where(om < M, om, 0).to(gl.int64)
+    inside = (on < N)[:, None] & (om < M)[None, :]
+    y_ptrs = y_ptr + om.to(gl.int64)[None, :] * stride_ym + on.to(gl.int64)[:, None] * stride_yn
+    if SPLIT_K == 1:
+        out = _scaled(out, rows, cols, bias_ptr, scale_a_ptr, scale_b_ptr, stride_bias,
+                      HAS_BIAS, SCALE_A, SCALE_B)
+        gl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=inside)
+    else:
+        tile = pid_m * gl.num_programs(0) + pid_n
+        local = gl.arange(0, _BN, layout=gl.SliceLayout(1, out_layout))[:, None] * BLOCK_M \
+            + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, out_layout))[None, :]
+        tile_parts = part_ptr + tile.to(gl.int64) * (SPLIT_K * _BN * BLOCK_M)
+        gl.store(tile_parts + split * (_BN * BLOCK_M) + local, out)
+        # Every thread's partial before the one release (as _splits.sum_splits_and_store).
+        _barrier()
+        arrived = gl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:
+            total = gl.zeros([_BN, BLOCK_M], gl.float32, layout=out_layout)
+            # Unrolled: every partial's load is issued before the first is waited for.
+            for s in gl.static_range(SPLIT_K):
+                total += gl.load(tile_parts + s * (_BN * BLOCK_M) + local,
+                                 cache_modifier=".cg")
+            gl.store(count_ptr + tile, 0)  # zero for the next launch
+            total = _scaled(total, rows, cols, bias_ptr, scale_a_ptr, scale_b_ptr, stride_bias,
+                            HAS_BIAS, SCALE_A, SCALE_B)
+            gl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=inside)
+
+
+def frag_call(x, w, bias, out, scale_a, scale_b, config: FragConfig,
+              counters: torch.Tensor | None = None, warmup: bool = False,
+              block_scales: bool = False, w_tiled: bool = True) -> KernelCall:
+    """The launch of ``launch_gemm_frag`` as data (what a dispatch plan records and replays)."""
+    if block_scales or not w_tiled:
+        raise ValueError("triton.frag reads pre-shuffled FP8 weights with per-tensor or "
+                         "per-row scales only")
+    M, K = x.shape
+    N = w.shape[0]
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    n_tiles, m_tiles = triton.cdiv(N, BLOCK_N), triton.cdiv(M, config.block_m)
+    parts, counters, per_call = workspace(x, out, n_tiles * m_tiles, BLOCK_N * config.block_m,
+                                          config.split_k, counters, warmup)
+    pdl = config.pdl if pdl_supported(x.device) else PDL_OFF
+    bias_, scale_a_, scale_b_ = epilogue_operands(x, bias, scale_a, scale_b)
+    args = (x, w, out, bias_, scale_a_, scale_b_, parts, counters, M, N, K,
+            x.stride(0), out.stride(0), out.stride(1),
+            bias.stride(0) if bias is not None else 0)
+    constexprs = dict(
+        **epilogue_constexprs(bias, scale_a, scale_b, False),
+        SPLIT_K=config.split_k,
+        BLOCK_M=config.block_m,
+        BLOCK_K=config.block_k,
+        AHEAD=config.ahead,
+        PDL=pdl != PDL_OFF)
+    return KernelCall(gemm_frag_kernel, (n_tiles, config.split_k, m_tiles), args, constexprs,
+                      dict(num_warps=NUM_WARPS), launch_pdl=pdl != PDL_OFF,
+                      replayable=not per_call)
+
+
+def launch_gemm_frag(x, w, bias, out, scale_a, scale_b, config: FragConfig,
+                     counters: torch.Tensor | None = None, warmup: bool = False,
+                     block_scales: bool = False, w_tiled: bool = True) -> torch.Tensor:
+    """The launch alone, for callers that validated once per shape (dispatch plans): ``out``
+    (M, N) with M, N > 0, w pre-shuffled. Split launches take their partials and counters as
+    ``gemm_splitk``'s do (``_splits.workspace``)."""
+    launch(frag_call(x, w, bias, out, scale_a, scale_b, config, counters, warmup,
+                     block_scales, w_tiled), warmup)
+    return out
+
+
+def gemm_frag(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
+              out_dtype: torch.dtype | None = None, scale_a: torch.Tensor | None = None,
+              scale_b: torch.Tensor | None = None, config: FragConfig | None = None,
+              out: torch.Tensor | None = None, block_scales: bool = False) -> torch.Tensor:
+    """``y = (x @ w.T) * scale_a * scale_b + bias`` for a pre-shuffled FP8 ``w``; validates
+    everything, then launches. ``config`` defaults to ``default_config``."""
+    if block_scales:
+        raise ValueError("gemm_frag: FP8 block scales are not supported")
+    if _checks.interpreted():
+        raise ValueError("gemm_frag: Gluon kernels do not run in Triton's interpreter")
+    return _checks.validated_launch("gemm_frag", launch_gemm_frag, default_config,
+                                    why_not_fits, x, w, bias, out_dtype, scale_a, scale_b,
+                                    config, out, False)
+

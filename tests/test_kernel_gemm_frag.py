@@ -1,0 +1,161 @@
+"""The fragment-order Gluon kernel (``triton.frag``) of pre-shuffled FP8 weights.
+
+Gluon kernels do not run in Triton's interpreter: on the CPU its config space and refusals are
+checked here and its sm_90 code in tests/test_kernels_compile_for_hopper.py; the ``gpu`` tests
+check every config family (steps, splits, steps ahead, blocks of x, PDL) against the fp32
+reference at ragged sizes, with every scale layout, bias and output dtype, NaN-poisoned outputs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gemm_checks import DEVICE, generator, poisoned, quantised_operands, randn
+from gemmtune import quant
+from gemmtune.kernels.triton import gemm_frag
+from gemmtune.kernels.triton.gemm_frag import FragConfig
+
+FP8 = torch.float8_e4m3fn
+
+
+def test_names_round_trip():
+    cfg = FragConfig(16, 256, 4, 2, 1)
+    assert cfg.name == "triton.frag:BM16.BK256.SK4.A2.P1"
+    assert FragConfig.from_name(cfg.name) == cfg
+    assert FragConfig.from_name("triton.frag:BM64.BK128.SK1.A1") == FragConfig(64, 128, 1, 1, 0)
+
+
+@pytest.mark.parametrize("config, M, N, K, dtype, says", [
+    (FragConfig(16, 256, 4, 2), 16, 4096, 4096, torch.int8, "float8_e4m3fn only"),
+    (FragConfig(16, 256, 4, 2), 16, 4100, 4096, FP8, "N must be a multiple of 16"),
+    (FragConfig(16, 256, 4, 2), 16, 4096, 2304 + 32, FP8, "not a multiple of block_k=256"),
+    (FragConfig(16, 256, 40, 2), 16, 4096, 16384, FP8, "split_k=40 must be in"),
+    (FragConfig(16, 256, 8, 2), 16, 4096, 1024, FP8, "4 steps of block_k=256"),
+    (FragConfig(24, 256, 1, 1), 16, 4096, 4096, FP8, "block_m=24 must be one of"),
+    (FragConfig(16, 96, 1, 1), 16, 4096, 4096, FP8, "block_k=96 must be one of"),
+    (FragConfig(16, 512, 1, 3), 16, 4096, 4096, FP8, "registers of w per thread"),
+    (FragConfig(16, 256, 1, 0), 16, 4096, 4096, FP8, "ahead=0 must be in"),
+    (FragConfig(16, 256, 1, 1, 2), 16, 4096, 4096, FP8, "pdl=2 must be"),
+])
+def test_configs_that_cannot_run_say_why(config, M, N, K, dtype, says):
+    assert says in gemm_frag.why_not_fits(config, M, N, K, dtype)
+
+
+@pytest.mark.parametrize("M, N, K", [(1, 576, 7168), (16, 4096, 512), (33, 1040, 2304),
+                                     (64, 151936, 5120), (200, 256, 7168), (1000, 4096, 4096),
+                                     (3, 16, 32)])
+def test_candidates_and_default_fit(M, N, K):
+    found = gemm_frag.candidates(M, N, K, FP8, num_sms=132, pdl=1)
+    assert found or K % 128, (M, N, K)
+    for cfg in found:
+        assert gemm_frag.fits(cfg, M, N, K, FP8) and cfg.pdl == 1, cfg.name
+        assert cfg.block_m == gemm_frag.block_m_for(M) and K % cfg.block_k == 0
+    assert len({c.name for c in found}) == len(found)
+    assert gemm_frag.fits(gemm_frag.default_config(M, N, K, FP8, num_sms=132), M, N, K, FP8)
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="the CPU's refusal")
+def test_refuses_the_interpreter_and_block_scales():
+    from gemmtune.kernels.triton import _checks
+
+    if not _checks.interpreted():
+        pytest.skip("runs under the test suite's TRITON_INTERPRET=1")
+    cfg = FragConfig(16, 128, 1, 1)
+    assert "interpreter" in gemm_frag.why_not_supported(cfg, 16, 64, 256, FP8, torch.bfloat16)
+    with pytest.raises(ValueError, match="interpreter"):
+        gemm_frag.gemm_frag(torch.zeros(16, 256).to(FP8), torch.zeros(64, 256).to(FP8))
+    with pytest.raises(ValueError, match="block scales"):
+        gemm_frag.gemm_frag(torch.zeros(16, 256).to(FP8), torch.zeros(64, 256).to(FP8),
+                            block_scales=True)
+
+
+# --- GPU -----------------------------------------------------------------------------------
+
+
+def _check(y, xq, wq, x_scale, w_scale, bias, what):
+    """Every element written, and no further from the fp32 reference than torch's own FP8 GEMM
+    (cuBLAS, promoted accumulation) is, plus the output's rounding."""
+    assert not torch.isnan(y).any(), f"{what}: {int(torch.isnan(y).sum())} outputs unwritten"
+    scale = x_scale.reshape(-1, 1) * w_scale.reshape(1, -1)
+    ref = (xq.float() @ wq.float().T) * scale
+    ref_torch = torch._scaled_mm(xq, wq.T, scale_a=torch.ones((), device=DEVICE),
+                                 scale_b=torch.ones((), device=DEVICE),
+                                 out_dtype=torch.float32) * scale
+    if bias is not None:
+        ref = ref + bias.float()
+        ref_torch = ref_torch + bias.float()
+    rounding = {torch.float32: 2**-24, torch.float16: 2**-11, torch.bfloat16: 2**-8}[y.dtype]
+    bound = 2 * (ref_torch - ref).abs() + rounding * ref.abs() + 1e-6 * ref.abs().max()
+    err = (y.float() - ref).abs()
+    worst = int((err - bound).argmax())
+    assert (err <= bound).all(), (
+        f"{what}: |y - ref| = {err.flatten()[worst]:.3g} > {bound.flatten()[worst]:.3g} at "
+        f"{worst} (ref {ref.flatten()[worst]:.4g})")
+
+
+# (M, N, K, config): every block of x's rows (8-256, and several blocks past 256), steps of
+# 128-512, 1-3 steps ahead, splits that divide the steps and that do not, N past a multiple of
+# 64 (the last program's bands past N), PDL on and off.
+GPU_CASES = [
+    (1, 576, 7168, FragConfig(8, 256, 4, 2, 1)),
+    (5, 1040, 2304, FragConfig(8, 128, 3, 1)),
+    (16, 4096, 512, FragConfig(16, 128, 4, 3, 1)),
+    (16, 1536, 7168, FragConfig(16, 512, 7, 1, 1)),
+    (31, 256, 7168, FragConfig(32, 256, 16, 2)),
+    (64, 7168, 2048, FragConfig(64, 256, 1, 2, 1)),
+    (64, 1040, 4096, FragConfig(64, 128, 5, 1)),
+    (100, 4096, 1024, FragConfig(128, 256, 2, 1)),
+    (256, 528, 4096, FragConfig(256, 128, 3, 2)),
+    (600, 512, 1024, FragConfig(256, 256, 2, 1, 1)),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M, N, K, config", GPU_CASES, ids=lambda v: getattr(v, "name", v))
+@pytest.mark.parametrize("layout", ["tensor", "token_channel", "token_tensor"])
+def test_gpu_matches_reference(M, N, K, config, layout):
+    gen = generator(M + N + K)
+    xq, wq, x_scale, w_scale = quantised_operands(M, N, K, FP8, layout, gen)
+    ws = quant.shuffle_weight(wq)
+    for out_dtype, with_bias in ((torch.bfloat16, False), (torch.float16, True),
+                                 (torch.float32, True)):
+        bias = randn(N, gen=gen, dtype=torch.bfloat16) if with_bias else None
+        for _ in range(2):  # the second launch finds the split counters left zero
+            y = gemm_frag.gemm_frag(xq, ws, bias, out_dtype, x_scale, w_scale, config,
+                                    out=poisoned(M, N, out_dtype))
+            _check(y, xq, wq, x_scale, w_scale, bias, f"{config.name} {out_dtype}")
+
+
+@pytest.mark.gpu
+def test_gpu_strided_x_and_output():
+    """x with a row pitch wider than K, and an output that is a slice of a wider one."""
+    M, N, K = 16, 1024, 2048
+    gen = generator(3)
+    xq, wq, x_scale, w_scale = quantised_operands(M, N, K, FP8, "token_channel", gen)
+    wide_x = torch.zeros(M, K + 64, device=DEVICE).to(FP8)
+    wide_x[:, :K] = xq
+    wide_out = torch.full((M, N + 32), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    y = gemm_frag.gemm_frag(wide_x[:, :K], quant.shuffle_weight(wq), None, torch.bfloat16,
+                            x_scale, w_scale, FragConfig(16, 256, 2, 2), out=wide_out[:, :N])
+    _check(y, xq, wq, x_scale, w_scale, None, "strided")
+    assert torch.isnan(wide_out[:, N:]).all()
+
+
+@pytest.mark.gpu
+def test_gpu_long_k_is_as_precise_as_cublas():
+    """Each step's MMA starts from zero and is added in fp32, so over K = 25600 in one split
+    the error stays near cuBLAS's (which promotes its FP8 sums) rather than 10-30x it, as
+    unpromoted FP8 wgmma sums were (docs/benchmarks.md, session 18)."""
+    M, N, K = 16, 512, 25600
+    gen = generator(9)
+    xq, wq, x_scale, w_scale = quantised_operands(M, N, K, FP8, "token_channel", gen)
+    y = gemm_frag.gemm_frag(xq, quant.shuffle_weight(wq), None, torch.float32, x_scale,
+                            w_scale, FragConfig(16, 512, 1, 1))
+    scale = x_scale.reshape(-1, 1) * w_scale.reshape(1, -1)
+    ref = (xq.float() @ wq.float().T) * scale
+    cublas = torch._scaled_mm(xq, wq.T, scale_a=x_scale.reshape(-1, 1).contiguous(),
+                              scale_b=w_scale.reshape(1, -1).contiguous(),
+                              out_dtype=torch.float32)
+    ours, theirs = (y - ref).norm() / ref.norm(), (cublas - ref).norm() / ref.norm()
+    assert ours <= 3 * theirs + 1e-7, (float(ours), float(theirs))
