@@ -91,6 +91,9 @@ for what in "$@"; do
             # the shipped a8w8 rows (cuBLASLt at most M = 16-64 shapes) and _scaled_mm
             TAIL=24 stage streamk "${STREAMK_LIMIT:-420}" python3 benchmarks/streamk_probe.py \
                 --m "${STREAMK_M:-16,32,64}" --out "$OUT" ;;
+        fragsplit)  # issue 15 item 2: triton.frag with and without PDL beside the Gluon probe
+            TAIL=14 stage fragsplit "${FRAGSPLIT_LIMIT:-300}" python3 \
+                benchmarks/frag_split_probe.py --out "$OUT" ;;
         bpreshuffle)  # issue 15 item 2: gemm_a8w8_bpreshuffle beside gemm_a8w8, presets' (N, K)
             TAIL=12 stage bpreshuffle "${BPRESHUFFLE_LIMIT:-300}" python3 \
                 benchmarks/bpreshuffle_vs_a8w8.py --m "${BPRESHUFFLE_M:-1,16,32,64}" --out "$OUT" ;;

@@ -74,20 +74,27 @@ def test_refuses_the_interpreter_and_block_scales():
 
 
 def _check(y, xq, wq, x_scale, w_scale, bias, what):
-    """Every element written, and no further from the fp32 reference than torch's own FP8 GEMM
-    (cuBLAS, promoted accumulation) is, plus the output's rounding."""
+    """Every element written; in norm no further from the fp32 reference than 3x torch's own
+    FP8 GEMM (cuBLAS, promoted accumulation) plus the output's rounding; per element within
+    the output's rounding plus 2^-10 of |x| @ |w| (the FP8 MMA truncates its sums within a
+    step: errors of ~1e-3 of the magnitude, above fp32's bound but far below a wrong
+    element's)."""
     assert not torch.isnan(y).any(), f"{what}: {int(torch.isnan(y).sum())} outputs unwritten"
     scale = x_scale.reshape(-1, 1) * w_scale.reshape(1, -1)
     ref = (xq.float() @ wq.float().T) * scale
+    mag = (xq.float().abs() @ wq.float().abs().T) * scale
     ref_torch = torch._scaled_mm(xq, wq.T, scale_a=torch.ones((), device=DEVICE),
                                  scale_b=torch.ones((), device=DEVICE),
                                  out_dtype=torch.float32) * scale
     if bias is not None:
         ref = ref + bias.float()
         ref_torch = ref_torch + bias.float()
+        mag = mag + bias.float().abs()
     rounding = {torch.float32: 2**-24, torch.float16: 2**-11, torch.bfloat16: 2**-8}[y.dtype]
-    bound = 2 * (ref_torch - ref).abs() + rounding * ref.abs() + 1e-6 * ref.abs().max()
     err = (y.float() - ref).abs()
+    assert err.norm() <= 3 * (ref_torch - ref).norm() + rounding * ref.norm(), \
+        (what, float(err.norm() / ref.norm()), float((ref_torch - ref).norm() / ref.norm()))
+    bound = rounding * ref.abs() + 2**-10 * mag
     worst = int((err - bound).argmax())
     assert (err <= bound).all(), (
         f"{what}: |y - ref| = {err.flatten()[worst]:.3g} > {bound.flatten()[worst]:.3g} at "
