@@ -150,8 +150,9 @@ def _split_for(tiles: int, k_steps: int, programs: int) -> int:
 def candidates(M: int, N: int, K: int, dtype: torch.dtype, num_sms: int | None = None,
                pdl: int = PDL_OFF) -> list[FragConfig]:
     """The configs to tune one shape with: block_m covering M (one block up to 256); each
-    block_k dividing K; 1-2 steps ahead; K split to reach each of ``_PROGRAMS_PER_SM``. Every
-    config gets ``pdl``."""
+    block_k dividing K; 1-2 steps ahead; K split to reach each of ``_PROGRAMS_PER_SM``; without
+    PDL and, where ``pdl`` is PDL_WAIT, with it (neither won everywhere: docs/benchmarks.md,
+    session 20)."""
     num_sms = num_sms or _checks.sm_count()
     bm = block_m_for(M)
     found = {}
@@ -162,9 +163,10 @@ def candidates(M: int, N: int, K: int, dtype: torch.dtype, num_sms: int | None =
         for per_sm in _PROGRAMS_PER_SM:
             split = _split_for(tiles, K // bk, per_sm * num_sms)
             for ahead in (1, 2):
-                cfg = FragConfig(bm, bk, split, ahead, pdl)
-                if fits(cfg, M, N, K, dtype):
-                    found[cfg] = None
+                for mode in sorted({PDL_OFF, pdl}):
+                    cfg = FragConfig(bm, bk, split, ahead, mode)
+                    if fits(cfg, M, N, K, dtype):
+                        found[cfg] = None
     return list(found)
 
 
@@ -236,7 +238,7 @@ def gemm_frag_kernel(
     w_ptr,  # (N, K) float8_e4m3fn in fragment order (preshuffle.shuffle)
     y_ptr,  # (M, N)
     bias_ptr, scale_a_ptr, scale_b_ptr,  # as gemm_splitk's (unused where the constexprs say)
-    part_ptr,  # (tiles, SPLIT_K, BLOCK_N, BLOCK_M) fp32; unused unless SPLIT_K > 1
+    part_ptr,  # (tiles, SPLIT_K, BLOCK_M, BLOCK_N) fp32; unused unless SPLIT_K > 1
     count_ptr,  # (tiles,) int32, zero on entry and left zero; unused unless SPLIT_K > 1
     M, N, K,
     stride_xm, stride_ym, stride_yn, stride_bias,
@@ -320,8 +322,9 @@ def gemm_frag_kernel(
         gl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=inside)
     else:
         tile = pid_m * gl.num_programs(0) + pid_n
-        local = gl.arange(0, _BN, layout=gl.SliceLayout(1, out_layout))[:, None] * BLOCK_M \
-            + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, out_layout))[None, :]
+        # [BLOCK_M][BLOCK_N] (w's rows fastest, as the lanes of out_layout run): coalesced.
+        local = gl.arange(0, _BN, layout=gl.SliceLayout(1, out_layout))[:, None] \
+            + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, out_layout))[None, :] * _BN
         tile_parts = part_ptr + tile.to(gl.int64) * (SPLIT_K * _BN * BLOCK_M)
         gl.store(tile_parts + split * (_BN * BLOCK_M) + local, out)
         # Every thread's partial before the one release (as _splits.sum_splits_and_store).
