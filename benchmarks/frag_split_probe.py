@@ -46,10 +46,9 @@ def main() -> None:
     for m, n, k in CASES:
         gen = torch.Generator(device="cuda").manual_seed(n + k + m)
         w = (torch.randn(n, k, generator=gen, device="cuda") / 8).to(torch.float8_e4m3fn)
-        copies = [quant.shuffle_weight(w)]
-        copies += [copies[0].clone() for _ in range(copies_to_exceed_l2(n * k) - 1)]
-        assert torch.equal(copies[0].view(torch.uint8), shuffle(w, "frag").view(n, k)
-                           .view(torch.uint8))
+        # gemm_frag's layout and the probe's fragment order, per copy
+        copies = [{"frag": quant.shuffle_weight(c), "probe": shuffle(c, "frag").view(n, k)}
+                  for c in [w] + [w.clone() for _ in range(copies_to_exceed_l2(n * k) - 1)]]
         x = torch.randn(m, k, generator=gen, device="cuda").to(torch.float8_e4m3fn)
         one = torch.ones(1, device="cuda")
         ref = x.float() @ w.float().T
@@ -63,18 +62,20 @@ def main() -> None:
             for split in splits:
                 for pdl in (0, 1):
                     cfg = FragConfig(bm, bk, split, 1, pdl)
-                    got = gemm_frag(x, copies[0], None, torch.bfloat16, one, one, cfg,
+                    got = gemm_frag(x, copies[0]["frag"], None, torch.bfloat16, one, one, cfg,
                                     out=torch.full_like(y, float("nan")))
                     if float((got.float() - ref).norm() / ref.norm()) < 1e-2:
-                        fns.append(lambda c, cfg=cfg: gemm_frag(x, c, None, torch.bfloat16,
-                                                                one, one, cfg, out=y))
+                        fns.append(lambda c, cfg=cfg: gemm_frag(x, c["frag"], None,
+                                                                torch.bfloat16, one, one, cfg,
+                                                                out=y))
                         names.append(f"frag.P{pdl}.BK{bk}.SK{split}")
                     else:
                         print(f"{m}x{n}x{k} {cfg.name}: wrong", flush=True)
                 if k // bk % split == 0 and m <= 64:
                     v = ProbeVariant(True, bk, split, m, n, k)
-                    if float((v(x, copies[0], y32).float() - ref).norm() / ref.norm()) < 1e-2:
-                        fns.append(lambda c, v=v: v(x, c, y32))
+                    got = v(x, copies[0]["probe"], y32)
+                    if float((got.float() - ref).norm() / ref.norm()) < 1e-2:
+                        fns.append(lambda c, v=v: v(x, c["probe"], y32))
                         names.append(f"probe.BK{bk}.SK{split}")
         times = [t for t, _ in interleaved_graph_us(fns, copies, rounds=9, replays=2)]
         rec = {"M": m, "N": n, "K": k}

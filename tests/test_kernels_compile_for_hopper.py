@@ -249,7 +249,9 @@ FRAG_SCRIPT = textwrap.dedent("""
                           BLOCK_M=block_m, BLOCK_K=block_k, AHEAD=ahead, PDL=pdl)
         signature = {n: pointers.get(n, "constexpr" if n in constexprs else "i32")
                      for n in names}
-        aligned = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 6, 7)}
+        # As Triton specialises them at a launch: pointers, K and x's row pitch multiples of 16.
+        aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+                   if n.endswith("_ptr") or n in ("K", "stride_xm")}
         return triton.compile(gluon._runtime.GluonASTSource(
             fn=gemm_frag.gemm_frag_kernel, signature=signature, attrs=aligned,
             constexprs=constexprs), target=GPUTarget("cuda", 90, 128))
@@ -258,9 +260,9 @@ FRAG_SCRIPT = textwrap.dedent("""
                                                   (64, 512, 8, 1, True), (256, 128, 2, 3, True)):
         kernel = compiled(block_m, block_k, split_k, ahead, pdl)
         text = kernel.asm["ptx"]
-        # w: one 16-byte load per fragment, (ahead + 1) steps of block_k / 32 of them (the
-        # steps before the loop and the one in it); x alone goes through shared memory.
-        fragments = block_k // 32 * (ahead + 1)
+        # w: a 16-byte load per row of a thread (two) and 64-byte block of K, for ahead + 1
+        # steps (those before the loop and the one in it); x alone goes through shared memory.
+        fragments = 2 * block_k // 64 * (ahead + 1)
         assert text.count("ld.global.v4") >= fragments, (block_m, text.count("ld.global.v4"))
         assert kernel.metadata.shared <= max(block_m * block_k, 64 * block_m * 4), \
             kernel.metadata.shared

@@ -5,7 +5,7 @@ pre-shuffled; each candidate is checked against the
 dequantised product of the row-major weight in fp32. Candidates: the torch backend, the
 fragment-order Gluon kernel's configs (FP8 on a GPU: ``gemm_frag.candidates``), and the split-K,
 tile and GEMV configs the a8w8 tuner would try that read the pre-shuffled weight (block_k a
-multiple of 32, no row prefetch).
+multiple of 64).
 """
 
 from __future__ import annotations
