@@ -84,9 +84,12 @@ def _check(y, xq, wq, x_scale, w_scale, bias, what):
     scale = x_scale.reshape(-1, 1) * w_scale.reshape(1, -1)
     ref = (xq.float() @ wq.float().T) * scale
     mag = (xq.float().abs() @ wq.float().abs().T) * scale
-    ref_torch = torch._scaled_mm(xq, wq.T, scale_a=torch.ones((), device=DEVICE),
+    n = wq.shape[0]
+    padded = torch.zeros(-(-n // 16) * 16, wq.shape[1], device=DEVICE).to(wq.dtype)
+    padded[:n] = wq  # _scaled_mm takes N a multiple of 16
+    ref_torch = torch._scaled_mm(xq, padded.T, scale_a=torch.ones((), device=DEVICE),
                                  scale_b=torch.ones((), device=DEVICE),
-                                 out_dtype=torch.float32) * scale
+                                 out_dtype=torch.float32)[:, :n] * scale
     if bias is not None:
         ref = ref + bias.float()
         ref_torch = ref_torch + bias.float()

@@ -166,11 +166,12 @@ GEMV_SCRIPT = textwrap.dedent("""
                for stages in (1, 2)]
     split = ptx(gemv, "fp8e4nv", dict(SCALE_A=3, SCALE_B=3, USE_WORKSPACE=True, BLOCK_M=2,
                                       BLOCK_N=4, BLOCK_K=1024, STAGES=1, W_TILED=False, **common))
-    # A pre-shuffled w (fragment order, read element by element) compiles, in 4-byte pieces.
+    # A pre-shuffled w streams as rows do; x, read at the permuted K, in 4-byte pieces (not
+    # byte by byte).
     tiled = ptx(gemv, "fp8e4nv", dict(SCALE_A=1, SCALE_B=1, USE_WORKSPACE=True, BLOCK_M=1,
                                       BLOCK_N=4, BLOCK_K=1024, STAGES=2, W_TILED=True, **common))
-    assert "ld.global" in tiled and -1 < tiled.find("griddepcontrol.wait") < tiled.find("ld.g")
-    for text in (*whole_k, split):
+    assert "ld.global.b8" not in tiled and "ld.global.b32" in tiled
+    for text in (*whole_k, split, tiled):
         # w streams in 16-byte vectors, and nothing is loaded before the PDL wait.
         assert "ld.global.v4" in text or "ld.global.nc.v4" in text
         assert -1 < text.find("griddepcontrol.wait") < text.find("ld.global")
@@ -195,9 +196,12 @@ GEMV_SCRIPT = textwrap.dedent("""
     assert "wgmma.mma_async.sync.aligned.m64n16k32" in promoted
     assert promoted.count("add.f32") > fast.count("add.f32"), (promoted.count("add.f32"),
                                                                fast.count("add.f32"))
-    # A pre-shuffled w (W_TILED, fragment order element by element): the same warpgroup MMA.
+    # A pre-shuffled w (W_TILED): the same warpgroup MMA, w copied to shared memory in 16-byte
+    # pieces as rows are, and x at the permuted K in 4-byte ones: both still pipelined.
     tiled = splitk_ptx(True, tiled=True)
     assert "wgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3" in tiled
+    assert "cp.async.ca.shared.global" in tiled and "ld.global.b8" not in tiled
+    assert tiled.count("cp.async.cg.shared.global") > 0
     print("ok")
 """)
 

@@ -22,6 +22,10 @@ def x_k_offsets(ks, stride_xk, W_TILED: tl.constexpr):
         within = ks % _BLOCK_K
         ks = ks - within + within // 8 % 2 * 32 + within // 4 % 2 * 16 + within // 16 * 4 \
             + within % 4
+        # What the compiler cannot see through the divisions: runs of 4 stay contiguous and
+        # start at multiples of 4. Without it x is read a byte at a time, and a dot whose
+        # operand is read so is not pipelined (the kernels ran 2-27x slower, session 20).
+        ks = tl.max_contiguous(tl.multiple_of(ks, 4), 4)
     # tl.cast, not .to(): a stride of 1 arrives as a constexpr, which has no .to().
     return ks * tl.cast(stride_xk, tl.int64)
 
