@@ -28,12 +28,12 @@ def test_names_round_trip():
 
 @pytest.mark.parametrize("config, M, N, K, dtype, says", [
     (FragConfig(16, 256, 4, 2), 16, 4096, 4096, torch.int8, "float8_e4m3fn only"),
-    (FragConfig(16, 256, 4, 2), 16, 4100, 4064, FP8, "K must be a multiple of 64"),
-    (FragConfig(16, 256, 4, 2), 16, 4096, 2304 + 64, FP8, "not a multiple of block_k=256"),
+    (FragConfig(16, 256, 4, 2), 16, 4100, 4096, FP8, "N must be a multiple of 16"),
+    (FragConfig(16, 256, 4, 2), 16, 4096, 2304 + 128, FP8, "not a multiple of block_k=256"),
     (FragConfig(16, 256, 40, 2), 16, 4096, 16384, FP8, "split_k=40 must be in"),
     (FragConfig(16, 256, 8, 2), 16, 4096, 1024, FP8, "4 steps of block_k=256"),
     (FragConfig(24, 256, 1, 1), 16, 4096, 4096, FP8, "block_m=24 must be one of"),
-    (FragConfig(16, 32, 1, 1), 16, 4096, 4096, FP8, "block_k=32 must be one of"),
+    (FragConfig(16, 64, 1, 1), 16, 4096, 4096, FP8, "block_k=64 must be one of"),
     (FragConfig(16, 512, 1, 3), 16, 4096, 4096, FP8, "registers of w per thread"),
     (FragConfig(16, 256, 1, 0), 16, 4096, 4096, FP8, "ahead=0 must be in"),
     (FragConfig(16, 256, 1, 1, 2), 16, 4096, 4096, FP8, "pdl=2 must be"),
@@ -42,9 +42,9 @@ def test_configs_that_cannot_run_say_why(config, M, N, K, dtype, says):
     assert says in gemm_frag.why_not_fits(config, M, N, K, dtype)
 
 
-@pytest.mark.parametrize("M, N, K", [(1, 576, 7168), (16, 4096, 512), (33, 1000, 2304),
+@pytest.mark.parametrize("M, N, K", [(1, 576, 7168), (16, 4096, 512), (33, 1040, 2304),
                                      (64, 151936, 5120), (200, 256, 7168), (1000, 4096, 4096),
-                                     (3, 16, 64)])
+                                     (3, 16, 128)])
 def test_candidates_and_default_fit(M, N, K):
     found = gemm_frag.candidates(M, N, K, FP8, num_sms=132, pdl=1)
     assert found or K % 128, (M, N, K)
@@ -107,10 +107,10 @@ def _check(y, xq, wq, x_scale, w_scale, bias, what):
 
 # (M, N, K, config): every block of x's rows (8-256, and several blocks past 256), steps of
 # 128-512, 1-3 steps ahead, splits that divide the steps and that do not, N past a multiple of
-# 64 and of 16 (the last program's rows past N), PDL on and off.
+# 64 (the last program's rows past N), PDL on and off.
 GPU_CASES = [
     (1, 576, 7168, FragConfig(8, 256, 4, 2, 1)),
-    (5, 1000, 2304, FragConfig(8, 128, 3, 1)),
+    (5, 1040, 2304, FragConfig(8, 128, 3, 1)),
     (16, 4096, 512, FragConfig(16, 128, 4, 3, 1)),
     (16, 1536, 7168, FragConfig(16, 512, 7, 1, 1)),
     (31, 256, 7168, FragConfig(32, 256, 16, 2)),

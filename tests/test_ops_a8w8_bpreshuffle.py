@@ -57,29 +57,21 @@ def assert_close_to_reference(y, xq, wq, x_scale, w_scale):
 
 
 @pytest.mark.parametrize("q_dtype", Q_DTYPES)
-def test_shuffle_permutes_k_per_64_byte_block_and_round_trips(q_dtype):
-    N, K = 40, 192
-    _, wq, ws, _, _ = operands(1, N, K, q_dtype)
+def test_shuffle_packs_16_row_by_128_byte_tiles_and_round_trips(q_dtype):
+    _, wq, ws, _, _ = operands(1, 48, 384, q_dtype)
     assert ws.shape == wq.shape and ws.dtype == wq.dtype and ws.is_contiguous()
-    stored, plain = ws.view(torch.uint8), wq.view(torch.uint8)
-    # Rows stay rows; in each 64-byte block, thread t of an MMA's A fragment (lane % 4) finds
-    # its K positions of both 32-deep steps, 4t..4t+3 and 16+4t..16+4t+3 of each, at bytes
-    # 16t .. 16t + 15 (PTX ISA, wgmma 8-bit A fragments).
-    for row, block, t in ((0, 0, 0), (0, 0, 1), (7, 1, 3), (39, 2, 2)):
-        base = 64 * block
-        wanted = [base + 32 * step + 16 * half + 4 * t + b
-                  for step in (0, 1) for half in (0, 1) for b in range(4)]
-        assert torch.equal(stored[row, base + 16 * t:base + 16 * t + 16], plain[row, wanted])
-    # Every byte where preshuffle.sigma says.
-    from gemmtune.kernels.preshuffle import sigma
-
-    assert torch.equal(stored, plain[:, sigma(torch.arange(K)).to(plain.device)])
+    flat, plain = ws.view(torch.uint8).reshape(-1), wq.view(torch.uint8)
+    # Band 0's tiles along K, then band 1's: each the 16 x 128 block, rows in order.
+    assert torch.equal(flat[:2048], plain[:16, :128].reshape(-1))
+    assert torch.equal(flat[2048:4096], plain[:16, 128:256].reshape(-1))
+    assert torch.equal(flat[3 * 2048:4 * 2048], plain[16:32, :128].reshape(-1))
+    assert not torch.equal(flat, plain.reshape(-1))
     assert torch.equal(quant.unshuffle_weight(ws).view(torch.uint8), plain)
 
 
 @pytest.mark.parametrize("shape, dtype, match", [
-    ((40, 96), torch.float8_e4m3fn, "K must be a multiple of 64"),
-    ((32, 80), torch.int8, "K must be a multiple of 64"),
+    ((40, 128), torch.float8_e4m3fn, "N must be a multiple of 16 and K of 128"),
+    ((32, 96), torch.int8, "N must be a multiple of 16 and K of 128"),
     ((32, 128), torch.bfloat16, "quantise to torch.float8_e4m3fn or torch.int8"),
 ])
 def test_shuffle_refuses_what_does_not_tile(shape, dtype, match):
@@ -95,8 +87,7 @@ def test_model_shapes_leave_out_weights_that_do_not_tile():
 
     fits = gemmtune.get_family("a8w8_bpreshuffle").why_not_gemm
     assert fits(4096, 14336, "fp8") is None and fits(4096, 14336, "int8") is None
-    assert "K must be a multiple of 64" in fits(4096, 1000, "fp8")
-    assert fits(4100, 4096, "fp8") is None
+    assert "K of 128" in fits(4096, 1000, "fp8") and "N must be" in fits(4100, 4096, "fp8")
     # An MLP of 1000: down (K = 1000) does not tile; gate/up (N = 2000), attention and the
     # lm_head (K = hidden = 1024) do.
     spec = ModelSpec(name="odd", source="test", model_type="llama",
@@ -106,19 +97,19 @@ def test_model_shapes_leave_out_weights_that_do_not_tile():
     rows = untuned_rows(spec, 1, m_values=(1,))
     every = {(r.key.N, r.key.K) for r in rows["a8w8"]}
     tiled = {(r.key.N, r.key.K) for r in rows["a8w8_bpreshuffle"]}
-    assert tiled == {(n, k) for n, k in every if k % 64 == 0}
+    assert tiled == {(n, k) for n, k in every if n % 16 == 0 and k % 128 == 0}
     assert (2000, 1024) in tiled and every - tiled == {(1024, 1000)}
 
 
 def test_bench_leaves_out_weights_that_do_not_tile(capsys):
-    """A weight with K = 4000 has no pre-shuffled layout: the bench says so and runs the rest."""
+    """A model's router (8 x 4096) has no tiled layout: the bench says so and runs the rest."""
     from gemmtune.bench import BenchShape
     from gemmtune.cli import _taken
 
     family = gemmtune.get_family("a8w8-bpreshuffle")
-    shapes = [BenchShape("odd", 1, 8, 4000), BenchShape("qkv", 1, 6144, 4096)]
+    shapes = [BenchShape("router", 1, 8, 4096), BenchShape("qkv", 1, 6144, 4096)]
     assert _taken(shapes, family, "fp8") == shapes[1:]
-    assert "odd M=1 N=8 K=4000 left out: a (8, 4000) weight has no pre-shuffled layout" in \
+    assert "router M=1 N=8 K=4096 left out: a (8, 4096) weight does not tile" in \
         capsys.readouterr().err
     with pytest.raises(ValueError, match="none of the shapes"):
         _taken(shapes[:1], family, "fp8")
@@ -159,15 +150,16 @@ def test_no_row_runs_a_triton_default_that_reads_the_tiles(bpreshuffle_table, la
     assert_close_to_reference(y.view(M, N), xq, wq, xs, ws)
     (plan,) = DISPATCH.plans.values()
     assert plan.decision.rule is Rule.default
-    # FP8 on a GPU: the fragment-order kernel; in the interpreter: split-K.
+    # FP8 on a GPU: the register-direct kernel; in the interpreter: split-K.
     assert plan.decision.kernel_name.startswith(
         "triton.frag:" if torch.cuda.is_available() else "triton.splitk:")
 
 
 def test_row_major_kernels_are_not_this_familys(bpreshuffle_table):
     xq, _, wqs, xs, ws = operands(4, 32, 256, torch.float8_e4m3fn)
-    for kernel, why in (("triton.splitk:BM16.BN32.BK32.SK2.W4.S2", "use a multiple of 64"),
-                        ("triton.gemv:BN16.BK16.SK4.W4.S1", "use a multiple of 64"),
+    for kernel, why in (("triton.splitk:BM16.BN32.BK64.SK2.W4.S2", "use a multiple of 128"),
+                        ("triton.splitk:BM16.BN32.BK128.SK2.W4.S2.P2", "pdl=2 prefetches"),
+                        ("triton.gemv:BN16.BK64.SK4.W4.S1", "use a multiple of 128"),
                         ("triton.persistent:BM16.BN32.BK128.G2.W4.S2",
                          "no backend for kernelName")):
         with pytest.raises(ValueError, match=why):
@@ -187,8 +179,8 @@ def test_fragment_order_kernel_says_where_it_cannot_run(bpreshuffle_table):
 
 def test_bad_arguments_say_what_to_do():
     xq, _, wqs, xs, ws = operands(4, 32, 256, torch.float8_e4m3fn)
-    with pytest.raises(ValueError, match="K must be a multiple of 64"):
-        gemmtune.gemm_a8w8_bpreshuffle(xq[:, :224], wqs[:, :224].contiguous(), xs, ws)
+    with pytest.raises(ValueError, match="N must be a multiple of 16"):
+        gemmtune.gemm_a8w8_bpreshuffle(xq, wqs[:24], xs, ws[:24])
     # A strided weight of a shape already served contiguously is checked, not run.
     gemmtune.gemm_a8w8_bpreshuffle(xq, wqs, xs, ws)
     wide = torch.empty(32, 512, dtype=wqs.dtype, device=wqs.device)
@@ -266,22 +258,22 @@ def test_tuner_tries_only_kernels_that_read_the_tiles(tmp_path):
     from gemmtune.tune.family import TuneOptions
 
     inp = tmp_path / "u.csv"
-    inp.write_text("M,N,K,q_dtype_w\n5,40,256,torch.float8_e4m3fn\n5,40,224,torch.int8\n")
+    inp.write_text("M,N,K,q_dtype_w\n5,48,256,torch.float8_e4m3fn\n5,40,256,torch.int8\n")
     out = io.StringIO()
     config = TuneConfig(input=inp, output=tmp_path / "t.csv", profile=tmp_path / "prof.csv",
                         timeout=120, options=TuneOptions(iters=3, warmup=1),
                         gpus=default_gpus(), workers=4 if default_gpus() else 1)
     summary = Tuner(A8w8BpreshuffleTuner, config, out=out).run()
     assert summary.tuned == 1 and len(summary.failed) == 1, out.getvalue()
-    assert "K must be a multiple of 64" in out.getvalue()
+    assert "N must be a multiple of 16" in out.getvalue()
     (row,) = read_table(tmp_path / "t.csv", SCHEMA).rows
-    assert row.key.K == 256
+    assert row.key.N == 48
     with open(tmp_path / "prof.csv") as f:
         statuses = [(r["kernelName"], r["status"]) for r in csv.DictReader(f)]
     assert statuses and all(s == "ok" for _, s in statuses), statuses
     names = [n for n, _ in statuses]
     assert TORCH_UNSHUFFLED in names and any(n.startswith("triton.splitk:") for n in names)
     assert any(n.startswith("triton.gemv:") for n in names)
-    # The fragment-order Gluon kernel is a candidate where it runs: FP8 on a GPU.
+    # The register-direct Gluon kernel is a candidate where it runs: FP8 on a GPU.
     assert any(n.startswith("triton.frag:") for n in names) == torch.cuda.is_available()
     assert not any(n.startswith(("triton.persistent:", "cublaslt")) for n in names)

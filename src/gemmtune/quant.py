@@ -386,10 +386,9 @@ def dequantize_experts(q: torch.Tensor, scale: torch.Tensor,
 
 
 def shuffle_weight(wq: torch.Tensor) -> torch.Tensor:
-    """An FP8 or INT8 weight (N, K) packed once for ``gemm_a8w8_bpreshuffle``: rows kept, K
-    permuted within each 64-byte block so that a thread's share of Hopper's warpgroup MMA
-    fragments is 16 contiguous bytes per row (``gemmtune.kernels.preshuffle``). Same shape and
-    dtype, a new contiguous tensor; K must be a multiple of 64 (ValueError otherwise).
+    """An FP8 or INT8 weight (N, K) packed once for ``gemm_a8w8_bpreshuffle``: 16-row x
+    128-byte tiles, each contiguous (``gemmtune.kernels.preshuffle``). Same shape and dtype,
+    a new contiguous tensor; N must be a multiple of 16 and K of 128 (ValueError otherwise).
     Its scales (per channel of the row-major weight) are used as they are. The layout is
     gemmtune's own: a weight shuffled by AITER's ``shuffle_weight`` (a different layout) must be
     packed again from the row-major one."""

@@ -1,15 +1,14 @@
 """``gemm_a8w8_bpreshuffle(xq, wq, x_scale, w_scale, dtype) = (xq @ w.T) * x_scale * w_scale``
-with ``wq = gemmtune.quant.shuffle_weight(w)``: the weight's K permuted once per 64-byte block
-(``gemmtune.kernels.preshuffle``) so that the Gluon kernel ``triton.frag`` loads each thread's
-warpgroup-MMA fragments as 16-byte pieces straight into registers (FP8 on a GPU); the split-K,
-tile and GEMV kernels read the weight as rows and x at the permuted positions (INT8, the CPU,
-and where the tuner finds them faster).
+with ``wq = gemmtune.quant.shuffle_weight(w)``: the weight packed once into 16-row x 128-byte
+tiles (``gemmtune.kernels.preshuffle``), read by the split-K, tile and GEMV kernels built for
+it and by ``triton.frag``, a Gluon kernel that loads each thread's warpgroup-MMA fragments of w
+straight into registers (FP8 on a GPU).
 
 Scales and dtypes as ``gemm_a8w8``'s (FP8 or INT8; x_scale per tensor or per token, w_scale per
-tensor or per channel, fp32); K a multiple of 64. Dispatched per shape through
+tensor or per channel, fp32); N a multiple of 16 and K of 128. Dispatched per shape through
 ``a8w8_bpreshuffle_tuned_gemm.csv`` (key ``BpreshuffleKey``: AITER's table's columns; its
 layout and kernel names are gemmtune's own, not AITER's); a shape without a row runs the
-fragment-order kernel's default config (FP8 on a GPU, M <= 256), else the split-K kernel's
+register-direct kernel's default config (FP8 on a GPU, M <= 256), else the split-K kernel's
 (M <= 256) or the tile kernel's, and the torch backend (which puts the weight back in rows on
 every call) only where none can. Registered as
 ``torch.ops.gemmtune.gemm_a8w8_bpreshuffle`` (shapes-only fake); no autograd.
@@ -54,7 +53,7 @@ def problem_of(key: BpreshuffleKey) -> GemmProblem:
                        scaling=Scaling.rowwise, preshuffled=True)
 
 
-# Only the kernels that read the pre-shuffled layout (gemmtune.kernels.triton._wlayout, and
+# Only the kernels that read the tiled layout (gemmtune.kernels.triton._wlayout, and
 # triton.frag).
 REGISTRY = gemm_registry("a8w8_bpreshuffle", TORCH_UNSHUFFLED, unshuffled_scaled_mm_torch,
                          ("triton.frag", "triton.splitk", "triton.tile", "triton.gemv"),

@@ -3,9 +3,9 @@
 Inputs as ``gemm_a8w8``'s tuner makes them (``rowwise_scaled_inputs``), the weight then
 pre-shuffled; each candidate is checked against the
 dequantised product of the row-major weight in fp32. Candidates: the torch backend, the
-fragment-order Gluon kernel's configs (FP8 on a GPU: ``gemm_frag.candidates``), and the split-K,
-tile and GEMV configs the a8w8 tuner would try that read the pre-shuffled weight (block_k a
-multiple of 64).
+register-direct Gluon kernel's configs (FP8 on a GPU: ``gemm_frag.candidates``), and the
+split-K, tile and GEMV configs the a8w8 tuner would try that read the tiled weight (block_k a
+multiple of 128, no row prefetch).
 """
 
 from __future__ import annotations

@@ -1,15 +1,16 @@
 """The pre-shuffled FP8 weight's decode GEMM, in Gluon (Triton's layout-explicit dialect):
-``y = (x @ w.T) * scale_a * scale_b + bias`` with w pre-shuffled by ``gemmtune.kernels.preshuffle``
-(rows, K permuted per 64-byte block), loaded straight from global memory into the registers the
+``y = (x @ w.T) * scale_a * scale_b + bias`` with w in the 16-row x 128-byte tiles of
+``gemmtune.kernels.preshuffle``, loaded straight from global memory into the registers the
 warpgroup MMA takes its A operand from.
 
 Swapped as the split-K kernel's ``SW1`` configs are (y.T = w @ x.T): w's 64 rows of a program
 are the MMA's M, x's rows its N (BLOCK_M, 8-256). Plain Triton feeds both operands through
-shared memory; Hopper's ``wgmma`` takes A from registers, and in the pre-shuffled layout what
-each thread needs of a 64-byte block of K (its fragments of two 32-deep MMA steps) is 16
-contiguous bytes per row: ``ld.global.v4`` loads, no shared memory and no barrier for w (the
-compile test checks both). x, a few KiB, goes through shared memory as the MMA's B. The next
-AHEAD K steps of w are loaded before the current one is multiplied.
+shared memory; Hopper's ``wgmma`` takes A from registers, so here each thread loads its own
+fragments (4 consecutive bytes of K per row and 32-deep step) with no shared memory and no
+barrier for w (the compile test checks both), which pays where few programs stream a weight
+and each step's latency, not bandwidth, bounds the time (narrow weights at M = 16-64). x, a few
+KiB, goes through shared memory as the MMA's B. The next AHEAD K steps of w are loaded before
+the current one is multiplied.
 
 Each step's product is added into the fp32 accumulator (the MMA starts from zero per step), so
 FP8's reduced-precision accumulation spans one step of K at most. K is split over a second grid
@@ -18,9 +19,9 @@ deterministic, as ``_splits.sum_splits_and_store``). A third grid axis takes x's
 of BLOCK_M. Scales per tensor or per row of x / of w, bias, and the output dtype in the
 epilogue.
 
-Measured against the shared-memory path (``benchmarks/gluon_frag_probe.py``, H100): w's
-fragments loaded this way in 16-byte pieces ran at 0.853x the split-K kernel's time where the
-same kernel loading them in 4-byte pieces ran at 0.969x (docs/benchmarks.md, session 20).
+The layout cannot give each thread 16-byte pieces without costing the shared-memory kernels
+(x would have to be read at permuted K in 4-byte pieces): both were measured, see
+docs/benchmarks.md, session 20.
 
 FP8 (float8_e4m3fn) only; a GPU with warpgroup MMA (sm_90) only: Gluon kernels do not run in
 Triton's interpreter, so the CPU checks only compile it (tests/test_kernels_compile_for_hopper.py).
@@ -50,7 +51,7 @@ _BN = gl.constexpr(BLOCK_N)  # as the jitted code reads it
 # A barrier of the block's threads: gl.thread_barrier in Triton 3.6, gl.barrier from 3.7 on.
 _barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 BLOCK_MS = (8, 16, 32, 64, 128, 256)  # the MMA's N
-BLOCK_KS = (64, 128, 256, 512)  # whole 64-byte blocks of the layout
+BLOCK_KS = (128, 256, 512)  # whole 128-byte tiles of the layout
 MAX_AHEAD = 3
 # More splits only add partials to sum (each is summed in one unrolled load).
 MAX_SPLIT_K = 32
@@ -172,62 +173,33 @@ def candidates(M: int, N: int, K: int, dtype: torch.dtype, num_sms: int | None =
 
 def default_config(M: int, N: int, K: int, dtype: torch.dtype,
                    num_sms: int | None = None) -> FragConfig:
-    """Reasonable untuned: the widest step of up to 256 bytes that divides K, one step ahead, K
-    split until there are 2 programs per SM. Fits every shape the layout takes (K a multiple
-    of 64)."""
+    """Reasonable untuned: 256 bytes of K per step where they divide K, else 128, one step
+    ahead, K split until there are 2 programs per SM. Fits every shape the layout takes (K a
+    multiple of 128)."""
     num_sms = num_sms or _checks.sm_count()
     bm = block_m_for(M)
-    bk = next(b for b in (256, 128, 64) if K % b == 0)
+    bk = 256 if K % 256 == 0 else 128
     tiles = triton.cdiv(N, BLOCK_N) * triton.cdiv(M, bm)
     return FragConfig(bm, bk, _split_for(tiles, K // bk, 2 * num_sms), 1)
 
 
 @gluon.jit
-def _w_offsets(pid_n, N, K, BLOCK_K: gl.constexpr, t_layout: gl.constexpr):
-    """Offsets of w's first K step for this program as T[band, row half, row in 8, 64-byte
-    block, t, byte]: a warp per 16-row band, lane (row in 8) * 4 + t holding, of both its rows,
-    bytes 16t .. 16t + 15 of each 64-byte block (``preshuffle``); and the rows' mask."""
-    l0: gl.constexpr = gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(
-        4, gl.SliceLayout(5, t_layout)))))
-    l1: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(
-        4, gl.SliceLayout(5, t_layout)))))
-    l2: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, gl.SliceLayout(
-        4, gl.SliceLayout(5, t_layout)))))
-    l3: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(
-        4, gl.SliceLayout(5, t_layout)))))
-    l4: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(
-        3, gl.SliceLayout(5, t_layout)))))
-    l5: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(
-        3, gl.SliceLayout(4, t_layout)))))
-    band = gl.arange(0, _BN // 16, layout=l0)
-    half = gl.arange(0, 2, layout=l1)
-    row8 = gl.arange(0, 8, layout=l2)
-    block = gl.arange(0, BLOCK_K // 64, layout=l3)
-    t = gl.arange(0, 4, layout=l4)
-    byte = gl.arange(0, 16, layout=l5)
-    rows = pid_n * _BN + band[:, None, None] * 16 + half[None, :, None] * 8 + row8[None, None, :]
-    in_n = (rows < N)[:, :, :, None, None, None]
-    offs = (gl.where(rows < N, rows, 0).to(gl.int64) * K)[:, :, :, None, None, None] \
-        + (block * 64)[None, None, None, :, None, None] \
-        + (t * 16)[None, None, None, None, :, None] + byte[None, None, None, None, None, :]
-    return offs, in_n
+def _w_offsets(pid_n, N, K, BLOCK_K: gl.constexpr, a_layout: gl.constexpr):
+    """Offsets of w's first K step for this program, in the MMA's A-operand layout itself, and
+    the rows' mask: element (n, k) of the tiles at (n // 16) * 16 K + (k // 128) * 2048 +
+    (n % 16) * 128 + k % 128 (``preshuffle``); each thread's 4 consecutive K per row and K
+    step are 4 contiguous bytes."""
+    n = pid_n * _BN + gl.arange(0, _BN, layout=gl.SliceLayout(1, a_layout))
+    k = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, a_layout))
+    rows = gl.where(n < N, n, 0).to(gl.int64)
+    offs = (rows // 16 * 16 * K + rows % 16 * 128)[:, None] + (k // 128 * 2048 + k % 128)[None, :]
+    return offs, (n < N)[:, None]
 
 
 @gluon.jit
 def _w_step(w_ptr, offs, in_n, step, BLOCK_K: gl.constexpr):
-    """K step ``step`` of w: BLOCK_K bytes further along every row (rows past N read 0)."""
-    return gl.load(w_ptr + offs + step.to(gl.int64) * BLOCK_K, mask=in_n, other=0.0)
-
-
-@gluon.jit
-def _as_operand(w, BLOCK_K: gl.constexpr, a_layout: gl.constexpr):
-    """T[band, row half, row in 8, block, t, byte] as the MMA's (BLOCK_N, BLOCK_K) A operand in
-    K's own order: a block's byte 16t + 8 * (k // 32) + 4 * (k // 16 % 2) + k % 4 is K position
-    k = 4t + ... (``preshuffle.sigma``); each thread already holds its fragments, so the
-    conversion moves no data between threads."""
-    w8 = gl.reshape(w, [_BN // 16, 2, 8, BLOCK_K // 64, 4, 2, 2, 4])
-    w2 = gl.reshape(gl.permute(w8, [0, 1, 2, 3, 5, 6, 4, 7]), [_BN, BLOCK_K])
-    return gl.convert_layout(w2, a_layout)
+    """K step ``step`` of w: BLOCK_K / 128 tiles further along every band (rows past N read 0)."""
+    return gl.load(w_ptr + offs + step.to(gl.int64) * (BLOCK_K * 16), mask=in_n, other=0.0)
 
 
 @gluon.jit
@@ -251,7 +223,7 @@ def _scaled(acc, rows, cols, bias_ptr, scale_a_ptr, scale_b_ptr, stride_bias,
 @gluon.jit(do_not_specialize=["M"])
 def gemm_frag_kernel(
     x_ptr,  # (M, K) float8_e4m3fn, K contiguous
-    w_ptr,  # (N, K) float8_e4m3fn, pre-shuffled (preshuffle.shuffle)
+    w_ptr,  # (N, K) float8_e4m3fn in 16 x 128-byte tiles (preshuffle.shuffle)
     y_ptr,  # (M, N)
     bias_ptr, scale_a_ptr, scale_b_ptr,  # as gemm_splitk's (unused where the constexprs say)
     part_ptr,  # (tiles, SPLIT_K, BLOCK_M, BLOCK_N) fp32; unused unless SPLIT_K > 1
@@ -265,10 +237,6 @@ def gemm_frag_kernel(
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                   instr_shape=[16, BLOCK_M, 32])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=4)
-    # T[band, row half, row in 8, block, t, byte]: a warp per band, each thread both its rows'
-    # 16 bytes of every 64-byte block of the step.
-    t_layout: gl.constexpr = gl.BlockedLayout([1, 2, 1, 1, 1, 16], [1, 1, 8, 1, 4, 1],
-                                              [4, 1, 1, 1, 1, 1], [5, 4, 3, 2, 1, 0])
     x_layout: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])
     x_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K],
                                                                        gl.float8e4nv)
@@ -283,7 +251,7 @@ def gemm_frag_kernel(
     step_lo = split * k_steps // SPLIT_K
     step_hi = (split + 1) * k_steps // SPLIT_K
 
-    w_offs, in_n = _w_offsets(pid_n, N, K, BLOCK_K, t_layout)
+    w_offs, in_n = _w_offsets(pid_n, N, K, BLOCK_K, a_layout)
     # w never depends on the kernel before: its first steps load before the PDL wait.
     w0 = _w_step(w_ptr, w_offs, in_n, step_lo, BLOCK_K)
     if AHEAD >= 2:
@@ -323,8 +291,7 @@ def gemm_frag_kernel(
         fence_async_shared()
         # From zero per step: the MMA's reduced-precision FP8 sum spans one step, the fp32 add
         # the rest.
-        acc += warpgroup_mma(_as_operand(w_now, BLOCK_K, a_layout), x_smem.permute((1, 0)),
-                             acc, use_acc=False)
+        acc += warpgroup_mma(w_now, x_smem.permute((1, 0)), acc, use_acc=False)
 
     out = gl.convert_layout(acc, out_layout)
     on = pid_n * _BN + gl.arange(0, _BN, layout=gl.SliceLayout(1, out_layout))

@@ -40,7 +40,7 @@ from gemmtune.kernels.triton._epilogue import (SCALE_BLOCK, epilogue_constexprs,
 from gemmtune.kernels.triton._replay import KernelCall, launch
 from gemmtune.kernels.triton._splits import (MAX_SPLIT_K, PDL_OFF, PDL_WAIT, pdl_supported,
                                              split_chunk, store_split_tile, workspace)
-from gemmtune.kernels.triton._wlayout import x_k_offsets
+from gemmtune.kernels.triton._wlayout import w_k_offsets, w_row_offsets
 
 KERNEL_PREFIX = "triton.gemv"
 # Rows of x one launch takes: all of them live in one program's registers, and the CUDA cores'
@@ -208,11 +208,13 @@ def default_config(M: int, N: int, K: int, dtype: torch.dtype,
 
 
 @triton.jit
-def _w_step(w_rows, step, step_hi, offs_k, K, stride_wk, BLOCK_K: tl.constexpr):
-    """Step ``step`` of the program's w rows (nothing past its last step)."""
+def _w_step(w_rows, step, step_hi, offs_k, K, stride_wk, BLOCK_K: tl.constexpr,
+            W_TILED: tl.constexpr):
+    """Step ``step`` of the program's w rows, as stored (nothing past its last step)."""
     ks = tl.cast(step, tl.int64) * BLOCK_K + offs_k
     k_end = tl.where(step < step_hi, K, 0)
-    return tl.load(w_rows + ks[None, :] * stride_wk, mask=ks[None, :] < k_end, other=0.0)
+    return tl.load(w_rows + w_k_offsets(ks, stride_wk, W_TILED)[None, :],
+                   mask=ks[None, :] < k_end, other=0.0)
 
 
 @triton.jit
@@ -226,20 +228,19 @@ def _steps(x_ptr, w_rows, acc, offs_m, offs_k, step_lo, step_hi, M, K, stride_xm
     # layout change. More rows: each row of x reduced per step (a 3-D broadcast of x against w
     # would move both through shared memory at every step).
     products = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    w_next = _w_step(w_rows, step_lo, step_hi, offs_k, K, stride_wk, BLOCK_K)
+    w_next = _w_step(w_rows, step_lo, step_hi, offs_k, K, stride_wk, BLOCK_K, W_TILED)
     for step in range(step_lo, step_hi):
         ks = tl.cast(step, tl.int64) * BLOCK_K + offs_k
         if STAGES == 2:
             w = w_next
-            w_next = _w_step(w_rows, step + 1, step_hi, offs_k, K, stride_wk, BLOCK_K)
+            w_next = _w_step(w_rows, step + 1, step_hi, offs_k, K, stride_wk, BLOCK_K, W_TILED)
         else:
-            w = _w_step(w_rows, step, step_hi, offs_k, K, stride_wk, BLOCK_K)
+            w = _w_step(w_rows, step, step_hi, offs_k, K, stride_wk, BLOCK_K, W_TILED)
         w = w.to(tl.float32)
         for m in tl.static_range(BLOCK_M):
             # Rows of x past M read nothing: their K ends at 0.
             x_end = tl.where(m < M, K, 0)
-            xm = tl.load(x_ptr + m * stride_xm + x_k_offsets(ks, stride_xk, W_TILED),
-                         mask=ks < x_end, other=0.0)
+            xm = tl.load(x_ptr + m * stride_xm + ks * stride_xk, mask=ks < x_end, other=0.0)
             prod = w * xm.to(tl.float32)[None, :]
             if BLOCK_M == 1:
                 products += prod
@@ -319,7 +320,7 @@ def gemm_gemv_kernel(
     SPLIT_CHUNK: tl.constexpr,
     PDL: tl.constexpr,
     STAGES: tl.constexpr,  # steps of w in flight per thread: 1, or 2 (the next one loaded early)
-    W_TILED: tl.constexpr,  # w pre-shuffled (gemmtune.kernels.preshuffle): x at its K; never block-scaled
+    W_TILED: tl.constexpr,  # w pre-shuffled (gemmtune.kernels.preshuffle); never block-scaled
 ):
     # Axis 0: row blocks of w; axis 1: the split of K, balanced as in gemm_splitk (split s takes
     # steps [s*n/S, (s+1)*n/S), never empty while SPLIT_K <= n).
@@ -336,7 +337,7 @@ def gemm_gemv_kernel(
     # Rows of w past N re-read row 0 instead of being masked (the store drops them), so w's
     # loads need only the K mask.
     cols = tl.where(offs_n < N, offs_n, 0).to(tl.int64)
-    w_rows = w_ptr + cols[:, None] * stride_wn  # (BLOCK_N, 1)
+    w_rows = w_ptr + w_row_offsets(cols, K, stride_wn, W_TILED)[:, None]  # (BLOCK_N, 1)
     if PDL != 0:
         # Let the next kernel's grid be scheduled now (it waits for this grid to finish before
         # touching memory, as this one does here).

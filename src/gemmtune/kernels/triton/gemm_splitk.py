@@ -40,7 +40,7 @@ from gemmtune.kernels.triton._replay import KernelCall, launch
 from gemmtune.kernels.triton._splits import (MAX_SPLIT_K, PDL_OFF, PDL_PREFETCH, PDL_WAIT,
                                              pdl_supported, split_chunk, store_split_tile,
                                              workspace)
-from gemmtune.kernels.triton._wlayout import w_tile_pointers, x_k_offsets
+from gemmtune.kernels.triton._wlayout import w_tile_pointers
 
 KERNEL_PREFIX = "triton.splitk"
 
@@ -325,7 +325,7 @@ def gemm_splitk_kernel(
     PDL: tl.constexpr,
     W_ELEM_BYTES: tl.constexpr,
     SWAP_AB: tl.constexpr,
-    W_TILED: tl.constexpr,  # w pre-shuffled (gemmtune.kernels.preshuffle): x at its K
+    W_TILED: tl.constexpr,  # w pre-shuffled (gemmtune.kernels.preshuffle); strides unused
 ):
     # Axis 0: output tiles, M fastest, so the M tiles that share a w tile run side by side and
     # all but the first read it from L2. Axis 1: the split of K.
@@ -353,13 +353,13 @@ def gemm_splitk_kernel(
     # int64 offsets: row * stride reaches 2^31 at M*K = 2^31, and a transposed view has
     # stride_xk = M.
     ks = (step_lo * BLOCK_K).to(tl.int64) + offs_k.to(tl.int64)
-    x_ptrs = x_ptr + rows[:, None] * stride_xm + x_k_offsets(ks, stride_xk, W_TILED)[None, :]
+    x_ptrs = x_ptr + rows[:, None] * stride_xm + ks[None, :] * stride_xk  # (BM, BK)
     # (BK, BN): w.T's tile
-    w_ptrs, w_step = w_tile_pointers(w_ptr, ks, cols, stride_wk, stride_wn, BLOCK_K)
+    w_ptrs, w_step = w_tile_pointers(w_ptr, ks, cols, K, stride_wk, stride_wn, BLOCK_K, W_TILED)
     # tl.cast, not .to(): a stride of 1 arrives as a constexpr, which has no .to().
     x_step = tl.cast(stride_xk, tl.int64) * BLOCK_K
 
-    if PDL == 2:
+    if PDL == 2:  # never with W_TILED (_wlayout.why_not_tiled): the rows are not contiguous
         # The rows of this program's w slice, from its first K step: one thread per row.
         slice_bytes = (tl.minimum(step_hi * BLOCK_K, K) - step_lo * BLOCK_K) * W_ELEM_BYTES
         nbytes = tl.minimum(slice_bytes, prefetch_row_bytes) // 16 * 16

@@ -19,7 +19,7 @@ from gemmtune.kernels.triton._epilogue import (SCALE_BLOCK, block_scaled_dot,
                                                epilogue_constexprs, epilogue_operands,
                                                operand_strides, store_tile)
 from gemmtune.kernels.triton._replay import KernelCall, launch
-from gemmtune.kernels.triton._wlayout import w_tile_pointers, x_k_offsets
+from gemmtune.kernels.triton._wlayout import w_tile_pointers
 
 KERNEL_PREFIX = "triton.tile"
 
@@ -146,7 +146,7 @@ def gemm_tile_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
-    W_TILED: tl.constexpr,  # w pre-shuffled (gemmtune.kernels.preshuffle): x at its K
+    W_TILED: tl.constexpr,  # w pre-shuffled (gemmtune.kernels.preshuffle); strides unused
 ):
     pid_m, pid_n = grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N),
                                 GROUP_M)
@@ -163,9 +163,9 @@ def gemm_tile_kernel(
     # int64 offsets: row * stride reaches 2^31 already at M*K = 2^31 (e.g. 262144 x 8192), and a
     # transposed view has stride_xk = M.
     ks = offs_k.to(tl.int64)
-    x_ptrs = x_ptr + rows[:, None] * stride_xm + x_k_offsets(ks, stride_xk, W_TILED)[None, :]
+    x_ptrs = x_ptr + rows[:, None] * stride_xm + ks[None, :] * stride_xk  # (BM, BK)
     # (BK, BN): w.T's tile
-    w_ptrs, w_step = w_tile_pointers(w_ptr, ks, cols, stride_wk, stride_wn, BLOCK_K)
+    w_ptrs, w_step = w_tile_pointers(w_ptr, ks, cols, K, stride_wk, stride_wn, BLOCK_K, W_TILED)
     # tl.cast, not .to(): a stride of 1 arrives as a constexpr, which has no .to().
     x_step = tl.cast(stride_xk, tl.int64) * BLOCK_K
 
