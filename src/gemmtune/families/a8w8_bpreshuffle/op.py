@@ -8,9 +8,8 @@ Scales and dtypes as ``gemm_a8w8``'s (FP8 or INT8; x_scale per tensor or per tok
 tensor or per channel, fp32); N a multiple of 16 and K of 128. Dispatched per shape through
 ``a8w8_bpreshuffle_tuned_gemm.csv`` (key ``BpreshuffleKey``: AITER's table's columns; its
 layout and kernel names are gemmtune's own, not AITER's); a shape without a row runs the
-register-direct kernel's default config (FP8 on a GPU, M <= 256), else the split-K kernel's
-(M <= 256) or the tile kernel's, and the torch backend (which puts the weight back in rows on
-every call) only where none can. Registered as
+split-K kernel's (M <= 256) or the tile kernel's default config, and the torch backend (which
+puts the weight back in rows on every call) only where neither can. Registered as
 ``torch.ops.gemmtune.gemm_a8w8_bpreshuffle`` (shapes-only fake); no autograd.
 """
 
@@ -71,19 +70,15 @@ _SPLITK_DEFAULT_MAX_M = 256
 
 
 def default_kernel_name(problem: GemmProblem) -> str:
-    """The kernel of a shape without a row: the fragment-order kernel's default config where it
-    runs (FP8 on a GPU, M <= 256), else the split-K kernel's default up to M = 256 and the tile
-    kernel's above (each as it would run row-major weights) where it reads the pre-shuffled
+    """The kernel of a shape without a row: the split-K kernel's default config up to M = 256,
+    the tile kernel's above (each as it would run row-major weights), where it reads the tiled
     weight; else the torch backend."""
-    from gemmtune.kernels.triton import gemm_frag, gemm_splitk, gemm_tile
+    from gemmtune.kernels.triton import gemm_splitk, gemm_tile
 
     m, n, k, dtype = problem.m, problem.n, problem.k, problem.dtype
-    modules = (gemm_frag, gemm_splitk) if m <= _SPLITK_DEFAULT_MAX_M else (gemm_tile,)
-    for module in modules:
-        name = module.default_config(m, n, k, dtype).name
-        if REGISTRY.can_run(name, problem):
-            return name
-    return TORCH_UNSHUFFLED
+    module = gemm_splitk if m <= _SPLITK_DEFAULT_MAX_M else gemm_tile
+    name = module.default_config(m, n, k, dtype).name
+    return name if REGISTRY.can_run(name, problem) else TORCH_UNSHUFFLED
 
 
 def _default_kernel(key: BpreshuffleKey, device: DeviceId) -> str:

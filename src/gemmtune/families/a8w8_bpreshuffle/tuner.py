@@ -45,9 +45,10 @@ class A8w8BpreshuffleTuner(GemmTuner):
             from gemmtune.kernels.triton import gemm_frag
             from gemmtune.kernels.triton._splits import pdl_where_supported
 
-            found += [Candidate(cfg.name, "triton", splitk=cfg.split_k) for cfg in gemm_frag.candidates(
-                p.m, p.n, p.k, p.dtype, pdl=pdl_where_supported())
-                if self.registry.can_run(cfg.name, p)]
+            found += [Candidate(cfg.name, "triton", splitk=cfg.split_k)
+                      for cfg in gemm_frag.candidates(p.m, p.n, p.k, p.dtype,
+                                                      pdl=pdl_where_supported())
+                      if self.registry.can_run(cfg.name, p)]
         return number_candidates(found)
 
     def prepare(self, key: BpreshuffleKey, seed: int) -> Prepared:
