@@ -1,15 +1,17 @@
 """Where does ``triton.frag``'s time go against the register-direct probe it came from? (issue 15)
 
-The first tune of the fragment-order kernel (session 20, call 3) ran 1.3-2.8x slower than
-``benchmarks/gluon_frag_probe.py``'s kernel on the same shapes, though their K loops compile to
-the same loads, byte shuffles and MMAs. What differs is around the loop: the tuned configs
-launch with PDL, and a split of K ends in a deterministic sum (partials stored, a counter, the
-last program loads them all) where the probe adds into a zeroed fp32 output atomically (plus a
-memset launch). This times, in one run per shape (interleaved CUDA-graph replays over weight
-copies exceeding L2), each at the splits ``candidates`` would try:
+The first tune of the register-direct kernel (session 20, call 3) ran 1.3-2.8x slower than
+``benchmarks/gluon_frag_probe.py``'s kernel on the same shapes, though their K loops then
+compiled to the same loads, byte shuffles and MMAs. What differed was around the loop: the
+tuned configs launch with PDL, and a split of K ends in a deterministic sum (partials stored, a
+counter, the last program loads them all) where the probe adds into a zeroed fp32 output
+atomically (plus a memset launch). This times, in one run per shape (interleaved CUDA-graph
+replays over weight copies exceeding L2), with one step ahead, BK 128 and 256 and the splits
+that give 1, 2 and 4 programs per SM:
 
-- ``frag.P0`` / ``frag.P1``: gemm_frag without and with PDL;
-- ``probe``: the probe's kernel with the same step and split (memset + atomic adds, fp32 out);
+- ``frag.P0`` / ``frag.P1``: gemm_frag on ``gemmtune.quant.shuffle_weight``'s layout without
+  and with PDL;
+- ``probe``: the probe's kernel on its fragment order, same step and split;
 
 every result checked against the fp32 reference first.
 

@@ -248,7 +248,8 @@ FRAG_SCRIPT = textwrap.dedent("""
                     "bias_ptr": "*bf16", "scale_a_ptr": "*fp32", "scale_b_ptr": "*fp32",
                     "part_ptr": "*fp32", "count_ptr": "*i32"}
         constexprs = dict(HAS_BIAS=False, SCALE_A=2, SCALE_B=2, SPLIT_K=split_k,
-                          BLOCK_M=block_m, BLOCK_K=block_k, AHEAD=ahead, PDL=pdl)
+                          BLOCK_M=block_m, BLOCK_K=block_k, AHEAD=ahead, PDL=pdl,
+                          PER_LOAD=min(split_k, gemm_frag.partials_per_load(block_m)))
         signature = {n: pointers.get(n, "constexpr" if n in constexprs else "i32")
                      for n in names}
         # As Triton specialises them at a launch: pointers, K and x's row pitch multiples of 16.
@@ -258,8 +259,8 @@ FRAG_SCRIPT = textwrap.dedent("""
             fn=gemm_frag.gemm_frag_kernel, signature=signature, attrs=aligned,
             constexprs=constexprs), target=GPUTarget("cuda", 90, 128))
 
-    for block_m, block_k, split_k, ahead, pdl in ((8, 128, 1, 1, False), (16, 256, 4, 2, True),
-                                                  (64, 512, 8, 1, True), (256, 128, 2, 3, True)):
+    for block_m, block_k, split_k, ahead, pdl in ((8, 128, 1, 1, False), (16, 256, 4, 1, True),
+                                                  (64, 256, 8, 1, True), (32, 128, 20, 3, True)):
         kernel = compiled(block_m, block_k, split_k, ahead, pdl)
         text = kernel.asm["ptx"]
         # w: a 4-byte load per fragment register (4 per 32-deep MMA step of a thread), for
@@ -270,9 +271,10 @@ FRAG_SCRIPT = textwrap.dedent("""
         assert kernel.metadata.shared <= max(block_m * block_k, 64 * block_m * 4), \
             kernel.metadata.shared
         assert f"wgmma.mma_async.sync.aligned.m64n{block_m}k32.f32.e4m3.e4m3" in text
-        # PDL: w's first steps load before the wait, x after it.
+        # PDL: w's first steps load before the wait, x (16-byte loads) after it.
         wait = text.find("griddepcontrol.wait")
-        assert (wait > text.find("ld.global.b32") > -1) if pdl else wait == -1
+        assert (text.find("ld.global.b32") < wait < text.find("ld.global.v4")) if pdl \
+            else wait == -1
         assert ("atom.global" in text) == (split_k > 1)
     print("ok")
 """)

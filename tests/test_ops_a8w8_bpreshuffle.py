@@ -212,8 +212,8 @@ GPU_SWAPPED = "triton.splitk:BM16.BN128.BK256.SK4.W4.S3.P1.PK128.SW1"
     *((GPU_SWAPPED, M, torch.float8_e4m3fn) for M in (1, 16, 64)),
     *(("triton.gemv:BN2.BK1024.SK4.W4.S2.P1", M, torch.float8_e4m3fn) for M in (1, 5, 16)),
     *((f"triton.frag:BM{bm}.BK{bk}.SK{sk}.A{a}.P1", M, torch.float8_e4m3fn)
-      for bm, bk, sk, a, M in ((8, 256, 4, 2, 1), (16, 512, 7, 1, 16), (64, 128, 8, 2, 64),
-                               (256, 256, 1, 1, 200), (256, 128, 2, 1, 1000)))])
+      for bm, bk, sk, a, M in ((8, 256, 4, 1, 1), (16, 256, 7, 1, 16), (64, 128, 8, 2, 64),
+                               (64, 256, 1, 1, 200), (64, 128, 2, 3, 1000)))])
 def test_gpu_real_sizes(bpreshuffle_table, kernel, M, q_dtype):
     N, K = 1536, 7168
     bpreshuffle_table(*([(M, N, K, Q_NAMES[q_dtype], kernel)] if kernel else []))

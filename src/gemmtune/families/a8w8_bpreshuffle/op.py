@@ -2,7 +2,7 @@
 with ``wq = gemmtune.quant.shuffle_weight(w)``: the weight packed once into 16-row x 128-byte
 tiles (``gemmtune.kernels.preshuffle``), read by the split-K, tile and GEMV kernels built for
 it and by ``triton.frag``, a Gluon kernel that loads each thread's warpgroup-MMA fragments of w
-straight into registers (FP8 on a GPU).
+straight into registers (FP8 on Hopper).
 
 Scales and dtypes as ``gemm_a8w8``'s (FP8 or INT8; x_scale per tensor or per token, w_scale per
 tensor or per channel, fp32); N a multiple of 16 and K of 128. Dispatched per shape through

@@ -3,7 +3,7 @@
 Inputs as ``gemm_a8w8``'s tuner makes them (``rowwise_scaled_inputs``), the weight then
 pre-shuffled; each candidate is checked against the
 dequantised product of the row-major weight in fp32. Candidates: the torch backend, the
-register-direct Gluon kernel's configs (FP8 on a GPU: ``gemm_frag.candidates``), and the
+register-direct Gluon kernel's configs (FP8 on Hopper, M <= 64: ``gemm_frag.candidates``), and the
 split-K, tile and GEMV configs the a8w8 tuner would try that read the tiled weight (block_k a
 multiple of 128, no row prefetch).
 """
@@ -42,6 +42,7 @@ class A8w8BpreshuffleTuner(GemmTuner):
         found = [c for c in self.gemm_candidates(p, libtypes, TORCH_UNSHUFFLED)
                  if c.libtype != "triton" or self.registry.can_run(c.name, p)]
         if "triton" in self.wanted(libtypes) and torch.cuda.is_available():
+            # can_run refuses them where the kernel cannot run (the interpreter, not Hopper).
             from gemmtune.kernels.triton import gemm_frag
             from gemmtune.kernels.triton._splits import pdl_where_supported
 

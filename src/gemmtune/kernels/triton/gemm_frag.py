@@ -4,12 +4,12 @@
 warpgroup MMA takes its A operand from.
 
 Swapped as the split-K kernel's ``SW1`` configs are (y.T = w @ x.T): w's 64 rows of a program
-are the MMA's M, x's rows its N (BLOCK_M, 8-256). Plain Triton feeds both operands through
-shared memory; Hopper's ``wgmma`` takes A from registers, so here each thread loads its own
-fragments (4 consecutive bytes of K per row and 32-deep step) with no shared memory and no
-barrier for w (the compile test checks both), which pays where few programs stream a weight
-and each step's latency, not bandwidth, bounds the time (narrow weights at M = 16-64). x, a few
-KiB, goes through shared memory as the MMA's B. The next AHEAD K steps of w are loaded before
+are the MMA's M, x's rows its N (BLOCK_M, 8-64; more rows take more programs). Plain Triton
+feeds both operands through shared memory; Hopper's ``wgmma`` takes A from registers, so here
+each thread loads its own fragments (4 consecutive bytes of K per row and 32-deep step) with no
+shared memory and no barrier for w (the compile test checks both), which pays where few
+programs stream a weight and each step's latency, not bandwidth, bounds the time (narrow
+weights at M = 16-32). x, a few KiB, goes through shared memory as the MMA's B. The next AHEAD K steps of w are loaded before
 the current one is multiplied.
 
 Each step's product is added into the fp32 accumulator (the MMA starts from zero per step), so
@@ -19,16 +19,13 @@ deterministic, as ``_splits.sum_splits_and_store``). A third grid axis takes x's
 of BLOCK_M. Scales per tensor or per row of x / of w, bias, and the output dtype in the
 epilogue.
 
-The layout cannot give each thread 16-byte pieces without costing the shared-memory kernels
-(x would have to be read at permuted K in 4-byte pieces): both were measured, see
-docs/benchmarks.md, session 20.
-
-FP8 (float8_e4m3fn) only; a GPU with warpgroup MMA (sm_90) only: Gluon kernels do not run in
+FP8 (float8_e4m3fn) only; Hopper (sm_90) only: Gluon kernels do not run in
 Triton's interpreter, so the CPU checks only compile it (tests/test_kernels_compile_for_hopper.py).
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -50,14 +47,20 @@ NUM_WARPS = 4
 _BN = gl.constexpr(BLOCK_N)  # as the jitted code reads it
 # A barrier of the block's threads: gl.thread_barrier in Triton 3.6, gl.barrier from 3.7 on.
 _barrier = getattr(gl, "barrier", None) or gl.thread_barrier
-BLOCK_MS = (8, 16, 32, 64, 128, 256)  # the MMA's N
-BLOCK_KS = (128, 256, 512)  # whole 128-byte tiles of the layout
+# The MMA's N: x's rows per program (more rows take more programs on the grid's third axis).
+# ptxas spilled registers at every 128 and 256 (Triton 3.6 and 3.9, session 20's review).
+BLOCK_MS = (8, 16, 32, 64)
+BLOCK_KS = (128, 256)  # whole 128-byte tiles of the layout (512 spills: below)
 MAX_AHEAD = 3
-# More splits only add partials to sum (each is summed in one unrolled load).
+# Bytes of each of a thread's rows in flight, (ahead + 1) * block_k: above 512 ptxas spilled
+# registers at every block_m (e.g. BK512 with one step ahead, BK256 with two at BM 64).
+MAX_W_BYTES_IN_FLIGHT = 512
+# More splits only add partials to sum.
 MAX_SPLIT_K = 32
-# Registers per thread a step of w takes: BLOCK_K / 32 fragments of 4; with the steps in flight
-# and the accumulator they must leave room in 255.
-MAX_W_REGS_PER_THREAD = 160
+# fp32 partials the last program of a tile loads per unrolled group: BLOCK_M x 64 / 128 threads
+# registers each, at most 64 registers in all.
+_PARTIAL_REGS = 64
+MAX_GRID_Z = 65535  # CUDA's limit on the grid's third axis (x's row blocks)
 
 
 @dataclass(frozen=True)
@@ -72,16 +75,19 @@ class FragConfig(NamedConfig):
     block_k: int
     split_k: int
     ahead: int  # K steps of w loaded before the current one is multiplied
-    pdl: int = PDL_OFF  # PDL_OFF or PDL_WAIT: w's first steps load before the wait, x after
+    # PDL_OFF or PDL_WAIT. With PDL_WAIT w's first steps load before the wait: w must not have
+    # been written by the kernel launched just before on the same stream (weights never are)
+    pdl: int = PDL_OFF
 
 
-def w_registers(config: FragConfig) -> int:
-    """32-bit registers per thread that the steps of w in flight take."""
-    return config.block_k // 32 * 4 * (config.ahead + 1)
+def w_bytes_in_flight(config: FragConfig) -> int:
+    """Bytes of each of a thread's rows of w loaded before they are multiplied."""
+    return config.block_k * (config.ahead + 1)
 
 
-def num_tiles(config: FragConfig, M: int, N: int) -> int:
-    return triton.cdiv(N, BLOCK_N) * triton.cdiv(M, config.block_m)
+def partials_per_load(block_m: int) -> int:
+    """Split partials the last program of a tile loads at once (``_PARTIAL_REGS``)."""
+    return max(1, _PARTIAL_REGS * 128 // (block_m * BLOCK_N))
 
 
 def why_not_fits(config: FragConfig, M: int, N: int, K: int, dtype: torch.dtype) -> str | None:
@@ -95,9 +101,10 @@ def why_not_fits(config: FragConfig, M: int, N: int, K: int, dtype: torch.dtype)
         return f"ahead={c.ahead} must be in [1, {MAX_AHEAD}]"
     if c.pdl not in (PDL_OFF, PDL_WAIT):
         return f"pdl={c.pdl} must be {PDL_OFF} (off) or {PDL_WAIT} (wait)"
-    if w_registers(c) > MAX_W_REGS_PER_THREAD:
-        return (f"block_k={c.block_k} with {c.ahead} steps ahead holds {w_registers(c)} "
-                f"registers of w per thread (> {MAX_W_REGS_PER_THREAD}); use fewer")
+    if w_bytes_in_flight(c) > MAX_W_BYTES_IN_FLIGHT:
+        return (f"block_k={c.block_k} with {c.ahead} steps ahead keeps {w_bytes_in_flight(c)} "
+                f"bytes of each row in flight (> {MAX_W_BYTES_IN_FLIGHT}: registers spill); "
+                f"use a smaller block_k or fewer steps ahead")
     if dtype != torch.float8_e4m3fn:
         return (f"{dtype} weights: the fragment-order kernel takes float8_e4m3fn only; use a "
                 f"triton.splitk, triton.tile or triton.gemv config")
@@ -110,18 +117,30 @@ def why_not_fits(config: FragConfig, M: int, N: int, K: int, dtype: torch.dtype)
     if not 1 <= c.split_k <= min(MAX_SPLIT_K, k_steps):
         return (f"split_k={c.split_k} must be in [1, {min(MAX_SPLIT_K, k_steps)}]: K={K} is "
                 f"{k_steps} steps of block_k={c.block_k}, at most {MAX_SPLIT_K} splits")
-    if num_tiles(c, M, N) * c.split_k > 2**31 - 1:
-        return "too many programs for one grid; use a larger block_m"
+    if triton.cdiv(M, c.block_m) > MAX_GRID_Z:
+        return (f"M={M} takes {triton.cdiv(M, c.block_m)} blocks of block_m={c.block_m}, more "
+                f"than the grid's third axis holds ({MAX_GRID_Z}); use a larger block_m")
     return None
 
 
 def why_not_supported(config: FragConfig, M: int, N: int, K: int, dtype: torch.dtype,
                       out_dtype: torch.dtype) -> str | None:
-    """``why_not_fits``, the output dtypes, and whether Gluon kernels can run here."""
+    """``why_not_fits``, the output dtypes, and whether the kernel can run here: compiled (not
+    in Triton's interpreter) for a Hopper GPU (its warpgroup MMA with the fp32 sums it is
+    written for)."""
     if _checks.interpreted():
         return ("Gluon kernels do not run in Triton's interpreter (TRITON_INTERPRET=1); on the "
                 "CPU use a triton.splitk, triton.tile or triton.gemv config")
+    if not runs_here():
+        return ("the register-direct kernel is written for Hopper's warpgroup MMA (sm_90); on "
+                "this GPU use a triton.splitk, triton.tile or triton.gemv config")
     return _checks.why_not_dtypes(dtype, out_dtype) or why_not_fits(config, M, N, K, dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def runs_here() -> bool:
+    """Whether the current process's GPU is a Hopper (compute capability 9.0)."""
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 
 
 def why_not_block_scaled(config: FragConfig, dtype: torch.dtype) -> str | None:
@@ -133,7 +152,7 @@ def fits(config: FragConfig, M: int, N: int, K: int, dtype: torch.dtype) -> bool
 
 
 def block_m_for(M: int) -> int:
-    """The smallest block of x's rows that takes all of M (at most 256: larger M takes several)."""
+    """The smallest block of x's rows that takes all of M (at most 64: larger M takes several)."""
     return next((b for b in BLOCK_MS if b >= M), BLOCK_MS[-1])
 
 
@@ -143,21 +162,23 @@ _PROGRAMS_PER_SM = (1, 2, 4, 8)
 
 
 def _split_for(tiles: int, k_steps: int, programs: int) -> int:
-    """The split that brings tiles x split nearest above ``programs``, dividing the K steps
-    evenly where it can (a split never gets fewer steps than another but one)."""
+    """The split that brings tiles x split nearest above ``programs``, within the K steps (the
+    kernel gives each split the same number of steps, give or take one)."""
     return max(1, min(MAX_SPLIT_K, k_steps, triton.cdiv(programs, tiles)))
 
 
 def candidates(M: int, N: int, K: int, dtype: torch.dtype, num_sms: int | None = None,
                pdl: int = PDL_OFF) -> list[FragConfig]:
-    """The configs to tune one shape with: block_m covering M (one block up to 256); each
-    block_k dividing K; 1-2 steps ahead; K split to reach each of ``_PROGRAMS_PER_SM``; without
-    PDL and, where ``pdl`` is PDL_WAIT, with it (neither won everywhere: docs/benchmarks.md,
-    session 20)."""
+    """The configs to tune one shape with, for M <= 64 (decode, where the kernel pays; none
+    above): block_m covering M; each block_k dividing K; 1-2 steps ahead; K split to reach each
+    of ``_PROGRAMS_PER_SM``; without PDL and, where ``pdl`` is PDL_WAIT, with it (neither won
+    everywhere: docs/benchmarks.md, session 20). Only configs that fit (no register spills)."""
+    if M > BLOCK_MS[-1]:
+        return []
     num_sms = num_sms or _checks.sm_count()
     bm = block_m_for(M)
     found = {}
-    for bk in (128, 256, 512):
+    for bk in BLOCK_KS:
         if K % bk:
             continue
         tiles = triton.cdiv(N, BLOCK_N) * triton.cdiv(M, bm)
@@ -232,7 +253,7 @@ def gemm_frag_kernel(
     stride_xm, stride_ym, stride_yn, stride_bias,
     HAS_BIAS: gl.constexpr, SCALE_A: gl.constexpr, SCALE_B: gl.constexpr,
     SPLIT_K: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr,
-    AHEAD: gl.constexpr, PDL: gl.constexpr,
+    AHEAD: gl.constexpr, PDL: gl.constexpr, PER_LOAD: gl.constexpr,
 ):
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                   instr_shape=[16, BLOCK_M, 32])
@@ -260,7 +281,8 @@ def gemm_frag_kernel(
         w2 = _w_step(w_ptr, w_offs, in_n, gl.minimum(step_lo + 2, step_hi - 1), BLOCK_K)
     if PDL:
         # Let the next kernel's grid be scheduled now (it waits for this one before touching
-        # memory, as this one waits for the one before): its launch overlaps this tail.
+        # what this one writes, as this one waits for the one before): its launch overlaps this
+        # tail. w, which no kernel before writes, is already loading.
         gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [],
                                   dtype=gl.int32, is_pure=False, pack=1)
         gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32,
@@ -316,10 +338,12 @@ def gemm_frag_kernel(
         arrived = gl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
         if arrived == SPLIT_K - 1:
             total = gl.zeros([_BN, BLOCK_M], gl.float32, layout=out_layout)
-            # Unrolled: every partial's load is issued before the first is waited for.
-            for s in gl.static_range(SPLIT_K):
-                total += gl.load(tile_parts + s * (_BN * BLOCK_M) + local,
-                                 cache_modifier=".cg")
+            # PER_LOAD partials a group, unrolled: a group's loads are issued together (one L2
+            # round trip) and held in at most _PARTIAL_REGS registers.
+            for s0 in range(0, SPLIT_K, PER_LOAD):
+                for s in gl.static_range(PER_LOAD):
+                    total += gl.load(tile_parts + (s0 + s) * (_BN * BLOCK_M) + local,
+                                     mask=s0 + s < SPLIT_K, other=0.0, cache_modifier=".cg")
             gl.store(count_ptr + tile, 0)  # zero for the next launch
             total = _scaled(total, rows, cols, bias_ptr, scale_a_ptr, scale_b_ptr, stride_bias,
                             HAS_BIAS, SCALE_A, SCALE_B)
@@ -351,7 +375,8 @@ def frag_call(x, w, bias, out, scale_a, scale_b, config: FragConfig,
         BLOCK_M=config.block_m,
         BLOCK_K=config.block_k,
         AHEAD=config.ahead,
-        PDL=pdl != PDL_OFF)
+        PDL=pdl != PDL_OFF,
+        PER_LOAD=min(config.split_k, partials_per_load(config.block_m)))
     return KernelCall(gemm_frag_kernel, (n_tiles, config.split_k, m_tiles), args, constexprs,
                       dict(num_warps=NUM_WARPS), launch_pdl=pdl != PDL_OFF,
                       replayable=not per_call)
@@ -378,6 +403,9 @@ def gemm_frag(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None
         raise ValueError("gemm_frag: FP8 block scales are not supported")
     if _checks.interpreted():
         raise ValueError("gemm_frag: Gluon kernels do not run in Triton's interpreter")
+    if not w.is_contiguous():
+        raise ValueError("gemm_frag: w must be contiguous, as gemmtune.quant.shuffle_weight "
+                         "returns it (the kernel ignores its strides)")
     return _checks.validated_launch("gemm_frag", launch_gemm_frag, default_config,
                                     why_not_fits, x, w, bias, out_dtype, scale_a, scale_b,
                                     config, out, False)
