@@ -46,6 +46,14 @@ def _capability_major(device_index: int) -> int:
     return torch.cuda.get_device_capability(device_index)[0]
 
 
+def why_not_wait_pdl(pdl: int) -> str | None:
+    """Why ``pdl`` is not a launch mode of a kernel without row prefetch (PDL_OFF or PDL_WAIT),
+    or None."""
+    if pdl not in (PDL_OFF, PDL_WAIT):
+        return f"pdl={pdl} must be {PDL_OFF} (off) or {PDL_WAIT} (wait)"
+    return None
+
+
 def pdl_supported(device: torch.device) -> bool:
     """Programmatic dependent launch needs sm_90+ (and a compiled, not interpreted, kernel);
     elsewhere a PDL config runs as a plain launch, which computes the same result."""

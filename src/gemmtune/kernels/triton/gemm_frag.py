@@ -39,7 +39,8 @@ from gemmtune.kernels._names import Field, NameCodec, NamedConfig
 from gemmtune.kernels.triton import _checks
 from gemmtune.kernels.triton._epilogue import epilogue_constexprs, epilogue_operands
 from gemmtune.kernels.triton._replay import KernelCall, launch
-from gemmtune.kernels.triton._splits import PDL_OFF, PDL_WAIT, pdl_supported, workspace
+from gemmtune.kernels.triton._splits import (PDL_OFF, pdl_supported,
+                                             why_not_wait_pdl, workspace)
 
 KERNEL_PREFIX = "triton.frag"
 BLOCK_N = 64  # w rows per program: one warpgroup's MMA M (4 warps, a 16-row band each)
@@ -99,8 +100,9 @@ def why_not_fits(config: FragConfig, M: int, N: int, K: int, dtype: torch.dtype)
         return f"block_k={c.block_k} must be one of {BLOCK_KS}"
     if not 1 <= c.ahead <= MAX_AHEAD:
         return f"ahead={c.ahead} must be in [1, {MAX_AHEAD}]"
-    if c.pdl not in (PDL_OFF, PDL_WAIT):
-        return f"pdl={c.pdl} must be {PDL_OFF} (off) or {PDL_WAIT} (wait)"
+    problem = why_not_wait_pdl(c.pdl)
+    if problem is not None:
+        return problem
     if w_bytes_in_flight(c) > MAX_W_BYTES_IN_FLIGHT:
         return (f"block_k={c.block_k} with {c.ahead} steps ahead keeps {w_bytes_in_flight(c)} "
                 f"bytes of each row in flight (> {MAX_W_BYTES_IN_FLIGHT}: registers spill); "

@@ -38,8 +38,8 @@ from gemmtune.kernels.triton import _checks
 from gemmtune.kernels.triton._epilogue import (SCALE_BLOCK, epilogue_constexprs,
                                                epilogue_operands, operand_strides)
 from gemmtune.kernels.triton._replay import KernelCall, launch
-from gemmtune.kernels.triton._splits import (MAX_SPLIT_K, PDL_OFF, PDL_WAIT, pdl_supported,
-                                             split_chunk, store_split_tile, workspace)
+from gemmtune.kernels.triton._splits import (MAX_SPLIT_K, PDL_OFF, pdl_supported, split_chunk,
+                                             store_split_tile, why_not_wait_pdl, workspace)
 from gemmtune.kernels.triton._wlayout import w_k_offsets, w_row_offsets
 
 KERNEL_PREFIX = "triton.gemv"
@@ -107,8 +107,9 @@ def why_not_fits(config: GemvConfig, M: int, N: int, K: int, dtype: torch.dtype)
     if c.num_stages not in (1, 2):
         return (f"num_stages={c.num_stages} must be 1 or 2, the steps of w in flight per "
                 f"thread")
-    if c.pdl not in (PDL_OFF, PDL_WAIT):
-        return f"pdl={c.pdl} must be {PDL_OFF} (off) or {PDL_WAIT} (wait)"
+    problem = why_not_wait_pdl(c.pdl)
+    if problem is not None:
+        return problem
     if w_registers(c) > MAX_W_REGS_PER_THREAD:
         return (f"a step of block_n x block_k = {c.block_n} x {c.block_k} of w takes "
                 f"{w_registers(c)} fp32 registers per thread (> {MAX_W_REGS_PER_THREAD}), as "
