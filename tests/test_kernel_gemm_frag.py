@@ -1,4 +1,4 @@
-"""The fragment-order Gluon kernel (``triton.frag``) of pre-shuffled FP8 weights.
+"""The register-direct Gluon kernel (``triton.frag``) of pre-shuffled FP8 weights.
 
 Gluon kernels do not run in Triton's interpreter: on the CPU its config space and refusals are
 checked here and its sm_90 code in tests/test_kernels_compile_for_hopper.py; the ``gpu`` tests

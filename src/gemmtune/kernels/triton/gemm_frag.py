@@ -9,8 +9,8 @@ feeds both operands through shared memory; Hopper's ``wgmma`` takes A from regis
 each thread loads its own fragments (4 consecutive bytes of K per row and 32-deep step) with no
 shared memory and no barrier for w (the compile test checks both), which pays where few
 programs stream a weight and each step's latency, not bandwidth, bounds the time (narrow
-weights at M = 16-32). x, a few KiB, goes through shared memory as the MMA's B. The next AHEAD K steps of w are loaded before
-the current one is multiplied.
+weights at M = 16-32). x, a few KiB, goes through shared memory as the MMA's B. The next
+AHEAD K steps of w are loaded before the current one is multiplied.
 
 Each step's product is added into the fp32 accumulator (the MMA starts from zero per step), so
 FP8's reduced-precision accumulation spans one step of K at most. K is split over a second grid
@@ -51,7 +51,7 @@ _barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 # The MMA's N: x's rows per program (more rows take more programs on the grid's third axis).
 # ptxas spilled registers at every 128 and 256 (Triton 3.6 and 3.9, session 20's review).
 BLOCK_MS = (8, 16, 32, 64)
-BLOCK_KS = (128, 256)  # whole 128-byte tiles of the layout (512 spills: below)
+BLOCK_KS = (128, 256)  # whole 128-byte tiles of the layout (512 spills: MAX_W_BYTES_IN_FLIGHT)
 MAX_AHEAD = 3
 # Bytes of each of a thread's rows in flight, (ahead + 1) * block_k: above 512 ptxas spilled
 # registers at every block_m (e.g. BK512 with one step ahead, BK256 with two at BM 64).
@@ -66,9 +66,9 @@ MAX_GRID_Z = 65535  # CUDA's limit on the grid's third axis (x's row blocks)
 
 @dataclass(frozen=True)
 class FragConfig(NamedConfig):
-    """One point of the kernel's config space, e.g. ``triton.frag:BM16.BK256.SK4.A2.P1``."""
+    """One point of the kernel's config space, e.g. ``triton.frag:BM16.BK256.SK4.A1.P1``."""
 
-    NAME_CODEC = NameCodec("fragment-order config", KERNEL_PREFIX, (
+    NAME_CODEC = NameCodec("register-direct config", KERNEL_PREFIX, (
         Field("BM", "block_m"), Field("BK", "block_k"), Field("SK", "split_k"),
         Field("A", "ahead"), Field("P", "pdl", default=PDL_OFF)))
 
@@ -108,7 +108,7 @@ def why_not_fits(config: FragConfig, M: int, N: int, K: int, dtype: torch.dtype)
                 f"bytes of each row in flight (> {MAX_W_BYTES_IN_FLIGHT}: registers spill); "
                 f"use a smaller block_k or fewer steps ahead")
     if dtype != torch.float8_e4m3fn:
-        return (f"{dtype} weights: the fragment-order kernel takes float8_e4m3fn only; use a "
+        return (f"{dtype} weights: the register-direct kernel takes float8_e4m3fn only; use a "
                 f"triton.splitk, triton.tile or triton.gemv config")
     why = preshuffle.why_not_shufflable(N, K, dtype)
     if why is not None:
@@ -146,7 +146,7 @@ def runs_here() -> bool:
 
 
 def why_not_block_scaled(config: FragConfig, dtype: torch.dtype) -> str | None:
-    return "the fragment-order kernel takes per-tensor or per-row scales, not FP8 block scales"
+    return "the register-direct kernel takes per-tensor or per-row scales, not FP8 block scales"
 
 
 def fits(config: FragConfig, M: int, N: int, K: int, dtype: torch.dtype) -> bool:
@@ -158,7 +158,7 @@ def block_m_for(M: int) -> int:
     return next((b for b in BLOCK_MS if b >= M), BLOCK_MS[-1])
 
 
-# Programs per SM the splits aim at: a program has 8 KiB (BK 128) to 32 KiB (BK 512) of w in
+# Programs per SM the splits aim at: a program has 8 KiB (BK 128) or 16 KiB (BK 256) of w in
 # flight per step ahead; the probe's best had 1-4 programs per SM.
 _PROGRAMS_PER_SM = (1, 2, 4, 8)
 
@@ -172,7 +172,7 @@ def _split_for(tiles: int, k_steps: int, programs: int) -> int:
 def candidates(M: int, N: int, K: int, dtype: torch.dtype, num_sms: int | None = None,
                pdl: int = PDL_OFF) -> list[FragConfig]:
     """The configs to tune one shape with, for M <= 64 (decode, where the kernel pays; none
-    above): block_m covering M; each block_k dividing K; 1-2 steps ahead; K split to reach each
+    above): block_m covering M; each block_k dividing K; 1-3 steps ahead; K split to reach each
     of ``_PROGRAMS_PER_SM``; without PDL and, where ``pdl`` is PDL_WAIT, with it (neither won
     everywhere: docs/benchmarks.md, session 20). Only configs that fit (no register spills)."""
     if M > BLOCK_MS[-1]:
@@ -186,7 +186,7 @@ def candidates(M: int, N: int, K: int, dtype: torch.dtype, num_sms: int | None =
         tiles = triton.cdiv(N, BLOCK_N) * triton.cdiv(M, bm)
         for per_sm in _PROGRAMS_PER_SM:
             split = _split_for(tiles, K // bk, per_sm * num_sms)
-            for ahead in (1, 2):
+            for ahead in range(1, MAX_AHEAD + 1):
                 for mode in sorted({PDL_OFF, pdl}):
                     cfg = FragConfig(bm, bk, split, ahead, mode)
                     if fits(cfg, M, N, K, dtype):
