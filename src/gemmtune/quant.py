@@ -34,6 +34,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from gemmtune.kernels import mxfp4 as _mx
 from gemmtune.kernels import preshuffle
 from gemmtune.tables.values import QuantType
 
@@ -46,6 +47,7 @@ __all__ = [
     "token_channel_quantisers",
     "MOE_QUANT_TYPES", "quantize_experts", "dequantize_experts",
     "shuffle_weight", "unshuffle_weight",
+    "mxfp4", "dequant_mxfp4",
 ]
 
 FP8_DTYPE = torch.float8_e4m3fn  # Hopper's FP8 compute format (no e4m3fnuz on NVIDIA)
@@ -398,3 +400,32 @@ def shuffle_weight(wq: torch.Tensor) -> torch.Tensor:
 def unshuffle_weight(wq_shuffled: torch.Tensor) -> torch.Tensor:
     """The row-major weight back from ``shuffle_weight``'s result."""
     return preshuffle.unshuffle(wq_shuffled)
+
+
+def mxfp4(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``t`` (..., K) in MXFP4 (OCP MX v1.0; ``gemmtune.kernels.mxfp4``): blocks of 32 along K,
+    each with a power-of-two scale ``2^(floor(log2(amax)) - 2)`` stored as its E8M0 byte, the
+    elements rounded to nearest-even on the E2M1 grid {0, 0.5, 1, 1.5, 2, 3, 4, 6} and
+    saturated to +-6, two per byte (the lower-index element in the low nibble).
+
+    Returns (elements (..., K // 2) uint8, scales (..., K // 32) uint8), contiguous. K must be a
+    multiple of 32. An all-zero block gets the smallest scale (2^-127); a block with a NaN or an
+    Inf gets the NaN scale (255), so it dequantises to NaN, never to a wrong finite number."""
+    _check_input(t, "mxfp4", 1)
+    why = _mx.why_not_quantisable(t.shape[-1])
+    if why is not None:
+        raise ValueError(f"mxfp4: {why} (got shape {tuple(t.shape)}); pad K with zeros")
+    return _mx.quantize(t)
+
+
+def dequant_mxfp4(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """fp32 (..., K) from ``mxfp4``'s elements (..., K // 2) and scales (..., K // 32)."""
+    if q.dtype != torch.uint8 or scale.dtype != torch.uint8:
+        raise ValueError(f"dequant_mxfp4: expected uint8 elements and scales (as mxfp4 returns "
+                         f"them), got {q.dtype} and {scale.dtype}")
+    expected = (*q.shape[:-1], q.shape[-1] * 2 // _mx.BLOCK) if q.ndim else None
+    if q.ndim == 0 or (q.shape[-1] * 2) % _mx.BLOCK or tuple(scale.shape) != expected:
+        raise ValueError(f"dequant_mxfp4: elements {tuple(q.shape)} and scales "
+                         f"{tuple(scale.shape)} do not match: for (..., K // 2) elements with K "
+                         f"a multiple of {_mx.BLOCK}, scales are (..., K // {_mx.BLOCK})")
+    return _mx.dequantize(q, scale)

@@ -1,0 +1,88 @@
+"""MXFP4 (OCP Microscaling Formats v1.0): 4-bit E2M1 elements in blocks of 32 along K, each
+block with one shared power-of-two scale stored as E8M0.
+
+- Block scale: ``X = 2^(floor(log2(amax)) - 2)`` (2 is E2M1's largest exponent, so amax / X
+  lies in [4, 8)), stored as its biased exponent byte ``floor(log2(amax)) - 2 + 127``, clamped
+  to [0, 254]. An all-zero block gets the smallest scale, byte 0 (2^-127). Byte 255 is E8M0's
+  NaN: a block holding a NaN or an Inf gets it, so the whole block dequantises to NaN (never a
+  wrong finite number).
+- Elements: ``v / X`` rounded to the nearest value of {0, 0.5, 1, 1.5, 2, 3, 4, 6} (ties to the
+  even encoding, i.e. the one whose last mantissa bit is 0), saturated to +-6; encoded as sign
+  bit 3 and magnitude bits 0-2 (0 0.0, 1 0.5, 2 1.0, 3 1.5, 4 2.0, 5 3.0, 6 4.0, 7 6.0). -0 keeps
+  its sign bit.
+- Packing: two elements per uint8, the lower-index element in the low nibble.
+
+Tensors (..., K) with K a multiple of 32 give elements (..., K // 2) uint8 and scales
+(..., K // 32) uint8. Everything here is exact in fp32: the scale is a power of two, so dividing
+by it and multiplying by it round nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+
+BLOCK = 32  # elements per shared scale, along K
+SCALE_BIAS = 127  # E8M0: the byte e means 2^(e - 127)
+SCALE_NAN = 255
+ELEMENT_EMAX = 2  # E2M1's largest exponent: 6 = 1.5 x 2^2
+ELEMENT_MAX = 6.0
+# E2M1 magnitudes by their 3-bit code.
+MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+def why_not_quantisable(k: int) -> str | None:
+    """Why a tensor with K = ``k`` has no MXFP4 form, or None."""
+    if k % BLOCK:
+        return f"K={k} is not a multiple of {BLOCK}, the MXFP4 block"
+    return None
+
+
+def block_exponents(t: torch.Tensor) -> torch.Tensor:
+    """Per block of 32 along the last dim of fp32 ``t`` (..., K // 32, 32): the scale bytes."""
+    amax = t.abs().amax(dim=-1)
+    # frexp: amax = m * 2^e with m in [0.5, 1), so floor(log2(amax)) = e - 1, exactly.
+    _, exponent = torch.frexp(amax)
+    byte = (exponent.to(torch.int32) - 1 - ELEMENT_EMAX + SCALE_BIAS).clamp(0, 254)
+    byte = torch.where(amax == 0, 0, byte)
+    return torch.where(torch.isfinite(amax), byte, SCALE_NAN).to(torch.uint8)
+
+
+def e2m1_codes(v: torch.Tensor) -> torch.Tensor:
+    """4-bit codes (uint8, 0-15) of fp32 ``v``, already divided by its block's scale: nearest
+    E2M1 value, ties to even, saturated to +-6. NaN is not expected (its block's scale is NaN)."""
+    mag = v.abs().clamp(max=ELEMENT_MAX)
+    # The grid's spacing is 0.5 below 2, 1 in [2, 4) and 2 from 4 on; torch.round rounds half to
+    # even, which on each stretch is the even encoding (the stretches' ends are even codes).
+    step = torch.where(mag < 2, 0.5, torch.where(mag < 4, 1.0, 2.0))
+    rounded = torch.round(mag / step) * step
+    code = torch.bucketize(rounded, torch.tensor(MAGNITUDES, device=v.device))
+    negative = torch.signbit(v)
+    return (code + torch.where(negative, 8, 0)).to(torch.uint8)
+
+
+def quantize(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``t`` (..., K) as MXFP4: (elements (..., K // 2) uint8, scales (..., K // 32) uint8)."""
+    k = t.shape[-1]
+    blocks = t.float().reshape(*t.shape[:-1], k // BLOCK, BLOCK)
+    scales = block_exponents(blocks)
+    # Divide by 2^(byte - 127) exactly; a NaN scale's block is encoded from zeros (its scale
+    # makes it NaN when dequantised).
+    shift = scales.to(torch.int32) - SCALE_BIAS
+    finite = (scales != SCALE_NAN)[..., None]
+    scaled = torch.where(finite, torch.ldexp(blocks, -shift[..., None].float()), 0.0)
+    codes = e2m1_codes(scaled).reshape(*t.shape[:-1], k)
+    packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return packed.contiguous(), scales.contiguous()
+
+
+def dequantize(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """fp32 (..., K) from ``quantize``'s elements (..., K // 2) and scales (..., K // 32)."""
+    codes = torch.stack((q & 0xF, q >> 4), dim=-1).reshape(*q.shape[:-1], q.shape[-1] * 2)
+    table = torch.tensor(MAGNITUDES + tuple(-m for m in MAGNITUDES), device=q.device)
+    values = table[codes.long()]
+    k = values.shape[-1]
+    blocks = values.reshape(*q.shape[:-1], k // BLOCK, BLOCK)
+    exponent = scales.to(torch.int32) - SCALE_BIAS
+    out = torch.ldexp(blocks, exponent[..., None].float())
+    out = torch.where((scales == SCALE_NAN)[..., None], float("nan"), out)
+    return out.reshape(*q.shape[:-1], k)

@@ -1,0 +1,143 @@
+"""MXFP4 quantisation (gemmtune.quant.mxfp4 / dequant_mxfp4), bit for bit: the E8M0 block
+scales, the E2M1 grid's rounding (nearest, ties to the even encoding) and saturation, the
+nibble packing, all-zero blocks, the smallest scales, NaN/Inf; and random data against an
+independent nearest-value search."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gemmtune import quant
+
+GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+def block(values, fill=0.0):
+    """One row of one 32-element block: ``values`` first, then ``fill``."""
+    values = list(values)
+    return torch.tensor([values + [fill] * (32 - len(values))])
+
+
+def codes_of(q: torch.Tensor) -> list[int]:
+    """The 4-bit codes of a packed row, in element order."""
+    return [c for byte in q.flatten().tolist() for c in (byte & 0xF, byte >> 4)]
+
+
+def test_grid_values_encode_exactly_and_pack_low_nibble_first():
+    q, s = quant.mxfp4(block(list(GRID) + [-v for v in GRID]))
+    assert s.tolist() == [[127]]  # amax 6 = 1.5 x 2^2: scale 2^0
+    assert codes_of(q)[:16] == list(range(16))
+    assert q[0, 0].item() == 0 | (1 << 4) and q[0, 1].item() == 2 | (3 << 4)
+    assert quant.dequant_mxfp4(q, s)[0, :16].tolist() == list(GRID) + [-v for v in GRID]
+    assert q.shape == (1, 16) and q.dtype == torch.uint8 and s.dtype == torch.uint8
+
+
+@pytest.mark.parametrize("amax, byte, value", [
+    (6.0, 127, 6.0), (4.0, 127, 4.0), (7.99, 127, 6.0), (8.0, 128, 8.0), (1.0, 125, 1.0),
+    (0.75, 124, 0.75), (2.0**-120, 5, 2.0**-120), (2.0**100, 225, 2.0**100),
+    (3.0e38, 252, 6.0 * 2.0**125)])
+def test_block_scale_is_floor_log2_amax_minus_2(amax, byte, value):
+    """The scale byte, and the block's largest element after the round trip: amax / scale lies
+    in [4, 8), so it comes back as itself on the grid or saturated to 6 scales."""
+    q, s = quant.mxfp4(block([amax]))
+    assert s.item() == byte
+    assert quant.dequant_mxfp4(q, s)[0, 0].item() == value
+
+
+@pytest.mark.parametrize("v, expected", [
+    (0.25, 0.0), (0.2500001, 0.5), (0.75, 1.0), (1.25, 1.0), (1.2500001, 1.5), (1.75, 2.0),
+    (2.5, 2.0), (2.5000002, 3.0), (3.5, 4.0), (5.0, 4.0), (5.0000005, 6.0), (5.9, 6.0),
+    (0.1, 0.0), (2.9, 3.0)])
+def test_ties_go_to_the_even_encoding(v, expected):
+    """In a block whose amax is 6 (scale 1): a tie takes the value whose last mantissa bit is 0
+    (0, 1, 2, 4 and 6 over 0.5, 1.5, 3); just past a tie, the next value up."""
+    for sign in (1.0, -1.0):
+        q, s = quant.mxfp4(block([6.0, sign * v]))
+        assert s.item() == 127
+        assert quant.dequant_mxfp4(q, s)[0, 1].item() == sign * expected, (v, sign)
+
+
+def test_saturates_to_6():
+    q, s = quant.mxfp4(block([7.5, -7.9, 6.5, 7.0]))  # amax 7.9: floor(log2) 2, scale 1
+    assert s.item() == 127
+    assert codes_of(q)[:4] == [7, 15, 7, 7]
+    assert quant.dequant_mxfp4(q, s)[0, :4].tolist() == [6.0, -6.0, 6.0, 6.0]
+
+
+def test_all_zero_block_gets_the_smallest_scale_and_zeros():
+    t = torch.cat([torch.zeros(1, 32), block([1.0, -3.0])], dim=1)
+    q, s = quant.mxfp4(t)
+    assert s.tolist() == [[0, 126]]
+    assert codes_of(q)[:32] == [0] * 32
+    assert quant.dequant_mxfp4(q, s)[0, :32].eq(0).all()
+
+
+def test_smallest_values():
+    # The smallest normal fp32 block: amax 2^-126, scale 2^-128 clamps to byte 0 (2^-127), so
+    # amax / scale = 2 exactly; the half step 2^-128 is the smallest non-zero value it holds.
+    q, s = quant.mxfp4(block([2.0**-126, 2.0**-128, -(2.0**-128), 2.0**-129]))
+    assert s.item() == 0
+    assert quant.dequant_mxfp4(q, s)[0, :4].tolist() == [2.0**-126, 2.0**-128, -(2.0**-128), 0.0]
+    # A subnormal block keeps the smallest scale; its values round to the grid on it.
+    q, s = quant.mxfp4(block([1e-40, -1e-40]))
+    assert s.item() == 0 and quant.dequant_mxfp4(q, s)[0, :2].tolist() == [0.0, -0.0]
+
+
+def test_negative_zero_keeps_its_sign():
+    q, _ = quant.mxfp4(block([1.0, -0.0]))
+    assert codes_of(q)[1] == 8
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_nan_or_inf_makes_its_block_nan_and_no_other(bad):
+    t = torch.cat([block([1.0, bad]), block([2.0, -1.5])], dim=1)
+    q, s = quant.mxfp4(t)
+    assert s[0, 0].item() == 255 and s[0, 1].item() == 126
+    out = quant.dequant_mxfp4(q, s)
+    assert out[0, :32].isnan().all()
+    assert out[0, 32:34].tolist() == [2.0, -1.5]
+
+
+def _nearest_even(scaled: torch.Tensor) -> torch.Tensor:
+    """Independent reference: the grid value nearest |scaled| (saturated), ties to even codes,
+    by a search over the eight values."""
+    grid = torch.tensor(GRID)
+    mag = scaled.abs().clamp(max=6.0)
+    dist = (mag[..., None] - grid).abs()
+    best = dist.min(dim=-1, keepdim=True).values
+    # among the nearest, the even code; codes 0-7 are the grid's indices
+    tied = dist == best
+    even = tied & (torch.arange(8) % 2 == 0)
+    index = torch.where(even.any(-1), even.float().argmax(-1), tied.float().argmax(-1))
+    return torch.where(torch.signbit(scaled), -grid[index], grid[index])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_random_data_against_an_independent_search(dtype):
+    gen = torch.Generator().manual_seed(0)
+    t = (torch.randn(3, 5, 256, generator=gen)
+         * torch.logspace(-3, 3, 8).repeat_interleave(32)).to(dtype)
+    q, s = quant.mxfp4(t)
+    assert q.shape == (3, 5, 128) and s.shape == (3, 5, 8)
+    out = quant.dequant_mxfp4(q, s)
+    blocks = t.float().reshape(3, 5, 8, 32)
+    amax = blocks.abs().amax(-1)
+    scale = 2.0 ** (torch.floor(torch.log2(amax)) - 2)
+    expected = _nearest_even(blocks / scale[..., None]) * scale[..., None]
+    assert torch.equal(out, expected.reshape(3, 5, 256))
+    # and within one scale step of the input (the largest grid step is 2 scales, saturation
+    # past 6 loses less than 2)
+    assert ((out - t.float()).abs().reshape(3, 5, 8, 32) <= 2 * scale[..., None]).all()
+
+
+def test_bad_inputs_say_what_to_do():
+    with pytest.raises(ValueError, match="not a multiple of 32"):
+        quant.mxfp4(torch.ones(2, 48))
+    with pytest.raises(ValueError, match="bf16, fp16 or fp32"):
+        quant.mxfp4(torch.ones(2, 64, dtype=torch.int8))
+    q, s = quant.mxfp4(torch.ones(2, 64))
+    with pytest.raises(ValueError, match="do not match"):
+        quant.dequant_mxfp4(q, s[:, :1])
+    with pytest.raises(ValueError, match="uint8"):
+        quant.dequant_mxfp4(q.to(torch.int16), s)
