@@ -39,7 +39,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("out"))
     args = parser.parse_args()
     from gemmtune import quant
-    from gemmtune.kernels.triton.gemm_frag import FragConfig, _split_for, block_m_for, gemm_frag
+    from gemmtune.kernels.triton._splits import split_for
+    from gemmtune.kernels.triton.gemm_frag import MAX_SPLIT_K, FragConfig, block_m_for, gemm_frag
     from gemmtune.measure.timing import copies_to_exceed_l2, interleaved_graph_us
 
     args.out.mkdir(parents=True, exist_ok=True)
@@ -60,7 +61,8 @@ def main() -> None:
         bm = block_m_for(m)
         for bk in (128, 256):
             tiles = triton.cdiv(n, 64)
-            splits = sorted({_split_for(tiles, k // bk, per_sm * sms) for per_sm in (1, 2, 4)})
+            splits = sorted({split_for(tiles, k // bk, per_sm * sms, MAX_SPLIT_K)
+                             for per_sm in (1, 2, 4)})
             for split in splits:
                 for pdl in (0, 1):
                     cfg = FragConfig(bm, bk, split, 1, pdl)

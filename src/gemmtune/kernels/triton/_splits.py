@@ -46,6 +46,12 @@ def _capability_major(device_index: int) -> int:
     return torch.cuda.get_device_capability(device_index)[0]
 
 
+def split_for(tiles: int, k_steps: int, programs: int, max_split: int = MAX_SPLIT_K) -> int:
+    """The split of K that brings tiles x split nearest above ``programs``, within the K steps
+    and ``max_split`` (each split then gets the same number of steps, give or take one)."""
+    return max(1, min(max_split, k_steps, triton.cdiv(programs, tiles)))
+
+
 def why_not_wait_pdl(pdl: int) -> str | None:
     """Why ``pdl`` is not a launch mode of a kernel without row prefetch (PDL_OFF or PDL_WAIT),
     or None."""

@@ -39,7 +39,7 @@ from gemmtune.kernels._names import Field, NameCodec, NamedConfig
 from gemmtune.kernels.triton import _checks
 from gemmtune.kernels.triton._epilogue import epilogue_constexprs, epilogue_operands
 from gemmtune.kernels.triton._replay import KernelCall, launch
-from gemmtune.kernels.triton._splits import (PDL_OFF, pdl_supported,
+from gemmtune.kernels.triton._splits import (PDL_OFF, pdl_supported, split_for,
                                              why_not_wait_pdl, workspace)
 
 KERNEL_PREFIX = "triton.frag"
@@ -163,12 +163,6 @@ def block_m_for(M: int) -> int:
 _PROGRAMS_PER_SM = (1, 2, 4, 8)
 
 
-def _split_for(tiles: int, k_steps: int, programs: int) -> int:
-    """The split that brings tiles x split nearest above ``programs``, within the K steps (the
-    kernel gives each split the same number of steps, give or take one)."""
-    return max(1, min(MAX_SPLIT_K, k_steps, triton.cdiv(programs, tiles)))
-
-
 def candidates(M: int, N: int, K: int, dtype: torch.dtype, num_sms: int | None = None,
                pdl: int = PDL_OFF) -> list[FragConfig]:
     """The configs to tune one shape with, for M <= 64 (decode, where the kernel pays; none
@@ -185,7 +179,7 @@ def candidates(M: int, N: int, K: int, dtype: torch.dtype, num_sms: int | None =
             continue
         tiles = triton.cdiv(N, BLOCK_N) * triton.cdiv(M, bm)
         for per_sm in _PROGRAMS_PER_SM:
-            split = _split_for(tiles, K // bk, per_sm * num_sms)
+            split = split_for(tiles, K // bk, per_sm * num_sms, MAX_SPLIT_K)
             for ahead in range(1, MAX_AHEAD + 1):
                 for mode in sorted({PDL_OFF, pdl}):
                     cfg = FragConfig(bm, bk, split, ahead, mode)
@@ -203,7 +197,7 @@ def default_config(M: int, N: int, K: int, dtype: torch.dtype,
     bm = block_m_for(M)
     bk = 256 if K % 256 == 0 else 128
     tiles = triton.cdiv(N, BLOCK_N) * triton.cdiv(M, bm)
-    return FragConfig(bm, bk, _split_for(tiles, K // bk, 2 * num_sms), 1)
+    return FragConfig(bm, bk, split_for(tiles, K // bk, 2 * num_sms, MAX_SPLIT_K), 1)
 
 
 @gluon.jit

@@ -39,7 +39,8 @@ from gemmtune.kernels.triton._epilogue import (SCALE_BLOCK, epilogue_constexprs,
                                                epilogue_operands, operand_strides)
 from gemmtune.kernels.triton._replay import KernelCall, launch
 from gemmtune.kernels.triton._splits import (MAX_SPLIT_K, PDL_OFF, pdl_supported, split_chunk,
-                                             store_split_tile, why_not_wait_pdl, workspace)
+                                             split_for, store_split_tile, why_not_wait_pdl,
+                                             workspace)
 from gemmtune.kernels.triton._wlayout import w_k_offsets, w_row_offsets
 
 KERNEL_PREFIX = "triton.gemv"
@@ -163,11 +164,6 @@ _MAX_CANDIDATES = 40
 _PROGRAMS_PER_SM = (8, 32)
 
 
-def _split_for(tiles: int, k_steps: int, programs: int) -> int:
-    """The split that brings tiles x split nearest above ``programs``, within the K steps."""
-    return max(1, min(MAX_SPLIT_K, k_steps, triton.cdiv(programs, tiles)))
-
-
 def candidates(M: int, N: int, K: int, dtype: torch.dtype, num_sms: int | None = None,
                pdl: int = PDL_OFF, block_scales: bool = False) -> list[GemvConfig]:
     """The pruned search space for one shape (at most ``_MAX_CANDIDATES``): rows per program
@@ -188,7 +184,7 @@ def candidates(M: int, N: int, K: int, dtype: torch.dtype, num_sms: int | None =
             k_steps = triton.cdiv(K, bk)
             warps = next((w for w in _WARPS if bn * bk // (32 * w) <= _WIDE_REGS), _WARPS[-1])
             for per_sm in _PROGRAMS_PER_SM:
-                split = _split_for(tiles, k_steps, per_sm * num_sms)
+                split = split_for(tiles, k_steps, per_sm * num_sms)
                 for stages in _STAGES if not block_scales else (1,):
                     cfg = GemvConfig(bn, bk, split, warps, stages, pdl)
                     if fits(cfg, M, N, K, dtype) and not (
@@ -204,7 +200,7 @@ def default_config(M: int, N: int, K: int, dtype: torch.dtype,
     there are 8 programs per SM. The tests check that it fits every M <= MAX_M."""
     num_sms = num_sms or _checks.sm_count()
     bk = max(SCALE_BLOCK, min(2048 // dtype.itemsize, triton.next_power_of_2(K)))
-    split = _split_for(triton.cdiv(N, 4), triton.cdiv(K, bk), 8 * num_sms)
+    split = split_for(triton.cdiv(N, 4), triton.cdiv(K, bk), 8 * num_sms)
     return GemvConfig(4, bk, split, 4, 1)
 
 
