@@ -340,6 +340,9 @@ for what in "$@"; do
             done ;;
         readfloor)  # issue 15: how near the attainable floor a pure read of each decode weight gets
             TAIL=50 stage readfloor 400 python3 benchmarks/read_floor_probe.py ;;
+        readfloor8)  # the same for FP8-sized weights: the ceiling of the FP8 families' targets
+            TAIL=30 stage readfloor8 "${READFLOOR_LIMIT:-300}" python3 benchmarks/read_floor_probe.py \
+                --weight-bytes 1 ;;
         moehost)  # host µs per eager MoE call: plain, recorded chain, transformers' backends
             TAIL=20 stage moehost 300 python3 benchmarks/moe_host_cost.py ;;
         overhead)  # host µs per eager call of every op's backends (benchmarks/dispatch_overhead.py)

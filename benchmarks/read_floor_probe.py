@@ -17,7 +17,13 @@ GEMV whose programs take their rows' whole K (for short K); 28 configs in all, e
 against torch's result. Prints per preset the geomean and minimum of
 each column and the shapes below 0.75; writes every shape to $OUT/read_floor.csv.
 
+With ``--weight-bytes 1`` the weights are FP8-sized (N x K bytes, read as N x K/2 bf16 elements:
+a pure read costs the same for any element type) and only the readers and ``w.sum`` run: the
+ceiling of the FP8 families' targets (per-token, block-scale, pre-shuffled) at M = 1, whose extra
+bytes (x, the scales, the output) are under 1% of the weight's.
+
     PYTHONPATH=src python3 benchmarks/read_floor_probe.py [--presets llama3-8b:1,...]
+        [--weight-bytes 1]
 """
 
 from __future__ import annotations
@@ -177,16 +183,20 @@ def shapes(presets: str) -> dict[str, list[tuple[str, int, int]]]:
     return out
 
 
-def probe_shape(n: int, k: int, bandwidth: float, launch: float) -> dict:
+def probe_shape(n: int, k: int, bandwidth: float, launch: float, weight_bytes: int = 2) -> dict:
+    """``weight_bytes`` 1: an FP8-sized weight, read only (no GEMV, no torch.mm)."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    nbytes = n * k * 2
+    nbytes = n * k * weight_bytes
     copies = copies_to_exceed_l2(nbytes)
     gen = torch.Generator(device="cuda").manual_seed(n ^ k)
-    weights = [torch.randn(n, k, device="cuda", generator=gen).to(torch.bfloat16)
+    cols = k * weight_bytes // 2
+    weights = [torch.randn(n, cols, device="cuda", generator=gen).to(torch.bfloat16)
                for _ in range(copies)]
-    x = torch.randn(1, k, device="cuda", generator=gen).to(torch.bfloat16)
-    readers = {f"P{per}xB{block}xW{warps}": _reader(per * sms, block, warps, n * k)
+    readers = {f"P{per}xB{block}xW{warps}": _reader(per * sms, block, warps, n * cols)
                for per in PROGRAMS_PER_SM for block, warps in STEPS}
+    if weight_bytes != 2:
+        return _read_only_row(n, k, nbytes, readers, weights, bandwidth, launch)
+    x = torch.randn(1, k, device="cuda", generator=gen).to(torch.bfloat16)
     pdl_names = {False: "", True: ".PDL", "last": ".PDLlast"}
     gemvs = {f"BN{bn}xBK{bk}xP{per}{pdl_names[pdl]}": _gemv(x, n, k, bn, bk, per * sms, pdl)
              for bn, bk, per, pdl in GEMV_CONFIGS}
@@ -225,6 +235,19 @@ def probe_shape(n: int, k: int, bandwidth: float, launch: float) -> dict:
     return row
 
 
+def _read_only_row(n: int, k: int, nbytes: int, readers: dict, weights: list, bandwidth: float,
+                   launch: float) -> dict:
+    fns = [lambda w, r=r: r(w) for r in readers.values()]
+    fns.append(lambda w: w.sum(dtype=torch.float32))
+    times = [t for t, _ in interleaved_graph_us(fns, weights, rounds=9, replays=2)]
+    best = min(range(len(readers)), key=lambda i: times[i])
+    floor = nbytes / bandwidth * 1e6 + launch
+    return dict(N=n, K=k, MB=round(nbytes / 1e6, 2), floor_us=round(floor, 2),
+                read_us=round(times[best], 2), read_config=list(readers)[best],
+                sum_us=round(times[-1], 2), eff_read=round(floor / times[best], 3),
+                eff_sum=round(floor / times[-1], 3))
+
+
 def geomean(values: list[float]) -> float:
     return math.exp(sum(math.log(v) for v in values) / len(values))
 
@@ -232,6 +255,9 @@ def geomean(values: list[float]) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--presets", default=PRESETS, help="NAME:TP,... (default: %(default)s)")
+    parser.add_argument("--weight-bytes", type=int, choices=(1, 2), default=2,
+                        help="bytes per weight element: 2 (bf16, with the GEMVs and torch.mm) or "
+                             "1 (FP8-sized, the readers only)")
     args = parser.parse_args()
     out_dir = Path(os.environ.get("OUT", "out"))
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -239,27 +265,35 @@ def main() -> None:
     rows = []
     for preset, items in shapes(args.presets).items():
         for label, n, k in items:
-            rows.append(dict(preset=preset, name=label, **probe_shape(n, k, bandwidth, launch)))
-    with open(out_dir / "read_floor.csv", "w", newline="") as f:
+            rows.append(dict(preset=preset, name=label,
+                             **probe_shape(n, k, bandwidth, launch, args.weight_bytes)))
+    stem = "read_floor" if args.weight_bytes == 2 else "read_floor_fp8"
+    with open(out_dir / f"{stem}.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
     print(f"{torch.cuda.get_device_name()}: streaming read {bandwidth / 1e9:.0f} GB/s, t_launch "
-          f"{launch:.2f} µs; attainable efficiency (floor / time) at M = 1, bf16")
-    print(f"{'preset':<16} {'shapes':>6} {'reader geo (min)':>17} {'gemv geo (min)':>17} "
-          f"{'torch.mm geo (min)':>19} {'w.sum geo (min)':>16}")
+          f"{launch:.2f} µs; attainable efficiency (floor / time) at M = 1, "
+          f"{'bf16' if args.weight_bytes == 2 else 'FP8-sized weights'}")
+    columns = (("eff_read", "reader"), ("eff_gemv", "gemv"), ("eff_mm", "torch.mm"),
+               ("eff_sum", "w.sum"))
+    columns = [(c, label) for c, label in columns if c in rows[0]]
+    print(f"{'preset':<16} {'shapes':>6} "
+          + " ".join(f"{label + ' geo (min)':>19}" for _, label in columns))
     for preset in dict.fromkeys(r["preset"] for r in rows):
         mine = [r for r in rows if r["preset"] == preset]
         cells = " ".join(
-            f"{geomean([r[c] for r in mine]):>9.3f} ({min(r[c] for r in mine):.3f})"
-            for c in ("eff_read", "eff_gemv", "eff_mm", "eff_sum"))
+            f"{geomean([r[c] for r in mine]):>11.3f} ({min(r[c] for r in mine):.3f})"
+            for c, _ in columns)
         print(f"{preset:<16} {len(mine):>6} {cells}")
     print("shapes whose best reader is below 0.75 of the floor:")
     for r in rows:
         if r["eff_read"] < 0.75:
             print(f"  {r['preset']:<16} {r['name']:<12} {r['N']:>6}x{r['K']:<6} {r['MB']:>7} MB "
                   f"floor {r['floor_us']:>6} µs, reader {r['read_us']:>6} ({r['read_config']}), "
-                  f"torch.mm {r['mm_us']:>6}")
+                  + (f"torch.mm {r['mm_us']:>6}" if "mm_us" in r else f"w.sum {r['sum_us']:>6}"))
+    if args.weight_bytes != 2:
+        return
     print("GEMV against torch.mm per shape (µs):")
     for r in rows:
         print(f"  {r['preset']:<16} {r['name']:<14} {r['N']:>6}x{r['K']:<6} gemv "
