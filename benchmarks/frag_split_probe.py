@@ -67,11 +67,11 @@ def main() -> None:
                 for pdl in (0, 1):
                     cfg = FragConfig(bm, bk, split, 1, pdl)
                     got = gemm_frag(x, copies[0]["frag"], None, torch.bfloat16, one, one, cfg,
-                                    out=torch.full_like(y, float("nan")))
+                                    out=torch.full_like(y, float("nan")), w_tiled=True)
                     if float((got.float() - ref).norm() / ref.norm()) < 1e-2:
                         fns.append(lambda c, cfg=cfg: gemm_frag(x, c["frag"], None,
                                                                 torch.bfloat16, one, one, cfg,
-                                                                out=y))
+                                                                out=y, w_tiled=True))
                         names.append(f"frag.P{pdl}.BK{bk}.SK{split}")
                     else:
                         print(f"{m}x{n}x{k} {cfg.name}: wrong", flush=True)

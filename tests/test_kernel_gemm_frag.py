@@ -1,4 +1,4 @@
-"""The register-direct Gluon kernel (``triton.frag``) of pre-shuffled FP8 weights.
+"""The register-direct Gluon kernel (``triton.frag``) of FP8 weights, row-major or pre-shuffled.
 
 Gluon kernels do not run in Triton's interpreter: on the CPU its config space and refusals are
 checked here and its sm_90 code in tests/test_kernels_compile_for_hopper.py; the ``gpu`` tests
@@ -28,7 +28,6 @@ def test_names_round_trip():
 
 @pytest.mark.parametrize("config, M, N, K, dtype, says", [
     (FragConfig(16, 256, 4, 1), 16, 4096, 4096, torch.int8, "float8_e4m3fn only"),
-    (FragConfig(16, 256, 4, 1), 16, 4100, 4096, FP8, "N must be a multiple of 16"),
     (FragConfig(16, 256, 4, 1), 16, 4096, 2304 + 128, FP8, "not a multiple of block_k=256"),
     (FragConfig(16, 256, 40, 1), 16, 4096, 16384, FP8, "split_k=40 must be in"),
     (FragConfig(16, 256, 8, 1), 16, 4096, 1024, FP8, "4 steps of block_k=256"),
@@ -42,6 +41,16 @@ def test_names_round_trip():
 ])
 def test_configs_that_cannot_run_say_why(config, M, N, K, dtype, says):
     assert says in gemm_frag.why_not_fits(config, M, N, K, dtype)
+
+
+def test_any_n_row_major_whole_tiles_pre_shuffled():
+    """Row-major w takes any N (rows past it are masked); a pre-shuffled one comes in whole
+    16-row tiles, which the dispatch checks (``_wlayout.why_not_tiled``)."""
+    from gemmtune.kernels.triton._wlayout import why_not_tiled
+
+    cfg = FragConfig(16, 256, 4, 1)
+    assert gemm_frag.why_not_fits(cfg, 16, 4100, 4096, FP8) is None
+    assert "N must be a multiple of 16" in why_not_tiled(cfg, 4100, 4096, FP8)
 
 
 @pytest.mark.parametrize("M, N, K", [(1, 576, 7168), (16, 4096, 512), (33, 1040, 2304),
@@ -74,9 +83,9 @@ def test_refuses_the_interpreter_and_block_scales():
                             block_scales=True)
 
 
-def test_refuses_gpus_other_than_hopper_and_strided_weights(monkeypatch):
-    """Compiled for Blackwell the fp32 sums it is written for do not build, and a strided w
-    would be read as if contiguous: both are refused with what to use instead."""
+def test_refuses_gpus_other_than_hopper_and_strided_tiled_weights(monkeypatch):
+    """Compiled for Blackwell the fp32 sums it is written for do not build, and a strided
+    pre-shuffled w would be read as if contiguous: both are refused with what to use instead."""
     from gemmtune.kernels.triton import _checks
 
     monkeypatch.setattr(_checks, "interpreted", lambda: False)
@@ -85,8 +94,29 @@ def test_refuses_gpus_other_than_hopper_and_strided_weights(monkeypatch):
     assert "written for Hopper" in gemm_frag.why_not_supported(cfg, 16, 64, 256, FP8,
                                                                 torch.bfloat16)
     wide = torch.zeros(64, 512).to(FP8)
-    with pytest.raises(ValueError, match="w must be contiguous"):
-        gemm_frag.gemm_frag(torch.zeros(16, 256).to(FP8), wide[:, :256])
+    with pytest.raises(ValueError, match="pre-shuffled w must be contiguous"):
+        gemm_frag.gemm_frag(torch.zeros(16, 256).to(FP8), wide[:, :256], w_tiled=True)
+
+
+@pytest.mark.parametrize("family", ["a8w8", "a8w8_bpreshuffle"])
+def test_fp8_tuners_offer_it_for_decode_where_it_runs(family):
+    """Both FP8 per-row families' tuners take its configs for FP8 at M <= 64 on a Hopper GPU
+    (row-major and pre-shuffled w), and none for INT8, past M = 64, or without one."""
+    import importlib
+
+    tuner_module = importlib.import_module(f"gemmtune.families.{family}.tuner")
+    tuner_cls = next(v for k, v in vars(tuner_module).items()
+                     if k.endswith("Tuner") and k != "GemmTuner")
+    tuner = tuner_cls()
+
+    def frag_names(M, q):
+        key = tuner.schema.key_type(M, 512, 1024, q)
+        return [c.name for c in tuner.candidates(key, frozenset())
+                if c.name.startswith("triton.frag:")]
+
+    expected = torch.cuda.is_available() and gemm_frag.runs_here()
+    assert bool(frag_names(16, "torch.float8_e4m3fn")) == expected
+    assert not frag_names(16, "torch.int8") and not frag_names(128, "torch.float8_e4m3fn")
 
 
 # --- GPU -----------------------------------------------------------------------------------
@@ -123,8 +153,8 @@ def _check(y, xq, wq, x_scale, w_scale, bias, what):
         f"{worst} (ref {ref.flatten()[worst]:.4g})")
 
 
-# (M, N, K, config): every block of x's rows (8-256, and several blocks past 256), steps of
-# 128-512, 1-3 steps ahead, splits that divide the steps and that do not, N past a multiple of
+# (M, N, K, config): every block of x's rows (8-64, and several blocks past 64), steps of
+# 128-256, 1-3 steps ahead, splits that divide the steps and that do not, N past a multiple of
 # 64 (the last program's rows past N), PDL on and off.
 GPU_CASES = [
     (1, 576, 7168, FragConfig(8, 256, 4, 1, 1)),
@@ -143,19 +173,36 @@ GPU_CASES = [
 @pytest.mark.gpu
 @pytest.mark.parametrize("M, N, K, config", GPU_CASES, ids=lambda v: getattr(v, "name", v))
 @pytest.mark.parametrize("layout", ["tensor", "token_channel", "token_tensor"])
-def test_gpu_matches_reference(M, N, K, config, layout):
+@pytest.mark.parametrize("w_tiled", [False, True], ids=["row_major", "tiled"])
+def test_gpu_matches_reference(M, N, K, config, layout, w_tiled):
     gen = generator(M + N + K)
     xq, wq, x_scale, w_scale = quantised_operands(M, N, K, FP8, layout, gen)
-    ws = quant.shuffle_weight(wq)
+    w = quant.shuffle_weight(wq) if w_tiled else wq
     for out_dtype, with_bias in ((torch.bfloat16, False), (torch.float16, True),
                                  (torch.float32, True)):
         bias = randn(N, gen=gen, dtype=torch.bfloat16) if with_bias else None
         # The second launch finds the split counters left zero, and the partials summed in
         # split order give it the same bits.
-        first, again = (gemm_frag.gemm_frag(xq, ws, bias, out_dtype, x_scale, w_scale, config,
-                                            out=poisoned(M, N, out_dtype)) for _ in range(2))
+        first, again = (gemm_frag.gemm_frag(xq, w, bias, out_dtype, x_scale, w_scale, config,
+                                            out=poisoned(M, N, out_dtype), w_tiled=w_tiled)
+                        for _ in range(2))
         _check(first, xq, wq, x_scale, w_scale, bias, f"{config.name} {out_dtype}")
         assert torch.equal(first, again), config.name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("N, pitch", [(1000, 2048), (77, 2048 + 128), (1000, 2048 + 4)])
+def test_gpu_row_major_any_n_and_row_pitch(N, pitch):
+    """Row-major w: N not a multiple of 16 or 64, rows a wider pitch apart (16-byte aligned,
+    read in place; not, copied first)."""
+    M, K = 16, 2048
+    gen = generator(N + pitch)
+    xq, wq, x_scale, w_scale = quantised_operands(M, N, K, FP8, "token_channel", gen)
+    wide = torch.zeros(N, pitch, device=DEVICE).to(FP8)
+    wide[:, :K] = wq
+    y = gemm_frag.gemm_frag(xq, wide[:, :K], None, torch.bfloat16, x_scale, w_scale,
+                            FragConfig(16, 256, 3, 2), out=poisoned(M, N, torch.bfloat16))
+    _check(y, xq, wq, x_scale, w_scale, None, f"N={N} pitch={pitch}")
 
 
 @pytest.mark.gpu
@@ -168,7 +215,8 @@ def test_gpu_strided_x_and_output():
     wide_x[:, :K] = xq
     wide_out = torch.full((M, N + 32), float("nan"), dtype=torch.bfloat16, device=DEVICE)
     y = gemm_frag.gemm_frag(wide_x[:, :K], quant.shuffle_weight(wq), None, torch.bfloat16,
-                            x_scale, w_scale, FragConfig(16, 256, 2, 1), out=wide_out[:, :N])
+                            x_scale, w_scale, FragConfig(16, 256, 2, 1), out=wide_out[:, :N],
+                            w_tiled=True)
     _check(y, xq, wq, x_scale, w_scale, None, "strided")
     assert torch.isnan(wide_out[:, N:]).all()
 
@@ -181,8 +229,8 @@ def test_gpu_long_k_is_as_precise_as_cublas():
     M, N, K = 16, 512, 25600
     gen = generator(9)
     xq, wq, x_scale, w_scale = quantised_operands(M, N, K, FP8, "token_channel", gen)
-    y = gemm_frag.gemm_frag(xq, quant.shuffle_weight(wq), None, torch.float32, x_scale,
-                            w_scale, FragConfig(16, 256, 1, 1))
+    y = gemm_frag.gemm_frag(xq, wq, None, torch.float32, x_scale, w_scale,
+                            FragConfig(16, 256, 1, 1))
     scale = x_scale.reshape(-1, 1) * w_scale.reshape(1, -1)
     ref = (xq.float() @ wq.float().T) * scale
     cublas = torch._scaled_mm(xq, wq.T, scale_a=x_scale.reshape(-1, 1).contiguous(),

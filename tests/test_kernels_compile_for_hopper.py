@@ -242,26 +242,29 @@ FRAG_SCRIPT = textwrap.dedent("""
     from triton.experimental import gluon
     from gemmtune.kernels.triton import gemm_frag
 
-    def compiled(block_m, block_k, split_k, ahead, pdl):
+    def compiled(block_m, block_k, split_k, ahead, pdl, w_tiled):
         names = inspect.signature(gemm_frag.gemm_frag_kernel.fn).parameters
         pointers = {"x_ptr": "*fp8e4nv", "w_ptr": "*fp8e4nv", "y_ptr": "*bf16",
                     "bias_ptr": "*bf16", "scale_a_ptr": "*fp32", "scale_b_ptr": "*fp32",
                     "part_ptr": "*fp32", "count_ptr": "*i32"}
         constexprs = dict(HAS_BIAS=False, SCALE_A=2, SCALE_B=2, SPLIT_K=split_k,
                           BLOCK_M=block_m, BLOCK_K=block_k, AHEAD=ahead, PDL=pdl,
-                          PER_LOAD=min(split_k, gemm_frag.partials_per_load(block_m)))
+                          PER_LOAD=min(split_k, gemm_frag.partials_per_load(block_m)),
+                          W_TILED=w_tiled)
         signature = {n: pointers.get(n, "constexpr" if n in constexprs else "i32")
                      for n in names}
-        # As Triton specialises them at a launch: pointers, K and x's row pitch multiples of 16.
+        # As Triton specialises them at a launch: pointers, K and the row pitches multiples of 16.
         aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
-                   if n.endswith("_ptr") or n in ("K", "stride_xm")}
+                   if n.endswith("_ptr") or n in ("K", "stride_xm", "stride_wn")}
         return triton.compile(gluon._runtime.GluonASTSource(
             fn=gemm_frag.gemm_frag_kernel, signature=signature, attrs=aligned,
             constexprs=constexprs), target=GPUTarget("cuda", 90, 128))
 
-    for block_m, block_k, split_k, ahead, pdl in ((8, 128, 1, 1, False), (16, 256, 4, 1, True),
-                                                  (64, 256, 8, 1, True), (32, 128, 20, 3, True)):
-        kernel = compiled(block_m, block_k, split_k, ahead, pdl)
+    for block_m, block_k, split_k, ahead, pdl, w_tiled in (
+            (8, 128, 1, 1, False, True), (16, 256, 4, 1, True, True), (64, 256, 8, 1, True, True),
+            (32, 128, 20, 3, True, True), (16, 256, 4, 1, True, False),
+            (64, 128, 2, 3, False, False)):
+        kernel = compiled(block_m, block_k, split_k, ahead, pdl, w_tiled)
         text = kernel.asm["ptx"]
         # w: a 4-byte load per fragment register (4 per 32-deep MMA step of a thread), for
         # ahead + 1 steps (those before the loop and the one in it); x alone goes through
@@ -282,6 +285,7 @@ FRAG_SCRIPT = textwrap.dedent("""
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the kernel's own tests run it")
 def test_fragment_order_kernel_loads_w_straight_into_wgmma_registers():
-    """triton.frag (Gluon) for sm_90: w straight into the MMA's registers, no shared memory for
-    it, the FP8 warpgroup MMA with x's block as its N, PDL's wait after w's first loads."""
+    """triton.frag (Gluon) for sm_90, on row-major and pre-shuffled w: w straight into the MMA's
+    registers, no shared memory for it, the FP8 warpgroup MMA with x's block as its N, PDL's
+    wait after w's first loads."""
     compiles_for_hopper(FRAG_SCRIPT)

@@ -164,15 +164,12 @@ def test_row_major_kernels_are_not_this_familys(bpreshuffle_table):
             gemmtune.gemm_a8w8_bpreshuffle(xq, wqs, xs, ws, kernel=kernel)
 
 
-def test_fragment_order_kernel_says_where_it_cannot_run(bpreshuffle_table):
-    """triton.frag is a Gluon kernel: FP8 on a GPU only, and only this family's."""
+def test_register_direct_kernel_says_where_it_cannot_run(bpreshuffle_table):
+    """triton.frag is a Gluon kernel: FP8 on a GPU only."""
     xq, _, wqs, xs, ws = operands(4, 32, 256, torch.int8)
     why = "float8_e4m3fn only" if torch.cuda.is_available() else "do not run in Triton's interp"
     with pytest.raises(ValueError, match=why):
         gemmtune.gemm_a8w8_bpreshuffle(xq, wqs, xs, ws, kernel="triton.frag:BM16.BK128.SK2.A1")
-    xq8, wq8, _, xs8, ws8 = operands(4, 32, 256, torch.float8_e4m3fn)
-    with pytest.raises(ValueError, match="read pre-shuffled weights only"):
-        gemmtune.gemm_a8w8(xq8, wq8, xs8, ws8, kernel="triton.frag:BM16.BK128.SK2.A1")
 
 
 def test_bad_arguments_say_what_to_do():

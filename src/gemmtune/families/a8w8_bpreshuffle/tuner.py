@@ -10,11 +10,10 @@ multiple of 128, no row prefetch).
 
 from __future__ import annotations
 
-import torch
 
 from gemmtune import quant
-from gemmtune.families._gemm_tuner import (GemmCall, GemmTuner, eight_bit, number_candidates,
-                                           rowwise_scaled_inputs)
+from gemmtune.families._gemm_tuner import (GemmCall, GemmTuner, eight_bit, frag_candidates,
+                                           number_candidates, rowwise_scaled_inputs)
 from gemmtune.families.a8w8_bpreshuffle.op import (REGISTRY, SCHEMA, TUNED_OUT_DTYPE,
                                                    BpreshuffleKey, problem_of)
 from gemmtune.kernels.preshuffle import why_not_shufflable
@@ -41,15 +40,8 @@ class A8w8BpreshuffleTuner(GemmTuner):
         # registry has only the kernels built for it; no persistent TMA kernel, no cuBLASLt).
         found = [c for c in self.gemm_candidates(p, libtypes, TORCH_UNSHUFFLED)
                  if c.libtype != "triton" or self.registry.can_run(c.name, p)]
-        if "triton" in self.wanted(libtypes) and torch.cuda.is_available():
-            # can_run refuses them where the kernel cannot run (the interpreter, not Hopper).
-            from gemmtune.kernels.triton import gemm_frag
-            from gemmtune.kernels.triton._splits import pdl_where_supported
-
-            found += [Candidate(cfg.name, "triton", splitk=cfg.split_k)
-                      for cfg in gemm_frag.candidates(p.m, p.n, p.k, p.dtype,
-                                                      pdl=pdl_where_supported())
-                      if self.registry.can_run(cfg.name, p)]
+        if "triton" in self.wanted(libtypes):
+            found += frag_candidates(p, self.registry)
         return number_candidates(found)
 
     def prepare(self, key: BpreshuffleKey, seed: int) -> Prepared:

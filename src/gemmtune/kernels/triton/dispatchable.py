@@ -31,7 +31,6 @@ class _KernelModule(NamedTuple):
     # (config, dtype) -> why the config cannot take FP8 block scales, or None
     why_not_block_scaled: Callable = _checks.why_not_block_scaled
     reads_tiled_w: bool = False  # its launch takes w_tiled (gemmtune.kernels.preshuffle)
-    only_tiled_w: bool = False  # it reads nothing else
 
 
 def _kernel_module(prefix: str) -> _KernelModule:
@@ -63,7 +62,7 @@ def _kernel_module(prefix: str) -> _KernelModule:
         from gemmtune.kernels.triton import gemm_frag as m
 
         return _KernelModule(m, m.FragConfig, m.launch_gemm_frag, m.gemm_frag, m.frag_call,
-                             m.why_not_block_scaled, reads_tiled_w=True, only_tiled_w=True)
+                             m.why_not_block_scaled, reads_tiled_w=True)
     raise ValueError(f"{prefix!r}: not a Triton kernel; prefixes: {', '.join(PREFIXES)}")
 
 
@@ -78,9 +77,6 @@ class TritonKernel:
         if w_tiled and not kernel.reads_tiled_w:
             raise ValueError(f"{prefix} kernels do not read pre-shuffled weights; "
                              f"triton.frag, triton.splitk, triton.tile and triton.gemv do")
-        if kernel.only_tiled_w and not w_tiled:
-            raise ValueError(f"{prefix} kernels read pre-shuffled weights only "
-                             f"(gemm_a8w8_bpreshuffle)")
         self._module = kernel.module
         self._launch = kernel.launch
         self._validating_launch = kernel.validating_launch

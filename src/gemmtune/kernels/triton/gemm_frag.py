@@ -1,7 +1,7 @@
-"""The pre-shuffled FP8 weight's decode GEMM, in Gluon (Triton's layout-explicit dialect):
-``y = (x @ w.T) * scale_a * scale_b + bias`` with w in the 16-row x 128-byte tiles of
-``gemmtune.kernels.preshuffle``, loaded straight from global memory into the registers the
-warpgroup MMA takes its A operand from.
+"""A register-direct FP8 decode GEMM, in Gluon (Triton's layout-explicit dialect):
+``y = (x @ w.T) * scale_a * scale_b + bias`` with w row-major (K contiguous) or in the 16-row x
+128-byte tiles of ``gemmtune.kernels.preshuffle`` (``w_tiled``), loaded straight from global
+memory into the registers the warpgroup MMA takes its A operand from.
 
 Swapped as the split-K kernel's ``SW1`` configs are (y.T = w @ x.T): w's 64 rows of a program
 are the MMA's M, x's rows its N (BLOCK_M, 8-64; more rows take more programs). Plain Triton
@@ -34,13 +34,13 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
 
-from gemmtune.kernels import preshuffle
 from gemmtune.kernels._names import Field, NameCodec, NamedConfig
 from gemmtune.kernels.triton import _checks
 from gemmtune.kernels.triton._epilogue import epilogue_constexprs, epilogue_operands
 from gemmtune.kernels.triton._replay import KernelCall, launch
 from gemmtune.kernels.triton._splits import (PDL_OFF, pdl_supported, split_for,
                                              why_not_wait_pdl, workspace)
+from gemmtune.kernels.triton._wlayout import why_not_tiled
 
 KERNEL_PREFIX = "triton.frag"
 BLOCK_N = 64  # w rows per program: one warpgroup's MMA M (4 warps, a 16-row band each)
@@ -110,9 +110,7 @@ def why_not_fits(config: FragConfig, M: int, N: int, K: int, dtype: torch.dtype)
     if dtype != torch.float8_e4m3fn:
         return (f"{dtype} weights: the register-direct kernel takes float8_e4m3fn only; use a "
                 f"triton.splitk, triton.tile or triton.gemv config")
-    why = preshuffle.why_not_shufflable(N, K, dtype)
-    if why is not None:
-        return why
+    # A pre-shuffled w's own constraints (N, K whole tiles) are _wlayout.why_not_tiled's.
     if K % c.block_k:
         return f"K={K} is not a multiple of block_k={c.block_k}: use a block_k that divides it"
     k_steps = K // c.block_k
@@ -201,22 +199,31 @@ def default_config(M: int, N: int, K: int, dtype: torch.dtype,
 
 
 @gluon.jit
-def _w_offsets(pid_n, N, K, BLOCK_K: gl.constexpr, a_layout: gl.constexpr):
+def _w_offsets(pid_n, N, K, stride_wn, BLOCK_K: gl.constexpr, W_TILED: gl.constexpr,
+               a_layout: gl.constexpr):
     """Offsets of w's first K step for this program, in the MMA's A-operand layout itself, and
-    the rows' mask: element (n, k) of the tiles at (n // 16) * 16 K + (k // 128) * 2048 +
-    (n % 16) * 128 + k % 128 (``preshuffle``); each thread's 4 consecutive K per row and K
-    step are 4 contiguous bytes."""
+    the rows' mask. Row-major, element (n, k) at n * stride_wn + k; tiled, at (n // 16) * 16 K
+    + (k // 128) * 2048 + (n % 16) * 128 + k % 128 (``preshuffle``). Either way each thread's
+    4 consecutive K per row and K step are 4 contiguous bytes."""
     n = pid_n * _BN + gl.arange(0, _BN, layout=gl.SliceLayout(1, a_layout))
     k = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, a_layout))
     rows = gl.where(n < N, n, 0).to(gl.int64)
-    offs = (rows // 16 * 16 * K + rows % 16 * 128)[:, None] + (k // 128 * 2048 + k % 128)[None, :]
+    if W_TILED:
+        offs = (rows // 16 * 16 * K + rows % 16 * 128)[:, None] \
+            + (k // 128 * 2048 + k % 128)[None, :]
+    else:
+        offs = (rows * stride_wn)[:, None] + k[None, :]
     return offs, (n < N)[:, None]
 
 
 @gluon.jit
-def _w_step(w_ptr, offs, in_n, step, BLOCK_K: gl.constexpr):
-    """K step ``step`` of w: BLOCK_K / 128 tiles further along every band (rows past N read 0)."""
-    return gl.load(w_ptr + offs + step.to(gl.int64) * (BLOCK_K * 16), mask=in_n, other=0.0)
+def _w_step(w_ptr, offs, in_n, step, BLOCK_K: gl.constexpr, W_TILED: gl.constexpr):
+    """K step ``step`` of w (rows past N read 0): BLOCK_K bytes along every row, tiled
+    BLOCK_K / 128 tiles along every band."""
+    if W_TILED:
+        return gl.load(w_ptr + offs + step.to(gl.int64) * (BLOCK_K * 16), mask=in_n, other=0.0)
+    else:
+        return gl.load(w_ptr + offs + step.to(gl.int64) * BLOCK_K, mask=in_n, other=0.0)
 
 
 @gluon.jit
@@ -240,16 +247,16 @@ def _scaled(acc, rows, cols, bias_ptr, scale_a_ptr, scale_b_ptr, stride_bias,
 @gluon.jit(do_not_specialize=["M"])
 def gemm_frag_kernel(
     x_ptr,  # (M, K) float8_e4m3fn, K contiguous
-    w_ptr,  # (N, K) float8_e4m3fn in 16 x 128-byte tiles (preshuffle.shuffle)
+    w_ptr,  # (N, K) float8_e4m3fn: rows stride_wn apart, K contiguous; or W_TILED
     y_ptr,  # (M, N)
     bias_ptr, scale_a_ptr, scale_b_ptr,  # as gemm_splitk's (unused where the constexprs say)
     part_ptr,  # (tiles, SPLIT_K, BLOCK_M, BLOCK_N) fp32; unused unless SPLIT_K > 1
     count_ptr,  # (tiles,) int32, zero on entry and left zero; unused unless SPLIT_K > 1
     M, N, K,
-    stride_xm, stride_ym, stride_yn, stride_bias,
+    stride_xm, stride_wn, stride_ym, stride_yn, stride_bias,
     HAS_BIAS: gl.constexpr, SCALE_A: gl.constexpr, SCALE_B: gl.constexpr,
     SPLIT_K: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr,
-    AHEAD: gl.constexpr, PDL: gl.constexpr, PER_LOAD: gl.constexpr,
+    AHEAD: gl.constexpr, PDL: gl.constexpr, PER_LOAD: gl.constexpr, W_TILED: gl.constexpr,
 ):
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                   instr_shape=[16, BLOCK_M, 32])
@@ -268,13 +275,15 @@ def gemm_frag_kernel(
     step_lo = split * k_steps // SPLIT_K
     step_hi = (split + 1) * k_steps // SPLIT_K
 
-    w_offs, in_n = _w_offsets(pid_n, N, K, BLOCK_K, a_layout)
+    w_offs, in_n = _w_offsets(pid_n, N, K, stride_wn, BLOCK_K, W_TILED, a_layout)
     # w never depends on the kernel before: its first steps load before the PDL wait.
-    w0 = _w_step(w_ptr, w_offs, in_n, step_lo, BLOCK_K)
+    w0 = _w_step(w_ptr, w_offs, in_n, step_lo, BLOCK_K, W_TILED)
     if AHEAD >= 2:
-        w1 = _w_step(w_ptr, w_offs, in_n, gl.minimum(step_lo + 1, step_hi - 1), BLOCK_K)
+        w1 = _w_step(w_ptr, w_offs, in_n, gl.minimum(step_lo + 1, step_hi - 1), BLOCK_K,
+                     W_TILED)
     if AHEAD >= 3:
-        w2 = _w_step(w_ptr, w_offs, in_n, gl.minimum(step_lo + 2, step_hi - 1), BLOCK_K)
+        w2 = _w_step(w_ptr, w_offs, in_n, gl.minimum(step_lo + 2, step_hi - 1), BLOCK_K,
+                     W_TILED)
     if PDL:
         # Let the next kernel's grid be scheduled now (it waits for this one before touching
         # what this one writes, as this one waits for the one before): its launch overlaps this
@@ -295,14 +304,14 @@ def gemm_frag_kernel(
         # re-read the final one: a few L2 hits instead of a branch).
         ahead = gl.minimum(step + AHEAD, step_hi - 1)
         if AHEAD == 1:
-            w0 = _w_step(w_ptr, w_offs, in_n, ahead, BLOCK_K)
+            w0 = _w_step(w_ptr, w_offs, in_n, ahead, BLOCK_K, W_TILED)
         elif AHEAD == 2:
             w0 = w1
-            w1 = _w_step(w_ptr, w_offs, in_n, ahead, BLOCK_K)
+            w1 = _w_step(w_ptr, w_offs, in_n, ahead, BLOCK_K, W_TILED)
         else:
             w0 = w1
             w1 = w2
-            w2 = _w_step(w_ptr, w_offs, in_n, ahead, BLOCK_K)
+            w2 = _w_step(w_ptr, w_offs, in_n, ahead, BLOCK_K, W_TILED)
         x = gl.load(x_ptrs + step.to(gl.int64) * BLOCK_K, mask=(xm < M)[:, None], other=0.0)
         _barrier()  # the previous step's MMA has read x_smem
         x_smem.store(x)
@@ -348,22 +357,25 @@ def gemm_frag_kernel(
 
 def frag_call(x, w, bias, out, scale_a, scale_b, config: FragConfig,
               counters: torch.Tensor | None = None, warmup: bool = False,
-              block_scales: bool = False, w_tiled: bool = True) -> KernelCall:
+              block_scales: bool = False, w_tiled: bool = False) -> KernelCall:
     """The launch of ``launch_gemm_frag`` as data (what a dispatch plan records and replays)."""
-    if block_scales or not w_tiled:
-        raise ValueError("triton.frag reads pre-shuffled FP8 weights with per-tensor or "
-                         "per-row scales only")
+    if block_scales:
+        raise ValueError("triton.frag takes per-tensor or per-row scales, not FP8 block scales")
     M, K = x.shape
     N = w.shape[0]
     if x.stride(1) != 1:
         x = x.contiguous()
+    if not w_tiled and (w.stride(1) != 1 or w.stride(0) % 16):
+        # Each thread reads 4 bytes of a row at once: K contiguous, rows 16-byte aligned (any
+        # weight of the families' K, a multiple of 128, is).
+        w = w.contiguous()
     n_tiles, m_tiles = triton.cdiv(N, BLOCK_N), triton.cdiv(M, config.block_m)
     parts, counters, per_call = workspace(x, out, n_tiles * m_tiles, BLOCK_N * config.block_m,
                                           config.split_k, counters, warmup)
     pdl = config.pdl if pdl_supported(x.device) else PDL_OFF
     bias_, scale_a_, scale_b_ = epilogue_operands(x, bias, scale_a, scale_b)
     args = (x, w, out, bias_, scale_a_, scale_b_, parts, counters, M, N, K,
-            x.stride(0), out.stride(0), out.stride(1),
+            x.stride(0), w.stride(0), out.stride(0), out.stride(1),
             bias.stride(0) if bias is not None else 0)
     constexprs = dict(
         **epilogue_constexprs(bias, scale_a, scale_b, False),
@@ -372,7 +384,8 @@ def frag_call(x, w, bias, out, scale_a, scale_b, config: FragConfig,
         BLOCK_K=config.block_k,
         AHEAD=config.ahead,
         PDL=pdl != PDL_OFF,
-        PER_LOAD=min(config.split_k, partials_per_load(config.block_m)))
+        PER_LOAD=min(config.split_k, partials_per_load(config.block_m)),
+        W_TILED=w_tiled)
     return KernelCall(gemm_frag_kernel, (n_tiles, config.split_k, m_tiles), args, constexprs,
                       dict(num_warps=NUM_WARPS), launch_pdl=pdl != PDL_OFF,
                       replayable=not per_call)
@@ -380,9 +393,10 @@ def frag_call(x, w, bias, out, scale_a, scale_b, config: FragConfig,
 
 def launch_gemm_frag(x, w, bias, out, scale_a, scale_b, config: FragConfig,
                      counters: torch.Tensor | None = None, warmup: bool = False,
-                     block_scales: bool = False, w_tiled: bool = True) -> torch.Tensor:
+                     block_scales: bool = False, w_tiled: bool = False) -> torch.Tensor:
     """The launch alone, for callers that validated once per shape (dispatch plans): ``out``
-    (M, N) with M, N > 0, w pre-shuffled. Split launches take their partials and counters as
+    (M, N) with M, N > 0; ``w_tiled``: w is pre-shuffled (the caller checked
+    ``_wlayout.why_not_tiled``). Split launches take their partials and counters as
     ``gemm_splitk``'s do (``_splits.workspace``)."""
     launch(frag_call(x, w, bias, out, scale_a, scale_b, config, counters, warmup,
                      block_scales, w_tiled), warmup)
@@ -392,17 +406,26 @@ def launch_gemm_frag(x, w, bias, out, scale_a, scale_b, config: FragConfig,
 def gemm_frag(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
               out_dtype: torch.dtype | None = None, scale_a: torch.Tensor | None = None,
               scale_b: torch.Tensor | None = None, config: FragConfig | None = None,
-              out: torch.Tensor | None = None, block_scales: bool = False) -> torch.Tensor:
-    """``y = (x @ w.T) * scale_a * scale_b + bias`` for a pre-shuffled FP8 ``w``; validates
-    everything, then launches. ``config`` defaults to ``default_config``."""
+              out: torch.Tensor | None = None, block_scales: bool = False,
+              w_tiled: bool = False) -> torch.Tensor:
+    """``y = (x @ w.T) * scale_a * scale_b + bias`` for an FP8 ``w``, row-major or, with
+    ``w_tiled``, pre-shuffled (``gemmtune.quant.shuffle_weight``); validates everything, then
+    launches. ``config`` defaults to ``default_config``."""
     if block_scales:
         raise ValueError("gemm_frag: FP8 block scales are not supported")
     if _checks.interpreted():
         raise ValueError("gemm_frag: Gluon kernels do not run in Triton's interpreter")
-    if not w.is_contiguous():
-        raise ValueError("gemm_frag: w must be contiguous, as gemmtune.quant.shuffle_weight "
-                         "returns it (the kernel ignores its strides)")
-    return _checks.validated_launch("gemm_frag", launch_gemm_frag, default_config,
-                                    why_not_fits, x, w, bias, out_dtype, scale_a, scale_b,
-                                    config, out, False)
+    if w_tiled and not w.is_contiguous():
+        raise ValueError("gemm_frag: a pre-shuffled w must be contiguous, as "
+                         "gemmtune.quant.shuffle_weight returns it (the kernel ignores its "
+                         "strides)")
+
+    def why_not(config, M, N, K, dtype):
+        return why_not_fits(config, M, N, K, dtype) or (
+            why_not_tiled(config, N, K, dtype) if w_tiled else None)
+
+    return _checks.validated_launch("gemm_frag", functools.partial(launch_gemm_frag,
+                                                                   w_tiled=w_tiled),
+                                    default_config, why_not, x, w, bias, out_dtype, scale_a,
+                                    scale_b, config, out, False)
 
