@@ -201,7 +201,7 @@ def test_gpu_row_major_any_n_and_row_pitch(N, pitch):
     wide = torch.zeros(N, pitch, device=DEVICE).to(FP8)
     wide[:, :K] = wq
     y = gemm_frag.gemm_frag(xq, wide[:, :K], None, torch.bfloat16, x_scale, w_scale,
-                            FragConfig(16, 256, 3, 2), out=poisoned(M, N, torch.bfloat16))
+                            FragConfig(16, 128, 3, 2), out=poisoned(M, N, torch.bfloat16))
     _check(y, xq, wq, x_scale, w_scale, None, f"N={N} pitch={pitch}")
 
 
