@@ -91,6 +91,9 @@ for what in "$@"; do
             # the shipped a8w8 rows (cuBLASLt at most M = 16-64 shapes) and _scaled_mm
             TAIL=24 stage streamk "${STREAMK_LIMIT:-420}" python3 benchmarks/streamk_probe.py \
                 --m "${STREAMK_M:-16,32,64}" --out "$OUT" ;;
+        gluonring)  # issue 15 item 1: a deep TMA ring on every SM against cuBLASLt at M = 16-64
+            TAIL=50 stage gluonring "${GLUONRING_LIMIT:-500}" python3 benchmarks/gluon_ring_probe.py \
+                --m "${GLUONRING_M:-16,32,64}" --out "$OUT" ;;
         fragsplit)  # issue 15 item 2: triton.frag with and without PDL beside the Gluon probe
             TAIL=14 stage fragsplit "${FRAGSPLIT_LIMIT:-300}" python3 \
                 benchmarks/frag_split_probe.py --out "$OUT" ;;

@@ -244,6 +244,52 @@ def _scaled(acc, rows, cols, bias_ptr, scale_a_ptr, scale_b_ptr, stride_bias,
     return acc
 
 
+@gluon.jit
+def _finish_tile(acc, pid_n, split, pid_m, y_ptr, bias_ptr, scale_a_ptr, scale_b_ptr, part_ptr,
+                 count_ptr, M, N, stride_ym, stride_yn, stride_bias, HAS_BIAS: gl.constexpr,
+                 SCALE_A: gl.constexpr, SCALE_B: gl.constexpr, SPLIT_K: gl.constexpr,
+                 BLOCK_M: gl.constexpr, PER_LOAD: gl.constexpr):
+    """y.T's (BLOCK_N, BLOCK_M) tile ``acc`` (any layout) of split ``split``: scaled and stored,
+    or, split, its fp32 partial stored and the split's sum finished by the last to arrive (a
+    Gluon kernel's end whatever fed its MMA: ``benchmarks/gluon_ring_probe.py`` calls it too)."""
+    # One thread per element of the (BLOCK_N, BLOCK_M) tile (64 rows: 32 lanes x 2 warps), so
+    # the partials' sum and the stores touch each element once.
+    out_layout: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [2, 2], [0, 1])
+    out = gl.convert_layout(acc, out_layout)
+    on = pid_n * _BN + gl.arange(0, _BN, layout=gl.SliceLayout(1, out_layout))
+    om = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, out_layout))
+    cols = gl.where(on < N, on, 0).to(gl.int64)
+    rows = gl.where(om < M, om, 0).to(gl.int64)
+    inside = (on < N)[:, None] & (om < M)[None, :]
+    y_ptrs = y_ptr + om.to(gl.int64)[None, :] * stride_ym + on.to(gl.int64)[:, None] * stride_yn
+    if SPLIT_K == 1:
+        out = _scaled(out, rows, cols, bias_ptr, scale_a_ptr, scale_b_ptr, stride_bias,
+                      HAS_BIAS, SCALE_A, SCALE_B)
+        gl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=inside)
+    else:
+        tile = pid_m * gl.num_programs(0) + pid_n
+        # [BLOCK_M][BLOCK_N] (w's rows fastest, as the lanes of out_layout run): coalesced.
+        local = gl.arange(0, _BN, layout=gl.SliceLayout(1, out_layout))[:, None] \
+            + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, out_layout))[None, :] * _BN
+        tile_parts = part_ptr + tile.to(gl.int64) * (SPLIT_K * _BN * BLOCK_M)
+        gl.store(tile_parts + split * (_BN * BLOCK_M) + local, out)
+        # Every thread's partial before the one release (as _splits.sum_splits_and_store).
+        _barrier()
+        arrived = gl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:
+            total = gl.zeros([_BN, BLOCK_M], gl.float32, layout=out_layout)
+            # PER_LOAD partials a group, unrolled: a group's loads are issued together (one L2
+            # round trip) and held in at most _PARTIAL_REGS registers.
+            for s0 in range(0, SPLIT_K, PER_LOAD):
+                for s in gl.static_range(PER_LOAD):
+                    total += gl.load(tile_parts + (s0 + s) * (_BN * BLOCK_M) + local,
+                                     mask=s0 + s < SPLIT_K, other=0.0, cache_modifier=".cg")
+            gl.store(count_ptr + tile, 0)  # zero for the next launch
+            total = _scaled(total, rows, cols, bias_ptr, scale_a_ptr, scale_b_ptr, stride_bias,
+                            HAS_BIAS, SCALE_A, SCALE_B)
+            gl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=inside)
+
+
 @gluon.jit(do_not_specialize=["M"])
 def gemm_frag_kernel(
     x_ptr,  # (M, K) float8_e4m3fn, K contiguous
@@ -264,10 +310,6 @@ def gemm_frag_kernel(
     x_layout: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])
     x_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_K],
                                                                        gl.float8e4nv)
-    # One thread per element of the (BLOCK_N, BLOCK_M) tile (64 rows: 32 lanes x 2 warps), so
-    # the partials' sum and the stores touch each element once.
-    out_layout: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [2, 2], [0, 1])
-
     pid_n = gl.program_id(0)
     split = gl.program_id(1)
     pid_m = gl.program_id(2)
@@ -320,39 +362,9 @@ def gemm_frag_kernel(
         # the rest.
         acc += warpgroup_mma(w_now, x_smem.permute((1, 0)), acc, use_acc=False)
 
-    out = gl.convert_layout(acc, out_layout)
-    on = pid_n * _BN + gl.arange(0, _BN, layout=gl.SliceLayout(1, out_layout))
-    om = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, out_layout))
-    cols = gl.where(on < N, on, 0).to(gl.int64)
-    rows = gl.where(om < M, om, 0).to(gl.int64)
-    inside = (on < N)[:, None] & (om < M)[None, :]
-    y_ptrs = y_ptr + om.to(gl.int64)[None, :] * stride_ym + on.to(gl.int64)[:, None] * stride_yn
-    if SPLIT_K == 1:
-        out = _scaled(out, rows, cols, bias_ptr, scale_a_ptr, scale_b_ptr, stride_bias,
-                      HAS_BIAS, SCALE_A, SCALE_B)
-        gl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=inside)
-    else:
-        tile = pid_m * gl.num_programs(0) + pid_n
-        # [BLOCK_M][BLOCK_N] (w's rows fastest, as the lanes of out_layout run): coalesced.
-        local = gl.arange(0, _BN, layout=gl.SliceLayout(1, out_layout))[:, None] \
-            + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, out_layout))[None, :] * _BN
-        tile_parts = part_ptr + tile.to(gl.int64) * (SPLIT_K * _BN * BLOCK_M)
-        gl.store(tile_parts + split * (_BN * BLOCK_M) + local, out)
-        # Every thread's partial before the one release (as _splits.sum_splits_and_store).
-        _barrier()
-        arrived = gl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLIT_K - 1:
-            total = gl.zeros([_BN, BLOCK_M], gl.float32, layout=out_layout)
-            # PER_LOAD partials a group, unrolled: a group's loads are issued together (one L2
-            # round trip) and held in at most _PARTIAL_REGS registers.
-            for s0 in range(0, SPLIT_K, PER_LOAD):
-                for s in gl.static_range(PER_LOAD):
-                    total += gl.load(tile_parts + (s0 + s) * (_BN * BLOCK_M) + local,
-                                     mask=s0 + s < SPLIT_K, other=0.0, cache_modifier=".cg")
-            gl.store(count_ptr + tile, 0)  # zero for the next launch
-            total = _scaled(total, rows, cols, bias_ptr, scale_a_ptr, scale_b_ptr, stride_bias,
-                            HAS_BIAS, SCALE_A, SCALE_B)
-            gl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=inside)
+    _finish_tile(acc, pid_n, split, pid_m, y_ptr, bias_ptr, scale_a_ptr, scale_b_ptr, part_ptr,
+                 count_ptr, M, N, stride_ym, stride_yn, stride_bias, HAS_BIAS, SCALE_A, SCALE_B,
+                 SPLIT_K, BLOCK_M, PER_LOAD)
 
 
 def frag_call(x, w, bias, out, scale_a, scale_b, config: FragConfig,
