@@ -50,7 +50,7 @@ def ring_kernel(w_desc, x_desc, y_ptr, bias_ptr, scale_a_ptr, scale_b_ptr, part_
                 M, N, K, stride_ym, stride_yn, stride_bias,
                 HAS_BIAS: gl.constexpr, SCALE_A: gl.constexpr, SCALE_B: gl.constexpr,
                 SPLIT_K: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr,
-                STAGES: gl.constexpr, PER_LOAD: gl.constexpr):
+                STAGES: gl.constexpr, PER_LOAD: gl.constexpr, PARTIAL_ONLY: gl.constexpr):
     pid_n = gl.program_id(0)
     split = gl.program_id(1)
     pid_m = gl.program_id(2)
@@ -89,6 +89,14 @@ def ring_kernel(w_desc, x_desc, y_ptr, bias_ptr, scale_a_ptr, scale_b_ptr, part_
                   x_ring.index(slot), pred=pred)
     for t in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(t))
+    if PARTIAL_ONLY:  # the split's partial stored, nothing summed: what the split sum costs
+        out_layout: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [2, 2], [0, 1])
+        local = gl.arange(0, 64, layout=gl.SliceLayout(1, out_layout))[:, None] \
+            + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, out_layout))[None, :] * 64
+        tile = pid_m * gl.num_programs(0) + pid_n
+        gl.store(part_ptr + (tile * SPLIT_K + split).to(gl.int64) * (64 * BLOCK_M) + local,
+                 gl.convert_layout(acc, out_layout))
+        return
     _finish_tile(acc, pid_n, split, pid_m, y_ptr, bias_ptr, scale_a_ptr, scale_b_ptr, part_ptr,
                  count_ptr, M, N, stride_ym, stride_yn, stride_bias, HAS_BIAS, SCALE_A, SCALE_B,
                  SPLIT_K, BLOCK_M, PER_LOAD)
@@ -99,10 +107,12 @@ class Ring(NamedTuple):
     block_k: int
     stages: int
     split_k: int
+    partial_only: bool = False  # timing only: the split sum left out (the output is wrong)
 
     @property
     def name(self) -> str:
-        return f"ring.BM{self.block_m}.BK{self.block_k}.S{self.stages}.SK{self.split_k}"
+        return (f"ring.BM{self.block_m}.BK{self.block_k}.S{self.stages}.SK{self.split_k}"
+                + (".nosum" if self.partial_only else ""))
 
 
 def ring_variants(m: int, n: int, k: int, sms: int) -> list[Ring]:
@@ -112,7 +122,7 @@ def ring_variants(m: int, n: int, k: int, sms: int) -> list[Ring]:
         k_steps = triton.cdiv(k, bk)
         most = SMEM_BYTES // ((64 + block_m) * bk)
         tiles = triton.cdiv(n, BLOCK_N) * triton.cdiv(m, block_m)
-        for per_sm in (1, 2):
+        for per_sm in (1, 2, 4):
             split = max(1, min(k_steps, 32, round(per_sm * sms / tiles)))
             for stages in (4, 8, 12):
                 stages = min(stages, most // per_sm, k_steps // split or 1)
@@ -134,13 +144,14 @@ def ring_call(x, w, y, x_scale, w_scale, v: Ring, counters=None):
     w_desc = TensorDescriptor.from_tensor(w, [64, v.block_k], w_layout)
     x_desc = TensorDescriptor.from_tensor(x, [v.block_m, v.block_k], x_layout)
     n_tiles, m_tiles = triton.cdiv(n, 64), triton.cdiv(m, v.block_m)
-    parts, counters, _ = workspace(x, y, n_tiles * m_tiles, 64 * v.block_m, v.split_k,
-                                   counters, False)
+    parts, counters, _ = workspace(x, y, n_tiles * m_tiles, 64 * v.block_m,
+                                   max(v.split_k, 2 if v.partial_only else 1), counters, False)
     ring_kernel[(n_tiles, v.split_k, m_tiles)](
         w_desc, x_desc, y, y, x_scale, w_scale, parts, counters, m, n, k, y.stride(0),
         y.stride(1), 0, HAS_BIAS=False, SCALE_A=2, SCALE_B=2, SPLIT_K=v.split_k,
         BLOCK_M=v.block_m, BLOCK_K=v.block_k, STAGES=v.stages,
-        PER_LOAD=min(v.split_k, partials_per_load(v.block_m)), num_warps=4)
+        PER_LOAD=min(v.split_k, partials_per_load(v.block_m)), PARTIAL_ONLY=v.partial_only,
+        num_warps=4)
     return y
 
 
@@ -154,7 +165,8 @@ def show_ptx() -> None:
     for v in (Ring(16, 128, 8, 4), Ring(64, 256, 4, 2)):
         constexprs = dict(HAS_BIAS=False, SCALE_A=2, SCALE_B=2, SPLIT_K=v.split_k,
                           BLOCK_M=v.block_m, BLOCK_K=v.block_k, STAGES=v.stages,
-                          PER_LOAD=min(v.split_k, partials_per_load(v.block_m)))
+                          PER_LOAD=min(v.split_k, partials_per_load(v.block_m)),
+                          PARTIAL_ONLY=False)
         w_layout = gl.NVMMASharedLayout.get_default_for([64, v.block_k], gl.float8e4nv)
         x_layout = gl.NVMMASharedLayout.get_default_for([v.block_m, v.block_k], gl.float8e4nv)
         descs = {"w_desc": f"tensordesc<fp8e4nv[64, {v.block_k}],{w_layout!r}>",
@@ -178,6 +190,11 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("out"))
     parser.add_argument("--m", default="16,32,64")
     parser.add_argument("--ptx", action="store_true", help="compile for sm_90 only (CPU)")
+    parser.add_argument("--shapes", default="",
+                        help="N,K;N,K;... instead of the presets' (default: %(default)r)")
+    parser.add_argument("--nosum", action="store_true",
+                        help="also time each split config without its split sum, and print "
+                             "every variant's time")
     args = parser.parse_args()
     if args.ptx:
         show_ptx()
@@ -193,7 +210,9 @@ def main() -> None:
     bandwidth, t_launch = streaming_read_bytes_per_s(), launch_us()
     print(f"streaming read {bandwidth / 1e9:.0f} GB/s, t_launch {t_launch:.2f} us", flush=True)
     rows = []
-    for n, k in SHAPES:
+    shapes = [tuple(int(v) for v in item.split(",")) for item in args.shapes.split(";")] \
+        if args.shapes else SHAPES
+    for n, k in shapes:
         gen = torch.Generator(device="cuda").manual_seed(n + k)
         w = (torch.randn(n, k, generator=gen, device="cuda") / 8).to(torch.float8_e4m3fn)
         copies = [w] + [w.clone() for _ in range(copies_to_exceed_l2(n * k) - 1)]
@@ -223,10 +242,18 @@ def main() -> None:
                     names.append(v.name)
                 else:
                     print(f"{m}x{n}x{k} {v.name}: wrong ({err:.2e})", flush=True)
+                    continue
+                if args.nosum and v.split_k > 1:
+                    bare = v._replace(partial_only=True)
+                    fns.append(lambda c, v=bare: ring_call(x, c, y, x_scale, w_scale, v))
+                    names.append(bare.name)
             times = [t for t, _ in interleaved_graph_us(fns, copies, rounds=9, replays=2)]
             floor = ((m * k + n * k) + 2 * m * n) / bandwidth * 1e6 + t_launch
-            best = min((t, nm) for t, nm in zip(times[2:], names[2:])) if len(names) > 2 \
-                else (float("nan"), "-")
+            summed = [(t, nm) for t, nm in zip(times[2:], names[2:]) if not nm.endswith("nosum")]
+            best = min(summed) if summed else (float("nan"), "-")
+            if args.nosum:
+                for t, nm in sorted(zip(times, names)):
+                    print(f"      {nm:34s} {t:8.2f}", flush=True)
             rec = dict(M=m, N=n, K=k, floor_us=round(floor, 2), table_us=round(times[0], 2),
                        scaled_mm_us=round(times[1], 2), ring_us=round(best[0], 2),
                        ring_cfg=best[1], table_over_ring=round(times[0] / best[0], 3))
