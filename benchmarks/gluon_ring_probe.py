@@ -96,10 +96,10 @@ def ring_kernel(w_desc, x_desc, y_ptr, bias_ptr, scale_a_ptr, scale_b_ptr, part_
         tile = pid_m * gl.num_programs(0) + pid_n
         gl.store(part_ptr + (tile * SPLIT_K + split).to(gl.int64) * (64 * BLOCK_M) + local,
                  gl.convert_layout(acc, out_layout))
-        return
-    _finish_tile(acc, pid_n, split, pid_m, y_ptr, bias_ptr, scale_a_ptr, scale_b_ptr, part_ptr,
-                 count_ptr, M, N, stride_ym, stride_yn, stride_bias, HAS_BIAS, SCALE_A, SCALE_B,
-                 SPLIT_K, BLOCK_M, PER_LOAD)
+    else:
+        _finish_tile(acc, pid_n, split, pid_m, y_ptr, bias_ptr, scale_a_ptr, scale_b_ptr,
+                     part_ptr, count_ptr, M, N, stride_ym, stride_yn, stride_bias, HAS_BIAS,
+                     SCALE_A, SCALE_B, SPLIT_K, BLOCK_M, PER_LOAD)
 
 
 class Ring(NamedTuple):
@@ -162,11 +162,11 @@ def show_ptx() -> None:
     from triton.backends.compiler import GPUTarget
 
     names = inspect.signature(ring_kernel.fn).parameters
-    for v in (Ring(16, 128, 8, 4), Ring(64, 256, 4, 2)):
+    for v in (Ring(16, 128, 8, 4), Ring(64, 256, 4, 2), Ring(16, 128, 8, 4, True)):
         constexprs = dict(HAS_BIAS=False, SCALE_A=2, SCALE_B=2, SPLIT_K=v.split_k,
                           BLOCK_M=v.block_m, BLOCK_K=v.block_k, STAGES=v.stages,
                           PER_LOAD=min(v.split_k, partials_per_load(v.block_m)),
-                          PARTIAL_ONLY=False)
+                          PARTIAL_ONLY=v.partial_only)
         w_layout = gl.NVMMASharedLayout.get_default_for([64, v.block_k], gl.float8e4nv)
         x_layout = gl.NVMMASharedLayout.get_default_for([v.block_m, v.block_k], gl.float8e4nv)
         descs = {"w_desc": f"tensordesc<fp8e4nv[64, {v.block_k}],{w_layout!r}>",

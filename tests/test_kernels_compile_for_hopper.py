@@ -242,12 +242,13 @@ FRAG_SCRIPT = textwrap.dedent("""
     from triton.experimental import gluon
     from gemmtune.kernels.triton import gemm_frag
 
-    def compiled(block_m, block_k, split_k, ahead, pdl, w_tiled):
+    def compiled(block_m, block_k, split_k, ahead, pdl, w_tiled, epilogue):
         names = inspect.signature(gemm_frag.gemm_frag_kernel.fn).parameters
         pointers = {"x_ptr": "*fp8e4nv", "w_ptr": "*fp8e4nv", "y_ptr": "*bf16",
                     "bias_ptr": "*bf16", "scale_a_ptr": "*fp32", "scale_b_ptr": "*fp32",
                     "part_ptr": "*fp32", "count_ptr": "*i32"}
-        constexprs = dict(HAS_BIAS=False, SCALE_A=2, SCALE_B=2, SPLIT_K=split_k,
+        scale_a, scale_b, has_bias = epilogue
+        constexprs = dict(HAS_BIAS=has_bias, SCALE_A=scale_a, SCALE_B=scale_b, SPLIT_K=split_k,
                           BLOCK_M=block_m, BLOCK_K=block_k, AHEAD=ahead, PDL=pdl,
                           PER_LOAD=min(split_k, gemm_frag.partials_per_load(block_m)),
                           W_TILED=w_tiled)
@@ -260,11 +261,13 @@ FRAG_SCRIPT = textwrap.dedent("""
             fn=gemm_frag.gemm_frag_kernel, signature=signature, attrs=aligned,
             constexprs=constexprs), target=GPUTarget("cuda", 90, 128))
 
-    for block_m, block_k, split_k, ahead, pdl, w_tiled in (
-            (8, 128, 1, 1, False, True), (16, 256, 4, 1, True, True), (64, 256, 8, 1, True, True),
-            (32, 128, 20, 3, True, True), (16, 256, 4, 1, True, False),
-            (64, 128, 2, 3, False, False)):
-        kernel = compiled(block_m, block_k, split_k, ahead, pdl, w_tiled)
+    # (scale_a, scale_b, bias): per row, per tensor or none, and with and without bias
+    for block_m, block_k, split_k, ahead, pdl, w_tiled, epilogue in (
+            (8, 128, 1, 1, False, True, (2, 2, False)), (16, 256, 4, 1, True, True, (1, 0, True)),
+            (64, 256, 8, 1, True, True, (2, 2, True)), (32, 128, 20, 3, True, True, (0, 1, False)),
+            (16, 256, 4, 1, True, False, (2, 1, False)),
+            (64, 128, 2, 3, False, False, (0, 0, True))):
+        kernel = compiled(block_m, block_k, split_k, ahead, pdl, w_tiled, epilogue)
         text = kernel.asm["ptx"]
         # w: a 4-byte load per fragment register (4 per 32-deep MMA step of a thread), for
         # ahead + 1 steps (those before the loop and the one in it); x alone goes through
