@@ -59,12 +59,9 @@ MAX_W_BYTES_IN_FLIGHT = 512
 # More splits only add partials to sum.
 MAX_SPLIT_K = 32
 # fp32 partials the last program of a tile loads per unrolled group: BLOCK_M x 64 / 128 threads
-# registers each, at most 64 registers in all (128 spilled at BLOCK_M 32-64, ptxas -v).
+# registers each, at most 64 registers in all.
 _PARTIAL_REGS = 64
 MAX_GRID_Z = 65535  # CUDA's limit on the grid's third axis (x's row blocks)
-# The end's layout: one thread per element of the (BLOCK_N, BLOCK_M) tile (64 rows: 32 lanes x 2
-# warps), so the partials' sum and the stores touch each element once.
-_OUT_LAYOUT = gl.constexpr(gl.BlockedLayout([1, 1], [32, 1], [2, 2], [0, 1]))
 
 
 @dataclass(frozen=True)
@@ -230,42 +227,20 @@ def _w_step(w_ptr, offs, in_n, step, BLOCK_K: gl.constexpr, W_TILED: gl.constexp
 
 
 @gluon.jit
-def _per_element(ptr, offs, stride, MODE: gl.constexpr):
-    """MODE 2: ptr[offs * stride] (fp32); 1: ptr[0] in every element; 0: nothing read (1.0)."""
-    if MODE == 2:
-        return gl.load(ptr + offs * stride).to(gl.float32)
-    elif MODE == 1:
-        return offs.to(gl.float32) * 0.0 + gl.load(ptr)  # offs' shape and layout
-    else:
-        return offs.to(gl.float32) * 0.0 + 1.0
-
-
-@gluon.jit
-def _tile_epilogue_operands(pid_n, pid_m, M, N, bias_ptr, scale_a_ptr, scale_b_ptr, stride_bias,
-                           HAS_BIAS: gl.constexpr, SCALE_A: gl.constexpr,
-                           SCALE_B: gl.constexpr, BLOCK_M: gl.constexpr):
-    """This program's x-row scales (BLOCK_M,), w-row scales and bias (BLOCK_N,), in
-    ``_OUT_LAYOUT``'s slices."""
-    on = pid_n * _BN + gl.arange(0, _BN, layout=gl.SliceLayout(1, _OUT_LAYOUT))
-    om = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, _OUT_LAYOUT))
-    cols = gl.where(on < N, on, 0).to(gl.int64)
-    rows = gl.where(om < M, om, 0).to(gl.int64)
-    return (_per_element(scale_a_ptr, rows, 1, SCALE_A),
-            _per_element(scale_b_ptr, cols, 1, SCALE_B),
-            _per_element(bias_ptr, cols, stride_bias, 2 if HAS_BIAS else 0))
-
-
-@gluon.jit
-def _scaled(acc, row_scale, col_scale, bias, HAS_BIAS: gl.constexpr, SCALE_A: gl.constexpr,
-            SCALE_B: gl.constexpr):
-    """acc (BLOCK_N, BLOCK_M) = y.T's tile with its scales and bias (``tile_epilogue_operands``),
-    multiplied in the order the other kernels' epilogues take."""
-    if SCALE_A != 0:
-        acc = acc * row_scale[None, :]
-    if SCALE_B != 0:
-        acc = acc * col_scale[:, None]
+def _scaled(acc, rows, cols, bias_ptr, scale_a_ptr, scale_b_ptr, stride_bias,
+            HAS_BIAS: gl.constexpr, SCALE_A: gl.constexpr, SCALE_B: gl.constexpr):
+    """acc (BLOCK_N, BLOCK_M) = y.T's tile with its scales and bias; ``rows`` of x and ``cols``
+    of w clamped into range."""
+    if SCALE_A == 1:
+        acc = acc * gl.load(scale_a_ptr)
+    if SCALE_A == 2:
+        acc = acc * gl.load(scale_a_ptr + rows)[None, :]
+    if SCALE_B == 1:
+        acc = acc * gl.load(scale_b_ptr)
+    if SCALE_B == 2:
+        acc = acc * gl.load(scale_b_ptr + cols)[:, None]
     if HAS_BIAS:
-        acc = acc + bias[:, None]
+        acc = acc + gl.load(bias_ptr + cols * stride_bias).to(gl.float32)[:, None]
     return acc
 
 
@@ -276,22 +251,20 @@ def _finish_tile(acc, pid_n, split, pid_m, y_ptr, bias_ptr, scale_a_ptr, scale_b
                  BLOCK_M: gl.constexpr, PER_LOAD: gl.constexpr):
     """y.T's (BLOCK_N, BLOCK_M) tile ``acc`` (any layout) of split ``split``: scaled and stored,
     or, split, its fp32 partial stored and the split's sum finished by the last to arrive (a
-    Gluon kernel's end whatever fed its MMA: ``benchmarks/gluon_ring_probe.py`` calls it too).
-    The scales and bias are read where the tile's writer is known and before the partials, so
-    the partials' reads do not wait for them: each dependent read at the end of a few-µs kernel
-    costs about a µs (docs/benchmarks.md, session 21). Read before the main loop they made
-    ptxas spill at BLOCK_M 64."""
-    out_layout: gl.constexpr = _OUT_LAYOUT
+    Gluon kernel's end whatever fed its MMA: ``benchmarks/gluon_ring_probe.py`` calls it too)."""
+    # One thread per element of the (BLOCK_N, BLOCK_M) tile (64 rows: 32 lanes x 2 warps), so
+    # the partials' sum and the stores touch each element once.
+    out_layout: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [2, 2], [0, 1])
     out = gl.convert_layout(acc, out_layout)
     on = pid_n * _BN + gl.arange(0, _BN, layout=gl.SliceLayout(1, out_layout))
     om = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, out_layout))
+    cols = gl.where(on < N, on, 0).to(gl.int64)
+    rows = gl.where(om < M, om, 0).to(gl.int64)
     inside = (on < N)[:, None] & (om < M)[None, :]
     y_ptrs = y_ptr + om.to(gl.int64)[None, :] * stride_ym + on.to(gl.int64)[:, None] * stride_yn
     if SPLIT_K == 1:
-        row_scale, col_scale, bias = _tile_epilogue_operands(
-            pid_n, pid_m, M, N, bias_ptr, scale_a_ptr, scale_b_ptr, stride_bias, HAS_BIAS,
-            SCALE_A, SCALE_B, BLOCK_M)
-        out = _scaled(out, row_scale, col_scale, bias, HAS_BIAS, SCALE_A, SCALE_B)
+        out = _scaled(out, rows, cols, bias_ptr, scale_a_ptr, scale_b_ptr, stride_bias,
+                      HAS_BIAS, SCALE_A, SCALE_B)
         gl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=inside)
     else:
         tile = pid_m * gl.num_programs(0) + pid_n
@@ -304,9 +277,6 @@ def _finish_tile(acc, pid_n, split, pid_m, y_ptr, bias_ptr, scale_a_ptr, scale_b
         _barrier()
         arrived = gl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
         if arrived == SPLIT_K - 1:
-            row_scale, col_scale, bias = _tile_epilogue_operands(
-                pid_n, pid_m, M, N, bias_ptr, scale_a_ptr, scale_b_ptr, stride_bias, HAS_BIAS,
-                SCALE_A, SCALE_B, BLOCK_M)
             total = gl.zeros([_BN, BLOCK_M], gl.float32, layout=out_layout)
             # PER_LOAD partials a group, unrolled: a group's loads are issued together (one L2
             # round trip) and held in at most _PARTIAL_REGS registers.
@@ -315,7 +285,8 @@ def _finish_tile(acc, pid_n, split, pid_m, y_ptr, bias_ptr, scale_a_ptr, scale_b
                     total += gl.load(tile_parts + (s0 + s) * (_BN * BLOCK_M) + local,
                                      mask=s0 + s < SPLIT_K, other=0.0, cache_modifier=".cg")
             gl.store(count_ptr + tile, 0)  # zero for the next launch
-            total = _scaled(total, row_scale, col_scale, bias, HAS_BIAS, SCALE_A, SCALE_B)
+            total = _scaled(total, rows, cols, bias_ptr, scale_a_ptr, scale_b_ptr, stride_bias,
+                            HAS_BIAS, SCALE_A, SCALE_B)
             gl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=inside)
 
 
