@@ -38,13 +38,10 @@ import triton
 import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma
 
-from gemmtune.kernels.triton.gemm_frag import _barrier, _finish_tile, partials_per_load
+from gemmtune.kernels.triton._swapped import finish_tile, partials_per_load
+from gemmtune.kernels.triton.gemm_ring import descriptors, ring_mainloop
 
-# TMA's load into shared memory: tma.async_load from Triton 3.7 on (3.9 refuses the old name),
-# async_copy_global_to_shared in 3.6.
-_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 BLOCK_N = 64  # w rows per program: the MMA's M, one warpgroup
 SMEM_BYTES = 200 * 1024  # of the 227 KiB a block may take, the rest for the end's conversion
 SHAPES = ((4096, 4096), (6144, 4096), (1280, 8192), (8192, 1024), (7168, 8192), (8192, 3584),
@@ -58,7 +55,9 @@ def ring_kernel(w_desc, x_desc, y_ptr, bias_ptr, scale_a_ptr, scale_b_ptr, part_
                 SPLIT_K: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr,
                 STAGES: gl.constexpr, PER_LOAD: gl.constexpr, PARTIAL_ONLY: gl.constexpr,
                 RELEASE: gl.constexpr):
-    if RELEASE:  # the sum kernel after this one may be scheduled now; it waits for this one
+    """``gemm_ring_kernel`` with the probe's other ends: PARTIAL_ONLY stores the split's partial
+    and sums nothing; RELEASE lets the launch after it (``sum_kernel``) start at once (PDL)."""
+    if RELEASE:
         gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [],
                                   dtype=gl.int32, is_pure=False, pack=1)
     pid_n = gl.program_id(0)
@@ -66,40 +65,9 @@ def ring_kernel(w_desc, x_desc, y_ptr, bias_ptr, scale_a_ptr, scale_b_ptr, part_
     pid_m = gl.program_id(2)
     k_steps = gl.cdiv(K, BLOCK_K)
     lo = split * k_steps // SPLIT_K
-    steps = (split + 1) * k_steps // SPLIT_K - lo
-    w_ring = gl.allocate_shared_memory(w_desc.dtype, [STAGES, 64, BLOCK_K], w_desc.layout)
-    x_ring = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], x_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(STAGES):
-        mbarrier.init(ready.index(s), count=1)
-    nbytes: gl.constexpr = (64 + BLOCK_M) * BLOCK_K  # a slot's bytes, out-of-bounds zeros too
-    for s in gl.static_range(STAGES):  # every slot in flight before the first MMA
-        pred = s < steps
-        mbarrier.expect(ready.index(s), nbytes, pred=pred)
-        _tma_load(w_desc, [pid_n * 64, (lo + s) * BLOCK_K], ready.index(s), w_ring.index(s),
-                  pred=pred)
-        _tma_load(x_desc, [pid_m * BLOCK_M, (lo + s) * BLOCK_K], ready.index(s), x_ring.index(s),
-                  pred=pred)
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                  instr_shape=[16, BLOCK_M, 32])
-    acc = gl.zeros([64, BLOCK_M], gl.float32, layout=mma)
-    for i in range(steps):
-        slot = i % STAGES
-        mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
-        acc += warpgroup_mma(w_ring.index(slot), x_ring.index(slot).permute((1, 0)), acc,
-                             use_acc=False)
-        # Every warp's MMA has read the slot before TMA writes it again.
-        _barrier()
-        nxt = i + STAGES
-        pred = nxt < steps
-        mbarrier.expect(ready.index(slot), nbytes, pred=pred)
-        _tma_load(w_desc, [pid_n * 64, (lo + nxt) * BLOCK_K], ready.index(slot),
-                  w_ring.index(slot), pred=pred)
-        _tma_load(x_desc, [pid_m * BLOCK_M, (lo + nxt) * BLOCK_K], ready.index(slot),
-                  x_ring.index(slot), pred=pred)
-    for t in gl.static_range(STAGES):
-        mbarrier.invalidate(ready.index(t))
-    if PARTIAL_ONLY:  # the split's partial stored, nothing summed here
+    acc = ring_mainloop(w_desc, x_desc, pid_n, pid_m, lo, (split + 1) * k_steps // SPLIT_K - lo,
+                        BLOCK_M, BLOCK_K, STAGES)
+    if PARTIAL_ONLY:
         out_layout: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [2, 2], [0, 1])
         local = gl.arange(0, 64, layout=gl.SliceLayout(1, out_layout))[:, None] \
             + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, out_layout))[None, :] * 64
@@ -107,9 +75,9 @@ def ring_kernel(w_desc, x_desc, y_ptr, bias_ptr, scale_a_ptr, scale_b_ptr, part_
         gl.store(part_ptr + (tile * SPLIT_K + split).to(gl.int64) * (64 * BLOCK_M) + local,
                  gl.convert_layout(acc, out_layout))
     else:
-        _finish_tile(acc, pid_n, split, pid_m, y_ptr, bias_ptr, scale_a_ptr, scale_b_ptr,
-                     part_ptr, count_ptr, M, N, stride_ym, stride_yn, stride_bias, HAS_BIAS,
-                     SCALE_A, SCALE_B, SPLIT_K, BLOCK_M, PER_LOAD)
+        finish_tile(acc, pid_n, split, pid_m, y_ptr, bias_ptr, scale_a_ptr, scale_b_ptr,
+                    part_ptr, count_ptr, M, N, stride_ym, stride_yn, stride_bias, HAS_BIAS,
+                    SCALE_A, SCALE_B, SPLIT_K, BLOCK_M, PER_LOAD)
 
 
 @triton.jit
@@ -169,16 +137,11 @@ def ring_variants(m: int, n: int, k: int, sms: int) -> list[Ring]:
 
 def ring_call(x, w, y, x_scale, w_scale, v: Ring, counters=None):
     """y = (x @ w.T) * x_scale * w_scale through ``ring_kernel`` (x, w FP8; per-row scales)."""
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
     from gemmtune.kernels.triton._splits import workspace
 
     m, k = x.shape
     n = w.shape[0]
-    w_layout = gl.NVMMASharedLayout.get_default_for([64, v.block_k], gl.float8e4nv)
-    x_layout = gl.NVMMASharedLayout.get_default_for([v.block_m, v.block_k], gl.float8e4nv)
-    w_desc = TensorDescriptor.from_tensor(w, [64, v.block_k], w_layout)
-    x_desc = TensorDescriptor.from_tensor(x, [v.block_m, v.block_k], x_layout)
+    w_desc, x_desc = descriptors(x, w, v)
     n_tiles, m_tiles = triton.cdiv(n, 64), triton.cdiv(m, v.block_m)
     parts, counters, _ = workspace(x, y, n_tiles * m_tiles, 64 * v.block_m,
                                    max(v.split_k, 2 if v.end != "sum" else 1), counters, False)

@@ -99,9 +99,10 @@ def test_refuses_gpus_other_than_hopper_and_strided_tiled_weights(monkeypatch):
 
 
 @pytest.mark.parametrize("family", ["a8w8", "a8w8_bpreshuffle"])
-def test_fp8_tuners_offer_it_for_decode_where_it_runs(family):
-    """Both FP8 per-row families' tuners take its configs for FP8 at M <= 64 on a Hopper GPU
-    (row-major and pre-shuffled w), and none for INT8, past M = 64, or without one."""
+def test_fp8_tuners_offer_the_gluon_kernels_for_decode_where_they_run(family):
+    """Both FP8 per-row families' tuners take triton.frag's configs for FP8 at M <= 64 on a Hopper
+    GPU (row-major and pre-shuffled w), gemm_a8w8's also triton.ring's (rows only); none for
+    INT8, past M = 64, or without such a GPU."""
     import importlib
 
     tuner_module = importlib.import_module(f"gemmtune.families.{family}.tuner")
@@ -109,14 +110,17 @@ def test_fp8_tuners_offer_it_for_decode_where_it_runs(family):
                      if k.endswith("Tuner") and k != "GemmTuner")
     tuner = tuner_cls()
 
-    def frag_names(M, q):
+    def names(M, q, prefix):
         key = tuner.schema.key_type(M, 512, 1024, q)
         return [c.name for c in tuner.candidates(key, frozenset())
-                if c.name.startswith("triton.frag:")]
+                if c.name.startswith(prefix + ":")]
 
-    expected = torch.cuda.is_available() and gemm_frag.runs_here()
-    assert bool(frag_names(16, "torch.float8_e4m3fn")) == expected
-    assert not frag_names(16, "torch.int8") and not frag_names(128, "torch.float8_e4m3fn")
+    here = torch.cuda.is_available() and gemm_frag.runs_here()
+    assert bool(names(16, "torch.float8_e4m3fn", "triton.frag")) == here
+    assert bool(names(16, "torch.float8_e4m3fn", "triton.ring")) == (here and family == "a8w8")
+    for prefix in ("triton.frag", "triton.ring"):
+        assert not names(16, "torch.int8", prefix)
+        assert not names(128, "torch.float8_e4m3fn", prefix)
 
 
 # --- GPU -----------------------------------------------------------------------------------

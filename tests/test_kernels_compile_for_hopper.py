@@ -292,3 +292,55 @@ def test_fragment_order_kernel_loads_w_straight_into_wgmma_registers():
     registers, no shared memory for it, the FP8 warpgroup MMA with x's block as its N, PDL's
     wait after w's first loads."""
     compiles_for_hopper(FRAG_SCRIPT)
+
+
+RING_SCRIPT = textwrap.dedent("""
+    import inspect
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from gemmtune.kernels.triton import gemm_ring
+
+    names = inspect.signature(gemm_ring.gemm_ring_kernel.fn).parameters
+    # (block_m, block_k, stages, split_k, (scale_a, scale_b, bias))
+    for block_m, block_k, stages, split_k, epilogue in (
+            (8, 128, 8, 1, (2, 2, False)), (16, 256, 4, 4, (1, 0, True)),
+            (64, 256, 4, 2, (2, 2, True)), (32, 128, 8, 20, (0, 1, False))):
+        scale_a, scale_b, has_bias = epilogue
+        constexprs = dict(HAS_BIAS=has_bias, SCALE_A=scale_a, SCALE_B=scale_b, SPLIT_K=split_k,
+                          BLOCK_M=block_m, BLOCK_K=block_k, STAGES=stages,
+                          PER_LOAD=min(split_k, gemm_ring.partials_per_load(block_m)))
+        boxes = {"w_desc": [64, block_k], "x_desc": [block_m, block_k]}
+        descs = {n: f"tensordesc<fp8e4nv{box},"
+                    f"{gl.NVMMASharedLayout.get_default_for(box, gl.float8e4nv)!r}>"
+                 for n, box in boxes.items()}
+        pointers = {"y_ptr": "*bf16", "bias_ptr": "*bf16", "scale_a_ptr": "*fp32",
+                    "scale_b_ptr": "*fp32", "part_ptr": "*fp32", "count_ptr": "*i32"}
+        signature = {n: descs.get(n) or pointers.get(n) or
+                     ("constexpr" if n in constexprs else "i32") for n in names}
+        kernel = triton.compile(gluon._runtime.GluonASTSource(
+            fn=gemm_ring.gemm_ring_kernel, signature=signature, constexprs=constexprs),
+            target=GPUTarget("cuda", 90, 128))
+        text = kernel.asm["ptx"]
+        # Both operands through TMA: two bulk tensor copies per slot before the loop and two in
+        # it, and the loop's wait on the slot's mbarrier.
+        assert text.count("cp.async.bulk.tensor") >= 2 * stages + 2, text.count("cp.async.bulk")
+        assert text.count("mbarrier.try_wait") >= 1
+        assert f"wgmma.mma_async.sync.aligned.m64n{block_m}k32.f32.e4m3.e4m3" in text
+        ring = stages * (64 + block_m) * block_k
+        assert ring <= kernel.metadata.shared <= ring + 64 * block_m * 4 + 1024, \
+            (ring, kernel.metadata.shared)
+        assert ("atom.global" in text) == (split_k > 1)
+        assert "st.local" not in text
+    print("ok")
+""")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the kernel's own tests run it")
+def test_ring_kernel_feeds_both_operands_through_tma():
+    """triton.ring (Gluon) for sm_90: w and x through TMA into the ring, the FP8 warpgroup MMA
+    with x's block as its N, the ring's shared memory as configured, the split's counter only
+    where K is split."""
+    compiles_for_hopper(RING_SCRIPT)
+

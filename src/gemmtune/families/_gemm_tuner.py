@@ -175,17 +175,19 @@ def triton_candidates(m: int, n: int, k: int, dtype: torch.dtype,
         sorted(gemvs, key=lambda c: _gemv_programs(c.name, n))[:1]
 
 
-def frag_candidates(p: GemmProblem, registry) -> list[Candidate]:
-    """The register-direct Gluon kernel's configs (``gemm_frag.candidates``: FP8, M <= 64),
-    with PDL where it is supported, that ``registry`` can run for ``p`` (it refuses them off
-    Hopper and in the interpreter); none without a GPU."""
+def gluon_candidates(p: GemmProblem, registry) -> list[Candidate]:
+    """The Gluon decode kernels' configs (FP8, M <= 64: ``gemm_frag.candidates``, with PDL where
+    it is supported, and ``gemm_ring.candidates``) that ``registry`` can run for ``p`` (it
+    refuses them off Hopper, in the interpreter, and the ring on pre-shuffled weights); none
+    without a GPU."""
     if not torch.cuda.is_available():
         return []
-    from gemmtune.kernels.triton import gemm_frag
+    from gemmtune.kernels.triton import gemm_frag, gemm_ring
     from gemmtune.kernels.triton._splits import pdl_where_supported
 
-    return [Candidate(cfg.name, "triton", splitk=cfg.split_k)
-            for cfg in gemm_frag.candidates(p.m, p.n, p.k, p.dtype, pdl=pdl_where_supported())
+    configs = gemm_frag.candidates(p.m, p.n, p.k, p.dtype, pdl=pdl_where_supported()) \
+        + gemm_ring.candidates(p.m, p.n, p.k, p.dtype)
+    return [Candidate(cfg.name, "triton", splitk=cfg.split_k) for cfg in configs
             if registry.can_run(cfg.name, p)]
 
 

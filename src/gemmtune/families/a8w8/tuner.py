@@ -2,13 +2,13 @@
 
 Candidates run with per-token activation and per-channel weight scales (the layout of FP8/INT8
 serving); the kernels take per-tensor scales through the same path. Beside the shared GEMM
-candidates, on a Hopper GPU the register-direct Gluon kernel's (FP8, M <= 64). Each candidate is checked
-against the dequantised product in fp32.
+candidates, on a Hopper GPU the Gluon decode kernels' (register-direct and TMA-ring; FP8,
+M <= 64). Each candidate is checked against the dequantised product in fp32.
 """
 
 from __future__ import annotations
 
-from gemmtune.families._gemm_tuner import (GemmCall, GemmTuner, eight_bit, frag_candidates,
+from gemmtune.families._gemm_tuner import (GemmCall, GemmTuner, eight_bit, gluon_candidates,
                                            number_candidates, rowwise_scaled_inputs)
 from gemmtune.families.a8w8.op import REGISTRY, SCHEMA, TUNED_OUT_DTYPE, A8w8Key, problem_of
 from gemmtune.kernels.torch_ref import TORCH_SCALED_MM
@@ -29,7 +29,7 @@ class A8w8Tuner(GemmTuner):
         # cuBLASLt timed with per-row scales; a row's check also plans per-tensor ones.
         found = self.gemm_candidates(p, libtypes, TORCH_SCALED_MM, cublaslt_scaling="outer")
         if "triton" in self.wanted(libtypes):
-            found += frag_candidates(p, self.registry)
+            found += gluon_candidates(p, self.registry)
         return number_candidates(found)
 
     def prepare(self, key: A8w8Key, seed: int) -> Prepared:

@@ -1,18 +1,18 @@
 """``gemmtune tune a8w8-bpreshuffle``: candidates and inputs for gemm_a8w8_bpreshuffle's table.
 
 Inputs as ``gemm_a8w8``'s tuner makes them (``rowwise_scaled_inputs``), the weight then
-pre-shuffled; each candidate is checked against the
-dequantised product of the row-major weight in fp32. Candidates: the torch backend, the
-register-direct Gluon kernel's configs (FP8 on Hopper, M <= 64: ``gemm_frag.candidates``), and the
-split-K, tile and GEMV configs the a8w8 tuner would try that read the tiled weight (block_k a
-multiple of 128, no row prefetch).
+pre-shuffled; each candidate is checked against the dequantised product of the row-major weight in
+fp32. Candidates: the torch backend, the register-direct Gluon kernel's configs (FP8 on Hopper, M <=
+64: ``gemm_frag.candidates``; not the TMA ring's, which reads rows), and the split-K, tile and GEMV
+configs the a8w8 tuner would try that read the tiled weight (block_k a multiple of 128, no row
+prefetch).
 """
 
 from __future__ import annotations
 
 
 from gemmtune import quant
-from gemmtune.families._gemm_tuner import (GemmCall, GemmTuner, eight_bit, frag_candidates,
+from gemmtune.families._gemm_tuner import (GemmCall, GemmTuner, eight_bit, gluon_candidates,
                                            number_candidates, rowwise_scaled_inputs)
 from gemmtune.families.a8w8_bpreshuffle.op import (REGISTRY, SCHEMA, TUNED_OUT_DTYPE,
                                                    BpreshuffleKey, problem_of)
@@ -41,7 +41,7 @@ class A8w8BpreshuffleTuner(GemmTuner):
         found = [c for c in self.gemm_candidates(p, libtypes, TORCH_UNSHUFFLED)
                  if c.libtype != "triton" or self.registry.can_run(c.name, p)]
         if "triton" in self.wanted(libtypes):
-            found += frag_candidates(p, self.registry)
+            found += gluon_candidates(p, self.registry)
         return number_candidates(found)
 
     def prepare(self, key: BpreshuffleKey, seed: int) -> Prepared:

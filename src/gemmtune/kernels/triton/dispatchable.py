@@ -1,5 +1,5 @@
 """A Triton config name (``triton.tile:...``, ``triton.splitk:...``, ``triton.gemv:...``,
-``triton.persistent:...``, ``triton.frag:...``, the last a Gluon kernel)
+``triton.persistent:...``, ``triton.frag:...``, ``triton.ring:...``, the last two Gluon kernels)
 as a callable for dispatch: checked once per problem, then each call only allocates and
 launches; each kernel replays its first launch of a shape through the compiled kernel's own
 launcher (``_replay``). Called as every backend is: ``kernel(x, w, bias,
@@ -19,7 +19,8 @@ from gemmtune.kernels.problem import GemmProblem, Scaling
 from gemmtune.kernels.triton import _checks
 from gemmtune.kernels.triton._replay import Replay, launch
 
-PREFIXES = ("triton.tile", "triton.splitk", "triton.gemv", "triton.persistent", "triton.frag")
+PREFIXES = ("triton.tile", "triton.splitk", "triton.gemv", "triton.persistent", "triton.frag",
+            "triton.ring")
 
 
 class _KernelModule(NamedTuple):
@@ -63,6 +64,12 @@ def _kernel_module(prefix: str) -> _KernelModule:
 
         return _KernelModule(m, m.FragConfig, m.launch_gemm_frag, m.gemm_frag, m.frag_call,
                              m.why_not_block_scaled, reads_tiled_w=True)
+    if prefix == "triton.ring":
+        from gemmtune.kernels.triton import gemm_ring as m
+
+        # Not replayed: Gluon's TMA descriptors are built per call (gemm_ring.ring_call).
+        return _KernelModule(m, m.RingConfig, m.launch_gemm_ring, m.gemm_ring, m.ring_call,
+                             m.why_not_block_scaled)
     raise ValueError(f"{prefix!r}: not a Triton kernel; prefixes: {', '.join(PREFIXES)}")
 
 

@@ -40,17 +40,13 @@ from gemmtune.kernels.triton._epilogue import epilogue_constexprs, epilogue_oper
 from gemmtune.kernels.triton._replay import KernelCall, launch
 from gemmtune.kernels.triton._splits import (PDL_OFF, pdl_supported, split_for,
                                              why_not_wait_pdl, workspace)
+from gemmtune.kernels.triton._swapped import (BLOCK_MS, BLOCK_N, MAX_GRID_Z, NUM_WARPS, barrier,
+                                              block_m_for, finish_tile, partials_per_load,
+                                              runs_here)
 from gemmtune.kernels.triton._wlayout import why_not_tiled
 
 KERNEL_PREFIX = "triton.frag"
-BLOCK_N = 64  # w rows per program: one warpgroup's MMA M (4 warps, a 16-row band each)
-NUM_WARPS = 4
 _BN = gl.constexpr(BLOCK_N)  # as the jitted code reads it
-# A barrier of the block's threads: gl.thread_barrier in Triton 3.6, gl.barrier from 3.7 on.
-_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
-# The MMA's N: x's rows per program (more rows take more programs on the grid's third axis).
-# ptxas spilled registers at every 128 and 256 (Triton 3.6 and 3.9, session 20's review).
-BLOCK_MS = (8, 16, 32, 64)
 BLOCK_KS = (128, 256)  # whole 128-byte tiles of the layout (512 spills: MAX_W_BYTES_IN_FLIGHT)
 MAX_AHEAD = 3
 # Bytes of each of a thread's rows in flight, (ahead + 1) * block_k: above 512 ptxas spilled
@@ -58,10 +54,6 @@ MAX_AHEAD = 3
 MAX_W_BYTES_IN_FLIGHT = 512
 # More splits only add partials to sum.
 MAX_SPLIT_K = 32
-# fp32 partials the last program of a tile loads per unrolled group: BLOCK_M x 64 / 128 threads
-# registers each, at most 64 registers in all.
-_PARTIAL_REGS = 64
-MAX_GRID_Z = 65535  # CUDA's limit on the grid's third axis (x's row blocks)
 
 
 @dataclass(frozen=True)
@@ -84,11 +76,6 @@ class FragConfig(NamedConfig):
 def w_bytes_in_flight(config: FragConfig) -> int:
     """Bytes of each of a thread's rows of w loaded before they are multiplied."""
     return config.block_k * (config.ahead + 1)
-
-
-def partials_per_load(block_m: int) -> int:
-    """Split partials the last program of a tile loads at once (``_PARTIAL_REGS``)."""
-    return max(1, _PARTIAL_REGS * 128 // (block_m * BLOCK_N))
 
 
 def why_not_fits(config: FragConfig, M: int, N: int, K: int, dtype: torch.dtype) -> str | None:
@@ -137,23 +124,12 @@ def why_not_supported(config: FragConfig, M: int, N: int, K: int, dtype: torch.d
     return _checks.why_not_dtypes(dtype, out_dtype) or why_not_fits(config, M, N, K, dtype)
 
 
-@functools.lru_cache(maxsize=None)
-def runs_here() -> bool:
-    """Whether the current process's GPU is a Hopper (compute capability 9.0)."""
-    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-
-
 def why_not_block_scaled(config: FragConfig, dtype: torch.dtype) -> str | None:
     return "the register-direct kernel takes per-tensor or per-row scales, not FP8 block scales"
 
 
 def fits(config: FragConfig, M: int, N: int, K: int, dtype: torch.dtype) -> bool:
     return why_not_fits(config, M, N, K, dtype) is None
-
-
-def block_m_for(M: int) -> int:
-    """The smallest block of x's rows that takes all of M (at most 64: larger M takes several)."""
-    return next((b for b in BLOCK_MS if b >= M), BLOCK_MS[-1])
 
 
 # Programs per SM the splits aim at: a program has 8 KiB (BK 128) or 16 KiB (BK 256) of w in
@@ -226,70 +202,6 @@ def _w_step(w_ptr, offs, in_n, step, BLOCK_K: gl.constexpr, W_TILED: gl.constexp
         return gl.load(w_ptr + offs + step.to(gl.int64) * BLOCK_K, mask=in_n, other=0.0)
 
 
-@gluon.jit
-def _scaled(acc, rows, cols, bias_ptr, scale_a_ptr, scale_b_ptr, stride_bias,
-            HAS_BIAS: gl.constexpr, SCALE_A: gl.constexpr, SCALE_B: gl.constexpr):
-    """acc (BLOCK_N, BLOCK_M) = y.T's tile with its scales and bias; ``rows`` of x and ``cols``
-    of w clamped into range."""
-    if SCALE_A == 1:
-        acc = acc * gl.load(scale_a_ptr)
-    if SCALE_A == 2:
-        acc = acc * gl.load(scale_a_ptr + rows)[None, :]
-    if SCALE_B == 1:
-        acc = acc * gl.load(scale_b_ptr)
-    if SCALE_B == 2:
-        acc = acc * gl.load(scale_b_ptr + cols)[:, None]
-    if HAS_BIAS:
-        acc = acc + gl.load(bias_ptr + cols * stride_bias).to(gl.float32)[:, None]
-    return acc
-
-
-@gluon.jit
-def _finish_tile(acc, pid_n, split, pid_m, y_ptr, bias_ptr, scale_a_ptr, scale_b_ptr, part_ptr,
-                 count_ptr, M, N, stride_ym, stride_yn, stride_bias, HAS_BIAS: gl.constexpr,
-                 SCALE_A: gl.constexpr, SCALE_B: gl.constexpr, SPLIT_K: gl.constexpr,
-                 BLOCK_M: gl.constexpr, PER_LOAD: gl.constexpr):
-    """y.T's (BLOCK_N, BLOCK_M) tile ``acc`` (any layout) of split ``split``: scaled and stored,
-    or, split, its fp32 partial stored and the split's sum finished by the last to arrive (a
-    Gluon kernel's end whatever fed its MMA: ``benchmarks/gluon_ring_probe.py`` calls it too)."""
-    # One thread per element of the (BLOCK_N, BLOCK_M) tile (64 rows: 32 lanes x 2 warps), so
-    # the partials' sum and the stores touch each element once.
-    out_layout: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [2, 2], [0, 1])
-    out = gl.convert_layout(acc, out_layout)
-    on = pid_n * _BN + gl.arange(0, _BN, layout=gl.SliceLayout(1, out_layout))
-    om = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, out_layout))
-    cols = gl.where(on < N, on, 0).to(gl.int64)
-    rows = gl.where(om < M, om, 0).to(gl.int64)
-    inside = (on < N)[:, None] & (om < M)[None, :]
-    y_ptrs = y_ptr + om.to(gl.int64)[None, :] * stride_ym + on.to(gl.int64)[:, None] * stride_yn
-    if SPLIT_K == 1:
-        out = _scaled(out, rows, cols, bias_ptr, scale_a_ptr, scale_b_ptr, stride_bias,
-                      HAS_BIAS, SCALE_A, SCALE_B)
-        gl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=inside)
-    else:
-        tile = pid_m * gl.num_programs(0) + pid_n
-        # [BLOCK_M][BLOCK_N] (w's rows fastest, as the lanes of out_layout run): coalesced.
-        local = gl.arange(0, _BN, layout=gl.SliceLayout(1, out_layout))[:, None] \
-            + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, out_layout))[None, :] * _BN
-        tile_parts = part_ptr + tile.to(gl.int64) * (SPLIT_K * _BN * BLOCK_M)
-        gl.store(tile_parts + split * (_BN * BLOCK_M) + local, out)
-        # Every thread's partial before the one release (as _splits.sum_splits_and_store).
-        _barrier()
-        arrived = gl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLIT_K - 1:
-            total = gl.zeros([_BN, BLOCK_M], gl.float32, layout=out_layout)
-            # PER_LOAD partials a group, unrolled: a group's loads are issued together (one L2
-            # round trip) and held in at most _PARTIAL_REGS registers.
-            for s0 in range(0, SPLIT_K, PER_LOAD):
-                for s in gl.static_range(PER_LOAD):
-                    total += gl.load(tile_parts + (s0 + s) * (_BN * BLOCK_M) + local,
-                                     mask=s0 + s < SPLIT_K, other=0.0, cache_modifier=".cg")
-            gl.store(count_ptr + tile, 0)  # zero for the next launch
-            total = _scaled(total, rows, cols, bias_ptr, scale_a_ptr, scale_b_ptr, stride_bias,
-                            HAS_BIAS, SCALE_A, SCALE_B)
-            gl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=inside)
-
-
 @gluon.jit(do_not_specialize=["M"])
 def gemm_frag_kernel(
     x_ptr,  # (M, K) float8_e4m3fn, K contiguous
@@ -355,14 +267,14 @@ def gemm_frag_kernel(
             w1 = w2
             w2 = _w_step(w_ptr, w_offs, in_n, ahead, BLOCK_K, W_TILED)
         x = gl.load(x_ptrs + step.to(gl.int64) * BLOCK_K, mask=(xm < M)[:, None], other=0.0)
-        _barrier()  # the previous step's MMA has read x_smem
+        barrier()  # the previous step's MMA has read x_smem
         x_smem.store(x)
         fence_async_shared()
         # From zero per step: the MMA's reduced-precision FP8 sum spans one step, the fp32 add
         # the rest.
         acc += warpgroup_mma(w_now, x_smem.permute((1, 0)), acc, use_acc=False)
 
-    _finish_tile(acc, pid_n, split, pid_m, y_ptr, bias_ptr, scale_a_ptr, scale_b_ptr, part_ptr,
+    finish_tile(acc, pid_n, split, pid_m, y_ptr, bias_ptr, scale_a_ptr, scale_b_ptr, part_ptr,
                  count_ptr, M, N, stride_ym, stride_yn, stride_bias, HAS_BIAS, SCALE_A, SCALE_B,
                  SPLIT_K, BLOCK_M, PER_LOAD)
 

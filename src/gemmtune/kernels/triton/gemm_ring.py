@@ -1,0 +1,292 @@
+"""An FP8 decode GEMM fed by a TMA ring, in Gluon: ``y = (x @ w.T) * scale_a * scale_b + bias``.
+
+Swapped as ``triton.frag`` is (w's 64 rows of a program are the warpgroup MMA's M, x's rows its
+N, BLOCK_M 8-64; more rows take more programs on the grid's third axis). Both operands arrive
+through TMA into a ring of STAGES slots of shared memory, one mbarrier per slot: every slot is
+in flight before the first MMA, and the loop holds only the slot's wait, the MMA (from zero, added
+into fp32 each step, so FP8's reduced-precision sum spans one step of K) and the slot's refill.
+K is split over a second grid axis so that every SM streams; the end is ``triton.frag``'s (the
+scales, bias, and the splits' deterministic sum by the last to arrive).
+
+Where it pays (docs/benchmarks.md, session 21): cuBLASLt's FP8 rows at M = 16-64 run one
+program per 64 rows of w with a ring as deep as shared memory allows, on as few as half the
+SMs; this kernel streams the same way from every SM, so it wins where one program per tile
+already fills the GPU (e.g. 6144 x 4096 at M = 16) or few splits do, and loses where many
+splits' sum costs more than the stream (the sum is a chain of dependent global-memory round
+trips at the end of a kernel of a few µs).
+
+Row-major w only (TMA reads rows; the pre-shuffled tiles are ``triton.frag``'s and the split-K
+kernels'); K a multiple of 16 (TMA's 16-byte row pitch), any N, M. FP8 (float8_e4m3fn), Hopper
+(sm_90) only; Gluon does not run in Triton's interpreter, so the CPU checks only compile it
+(tests/test_kernels_compile_for_hopper.py). Its launch is not replayed (the replay path rebuilds
+plain Triton's TMA descriptors, not Gluon's): each call goes through Triton's launcher.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma
+
+from gemmtune.kernels._names import Field, NameCodec, NamedConfig
+from gemmtune.kernels.triton import _checks
+from gemmtune.kernels.triton._epilogue import epilogue_constexprs, epilogue_operands
+from gemmtune.kernels.triton._replay import KernelCall, launch
+from gemmtune.kernels.triton._splits import split_for, workspace
+from gemmtune.kernels.triton._swapped import (BLOCK_MS, BLOCK_N, MAX_GRID_Z, NUM_WARPS, barrier,
+                                              block_m_for, finish_tile, partials_per_load,
+                                              runs_here)
+
+KERNEL_PREFIX = "triton.ring"
+BLOCK_KS = (128, 256)
+MAX_SPLIT_K = 32
+# Shared memory the ring may take; the rest of the 227 KiB a block may have is the end's layout
+# conversion.
+RING_BYTES = 200 * 1024
+_TMA_ALIGN = 16  # bytes: a TMA-described tensor's row pitch and base address
+# TMA's load into shared memory: tma.async_load from Triton 3.7 on (3.9 refuses the old name),
+# async_copy_global_to_shared in 3.6.
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+
+
+@dataclass(frozen=True)
+class RingConfig(NamedConfig):
+    """One point of the kernel's config space, e.g. ``triton.ring:BM16.BK256.S4.SK2``."""
+
+    NAME_CODEC = NameCodec("TMA-ring config", KERNEL_PREFIX, (
+        Field("BM", "block_m"), Field("BK", "block_k"), Field("S", "stages"),
+        Field("SK", "split_k")))
+
+    block_m: int
+    block_k: int
+    stages: int  # slots of the ring, each BLOCK_K bytes of w's 64 rows and of x's BLOCK_M
+    split_k: int
+
+
+def ring_bytes(config: RingConfig) -> int:
+    """Shared memory the ring of ``config`` takes."""
+    return config.stages * (BLOCK_N + config.block_m) * config.block_k
+
+
+def why_not_fits(config: RingConfig, M: int, N: int, K: int, dtype: torch.dtype) -> str | None:
+    """The first constraint ``config`` breaks for an (M, N, K) GEMM, or None."""
+    c = config
+    if c.block_m not in BLOCK_MS:
+        return f"block_m={c.block_m} must be one of {BLOCK_MS}"
+    if c.block_k not in BLOCK_KS:
+        return f"block_k={c.block_k} must be one of {BLOCK_KS}"
+    if c.stages < 2:
+        return f"stages={c.stages} must be >= 2 (a ring of one slot waits on every load)"
+    if ring_bytes(c) > RING_BYTES:
+        return (f"{c.stages} stages of (64 + {c.block_m}) x {c.block_k} bytes take "
+                f"{ring_bytes(c)} B of shared memory (> {RING_BYTES}); use fewer stages")
+    if dtype != torch.float8_e4m3fn:
+        return (f"{dtype} weights: the TMA-ring kernel takes float8_e4m3fn only; use a "
+                f"triton.splitk, triton.tile or triton.gemv config")
+    if K % _TMA_ALIGN:
+        return (f"K={K} FP8 rows are not a multiple of {_TMA_ALIGN} B, as TMA needs; use a "
+                f"triton.splitk config")
+    k_steps = triton.cdiv(K, c.block_k)
+    if not 1 <= c.split_k <= min(MAX_SPLIT_K, k_steps):
+        return (f"split_k={c.split_k} must be in [1, {min(MAX_SPLIT_K, k_steps)}]: K={K} is "
+                f"{k_steps} steps of block_k={c.block_k}, at most {MAX_SPLIT_K} splits")
+    if triton.cdiv(M, c.block_m) > MAX_GRID_Z:
+        return (f"M={M} takes {triton.cdiv(M, c.block_m)} blocks of block_m={c.block_m}, more "
+                f"than the grid's third axis holds ({MAX_GRID_Z}); use a larger block_m")
+    return None
+
+
+def why_not_supported(config: RingConfig, M: int, N: int, K: int, dtype: torch.dtype,
+                      out_dtype: torch.dtype) -> str | None:
+    """``why_not_fits``, the output dtypes, and whether the kernel can run here: compiled (not in
+    Triton's interpreter) for a Hopper GPU."""
+    if _checks.interpreted():
+        return ("Gluon kernels do not run in Triton's interpreter (TRITON_INTERPRET=1); on the "
+                "CPU use a triton.splitk, triton.tile or triton.gemv config")
+    if not runs_here():
+        return ("the TMA-ring kernel is written for Hopper's warpgroup MMA and TMA (sm_90); on "
+                "this GPU use a triton.splitk, triton.tile or triton.gemv config")
+    return _checks.why_not_dtypes(dtype, out_dtype) or why_not_fits(config, M, N, K, dtype)
+
+
+def why_not_block_scaled(config: RingConfig, dtype: torch.dtype) -> str | None:
+    return "the TMA-ring kernel takes per-tensor or per-row scales, not FP8 block scales"
+
+
+def fits(config: RingConfig, M: int, N: int, K: int, dtype: torch.dtype) -> bool:
+    return why_not_fits(config, M, N, K, dtype) is None
+
+
+# Programs per SM the splits aim at; a ring takes up to 200 KiB, so 2 and 4 per SM share it.
+_PROGRAMS_PER_SM = (1, 2, 4)
+_STAGES = (2, 4, 8)
+
+
+def candidates(M: int, N: int, K: int, dtype: torch.dtype,
+               num_sms: int | None = None) -> list[RingConfig]:
+    """The configs to tune one shape with, for M <= 64 (none above): block_m covering M; each
+    block_k; K split to reach each of ``_PROGRAMS_PER_SM``; 2, 4 or 8 slots, as many as that
+    many programs per SM can hold and the split's steps use. Only configs that fit."""
+    if M > BLOCK_MS[-1]:
+        return []
+    num_sms = num_sms or _checks.sm_count()
+    bm = block_m_for(M)
+    found = {}
+    for bk in BLOCK_KS:
+        k_steps = triton.cdiv(K, bk)
+        tiles = triton.cdiv(N, BLOCK_N) * triton.cdiv(M, bm)
+        for per_sm in _PROGRAMS_PER_SM:
+            split = split_for(tiles, k_steps, per_sm * num_sms, MAX_SPLIT_K)
+            most = RING_BYTES // per_sm // ((BLOCK_N + bm) * bk)
+            for stages in _STAGES:
+                stages = max(2, min(stages, most, triton.cdiv(k_steps, split)))
+                cfg = RingConfig(bm, bk, stages, split)
+                if fits(cfg, M, N, K, dtype):
+                    found[cfg] = None
+    return list(found)
+
+
+def default_config(M: int, N: int, K: int, dtype: torch.dtype,
+                   num_sms: int | None = None) -> RingConfig:
+    """Reasonable untuned: 256 bytes of K per step, four slots, K split until there is one
+    program per SM (the one-program-per-tile ring won where that filled the GPU)."""
+    num_sms = num_sms or _checks.sm_count()
+    bm = block_m_for(M)
+    tiles = triton.cdiv(N, BLOCK_N) * triton.cdiv(M, bm)
+    return RingConfig(bm, 256, 4, split_for(tiles, triton.cdiv(K, 256), num_sms, MAX_SPLIT_K))
+
+
+@gluon.jit
+def ring_mainloop(w_desc, x_desc, pid_n, pid_m, lo, steps, BLOCK_M: gl.constexpr,
+                  BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
+    """y.T's (64, BLOCK_M) tile over K steps [lo, lo + steps) of BLOCK_K, fp32, in the MMA's
+    layout: every slot's loads issued first, then per step the slot's wait, the MMA from zero
+    added into fp32, and the slot's refill with the step STAGES on."""
+    w_ring = gl.allocate_shared_memory(w_desc.dtype, [STAGES, 64, BLOCK_K], w_desc.layout)
+    x_ring = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], x_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+    nbytes: gl.constexpr = (64 + BLOCK_M) * BLOCK_K  # a slot's bytes, out-of-bounds zeros too
+    for s in gl.static_range(STAGES):
+        pred = s < steps
+        mbarrier.expect(ready.index(s), nbytes, pred=pred)
+        _tma_load(w_desc, [pid_n * 64, (lo + s) * BLOCK_K], ready.index(s), w_ring.index(s),
+                  pred=pred)
+        _tma_load(x_desc, [pid_m * BLOCK_M, (lo + s) * BLOCK_K], ready.index(s),
+                  x_ring.index(s), pred=pred)
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                  instr_shape=[16, BLOCK_M, 32])
+    acc = gl.zeros([64, BLOCK_M], gl.float32, layout=mma)
+    for i in range(steps):
+        slot = i % STAGES
+        mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
+        acc += warpgroup_mma(w_ring.index(slot), x_ring.index(slot).permute((1, 0)), acc,
+                             use_acc=False)
+        barrier()  # every warp's MMA has read the slot before TMA writes it again
+        nxt = i + STAGES
+        pred = nxt < steps
+        mbarrier.expect(ready.index(slot), nbytes, pred=pred)
+        _tma_load(w_desc, [pid_n * 64, (lo + nxt) * BLOCK_K], ready.index(slot),
+                  w_ring.index(slot), pred=pred)
+        _tma_load(x_desc, [pid_m * BLOCK_M, (lo + nxt) * BLOCK_K], ready.index(slot),
+                  x_ring.index(slot), pred=pred)
+    for s in gl.static_range(STAGES):
+        mbarrier.invalidate(ready.index(s))
+    return acc
+
+
+@gluon.jit(do_not_specialize=["M"])
+def gemm_ring_kernel(
+    w_desc, x_desc,  # TMA descriptors: w (N, K) in (64, BLOCK_K) boxes, x (M, K) in (BLOCK_M, ..)
+    y_ptr, bias_ptr, scale_a_ptr, scale_b_ptr,  # as gemm_frag's
+    part_ptr, count_ptr,  # the splits' partials and counters, as gemm_frag's
+    M, N, K, stride_ym, stride_yn, stride_bias,
+    HAS_BIAS: gl.constexpr, SCALE_A: gl.constexpr, SCALE_B: gl.constexpr,
+    SPLIT_K: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr,
+    STAGES: gl.constexpr, PER_LOAD: gl.constexpr,
+):
+    pid_n = gl.program_id(0)
+    split = gl.program_id(1)
+    pid_m = gl.program_id(2)
+    k_steps = gl.cdiv(K, BLOCK_K)
+    lo = split * k_steps // SPLIT_K
+    acc = ring_mainloop(w_desc, x_desc, pid_n, pid_m, lo, (split + 1) * k_steps // SPLIT_K - lo,
+                        BLOCK_M, BLOCK_K, STAGES)
+    finish_tile(acc, pid_n, split, pid_m, y_ptr, bias_ptr, scale_a_ptr, scale_b_ptr, part_ptr,
+                count_ptr, M, N, stride_ym, stride_yn, stride_bias, HAS_BIAS, SCALE_A, SCALE_B,
+                SPLIT_K, BLOCK_M, PER_LOAD)
+
+
+def _tma_ready(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as TMA takes it: K contiguous, rows a 16-byte multiple apart, a 16-byte aligned base;
+    a copy where it is not (a fresh copy is, for K a multiple of 16)."""
+    if t.stride(1) == 1 and t.stride(0) >= t.shape[1] and t.stride(0) % _TMA_ALIGN == 0 \
+            and t.data_ptr() % _TMA_ALIGN == 0:
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
+
+
+def descriptors(x: torch.Tensor, w: torch.Tensor, config: RingConfig):
+    """Gluon's host TMA descriptors of w in (64, BLOCK_K) boxes and x in (BLOCK_M, BLOCK_K)."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    boxes = ([BLOCK_N, config.block_k], [config.block_m, config.block_k])
+    return tuple(TensorDescriptor.from_tensor(t, box, gl.NVMMASharedLayout.get_default_for(
+        box, gl.float8e4nv)) for t, box in zip((w, x), boxes))
+
+
+def ring_call(x, w, bias, out, scale_a, scale_b, config: RingConfig,
+              counters: torch.Tensor | None = None, warmup: bool = False,
+              block_scales: bool = False) -> KernelCall:
+    """The launch of ``launch_gemm_ring`` as data. Not replayable: a replay would have to
+    rebuild Gluon's TMA descriptors around each later call's tensors."""
+    if block_scales:
+        raise ValueError("triton.ring takes per-tensor or per-row scales, not FP8 block scales")
+    M, K = x.shape
+    N = w.shape[0]
+    x, w = _tma_ready(x), _tma_ready(w)
+    w_desc, x_desc = descriptors(x, w, config)
+    n_tiles, m_tiles = triton.cdiv(N, BLOCK_N), triton.cdiv(M, config.block_m)
+    parts, counters, _ = workspace(x, out, n_tiles * m_tiles, BLOCK_N * config.block_m,
+                                   config.split_k, counters, warmup)
+    bias_, scale_a_, scale_b_ = epilogue_operands(x, bias, scale_a, scale_b)
+    args = (w_desc, x_desc, out, bias_, scale_a_, scale_b_, parts, counters, M, N, K,
+            out.stride(0), out.stride(1), bias.stride(0) if bias is not None else 0)
+    constexprs = dict(
+        **epilogue_constexprs(bias, scale_a, scale_b, False),
+        SPLIT_K=config.split_k,
+        BLOCK_M=config.block_m,
+        BLOCK_K=config.block_k,
+        STAGES=config.stages,
+        PER_LOAD=min(config.split_k, partials_per_load(config.block_m)))
+    return KernelCall(gemm_ring_kernel, (n_tiles, config.split_k, m_tiles), args, constexprs,
+                      dict(num_warps=NUM_WARPS), replayable=False)
+
+
+def launch_gemm_ring(x, w, bias, out, scale_a, scale_b, config: RingConfig,
+                     counters: torch.Tensor | None = None, warmup: bool = False,
+                     block_scales: bool = False) -> torch.Tensor:
+    """The launch alone, for callers that validated once per shape (dispatch plans): ``out``
+    (M, N) with M, N > 0. Split launches take their partials and counters as ``gemm_frag``'s."""
+    launch(ring_call(x, w, bias, out, scale_a, scale_b, config, counters, warmup,
+                     block_scales), warmup)
+    return out
+
+
+def gemm_ring(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
+              out_dtype: torch.dtype | None = None, scale_a: torch.Tensor | None = None,
+              scale_b: torch.Tensor | None = None, config: RingConfig | None = None,
+              out: torch.Tensor | None = None, block_scales: bool = False) -> torch.Tensor:
+    """``y = (x @ w.T) * scale_a * scale_b + bias`` for FP8 x and row-major w; validates
+    everything, then launches. ``config`` defaults to ``default_config``."""
+    if block_scales:
+        raise ValueError("gemm_ring: FP8 block scales are not supported")
+    if _checks.interpreted():
+        raise ValueError("gemm_ring: Gluon kernels do not run in Triton's interpreter")
+    return _checks.validated_launch("gemm_ring", launch_gemm_ring, default_config, why_not_fits,
+                                    x, w, bias, out_dtype, scale_a, scale_b, config, out, False)

@@ -1,0 +1,148 @@
+"""The TMA-ring Gluon kernel (``triton.ring``) of FP8 decode GEMMs on row-major weights.
+
+Gluon kernels do not run in Triton's interpreter: on the CPU its config space and refusals are
+checked here and its sm_90 code in tests/test_kernels_compile_for_hopper.py; the ``gpu`` tests
+check blocks of x, steps, slots and splits against the fp32 reference at ragged sizes, with
+every scale layout, bias and output dtype, NaN-poisoned outputs, and repeat launches bitwise.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gemm_checks import DEVICE, generator, poisoned, quantised_operands, randn
+from gemmtune.kernels.triton import gemm_ring
+from gemmtune.kernels.triton.gemm_ring import RingConfig
+from test_kernel_gemm_frag import _check
+
+FP8 = torch.float8_e4m3fn
+
+
+def test_names_round_trip():
+    cfg = RingConfig(16, 256, 4, 2)
+    assert cfg.name == "triton.ring:BM16.BK256.S4.SK2"
+    assert RingConfig.from_name(cfg.name) == cfg
+
+
+@pytest.mark.parametrize("config, M, N, K, dtype, says", [
+    (RingConfig(16, 256, 4, 2), 16, 4096, 4096, torch.int8, "float8_e4m3fn only"),
+    (RingConfig(16, 256, 4, 2), 16, 4096, 4104, FP8, "not a multiple of 16"),
+    (RingConfig(16, 256, 4, 40), 16, 4096, 16384, FP8, "split_k=40 must be in"),
+    (RingConfig(16, 256, 4, 8), 16, 4096, 1024, FP8, "4 steps of block_k=256"),
+    (RingConfig(24, 256, 4, 1), 16, 4096, 4096, FP8, "block_m=24 must be one of"),
+    (RingConfig(16, 64, 4, 1), 16, 4096, 4096, FP8, "block_k=64 must be one of"),
+    (RingConfig(16, 256, 1, 1), 16, 4096, 4096, FP8, "stages=1 must be >= 2"),
+    (RingConfig(64, 256, 8, 1), 16, 4096, 4096, FP8, "use fewer stages"),
+    (RingConfig(8, 128, 2, 1), 600_000, 4096, 4096, FP8, "grid's third axis"),
+])
+def test_configs_that_cannot_run_say_why(config, M, N, K, dtype, says):
+    assert says in gemm_ring.why_not_fits(config, M, N, K, dtype)
+
+
+@pytest.mark.parametrize("M, N, K", [(1, 576, 7168), (16, 4096, 512), (33, 1040, 2320),
+                                     (64, 151936, 5120), (200, 256, 7168), (3, 16, 128)])
+def test_candidates_and_default_fit(M, N, K):
+    found = gemm_ring.candidates(M, N, K, FP8, num_sms=132)
+    assert bool(found) == (M <= 64), (M, N, K)  # decode only
+    for cfg in found:
+        assert gemm_ring.fits(cfg, M, N, K, FP8), cfg.name
+        assert gemm_ring.ring_bytes(cfg) <= gemm_ring.RING_BYTES
+    assert len({c.name for c in found}) == len(found)
+    assert gemm_ring.fits(gemm_ring.default_config(M, N, K, FP8, num_sms=132), M, N, K, FP8)
+
+
+def test_refuses_the_interpreter_other_gpus_block_scales_and_tiled_weights(monkeypatch):
+    """It says what to use instead: in the interpreter, off Hopper, for FP8 block scales, and
+    for the pre-shuffled family (whose registry has no ring)."""
+    from gemmtune.families.a8w8_bpreshuffle.op import REGISTRY as SHUFFLED
+    from gemmtune.kernels.problem import GemmProblem, Scaling
+    from gemmtune.kernels.triton import _checks
+
+    cfg = RingConfig(16, 128, 2, 1)
+    monkeypatch.setattr(_checks, "interpreted", lambda: True)
+    assert "interpreter" in gemm_ring.why_not_supported(cfg, 16, 64, 256, FP8, torch.bfloat16)
+    with pytest.raises(ValueError, match="interpreter"):
+        gemm_ring.gemm_ring(torch.zeros(16, 256).to(FP8), torch.zeros(64, 256).to(FP8))
+    monkeypatch.setattr(_checks, "interpreted", lambda: False)
+    monkeypatch.setattr(gemm_ring, "runs_here", lambda: False)
+    assert "written for Hopper" in gemm_ring.why_not_supported(cfg, 16, 64, 256, FP8,
+                                                                torch.bfloat16)
+    with pytest.raises(ValueError, match="block scales"):
+        gemm_ring.gemm_ring(torch.zeros(16, 256).to(FP8), torch.zeros(64, 256).to(FP8),
+                            block_scales=True)
+    from gemmtune.dispatch import KernelNameError
+
+    with pytest.raises(KernelNameError, match="triton.ring"):
+        SHUFFLED.resolve_for(cfg.name, GemmProblem(16, 64, 256, FP8, torch.bfloat16,
+                                                   scaling=Scaling.rowwise, preshuffled=True))
+
+
+# --- GPU -----------------------------------------------------------------------------------
+
+# (M, N, K, config): blocks of x's rows 8-64 and several blocks past 64, steps of 128-256, K not
+# a multiple of the step (TMA's zero fill), 2-8 slots, rings longer than a split's steps,
+# splits that divide the steps and that do not, N past a multiple of 64.
+GPU_CASES = [
+    (1, 576, 7168, RingConfig(8, 256, 4, 4)),
+    (5, 1040, 2320, RingConfig(8, 128, 8, 3)),
+    (16, 4096, 512, RingConfig(16, 128, 2, 2)),
+    (16, 1536, 7168, RingConfig(16, 256, 4, 7)),
+    (31, 256, 7168, RingConfig(32, 256, 4, 28)),
+    (64, 7168, 2048, RingConfig(64, 256, 4, 1)),
+    (64, 1040, 4096, RingConfig(64, 128, 8, 5)),
+    (100, 4096, 1040, RingConfig(64, 256, 2, 2)),
+    (600, 512, 1024, RingConfig(64, 256, 4, 1)),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M, N, K, config", GPU_CASES, ids=lambda v: getattr(v, "name", v))
+@pytest.mark.parametrize("layout", ["tensor", "token_channel", "token_tensor"])
+def test_gpu_matches_reference(M, N, K, config, layout):
+    gen = generator(M + N + K)
+    xq, wq, x_scale, w_scale = quantised_operands(M, N, K, FP8, layout, gen)
+    for out_dtype, with_bias in ((torch.bfloat16, False), (torch.float16, True),
+                                 (torch.float32, True)):
+        bias = randn(N, gen=gen, dtype=torch.bfloat16) if with_bias else None
+        first, again = (gemm_ring.gemm_ring(xq, wq, bias, out_dtype, x_scale, w_scale, config,
+                                            out=poisoned(M, N, out_dtype)) for _ in range(2))
+        _check(first, xq, wq, x_scale, w_scale, bias, f"{config.name} {out_dtype}")
+        assert torch.equal(first, again), config.name
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pitch", [2048 + 64, 2048 + 8])
+def test_gpu_strided_operands(pitch):
+    """x and w with row pitches wider than K (16-byte aligned: read in place; not: copied) and
+    an output that is a slice of a wider one."""
+    M, N, K = 16, 1000, 2048
+    gen = generator(pitch)
+    xq, wq, x_scale, w_scale = quantised_operands(M, N, K, FP8, "token_channel", gen)
+    wide_x = torch.zeros(M, pitch, device=DEVICE).to(FP8)
+    wide_x[:, :K] = xq
+    wide_w = torch.zeros(N, pitch, device=DEVICE).to(FP8)
+    wide_w[:, :K] = wq
+    wide_out = torch.full((M, N + 32), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    y = gemm_ring.gemm_ring(wide_x[:, :K], wide_w[:, :K], None, torch.bfloat16, x_scale,
+                            w_scale, RingConfig(16, 256, 4, 2), out=wide_out[:, :N])
+    _check(y, xq, wq, x_scale, w_scale, None, f"pitch={pitch}")
+    assert torch.isnan(wide_out[:, N:]).all()
+
+
+@pytest.mark.gpu
+def test_gpu_long_k_is_as_precise_as_cublas():
+    """Each step's MMA starts from zero and is added in fp32: over K = 25600 in one split the
+    error stays near cuBLAS's (which promotes its FP8 sums)."""
+    M, N, K = 16, 512, 25600
+    gen = generator(9)
+    xq, wq, x_scale, w_scale = quantised_operands(M, N, K, FP8, "token_channel", gen)
+    y = gemm_ring.gemm_ring(xq, wq, None, torch.float32, x_scale, w_scale,
+                            RingConfig(16, 256, 8, 1))
+    scale = x_scale.reshape(-1, 1) * w_scale.reshape(1, -1)
+    ref = (xq.float() @ wq.float().T) * scale
+    cublas = torch._scaled_mm(xq, wq.T, scale_a=x_scale.reshape(-1, 1).contiguous(),
+                              scale_b=w_scale.reshape(1, -1).contiguous(),
+                              out_dtype=torch.float32)
+    ours, theirs = (y - ref).norm() / ref.norm(), (cublas - ref).norm() / ref.norm()
+    assert ours <= 3 * theirs + 1e-7, (float(ours), float(theirs))
