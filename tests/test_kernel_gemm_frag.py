@@ -117,6 +117,12 @@ def test_fp8_tuners_offer_the_gluon_kernels_for_decode_where_they_run(family):
 
     here = torch.cuda.is_available() and gemm_frag.runs_here()
     assert bool(names(16, "torch.float8_e4m3fn", "triton.frag")) == here
+    # The ring is not replayed: kept only where faster beyond the noise (its simplicity).
+    from gemmtune.families._gemm_tuner import NOT_REPLAYED_SIMPLICITY
+
+    key = tuner.schema.key_type(16, 512, 1024, "torch.float8_e4m3fn")
+    assert all(c.simplicity == NOT_REPLAYED_SIMPLICITY
+               for c in tuner.candidates(key, frozenset()) if c.name.startswith("triton.ring:"))
     assert bool(names(16, "torch.float8_e4m3fn", "triton.ring")) == (here and family == "a8w8")
     for prefix in ("triton.frag", "triton.ring"):
         assert not names(16, "torch.int8", prefix)
