@@ -657,10 +657,11 @@ def test_every_shipped_torch_and_triton_row_can_run_its_shape(family, op_module)
     from gemmtune.tables.sources import configs_dir
     from gemmtune.tables.store import read_table
 
-    # triton.frag rows (a Gluon kernel) run compiled on a Hopper GPU only: elsewhere each must be
-    # refused for that reason alone.
+    # Gluon kernels' rows (triton.frag, triton.ring) run compiled on a Hopper GPU only:
+    # elsewhere each must be refused for that reason alone.
     from gemmtune.dispatch import KernelNameError
     from gemmtune.kernels.triton import _checks
+    from gemmtune.kernels.triton.dispatchable import GLUON_PREFIXES
 
     gluon_here = not _checks.interpreted() and torch.cuda.is_available() \
         and torch.cuda.get_device_capability() == (9, 0)
@@ -671,7 +672,7 @@ def test_every_shipped_torch_and_triton_row_can_run_its_shape(family, op_module)
     assert len(rows) > 50
     for r in rows:
         name = r.kernel_names(schema)[0]
-        if name.startswith("triton.frag:") and not gluon_here:
+        if name.startswith(tuple(p + ":" for p in GLUON_PREFIXES)) and not gluon_here:
             with pytest.raises(KernelNameError, match="interpreter|written for Hopper"):
                 op.REGISTRY.resolve_for(name, op.problem_of(r.key))
             continue

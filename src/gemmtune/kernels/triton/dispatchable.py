@@ -21,6 +21,8 @@ from gemmtune.kernels.triton._replay import Replay, launch
 
 PREFIXES = ("triton.tile", "triton.splitk", "triton.gemv", "triton.persistent", "triton.frag",
             "triton.ring")
+# Gluon kernels: compiled for Hopper only, never in Triton's interpreter.
+GLUON_PREFIXES = ("triton.frag", "triton.ring")
 
 
 class _KernelModule(NamedTuple):
