@@ -482,3 +482,51 @@ def pdl_chain_reads_its_input_after_the_producer(launch_only, config, M, K, grap
 
 LAUNCHER_CHECKS = (default_out_dtype_and_config, fp8_defaults_to_bf16_output, empty_k_gives_bias,
                    empty_m_returns_empty, rejects_bad_arguments)
+
+
+def check_fp8_decode(y, xq, wq, x_scale, w_scale, bias, what):
+    """An FP8 decode GEMM's ``y`` (the swapped Gluon kernels'): every element written; in norm no further from the fp32 reference than 3x torch's own
+    FP8 GEMM (cuBLAS, promoted accumulation) plus the output's rounding; per element within
+    the output's rounding plus 2^-10 of |x| @ |w| (the FP8 MMA truncates its sums within a
+    step: errors of ~1e-3 of the magnitude, above fp32's bound but far below a wrong
+    element's)."""
+    assert not torch.isnan(y).any(), f"{what}: {int(torch.isnan(y).sum())} outputs unwritten"
+    scale = x_scale.reshape(-1, 1) * w_scale.reshape(1, -1)
+    ref = (xq.float() @ wq.float().T) * scale
+    mag = (xq.float().abs() @ wq.float().abs().T) * scale
+    n = wq.shape[0]
+    padded = torch.zeros(-(-n // 16) * 16, wq.shape[1], device=DEVICE).to(wq.dtype)
+    padded[:n] = wq  # _scaled_mm takes N a multiple of 16
+    ref_torch = torch._scaled_mm(xq, padded.T, scale_a=torch.ones((), device=DEVICE),
+                                 scale_b=torch.ones((), device=DEVICE),
+                                 out_dtype=torch.float32)[:, :n] * scale
+    if bias is not None:
+        ref = ref + bias.float()
+        ref_torch = ref_torch + bias.float()
+        mag = mag + bias.float().abs()
+    rounding = {torch.float32: 2**-24, torch.float16: 2**-11, torch.bfloat16: 2**-8}[y.dtype]
+    err = (y.float() - ref).abs()
+    assert err.norm() <= 3 * (ref_torch - ref).norm() + rounding * ref.norm(), \
+        (what, float(err.norm() / ref.norm()), float((ref_torch - ref).norm() / ref.norm()))
+    bound = rounding * ref.abs() + 2**-10 * mag
+    worst = int((err - bound).argmax())
+    assert (err <= bound).all(), (
+        f"{what}: |y - ref| = {err.flatten()[worst]:.3g} > {bound.flatten()[worst]:.3g} at "
+        f"{worst} (ref {ref.flatten()[worst]:.4g})")
+
+
+def assert_long_k_as_precise_as_cublas(gemm):
+    """``gemm(xq, wq, x_scale, w_scale)`` -> fp32 y over K = 25600 in one split: no further from
+    the fp32 reference than 3x cuBLAS's FP8 GEMM (which promotes its sums), as a kernel that adds
+    each step's MMA into fp32 stays; unpromoted FP8 wgmma sums were 10-30x it
+    (docs/benchmarks.md, session 18)."""
+    M, N, K = 16, 512, 25600
+    xq, wq, x_scale, w_scale = quantised_operands(M, N, K, torch.float8_e4m3fn, "token_channel",
+                                                  generator(9))
+    y = gemm(xq, wq, x_scale, w_scale)
+    ref = (xq.float() @ wq.float().T) * x_scale.reshape(-1, 1) * w_scale.reshape(1, -1)
+    cublas = torch._scaled_mm(xq, wq.T, scale_a=x_scale.reshape(-1, 1).contiguous(),
+                              scale_b=w_scale.reshape(1, -1).contiguous(),
+                              out_dtype=torch.float32)
+    ours, theirs = (y - ref).norm() / ref.norm(), (cublas - ref).norm() / ref.norm()
+    assert ours <= 3 * theirs + 1e-7, (float(ours), float(theirs))

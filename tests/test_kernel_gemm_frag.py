@@ -11,9 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gemm_checks import DEVICE, generator, poisoned, quantised_operands, randn
+from gemm_checks import (DEVICE, assert_long_k_as_precise_as_cublas, check_fp8_decode, generator,
+                         poisoned, quantised_operands, randn)
 from gemmtune import quant
-from gemmtune.kernels.triton import gemm_frag
+from gemmtune.kernels.triton import _swapped, gemm_frag
 from gemmtune.kernels.triton.gemm_frag import FragConfig
 
 FP8 = torch.float8_e4m3fn
@@ -89,7 +90,7 @@ def test_refuses_gpus_other_than_hopper_and_strided_tiled_weights(monkeypatch):
     from gemmtune.kernels.triton import _checks
 
     monkeypatch.setattr(_checks, "interpreted", lambda: False)
-    monkeypatch.setattr(gemm_frag, "runs_here", lambda: False)
+    monkeypatch.setattr(_swapped, "runs_here", lambda: False)
     cfg = FragConfig(16, 128, 1, 1)
     assert "written for Hopper" in gemm_frag.why_not_supported(cfg, 16, 64, 256, FP8,
                                                                 torch.bfloat16)
@@ -115,7 +116,7 @@ def test_fp8_tuners_offer_the_gluon_kernels_for_decode_where_they_run(family):
         return [c.name for c in tuner.candidates(key, frozenset())
                 if c.name.startswith(prefix + ":")]
 
-    here = torch.cuda.is_available() and gemm_frag.runs_here()
+    here = torch.cuda.is_available() and _swapped.runs_here()
     assert bool(names(16, "torch.float8_e4m3fn", "triton.frag")) == here
     # The ring is not replayed: kept only where faster beyond the noise (its simplicity).
     from gemmtune.families._gemm_tuner import NOT_REPLAYED_SIMPLICITY
@@ -130,37 +131,6 @@ def test_fp8_tuners_offer_the_gluon_kernels_for_decode_where_they_run(family):
 
 
 # --- GPU -----------------------------------------------------------------------------------
-
-
-def _check(y, xq, wq, x_scale, w_scale, bias, what):
-    """Every element written; in norm no further from the fp32 reference than 3x torch's own
-    FP8 GEMM (cuBLAS, promoted accumulation) plus the output's rounding; per element within
-    the output's rounding plus 2^-10 of |x| @ |w| (the FP8 MMA truncates its sums within a
-    step: errors of ~1e-3 of the magnitude, above fp32's bound but far below a wrong
-    element's)."""
-    assert not torch.isnan(y).any(), f"{what}: {int(torch.isnan(y).sum())} outputs unwritten"
-    scale = x_scale.reshape(-1, 1) * w_scale.reshape(1, -1)
-    ref = (xq.float() @ wq.float().T) * scale
-    mag = (xq.float().abs() @ wq.float().abs().T) * scale
-    n = wq.shape[0]
-    padded = torch.zeros(-(-n // 16) * 16, wq.shape[1], device=DEVICE).to(wq.dtype)
-    padded[:n] = wq  # _scaled_mm takes N a multiple of 16
-    ref_torch = torch._scaled_mm(xq, padded.T, scale_a=torch.ones((), device=DEVICE),
-                                 scale_b=torch.ones((), device=DEVICE),
-                                 out_dtype=torch.float32)[:, :n] * scale
-    if bias is not None:
-        ref = ref + bias.float()
-        ref_torch = ref_torch + bias.float()
-        mag = mag + bias.float().abs()
-    rounding = {torch.float32: 2**-24, torch.float16: 2**-11, torch.bfloat16: 2**-8}[y.dtype]
-    err = (y.float() - ref).abs()
-    assert err.norm() <= 3 * (ref_torch - ref).norm() + rounding * ref.norm(), \
-        (what, float(err.norm() / ref.norm()), float((ref_torch - ref).norm() / ref.norm()))
-    bound = rounding * ref.abs() + 2**-10 * mag
-    worst = int((err - bound).argmax())
-    assert (err <= bound).all(), (
-        f"{what}: |y - ref| = {err.flatten()[worst]:.3g} > {bound.flatten()[worst]:.3g} at "
-        f"{worst} (ref {ref.flatten()[worst]:.4g})")
 
 
 # (M, N, K, config): every block of x's rows (8-64, and several blocks past 64), steps of
@@ -196,7 +166,7 @@ def test_gpu_matches_reference(M, N, K, config, layout, w_tiled):
         first, again = (gemm_frag.gemm_frag(xq, w, bias, out_dtype, x_scale, w_scale, config,
                                             out=poisoned(M, N, out_dtype), w_tiled=w_tiled)
                         for _ in range(2))
-        _check(first, xq, wq, x_scale, w_scale, bias, f"{config.name} {out_dtype}")
+        check_fp8_decode(first, xq, wq, x_scale, w_scale, bias, f"{config.name} {out_dtype}")
         assert torch.equal(first, again), config.name
 
 
@@ -212,7 +182,7 @@ def test_gpu_row_major_any_n_and_row_pitch(N, pitch):
     wide[:, :K] = wq
     y = gemm_frag.gemm_frag(xq, wide[:, :K], None, torch.bfloat16, x_scale, w_scale,
                             FragConfig(16, 128, 3, 2), out=poisoned(M, N, torch.bfloat16))
-    _check(y, xq, wq, x_scale, w_scale, None, f"N={N} pitch={pitch}")
+    check_fp8_decode(y, xq, wq, x_scale, w_scale, None, f"N={N} pitch={pitch}")
 
 
 @pytest.mark.gpu
@@ -227,7 +197,7 @@ def test_gpu_strided_x_and_output():
     y = gemm_frag.gemm_frag(wide_x[:, :K], quant.shuffle_weight(wq), None, torch.bfloat16,
                             x_scale, w_scale, FragConfig(16, 256, 2, 1), out=wide_out[:, :N],
                             w_tiled=True)
-    _check(y, xq, wq, x_scale, w_scale, None, "strided")
+    check_fp8_decode(y, xq, wq, x_scale, w_scale, None, "strided")
     assert torch.isnan(wide_out[:, N:]).all()
 
 
@@ -236,15 +206,6 @@ def test_gpu_long_k_is_as_precise_as_cublas():
     """Each step's MMA starts from zero and is added in fp32, so over K = 25600 in one split
     the error stays near cuBLAS's (which promotes its FP8 sums) rather than 10-30x it, as
     unpromoted FP8 wgmma sums were (docs/benchmarks.md, session 18)."""
-    M, N, K = 16, 512, 25600
-    gen = generator(9)
-    xq, wq, x_scale, w_scale = quantised_operands(M, N, K, FP8, "token_channel", gen)
-    y = gemm_frag.gemm_frag(xq, wq, None, torch.float32, x_scale, w_scale,
-                            FragConfig(16, 256, 1, 1))
-    scale = x_scale.reshape(-1, 1) * w_scale.reshape(1, -1)
-    ref = (xq.float() @ wq.float().T) * scale
-    cublas = torch._scaled_mm(xq, wq.T, scale_a=x_scale.reshape(-1, 1).contiguous(),
-                              scale_b=w_scale.reshape(1, -1).contiguous(),
-                              out_dtype=torch.float32)
-    ours, theirs = (y - ref).norm() / ref.norm(), (cublas - ref).norm() / ref.norm()
-    assert ours <= 3 * theirs + 1e-7, (float(ours), float(theirs))
+    assert_long_k_as_precise_as_cublas(
+        lambda xq, wq, x_scale, w_scale: gemm_frag.gemm_frag(
+            xq, wq, None, torch.float32, x_scale, w_scale, FragConfig(16, 256, 1, 1)))

@@ -31,6 +31,34 @@ def runs_here() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 
 
+def why_not_here(kernel: str) -> str | None:
+    """Why a Gluon kernel (``kernel``, its words) cannot run in this process: Triton's
+    interpreter, or a GPU other than a Hopper (the warpgroup MMA with the fp32 sums and the TMA
+    it is written for); None where it can."""
+    from gemmtune.kernels.triton import _checks
+
+    if _checks.interpreted():
+        return ("Gluon kernels do not run in Triton's interpreter (TRITON_INTERPRET=1); on the "
+                "CPU use a triton.splitk, triton.tile or triton.gemv config")
+    if not runs_here():
+        return (f"the {kernel} is written for Hopper (sm_90); on this GPU use a triton.splitk, "
+                f"triton.tile or triton.gemv config")
+    return None
+
+
+def why_not_grid(config, M: int, K: int, k_steps: int, max_split: int) -> str | None:
+    """Why ``config``'s split of K's ``k_steps`` steps or its blocks of M's rows do not make a
+    grid (each split at least one step, at most ``max_split``; the third axis CUDA's limit)."""
+    if not 1 <= config.split_k <= min(max_split, k_steps):
+        return (f"split_k={config.split_k} must be in [1, {min(max_split, k_steps)}]: K={K} is "
+                f"{k_steps} steps of block_k={config.block_k}, at most {max_split} splits")
+    blocks = -(-M // config.block_m)
+    if blocks > MAX_GRID_Z:
+        return (f"M={M} takes {blocks} blocks of block_m={config.block_m}, more than the grid's "
+                f"third axis holds ({MAX_GRID_Z}); use a larger block_m")
+    return None
+
+
 def block_m_for(M: int) -> int:
     """The smallest block of x's rows that takes all of M (at most 64: larger M takes several)."""
     return next((b for b in BLOCK_MS if b >= M), BLOCK_MS[-1])

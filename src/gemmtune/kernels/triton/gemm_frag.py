@@ -40,9 +40,9 @@ from gemmtune.kernels.triton._epilogue import epilogue_constexprs, epilogue_oper
 from gemmtune.kernels.triton._replay import KernelCall, launch
 from gemmtune.kernels.triton._splits import (PDL_OFF, pdl_supported, split_for,
                                              why_not_wait_pdl, workspace)
-from gemmtune.kernels.triton._swapped import (BLOCK_MS, BLOCK_N, MAX_GRID_Z, NUM_WARPS, barrier,
+from gemmtune.kernels.triton._swapped import (BLOCK_MS, BLOCK_N, NUM_WARPS, barrier,
                                               block_m_for, finish_tile, partials_per_load,
-                                              runs_here)
+                                              why_not_grid, why_not_here)
 from gemmtune.kernels.triton._wlayout import why_not_tiled
 
 KERNEL_PREFIX = "triton.frag"
@@ -101,13 +101,7 @@ def why_not_fits(config: FragConfig, M: int, N: int, K: int, dtype: torch.dtype)
     if K % c.block_k:
         return f"K={K} is not a multiple of block_k={c.block_k}: use a block_k that divides it"
     k_steps = K // c.block_k
-    if not 1 <= c.split_k <= min(MAX_SPLIT_K, k_steps):
-        return (f"split_k={c.split_k} must be in [1, {min(MAX_SPLIT_K, k_steps)}]: K={K} is "
-                f"{k_steps} steps of block_k={c.block_k}, at most {MAX_SPLIT_K} splits")
-    if triton.cdiv(M, c.block_m) > MAX_GRID_Z:
-        return (f"M={M} takes {triton.cdiv(M, c.block_m)} blocks of block_m={c.block_m}, more "
-                f"than the grid's third axis holds ({MAX_GRID_Z}); use a larger block_m")
-    return None
+    return why_not_grid(c, M, K, k_steps, MAX_SPLIT_K)
 
 
 def why_not_supported(config: FragConfig, M: int, N: int, K: int, dtype: torch.dtype,
@@ -115,13 +109,8 @@ def why_not_supported(config: FragConfig, M: int, N: int, K: int, dtype: torch.d
     """``why_not_fits``, the output dtypes, and whether the kernel can run here: compiled (not
     in Triton's interpreter) for a Hopper GPU (its warpgroup MMA with the fp32 sums it is
     written for)."""
-    if _checks.interpreted():
-        return ("Gluon kernels do not run in Triton's interpreter (TRITON_INTERPRET=1); on the "
-                "CPU use a triton.splitk, triton.tile or triton.gemv config")
-    if not runs_here():
-        return ("the register-direct kernel is written for Hopper's warpgroup MMA (sm_90); on "
-                "this GPU use a triton.splitk, triton.tile or triton.gemv config")
-    return _checks.why_not_dtypes(dtype, out_dtype) or why_not_fits(config, M, N, K, dtype)
+    return (why_not_here("register-direct kernel") or _checks.why_not_dtypes(dtype, out_dtype)
+            or why_not_fits(config, M, N, K, dtype))
 
 
 def why_not_block_scaled(config: FragConfig, dtype: torch.dtype) -> str | None:

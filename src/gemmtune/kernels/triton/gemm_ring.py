@@ -37,9 +37,9 @@ from gemmtune.kernels.triton import _checks
 from gemmtune.kernels.triton._epilogue import epilogue_constexprs, epilogue_operands
 from gemmtune.kernels.triton._replay import KernelCall, launch
 from gemmtune.kernels.triton._splits import split_for, workspace
-from gemmtune.kernels.triton._swapped import (BLOCK_MS, BLOCK_N, MAX_GRID_Z, NUM_WARPS, barrier,
+from gemmtune.kernels.triton._swapped import (BLOCK_MS, BLOCK_N, NUM_WARPS, barrier,
                                               block_m_for, finish_tile, partials_per_load,
-                                              runs_here)
+                                              why_not_grid, why_not_here)
 
 KERNEL_PREFIX = "triton.ring"
 BLOCK_KS = (128, 256)
@@ -91,26 +91,15 @@ def why_not_fits(config: RingConfig, M: int, N: int, K: int, dtype: torch.dtype)
         return (f"K={K} FP8 rows are not a multiple of {_TMA_ALIGN} B, as TMA needs; use a "
                 f"triton.splitk config")
     k_steps = triton.cdiv(K, c.block_k)
-    if not 1 <= c.split_k <= min(MAX_SPLIT_K, k_steps):
-        return (f"split_k={c.split_k} must be in [1, {min(MAX_SPLIT_K, k_steps)}]: K={K} is "
-                f"{k_steps} steps of block_k={c.block_k}, at most {MAX_SPLIT_K} splits")
-    if triton.cdiv(M, c.block_m) > MAX_GRID_Z:
-        return (f"M={M} takes {triton.cdiv(M, c.block_m)} blocks of block_m={c.block_m}, more "
-                f"than the grid's third axis holds ({MAX_GRID_Z}); use a larger block_m")
-    return None
+    return why_not_grid(c, M, K, k_steps, MAX_SPLIT_K)
 
 
 def why_not_supported(config: RingConfig, M: int, N: int, K: int, dtype: torch.dtype,
                       out_dtype: torch.dtype) -> str | None:
     """``why_not_fits``, the output dtypes, and whether the kernel can run here: compiled (not in
     Triton's interpreter) for a Hopper GPU."""
-    if _checks.interpreted():
-        return ("Gluon kernels do not run in Triton's interpreter (TRITON_INTERPRET=1); on the "
-                "CPU use a triton.splitk, triton.tile or triton.gemv config")
-    if not runs_here():
-        return ("the TMA-ring kernel is written for Hopper's warpgroup MMA and TMA (sm_90); on "
-                "this GPU use a triton.splitk, triton.tile or triton.gemv config")
-    return _checks.why_not_dtypes(dtype, out_dtype) or why_not_fits(config, M, N, K, dtype)
+    return (why_not_here("TMA-ring kernel") or _checks.why_not_dtypes(dtype, out_dtype)
+            or why_not_fits(config, M, N, K, dtype))
 
 
 def why_not_block_scaled(config: RingConfig, dtype: torch.dtype) -> str | None:
