@@ -35,6 +35,7 @@ def test_names_round_trip():
     (RingConfig(16, 256, 1, 1), 16, 4096, 4096, FP8, "stages=1 must be >= 2"),
     (RingConfig(64, 256, 8, 1), 16, 4096, 4096, FP8, "use fewer stages"),
     (RingConfig(8, 128, 2, 1), 600_000, 4096, 4096, FP8, "grid's third axis"),
+    (RingConfig(8, 128, 2, 1), 16, 4096, 0, FP8, "K=0"),
 ])
 def test_configs_that_cannot_run_say_why(config, M, N, K, dtype, says):
     assert says in gemm_ring.why_not_fits(config, M, N, K, dtype)
@@ -137,3 +138,22 @@ def test_gpu_long_k_is_as_precise_as_cublas():
     assert_long_k_as_precise_as_cublas(
         lambda xq, wq, x_scale, w_scale: gemm_ring.gemm_ring(
             xq, wq, None, torch.float32, x_scale, w_scale, RingConfig(16, 256, 8, 1)))
+
+
+@pytest.mark.gpu
+def test_gpu_through_dispatch_with_3d_x_and_n_under_64():
+    """The ring named as gemm_a8w8's kernel (dispatch's check, plan and launch, called twice:
+    its launch is not replayed, so both go through Triton's launcher): x (batch, tokens, K),
+    N smaller than w's 64-row box."""
+    import gemmtune
+
+    M, N, K = 12, 40, 1024
+    gen = generator(4)
+    xq, wq, x_scale, w_scale = quantised_operands(M, N, K, FP8, "token_channel", gen)
+    name = RingConfig(16, 256, 2, 2).name
+    for _ in range(2):
+        y = gemmtune.gemm_a8w8(xq.reshape(3, 4, K), wq, x_scale.reshape(3, 4, 1),
+                               w_scale.reshape(N, 1), kernel=name)
+        assert y.shape == (3, 4, N)
+        check_fp8_decode(y.reshape(M, N), xq, wq, x_scale, w_scale, None, name)
+

@@ -302,11 +302,20 @@ RING_SCRIPT = textwrap.dedent("""
     from triton.experimental.gluon import language as gl
     from gemmtune.kernels.triton import gemm_ring
 
+    import os
+    import subprocess
+    import tempfile
+
     names = inspect.signature(gemm_ring.gemm_ring_kernel.fn).parameters
-    # (block_m, block_k, stages, split_k, (scale_a, scale_b, bias))
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    ptxas = get_ptxas(90).path  # the one Triton assembles sm_90 with (its PTX version)
+    # (block_m, block_k, stages, split_k, (scale_a, scale_b, bias)); the largest rings the
+    # space admits and the largest split sums among them
     for block_m, block_k, stages, split_k, epilogue in (
             (8, 128, 8, 1, (2, 2, False)), (16, 256, 4, 4, (1, 0, True)),
-            (64, 256, 4, 2, (2, 2, True)), (32, 128, 8, 20, (0, 1, False))):
+            (64, 256, 4, 2, (2, 2, True)), (32, 128, 8, 20, (0, 1, False)),
+            (8, 128, 22, 32, (2, 2, True)), (64, 256, 6, 32, (2, 2, True))):
         scale_a, scale_b, has_bias = epilogue
         constexprs = dict(HAS_BIAS=has_bias, SCALE_A=scale_a, SCALE_B=scale_b, SPLIT_K=split_k,
                           BLOCK_M=block_m, BLOCK_K=block_k, STAGES=stages,
@@ -332,7 +341,14 @@ RING_SCRIPT = textwrap.dedent("""
         assert ring <= kernel.metadata.shared <= ring + 64 * block_m * 4 + 1024, \
             (ring, kernel.metadata.shared)
         assert ("atom.global" in text) == (split_k > 1)
-        assert "st.local" not in text
+        assert kernel.metadata.shared <= 227 * 1024  # what a block may have on an H100
+        # No register spills (ptxas decides them; the PTX cannot show them).
+        with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+            f.write(text)
+        done = subprocess.run([ptxas, "-v", "-arch=sm_90a", f.name, "-o", os.devnull],
+                              capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert " 0 bytes spill stores" in done.stderr, (block_m, stages, split_k, done.stderr)
     print("ok")
 """)
 

@@ -49,6 +49,9 @@ def why_not_here(kernel: str) -> str | None:
 def why_not_grid(config, M: int, K: int, k_steps: int, max_split: int) -> str | None:
     """Why ``config``'s split of K's ``k_steps`` steps or its blocks of M's rows do not make a
     grid (each split at least one step, at most ``max_split``; the third axis CUDA's limit)."""
+    if K < 1:
+        return (f"K={K}: the Gluon decode kernels multiply at least one step of K; an empty sum "
+                f"is the split-K kernels' or torch's")
     if not 1 <= config.split_k <= min(max_split, k_steps):
         return (f"split_k={config.split_k} must be in [1, {min(max_split, k_steps)}]: K={K} is "
                 f"{k_steps} steps of block_k={config.block_k}, at most {max_split} splits")
