@@ -176,26 +176,19 @@ def triton_candidates(m: int, n: int, k: int, dtype: torch.dtype,
 
 
 def gluon_candidates(p: GemmProblem, registry) -> list[Candidate]:
-    """The Gluon decode kernels' configs (FP8, M <= 64: ``gemm_frag.candidates``, with PDL where
-    it is supported, and ``gemm_ring.candidates``, kept only where clearly faster) that
-    ``registry`` can run for ``p`` (it refuses them off Hopper, in the interpreter, and the ring
-    on pre-shuffled weights); none without a GPU."""
+    """The register-direct Gluon kernel's configs (FP8, M <= 64: ``gemm_frag.candidates``, with
+    PDL where it is supported) that ``registry`` can run for ``p`` (it refuses them off Hopper
+    and in the interpreter); none without a GPU. Not ``triton.ring``'s: its launch is not
+    replayed, and an eager call through Triton's launcher cost 194 µs of host time against
+    21-24 µs for the rows it beat on the GPU (docs/benchmarks.md, session 21)."""
     if not torch.cuda.is_available():
         return []
-    from gemmtune.kernels.triton import gemm_frag, gemm_ring
+    from gemmtune.kernels.triton import gemm_frag
     from gemmtune.kernels.triton._splits import pdl_where_supported
 
-    found = [Candidate(cfg.name, "triton", splitk=cfg.split_k)
-             for cfg in gemm_frag.candidates(p.m, p.n, p.k, p.dtype, pdl=pdl_where_supported())]
-    found += [Candidate(cfg.name, "triton", splitk=cfg.split_k, simplicity=NOT_REPLAYED_SIMPLICITY)
-              for cfg in gemm_ring.candidates(p.m, p.n, p.k, p.dtype)]
-    return [c for c in found if registry.can_run(c.name, p)]
-
-
-# A config whose launch is not replayed (``triton.ring``: each eager call goes through Triton's
-# launcher, tens of µs of host time more than a replay) is kept only where it is faster beyond
-# the noise than the rest (family.Candidate.simplicity).
-NOT_REPLAYED_SIMPLICITY = 3
+    return [Candidate(cfg.name, "triton", splitk=cfg.split_k)
+            for cfg in gemm_frag.candidates(p.m, p.n, p.k, p.dtype, pdl=pdl_where_supported())
+            if registry.can_run(cfg.name, p)]
 
 
 def _gemv_programs(name: str, n: int) -> int:

@@ -2,8 +2,8 @@
 
 Candidates run with per-token activation and per-channel weight scales (the layout of FP8/INT8
 serving); the kernels take per-tensor scales through the same path. Beside the shared GEMM
-candidates, on a Hopper GPU the Gluon decode kernels' (register-direct and TMA-ring; FP8,
-M <= 64). Each candidate is checked against the dequantised product in fp32.
+candidates, on a Hopper GPU the register-direct Gluon kernel's (FP8, M <= 64). Each candidate
+is checked against the dequantised product in fp32.
 """
 
 from __future__ import annotations

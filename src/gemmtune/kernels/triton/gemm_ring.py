@@ -19,7 +19,9 @@ Row-major w only (TMA reads rows; the pre-shuffled tiles are ``triton.frag``'s a
 kernels'); K a multiple of 16 (TMA's 16-byte row pitch), any N, M. FP8 (float8_e4m3fn), Hopper
 (sm_90) only; Gluon does not run in Triton's interpreter, so the CPU checks only compile it
 (tests/test_kernels_compile_for_hopper.py). Its launch is not replayed (the replay path rebuilds
-plain Triton's TMA descriptors, not Gluon's): each call goes through Triton's launcher.
+plain Triton's TMA descriptors, not Gluon's): each call goes through Triton's launcher, 194 µs of
+host time per eager call on the H100's host against 21-24 µs for a replayed row, so it is a named
+kernel (``kernel=``, a table row) and not a tuner candidate until its launch is replayed.
 """
 
 from __future__ import annotations
