@@ -360,3 +360,36 @@ def test_ring_kernel_feeds_both_operands_through_tma():
     where K is split."""
     compiles_for_hopper(RING_SCRIPT)
 
+
+W4_SCRIPT = textwrap.dedent("""
+    import inspect
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from gemmtune.kernels.triton import gemm_w4
+
+    names = list(inspect.signature(gemm_w4.gemm_w4_kernel.fn).parameters)
+    for dtype, (bm, bn, bk), mma in (("bf16", (16, 64, 128), "mma.sync"),
+                                     ("fp16", (64, 128, 64), "wgmma.mma_async")):
+        constexprs = dict(HAS_BIAS=True, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
+        pointers = {"x_ptr": f"*{dtype}", "wq_ptr": "*u8", "ws_ptr": "*u8",
+                    "bias_ptr": f"*{dtype}", "y_ptr": f"*{dtype}"}
+        signature = {n: pointers.get(n) or ("constexpr" if n in constexprs else "i32")
+                     for n in names}
+        kernel = triton.compile(ASTSource(fn=gemm_w4.gemm_w4_kernel, signature=signature,
+                                          constexprs=constexprs),
+                                target=GPUTarget("cuda", 90, 128),
+                                options={"num_warps": 4, "num_stages": 3})
+        # The dequantised tile goes to the tensor cores: mma.sync for 16 rows of x, the
+        # warpgroup MMA from 64.
+        assert mma in kernel.asm["ptx"], (dtype, bm)
+    print("ok")
+""")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the kernel's own tests run it")
+def test_mxfp4_weight_kernel_compiles_for_hopper():
+    """gemm_w4 (MXFP4 weights dequantised in registers) builds for sm_90 in bf16 and fp16, its
+    dot on the tensor cores."""
+    compiles_for_hopper(W4_SCRIPT)
+

@@ -1,0 +1,172 @@
+"""MXFP4 weights with bf16/fp16 activations in Triton: ``y = x @ dequant(wq, w_scale).T + bias``.
+
+The weight stays 4-bit in memory (``gemmtune.kernels.mxfp4``: two E2M1 elements per byte, one
+E8M0 scale per 32 along K) and is dequantised in registers, a (BLOCK_N, BLOCK_K) tile at a time,
+to x's dtype (exact: an E2M1 value times a power of two is a bf16 and an fp16 value within their
+exponent ranges), then multiplied with ``tl.dot`` into fp32. x is read as it is. One program per
+(BLOCK_M, BLOCK_N) tile of y over all of K; output in x's dtype.
+
+This is issue 16's first kernel, correct at every size and checked in the interpreter; its
+tuning (split-K for decode, the config space) and the op family that dispatches to it
+(``gemm_a16w4``) come with the GPU work.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from gemmtune.kernels import mxfp4
+from gemmtune.kernels._names import Field, NameCodec, NamedConfig
+
+KERNEL_PREFIX = "triton.w4"
+_BLOCK = tl.constexpr(mxfp4.BLOCK)  # elements per scale
+_X_DTYPES = (torch.bfloat16, torch.float16)
+
+
+@dataclass(frozen=True)
+class W4Config(NamedConfig):
+    """One point of the kernel's config space, e.g. ``triton.w4:BM16.BN64.BK128.W4.S3``."""
+
+    NAME_CODEC = NameCodec("MXFP4-weight config", KERNEL_PREFIX, (
+        Field("BM", "block_m"), Field("BN", "block_n"), Field("BK", "block_k"),
+        Field("W", "num_warps"), Field("S", "num_stages")))
+
+    block_m: int
+    block_n: int
+    block_k: int  # elements of K per step: a multiple of the 32-element scale block
+    num_warps: int
+    num_stages: int
+
+
+def why_not_fits(config: W4Config, M: int, N: int, K: int, dtype: torch.dtype) -> str | None:
+    """The first constraint ``config`` breaks for an (M, N, K) GEMM with ``dtype`` x, or None."""
+    c = config
+    if dtype not in _X_DTYPES:
+        return f"x of {dtype}: the MXFP4-weight kernel takes bf16 or fp16 activations"
+    for name, value in (("block_m", c.block_m), ("block_n", c.block_n), ("block_k", c.block_k)):
+        if value < 16 or value & (value - 1):
+            return f"{name}={value} must be a power of two >= 16 (tl.dot's smallest block)"
+    if c.block_k % mxfp4.BLOCK:
+        return f"block_k={c.block_k} must be a multiple of the MXFP4 block ({mxfp4.BLOCK})"
+    why = mxfp4.why_not_quantisable(K)
+    if why is not None:
+        return why
+    if c.num_warps not in (1, 2, 4, 8) or not 1 <= c.num_stages <= 5:
+        return f"num_warps={c.num_warps} (1, 2, 4 or 8) and num_stages={c.num_stages} (1-5)"
+    return None
+
+
+def default_config(M: int, N: int, K: int, dtype: torch.dtype) -> W4Config:
+    """Reasonable untuned: 16-64 rows of x, 64 of w, 128 of K per step (64 bytes of w per row)."""
+    return W4Config(min(64, max(16, triton.next_power_of_2(M))), 64, 128, 4, 3)
+
+
+@triton.jit
+def _e2m1(code):
+    """fp32 value of 4-bit E2M1 codes (int32 0-15): bit 3 the sign, bits 1-2 the exponent,
+    bit 0 the mantissa; exponent 0 is subnormal (0 or 0.5)."""
+    magnitude = code & 7
+    exponent = magnitude >> 1
+    mantissa = magnitude & 1
+    # 2^(e-1) * (1 + m/2) = 2^(e-1) * (2 + m) / 2, in integers: exact.
+    normal = ((1 << tl.maximum(exponent - 1, 0)) * (2 + mantissa)).to(tl.float32) * 0.5
+    value = tl.where(exponent == 0, mantissa.to(tl.float32) * 0.5, normal)
+    return tl.where(code >= 8, -value, value)
+
+
+@triton.jit
+def _e8m0(byte):
+    """fp32 2^(byte - 127) of E8M0 scale bytes (int32): 0 is 2^-127, 255 NaN."""
+    power = (byte << 23).to(tl.float32, bitcast=True)
+    power = tl.where(byte == 0, 5.877471754111438e-39, power)
+    return tl.where(byte == 255, float("nan"), power)
+
+
+@triton.jit
+def _dequant_tile(wq_ptr, ws_ptr, rows, k0, N, K, stride_wn, stride_sn, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr, DTYPE: tl.constexpr):
+    """w's rows ``rows`` over K [k0, k0 + BLOCK_K) in ``DTYPE``, (BLOCK_N, BLOCK_K): the bytes'
+    low nibbles are the even elements, the high ones the odd. Past N or K: zeros (code 0 times
+    the scale byte 0's 2^-127, never NaN)."""
+    inside = (rows < N)[:, None]
+    pairs = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+    packed = tl.load(wq_ptr + rows[:, None].to(tl.int64) * stride_wn + pairs[None, :],
+                     mask=inside & (pairs < K // 2)[None, :], other=0).to(tl.int32)
+    values = tl.reshape(tl.join(_e2m1(packed & 15), _e2m1(packed >> 4)), (BLOCK_N, BLOCK_K))
+    blocks = k0 // _BLOCK + tl.arange(0, BLOCK_K // _BLOCK)
+    scales = _e8m0(tl.load(ws_ptr + rows[:, None].to(tl.int64) * stride_sn + blocks[None, :],
+                           mask=inside & (blocks < K // _BLOCK)[None, :], other=0).to(tl.int32))
+    values = tl.reshape(values, (BLOCK_N, BLOCK_K // _BLOCK, _BLOCK)) * scales[:, :, None]
+    return tl.reshape(values, (BLOCK_N, BLOCK_K)).to(DTYPE)
+
+
+@triton.jit
+def gemm_w4_kernel(x_ptr, wq_ptr, ws_ptr, bias_ptr, y_ptr, M, N, K,
+                   stride_xm, stride_wn, stride_sn, stride_ym,
+                   HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rows_x = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows_w = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        inside_k = k0 + ks < K
+        x = tl.load(x_ptr + rows_x[:, None].to(tl.int64) * stride_xm + (k0 + ks)[None, :],
+                    mask=(rows_x < M)[:, None] & inside_k[None, :], other=0.0)
+        w = _dequant_tile(wq_ptr, ws_ptr, rows_w, k0, N, K, stride_wn, stride_sn, BLOCK_N,
+                          BLOCK_K, x_ptr.dtype.element_ty)
+        acc = tl.dot(x, tl.trans(w), acc)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + rows_w, mask=rows_w < N, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + rows_x[:, None].to(tl.int64) * stride_ym + rows_w[None, :],
+             acc.to(y_ptr.dtype.element_ty), mask=(rows_x < M)[:, None] & (rows_w < N)[None, :])
+
+
+def gemm_w4(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
+            bias: torch.Tensor | None = None, config: W4Config | None = None,
+            out: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ dequant_mxfp4(wq, w_scale).T + bias`` in x's dtype: x (M, K) bf16 or fp16, wq
+    (N, K // 2) and w_scale (N, K // 32) uint8 as ``gemmtune.quant.mxfp4`` makes them, bias
+    (N,). Validates everything, then launches."""
+    if x.dim() != 2 or wq.dim() != 2 or w_scale.dim() != 2:
+        raise ValueError(f"gemm_w4: expected x (M, K), wq (N, K // 2) and w_scale (N, K // 32); "
+                         f"got {tuple(x.shape)}, {tuple(wq.shape)}, {tuple(w_scale.shape)}")
+    M, K = x.shape
+    N = wq.shape[0]
+    if wq.dtype != torch.uint8 or w_scale.dtype != torch.uint8:
+        raise TypeError(f"gemm_w4: wq and w_scale must be uint8 (as gemmtune.quant.mxfp4 makes "
+                        f"them), got {wq.dtype} and {w_scale.dtype}")
+    if wq.shape[1] * 2 != K or w_scale.shape != (N, K // mxfp4.BLOCK):
+        raise ValueError(f"gemm_w4: x's K={K} needs wq (N, {K // 2}) and w_scale "
+                         f"(N, {K // mxfp4.BLOCK}); got {tuple(wq.shape)} and "
+                         f"{tuple(w_scale.shape)}")
+    if bias is not None and bias.shape != (N,):
+        raise ValueError(f"gemm_w4: bias has shape {tuple(bias.shape)}; expected ({N},)")
+    if out is not None and (out.shape != (M, N) or out.dtype != x.dtype or out.stride(1) != 1):
+        raise ValueError(f"gemm_w4: out must be ({M}, {N}) {x.dtype} with unit column stride; "
+                         f"got {tuple(out.shape)} {out.dtype} strides {out.stride()}")
+    config = config or default_config(M, N, K, x.dtype)
+    why = why_not_fits(config, M, N, K, x.dtype)
+    if why is not None:
+        raise ValueError(f"gemm_w4: {config.name} does not fit (M={M}, N={N}, K={K}): {why}")
+    if out is None:
+        out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    if not M or not N:
+        return out
+    x = x if x.stride(1) == 1 else x.contiguous()
+    wq = wq if wq.stride(1) == 1 else wq.contiguous()
+    w_scale = w_scale if w_scale.stride(1) == 1 else w_scale.contiguous()
+    grid = (triton.cdiv(M, config.block_m), triton.cdiv(N, config.block_n))
+    gemm_w4_kernel[grid](x, wq, w_scale, bias if bias is not None else x, out, M, N, K,
+                         x.stride(0), wq.stride(0), w_scale.stride(0), out.stride(0),
+                         HAS_BIAS=bias is not None, BLOCK_M=config.block_m,
+                         BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+                         num_warps=config.num_warps,
+                         num_stages=config.num_stages)
+    return out

@@ -1,0 +1,102 @@
+"""The MXFP4-weight Triton kernel (``gemm_w4``): x (bf16/fp16) @ dequant(wq, w_scale).T + bias.
+
+Checked against the fp32 product of x and the dequantised weight (``gemmtune.quant``'s
+``dequant_mxfp4``, bit-exact itself: tests/test_quant_mxfp4.py), at ragged sizes, with fresh
+random data spread over several decades per block, NaN-poisoned outputs; in the interpreter on
+the CPU (small grids), at real sizes on a GPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gemm_checks import DEVICE, assert_matches_reference, generator, randn
+from gemmtune import quant
+from gemmtune.kernels.triton.gemm_w4 import W4Config, default_config, gemm_w4, why_not_fits
+
+
+def _operands(M, N, K, dtype, gen, with_bias):
+    x = randn(M, K, gen=gen).to(dtype)
+    # Rows of different magnitudes, so the blocks' scales differ along N and K.
+    w = randn(N, K, gen=gen) * torch.logspace(-3, 1, K // 32, device=DEVICE).repeat_interleave(32)
+    wq, w_scale = quant.mxfp4(w)
+    bias = randn(N, gen=gen).to(dtype) if with_bias else None
+    return x, wq, w_scale, bias
+
+
+def test_names_round_trip():
+    cfg = W4Config(16, 64, 128, 4, 3)
+    assert cfg.name == "triton.w4:BM16.BN64.BK128.W4.S3"
+    assert W4Config.from_name(cfg.name) == cfg
+
+
+@pytest.mark.parametrize("config, K, dtype, says", [
+    (W4Config(16, 64, 128, 4, 3), 128, torch.float32, "bf16 or fp16"),
+    (W4Config(8, 64, 128, 4, 3), 128, torch.bfloat16, "block_m=8 must be a power of two >= 16"),
+    (W4Config(16, 48, 128, 4, 3), 128, torch.bfloat16, "block_n=48"),
+    (W4Config(16, 64, 16, 4, 3), 128, torch.bfloat16, "multiple of the MXFP4 block"),
+    (W4Config(16, 64, 128, 4, 3), 100, torch.bfloat16, "not a multiple of 32"),
+    (W4Config(16, 64, 128, 3, 3), 128, torch.bfloat16, "num_warps=3"),
+])
+def test_configs_that_cannot_run_say_why(config, K, dtype, says):
+    assert says in why_not_fits(config, 16, 64, K, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("M, N, K, config", [
+    (1, 40, 96, W4Config(16, 32, 64, 4, 2)),      # K not a multiple of BLOCK_K, N ragged
+    (5, 70, 160, W4Config(16, 64, 128, 4, 2)),    # several N blocks, the last partial
+    (33, 24, 64, W4Config(32, 16, 32, 4, 1)),     # several M blocks, BLOCK_K of one scale block
+])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_matches_the_dequantised_reference(M, N, K, config, dtype, with_bias):
+    gen = generator(M * 1000 + N + K)
+    x, wq, w_scale, bias = _operands(M, N, K, dtype, gen, with_bias)
+    out = torch.full((M, N), float("nan"), dtype=dtype, device=DEVICE)
+    y = gemm_w4(x, wq, w_scale, bias, config, out=out)
+    assert y.data_ptr() == out.data_ptr() and y.dtype == dtype
+    assert_matches_reference(y, x, quant.dequant_mxfp4(wq, w_scale), bias)
+
+
+def test_nan_blocks_give_nan_outputs_never_a_finite_number():
+    """A weight block with a NaN (scale byte 255) makes its row's outputs NaN; the others stay
+    finite and right."""
+    gen = generator(7)
+    x, wq, w_scale, _ = _operands(3, 32, 64, torch.bfloat16, gen, False)
+    # Positive x and a block of 1.0s: an infinite scale would give +inf here, not NaN.
+    x = x.abs() + 0.5
+    w_scale[5, 1] = 255
+    wq[5, 16:32] = 0x22
+    y = gemm_w4(x, wq, w_scale, None, W4Config(16, 32, 32, 4, 1))
+    assert torch.isnan(y[:, 5]).all()
+    rest = [n for n in range(32) if n != 5]
+    assert torch.isfinite(y[:, rest]).all()
+    assert_matches_reference(y[:, rest], x, quant.dequant_mxfp4(wq, w_scale)[rest])
+
+
+def test_default_config_fits_and_bad_arguments_say_what_is_wrong():
+    assert why_not_fits(default_config(300, 4096, 4096, torch.bfloat16), 300, 4096, 4096,
+                        torch.bfloat16) is None
+    x = torch.zeros(4, 64, dtype=torch.bfloat16, device=DEVICE)
+    wq, w_scale = quant.mxfp4(torch.ones(8, 64, device=DEVICE))
+    with pytest.raises(ValueError, match=r"needs wq \(N, 32\)"):
+        gemm_w4(x, wq[:, :16], w_scale)
+    with pytest.raises(TypeError, match="uint8"):
+        gemm_w4(x, wq.to(torch.int8), w_scale)
+    with pytest.raises(ValueError, match="bias has shape"):
+        gemm_w4(x, wq, w_scale, torch.zeros(3, dtype=torch.bfloat16, device=DEVICE))
+    with pytest.raises(ValueError, match="out must be"):
+        gemm_w4(x, wq, w_scale, out=torch.empty(4, 8, device=DEVICE))
+    assert gemm_w4(x[:0], wq, w_scale).shape == (0, 8)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M, N, K", [(1, 4096, 4096), (16, 1280, 8192), (100, 2880, 2880),
+                                     (1024, 512, 1024)])
+def test_gpu_real_sizes(M, N, K):
+    gen = generator(M + N)
+    x, wq, w_scale, bias = _operands(M, N, K, torch.bfloat16, gen, True)
+    out = torch.full((M, N), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    y = gemm_w4(x, wq, w_scale, bias, out=out)
+    assert_matches_reference(y, x, quant.dequant_mxfp4(wq, w_scale), bias)
