@@ -59,6 +59,20 @@ def test_matches_the_dequantised_reference(M, N, K, config, dtype, with_bias):
     assert_matches_reference(y, x, quant.dequant_mxfp4(wq, w_scale), bias)
 
 
+def test_strided_x_and_output():
+    """x a column slice of a wider tensor (its rows a wider pitch apart) and the output a slice
+    of a wider one: read and written in place, the rest untouched."""
+    gen = generator(11)
+    x, wq, w_scale, bias = _operands(6, 40, 64, torch.bfloat16, gen, True)
+    wide_x = torch.zeros(6, 96, dtype=torch.bfloat16, device=DEVICE)
+    wide_x[:, :64] = x
+    wide_out = torch.full((6, 56), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    y = gemm_w4(wide_x[:, :64], wq, w_scale, bias, W4Config(16, 32, 32, 4, 1),
+                out=wide_out[:, :40])
+    assert_matches_reference(y, x, quant.dequant_mxfp4(wq, w_scale), bias)
+    assert torch.isnan(wide_out[:, 40:]).all()
+
+
 def test_nan_blocks_give_nan_outputs_never_a_finite_number():
     """A weight block with a NaN (scale byte 255) makes its row's outputs NaN; the others stay
     finite and right."""
