@@ -73,6 +73,50 @@ def test_strided_x_and_output():
     assert torch.isnan(wide_out[:, 40:]).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_every_code_at_every_scale_byte_exactly(dtype):
+    """Row n of w has scale byte n (0-255) on both its blocks and the 16 codes over and over;
+    x is the identity, so y is w dequantised, rounded once to x's dtype: equal to the reference
+    bit for bit, infinities (6 x 2^127) and the NaN row (byte 255) included. fp16 x too: the
+    scale is applied in fp32, after the product."""
+    K = 64
+    codes = torch.arange(K, device=DEVICE) % 16
+    wq = (codes[0::2] | (codes[1::2] << 4)).to(torch.uint8).repeat(256, 1)
+    w_scale = torch.arange(256, device=DEVICE).to(torch.uint8)[:, None].repeat(1, K // 32)
+    x = torch.eye(K, dtype=dtype, device=DEVICE)
+    y = gemm_w4(x, wq, w_scale, None, W4Config(16, 64, 64, 4, 1))
+    want = quant.dequant_mxfp4(wq, w_scale).T.to(dtype)
+    torch.testing.assert_close(y, want, rtol=0, atol=0, equal_nan=True)
+
+
+def test_strided_weight_scales_bias_and_transposed_x():
+    """wq and w_scale column slices of wider tensors, bias every other element of a wider one,
+    x a transposed view (K contiguous nowhere): all read right."""
+    M, N, K = 5, 24, 96
+    gen = generator(13)
+    x, wq, w_scale, bias = _operands(M, N, K, torch.float16, gen, True)
+    wide_q = torch.zeros(N, K // 2 + 16, dtype=torch.uint8, device=DEVICE)
+    wide_q[:, :K // 2] = wq
+    wide_s = torch.full((N, K // 32 + 5), 255, dtype=torch.uint8, device=DEVICE)
+    wide_s[:, :K // 32] = w_scale
+    wide_b = torch.zeros(2 * N, dtype=torch.float16, device=DEVICE)
+    wide_b[0::2] = bias
+    y = gemm_w4(x.T.contiguous().T, wide_q[:, :K // 2], wide_s[:, :K // 32], wide_b[0::2],
+                W4Config(16, 16, 64, 4, 1))
+    assert_matches_reference(y, x, quant.dequant_mxfp4(wq, w_scale), bias)
+
+
+def test_ragged_k_reads_no_scale_past_its_row():
+    """K = 96 in steps of 64: the last step's second block is past K; the next row's first
+    scale byte there is 255 (NaN) and must not be read into this row."""
+    gen = generator(17)
+    x, wq, w_scale, _ = _operands(4, 16, 96, torch.bfloat16, gen, False)
+    w_scale[1:, 0] = 255  # every row but the first starts with a NaN block
+    y = gemm_w4(x, wq, w_scale, None, W4Config(16, 16, 64, 4, 1))
+    assert torch.isfinite(y[:, 0]).all() and torch.isnan(y[:, 1:]).all()
+    assert_matches_reference(y[:, :1], x, quant.dequant_mxfp4(wq, w_scale)[:1])
+
+
 def test_nan_blocks_give_nan_outputs_never_a_finite_number():
     """A weight block with a NaN (scale byte 255) makes its row's outputs NaN; the others stay
     finite and right."""

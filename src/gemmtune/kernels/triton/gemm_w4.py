@@ -1,10 +1,12 @@
 """MXFP4 weights with bf16/fp16 activations in Triton: ``y = x @ dequant(wq, w_scale).T + bias``.
 
 The weight stays 4-bit in memory (``gemmtune.kernels.mxfp4``: two E2M1 elements per byte, one
-E8M0 scale per 32 along K) and is dequantised in registers, a (BLOCK_N, BLOCK_K) tile at a time,
-to x's dtype (exact: an E2M1 value times a power of two is a bf16 and an fp16 value within their
-exponent ranges), then multiplied with ``tl.dot`` into fp32. x is read as it is. One program per
-(BLOCK_M, BLOCK_N) tile of y over all of K; output in x's dtype.
+E8M0 scale per 32 along K) and is decoded in registers, a (BLOCK_N, 32) block at a time, to x's
+dtype without its scale (exact: E2M1 values are 0-6 with one mantissa bit), multiplied with x
+on the tensor cores into fp32, and scaled there by the block's power of two (exact, for any
+scale byte, where dequantising to fp16 would overflow or lose bits). x is read as it is. One
+program per (BLOCK_M, BLOCK_N) tile of y over all of K, BLOCK_K / 32 blocks a step; output in
+x's dtype.
 
 This is issue 16's first kernel, correct at every size and checked in the interpreter; its
 tuning (split-K for decode, the config space) and the op family that dispatches to it
@@ -87,21 +89,15 @@ def _e8m0(byte):
 
 
 @triton.jit
-def _dequant_tile(wq_ptr, ws_ptr, rows, k0, N, K, stride_wn, stride_sn, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr, DTYPE: tl.constexpr):
-    """w's rows ``rows`` over K [k0, k0 + BLOCK_K) in ``DTYPE``, (BLOCK_N, BLOCK_K): the bytes'
-    low nibbles are the even elements, the high ones the odd. Past N or K: zeros (code 0 times
-    the scale byte 0's 2^-127, never NaN)."""
-    inside = (rows < N)[:, None]
-    pairs = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+def _codes_block(wq_ptr, rows, kb, N, K, stride_wn, BLOCK_N: tl.constexpr, DTYPE: tl.constexpr):
+    """The E2M1 values (unscaled) of w's rows ``rows`` over the 32 elements of K block ``kb``,
+    (BLOCK_N, 32) in ``DTYPE`` (exact: each is 0-6 with one mantissa bit); the bytes' low
+    nibbles are the even elements, the high ones the odd. Past N or K: zeros."""
+    pairs = kb * (_BLOCK // 2) + tl.arange(0, _BLOCK // 2)
     packed = tl.load(wq_ptr + rows[:, None].to(tl.int64) * stride_wn + pairs[None, :],
-                     mask=inside & (pairs < K // 2)[None, :], other=0).to(tl.int32)
-    values = tl.reshape(tl.join(_e2m1(packed & 15), _e2m1(packed >> 4)), (BLOCK_N, BLOCK_K))
-    blocks = k0 // _BLOCK + tl.arange(0, BLOCK_K // _BLOCK)
-    scales = _e8m0(tl.load(ws_ptr + rows[:, None].to(tl.int64) * stride_sn + blocks[None, :],
-                           mask=inside & (blocks < K // _BLOCK)[None, :], other=0).to(tl.int32))
-    values = tl.reshape(values, (BLOCK_N, BLOCK_K // _BLOCK, _BLOCK)) * scales[:, :, None]
-    return tl.reshape(values, (BLOCK_N, BLOCK_K)).to(DTYPE)
+                     mask=(rows < N)[:, None] & (pairs < K // 2)[None, :], other=0).to(tl.int32)
+    values = tl.join(_e2m1(packed & 15), _e2m1(packed >> 4))
+    return tl.reshape(values, (BLOCK_N, _BLOCK)).to(DTYPE)
 
 
 @triton.jit
@@ -113,19 +109,29 @@ def gemm_w4_kernel(x_ptr, wq_ptr, ws_ptr, bias_ptr, y_ptr, M, N, K,
     pid_n = tl.program_id(1)
     rows_x = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rows_w = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    ks = tl.arange(0, BLOCK_K)
+    in_m = (rows_x < M)[:, None]
+    in_n = rows_w < N
+    ks = tl.arange(0, _BLOCK)
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        inside_k = k0 + ks < K
-        x = tl.load(x_ptr + rows_x[:, None].to(tl.int64) * stride_xm + (k0 + ks)[None, :],
-                    mask=(rows_x < M)[:, None] & inside_k[None, :], other=0.0)
-        w = _dequant_tile(wq_ptr, ws_ptr, rows_w, k0, N, K, stride_wn, stride_sn, BLOCK_N,
-                          BLOCK_K, x_ptr.dtype.element_ty)
-        acc = tl.dot(x, tl.trans(w), acc)
+        # One 32-element scale block at a time: its codes times x on the tensor cores (exact
+        # products, fp32 sums), then its scale in fp32. Dequantising to x's dtype first would
+        # overflow or lose bits in fp16 beyond scales of 2^(+-13) or so.
+        for b in tl.static_range(BLOCK_K // _BLOCK):
+            kb = k0 // _BLOCK + b
+            k = kb * _BLOCK + ks
+            x = tl.load(x_ptr + rows_x[:, None].to(tl.int64) * stride_xm + k[None, :],
+                        mask=in_m & (k < K)[None, :], other=0.0)
+            codes = _codes_block(wq_ptr, rows_w, kb, N, K, stride_wn, BLOCK_N,
+                                 x_ptr.dtype.element_ty)
+            blocks = kb + tl.zeros((BLOCK_N,), tl.int32)  # as a vector: a scalar mask is not
+            scale = _e8m0(tl.load(ws_ptr + rows_w.to(tl.int64) * stride_sn + blocks,
+                                  mask=in_n & (blocks < K // _BLOCK), other=0).to(tl.int32))
+            acc += tl.dot(x, tl.trans(codes)) * scale[None, :]
     if HAS_BIAS:
-        acc += tl.load(bias_ptr + rows_w, mask=rows_w < N, other=0.0).to(tl.float32)[None, :]
+        acc += tl.load(bias_ptr + rows_w, mask=in_n, other=0.0).to(tl.float32)[None, :]
     tl.store(y_ptr + rows_x[:, None].to(tl.int64) * stride_ym + rows_w[None, :],
-             acc.to(y_ptr.dtype.element_ty), mask=(rows_x < M)[:, None] & (rows_w < N)[None, :])
+             acc.to(y_ptr.dtype.element_ty), mask=in_m & in_n[None, :])
 
 
 def gemm_w4(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
@@ -146,8 +152,12 @@ def gemm_w4(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
         raise ValueError(f"gemm_w4: x's K={K} needs wq (N, {K // 2}) and w_scale "
                          f"(N, {K // mxfp4.BLOCK}); got {tuple(wq.shape)} and "
                          f"{tuple(w_scale.shape)}")
-    if bias is not None and bias.shape != (N,):
-        raise ValueError(f"gemm_w4: bias has shape {tuple(bias.shape)}; expected ({N},)")
+    if bias is not None and (bias.shape != (N,) or bias.device != x.device):
+        raise ValueError(f"gemm_w4: bias has shape {tuple(bias.shape)} on {bias.device}; "
+                         f"expected ({N},) on {x.device}")
+    if wq.device != x.device or w_scale.device != x.device:
+        raise ValueError(f"gemm_w4: x is on {x.device}, wq on {wq.device}, w_scale on "
+                         f"{w_scale.device}: put them on one device")
     if out is not None and (out.shape != (M, N) or out.dtype != x.dtype or out.stride(1) != 1):
         raise ValueError(f"gemm_w4: out must be ({M}, {N}) {x.dtype} with unit column stride; "
                          f"got {tuple(out.shape)} {out.dtype} strides {out.stride()}")
@@ -162,6 +172,7 @@ def gemm_w4(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
     x = x if x.stride(1) == 1 else x.contiguous()
     wq = wq if wq.stride(1) == 1 else wq.contiguous()
     w_scale = w_scale if w_scale.stride(1) == 1 else w_scale.contiguous()
+    bias = bias if bias is None or bias.stride(0) == 1 else bias.contiguous()
     grid = (triton.cdiv(M, config.block_m), triton.cdiv(N, config.block_n))
     gemm_w4_kernel[grid](x, wq, w_scale, bias if bias is not None else x, out, M, N, K,
                          x.stride(0), wq.stride(0), w_scale.stride(0), out.stride(0),
