@@ -40,7 +40,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 from gemmtune.kernels.triton._swapped import finish_tile, partials_per_load
-from gemmtune.kernels.triton.gemm_ring import descriptors, ring_mainloop
+from gemmtune.kernels.triton.gemm_ring import descriptors, ring_tile
 
 BLOCK_N = 64  # w rows per program: the MMA's M, one warpgroup
 SMEM_BYTES = 200 * 1024  # of the 227 KiB a block may take, the rest for the end's conversion
@@ -60,13 +60,7 @@ def ring_kernel(w_desc, x_desc, y_ptr, bias_ptr, scale_a_ptr, scale_b_ptr, part_
     if RELEASE:
         gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [],
                                   dtype=gl.int32, is_pure=False, pack=1)
-    pid_n = gl.program_id(0)
-    split = gl.program_id(1)
-    pid_m = gl.program_id(2)
-    k_steps = gl.cdiv(K, BLOCK_K)
-    lo = split * k_steps // SPLIT_K
-    acc = ring_mainloop(w_desc, x_desc, pid_n, pid_m, lo, (split + 1) * k_steps // SPLIT_K - lo,
-                        BLOCK_M, BLOCK_K, STAGES)
+    acc, pid_n, split, pid_m = ring_tile(w_desc, x_desc, K, SPLIT_K, BLOCK_M, BLOCK_K, STAGES)
     if PARTIAL_ONLY:
         out_layout: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [2, 2], [0, 1])
         local = gl.arange(0, 64, layout=gl.SliceLayout(1, out_layout))[:, None] \

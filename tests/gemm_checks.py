@@ -530,3 +530,21 @@ def assert_long_k_as_precise_as_cublas(gemm):
                               out_dtype=torch.float32)
     ours, theirs = (y - ref).norm() / ref.norm(), (cublas - ref).norm() / ref.norm()
     assert ours <= 3 * theirs + 1e-7, (float(ours), float(theirs))
+
+
+def assert_fp8_decode_launches(gemm, M, N, K, layout, what):
+    """``gemm(xq, wq, bias, out_dtype, x_scale, w_scale, out)`` on FP8 operands of (M, N, K) with
+    ``layout``'s scales, bf16 out without bias and fp16 / fp32 out with it, into poisoned outputs:
+    each within ``check_fp8_decode``'s bounds, and a second launch bitwise equal to the first
+    (it finds the split counters left zero, and the partials summed in split order give it the
+    same bits)."""
+    gen = generator(M + N + K)
+    xq, wq, x_scale, w_scale = quantised_operands(M, N, K, torch.float8_e4m3fn, layout, gen)
+    for out_dtype, with_bias in ((torch.bfloat16, False), (torch.float16, True),
+                                 (torch.float32, True)):
+        bias = randn(N, gen=gen, dtype=torch.bfloat16) if with_bias else None
+        first, again = (gemm(xq, wq, bias, out_dtype, x_scale, w_scale, poisoned(M, N, out_dtype))
+                        for _ in range(2))
+        check_fp8_decode(first, xq, wq, x_scale, w_scale, bias, f"{what} {out_dtype}")
+        assert torch.equal(first, again), what
+

@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gemm_checks import (DEVICE, assert_long_k_as_precise_as_cublas, check_fp8_decode, generator,
-                         poisoned, quantised_operands, randn)
+from gemm_checks import (DEVICE, assert_fp8_decode_launches, assert_long_k_as_precise_as_cublas,
+                         check_fp8_decode, generator, poisoned, quantised_operands)
 from gemmtune import quant
 from gemmtune.kernels.triton import _swapped, gemm_frag
 from gemmtune.kernels.triton.gemm_frag import FragConfig
@@ -148,19 +148,12 @@ GPU_CASES = [
 @pytest.mark.parametrize("layout", ["tensor", "token_channel", "token_tensor"])
 @pytest.mark.parametrize("w_tiled", [False, True], ids=["row_major", "tiled"])
 def test_gpu_matches_reference(M, N, K, config, layout, w_tiled):
-    gen = generator(M + N + K)
-    xq, wq, x_scale, w_scale = quantised_operands(M, N, K, FP8, layout, gen)
-    w = quant.shuffle_weight(wq) if w_tiled else wq
-    for out_dtype, with_bias in ((torch.bfloat16, False), (torch.float16, True),
-                                 (torch.float32, True)):
-        bias = randn(N, gen=gen, dtype=torch.bfloat16) if with_bias else None
-        # The second launch finds the split counters left zero, and the partials summed in
-        # split order give it the same bits.
-        first, again = (gemm_frag.gemm_frag(xq, w, bias, out_dtype, x_scale, w_scale, config,
-                                            out=poisoned(M, N, out_dtype), w_tiled=w_tiled)
-                        for _ in range(2))
-        check_fp8_decode(first, xq, wq, x_scale, w_scale, bias, f"{config.name} {out_dtype}")
-        assert torch.equal(first, again), config.name
+    def gemm(xq, wq, bias, out_dtype, x_scale, w_scale, out):
+        w = quant.shuffle_weight(wq) if w_tiled else wq
+        return gemm_frag.gemm_frag(xq, w, bias, out_dtype, x_scale, w_scale, config, out=out,
+                                   w_tiled=w_tiled)
+
+    assert_fp8_decode_launches(gemm, M, N, K, layout, config.name)
 
 
 @pytest.mark.gpu

@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gemm_checks import (DEVICE, assert_long_k_as_precise_as_cublas, check_fp8_decode, generator,
-                         poisoned, quantised_operands, randn)
+from gemm_checks import (DEVICE, assert_fp8_decode_launches, assert_long_k_as_precise_as_cublas,
+                         check_fp8_decode, generator, quantised_operands)
 from gemmtune.kernels.triton import _swapped, gemm_ring
 from gemmtune.kernels.triton.gemm_ring import RingConfig
 
@@ -101,15 +101,10 @@ GPU_CASES = [
 @pytest.mark.parametrize("M, N, K, config", GPU_CASES, ids=lambda v: getattr(v, "name", v))
 @pytest.mark.parametrize("layout", ["tensor", "token_channel", "token_tensor"])
 def test_gpu_matches_reference(M, N, K, config, layout):
-    gen = generator(M + N + K)
-    xq, wq, x_scale, w_scale = quantised_operands(M, N, K, FP8, layout, gen)
-    for out_dtype, with_bias in ((torch.bfloat16, False), (torch.float16, True),
-                                 (torch.float32, True)):
-        bias = randn(N, gen=gen, dtype=torch.bfloat16) if with_bias else None
-        first, again = (gemm_ring.gemm_ring(xq, wq, bias, out_dtype, x_scale, w_scale, config,
-                                            out=poisoned(M, N, out_dtype)) for _ in range(2))
-        check_fp8_decode(first, xq, wq, x_scale, w_scale, bias, f"{config.name} {out_dtype}")
-        assert torch.equal(first, again), config.name
+    def gemm(xq, wq, bias, out_dtype, x_scale, w_scale, out):
+        return gemm_ring.gemm_ring(xq, wq, bias, out_dtype, x_scale, w_scale, config, out=out)
+
+    assert_fp8_decode_launches(gemm, M, N, K, layout, config.name)
 
 
 @pytest.mark.gpu

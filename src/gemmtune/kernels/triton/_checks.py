@@ -37,6 +37,22 @@ OUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 QUANT_DTYPES = (torch.float8_e4m3fn, torch.int8)
 
 
+# bytes: the row pitch and base address of a TMA-described tensor
+TMA_ALIGN = 16
+
+
+def tma_ready(t: torch.Tensor) -> torch.Tensor:
+    """2-D ``t`` as TMA takes it: dense rows, 16-byte aligned pitch and base; a copy where it is
+    not (a fresh copy is aligned where its row's bytes are a multiple of 16, which the kernels'
+    ``why_not_fits`` ask of K)."""
+    # Rows must not overlap either: an expanded (stride-0) operand is copied too.
+    if t.stride(-1) == 1 and t.stride(0) >= t.shape[1] \
+            and (t.stride(0) * t.element_size()) % TMA_ALIGN == 0 \
+            and t.data_ptr() % TMA_ALIGN == 0:
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
+
+
 @functools.cache
 def interpreted() -> bool:
     """Whether our kernels run in Triton's interpreter. Under TRITON_INTERPRET=1 triton.jit

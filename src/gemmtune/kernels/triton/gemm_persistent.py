@@ -28,7 +28,6 @@ from gemmtune.kernels.triton._epilogue import (epilogue_constexprs, epilogue_ope
 from gemmtune.kernels.triton.gemm_tile import TileConfig, grouped_tile
 
 KERNEL_PREFIX = "triton.persistent"
-_TMA_ALIGN = 16  # bytes: row pitch and base address of a TMA-described tensor
 
 
 @dataclass(frozen=True)
@@ -53,9 +52,9 @@ def why_not_fits(config: PersistentConfig, M: int, N: int, K: int,
                or _checks.why_not_resources(config, dtype))
     if problem is not None:
         return problem
-    if K * dtype.itemsize % _TMA_ALIGN:
+    if K * dtype.itemsize % _checks.TMA_ALIGN:
         return (f"K={K} rows of {dtype} are {K * dtype.itemsize} B, not a multiple of "
-                f"{_TMA_ALIGN} B as TMA needs; use triton.tile")
+                f"{_checks.TMA_ALIGN} B as TMA needs; use triton.tile")
     return None
 
 
@@ -146,17 +145,6 @@ def _fitting_default(M: int, N: int, K: int, dtype: torch.dtype) -> PersistentCo
     return config
 
 
-def _tma_ready(t: torch.Tensor) -> torch.Tensor:
-    """``t`` as TMA takes it: dense rows, 16-byte aligned pitch and base; a copy where it is not
-    (a fresh copy is aligned, and its pitch K * itemsize is, by ``why_not_fits``)."""
-    # Rows must not overlap either: an expanded (stride-0) x is copied too.
-    if t.stride(-1) == 1 and t.stride(0) >= t.shape[1] \
-            and (t.stride(0) * t.element_size()) % _TMA_ALIGN == 0 \
-            and t.data_ptr() % _TMA_ALIGN == 0:
-        return t
-    return t.clone(memory_format=torch.contiguous_format)
-
-
 def persistent_call(x, w, bias, out, scale_a, scale_b, config: PersistentConfig,
                     block_scales: bool = False) -> KernelCall:
     """The launch of ``launch_gemm_persistent`` as data (what a dispatch plan records and
@@ -168,7 +156,7 @@ def persistent_call(x, w, bias, out, scale_a, scale_b, config: PersistentConfig,
         raise ValueError("gemm_persistent: FP8 block scales are not supported")
     M, K = x.shape
     N = w.shape[0]
-    x, w = _tma_ready(x), _tma_ready(w)
+    x, w = _checks.tma_ready(x), _checks.tma_ready(w)
     x_desc = TensorDescriptor.from_tensor(x, [config.block_m, config.block_k])
     w_desc = TensorDescriptor.from_tensor(w, [config.block_n, config.block_k])
     tiles = triton.cdiv(M, config.block_m) * triton.cdiv(N, config.block_n)

@@ -49,7 +49,6 @@ MAX_SPLIT_K = 32
 # Shared memory the ring may take; the rest of the 227 KiB a block may have is the end's layout
 # conversion.
 RING_BYTES = 200 * 1024
-_TMA_ALIGN = 16  # bytes: a TMA-described tensor's row pitch and base address
 # TMA's load into shared memory: tma.async_load from Triton 3.7 on (3.9 refuses the old name),
 # async_copy_global_to_shared in 3.6.
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
@@ -89,8 +88,8 @@ def why_not_fits(config: RingConfig, M: int, N: int, K: int, dtype: torch.dtype)
     if dtype != torch.float8_e4m3fn:
         return (f"{dtype} weights: the TMA-ring kernel takes float8_e4m3fn only; use a "
                 f"triton.splitk, triton.tile or triton.gemv config")
-    if K % _TMA_ALIGN:
-        return (f"K={K} FP8 rows are not a multiple of {_TMA_ALIGN} B, as TMA needs; use a "
+    if K % _checks.TMA_ALIGN:
+        return (f"K={K} FP8 rows are not a multiple of {_checks.TMA_ALIGN} B, as TMA needs; use a "
                 f"triton.splitk config")
     k_steps = triton.cdiv(K, c.block_k)
     return why_not_grid(c, M, K, k_steps, MAX_SPLIT_K)
@@ -191,6 +190,21 @@ def ring_mainloop(w_desc, x_desc, pid_n, pid_m, lo, steps, BLOCK_M: gl.constexpr
     return acc
 
 
+@gluon.jit
+def ring_tile(w_desc, x_desc, K, SPLIT_K: gl.constexpr, BLOCK_M: gl.constexpr,
+              BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
+    """This program's tile (w's 64 rows ``pid_n``, x's block ``pid_m``) over its split of K:
+    (acc, pid_n, split, pid_m), acc in the MMA's layout (``ring_mainloop``)."""
+    pid_n = gl.program_id(0)
+    split = gl.program_id(1)
+    pid_m = gl.program_id(2)
+    k_steps = gl.cdiv(K, BLOCK_K)
+    lo = split * k_steps // SPLIT_K
+    acc = ring_mainloop(w_desc, x_desc, pid_n, pid_m, lo, (split + 1) * k_steps // SPLIT_K - lo,
+                        BLOCK_M, BLOCK_K, STAGES)
+    return acc, pid_n, split, pid_m
+
+
 @gluon.jit(do_not_specialize=["M"])
 def gemm_ring_kernel(
     w_desc, x_desc,  # TMA descriptors: w (N, K) in (64, BLOCK_K) boxes, x (M, K) in (BLOCK_M, ..)
@@ -201,25 +215,10 @@ def gemm_ring_kernel(
     SPLIT_K: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr,
     STAGES: gl.constexpr, PER_LOAD: gl.constexpr,
 ):
-    pid_n = gl.program_id(0)
-    split = gl.program_id(1)
-    pid_m = gl.program_id(2)
-    k_steps = gl.cdiv(K, BLOCK_K)
-    lo = split * k_steps // SPLIT_K
-    acc = ring_mainloop(w_desc, x_desc, pid_n, pid_m, lo, (split + 1) * k_steps // SPLIT_K - lo,
-                        BLOCK_M, BLOCK_K, STAGES)
+    acc, pid_n, split, pid_m = ring_tile(w_desc, x_desc, K, SPLIT_K, BLOCK_M, BLOCK_K, STAGES)
     finish_tile(acc, pid_n, split, pid_m, y_ptr, bias_ptr, scale_a_ptr, scale_b_ptr, part_ptr,
                 count_ptr, M, N, stride_ym, stride_yn, stride_bias, HAS_BIAS, SCALE_A, SCALE_B,
                 SPLIT_K, BLOCK_M, PER_LOAD)
-
-
-def _tma_ready(t: torch.Tensor) -> torch.Tensor:
-    """``t`` as TMA takes it: K contiguous, rows a 16-byte multiple apart, a 16-byte aligned base;
-    a copy where it is not (a fresh copy is, for K a multiple of 16)."""
-    if t.stride(1) == 1 and t.stride(0) >= t.shape[1] and t.stride(0) % _TMA_ALIGN == 0 \
-            and t.data_ptr() % _TMA_ALIGN == 0:
-        return t
-    return t.clone(memory_format=torch.contiguous_format)
 
 
 def descriptors(x: torch.Tensor, w: torch.Tensor, config: RingConfig):
@@ -240,7 +239,7 @@ def ring_call(x, w, bias, out, scale_a, scale_b, config: RingConfig,
         raise ValueError("triton.ring takes per-tensor or per-row scales, not FP8 block scales")
     M, K = x.shape
     N = w.shape[0]
-    x, w = _tma_ready(x), _tma_ready(w)
+    x, w = _checks.tma_ready(x), _checks.tma_ready(w)
     w_desc, x_desc = descriptors(x, w, config)
     n_tiles, m_tiles = triton.cdiv(N, BLOCK_N), triton.cdiv(M, config.block_m)
     parts, counters, _ = workspace(x, out, n_tiles * m_tiles, BLOCK_N * config.block_m,

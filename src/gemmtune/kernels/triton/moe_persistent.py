@@ -18,7 +18,6 @@ import triton
 import triton.language as tl
 
 from gemmtune.kernels.triton import _checks
-from gemmtune.kernels.triton.gemm_persistent import _TMA_ALIGN
 from gemmtune.kernels.triton.gemm_tile import grouped_tile
 from gemmtune.kernels.triton.moe_common import (PDL, SCALING_BLOCKS, SCALING_ROWS, StageScales,
                                                 block_scaled_dot, gate_up_block_step,
@@ -33,9 +32,9 @@ def why_not_tma(config, dtype: torch.dtype, row_elements: int) -> str | None:
     """What keeps a persistent stage from describing its operands to TMA: rows of
     ``row_elements`` (model_dim for stage 1's w1, inter_dim for stage 2's w2 and intermediate)
     must be multiples of 16 bytes; None if they are (or the stage is not persistent)."""
-    if config.persistent and row_elements * dtype.itemsize % _TMA_ALIGN:
+    if config.persistent and row_elements * dtype.itemsize % _checks.TMA_ALIGN:
         return (f"rows of {row_elements} elements are {row_elements * dtype.itemsize} B, not a "
-                f"multiple of {_TMA_ALIGN} B as TMA needs; use a config without P1/P2")
+                f"multiple of {_checks.TMA_ALIGN} B as TMA needs; use a config without P1/P2")
     return None
 
 
@@ -223,8 +222,8 @@ def _descriptor(t: torch.Tensor, what: str, box_rows: int, box_cols: int):
     (box_rows, box_cols). The rows must be dense: TMA reads whole boxes by a row pitch."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    if not t.is_contiguous() or t.data_ptr() % _TMA_ALIGN:
+    if not t.is_contiguous() or t.data_ptr() % _checks.TMA_ALIGN:
         raise ValueError(f"persistent MoE stages read {what} through TMA: it must be contiguous "
-                         f"and {_TMA_ALIGN}-byte aligned (got shape {tuple(t.shape)}, strides "
+                         f"and {_checks.TMA_ALIGN}-byte aligned (got shape {tuple(t.shape)}, strides "
                          f"{t.stride()}); pass contiguous weights or use a config without P1/P2")
     return TensorDescriptor.from_tensor(t.view(-1, t.shape[-1]), [box_rows, box_cols])
