@@ -60,7 +60,8 @@ def ring_kernel(w_desc, x_desc, y_ptr, bias_ptr, scale_a_ptr, scale_b_ptr, part_
     if RELEASE:
         gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [],
                                   dtype=gl.int32, is_pure=False, pack=1)
-    acc, pid_n, split, pid_m = ring_tile(w_desc, x_desc, K, SPLIT_K, BLOCK_M, BLOCK_K, STAGES)
+    acc, pid_n, split, pid_m = ring_tile(w_desc, x_desc, M, K, scale_a_ptr, scale_b_ptr, 0,
+                                         SPLIT_K, BLOCK_M, BLOCK_K, STAGES, False)
     if PARTIAL_ONLY:
         out_layout: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [2, 2], [0, 1])
         local = gl.arange(0, 64, layout=gl.SliceLayout(1, out_layout))[:, None] \

@@ -350,6 +350,8 @@ for what in "$@"; do
             TAIL=20 stage moehost 300 python3 benchmarks/moe_host_cost.py ;;
         overhead)  # host µs per eager call of every op's backends (benchmarks/dispatch_overhead.py)
             TAIL=40 stage overhead 400 python3 benchmarks/dispatch_overhead.py ;;
+        eagerring)  # host µs per eager call of triton.ring rows against the rows they beat
+            TAIL=8 stage eagerring 200 python3 benchmarks/eager_ring_probe.py ;;
         probe)  # the host cost of a Triton row's eager call, layer by layer
             TAIL=30 stage probe 200 python3 benchmarks/host_cost_probe.py ;;
         firstcall)  # a Triton row's first call in a fresh process, with and without precompile

@@ -548,3 +548,38 @@ def assert_fp8_decode_launches(gemm, M, N, K, layout, what):
         check_fp8_decode(first, xq, wq, x_scale, w_scale, bias, f"{what} {out_dtype}")
         assert torch.equal(first, again), what
 
+
+
+def check_block_scaled_decode(y, xq, wq, x_scale, w_scale, bias, what):
+    """A block-scaled FP8 decode GEMM's ``y``: every element written, and each within the
+    output's rounding plus 2^-10 of |x| @ |w| of the dequantised operands' fp32 product (the FP8
+    MMA truncates its sums within a step of 128, as ``check_fp8_decode`` says)."""
+    assert not torch.isnan(y).any(), f"{what}: {int(torch.isnan(y).sum())} outputs unwritten"
+    x_deq = quant.dequant_per_block(xq, x_scale, quant.ACT_BLOCK)
+    w_deq = quant.dequant_per_block(wq, w_scale, quant.WEIGHT_BLOCK)
+    ref, mag = x_deq @ w_deq.T, x_deq.abs() @ w_deq.abs().T
+    if bias is not None:
+        ref, mag = ref + bias.float(), mag + bias.float().abs()
+    rounding = {torch.float32: 2**-24, torch.float16: 2**-11, torch.bfloat16: 2**-8}[y.dtype]
+    err = (y.float() - ref).abs()
+    bound = rounding * ref.abs() + 2**-10 * mag
+    worst = int((err - bound).argmax())
+    assert (err <= bound).all(), (
+        f"{what}: |y - ref| = {err.flatten()[worst]:.3g} > {bound.flatten()[worst]:.3g} at "
+        f"{worst} (ref {ref.flatten()[worst]:.4g})")
+
+
+def assert_block_scaled_decode_launches(gemm, M, N, K, what):
+    """``gemm(xq, wq, bias, out_dtype, x_scale, w_scale, out)`` on FP8 operands of (M, N, K) with
+    block scales (every block its own), bf16 out without bias and fp16 / fp32 out with it, into
+    poisoned outputs: each within ``check_block_scaled_decode``'s bound, and a second launch
+    bitwise equal to the first."""
+    gen = generator(M + N + K)
+    xq, wq, x_scale, w_scale = block_scaled_operands(M, N, K, gen)
+    for out_dtype, with_bias in ((torch.bfloat16, False), (torch.float16, True),
+                                 (torch.float32, True)):
+        bias = randn(N, gen=gen, dtype=torch.bfloat16) if with_bias else None
+        first, again = (gemm(xq, wq, bias, out_dtype, x_scale, w_scale, poisoned(M, N, out_dtype))
+                        for _ in range(2))
+        check_block_scaled_decode(first, xq, wq, x_scale, w_scale, bias, f"{what} {out_dtype}")
+        assert torch.equal(first, again), what

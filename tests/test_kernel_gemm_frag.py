@@ -11,7 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gemm_checks import (DEVICE, assert_fp8_decode_launches, assert_long_k_as_precise_as_cublas,
+from gemm_checks import (DEVICE, assert_block_scaled_decode_launches,
+                         assert_fp8_decode_launches, assert_long_k_as_precise_as_cublas,
                          check_fp8_decode, generator, poisoned, quantised_operands)
 from gemmtune import quant
 from gemmtune.kernels.triton import _swapped, gemm_frag
@@ -70,7 +71,7 @@ def test_candidates_and_default_fit(M, N, K):
 
 
 @pytest.mark.skipif(DEVICE == "cuda", reason="the CPU's refusal")
-def test_refuses_the_interpreter_and_block_scales():
+def test_refuses_the_interpreter():
     from gemmtune.kernels.triton import _checks
 
     if not _checks.interpreted():
@@ -79,9 +80,19 @@ def test_refuses_the_interpreter_and_block_scales():
     assert "interpreter" in gemm_frag.why_not_supported(cfg, 16, 64, 256, FP8, torch.bfloat16)
     with pytest.raises(ValueError, match="interpreter"):
         gemm_frag.gemm_frag(torch.zeros(16, 256).to(FP8), torch.zeros(64, 256).to(FP8))
-    with pytest.raises(ValueError, match="block scales"):
-        gemm_frag.gemm_frag(torch.zeros(16, 256).to(FP8), torch.zeros(64, 256).to(FP8),
-                            block_scales=True)
+
+
+@pytest.mark.parametrize("config, says", [
+    (FragConfig(16, 128, 4, 3), None),
+    (FragConfig(64, 128, 4, 2), None),
+    (FragConfig(16, 256, 4, 1), "block_k=256 must divide 128"),
+    (FragConfig(64, 128, 4, 3), "spills registers"),
+])
+def test_block_scales_take_steps_of_128_without_spills(config, says):
+    """One scale block a step; at block_m 64 the scales' registers spill with 3 steps ahead
+    (tests/test_kernels_compile_for_hopper.py checks the rest spill none)."""
+    why = gemm_frag.why_not_block_scaled(config, FP8)
+    assert why is None if says is None else says in why
 
 
 def test_refuses_gpus_other_than_hopper_and_strided_tiled_weights(monkeypatch):
@@ -195,3 +206,25 @@ def test_gpu_long_k_is_as_precise_as_cublas():
     assert_long_k_as_precise_as_cublas(
         lambda xq, wq, x_scale, w_scale: gemm_frag.gemm_frag(
             xq, wq, None, torch.float32, x_scale, w_scale, FragConfig(16, 256, 1, 1)))
+
+
+# (M, N, K, config) with block scales: steps of 128, N past a block of 128 rows, splits that do
+# and do not divide the steps, 1-3 steps ahead, several blocks of x.
+BLOCK_SCALED_CASES = [
+    (1, 576, 7168, FragConfig(8, 128, 4, 2, 1)),
+    (5, 1040, 2304, FragConfig(8, 128, 3, 3)),
+    (16, 4096, 512, FragConfig(16, 128, 1, 1, 1)),
+    (33, 256, 7168, FragConfig(64, 128, 28, 2)),
+    (100, 1040, 1024, FragConfig(64, 128, 3, 1)),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M, N, K, config", BLOCK_SCALED_CASES,
+                         ids=lambda v: getattr(v, "name", v))
+def test_gpu_block_scales_match_the_dequantised_reference(M, N, K, config):
+    def gemm(xq, wq, bias, out_dtype, x_scale, w_scale, out):
+        return gemm_frag.gemm_frag(xq, wq, bias, out_dtype, x_scale, w_scale, config, out=out,
+                                   block_scales=True)
+
+    assert_block_scaled_decode_launches(gemm, M, N, K, config.name)

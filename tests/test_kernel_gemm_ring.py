@@ -11,7 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gemm_checks import (DEVICE, assert_fp8_decode_launches, assert_long_k_as_precise_as_cublas,
+from gemm_checks import (DEVICE, assert_block_scaled_decode_launches,
+                         assert_fp8_decode_launches, assert_long_k_as_precise_as_cublas,
                          check_fp8_decode, generator, quantised_operands)
 from gemmtune.kernels.triton import _swapped, gemm_ring
 from gemmtune.kernels.triton.gemm_ring import RingConfig
@@ -53,9 +54,9 @@ def test_candidates_and_default_fit(M, N, K):
     assert gemm_ring.fits(gemm_ring.default_config(M, N, K, FP8, num_sms=132), M, N, K, FP8)
 
 
-def test_refuses_the_interpreter_other_gpus_block_scales_and_tiled_weights(monkeypatch):
-    """It says what to use instead: in the interpreter, off Hopper, for FP8 block scales, and
-    for the pre-shuffled family (whose registry has no ring)."""
+def test_refuses_the_interpreter_other_gpus_and_tiled_weights(monkeypatch):
+    """It says what to use instead: in the interpreter, off Hopper, and for the pre-shuffled
+    family (whose registry has no ring)."""
     from gemmtune.families.a8w8_bpreshuffle.op import REGISTRY as SHUFFLED
     from gemmtune.kernels.problem import GemmProblem, Scaling
     from gemmtune.kernels.triton import _checks
@@ -69,14 +70,26 @@ def test_refuses_the_interpreter_other_gpus_block_scales_and_tiled_weights(monke
     monkeypatch.setattr(_swapped, "runs_here", lambda: False)
     assert "written for Hopper" in gemm_ring.why_not_supported(cfg, 16, 64, 256, FP8,
                                                                 torch.bfloat16)
-    with pytest.raises(ValueError, match="block scales"):
-        gemm_ring.gemm_ring(torch.zeros(16, 256).to(FP8), torch.zeros(64, 256).to(FP8),
-                            block_scales=True)
     from gemmtune.dispatch import KernelNameError
 
     with pytest.raises(KernelNameError, match="triton.ring"):
         SHUFFLED.resolve_for(cfg.name, GemmProblem(16, 64, 256, FP8, torch.bfloat16,
                                                    scaling=Scaling.rowwise, preshuffled=True))
+
+
+def test_block_scales_take_steps_of_128(monkeypatch):
+    """The block-scale family's registry takes the ring with steps of 128 (one scale block a
+    step) and refuses steps of 256, saying why."""
+    from gemmtune.dispatch import KernelNameError
+    from gemmtune.families.a8w8_blockscale.op import REGISTRY as BLOCKSCALE
+    from gemmtune.kernels.problem import GemmProblem, Scaling
+
+    monkeypatch.setattr(_swapped, "why_not_here", lambda kernel: None)  # as on a Hopper
+    monkeypatch.setattr(gemm_ring, "why_not_here", lambda kernel: None)
+    problem = GemmProblem(16, 1536, 7168, FP8, torch.bfloat16, scaling=Scaling.block)
+    assert BLOCKSCALE.can_run(RingConfig(16, 128, 8, 4).name, problem)
+    with pytest.raises(KernelNameError, match="block_k=256 must divide 128"):
+        BLOCKSCALE.resolve_for(RingConfig(16, 256, 4, 4).name, problem)
 
 
 # --- GPU -----------------------------------------------------------------------------------
@@ -138,7 +151,7 @@ def test_gpu_long_k_is_as_precise_as_cublas():
 @pytest.mark.gpu
 def test_gpu_through_dispatch_with_3d_x_and_n_under_64():
     """The ring named as gemm_a8w8's kernel (dispatch's check, plan and launch, called twice:
-    its launch is not replayed, so both go through Triton's launcher): x (batch, tokens, K),
+    the second replays the first's launch with its descriptors rebuilt): x (batch, tokens, K),
     N smaller than w's 64-row box."""
     import gemmtune
 
@@ -152,3 +165,99 @@ def test_gpu_through_dispatch_with_3d_x_and_n_under_64():
         assert y.shape == (3, 4, N)
         check_fp8_decode(y.reshape(M, N), xq, wq, x_scale, w_scale, None, name)
 
+
+
+# (M, N, K, config) with block scales: steps of 128, K past a whole block (the last block's
+# scale covers a partial step), N past a block of 128 rows, splits and several blocks of x.
+BLOCK_SCALED_CASES = [
+    (1, 576, 7168, RingConfig(8, 128, 8, 4)),
+    (5, 1040, 2320, RingConfig(8, 128, 8, 3)),
+    (16, 4096, 512, RingConfig(16, 128, 2, 2)),
+    (31, 256, 7168, RingConfig(32, 128, 4, 28)),
+    (64, 1040, 4096, RingConfig(64, 128, 8, 5)),
+    (100, 4096, 1024, RingConfig(64, 128, 4, 2)),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M, N, K, config", BLOCK_SCALED_CASES,
+                         ids=lambda v: getattr(v, "name", v))
+def test_gpu_block_scales_match_the_dequantised_reference(M, N, K, config):
+    def gemm(xq, wq, bias, out_dtype, x_scale, w_scale, out):
+        return gemm_ring.gemm_ring(xq, wq, bias, out_dtype, x_scale, w_scale, config, out=out,
+                                   block_scales=True)
+
+    assert_block_scaled_decode_launches(gemm, M, N, K, config.name)
+
+
+@pytest.mark.gpu
+def test_gpu_replayed_calls_on_new_inputs_and_weights(monkeypatch):
+    """Eager calls through gemm_a8w8 and gemm_a8w8_blockscale with the ring named: after each
+    shape's first call every call is a replay (its descriptors rebuilt around the call's x and
+    w), right on new activations and on two weights of one shape (two layers)."""
+    import gemmtune
+    from gemm_checks import block_scaled_operands, check_block_scaled_decode
+    from gemmtune.kernels.triton._replay import Replay
+
+    served = []  # each launch a replay served: through the fast path or the checked one
+    real_fast, real_call = Replay.launch_fast, Replay.__call__
+
+    def fast(self, roles):
+        launched = real_fast(self, roles)
+        if launched:
+            served.append(self)
+        return launched
+
+    monkeypatch.setattr(Replay, "launch_fast", fast)
+    monkeypatch.setattr(Replay, "__call__", lambda self, roles: (served.append(self),
+                                                                 real_call(self, roles)))
+    M, N, K = 16, 1280, 2048
+    rowwise = [quantised_operands(M, N, K, FP8, "token_channel", generator(s)) for s in (1, 2)]
+    blocked = [block_scaled_operands(M, N, K, generator(s)) for s in (3, 4)]
+    for step in range(6):
+        xq, _, x_scale, _ = quantised_operands(M, N, K, FP8, "token_channel", generator(10 + step))
+        _, wq, _, w_scale = rowwise[step % 2]
+        y = gemmtune.gemm_a8w8(xq, wq, x_scale.reshape(M, 1), w_scale.reshape(N, 1),
+                               kernel=RingConfig(16, 256, 4, 2).name)
+        check_fp8_decode(y, xq, wq, x_scale, w_scale, None, f"a8w8 call {step}")
+        xq, _, x_scale, _ = block_scaled_operands(M, N, K, generator(20 + step))
+        _, wq, _, w_scale = blocked[step % 2]
+        y = gemmtune.gemm_a8w8_blockscale(xq, wq, x_scale, w_scale,
+                                          kernel=RingConfig(16, 128, 8, 2).name)
+        check_block_scaled_decode(y, xq, wq, x_scale, w_scale, None, f"block call {step}")
+    assert len(served) == 10  # all but each family's first call
+
+
+def test_tuners_offer_both_gluon_kernels_where_they_run(monkeypatch):
+    """On a Hopper (faked here) the a8w8 and block-scale tuners offer the ring's and the
+    register-direct kernel's configs at M <= 64, the block-scale tuner only those with steps of
+    128 that do not spill; the pre-shuffled family's registry has no ring."""
+    from gemmtune.families import _gemm_tuner
+    from gemmtune.families.a8w8.op import REGISTRY as A8W8
+    from gemmtune.families.a8w8_blockscale.op import REGISTRY as BLOCKSCALE
+    from gemmtune.families.a8w8_bpreshuffle.op import REGISTRY as SHUFFLED
+    from gemmtune.kernels.problem import GemmProblem, Scaling
+    from gemmtune.kernels.triton import _checks, _splits, gemm_frag
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(_checks, "sm_count", lambda device=None: 132)
+    monkeypatch.setattr(_splits, "pdl_where_supported", lambda: _splits.PDL_WAIT)
+    for module in (gemm_ring, gemm_frag):
+        monkeypatch.setattr(module, "why_not_here", lambda kernel: None)
+    for m, n, k in ((16, 1536, 7168), (64, 1040, 4096)):
+        def names(registry, scaling, preshuffled=False):
+            p = GemmProblem(m, n, k, FP8, torch.bfloat16, scaling=scaling, preshuffled=preshuffled)
+            return [c.name for c in _gemm_tuner.gluon_candidates(p, registry)]
+
+        rowwise, blocked = names(A8W8, Scaling.rowwise), names(BLOCKSCALE, Scaling.block)
+        shuffled = names(SHUFFLED, Scaling.rowwise, preshuffled=True)
+        for found in (rowwise, blocked):
+            assert any(n.startswith("triton.ring:") for n in found), found
+            assert any(n.startswith("triton.frag:") for n in found), found
+        assert any(".BK256." in n for n in rowwise)
+        assert blocked and all(".BK128." in n for n in blocked), blocked
+        assert not any(n.startswith("triton.frag:BM64") and ".A3" in n for n in blocked)
+        assert shuffled and not any(n.startswith("triton.ring:") for n in shuffled)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert _gemm_tuner.gluon_candidates(GemmProblem(16, 1536, 7168, FP8, torch.bfloat16,
+                                                    scaling=Scaling.block), BLOCKSCALE) == []

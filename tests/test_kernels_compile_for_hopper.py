@@ -237,6 +237,10 @@ def test_gluon_probe_loads_w_fragments_straight_into_wgmma_registers():
 
 FRAG_SCRIPT = textwrap.dedent("""
     import inspect
+    import os
+    import re
+    import subprocess
+    import tempfile
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental import gluon
@@ -261,12 +265,17 @@ FRAG_SCRIPT = textwrap.dedent("""
             fn=gemm_frag.gemm_frag_kernel, signature=signature, attrs=aligned,
             constexprs=constexprs), target=GPUTarget("cuda", 90, 128))
 
-    # (scale_a, scale_b, bias): per row, per tensor or none, and with and without bias
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    ptxas = get_ptxas(90).path  # the one Triton assembles sm_90 with (its PTX version)
+    # (scale_a, scale_b, bias): per row, per tensor or none, FP8 block scales (3: PER_BLOCK),
+    # and with and without bias
     for block_m, block_k, split_k, ahead, pdl, w_tiled, epilogue in (
             (8, 128, 1, 1, False, True, (2, 2, False)), (16, 256, 4, 1, True, True, (1, 0, True)),
             (64, 256, 8, 1, True, True, (2, 2, True)), (32, 128, 20, 3, True, True, (0, 1, False)),
             (16, 256, 4, 1, True, False, (2, 1, False)),
-            (64, 128, 2, 3, False, False, (0, 0, True))):
+            (64, 128, 2, 3, False, False, (0, 0, True)),
+            (16, 128, 4, 3, True, False, (3, 3, False)), (64, 128, 32, 2, False, False, (3, 3, True))):
         kernel = compiled(block_m, block_k, split_k, ahead, pdl, w_tiled, epilogue)
         text = kernel.asm["ptx"]
         # w: a 4-byte load per fragment register (4 per 32-deep MMA step of a thread), for
@@ -282,6 +291,17 @@ FRAG_SCRIPT = textwrap.dedent("""
         assert (text.find("ld.global.b32") < wait < text.find("ld.global.v4")) if pdl \
             else wait == -1
         assert ("atom.global" in text) == (split_k > 1)
+        # No register spills (ptxas decides them; the PTX cannot show them).
+        with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+            f.write(text)
+        done = subprocess.run([ptxas, "-v", "-arch=sm_90a", f.name, "-o", os.devnull],
+                              capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr[-2000:]
+        spilled = int(re.search(r"(\\d+) bytes spill stores", done.stderr).group(1))
+        # BM64 with BK256 spills one register (4 bytes) in Triton 3.6 and 3.9 with and without
+        # the epilogue's scales and bias; the other configs spill none.
+        assert spilled <= (4 if (block_m, block_k) == (64, 256) else 0), \
+            (block_m, block_k, ahead, epilogue, done.stderr)
     print("ok")
 """)
 
@@ -311,11 +331,12 @@ RING_SCRIPT = textwrap.dedent("""
 
     ptxas = get_ptxas(90).path  # the one Triton assembles sm_90 with (its PTX version)
     # (block_m, block_k, stages, split_k, (scale_a, scale_b, bias)); the largest rings the
-    # space admits and the largest split sums among them
+    # space admits and the largest split sums among them, and FP8 block scales (3: PER_BLOCK)
     for block_m, block_k, stages, split_k, epilogue in (
             (8, 128, 8, 1, (2, 2, False)), (16, 256, 4, 4, (1, 0, True)),
             (64, 256, 4, 2, (2, 2, True)), (32, 128, 8, 20, (0, 1, False)),
-            (8, 128, 22, 32, (2, 2, True)), (64, 256, 6, 32, (2, 2, True))):
+            (8, 128, 22, 32, (2, 2, True)), (64, 256, 6, 32, (2, 2, True)),
+            (16, 128, 8, 1, (3, 3, False)), (64, 128, 12, 32, (3, 3, True))):
         scale_a, scale_b, has_bias = epilogue
         constexprs = dict(HAS_BIAS=has_bias, SCALE_A=scale_a, SCALE_B=scale_b, SPLIT_K=split_k,
                           BLOCK_M=block_m, BLOCK_K=block_k, STAGES=stages,

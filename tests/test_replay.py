@@ -230,6 +230,30 @@ def test_a_host_descriptor_is_rebuilt_around_the_new_tensor():
     assert checked[1] is w and checked[3] is x2
 
 
+def test_a_gluon_descriptor_is_rebuilt_around_the_new_tensor_with_its_layout():
+    # The TMA-ring kernel (Gluon) takes x and w as Gluon's host descriptors, which carry the
+    # shared-memory layout the kernel was compiled for.
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
+
+    x, w, y = torch.randn(16, 32), torch.randn(16, 32), torch.empty(16, 16)
+    layout = gl.NVMMASharedLayout.get_default_for([16, 16], gl.float32)
+    x_desc = GluonDescriptor.from_tensor(x, [16, 16], layout)
+    call = KernelCall(_FakeKernel, (2,), (x_desc, w, y, x, 16, 32, None), {"BLOCK": 64}, {})
+    compiled = _FakeCompiled()
+    replay = Replay.record(call, compiled, (x, w, y, None, None, None), 0)
+    assert replay is not None
+    x2, y2 = torch.randn(16, 32), torch.empty(16, 16)
+    assert replay.launch_fast((x2, w, y2, None, None, None))
+    (args,) = compiled.calls
+    desc = args[0]
+    assert desc.base is x2 and list(desc.shape) == [16, 32] and list(desc.strides) == [32, 1]
+    assert list(desc.block_shape) == [16, 16] and desc.padding == "zero"
+    if not _replay._LIGHT_DESCRIPTORS:  # a whole Gluon descriptor, checked as Gluon checks it
+        assert isinstance(desc, GluonDescriptor) and desc.layout == layout
+    assert args[1:4] == (w.data_ptr(), y2.data_ptr(), x2.data_ptr())
+
+
 def _described_recording(monkeypatch, descriptors):
     """A recording whose first argument is a host descriptor of x, launched through a stand-in
     for Triton's C launch taking ``descriptors`` (the wrapper's metadata): (the replay, x's

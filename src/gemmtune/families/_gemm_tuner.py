@@ -176,18 +176,18 @@ def triton_candidates(m: int, n: int, k: int, dtype: torch.dtype,
 
 
 def gluon_candidates(p: GemmProblem, registry) -> list[Candidate]:
-    """The register-direct Gluon kernel's configs (FP8, M <= 64: ``gemm_frag.candidates``, with
-    PDL where it is supported) that ``registry`` can run for ``p`` (it refuses them off Hopper
-    and in the interpreter); none without a GPU. Not ``triton.ring``'s: its launch is not
-    replayed, and an eager call through Triton's launcher cost 194 µs of host time against
-    21-24 µs for the rows it beat on the GPU (docs/benchmarks.md, session 21)."""
+    """The Gluon decode kernels' configs (FP8, M <= 64: ``gemm_frag.candidates`` with PDL where
+    it is supported, ``gemm_ring.candidates``) that ``registry`` can run for ``p`` (it refuses
+    them off Hopper, in the interpreter, on a layout the kernel does not read and, with block
+    scales, at steps other than 128); none without a GPU."""
     if not torch.cuda.is_available():
         return []
-    from gemmtune.kernels.triton import gemm_frag
+    from gemmtune.kernels.triton import gemm_frag, gemm_ring
     from gemmtune.kernels.triton._splits import pdl_where_supported
 
-    return [Candidate(cfg.name, "triton", splitk=cfg.split_k)
-            for cfg in gemm_frag.candidates(p.m, p.n, p.k, p.dtype, pdl=pdl_where_supported())
+    configs = (gemm_frag.candidates(p.m, p.n, p.k, p.dtype, pdl=pdl_where_supported())
+               + gemm_ring.candidates(p.m, p.n, p.k, p.dtype))
+    return [Candidate(cfg.name, "triton", splitk=cfg.split_k) for cfg in configs
             if registry.can_run(cfg.name, p)]
 
 

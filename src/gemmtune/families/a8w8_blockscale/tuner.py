@@ -1,6 +1,7 @@
 """``gemmtune tune a8w8-blockscale``: candidates and inputs for gemm_a8w8_blockscale's table.
 Inputs are quantised with FP8 block scales (x per 1x128, w per 128x128); each candidate is
-checked against the dequantised product in fp32.
+checked against the dequantised product in fp32. Beside the shared GEMM candidates, on a Hopper
+GPU the Gluon decode kernels' with steps of 128 (M <= 64).
 """
 
 from __future__ import annotations
@@ -8,7 +9,8 @@ from __future__ import annotations
 import torch
 
 from gemmtune import quant
-from gemmtune.families._gemm_tuner import GemmCall, GemmTuner
+from gemmtune.families._gemm_tuner import (GemmCall, GemmTuner, gluon_candidates,
+                                           number_candidates)
 from gemmtune.families.a8w8_blockscale.op import (REGISTRY, SCHEMA, TUNED_OUT_DTYPE,
                                                   BlockscaleKey, problem_of)
 from gemmtune.kernels.torch_ref import TORCH_BLOCKSCALE, gemm_a8w8_blockscale_ref
@@ -22,8 +24,11 @@ class A8w8BlockscaleTuner(GemmTuner):
     problem_of = staticmethod(problem_of)
 
     def candidates(self, key: BlockscaleKey, libtypes: frozenset[str]) -> list[Candidate]:
-        return self.gemm_candidates(self.shape(key), libtypes, TORCH_BLOCKSCALE,
-                                    block_scales=True)
+        p = self.shape(key)
+        found = self.gemm_candidates(p, libtypes, TORCH_BLOCKSCALE, block_scales=True)
+        if "triton" in self.wanted(libtypes):
+            found += gluon_candidates(p, self.registry)
+        return number_candidates(found)
 
     def prepare(self, key: BlockscaleKey, seed: int) -> Prepared:
         p = self.shape(key)

@@ -35,6 +35,12 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from gemmtune.kernels.triton import _checks
 
+try:  # Gluon's host descriptor (triton.ring's): Triton's own with a shared-memory layout
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
+except ImportError:  # a Triton without Gluon
+    GluonDescriptor = None
+_DESCRIPTOR_TYPES = tuple(t for t in (TensorDescriptor, GluonDescriptor) if t is not None)
+
 
 class KernelCall(NamedTuple):
     """One launch as a launch function builds it: ``kernel[grid](*args, **constexprs,
@@ -132,17 +138,22 @@ def all_arguments(call: KernelCall) -> list:
 
 class DescribedRole(NamedTuple):
     """A leading argument that is a host TMA descriptor of a role's tensor (the persistent
-    kernel's x and w): rebuilt around each call's tensor with the recorded geometry."""
+    kernel's x and w, Triton's; the TMA-ring kernel's, Gluon's): rebuilt around each call's
+    tensor with the recorded geometry."""
 
     role: int
     shape: list
     strides: list
     block_shape: list
     padding: str
+    layout: object = None  # a Gluon descriptor's shared-memory layout; None for Triton's
 
     def around(self, t: torch.Tensor):
         if _LIGHT_DESCRIPTORS:
             return _Descriptor(t, self.shape, self.strides, self.block_shape, self.padding)
+        if self.layout is not None:
+            return GluonDescriptor(t, self.shape, self.strides, self.block_shape, self.layout,
+                                   self.padding)
         return TensorDescriptor(t, self.shape, self.strides, self.block_shape, self.padding)
 
 
@@ -224,11 +235,12 @@ def _role_of(value, roles: tuple):
     for r, t in enumerate(roles):
         if t is not None and value is t:
             return r
-    if isinstance(value, TensorDescriptor):
+    if isinstance(value, _DESCRIPTOR_TYPES):
         base = _role_of(value.base, roles)
         if isinstance(base, int):
             return DescribedRole(base, list(value.shape), list(value.strides),
-                                 list(value.block_shape), value.padding)
+                                 list(value.block_shape), value.padding,
+                                 getattr(value, "layout", None))
     return None
 
 

@@ -73,6 +73,21 @@ def partials_per_load(block_m: int) -> int:
 
 
 @gluon.jit
+def step_scales(step, pid_n, pid_m, M, scale_a_ptr, scale_b_ptr, k_blocks,
+                BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, layout: gl.constexpr):
+    """FP8 block scales of K step ``step`` for y.T's (64, BLOCK_M) tile, one factor per x row
+    in ``layout`` (the tile's SliceLayout(0, ...)): x's scale (row, kb) times w's (the tile's
+    64 rows lie in one block of 128). BLOCK_K divides 128, so the step lies in one block ``kb``;
+    scales are contiguous fp32, x's (M, k_blocks), w's (ceil(N / 128), k_blocks)."""
+    kb = step * BLOCK_K // 128
+    om = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=layout)
+    rows = gl.where(om < M, om, 0).to(gl.int64)
+    sa = gl.load(scale_a_ptr + rows * k_blocks + kb)
+    sb = gl.load(scale_b_ptr + (pid_n * _BN // 128).to(gl.int64) * k_blocks + kb)
+    return sa * sb
+
+
+@gluon.jit
 def _scaled(acc, rows, cols, bias_ptr, scale_a_ptr, scale_b_ptr, stride_bias,
             HAS_BIAS: gl.constexpr, SCALE_A: gl.constexpr, SCALE_B: gl.constexpr):
     """acc (BLOCK_N, BLOCK_M) = y.T's tile with its scales and bias; ``rows`` of x and ``cols``

@@ -69,9 +69,8 @@ def _kernel_module(prefix: str) -> _KernelModule:
     if prefix == "triton.ring":
         from gemmtune.kernels.triton import gemm_ring as m
 
-        # Not replayed: Gluon's TMA descriptors are built per call (gemm_ring.ring_call).
-        return _KernelModule(m, m.RingConfig, m.launch_gemm_ring, m.gemm_ring, m.ring_call,
-                             m.why_not_block_scaled)
+        # Its Gluon TMA descriptors of x and w are rebuilt around each replayed call's tensors.
+        return _KernelModule(m, m.RingConfig, m.launch_gemm_ring, m.gemm_ring, m.ring_call)
     raise ValueError(f"{prefix!r}: not a Triton kernel; prefixes: {', '.join(PREFIXES)}")
 
 

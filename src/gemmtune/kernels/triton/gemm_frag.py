@@ -17,7 +17,8 @@ FP8's reduced-precision accumulation spans one step of K at most. K is split ove
 axis; the splits' fp32 partials are summed in split order by the last to finish (bitwise
 deterministic, as ``_splits.sum_splits_and_store``). A third grid axis takes x's rows in blocks
 of BLOCK_M. Scales per tensor or per row of x / of w, bias, and the output dtype in the
-epilogue.
+epilogue; FP8 block scales (x's per 1x128, w's per 128x128) per K step of 128, on the product
+before its add.
 
 FP8 (float8_e4m3fn) only; Hopper (sm_90) only: Gluon kernels do not run in
 Triton's interpreter, so the CPU checks only compile it (tests/test_kernels_compile_for_hopper.py).
@@ -36,17 +37,19 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 
 from gemmtune.kernels._names import Field, NameCodec, NamedConfig
 from gemmtune.kernels.triton import _checks
-from gemmtune.kernels.triton._epilogue import epilogue_constexprs, epilogue_operands
+from gemmtune.kernels.triton._epilogue import (PER_BLOCK, SCALE_BLOCK, epilogue_constexprs,
+                                                epilogue_operands)
 from gemmtune.kernels.triton._replay import KernelCall, launch
 from gemmtune.kernels.triton._splits import (PDL_OFF, pdl_supported, split_for,
                                              why_not_wait_pdl, workspace)
 from gemmtune.kernels.triton._swapped import (BLOCK_MS, BLOCK_N, NUM_WARPS, barrier,
                                               block_m_for, finish_tile, partials_per_load,
-                                              why_not_grid, why_not_here)
+                                              step_scales, why_not_grid, why_not_here)
 from gemmtune.kernels.triton._wlayout import why_not_tiled
 
 KERNEL_PREFIX = "triton.frag"
 _BN = gl.constexpr(BLOCK_N)  # as the jitted code reads it
+_PER_BLOCK = gl.constexpr(PER_BLOCK)
 BLOCK_KS = (128, 256)  # whole 128-byte tiles of the layout (512 spills: MAX_W_BYTES_IN_FLIGHT)
 MAX_AHEAD = 3
 # Bytes of each of a thread's rows in flight, (ahead + 1) * block_k: above 512 ptxas spilled
@@ -114,7 +117,13 @@ def why_not_supported(config: FragConfig, M: int, N: int, K: int, dtype: torch.d
 
 
 def why_not_block_scaled(config: FragConfig, dtype: torch.dtype) -> str | None:
-    return "the register-direct kernel takes per-tensor or per-row scales, not FP8 block scales"
+    """FP8 block scales take steps of 128 (``_checks.why_not_block_scaled``); at block_m 64 the
+    scales' registers spill with 3 steps of w ahead (ptxas -v, Triton 3.6)."""
+    problem = _checks.why_not_block_scaled(config, dtype)
+    if problem is None and config.block_m == 64 and config.ahead == MAX_AHEAD:
+        problem = (f"block_m=64 with {MAX_AHEAD} steps ahead spills registers with block scales; "
+                   f"use fewer steps ahead")
+    return problem
 
 
 def fits(config: FragConfig, M: int, N: int, K: int, dtype: torch.dtype) -> bool:
@@ -201,6 +210,7 @@ def gemm_frag_kernel(
     count_ptr,  # (tiles,) int32, zero on entry and left zero; unused unless SPLIT_K > 1
     M, N, K,
     stride_xm, stride_wn, stride_ym, stride_yn, stride_bias,
+    k_blocks,  # ceil(K / 128): columns of the block scales (SCALE_A == PER_BLOCK only)
     HAS_BIAS: gl.constexpr, SCALE_A: gl.constexpr, SCALE_B: gl.constexpr,
     SPLIT_K: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr,
     AHEAD: gl.constexpr, PDL: gl.constexpr, PER_LOAD: gl.constexpr, W_TILED: gl.constexpr,
@@ -241,7 +251,15 @@ def gemm_frag_kernel(
     x_ptrs = x_ptr + xm.to(gl.int64)[:, None] * stride_xm + xk[None, :]
     x_smem = gl.allocate_shared_memory(x_ptr.dtype.element_ty, [BLOCK_M, BLOCK_K], x_smem_layout)
     acc = gl.zeros([_BN, BLOCK_M], gl.float32, layout=mma)
+    BLOCK_SCALED: gl.constexpr = SCALE_A == _PER_BLOCK
+    if BLOCK_SCALED:
+        scale = step_scales(step_lo, pid_n, pid_m, M, scale_a_ptr, scale_b_ptr, k_blocks,
+                            BLOCK_M, BLOCK_K, gl.SliceLayout(0, mma))
     for step in range(step_lo, step_hi):
+        if BLOCK_SCALED:  # the next step's block scales load while this one multiplies
+            now = scale
+            scale = step_scales(gl.minimum(step + 1, step_hi - 1), pid_n, pid_m, M, scale_a_ptr,
+                                scale_b_ptr, k_blocks, BLOCK_M, BLOCK_K, gl.SliceLayout(0, mma))
         w_now = w0
         # The steps up to AHEAD on are in flight while this one multiplies (the last steps
         # re-read the final one: a few L2 hits instead of a branch).
@@ -260,8 +278,12 @@ def gemm_frag_kernel(
         x_smem.store(x)
         fence_async_shared()
         # From zero per step: the MMA's reduced-precision FP8 sum spans one step, the fp32 add
-        # the rest.
-        acc += warpgroup_mma(w_now, x_smem.permute((1, 0)), acc, use_acc=False)
+        # the rest (with block scales, once scaled).
+        product = warpgroup_mma(w_now, x_smem.permute((1, 0)), acc, use_acc=False)
+        if BLOCK_SCALED:
+            acc += product * now[None, :]
+        else:
+            acc += product
 
     finish_tile(acc, pid_n, split, pid_m, y_ptr, bias_ptr, scale_a_ptr, scale_b_ptr, part_ptr,
                  count_ptr, M, N, stride_ym, stride_yn, stride_bias, HAS_BIAS, SCALE_A, SCALE_B,
@@ -272,8 +294,6 @@ def frag_call(x, w, bias, out, scale_a, scale_b, config: FragConfig,
               counters: torch.Tensor | None = None, warmup: bool = False,
               block_scales: bool = False, w_tiled: bool = False) -> KernelCall:
     """The launch of ``launch_gemm_frag`` as data (what a dispatch plan records and replays)."""
-    if block_scales:
-        raise ValueError("triton.frag takes per-tensor or per-row scales, not FP8 block scales")
     M, K = x.shape
     N = w.shape[0]
     if x.stride(1) != 1:
@@ -289,9 +309,9 @@ def frag_call(x, w, bias, out, scale_a, scale_b, config: FragConfig,
     bias_, scale_a_, scale_b_ = epilogue_operands(x, bias, scale_a, scale_b)
     args = (x, w, out, bias_, scale_a_, scale_b_, parts, counters, M, N, K,
             x.stride(0), w.stride(0), out.stride(0), out.stride(1),
-            bias.stride(0) if bias is not None else 0)
+            bias.stride(0) if bias is not None else 0, triton.cdiv(K, SCALE_BLOCK))
     constexprs = dict(
-        **epilogue_constexprs(bias, scale_a, scale_b, False),
+        **epilogue_constexprs(bias, scale_a, scale_b, block_scales),
         SPLIT_K=config.split_k,
         BLOCK_M=config.block_m,
         BLOCK_K=config.block_k,
@@ -323,9 +343,8 @@ def gemm_frag(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None
               w_tiled: bool = False) -> torch.Tensor:
     """``y = (x @ w.T) * scale_a * scale_b + bias`` for an FP8 ``w``, row-major or, with
     ``w_tiled``, pre-shuffled (``gemmtune.quant.shuffle_weight``); validates everything, then
-    launches. ``config`` defaults to ``default_config``."""
-    if block_scales:
-        raise ValueError("gemm_frag: FP8 block scales are not supported")
+    launches. ``config`` defaults to ``default_config`` (with block_k 128 for ``block_scales``:
+    x's per 1x128 and w's per 128x128 scales, applied per K step)."""
     if _checks.interpreted():
         raise ValueError("gemm_frag: Gluon kernels do not run in Triton's interpreter")
     if w_tiled and not w.is_contiguous():
@@ -340,5 +359,5 @@ def gemm_frag(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None
     return _checks.validated_launch("gemm_frag", functools.partial(launch_gemm_frag,
                                                                    w_tiled=w_tiled),
                                     default_config, why_not, x, w, bias, out_dtype, scale_a,
-                                    scale_b, config, out, False)
+                                    scale_b, config, out, block_scales, why_not_block_scaled)
 

@@ -15,13 +15,15 @@ already fills the GPU (e.g. 6144 x 4096 at M = 16) or few splits do, and loses w
 splits' sum costs more than the stream (the sum is a chain of dependent global-memory round
 trips at the end of a kernel of a few µs).
 
+With FP8 block scales (``block_scales``: x's per 1x128, w's per 128x128; steps of 128, one
+scale block each) each step's product is scaled before its add, the next step's scales loaded
+before this step's wait.
+
 Row-major w only (TMA reads rows; the pre-shuffled tiles are ``triton.frag``'s and the split-K
 kernels'); K a multiple of 16 (TMA's 16-byte row pitch), any N, M. FP8 (float8_e4m3fn), Hopper
 (sm_90) only; Gluon does not run in Triton's interpreter, so the CPU checks only compile it
-(tests/test_kernels_compile_for_hopper.py). Its launch is not replayed (the replay path rebuilds
-plain Triton's TMA descriptors, not Gluon's): each call goes through Triton's launcher, 194 µs of
-host time per eager call on the H100's host against 21-24 µs for a replayed row, so it is a named
-kernel (``kernel=``, a table row) and not a tuner candidate until its launch is replayed.
+(tests/test_kernels_compile_for_hopper.py). Dispatch replays its launch as the other kernels'
+(``_replay``), its two TMA descriptors rebuilt around each call's x and w.
 """
 
 from __future__ import annotations
@@ -36,12 +38,13 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 
 from gemmtune.kernels._names import Field, NameCodec, NamedConfig
 from gemmtune.kernels.triton import _checks
-from gemmtune.kernels.triton._epilogue import epilogue_constexprs, epilogue_operands
+from gemmtune.kernels.triton._epilogue import (PER_BLOCK, SCALE_BLOCK, epilogue_constexprs,
+                                                epilogue_operands)
 from gemmtune.kernels.triton._replay import KernelCall, launch
 from gemmtune.kernels.triton._splits import split_for, workspace
 from gemmtune.kernels.triton._swapped import (BLOCK_MS, BLOCK_N, NUM_WARPS, barrier,
                                               block_m_for, finish_tile, partials_per_load,
-                                              why_not_grid, why_not_here)
+                                              step_scales, why_not_grid, why_not_here)
 
 KERNEL_PREFIX = "triton.ring"
 BLOCK_KS = (128, 256)
@@ -52,6 +55,7 @@ RING_BYTES = 200 * 1024
 # TMA's load into shared memory: tma.async_load from Triton 3.7 on (3.9 refuses the old name),
 # async_copy_global_to_shared in 3.6.
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+_PER_BLOCK = gl.constexpr(PER_BLOCK)  # as the jitted code reads it
 
 
 @dataclass(frozen=True)
@@ -103,10 +107,6 @@ def why_not_supported(config: RingConfig, M: int, N: int, K: int, dtype: torch.d
             or why_not_fits(config, M, N, K, dtype))
 
 
-def why_not_block_scaled(config: RingConfig, dtype: torch.dtype) -> str | None:
-    return "the TMA-ring kernel takes per-tensor or per-row scales, not FP8 block scales"
-
-
 def fits(config: RingConfig, M: int, N: int, K: int, dtype: torch.dtype) -> bool:
     return why_not_fits(config, M, N, K, dtype) is None
 
@@ -151,11 +151,14 @@ def default_config(M: int, N: int, K: int, dtype: torch.dtype,
 
 
 @gluon.jit
-def ring_mainloop(w_desc, x_desc, pid_n, pid_m, lo, steps, BLOCK_M: gl.constexpr,
-                  BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
+def ring_mainloop(w_desc, x_desc, pid_n, pid_m, lo, steps, M, scale_a_ptr, scale_b_ptr,
+                  k_blocks, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
+                  BLOCK_SCALED: gl.constexpr):
     """y.T's (64, BLOCK_M) tile over K steps [lo, lo + steps) of BLOCK_K, fp32, in the MMA's
     layout: every slot's loads issued first, then per step the slot's wait, the MMA from zero
-    added into fp32, and the slot's refill with the step STAGES on."""
+    added into fp32, and the slot's refill with the step STAGES on. ``BLOCK_SCALED``: each
+    step's product is scaled by its FP8 block scales before the add (``step_scales``; the next
+    step's are loaded before this step's wait)."""
     w_ring = gl.allocate_shared_memory(w_desc.dtype, [STAGES, 64, BLOCK_K], w_desc.layout)
     x_ring = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], x_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -172,11 +175,23 @@ def ring_mainloop(w_desc, x_desc, pid_n, pid_m, lo, steps, BLOCK_M: gl.constexpr
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                   instr_shape=[16, BLOCK_M, 32])
     acc = gl.zeros([64, BLOCK_M], gl.float32, layout=mma)
+    if BLOCK_SCALED:
+        scale = step_scales(lo, pid_n, pid_m, M, scale_a_ptr, scale_b_ptr, k_blocks, BLOCK_M,
+                            BLOCK_K, gl.SliceLayout(0, mma))
     for i in range(steps):
+        if BLOCK_SCALED:
+            now = scale
+            scale = step_scales(lo + gl.minimum(i + 1, steps - 1), pid_n, pid_m, M,
+                                scale_a_ptr, scale_b_ptr, k_blocks, BLOCK_M, BLOCK_K,
+                                gl.SliceLayout(0, mma))
         slot = i % STAGES
         mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
-        acc += warpgroup_mma(w_ring.index(slot), x_ring.index(slot).permute((1, 0)), acc,
-                             use_acc=False)
+        product = warpgroup_mma(w_ring.index(slot), x_ring.index(slot).permute((1, 0)), acc,
+                                use_acc=False)
+        if BLOCK_SCALED:
+            acc += product * now[None, :]
+        else:
+            acc += product
         barrier()  # every warp's MMA has read the slot before TMA writes it again
         nxt = i + STAGES
         pred = nxt < steps
@@ -191,8 +206,9 @@ def ring_mainloop(w_desc, x_desc, pid_n, pid_m, lo, steps, BLOCK_M: gl.constexpr
 
 
 @gluon.jit
-def ring_tile(w_desc, x_desc, K, SPLIT_K: gl.constexpr, BLOCK_M: gl.constexpr,
-              BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
+def ring_tile(w_desc, x_desc, M, K, scale_a_ptr, scale_b_ptr, k_blocks,
+              SPLIT_K: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr,
+              STAGES: gl.constexpr, BLOCK_SCALED: gl.constexpr):
     """This program's tile (w's 64 rows ``pid_n``, x's block ``pid_m``) over its split of K:
     (acc, pid_n, split, pid_m), acc in the MMA's layout (``ring_mainloop``)."""
     pid_n = gl.program_id(0)
@@ -201,7 +217,8 @@ def ring_tile(w_desc, x_desc, K, SPLIT_K: gl.constexpr, BLOCK_M: gl.constexpr,
     k_steps = gl.cdiv(K, BLOCK_K)
     lo = split * k_steps // SPLIT_K
     acc = ring_mainloop(w_desc, x_desc, pid_n, pid_m, lo, (split + 1) * k_steps // SPLIT_K - lo,
-                        BLOCK_M, BLOCK_K, STAGES)
+                        M, scale_a_ptr, scale_b_ptr, k_blocks, BLOCK_M, BLOCK_K, STAGES,
+                        BLOCK_SCALED)
     return acc, pid_n, split, pid_m
 
 
@@ -211,11 +228,14 @@ def gemm_ring_kernel(
     y_ptr, bias_ptr, scale_a_ptr, scale_b_ptr,  # as gemm_frag's
     part_ptr, count_ptr,  # the splits' partials and counters, as gemm_frag's
     M, N, K, stride_ym, stride_yn, stride_bias,
+    k_blocks,  # ceil(K / 128): columns of the block scales (SCALE_A == PER_BLOCK only)
     HAS_BIAS: gl.constexpr, SCALE_A: gl.constexpr, SCALE_B: gl.constexpr,
     SPLIT_K: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr,
     STAGES: gl.constexpr, PER_LOAD: gl.constexpr,
 ):
-    acc, pid_n, split, pid_m = ring_tile(w_desc, x_desc, K, SPLIT_K, BLOCK_M, BLOCK_K, STAGES)
+    acc, pid_n, split, pid_m = ring_tile(w_desc, x_desc, M, K, scale_a_ptr, scale_b_ptr,
+                                         k_blocks, SPLIT_K, BLOCK_M, BLOCK_K, STAGES,
+                                         SCALE_A == _PER_BLOCK)
     finish_tile(acc, pid_n, split, pid_m, y_ptr, bias_ptr, scale_a_ptr, scale_b_ptr, part_ptr,
                 count_ptr, M, N, stride_ym, stride_yn, stride_bias, HAS_BIAS, SCALE_A, SCALE_B,
                 SPLIT_K, BLOCK_M, PER_LOAD)
@@ -233,29 +253,28 @@ def descriptors(x: torch.Tensor, w: torch.Tensor, config: RingConfig):
 def ring_call(x, w, bias, out, scale_a, scale_b, config: RingConfig,
               counters: torch.Tensor | None = None, warmup: bool = False,
               block_scales: bool = False) -> KernelCall:
-    """The launch of ``launch_gemm_ring`` as data. Not replayable: a replay would have to
-    rebuild Gluon's TMA descriptors around each later call's tensors."""
-    if block_scales:
-        raise ValueError("triton.ring takes per-tensor or per-row scales, not FP8 block scales")
+    """The launch of ``launch_gemm_ring`` as data (what a dispatch plan records and replays: its
+    TMA descriptors are rebuilt around each later call's x and w, ``_replay.DescribedRole``)."""
     M, K = x.shape
     N = w.shape[0]
     x, w = _checks.tma_ready(x), _checks.tma_ready(w)
     w_desc, x_desc = descriptors(x, w, config)
     n_tiles, m_tiles = triton.cdiv(N, BLOCK_N), triton.cdiv(M, config.block_m)
-    parts, counters, _ = workspace(x, out, n_tiles * m_tiles, BLOCK_N * config.block_m,
-                                   config.split_k, counters, warmup)
+    parts, counters, per_call = workspace(x, out, n_tiles * m_tiles, BLOCK_N * config.block_m,
+                                          config.split_k, counters, warmup)
     bias_, scale_a_, scale_b_ = epilogue_operands(x, bias, scale_a, scale_b)
     args = (w_desc, x_desc, out, bias_, scale_a_, scale_b_, parts, counters, M, N, K,
-            out.stride(0), out.stride(1), bias.stride(0) if bias is not None else 0)
+            out.stride(0), out.stride(1), bias.stride(0) if bias is not None else 0,
+            triton.cdiv(K, SCALE_BLOCK))
     constexprs = dict(
-        **epilogue_constexprs(bias, scale_a, scale_b, False),
+        **epilogue_constexprs(bias, scale_a, scale_b, block_scales),
         SPLIT_K=config.split_k,
         BLOCK_M=config.block_m,
         BLOCK_K=config.block_k,
         STAGES=config.stages,
         PER_LOAD=min(config.split_k, partials_per_load(config.block_m)))
     return KernelCall(gemm_ring_kernel, (n_tiles, config.split_k, m_tiles), args, constexprs,
-                      dict(num_warps=NUM_WARPS), replayable=False)
+                      dict(num_warps=NUM_WARPS), replayable=not per_call)
 
 
 def launch_gemm_ring(x, w, bias, out, scale_a, scale_b, config: RingConfig,
@@ -273,10 +292,10 @@ def gemm_ring(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None
               scale_b: torch.Tensor | None = None, config: RingConfig | None = None,
               out: torch.Tensor | None = None, block_scales: bool = False) -> torch.Tensor:
     """``y = (x @ w.T) * scale_a * scale_b + bias`` for FP8 x and row-major w; validates
-    everything, then launches. ``config`` defaults to ``default_config``."""
-    if block_scales:
-        raise ValueError("gemm_ring: FP8 block scales are not supported")
+    everything, then launches. ``config`` defaults to ``default_config`` (with block_k 128 for
+    ``block_scales``: x's per 1x128 and w's per 128x128 scales, applied per K step)."""
     if _checks.interpreted():
         raise ValueError("gemm_ring: Gluon kernels do not run in Triton's interpreter")
     return _checks.validated_launch("gemm_ring", launch_gemm_ring, default_config, why_not_fits,
-                                    x, w, bias, out_dtype, scale_a, scale_b, config, out, False)
+                                    x, w, bias, out_dtype, scale_a, scale_b, config, out,
+                                    block_scales)
