@@ -34,9 +34,10 @@ def main() -> None:
     parser.add_argument("profile")
     parser.add_argument("after")
     parser.add_argument("--prefix", default="triton.gemv",
-                        help="the challengers, as tune --kernels names them (a prefix, or a "
-                             "pattern with wildcards)")
+                        help="the challengers, as tune --kernels names them (prefixes or "
+                             "patterns with wildcards, comma-separated)")
     args = parser.parse_args()
+    patterns = tuple(args.prefix.split(","))
     columns, before = _rows(args.before)
     # A tuned table's key columns; an untuned file (no kernels before) is all key.
     key_names = columns[3:columns.index(KEY_END)] if KEY_END in columns else columns
@@ -53,7 +54,7 @@ def main() -> None:
     ratios = defaultdict(list)
     print(f"{'shape':<34} {'old µs':>8} {'best new µs':>11} {'torch µs':>9} {'x':>6}  kept")
     for k, times in timed.items():
-        challengers = {n: t for n, t in times.items() if challenges(n, (args.prefix,))}
+        challengers = {n: t for n, t in times.items() if challenges(n, patterns)}
         torch_us = min((t for n, t in times.items() if n.startswith("torch.")), default=math.nan)
         if k in old and old[k] not in times:
             print(f"{'x'.join(k[:3]):<34} the old kernel {old[k]} has no passing time here")
@@ -64,7 +65,7 @@ def main() -> None:
         best = min(challengers, key=challengers.get)
         x = base / challengers[best]
         ratios[k[0]].append(x)
-        kept = "challenger" if challenges(new.get(k, ""), (args.prefix,)) else \
+        kept = "challenger" if challenges(new.get(k, ""), patterns) else \
             ("old" if new.get(k) == old.get(k) else new.get(k, "?"))
         print(f"{'x'.join(k[:3]):<34} {base:>8.2f} {challengers[best]:>11.2f} "
               f"{torch_us:>9.2f} {x:>6.3f}  {kept}  ({best})")

@@ -143,22 +143,25 @@ for what in "$@"; do
             stage "retie_$family" "${RETIE_LIMIT:-300}" python3 scripts/retune_rows.py "$family" \
                 --kernel torch. --libtype torch,cublaslt --work "$OUT/retie_$family" -- --mp 8
             cp "src/gemmtune/configs/${family//-/_}_tuned_gemm.csv" "$OUT/" ;;
-        challenge:*)  # challenge:FAMILY[:MS]: the shipped rows of those M (default 1,16)
-            # against a new kernel (CHALLENGE, default triton.gemv), in place; the table and a
-            # per-shape summary (old kernel / best challenger / torch, one run) come back
+        challenge:*)  # challenge:FAMILY[:MS[:PREFIXES]]: the shipped rows of those M (default
+            # 1,16) against new kernels (PREFIXES, else CHALLENGE, default triton.gemv), in
+            # place; the table and a per-shape summary (old kernel / best challenger / torch,
+            # one run) come back
             spec=${what#challenge:}
             family=${spec%%:*}
             ms=1,16; [[ $spec == *:* ]] && ms=${spec#*:}
+            challengers=${CHALLENGE:-triton.gemv}
+            [[ $ms == *:* ]] && { challengers=${ms#*:}; ms=${ms%%:*}; }
             stem=${family//-/_}
             table="src/gemmtune/configs/${stem}_tuned_gemm.csv"
             cp "$table" "$OUT/${stem}_before.csv"
             stage "challenge_$family" "${CHALLENGE_LIMIT:-420}" python3 scripts/retune_rows.py \
-                "$family" --m "$ms" --challenge "${CHALLENGE:-triton.gemv}" \
+                "$family" --m "$ms" --challenge "$challengers" \
                 --work "$OUT/challenge_$family" -- --mp "${MP:-14}" --timeout 60
             cp "$table" "$OUT/"
             python3 benchmarks/challenge_summary.py "$OUT/${stem}_before.csv" \
                 "$OUT/challenge_$family/${stem}_retune_profile.csv" "$table" \
-                --prefix "${CHALLENGE:-triton.gemv}" > "$OUT/challenge_$family.txt"
+                --prefix "$challengers" > "$OUT/challenge_$family.txt"
             grep '^M=' "$OUT/challenge_$family.txt" >> "$summary" ;;
         newshapes:*)  # newshapes:FAMILY: (N, K) that no preset has (NEW_NK, default three), at
             # NEW_M (default 1,16,32,64): tuned with every candidate, then benched through that
