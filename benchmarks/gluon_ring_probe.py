@@ -72,7 +72,7 @@ def ring_kernel(w_desc, x_desc, y_ptr, bias_ptr, scale_a_ptr, scale_b_ptr, part_
     else:
         finish_tile(acc, pid_n, split, pid_m, y_ptr, bias_ptr, scale_a_ptr, scale_b_ptr,
                     part_ptr, count_ptr, M, N, stride_ym, stride_yn, stride_bias, HAS_BIAS,
-                    SCALE_A, SCALE_B, SPLIT_K, BLOCK_M, PER_LOAD)
+                    SCALE_A, SCALE_B, SPLIT_K, BLOCK_M, PER_LOAD, False)
 
 
 @triton.jit

@@ -26,6 +26,9 @@ def test_names_round_trip():
     assert cfg.name == "triton.frag:BM16.BK256.SK4.A2.P1"
     assert FragConfig.from_name(cfg.name) == cfg
     assert FragConfig.from_name("triton.frag:BM64.BK128.SK1.A1") == FragConfig(64, 128, 1, 1, 0)
+    added = FragConfig(16, 256, 4, 2, 0, 1)  # splits added: the PDL field is written out
+    assert added.name == "triton.frag:BM16.BK256.SK4.A2.P0.R1"
+    assert FragConfig.from_name(added.name) == added
 
 
 @pytest.mark.parametrize("config, M, N, K, dtype, says", [
@@ -113,8 +116,8 @@ def test_refuses_gpus_other_than_hopper_and_strided_tiled_weights(monkeypatch):
 @pytest.mark.parametrize("family", ["a8w8", "a8w8_bpreshuffle"])
 def test_fp8_tuners_offer_the_register_direct_kernel_for_decode_where_it_runs(family):
     """Both FP8 per-row families' tuners take triton.frag's configs for FP8 at M <= 64 on a Hopper
-    GPU (row-major and pre-shuffled w); none for INT8, past M = 64, or without such a GPU; never
-    triton.ring's (not replayed: an eager call costs ~190 µs of host time)."""
+    GPU (row-major and pre-shuffled w); none for INT8, past M = 64, or without such a GPU; and
+    triton.ring's on row-major w only (TMA reads rows)."""
     import importlib
 
     tuner_module = importlib.import_module(f"gemmtune.families.{family}.tuner")
@@ -129,7 +132,7 @@ def test_fp8_tuners_offer_the_register_direct_kernel_for_decode_where_it_runs(fa
 
     here = torch.cuda.is_available() and _swapped.runs_here()
     assert bool(names(16, "torch.float8_e4m3fn", "triton.frag")) == here
-    assert not names(16, "torch.float8_e4m3fn", "triton.ring")
+    assert bool(names(16, "torch.float8_e4m3fn", "triton.ring")) == (here and family == "a8w8")
     assert not names(16, "torch.int8", "triton.frag")
     assert not names(128, "torch.float8_e4m3fn", "triton.frag")
 
@@ -151,6 +154,10 @@ GPU_CASES = [
     (100, 4096, 1024, FragConfig(64, 256, 2, 1)),
     (256, 528, 4096, FragConfig(32, 128, 3, 2)),
     (600, 512, 1024, FragConfig(64, 256, 2, 1, 1)),
+    # splits added into one sum per tile (R1)
+    (1, 576, 7168, FragConfig(8, 256, 4, 1, 1, 1)),
+    (31, 256, 7168, FragConfig(32, 256, 28, 1, 0, 1)),
+    (100, 4096, 1024, FragConfig(64, 256, 2, 1, 1, 1)),
 ]
 
 
@@ -164,7 +171,7 @@ def test_gpu_matches_reference(M, N, K, config, layout, w_tiled):
         return gemm_frag.gemm_frag(xq, w, bias, out_dtype, x_scale, w_scale, config, out=out,
                                    w_tiled=w_tiled)
 
-    assert_fp8_decode_launches(gemm, M, N, K, layout, config.name)
+    assert_fp8_decode_launches(gemm, M, N, K, layout, config.name, not config.add_splits)
 
 
 @pytest.mark.gpu
@@ -216,6 +223,7 @@ BLOCK_SCALED_CASES = [
     (16, 4096, 512, FragConfig(16, 128, 1, 1, 1)),
     (33, 256, 7168, FragConfig(64, 128, 28, 2)),
     (100, 1040, 1024, FragConfig(64, 128, 3, 1)),
+    (16, 1536, 7168, FragConfig(16, 128, 14, 2, 1, 1)),
 ]
 
 
@@ -227,4 +235,4 @@ def test_gpu_block_scales_match_the_dequantised_reference(M, N, K, config):
         return gemm_frag.gemm_frag(xq, wq, bias, out_dtype, x_scale, w_scale, config, out=out,
                                    block_scales=True)
 
-    assert_block_scaled_decode_launches(gemm, M, N, K, config.name)
+    assert_block_scaled_decode_launches(gemm, M, N, K, config.name, not config.add_splits)

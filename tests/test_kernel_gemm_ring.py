@@ -8,6 +8,8 @@ every scale layout, bias and output dtype, NaN-poisoned outputs, and repeat laun
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -24,6 +26,9 @@ def test_names_round_trip():
     cfg = RingConfig(16, 256, 4, 2)
     assert cfg.name == "triton.ring:BM16.BK256.S4.SK2"
     assert RingConfig.from_name(cfg.name) == cfg
+    added = RingConfig(16, 256, 4, 2, 1)
+    assert added.name == "triton.ring:BM16.BK256.S4.SK2.R1"
+    assert RingConfig.from_name(added.name) == added
 
 
 @pytest.mark.parametrize("config, M, N, K, dtype, says", [
@@ -37,6 +42,8 @@ def test_names_round_trip():
     (RingConfig(64, 256, 8, 1), 16, 4096, 4096, FP8, "use fewer stages"),
     (RingConfig(8, 128, 2, 1), 600_000, 4096, 4096, FP8, "grid's third axis"),
     (RingConfig(8, 128, 2, 1), 16, 4096, 0, FP8, "K=0"),
+    (RingConfig(16, 256, 4, 1, 1), 16, 4096, 4096, FP8, "add_splits=1 needs split_k > 1"),
+    (RingConfig(16, 256, 4, 2, 2), 16, 4096, 4096, FP8, "add_splits=2 must be 0"),
 ])
 def test_configs_that_cannot_run_say_why(config, M, N, K, dtype, says):
     assert says in gemm_ring.why_not_fits(config, M, N, K, dtype)
@@ -47,6 +54,9 @@ def test_configs_that_cannot_run_say_why(config, M, N, K, dtype, says):
 def test_candidates_and_default_fit(M, N, K):
     found = gemm_ring.candidates(M, N, K, FP8, num_sms=132)
     assert bool(found) == (M <= 64), (M, N, K)  # decode only
+    # Every split config both ways: its partials summed in order and added.
+    split = {dataclasses.replace(c, add_splits=0) for c in found if c.split_k > 1}
+    assert {dataclasses.replace(c, add_splits=1) for c in split} <= set(found)
     for cfg in found:
         assert gemm_ring.fits(cfg, M, N, K, FP8), cfg.name
         assert gemm_ring.ring_bytes(cfg) <= gemm_ring.RING_BYTES
@@ -107,6 +117,11 @@ GPU_CASES = [
     (64, 1040, 4096, RingConfig(64, 128, 8, 5)),
     (100, 4096, 1040, RingConfig(64, 256, 2, 2)),
     (600, 512, 1024, RingConfig(64, 256, 4, 1)),
+    # splits added into one sum per tile (R1)
+    (1, 576, 7168, RingConfig(8, 256, 4, 4, 1)),
+    (16, 1536, 7168, RingConfig(16, 256, 4, 7, 1)),
+    (31, 256, 7168, RingConfig(32, 256, 4, 28, 1)),
+    (100, 4096, 1040, RingConfig(64, 256, 2, 2, 1)),
 ]
 
 
@@ -117,7 +132,7 @@ def test_gpu_matches_reference(M, N, K, config, layout):
     def gemm(xq, wq, bias, out_dtype, x_scale, w_scale, out):
         return gemm_ring.gemm_ring(xq, wq, bias, out_dtype, x_scale, w_scale, config, out=out)
 
-    assert_fp8_decode_launches(gemm, M, N, K, layout, config.name)
+    assert_fp8_decode_launches(gemm, M, N, K, layout, config.name, not config.add_splits)
 
 
 @pytest.mark.gpu
@@ -176,6 +191,8 @@ BLOCK_SCALED_CASES = [
     (31, 256, 7168, RingConfig(32, 128, 4, 28)),
     (64, 1040, 4096, RingConfig(64, 128, 8, 5)),
     (100, 4096, 1024, RingConfig(64, 128, 4, 2)),
+    (5, 1040, 2320, RingConfig(8, 128, 8, 3, 1)),
+    (64, 1040, 4096, RingConfig(64, 128, 8, 5, 1)),
 ]
 
 
@@ -187,7 +204,7 @@ def test_gpu_block_scales_match_the_dequantised_reference(M, N, K, config):
         return gemm_ring.gemm_ring(xq, wq, bias, out_dtype, x_scale, w_scale, config, out=out,
                                    block_scales=True)
 
-    assert_block_scaled_decode_launches(gemm, M, N, K, config.name)
+    assert_block_scaled_decode_launches(gemm, M, N, K, config.name, not config.add_splits)
 
 
 @pytest.mark.gpu
@@ -261,3 +278,35 @@ def test_tuners_offer_both_gluon_kernels_where_they_run(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert _gemm_tuner.gluon_candidates(GemmProblem(16, 1536, 7168, FP8, torch.bfloat16,
                                                     scaling=Scaling.block), BLOCKSCALE) == []
+
+
+def test_added_splits_take_one_zeroed_sum_per_tile():
+    """The workspace of a launch whose splits add their partials: one fp32 sum per tile (not one
+    per split), zeroed; a warmup's is never read, so not zeroed; one split needs none."""
+    from gemmtune.kernels.triton._splits import workspace
+
+    x, out = torch.zeros(16, 256), torch.zeros(16, 64)
+    parts, counters, per_call = workspace(x, out, 3, 1024, 4, None, False, add_splits=True)
+    assert parts.numel() == 3 * 1024 and not parts.any() and parts.dtype == torch.float32
+    assert counters.numel() == 3 and not counters.any() and per_call  # the CPU: made per call
+    ordered, _, _ = workspace(x, out, 3, 1024, 4, None, False)
+    assert ordered.numel() == 3 * 4 * 1024
+    assert workspace(x, out, 3, 1024, 4, None, True, add_splits=True).partials.numel() == 3072
+    assert workspace(x, out, 3, 1024, 1, None, False, add_splits=True).partials is out
+
+
+@pytest.mark.gpu
+def test_gpu_added_splits_leave_the_streams_sums_zero():
+    """Launches of several shapes whose splits add into the stream's tile sums, one after
+    another: each right, and the sums zero after each (the next launch's starting point)."""
+    from gemmtune.kernels.triton._splits import stream_sums
+
+    for seed, (M, N, K, config) in enumerate([(16, 1536, 7168, RingConfig(16, 256, 4, 7, 1)),
+                                               (64, 1040, 4096, RingConfig(64, 128, 8, 5, 1)),
+                                               (16, 1536, 7168, RingConfig(16, 256, 4, 7, 1))]):
+        xq, wq, x_scale, w_scale = quantised_operands(M, N, K, FP8, "token_channel",
+                                                      generator(seed))
+        y = gemm_ring.gemm_ring(xq, wq, None, torch.bfloat16, x_scale, w_scale, config)
+        check_fp8_decode(y, xq, wq, x_scale, w_scale, None, config.name)
+        torch.cuda.synchronize()
+        assert not stream_sums(xq.device, 1).any(), config.name

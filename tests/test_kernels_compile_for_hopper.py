@@ -254,8 +254,9 @@ FRAG_SCRIPT = textwrap.dedent("""
         scale_a, scale_b, has_bias = epilogue
         constexprs = dict(HAS_BIAS=has_bias, SCALE_A=scale_a, SCALE_B=scale_b, SPLIT_K=split_k,
                           BLOCK_M=block_m, BLOCK_K=block_k, AHEAD=ahead, PDL=pdl,
-                          PER_LOAD=min(split_k, gemm_frag.partials_per_load(block_m)),
-                          W_TILED=w_tiled)
+                          PER_LOAD=min(abs(split_k), gemm_frag.partials_per_load(block_m)),
+                          W_TILED=w_tiled, ADD_SPLITS=split_k < 0)
+        constexprs["SPLIT_K"] = abs(split_k)
         signature = {n: pointers.get(n, "constexpr" if n in constexprs else "i32")
                      for n in names}
         # As Triton specialises them at a launch: pointers, K and the row pitches multiples of 16.
@@ -275,7 +276,9 @@ FRAG_SCRIPT = textwrap.dedent("""
             (64, 256, 8, 1, True, True, (2, 2, True)), (32, 128, 20, 3, True, True, (0, 1, False)),
             (16, 256, 4, 1, True, False, (2, 1, False)),
             (64, 128, 2, 3, False, False, (0, 0, True)),
-            (16, 128, 4, 3, True, False, (3, 3, False)), (64, 128, 32, 2, False, False, (3, 3, True))):
+            (16, 128, 4, 3, True, False, (3, 3, False)), (64, 128, 32, 2, False, False, (3, 3, True)),
+            (32, 256, -8, 1, True, False, (2, 2, True)), (16, 128, -22, 3, True, True, (3, 3, False))):
+        # A negative split: the splits add their partials (ADD_SPLITS)
         kernel = compiled(block_m, block_k, split_k, ahead, pdl, w_tiled, epilogue)
         text = kernel.asm["ptx"]
         # w: a 4-byte load per fragment register (4 per 32-deep MMA step of a thread), for
@@ -290,7 +293,9 @@ FRAG_SCRIPT = textwrap.dedent("""
         wait = text.find("griddepcontrol.wait")
         assert (text.find("ld.global.b32") < wait < text.find("ld.global.v4")) if pdl \
             else wait == -1
-        assert ("atom.global" in text) == (split_k > 1)
+        assert ("atom.global" in text) == (split_k != 1)
+        # Added splits: each partial's elements added at L2 (relaxed fp32 atomics).
+        assert ("global.gpu.relaxed.add.f32" in text) == (split_k < 0)
         # No register spills (ptxas decides them; the PTX cannot show them).
         with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
             f.write(text)
@@ -336,11 +341,15 @@ RING_SCRIPT = textwrap.dedent("""
             (8, 128, 8, 1, (2, 2, False)), (16, 256, 4, 4, (1, 0, True)),
             (64, 256, 4, 2, (2, 2, True)), (32, 128, 8, 20, (0, 1, False)),
             (8, 128, 22, 32, (2, 2, True)), (64, 256, 6, 32, (2, 2, True)),
-            (16, 128, 8, 1, (3, 3, False)), (64, 128, 12, 32, (3, 3, True))):
+            (16, 128, 8, 1, (3, 3, False)), (64, 128, 12, 32, (3, 3, True)),
+            (16, 256, 4, -4, (2, 2, True)), (64, 128, 8, -32, (3, 3, True))):
+        # A negative split: the splits add their partials (ADD_SPLITS)
+        add_splits, split_k = split_k < 0, abs(split_k)
         scale_a, scale_b, has_bias = epilogue
         constexprs = dict(HAS_BIAS=has_bias, SCALE_A=scale_a, SCALE_B=scale_b, SPLIT_K=split_k,
                           BLOCK_M=block_m, BLOCK_K=block_k, STAGES=stages,
-                          PER_LOAD=min(split_k, gemm_ring.partials_per_load(block_m)))
+                          PER_LOAD=min(split_k, gemm_ring.partials_per_load(block_m)),
+                          ADD_SPLITS=add_splits)
         boxes = {"w_desc": [64, block_k], "x_desc": [block_m, block_k]}
         descs = {n: f"tensordesc<fp8e4nv{box},"
                     f"{gl.NVMMASharedLayout.get_default_for(box, gl.float8e4nv)!r}>"
@@ -362,6 +371,9 @@ RING_SCRIPT = textwrap.dedent("""
         assert ring <= kernel.metadata.shared <= ring + 64 * block_m * 4 + 1024, \
             (ring, kernel.metadata.shared)
         assert ("atom.global" in text) == (split_k > 1)
+        # Added splits: each partial's elements added at L2 (relaxed fp32 atomics: atom in Triton
+        # 3.6, red in 3.9), one read back.
+        assert ("global.gpu.relaxed.add.f32" in text) == add_splits, add_splits
         assert kernel.metadata.shared <= 227 * 1024  # what a block may have on an H100
         # No register spills (ptxas decides them; the PTX cannot show them).
         with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:

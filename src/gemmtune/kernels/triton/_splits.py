@@ -125,28 +125,44 @@ def stream_partials(device: torch.device, numel: int) -> torch.Tensor:
         n, dtype=torch.float32, device=device))
 
 
+def stream_sums(device: torch.device, numel: int) -> torch.Tensor:
+    """At least ``numel`` zeroed fp32 tile sums owned by the current stream of ``device``, for
+    launches whose splits add their partials into one sum per tile and leave it zero
+    (``_swapped.finish_tile``'s ADD_SPLITS): shared as ``stream_counters`` are, with the same
+    limit on graphs."""
+    return _stream_buffer("sums", device, numel, lambda n: torch.zeros(
+        n, dtype=torch.float32, device=device))
+
+
 class Workspace(NamedTuple):
     """What a split launch reads and writes besides its operands."""
 
-    partials: torch.Tensor  # fp32, [tile][split][tile's elements]
+    # fp32, [tile][split][tile's elements]; with add_splits [tile][tile's elements], zero at
+    # rest
+    partials: torch.Tensor
     counters: torch.Tensor  # int32, one per tile, zero at rest
     per_call: bool  # the partials were made for this call alone: a recording must not keep them
 
 
 def workspace(x: torch.Tensor, out: torch.Tensor, tiles: int, tile_numel: int, split_k: int,
-              counters: torch.Tensor | None, warmup: bool) -> Workspace:
+              counters: torch.Tensor | None, warmup: bool, add_splits: bool = False) -> Workspace:
     """The partials (``tiles * split_k * tile_numel`` fp32) and ``tiles`` counters of a split
     launch on x's device: the current stream's (``stream_partials``, ``stream_counters``), or
     per call past ``STREAM_PARTIALS_MAX_BYTES``, under the interpreter, and for a warmup (which
-    launches nothing, so needs no zeroed counters). ``counters``: the caller's own, if given.
-    One split needs none: ``out`` stands in for both, never read."""
+    launches nothing, so needs no zeroed counters). ``add_splits``: instead of the partials,
+    ``tiles * tile_numel`` zeroed fp32 sums (``stream_sums``) that the splits add into.
+    ``counters``: the caller's own, if given. One split needs none: ``out`` stands in for both,
+    never read."""
     if split_k == 1:
         return Workspace(out, out, False)
-    numel = tiles * split_k * tile_numel
+    numel = tiles * tile_numel * (1 if add_splits else split_k)
     shared = not warmup and x.is_cuda
     per_call = not shared or numel * 4 > STREAM_PARTIALS_MAX_BYTES
-    parts = torch.empty(numel, dtype=torch.float32, device=x.device) if per_call \
-        else stream_partials(x.device, numel)
+    if not per_call:
+        parts = (stream_sums if add_splits else stream_partials)(x.device, numel)
+    else:
+        parts = (torch.zeros if add_splits and not warmup else torch.empty)(
+            numel, dtype=torch.float32, device=x.device)
     if counters is None and shared:
         counters = stream_counters(x.device, tiles)
     if counters is None:

@@ -62,6 +62,16 @@ def why_not_grid(config, M: int, K: int, k_steps: int, max_split: int) -> str | 
     return None
 
 
+def why_not_add_splits(config) -> str | None:
+    """Why ``config``'s ``add_splits`` (0 or 1; 1 only where K is split) is not one the kernels
+    take."""
+    if config.add_splits not in (0, 1):
+        return f"add_splits={config.add_splits} must be 0 (sum in split order) or 1 (add)"
+    if config.add_splits and config.split_k == 1:
+        return "add_splits=1 needs split_k > 1: one split has nothing to add"
+    return None
+
+
 def block_m_for(M: int) -> int:
     """The smallest block of x's rows that takes all of M (at most 64: larger M takes several)."""
     return next((b for b in BLOCK_MS if b >= M), BLOCK_MS[-1])
@@ -109,10 +119,14 @@ def _scaled(acc, rows, cols, bias_ptr, scale_a_ptr, scale_b_ptr, stride_bias,
 def finish_tile(acc, pid_n, split, pid_m, y_ptr, bias_ptr, scale_a_ptr, scale_b_ptr, part_ptr,
                 count_ptr, M, N, stride_ym, stride_yn, stride_bias, HAS_BIAS: gl.constexpr,
                 SCALE_A: gl.constexpr, SCALE_B: gl.constexpr, SPLIT_K: gl.constexpr,
-                BLOCK_M: gl.constexpr, PER_LOAD: gl.constexpr):
+                BLOCK_M: gl.constexpr, PER_LOAD: gl.constexpr, ADD_SPLITS: gl.constexpr):
     """y.T's (BLOCK_N, BLOCK_M) tile ``acc`` (any layout) of split ``split``: scaled and stored,
-    or, split, its fp32 partial stored and the split's sum finished by the last to arrive, in
-    split order (bitwise deterministic, as ``_splits.sum_splits_and_store``)."""
+    or, split, the split's sum finished by the last to arrive. Either each split's fp32 partial
+    is stored and the last sums them in split order (bitwise deterministic, as
+    ``_splits.sum_splits_and_store``), or, ``ADD_SPLITS``, each split adds its partial into the
+    tile's fp32 sum in memory (zero at rest: ``_splits.workspace``) and the last reads that sum
+    once and zeroes it (one round trip instead of SPLIT_K / PER_LOAD; the adds' order, and so
+    the sum's last bits, follow the splits' arrival)."""
     # One thread per element of the (BLOCK_N, BLOCK_M) tile (64 rows: 32 lanes x 2 warps), so
     # the partials' sum and the stores touch each element once.
     out_layout: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [2, 2], [0, 1])
@@ -132,19 +146,28 @@ def finish_tile(acc, pid_n, split, pid_m, y_ptr, bias_ptr, scale_a_ptr, scale_b_
         # [BLOCK_M][BLOCK_N] (w's rows fastest, as the lanes of out_layout run): coalesced.
         local = gl.arange(0, _BN, layout=gl.SliceLayout(1, out_layout))[:, None] \
             + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, out_layout))[None, :] * _BN
-        tile_parts = part_ptr + tile.to(gl.int64) * (SPLIT_K * _BN * BLOCK_M)
-        gl.store(tile_parts + split * (_BN * BLOCK_M) + local, out)
+        # A tile's partials (SPLIT_K of them), or with ADD_SPLITS its one sum.
+        tile_size: gl.constexpr = _BN * BLOCK_M if ADD_SPLITS else SPLIT_K * _BN * BLOCK_M
+        tile_parts = part_ptr + tile.to(gl.int64) * tile_size
+        if ADD_SPLITS:
+            gl.atomic_add(tile_parts + local, out, sem="relaxed", scope="gpu")
+        else:
+            gl.store(tile_parts + split * (_BN * BLOCK_M) + local, out)
         # Every thread's partial before the one release (as _splits.sum_splits_and_store).
         barrier()
         arrived = gl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
         if arrived == SPLIT_K - 1:
-            total = gl.zeros([_BN, BLOCK_M], gl.float32, layout=out_layout)
-            # PER_LOAD partials a group, unrolled: a group's loads are issued together (one L2
-            # round trip) and held in at most _PARTIAL_REGS registers.
-            for s0 in range(0, SPLIT_K, PER_LOAD):
-                for s in gl.static_range(PER_LOAD):
-                    total += gl.load(tile_parts + (s0 + s) * (_BN * BLOCK_M) + local,
-                                     mask=s0 + s < SPLIT_K, other=0.0, cache_modifier=".cg")
+            if ADD_SPLITS:
+                total = gl.load(tile_parts + local, cache_modifier=".cg")
+                gl.store(tile_parts + local, gl.zeros_like(total))  # zero for the next launch
+            else:
+                total = gl.zeros([_BN, BLOCK_M], gl.float32, layout=out_layout)
+                # PER_LOAD partials a group, unrolled: a group's loads are issued together (one
+                # L2 round trip) and held in at most _PARTIAL_REGS registers.
+                for s0 in range(0, SPLIT_K, PER_LOAD):
+                    for s in gl.static_range(PER_LOAD):
+                        total += gl.load(tile_parts + (s0 + s) * (_BN * BLOCK_M) + local,
+                                         mask=s0 + s < SPLIT_K, other=0.0, cache_modifier=".cg")
             gl.store(count_ptr + tile, 0)  # zero for the next launch
             total = _scaled(total, rows, cols, bias_ptr, scale_a_ptr, scale_b_ptr, stride_bias,
                             HAS_BIAS, SCALE_A, SCALE_B)

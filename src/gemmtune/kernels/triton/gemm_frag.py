@@ -44,7 +44,8 @@ from gemmtune.kernels.triton._splits import (PDL_OFF, pdl_supported, split_for,
                                              why_not_wait_pdl, workspace)
 from gemmtune.kernels.triton._swapped import (BLOCK_MS, BLOCK_N, NUM_WARPS, barrier,
                                               block_m_for, finish_tile, partials_per_load,
-                                              step_scales, why_not_grid, why_not_here)
+                                              step_scales, why_not_add_splits, why_not_grid,
+                                              why_not_here)
 from gemmtune.kernels.triton._wlayout import why_not_tiled
 
 KERNEL_PREFIX = "triton.frag"
@@ -65,7 +66,8 @@ class FragConfig(NamedConfig):
 
     NAME_CODEC = NameCodec("register-direct config", KERNEL_PREFIX, (
         Field("BM", "block_m"), Field("BK", "block_k"), Field("SK", "split_k"),
-        Field("A", "ahead"), Field("P", "pdl", default=PDL_OFF)))
+        Field("A", "ahead"), Field("P", "pdl", default=PDL_OFF),
+        Field("R", "add_splits", default=0)))
 
     block_m: int
     block_k: int
@@ -74,6 +76,9 @@ class FragConfig(NamedConfig):
     # PDL_OFF or PDL_WAIT. With PDL_WAIT w's first steps load before the wait: w must not have
     # been written by the kernel launched just before on the same stream (weights never are)
     pdl: int = PDL_OFF
+    # 1: the splits add their partials into one fp32 sum per tile, read once by the last
+    # (``_swapped.finish_tile``'s ADD_SPLITS: not bitwise reproducible); 0: summed in order
+    add_splits: int = 0
 
 
 def w_bytes_in_flight(config: FragConfig) -> int:
@@ -90,7 +95,7 @@ def why_not_fits(config: FragConfig, M: int, N: int, K: int, dtype: torch.dtype)
         return f"block_k={c.block_k} must be one of {BLOCK_KS}"
     if not 1 <= c.ahead <= MAX_AHEAD:
         return f"ahead={c.ahead} must be in [1, {MAX_AHEAD}]"
-    problem = why_not_wait_pdl(c.pdl)
+    problem = why_not_wait_pdl(c.pdl) or why_not_add_splits(c)
     if problem is not None:
         return problem
     if w_bytes_in_flight(c) > MAX_W_BYTES_IN_FLIGHT:
@@ -140,7 +145,8 @@ def candidates(M: int, N: int, K: int, dtype: torch.dtype, num_sms: int | None =
     """The configs to tune one shape with, for M <= 64 (decode, where the kernel pays; none
     above): block_m covering M; each block_k dividing K; 1-3 steps ahead; K split to reach each
     of ``_PROGRAMS_PER_SM``; without PDL and, where ``pdl`` is PDL_WAIT, with it (neither won
-    everywhere: docs/benchmarks.md, session 20). Only configs that fit (no register spills)."""
+    everywhere: docs/benchmarks.md, session 20); split sums in order and, split, added. Only
+    configs that fit (no register spills)."""
     if M > BLOCK_MS[-1]:
         return []
     num_sms = num_sms or _checks.sm_count()
@@ -154,9 +160,10 @@ def candidates(M: int, N: int, K: int, dtype: torch.dtype, num_sms: int | None =
             split = split_for(tiles, K // bk, per_sm * num_sms, MAX_SPLIT_K)
             for ahead in range(1, MAX_AHEAD + 1):
                 for mode in sorted({PDL_OFF, pdl}):
-                    cfg = FragConfig(bm, bk, split, ahead, mode)
-                    if fits(cfg, M, N, K, dtype):
-                        found[cfg] = None
+                    for add in sorted({0, int(split > 1)}):
+                        cfg = FragConfig(bm, bk, split, ahead, mode, add)
+                        if fits(cfg, M, N, K, dtype):
+                            found[cfg] = None
     return list(found)
 
 
@@ -206,7 +213,9 @@ def gemm_frag_kernel(
     w_ptr,  # (N, K) float8_e4m3fn: rows stride_wn apart, K contiguous; or W_TILED
     y_ptr,  # (M, N)
     bias_ptr, scale_a_ptr, scale_b_ptr,  # as gemm_splitk's (unused where the constexprs say)
-    part_ptr,  # (tiles, SPLIT_K, BLOCK_M, BLOCK_N) fp32; unused unless SPLIT_K > 1
+    # (tiles, SPLIT_K, BLOCK_M, BLOCK_N) fp32, or with ADD_SPLITS (tiles, BLOCK_M, BLOCK_N)
+    # zeroed and left zero; unused unless SPLIT_K > 1
+    part_ptr,
     count_ptr,  # (tiles,) int32, zero on entry and left zero; unused unless SPLIT_K > 1
     M, N, K,
     stride_xm, stride_wn, stride_ym, stride_yn, stride_bias,
@@ -214,6 +223,7 @@ def gemm_frag_kernel(
     HAS_BIAS: gl.constexpr, SCALE_A: gl.constexpr, SCALE_B: gl.constexpr,
     SPLIT_K: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr,
     AHEAD: gl.constexpr, PDL: gl.constexpr, PER_LOAD: gl.constexpr, W_TILED: gl.constexpr,
+    ADD_SPLITS: gl.constexpr,
 ):
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                   instr_shape=[16, BLOCK_M, 32])
@@ -287,7 +297,7 @@ def gemm_frag_kernel(
 
     finish_tile(acc, pid_n, split, pid_m, y_ptr, bias_ptr, scale_a_ptr, scale_b_ptr, part_ptr,
                  count_ptr, M, N, stride_ym, stride_yn, stride_bias, HAS_BIAS, SCALE_A, SCALE_B,
-                 SPLIT_K, BLOCK_M, PER_LOAD)
+                 SPLIT_K, BLOCK_M, PER_LOAD, ADD_SPLITS)
 
 
 def frag_call(x, w, bias, out, scale_a, scale_b, config: FragConfig,
@@ -304,7 +314,8 @@ def frag_call(x, w, bias, out, scale_a, scale_b, config: FragConfig,
         w = w.contiguous()
     n_tiles, m_tiles = triton.cdiv(N, BLOCK_N), triton.cdiv(M, config.block_m)
     parts, counters, per_call = workspace(x, out, n_tiles * m_tiles, BLOCK_N * config.block_m,
-                                          config.split_k, counters, warmup)
+                                          config.split_k, counters, warmup,
+                                          bool(config.add_splits))
     pdl = config.pdl if pdl_supported(x.device) else PDL_OFF
     bias_, scale_a_, scale_b_ = epilogue_operands(x, bias, scale_a, scale_b)
     args = (x, w, out, bias_, scale_a_, scale_b_, parts, counters, M, N, K,
@@ -318,7 +329,8 @@ def frag_call(x, w, bias, out, scale_a, scale_b, config: FragConfig,
         AHEAD=config.ahead,
         PDL=pdl != PDL_OFF,
         PER_LOAD=min(config.split_k, partials_per_load(config.block_m)),
-        W_TILED=w_tiled)
+        W_TILED=w_tiled,
+        ADD_SPLITS=bool(config.add_splits))
     return KernelCall(gemm_frag_kernel, (n_tiles, config.split_k, m_tiles), args, constexprs,
                       dict(num_warps=NUM_WARPS), launch_pdl=pdl != PDL_OFF,
                       replayable=not per_call)

@@ -44,7 +44,8 @@ from gemmtune.kernels.triton._replay import KernelCall, launch
 from gemmtune.kernels.triton._splits import split_for, workspace
 from gemmtune.kernels.triton._swapped import (BLOCK_MS, BLOCK_N, NUM_WARPS, barrier,
                                               block_m_for, finish_tile, partials_per_load,
-                                              step_scales, why_not_grid, why_not_here)
+                                              step_scales, why_not_add_splits, why_not_grid,
+                                              why_not_here)
 
 KERNEL_PREFIX = "triton.ring"
 BLOCK_KS = (128, 256)
@@ -64,12 +65,15 @@ class RingConfig(NamedConfig):
 
     NAME_CODEC = NameCodec("TMA-ring config", KERNEL_PREFIX, (
         Field("BM", "block_m"), Field("BK", "block_k"), Field("S", "stages"),
-        Field("SK", "split_k")))
+        Field("SK", "split_k"), Field("R", "add_splits", default=0)))
 
     block_m: int
     block_k: int
     stages: int  # slots of the ring, each BLOCK_K bytes of w's 64 rows and of x's BLOCK_M
     split_k: int
+    # 1: the splits add their partials into one fp32 sum per tile, read once by the last
+    # (``_swapped.finish_tile``'s ADD_SPLITS: not bitwise reproducible); 0: summed in order
+    add_splits: int = 0
 
 
 def ring_bytes(config: RingConfig) -> int:
@@ -86,6 +90,9 @@ def why_not_fits(config: RingConfig, M: int, N: int, K: int, dtype: torch.dtype)
         return f"block_k={c.block_k} must be one of {BLOCK_KS}"
     if c.stages < 2:
         return f"stages={c.stages} must be >= 2 (a ring of one slot waits on every load)"
+    problem = why_not_add_splits(c)
+    if problem is not None:
+        return problem
     if ring_bytes(c) > RING_BYTES:
         return (f"{c.stages} stages of (64 + {c.block_m}) x {c.block_k} bytes take "
                 f"{ring_bytes(c)} B of shared memory (> {RING_BYTES}); use fewer stages")
@@ -120,7 +127,8 @@ def candidates(M: int, N: int, K: int, dtype: torch.dtype,
                num_sms: int | None = None) -> list[RingConfig]:
     """The configs to tune one shape with, for M <= 64 (none above): block_m covering M; each
     block_k; K split to reach each of ``_PROGRAMS_PER_SM``; 2, 4 or 8 slots, as many as that
-    many programs per SM can hold and the split's steps use. Only configs that fit."""
+    many programs per SM can hold and the split's steps use; split sums in order and, split,
+    added. Only configs that fit."""
     if M > BLOCK_MS[-1]:
         return []
     num_sms = num_sms or _checks.sm_count()
@@ -134,9 +142,10 @@ def candidates(M: int, N: int, K: int, dtype: torch.dtype,
             most = RING_BYTES // per_sm // ((BLOCK_N + bm) * bk)
             for stages in _STAGES:
                 stages = max(2, min(stages, most, triton.cdiv(k_steps, split)))
-                cfg = RingConfig(bm, bk, stages, split)
-                if fits(cfg, M, N, K, dtype):
-                    found[cfg] = None
+                for add in sorted({0, int(split > 1)}):
+                    cfg = RingConfig(bm, bk, stages, split, add)
+                    if fits(cfg, M, N, K, dtype):
+                        found[cfg] = None
     return list(found)
 
 
@@ -231,14 +240,14 @@ def gemm_ring_kernel(
     k_blocks,  # ceil(K / 128): columns of the block scales (SCALE_A == PER_BLOCK only)
     HAS_BIAS: gl.constexpr, SCALE_A: gl.constexpr, SCALE_B: gl.constexpr,
     SPLIT_K: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr,
-    STAGES: gl.constexpr, PER_LOAD: gl.constexpr,
+    STAGES: gl.constexpr, PER_LOAD: gl.constexpr, ADD_SPLITS: gl.constexpr,
 ):
     acc, pid_n, split, pid_m = ring_tile(w_desc, x_desc, M, K, scale_a_ptr, scale_b_ptr,
                                          k_blocks, SPLIT_K, BLOCK_M, BLOCK_K, STAGES,
                                          SCALE_A == _PER_BLOCK)
     finish_tile(acc, pid_n, split, pid_m, y_ptr, bias_ptr, scale_a_ptr, scale_b_ptr, part_ptr,
                 count_ptr, M, N, stride_ym, stride_yn, stride_bias, HAS_BIAS, SCALE_A, SCALE_B,
-                SPLIT_K, BLOCK_M, PER_LOAD)
+                SPLIT_K, BLOCK_M, PER_LOAD, ADD_SPLITS)
 
 
 def descriptors(x: torch.Tensor, w: torch.Tensor, config: RingConfig):
@@ -261,7 +270,8 @@ def ring_call(x, w, bias, out, scale_a, scale_b, config: RingConfig,
     w_desc, x_desc = descriptors(x, w, config)
     n_tiles, m_tiles = triton.cdiv(N, BLOCK_N), triton.cdiv(M, config.block_m)
     parts, counters, per_call = workspace(x, out, n_tiles * m_tiles, BLOCK_N * config.block_m,
-                                          config.split_k, counters, warmup)
+                                          config.split_k, counters, warmup,
+                                          bool(config.add_splits))
     bias_, scale_a_, scale_b_ = epilogue_operands(x, bias, scale_a, scale_b)
     args = (w_desc, x_desc, out, bias_, scale_a_, scale_b_, parts, counters, M, N, K,
             out.stride(0), out.stride(1), bias.stride(0) if bias is not None else 0,
@@ -272,7 +282,8 @@ def ring_call(x, w, bias, out, scale_a, scale_b, config: RingConfig,
         BLOCK_M=config.block_m,
         BLOCK_K=config.block_k,
         STAGES=config.stages,
-        PER_LOAD=min(config.split_k, partials_per_load(config.block_m)))
+        PER_LOAD=min(config.split_k, partials_per_load(config.block_m)),
+        ADD_SPLITS=bool(config.add_splits))
     return KernelCall(gemm_ring_kernel, (n_tiles, config.split_k, m_tiles), args, constexprs,
                       dict(num_warps=NUM_WARPS), replayable=not per_call)
 
