@@ -162,7 +162,10 @@ for what in "$@"; do
             python3 benchmarks/challenge_summary.py "$OUT/${stem}_before.csv" \
                 "$OUT/challenge_$family/${stem}_retune_profile.csv" "$table" \
                 --prefix "$challengers" > "$OUT/challenge_$family.txt"
-            grep '^M=' "$OUT/challenge_$family.txt" >> "$summary" ;;
+            grep '^M=' "$OUT/challenge_$family.txt" >> "$summary"
+            python3 benchmarks/added_splits.py \
+                "$OUT/challenge_$family/${stem}_retune_profile.csv" > "$OUT/added_$family.txt"
+            grep '^M=' "$OUT/added_$family.txt" >> "$summary" ;;
         newshapes:*)  # newshapes:FAMILY: (N, K) that no preset has (NEW_NK, default three), at
             # NEW_M (default 1,16,32,64): tuned with every candidate, then benched through that
             # table alone (issue 15 asks the kernels to hold off the presets too)
