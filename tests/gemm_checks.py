@@ -540,18 +540,25 @@ def assert_fp8_decode_launches(gemm, M, N, K, layout, what, reproducible=True):
     same bits) or, not ``reproducible`` (splits added in arrival order), within the bounds too
     (it finds the tile sums left zero)."""
     gen = generator(M + N + K)
-    xq, wq, x_scale, w_scale = quantised_operands(M, N, K, torch.float8_e4m3fn, layout, gen)
+    operands = quantised_operands(M, N, K, torch.float8_e4m3fn, layout, gen)
+    _assert_decode_launches(gemm, operands, check_fp8_decode, gen, what, reproducible)
+
+
+def _assert_decode_launches(gemm, operands, check, gen, what, reproducible):
+    """``assert_fp8_decode_launches``'s launches and checks, on ``operands`` (xq, wq, x_scale,
+    w_scale) with ``check`` (``check_fp8_decode`` or ``check_block_scaled_decode``)."""
+    xq, wq, x_scale, w_scale = operands
+    M, N = xq.shape[0], wq.shape[0]
     for out_dtype, with_bias in ((torch.bfloat16, False), (torch.float16, True),
                                  (torch.float32, True)):
         bias = randn(N, gen=gen, dtype=torch.bfloat16) if with_bias else None
         first, again = (gemm(xq, wq, bias, out_dtype, x_scale, w_scale, poisoned(M, N, out_dtype))
                         for _ in range(2))
-        check_fp8_decode(first, xq, wq, x_scale, w_scale, bias, f"{what} {out_dtype}")
+        check(first, xq, wq, x_scale, w_scale, bias, f"{what} {out_dtype}")
         if reproducible:
             assert torch.equal(first, again), what
         else:
-            check_fp8_decode(again, xq, wq, x_scale, w_scale, bias, f"{what} {out_dtype} again")
-
+            check(again, xq, wq, x_scale, w_scale, bias, f"{what} {out_dtype} again")
 
 
 def check_block_scaled_decode(y, xq, wq, x_scale, w_scale, bias, what):
@@ -579,15 +586,5 @@ def assert_block_scaled_decode_launches(gemm, M, N, K, what, reproducible=True):
     poisoned outputs: each within ``check_block_scaled_decode``'s bound, and a second launch
     bitwise equal to the first or, not ``reproducible``, within the bound too."""
     gen = generator(M + N + K)
-    xq, wq, x_scale, w_scale = block_scaled_operands(M, N, K, gen)
-    for out_dtype, with_bias in ((torch.bfloat16, False), (torch.float16, True),
-                                 (torch.float32, True)):
-        bias = randn(N, gen=gen, dtype=torch.bfloat16) if with_bias else None
-        first, again = (gemm(xq, wq, bias, out_dtype, x_scale, w_scale, poisoned(M, N, out_dtype))
-                        for _ in range(2))
-        check_block_scaled_decode(first, xq, wq, x_scale, w_scale, bias, f"{what} {out_dtype}")
-        if reproducible:
-            assert torch.equal(first, again), what
-        else:
-            check_block_scaled_decode(again, xq, wq, x_scale, w_scale, bias,
-                                      f"{what} {out_dtype} again")
+    _assert_decode_launches(gemm, block_scaled_operands(M, N, K, gen), check_block_scaled_decode,
+                            gen, what, reproducible)

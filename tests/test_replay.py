@@ -207,13 +207,23 @@ def test_without_a_known_launcher_a_fast_launch_goes_through_the_compiled_kernel
     assert args[:4] == (x.data_ptr(), w.data_ptr(), y.data_ptr(), x.data_ptr())
 
 
-def test_a_host_descriptor_is_rebuilt_around_the_new_tensor():
-    # The persistent kernel takes x and w as host TMA descriptors: a replay makes a descriptor
-    # of the recorded geometry around each call's tensor.
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
+@pytest.mark.parametrize("kind", ["triton", "gluon"])
+def test_a_host_descriptor_is_rebuilt_around_the_new_tensor(kind):
+    # The persistent kernel takes x and w as Triton's host TMA descriptors, the TMA-ring kernel
+    # as Gluon's (which carry the shared-memory layout the kernel was compiled for): a replay
+    # makes a descriptor of the recorded geometry around each call's tensor.
     x, w, y = torch.randn(16, 32), torch.randn(16, 32), torch.empty(16, 16)
-    x_desc = TensorDescriptor.from_tensor(x, [16, 16])
+    layout = None
+    if kind == "triton":
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        x_desc = TensorDescriptor.from_tensor(x, [16, 16])
+    else:
+        from triton.experimental.gluon import language as gl
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+        layout = gl.NVMMASharedLayout.get_default_for([16, 16], gl.float32)
+        x_desc = TensorDescriptor.from_tensor(x, [16, 16], layout)
     call = KernelCall(_FakeKernel, (2,), (x_desc, w, y, x, 16, 32, None), {"BLOCK": 64}, {})
     compiled = _FakeCompiled()
     replay = Replay.record(call, compiled, (x, w, y, None, None, None), 0)
@@ -223,35 +233,13 @@ def test_a_host_descriptor_is_rebuilt_around_the_new_tensor():
     replay((x2, w, y2, None, None, None))
     for args in compiled.calls:
         desc = args[0]
-        assert desc.base is x2 and list(desc.shape) == [16, 32]
+        assert desc.base is x2 and list(desc.shape) == [16, 32] and desc.padding == "zero"
         assert list(desc.strides) == [32, 1] and list(desc.block_shape) == [16, 16]
+        if layout is not None and not _replay._LIGHT_DESCRIPTORS:  # checked as Gluon checks it
+            assert isinstance(desc, TensorDescriptor) and desc.layout == layout
     fast, checked = compiled.calls
     assert fast[1:4] == (w.data_ptr(), y2.data_ptr(), x2.data_ptr())  # the fast way: addresses
     assert checked[1] is w and checked[3] is x2
-
-
-def test_a_gluon_descriptor_is_rebuilt_around_the_new_tensor_with_its_layout():
-    # The TMA-ring kernel (Gluon) takes x and w as Gluon's host descriptors, which carry the
-    # shared-memory layout the kernel was compiled for.
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
-
-    x, w, y = torch.randn(16, 32), torch.randn(16, 32), torch.empty(16, 16)
-    layout = gl.NVMMASharedLayout.get_default_for([16, 16], gl.float32)
-    x_desc = GluonDescriptor.from_tensor(x, [16, 16], layout)
-    call = KernelCall(_FakeKernel, (2,), (x_desc, w, y, x, 16, 32, None), {"BLOCK": 64}, {})
-    compiled = _FakeCompiled()
-    replay = Replay.record(call, compiled, (x, w, y, None, None, None), 0)
-    assert replay is not None
-    x2, y2 = torch.randn(16, 32), torch.empty(16, 16)
-    assert replay.launch_fast((x2, w, y2, None, None, None))
-    (args,) = compiled.calls
-    desc = args[0]
-    assert desc.base is x2 and list(desc.shape) == [16, 32] and list(desc.strides) == [32, 1]
-    assert list(desc.block_shape) == [16, 16] and desc.padding == "zero"
-    if not _replay._LIGHT_DESCRIPTORS:  # a whole Gluon descriptor, checked as Gluon checks it
-        assert isinstance(desc, GluonDescriptor) and desc.layout == layout
-    assert args[1:4] == (w.data_ptr(), y2.data_ptr(), x2.data_ptr())
 
 
 def _described_recording(monkeypatch, descriptors):
