@@ -89,12 +89,12 @@ def test_refuses_the_interpreter():
     (FragConfig(16, 128, 4, 3), None),
     (FragConfig(64, 128, 4, 2), None),
     (FragConfig(16, 256, 4, 1), "block_k=256 must divide 128"),
-    (FragConfig(64, 128, 4, 3), "spills registers"),
 ])
-def test_block_scales_take_steps_of_128_without_spills(config, says):
-    """One scale block a step; at block_m 64 the scales' registers spill with 3 steps ahead
-    (tests/test_kernels_compile_for_hopper.py checks the rest spill none)."""
-    why = gemm_frag.why_not_block_scaled(config, FP8)
+def test_block_scales_take_steps_of_128(config, says):
+    """One scale block a step: the block-scale family's registry takes steps of 128 only."""
+    from gemmtune.kernels.triton.dispatchable import _kernel_module
+
+    why = _kernel_module("triton.frag").why_not_block_scaled(config, FP8)
     assert why is None if says is None else says in why
 
 

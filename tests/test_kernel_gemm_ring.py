@@ -209,9 +209,10 @@ def test_gpu_block_scales_match_the_dequantised_reference(M, N, K, config):
 
 @pytest.mark.gpu
 def test_gpu_replayed_calls_on_new_inputs_and_weights(monkeypatch):
-    """Eager calls through gemm_a8w8 and gemm_a8w8_blockscale with the ring named: after each
-    shape's first call every call is a replay (its descriptors rebuilt around the call's x and
-    w), right on new activations and on two weights of one shape (two layers)."""
+    """Eager calls through gemm_a8w8 and gemm_a8w8_blockscale with the ring named (splits summed
+    in order and added): after each shape's first call every call is a replay (its descriptors
+    rebuilt around the call's x and w), right on new activations and on two weights of one shape
+    (two layers)."""
     import gemmtune
     from gemm_checks import block_scaled_operands, check_block_scaled_decode
     from gemmtune.kernels.triton._replay import Replay
@@ -240,7 +241,7 @@ def test_gpu_replayed_calls_on_new_inputs_and_weights(monkeypatch):
         xq, _, x_scale, _ = block_scaled_operands(M, N, K, generator(20 + step))
         _, wq, _, w_scale = blocked[step % 2]
         y = gemmtune.gemm_a8w8_blockscale(xq, wq, x_scale, w_scale,
-                                          kernel=RingConfig(16, 128, 8, 2).name)
+                                          kernel=RingConfig(16, 128, 8, 2, 1).name)
         check_block_scaled_decode(y, xq, wq, x_scale, w_scale, None, f"block call {step}")
     assert len(served) == 10  # all but each family's first call
 
@@ -248,7 +249,7 @@ def test_gpu_replayed_calls_on_new_inputs_and_weights(monkeypatch):
 def test_tuners_offer_both_gluon_kernels_where_they_run(monkeypatch):
     """On a Hopper (faked here) the a8w8 and block-scale tuners offer the ring's and the
     register-direct kernel's configs at M <= 64, the block-scale tuner only those with steps of
-    128 that do not spill; the pre-shuffled family's registry has no ring."""
+    128; the pre-shuffled family's registry has no ring."""
     from gemmtune.families import _gemm_tuner
     from gemmtune.families.a8w8.op import REGISTRY as A8W8
     from gemmtune.families.a8w8_blockscale.op import REGISTRY as BLOCKSCALE
@@ -273,7 +274,6 @@ def test_tuners_offer_both_gluon_kernels_where_they_run(monkeypatch):
             assert any(n.startswith("triton.frag:") for n in found), found
         assert any(".BK256." in n for n in rowwise)
         assert blocked and all(".BK128." in n for n in blocked), blocked
-        assert not any(n.startswith("triton.frag:BM64") and ".A3" in n for n in blocked)
         assert shuffled and not any(n.startswith("triton.ring:") for n in shuffled)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert _gemm_tuner.gluon_candidates(GemmProblem(16, 1536, 7168, FP8, torch.bfloat16,
@@ -310,3 +310,70 @@ def test_gpu_added_splits_leave_the_streams_sums_zero():
         check_fp8_decode(y, xq, wq, x_scale, w_scale, None, config.name)
         torch.cuda.synchronize()
         assert not stream_sums(xq.device, 1).any(), config.name
+
+
+def test_the_deterministic_switches_sum_added_splits_in_order(monkeypatch):
+    """GEMMTUNE_DETERMINISTIC=1, or torch's deterministic switch, turns a row's added splits
+    (.R1) into splits summed in order when its kernel is resolved; other configs are kept."""
+    from gemmtune.kernels.triton.dispatchable import TritonKernel
+
+    added, ordered = RingConfig(16, 256, 4, 7, 1), RingConfig(16, 256, 4, 7)
+    assert TritonKernel(added.name).config == added
+    monkeypatch.setenv("GEMMTUNE_DETERMINISTIC", "1")
+    assert TritonKernel(added.name).config == ordered
+    assert TritonKernel(added.name).name == ordered.name
+    assert TritonKernel("triton.frag:BM16.BK256.SK4.A1.P0.R1").config.add_splits == 0
+    monkeypatch.setenv("GEMMTUNE_DETERMINISTIC", "0")
+    assert TritonKernel(added.name).config == added
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert TritonKernel(added.name).config == ordered
+    finally:
+        torch.use_deterministic_algorithms(was)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["triton.ring:BM16.BK256.S4.SK7.R1",
+                                  "triton.frag:BM16.BK256.SK7.A1.P1.R1"])
+def test_gpu_added_splits_back_to_back_and_in_a_graph(name):
+    """Launches whose splits add into the stream's tile sums, back to back into outputs made
+    beforehand (nothing between them: with PDL the next launch's programs start before the last
+    one ends), then the same launches captured in a CUDA graph and replayed on new x: every
+    output right, the sums left zero."""
+    from gemmtune.kernels.triton._splits import stream_sums
+    from gemmtune.kernels.triton.dispatchable import TritonKernel
+
+    M, N, K, calls = 16, 1536, 7168, 4
+    kernel = TritonKernel(name)
+    _, wq, _, w_scale = quantised_operands(M, N, K, FP8, "token_channel", generator(1))
+    xs = [quantised_operands(M, N, K, FP8, "token_channel", generator(10 + i)) for i in range(calls)]
+    outs = [torch.full((M, N), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+            for _ in range(calls)]
+    for (xq, _, x_scale, _), y in zip(xs, outs):
+        kernel(xq, wq, None, torch.bfloat16, x_scale, w_scale, out=y)
+    torch.cuda.synchronize()
+    for i, ((xq, _, x_scale, _), y) in enumerate(zip(xs, outs)):
+        check_fp8_decode(y, xq, wq, x_scale, w_scale, None, f"{name} call {i}")
+    assert not stream_sums(wq.device, 1).any()
+
+    static = [(xq.clone(), x_scale.clone()) for xq, _, x_scale, _ in xs]
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    with torch.cuda.stream(stream):  # the graph's own stream: its tile sums are its own
+        kernel(static[0][0], wq, None, torch.bfloat16, static[0][1], w_scale, out=outs[0])
+        stream.synchronize()
+        with torch.cuda.graph(graph, stream=stream):
+            for (xq, x_scale), y in zip(static, outs):
+                kernel(xq, wq, None, torch.bfloat16, x_scale, w_scale, out=y)
+    for replay in range(2):
+        fresh = [quantised_operands(M, N, K, FP8, "token_channel", generator(20 + 4 * replay + i))
+                 for i in range(calls)]
+        for (xq, x_scale), (new_x, _, new_scale, _) in zip(static, fresh):
+            xq.copy_(new_x)
+            x_scale.copy_(new_scale)
+        for y in outs:
+            y.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        for i, ((new_x, _, new_scale, _), y) in enumerate(zip(fresh, outs)):
+            check_fp8_decode(y, new_x, wq, new_scale, w_scale, None, f"{name} replay {i}")

@@ -277,6 +277,7 @@ FRAG_SCRIPT = textwrap.dedent("""
             (16, 256, 4, 1, True, False, (2, 1, False)),
             (64, 128, 2, 3, False, False, (0, 0, True)),
             (16, 128, 4, 3, True, False, (3, 3, False)), (64, 128, 32, 2, False, False, (3, 3, True)),
+            (64, 128, 8, 1, True, False, (3, 3, False)), (64, 128, 6, 1, False, False, (2, 2, False)),
             (32, 256, -8, 1, True, False, (2, 2, True)), (16, 128, -22, 3, True, True, (3, 3, False))):
         # A negative split: the splits add their partials (ADD_SPLITS)
         kernel = compiled(block_m, block_k, split_k, ahead, pdl, w_tiled, epilogue)
@@ -303,9 +304,9 @@ FRAG_SCRIPT = textwrap.dedent("""
                               capture_output=True, text=True)
         assert done.returncode == 0, done.stderr[-2000:]
         spilled = int(re.search(r"(\\d+) bytes spill stores", done.stderr).group(1))
-        # BM64 with BK256 spills one register (4 bytes) in Triton 3.6 and 3.9 with and without
-        # the epilogue's scales and bias; the other configs spill none.
-        assert spilled <= (4 if (block_m, block_k) == (64, 256) else 0), \
+        # At BLOCK_M 64 the kernel uses all 255 registers and some configs spill a few dozen
+        # bytes (up to 76 measured, Triton 3.6 and 3.9); below it none spills.
+        assert spilled <= (128 if block_m == 64 else 0), \
             (block_m, block_k, ahead, epilogue, done.stderr)
     print("ok")
 """)

@@ -8,6 +8,7 @@ out_dtype, scale_a, scale_b, out=)`` with x (..., K) and w (N, K).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from types import ModuleType
@@ -15,6 +16,7 @@ from typing import NamedTuple
 
 import torch
 
+from gemmtune import _env
 from gemmtune.kernels.problem import GemmProblem, Scaling
 from gemmtune.kernels.triton import _checks
 from gemmtune.kernels.triton._replay import Replay, launch
@@ -65,7 +67,7 @@ def _kernel_module(prefix: str) -> _KernelModule:
         from gemmtune.kernels.triton import gemm_frag as m
 
         return _KernelModule(m, m.FragConfig, m.launch_gemm_frag, m.gemm_frag, m.frag_call,
-                             m.why_not_block_scaled, reads_tiled_w=True)
+                             reads_tiled_w=True)
     if prefix == "triton.ring":
         from gemmtune.kernels.triton import gemm_ring as m
 
@@ -93,6 +95,9 @@ class TritonKernel:
         # (M, N, K, dtypes, bias and scales given, device) -> the Replay of its first launch
         self._replays: dict[tuple, Replay] = {}
         self.config = kernel.config_cls.from_name(name)
+        if getattr(self.config, "add_splits", 0) and _env.deterministic():
+            # Bitwise reproducible: the splits summed in order (the same kernel otherwise).
+            self.config = dataclasses.replace(self.config, add_splits=0)
         self.name = self.config.name
         # Only block-scaled and tiled kernels pass a flag: the common launch passes no extra
         # argument. The validating launchers (only called to explain a bad call) take no w_tiled.

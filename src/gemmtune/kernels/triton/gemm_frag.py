@@ -15,13 +15,16 @@ AHEAD K steps of w are loaded before the current one is multiplied.
 Each step's product is added into the fp32 accumulator (the MMA starts from zero per step), so
 FP8's reduced-precision accumulation spans one step of K at most. K is split over a second grid
 axis; the splits' fp32 partials are summed in split order by the last to finish (bitwise
-deterministic, as ``_splits.sum_splits_and_store``). A third grid axis takes x's rows in blocks
-of BLOCK_M. Scales per tensor or per row of x / of w, bias, and the output dtype in the
+deterministic, as ``_splits.sum_splits_and_store``) or, ``.R1``, added into one sum per tile
+(``_swapped.finish_tile``). A third grid axis takes x's rows in blocks of BLOCK_M. Scales per tensor or per row of x / of w, bias, and the output dtype in the
 epilogue; FP8 block scales (x's per 1x128, w's per 128x128) per K step of 128, on the product
 before its add.
 
 FP8 (float8_e4m3fn) only; Hopper (sm_90) only: Gluon kernels do not run in
 Triton's interpreter, so the CPU checks only compile it (tests/test_kernels_compile_for_hopper.py).
+Registers: at BLOCK_M 8-32 no config of the space spills; at BLOCK_M 64 the kernel uses all 255
+and some configs spill a few dozen bytes (up to 76 B, ``ptxas -v``, Triton 3.6 and 3.9, without
+a clear rule over split, steps ahead, scales and bias), which their tuned time then includes.
 """
 
 from __future__ import annotations
@@ -121,16 +124,6 @@ def why_not_supported(config: FragConfig, M: int, N: int, K: int, dtype: torch.d
             or why_not_fits(config, M, N, K, dtype))
 
 
-def why_not_block_scaled(config: FragConfig, dtype: torch.dtype) -> str | None:
-    """FP8 block scales take steps of 128 (``_checks.why_not_block_scaled``); at block_m 64 the
-    scales' registers spill with 3 steps of w ahead (ptxas -v, Triton 3.6)."""
-    problem = _checks.why_not_block_scaled(config, dtype)
-    if problem is None and config.block_m == 64 and config.ahead == MAX_AHEAD:
-        problem = (f"block_m=64 with {MAX_AHEAD} steps ahead spills registers with block scales; "
-                   f"use fewer steps ahead")
-    return problem
-
-
 def fits(config: FragConfig, M: int, N: int, K: int, dtype: torch.dtype) -> bool:
     return why_not_fits(config, M, N, K, dtype) is None
 
@@ -146,7 +139,7 @@ def candidates(M: int, N: int, K: int, dtype: torch.dtype, num_sms: int | None =
     above): block_m covering M; each block_k dividing K; 1-3 steps ahead; K split to reach each
     of ``_PROGRAMS_PER_SM``; without PDL and, where ``pdl`` is PDL_WAIT, with it (neither won
     everywhere: docs/benchmarks.md, session 20); split sums in order and, split, added. Only
-    configs that fit (no register spills)."""
+    configs that fit."""
     if M > BLOCK_MS[-1]:
         return []
     num_sms = num_sms or _checks.sm_count()
@@ -371,5 +364,5 @@ def gemm_frag(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None
     return _checks.validated_launch("gemm_frag", functools.partial(launch_gemm_frag,
                                                                    w_tiled=w_tiled),
                                     default_config, why_not, x, w, bias, out_dtype, scale_a,
-                                    scale_b, config, out, block_scales, why_not_block_scaled)
+                                    scale_b, config, out, block_scales)
 

@@ -6,7 +6,8 @@ through TMA into a ring of STAGES slots of shared memory, one mbarrier per slot:
 in flight before the first MMA, and the loop holds only the slot's wait, the MMA (from zero, added
 into fp32 each step, so FP8's reduced-precision sum spans one step of K) and the slot's refill.
 K is split over a second grid axis so that every SM streams; the end is ``triton.frag``'s (the
-scales, bias, and the splits' deterministic sum by the last to arrive).
+scales, bias, and the splits summed in order by the last to arrive, bitwise deterministic, or,
+``.R1``, added into one sum per tile: ``_swapped.finish_tile``).
 
 Where it pays (docs/benchmarks.md, session 21): cuBLASLt's FP8 rows at M = 16-64 run one
 program per 64 rows of w with a ring as deep as shared memory allows, on as few as half the
