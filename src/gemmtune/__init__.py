@@ -12,6 +12,7 @@ from gemmtune.families import Family, all_families, get_family, register_family
 from gemmtune.families.a8w8.op import gemm_a8w8
 from gemmtune.families.a8w8_blockscale.op import gemm_a8w8_blockscale
 from gemmtune.families.a8w8_bpreshuffle.op import gemm_a8w8_bpreshuffle
+from gemmtune.families.a16w4.op import gemm_a16w4
 from gemmtune.families.bf16.op import gemm_a16w16
 from gemmtune.families.fmoe.op import fused_moe
 from gemmtune.nn import TunedLinear, patch_linear
@@ -34,7 +35,8 @@ def precompile(families: list[str] | None = None, workers: int | None = None, pr
 
 
 __all__ = [
-    "gemm_a16w16", "gemm_a8w8", "gemm_a8w8_blockscale", "gemm_a8w8_bpreshuffle", "fused_moe", "report_misses",
+    "gemm_a16w16", "gemm_a8w8", "gemm_a8w8_blockscale", "gemm_a8w8_bpreshuffle", "gemm_a16w4",
+    "fused_moe", "report_misses",
     "format_misses",
     "reset", "TunedLinear", "patch_linear", "patch_moe", "current_device", "DeviceId", "quant",
     "Family", "all_families", "get_family", "register_family", "precompile",

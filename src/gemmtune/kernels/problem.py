@@ -20,6 +20,7 @@ class Scaling(str, enum.Enum):
     tensor = "tensor"  # one fp32 value per operand (gemm_a16w16's scale_a / scale_b)
     rowwise = "rowwise"  # per tensor or per row of x / of w, as each call brings (gemm_a8w8)
     block = "block"  # FP8 block scales: x per 1x128, w per 128x128 of K
+    mxfp4 = "mxfp4"  # w MXFP4 (E2M1 codes, an E8M0 scale per 1x32 of K), x unscaled
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from gemmtune.kernels import mxfp4
 from gemmtune.kernels.preshuffle import unshuffle
 
 # The names tables give the torch backends (kernelName).
@@ -259,6 +260,31 @@ def bind_blockscale(xq, wq, bias, out_dtype, x_scale, w_scale):
             return blockscale_torch(xq, wq, None, out_dtype, x_scale, w_scale)
 
     return run
+
+
+# ------------------------------------------------------------------------------ MXFP4 weights
+TORCH_DEQUANT_LINEAR = "torch.dequant_linear"
+
+
+def gemm_a16w4_ref(x, wq, w_scale, bias=None, out_dtype=torch.float32):
+    """``x @ dequant_mxfp4(wq, w_scale).T + bias`` in fp32, then ``out_dtype``: the reference
+    of ``gemm_a16w4``."""
+    y = x.float() @ mxfp4.dequantize(wq, w_scale).T
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(out_dtype)
+
+
+def dequant_linear_torch(x, wq, bias, out_dtype, scale_a, scale_b, out=None):
+    """``gemm_a16w4``'s torch backend: the MXFP4 weight (``wq``, its scales ``scale_b``)
+    dequantised to x's dtype on every call, then ``F.linear`` (the reference a real kernel is
+    measured against, not a fast path). In fp16 a block whose values pass 65504 becomes inf, as
+    any fp16 copy of the weight would."""
+    y = F.linear(x, mxfp4.dequantize(wq, scale_b).to(x.dtype),
+                 None if bias is None else bias.to(x.dtype))
+    if y.dtype != out_dtype:
+        y = y.to(out_dtype)
+    return y if out is None else out.copy_(y)
 
 
 # ------------------------------------------------------------------------------- fused MoE

@@ -1,5 +1,6 @@
 """A Triton config name (``triton.tile:...``, ``triton.splitk:...``, ``triton.gemv:...``,
-``triton.persistent:...``, ``triton.frag:...``, ``triton.ring:...``, the last two Gluon kernels)
+``triton.persistent:...``, ``triton.frag:...``, ``triton.ring:...``, the last two Gluon kernels;
+``triton.w4:...`` of MXFP4 weights)
 as a callable for dispatch: checked once per problem, then each call only allocates and
 launches; each kernel replays its first launch of a shape through the compiled kernel's own
 launcher (``_replay``). Called as every backend is: ``kernel(x, w, bias,
@@ -23,6 +24,8 @@ from gemmtune.kernels.triton._replay import Replay, launch
 
 PREFIXES = ("triton.tile", "triton.splitk", "triton.gemv", "triton.persistent", "triton.frag",
             "triton.ring")
+# The kernel of MXFP4 weights (gemm_a16w4's): w the packed codes, scale_b their scales.
+W4_PREFIX = "triton.w4"
 # Gluon kernels: compiled for Hopper only, never in Triton's interpreter.
 GLUON_PREFIXES = ("triton.frag", "triton.ring")
 
@@ -36,6 +39,10 @@ class _KernelModule(NamedTuple):
     # (config, dtype) -> why the config cannot take FP8 block scales, or None
     why_not_block_scaled: Callable = _checks.why_not_block_scaled
     reads_tiled_w: bool = False  # its launch takes w_tiled (gemmtune.kernels.preshuffle)
+    # (scale_a, scale_b) -> whether a call brings the scales the kernel takes: both or neither,
+    # or for MXFP4 weights w's alone
+    takes_scales: Callable = lambda scale_a, scale_b: (scale_a is None) == (scale_b is None)
+    mxfp4_weights: bool = False  # it multiplies MXFP4 weights (and nothing else)
 
 
 def _kernel_module(prefix: str) -> _KernelModule:
@@ -73,7 +80,14 @@ def _kernel_module(prefix: str) -> _KernelModule:
 
         # Its Gluon TMA descriptors of x and w are rebuilt around each replayed call's tensors.
         return _KernelModule(m, m.RingConfig, m.launch_gemm_ring, m.gemm_ring, m.ring_call)
-    raise ValueError(f"{prefix!r}: not a Triton kernel; prefixes: {', '.join(PREFIXES)}")
+    if prefix == W4_PREFIX:
+        from gemmtune.kernels.triton import gemm_w4 as m
+
+        # MXFP4 weights: w the packed codes, scale_b their scales (gemm_a16w4).
+        return _KernelModule(m, m.W4Config, m.launch_gemm_w4, m.gemm_w4_scaled, m.w4_call,
+                             takes_scales=m.takes_scales, mxfp4_weights=True)
+    raise ValueError(f"{prefix!r}: not a Triton kernel; prefixes: "
+                     f"{', '.join(PREFIXES + (W4_PREFIX,))}")
 
 
 class TritonKernel:
@@ -92,6 +106,8 @@ class TritonKernel:
         self._validating_launch = kernel.validating_launch
         self._call = kernel.call
         self._why_not_block_scaled = kernel.why_not_block_scaled
+        self._takes_scales = kernel.takes_scales
+        self._mxfp4_weights = kernel.mxfp4_weights
         # (M, N, K, dtypes, bias and scales given, device) -> the Replay of its first launch
         self._replays: dict[tuple, Replay] = {}
         self.config = kernel.config_cls.from_name(name)
@@ -110,6 +126,10 @@ class TritonKernel:
 
     def check(self, problem: GemmProblem) -> str | None:
         """Why this config cannot run ``problem``, or None."""
+        if self._mxfp4_weights != (problem.scaling is Scaling.mxfp4):
+            return (f"{self.name} multiplies MXFP4 weights only (gemm_a16w4)"
+                    if self._mxfp4_weights else
+                    f"{self.name} does not take MXFP4 weights; {W4_PREFIX} configs do")
         blocks = bool(self._validating_kwargs)
         if blocks != (problem.scaling is Scaling.block):
             return (f"{self.name} was built {'with' if blocks else 'without'} block scales; the "
@@ -137,7 +157,7 @@ class TritonKernel:
                          **self._launch_kwargs)
 
     def __call__(self, x, w, bias, out_dtype, scale_a, scale_b, out=None):  # x (..., K), w (N, K)
-        if (scale_a is None) != (scale_b is None):
+        if not self._takes_scales(scale_a, scale_b):
             # The validating launcher explains what is wrong.
             return self._validating_launch(x, w, bias, out_dtype, scale_a, scale_b, self.config,
                                            **self._validating_kwargs)
@@ -160,7 +180,7 @@ class TritonKernel:
         out_shape = (*x.shape[:-1], n)
         device = x.get_device()
         if (self._call is None or device < 0 or x.dtype == torch.float32
-                or (scale_a is None) != (scale_b is None) or not math.prod(out_shape)):
+                or not self._takes_scales(scale_a, scale_b) or not math.prod(out_shape)):
             return None
         k = x.shape[-1]
         # The output: torch parses a shape given as separate ints, and no dtype or device, fastest

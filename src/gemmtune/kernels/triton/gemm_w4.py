@@ -8,9 +8,10 @@ scale byte, where dequantising to fp16 would overflow or lose bits). x is read a
 program per (BLOCK_M, BLOCK_N) tile of y over all of K, BLOCK_K / 32 blocks a step; output in
 x's dtype.
 
-This is issue 16's first kernel, correct at every size and checked in the interpreter; its
-tuning (split-K for decode, the config space) and the op family that dispatches to it
-(``gemm_a16w4``) come with the GPU work.
+``gemm_a16w4`` dispatches to it (``triton.w4:...`` rows): as every kernel module's, a launch
+takes ``(x, w, bias, out, scale_a, scale_b, config)``, here w the packed codes and scale_b
+their scales (scale_a None). Untuned yet: split-K for decode and the config space come with
+the GPU work (docs/benchmarks.md, session 22: 0.45-0.60x bf16 ``F.linear`` untuned).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import triton.language as tl
 
 from gemmtune.kernels import mxfp4
 from gemmtune.kernels._names import Field, NameCodec, NamedConfig
+from gemmtune.kernels.triton._replay import KernelCall, launch
 
 KERNEL_PREFIX = "triton.w4"
 _BLOCK = tl.constexpr(mxfp4.BLOCK)  # elements per scale
@@ -60,6 +62,19 @@ def why_not_fits(config: W4Config, M: int, N: int, K: int, dtype: torch.dtype) -
     if c.num_warps not in (1, 2, 4, 8) or not 1 <= c.num_stages <= 5:
         return f"num_warps={c.num_warps} (1, 2, 4 or 8) and num_stages={c.num_stages} (1-5)"
     return None
+
+
+def why_not_supported(config: W4Config, M: int, N: int, K: int, dtype: torch.dtype,
+                      out_dtype: torch.dtype) -> str | None:
+    """``why_not_fits``, and the output in x's dtype (the kernel writes no other)."""
+    if out_dtype != dtype:
+        return f"the MXFP4-weight kernel writes x's dtype ({dtype}), not {out_dtype}"
+    return why_not_fits(config, M, N, K, dtype)
+
+
+def takes_scales(scale_a: torch.Tensor | None, scale_b: torch.Tensor | None) -> bool:
+    """Whether a call brings the scales this kernel takes: w's (scale_b) only."""
+    return scale_a is None and scale_b is not None
 
 
 def default_config(M: int, N: int, K: int, dtype: torch.dtype) -> W4Config:
@@ -134,6 +149,35 @@ def gemm_w4_kernel(x_ptr, wq_ptr, ws_ptr, bias_ptr, y_ptr, M, N, K,
              acc.to(y_ptr.dtype.element_ty), mask=in_m & in_n[None, :])
 
 
+def w4_call(x, w, bias, out, scale_a, scale_b, config: W4Config,
+            counters: torch.Tensor | None = None, warmup: bool = False,
+            block_scales: bool = False) -> KernelCall:
+    """The launch of ``launch_gemm_w4`` as data (what a dispatch plan records and replays): x
+    (M, K), w the packed codes (N, K // 2), scale_b their scales (N, K // 32), out (M, N)."""
+    M, K = x.shape
+    N = w.shape[0]
+    x = x if x.stride(1) == 1 else x.contiguous()
+    w = w if w.stride(1) == 1 else w.contiguous()
+    scale_b = scale_b if scale_b.stride(1) == 1 else scale_b.contiguous()
+    bias = bias if bias is None or bias.stride(0) == 1 else bias.contiguous()
+    args = (x, w, scale_b, bias if bias is not None else x, out, M, N, K,
+            x.stride(0), w.stride(0), scale_b.stride(0), out.stride(0))
+    constexprs = dict(HAS_BIAS=bias is not None, BLOCK_M=config.block_m,
+                      BLOCK_N=config.block_n, BLOCK_K=config.block_k)
+    grid = (triton.cdiv(M, config.block_m), triton.cdiv(N, config.block_n))
+    return KernelCall(gemm_w4_kernel, grid, args, constexprs,
+                      dict(num_warps=config.num_warps, num_stages=config.num_stages))
+
+
+def launch_gemm_w4(x, w, bias, out, scale_a, scale_b, config: W4Config,
+                   counters: torch.Tensor | None = None, warmup: bool = False,
+                   block_scales: bool = False) -> torch.Tensor:
+    """The launch alone, for callers that validated once per shape (dispatch plans): ``out``
+    (M, N) with M, N > 0, its column stride 1."""
+    launch(w4_call(x, w, bias, out, scale_a, scale_b, config), warmup)
+    return out
+
+
 def gemm_w4(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
             bias: torch.Tensor | None = None, config: W4Config | None = None,
             out: torch.Tensor | None = None) -> torch.Tensor:
@@ -145,19 +189,7 @@ def gemm_w4(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
                          f"got {tuple(x.shape)}, {tuple(wq.shape)}, {tuple(w_scale.shape)}")
     M, K = x.shape
     N = wq.shape[0]
-    if wq.dtype != torch.uint8 or w_scale.dtype != torch.uint8:
-        raise TypeError(f"gemm_w4: wq and w_scale must be uint8 (as gemmtune.quant.mxfp4 makes "
-                        f"them), got {wq.dtype} and {w_scale.dtype}")
-    if wq.shape[1] * 2 != K or w_scale.shape != (N, K // mxfp4.BLOCK):
-        raise ValueError(f"gemm_w4: x's K={K} needs wq (N, {K // 2}) and w_scale "
-                         f"(N, {K // mxfp4.BLOCK}); got {tuple(wq.shape)} and "
-                         f"{tuple(w_scale.shape)}")
-    if bias is not None and (bias.shape != (N,) or bias.device != x.device):
-        raise ValueError(f"gemm_w4: bias has shape {tuple(bias.shape)} on {bias.device}; "
-                         f"expected ({N},) on {x.device}")
-    if wq.device != x.device or w_scale.device != x.device:
-        raise ValueError(f"gemm_w4: x is on {x.device}, wq on {wq.device}, w_scale on "
-                         f"{w_scale.device}: put them on one device")
+    check_operands("gemm_w4", x, wq, w_scale, bias)
     if out is not None and (out.shape != (M, N) or out.dtype != x.dtype or out.stride(1) != 1):
         raise ValueError(f"gemm_w4: out must be ({M}, {N}) {x.dtype} with unit column stride; "
                          f"got {tuple(out.shape)} {out.dtype} strides {out.stride()}")
@@ -169,15 +201,41 @@ def gemm_w4(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
         out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if not M or not N:
         return out
-    x = x if x.stride(1) == 1 else x.contiguous()
-    wq = wq if wq.stride(1) == 1 else wq.contiguous()
-    w_scale = w_scale if w_scale.stride(1) == 1 else w_scale.contiguous()
-    bias = bias if bias is None or bias.stride(0) == 1 else bias.contiguous()
-    grid = (triton.cdiv(M, config.block_m), triton.cdiv(N, config.block_n))
-    gemm_w4_kernel[grid](x, wq, w_scale, bias if bias is not None else x, out, M, N, K,
-                         x.stride(0), wq.stride(0), w_scale.stride(0), out.stride(0),
-                         HAS_BIAS=bias is not None, BLOCK_M=config.block_m,
-                         BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-                         num_warps=config.num_warps,
-                         num_stages=config.num_stages)
-    return out
+    return launch_gemm_w4(x, wq, bias, out, None, w_scale, config)
+
+
+def gemm_w4_scaled(x, w, bias, out_dtype, scale_a, scale_b, config: W4Config | None = None,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+    """``gemm_w4`` called as every kernel module's validating launcher is: w the codes,
+    scale_b their scales, scale_a None, the output in x's dtype."""
+    if not takes_scales(scale_a, scale_b):
+        raise ValueError("gemm_w4: an MXFP4 weight brings its own scales (scale_b: w_scale) and "
+                         "x none (scale_a must be None)")
+    if out_dtype not in (None, x.dtype):
+        raise TypeError(f"gemm_w4: the output is in x's dtype ({x.dtype}), not {out_dtype}")
+    return gemm_w4(x, w, scale_b, bias, config, out)
+
+
+def check_operands(op: str, x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
+                   bias: torch.Tensor | None) -> None:
+    """x (..., K) bf16 or fp16; wq (N, K // 2) and w_scale (N, K // 32) uint8 on x's device;
+    bias (N,) on it: ValueError or TypeError saying what is wrong otherwise."""
+    K = x.shape[-1]
+    if x.dtype not in _X_DTYPES:
+        raise TypeError(f"{op}: x is {x.dtype}; MXFP4-weight GEMMs take bf16 or fp16 "
+                        f"activations (the output is in x's dtype)")
+    if wq.dtype != torch.uint8 or w_scale.dtype != torch.uint8:
+        raise TypeError(f"{op}: wq and w_scale must be uint8 (as gemmtune.quant.mxfp4 makes "
+                        f"them), got {wq.dtype} and {w_scale.dtype}")
+    N = wq.shape[0]
+    if wq.dim() != 2 or w_scale.dim() != 2 or wq.shape[1] * 2 != K \
+            or tuple(w_scale.shape) != (N, K // mxfp4.BLOCK) or K % mxfp4.BLOCK:
+        raise ValueError(f"{op}: x's K={K} needs wq (N, {K // 2}) and w_scale "
+                         f"(N, {K // mxfp4.BLOCK}) (K a multiple of {mxfp4.BLOCK}); got "
+                         f"{tuple(wq.shape)} and {tuple(w_scale.shape)}")
+    if bias is not None and (tuple(bias.shape) != (N,) or bias.device != x.device):
+        raise ValueError(f"{op}: bias has shape {tuple(bias.shape)} on {bias.device}; "
+                         f"expected ({N},) on {x.device}")
+    if wq.device != x.device or w_scale.device != x.device:
+        raise ValueError(f"{op}: x is on {x.device}, wq on {wq.device}, w_scale on "
+                         f"{w_scale.device}: put them on one device")

@@ -1,0 +1,132 @@
+"""``gemm_a16w4(x, wq, w_scale, bias=None)``: x (bf16 or fp16) times an MXFP4 weight, in x's
+dtype.
+
+wq (N, K // 2) and w_scale (N, K // 32) uint8 as ``gemmtune.quant.mxfp4`` makes them (two E2M1
+elements per byte, one E8M0 scale per 32 along K); x (..., K); bias (N,). Dispatched per shape
+through ``a16w4_tuned_gemm.csv`` (key ``A16w4Key``: M, N, K and x's dtype); a shape without a
+row runs the torch backend (the weight dequantised on every call, then ``F.linear``). Registered
+as ``torch.ops.gemmtune.gemm_a16w4``.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple, Optional
+
+import torch
+
+from gemmtune.device import DeviceId
+from gemmtune.dispatch import Dispatcher
+from gemmtune.families._gemm import gemm_registry, gemm_schema
+from gemmtune.families._switches import compiler as _compiler
+from gemmtune.families._switches import dynamo_compiling as _dynamo_compiling
+from gemmtune.kernels.problem import GemmProblem, Scaling
+from gemmtune.kernels.torch_ref import TORCH_DEQUANT_LINEAR, dequant_linear_torch
+from gemmtune.kernels.triton.dispatchable import W4_PREFIX
+from gemmtune.tables.schema import Column, Kind
+from gemmtune.tables.values import DTYPE_NAMES, to_torch_dtype
+
+
+class A16w4Key(NamedTuple):
+    M: int
+    N: int
+    K: int
+    dtype: str  # x's (and the output's), canonical name (torch.bfloat16)
+
+
+SCHEMA = gemm_schema(
+    "a16w4", "a16w4_tuned_gemm.csv", "a16w4_untuned_gemm.csv", A16w4Key,
+    (Column("dtype", Kind.DTYPE, default="torch.bfloat16"),), ("GEMMTUNE_CONFIG_A16W4",))
+
+
+def problem_of(key: A16w4Key) -> GemmProblem:
+    dtype = to_torch_dtype(key.dtype)
+    return GemmProblem(key.M, key.N, key.K, dtype, dtype, scaling=Scaling.mxfp4)
+
+
+REGISTRY = gemm_registry("a16w4", TORCH_DEQUANT_LINEAR, dequant_linear_torch, (W4_PREFIX,))
+
+
+def _to_table_key(raw: tuple) -> A16w4Key:
+    m, n, k, dtype, *_checked = raw
+    return A16w4Key(m, n, k, DTYPE_NAMES[dtype])
+
+
+def _default_kernel(key: A16w4Key, device: DeviceId) -> str:
+    return TORCH_DEQUANT_LINEAR  # right for every shape; tuned rows name the kernels that beat it
+
+
+DISPATCH = Dispatcher(SCHEMA, REGISTRY, _to_table_key, problem_of, _default_kernel)
+_CALLS = DISPATCH.calls  # the eager hot path's dict (Dispatcher.remember)
+
+
+def _check(x, wq, w_scale, bias) -> None:
+    # Imported here, not at the top: importing a Triton kernel module fixes, for the process,
+    # whether its kernels are interpreted (TRITON_INTERPRET), and tuner workers import this
+    # module before they set that variable.
+    from gemmtune.kernels.triton.gemm_w4 import check_operands
+
+    if not all(isinstance(t, torch.Tensor) for t in (x, wq, w_scale)) or x.dim() < 1:
+        raise TypeError("gemm_a16w4: x (..., K), wq (N, K // 2) and w_scale (N, K // 32) must "
+                        "be tensors")
+    check_operands("gemm_a16w4", x, wq, w_scale, bias)
+
+
+def _plan(x, wq, w_scale, bias, kernel):
+    args = (x, wq, w_scale, bias)
+    try:
+        k = x.shape[-1]
+        m = x.numel() // k if k else math.prod(x.shape[:-1])
+        device = x.get_device()
+        # Everything _check depends on, so that a cached plan never runs what it would refuse.
+        key = (m, wq.shape[0], k, x.dtype, tuple(wq.shape), wq.dtype, wq.get_device(),
+               tuple(w_scale.shape), w_scale.dtype, w_scale.get_device(),
+               None if bias is None else (tuple(bias.shape), bias.get_device()), device)
+    except (AttributeError, IndexError, ValueError, TypeError):
+        _check(*args)
+        raise
+    return DISPATCH.plan_for(key, device, kernel, _check, args)
+
+
+def _run(x, wq, w_scale, bias, kernel):
+    return _plan(x, wq, w_scale, bias, kernel).run(x, wq, bias, x.dtype, None, w_scale)
+
+
+def _run_and_remember(call_key: tuple, x, wq, w_scale, bias, kernel):
+    """The first eager call with ``call_key``: checked in full, planned, and its plan's kernel
+    bound to the key for the calls after it."""
+    _check(x, wq, w_scale, bias)
+    plan = _plan(x, wq, w_scale, bias, kernel)
+    run = DISPATCH.remember(call_key, plan, (x, wq, bias, x.dtype, None, w_scale))
+    return run(x, wq, bias, None, w_scale)
+
+
+@torch.library.custom_op("gemmtune::gemm_a16w4", mutates_args=())
+def _gemm_a16w4_op(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
+                   bias: Optional[torch.Tensor] = None,
+                   kernel_name: Optional[str] = None) -> torch.Tensor:
+    return _run(x, wq, w_scale, bias, kernel_name)
+
+
+@_gemm_a16w4_op.register_fake
+def _(x, wq, w_scale, bias=None, kernel_name=None):
+    return x.new_empty((*x.shape[:-1], wq.shape[0]))
+
+
+def gemm_a16w4(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
+               bias: Optional[torch.Tensor] = None, kernel: Optional[str] = None) -> torch.Tensor:
+    """``x @ dequant_mxfp4(wq, w_scale).T + bias`` in x's dtype (bf16 or fp16), with the kernel
+    the a16w4 table names for this shape on this GPU (or ``kernel``, a kernelName checked like a
+    table row). x (..., K); wq (N, K // 2) and w_scale (N, K // 32) uint8 from
+    ``gemmtune.quant.mxfp4``; bias (N,). Returns (..., N)."""
+    if _dynamo_compiling() or _compiler._is_compiling_flag:
+        return _gemm_a16w4_op(x, wq, w_scale, bias, kernel)
+    # The eager hot path: everything the checks and the plan depend on, one dict hit, the kernel
+    # bound to this key (Dispatcher.remember).
+    call_key = (x.shape, wq.shape, w_scale.shape, x.dtype, wq.dtype, w_scale.dtype,
+                x.get_device(), wq.get_device(), w_scale.get_device(),
+                None if bias is None else (bias.shape, bias.dtype, bias.get_device()), kernel)
+    run = _CALLS.get(call_key)
+    if run is None:
+        return _run_and_remember(call_key, x, wq, w_scale, bias, kernel)
+    return run(x, wq, bias, None, w_scale)
