@@ -129,3 +129,110 @@ def test_gpu_real_sizes_through_a_row(a16w4_table, M):
     for _ in range(3):  # planned, bound, replayed
         y = gemmtune.gemm_a16w4(x, wq, ws, bias)
         assert_close_to_reference(y, x, wq, ws, bias)
+
+
+# --- the tuner ---------------------------------------------------------------------------------
+
+
+def test_tuner_checks_every_candidate_against_the_dequantised_reference(tmp_path):
+    """``gemmtune tune a16w4``: torch and the MXFP4 kernel's configs pass the gate against the
+    fp32 product with the dequantised weight (on the CPU two configs in fp16, bf16 ones refused
+    with the interpreter's reason); a K that is not a multiple of 32 fails that shape alone."""
+    import csv
+    import io
+
+    from gemmtune.families.a16w4.tuner import A16w4Tuner
+    from gemmtune.tables.store import read_table
+    from gemmtune.tune.engine import TuneConfig, Tuner, default_gpus
+    from gemmtune.tune.family import TuneOptions
+
+    inp = tmp_path / "u.csv"
+    inp.write_text("M,N,K,dtype\n5,40,96,torch.float16\n3,48,64,torch.bfloat16\n"
+                   "2,32,80,torch.float16\n")
+    out = io.StringIO()
+    config = TuneConfig(input=inp, output=tmp_path / "t.csv", profile=tmp_path / "prof.csv",
+                        timeout=120, options=TuneOptions(iters=3, warmup=1),
+                        gpus=default_gpus(), workers=4 if default_gpus() else 1)
+    summary = Tuner(A16w4Tuner, config, out=out).run()
+    assert summary.tuned == 2 and len(summary.failed) == 1, out.getvalue()
+    assert "multiple of 32" in out.getvalue()
+    rows = {r.key: r for r in read_table(tmp_path / "t.csv", A16w4Tuner.schema).rows}
+    assert set(rows) == {A16w4Key(5, 40, 96, "torch.float16"),
+                         A16w4Key(3, 48, 64, "torch.bfloat16")}
+    with open(tmp_path / "prof.csv") as f:
+        profiled = [(r["M"], r["dtype"], r["kernelName"], r["status"]) for r in csv.DictReader(f)]
+    fp16 = [(name, status) for m, dtype, name, status in profiled if dtype == "torch.float16"
+            and m == "5"]
+    assert fp16[0] == (TORCH_DEQUANT_LINEAR, "ok")
+    assert all(status == "ok" for _, status in fp16), fp16
+    assert sum(name.startswith("triton.w4:") for name, _ in fp16) >= 2
+    if not torch.cuda.is_available():
+        bf16 = [status for m, dtype, name, status in profiled
+                if dtype == "torch.bfloat16" and name.startswith("triton.w4:")]
+        assert bf16 and all(status == "refused" for status in bf16), bf16
+
+
+def test_gradients_flow_to_x_and_bias_whichever_kernel_runs(a16w4_table):
+    """With x (or the bias) requiring grad the call goes through the custom op, whose backward
+    gives x's gradient through the dequantised weight and the bias's: the same for the torch
+    backend and a triton.w4 row (whose forward has no autograd of its own)."""
+    M, N, K = 4, 40, 64
+    x, wq, ws, bias = operands(M, N, K, torch.float16, seed=5)
+    w = quant.dequant_mxfp4(wq, ws)
+    for row in (None, W4):
+        if row is not None:
+            a16w4_table((M, N, K, "torch.float16", row))
+        xg, bg = x.clone().requires_grad_(), bias.clone().requires_grad_()
+        y = gemmtune.gemm_a16w4(xg, wq, ws, bg)
+        grad = randn(M, N, gen=generator(6)).to(torch.float16)
+        y.backward(grad)
+        assert_close_to_reference(y.detach(), x, wq, ws, bias)
+        ref_x = grad.float() @ w
+        assert ((xg.grad.float() - ref_x).norm() / ref_x.norm()).item() < 1e-2, row
+        assert torch.allclose(bg.grad.float(), grad.float().sum(0), rtol=1e-2, atol=1e-2), row
+
+
+def test_a_bias_of_another_dtype_is_added_in_fp32_by_both_backends(a16w4_table):
+    """A float32 bias with bf16 x: added in fp32 and rounded once, by the torch backend as by
+    the Triton kernel (within the output's rounding of each other)."""
+    M, N, K = 3, 40, 64
+    x, wq, ws, _ = operands(M, N, K, seed=7, with_bias=False)
+    bias = torch.full((N,), 3000.0, device=DEVICE) + randn(N, gen=generator(8))
+    ref = gemm_a16w4_ref(x, wq, ws, bias)
+    by_torch = gemmtune.gemm_a16w4(x, wq, ws, bias)
+    a16w4_table((M, N, K, "torch.bfloat16", W4))
+    by_triton = gemmtune.gemm_a16w4(x, wq, ws, bias)
+    for y in (by_torch, by_triton):
+        assert ((y.float() - ref).abs() <= ref.abs() * 2 ** -8).all()
+
+
+def test_k_not_a_multiple_of_32_says_so():
+    x = torch.randn(2, 48, dtype=torch.bfloat16, device=DEVICE)
+    wq = torch.zeros(8, 24, dtype=torch.uint8, device=DEVICE)
+    ws = torch.zeros(8, 1, dtype=torch.uint8, device=DEVICE)
+    with pytest.raises(ValueError, match="K=48 is not a multiple of 32"):
+        gemmtune.gemm_a16w4(x, wq, ws)
+
+
+def test_the_w4_launch_can_be_recorded_for_replay(monkeypatch):
+    """A triton.w4 launch puts its tensors first, in roles a recording can place (x, w,
+    scale_b, bias, out): dispatch replays it like the other kernels' (run on a GPU by
+    test_gpu_real_sizes_through_a_row)."""
+    from gemmtune.kernels.triton import _replay, gemm_w4
+    from gemmtune.kernels.triton._replay import Replay
+    from gemmtune.kernels.triton.dispatchable import W4_PREFIX, _kernel_module
+
+    monkeypatch.setattr(_replay, "current_stream", lambda device: 0)
+    class Compiled:  # stands in for Triton's compiled kernel (no GPU here)
+        function = packed_metadata = None
+
+        def __getitem__(self, grid):
+            return None
+
+    x, wq, ws, bias = operands(5, 40, 64)
+    y = torch.empty(5, 40, dtype=x.dtype, device=DEVICE)
+    module = _kernel_module(W4_PREFIX)
+    assert module.module is gemm_w4 and hasattr(gemm_w4, "_checks")  # what TritonKernel reads
+    call = gemm_w4.w4_call(x, wq, bias, y, None, ws, gemm_w4.W4Config(16, 32, 64, 4, 1))
+    replay = Replay.record(call, Compiled(), (x, wq, y, bias, None, ws), 0)
+    assert replay is not None and replay._lead_roles == (0, 1, 5, 3, 2)

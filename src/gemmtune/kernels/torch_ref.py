@@ -279,9 +279,13 @@ def dequant_linear_torch(x, wq, bias, out_dtype, scale_a, scale_b, out=None):
     """``gemm_a16w4``'s torch backend: the MXFP4 weight (``wq``, its scales ``scale_b``)
     dequantised to x's dtype on every call, then ``F.linear`` (the reference a real kernel is
     measured against, not a fast path). In fp16 a block whose values pass 65504 becomes inf, as
-    any fp16 copy of the weight would."""
-    y = F.linear(x, mxfp4.dequantize(wq, scale_b).to(x.dtype),
-                 None if bias is None else bias.to(x.dtype))
+    any fp16 copy of the weight would. A bias of x's dtype is added by ``F.linear``; another
+    one in fp32, then rounded once, as the Triton kernel adds it."""
+    w = mxfp4.dequantize(wq, scale_b).to(x.dtype)
+    if bias is None or bias.dtype == x.dtype:
+        y = F.linear(x, w, bias)
+    else:
+        y = (F.linear(x, w).float() + bias.float()).to(x.dtype)
     if y.dtype != out_dtype:
         y = y.to(out_dtype)
     return y if out is None else out.copy_(y)

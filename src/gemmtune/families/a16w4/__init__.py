@@ -1,12 +1,59 @@
-"""The MXFP4-weight GEMM family (bf16 or fp16 x, MXFP4 w): ``gemm_a16w4`` (``op``). Its tuner
-and bench come with issue 16's GPU work; until then its rows are written by hand or by
-``gemmtune tune`` of another machine, and a shape without a row runs the torch backend."""
+"""The MXFP4-weight GEMM family (bf16 or fp16 x, MXFP4 w): ``gemm_a16w4`` (``op``), its tuner
+(``tuner``) and how the bench runs it. No shipped rows yet: a shape without a row runs the torch
+backend (the weight dequantised on every call, then ``F.linear``)."""
 
 from __future__ import annotations
 
-from gemmtune.families._family import Family
-from gemmtune.families.a16w4.op import DISPATCH, SCHEMA, A16w4Key, gemm_a16w4
+import torch
 
-FAMILY = Family("a16w4", SCHEMA, DISPATCH)
+from gemmtune import quant
+from gemmtune.families._family import BenchOp, Family
+from gemmtune.families._gemm import SHORT_DTYPES
+from gemmtune.families.a16w4.op import DISPATCH, SCHEMA, A16w4Key, gemm_a16w4
+from gemmtune.kernels import mxfp4
+from gemmtune.kernels.torch_ref import (TORCH_DEQUANT_LINEAR, dequant_linear_torch,
+                                        gemm_a16w4_ref)
+from gemmtune.tables.values import DTYPE_NAMES, to_torch_dtype
+
+BENCH_DTYPES = ("bf16", "fp16")  # x's dtype (and the output's)
+
+
+def gemm_key(m: int, n: int, k: int, dtype: str = "bf16", bias: bool = False) -> A16w4Key:
+    return A16w4Key(m, n, k, DTYPE_NAMES[SHORT_DTYPES[dtype]])
+
+
+def _why_not_gemm(n: int, k: int, dtype: str) -> str | None:
+    return mxfp4.why_not_quantisable(k)
+
+
+def bench_op(dtype: str) -> BenchOp:
+    """x in ``dtype``, a weight quantised to MXFP4 once; the torch column dequantises it on
+    every call (the family's torch backend)."""
+    x_dtype = SHORT_DTYPES[dtype]
+
+    def inputs(m, n, k, gen):
+        device = gen.device
+        x = torch.randn(m, k, generator=gen, device=device).to(x_dtype)
+        wq, ws = quant.mxfp4(torch.randn(n, k, generator=gen, device=device) / k ** 0.5)
+        return x, wq, ws
+
+    return BenchOp(
+        f"a16w4_{dtype}", x_dtype.itemsize, x_dtype, 1, inputs,
+        torch=lambda a: dequant_linear_torch(a[0], a[1], None, x_dtype, None, a[2]),
+        tuned=lambda a: gemm_a16w4(*a),
+        reference=lambda a: gemm_a16w4_ref(*a),
+        table_key=lambda m, n, k: gemm_key(m, n, k, dtype),
+        torch_kernel=TORCH_DEQUANT_LINEAR,
+        w_bytes=0.5 + 1 / mxfp4.BLOCK)
+
+
+def _dtype_of_key(key: A16w4Key) -> str:
+    dtype = to_torch_dtype(key.dtype)
+    return next(short for short, d in SHORT_DTYPES.items() if d == dtype)
+
+
+FAMILY = Family("a16w4", SCHEMA, DISPATCH, tuner="gemmtune.families.a16w4.tuner:A16w4Tuner",
+                bench=bench_op, bench_dtypes=BENCH_DTYPES, gemm_key=gemm_key,
+                why_not_gemm=_why_not_gemm, dtype_of_key=_dtype_of_key)
 
 __all__ = ["A16w4Key", "FAMILY", "gemm_a16w4"]

@@ -20,6 +20,8 @@ from gemmtune.dispatch import Dispatcher
 from gemmtune.families._gemm import gemm_registry, gemm_schema
 from gemmtune.families._switches import compiler as _compiler
 from gemmtune.families._switches import dynamo_compiling as _dynamo_compiling
+from gemmtune.families._switches import grad_enabled as _grad_enabled
+from gemmtune.kernels import mxfp4
 from gemmtune.kernels.problem import GemmProblem, Scaling
 from gemmtune.kernels.torch_ref import TORCH_DEQUANT_LINEAR, dequant_linear_torch
 from gemmtune.kernels.triton.dispatchable import W4_PREFIX
@@ -66,7 +68,7 @@ def _check(x, wq, w_scale, bias) -> None:
     # module before they set that variable.
     from gemmtune.kernels.triton.gemm_w4 import check_operands
 
-    if not all(isinstance(t, torch.Tensor) for t in (x, wq, w_scale)) or x.dim() < 1:
+    if not all(isinstance(t, torch.Tensor) for t in (x, wq, w_scale)):
         raise TypeError("gemm_a16w4: x (..., K), wq (N, K // 2) and w_scale (N, K // 32) must "
                         "be tensors")
     check_operands("gemm_a16w4", x, wq, w_scale, bias)
@@ -113,13 +115,36 @@ def _(x, wq, w_scale, bias=None, kernel_name=None):
     return x.new_empty((*x.shape[:-1], wq.shape[0]))
 
 
+def _setup_context(ctx, inputs, output):
+    x, wq, w_scale, bias, kernel_name = inputs
+    ctx.save_for_backward(wq, w_scale)
+    ctx.has_bias = bias is not None
+    ctx.bias_dtype = None if bias is None else bias.dtype
+
+
+def _backward(ctx, grad):
+    """Gradients of x (through the dequantised weight, in grad's dtype) and of the bias; none
+    of the quantised weight."""
+    wq, w_scale = ctx.saved_tensors
+    grad_x = grad @ mxfp4.dequantize(wq, w_scale).to(grad.dtype)
+    grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0).to(ctx.bias_dtype) \
+        if ctx.has_bias else None
+    return grad_x, None, None, grad_bias, None
+
+
+_gemm_a16w4_op.register_autograd(_backward, setup_context=_setup_context)
+
+
 def gemm_a16w4(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
                bias: Optional[torch.Tensor] = None, kernel: Optional[str] = None) -> torch.Tensor:
     """``x @ dequant_mxfp4(wq, w_scale).T + bias`` in x's dtype (bf16 or fp16), with the kernel
     the a16w4 table names for this shape on this GPU (or ``kernel``, a kernelName checked like a
     table row). x (..., K); wq (N, K // 2) and w_scale (N, K // 32) uint8 from
     ``gemmtune.quant.mxfp4``; bias (N,). Returns (..., N)."""
-    if _dynamo_compiling() or _compiler._is_compiling_flag:
+    if _dynamo_compiling() or _compiler._is_compiling_flag or (_grad_enabled() and (
+            x.requires_grad or (bias is not None and bias.requires_grad))):
+        # Compiled or differentiated: the custom op (its fake, its gradients), whichever kernel
+        # runs the forward.
         return _gemm_a16w4_op(x, wq, w_scale, bias, kernel)
     # The eager hot path: everything the checks and the plan depend on, one dict hit, the kernel
     # bound to this key (Dispatcher.remember).

@@ -24,6 +24,7 @@ import triton.language as tl
 
 from gemmtune.kernels import mxfp4
 from gemmtune.kernels._names import Field, NameCodec, NamedConfig
+from gemmtune.kernels.triton import _checks  # noqa: F401 (dispatch reads it: TritonKernel)
 from gemmtune.kernels.triton._replay import KernelCall, launch
 
 KERNEL_PREFIX = "triton.w4"
@@ -75,6 +76,18 @@ def why_not_supported(config: W4Config, M: int, N: int, K: int, dtype: torch.dty
 def takes_scales(scale_a: torch.Tensor | None, scale_b: torch.Tensor | None) -> bool:
     """Whether a call brings the scales this kernel takes: w's (scale_b) only."""
     return scale_a is None and scale_b is not None
+
+
+def candidates(M: int, N: int, K: int, dtype: torch.dtype) -> list[W4Config]:
+    """The configs to tune one shape with (a first space, untimed: docs/benchmarks.md, session
+    22): x's rows in the smallest block that takes M (16-128), 32-128 rows of w, 64-256 of K a
+    step (32-128 bytes of each row of w), 4 or 8 warps, 3 or 4 stages. Only configs that fit."""
+    bm = min(128, max(16, triton.next_power_of_2(M)))
+    found = [W4Config(bm, bn, bk, warps, stages)
+             for bn in (32, 64, 128) for bk in (64, 128, 256) for warps in (4, 8)
+             for stages in (3, 4)
+             if bm * bn <= 64 * 128 or warps == 8]
+    return [c for c in found if why_not_fits(c, M, N, K, dtype) is None]
 
 
 def default_config(M: int, N: int, K: int, dtype: torch.dtype) -> W4Config:
@@ -220,7 +233,15 @@ def check_operands(op: str, x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Te
                    bias: torch.Tensor | None) -> None:
     """x (..., K) bf16 or fp16; wq (N, K // 2) and w_scale (N, K // 32) uint8 on x's device;
     bias (N,) on it: ValueError or TypeError saying what is wrong otherwise."""
+    if x.dim() < 1 or wq.dim() != 2 or w_scale.dim() != 2:
+        raise ValueError(f"{op}: expected x (..., K), wq (N, K // 2) and w_scale (N, K // 32); "
+                         f"got {tuple(x.shape)}, {tuple(wq.shape)}, {tuple(w_scale.shape)}")
+    if bias is not None and not isinstance(bias, torch.Tensor):
+        raise TypeError(f"{op}: bias must be a tensor (N,) or None, got {type(bias).__name__}")
     K = x.shape[-1]
+    if K % mxfp4.BLOCK:
+        raise ValueError(f"{op}: K={K} is not a multiple of {mxfp4.BLOCK}, the MXFP4 block; pad "
+                         f"x and the weight with zeros along K before quantising")
     if x.dtype not in _X_DTYPES:
         raise TypeError(f"{op}: x is {x.dtype}; MXFP4-weight GEMMs take bf16 or fp16 "
                         f"activations (the output is in x's dtype)")
@@ -228,11 +249,10 @@ def check_operands(op: str, x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Te
         raise TypeError(f"{op}: wq and w_scale must be uint8 (as gemmtune.quant.mxfp4 makes "
                         f"them), got {wq.dtype} and {w_scale.dtype}")
     N = wq.shape[0]
-    if wq.dim() != 2 or w_scale.dim() != 2 or wq.shape[1] * 2 != K \
-            or tuple(w_scale.shape) != (N, K // mxfp4.BLOCK) or K % mxfp4.BLOCK:
+    if wq.shape[1] * 2 != K or tuple(w_scale.shape) != (N, K // mxfp4.BLOCK):
         raise ValueError(f"{op}: x's K={K} needs wq (N, {K // 2}) and w_scale "
-                         f"(N, {K // mxfp4.BLOCK}) (K a multiple of {mxfp4.BLOCK}); got "
-                         f"{tuple(wq.shape)} and {tuple(w_scale.shape)}")
+                         f"(N, {K // mxfp4.BLOCK}); got {tuple(wq.shape)} and "
+                         f"{tuple(w_scale.shape)}")
     if bias is not None and (tuple(bias.shape) != (N,) or bias.device != x.device):
         raise ValueError(f"{op}: bias has shape {tuple(bias.shape)} on {bias.device}; "
                          f"expected ({N},) on {x.device}")
