@@ -31,7 +31,7 @@ GLUON_PREFIXES = ("triton.frag", "triton.ring")
 
 
 class _KernelModule(NamedTuple):
-    module: ModuleType  # why_not_supported and _checks
+    module: ModuleType  # why_not_supported
     config_cls: type  # parses a name
     launch: Callable  # launch only (the plan checked the problem)
     validating_launch: Callable  # checks every argument, then launches
@@ -152,7 +152,7 @@ class TritonKernel:
         """Compile for this call's arguments without running anything on the GPU."""
         x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
         y = torch.empty((x2.shape[0], w.shape[0]), dtype=out_dtype, device=x.device)
-        if y.numel() and not self._module._checks.interpreted():
+        if y.numel() and not _checks.interpreted():
             self._launch(x2, w, bias, y, scale_a, scale_b, self.config, warmup=True,
                          **self._launch_kwargs)
 
@@ -215,7 +215,7 @@ class TritonKernel:
             return None
         # The tf32 switch picks fp32 operands' dot precision at each launch.
         key = (x.shape, w.shape[0], x.dtype, y.dtype, bias is None, scale_a is None, device,
-               self._module._checks.input_precision(x.dtype))
+               _checks.input_precision(x.dtype))
         replay = self._replays.get(key)
         if replay is not None and replay.serves(roles):
             replay(roles)

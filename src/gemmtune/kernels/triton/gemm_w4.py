@@ -24,7 +24,6 @@ import triton.language as tl
 
 from gemmtune.kernels import mxfp4
 from gemmtune.kernels._names import Field, NameCodec, NamedConfig
-from gemmtune.kernels.triton import _checks  # noqa: F401 (dispatch reads it: TritonKernel)
 from gemmtune.kernels.triton._replay import KernelCall, launch
 
 KERNEL_PREFIX = "triton.w4"
