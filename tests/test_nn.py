@@ -190,3 +190,61 @@ def test_a_parametrized_layer_uses_its_computed_weight():
     want = F.linear(x, 2 * lin.parametrizations.weight.original, lin.bias)
     torch.testing.assert_close(lin(x), want)
     torch.testing.assert_close(lin(x), want)
+
+
+# --- patch_linear(quant="mxfp4") ----------------------------------------------------------
+
+
+def _mlp(dtype=torch.bfloat16):
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 96), nn.ReLU(), nn.Linear(96, 40, bias=False),
+                         nn.Linear(40, 32)).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_mxfp4_layers_run_the_quantised_weights(dtype):
+    """Every Linear whose in_features is a multiple of 32 holds its weight in MXFP4 (the float
+    weight gone) and computes with it; the one of 40 stays a TunedLinear; output in x's dtype."""
+    model = _mlp(dtype)
+    weights = [m.weight.detach().clone() for m in model if isinstance(m, nn.Linear)]
+    seen = []
+    model[0].register_forward_hook(lambda mod, args, out: seen.append(out.shape))
+    assert gemmtune.patch_linear(model, quant="mxfp4") == 3
+    first, second, third = model[0], model[2], model[3]
+    assert isinstance(first, gemmtune.Mxfp4Linear) and isinstance(second, gemmtune.Mxfp4Linear)
+    assert type(third) is gemmtune.TunedLinear  # in_features 40: not a whole MXFP4 block
+    assert "weight" not in dict(first.named_parameters())
+    assert set(first.state_dict()) == {"weight_q", "weight_scale", "bias"}
+    assert first.weight_q.shape == (96, 32) and first.weight_scale.shape == (96, 2)
+    x = torch.randn(5, 64).to(dtype)
+    y = model(x)
+    assert y.dtype == dtype and seen == [(5, 96)]  # the module object kept its hook
+    h = torch.relu(x.float() @ gemmtune.quant.dequant_mxfp4(first.weight_q, first.weight_scale).T
+                   + first.bias.float())
+    h = h.to(dtype).float() @ gemmtune.quant.dequant_mxfp4(second.weight_q,
+                                                           second.weight_scale).T
+    ref = h.to(dtype).float() @ weights[2].float().T + third.bias.float()
+    assert ((y.float() - ref).norm() / ref.norm()).item() < 2e-2
+    # It computed with the 4-bit weights: the float weights' model is 5x further from it.
+    h = torch.relu(x.float() @ weights[0].float().T + first.bias.float())
+    exact = (h.to(dtype).float() @ weights[1].float().T).to(dtype).float() \
+        @ weights[2].float().T + third.bias.float()
+    assert (y.float() - exact).norm() > 5 * (y.float() - ref).norm()
+
+
+def test_mxfp4_refuses_fp32_weights_before_changing_anything():
+    model = _mlp(torch.float32)
+    with pytest.raises(TypeError, match="cast the model first"):
+        gemmtune.patch_linear(model, quant="mxfp4")
+    assert all(type(m) is nn.Linear for m in model if isinstance(m, nn.Linear))
+    with pytest.raises(ValueError, match="quant='fp4'"):
+        gemmtune.patch_linear(model, quant="fp4")
+
+
+def test_mxfp4_layers_pass_gradients_to_their_inputs():
+    model = _mlp()
+    gemmtune.patch_linear(model, quant="mxfp4")
+    x = torch.randn(3, 64, dtype=torch.bfloat16, requires_grad=True)
+    model(x).float().sum().backward()
+    assert x.grad is not None and x.grad.shape == (3, 64) and x.grad.abs().sum() > 0
+    assert model[0].bias.grad is not None

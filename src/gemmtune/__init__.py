@@ -15,7 +15,7 @@ from gemmtune.families.a8w8_bpreshuffle.op import gemm_a8w8_bpreshuffle
 from gemmtune.families.a16w4.op import gemm_a16w4
 from gemmtune.families.bf16.op import gemm_a16w16
 from gemmtune.families.fmoe.op import fused_moe
-from gemmtune.nn import TunedLinear, patch_linear
+from gemmtune.nn import Mxfp4Linear, TunedLinear, patch_linear
 
 __version__ = "0.1.0"
 
@@ -38,6 +38,6 @@ __all__ = [
     "gemm_a16w16", "gemm_a8w8", "gemm_a8w8_blockscale", "gemm_a8w8_bpreshuffle", "gemm_a16w4",
     "fused_moe", "report_misses",
     "format_misses",
-    "reset", "TunedLinear", "patch_linear", "patch_moe", "current_device", "DeviceId", "quant",
+    "reset", "TunedLinear", "Mxfp4Linear", "patch_linear", "patch_moe", "current_device", "DeviceId", "quant",
     "Family", "all_families", "get_family", "register_family", "precompile",
 ]

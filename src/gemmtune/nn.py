@@ -1,14 +1,18 @@
-"""``TunedLinear`` and ``patch_linear``: run a model's ``nn.Linear`` layers through gemm_a16w16."""
+"""``TunedLinear`` and ``patch_linear``: run a model's ``nn.Linear`` layers through gemm_a16w16,
+or with ``quant="mxfp4"`` their weights quantised once to MXFP4 through gemm_a16w4
+(``Mxfp4Linear``)."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from gemmtune import quant
 from gemmtune.families._switches import any_autocast as _any_autocast
 from gemmtune.families._switches import compiler as _compiler
 from gemmtune.families._switches import dynamo_compiling as _dynamo_compiling
 from gemmtune.families._switches import grad_enabled as _grad_enabled
+from gemmtune.families.a16w4.op import gemm_a16w4
 from gemmtune.families.bf16.op import bound_linear, gemm_a16w16
 
 _MISSING = object()
@@ -43,15 +47,62 @@ class TunedLinear(nn.Linear):
         return gemm_a16w16(x, self.weight, self.bias)
 
 
-def patch_linear(model: nn.Module) -> int:
+class Mxfp4Linear(nn.Module):
+    """A linear layer whose weight is held in MXFP4 (``gemmtune.quant.mxfp4``: the buffers
+    ``weight_q`` (out, in / 2) and ``weight_scale`` (out, in / 32), uint8) and multiplied by
+    ``gemm_a16w4``: x in bf16 or fp16, the output in x's dtype. ``patch_linear(quant="mxfp4")``
+    makes one from an ``nn.Linear`` in place (the module object, its bias and hooks kept; its
+    weight replaced by the two buffers); the weight is no longer trained."""
+
+    in_features: int
+    out_features: int
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return gemm_a16w4(x, self.weight_q, self.weight_scale, self.bias)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.bias is not None}, weight=mxfp4")
+
+
+QUANTS = ("mxfp4",)  # what patch_linear's quant takes, besides None
+
+
+def patch_linear(model: nn.Module, quant: str | None = None) -> int:
     """Turn every plain ``nn.Linear`` inside ``model`` (itself included) into a TunedLinear in
     place and return how many were changed. Only the class changes: the module object, its
     parameters, buffers and hooks stay exactly as they were. Left alone: subclasses of nn.Linear
     (quantised or LoRA layers compute something else) and layers whose ``forward`` was replaced
-    on the instance (offloading wrappers), since those wrappers call the original forward."""
-    patched = 0
-    for module in model.modules():
-        if type(module) is nn.Linear and "forward" not in module.__dict__:
+    on the instance (offloading wrappers), since those wrappers call the original forward.
+
+    ``quant="mxfp4"``: each such layer's weight (bf16 or fp16) is quantised once to MXFP4 and
+    the layer becomes an ``Mxfp4Linear`` (``gemm_a16w4``); a layer whose in_features is not a
+    multiple of 32 (MXFP4's block) becomes a TunedLinear instead. Weights of other dtypes are
+    refused before any layer changes: cast the model to bf16 or fp16 first."""
+    if quant is not None and quant not in QUANTS:
+        raise ValueError(f"patch_linear: quant={quant!r}; expected None or one of {QUANTS}")
+    layers = [m for m in model.modules()
+              if type(m) is nn.Linear and "forward" not in m.__dict__]
+    if quant == "mxfp4":
+        bad = sorted({str(m.weight.dtype) for m in layers
+                      if m.weight.dtype not in (torch.bfloat16, torch.float16)})
+        if bad:
+            raise TypeError(f"patch_linear(quant='mxfp4'): weights of {', '.join(bad)}; MXFP4 "
+                            f"layers take bf16 or fp16 activations: cast the model first "
+                            f"(model.to(torch.bfloat16))")
+    for module in layers:
+        if quant == "mxfp4" and module.in_features % 32 == 0:
+            _to_mxfp4(module)
+        else:
             module.__class__ = TunedLinear
-            patched += 1
-    return patched
+    return len(layers)
+
+
+def _to_mxfp4(module: nn.Linear) -> None:
+    """``module`` as an Mxfp4Linear, in place: its weight quantised and dropped."""
+    with torch.no_grad():
+        wq, w_scale = quant.mxfp4(module.weight)
+    del module._parameters["weight"]
+    module.__class__ = Mxfp4Linear
+    module.register_buffer("weight_q", wq)
+    module.register_buffer("weight_scale", w_scale)
