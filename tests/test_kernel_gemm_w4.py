@@ -29,6 +29,20 @@ def test_names_round_trip():
     cfg = W4Config(16, 64, 128, 4, 3)
     assert cfg.name == "triton.w4:BM16.BN64.BK128.W4.S3"
     assert W4Config.from_name(cfg.name) == cfg
+    split = W4Config(16, 64, 128, 4, 3, 4)
+    assert split.name == "triton.w4:BM16.BN64.BK128.W4.S3.SK4"
+    assert W4Config.from_name(split.name) == split
+
+
+@pytest.mark.parametrize("M, N, K", [(1, 4096, 4096), (16, 2880, 2880), (64, 576, 7168),
+                                     (300, 4096, 4096)])
+def test_candidates_fit_and_split_k_for_decode(M, N, K):
+    from gemmtune.kernels.triton.gemm_w4 import DECODE_M, candidates
+
+    found = candidates(M, N, K, torch.bfloat16, num_sms=132)
+    assert found and len(set(found)) == len(found)
+    assert all(why_not_fits(c, M, N, K, torch.bfloat16) is None for c in found)
+    assert any(c.split_k > 1 for c in found) == (M <= DECODE_M)
 
 
 @pytest.mark.parametrize("config, K, dtype, says", [
@@ -38,6 +52,7 @@ def test_names_round_trip():
     (W4Config(16, 64, 16, 4, 3), 128, torch.bfloat16, "multiple of the MXFP4 block"),
     (W4Config(16, 64, 128, 4, 3), 100, torch.bfloat16, "not a multiple of 32"),
     (W4Config(16, 64, 128, 3, 3), 128, torch.bfloat16, "num_warps=3"),
+    (W4Config(16, 64, 64, 4, 3, 3), 128, torch.bfloat16, "split_k=3 must be in [1, 2]"),
 ])
 def test_configs_that_cannot_run_say_why(config, K, dtype, says):
     assert says in why_not_fits(config, 16, 64, K, dtype)
@@ -48,6 +63,8 @@ def test_configs_that_cannot_run_say_why(config, K, dtype, says):
     (1, 40, 96, W4Config(16, 32, 64, 4, 2)),      # K not a multiple of BLOCK_K, N ragged
     (5, 70, 160, W4Config(16, 64, 128, 4, 2)),    # several N blocks, the last partial
     (33, 24, 64, W4Config(32, 16, 32, 4, 1)),     # several M blocks, BLOCK_K of one scale block
+    (3, 40, 160, W4Config(16, 32, 64, 4, 2, 3)),  # K split 3 ways, the last step ragged
+    (20, 70, 128, W4Config(16, 32, 32, 4, 1, 2)),  # split over several M and N tiles
 ])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_matches_the_dequantised_reference(M, N, K, config, dtype, with_bias):
@@ -158,3 +175,8 @@ def test_gpu_real_sizes(M, N, K):
     out = torch.full((M, N), float("nan"), dtype=torch.bfloat16, device=DEVICE)
     y = gemm_w4(x, wq, w_scale, bias, out=out)
     assert_matches_reference(y, x, quant.dequant_mxfp4(wq, w_scale), bias)
+    if M <= 16:  # K split over 8 programs, summed in order: right, and bitwise repeatable
+        split = W4Config(16, 64, 128, 4, 3, 8)
+        first, again = (gemm_w4(x, wq, w_scale, bias, split) for _ in range(2))
+        assert_matches_reference(first, x, quant.dequant_mxfp4(wq, w_scale), bias)
+        assert torch.equal(first, again)

@@ -405,9 +405,12 @@ W4_SCRIPT = textwrap.dedent("""
     names = list(inspect.signature(gemm_w4.gemm_w4_kernel.fn).parameters)
     for dtype, (bm, bn, bk), mma in (("bf16", (16, 64, 128), "mma.sync"),
                                      ("fp16", (64, 128, 64), "wgmma.mma_async")):
-        constexprs = dict(HAS_BIAS=True, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
+        split_k = 4 if bm == 16 else 1
+        constexprs = dict(HAS_BIAS=True, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split_k,
+                          SPLIT_CHUNK=2)
         pointers = {"x_ptr": f"*{dtype}", "wq_ptr": "*u8", "ws_ptr": "*u8",
-                    "bias_ptr": f"*{dtype}", "y_ptr": f"*{dtype}"}
+                    "bias_ptr": f"*{dtype}", "y_ptr": f"*{dtype}", "part_ptr": "*fp32",
+                    "count_ptr": "*i32"}
         signature = {n: pointers.get(n) or ("constexpr" if n in constexprs else "i32")
                      for n in names}
         kernel = triton.compile(ASTSource(fn=gemm_w4.gemm_w4_kernel, signature=signature,
@@ -415,8 +418,9 @@ W4_SCRIPT = textwrap.dedent("""
                                 target=GPUTarget("cuda", 90, 128),
                                 options={"num_warps": 4, "num_stages": 3})
         # The dequantised tile goes to the tensor cores: mma.sync for 16 rows of x, the
-        # warpgroup MMA from 64.
+        # warpgroup MMA from 64; a split's counter only where K is split.
         assert mma in kernel.asm["ptx"], (dtype, bm)
+        assert ("atom.global" in kernel.asm["ptx"]) == (split_k > 1)
     print("ok")
 """)
 

@@ -5,13 +5,14 @@ E8M0 scale per 32 along K) and is decoded in registers, a (BLOCK_N, 32) block at
 dtype without its scale (exact: E2M1 values are 0-6 with one mantissa bit), multiplied with x
 on the tensor cores into fp32, and scaled there by the block's power of two (exact, for any
 scale byte, where dequantising to fp16 would overflow or lose bits). x is read as it is. One
-program per (BLOCK_M, BLOCK_N) tile of y over all of K, BLOCK_K / 32 blocks a step; output in
-x's dtype.
+program per (BLOCK_M, BLOCK_N) tile of y and split of K (SPLIT_K; the splits' fp32 partials
+summed in split order by the last to finish, as the split-K kernel's:
+``_splits.store_split_tile``), BLOCK_K / 32 blocks a step; output in x's dtype.
 
 ``gemm_a16w4`` dispatches to it (``triton.w4:...`` rows): as every kernel module's, a launch
 takes ``(x, w, bias, out, scale_a, scale_b, config)``, here w the packed codes and scale_b
-their scales (scale_a None). Untuned yet: split-K for decode and the config space come with
-the GPU work (docs/benchmarks.md, session 22: 0.45-0.60x bf16 ``F.linear`` untuned).
+their scales (scale_a None). Not yet timed on a GPU with its split of K or tuned (untuned and
+unsplit: 0.45-0.60x bf16 ``F.linear``, docs/benchmarks.md, session 22).
 """
 
 from __future__ import annotations
@@ -24,7 +25,10 @@ import triton.language as tl
 
 from gemmtune.kernels import mxfp4
 from gemmtune.kernels._names import Field, NameCodec, NamedConfig
+from gemmtune.kernels.triton import _checks
 from gemmtune.kernels.triton._replay import KernelCall, launch
+from gemmtune.kernels.triton._splits import (MAX_SPLIT_K, split_chunk, split_for,
+                                             store_split_tile, workspace)
 
 KERNEL_PREFIX = "triton.w4"
 _BLOCK = tl.constexpr(mxfp4.BLOCK)  # elements per scale
@@ -37,13 +41,14 @@ class W4Config(NamedConfig):
 
     NAME_CODEC = NameCodec("MXFP4-weight config", KERNEL_PREFIX, (
         Field("BM", "block_m"), Field("BN", "block_n"), Field("BK", "block_k"),
-        Field("W", "num_warps"), Field("S", "num_stages")))
+        Field("W", "num_warps"), Field("S", "num_stages"), Field("SK", "split_k", default=1)))
 
     block_m: int
     block_n: int
     block_k: int  # elements of K per step: a multiple of the 32-element scale block
     num_warps: int
     num_stages: int
+    split_k: int = 1  # programs along K per tile (decode: enough programs to stream the weight)
 
 
 def why_not_fits(config: W4Config, M: int, N: int, K: int, dtype: torch.dtype) -> str | None:
@@ -61,6 +66,10 @@ def why_not_fits(config: W4Config, M: int, N: int, K: int, dtype: torch.dtype) -
         return why
     if c.num_warps not in (1, 2, 4, 8) or not 1 <= c.num_stages <= 5:
         return f"num_warps={c.num_warps} (1, 2, 4 or 8) and num_stages={c.num_stages} (1-5)"
+    k_steps = triton.cdiv(K, c.block_k)
+    if not 1 <= c.split_k <= min(MAX_SPLIT_K, k_steps):
+        return (f"split_k={c.split_k} must be in [1, {min(MAX_SPLIT_K, k_steps)}]: K={K} is "
+                f"{k_steps} steps of block_k={c.block_k}")
     return None
 
 
@@ -77,15 +86,32 @@ def takes_scales(scale_a: torch.Tensor | None, scale_b: torch.Tensor | None) -> 
     return scale_a is None and scale_b is not None
 
 
-def candidates(M: int, N: int, K: int, dtype: torch.dtype) -> list[W4Config]:
+# Programs per SM the splits of K aim at, for decode (M <= DECODE_M)
+_PROGRAMS_PER_SM = (1, 4)
+DECODE_M = 64
+
+
+def candidates(M: int, N: int, K: int, dtype: torch.dtype,
+               num_sms: int | None = None) -> list[W4Config]:
     """The configs to tune one shape with (a first space, untimed: docs/benchmarks.md, session
-    22): x's rows in the smallest block that takes M (16-128), 32-128 rows of w, 64-256 of K a
-    step (32-128 bytes of each row of w), 4 or 8 warps, 3 or 4 stages. Only configs that fit."""
+    22): x's rows in the smallest block that takes M (16-128), 32-128 rows of w, 128-256 of K a
+    step (64-128 bytes of each row of w), 4 or 8 warps, 3 or 4 stages; for decode (M <=
+    DECODE_M) also K split to reach each of ``_PROGRAMS_PER_SM``. Only configs that fit."""
     bm = min(128, max(16, triton.next_power_of_2(M)))
-    found = [W4Config(bm, bn, bk, warps, stages)
-             for bn in (32, 64, 128) for bk in (64, 128, 256) for warps in (4, 8)
-             for stages in (3, 4)
-             if bm * bn <= 64 * 128 or warps == 8]
+    num_sms = num_sms or _checks.sm_count()
+    found = {}
+    for bn in (32, 64, 128):
+        for bk in (128, 256):
+            tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
+            k_steps = triton.cdiv(K, bk)
+            splits = {1} | ({split_for(tiles, k_steps, per_sm * num_sms)
+                             for per_sm in _PROGRAMS_PER_SM} if M <= DECODE_M else set())
+            for warps in (4, 8):
+                if bm * bn > 64 * 128 and warps == 4:
+                    continue
+                for stages in (3, 4):
+                    for split in sorted(splits):
+                        found[W4Config(bm, bn, bk, warps, stages, split)] = None
     return [c for c in found if why_not_fits(c, M, N, K, dtype) is None]
 
 
@@ -128,24 +154,27 @@ def _codes_block(wq_ptr, rows, kb, N, K, stride_wn, BLOCK_N: tl.constexpr, DTYPE
 
 
 @triton.jit
-def gemm_w4_kernel(x_ptr, wq_ptr, ws_ptr, bias_ptr, y_ptr, M, N, K,
-                   stride_xm, stride_wn, stride_sn, stride_ym,
+def gemm_w4_kernel(x_ptr, wq_ptr, ws_ptr, bias_ptr, y_ptr,
+                   part_ptr, count_ptr,  # the splits' partials and counters (SPLIT_K > 1 only)
+                   M, N, K, stride_xm, stride_wn, stride_sn, stride_ym,
                    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr):
+                   BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, SPLIT_CHUNK: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
+    split = tl.program_id(2)
     rows_x = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rows_w = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     in_m = (rows_x < M)[:, None]
     in_n = rows_w < N
     ks = tl.arange(0, _BLOCK)
+    k_steps = tl.cdiv(K, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for step in range(split * k_steps // SPLIT_K, (split + 1) * k_steps // SPLIT_K):
         # One 32-element scale block at a time: its codes times x on the tensor cores (exact
         # products, fp32 sums), then its scale in fp32. Dequantising to x's dtype first would
         # overflow or lose bits in fp16 beyond scales of 2^(+-13) or so.
         for b in tl.static_range(BLOCK_K // _BLOCK):
-            kb = k0 // _BLOCK + b
+            kb = step * (BLOCK_K // _BLOCK) + b
             k = kb * _BLOCK + ks
             x = tl.load(x_ptr + rows_x[:, None].to(tl.int64) * stride_xm + k[None, :],
                         mask=in_m & (k < K)[None, :], other=0.0)
@@ -155,30 +184,40 @@ def gemm_w4_kernel(x_ptr, wq_ptr, ws_ptr, bias_ptr, y_ptr, M, N, K,
             scale = _e8m0(tl.load(ws_ptr + rows_w.to(tl.int64) * stride_sn + blocks,
                                   mask=in_n & (blocks < K // _BLOCK), other=0).to(tl.int32))
             acc += tl.dot(x, tl.trans(codes)) * scale[None, :]
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + rows_w, mask=in_n, other=0.0).to(tl.float32)[None, :]
-    tl.store(y_ptr + rows_x[:, None].to(tl.int64) * stride_ym + rows_w[None, :],
-             acc.to(y_ptr.dtype.element_ty), mask=in_m & in_n[None, :])
+    # The bias, the output's dtype and (split) the splits' sum: the split-K kernels' end, with
+    # no scales (0: NO_SCALE).
+    rows = tl.where(rows_x < M, rows_x, 0)
+    cols = tl.where(rows_w < N, rows_w, 0)
+    store_split_tile(acc, pid_m * tl.num_programs(1) + pid_n, split, SPLIT_K, part_ptr,
+                     count_ptr, rows_x, rows_w, rows, cols, y_ptr, bias_ptr, x_ptr, x_ptr, M, N,
+                     stride_ym, 1, 1, HAS_BIAS, 0, 0, SPLIT_K > 1, BLOCK_M, BLOCK_N,
+                     SPLIT_CHUNK)
 
 
 def w4_call(x, w, bias, out, scale_a, scale_b, config: W4Config,
             counters: torch.Tensor | None = None, warmup: bool = False,
             block_scales: bool = False) -> KernelCall:
     """The launch of ``launch_gemm_w4`` as data (what a dispatch plan records and replays): x
-    (M, K), w the packed codes (N, K // 2), scale_b their scales (N, K // 32), out (M, N)."""
+    (M, K), w the packed codes (N, K // 2), scale_b their scales (N, K // 32), out (M, N). Split
+    launches take their partials and counters as the split-K kernel's (``_splits.workspace``)."""
     M, K = x.shape
     N = w.shape[0]
     x = x if x.stride(1) == 1 else x.contiguous()
     w = w if w.stride(1) == 1 else w.contiguous()
     scale_b = scale_b if scale_b.stride(1) == 1 else scale_b.contiguous()
     bias = bias if bias is None or bias.stride(0) == 1 else bias.contiguous()
-    args = (x, w, scale_b, bias if bias is not None else x, out, M, N, K,
+    c = config
+    m_tiles, n_tiles = triton.cdiv(M, c.block_m), triton.cdiv(N, c.block_n)
+    parts, counters, per_call = workspace(x, out, m_tiles * n_tiles, c.block_m * c.block_n,
+                                          c.split_k, counters, warmup)
+    args = (x, w, scale_b, bias if bias is not None else x, out, parts, counters, M, N, K,
             x.stride(0), w.stride(0), scale_b.stride(0), out.stride(0))
-    constexprs = dict(HAS_BIAS=bias is not None, BLOCK_M=config.block_m,
-                      BLOCK_N=config.block_n, BLOCK_K=config.block_k)
-    grid = (triton.cdiv(M, config.block_m), triton.cdiv(N, config.block_n))
-    return KernelCall(gemm_w4_kernel, grid, args, constexprs,
-                      dict(num_warps=config.num_warps, num_stages=config.num_stages))
+    constexprs = dict(HAS_BIAS=bias is not None, BLOCK_M=c.block_m, BLOCK_N=c.block_n,
+                      BLOCK_K=c.block_k, SPLIT_K=c.split_k,
+                      SPLIT_CHUNK=split_chunk(c.block_m, c.block_n, c.num_warps))
+    return KernelCall(gemm_w4_kernel, (m_tiles, n_tiles, c.split_k), args, constexprs,
+                      dict(num_warps=c.num_warps, num_stages=c.num_stages),
+                      replayable=not per_call)
 
 
 def launch_gemm_w4(x, w, bias, out, scale_a, scale_b, config: W4Config,
@@ -186,7 +225,7 @@ def launch_gemm_w4(x, w, bias, out, scale_a, scale_b, config: W4Config,
                    block_scales: bool = False) -> torch.Tensor:
     """The launch alone, for callers that validated once per shape (dispatch plans): ``out``
     (M, N) with M, N > 0, its column stride 1."""
-    launch(w4_call(x, w, bias, out, scale_a, scale_b, config), warmup)
+    launch(w4_call(x, w, bias, out, scale_a, scale_b, config, counters, warmup), warmup)
     return out
 
 
