@@ -403,13 +403,17 @@ W4_SCRIPT = textwrap.dedent("""
     from gemmtune.kernels.triton import gemm_w4
 
     names = list(inspect.signature(gemm_w4.gemm_w4_kernel.fn).parameters)
+    # (x's dtype, blocks, the MMA expected); "u8": x in MXFP4 too (its fp16 codes multiplied)
     for dtype, (bm, bn, bk), mma in (("bf16", (16, 64, 128), "mma.sync"),
-                                     ("fp16", (64, 128, 64), "wgmma.mma_async")):
+                                     ("fp16", (64, 128, 64), "wgmma.mma_async"),
+                                     ("u8", (16, 64, 128), "mma.sync"),
+                                     ("u8", (64, 128, 64), "wgmma.mma_async")):
         split_k = 4 if bm == 16 else 1
         constexprs = dict(HAS_BIAS=True, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split_k,
-                          SPLIT_CHUNK=2)
-        pointers = {"x_ptr": f"*{dtype}", "wq_ptr": "*u8", "ws_ptr": "*u8",
-                    "bias_ptr": f"*{dtype}", "y_ptr": f"*{dtype}", "part_ptr": "*fp32",
+                          SPLIT_CHUNK=2, X_MXFP4=dtype == "u8")
+        out = "bf16" if dtype == "u8" else dtype
+        pointers = {"x_ptr": f"*{dtype}", "wq_ptr": "*u8", "ws_ptr": "*u8", "xs_ptr": "*u8",
+                    "bias_ptr": f"*{out}", "y_ptr": f"*{out}", "part_ptr": "*fp32",
                     "count_ptr": "*i32"}
         signature = {n: pointers.get(n) or ("constexpr" if n in constexprs else "i32")
                      for n in names}

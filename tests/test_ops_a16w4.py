@@ -216,7 +216,7 @@ def test_k_not_a_multiple_of_32_says_so():
 
 def test_the_w4_launch_can_be_recorded_for_replay(monkeypatch):
     """A triton.w4 launch puts its tensors first, in roles a recording can place (x, w,
-    scale_b, bias, out): dispatch replays it like the other kernels' (run on a GPU by
+    scale_b, scale_a, bias, out): dispatch replays it like the other kernels' (run on a GPU by
     test_gpu_real_sizes_through_a_row)."""
     from gemmtune.kernels.triton import _replay, gemm_w4
     from gemmtune.kernels.triton._replay import Replay
@@ -236,8 +236,9 @@ def test_the_w4_launch_can_be_recorded_for_replay(monkeypatch):
     roles = (x, wq, y, bias, None, ws)
     one = gemm_w4.w4_call(x, wq, bias, y, None, ws, gemm_w4.W4Config(16, 32, 64, 4, 1))
     replay = Replay.record(one, Compiled(), roles, 0)
-    # One split: the output stands in for the workspace (never read).
-    assert replay is not None and replay._lead_roles == (0, 1, 5, 3, 2, 2, 2)
+    # x stands in for the absent x scale, the output for the workspace of one split (neither
+    # read).
+    assert replay is not None and replay._lead_roles == (0, 1, 5, 0, 3, 2, 2, 2)
     split = gemm_w4.w4_call(x, wq, bias, y, None, ws, gemm_w4.W4Config(16, 32, 32, 4, 1, 2))
     # On the CPU the partials are made per call, which a recording must not keep.
     assert Replay.record(split, Compiled(), roles, 0) is None

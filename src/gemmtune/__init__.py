@@ -9,6 +9,7 @@ from gemmtune.device import DeviceId, current_device
 from gemmtune.experts import patch_moe, register_when_loaded
 from gemmtune.dispatch import format_misses, report_misses, reset
 from gemmtune.families import Family, all_families, get_family, register_family
+from gemmtune.families.a4w4_blockscale.op import gemm_a4w4_blockscale
 from gemmtune.families.a8w8.op import gemm_a8w8
 from gemmtune.families.a8w8_blockscale.op import gemm_a8w8_blockscale
 from gemmtune.families.a8w8_bpreshuffle.op import gemm_a8w8_bpreshuffle
@@ -36,6 +37,7 @@ def precompile(families: list[str] | None = None, workers: int | None = None, pr
 
 __all__ = [
     "gemm_a16w16", "gemm_a8w8", "gemm_a8w8_blockscale", "gemm_a8w8_bpreshuffle", "gemm_a16w4",
+    "gemm_a4w4_blockscale",
     "fused_moe", "report_misses",
     "format_misses",
     "reset", "TunedLinear", "Mxfp4Linear", "patch_linear", "patch_moe", "current_device", "DeviceId", "quant",

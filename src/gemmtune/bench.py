@@ -79,8 +79,9 @@ def _peak_gemm(op: BenchOp):
 
 
 def floors_of(m: int, n: int, k: int, op: BenchOp, c: Ceilings) -> Floors:
+    x_bytes = op.in_bytes if op.x_bytes is None else op.x_bytes
     w_bytes = op.in_bytes if op.w_bytes is None else op.w_bytes
-    nbytes = m * k * op.in_bytes + n * k * w_bytes + m * n * op.out_dtype.itemsize
+    nbytes = m * k * x_bytes + n * k * w_bytes + m * n * op.out_dtype.itemsize
     return floors(2.0 * m * n * k, nbytes, c)
 
 

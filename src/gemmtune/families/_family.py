@@ -37,8 +37,10 @@ class BenchOp:
     torch_kernel: str  # the table's name for the torch backend (what the torch column runs)
     # (M, N, K) -> True where the torch column runs the fp32 reference, not a fast kernel.
     torch_is_reference: Callable[[int, int, int], bool] = lambda m, n, k: False
-    # Bytes per element of w where they differ from x's (MXFP4: 4 bits and a scale byte per 32)
+    # Bytes per element of w, and of x, where they differ from ``in_bytes`` (MXFP4: 4 bits and
+    # a scale byte per 32)
     w_bytes: float | None = None
+    x_bytes: float | None = None
 
 
 @dataclass(frozen=True)

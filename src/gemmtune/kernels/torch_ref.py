@@ -291,6 +291,29 @@ def dequant_linear_torch(x, wq, bias, out_dtype, scale_a, scale_b, out=None):
     return y if out is None else out.copy_(y)
 
 
+TORCH_DEQUANT_MM = "torch.dequant_mm"
+
+
+def gemm_a4w4_ref(xq, wq, x_scale, w_scale, out_dtype=torch.float32):
+    """``dequant_mxfp4(xq, x_scale) @ dequant_mxfp4(wq, w_scale).T`` in fp32, then
+    ``out_dtype``: the reference of ``gemm_a4w4_blockscale``."""
+    return (mxfp4.dequantize(xq, x_scale) @ mxfp4.dequantize(wq, w_scale).T).to(out_dtype)
+
+
+def dequant_mm_torch(xq, wq, bias, out_dtype, scale_a, scale_b, out=None):
+    """``gemm_a4w4_blockscale``'s torch backend: both MXFP4 operands dequantised to bf16 on every
+    call (exact but for scales past bf16's range), then ``F.linear`` (the reference a real
+    kernel is measured against, not a fast path)."""
+    x = mxfp4.dequantize(xq.reshape(-1, xq.shape[-1]), scale_a.reshape(-1, scale_a.shape[-1]))
+    y = F.linear(x.to(torch.bfloat16), mxfp4.dequantize(wq, scale_b).to(torch.bfloat16))
+    y = y.reshape(*xq.shape[:-1], wq.shape[0])
+    if bias is not None:
+        y = y.float() + bias.float()
+    if y.dtype != out_dtype:
+        y = y.to(out_dtype)
+    return y if out is None else out.copy_(y)
+
+
 # ------------------------------------------------------------------------------- fused MoE
 TORCH_MOE = "torch.moe"
 

@@ -33,6 +33,7 @@ from gemmtune.kernels.triton._splits import (MAX_SPLIT_K, split_chunk, split_for
 KERNEL_PREFIX = "triton.w4"
 _BLOCK = tl.constexpr(mxfp4.BLOCK)  # elements per scale
 _X_DTYPES = (torch.bfloat16, torch.float16)
+_OUT_DTYPES_OF_MXFP4_X = (torch.bfloat16, torch.float16, torch.float32)
 
 
 @dataclass(frozen=True)
@@ -54,8 +55,9 @@ class W4Config(NamedConfig):
 def why_not_fits(config: W4Config, M: int, N: int, K: int, dtype: torch.dtype) -> str | None:
     """The first constraint ``config`` breaks for an (M, N, K) GEMM with ``dtype`` x, or None."""
     c = config
-    if dtype not in _X_DTYPES:
-        return f"x of {dtype}: the MXFP4-weight kernel takes bf16 or fp16 activations"
+    if dtype not in _X_DTYPES and dtype != torch.uint8:
+        return (f"x of {dtype}: the MXFP4-weight kernel takes bf16 or fp16 activations, or "
+                f"MXFP4 ones (uint8 codes)")
     for name, value in (("block_m", c.block_m), ("block_n", c.block_n), ("block_k", c.block_k)):
         if value < 16 or value & (value - 1):
             return f"{name}={value} must be a power of two >= 16 (tl.dot's smallest block)"
@@ -75,15 +77,20 @@ def why_not_fits(config: W4Config, M: int, N: int, K: int, dtype: torch.dtype) -
 
 def why_not_supported(config: W4Config, M: int, N: int, K: int, dtype: torch.dtype,
                       out_dtype: torch.dtype) -> str | None:
-    """``why_not_fits``, and the output in x's dtype (the kernel writes no other)."""
-    if out_dtype != dtype:
+    """``why_not_fits``, and the output: in x's dtype, or with MXFP4 x (``dtype`` uint8, its
+    storage) bf16, fp16 or fp32."""
+    if dtype == torch.uint8:
+        if out_dtype not in _OUT_DTYPES_OF_MXFP4_X:
+            return f"with MXFP4 x the kernel writes bf16, fp16 or fp32, not {out_dtype}"
+    elif out_dtype != dtype:
         return f"the MXFP4-weight kernel writes x's dtype ({dtype}), not {out_dtype}"
     return why_not_fits(config, M, N, K, dtype)
 
 
 def takes_scales(scale_a: torch.Tensor | None, scale_b: torch.Tensor | None) -> bool:
-    """Whether a call brings the scales this kernel takes: w's (scale_b) only."""
-    return scale_a is None and scale_b is not None
+    """Whether a call brings the scales this kernel takes: w's (scale_b), and x's (scale_a)
+    where x is MXFP4 too."""
+    return scale_b is not None
 
 
 # Programs per SM the splits of K aim at, for decode (M <= DECODE_M)
@@ -154,18 +161,29 @@ def _codes_block(wq_ptr, rows, kb, N, K, stride_wn, BLOCK_N: tl.constexpr, DTYPE
 
 
 @triton.jit
-def gemm_w4_kernel(x_ptr, wq_ptr, ws_ptr, bias_ptr, y_ptr,
+def _scales_block(s_ptr, rows, kb, R, K, stride):
+    """fp32 scales of ``rows`` (of R) at K block ``kb``; past R or K: 2^-127, never read."""
+    blocks = kb + tl.zeros_like(rows)  # as a vector: a scalar mask is not
+    return _e8m0(tl.load(s_ptr + rows.to(tl.int64) * stride + blocks,
+                         mask=(rows < R) & (blocks < K // _BLOCK), other=0).to(tl.int32))
+
+
+@triton.jit
+def gemm_w4_kernel(x_ptr, wq_ptr, ws_ptr, xs_ptr, bias_ptr, y_ptr,
                    part_ptr, count_ptr,  # the splits' partials and counters (SPLIT_K > 1 only)
-                   M, N, K, stride_xm, stride_wn, stride_sn, stride_ym,
+                   M, N, K, stride_xm, stride_wn, stride_sn, stride_xsm, stride_ym,
                    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, SPLIT_CHUNK: tl.constexpr):
+                   BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, SPLIT_CHUNK: tl.constexpr,
+                   X_MXFP4: tl.constexpr):
+    """X_MXFP4: x is MXFP4 too (its codes at x_ptr, (M, K // 2) bytes, its scales at xs_ptr):
+    both blocks' codes multiplied in fp16 (exact: products of E2M1 values and their sums of 32
+    are), then scaled by both scales in fp32."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     split = tl.program_id(2)
     rows_x = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rows_w = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     in_m = (rows_x < M)[:, None]
-    in_n = rows_w < N
     ks = tl.arange(0, _BLOCK)
     k_steps = tl.cdiv(K, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
@@ -176,14 +194,18 @@ def gemm_w4_kernel(x_ptr, wq_ptr, ws_ptr, bias_ptr, y_ptr,
         for b in tl.static_range(BLOCK_K // _BLOCK):
             kb = step * (BLOCK_K // _BLOCK) + b
             k = kb * _BLOCK + ks
-            x = tl.load(x_ptr + rows_x[:, None].to(tl.int64) * stride_xm + k[None, :],
-                        mask=in_m & (k < K)[None, :], other=0.0)
-            codes = _codes_block(wq_ptr, rows_w, kb, N, K, stride_wn, BLOCK_N,
-                                 x_ptr.dtype.element_ty)
-            blocks = kb + tl.zeros((BLOCK_N,), tl.int32)  # as a vector: a scalar mask is not
-            scale = _e8m0(tl.load(ws_ptr + rows_w.to(tl.int64) * stride_sn + blocks,
-                                  mask=in_n & (blocks < K // _BLOCK), other=0).to(tl.int32))
-            acc += tl.dot(x, tl.trans(codes)) * scale[None, :]
+            scale = _scales_block(ws_ptr, rows_w, kb, N, K, stride_sn)
+            if X_MXFP4:
+                x = _codes_block(x_ptr, rows_x, kb, M, K, stride_xm, BLOCK_M, tl.float16)
+                codes = _codes_block(wq_ptr, rows_w, kb, N, K, stride_wn, BLOCK_N, tl.float16)
+                x_scale = _scales_block(xs_ptr, rows_x, kb, M, K, stride_xsm)
+                acc += tl.dot(x, tl.trans(codes)) * x_scale[:, None] * scale[None, :]
+            else:
+                x = tl.load(x_ptr + rows_x[:, None].to(tl.int64) * stride_xm + k[None, :],
+                            mask=in_m & (k < K)[None, :], other=0.0)
+                codes = _codes_block(wq_ptr, rows_w, kb, N, K, stride_wn, BLOCK_N,
+                                     x_ptr.dtype.element_ty)
+                acc += tl.dot(x, tl.trans(codes)) * scale[None, :]
     # The bias, the output's dtype and (split) the splits' sum: the split-K kernels' end, with
     # no scales (0: NO_SCALE).
     rows = tl.where(rows_x < M, rows_x, 0)
@@ -198,23 +220,29 @@ def w4_call(x, w, bias, out, scale_a, scale_b, config: W4Config,
             counters: torch.Tensor | None = None, warmup: bool = False,
             block_scales: bool = False) -> KernelCall:
     """The launch of ``launch_gemm_w4`` as data (what a dispatch plan records and replays): x
-    (M, K), w the packed codes (N, K // 2), scale_b their scales (N, K // 32), out (M, N). Split
+    (M, K), w the packed codes (N, K // 2), scale_b their scales (N, K // 32), out (M, N); with
+    scale_a, x is MXFP4 too: its codes (M, K // 2) and scale_a theirs (M, K // 32). Split
     launches take their partials and counters as the split-K kernel's (``_splits.workspace``)."""
-    M, K = x.shape
+    x_mxfp4 = scale_a is not None
+    M, K = x.shape[0], x.shape[1] * (2 if x_mxfp4 else 1)
     N = w.shape[0]
     x = x if x.stride(1) == 1 else x.contiguous()
     w = w if w.stride(1) == 1 else w.contiguous()
     scale_b = scale_b if scale_b.stride(1) == 1 else scale_b.contiguous()
+    if x_mxfp4 and scale_a.stride(1) != 1:
+        scale_a = scale_a.contiguous()
     bias = bias if bias is None or bias.stride(0) == 1 else bias.contiguous()
     c = config
     m_tiles, n_tiles = triton.cdiv(M, c.block_m), triton.cdiv(N, c.block_n)
     parts, counters, per_call = workspace(x, out, m_tiles * n_tiles, c.block_m * c.block_n,
                                           c.split_k, counters, warmup)
-    args = (x, w, scale_b, bias if bias is not None else x, out, parts, counters, M, N, K,
-            x.stride(0), w.stride(0), scale_b.stride(0), out.stride(0))
+    args = (x, w, scale_b, scale_a if x_mxfp4 else x, bias if bias is not None else x, out,
+            parts, counters, M, N, K, x.stride(0), w.stride(0), scale_b.stride(0),
+            scale_a.stride(0) if x_mxfp4 else 0, out.stride(0))
     constexprs = dict(HAS_BIAS=bias is not None, BLOCK_M=c.block_m, BLOCK_N=c.block_n,
                       BLOCK_K=c.block_k, SPLIT_K=c.split_k,
-                      SPLIT_CHUNK=split_chunk(c.block_m, c.block_n, c.num_warps))
+                      SPLIT_CHUNK=split_chunk(c.block_m, c.block_n, c.num_warps),
+                      X_MXFP4=x_mxfp4)
     return KernelCall(gemm_w4_kernel, (m_tiles, n_tiles, c.split_k), args, constexprs,
                       dict(num_warps=c.num_warps, num_stages=c.num_stages),
                       replayable=not per_call)
@@ -259,9 +287,9 @@ def gemm_w4_scaled(x, w, bias, out_dtype, scale_a, scale_b, config: W4Config | N
                    out: torch.Tensor | None = None) -> torch.Tensor:
     """``gemm_w4`` called as every kernel module's validating launcher is: w the codes,
     scale_b their scales, scale_a None, the output in x's dtype."""
-    if not takes_scales(scale_a, scale_b):
+    if not takes_scales(scale_a, scale_b) or scale_a is not None:
         raise ValueError("gemm_w4: an MXFP4 weight brings its own scales (scale_b: w_scale) and "
-                         "x none (scale_a must be None)")
+                         "bf16/fp16 x none (scale_a None); MXFP4 x is gemm_a4w4_blockscale's")
     if out_dtype not in (None, x.dtype):
         raise TypeError(f"gemm_w4: the output is in x's dtype ({x.dtype}), not {out_dtype}")
     return gemm_w4(x, w, scale_b, bias, config, out)

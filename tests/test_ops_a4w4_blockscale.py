@@ -1,0 +1,142 @@
+"""gemm_a4w4_blockscale: both operands MXFP4, dispatched through a4w4_blockscale_tuned_gemm.csv;
+every backend against the fp32 product of the dequantised operands."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import gemmtune
+from gemm_checks import DEVICE, generator, install_user_table, randn
+from gemmtune import quant
+from gemmtune.families.a4w4_blockscale.op import DISPATCH, A4w4Key
+from gemmtune.kernels.torch_ref import TORCH_DEQUANT_MM, gemm_a4w4_ref
+from gemmtune.tables.lookup import Rule
+
+HEADER = "arch,cu_num,M,N,K,libtype,solidx,splitK,us,kernelName,err_ratio,tflops,bw\n"
+
+
+@pytest.fixture
+def a4w4_table(tmp_path, monkeypatch):
+    def install(*rows: tuple) -> None:  # (M, N, K, kernelName)
+        install_user_table(monkeypatch, tmp_path / "a4w4_user.csv",
+                           "GEMMTUNE_CONFIG_A4W4_BLOCKSCALE", HEADER, rows)
+
+    return install
+
+
+def operands(M, N, K, seed=0):
+    """x per token row and w, their blocks of different magnitudes, in MXFP4."""
+    gen = generator(seed)
+    blocks = torch.logspace(-2, 1, K // 32, device=DEVICE).repeat_interleave(32)
+    x = randn(M, K, gen=gen) * (1 + 4 * torch.rand(M, 1, generator=gen, device=DEVICE))
+    w = randn(N, K, gen=gen) * blocks
+    return (*quant.mxfp4(x), *quant.mxfp4(w))
+
+
+def assert_close_to_reference(y, xq, xs, wq, ws):
+    ref = gemm_a4w4_ref(xq.reshape(-1, xq.shape[-1]), wq, xs.reshape(-1, xs.shape[-1]), ws)
+    ref = ref.reshape(y.shape)
+    assert not torch.isnan(y).any()
+    rel = ((y.float() - ref).norm() / ref.norm()).item()
+    assert rel < 1e-2, rel  # the output's rounding: ~2e-3 in norm for bf16
+
+
+def test_default_is_torch_and_matches_reference():
+    xq, xs, wq, ws = operands(6, 40, 96)
+    y = gemmtune.gemm_a4w4_blockscale(xq.reshape(2, 3, 48), wq, xs.reshape(2, 3, 3), ws)
+    assert y.dtype == torch.bfloat16 and y.shape == (2, 3, 40)
+    assert_close_to_reference(y, xq, xs, wq, ws)
+    (plan,) = DISPATCH.plans.values()
+    assert plan.decision.rule is Rule.default and plan.decision.kernel_name == TORCH_DEQUANT_MM
+
+
+@pytest.mark.parametrize("kernel", ["triton.w4:BM16.BN32.BK64.W4.S1",
+                                    "triton.w4:BM16.BN32.BK32.W4.S1.SK3"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_table_row_picks_the_triton_kernel(a4w4_table, kernel, dtype):
+    M, N, K = 5, 70, 160
+    a4w4_table((M, N, K, kernel))
+    xq, xs, wq, ws = operands(M, N, K, seed=1)
+    for _ in range(2):  # the planned call, then the bound one
+        y = gemmtune.gemm_a4w4_blockscale(xq, wq, xs, ws, dtype=dtype)
+        assert y.dtype == dtype
+        assert_close_to_reference(y, xq, xs, wq, ws)
+    (plan,) = DISPATCH.plans.values()
+    assert plan.decision.rule is Rule.exact and plan.decision.kernel_name == kernel
+    assert plan.decision.key == A4w4Key(M, N, K)
+
+
+def test_the_products_of_codes_are_exact_in_fp32_output():
+    """Both operands' codes multiply exactly (fp16 products of E2M1 values, fp32 sums) and are
+    scaled in fp32: fp32 output matches the fp32 reference to fp32's rounding."""
+    xq, xs, wq, ws = operands(4, 48, 128, seed=2)
+    y = gemmtune.gemm_a4w4_blockscale(xq, wq, xs, ws, dtype=torch.float32,
+                                      kernel="triton.w4:BM16.BN16.BK64.W4.S1")
+    ref = gemm_a4w4_ref(xq, wq, xs, ws)
+    mag = quant.dequant_mxfp4(xq, xs).abs() @ quant.dequant_mxfp4(wq, ws).abs().T
+    assert ((y - ref).abs() <= 2 ** -20 * mag).all()
+
+
+@pytest.mark.parametrize("bad, says", [
+    (lambda xq, xs, wq, ws: (xq.to(torch.int8), wq, xs, ws), "must be uint8"),
+    (lambda xq, xs, wq, ws: (xq, wq[:, :-1], xs, ws), "needs wq"),
+    (lambda xq, xs, wq, ws: (xq, wq, xs[:, :-1], ws), "needs wq"),
+    (lambda xq, xs, wq, ws: (xq[:, :8], wq[:, :8], xs[:, :1], ws[:, :1]), "multiple of 32"),
+])
+def test_bad_operands_say_what_is_wrong(bad, says):
+    with pytest.raises((TypeError, ValueError), match=says):
+        gemmtune.gemm_a4w4_blockscale(*bad(*operands(3, 40, 64)))
+    xq, xs, wq, ws = operands(3, 40, 64)
+    with pytest.raises(TypeError, match="not an output dtype"):
+        gemmtune.gemm_a4w4_blockscale(xq, wq, xs, ws, dtype=torch.int8)
+
+
+def test_under_torch_compile_it_is_one_custom_op():
+    xq, xs, wq, ws = operands(4, 40, 64)
+
+    @torch.compile(fullgraph=True, backend="eager")
+    def f(xq):
+        return gemmtune.gemm_a4w4_blockscale(xq, wq, xs, ws) * 2
+
+    assert_close_to_reference(f(xq) / 2, xq, xs, wq, ws)
+
+
+def test_tuner_checks_every_candidate_against_the_dequantised_reference(tmp_path):
+    """``gemmtune tune a4w4-blockscale``: torch and the MXFP4 kernel's configs (two on the CPU)
+    pass the gate; a K that is not a multiple of 32 fails that shape alone."""
+    import csv
+    import io
+
+    from gemmtune.families.a4w4_blockscale.tuner import A4w4BlockscaleTuner
+    from gemmtune.tables.store import read_table
+    from gemmtune.tune.engine import TuneConfig, Tuner, default_gpus
+    from gemmtune.tune.family import TuneOptions
+
+    inp = tmp_path / "u.csv"
+    inp.write_text("M,N,K\n5,40,96\n2,32,80\n")
+    out = io.StringIO()
+    config = TuneConfig(input=inp, output=tmp_path / "t.csv", profile=tmp_path / "prof.csv",
+                        timeout=120, options=TuneOptions(iters=3, warmup=1),
+                        gpus=default_gpus(), workers=4 if default_gpus() else 1)
+    summary = Tuner(A4w4BlockscaleTuner, config, out=out).run()
+    assert summary.tuned == 1 and len(summary.failed) == 1, out.getvalue()
+    assert "multiple of 32" in out.getvalue()
+    (row,) = read_table(tmp_path / "t.csv", A4w4BlockscaleTuner.schema).rows
+    assert row.key == A4w4Key(5, 40, 96)
+    with open(tmp_path / "prof.csv") as f:
+        profiled = [(r["kernelName"], r["status"]) for r in csv.DictReader(f) if r["M"] == "5"]
+    assert profiled[0] == (TORCH_DEQUANT_MM, "ok")
+    assert all(status == "ok" for _, status in profiled), profiled
+    assert sum(name.startswith("triton.w4:") for name, _ in profiled) >= 2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [1, 16, 100])
+def test_gpu_real_sizes_through_a_row(a4w4_table, M):
+    N, K = 2880, 2880
+    a4w4_table((M, N, K, "triton.w4:BM16.BN64.BK128.W4.S3"))
+    xq, xs, wq, ws = operands(M, N, K, seed=M)
+    for _ in range(3):  # planned, bound, replayed
+        y = gemmtune.gemm_a4w4_blockscale(xq, wq, xs, ws)
+        assert_close_to_reference(y, xq, xs, wq, ws)
