@@ -191,6 +191,24 @@ def gluon_candidates(p: GemmProblem, registry) -> list[Candidate]:
             if registry.can_run(cfg.name, p)]
 
 
+def mxfp4_candidates(p: GemmProblem, wanted: frozenset[str], baseline: str) -> list[Candidate]:
+    """The MXFP4 families' candidates (gemm_a16w4, gemm_a4w4_blockscale): their torch
+    ``baseline``, then the MXFP4 kernel's configs (``gemm_w4.candidates``; on the CPU two, in
+    the interpreter, bf16 ones refused as the other families' are), numbered."""
+    found = []
+    if "torch" in wanted:
+        found.append(Candidate(baseline, "torch", simplicity=TORCH_ROW_SIMPLICITY))
+    if "triton" in wanted:
+        from gemmtune.kernels.triton import gemm_w4
+
+        configs = [Candidate(c.name, "triton") for c in gemm_w4.candidates(p.m, p.n, p.k, p.dtype)]
+        if not torch.cuda.is_available():
+            refused = INTERPRETER_BF16 if p.dtype == torch.bfloat16 else ""
+            configs = [dataclasses.replace(c, refused=refused) for c in configs[:2]]
+        found += configs
+    return number_candidates(found)
+
+
 def _gemv_programs(name: str, n: int) -> int:
     from gemmtune.kernels.triton.gemm_gemv import GemvConfig
 

@@ -7,13 +7,10 @@ product of x and the dequantised weight, and timed with the weight's 4-bit bytes
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from gemmtune import quant
-from gemmtune.families._gemm_tuner import (INTERPRETER_BF16, TORCH_ROW_SIMPLICITY, GemmCall,
-                                           GemmTuner, number_candidates)
+from gemmtune.families._gemm_tuner import GemmCall, GemmTuner, mxfp4_candidates
 from gemmtune.families.a16w4.op import REGISTRY, SCHEMA, A16w4Key, problem_of
 from gemmtune.kernels.mxfp4 import BLOCK
 from gemmtune.kernels.torch_ref import TORCH_DEQUANT_LINEAR, gemm_a16w4_ref
@@ -27,23 +24,7 @@ class A16w4Tuner(GemmTuner):
     problem_of = staticmethod(problem_of)
 
     def candidates(self, key: A16w4Key, libtypes: frozenset[str]) -> list[Candidate]:
-        p = self.shape(key)
-        wanted = self.wanted(libtypes)
-        found = []
-        if "torch" in wanted:
-            found.append(Candidate(TORCH_DEQUANT_LINEAR, "torch", simplicity=TORCH_ROW_SIMPLICITY))
-        if "triton" in wanted:
-            from gemmtune.kernels.triton import gemm_w4
-
-            configs = [Candidate(c.name, "triton")
-                       for c in gemm_w4.candidates(p.m, p.n, p.k, p.dtype)]
-            if not torch.cuda.is_available():
-                # On the CPU (interpreter) two configs exercise the path; bf16 dots compute
-                # wrongly there (the reason is recorded, as for the other families).
-                refused = INTERPRETER_BF16 if p.dtype == torch.bfloat16 else ""
-                configs = [dataclasses.replace(c, refused=refused) for c in configs[:2]]
-            found += configs
-        return number_candidates(found)
+        return mxfp4_candidates(self.shape(key), self.wanted(libtypes), TORCH_DEQUANT_LINEAR)
 
     def prepare(self, key: A16w4Key, seed: int) -> Prepared:
         p = self.shape(key)

@@ -10,8 +10,7 @@ from __future__ import annotations
 import torch
 
 from gemmtune import quant
-from gemmtune.families._gemm_tuner import (TORCH_ROW_SIMPLICITY, GemmCall, GemmTuner,
-                                           number_candidates)
+from gemmtune.families._gemm_tuner import GemmCall, GemmTuner, mxfp4_candidates
 from gemmtune.families.a4w4_blockscale.op import (REGISTRY, SCHEMA, TUNED_OUT_DTYPE, A4w4Key,
                                                   problem_of)
 from gemmtune.kernels.mxfp4 import BLOCK
@@ -26,20 +25,7 @@ class A4w4BlockscaleTuner(GemmTuner):
     problem_of = staticmethod(problem_of)
 
     def candidates(self, key: A4w4Key, libtypes: frozenset[str]) -> list[Candidate]:
-        p = self.shape(key)
-        wanted = self.wanted(libtypes)
-        found = []
-        if "torch" in wanted:
-            found.append(Candidate(TORCH_DEQUANT_MM, "torch", simplicity=TORCH_ROW_SIMPLICITY))
-        if "triton" in wanted:
-            from gemmtune.kernels.triton import gemm_w4
-
-            configs = [Candidate(c.name, "triton")
-                       for c in gemm_w4.candidates(p.m, p.n, p.k, p.dtype)]
-            if not torch.cuda.is_available():  # two exercise the path in the interpreter
-                configs = configs[:2]
-            found += configs
-        return number_candidates(found)
+        return mxfp4_candidates(self.shape(key), self.wanted(libtypes), TORCH_DEQUANT_MM)
 
     def prepare(self, key: A4w4Key, seed: int) -> Prepared:
         p = self.shape(key)
