@@ -347,7 +347,8 @@ def test_gpu_added_splits_back_to_back_and_in_a_graph(name):
     M, N, K, calls = 16, 1536, 7168, 4
     kernel = TritonKernel(name)
     _, wq, _, w_scale = quantised_operands(M, N, K, FP8, "token_channel", generator(1))
-    xs = [quantised_operands(M, N, K, FP8, "token_channel", generator(10 + i)) for i in range(calls)]
+    xs = [quantised_operands(M, N, K, FP8, "token_channel", generator(10 + i))
+          for i in range(calls)]
     outs = [torch.full((M, N), float("nan"), dtype=torch.bfloat16, device=DEVICE)
             for _ in range(calls)]
     for (xq, _, x_scale, _), y in zip(xs, outs):

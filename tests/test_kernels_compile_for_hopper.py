@@ -276,9 +276,12 @@ FRAG_SCRIPT = textwrap.dedent("""
             (64, 256, 8, 1, True, True, (2, 2, True)), (32, 128, 20, 3, True, True, (0, 1, False)),
             (16, 256, 4, 1, True, False, (2, 1, False)),
             (64, 128, 2, 3, False, False, (0, 0, True)),
-            (16, 128, 4, 3, True, False, (3, 3, False)), (64, 128, 32, 2, False, False, (3, 3, True)),
-            (64, 128, 8, 1, True, False, (3, 3, False)), (64, 128, 6, 1, False, False, (2, 2, False)),
-            (32, 256, -8, 1, True, False, (2, 2, True)), (16, 128, -22, 3, True, True, (3, 3, False))):
+            (16, 128, 4, 3, True, False, (3, 3, False)),
+            (64, 128, 32, 2, False, False, (3, 3, True)),
+            (64, 128, 8, 1, True, False, (3, 3, False)),
+            (64, 128, 6, 1, False, False, (2, 2, False)),
+            (32, 256, -8, 1, True, False, (2, 2, True)),
+            (16, 128, -22, 3, True, True, (3, 3, False))):
         # A negative split: the splits add their partials (ADD_SPLITS)
         kernel = compiled(block_m, block_k, split_k, ahead, pdl, w_tiled, epilogue)
         text = kernel.asm["ptx"]
