@@ -140,3 +140,16 @@ def test_gpu_real_sizes_through_a_row(a4w4_table, M):
     for _ in range(3):  # planned, bound, replayed
         y = gemmtune.gemm_a4w4_blockscale(xq, wq, xs, ws)
         assert_close_to_reference(y, xq, xs, wq, ws)
+
+
+def test_one_huge_and_one_tiny_scale_multiply_without_overflow():
+    """x's blocks at scale 2^124 and w's at 2^-118: each product is finite (2^6 times the
+    codes'), and so is the output, equal to the reference's (a block's codes' dot times 2^124
+    alone passes fp32's largest number from 16 on)."""
+    xq, xs, wq, ws = operands(3, 32, 64, seed=9)
+    xs.fill_(127 + 124)
+    ws.fill_(127 - 118)
+    y = gemmtune.gemm_a4w4_blockscale(xq, wq, xs, ws, dtype=torch.float32,
+                                      kernel="triton.w4:BM16.BN32.BK64.W4.S1")
+    ref = gemm_a4w4_ref(xq, wq, xs, ws)
+    assert torch.isfinite(ref).all() and torch.equal(y, ref)

@@ -177,7 +177,9 @@ def gemm_w4_kernel(x_ptr, wq_ptr, ws_ptr, xs_ptr, bias_ptr, y_ptr,
                    X_MXFP4: tl.constexpr):
     """X_MXFP4: x is MXFP4 too (its codes at x_ptr, (M, K // 2) bytes, its scales at xs_ptr):
     both blocks' codes multiplied in fp16 (exact: products of E2M1 values and their sums of 32
-    are), then scaled by both scales in fp32."""
+    are), then scaled by the product of both scales in fp32 (exact while the scale bytes' sum
+    is 105-381; beyond, the product under- or overflows fp32 where the true value nearly
+    does)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     split = tl.program_id(2)
@@ -199,7 +201,9 @@ def gemm_w4_kernel(x_ptr, wq_ptr, ws_ptr, xs_ptr, bias_ptr, y_ptr,
                 x = _codes_block(x_ptr, rows_x, kb, M, K, stride_xm, BLOCK_M, tl.float16)
                 codes = _codes_block(wq_ptr, rows_w, kb, N, K, stride_wn, BLOCK_N, tl.float16)
                 x_scale = _scales_block(xs_ptr, rows_x, kb, M, K, stride_xsm)
-                acc += tl.dot(x, tl.trans(codes)) * x_scale[:, None] * scale[None, :]
+                # The two scales' product first (2^(a + b - 254), exact while that is an fp32
+                # number): one huge and one tiny scale must not overflow on the way.
+                acc += tl.dot(x, tl.trans(codes)) * (x_scale[:, None] * scale[None, :])
             else:
                 x = tl.load(x_ptr + rows_x[:, None].to(tl.int64) * stride_xm + k[None, :],
                             mask=in_m & (k < K)[None, :], other=0.0)
