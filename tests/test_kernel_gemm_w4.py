@@ -180,3 +180,12 @@ def test_gpu_real_sizes(M, N, K):
         first, again = (gemm_w4(x, wq, w_scale, bias, split) for _ in range(2))
         assert_matches_reference(first, x, quant.dequant_mxfp4(wq, w_scale), bias)
         assert torch.equal(first, again)
+
+
+def test_empty_k_gives_the_bias():
+    x = torch.zeros(3, 0, dtype=torch.bfloat16, device=DEVICE)
+    wq = torch.zeros(8, 0, dtype=torch.uint8, device=DEVICE)
+    ws = torch.zeros(8, 0, dtype=torch.uint8, device=DEVICE)
+    bias = torch.arange(8, dtype=torch.bfloat16, device=DEVICE)
+    y = gemm_w4(x, wq, ws, bias)
+    assert torch.equal(y, bias.expand(3, 8))

@@ -248,3 +248,24 @@ def test_mxfp4_layers_pass_gradients_to_their_inputs():
     model(x).float().sum().backward()
     assert x.grad is not None and x.grad.shape == (3, 64) and x.grad.abs().sum() > 0
     assert model[0].bias.grad is not None
+
+
+def test_mxfp4_leaves_the_model_as_it_was_when_a_layer_cannot_take_its_buffers():
+    model = _mlp()
+    model[2].weight_q = torch.zeros(1)  # a name the MXFP4 weight would take
+    with pytest.raises(ValueError, match="already has weight_q"):
+        gemmtune.patch_linear(model, quant="mxfp4")
+    assert all(type(m) is nn.Linear and "weight" in dict(m.named_parameters())
+               for m in (model[0], model[2], model[3]))
+
+
+def test_mxfp4_layers_follow_autocast_as_linear_does():
+    """fp32 activations under torch.autocast(bf16): cast to bf16, as nn.Linear's are."""
+    model = _mlp()
+    gemmtune.patch_linear(model, quant="mxfp4")
+    x = torch.randn(3, 64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = model[0](x)
+    assert y.dtype == torch.bfloat16
+    want = model[0](x.to(torch.bfloat16))
+    assert torch.equal(y, want)

@@ -153,3 +153,15 @@ def test_one_huge_and_one_tiny_scale_multiply_without_overflow():
                                       kernel="triton.w4:BM16.BN32.BK64.W4.S1")
     ref = gemm_a4w4_ref(xq, wq, xs, ws)
     assert torch.isfinite(ref).all() and torch.equal(y, ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_the_torch_backend_keeps_the_outputs_precision(dtype):
+    """Without a row the torch backend runs: in fp32 for fp16 and fp32 outputs (bf16 would
+    round to 2^-8), so an fp32 output is the reference to fp32's rounding."""
+    xq, xs, wq, ws = operands(4, 48, 128, seed=3)
+    y = gemmtune.gemm_a4w4_blockscale(xq, wq, xs, ws, dtype=dtype)
+    ref = gemm_a4w4_ref(xq, wq, xs, ws)
+    mag = quant.dequant_mxfp4(xq, xs).abs() @ quant.dequant_mxfp4(wq, ws).abs().T
+    rounding = {torch.float16: 2 ** -11, torch.float32: 2 ** -20}[dtype]
+    assert ((y.float() - ref).abs() <= rounding * (ref.abs() + mag)).all()

@@ -58,6 +58,9 @@ class Mxfp4Linear(nn.Module):
     out_features: int
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _any_autocast() and torch.is_autocast_enabled(x.device.type):
+            # As nn.Linear under torch.autocast: x in the autocast dtype (so is the output).
+            x = x.to(torch.get_autocast_dtype(x.device.type))
         return gemm_a16w4(x, self.weight_q, self.weight_scale, self.bias)
 
     def extra_repr(self) -> str:
@@ -90,19 +93,34 @@ def patch_linear(model: nn.Module, quant: str | None = None) -> int:
             raise TypeError(f"patch_linear(quant='mxfp4'): weights of {', '.join(bad)}; MXFP4 "
                             f"layers take bf16 or fp16 activations: cast the model first "
                             f"(model.to(torch.bfloat16))")
+    if quant == "mxfp4":
+        # Every weight quantised before any layer changes: an error (a name taken, memory)
+        # leaves the model as it was.
+        quantised = {id(m): _quantised_weight(m) for m in layers if m.in_features % 32 == 0}
     for module in layers:
-        if quant == "mxfp4" and module.in_features % 32 == 0:
-            _to_mxfp4(module)
+        if quant == "mxfp4" and id(module) in quantised:
+            _to_mxfp4(module, *quantised[id(module)])
         else:
             module.__class__ = TunedLinear
     return len(layers)
 
 
-def _to_mxfp4(module: nn.Linear) -> None:
-    """``module`` as an Mxfp4Linear, in place: its weight quantised and dropped."""
+_MXFP4_BUFFERS = ("weight_q", "weight_scale")
+
+
+def _quantised_weight(module: nn.Linear) -> tuple[torch.Tensor, torch.Tensor]:
+    """``module``'s weight in MXFP4, once its buffers' names are known to be free."""
+    taken = [name for name in _MXFP4_BUFFERS if hasattr(module, name)]
+    if taken:
+        raise ValueError(f"patch_linear(quant='mxfp4'): a Linear already has "
+                         f"{', '.join(taken)}; its MXFP4 weight would take that name")
     with torch.no_grad():
-        wq, w_scale = quant.mxfp4(module.weight)
+        return quant.mxfp4(module.weight)
+
+
+def _to_mxfp4(module: nn.Linear, wq: torch.Tensor, w_scale: torch.Tensor) -> None:
+    """``module`` as an Mxfp4Linear, in place: its weight replaced by ``wq`` and ``w_scale``."""
+    module.register_buffer(_MXFP4_BUFFERS[0], wq)
+    module.register_buffer(_MXFP4_BUFFERS[1], w_scale)
     del module._parameters["weight"]
     module.__class__ = Mxfp4Linear
-    module.register_buffer("weight_q", wq)
-    module.register_buffer("weight_scale", w_scale)

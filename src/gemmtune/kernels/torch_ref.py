@@ -301,11 +301,12 @@ def gemm_a4w4_ref(xq, wq, x_scale, w_scale, out_dtype=torch.float32):
 
 
 def dequant_mm_torch(xq, wq, bias, out_dtype, scale_a, scale_b, out=None):
-    """``gemm_a4w4_blockscale``'s torch backend: both MXFP4 operands dequantised to bf16 on every
-    call (exact but for scales past bf16's range), then ``F.linear`` (the reference a real
-    kernel is measured against, not a fast path)."""
+    """``gemm_a4w4_blockscale``'s torch backend: both MXFP4 operands dequantised on every call
+    (to bf16 for a bf16 output, exact but for scales past bf16's range; else fp32), then
+    ``F.linear`` (the reference a real kernel is measured against, not a fast path)."""
+    dtype = torch.bfloat16 if out_dtype == torch.bfloat16 else torch.float32
     x = mxfp4.dequantize(xq.reshape(-1, xq.shape[-1]), scale_a.reshape(-1, scale_a.shape[-1]))
-    y = F.linear(x.to(torch.bfloat16), mxfp4.dequantize(wq, scale_b).to(torch.bfloat16))
+    y = F.linear(x.to(dtype), mxfp4.dequantize(wq, scale_b).to(dtype))
     y = y.reshape(*xq.shape[:-1], wq.shape[0])
     if bias is not None:
         y = y.float() + bias.float()

@@ -68,7 +68,7 @@ def why_not_fits(config: W4Config, M: int, N: int, K: int, dtype: torch.dtype) -
         return why
     if c.num_warps not in (1, 2, 4, 8) or not 1 <= c.num_stages <= 5:
         return f"num_warps={c.num_warps} (1, 2, 4 or 8) and num_stages={c.num_stages} (1-5)"
-    k_steps = triton.cdiv(K, c.block_k)
+    k_steps = max(1, triton.cdiv(K, c.block_k))  # K = 0: one program writes the bias
     if not 1 <= c.split_k <= min(MAX_SPLIT_K, k_steps):
         return (f"split_k={c.split_k} must be in [1, {min(MAX_SPLIT_K, k_steps)}]: K={K} is "
                 f"{k_steps} steps of block_k={c.block_k}")
