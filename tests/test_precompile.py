@@ -46,7 +46,7 @@ def test_fused_moe_rows_are_one_job_each_with_both_stages():
 
 def test_a_family_without_a_tuner_is_an_error():
     with pytest.raises(ValueError, match="no tuner"):
-        pre.compile_jobs(["a4w4_blockscale"])
+        pre.compile_jobs(["batched_bf16"])
 
 
 def test_worker_processes_build_each_job_and_report_the_ones_that_fail(tmp_path, monkeypatch):
