@@ -7,13 +7,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from gemmtune import quant
 from gemmtune.families._switches import any_autocast as _any_autocast
 from gemmtune.families._switches import compiler as _compiler
 from gemmtune.families._switches import dynamo_compiling as _dynamo_compiling
 from gemmtune.families._switches import grad_enabled as _grad_enabled
 from gemmtune.families.a16w4.op import gemm_a16w4
 from gemmtune.families.bf16.op import bound_linear, gemm_a16w16
+from gemmtune.kernels.mxfp4 import why_not_quantisable
+from gemmtune.quant import mxfp4 as quantise_mxfp4
 
 _MISSING = object()
 
@@ -86,6 +87,7 @@ def patch_linear(model: nn.Module, quant: str | None = None) -> int:
         raise ValueError(f"patch_linear: quant={quant!r}; expected None or one of {QUANTS}")
     layers = [m for m in model.modules()
               if type(m) is nn.Linear and "forward" not in m.__dict__]
+    quantised = {}
     if quant == "mxfp4":
         bad = sorted({str(m.weight.dtype) for m in layers
                       if m.weight.dtype not in (torch.bfloat16, torch.float16)})
@@ -93,12 +95,12 @@ def patch_linear(model: nn.Module, quant: str | None = None) -> int:
             raise TypeError(f"patch_linear(quant='mxfp4'): weights of {', '.join(bad)}; MXFP4 "
                             f"layers take bf16 or fp16 activations: cast the model first "
                             f"(model.to(torch.bfloat16))")
-    if quant == "mxfp4":
         # Every weight quantised before any layer changes: an error (a name taken, memory)
         # leaves the model as it was.
-        quantised = {id(m): _quantised_weight(m) for m in layers if m.in_features % 32 == 0}
+        quantised = {id(m): _quantised_weight(m) for m in layers
+                     if why_not_quantisable(m.in_features) is None}
     for module in layers:
-        if quant == "mxfp4" and id(module) in quantised:
+        if id(module) in quantised:
             _to_mxfp4(module, *quantised[id(module)])
         else:
             module.__class__ = TunedLinear
@@ -115,7 +117,7 @@ def _quantised_weight(module: nn.Linear) -> tuple[torch.Tensor, torch.Tensor]:
         raise ValueError(f"patch_linear(quant='mxfp4'): a Linear already has "
                          f"{', '.join(taken)}; its MXFP4 weight would take that name")
     with torch.no_grad():
-        return quant.mxfp4(module.weight)
+        return quantise_mxfp4(module.weight)
 
 
 def _to_mxfp4(module: nn.Linear, wq: torch.Tensor, w_scale: torch.Tensor) -> None:

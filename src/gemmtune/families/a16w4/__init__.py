@@ -8,12 +8,12 @@ import torch
 
 from gemmtune import quant
 from gemmtune.families._family import BenchOp, Family
-from gemmtune.families._gemm import SHORT_DTYPES
+from gemmtune.families._gemm import SHORT_DTYPES, short_dtype
 from gemmtune.families.a16w4.op import DISPATCH, SCHEMA, A16w4Key, gemm_a16w4
 from gemmtune.kernels import mxfp4
 from gemmtune.kernels.torch_ref import (TORCH_DEQUANT_LINEAR, dequant_linear_torch,
                                         gemm_a16w4_ref)
-from gemmtune.tables.values import DTYPE_NAMES, to_torch_dtype
+from gemmtune.tables.values import DTYPE_NAMES
 
 BENCH_DTYPES = ("bf16", "fp16")  # x's dtype (and the output's)
 
@@ -47,13 +47,8 @@ def bench_op(dtype: str) -> BenchOp:
         w_bytes=0.5 + 1 / mxfp4.BLOCK)
 
 
-def _dtype_of_key(key: A16w4Key) -> str:
-    dtype = to_torch_dtype(key.dtype)
-    return next(short for short, d in SHORT_DTYPES.items() if d == dtype)
-
-
 FAMILY = Family("a16w4", SCHEMA, DISPATCH, tuner="gemmtune.families.a16w4.tuner:A16w4Tuner",
                 bench=bench_op, bench_dtypes=BENCH_DTYPES, gemm_key=gemm_key,
-                why_not_gemm=_why_not_gemm, dtype_of_key=_dtype_of_key)
+                why_not_gemm=_why_not_gemm, dtype_of_key=lambda key: short_dtype(key.dtype))
 
 __all__ = ["A16w4Key", "FAMILY", "gemm_a16w4"]

@@ -12,7 +12,7 @@ import torch
 from gemmtune import quant
 from gemmtune.families._gemm_tuner import GemmCall, GemmTuner, mxfp4_candidates
 from gemmtune.families.a16w4.op import REGISTRY, SCHEMA, A16w4Key, problem_of
-from gemmtune.kernels.mxfp4 import BLOCK
+from gemmtune.kernels.mxfp4 import BLOCK, why_not_quantisable
 from gemmtune.kernels.torch_ref import TORCH_DEQUANT_LINEAR, gemm_a16w4_ref
 from gemmtune.measure.accuracy import TOLERANCES
 from gemmtune.tune.family import Candidate, Prepared
@@ -28,8 +28,9 @@ class A16w4Tuner(GemmTuner):
 
     def prepare(self, key: A16w4Key, seed: int) -> Prepared:
         p = self.shape(key)
-        if p.k % BLOCK:
-            raise ValueError(f"K={p.k}: MXFP4 weights take K a multiple of {BLOCK}")
+        why = why_not_quantisable(p.k)
+        if why is not None:
+            raise ValueError(why)
         gen = self.generator(seed)
         device = gen.device
         x = torch.randn(p.m, p.k, generator=gen, device=device).to(p.dtype)

@@ -13,7 +13,7 @@ from gemmtune import quant
 from gemmtune.families._gemm_tuner import GemmCall, GemmTuner, mxfp4_candidates
 from gemmtune.families.a4w4_blockscale.op import (REGISTRY, SCHEMA, TUNED_OUT_DTYPE, A4w4Key,
                                                   problem_of)
-from gemmtune.kernels.mxfp4 import BLOCK
+from gemmtune.kernels.mxfp4 import BLOCK, why_not_quantisable
 from gemmtune.kernels.torch_ref import TORCH_DEQUANT_MM, gemm_a4w4_ref
 from gemmtune.measure.accuracy import TOLERANCES
 from gemmtune.tune.family import Candidate, Prepared
@@ -29,8 +29,9 @@ class A4w4BlockscaleTuner(GemmTuner):
 
     def prepare(self, key: A4w4Key, seed: int) -> Prepared:
         p = self.shape(key)
-        if p.k % BLOCK:
-            raise ValueError(f"K={p.k}: MXFP4 operands take K a multiple of {BLOCK}")
+        why = why_not_quantisable(p.k)
+        if why is not None:
+            raise ValueError(why)
         gen = self.generator(seed)
         device = gen.device
         blocks = torch.logspace(-2, 1, p.k // BLOCK, device=device).repeat_interleave(BLOCK)

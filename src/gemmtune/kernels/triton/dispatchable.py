@@ -39,10 +39,9 @@ class _KernelModule(NamedTuple):
     # (config, dtype) -> why the config cannot take FP8 block scales, or None
     why_not_block_scaled: Callable = _checks.why_not_block_scaled
     reads_tiled_w: bool = False  # its launch takes w_tiled (gemmtune.kernels.preshuffle)
-    # (scale_a, scale_b) -> whether a call brings the scales the kernel takes: both or neither,
-    # or for MXFP4 weights w's alone
-    takes_scales: Callable = lambda scale_a, scale_b: (scale_a is None) == (scale_b is None)
-    mxfp4_weights: bool = False  # it multiplies MXFP4 weights (and nothing else)
+    # It multiplies MXFP4 weights (and nothing else): a call brings w's scales (scale_b), and x's
+    # (scale_a) where x is MXFP4 too; the other kernels take both scales or neither.
+    mxfp4_weights: bool = False
 
 
 def _kernel_module(prefix: str) -> _KernelModule:
@@ -85,7 +84,7 @@ def _kernel_module(prefix: str) -> _KernelModule:
 
         # MXFP4 weights: w the packed codes, scale_b their scales (gemm_a16w4).
         return _KernelModule(m, m.W4Config, m.launch_gemm_w4, m.gemm_w4_scaled, m.w4_call,
-                             takes_scales=m.takes_scales, mxfp4_weights=True)
+                             mxfp4_weights=True)
     raise ValueError(f"{prefix!r}: not a Triton kernel; prefixes: "
                      f"{', '.join(PREFIXES + (W4_PREFIX,))}")
 
@@ -106,7 +105,6 @@ class TritonKernel:
         self._validating_launch = kernel.validating_launch
         self._call = kernel.call
         self._why_not_block_scaled = kernel.why_not_block_scaled
-        self._takes_scales = kernel.takes_scales
         self._mxfp4_weights = kernel.mxfp4_weights
         # (M, N, K, dtypes, bias and scales given, device) -> the Replay of its first launch
         self._replays: dict[tuple, Replay] = {}
@@ -157,7 +155,7 @@ class TritonKernel:
                          **self._launch_kwargs)
 
     def __call__(self, x, w, bias, out_dtype, scale_a, scale_b, out=None):  # x (..., K), w (N, K)
-        if not self._takes_scales(scale_a, scale_b):
+        if (scale_b is None) if self._mxfp4_weights else (scale_a is None) != (scale_b is None):
             # The validating launcher explains what is wrong.
             return self._validating_launch(x, w, bias, out_dtype, scale_a, scale_b, self.config,
                                            **self._validating_kwargs)
@@ -180,7 +178,9 @@ class TritonKernel:
         out_shape = (*x.shape[:-1], n)
         device = x.get_device()
         if (self._call is None or device < 0 or x.dtype == torch.float32
-                or not self._takes_scales(scale_a, scale_b) or not math.prod(out_shape)):
+                or ((scale_b is None) if self._mxfp4_weights
+                    else (scale_a is None) != (scale_b is None))
+                or not math.prod(out_shape)):
             return None
         k = x.shape[-1]
         # The output: torch parses a shape given as separate ints, and no dtype or device, fastest

@@ -87,12 +87,6 @@ def why_not_supported(config: W4Config, M: int, N: int, K: int, dtype: torch.dty
     return why_not_fits(config, M, N, K, dtype)
 
 
-def takes_scales(scale_a: torch.Tensor | None, scale_b: torch.Tensor | None) -> bool:
-    """Whether a call brings the scales this kernel takes: w's (scale_b), and x's (scale_a)
-    where x is MXFP4 too."""
-    return scale_b is not None
-
-
 # Programs per SM the splits of K aim at, for decode (M <= DECODE_M)
 _PROGRAMS_PER_SM = (1, 4)
 DECODE_M = 64
@@ -291,7 +285,7 @@ def gemm_w4_scaled(x, w, bias, out_dtype, scale_a, scale_b, config: W4Config | N
                    out: torch.Tensor | None = None) -> torch.Tensor:
     """``gemm_w4`` called as every kernel module's validating launcher is: w the codes,
     scale_b their scales, scale_a None, the output in x's dtype."""
-    if not takes_scales(scale_a, scale_b) or scale_a is not None:
+    if scale_b is None or scale_a is not None:
         raise ValueError("gemm_w4: an MXFP4 weight brings its own scales (scale_b: w_scale) and "
                          "bf16/fp16 x none (scale_a None); MXFP4 x is gemm_a4w4_blockscale's")
     if out_dtype not in (None, x.dtype):
