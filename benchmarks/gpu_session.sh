@@ -358,7 +358,9 @@ for what in "$@"; do
             TAIL=40 stage overhead 400 python3 benchmarks/dispatch_overhead.py ;;
         w4probe)  # issue 16: the MXFP4 kernel's configs (bf16 and MXFP4 x) against F.linear and
             # the FP8 op, one run
-            TAIL=14 stage w4probe "${W4PROBE_LIMIT:-400}" python3 benchmarks/w4_probe.py ;;
+            # (W4PROBE_ARGS: e.g. --shapes ... --configs ...; every config's time: w4probe_all.csv)
+            TAIL=14 stage w4probe "${W4PROBE_LIMIT:-400}" python3 benchmarks/w4_probe.py \
+                --all-times "$OUT/w4probe_all.csv" ${W4PROBE_ARGS:-} ;;
         eagerring)  # host µs per eager call of triton.ring rows against the rows they beat
             TAIL=8 stage eagerring 200 python3 benchmarks/eager_ring_probe.py ;;
         probe)  # the host cost of a Triton row's eager call, layer by layer

@@ -3,9 +3,13 @@ for decode included) with bf16 x and with MXFP4 x, against bf16 ``F.linear`` and
 per-token op (``gemm_a8w8``, its shipped rows) on the same (N, K), in one run: CUDA graphs, cold
 L2, the best config per shape.
 
-    PYTHONPATH=src python3 benchmarks/w4_probe.py [--shapes M,N,K ...]
+    PYTHONPATH=src python3 benchmarks/w4_probe.py [--shapes M,N,K ...] [--configs NAME ...]
+        [--all-times FILE]
 
-Session 22 timed six shapes with twelve unsplit configs: 0.45-0.60x F.linear.
+``--configs``: time these configs (``triton.w4`` and ``triton.w4frag`` names; those that fit each
+shape) instead of both kernels' candidates.
+``--all-times``: every config's time per shape, as CSV. Session 22 timed six shapes with twelve
+unsplit configs: 0.45-0.60x F.linear.
 """
 
 from __future__ import annotations
@@ -17,7 +21,8 @@ import torch.nn.functional as F
 
 from gemmtune import quant
 from gemmtune.families.a8w8 import gemm_a8w8
-from gemmtune.kernels.triton.gemm_w4 import candidates, gemm_w4, launch_gemm_w4
+from gemmtune.kernels.triton import gemm_w4, gemm_w4frag
+from gemmtune.kernels.triton._splits import pdl_where_supported
 from gemmtune.measure.timing import cold_copies, interleaved_graph_us
 
 SHAPES = ((1, 4096, 4096), (16, 4096, 4096), (1, 14336, 4096), (16, 14336, 4096),
@@ -30,7 +35,37 @@ def _shape(text: str) -> tuple[int, int, int]:
     return m, n, k
 
 
-def time_shape(m: int, n: int, k: int) -> str:
+def _config(name: str):
+    module = gemm_w4frag if name.startswith(gemm_w4frag.KERNEL_PREFIX + ":") else gemm_w4
+    return (module.W4FragConfig if module is gemm_w4frag else module.W4Config).from_name(name)
+
+
+def _module(config):
+    return gemm_w4frag if isinstance(config, gemm_w4frag.W4FragConfig) else gemm_w4
+
+
+def _configs(named: list | None, m: int, n: int, k: int, dtype: torch.dtype,
+             frag_candidates: bool = False) -> list:
+    """The named configs that fit (and with ``frag_candidates`` the register-direct kernel's
+    candidates), else both kernels' candidates (the register-direct one's for bf16 x, M <=
+    32)."""
+    frags = [c for packed in (False, True) for c in gemm_w4frag.candidates(
+        m, n, k, dtype, pdl=pdl_where_supported(), packed=packed)]
+    if named is None:
+        return gemm_w4.candidates(m, n, k, dtype) + frags
+    return [c for c in named if _module(c).why_not_fits(c, m, n, k, dtype) is None] + \
+        (frags if frag_candidates else [])
+
+
+def _launch(config, x, w, out, x_scale, w_scale, w_packed=None):
+    if isinstance(config, gemm_w4frag.W4FragConfig):
+        return gemm_w4frag.launch_gemm_w4frag(x, w_packed if config.packed else w, None, out,
+                                              x_scale, w_scale, config)
+    return gemm_w4.launch_gemm_w4(x, w, None, out, x_scale, w_scale, config)
+
+
+def time_shape(m: int, n: int, k: int, named: list | None, all_times,
+               mxfp4_x: bool = True, frag_candidates: bool = False) -> str:
     w = torch.randn(n, k, device="cuda") / k ** 0.5
     x = torch.randn(m, k, device="cuda")
     wq, ws = quant.mxfp4(w)
@@ -38,38 +73,57 @@ def time_shape(m: int, n: int, k: int) -> str:
     x16, w16 = x.to(torch.bfloat16), w.to(torch.bfloat16)
     xq8, xs8 = quant.per_token_fp8(x)
     wq8, ws8 = quant.per_channel_fp8(w)
-    sets = cold_copies((x16, w16, wq, ws, xq4, xs4, xq8, xs8, wq8, ws8))
-    configs = candidates(m, n, k, torch.bfloat16)
-    a4_configs = candidates(m, n, k, torch.uint8)
+    wqp = quant.prepack_mxfp4(wq, ws)[0] if k % 128 == 0 else wq
+    sets = cold_copies((x16, w16, wq, ws, xq4, xs4, xq8, xs8, wq8, ws8, wqp))
+    configs = _configs(named, m, n, k, torch.bfloat16, frag_candidates)
+    a4_configs = _configs(named, m, n, k, torch.uint8) if mxfp4_x else []
     out16 = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
     fns = [lambda s: F.linear(s[0], s[1]),
            lambda s: gemm_a8w8(s[6], s[8], s[7], s[9])]
     for c in configs:
-        gemm_w4(x16, wq, ws, config=c)  # compiled before the capture
-        fns.append(lambda s, c=c: launch_gemm_w4(s[0], s[2], None, out16, None, s[3], c))
+        _launch(c, x16, wq, out16, None, ws, wqp)  # compiled before the capture
+        fns.append(lambda s, c=c: _launch(c, s[0], s[2], out16, None, s[3], s[10]))
     for c in a4_configs:
-        launch_gemm_w4(xq4, wq, None, out16, xs4, ws, c)
-        fns.append(lambda s, c=c: launch_gemm_w4(s[4], s[2], None, out16, s[5], s[3], c))
+        _launch(c, xq4, wq, out16, xs4, ws)
+        fns.append(lambda s, c=c: _launch(c, s[4], s[2], out16, s[5], s[3]))
     fns[1](sets[0])  # the FP8 op planned before the capture
     times = [t for t, _ in interleaved_graph_us(fns, sets, rounds=10)]
     linear, fp8 = times[0], times[1]
     w4 = times[2:2 + len(configs)]
     a4 = times[2 + len(configs):]
-    best16, best4 = min(range(len(w4)), key=w4.__getitem__), min(range(len(a4)),
-                                                                   key=a4.__getitem__)
-    return (f"{m:>5} {n:>6} {k:>6} {linear:>9.2f} {fp8:>8.2f} {w4[best16]:>9.2f} "
-            f"{linear / w4[best16]:>6.2f} {a4[best4]:>9.2f} {linear / a4[best4]:>6.2f}  "
+    if all_times is not None:
+        for x_kind, cs, ts in (("bf16", configs, w4), ("mxfp4", a4_configs, a4)):
+            for c, t in zip(cs, ts):
+                all_times.write(f"{m},{n},{k},{x_kind},{c.name},{t:.3f},{linear:.3f}\n")
+        all_times.flush()
+    best16 = min(range(len(w4)), key=w4.__getitem__)
+    line = (f"{m:>5} {n:>6} {k:>6} {linear:>9.2f} {fp8:>8.2f} {w4[best16]:>9.2f} "
+            f"{linear / w4[best16]:>6.2f}")
+    if not a4:
+        return f"{line} {'-':>9} {'-':>6}  {configs[best16].name}"
+    best4 = min(range(len(a4)), key=a4.__getitem__)
+    return (f"{line} {a4[best4]:>9.2f} {linear / a4[best4]:>6.2f}  "
             f"{configs[best16].name} | {a4_configs[best4].name}")
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     fromfile_prefix_chars="@")
     parser.add_argument("--shapes", nargs="*", type=_shape, default=list(SHAPES))
+    parser.add_argument("--configs", nargs="*", type=_config, default=None)
+    parser.add_argument("--all-times", type=argparse.FileType("w"), default=None)
+    parser.add_argument("--bf16-x-only", action="store_true",
+                        help="time bf16 x alone (not MXFP4 x too): half the compiles")
+    parser.add_argument("--frag-candidates", action="store_true",
+                        help="with --configs: the register-direct kernel's candidates too")
     args = parser.parse_args()
+    if args.all_times is not None:
+        args.all_times.write("M,N,K,x,config,us,linear_us\n")
     print(f"{'M':>5} {'N':>6} {'K':>6} {'linear':>9} {'fp8 op':>8} {'a16w4':>9} {'x':>6} "
           f"{'a4w4':>9} {'x':>6}  best configs (µs; x = F.linear / it)")
     for m, n, k in args.shapes:
-        print(time_shape(m, n, k), flush=True)
+        print(time_shape(m, n, k, args.configs, args.all_times, not args.bf16_x_only,
+                         args.frag_candidates), flush=True)
 
 
 if __name__ == "__main__":

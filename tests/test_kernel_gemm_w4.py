@@ -31,6 +31,9 @@ def test_names_round_trip():
     assert W4Config.from_name(cfg.name) == cfg
     split = W4Config(16, 64, 128, 4, 3, 4)
     assert split.name == "triton.w4:BM16.BN64.BK128.W4.S3.SK4"
+    both = W4Config(16, 64, 128, 4, 3, 4, dot_scaled=1, swapped=1)
+    assert both.name == "triton.w4:BM16.BN64.BK128.W4.S3.SK4.DS1.SW1"
+    assert W4Config.from_name(both.name) == both
     assert W4Config.from_name(split.name) == split
 
 
@@ -53,6 +56,8 @@ def test_candidates_fit_and_split_k_for_decode(M, N, K):
     (W4Config(16, 64, 128, 4, 3), 100, torch.bfloat16, "not a multiple of 32"),
     (W4Config(16, 64, 128, 3, 3), 128, torch.bfloat16, "num_warps=3"),
     (W4Config(16, 64, 64, 4, 3, 3), 128, torch.bfloat16, "split_k=3 must be in [1, 2]"),
+    (W4Config(16, 64, 64, 4, 3, dot_scaled=1), 128, torch.float16, "would round fp16 x"),
+    (W4Config(16, 64, 64, 4, 3, swapped=2), 128, torch.bfloat16, "must be 0 or 1"),
 ])
 def test_configs_that_cannot_run_say_why(config, K, dtype, says):
     assert says in why_not_fits(config, 16, 64, K, dtype)
@@ -76,6 +81,21 @@ def test_matches_the_dequantised_reference(M, N, K, config, dtype, with_bias):
     assert_matches_reference(y, x, quant.dequant_mxfp4(wq, w_scale), bias)
 
 
+@pytest.mark.parametrize("M, N, K, config, dtype", [
+    (5, 70, 160, W4Config(16, 64, 64, 4, 2, swapped=1), torch.float16),  # ragged K and N
+    (3, 40, 160, W4Config(16, 32, 64, 4, 2, 3, dot_scaled=1), torch.bfloat16),  # split 3 ways
+    (20, 70, 128, W4Config(16, 64, 64, 4, 1, 2, dot_scaled=1, swapped=1), torch.bfloat16),
+])
+def test_dot_scaled_and_swapped_match_the_reference(M, N, K, config, dtype):
+    """Each step one ``tl.dot_scaled`` (DS1), and w the left operand (SW1: y.T = w @ x.T),
+    alone and together, split and not."""
+    gen = generator(M * 1000 + N + K + 1)
+    x, wq, w_scale, bias = _operands(M, N, K, dtype, gen, True)
+    out = torch.full((M, N), float("nan"), dtype=dtype, device=DEVICE)
+    y = gemm_w4(x, wq, w_scale, bias, config, out=out)
+    assert_matches_reference(y, x, quant.dequant_mxfp4(wq, w_scale), bias)
+
+
 def test_strided_x_and_output():
     """x a column slice of a wider tensor (its rows a wider pitch apart) and the output a slice
     of a wider one: read and written in place, the rest untouched."""
@@ -90,19 +110,33 @@ def test_strided_x_and_output():
     assert torch.isnan(wide_out[:, 40:]).all()
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_every_code_at_every_scale_byte_exactly(dtype):
+@pytest.mark.parametrize("dtype, config", [
+    (torch.bfloat16, W4Config(16, 64, 64, 4, 1)), (torch.float16, W4Config(16, 64, 64, 4, 1)),
+    (torch.bfloat16, W4Config(16, 64, 64, 4, 1, dot_scaled=1, swapped=1))])
+def test_every_code_at_every_scale_byte_exactly(dtype, config):
     """Row n of w has scale byte n (0-255) on both its blocks and the 16 codes over and over;
     x is the identity, so y is w dequantised, rounded once to x's dtype: equal to the reference
     bit for bit, infinities (6 x 2^127) and the NaN row (byte 255) included. fp16 x too: the
-    scale is applied in fp32, after the product."""
+    scale is applied in fp32, after the product; and through ``tl.dot_scaled`` (bf16), whose
+    bf16 scales reach byte 0's 2^-127 as a subnormal, but whose infinite weights give NaN."""
     K = 64
     codes = torch.arange(K, device=DEVICE) % 16
     wq = (codes[0::2] | (codes[1::2] << 4)).to(torch.uint8).repeat(256, 1)
     w_scale = torch.arange(256, device=DEVICE).to(torch.uint8)[:, None].repeat(1, K // 32)
     x = torch.eye(K, dtype=dtype, device=DEVICE)
-    y = gemm_w4(x, wq, w_scale, None, W4Config(16, 64, 64, 4, 1))
+    y = gemm_w4(x, wq, w_scale, None, config)
     want = quant.dequant_mxfp4(wq, w_scale).T.to(dtype)
+    if config.dot_scaled:
+        # The product sees each dequantised weight, so an infinite one (bytes 253-254, which
+        # no finite weight quantises to) meets x's zeros: NaN down its whole column.
+        infinite = torch.isinf(want).any(dim=0)
+        assert infinite.sum() == 2 and torch.isnan(y[:, infinite]).all()
+        y, want = y[:, ~infinite], want[:, ~infinite]
+        # Compiled for a GPU, bf16 products below 2^-126 (scale bytes 0-1: weights no real
+        # checkpoint has) may flush to zero; every other value is exact.
+        subnormal = want.abs() < 2.0 ** -126
+        assert ((y[subnormal] == want[subnormal]) | (y[subnormal] == 0)).all()
+        y, want = y[~subnormal], want[~subnormal]
     torch.testing.assert_close(y, want, rtol=0, atol=0, equal_nan=True)
 
 

@@ -438,3 +438,71 @@ def test_mxfp4_weight_kernel_compiles_for_hopper():
     dot on the tensor cores."""
     compiles_for_hopper(W4_SCRIPT)
 
+
+
+W4FRAG_SCRIPT = textwrap.dedent("""
+    import inspect
+    import os
+    import re
+    import subprocess
+    import tempfile
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import get_ptxas
+    from triton.experimental import gluon
+    from gemmtune.kernels.triton import gemm_w4frag
+
+    names = inspect.signature(gemm_w4frag.gemm_w4frag_kernel.fn).parameters
+    pointers = {"x_ptr": "*bf16", "wq_ptr": "*u8", "ws_ptr": "*u8", "y_ptr": "*bf16",
+                "bias_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32"}
+    aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+               if n.endswith("_ptr") or n in ("K", "stride_xm", "stride_wn")}
+    ptxas = get_ptxas(90).path
+    # (block_m, block_k, split_k (negative: added), pdl, bias, packed w)
+    for block_m, block_k, split_k, pdl, bias, packed in ((8, 128, 1, False, False, False),
+                                                         (16, 256, 4, True, True, False),
+                                                         (32, 64, -8, True, False, False),
+                                                         (8, 32, 2, False, True, False),
+                                                         (8, 128, 4, True, False, True),
+                                                         (32, 256, -2, False, True, True)):
+        constexprs = dict(HAS_BIAS=bias, SPLIT_K=abs(split_k), BLOCK_M=block_m,
+                          BLOCK_K=block_k, PDL=pdl,
+                          PER_LOAD=min(abs(split_k), gemm_w4frag.partials_per_load(block_m)),
+                          ADD_SPLITS=split_k < 0, PACKED=packed)
+        signature = {n: pointers.get(n, "constexpr" if n in constexprs else "i32")
+                     for n in names}
+        kernel = triton.compile(gluon._runtime.GluonASTSource(
+            fn=gemm_w4frag.gemm_w4frag_kernel, signature=signature, attrs=aligned,
+            constexprs=constexprs), target=GPUTarget("cuda", 90, 128))
+        text = kernel.asm["ptx"]
+        loop = text[text.find("mma.sync"):text.rfind("mma.sync")]
+        # Per scale block, each thread loads one 32-bit word of codes for each of its 2 rows
+        # (packed: one 16-byte load a row for 4 blocks), multiplies on mma.sync (bf16, fp32
+        # sums), and touches no shared memory in the loop.
+        blocks = block_k // 32
+        if packed:
+            assert text.count("ld.global.v4.b32") >= 2 * blocks // 4
+        else:
+            assert text.count("ld.global.b32") >= 2 * blocks, text.count("ld.global.b32")
+        assert text.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") >= \\
+            2 * blocks * block_m // 8
+        assert "st.shared" not in loop and "bar.sync" not in loop
+        assert ("griddepcontrol.wait" in text) == pdl
+        assert ("atom.global" in text) == (split_k != 1)
+        with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+            f.write(text)
+        done = subprocess.run([ptxas, "-v", "-arch=sm_90a", f.name, "-o", os.devnull],
+                              capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert int(re.search(r"(\\d+) bytes spill stores", done.stderr).group(1)) == 0, \\
+            (block_m, block_k, done.stderr)
+    print("ok")
+""")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the kernel's own tests run it")
+def test_register_direct_mxfp4_kernel_compiles_for_hopper():
+    """triton.w4frag (Gluon) for sm_90: the codes straight from global memory into mma.sync's
+    registers (a 32-bit load a row and block), no shared memory or barrier in the loop, no
+    spills, PDL and the splits' atomics only where configured."""
+    compiles_for_hopper(W4FRAG_SCRIPT)

@@ -269,3 +269,30 @@ def test_mxfp4_layers_follow_autocast_as_linear_does():
     assert y.dtype == torch.bfloat16
     want = model[0](x.to(torch.bfloat16))
     assert torch.equal(y, want)
+
+
+def test_mxfp4_weights_are_packed_where_the_table_tuned_packed_rows(tmp_path, monkeypatch):
+    """A layer whose (N, K) and dtype have packed rows in the a16w4 table stores its weight
+    packed (prepack_mxfp4) and calls gemm_a16w4(..., packed=True); the others stay as quantised;
+    both compute the same as an unpacked copy."""
+    from gemm_checks import install_user_table
+
+    header = ("arch,cu_num,M,N,K,dtype,packed,libtype,solidx,splitK,us,kernelName,err_ratio,"
+              "tflops,bw\n")
+    install_user_table(monkeypatch, tmp_path / "a16w4.csv", "GEMMTUNE_CONFIG_A16W4", header,
+                       [(1, 96, 128, "torch.bfloat16", True, "torch.unpack_dequant_linear")])
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(128, 96), nn.Linear(96, 64)).to(torch.bfloat16)
+    plain = copy.deepcopy(model)
+    gemmtune.patch_linear(model, quant="mxfp4")
+    monkeypatch.setenv("GEMMTUNE_CONFIG_A16W4", f"replace:{tmp_path / 'none.csv'}")
+    (tmp_path / "none.csv").write_text(header)
+    gemmtune.reset()
+    gemmtune.patch_linear(plain, quant="mxfp4")
+    assert model[0].weight_packed and not model[1].weight_packed  # K = 96: no packed layout
+    assert not plain[0].weight_packed
+    assert "packed" in repr(model[0])
+    assert torch.equal(gemmtune.quant.prepack_mxfp4(model[0].weight_q, model[0].weight_scale)[0],
+                       plain[0].weight_q)
+    x = torch.randn(3, 128).to(torch.bfloat16)
+    torch.testing.assert_close(model(x), plain(x), rtol=0, atol=0)

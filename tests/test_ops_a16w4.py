@@ -11,16 +11,19 @@ from gemm_checks import DEVICE, generator, install_user_table, randn
 from gemmtune import quant
 from gemmtune.dispatch import KernelNameError
 from gemmtune.families.a16w4.op import DISPATCH, A16w4Key
-from gemmtune.kernels.torch_ref import TORCH_DEQUANT_LINEAR, gemm_a16w4_ref
+from gemmtune.kernels.torch_ref import (TORCH_DEQUANT_LINEAR, TORCH_UNPACK_DEQUANT_LINEAR,
+                                        gemm_a16w4_ref)
 from gemmtune.tables.lookup import Rule
 
-HEADER = "arch,cu_num,M,N,K,dtype,libtype,solidx,splitK,us,kernelName,err_ratio,tflops,bw\n"
+HEADER = ("arch,cu_num,M,N,K,dtype,packed,libtype,solidx,splitK,us,kernelName,err_ratio,tflops,"
+          "bw\n")
 W4 = "triton.w4:BM16.BN32.BK64.W4.S1"
 
 
 @pytest.fixture
 def a16w4_table(tmp_path, monkeypatch):
-    def install(*rows: tuple) -> None:  # (M, N, K, dtype, kernelName)
+    def install(*rows: tuple) -> None:  # (M, N, K, dtype[, packed], kernelName)
+        rows = [row if len(row) == 6 else (*row[:4], False, row[4]) for row in rows]
         install_user_table(monkeypatch, tmp_path / "a16w4_user.csv", "GEMMTUNE_CONFIG_A16W4",
                            HEADER, rows)
 
@@ -66,7 +69,7 @@ def test_table_row_picks_the_triton_kernel(a16w4_table, dtype):
         assert_close_to_reference(y, x, wq, ws, bias)
     (plan,) = DISPATCH.plans.values()
     assert plan.decision.rule is Rule.exact and plan.decision.kernel_name == W4
-    assert plan.decision.key == A16w4Key(M, N, K, str(dtype))
+    assert plan.decision.key == A16w4Key(M, N, K, str(dtype), False)
 
 
 def test_named_kernel_without_bias_and_other_families_refuse_it():
@@ -131,6 +134,65 @@ def test_gpu_real_sizes_through_a_row(a16w4_table, M):
         assert_close_to_reference(y, x, wq, ws, bias)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [1, 16])
+def test_gpu_packed_weights_through_a_row(a16w4_table, M):
+    """A packed weight (prepack_mxfp4) and a row naming the register-direct kernel for packed
+    weights: planned, bound and replayed, right each time."""
+    N, K = 2880, 4096
+    a16w4_table((M, N, K, "torch.bfloat16", True, "triton.w4frag:BM16.BK128.SK4.P0.R0.L1"))
+    x, wq, ws, bias = operands(M, N, K, seed=M)
+    packed, _ = quant.prepack_mxfp4(wq, ws)
+    for _ in range(3):
+        y = gemmtune.gemm_a16w4(x, packed, ws, bias, packed=True)
+        assert_close_to_reference(y, x, wq, ws, bias)
+    (plan,) = DISPATCH.plans.values()
+    assert plan.decision.kernel_name.endswith(".L1")
+
+
+# --- the packed layout -------------------------------------------------------------------------
+
+
+def test_packed_weights_default_to_the_unpacking_torch_backend():
+    x, wq, ws, bias = operands(5, 40, 256, seed=3)
+    packed, _ = quant.prepack_mxfp4(wq, ws)
+    y = gemmtune.gemm_a16w4(x, packed, ws, bias, packed=True)
+    assert_close_to_reference(y, x, wq, ws, bias)
+    (plan,) = DISPATCH.plans.values()
+    assert plan.decision.kernel_name == TORCH_UNPACK_DEQUANT_LINEAR
+    assert plan.decision.key == A16w4Key(5, 40, 256, "torch.bfloat16", True)
+
+
+def test_a_row_for_the_other_layout_is_not_used(a16w4_table):
+    """Rows are per layout: a packed weight never runs a kernel that reads unpacked ones (nor
+    the unpacked torch backend), and the other way round."""
+    M, N, K = 5, 40, 256
+    a16w4_table((M, N, K, "torch.bfloat16", True, W4),
+                (M, N, K, "torch.bfloat16", False, TORCH_UNPACK_DEQUANT_LINEAR))
+    x, wq, ws, bias = operands(M, N, K, seed=4)
+    packed, _ = quant.prepack_mxfp4(wq, ws)
+    with pytest.warns(UserWarning, match="unpacked|packed"):
+        y = gemmtune.gemm_a16w4(x, packed, ws, bias, packed=True)
+    assert_close_to_reference(y, x, wq, ws, bias)
+    with pytest.warns(UserWarning, match="unpacked|packed"):
+        y = gemmtune.gemm_a16w4(x, wq, ws, bias)
+    assert_close_to_reference(y, x, wq, ws, bias)
+    names = {plan.decision.kernel_name for plan in DISPATCH.plans.values()}
+    assert names == {TORCH_DEQUANT_LINEAR, TORCH_UNPACK_DEQUANT_LINEAR}
+
+
+def test_packed_needs_k_a_multiple_of_128_and_passes_gradients():
+    x, wq, ws, _ = operands(3, 40, 96)
+    with pytest.raises(ValueError, match="packed=True, but K=96"):
+        gemmtune.gemm_a16w4(x, wq, ws, packed=True)
+    x, wq, ws, bias = operands(3, 40, 128, seed=5)
+    packed, _ = quant.prepack_mxfp4(wq, ws)
+    x.requires_grad_(True)
+    gemmtune.gemm_a16w4(x, packed, ws, bias, packed=True).float().sum().backward()
+    want = torch.ones(3, 40) @ quant.dequant_mxfp4(wq, ws)
+    torch.testing.assert_close(x.grad.float(), want, rtol=2e-2, atol=2e-2)
+
+
 # --- the tuner ---------------------------------------------------------------------------------
 
 
@@ -157,8 +219,8 @@ def test_tuner_checks_every_candidate_against_the_dequantised_reference(tmp_path
     assert summary.tuned == 2 and len(summary.failed) == 1, out.getvalue()
     assert "multiple of 32" in out.getvalue()
     rows = {r.key: r for r in read_table(tmp_path / "t.csv", A16w4Tuner.schema).rows}
-    assert set(rows) == {A16w4Key(5, 40, 96, "torch.float16"),
-                         A16w4Key(3, 48, 64, "torch.bfloat16")}
+    assert set(rows) == {A16w4Key(5, 40, 96, "torch.float16", False),
+                         A16w4Key(3, 48, 64, "torch.bfloat16", False)}
     with open(tmp_path / "prof.csv") as f:
         profiled = [(r["M"], r["dtype"], r["kernelName"], r["status"]) for r in csv.DictReader(f)]
     fp16 = [(name, status) for m, dtype, name, status in profiled if dtype == "torch.float16"
@@ -214,6 +276,9 @@ def test_k_not_a_multiple_of_32_says_so():
         gemmtune.gemm_a16w4(x, wq, ws)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(),
+                    reason="a stand-in for a compiled kernel; on a GPU, "
+                           "test_gpu_real_sizes_through_a_row records and replays real ones")
 def test_the_w4_launch_can_be_recorded_for_replay(monkeypatch):
     """A triton.w4 launch puts its tensors first, in roles a recording can place (x, w,
     scale_b, scale_a, bias, out): dispatch replays it like the other kernels' (run on a GPU by

@@ -141,3 +141,53 @@ def test_bad_inputs_say_what_to_do():
         quant.dequant_mxfp4(q, s[:, :1])
     with pytest.raises(ValueError, match="uint8"):
         quant.dequant_mxfp4(q.to(torch.int16), s)
+
+
+def test_every_code_decodes_to_its_grid_value():
+    """The computed decode (no table) gives the 16 codes' values exactly, -0 for code 8."""
+    from gemmtune.kernels.mxfp4 import MAGNITUDES, e2m1_values
+    values = e2m1_values(torch.arange(16, dtype=torch.uint8))
+    want = torch.tensor(MAGNITUDES + tuple(-m for m in MAGNITUDES))
+    assert torch.equal(values, want) and torch.signbit(values[8])
+
+
+@pytest.mark.gpu
+def test_quantise_and_dequantise_inside_a_cuda_graph():
+    """Neither copies a host-made tensor, which a CUDA graph's capture would refuse."""
+    t = torch.randn(8, 64, device="cuda")
+    q, s = quant.mxfp4(t)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        q2, s2 = quant.mxfp4(t)
+        back = quant.dequant_mxfp4(q2, s2)
+    graph.replay()
+    assert torch.equal(q2, q) and torch.equal(s2, s)
+    assert torch.equal(back, quant.dequant_mxfp4(q, s))
+
+
+def test_prepack_moves_each_threads_words_together_and_is_its_own_inverse():
+    """Within each row's 64-byte groups, word t of block j (bytes 16 j + 4 t ...) moves to word
+    4 t + j: a thread's words of 4 blocks become 16 contiguous bytes. Twice is the identity."""
+    wq = torch.arange(3 * 128, dtype=torch.int32).remainder(251).to(torch.uint8).reshape(3, 128)
+    ws = torch.zeros(3, 8, dtype=torch.uint8)
+    packed, scales = quant.prepack_mxfp4(wq, ws)
+    assert scales is ws and packed.shape == wq.shape and packed.is_contiguous()
+    for row in range(3):
+        for group in range(2):
+            for j in range(4):
+                for t in range(4):
+                    new = group * 64 + 16 * t + 4 * j
+                    old = group * 64 + 16 * j + 4 * t
+                    assert torch.equal(packed[row, new:new + 4], wq[row, old:old + 4])
+    assert torch.equal(quant.prepack_mxfp4(packed, ws)[0], wq)
+
+
+def test_prepack_refuses_what_has_no_packed_layout():
+    wq, ws = quant.mxfp4(torch.randn(4, 96))
+    with pytest.raises(ValueError, match="multiple of 128"):
+        quant.prepack_mxfp4(wq, ws)
+    wq, ws = quant.mxfp4(torch.randn(4, 128))
+    with pytest.raises(ValueError, match="do not belong together"):
+        quant.prepack_mxfp4(wq, ws[:, :2])
+    with pytest.raises(ValueError, match="uint8"):
+        quant.prepack_mxfp4(wq.to(torch.int16), ws)

@@ -11,10 +11,11 @@ from gemmtune.families._switches import any_autocast as _any_autocast
 from gemmtune.families._switches import compiler as _compiler
 from gemmtune.families._switches import dynamo_compiling as _dynamo_compiling
 from gemmtune.families._switches import grad_enabled as _grad_enabled
-from gemmtune.families.a16w4.op import gemm_a16w4
+from gemmtune.families.a16w4.op import gemm_a16w4, packed_layout_tuned
 from gemmtune.families.bf16.op import bound_linear, gemm_a16w16
 from gemmtune.kernels.mxfp4 import why_not_quantisable
 from gemmtune.quant import mxfp4 as quantise_mxfp4
+from gemmtune.quant import prepack_mxfp4
 
 _MISSING = object()
 
@@ -53,20 +54,24 @@ class Mxfp4Linear(nn.Module):
     ``weight_q`` (out, in / 2) and ``weight_scale`` (out, in / 32), uint8) and multiplied by
     ``gemm_a16w4``: x in bf16 or fp16, the output in x's dtype. ``patch_linear(quant="mxfp4")``
     makes one from an ``nn.Linear`` in place (the module object, its bias and hooks kept; its
-    weight replaced by the two buffers); the weight is no longer trained."""
+    weight replaced by the two buffers); the weight is no longer trained. ``weight_packed``:
+    ``weight_q`` is in the packed layout (``gemmtune.quant.prepack_mxfp4``)."""
 
     in_features: int
     out_features: int
+    weight_packed: bool = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if _any_autocast() and torch.is_autocast_enabled(x.device.type):
             # As nn.Linear under torch.autocast: x in the autocast dtype (so is the output).
             x = x.to(torch.get_autocast_dtype(x.device.type))
-        return gemm_a16w4(x, self.weight_q, self.weight_scale, self.bias)
+        return gemm_a16w4(x, self.weight_q, self.weight_scale, self.bias,
+                          packed=self.weight_packed)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"bias={self.bias is not None}, weight=mxfp4")
+                f"bias={self.bias is not None}, weight=mxfp4"
+                f"{' (packed)' if self.weight_packed else ''}")
 
 
 QUANTS = ("mxfp4",)  # what patch_linear's quant takes, besides None
@@ -81,8 +86,11 @@ def patch_linear(model: nn.Module, quant: str | None = None) -> int:
 
     ``quant="mxfp4"``: each such layer's weight (bf16 or fp16) is quantised once to MXFP4 and
     the layer becomes an ``Mxfp4Linear`` (``gemm_a16w4``); a layer whose in_features is not a
-    multiple of 32 (MXFP4's block) becomes a TunedLinear instead. Weights of other dtypes are
-    refused before any layer changes: cast the model to bf16 or fp16 first."""
+    multiple of 32 (MXFP4's block) becomes a TunedLinear instead. Its weight is stored packed
+    (``quant.prepack_mxfp4``) where the a16w4 table has packed rows for its (N, K) and dtype on
+    this GPU (``packed_layout_tuned``: one layout per weight, chosen when it is quantised).
+    Weights of other dtypes are refused before any layer changes: cast the model to bf16 or
+    fp16 first."""
     if quant is not None and quant not in QUANTS:
         raise ValueError(f"patch_linear: quant={quant!r}; expected None or one of {QUANTS}")
     layers = [m for m in model.modules()
@@ -110,19 +118,28 @@ def patch_linear(model: nn.Module, quant: str | None = None) -> int:
 _MXFP4_BUFFERS = ("weight_q", "weight_scale")
 
 
-def _quantised_weight(module: nn.Linear) -> tuple[torch.Tensor, torch.Tensor]:
-    """``module``'s weight in MXFP4, once its buffers' names are known to be free."""
+def _quantised_weight(module: nn.Linear) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """``module``'s weight in MXFP4, once its buffers' names are known to be free: codes,
+    scales, and whether the codes are packed."""
     taken = [name for name in _MXFP4_BUFFERS if hasattr(module, name)]
     if taken:
         raise ValueError(f"patch_linear(quant='mxfp4'): a Linear already has "
                          f"{', '.join(taken)}; its MXFP4 weight would take that name")
+    weight = module.weight
     with torch.no_grad():
-        return quantise_mxfp4(module.weight)
+        wq, w_scale = quantise_mxfp4(weight)
+        packed = packed_layout_tuned(weight.shape[0], weight.shape[1], weight.dtype)
+        if packed:
+            wq, w_scale = prepack_mxfp4(wq, w_scale)
+    return wq, w_scale, packed
 
 
-def _to_mxfp4(module: nn.Linear, wq: torch.Tensor, w_scale: torch.Tensor) -> None:
-    """``module`` as an Mxfp4Linear, in place: its weight replaced by ``wq`` and ``w_scale``."""
+def _to_mxfp4(module: nn.Linear, wq: torch.Tensor, w_scale: torch.Tensor,
+              packed: bool) -> None:
+    """``module`` as an Mxfp4Linear, in place: its weight replaced by ``wq`` and ``w_scale``
+    (``packed``: in the packed layout)."""
     module.register_buffer(_MXFP4_BUFFERS[0], wq)
     module.register_buffer(_MXFP4_BUFFERS[1], w_scale)
     del module._parameters["weight"]
     module.__class__ = Mxfp4Linear
+    module.weight_packed = packed

@@ -191,20 +191,33 @@ def gluon_candidates(p: GemmProblem, registry) -> list[Candidate]:
             if registry.can_run(cfg.name, p)]
 
 
-def mxfp4_candidates(p: GemmProblem, wanted: frozenset[str], baseline: str) -> list[Candidate]:
+def mxfp4_candidates(p: GemmProblem, wanted: frozenset[str], baseline: str,
+                     registry=None) -> list[Candidate]:
     """The MXFP4 families' candidates (gemm_a16w4, gemm_a4w4_blockscale): their torch
-    ``baseline``, then the MXFP4 kernel's configs (``gemm_w4.candidates``; on the CPU two, in
-    the interpreter, bf16 ones refused as the other families' are), numbered."""
+    ``baseline``, then the MXFP4 kernel's configs (``gemm_w4.candidates``, for weights as
+    quantised; on the CPU two, in the interpreter, bf16 ones refused as the other families'
+    are) and, on a GPU, the register-direct kernel's for the problem's layout
+    (``gemm_w4frag.candidates``, with PDL where supported) that ``registry`` can run,
+    numbered."""
     found = []
     if "torch" in wanted:
         found.append(Candidate(baseline, "torch", simplicity=TORCH_ROW_SIMPLICITY))
     if "triton" in wanted:
         from gemmtune.kernels.triton import gemm_w4
 
-        configs = [Candidate(c.name, "triton") for c in gemm_w4.candidates(p.m, p.n, p.k, p.dtype)]
+        configs = [] if p.preshuffled else [
+            Candidate(c.name, "triton") for c in gemm_w4.candidates(p.m, p.n, p.k, p.dtype)]
         if not torch.cuda.is_available():
             refused = INTERPRETER_BF16 if p.dtype == torch.bfloat16 else ""
             configs = [dataclasses.replace(c, refused=refused) for c in configs[:2]]
+        elif registry is not None:
+            from gemmtune.kernels.triton import gemm_w4frag
+            from gemmtune.kernels.triton._splits import pdl_where_supported
+
+            frags = gemm_w4frag.candidates(p.m, p.n, p.k, p.dtype, pdl=pdl_where_supported(),
+                                           packed=p.preshuffled)
+            configs += [Candidate(c.name, "triton", splitk=c.split_k) for c in frags
+                        if registry.can_run(c.name, p)]
         found += configs
     return number_candidates(found)
 

@@ -30,6 +30,11 @@ ELEMENT_MAX = 6.0
 MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
 
+# The packed layout (``prepack``) reorders each row's codes within groups of this many elements
+# of K (64 bytes: 4 blocks of 16).
+PACK_GROUP = 128
+
+
 def why_not_quantisable(k: int) -> str | None:
     """Why a tensor with K = ``k`` has no MXFP4 form, or None."""
     if k % BLOCK:
@@ -55,9 +60,23 @@ def e2m1_codes(v: torch.Tensor) -> torch.Tensor:
     # even, which on each stretch is the even encoding (the stretches' ends are even codes).
     step = torch.where(mag < 2, 0.5, torch.where(mag < 4, 1.0, 2.0))
     rounded = torch.round(mag / step) * step
-    code = torch.bucketize(rounded, torch.tensor(MAGNITUDES, device=v.device))
+    # The grid's value -> its code, stretch by stretch (no table: a host-made tensor would be a
+    # copy, which a CUDA graph's capture refuses): 0-1.5 -> 0-3, 2-3 -> 4-5, 4-6 -> 6-7.
+    code = torch.where(rounded < 2, rounded * 2, torch.where(rounded < 4, rounded + 2,
+                                                             rounded / 2 + 4))
     negative = torch.signbit(v)
-    return (code + torch.where(negative, 8, 0)).to(torch.uint8)
+    return (code.to(torch.int32) + torch.where(negative, 8, 0)).to(torch.uint8)
+
+
+def e2m1_values(codes: torch.Tensor) -> torch.Tensor:
+    """fp32 values of 4-bit codes (uint8, 0-15), computed rather than looked up (a host-made
+    table would be a copy, which a CUDA graph's capture refuses): exponent bits 1-2, mantissa
+    bit 0, exponent 0 subnormal (0 or 0.5), bit 3 the sign."""
+    magnitude = (codes & 7).to(torch.int32)
+    exponent, mantissa = magnitude >> 1, (magnitude & 1).float()
+    normal = torch.ldexp(1 + mantissa / 2, (exponent - 1).float())
+    value = torch.where(exponent == 0, mantissa / 2, normal)
+    return torch.where(codes >= 8, -value, value)
 
 
 def quantize(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -78,11 +97,32 @@ def quantize(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def dequantize(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """fp32 (..., K) from ``quantize``'s elements (..., K // 2) and scales (..., K // 32)."""
     codes = torch.stack((q & 0xF, q >> 4), dim=-1).reshape(*q.shape[:-1], q.shape[-1] * 2)
-    table = torch.tensor(MAGNITUDES + tuple(-m for m in MAGNITUDES), device=q.device)
-    values = table[codes.long()]
+    values = e2m1_values(codes)
     k = values.shape[-1]
     blocks = values.reshape(*q.shape[:-1], k // BLOCK, BLOCK)
     exponent = scales.to(torch.int32) - SCALE_BIAS
     out = torch.ldexp(blocks, exponent[..., None].float())
     out = torch.where((scales == SCALE_NAN)[..., None], float("nan"), out)
     return out.reshape(*q.shape[:-1], k)
+
+
+def why_not_packable(k: int) -> str | None:
+    """Why a weight with K = ``k`` has no packed layout (``prepack``), or None."""
+    if k % PACK_GROUP:
+        return (f"K={k} is not a multiple of {PACK_GROUP}: the packed layout reorders codes in "
+                f"groups of {PACK_GROUP} along K; keep this weight as quantised")
+    return None
+
+
+def prepack(codes: torch.Tensor) -> torch.Tensor:
+    """``quantize``'s codes (N, K // 2) in the register-direct kernel's packed layout: within
+    each row's 64-byte groups (128 elements, 4 blocks of 16 bytes), 4-byte word t of block j
+    moves to word 4 t + j, so the 4 words one thread multiplies (word t of each block) are 16
+    contiguous bytes. A transpose of 4 x 4 words, so its own inverse: ``prepack(prepack(q))``
+    is ``q``. The scales keep their layout."""
+    n, half_k = codes.shape
+    why = why_not_packable(half_k * 2)
+    if why is not None:
+        raise ValueError(f"prepack: {why}")
+    groups = codes.reshape(n, half_k // 64, 4, 4, 4)  # (row, group, block j, word t, byte i)
+    return groups.transpose(2, 3).reshape(n, half_k).contiguous()

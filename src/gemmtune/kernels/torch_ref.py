@@ -264,6 +264,8 @@ def bind_blockscale(xq, wq, bias, out_dtype, x_scale, w_scale):
 
 # ------------------------------------------------------------------------------ MXFP4 weights
 TORCH_DEQUANT_LINEAR = "torch.dequant_linear"
+# The same for a weight in the packed layout (gemmtune.quant.prepack_mxfp4): unpacked first.
+TORCH_UNPACK_DEQUANT_LINEAR = "torch.unpack_dequant_linear"
 
 
 def gemm_a16w4_ref(x, wq, w_scale, bias=None, out_dtype=torch.float32):

@@ -1,6 +1,6 @@
 """The MXFP4-weight GEMM family (bf16 or fp16 x, MXFP4 w): ``gemm_a16w4`` (``op``), its tuner
-(``tuner``) and how the bench runs it. No shipped rows yet: a shape without a row runs the torch
-backend (the weight dequantised on every call, then ``F.linear``)."""
+(``tuner``) and how the bench runs it (weights as quantised). A shape without a row runs the
+torch backend (the weight dequantised on every call, then ``F.linear``)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ BENCH_DTYPES = ("bf16", "fp16")  # x's dtype (and the output's)
 
 
 def gemm_key(m: int, n: int, k: int, dtype: str = "bf16", bias: bool = False) -> A16w4Key:
-    return A16w4Key(m, n, k, DTYPE_NAMES[SHORT_DTYPES[dtype]])
+    return A16w4Key(m, n, k, DTYPE_NAMES[SHORT_DTYPES[dtype]], False)
 
 
 def _why_not_gemm(n: int, k: int, dtype: str) -> str | None:

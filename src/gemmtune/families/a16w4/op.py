@@ -1,11 +1,14 @@
-"""``gemm_a16w4(x, wq, w_scale, bias=None)``: x (bf16 or fp16) times an MXFP4 weight, in x's
-dtype.
+"""``gemm_a16w4(x, wq, w_scale, bias=None, packed=False)``: x (bf16 or fp16) times an MXFP4
+weight, in x's dtype.
 
 wq (N, K // 2) and w_scale (N, K // 32) uint8 as ``gemmtune.quant.mxfp4`` makes them (two E2M1
-elements per byte, one E8M0 scale per 32 along K); x (..., K); bias (N,). Dispatched per shape
-through ``a16w4_tuned_gemm.csv`` (key ``A16w4Key``: M, N, K and x's dtype); a shape without a
-row runs the torch backend (the weight dequantised on every call, then ``F.linear``). Registered
-as ``torch.ops.gemmtune.gemm_a16w4``.
+elements per byte, one E8M0 scale per 32 along K), or with ``packed`` wq as
+``gemmtune.quant.prepack_mxfp4`` reorders it (the register-direct kernel reads it in 16-byte
+loads); x (..., K); bias (N,). Dispatched per shape through ``a16w4_tuned_gemm.csv`` (key
+``A16w4Key``: M, N, K, x's dtype and the weight's layout, ``packed``: one layout per (N, K) is
+what a model stores, ``patch_linear`` picks it from the table); a shape without a row runs the
+torch backend (the weight dequantised on every call, unpacked first if packed, then
+``F.linear``). Registered as ``torch.ops.gemmtune.gemm_a16w4``.
 """
 
 from __future__ import annotations
@@ -16,15 +19,16 @@ from typing import NamedTuple, Optional
 import torch
 
 from gemmtune.device import DeviceId
-from gemmtune.dispatch import Dispatcher
+from gemmtune.dispatch import Dispatcher, table_index
 from gemmtune.families._gemm import gemm_registry, gemm_schema
 from gemmtune.families._switches import compiler as _compiler
 from gemmtune.families._switches import dynamo_compiling as _dynamo_compiling
 from gemmtune.families._switches import grad_enabled as _grad_enabled
 from gemmtune.kernels import mxfp4
 from gemmtune.kernels.problem import GemmProblem, Scaling
-from gemmtune.kernels.torch_ref import TORCH_DEQUANT_LINEAR, dequant_linear_torch
-from gemmtune.kernels.triton.dispatchable import W4_PREFIX
+from gemmtune.kernels.torch_ref import (TORCH_DEQUANT_LINEAR, TORCH_UNPACK_DEQUANT_LINEAR,
+                                        dequant_linear_torch)
+from gemmtune.kernels.triton.dispatchable import MXFP4_PREFIXES
 from gemmtune.tables.schema import Column, Kind
 from gemmtune.tables.values import DTYPE_NAMES, to_torch_dtype
 
@@ -34,35 +38,74 @@ class A16w4Key(NamedTuple):
     N: int
     K: int
     dtype: str  # x's (and the output's), canonical name (torch.bfloat16)
+    packed: bool  # wq in the packed layout (gemmtune.quant.prepack_mxfp4)
 
 
 SCHEMA = gemm_schema(
     "a16w4", "a16w4_tuned_gemm.csv", "a16w4_untuned_gemm.csv", A16w4Key,
-    (Column("dtype", Kind.DTYPE, default="torch.bfloat16"),), ("GEMMTUNE_CONFIG_A16W4",))
+    (Column("dtype", Kind.DTYPE, default="torch.bfloat16"),
+     Column("packed", Kind.BOOL, default="False")), ("GEMMTUNE_CONFIG_A16W4",))
 
 
 def problem_of(key: A16w4Key) -> GemmProblem:
     dtype = to_torch_dtype(key.dtype)
-    return GemmProblem(key.M, key.N, key.K, dtype, dtype, scaling=Scaling.mxfp4)
+    return GemmProblem(key.M, key.N, key.K, dtype, dtype, scaling=Scaling.mxfp4,
+                       preshuffled=key.packed)
 
 
-REGISTRY = gemm_registry("a16w4", TORCH_DEQUANT_LINEAR, dequant_linear_torch, (W4_PREFIX,))
+class _TorchDequantLinear:
+    """The torch backend for one layout of the weight: ``dequant_linear_torch``, a packed weight
+    unpacked first (``mxfp4.prepack`` is its own inverse); it runs only problems of its layout."""
+
+    def __init__(self, packed: bool):
+        self.packed = packed
+
+    def __call__(self, x, wq, bias, out_dtype, scale_a, scale_b, out=None):
+        return dequant_linear_torch(x, mxfp4.prepack(wq) if self.packed else wq, bias,
+                                    out_dtype, scale_a, scale_b, out)
+
+    def check(self, problem: GemmProblem) -> str | None:
+        if problem.preshuffled == self.packed:
+            return None
+        return (f"{_torch_backend(self.packed)} takes {'packed' if self.packed else 'unpacked'} "
+                f"weights; use {_torch_backend(problem.preshuffled)}")
+
+
+def _torch_backend(packed: bool) -> str:
+    return TORCH_UNPACK_DEQUANT_LINEAR if packed else TORCH_DEQUANT_LINEAR
+
+
+REGISTRY = gemm_registry("a16w4", TORCH_DEQUANT_LINEAR, _TorchDequantLinear(False),
+                         MXFP4_PREFIXES)
+REGISTRY.register_exact(TORCH_UNPACK_DEQUANT_LINEAR, _TorchDequantLinear(True))
 
 
 def _to_table_key(raw: tuple) -> A16w4Key:
-    m, n, k, dtype, *_checked = raw
-    return A16w4Key(m, n, k, DTYPE_NAMES[dtype])
+    m, n, k, dtype, packed, *_checked = raw
+    return A16w4Key(m, n, k, DTYPE_NAMES[dtype], packed)
 
 
 def _default_kernel(key: A16w4Key, device: DeviceId) -> str:
-    return TORCH_DEQUANT_LINEAR  # right for every shape; tuned rows name the kernels that beat it
+    # Right for every shape; tuned rows name the kernels that beat it.
+    return _torch_backend(key.packed)
 
 
 DISPATCH = Dispatcher(SCHEMA, REGISTRY, _to_table_key, problem_of, _default_kernel)
 _CALLS = DISPATCH.calls  # the eager hot path's dict (Dispatcher.remember)
 
 
-def _check(x, wq, w_scale, bias) -> None:
+def packed_layout_tuned(n: int, k: int, dtype: torch.dtype) -> bool:
+    """Whether an (N, K) weight for x of ``dtype`` is best stored packed: the a16w4 table has
+    rows for packed weights of that (N, K) and dtype on this GPU (the tuner writes them where
+    they were tuned), and K takes the packed layout."""
+    if mxfp4.why_not_packable(k) is not None or dtype not in DTYPE_NAMES:
+        return False
+    name = DTYPE_NAMES[dtype]
+    return any(row.key.packed and row.key.N == n and row.key.K == k and row.key.dtype == name
+               for row in table_index(SCHEMA).rows())
+
+
+def _check(x, wq, w_scale, bias, packed) -> None:
     # Imported here, not at the top: importing a Triton kernel module fixes, for the process,
     # whether its kernels are interpreted (TRITON_INTERPRET), and tuner workers import this
     # module before they set that variable.
@@ -72,17 +115,20 @@ def _check(x, wq, w_scale, bias) -> None:
         raise TypeError("gemm_a16w4: x (..., K), wq (N, K // 2) and w_scale (N, K // 32) must "
                         "be tensors")
     check_operands("gemm_a16w4", x, wq, w_scale, bias)
+    why = mxfp4.why_not_packable(x.shape[-1]) if packed else None
+    if why is not None:
+        raise ValueError(f"gemm_a16w4: packed=True, but {why}")
 
 
-def _plan(x, wq, w_scale, bias, kernel):
-    args = (x, wq, w_scale, bias)
+def _plan(x, wq, w_scale, bias, kernel, packed):
+    args = (x, wq, w_scale, bias, packed)
     try:
         k = x.shape[-1]
         m = x.numel() // k if k else math.prod(x.shape[:-1])
         device = x.get_device()
         # Everything _check depends on, so that a cached plan never runs what it would refuse.
-        key = (m, wq.shape[0], k, x.dtype, tuple(wq.shape), wq.dtype, wq.get_device(),
-               tuple(w_scale.shape), w_scale.dtype, w_scale.get_device(),
+        key = (m, wq.shape[0], k, x.dtype, bool(packed), tuple(wq.shape), wq.dtype,
+               wq.get_device(), tuple(w_scale.shape), w_scale.dtype, w_scale.get_device(),
                None if bias is None else (tuple(bias.shape), bias.get_device()), device)
     except (AttributeError, IndexError, ValueError, TypeError):
         _check(*args)
@@ -90,68 +136,73 @@ def _plan(x, wq, w_scale, bias, kernel):
     return DISPATCH.plan_for(key, device, kernel, _check, args)
 
 
-def _run(x, wq, w_scale, bias, kernel):
-    return _plan(x, wq, w_scale, bias, kernel).run(x, wq, bias, x.dtype, None, w_scale)
+def _run(x, wq, w_scale, bias, kernel, packed):
+    return _plan(x, wq, w_scale, bias, kernel, packed).run(x, wq, bias, x.dtype, None, w_scale)
 
 
-def _run_and_remember(call_key: tuple, x, wq, w_scale, bias, kernel):
+def _run_and_remember(call_key: tuple, x, wq, w_scale, bias, kernel, packed):
     """The first eager call with ``call_key``: checked in full, planned, and its plan's kernel
     bound to the key for the calls after it."""
-    _check(x, wq, w_scale, bias)
-    plan = _plan(x, wq, w_scale, bias, kernel)
+    _check(x, wq, w_scale, bias, packed)
+    plan = _plan(x, wq, w_scale, bias, kernel, packed)
     run = DISPATCH.remember(call_key, plan, (x, wq, bias, x.dtype, None, w_scale))
     return run(x, wq, bias, None, w_scale)
 
 
 @torch.library.custom_op("gemmtune::gemm_a16w4", mutates_args=())
 def _gemm_a16w4_op(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
-                   bias: Optional[torch.Tensor] = None,
-                   kernel_name: Optional[str] = None) -> torch.Tensor:
-    return _run(x, wq, w_scale, bias, kernel_name)
+                   bias: Optional[torch.Tensor] = None, kernel_name: Optional[str] = None,
+                   packed: bool = False) -> torch.Tensor:
+    return _run(x, wq, w_scale, bias, kernel_name, packed)
 
 
 @_gemm_a16w4_op.register_fake
-def _(x, wq, w_scale, bias=None, kernel_name=None):
+def _(x, wq, w_scale, bias=None, kernel_name=None, packed=False):
     return x.new_empty((*x.shape[:-1], wq.shape[0]))
 
 
 def _setup_context(ctx, inputs, output):
-    x, wq, w_scale, bias, kernel_name = inputs
+    x, wq, w_scale, bias, kernel_name, packed = inputs
     ctx.save_for_backward(wq, w_scale)
     ctx.has_bias = bias is not None
     ctx.bias_dtype = None if bias is None else bias.dtype
+    ctx.packed = packed
 
 
 def _backward(ctx, grad):
     """Gradients of x (through the dequantised weight, in grad's dtype) and of the bias; none
     of the quantised weight."""
     wq, w_scale = ctx.saved_tensors
-    grad_x = grad @ mxfp4.dequantize(wq, w_scale).to(grad.dtype)
+    codes = mxfp4.prepack(wq) if ctx.packed else wq
+    grad_x = grad @ mxfp4.dequantize(codes, w_scale).to(grad.dtype)
     grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0).to(ctx.bias_dtype) \
         if ctx.has_bias else None
-    return grad_x, None, None, grad_bias, None
+    return grad_x, None, None, grad_bias, None, None
 
 
 _gemm_a16w4_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def gemm_a16w4(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
-               bias: Optional[torch.Tensor] = None, kernel: Optional[str] = None) -> torch.Tensor:
+               bias: Optional[torch.Tensor] = None, kernel: Optional[str] = None,
+               packed: bool = False) -> torch.Tensor:
     """``x @ dequant_mxfp4(wq, w_scale).T + bias`` in x's dtype (bf16 or fp16), with the kernel
-    the a16w4 table names for this shape on this GPU (or ``kernel``, a kernelName checked like a
-    table row). x (..., K); wq (N, K // 2) and w_scale (N, K // 32) uint8 from
-    ``gemmtune.quant.mxfp4``; bias (N,). Returns (..., N)."""
+    the a16w4 table names for this shape and weight layout on this GPU (or ``kernel``, a
+    kernelName checked like a table row). x (..., K); wq (N, K // 2) and w_scale (N, K // 32)
+    uint8 from ``gemmtune.quant.mxfp4``, or with ``packed`` wq from
+    ``gemmtune.quant.prepack_mxfp4`` (K a multiple of 128); bias (N,). Returns (..., N)."""
     if _dynamo_compiling() or _compiler._is_compiling_flag or (_grad_enabled() and (
             x.requires_grad or (bias is not None and bias.requires_grad))):
         # Compiled or differentiated: the custom op (its fake, its gradients), whichever kernel
         # runs the forward.
-        return _gemm_a16w4_op(x, wq, w_scale, bias, kernel)
+        return _gemm_a16w4_op(x, wq, w_scale, bias, kernel, packed)
     # The eager hot path: everything the checks and the plan depend on, one dict hit, the kernel
     # bound to this key (Dispatcher.remember).
     call_key = (x.shape, wq.shape, w_scale.shape, x.dtype, wq.dtype, w_scale.dtype,
                 x.get_device(), wq.get_device(), w_scale.get_device(),
-                None if bias is None else (bias.shape, bias.dtype, bias.get_device()), kernel)
+                None if bias is None else (bias.shape, bias.dtype, bias.get_device()), kernel,
+                packed)
     run = _CALLS.get(call_key)
     if run is None:
-        return _run_and_remember(call_key, x, wq, w_scale, bias, kernel)
+        return _run_and_remember(call_key, x, wq, w_scale, bias, kernel, packed)
     return run(x, wq, bias, None, w_scale)

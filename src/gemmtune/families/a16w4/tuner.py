@@ -1,7 +1,8 @@
 """``gemmtune tune a16w4``: candidates and inputs for gemm_a16w4's table.
 
-The weight is drawn in fp32 with magnitudes that vary along K (every block its own scale) and
-quantised to MXFP4; x is drawn in the key's dtype. Each candidate is checked against the fp32
+The weight is drawn in fp32 with magnitudes that vary along K (every block its own scale),
+quantised to MXFP4 and, for a key with ``packed``, packed (``quant.prepack_mxfp4``); x is drawn in
+the key's dtype. Each candidate is checked against the fp32
 product of x and the dequantised weight, and timed with the weight's 4-bit bytes.
 """
 
@@ -12,8 +13,9 @@ import torch
 from gemmtune import quant
 from gemmtune.families._gemm_tuner import GemmCall, GemmTuner, mxfp4_candidates
 from gemmtune.families.a16w4.op import REGISTRY, SCHEMA, A16w4Key, problem_of
-from gemmtune.kernels.mxfp4 import BLOCK, why_not_quantisable
-from gemmtune.kernels.torch_ref import TORCH_DEQUANT_LINEAR, gemm_a16w4_ref
+from gemmtune.kernels.mxfp4 import BLOCK, why_not_packable, why_not_quantisable
+from gemmtune.kernels.torch_ref import (TORCH_DEQUANT_LINEAR, TORCH_UNPACK_DEQUANT_LINEAR,
+                                        gemm_a16w4_ref)
 from gemmtune.measure.accuracy import TOLERANCES
 from gemmtune.tune.family import Candidate, Prepared
 
@@ -24,11 +26,13 @@ class A16w4Tuner(GemmTuner):
     problem_of = staticmethod(problem_of)
 
     def candidates(self, key: A16w4Key, libtypes: frozenset[str]) -> list[Candidate]:
-        return mxfp4_candidates(self.shape(key), self.wanted(libtypes), TORCH_DEQUANT_LINEAR)
+        return mxfp4_candidates(self.shape(key), self.wanted(libtypes),
+                                TORCH_UNPACK_DEQUANT_LINEAR if key.packed else TORCH_DEQUANT_LINEAR,
+                                REGISTRY)
 
     def prepare(self, key: A16w4Key, seed: int) -> Prepared:
         p = self.shape(key)
-        why = why_not_quantisable(p.k)
+        why = why_not_quantisable(p.k) or (why_not_packable(p.k) if key.packed else None)
         if why is not None:
             raise ValueError(why)
         gen = self.generator(seed)
@@ -38,6 +42,8 @@ class A16w4Tuner(GemmTuner):
         w = torch.randn(p.n, p.k, generator=gen, device=device) * blocks * p.k ** -0.5
         wq, w_scale = quant.mxfp4(w)
         ref = gemm_a16w4_ref(x, wq, w_scale, None, torch.float32)
+        if key.packed:
+            wq, w_scale = quant.prepack_mxfp4(wq, w_scale)
         return Prepared(key, seed, GemmCall(x, wq, None, p.dtype, None, w_scale), ref)
 
     def tolerance(self, key: A16w4Key) -> tuple[float, float, float]:

@@ -24,10 +24,12 @@ from gemmtune.kernels.triton._replay import Replay, launch
 
 PREFIXES = ("triton.tile", "triton.splitk", "triton.gemv", "triton.persistent", "triton.frag",
             "triton.ring")
-# The kernel of MXFP4 weights (gemm_a16w4's): w the packed codes, scale_b their scales.
+# The kernels of MXFP4 weights (gemm_a16w4's): w the packed codes, scale_b their scales.
 W4_PREFIX = "triton.w4"
+W4FRAG_PREFIX = "triton.w4frag"
+MXFP4_PREFIXES = (W4_PREFIX, W4FRAG_PREFIX)
 # Gluon kernels: compiled for Hopper only, never in Triton's interpreter.
-GLUON_PREFIXES = ("triton.frag", "triton.ring")
+GLUON_PREFIXES = ("triton.frag", "triton.ring", W4FRAG_PREFIX)
 
 
 class _KernelModule(NamedTuple):
@@ -85,8 +87,17 @@ def _kernel_module(prefix: str) -> _KernelModule:
         # MXFP4 weights: w the packed codes, scale_b their scales (gemm_a16w4).
         return _KernelModule(m, m.W4Config, m.launch_gemm_w4, m.gemm_w4_scaled, m.w4_call,
                              mxfp4_weights=True)
+    if prefix == W4FRAG_PREFIX:
+        from gemmtune.kernels.triton import gemm_w4frag as m
+
+        return _KernelModule(m, m.W4FragConfig, m.launch_gemm_w4frag, m.gemm_w4frag_scaled,
+                             m.w4frag_call, mxfp4_weights=True)
     raise ValueError(f"{prefix!r}: not a Triton kernel; prefixes: "
-                     f"{', '.join(PREFIXES + (W4_PREFIX,))}")
+                     f"{', '.join(PREFIXES + MXFP4_PREFIXES)}")
+
+
+def _layout(packed: bool) -> str:
+    return "packed (gemmtune.quant.prepack_mxfp4)" if packed else "as quantised (row-major)"
 
 
 class TritonKernel:
@@ -117,7 +128,9 @@ class TritonKernel:
         # argument. The validating launchers (only called to explain a bad call) take no w_tiled.
         self._validating_kwargs = {"block_scales": True} if block_scales else {}
         self._launch_kwargs = {**self._validating_kwargs, **({"w_tiled": True} if w_tiled else {})}
-        self._w_tiled = w_tiled
+        # An MXFP4 config may name its own weight layout (triton.w4frag's packed field); the
+        # problems it takes must have that layout.
+        self._w_tiled = w_tiled or bool(getattr(self.config, "packed", 0))
 
     def __repr__(self) -> str:
         return f"TritonKernel({self.name!r})"
@@ -127,12 +140,16 @@ class TritonKernel:
         if self._mxfp4_weights != (problem.scaling is Scaling.mxfp4):
             return (f"{self.name} multiplies MXFP4 weights only (gemm_a16w4)"
                     if self._mxfp4_weights else
-                    f"{self.name} does not take MXFP4 weights; {W4_PREFIX} configs do")
+                    f"{self.name} does not take MXFP4 weights; {' and '.join(MXFP4_PREFIXES)} "
+                    f"configs do")
         blocks = bool(self._validating_kwargs)
         if blocks != (problem.scaling is Scaling.block):
             return (f"{self.name} was built {'with' if blocks else 'without'} block scales; the "
                     f"problem has {problem.scaling.value} scales")
         if problem.preshuffled != self._w_tiled:
+            if self._mxfp4_weights:
+                return (f"{self.name} reads MXFP4 weights {_layout(self._w_tiled)}; this "
+                        f"problem's are {_layout(problem.preshuffled)}")
             return (f"{self.name} was built for pre-shuffled weights; the problem's are row-major"
                     if self._w_tiled else "pre-shuffled weights are read only by the "
                     "a8w8_bpreshuffle family's kernels (FP8/INT8)")
@@ -140,7 +157,7 @@ class TritonKernel:
                                              problem.dtype, problem.out_dtype)
         if why is None and blocks:
             why = self._why_not_block_scaled(self.config, problem.dtype)
-        if why is None and self._w_tiled:
+        if why is None and self._w_tiled and not self._mxfp4_weights:
             from gemmtune.kernels.triton._wlayout import why_not_tiled
 
             why = why_not_tiled(self.config, problem.n, problem.k, problem.dtype)

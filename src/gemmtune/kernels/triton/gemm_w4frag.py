@@ -1,0 +1,359 @@
+"""A register-direct MXFP4-weight decode GEMM, in Gluon: ``y = x @ dequant(wq, w_scale).T + bias``
+for bf16 x (M <= 32), each thread loading its own codes of w straight into the registers the MMA
+takes its A operand from.
+
+Swapped as ``triton.frag`` is (y.T = w @ x.T): a program's 64 rows of w are the MMA's M (4
+warps, 16 rows each), x's rows its N (BLOCK_M, 8-32). Per 32-element scale block, each thread
+loads 4 contiguous bytes of each of its 2 rows (8 codes), Triton's own E2M1 upcast
+(``gl.fp4_to_fp``) makes them bf16 in the A layout (exact: codes are 0-6), x's 32 x BLOCK_M
+block comes in the B layout, ``mma.sync`` multiplies them from zero into fp32, and the product
+is scaled by the block's power of two in fp32 (exact for every scale byte) before its add.
+There is no shared memory in the loop and no barrier; the BLOCK_K / 32 blocks of a step are
+unrolled, so their loads are in flight together, a row's scale bytes of a step load as one
+word, and many small programs (about 50-70 registers a thread) keep the weight stream wide.
+
+Both operands use the MMA's K order with 8 consecutive elements a thread (``k_width`` 8 for
+bf16, 4 for the code bytes): the sum over K is the same in any order, so w's bytes load as one
+32-bit word per row and block and x's as 16-byte vectors.
+
+Why: the ``tl.dot_scaled`` route (``triton.w4`` DS1) spends about 11 instructions a weight
+element in its scale broadcast and layout changes and reached 0.6 TB/s (docs/benchmarks.md,
+session 23). K split over the grid's second axis, x's row blocks on its third, and the end
+(bias, output dtype, the splits' sum in order or added) is ``_swapped.finish_tile``.
+
+Hopper (sm_90) only, compiled (Gluon does not run in Triton's interpreter).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+
+from gemmtune.kernels import mxfp4
+from gemmtune.kernels._names import Field, NameCodec, NamedConfig
+from gemmtune.kernels.triton import _checks
+from gemmtune.kernels.triton._replay import KernelCall, launch
+from gemmtune.kernels.triton._splits import (PDL_OFF, pdl_supported, split_for,
+                                             why_not_wait_pdl, workspace)
+from gemmtune.kernels.triton._swapped import (BLOCK_N, NUM_WARPS, finish_tile,
+                                              partials_per_load, why_not_add_splits,
+                                              why_not_grid, why_not_here)
+from gemmtune.kernels.triton.gemm_w4 import check_operands
+
+KERNEL_PREFIX = "triton.w4frag"
+_BN = gl.constexpr(BLOCK_N)
+_WARPS = gl.constexpr(NUM_WARPS)
+_BLOCK = gl.constexpr(mxfp4.BLOCK)
+# x's rows per program: the MMA's N in blocks of 8. From 64, x's step alone would take 128
+# registers a thread (each warp holds all of it).
+BLOCK_MS = (8, 16, 32)
+BLOCK_KS = (32, 64, 128, 256)  # K per step: whole scale blocks, unrolled
+MAX_SPLIT_K = 32
+
+
+@dataclass(frozen=True)
+class W4FragConfig(NamedConfig):
+    """One point of the kernel's config space, e.g. ``triton.w4frag:BM8.BK128.SK4.P1.R1``."""
+
+    NAME_CODEC = NameCodec("register-direct MXFP4 config", KERNEL_PREFIX, (
+        Field("BM", "block_m"), Field("BK", "block_k"), Field("SK", "split_k"),
+        Field("P", "pdl", default=PDL_OFF), Field("R", "add_splits", default=0),
+        Field("L", "packed", default=0)))
+
+    block_m: int
+    block_k: int
+    split_k: int
+    # PDL_OFF or PDL_WAIT (the wait comes before any load: x may be the previous kernel's output)
+    pdl: int = PDL_OFF
+    # 1: the splits add their partials into one fp32 sum per tile (_swapped.finish_tile)
+    add_splits: int = 0
+    # 1: w in the packed layout (``mxfp4.prepack``): each thread's codes of 4 blocks of a row
+    # in one 16-byte load; 0: as ``mxfp4.quantize`` makes it (a 4-byte load a block)
+    packed: int = 0
+
+
+def why_not_fits(config: W4FragConfig, M: int, N: int, K: int,
+                 dtype: torch.dtype) -> str | None:
+    """The first constraint ``config`` breaks for an (M, N, K) GEMM with ``dtype`` x, or None."""
+    c = config
+    if dtype != torch.bfloat16:
+        return (f"x of {dtype}: the register-direct MXFP4 kernel takes bf16 x (its MMA is bf16); "
+                f"use a triton.w4 config")
+    if c.block_m not in BLOCK_MS:
+        return f"block_m={c.block_m} must be one of {BLOCK_MS}"
+    if c.block_k not in BLOCK_KS:
+        return f"block_k={c.block_k} must be one of {BLOCK_KS}"
+    problem = why_not_wait_pdl(c.pdl) or why_not_add_splits(c) or mxfp4.why_not_quantisable(K)
+    if problem is not None:
+        return problem
+    if c.packed not in (0, 1):
+        return f"packed={c.packed} must be 0 (w as quantised) or 1 (w packed: mxfp4.prepack)"
+    if c.packed and c.block_k % mxfp4.PACK_GROUP:
+        return (f"block_k={c.block_k}: a packed w is read in groups of {mxfp4.PACK_GROUP} of K; "
+                f"use block_k 128 or 256")
+    if K % c.block_k:
+        return f"K={K} is not a multiple of block_k={c.block_k}: use a block_k that divides it"
+    return why_not_grid(c, M, K, K // c.block_k, MAX_SPLIT_K)
+
+
+def why_not_supported(config: W4FragConfig, M: int, N: int, K: int, dtype: torch.dtype,
+                      out_dtype: torch.dtype) -> str | None:
+    """``why_not_fits``, the output (x's dtype), and whether the kernel can run here."""
+    if out_dtype != dtype:
+        return f"the register-direct MXFP4 kernel writes x's dtype ({dtype}), not {out_dtype}"
+    return why_not_here("register-direct MXFP4 kernel") or why_not_fits(config, M, N, K, dtype)
+
+
+# Programs per SM the splits aim at (a program streams 64 rows x BLOCK_K / 2 bytes a step).
+_PROGRAMS_PER_SM = (1, 2, 4, 8)
+
+
+def candidates(M: int, N: int, K: int, dtype: torch.dtype, num_sms: int | None = None,
+               pdl: int = PDL_OFF, packed: bool = False) -> list[W4FragConfig]:
+    """The configs to tune one shape with, for M <= 32, for w as quantised or (``packed``) as
+    ``mxfp4.prepack`` stores it: block_m covering M; each block_k of 64-256 (packed: 128-256)
+    dividing K (32 where none does); K split to reach each of ``_PROGRAMS_PER_SM``; without PDL
+    and with ``pdl``; split sums in order and added. Only configs that fit."""
+    if M > BLOCK_MS[-1] or dtype != torch.bfloat16:
+        return []
+    num_sms = num_sms or _checks.sm_count()
+    bm = next(b for b in BLOCK_MS if b >= M)
+    steps = [bk for bk in BLOCK_KS[1:] if K % bk == 0 and bk % (
+        mxfp4.PACK_GROUP if packed else 1) == 0] or ([] if packed else [BLOCK_KS[0]])
+    found = {}
+    for bk in steps:
+        tiles = triton.cdiv(N, BLOCK_N) * triton.cdiv(M, bm)
+        for per_sm in _PROGRAMS_PER_SM:
+            split = split_for(tiles, K // bk, per_sm * num_sms, MAX_SPLIT_K)
+            for mode in sorted({PDL_OFF, pdl}):
+                for add in sorted({0, int(split > 1)}):
+                    cfg = W4FragConfig(bm, bk, split, mode, add, int(packed))
+                    if why_not_fits(cfg, M, N, K, dtype) is None:
+                        found[cfg] = None
+    return list(found)
+
+
+def default_config(M: int, N: int, K: int, dtype: torch.dtype,
+                   num_sms: int | None = None) -> W4FragConfig:
+    """Reasonable untuned: 128 of K a step where it divides K (else 32), K split until there
+    are 4 programs per SM."""
+    num_sms = num_sms or _checks.sm_count()
+    bm = next((b for b in BLOCK_MS if b >= M), BLOCK_MS[-1])
+    bk = 128 if K % 128 == 0 else 32
+    tiles = triton.cdiv(N, BLOCK_N) * triton.cdiv(M, bm)
+    return W4FragConfig(bm, bk, split_for(tiles, max(1, K // bk), 4 * num_sms, MAX_SPLIT_K))
+
+
+@gluon.jit
+def _e8m0_to_fp32(byte):
+    """2^(byte - 127) in fp32 for E8M0 scale bytes (int32): byte 0 is 2^-127 (subnormal), 255
+    NaN."""
+    power = (byte << 23).to(gl.float32, bitcast=True)
+    power = gl.where(byte == 0, 5.877471754111438e-39, power)
+    return gl.where(byte == 255, float("nan"), power)
+
+
+@gluon.jit
+def _add_block(acc, codes, scale_byte, x_ptrs, block, x_mask, a_layout: gl.constexpr):
+    """``acc`` plus one 32-element scale block's product: ``codes`` (64, 16) bytes in the code
+    layout, ``scale_byte`` (64,) int32, x's block loaded here."""
+    x = gl.load(x_ptrs + block.to(gl.int64) * _BLOCK, mask=x_mask, other=0.0)
+    w = gl.convert_layout(gl.fp4_to_fp(codes, gl.bfloat16, axis=1), a_layout,
+                          assert_trivial=True)
+    # From zero per block: the block's scale multiplies its product exactly in fp32.
+    product = mma_v2(w, x, gl.zeros_like(acc))
+    return acc + product * _e8m0_to_fp32(scale_byte)[:, None]
+
+
+@gluon.jit
+def _packed_blocks(words, w_layout: gl.constexpr):
+    """The 4 blocks' code tensors (64, 16) in ``w_layout`` of a packed group ``words`` (64, 64):
+    stored byte 16 t + 4 j + i is byte 4 t + i of block j (``mxfp4.prepack``). Each step here
+    moves registers only (the conversions are checked trivial)."""
+    q = gl.permute(gl.reshape(words, [_BN, 4, 4, 4]), [0, 1, 3, 2])  # (row, t, i, j)
+    even, odd = gl.split(gl.reshape(q, [_BN, 16, 2, 2]))  # j's low bit
+    b0, b2 = gl.split(even)
+    b1, b3 = gl.split(odd)
+    return (gl.convert_layout(b0, w_layout, assert_trivial=True),
+            gl.convert_layout(b1, w_layout, assert_trivial=True),
+            gl.convert_layout(b2, w_layout, assert_trivial=True),
+            gl.convert_layout(b3, w_layout, assert_trivial=True))
+
+
+@gluon.jit(do_not_specialize=["M"])
+def gemm_w4frag_kernel(
+    x_ptr,  # (M, K) bf16, K contiguous
+    # (N, K // 2) uint8: two E2M1 codes a byte, the lower-index one in the low nibble; PACKED:
+    # each row's 64-byte groups as mxfp4.prepack stores them
+    wq_ptr,
+    ws_ptr,  # (N, K // 32) uint8: E8M0 scales
+    y_ptr,  # (M, N)
+    bias_ptr,  # (N,) or unused
+    # (tiles, SPLIT_K, BLOCK_M, 64) fp32, or with ADD_SPLITS (tiles, BLOCK_M, 64) zeroed and
+    # left zero; unused unless SPLIT_K > 1
+    part_ptr,
+    count_ptr,  # (tiles,) int32, zero on entry and left zero; unused unless SPLIT_K > 1
+    M, N, K,
+    stride_xm, stride_wn, stride_sn, stride_ym, stride_bias,
+    HAS_BIAS: gl.constexpr, SPLIT_K: gl.constexpr, BLOCK_M: gl.constexpr,
+    BLOCK_K: gl.constexpr, PDL: gl.constexpr, PER_LOAD: gl.constexpr,
+    ADD_SPLITS: gl.constexpr, PACKED: gl.constexpr,
+):
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[_WARPS, 1],
+                                                  instr_shape=[16, 8])
+    # The code bytes 4 consecutive a thread and row: fp4_to_fp makes them the A operand's 8
+    # consecutive bf16; x's B operand takes the same K order.
+    w_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=4)
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=8)
+    b_layout: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=8)
+    # A packed group (64 rows, 64 stored bytes): each thread's 16 contiguous bytes (its word of
+    # each of 4 blocks) of rows g and g + 8, as w_layout places rows (lane = 4 g + t).
+    group_layout: gl.constexpr = gl.DistributedLinearLayout(
+        reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [8, 0]],
+        lane_bases=[[0, 16], [0, 32], [1, 0], [2, 0], [4, 0]],
+        warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[64, 64])
+    BLOCKS: gl.constexpr = BLOCK_K // _BLOCK
+    pid_n = gl.program_id(0)
+    split = gl.program_id(1)
+    pid_m = gl.program_id(2)
+    k_steps = K // BLOCK_K
+    step_lo = split * k_steps // SPLIT_K
+    step_hi = (split + 1) * k_steps // SPLIT_K
+    if PDL:
+        # Let the next kernel's grid be scheduled now, then wait for the previous one before
+        # touching x (it may have written it).
+        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [],
+                                  dtype=gl.int32, is_pure=False, pack=1)
+        gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32,
+                                  is_pure=False, pack=1)
+
+    # Rows past N read row 0 (their outputs are never stored): no mask in the loop.
+    if PACKED:
+        n = pid_n * _BN + gl.arange(0, _BN, layout=gl.SliceLayout(1, group_layout))
+        w_ptrs = wq_ptr + gl.where(n < N, n, 0).to(gl.int64)[:, None] * stride_wn \
+            + gl.arange(0, 64, layout=gl.SliceLayout(0, group_layout))[None, :]
+    else:
+        n = pid_n * _BN + gl.arange(0, _BN, layout=gl.SliceLayout(1, w_layout))
+        w_ptrs = wq_ptr + gl.where(n < N, n, 0).to(gl.int64)[:, None] * stride_wn \
+            + gl.arange(0, _BLOCK // 2, layout=gl.SliceLayout(0, w_layout))[None, :]
+    # A step's scale bytes of a row load together, up to 4 (one 32-bit word) at once.
+    SCALE_BYTES: gl.constexpr = 4 if BLOCKS >= 4 else BLOCKS
+    word_type: gl.constexpr = gl.int32 if SCALE_BYTES == 4 else (
+        gl.int16 if SCALE_BYTES == 2 else gl.uint8)
+    sn = pid_n * _BN + gl.arange(0, _BN, layout=gl.SliceLayout(1, mma))
+    s_ptrs = ws_ptr.to(gl.pointer_type(word_type)) \
+        + gl.where(sn < N, sn, 0).to(gl.int64) * (stride_sn // SCALE_BYTES)
+    xm = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, b_layout))
+    x_ptrs = x_ptr + xm.to(gl.int64)[None, :] * stride_xm \
+        + gl.arange(0, _BLOCK, layout=gl.SliceLayout(1, b_layout))[:, None]
+    x_mask = (xm < M)[None, :]
+    acc = gl.zeros([_BN, BLOCK_M], gl.float32, layout=mma)
+    for step in range(step_lo, step_hi):
+        for g in gl.static_range(BLOCKS // SCALE_BYTES):
+            group = step * (BLOCKS // SCALE_BYTES) + g
+            word = gl.load(s_ptrs + group).to(gl.int32)
+            if PACKED:  # SCALE_BYTES is 4: one 64-byte group of 4 blocks a row, one load
+                b0, b1, b2, b3 = _packed_blocks(gl.load(w_ptrs + group.to(gl.int64) * 64),
+                                                w_layout)
+                acc = _add_block(acc, b0, word & 0xFF, x_ptrs, group * 4, x_mask, a_layout)
+                acc = _add_block(acc, b1, (word >> 8) & 0xFF, x_ptrs, group * 4 + 1, x_mask,
+                                 a_layout)
+                acc = _add_block(acc, b2, (word >> 16) & 0xFF, x_ptrs, group * 4 + 2, x_mask,
+                                 a_layout)
+                acc = _add_block(acc, b3, (word >> 24) & 0xFF, x_ptrs, group * 4 + 3, x_mask,
+                                 a_layout)
+            else:
+                for j in gl.static_range(SCALE_BYTES):
+                    block = group * SCALE_BYTES + j
+                    codes = gl.load(w_ptrs + block.to(gl.int64) * (_BLOCK // 2))
+                    acc = _add_block(acc, codes, (word >> (8 * j)) & 0xFF, x_ptrs, block,
+                                     x_mask, a_layout)
+
+    finish_tile(acc, pid_n, split, pid_m, y_ptr, bias_ptr, x_ptr, x_ptr, part_ptr, count_ptr,
+                M, N, stride_ym, 1, stride_bias, HAS_BIAS, 0, 0, SPLIT_K, BLOCK_M, PER_LOAD,
+                ADD_SPLITS)
+
+
+def w4frag_call(x, w, bias, out, scale_a, scale_b, config: W4FragConfig,
+                counters: torch.Tensor | None = None, warmup: bool = False,
+                block_scales: bool = False) -> KernelCall:
+    """The launch of ``launch_gemm_w4frag`` as data (what a dispatch plan records and
+    replays): x (M, K) bf16, w the packed codes (N, K // 2), scale_b their scales (N, K // 32),
+    out (M, N); scale_a None."""
+    M, K = x.shape
+    N = w.shape[0]
+    x = x if x.stride(1) == 1 else x.contiguous()
+    # Each thread reads 4 bytes of a row at once: rows 4-byte aligned, bytes contiguous.
+    w = w if w.stride(1) == 1 and w.stride(0) % 4 == 0 else w.contiguous()
+    # A step's scale bytes of a row load as one word of up to 4 bytes: aligned to it.
+    word = min(4, config.block_k // mxfp4.BLOCK)
+    if scale_b.stride(1) != 1 or scale_b.stride(0) % word or scale_b.data_ptr() % word:
+        scale_b = scale_b.contiguous()
+    bias = bias if bias is None or bias.stride(0) == 1 else bias.contiguous()
+    c = config
+    n_tiles, m_tiles = triton.cdiv(N, BLOCK_N), triton.cdiv(M, c.block_m)
+    parts, counters, per_call = workspace(x, out, n_tiles * m_tiles, BLOCK_N * c.block_m,
+                                          c.split_k, counters, warmup, bool(c.add_splits))
+    pdl = c.pdl if pdl_supported(x.device) else PDL_OFF
+    args = (x, w, scale_b, out, bias if bias is not None else x, parts, counters, M, N, K,
+            x.stride(0), w.stride(0), scale_b.stride(0), out.stride(0),
+            bias.stride(0) if bias is not None else 0)
+    constexprs = dict(HAS_BIAS=bias is not None, SPLIT_K=c.split_k, BLOCK_M=c.block_m,
+                      BLOCK_K=c.block_k, PDL=pdl != PDL_OFF,
+                      PER_LOAD=min(c.split_k, partials_per_load(c.block_m)),
+                      ADD_SPLITS=bool(c.add_splits), PACKED=bool(c.packed))
+    return KernelCall(gemm_w4frag_kernel, (n_tiles, c.split_k, m_tiles), args, constexprs,
+                      dict(num_warps=NUM_WARPS), launch_pdl=pdl != PDL_OFF,
+                      replayable=not per_call)
+
+
+def launch_gemm_w4frag(x, w, bias, out, scale_a, scale_b, config: W4FragConfig,
+                       counters: torch.Tensor | None = None, warmup: bool = False,
+                       block_scales: bool = False) -> torch.Tensor:
+    """The launch alone, for callers that validated once per shape (dispatch plans): ``out``
+    (M, N) with M, N > 0, its column stride 1."""
+    launch(w4frag_call(x, w, bias, out, scale_a, scale_b, config, counters, warmup), warmup)
+    return out
+
+
+def gemm_w4frag(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
+                bias: torch.Tensor | None = None, config: W4FragConfig | None = None,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ dequant_mxfp4(wq, w_scale).T + bias`` in bf16: x (M, K) bf16, wq (N, K // 2) and
+    w_scale (N, K // 32) uint8 as ``gemmtune.quant.mxfp4`` makes them, bias (N,). Validates
+    everything, then launches."""
+    if x.dim() != 2:
+        raise ValueError(f"gemm_w4frag: expected x (M, K), got {tuple(x.shape)}")
+    check_operands("gemm_w4frag", x, wq, w_scale, bias)
+    M, K = x.shape
+    N = wq.shape[0]
+    if out is not None and (out.shape != (M, N) or out.dtype != x.dtype or out.stride(1) != 1):
+        raise ValueError(f"gemm_w4frag: out must be ({M}, {N}) {x.dtype} with unit column "
+                         f"stride; got {tuple(out.shape)} {out.dtype} strides {out.stride()}")
+    config = config or default_config(M, N, K, x.dtype)
+    why = why_not_supported(config, M, N, K, x.dtype, x.dtype)
+    if why is not None:
+        raise ValueError(f"gemm_w4frag: {config.name} cannot run (M={M}, N={N}, K={K}): {why}")
+    if out is None:
+        out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    if not M or not N:
+        return out
+    return launch_gemm_w4frag(x, wq, bias, out, None, w_scale, config)
+
+
+def gemm_w4frag_scaled(x, w, bias, out_dtype, scale_a, scale_b,
+                       config: W4FragConfig | None = None,
+                       out: torch.Tensor | None = None) -> torch.Tensor:
+    """``gemm_w4frag`` called as every kernel module's validating launcher is: w the codes,
+    scale_b their scales, scale_a None, the output in x's dtype."""
+    if scale_b is None or scale_a is not None:
+        raise ValueError("gemm_w4frag: an MXFP4 weight brings its own scales (scale_b) and bf16 "
+                         "x none (scale_a None)")
+    if out_dtype not in (None, x.dtype):
+        raise TypeError(f"gemm_w4frag: the output is in x's dtype ({x.dtype}), not {out_dtype}")
+    return gemm_w4frag(x, w, scale_b, bias, config, out)

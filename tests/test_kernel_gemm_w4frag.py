@@ -1,0 +1,148 @@
+"""The register-direct MXFP4-weight kernel (``gemm_w4frag``, Gluon, Hopper only): bf16 x @
+dequant(wq, w_scale).T + bias.
+
+On the CPU: its names, constraints and candidates (tests/test_kernels_compile_for_hopper.py
+compiles it for sm_90). On a GPU: against the fp32 product of x and the dequantised weight at
+ragged sizes, every block_k and block_m, split sums in order and added, PDL, bias, with fresh
+random data and NaN-poisoned outputs; every code at every scale byte bit for bit.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gemm_checks import DEVICE, assert_matches_reference, generator, randn
+from gemmtune import quant
+from gemmtune.kernels.triton._splits import PDL_WAIT
+from gemmtune.kernels.triton.gemm_w4frag import (W4FragConfig, candidates, default_config,
+                                                 gemm_w4frag, why_not_fits, why_not_supported)
+
+on_hopper = pytest.mark.skipif(
+    not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)),
+    reason="Gluon kernel for Hopper (sm_90)")
+
+
+def _operands(M, N, K, gen, with_bias):
+    x = randn(M, K, gen=gen).to(torch.bfloat16)
+    # Rows of different magnitudes, so the blocks' scales differ along N and K.
+    w = randn(N, K, gen=gen) * torch.logspace(-3, 1, K // 32, device=DEVICE).repeat_interleave(32)
+    wq, w_scale = quant.mxfp4(w)
+    bias = randn(N, gen=gen).to(torch.bfloat16) if with_bias else None
+    return x, wq, w_scale, bias
+
+
+def test_names_round_trip():
+    cfg = W4FragConfig(8, 128, 4)
+    assert cfg.name == "triton.w4frag:BM8.BK128.SK4"
+    added = W4FragConfig(16, 256, 8, PDL_WAIT, 1)
+    assert added.name == "triton.w4frag:BM16.BK256.SK8.P1.R1"
+    packed = W4FragConfig(8, 128, 4, packed=1)
+    assert packed.name == "triton.w4frag:BM8.BK128.SK4.P0.R0.L1"
+    assert W4FragConfig.from_name(packed.name) == packed
+    assert W4FragConfig.from_name(cfg.name) == cfg
+    assert W4FragConfig.from_name(added.name) == added
+
+
+@pytest.mark.parametrize("config, M, K, dtype, says", [
+    (W4FragConfig(8, 128, 1), 1, 256, torch.float16, "takes bf16 x"),
+    (W4FragConfig(64, 128, 1), 1, 256, torch.bfloat16, "block_m=64 must be one of"),
+    (W4FragConfig(8, 96, 1), 1, 192, torch.bfloat16, "block_k=96"),
+    (W4FragConfig(8, 128, 1), 1, 160, torch.bfloat16, "not a multiple of block_k=128"),
+    (W4FragConfig(8, 64, 5), 1, 256, torch.bfloat16, "split_k=5 must be in [1, 4]"),
+    (W4FragConfig(8, 64, 1, add_splits=1), 1, 256, torch.bfloat16, "needs split_k > 1"),
+    (W4FragConfig(8, 64, 2, pdl=2), 1, 256, torch.bfloat16, "pdl=2"),
+    (W4FragConfig(8, 64, 2, packed=1), 1, 256, torch.bfloat16, "use block_k 128 or 256"),
+])
+def test_configs_that_cannot_run_say_why(config, M, K, dtype, says):
+    assert says in why_not_fits(config, M, 256, K, dtype)
+
+
+def test_candidates_fit_cover_m_and_split_for_decode():
+    for M, N, K in ((1, 4096, 4096), (16, 2880, 2880), (32, 576, 7168)):
+        found = candidates(M, N, K, torch.bfloat16, num_sms=132, pdl=PDL_WAIT)
+        assert found and all(why_not_fits(c, M, N, K, torch.bfloat16) is None for c in found)
+        assert all(c.block_m >= M for c in found)
+        assert any(c.split_k > 1 and c.add_splits for c in found)
+        assert {c.pdl for c in found} == {0, PDL_WAIT}
+    assert candidates(33, 4096, 4096, torch.bfloat16, num_sms=132) == []
+    assert candidates(1, 4096, 4096, torch.float16, num_sms=132) == []
+    # 2912 = 91 x 32: no step of 64-256 divides it, so 32; 2880 = 45 x 64
+    assert {c.block_k for c in candidates(1, 2880, 2912, torch.bfloat16, num_sms=132)} == {32}
+    assert {c.block_k for c in candidates(1, 2880, 2880, torch.bfloat16, num_sms=132)} == {64}
+    assert why_not_fits(default_config(5, 4096, 2880, torch.bfloat16, num_sms=132), 5, 4096,
+                        2880, torch.bfloat16) is None
+    packed = candidates(1, 4096, 4096, torch.bfloat16, num_sms=132, packed=True)
+    assert packed and all(c.packed and c.block_k in (128, 256) for c in packed)
+    assert candidates(1, 2880, 2880, torch.bfloat16, num_sms=132, packed=True) == []
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="says why where it cannot run")
+def test_refuses_to_run_where_it_cannot():
+    why = why_not_supported(W4FragConfig(8, 128, 1), 1, 64, 128, torch.bfloat16, torch.bfloat16)
+    assert why is not None and ("interpreter" in why or "Hopper" in why)
+    assert "writes x's dtype" in why_not_supported(W4FragConfig(8, 128, 1), 1, 64, 128,
+                                                   torch.bfloat16, torch.float32)
+
+
+@on_hopper
+@pytest.mark.gpu
+@pytest.mark.parametrize("M, N, K, config", [
+    (1, 70, 128, W4FragConfig(8, 128, 1)),           # N ragged, one step
+    (5, 200, 2880, W4FragConfig(8, 32, 6)),          # K in 32-blocks, split 6 ways
+    (8, 64, 512, W4FragConfig(8, 64, 4, PDL_WAIT)),  # PDL
+    (13, 130, 1024, W4FragConfig(16, 256, 2, 0, 1)),  # added splits
+    (20, 96, 768, W4FragConfig(32, 128, 3)),          # BLOCK_M 32, split 3 (uneven steps)
+    (40, 64, 256, W4FragConfig(16, 128, 2, 0, 1)),    # x's rows in 3 blocks, added splits
+    (3, 70, 1024, W4FragConfig(8, 128, 3, packed=1)),  # packed w, split 3 (uneven steps)
+    (17, 200, 768, W4FragConfig(32, 256, 1, PDL_WAIT, packed=1)),  # packed, 2 groups a step
+    (8, 64, 2048, W4FragConfig(8, 256, 4, 0, 1, 1)),  # packed, added splits
+])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_gpu_matches_the_dequantised_reference(M, N, K, config, with_bias):
+    gen = generator(M * 1000 + N + K)
+    x, wq, w_scale, bias = _operands(M, N, K, gen, with_bias)
+    codes = quant.prepack_mxfp4(wq, w_scale)[0] if config.packed else wq
+    out = torch.full((M, N), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    for _ in range(2):  # twice: the split's sums and counters are left as they were found
+        y = gemm_w4frag(x, codes, w_scale, bias, config, out=out)
+        assert y.data_ptr() == out.data_ptr()
+        assert_matches_reference(y, x, quant.dequant_mxfp4(wq, w_scale), bias)
+
+
+@on_hopper
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", [W4FragConfig(32, 64, 1), W4FragConfig(32, 128, 1, packed=1)])
+def test_gpu_every_code_at_every_scale_byte_exactly(config):
+    """Row n of w has scale byte n (0-255) on all its blocks and the 16 codes over and over,
+    each block's codes shifted by its index; x is the identity, so y is w dequantised, rounded
+    once to bf16: equal to the reference bit for bit, 2^-127's multiples, infinities
+    (6 x 2^127) and the NaN row (byte 255) included; packed too."""
+    K = config.block_k
+    codes = (torch.arange(K, device=DEVICE) + torch.arange(K, device=DEVICE) // 32) % 16
+    wq = (codes[0::2] | (codes[1::2] << 4)).to(torch.uint8).repeat(256, 1)
+    w_scale = torch.arange(256, device=DEVICE).to(torch.uint8)[:, None].repeat(1, K // 32)
+    x = torch.eye(K, dtype=torch.bfloat16, device=DEVICE)
+    stored = quant.prepack_mxfp4(wq, w_scale)[0] if config.packed else wq
+    y = gemm_w4frag(x, stored, w_scale, None, config)
+    want = quant.dequant_mxfp4(wq, w_scale).T.to(torch.bfloat16)
+    torch.testing.assert_close(y, want, rtol=0, atol=0, equal_nan=True)
+
+
+@on_hopper
+@pytest.mark.gpu
+def test_gpu_real_sizes_and_default_config():
+    for M, N, K in ((1, 4096, 4096), (16, 1280, 8192), (32, 2880, 2880)):
+        gen = generator(M + N)
+        x, wq, w_scale, bias = _operands(M, N, K, gen, True)
+        y = gemm_w4frag(x, wq, w_scale, bias)
+        assert_matches_reference(y, x, quant.dequant_mxfp4(wq, w_scale), bias)
+
+
+def test_bad_arguments_say_what_is_wrong():
+    x = torch.zeros(4, 64, dtype=torch.bfloat16, device=DEVICE)
+    wq, w_scale = quant.mxfp4(torch.ones(8, 64, device=DEVICE))
+    with pytest.raises(ValueError, match=r"needs wq \(N, 32\)"):
+        gemm_w4frag(x, wq[:, :16], w_scale)
+    with pytest.raises(ValueError, match="out must be"):
+        gemm_w4frag(x, wq, w_scale, out=torch.empty(4, 8, device=DEVICE))
