@@ -189,7 +189,7 @@ def test_packed_needs_k_a_multiple_of_128_and_passes_gradients():
     packed, _ = quant.prepack_mxfp4(wq, ws)
     x.requires_grad_(True)
     gemmtune.gemm_a16w4(x, packed, ws, bias, packed=True).float().sum().backward()
-    want = torch.ones(3, 40) @ quant.dequant_mxfp4(wq, ws)
+    want = torch.ones(3, 40, device=DEVICE) @ quant.dequant_mxfp4(wq, ws)
     torch.testing.assert_close(x.grad.float(), want, rtol=2e-2, atol=2e-2)
 
 

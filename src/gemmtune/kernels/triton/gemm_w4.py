@@ -106,25 +106,25 @@ DECODE_M = 64
 
 def candidates(M: int, N: int, K: int, dtype: torch.dtype,
                num_sms: int | None = None) -> list[W4Config]:
-    """The configs to tune one shape with (a first space, untimed: docs/benchmarks.md, session
-    22): x's rows in the smallest block that takes M (16-128), 32-128 rows of w, 128-256 of K a
-    step (64-128 bytes of each row of w), 4 or 8 warps, 3 or 4 stages; for decode (M <=
-    DECODE_M) also K split to reach each of ``_PROGRAMS_PER_SM``. Only configs that fit."""
+    """The configs to tune one shape with: x's rows in the smallest block that takes M
+    (16-128), 64 or 128 rows of w, 128 or 256 of K a step, 4 warps (8 for 128 x 128 tiles), 3
+    stages; for decode (M <= DECODE_M) also K split to reach each of ``_PROGRAMS_PER_SM``.
+    Each step through ``tl.dot_scaled`` (DS1) for bf16 and MXFP4 x, per scale block (DS0) for
+    fp16 x: on the H100 DS1 took 0.25-0.55 of DS0's time at every shape timed, and w as the
+    left operand (SW1) never won (docs/benchmarks.md, session 23). Only configs that fit."""
     bm = min(128, max(16, triton.next_power_of_2(M)))
     num_sms = num_sms or _checks.sm_count()
+    dot_scaled = int(dtype != torch.float16)
     found = {}
-    for bn in (32, 64, 128):
+    for bn in (64, 128):
         for bk in (128, 256):
             tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
             k_steps = triton.cdiv(K, bk)
             splits = {1} | ({split_for(tiles, k_steps, per_sm * num_sms)
                              for per_sm in _PROGRAMS_PER_SM} if M <= DECODE_M else set())
-            for warps in (4, 8):
-                if bm * bn > 64 * 128 and warps == 4:
-                    continue
-                for stages in (3, 4):
-                    for split in sorted(splits):
-                        found[W4Config(bm, bn, bk, warps, stages, split)] = None
+            warps = 8 if bm * bn > 64 * 128 else 4
+            for split in sorted(splits):
+                found[W4Config(bm, bn, bk, warps, 3, split, dot_scaled)] = None
     return [c for c in found if why_not_fits(c, M, N, K, dtype) is None]
 
 
