@@ -31,9 +31,9 @@ def test_names_round_trip():
     assert W4Config.from_name(cfg.name) == cfg
     split = W4Config(16, 64, 128, 4, 3, 4)
     assert split.name == "triton.w4:BM16.BN64.BK128.W4.S3.SK4"
-    both = W4Config(16, 64, 128, 4, 3, 4, dot_scaled=1, swapped=1)
-    assert both.name == "triton.w4:BM16.BN64.BK128.W4.S3.SK4.DS1.SW1"
-    assert W4Config.from_name(both.name) == both
+    scaled = W4Config(16, 64, 128, 4, 3, 4, dot_scaled=1)
+    assert scaled.name == "triton.w4:BM16.BN64.BK128.W4.S3.SK4.DS1"
+    assert W4Config.from_name(scaled.name) == scaled
     assert W4Config.from_name(split.name) == split
 
 
@@ -57,7 +57,7 @@ def test_candidates_fit_and_split_k_for_decode(M, N, K):
     (W4Config(16, 64, 128, 3, 3), 128, torch.bfloat16, "num_warps=3"),
     (W4Config(16, 64, 64, 4, 3, 3), 128, torch.bfloat16, "split_k=3 must be in [1, 2]"),
     (W4Config(16, 64, 64, 4, 3, dot_scaled=1), 128, torch.float16, "would round fp16 x"),
-    (W4Config(16, 64, 64, 4, 3, swapped=2), 128, torch.bfloat16, "must be 0 or 1"),
+    (W4Config(16, 64, 64, 4, 3, dot_scaled=2), 128, torch.bfloat16, "must be 0 or 1"),
 ])
 def test_configs_that_cannot_run_say_why(config, K, dtype, says):
     assert says in why_not_fits(config, 16, 64, K, dtype)
@@ -81,14 +81,14 @@ def test_matches_the_dequantised_reference(M, N, K, config, dtype, with_bias):
     assert_matches_reference(y, x, quant.dequant_mxfp4(wq, w_scale), bias)
 
 
-@pytest.mark.parametrize("M, N, K, config, dtype", [
-    (5, 70, 160, W4Config(16, 64, 64, 4, 2, swapped=1), torch.float16),  # ragged K and N
-    (3, 40, 160, W4Config(16, 32, 64, 4, 2, 3, dot_scaled=1), torch.bfloat16),  # split 3 ways
-    (20, 70, 128, W4Config(16, 64, 64, 4, 1, 2, dot_scaled=1, swapped=1), torch.bfloat16),
+@pytest.mark.parametrize("M, N, K, config", [
+    (5, 70, 160, W4Config(16, 64, 64, 4, 2, dot_scaled=1)),  # ragged K and N
+    (3, 40, 160, W4Config(16, 32, 64, 4, 2, 3, dot_scaled=1)),  # split 3 ways
+    (20, 70, 128, W4Config(16, 64, 64, 4, 1, 2, dot_scaled=1)),  # split, several N tiles
 ])
-def test_dot_scaled_and_swapped_match_the_reference(M, N, K, config, dtype):
-    """Each step one ``tl.dot_scaled`` (DS1), and w the left operand (SW1: y.T = w @ x.T),
-    alone and together, split and not."""
+def test_dot_scaled_matches_the_reference(M, N, K, config):
+    """Each step one ``tl.dot_scaled`` (DS1, bf16 x), split and not."""
+    dtype = torch.bfloat16
     gen = generator(M * 1000 + N + K + 1)
     x, wq, w_scale, bias = _operands(M, N, K, dtype, gen, True)
     out = torch.full((M, N), float("nan"), dtype=dtype, device=DEVICE)
@@ -112,7 +112,7 @@ def test_strided_x_and_output():
 
 @pytest.mark.parametrize("dtype, config", [
     (torch.bfloat16, W4Config(16, 64, 64, 4, 1)), (torch.float16, W4Config(16, 64, 64, 4, 1)),
-    (torch.bfloat16, W4Config(16, 64, 64, 4, 1, dot_scaled=1, swapped=1))])
+    (torch.bfloat16, W4Config(16, 64, 64, 4, 1, dot_scaled=1))])
 def test_every_code_at_every_scale_byte_exactly(dtype, config):
     """Row n of w has scale byte n (0-255) on both its blocks and the 16 codes over and over;
     x is the identity, so y is w dequantised, rounded once to x's dtype: equal to the reference

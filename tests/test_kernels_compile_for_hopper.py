@@ -406,14 +406,17 @@ W4_SCRIPT = textwrap.dedent("""
     from gemmtune.kernels.triton import gemm_w4
 
     names = list(inspect.signature(gemm_w4.gemm_w4_kernel.fn).parameters)
-    # (x's dtype, blocks, the MMA expected); "u8": x in MXFP4 too (its fp16 codes multiplied)
-    for dtype, (bm, bn, bk), mma in (("bf16", (16, 64, 128), "mma.sync"),
-                                     ("fp16", (64, 128, 64), "wgmma.mma_async"),
-                                     ("u8", (16, 64, 128), "mma.sync"),
-                                     ("u8", (64, 128, 64), "wgmma.mma_async")):
+    # (x's dtype, blocks, tl.dot_scaled, the MMA expected); "u8": x in MXFP4 too (its fp16
+    # codes multiplied, or both decoded by tl.dot_scaled)
+    for dtype, (bm, bn, bk), ds, mma in (("bf16", (16, 64, 128), 0, "mma.sync"),
+                                         ("fp16", (64, 128, 64), 0, "wgmma.mma_async"),
+                                         ("u8", (16, 64, 128), 0, "mma.sync"),
+                                         ("u8", (64, 128, 64), 0, "wgmma.mma_async"),
+                                         ("bf16", (16, 64, 128), 1, "wgmma.mma_async"),
+                                         ("u8", (16, 64, 256), 1, "mma.sync")):
         split_k = 4 if bm == 16 else 1
         constexprs = dict(HAS_BIAS=True, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split_k,
-                          SPLIT_CHUNK=2, X_MXFP4=dtype == "u8")
+                          SPLIT_CHUNK=2, X_MXFP4=dtype == "u8", DOT_SCALED=bool(ds))
         out = "bf16" if dtype == "u8" else dtype
         pointers = {"x_ptr": f"*{dtype}", "wq_ptr": "*u8", "ws_ptr": "*u8", "xs_ptr": "*u8",
                     "bias_ptr": f"*{out}", "y_ptr": f"*{out}", "part_ptr": "*fp32",
@@ -425,7 +428,9 @@ W4_SCRIPT = textwrap.dedent("""
                                 target=GPUTarget("cuda", 90, 128),
                                 options={"num_warps": 4, "num_stages": 3})
         # The dequantised tile goes to the tensor cores: mma.sync for 16 rows of x, the
-        # warpgroup MMA from 64; a split's counter only where K is split.
+        # warpgroup MMA from 64 (and for bf16 x through tl.dot_scaled, which makes the decoded
+        # w the warpgroup MMA's left operand even at 16 rows); a split's counter only where K
+        # is split.
         assert mma in kernel.asm["ptx"], (dtype, bm)
         assert ("atom.global" in kernel.asm["ptx"]) == (split_k > 1)
     print("ok")
@@ -434,8 +439,8 @@ W4_SCRIPT = textwrap.dedent("""
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the kernel's own tests run it")
 def test_mxfp4_weight_kernel_compiles_for_hopper():
-    """gemm_w4 (MXFP4 weights dequantised in registers) builds for sm_90 in bf16 and fp16, its
-    dot on the tensor cores."""
+    """gemm_w4 (MXFP4 weights dequantised in registers) builds for sm_90 in bf16 and fp16, and
+    through tl.dot_scaled, its dot on the tensor cores."""
     compiles_for_hopper(W4_SCRIPT)
 
 

@@ -43,7 +43,7 @@ class W4Config(NamedConfig):
     NAME_CODEC = NameCodec("MXFP4-weight config", KERNEL_PREFIX, (
         Field("BM", "block_m"), Field("BN", "block_n"), Field("BK", "block_k"),
         Field("W", "num_warps"), Field("S", "num_stages"), Field("SK", "split_k", default=1),
-        Field("DS", "dot_scaled", default=0), Field("SW", "swapped", default=0)))
+        Field("DS", "dot_scaled", default=0)))
 
     block_m: int
     block_n: int
@@ -54,9 +54,6 @@ class W4Config(NamedConfig):
     # 1: each step is one ``tl.dot_scaled`` (Triton's own E2M1 upcast to bf16, scales applied in
     # bf16: exact); 0: one dot per 32-element block, its scale applied in fp32 after it
     dot_scaled: int = 0
-    # 1: y.T = w @ x.T, w's rows the MMA's M side (Hopper's MMA then takes the decoded w from
-    # registers, x from shared memory); 0: y = x @ w.T
-    swapped: int = 0
 
 
 def why_not_fits(config: W4Config, M: int, N: int, K: int, dtype: torch.dtype) -> str | None:
@@ -73,8 +70,8 @@ def why_not_fits(config: W4Config, M: int, N: int, K: int, dtype: torch.dtype) -
     why = mxfp4.why_not_quantisable(K)
     if why is not None:
         return why
-    if c.dot_scaled not in (0, 1) or c.swapped not in (0, 1):
-        return f"dot_scaled={c.dot_scaled} and swapped={c.swapped} must be 0 or 1"
+    if c.dot_scaled not in (0, 1):
+        return f"dot_scaled={c.dot_scaled} must be 0 or 1"
     if c.dot_scaled and dtype == torch.float16:
         return ("dot_scaled=1 takes bf16 or MXFP4 x: tl.dot_scaled multiplies in bf16, which "
                 "would round fp16 x; use a dot_scaled=0 config")
@@ -110,8 +107,8 @@ def candidates(M: int, N: int, K: int, dtype: torch.dtype,
     (16-128), 64 or 128 rows of w, 128 or 256 of K a step, 4 warps (8 for 128 x 128 tiles), 3
     stages; for decode (M <= DECODE_M) also K split to reach each of ``_PROGRAMS_PER_SM``.
     Each step through ``tl.dot_scaled`` (DS1) for bf16 and MXFP4 x, per scale block (DS0) for
-    fp16 x: on the H100 DS1 took 0.25-0.55 of DS0's time at every shape timed, and w as the
-    left operand (SW1) never won (docs/benchmarks.md, session 23). Only configs that fit."""
+    fp16 x: on the H100 DS1 took 0.25-0.55 of DS0's time at every shape timed
+    (docs/benchmarks.md, session 23). Only configs that fit."""
     bm = min(128, max(16, triton.next_power_of_2(M)))
     num_sms = num_sms or _checks.sm_count()
     dot_scaled = int(dtype != torch.float16)
@@ -195,39 +192,33 @@ def _scales_step(ptr, rows, step, R, K, stride, BLOCK_K: tl.constexpr):
 @triton.jit
 def _dot_scaled_step(acc, x_ptr, wq_ptr, ws_ptr, xs_ptr, rows_x, rows_w, step, M, N, K,
                      stride_xm, stride_wn, stride_sn, stride_xsm, BLOCK_K: tl.constexpr,
-                     X_MXFP4: tl.constexpr, SWAPPED: tl.constexpr):
+                     X_MXFP4: tl.constexpr):
     """``acc`` plus one K step's product through ``tl.dot_scaled``: Triton decodes the codes to
-    bf16 and applies their scales there (exact: a code has two significant bits, a scale is a
-    power of two within bf16's range), then multiplies on the tensor cores into fp32. SWAPPED:
-    acc is (BLOCK_N, BLOCK_M), w the left operand."""
+    bf16 and applies their scales there (exact, but for products below 2^-126 (scale bytes
+    0-2), which the GPU flushes to zero, and infinite weights (bytes 253-254, which no finite
+    weight quantises to), which meet x's zeros as NaN), then multiplies on the tensor cores
+    into fp32 (at 16 rows of x, Triton itself makes w the MMA's left operand)."""
     w = _codes_step(wq_ptr, rows_w, step, N, K, stride_wn, BLOCK_K)
     w_scale = _scales_step(ws_ptr, rows_w, step, N, K, stride_sn, BLOCK_K)
     if X_MXFP4:
         x = _codes_step(x_ptr, rows_x, step, M, K, stride_xm, BLOCK_K)
         x_scale = _scales_step(xs_ptr, rows_x, step, M, K, stride_xsm, BLOCK_K)
-        if SWAPPED:
-            acc = tl.dot_scaled(w, w_scale, "e2m1", tl.trans(x), x_scale, "e2m1", acc)
-        else:
-            acc = tl.dot_scaled(x, x_scale, "e2m1", tl.trans(w), w_scale, "e2m1", acc)
+        acc = tl.dot_scaled(x, x_scale, "e2m1", tl.trans(w), w_scale, "e2m1", acc)
     else:
         k = step * BLOCK_K + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + rows_x[:, None].to(tl.int64) * stride_xm + k[None, :],
                     mask=(rows_x < M)[:, None] & (k < K)[None, :], other=0.0)
-        if SWAPPED:
-            acc = tl.dot_scaled(w, w_scale, "e2m1", tl.trans(x), None, "bf16", acc)
-        else:
-            acc = tl.dot_scaled(x, None, "bf16", tl.trans(w), w_scale, "e2m1", acc)
+        acc = tl.dot_scaled(x, None, "bf16", tl.trans(w), w_scale, "e2m1", acc)
     return acc
 
 
 @triton.jit
 def _block_step(acc, x_ptr, wq_ptr, ws_ptr, xs_ptr, rows_x, rows_w, kb, M, N, K, stride_xm,
                 stride_wn, stride_sn, stride_xsm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                X_MXFP4: tl.constexpr, SWAPPED: tl.constexpr):
+                X_MXFP4: tl.constexpr):
     """``acc`` plus one 32-element scale block's product: its codes times x on the tensor cores
     (exact products, fp32 sums), then its scale in fp32. Dequantising to x's dtype first would
-    overflow or lose bits in fp16 beyond scales of 2^(+-13) or so. SWAPPED: acc is
-    (BLOCK_N, BLOCK_M)."""
+    overflow or lose bits in fp16 beyond scales of 2^(+-13) or so."""
     scale = _scales_block(ws_ptr, rows_w, kb, N, K, stride_sn)
     if X_MXFP4:
         x = _codes_block(x_ptr, rows_x, kb, M, K, stride_xm, BLOCK_M, tl.float16)
@@ -235,20 +226,14 @@ def _block_step(acc, x_ptr, wq_ptr, ws_ptr, xs_ptr, rows_x, rows_w, kb, M, N, K,
         x_scale = _scales_block(xs_ptr, rows_x, kb, M, K, stride_xsm)
         # The two scales' product first (2^(a + b - 254), exact while that is an fp32
         # number): one huge and one tiny scale must not overflow on the way.
-        if SWAPPED:
-            acc += tl.dot(codes, tl.trans(x)) * (scale[:, None] * x_scale[None, :])
-        else:
-            acc += tl.dot(x, tl.trans(codes)) * (x_scale[:, None] * scale[None, :])
+        acc += tl.dot(x, tl.trans(codes)) * (x_scale[:, None] * scale[None, :])
     else:
         k = kb * _BLOCK + tl.arange(0, _BLOCK)
         x = tl.load(x_ptr + rows_x[:, None].to(tl.int64) * stride_xm + k[None, :],
                     mask=(rows_x < M)[:, None] & (k < K)[None, :], other=0.0)
         codes = _codes_block(wq_ptr, rows_w, kb, N, K, stride_wn, BLOCK_N,
                              x_ptr.dtype.element_ty)
-        if SWAPPED:
-            acc += tl.dot(codes, tl.trans(x)) * scale[:, None]
-        else:
-            acc += tl.dot(x, tl.trans(codes)) * scale[None, :]
+        acc += tl.dot(x, tl.trans(codes)) * scale[None, :]
     return acc
 
 
@@ -258,7 +243,7 @@ def gemm_w4_kernel(x_ptr, wq_ptr, ws_ptr, xs_ptr, bias_ptr, y_ptr,
                    M, N, K, stride_xm, stride_wn, stride_sn, stride_xsm, stride_ym,
                    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, SPLIT_CHUNK: tl.constexpr,
-                   X_MXFP4: tl.constexpr, DOT_SCALED: tl.constexpr, SWAPPED: tl.constexpr):
+                   X_MXFP4: tl.constexpr, DOT_SCALED: tl.constexpr):
     """X_MXFP4: x is MXFP4 too (its codes at x_ptr, (M, K // 2) bytes, its scales at xs_ptr):
     both blocks' codes multiplied in fp16 (exact: products of E2M1 values and their sums of 32
     are), then scaled by the product of both scales in fp32 (exact while the scale bytes' sum
@@ -270,22 +255,17 @@ def gemm_w4_kernel(x_ptr, wq_ptr, ws_ptr, xs_ptr, bias_ptr, y_ptr,
     rows_x = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rows_w = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     k_steps = tl.cdiv(K, BLOCK_K)
-    if SWAPPED:
-        acc = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
-    else:
-        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for step in range(split * k_steps // SPLIT_K, (split + 1) * k_steps // SPLIT_K):
         if DOT_SCALED:
             acc = _dot_scaled_step(acc, x_ptr, wq_ptr, ws_ptr, xs_ptr, rows_x, rows_w, step, M,
                                    N, K, stride_xm, stride_wn, stride_sn, stride_xsm, BLOCK_K,
-                                   X_MXFP4, SWAPPED)
+                                   X_MXFP4)
         else:
             for b in tl.static_range(BLOCK_K // _BLOCK):
                 acc = _block_step(acc, x_ptr, wq_ptr, ws_ptr, xs_ptr, rows_x, rows_w,
                                   step * (BLOCK_K // _BLOCK) + b, M, N, K, stride_xm, stride_wn,
-                                  stride_sn, stride_xsm, BLOCK_M, BLOCK_N, X_MXFP4, SWAPPED)
-    if SWAPPED:
-        acc = tl.trans(acc)
+                                  stride_sn, stride_xsm, BLOCK_M, BLOCK_N, X_MXFP4)
     # The bias, the output's dtype and (split) the splits' sum: the split-K kernels' end, with
     # no scales (0: NO_SCALE).
     rows = tl.where(rows_x < M, rows_x, 0)
@@ -322,7 +302,7 @@ def w4_call(x, w, bias, out, scale_a, scale_b, config: W4Config,
     constexprs = dict(HAS_BIAS=bias is not None, BLOCK_M=c.block_m, BLOCK_N=c.block_n,
                       BLOCK_K=c.block_k, SPLIT_K=c.split_k,
                       SPLIT_CHUNK=split_chunk(c.block_m, c.block_n, c.num_warps),
-                      X_MXFP4=x_mxfp4, DOT_SCALED=bool(c.dot_scaled), SWAPPED=bool(c.swapped))
+                      X_MXFP4=x_mxfp4, DOT_SCALED=bool(c.dot_scaled))
     return KernelCall(gemm_w4_kernel, (m_tiles, n_tiles, c.split_k), args, constexprs,
                       dict(num_warps=c.num_warps, num_stages=c.num_stages),
                       replayable=not per_call)
