@@ -234,6 +234,38 @@ def test_tuner_checks_every_candidate_against_the_dequantised_reference(tmp_path
         assert bf16 and all(status == "refused" for status in bf16), bf16
 
 
+def test_tuner_packed_keys_time_packed_weights_and_only_kernels_that_read_them(tmp_path):
+    """A key with ``packed``: the weight is packed before the candidates run; the baseline is
+    the unpacking torch backend, triton.w4 (which reads weights as quantised) is not offered,
+    and a K without a packed layout fails that shape alone, saying why."""
+    import csv
+    import io
+
+    from gemmtune.families.a16w4.tuner import A16w4Tuner
+    from gemmtune.tables.store import read_table
+    from gemmtune.tune.engine import TuneConfig, Tuner, default_gpus
+    from gemmtune.tune.family import TuneOptions
+
+    inp = tmp_path / "u.csv"
+    inp.write_text("M,N,K,dtype,packed\n5,40,128,torch.float16,True\n"
+                   "5,40,96,torch.float16,True\n")
+    out = io.StringIO()
+    config = TuneConfig(input=inp, output=tmp_path / "t.csv", profile=tmp_path / "prof.csv",
+                        timeout=120, options=TuneOptions(iters=3, warmup=1),
+                        gpus=default_gpus(), workers=4 if default_gpus() else 1)
+    summary = Tuner(A16w4Tuner, config, out=out).run()
+    assert summary.tuned == 1 and len(summary.failed) == 1, out.getvalue()
+    assert "not a multiple of 128" in out.getvalue()
+    (row,) = read_table(tmp_path / "t.csv", A16w4Tuner.schema).rows
+    assert row.key == A16w4Key(5, 40, 128, "torch.float16", True)
+    with open(tmp_path / "prof.csv") as f:
+        names = [r["kernelName"] for r in csv.DictReader(f) if r["K"] == "128"]
+    assert names[0] == TORCH_UNPACK_DEQUANT_LINEAR
+    assert not any(name.startswith("triton.w4:") for name in names)
+    if not torch.cuda.is_available():
+        assert row.kernel_names(A16w4Tuner.schema) == (TORCH_UNPACK_DEQUANT_LINEAR,)
+
+
 def test_gradients_flow_to_x_and_bias_whichever_kernel_runs(a16w4_table):
     """With x (or the bias) requiring grad the call goes through the custom op, whose backward
     gives x's gradient through the dequantised weight and the bias's: the same for the torch
