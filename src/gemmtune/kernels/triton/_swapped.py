@@ -83,6 +83,17 @@ def partials_per_load(block_m: int) -> int:
 
 
 @gluon.jit
+def release_then_wait():
+    """Programmatic dependent launch: let the next kernel's grid be scheduled now (it waits for
+    this one before touching what this one writes), then wait for the previous kernel to finish
+    (what it wrote is read after this)."""
+    gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [],
+                              dtype=gl.int32, is_pure=False, pack=1)
+    gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32,
+                              is_pure=False, pack=1)
+
+
+@gluon.jit
 def step_scales(step, pid_n, pid_m, M, scale_a_ptr, scale_b_ptr, k_blocks,
                 BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, layout: gl.constexpr):
     """FP8 block scales of K step ``step`` for y.T's (64, BLOCK_M) tile, one factor per x row

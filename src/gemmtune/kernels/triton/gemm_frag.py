@@ -47,8 +47,8 @@ from gemmtune.kernels.triton._splits import (PDL_OFF, pdl_supported, split_for,
                                              why_not_wait_pdl, workspace)
 from gemmtune.kernels.triton._swapped import (BLOCK_MS, BLOCK_N, NUM_WARPS, barrier,
                                               block_m_for, finish_tile, partials_per_load,
-                                              step_scales, why_not_add_splits, why_not_grid,
-                                              why_not_here)
+                                              release_then_wait, step_scales,
+                                              why_not_add_splits, why_not_grid, why_not_here)
 from gemmtune.kernels.triton._wlayout import why_not_tiled
 
 KERNEL_PREFIX = "triton.frag"
@@ -241,13 +241,9 @@ def gemm_frag_kernel(
         w2 = _w_step(w_ptr, w_offs, in_n, gl.minimum(step_lo + 2, step_hi - 1), BLOCK_K,
                      W_TILED)
     if PDL:
-        # Let the next kernel's grid be scheduled now (it waits for this one before touching
-        # what this one writes, as this one waits for the one before): its launch overlaps this
-        # tail. w, which no kernel before writes, is already loading.
-        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [],
-                                  dtype=gl.int32, is_pure=False, pack=1)
-        gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32,
-                                  is_pure=False, pack=1)
+        # The next kernel's launch overlaps this one's tail; w, which no kernel before writes,
+        # is already loading.
+        release_then_wait()
 
     xm = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, x_layout))
     xk = gl.arange(0, BLOCK_K, layout=gl.SliceLayout(0, x_layout))

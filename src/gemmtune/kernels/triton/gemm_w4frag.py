@@ -41,8 +41,8 @@ from gemmtune.kernels.triton._replay import KernelCall, launch
 from gemmtune.kernels.triton._splits import (PDL_OFF, pdl_supported, split_for,
                                              why_not_wait_pdl, workspace)
 from gemmtune.kernels.triton._swapped import (BLOCK_N, NUM_WARPS, finish_tile,
-                                              partials_per_load, why_not_add_splits,
-                                              why_not_grid, why_not_here)
+                                              partials_per_load, release_then_wait,
+                                              why_not_add_splits, why_not_grid, why_not_here)
 from gemmtune.kernels.triton.gemm_w4 import check_operands
 
 KERNEL_PREFIX = "triton.w4frag"
@@ -224,13 +224,8 @@ def gemm_w4frag_kernel(
     k_steps = K // BLOCK_K
     step_lo = split * k_steps // SPLIT_K
     step_hi = (split + 1) * k_steps // SPLIT_K
-    if PDL:
-        # Let the next kernel's grid be scheduled now, then wait for the previous one before
-        # touching x (it may have written it).
-        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [],
-                                  dtype=gl.int32, is_pure=False, pack=1)
-        gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32,
-                                  is_pure=False, pack=1)
+    if PDL:  # before any load: x may be the previous kernel's output
+        release_then_wait()
 
     # Rows past N read row 0 (their outputs are never stored): no mask in the loop.
     if PACKED:
