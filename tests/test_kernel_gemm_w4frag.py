@@ -146,3 +146,26 @@ def test_bad_arguments_say_what_is_wrong():
         gemm_w4frag(x, wq[:, :16], w_scale)
     with pytest.raises(ValueError, match="out must be"):
         gemm_w4frag(x, wq, w_scale, out=torch.empty(4, 8, device=DEVICE))
+
+
+def test_scales_reach_the_kernel_16_byte_aligned():
+    """A step's scale bytes load as one 32-bit word: scales sliced at an odd offset (or
+    strided) reach the kernel as an aligned copy, so a recording made with aligned scales (whose
+    alignment check is 16 bytes) never replays onto misaligned ones; aligned scales go as they
+    are."""
+    from gemmtune.kernels.triton.gemm_w4frag import w4frag_call
+
+    x = torch.zeros(1, 256, dtype=torch.bfloat16, device=DEVICE)
+    wq, ws = quant.mxfp4(randn(64, 256, gen=generator(1)))
+    y = torch.empty(1, 64, dtype=torch.bfloat16, device=DEVICE)
+    flat = torch.zeros(ws.numel() + 1, dtype=torch.uint8, device=DEVICE)
+    odd = flat[1:].view(64, 8)
+    odd.copy_(ws)
+    config = W4FragConfig(8, 128, 1)
+    scales = w4frag_call(x, wq, None, y, None, odd, config).args[2]
+    assert scales.data_ptr() % 16 == 0 and torch.equal(scales, ws)
+    wide = torch.zeros(64, 16, dtype=torch.uint8, device=DEVICE)
+    wide[:, :8] = ws
+    scales = w4frag_call(x, wq, None, y, None, wide[:, :8], config).args[2]
+    assert scales.is_contiguous() and torch.equal(scales, ws)
+    assert w4frag_call(x, wq, None, y, None, ws, config).args[2] is ws

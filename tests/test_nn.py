@@ -214,7 +214,7 @@ def test_mxfp4_layers_run_the_quantised_weights(dtype):
     assert isinstance(first, gemmtune.Mxfp4Linear) and isinstance(second, gemmtune.Mxfp4Linear)
     assert type(third) is gemmtune.TunedLinear  # in_features 40: not a whole MXFP4 block
     assert "weight" not in dict(first.named_parameters())
-    assert set(first.state_dict()) == {"weight_q", "weight_scale", "bias"}
+    assert set(first.state_dict()) == {"weight_q", "weight_scale", "weight_layout", "bias"}
     assert first.weight_q.shape == (96, 32) and first.weight_scale.shape == (96, 2)
     x = torch.randn(5, 64).to(dtype)
     y = model(x)
@@ -271,6 +271,11 @@ def test_mxfp4_layers_follow_autocast_as_linear_does():
     assert torch.equal(y, want)
 
 
+def _two_layers():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(128, 96), nn.Linear(96, 64)).to(torch.bfloat16)
+
+
 def test_mxfp4_weights_are_packed_where_the_table_tuned_packed_rows(tmp_path, monkeypatch):
     """A layer whose (N, K) and dtype have packed rows in the a16w4 table stores its weight
     packed (prepack_mxfp4) and calls gemm_a16w4(..., packed=True); the others stay as quantised;
@@ -280,9 +285,9 @@ def test_mxfp4_weights_are_packed_where_the_table_tuned_packed_rows(tmp_path, mo
     header = ("arch,cu_num,M,N,K,dtype,packed,libtype,solidx,splitK,us,kernelName,err_ratio,"
               "tflops,bw\n")
     install_user_table(monkeypatch, tmp_path / "a16w4.csv", "GEMMTUNE_CONFIG_A16W4", header,
-                       [(1, 96, 128, "torch.bfloat16", True, "torch.unpack_dequant_linear")])
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(128, 96), nn.Linear(96, 64)).to(torch.bfloat16)
+                       [(1, 96, 128, "torch.bfloat16", True,
+                         "triton.w4frag:BM8.BK128.SK1.P0.R0.L1")])
+    model = _two_layers()
     plain = copy.deepcopy(model)
     gemmtune.patch_linear(model, quant="mxfp4")
     monkeypatch.setenv("GEMMTUNE_CONFIG_A16W4", f"replace:{tmp_path / 'none.csv'}")
@@ -296,3 +301,40 @@ def test_mxfp4_weights_are_packed_where_the_table_tuned_packed_rows(tmp_path, mo
                        plain[0].weight_q)
     x = torch.randn(3, 128).to(torch.bfloat16)
     torch.testing.assert_close(model(x), plain(x), rtol=0, atol=0)
+    # The layout travels with the codes: a state_dict saved packed, loaded into a model patched
+    # where the table has no packed rows, is read packed (and the other way round).
+    plain.load_state_dict(model.state_dict())
+    assert plain[0].weight_packed
+    torch.testing.assert_close(plain(x), model(x), rtol=0, atol=0)
+    gemmtune.patch_linear(again := copy.deepcopy(_two_layers()), quant="mxfp4")
+    model.load_state_dict(again.state_dict())
+    assert not model[0].weight_packed
+    torch.testing.assert_close(model(x), again(x), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("rows, packs", [
+    # packed rows faster where both layouts were timed
+    ([(1, True, "triton.w4frag:BM8.BK128.SK1.P0.R0.L1", 5.0),
+      (1, False, "torch.dequant_linear", 9.0)], True),
+    # packed rows slower in all
+    ([(1, True, "triton.w4frag:BM8.BK128.SK1.P0.R0.L1", 5.0),
+      (16, True, "triton.w4frag:BM16.BK128.SK1.P0.R0.L1", 9.0),
+      (1, False, "triton.w4frag:BM8.BK128.SK1", 6.0),
+      (16, False, "triton.w4frag:BM16.BK128.SK1", 6.0)], False),
+    # the packed winner is the unpacking torch backend: every call would unpack
+    ([(1, True, "torch.unpack_dequant_linear", 5.0)], False),
+])
+def test_mxfp4_layout_follows_the_faster_rows(tmp_path, monkeypatch, rows, packs):
+    from gemmtune.families.a16w4.op import packed_layout_tuned
+
+    dev = gemmtune.current_device()
+    path = tmp_path / "a16w4.csv"
+    header = "arch,cu_num,M,N,K,dtype,packed,libtype,solidx,splitK,us,kernelName\n"
+    path.write_text(header + "".join(
+        f"{dev.arch},{dev.cu_num},{m},96,128,torch.bfloat16,{packed},x,0,0,{us},{name}\n"
+        for m, packed, name, us in rows))
+    monkeypatch.setenv("GEMMTUNE_CONFIG_A16W4", f"replace:{path}")
+    gemmtune.reset()
+    assert packed_layout_tuned(96, 128, torch.bfloat16) is packs
+    assert packed_layout_tuned(96, 96, torch.bfloat16) is False  # K without a packed layout
+    assert packed_layout_tuned(64, 128, torch.bfloat16) is False  # no rows

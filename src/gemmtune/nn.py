@@ -54,8 +54,10 @@ class Mxfp4Linear(nn.Module):
     ``weight_q`` (out, in / 2) and ``weight_scale`` (out, in / 32), uint8) and multiplied by
     ``gemm_a16w4``: x in bf16 or fp16, the output in x's dtype. ``patch_linear(quant="mxfp4")``
     makes one from an ``nn.Linear`` in place (the module object, its bias and hooks kept; its
-    weight replaced by the two buffers); the weight is no longer trained. ``weight_packed``:
-    ``weight_q`` is in the packed layout (``gemmtune.quant.prepack_mxfp4``)."""
+    weight replaced by the buffers); the weight is no longer trained. ``weight_packed``:
+    ``weight_q`` is in the packed layout (``gemmtune.quant.prepack_mxfp4``); the buffer
+    ``weight_layout`` (0 or 1) holds the same in the state_dict, so codes loaded from one are
+    read in the layout they were saved in."""
 
     in_features: int
     out_features: int
@@ -67,6 +69,10 @@ class Mxfp4Linear(nn.Module):
             x = x.to(torch.get_autocast_dtype(x.device.type))
         return gemm_a16w4(x, self.weight_q, self.weight_scale, self.bias,
                           packed=self.weight_packed)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        self.weight_packed = bool(self.weight_layout)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
@@ -115,7 +121,7 @@ def patch_linear(model: nn.Module, quant: str | None = None) -> int:
     return len(layers)
 
 
-_MXFP4_BUFFERS = ("weight_q", "weight_scale")
+_MXFP4_BUFFERS = ("weight_q", "weight_scale", "weight_layout")
 
 
 def _quantised_weight(module: nn.Linear) -> tuple[torch.Tensor, torch.Tensor, bool]:
@@ -140,6 +146,8 @@ def _to_mxfp4(module: nn.Linear, wq: torch.Tensor, w_scale: torch.Tensor,
     (``packed``: in the packed layout)."""
     module.register_buffer(_MXFP4_BUFFERS[0], wq)
     module.register_buffer(_MXFP4_BUFFERS[1], w_scale)
+    module.register_buffer(_MXFP4_BUFFERS[2], torch.tensor(int(packed), dtype=torch.uint8,
+                                                           device=wq.device))
     del module._parameters["weight"]
     module.__class__ = Mxfp4Linear
     module.weight_packed = packed

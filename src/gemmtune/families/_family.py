@@ -63,6 +63,9 @@ class Family:
     # (N, K, dtype short name) -> why the family has no GEMM of that weight shape, or None
     # (a pre-shuffled weight must tile): model shapes leave such rows out
     why_not_gemm: Callable[[int, int, str], str | None] | None = None
+    # key -> the keys of the same GEMM with the weight in the family's other layouts (a16w4's
+    # packed MXFP4), which model shapes list after it: tables choose a layout per weight
+    other_layouts: Callable[[tuple], tuple[tuple, ...]] | None = None
     # input dtype -> TAG of its Triton JSON config files ({arch}-GEMM-{TAG}-N=..-K=...json)
     triton_json_tags: Mapping[torch.dtype, str] = field(default_factory=dict)
     # tune-triton tunes this family's tags only where --family names it: another family owns

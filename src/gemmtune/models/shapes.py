@@ -442,13 +442,18 @@ def _m_values(m_values: Iterable[int]) -> list[int]:
     return sorted(set(given))
 
 
+def _with_other_layouts(family, key: tuple) -> tuple[tuple, ...]:
+    return (key,) + (family.other_layouts(key) if family.other_layouts else ())
+
+
 def untuned_rows(
     spec: ModelSpec, tp: int = 1, m_values: Sequence[int] = DEFAULT_M,
     fmoe_q_type: QuantType = QuantType.No, ep: int = 1,
 ) -> dict[str, list[Row]]:
     """Untuned-table rows per family name: the model's dense GEMMs for every family with a GEMM
     key, in its default dtype (bf16; FP8 weights for the a8w8 families; only the weight shapes
-    a family takes: ``Family.why_not_gemm``), and fmoe for
+    a family takes: ``Family.why_not_gemm``; each followed by its twins in the family's other
+    weight layouts, ``Family.other_layouts``: a16w4's packed MXFP4), and fmoe for
     MoE models (bf16 experts, or FP8 ones quantised by ``fmoe_q_type``; per EP rank with ``ep``).
 
     Rows are ordered by (N, K, bias) then M (fmoe: by shape, then token) and hold no duplicates.
@@ -461,9 +466,10 @@ def untuned_rows(
             continue
         # A family whose key has no bias column gives one key for both: keep it once.
         dtype = family.bench_dtypes[0]
-        keys = (family.gemm_key(m, n, k, dtype, bias=bias) for n, k, bias in gemms
-                if family.refuses_gemm(n, k, dtype) is None
-                for m in ms)
+        keys = (key for n, k, bias in gemms if family.refuses_gemm(n, k, dtype) is None
+                for m in ms
+                for key in _with_other_layouts(family, family.gemm_key(m, n, k, dtype,
+                                                                       bias=bias)))
         rows[family.name] = [Row("", 0, key) for key in dict.fromkeys(keys)]
     moe = sorted({(s.model_dim, s.inter_dim, s.expert, s.topk) for s in moe_shapes(spec, tp, ep)})
     if fmoe_q_type is not QuantType.No and fmoe_q_type not in SCALINGS:

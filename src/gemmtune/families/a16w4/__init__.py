@@ -1,6 +1,8 @@
 """The MXFP4-weight GEMM family (bf16 or fp16 x, MXFP4 w): ``gemm_a16w4`` (``op``), its tuner
-(``tuner``) and how the bench runs it (weights as quantised). A shape without a row runs the
-torch backend (the weight dequantised on every call, then ``F.linear``)."""
+(``tuner``) and how the bench runs it (weights as quantised: ``--run_config`` times a table's
+unpacked rows only). Model shapes list each GEMM in both weight layouts (``other_layouts``). A
+shape without a row runs the torch backend (the weight dequantised on every call, then
+``F.linear``)."""
 
 from __future__ import annotations
 
@@ -47,8 +49,16 @@ def bench_op(dtype: str) -> BenchOp:
         w_bytes=0.5 + 1 / mxfp4.BLOCK)
 
 
+def _packed_twin(key: A16w4Key) -> tuple[A16w4Key, ...]:
+    """The same GEMM with the weight packed (``quant.prepack_mxfp4``), where K takes it."""
+    if key.packed or mxfp4.why_not_packable(key.K) is not None:
+        return ()
+    return (key._replace(packed=True),)
+
+
 FAMILY = Family("a16w4", SCHEMA, DISPATCH, tuner="gemmtune.families.a16w4.tuner:A16w4Tuner",
                 bench=bench_op, bench_dtypes=BENCH_DTYPES, gemm_key=gemm_key,
-                why_not_gemm=_why_not_gemm, dtype_of_key=lambda key: short_dtype(key.dtype))
+                why_not_gemm=_why_not_gemm, other_layouts=_packed_twin,
+                dtype_of_key=lambda key: short_dtype(key.dtype))
 
 __all__ = ["A16w4Key", "FAMILY", "gemm_a16w4"]

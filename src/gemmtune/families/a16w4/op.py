@@ -95,14 +95,31 @@ _CALLS = DISPATCH.calls  # the eager hot path's dict (Dispatcher.remember)
 
 
 def packed_layout_tuned(n: int, k: int, dtype: torch.dtype) -> bool:
-    """Whether an (N, K) weight for x of ``dtype`` is best stored packed: the a16w4 table has
-    rows for packed weights of that (N, K) and dtype on this GPU (the tuner writes them where
-    they were tuned), and K takes the packed layout."""
+    """Whether an (N, K) weight for x of ``dtype`` is best stored packed, by the a16w4 table's
+    rows on this GPU: there are rows for it packed, their kernels read packed weights
+    themselves (none is the unpacking torch backend), and over the M that rows of both layouts
+    have, the packed ones take no longer in all (one layout serves every M of a weight)."""
     if mxfp4.why_not_packable(k) is not None or dtype not in DTYPE_NAMES:
         return False
     name = DTYPE_NAMES[dtype]
-    return any(row.key.packed and row.key.N == n and row.key.K == k and row.key.dtype == name
-               for row in table_index(SCHEMA).rows())
+    rows = [row for row in table_index(SCHEMA).rows()
+            if row.key.N == n and row.key.K == k and row.key.dtype == name]
+    packed = {row.key.M: row for row in rows if row.key.packed}
+    plain = {row.key.M: row for row in rows if not row.key.packed}
+    if not packed or any(TORCH_UNPACK_DEQUANT_LINEAR in row.kernel_names(SCHEMA)
+                         for row in packed.values()):
+        return False
+    timed = [m for m in packed.keys() & plain.keys()
+             if _timed(packed[m]) is not None and _timed(plain[m]) is not None]
+    return sum(_timed(packed[m]) for m in timed) <= sum(_timed(plain[m]) for m in timed)
+
+
+def _timed(row) -> float | None:
+    """A row's µs, or None where it has none (a row written by hand)."""
+    try:
+        return row.us
+    except (KeyError, TypeError, ValueError):
+        return None
 
 
 def _check(x, wq, w_scale, bias, packed) -> None:

@@ -31,18 +31,18 @@ def runs_here() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 
 
-def why_not_here(kernel: str) -> str | None:
+def why_not_here(kernel: str,
+                 instead: str = "a triton.splitk, triton.tile or triton.gemv config") -> str | None:
     """Why a Gluon kernel (``kernel``, its words) cannot run in this process: Triton's
-    interpreter, or a GPU other than a Hopper (the warpgroup MMA with the fp32 sums and the TMA
-    it is written for); None where it can."""
+    interpreter, or a GPU other than a Hopper (the sm_90 instructions it is written for);
+    None where it can. ``instead``: what to use then."""
     from gemmtune.kernels.triton import _checks
 
     if _checks.interpreted():
-        return ("Gluon kernels do not run in Triton's interpreter (TRITON_INTERPRET=1); on the "
-                "CPU use a triton.splitk, triton.tile or triton.gemv config")
+        return (f"Gluon kernels do not run in Triton's interpreter (TRITON_INTERPRET=1); on the "
+                f"CPU use {instead}")
     if not runs_here():
-        return (f"the {kernel} is written for Hopper (sm_90); on this GPU use a triton.splitk, "
-                f"triton.tile or triton.gemv config")
+        return f"the {kernel} is written for Hopper (sm_90); on this GPU use {instead}"
     return None
 
 

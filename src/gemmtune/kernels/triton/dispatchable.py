@@ -24,7 +24,7 @@ from gemmtune.kernels.triton._replay import Replay, launch
 
 PREFIXES = ("triton.tile", "triton.splitk", "triton.gemv", "triton.persistent", "triton.frag",
             "triton.ring")
-# The kernels of MXFP4 weights (gemm_a16w4's): w the packed codes, scale_b their scales.
+# The kernels of MXFP4 weights (gemm_a16w4's): w the codes (two a byte), scale_b their scales.
 W4_PREFIX = "triton.w4"
 W4FRAG_PREFIX = "triton.w4frag"
 MXFP4_PREFIXES = (W4_PREFIX, W4FRAG_PREFIX)
@@ -84,7 +84,7 @@ def _kernel_module(prefix: str) -> _KernelModule:
     if prefix == W4_PREFIX:
         from gemmtune.kernels.triton import gemm_w4 as m
 
-        # MXFP4 weights: w the packed codes, scale_b their scales (gemm_a16w4).
+        # MXFP4 weights: w the codes (two a byte), scale_b their scales (gemm_a16w4).
         return _KernelModule(m, m.W4Config, m.launch_gemm_w4, m.gemm_w4_scaled, m.w4_call,
                              mxfp4_weights=True)
     if prefix == W4FRAG_PREFIX:

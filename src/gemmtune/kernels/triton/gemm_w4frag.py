@@ -5,7 +5,8 @@ takes its A operand from.
 Swapped as ``triton.frag`` is (y.T = w @ x.T): a program's 64 rows of w are the MMA's M (4
 warps, 16 rows each), x's rows its N (BLOCK_M, 8-32). Per 32-element scale block, each thread
 loads 4 contiguous bytes of each of its 2 rows (8 codes), Triton's own E2M1 upcast
-(``gl.fp4_to_fp``) makes them bf16 in the A layout (exact: codes are 0-6), x's 32 x BLOCK_M
+(``gl.fp4_to_fp``) makes them bf16 in the A layout (exact: E2M1 values are 0-6 with one
+mantissa bit), x's 32 x BLOCK_M
 block comes in the B layout, ``mma.sync`` multiplies them from zero into fp32, and the product
 is scaled by the block's power of two in fp32 (exact for every scale byte) before its add.
 There is no shared memory in the loop and no barrier; the BLOCK_K / 32 blocks of a step are
@@ -106,7 +107,10 @@ def why_not_supported(config: W4FragConfig, M: int, N: int, K: int, dtype: torch
     """``why_not_fits``, the output (x's dtype), and whether the kernel can run here."""
     if out_dtype != dtype:
         return f"the register-direct MXFP4 kernel writes x's dtype ({dtype}), not {out_dtype}"
-    return why_not_here("register-direct MXFP4 kernel") or why_not_fits(config, M, N, K, dtype)
+    return (why_not_here("register-direct MXFP4 kernel",
+                         "a triton.w4 config or torch.dequant_linear (packed weights: "
+                         "torch.unpack_dequant_linear)")
+            or why_not_fits(config, M, N, K, dtype))
 
 
 # Programs per SM the splits aim at (a program streams 64 rows x BLOCK_K / 2 bytes a step).
@@ -171,11 +175,11 @@ def _add_block(acc, codes, scale_byte, x_ptrs, block, x_mask, a_layout: gl.const
 
 
 @gluon.jit
-def _packed_blocks(words, w_layout: gl.constexpr):
-    """The 4 blocks' code tensors (64, 16) in ``w_layout`` of a packed group ``words`` (64, 64):
+def _packed_blocks(group_bytes, w_layout: gl.constexpr):
+    """The 4 blocks' code tensors (64, 16) in ``w_layout`` of a packed group's bytes (64, 64):
     stored byte 16 t + 4 j + i is byte 4 t + i of block j (``mxfp4.prepack``). Each step here
     moves registers only (the conversions are checked trivial)."""
-    q = gl.permute(gl.reshape(words, [_BN, 4, 4, 4]), [0, 1, 3, 2])  # (row, t, i, j)
+    q = gl.permute(gl.reshape(group_bytes, [_BN, 4, 4, 4]), [0, 1, 3, 2])  # (row, t, i, j)
     even, odd = gl.split(gl.reshape(q, [_BN, 16, 2, 2]))  # j's low bit
     b0, b2 = gl.split(even)
     b1, b3 = gl.split(odd)
@@ -278,17 +282,19 @@ def w4frag_call(x, w, bias, out, scale_a, scale_b, config: W4FragConfig,
                 counters: torch.Tensor | None = None, warmup: bool = False,
                 block_scales: bool = False) -> KernelCall:
     """The launch of ``launch_gemm_w4frag`` as data (what a dispatch plan records and
-    replays): x (M, K) bf16, w the packed codes (N, K // 2), scale_b their scales (N, K // 32),
-    out (M, N); scale_a None."""
+    replays): x (M, K) bf16, w the codes (two a byte, (N, K // 2); in the packed layout for a
+    packed config), scale_b their scales (N, K // 32), out (M, N); scale_a None."""
     M, K = x.shape
     N = w.shape[0]
     x = x if x.stride(1) == 1 else x.contiguous()
     # Each thread reads 4 bytes of a row at once: rows 4-byte aligned, bytes contiguous.
     w = w if w.stride(1) == 1 and w.stride(0) % 4 == 0 else w.contiguous()
-    # A step's scale bytes of a row load as one word of up to 4 bytes: aligned to it.
-    word = min(4, config.block_k // mxfp4.BLOCK)
-    if scale_b.stride(1) != 1 or scale_b.stride(0) % word or scale_b.data_ptr() % word:
-        scale_b = scale_b.contiguous()
+    # A step's scale bytes of a row load as one word of up to 4 bytes: rows a whole number of
+    # words apart (contiguous: K // 32, a multiple of the word) and, so that a recording's
+    # 16-byte alignment check (_replay) covers the word's, 16-byte aligned (a copy otherwise).
+    scale_b = scale_b.contiguous()
+    if scale_b.data_ptr() % 16:
+        scale_b = scale_b.clone()
     bias = bias if bias is None or bias.stride(0) == 1 else bias.contiguous()
     c = config
     n_tiles, m_tiles = triton.cdiv(N, BLOCK_N), triton.cdiv(M, c.block_m)
@@ -320,8 +326,10 @@ def gemm_w4frag(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
                 bias: torch.Tensor | None = None, config: W4FragConfig | None = None,
                 out: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ dequant_mxfp4(wq, w_scale).T + bias`` in bf16: x (M, K) bf16, wq (N, K // 2) and
-    w_scale (N, K // 32) uint8 as ``gemmtune.quant.mxfp4`` makes them, bias (N,). Validates
-    everything, then launches."""
+    w_scale (N, K // 32) uint8 as ``gemmtune.quant.mxfp4`` makes them, or wq as
+    ``gemmtune.quant.prepack_mxfp4`` packs it with a ``packed`` config (the layout is the
+    config's: the default reads wq as quantised), bias (N,). Validates everything, then
+    launches."""
     if x.dim() != 2:
         raise ValueError(f"gemm_w4frag: expected x (M, K), got {tuple(x.shape)}")
     check_operands("gemm_w4frag", x, wq, w_scale, bias)
