@@ -150,6 +150,22 @@ def test_gpu_packed_weights_through_a_row(a16w4_table, M):
     assert plan.decision.kernel_name.endswith(".L1")
 
 
+@pytest.mark.parametrize("packed", [False, True])
+def test_a_prefill_row_dequantises_then_runs_cublas(a16w4_table, packed):
+    """A triton.w4deq row (the weight dequantised by a Triton kernel, then torch.mm), for
+    weights as quantised and packed: right for the planned and the bound call."""
+    M, N, K = 70, 48, 256
+    kernel = "triton.w4deq:BN16.BK128.W4" + (".L1" if packed else "")
+    a16w4_table((M, N, K, "torch.bfloat16", packed, kernel))
+    x, wq, ws, bias = operands(M, N, K, seed=6)
+    stored = quant.prepack_mxfp4(wq, ws)[0] if packed else wq
+    for _ in range(2):
+        y = gemmtune.gemm_a16w4(x, stored, ws, bias, packed=packed)
+        assert_close_to_reference(y, x, wq, ws, bias)
+    (plan,) = DISPATCH.plans.values()
+    assert plan.decision.rule is Rule.exact and plan.decision.kernel_name == kernel
+
+
 # --- the packed layout -------------------------------------------------------------------------
 
 

@@ -27,7 +27,8 @@ PREFIXES = ("triton.tile", "triton.splitk", "triton.gemv", "triton.persistent", 
 # The kernels of MXFP4 weights (gemm_a16w4's): w the codes (two a byte), scale_b their scales.
 W4_PREFIX = "triton.w4"
 W4FRAG_PREFIX = "triton.w4frag"
-MXFP4_PREFIXES = (W4_PREFIX, W4FRAG_PREFIX)
+W4DEQ_PREFIX = "triton.w4deq"
+MXFP4_PREFIXES = (W4_PREFIX, W4FRAG_PREFIX, W4DEQ_PREFIX)
 # Gluon kernels: compiled for Hopper only, never in Triton's interpreter.
 GLUON_PREFIXES = ("triton.frag", "triton.ring", W4FRAG_PREFIX)
 
@@ -92,6 +93,12 @@ def _kernel_module(prefix: str) -> _KernelModule:
 
         return _KernelModule(m, m.W4FragConfig, m.launch_gemm_w4frag, m.gemm_w4frag_scaled,
                              m.w4frag_call, mxfp4_weights=True)
+    if prefix == W4DEQ_PREFIX:
+        from gemmtune.kernels.triton import gemm_w4deq as m
+
+        # Two launches (the dequantising kernel, then cuBLAS): not replayed.
+        return _KernelModule(m, m.W4DeqConfig, m.launch_gemm_w4deq, m.gemm_w4deq_scaled, None,
+                             mxfp4_weights=True)
     raise ValueError(f"{prefix!r}: not a Triton kernel; prefixes: "
                      f"{', '.join(PREFIXES + MXFP4_PREFIXES)}")
 

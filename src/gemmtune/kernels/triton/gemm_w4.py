@@ -131,7 +131,7 @@ def default_config(M: int, N: int, K: int, dtype: torch.dtype) -> W4Config:
 
 
 @triton.jit
-def _e2m1(code):
+def e2m1(code):
     """fp32 value of 4-bit E2M1 codes (int32 0-15): bit 3 the sign, bits 1-2 the exponent,
     bit 0 the mantissa; exponent 0 is subnormal (0 or 0.5)."""
     magnitude = code & 7
@@ -144,7 +144,7 @@ def _e2m1(code):
 
 
 @triton.jit
-def _e8m0(byte):
+def e8m0(byte):
     """fp32 2^(byte - 127) of E8M0 scale bytes (int32): 0 is 2^-127, 255 NaN."""
     power = (byte << 23).to(tl.float32, bitcast=True)
     power = tl.where(byte == 0, 5.877471754111438e-39, power)
@@ -159,7 +159,7 @@ def _codes_block(wq_ptr, rows, kb, N, K, stride_wn, BLOCK_N: tl.constexpr, DTYPE
     pairs = kb * (_BLOCK // 2) + tl.arange(0, _BLOCK // 2)
     packed = tl.load(wq_ptr + rows[:, None].to(tl.int64) * stride_wn + pairs[None, :],
                      mask=(rows < N)[:, None] & (pairs < K // 2)[None, :], other=0).to(tl.int32)
-    values = tl.join(_e2m1(packed & 15), _e2m1(packed >> 4))
+    values = tl.join(e2m1(packed & 15), e2m1(packed >> 4))
     return tl.reshape(values, (BLOCK_N, _BLOCK)).to(DTYPE)
 
 
@@ -167,7 +167,7 @@ def _codes_block(wq_ptr, rows, kb, N, K, stride_wn, BLOCK_N: tl.constexpr, DTYPE
 def _scales_block(s_ptr, rows, kb, R, K, stride):
     """fp32 scales of ``rows`` (of R) at K block ``kb``; past R or K: 2^-127, never read."""
     blocks = kb + tl.zeros_like(rows)  # as a vector: a scalar mask is not
-    return _e8m0(tl.load(s_ptr + rows.to(tl.int64) * stride + blocks,
+    return e8m0(tl.load(s_ptr + rows.to(tl.int64) * stride + blocks,
                          mask=(rows < R) & (blocks < K // _BLOCK), other=0).to(tl.int32))
 
 

@@ -1,0 +1,194 @@
+"""MXFP4-weight GEMMs for many rows of x (prefill): ``y = x @ dequant(wq, w_scale).T + bias``
+as a Triton kernel that dequantises the weight into a bf16 / fp16 copy, then cuBLAS
+(``torch.mm``) on that copy.
+
+From M of about a thousand a GEMM is bound by the tensor cores, where cuBLAS is at its best and
+a kernel that decodes the codes in its main loop pays for the decode on every tile of x's rows.
+Dequantising once per call reads the 4.25-bit weight and writes a 16-bit one (2.5 bytes an
+element: about 14 µs for 4096 x 4096 at 3 TB/s) and leaves the rest to cuBLAS; the copy is the
+price, and it shrinks against the GEMM as M grows. Not yet timed on a GPU.
+
+The dequantised values are exact in bf16 (an E2M1 value times a power of two has two
+significant bits, within bf16's range); in fp16 a weight past 65504 becomes inf and tiny ones
+round, as any fp16 copy of the weight would (the torch backend's too). Weights as
+``gemmtune.quant.mxfp4`` makes them or, ``packed``, as ``prepack_mxfp4`` reorders them. The bias
+is added by cuBLAS where it has x's dtype, else to the product in fp32 and rounded (as the torch
+backend adds it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from gemmtune.kernels import mxfp4
+from gemmtune.kernels._names import Field, NameCodec, NamedConfig
+from gemmtune.kernels.triton._replay import KernelCall, launch
+from gemmtune.kernels.triton.gemm_w4 import check_operands, e2m1, e8m0
+
+KERNEL_PREFIX = "triton.w4deq"
+_X_DTYPES = (torch.bfloat16, torch.float16)
+_BLOCK = tl.constexpr(mxfp4.BLOCK)
+# x's rows from which the tuner offers it: below, the decode kernels read 3.8x fewer bytes.
+MIN_M = 64
+
+
+@dataclass(frozen=True)
+class W4DeqConfig(NamedConfig):
+    """One point of the config space, e.g. ``triton.w4deq:BN32.BK256.W4`` (the dequantising
+    kernel's blocks; cuBLAS picks its own for the GEMM)."""
+
+    NAME_CODEC = NameCodec("MXFP4 dequantise-then-cuBLAS config", KERNEL_PREFIX, (
+        Field("BN", "block_n"), Field("BK", "block_k"), Field("W", "num_warps"),
+        Field("L", "packed", default=0)))
+
+    block_n: int
+    block_k: int  # elements of K a program dequantises per row
+    num_warps: int
+    packed: int = 0  # 1: w in the packed layout (mxfp4.prepack)
+
+
+def why_not_fits(config: W4DeqConfig, M: int, N: int, K: int,
+                 dtype: torch.dtype) -> str | None:
+    """The first constraint ``config`` breaks for an (M, N, K) GEMM with ``dtype`` x, or None."""
+    c = config
+    if dtype not in _X_DTYPES:
+        return (f"x of {dtype}: the dequantise-then-cuBLAS kernel takes bf16 or fp16 x (the "
+                f"weight is dequantised to x's dtype)")
+    for name, value in (("block_n", c.block_n), ("block_k", c.block_k)):
+        if value < 1 or value & (value - 1):
+            return f"{name}={value} must be a power of two"
+    if c.block_k < mxfp4.BLOCK:
+        return f"block_k={c.block_k} must take whole scale blocks (>= {mxfp4.BLOCK})"
+    if c.num_warps not in (1, 2, 4, 8):
+        return f"num_warps={c.num_warps} must be 1, 2, 4 or 8"
+    if c.packed not in (0, 1):
+        return f"packed={c.packed} must be 0 (w as quantised) or 1 (w packed: mxfp4.prepack)"
+    return mxfp4.why_not_quantisable(K) or (mxfp4.why_not_packable(K) if c.packed else None)
+
+
+def why_not_supported(config: W4DeqConfig, M: int, N: int, K: int, dtype: torch.dtype,
+                      out_dtype: torch.dtype) -> str | None:
+    """``why_not_fits``, and the output: x's dtype."""
+    if out_dtype != dtype:
+        return f"the dequantise-then-cuBLAS kernel writes x's dtype ({dtype}), not {out_dtype}"
+    return why_not_fits(config, M, N, K, dtype)
+
+
+def candidates(M: int, N: int, K: int, dtype: torch.dtype,
+               packed: bool = False) -> list[W4DeqConfig]:
+    """For M >= MIN_M: two shapes of the dequantising programs (8 or 32 rows of 512 or 128
+    elements: 2-4 KiB of codes each). Only configs that fit."""
+    if M < MIN_M:
+        return []
+    configs = (W4DeqConfig(8, 512, 4, int(packed)), W4DeqConfig(32, 128, 4, int(packed)))
+    return [c for c in configs if why_not_fits(c, M, N, K, dtype) is None]
+
+
+def default_config(M: int, N: int, K: int, dtype: torch.dtype) -> W4DeqConfig:
+    return W4DeqConfig(32, 128, 4)
+
+
+@triton.jit
+def dequant_mxfp4_kernel(wq_ptr, ws_ptr, out_ptr, N, K, stride_wn, stride_sn, stride_on,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PACKED: tl.constexpr):
+    """out (N, K) = the MXFP4 weight in out's dtype, one (BLOCK_N, BLOCK_K) block a program."""
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    # Byte p of a row (as quantised) holds elements 2p and 2p + 1, of scale block p // 16.
+    pairs = tl.program_id(1) * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
+    if PACKED:
+        # mxfp4.prepack: in each 64-byte group, byte 16 j + 4 t + i is stored at 16 t + 4 j + i.
+        within = pairs % 64
+        stored = pairs - within + (within % 16) // 4 * 16 + within // 16 * 4 + within % 4
+    else:
+        stored = pairs
+    inside = (rows < N)[:, None] & (pairs < K // 2)[None, :]
+    row_offsets = rows[:, None].to(tl.int64)
+    codes = tl.load(wq_ptr + row_offsets * stride_wn + stored[None, :], mask=inside,
+                    other=0).to(tl.int32)
+    scale = e8m0(tl.load(ws_ptr + row_offsets * stride_sn + (pairs // (_BLOCK // 2))[None, :],
+                          mask=inside, other=0).to(tl.int32))
+    values = tl.join(e2m1(codes & 15) * scale, e2m1(codes >> 4) * scale)
+    values = tl.reshape(values, (BLOCK_N, BLOCK_K))
+    ks = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    tl.store(out_ptr + row_offsets * stride_on + ks[None, :],
+             values.to(out_ptr.dtype.element_ty),
+             mask=(rows < N)[:, None] & (ks < K)[None, :])
+
+
+def dequantize(wq: torch.Tensor, w_scale: torch.Tensor, dtype: torch.dtype,
+               config: W4DeqConfig, warmup: bool = False) -> torch.Tensor:
+    """The weight (N, K) in ``dtype``, by ``dequant_mxfp4_kernel`` (``config.packed``: wq in
+    the packed layout)."""
+    n, k = wq.shape[0], wq.shape[1] * 2
+    out = torch.empty(n, k, dtype=dtype, device=wq.device)
+    if n and k:
+        c = config
+        launch(KernelCall(dequant_mxfp4_kernel, (triton.cdiv(n, c.block_n),
+                                                 triton.cdiv(k, c.block_k)),
+                          (wq, w_scale, out, n, k, wq.stride(0), w_scale.stride(0),
+                           out.stride(0)),
+                          dict(BLOCK_N=c.block_n, BLOCK_K=c.block_k, PACKED=bool(c.packed)),
+                          dict(num_warps=c.num_warps)), warmup)
+    return out
+
+
+def launch_gemm_w4deq(x, w, bias, out, scale_a, scale_b, config: W4DeqConfig,
+                      counters: torch.Tensor | None = None, warmup: bool = False,
+                      block_scales: bool = False) -> torch.Tensor:
+    """The launches alone, for callers that validated once per shape (dispatch plans): x (M, K),
+    w the codes (two a byte; packed for a packed config), scale_b their scales, ``out`` (M, N)
+    in x's dtype, its column stride 1."""
+    w = w if w.stride(1) == 1 else w.contiguous()
+    scale_b = scale_b if scale_b.stride(1) == 1 else scale_b.contiguous()
+    weight = dequantize(w, scale_b, x.dtype, config, warmup)
+    if warmup:
+        return out
+    if bias is not None and bias.dtype == x.dtype:
+        torch.addmm(bias, x, weight.t(), out=out)
+    else:
+        torch.mm(x, weight.t(), out=out)
+        if bias is not None:
+            out.copy_(out.float() + bias.float())
+    return out
+
+
+def gemm_w4deq(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
+               bias: torch.Tensor | None = None, config: W4DeqConfig | None = None,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ dequant_mxfp4(wq, w_scale).T + bias`` in x's dtype: x (M, K) bf16 or fp16, wq
+    (N, K // 2) and w_scale (N, K // 32) uint8 (wq packed for a packed config), bias (N,).
+    Validates everything, then launches."""
+    if x.dim() != 2:
+        raise ValueError(f"gemm_w4deq: expected x (M, K), got {tuple(x.shape)}")
+    check_operands("gemm_w4deq", x, wq, w_scale, bias)
+    M, K = x.shape
+    N = wq.shape[0]
+    if out is not None and (out.shape != (M, N) or out.dtype != x.dtype or out.stride(1) != 1):
+        raise ValueError(f"gemm_w4deq: out must be ({M}, {N}) {x.dtype} with unit column "
+                         f"stride; got {tuple(out.shape)} {out.dtype} strides {out.stride()}")
+    config = config or default_config(M, N, K, x.dtype)
+    why = why_not_fits(config, M, N, K, x.dtype)
+    if why is not None:
+        raise ValueError(f"gemm_w4deq: {config.name} does not fit (M={M}, N={N}, K={K}): {why}")
+    if out is None:
+        out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    if not M or not N:
+        return out
+    return launch_gemm_w4deq(x, wq, bias, out, None, w_scale, config)
+
+
+def gemm_w4deq_scaled(x, w, bias, out_dtype, scale_a, scale_b,
+                      config: W4DeqConfig | None = None,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
+    """``gemm_w4deq`` called as every kernel module's validating launcher is: w the codes,
+    scale_b their scales, scale_a None, the output in x's dtype."""
+    if scale_b is None or scale_a is not None:
+        raise ValueError("gemm_w4deq: an MXFP4 weight brings its own scales (scale_b) and x none "
+                         "(scale_a None)")
+    if out_dtype not in (None, x.dtype):
+        raise TypeError(f"gemm_w4deq: the output is in x's dtype ({x.dtype}), not {out_dtype}")
+    return gemm_w4deq(x, w, scale_b, bias, config, out)

@@ -1,0 +1,121 @@
+"""Dequantise-then-cuBLAS for MXFP4 weights (``gemm_w4deq``): the Triton kernel's dequantised
+weight bit for bit against ``quant.dequant_mxfp4`` rounded once to x's dtype (both layouts, every
+code at every scale byte, ragged N and K), and the GEMM against the fp32 reference; in the
+interpreter on the CPU, at real sizes on a GPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gemm_checks import DEVICE, assert_matches_reference, generator, randn
+from gemmtune import quant
+from gemmtune.kernels.triton.gemm_w4deq import (W4DeqConfig, candidates, dequantize,
+                                                gemm_w4deq, why_not_fits)
+
+
+def _weight(N, K, gen):
+    w = randn(N, K, gen=gen) * torch.logspace(-3, 1, K // 32, device=DEVICE).repeat_interleave(32)
+    return quant.mxfp4(w)
+
+
+def test_names_and_candidates():
+    cfg = W4DeqConfig(32, 128, 4)
+    assert cfg.name == "triton.w4deq:BN32.BK128.W4"
+    packed = W4DeqConfig(8, 512, 4, 1)
+    assert packed.name == "triton.w4deq:BN8.BK512.W4.L1"
+    assert W4DeqConfig.from_name(packed.name) == packed
+    assert candidates(16, 4096, 4096, torch.bfloat16) == []  # decode: the decode kernels'
+    found = candidates(1024, 4096, 4096, torch.bfloat16, packed=True)
+    assert found and all(c.packed and why_not_fits(c, 1024, 4096, 4096, torch.bfloat16) is None
+                         for c in found)
+    assert candidates(1024, 4096, 2880, torch.bfloat16, packed=True) == []  # no packed layout
+
+
+@pytest.mark.parametrize("config, K, dtype, says", [
+    (W4DeqConfig(32, 128, 4), 128, torch.float32, "bf16 or fp16"),
+    (W4DeqConfig(32, 16, 4), 128, torch.bfloat16, "whole scale blocks"),
+    (W4DeqConfig(24, 128, 4), 128, torch.bfloat16, "block_n=24"),
+    (W4DeqConfig(32, 128, 4, 1), 96, torch.bfloat16, "multiple of 128"),
+])
+def test_configs_that_cannot_run_say_why(config, K, dtype, says):
+    assert says in why_not_fits(config, 64, 64, K, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("N, K, config", [
+    (37, 96, W4DeqConfig(8, 64, 4)),        # N and K ragged against the blocks
+    (20, 256, W4DeqConfig(16, 128, 4, 1)),  # packed
+    (9, 384, W4DeqConfig(8, 256, 4, 1)),    # packed, K ragged against block_k
+])
+def test_dequantised_weight_is_the_reference_rounded_once(N, K, config, dtype):
+    wq, ws = _weight(N, K, generator(N + K))
+    stored = quant.prepack_mxfp4(wq, ws)[0] if config.packed else wq
+    got = dequantize(stored, ws, dtype, config)
+    torch.testing.assert_close(got, quant.dequant_mxfp4(wq, ws).to(dtype), rtol=0, atol=0)
+
+
+def test_every_code_at_every_scale_byte_exactly():
+    """Row n has scale byte n (0-255) on both blocks, the 16 codes over and over: bf16 holds
+    each dequantised value exactly, 2^-127's multiples, infinities and NaN included."""
+    K = 64
+    codes = torch.arange(K, device=DEVICE) % 16
+    wq = (codes[0::2] | (codes[1::2] << 4)).to(torch.uint8).repeat(256, 1)
+    ws = torch.arange(256, device=DEVICE).to(torch.uint8)[:, None].repeat(1, K // 32)
+    got = dequantize(wq, ws, torch.bfloat16, W4DeqConfig(32, 64, 4))
+    torch.testing.assert_close(got, quant.dequant_mxfp4(wq, ws).to(torch.bfloat16), rtol=0,
+                               atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_gemm_matches_the_reference(dtype, with_bias):
+    M, N, K = 70, 45, 256
+    gen = generator(M + N)
+    x = randn(M, K, gen=gen).to(dtype)
+    wq, ws = _weight(N, K, gen)
+    bias = randn(N, gen=gen).to(dtype) if with_bias else None
+    out = torch.full((M, N), float("nan"), dtype=dtype, device=DEVICE)
+    y = gemm_w4deq(x, wq, ws, bias, W4DeqConfig(16, 128, 4), out=out)
+    assert y.data_ptr() == out.data_ptr() and y.dtype == dtype
+    assert_matches_reference(y, x, quant.dequant_mxfp4(wq, ws), bias)
+
+
+def test_a_bias_of_another_dtype_is_added_in_fp32():
+    """As the torch backend adds it: to the product (in x's dtype) in fp32, then rounded."""
+    M, N, K = 3, 40, 64
+    gen = generator(9)
+    x = randn(M, K, gen=gen).to(torch.bfloat16)
+    wq, ws = _weight(N, K, gen)
+    bias = torch.full((N,), 3000.0, device=DEVICE) + randn(N, gen=gen)
+    y = gemm_w4deq(x, wq, ws, bias, W4DeqConfig(16, 64, 4))
+    ref = x.float() @ quant.dequant_mxfp4(wq, ws).T + bias
+    assert y.dtype == torch.bfloat16 and ((y.float() - ref).abs() <= ref.abs() * 2 ** -8).all()
+
+
+def test_empty_k_gives_the_bias_and_bad_calls_say_why():
+    x = torch.zeros(3, 0, dtype=torch.bfloat16, device=DEVICE)
+    wq = torch.zeros(8, 0, dtype=torch.uint8, device=DEVICE)
+    ws = torch.zeros(8, 0, dtype=torch.uint8, device=DEVICE)
+    bias = torch.arange(8, dtype=torch.bfloat16, device=DEVICE)
+    assert torch.equal(gemm_w4deq(x, wq, ws, bias), bias.expand(3, 8))
+    x = torch.zeros(4, 64, dtype=torch.bfloat16, device=DEVICE)
+    wq, ws = quant.mxfp4(torch.ones(8, 64, device=DEVICE))
+    with pytest.raises(ValueError, match=r"needs wq \(N, 32\)"):
+        gemm_w4deq(x, wq[:, :16], ws)
+    with pytest.raises(ValueError, match="out must be"):
+        gemm_w4deq(x, wq, ws, out=torch.empty(4, 8, device=DEVICE))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("packed", [False, True])
+def test_gpu_real_sizes(packed):
+    M, N, K = 1024, 2880, 4096
+    gen = generator(M)
+    x = randn(M, K, gen=gen).to(torch.bfloat16)
+    wq, ws = _weight(N, K, gen)
+    stored = quant.prepack_mxfp4(wq, ws)[0] if packed else wq
+    for config in candidates(M, N, K, torch.bfloat16, packed):
+        y = gemm_w4deq(x, stored, ws, None, config)
+        assert_matches_reference(y, x, quant.dequant_mxfp4(wq, ws))
