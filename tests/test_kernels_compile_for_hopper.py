@@ -511,3 +511,34 @@ def test_register_direct_mxfp4_kernel_compiles_for_hopper():
     registers (a 32-bit load a row and block), no shared memory or barrier in the loop, no
     spills, PDL and the splits' atomics only where configured."""
     compiles_for_hopper(W4FRAG_SCRIPT)
+
+
+W4DEQ_SCRIPT = textwrap.dedent("""
+    import inspect
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from gemmtune.kernels.triton import gemm_w4deq
+
+    names = list(inspect.signature(gemm_w4deq.dequant_mxfp4_kernel.fn).parameters)
+    aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+               if n.endswith("_ptr") or n in ("K", "stride_wn", "stride_on")}
+    for out, (bn, bk), packed in (("bf16", (8, 512), False), ("fp16", (32, 128), True)):
+        constexprs = dict(BLOCK_N=bn, BLOCK_K=bk, PACKED=packed)
+        pointers = {"wq_ptr": "*u8", "ws_ptr": "*u8", "out_ptr": f"*{out}"}
+        signature = {n: pointers.get(n) or ("constexpr" if n in constexprs else "i32")
+                     for n in names}
+        kernel = triton.compile(ASTSource(fn=gemm_w4deq.dequant_mxfp4_kernel,
+                                          signature=signature, constexprs=constexprs,
+                                          attrs=aligned),
+                                target=GPUTarget("cuda", 90, 128), options={"num_warps": 4})
+        # The dequantised weight leaves in 16-byte stores.
+        assert "st.global.v4" in kernel.asm["ptx"], (out, packed)
+    print("ok")
+""")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the kernel's own tests run it")
+def test_mxfp4_dequantising_kernel_compiles_for_hopper():
+    """triton.w4deq's dequantising kernel builds for sm_90 in bf16 and fp16, both layouts."""
+    compiles_for_hopper(W4DEQ_SCRIPT)
