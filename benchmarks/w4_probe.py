@@ -6,8 +6,8 @@ L2, the best config per shape.
     PYTHONPATH=src python3 benchmarks/w4_probe.py [--shapes M,N,K ...] [--configs NAME ...]
         [--all-times FILE]
 
-``--configs``: time these configs (``triton.w4`` and ``triton.w4frag`` names; those that fit each
-shape) instead of both kernels' candidates.
+``--configs``: time these configs (``triton.w4``, ``triton.w4frag`` and ``triton.w4deq`` names;
+those that fit each shape) instead of the kernels' candidates.
 ``--all-times``: every config's time per shape, as CSV. Session 22 timed six shapes with twelve
 unsplit configs: 0.45-0.60x F.linear.
 """
@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from gemmtune import quant
 from gemmtune.families.a8w8 import gemm_a8w8
-from gemmtune.kernels.triton import gemm_w4, gemm_w4frag
+from gemmtune.kernels.triton import gemm_w4, gemm_w4deq, gemm_w4frag
 from gemmtune.kernels.triton._splits import pdl_where_supported
 from gemmtune.measure.timing import cold_copies, interleaved_graph_us
 
@@ -35,22 +35,30 @@ def _shape(text: str) -> tuple[int, int, int]:
     return m, n, k
 
 
+_CONFIGS = {gemm_w4.KERNEL_PREFIX: gemm_w4.W4Config,
+            gemm_w4frag.KERNEL_PREFIX: gemm_w4frag.W4FragConfig,
+            gemm_w4deq.KERNEL_PREFIX: gemm_w4deq.W4DeqConfig}
+_MODULES = {gemm_w4.W4Config: gemm_w4, gemm_w4frag.W4FragConfig: gemm_w4frag,
+            gemm_w4deq.W4DeqConfig: gemm_w4deq}
+
+
 def _config(name: str):
-    module = gemm_w4frag if name.startswith(gemm_w4frag.KERNEL_PREFIX + ":") else gemm_w4
-    return (module.W4FragConfig if module is gemm_w4frag else module.W4Config).from_name(name)
+    return _CONFIGS[name.split(":", 1)[0]].from_name(name)
 
 
 def _module(config):
-    return gemm_w4frag if isinstance(config, gemm_w4frag.W4FragConfig) else gemm_w4
+    return _MODULES[type(config)]
 
 
 def _configs(named: list | None, m: int, n: int, k: int, dtype: torch.dtype,
              frag_candidates: bool = False) -> list:
-    """The named configs that fit (and with ``frag_candidates`` the register-direct kernel's
-    candidates), else both kernels' candidates (the register-direct one's for bf16 x, M <=
-    32)."""
+    """The named configs that fit (and with ``frag_candidates`` the register-direct and the
+    dequantise-then-cuBLAS kernels' candidates, both layouts), else all three kernels'
+    candidates (the register-direct one's for bf16 x, M <= 32; dequantise-then-cuBLAS from
+    M = 64)."""
     frags = [c for packed in (False, True) for c in gemm_w4frag.candidates(
-        m, n, k, dtype, pdl=pdl_where_supported(), packed=packed)]
+        m, n, k, dtype, pdl=pdl_where_supported(), packed=packed)
+        + gemm_w4deq.candidates(m, n, k, dtype, packed=packed)]
     if named is None:
         return gemm_w4.candidates(m, n, k, dtype) + frags
     return [c for c in named if _module(c).why_not_fits(c, m, n, k, dtype) is None] + \
@@ -61,6 +69,9 @@ def _launch(config, x, w, out, x_scale, w_scale, w_packed=None):
     if isinstance(config, gemm_w4frag.W4FragConfig):
         return gemm_w4frag.launch_gemm_w4frag(x, w_packed if config.packed else w, None, out,
                                               x_scale, w_scale, config)
+    if isinstance(config, gemm_w4deq.W4DeqConfig):
+        return gemm_w4deq.launch_gemm_w4deq(x, w_packed if config.packed else w, None, out,
+                                            x_scale, w_scale, config)
     return gemm_w4.launch_gemm_w4(x, w, None, out, x_scale, w_scale, config)
 
 
@@ -115,7 +126,7 @@ def main() -> None:
     parser.add_argument("--bf16-x-only", action="store_true",
                         help="time bf16 x alone (not MXFP4 x too): half the compiles")
     parser.add_argument("--frag-candidates", action="store_true",
-                        help="with --configs: the register-direct kernel's candidates too")
+                        help="with --configs: the w4frag and w4deq kernels' candidates too")
     args = parser.parse_args()
     if args.all_times is not None:
         args.all_times.write("M,N,K,x,config,us,linear_us\n")
