@@ -286,7 +286,8 @@ def test_mxfp4_weights_are_packed_where_the_table_tuned_packed_rows(tmp_path, mo
               "tflops,bw\n")
     install_user_table(monkeypatch, tmp_path / "a16w4.csv", "GEMMTUNE_CONFIG_A16W4", header,
                        [(1, 96, 128, "torch.bfloat16", True,
-                         "triton.w4frag:BM8.BK128.SK1.P0.R0.L1")])
+                         "triton.w4frag:BM8.BK128.SK1.P0.R0.L1"),
+                        (1, 96, 128, "torch.bfloat16", False, "torch.dequant_linear")])
     model = _two_layers()
     plain = copy.deepcopy(model)
     gemmtune.patch_linear(model, quant="mxfp4")
@@ -305,6 +306,12 @@ def test_mxfp4_weights_are_packed_where_the_table_tuned_packed_rows(tmp_path, mo
     # where the table has no packed rows, is read packed (and the other way round).
     plain.load_state_dict(model.state_dict())
     assert plain[0].weight_packed
+    # Saved before layouts were recorded: loaded as this layer stores its codes, with a warning.
+    older = {k: v for k, v in model.state_dict().items() if not k.endswith("weight_layout")}
+    with pytest.warns(UserWarning, match="without 0.weight_layout"):
+        assert model.load_state_dict(older, strict=False).missing_keys == ["0.weight_layout",
+                                                                          "1.weight_layout"]
+    assert model[0].weight_packed
     torch.testing.assert_close(plain(x), model(x), rtol=0, atol=0)
     gemmtune.patch_linear(again := copy.deepcopy(_two_layers()), quant="mxfp4")
     model.load_state_dict(again.state_dict())
@@ -322,7 +329,10 @@ def test_mxfp4_weights_are_packed_where_the_table_tuned_packed_rows(tmp_path, mo
       (1, False, "triton.w4frag:BM8.BK128.SK1", 6.0),
       (16, False, "triton.w4frag:BM16.BK128.SK1", 6.0)], False),
     # the packed winner is the unpacking torch backend: every call would unpack
-    ([(1, True, "torch.unpack_dequant_linear", 5.0)], False),
+    ([(1, True, "torch.unpack_dequant_linear", 5.0), (1, False, "torch.dequant_linear", 9.0)],
+     False),
+    # packed rows only: nothing to compare them with
+    ([(1, True, "triton.w4frag:BM8.BK128.SK1.P0.R0.L1", 5.0)], False),
 ])
 def test_mxfp4_layout_follows_the_faster_rows(tmp_path, monkeypatch, rows, packs):
     from gemmtune.families.a16w4.op import packed_layout_tuned

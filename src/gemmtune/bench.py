@@ -317,8 +317,14 @@ def run_config(family: Family, table: Path, out_dir: Path) -> int:
     if not rows:
         raise ValueError(f"{table}: no rows to run")
     by_dtype: dict[str, set[tuple[int, int, int]]] = {}
+    other_layouts = [r for r in rows if getattr(r.key, "packed", False)]
+    if other_layouts:
+        print(f"{table}: {len(other_layouts)} row(s) for packed weights left out: the "
+              f"{family.cli_name} bench runs weights as quantised")
     for r in rows:
-        by_dtype.setdefault(family.dtype_of_key(r.key), set()).add((r.key.M, r.key.N, r.key.K))
+        if not getattr(r.key, "packed", False):
+            by_dtype.setdefault(family.dtype_of_key(r.key), set()).add(
+                (r.key.M, r.key.N, r.key.K))
     for dtype in sorted(set(by_dtype) - set(family.bench_dtypes)):
         print(f"{table}: {len(by_dtype.pop(dtype))} row shape(s) in {dtype} left out: the "
               f"{family.cli_name} bench runs {', '.join(family.bench_dtypes)}")

@@ -163,7 +163,7 @@ def _cmd_shapes(args) -> int:
         schema = get_family(name).schema
         path = out / schema.untuned_file
         written = update_table(path, schema, rows, untuned=True, replace=False)
-        print(f"{name}: {len(rows)} shape(s) of {spec.name} tp={args.tp} -> {path} "
+        print(f"{name}: {len(rows)} row(s) of {spec.name} tp={args.tp} -> {path} "
               f"({len(written)} in the file)")
     return 0
 

@@ -4,6 +4,8 @@ or with ``quant="mxfp4"`` their weights quantised once to MXFP4 through gemm_a16
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import nn
 
@@ -71,8 +73,16 @@ class Mxfp4Linear(nn.Module):
                           packed=self.weight_packed)
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        saved = state_dict.get(prefix + "weight_layout")
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
-        self.weight_packed = bool(self.weight_layout)
+        if saved is not None and not saved.is_meta:
+            self.weight_packed = bool(saved.item())
+        elif saved is None and prefix + "weight_q" in state_dict:
+            warnings.warn(f"{prefix}weight_q loaded without {prefix}weight_layout (a state_dict "
+                          f"saved before layouts were recorded): its codes are read "
+                          f"{'packed' if self.weight_packed else 'as quantised'}, as this "
+                          f"layer stores them; patch_linear the model that saved it the same "
+                          f"way", stacklevel=2)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
@@ -93,8 +103,9 @@ def patch_linear(model: nn.Module, quant: str | None = None) -> int:
     ``quant="mxfp4"``: each such layer's weight (bf16 or fp16) is quantised once to MXFP4 and
     the layer becomes an ``Mxfp4Linear`` (``gemm_a16w4``); a layer whose in_features is not a
     multiple of 32 (MXFP4's block) becomes a TunedLinear instead. Its weight is stored packed
-    (``quant.prepack_mxfp4``) where the a16w4 table has packed rows for its (N, K) and dtype on
-    this GPU (``packed_layout_tuned``: one layout per weight, chosen when it is quantised).
+    (``quant.prepack_mxfp4``) where the a16w4 table's packed rows for its (N, K) and dtype on
+    this GPU read packed weights themselves and are no slower than its other rows
+    (``packed_layout_tuned``: one layout per weight, chosen when it is quantised).
     Weights of other dtypes are refused before any layer changes: cast the model to bf16 or
     fp16 first."""
     if quant is not None and quant not in QUANTS:

@@ -96,9 +96,10 @@ _CALLS = DISPATCH.calls  # the eager hot path's dict (Dispatcher.remember)
 
 def packed_layout_tuned(n: int, k: int, dtype: torch.dtype) -> bool:
     """Whether an (N, K) weight for x of ``dtype`` is best stored packed, by the a16w4 table's
-    rows on this GPU: there are rows for it packed, their kernels read packed weights
-    themselves (none is the unpacking torch backend), and over the M that rows of both layouts
-    have, the packed ones take no longer in all (one layout serves every M of a weight)."""
+    rows for this GPU (its own model's, else a similar one's, as dispatch finds them): there
+    are rows for it packed, their kernels read packed weights themselves (none is the unpacking
+    torch backend), and over the M that timed rows of both layouts have (at least one), the
+    packed ones take no longer in all (one layout serves every M of a weight)."""
     if mxfp4.why_not_packable(k) is not None or dtype not in DTYPE_NAMES:
         return False
     name = DTYPE_NAMES[dtype]
@@ -111,7 +112,8 @@ def packed_layout_tuned(n: int, k: int, dtype: torch.dtype) -> bool:
         return False
     timed = [m for m in packed.keys() & plain.keys()
              if _timed(packed[m]) is not None and _timed(plain[m]) is not None]
-    return sum(_timed(packed[m]) for m in timed) <= sum(_timed(plain[m]) for m in timed)
+    return bool(timed) and \
+        sum(_timed(packed[m]) for m in timed) <= sum(_timed(plain[m]) for m in timed)
 
 
 def _timed(row) -> float | None:

@@ -1,9 +1,9 @@
 """A Triton config name (``triton.tile:...``, ``triton.splitk:...``, ``triton.gemv:...``,
 ``triton.persistent:...``, ``triton.frag:...``, ``triton.ring:...``, the last two Gluon kernels;
-``triton.w4:...`` of MXFP4 weights)
+``triton.w4:...``, ``triton.w4frag:...`` (Gluon) and ``triton.w4deq:...`` of MXFP4 weights)
 as a callable for dispatch: checked once per problem, then each call only allocates and
-launches; each kernel replays its first launch of a shape through the compiled kernel's own
-launcher (``_replay``). Called as every backend is: ``kernel(x, w, bias,
+launches; each kernel of one launch replays its first launch of a shape through the compiled
+kernel's own launcher (``_replay``; ``triton.w4deq``, two launches, is not replayed). Called as every backend is: ``kernel(x, w, bias,
 out_dtype, scale_a, scale_b, out=)`` with x (..., K) and w (N, K).
 """
 
@@ -135,8 +135,8 @@ class TritonKernel:
         # argument. The validating launchers (only called to explain a bad call) take no w_tiled.
         self._validating_kwargs = {"block_scales": True} if block_scales else {}
         self._launch_kwargs = {**self._validating_kwargs, **({"w_tiled": True} if w_tiled else {})}
-        # An MXFP4 config may name its own weight layout (triton.w4frag's packed field); the
-        # problems it takes must have that layout.
+        # An MXFP4 config may name its own weight layout (a ``packed`` field: triton.w4frag,
+        # triton.w4deq); the problems it takes must have that layout.
         self._w_tiled = w_tiled or bool(getattr(self.config, "packed", 0))
 
     def __repr__(self) -> str:

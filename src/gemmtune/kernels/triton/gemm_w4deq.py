@@ -12,8 +12,8 @@ The dequantised values are exact in bf16 (an E2M1 value times a power of two has
 significant bits, within bf16's range); in fp16 a weight past 65504 becomes inf and tiny ones
 round, as any fp16 copy of the weight would (the torch backend's too). Weights as
 ``gemmtune.quant.mxfp4`` makes them or, ``packed``, as ``prepack_mxfp4`` reorders them. The bias
-is added by cuBLAS where it has x's dtype, else to the product in fp32 and rounded (as the torch
-backend adds it).
+is added by cuBLAS where it has x's dtype, else to the product (already rounded to x's dtype) in
+fp32 and rounded again, as the torch backend adds it.
 """
 
 from __future__ import annotations
@@ -32,8 +32,10 @@ from gemmtune.kernels.triton.gemm_w4 import check_operands, e2m1, e8m0
 KERNEL_PREFIX = "triton.w4deq"
 _X_DTYPES = (torch.bfloat16, torch.float16)
 _BLOCK = tl.constexpr(mxfp4.BLOCK)
-# x's rows from which the tuner offers it: below, the decode kernels read 3.8x fewer bytes.
+# x's rows from which the tuner offers it: below, the decode kernels move several times fewer
+# bytes (the 4.25-bit weight once, against its 16-bit copy written and read again).
 MIN_M = 64
+MAX_BLOCK_ELEMENTS = 16384
 
 
 @dataclass(frozen=True)
@@ -63,6 +65,9 @@ def why_not_fits(config: W4DeqConfig, M: int, N: int, K: int,
             return f"{name}={value} must be a power of two"
     if c.block_k < mxfp4.BLOCK:
         return f"block_k={c.block_k} must take whole scale blocks (>= {mxfp4.BLOCK})"
+    if c.block_n * c.block_k > MAX_BLOCK_ELEMENTS:
+        return (f"block_n x block_k = {c.block_n * c.block_k} elements a program; at most "
+                f"{MAX_BLOCK_ELEMENTS} (its values live in registers)")
     if c.num_warps not in (1, 2, 4, 8):
         return f"num_warps={c.num_warps} must be 1, 2, 4 or 8"
     if c.packed not in (0, 1):
@@ -80,8 +85,8 @@ def why_not_supported(config: W4DeqConfig, M: int, N: int, K: int, dtype: torch.
 
 def candidates(M: int, N: int, K: int, dtype: torch.dtype,
                packed: bool = False) -> list[W4DeqConfig]:
-    """For M >= MIN_M: two shapes of the dequantising programs (8 or 32 rows of 512 or 128
-    elements: 2-4 KiB of codes each). Only configs that fit."""
+    """For M >= MIN_M: two shapes of the dequantising programs (8 rows of 512 elements or 32 of
+    128: 2 KiB of codes each). Only configs that fit."""
     if M < MIN_M:
         return []
     configs = (W4DeqConfig(8, 512, 4, int(packed)), W4DeqConfig(32, 128, 4, int(packed)))
@@ -95,22 +100,27 @@ def default_config(M: int, N: int, K: int, dtype: torch.dtype) -> W4DeqConfig:
 @triton.jit
 def dequant_mxfp4_kernel(wq_ptr, ws_ptr, out_ptr, N, K, stride_wn, stride_sn, stride_on,
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PACKED: tl.constexpr):
-    """out (N, K) = the MXFP4 weight in out's dtype, one (BLOCK_N, BLOCK_K) block a program."""
+    """out (N, K) = the MXFP4 weight in out's dtype, one (BLOCK_N, BLOCK_K) block a program:
+    its BLOCK_K / 32 scale blocks of 16 code bytes each (a scale load per block, the codes in
+    16-byte loads; packed, in 4-byte words)."""
+    BLOCKS: tl.constexpr = BLOCK_K // _BLOCK
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    # Byte p of a row (as quantised) holds elements 2p and 2p + 1, of scale block p // 16.
-    pairs = tl.program_id(1) * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
+    blocks = tl.program_id(1) * BLOCKS + tl.arange(0, BLOCKS)
+    byte = tl.arange(0, _BLOCK // 2)  # of a block: elements 2 byte and 2 byte + 1
     if PACKED:
-        # mxfp4.prepack: in each 64-byte group, byte 16 j + 4 t + i is stored at 16 t + 4 j + i.
-        within = pairs % 64
-        stored = pairs - within + (within % 16) // 4 * 16 + within // 16 * 4 + within % 4
+        # mxfp4.prepack: in each 64-byte group (4 blocks), byte 4 t + i of block j is stored
+        # at 16 t + 4 j + i.
+        stored = (blocks // 4 * 64 + blocks % 4 * 4)[:, None] \
+            + (byte // 4 * 16 + byte % 4)[None, :]
     else:
-        stored = pairs
-    inside = (rows < N)[:, None] & (pairs < K // 2)[None, :]
+        stored = blocks[:, None] * (_BLOCK // 2) + byte[None, :]
+    in_n = (rows < N)[:, None]
+    in_k = blocks < K // _BLOCK
     row_offsets = rows[:, None].to(tl.int64)
-    codes = tl.load(wq_ptr + row_offsets * stride_wn + stored[None, :], mask=inside,
-                    other=0).to(tl.int32)
-    scale = e8m0(tl.load(ws_ptr + row_offsets * stride_sn + (pairs // (_BLOCK // 2))[None, :],
-                          mask=inside, other=0).to(tl.int32))
+    codes = tl.load(wq_ptr + row_offsets[:, :, None] * stride_wn + stored[None, :, :],
+                    mask=in_n[:, :, None] & in_k[None, :, None], other=0).to(tl.int32)
+    scale = e8m0(tl.load(ws_ptr + row_offsets * stride_sn + blocks[None, :],
+                         mask=in_n & in_k[None, :], other=0).to(tl.int32))[:, :, None]
     values = tl.join(e2m1(codes & 15) * scale, e2m1(codes >> 4) * scale)
     values = tl.reshape(values, (BLOCK_N, BLOCK_K))
     ks = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
