@@ -128,7 +128,7 @@ def _check(x, wq, w_scale, bias, packed) -> None:
     # Imported here, not at the top: importing a Triton kernel module fixes, for the process,
     # whether its kernels are interpreted (TRITON_INTERPRET), and tuner workers import this
     # module before they set that variable.
-    from gemmtune.kernels.triton.gemm_w4 import check_operands
+    from gemmtune.kernels.triton._mxfp4_calls import check_operands
 
     if not all(isinstance(t, torch.Tensor) for t in (x, wq, w_scale)):
         raise TypeError("gemm_a16w4: x (..., K), wq (N, K // 2) and w_scale (N, K // 32) must "

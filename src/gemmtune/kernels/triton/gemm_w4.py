@@ -26,6 +26,7 @@ import triton.language as tl
 from gemmtune.kernels import mxfp4
 from gemmtune.kernels._names import Field, NameCodec, NamedConfig
 from gemmtune.kernels.triton import _checks
+from gemmtune.kernels.triton._mxfp4_calls import check_scaled_call, validated_launch
 from gemmtune.kernels.triton._replay import KernelCall, launch
 from gemmtune.kernels.triton._splits import (MAX_SPLIT_K, split_chunk, split_for,
                                              store_split_tile, workspace)
@@ -323,65 +324,13 @@ def gemm_w4(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
     """``x @ dequant_mxfp4(wq, w_scale).T + bias`` in x's dtype: x (M, K) bf16 or fp16, wq
     (N, K // 2) and w_scale (N, K // 32) uint8 as ``gemmtune.quant.mxfp4`` makes them, bias
     (N,). Validates everything, then launches."""
-    if x.dim() != 2 or wq.dim() != 2 or w_scale.dim() != 2:
-        raise ValueError(f"gemm_w4: expected x (M, K), wq (N, K // 2) and w_scale (N, K // 32); "
-                         f"got {tuple(x.shape)}, {tuple(wq.shape)}, {tuple(w_scale.shape)}")
-    M, K = x.shape
-    N = wq.shape[0]
-    check_operands("gemm_w4", x, wq, w_scale, bias)
-    if out is not None and (out.shape != (M, N) or out.dtype != x.dtype or out.stride(1) != 1):
-        raise ValueError(f"gemm_w4: out must be ({M}, {N}) {x.dtype} with unit column stride; "
-                         f"got {tuple(out.shape)} {out.dtype} strides {out.stride()}")
-    config = config or default_config(M, N, K, x.dtype)
-    why = why_not_fits(config, M, N, K, x.dtype)
-    if why is not None:
-        raise ValueError(f"gemm_w4: {config.name} does not fit (M={M}, N={N}, K={K}): {why}")
-    if out is None:
-        out = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    if not M or not N:
-        return out
-    return launch_gemm_w4(x, wq, bias, out, None, w_scale, config)
+    return validated_launch("gemm_w4", launch_gemm_w4, default_config, why_not_fits, x, wq,
+                            w_scale, bias, config, out)
 
 
 def gemm_w4_scaled(x, w, bias, out_dtype, scale_a, scale_b, config: W4Config | None = None,
                    out: torch.Tensor | None = None) -> torch.Tensor:
     """``gemm_w4`` called as every kernel module's validating launcher is: w the codes,
     scale_b their scales, scale_a None, the output in x's dtype."""
-    if scale_b is None or scale_a is not None:
-        raise ValueError("gemm_w4: an MXFP4 weight brings its own scales (scale_b: w_scale) and "
-                         "bf16/fp16 x none (scale_a None); MXFP4 x is gemm_a4w4_blockscale's")
-    if out_dtype not in (None, x.dtype):
-        raise TypeError(f"gemm_w4: the output is in x's dtype ({x.dtype}), not {out_dtype}")
+    check_scaled_call("gemm_w4", x, out_dtype, scale_a, scale_b)
     return gemm_w4(x, w, scale_b, bias, config, out)
-
-
-def check_operands(op: str, x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
-                   bias: torch.Tensor | None) -> None:
-    """x (..., K) bf16 or fp16; wq (N, K // 2) and w_scale (N, K // 32) uint8 on x's device;
-    bias (N,) on it: ValueError or TypeError saying what is wrong otherwise."""
-    if x.dim() < 1 or wq.dim() != 2 or w_scale.dim() != 2:
-        raise ValueError(f"{op}: expected x (..., K), wq (N, K // 2) and w_scale (N, K // 32); "
-                         f"got {tuple(x.shape)}, {tuple(wq.shape)}, {tuple(w_scale.shape)}")
-    if bias is not None and not isinstance(bias, torch.Tensor):
-        raise TypeError(f"{op}: bias must be a tensor (N,) or None, got {type(bias).__name__}")
-    K = x.shape[-1]
-    if K % mxfp4.BLOCK:
-        raise ValueError(f"{op}: K={K} is not a multiple of {mxfp4.BLOCK}, the MXFP4 block; pad "
-                         f"x and the weight with zeros along K before quantising")
-    if x.dtype not in _X_DTYPES:
-        raise TypeError(f"{op}: x is {x.dtype}; MXFP4-weight GEMMs take bf16 or fp16 "
-                        f"activations (the output is in x's dtype)")
-    if wq.dtype != torch.uint8 or w_scale.dtype != torch.uint8:
-        raise TypeError(f"{op}: wq and w_scale must be uint8 (as gemmtune.quant.mxfp4 makes "
-                        f"them), got {wq.dtype} and {w_scale.dtype}")
-    N = wq.shape[0]
-    if wq.shape[1] * 2 != K or tuple(w_scale.shape) != (N, K // mxfp4.BLOCK):
-        raise ValueError(f"{op}: x's K={K} needs wq (N, {K // 2}) and w_scale "
-                         f"(N, {K // mxfp4.BLOCK}); got {tuple(wq.shape)} and "
-                         f"{tuple(w_scale.shape)}")
-    if bias is not None and (tuple(bias.shape) != (N,) or bias.device != x.device):
-        raise ValueError(f"{op}: bias has shape {tuple(bias.shape)} on {bias.device}; "
-                         f"expected ({N},) on {x.device}")
-    if wq.device != x.device or w_scale.device != x.device:
-        raise ValueError(f"{op}: x is on {x.device}, wq on {wq.device}, w_scale on "
-                         f"{w_scale.device}: put them on one device")

@@ -27,7 +27,8 @@ import triton.language as tl
 from gemmtune.kernels import mxfp4
 from gemmtune.kernels._names import Field, NameCodec, NamedConfig
 from gemmtune.kernels.triton._replay import KernelCall, launch
-from gemmtune.kernels.triton.gemm_w4 import check_operands, e2m1, e8m0
+from gemmtune.kernels.triton._mxfp4_calls import check_scaled_call, validated_launch
+from gemmtune.kernels.triton.gemm_w4 import e2m1, e8m0
 
 KERNEL_PREFIX = "triton.w4deq"
 _X_DTYPES = (torch.bfloat16, torch.float16)
@@ -172,23 +173,8 @@ def gemm_w4deq(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
     """``x @ dequant_mxfp4(wq, w_scale).T + bias`` in x's dtype: x (M, K) bf16 or fp16, wq
     (N, K // 2) and w_scale (N, K // 32) uint8 (wq packed for a packed config), bias (N,).
     Validates everything, then launches."""
-    if x.dim() != 2:
-        raise ValueError(f"gemm_w4deq: expected x (M, K), got {tuple(x.shape)}")
-    check_operands("gemm_w4deq", x, wq, w_scale, bias)
-    M, K = x.shape
-    N = wq.shape[0]
-    if out is not None and (out.shape != (M, N) or out.dtype != x.dtype or out.stride(1) != 1):
-        raise ValueError(f"gemm_w4deq: out must be ({M}, {N}) {x.dtype} with unit column "
-                         f"stride; got {tuple(out.shape)} {out.dtype} strides {out.stride()}")
-    config = config or default_config(M, N, K, x.dtype)
-    why = why_not_fits(config, M, N, K, x.dtype)
-    if why is not None:
-        raise ValueError(f"gemm_w4deq: {config.name} does not fit (M={M}, N={N}, K={K}): {why}")
-    if out is None:
-        out = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    if not M or not N:
-        return out
-    return launch_gemm_w4deq(x, wq, bias, out, None, w_scale, config)
+    return validated_launch("gemm_w4deq", launch_gemm_w4deq, default_config, why_not_fits, x,
+                            wq, w_scale, bias, config, out)
 
 
 def gemm_w4deq_scaled(x, w, bias, out_dtype, scale_a, scale_b,
@@ -196,9 +182,5 @@ def gemm_w4deq_scaled(x, w, bias, out_dtype, scale_a, scale_b,
                       out: torch.Tensor | None = None) -> torch.Tensor:
     """``gemm_w4deq`` called as every kernel module's validating launcher is: w the codes,
     scale_b their scales, scale_a None, the output in x's dtype."""
-    if scale_b is None or scale_a is not None:
-        raise ValueError("gemm_w4deq: an MXFP4 weight brings its own scales (scale_b) and x none "
-                         "(scale_a None)")
-    if out_dtype not in (None, x.dtype):
-        raise TypeError(f"gemm_w4deq: the output is in x's dtype ({x.dtype}), not {out_dtype}")
+    check_scaled_call("gemm_w4deq", x, out_dtype, scale_a, scale_b)
     return gemm_w4deq(x, w, scale_b, bias, config, out)

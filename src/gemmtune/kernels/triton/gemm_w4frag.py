@@ -44,7 +44,7 @@ from gemmtune.kernels.triton._splits import (PDL_OFF, pdl_supported, split_for,
 from gemmtune.kernels.triton._swapped import (BLOCK_N, NUM_WARPS, finish_tile,
                                               partials_per_load, release_then_wait,
                                               why_not_add_splits, why_not_grid, why_not_here)
-from gemmtune.kernels.triton.gemm_w4 import check_operands
+from gemmtune.kernels.triton._mxfp4_calls import check_scaled_call, validated_launch
 
 KERNEL_PREFIX = "triton.w4frag"
 _BN = gl.constexpr(BLOCK_N)
@@ -330,23 +330,13 @@ def gemm_w4frag(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
     ``gemmtune.quant.prepack_mxfp4`` packs it with a ``packed`` config (the layout is the
     config's: the default reads wq as quantised), bias (N,). Validates everything, then
     launches."""
-    if x.dim() != 2:
-        raise ValueError(f"gemm_w4frag: expected x (M, K), got {tuple(x.shape)}")
-    check_operands("gemm_w4frag", x, wq, w_scale, bias)
-    M, K = x.shape
-    N = wq.shape[0]
-    if out is not None and (out.shape != (M, N) or out.dtype != x.dtype or out.stride(1) != 1):
-        raise ValueError(f"gemm_w4frag: out must be ({M}, {N}) {x.dtype} with unit column "
-                         f"stride; got {tuple(out.shape)} {out.dtype} strides {out.stride()}")
-    config = config or default_config(M, N, K, x.dtype)
-    why = why_not_supported(config, M, N, K, x.dtype, x.dtype)
-    if why is not None:
-        raise ValueError(f"gemm_w4frag: {config.name} cannot run (M={M}, N={N}, K={K}): {why}")
-    if out is None:
-        out = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    if not M or not N:
-        return out
-    return launch_gemm_w4frag(x, wq, bias, out, None, w_scale, config)
+    return validated_launch("gemm_w4frag", launch_gemm_w4frag, default_config, _why_not_here,
+                            x, wq, w_scale, bias, config, out)
+
+
+def _why_not_here(config: W4FragConfig, M: int, N: int, K: int,
+                  dtype: torch.dtype) -> str | None:
+    return why_not_supported(config, M, N, K, dtype, dtype)
 
 
 def gemm_w4frag_scaled(x, w, bias, out_dtype, scale_a, scale_b,
@@ -354,9 +344,5 @@ def gemm_w4frag_scaled(x, w, bias, out_dtype, scale_a, scale_b,
                        out: torch.Tensor | None = None) -> torch.Tensor:
     """``gemm_w4frag`` called as every kernel module's validating launcher is: w the codes,
     scale_b their scales, scale_a None, the output in x's dtype."""
-    if scale_b is None or scale_a is not None:
-        raise ValueError("gemm_w4frag: an MXFP4 weight brings its own scales (scale_b) and bf16 "
-                         "x none (scale_a None)")
-    if out_dtype not in (None, x.dtype):
-        raise TypeError(f"gemm_w4frag: the output is in x's dtype ({x.dtype}), not {out_dtype}")
+    check_scaled_call("gemm_w4frag", x, out_dtype, scale_a, scale_b)
     return gemm_w4frag(x, w, scale_b, bias, config, out)
