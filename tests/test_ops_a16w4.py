@@ -212,28 +212,36 @@ def test_packed_needs_k_a_multiple_of_128_and_passes_gradients():
 # --- the tuner ---------------------------------------------------------------------------------
 
 
+def _tune(tmp_path, untuned: str):
+    """``gemmtune tune a16w4`` of the rows ``untuned`` (CSV text) into tmp_path's t.csv and
+    prof.csv, a few iterations: its summary and log."""
+    import io
+
+    from gemmtune.families.a16w4.tuner import A16w4Tuner
+    from gemmtune.tune.engine import TuneConfig, Tuner, default_gpus
+    from gemmtune.tune.family import TuneOptions
+
+    inp = tmp_path / "u.csv"
+    inp.write_text(untuned)
+    out = io.StringIO()
+    config = TuneConfig(input=inp, output=tmp_path / "t.csv", profile=tmp_path / "prof.csv",
+                        timeout=120, options=TuneOptions(iters=3, warmup=1),
+                        gpus=default_gpus(), workers=4 if default_gpus() else 1)
+    return Tuner(A16w4Tuner, config, out=out).run(), out.getvalue()
+
+
 def test_tuner_checks_every_candidate_against_the_dequantised_reference(tmp_path):
     """``gemmtune tune a16w4``: torch and the MXFP4 kernel's configs pass the gate against the
     fp32 product with the dequantised weight (on the CPU two configs in fp16, bf16 ones refused
     with the interpreter's reason); a K that is not a multiple of 32 fails that shape alone."""
     import csv
-    import io
-
     from gemmtune.families.a16w4.tuner import A16w4Tuner
     from gemmtune.tables.store import read_table
-    from gemmtune.tune.engine import TuneConfig, Tuner, default_gpus
-    from gemmtune.tune.family import TuneOptions
 
-    inp = tmp_path / "u.csv"
-    inp.write_text("M,N,K,dtype\n5,40,96,torch.float16\n3,48,64,torch.bfloat16\n"
-                   "2,32,80,torch.float16\n")
-    out = io.StringIO()
-    config = TuneConfig(input=inp, output=tmp_path / "t.csv", profile=tmp_path / "prof.csv",
-                        timeout=120, options=TuneOptions(iters=3, warmup=1),
-                        gpus=default_gpus(), workers=4 if default_gpus() else 1)
-    summary = Tuner(A16w4Tuner, config, out=out).run()
-    assert summary.tuned == 2 and len(summary.failed) == 1, out.getvalue()
-    assert "multiple of 32" in out.getvalue()
+    summary, log = _tune(tmp_path, "M,N,K,dtype\n5,40,96,torch.float16\n"
+                                   "3,48,64,torch.bfloat16\n2,32,80,torch.float16\n")
+    assert summary.tuned == 2 and len(summary.failed) == 1, log
+    assert "multiple of 32" in log
     rows = {r.key: r for r in read_table(tmp_path / "t.csv", A16w4Tuner.schema).rows}
     assert set(rows) == {A16w4Key(5, 40, 96, "torch.float16", False),
                          A16w4Key(3, 48, 64, "torch.bfloat16", False)}
@@ -255,23 +263,13 @@ def test_tuner_packed_keys_time_packed_weights_and_only_kernels_that_read_them(t
     the unpacking torch backend, triton.w4 (which reads weights as quantised) is not offered,
     and a K without a packed layout fails that shape alone, saying why."""
     import csv
-    import io
-
     from gemmtune.families.a16w4.tuner import A16w4Tuner
     from gemmtune.tables.store import read_table
-    from gemmtune.tune.engine import TuneConfig, Tuner, default_gpus
-    from gemmtune.tune.family import TuneOptions
 
-    inp = tmp_path / "u.csv"
-    inp.write_text("M,N,K,dtype,packed\n5,40,128,torch.float16,True\n"
-                   "5,40,96,torch.float16,True\n")
-    out = io.StringIO()
-    config = TuneConfig(input=inp, output=tmp_path / "t.csv", profile=tmp_path / "prof.csv",
-                        timeout=120, options=TuneOptions(iters=3, warmup=1),
-                        gpus=default_gpus(), workers=4 if default_gpus() else 1)
-    summary = Tuner(A16w4Tuner, config, out=out).run()
-    assert summary.tuned == 1 and len(summary.failed) == 1, out.getvalue()
-    assert "not a multiple of 128" in out.getvalue()
+    summary, log = _tune(tmp_path, "M,N,K,dtype,packed\n5,40,128,torch.float16,True\n"
+                                   "5,40,96,torch.float16,True\n")
+    assert summary.tuned == 1 and len(summary.failed) == 1, log
+    assert "not a multiple of 128" in log
     (row,) = read_table(tmp_path / "t.csv", A16w4Tuner.schema).rows
     assert row.key == A16w4Key(5, 40, 128, "torch.float16", True)
     with open(tmp_path / "prof.csv") as f:

@@ -3,8 +3,9 @@
 ``triton.w4:...``, ``triton.w4frag:...`` (Gluon) and ``triton.w4deq:...`` of MXFP4 weights)
 as a callable for dispatch: checked once per problem, then each call only allocates and
 launches; each kernel of one launch replays its first launch of a shape through the compiled
-kernel's own launcher (``_replay``; ``triton.w4deq``, two launches, is not replayed). Called as every backend is: ``kernel(x, w, bias,
-out_dtype, scale_a, scale_b, out=)`` with x (..., K) and w (N, K).
+kernel's own launcher (``_replay``; ``triton.w4deq``, two launches, is not replayed). Called
+as every backend is: ``kernel(x, w, bias, out_dtype, scale_a, scale_b, out=)`` with x (..., K)
+and w (N, K).
 """
 
 from __future__ import annotations
