@@ -4,7 +4,8 @@ dequant(wq, w_scale).T + bias.
 On the CPU: its names, constraints and candidates (tests/test_kernels_compile_for_hopper.py
 compiles it for sm_90). On a GPU: against the fp32 product of x and the dequantised weight at
 ragged sizes, every block_k and block_m, split sums in order and added, PDL, bias, with fresh
-random data and NaN-poisoned outputs; every code at every scale byte bit for bit.
+random data and NaN-poisoned outputs; every code at every scale byte bit for bit, a NaN scale
+making its row NaN and no other.
 """
 
 from __future__ import annotations
@@ -112,7 +113,9 @@ def test_gpu_matches_the_dequantised_reference(M, N, K, config, with_bias):
 
 @on_hopper
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [W4FragConfig(32, 64, 1), W4FragConfig(32, 128, 1, packed=1)])
+@pytest.mark.parametrize("config", [
+    W4FragConfig(32, 32, 1), W4FragConfig(32, 64, 1),  # a step's scales as a byte, two bytes
+    W4FragConfig(32, 256, 1), W4FragConfig(32, 128, 1, packed=1)])  # groups of 4: a word
 def test_gpu_every_code_at_every_scale_byte_exactly(config):
     """Row n of w has scale byte n (0-255) on all its blocks and the 16 codes over and over,
     each block's codes shifted by its index; x is the identity, so y is w dequantised, rounded
@@ -127,6 +130,29 @@ def test_gpu_every_code_at_every_scale_byte_exactly(config):
     y = gemm_w4frag(x, stored, w_scale, None, config)
     want = quant.dequant_mxfp4(wq, w_scale).T.to(torch.bfloat16)
     torch.testing.assert_close(y, want, rtol=0, atol=0, equal_nan=True)
+
+
+@on_hopper
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", [W4FragConfig(8, 128, 2), W4FragConfig(16, 256, 1, packed=1)])
+def test_gpu_a_nan_scale_makes_its_row_nan_and_no_other(config):
+    """A NaN scale byte (255) in one block of a row, at each of the 4 places of a scale word
+    and beside the largest finite byte (254): that row is NaN, every other row exact."""
+    M, N, K = 3, 64, 512
+    gen = generator(7)
+    x, wq, w_scale, _ = _operands(M, N, K, gen, False)
+    w_scale = w_scale.clone()
+    nan_rows = {5: 0, 17: 1, 30: 6, 41: 15}  # row: block (the word's byte: block % 4)
+    w_scale[40:42, :] = 254
+    w_scale[40, :] = 0
+    for row, block in nan_rows.items():
+        w_scale[row, block] = 255
+    stored = quant.prepack_mxfp4(wq, w_scale)[0] if config.packed else wq
+    y = gemm_w4frag(x, stored, w_scale, None, config)
+    nan = torch.zeros(N, dtype=torch.bool, device=DEVICE)
+    nan[list(nan_rows)] = True
+    assert y[:, nan].isnan().all()
+    assert_matches_reference(y[:, ~nan], x, quant.dequant_mxfp4(wq, w_scale)[~nan])
 
 
 @on_hopper
@@ -169,3 +195,29 @@ def test_scales_reach_the_kernel_16_byte_aligned():
     scales = w4frag_call(x, wq, None, y, None, wide[:, :8], config).args[2]
     assert scales.is_contiguous() and torch.equal(scales, ws)
     assert w4frag_call(x, wq, None, y, None, ws, config).args[2] is ws
+
+
+def test_x_and_codes_reach_the_kernel_as_aligned_words():
+    """x (two bf16 a word) and the codes (4 bytes a word) are read as 32-bit words: x at an
+    odd element offset or with an odd row pitch, and codes at an offset that is not a multiple
+    of 16 bytes, reach the kernel as aligned copies; aligned operands go as they are."""
+    from gemmtune.kernels.triton.gemm_w4frag import w4frag_call
+
+    x = randn(2, 256, gen=generator(2)).to(torch.bfloat16)
+    wq, ws = quant.mxfp4(randn(64, 256, gen=generator(3)))
+    y = torch.empty(2, 64, dtype=torch.bfloat16, device=DEVICE)
+    config = W4FragConfig(8, 128, 1)
+    wide = torch.zeros(2, 257, dtype=torch.bfloat16, device=DEVICE)
+    wide[:, :256] = x
+    flat = torch.zeros(x.numel() + 1, dtype=torch.bfloat16, device=DEVICE)
+    flat[1:].view(2, 256).copy_(x)
+    for view in (flat[1:].view(2, 256), wide[:, :256]):  # odd offset; odd pitch (257)
+        sent = w4frag_call(view, wq, None, y, None, ws, config).args[0]
+        assert sent.data_ptr() % 16 == 0 and sent.stride(0) % 2 == 0 and torch.equal(sent, view)
+    flat = torch.zeros(wq.numel() + 4, dtype=torch.uint8, device=DEVICE)
+    shifted = flat[4:].view(64, 128)
+    shifted.copy_(wq)
+    sent = w4frag_call(x, shifted, None, y, None, ws, config).args[1]
+    assert sent.data_ptr() % 16 == 0 and torch.equal(sent, wq)
+    call = w4frag_call(x, wq, None, y, None, ws, config)
+    assert call.args[0] is x and call.args[1] is wq

@@ -484,7 +484,7 @@ W4FRAG_SCRIPT = textwrap.dedent("""
         # Per scale block, each thread loads one 32-bit word of codes for each of its 2 rows
         # (packed: one 16-byte load a row for 4 blocks), multiplies on mma.sync (bf16, fp32
         # sums), and touches no shared memory in the loop.
-        blocks = block_k // 32
+        blocks = min(block_k, 128) // 32  # a step's blocks, or from 128 a group of 4 blocks
         if packed:
             assert text.count("ld.global.v4.b32") >= 2 * blocks // 4
         else:

@@ -298,7 +298,7 @@ def test_mxfp4_weights_are_packed_where_the_table_tuned_packed_rows(tmp_path, mo
     assert model[0].weight_packed and not model[1].weight_packed  # K = 96: no packed layout
     assert not plain[0].weight_packed
     assert "packed" in repr(model[0])
-    assert torch.equal(gemmtune.quant.prepack_mxfp4(model[0].weight_q, model[0].weight_scale)[0],
+    assert torch.equal(gemmtune.quant.unpack_mxfp4(model[0].weight_q, model[0].weight_scale)[0],
                        plain[0].weight_q)
     x = torch.randn(3, 128).to(torch.bfloat16)
     torch.testing.assert_close(model(x), plain(x), rtol=0, atol=0)

@@ -165,9 +165,10 @@ def test_quantise_and_dequantise_inside_a_cuda_graph():
     assert torch.equal(back, quant.dequant_mxfp4(q, s))
 
 
-def test_prepack_moves_each_threads_words_together_and_is_its_own_inverse():
+def test_prepack_moves_each_threads_words_together_and_unpack_undoes_it():
     """Within each row's 64-byte groups, word t of block j (bytes 16 j + 4 t ...) moves to word
-    4 t + j: a thread's words of 4 blocks become 16 contiguous bytes. Twice is the identity."""
+    4 t + j: a thread's words of 4 blocks become 16 contiguous bytes. unpack_mxfp4 (the same
+    transpose) gives the codes back."""
     wq = torch.arange(3 * 128, dtype=torch.int32).remainder(251).to(torch.uint8).reshape(3, 128)
     ws = torch.zeros(3, 8, dtype=torch.uint8)
     packed, scales = quant.prepack_mxfp4(wq, ws)
@@ -179,7 +180,8 @@ def test_prepack_moves_each_threads_words_together_and_is_its_own_inverse():
                     new = group * 64 + 16 * t + 4 * j
                     old = group * 64 + 16 * j + 4 * t
                     assert torch.equal(packed[row, new:new + 4], wq[row, old:old + 4])
-    assert torch.equal(quant.prepack_mxfp4(packed, ws)[0], wq)
+    unpacked, scales = quant.unpack_mxfp4(packed, ws)
+    assert scales is ws and torch.equal(unpacked, wq)
 
 
 def test_prepack_refuses_what_has_no_packed_layout():
@@ -191,3 +193,7 @@ def test_prepack_refuses_what_has_no_packed_layout():
         quant.prepack_mxfp4(wq, ws[:, :2])
     with pytest.raises(ValueError, match="uint8"):
         quant.prepack_mxfp4(wq.to(torch.int16), ws)
+    with pytest.raises(ValueError, match="multiple of 128"):
+        quant.unpack_mxfp4(*quant.mxfp4(torch.randn(4, 96)))
+    with pytest.raises(ValueError, match="do not belong together"):
+        quant.unpack_mxfp4(wq, ws[:, :2])

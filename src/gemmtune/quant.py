@@ -435,9 +435,8 @@ def prepack_mxfp4(wq: torch.Tensor, w_scale: torch.Tensor) -> tuple[torch.Tensor
     """An MXFP4 weight (``mxfp4``'s (N, K // 2) codes and (N, K // 32) scales) in the packed
     layout ``gemm_a16w4(..., packed=True)`` takes: within each row's groups of 128 elements the
     codes' 4-byte words are reordered so that the register-direct kernel (``triton.w4frag``)
-    reads each thread's codes of 4 blocks in one 16-byte load; the scales are unchanged.
-    K must be a multiple of 128. The reordering is its own inverse: ``prepack_mxfp4`` of a
-    packed weight gives the weight as quantised."""
+    reads each thread's codes of 4 blocks in one 16-byte load; the scales are unchanged. K must
+    be a multiple of 128. ``unpack_mxfp4`` undoes it (the reordering is its own inverse)."""
     if wq.dtype != torch.uint8 or w_scale.dtype != torch.uint8 or wq.dim() != 2 \
             or w_scale.dim() != 2:
         raise ValueError(f"prepack_mxfp4: expected uint8 codes (N, K // 2) and scales "
@@ -447,3 +446,17 @@ def prepack_mxfp4(wq: torch.Tensor, w_scale: torch.Tensor) -> tuple[torch.Tensor
         raise ValueError(f"prepack_mxfp4: codes {tuple(wq.shape)} and scales "
                          f"{tuple(w_scale.shape)} do not belong together")
     return _mx.prepack(wq), w_scale
+
+
+def unpack_mxfp4(wq: torch.Tensor, w_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A weight ``prepack_mxfp4`` packed, as ``mxfp4`` made it: codes (N, K // 2) and the
+    (unchanged) scales."""
+    if wq.dtype != torch.uint8 or w_scale.dtype != torch.uint8 or wq.dim() != 2 \
+            or w_scale.dim() != 2:
+        raise ValueError(f"unpack_mxfp4: expected uint8 codes (N, K // 2) and scales "
+                         f"(N, K // 32) as prepack_mxfp4 returns them, got {wq.dtype} "
+                         f"{tuple(wq.shape)} and {w_scale.dtype} {tuple(w_scale.shape)}")
+    if tuple(w_scale.shape) != (wq.shape[0], wq.shape[1] * 2 // _mx.BLOCK):
+        raise ValueError(f"unpack_mxfp4: codes {tuple(wq.shape)} and scales "
+                         f"{tuple(w_scale.shape)} do not belong together")
+    return _mx.unpack(wq), w_scale

@@ -118,11 +118,17 @@ def prepack(codes: torch.Tensor) -> torch.Tensor:
     """``quantize``'s codes (N, K // 2) in the register-direct kernel's packed layout: within
     each row's 64-byte groups (128 elements, 4 blocks of 16 bytes), 4-byte word t of block j
     moves to word 4 t + j, so the 4 words one thread multiplies (word t of each block) are 16
-    contiguous bytes. A transpose of 4 x 4 words, so its own inverse: ``prepack(prepack(q))``
-    is ``q``. The scales keep their layout."""
+    contiguous bytes. A transpose of 4 x 4 words: ``unpack`` (the same transpose) undoes it.
+    The scales keep their layout."""
     n, half_k = codes.shape
     why = why_not_packable(half_k * 2)
     if why is not None:
         raise ValueError(f"prepack: {why}")
     groups = codes.reshape(n, half_k // 64, 4, 4, 4)  # (row, group, block j, word t, byte i)
     return groups.transpose(2, 3).reshape(n, half_k).contiguous()
+
+
+def unpack(packed: torch.Tensor) -> torch.Tensor:
+    """``prepack``'s inverse: packed codes (N, K // 2) as ``quantize`` makes them (the
+    transpose is its own inverse)."""
+    return prepack(packed)

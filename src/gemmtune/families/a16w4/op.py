@@ -55,13 +55,13 @@ def problem_of(key: A16w4Key) -> GemmProblem:
 
 class _TorchDequantLinear:
     """The torch backend for one layout of the weight: ``dequant_linear_torch``, a packed weight
-    unpacked first (``mxfp4.prepack`` is its own inverse); it runs only problems of its layout."""
+    unpacked first (``mxfp4.unpack``); it runs only problems of its layout."""
 
     def __init__(self, packed: bool):
         self.packed = packed
 
     def __call__(self, x, wq, bias, out_dtype, scale_a, scale_b, out=None):
-        return dequant_linear_torch(x, mxfp4.prepack(wq) if self.packed else wq, bias,
+        return dequant_linear_torch(x, mxfp4.unpack(wq) if self.packed else wq, bias,
                                     out_dtype, scale_a, scale_b, out)
 
     def check(self, problem: GemmProblem) -> str | None:
@@ -192,7 +192,7 @@ def _backward(ctx, grad):
     """Gradients of x (through the dequantised weight, in grad's dtype) and of the bias; none
     of the quantised weight."""
     wq, w_scale = ctx.saved_tensors
-    codes = mxfp4.prepack(wq) if ctx.packed else wq
+    codes = mxfp4.unpack(wq) if ctx.packed else wq
     grad_x = grad @ mxfp4.dequantize(codes, w_scale).to(grad.dtype)
     grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0).to(ctx.bias_dtype) \
         if ctx.has_bias else None

@@ -154,39 +154,156 @@ def default_config(M: int, N: int, K: int, dtype: torch.dtype,
 
 
 @gluon.jit
-def _e8m0_to_fp32(byte):
-    """2^(byte - 127) in fp32 for E8M0 scale bytes (int32): byte 0 is 2^-127 (subnormal), 255
-    NaN."""
-    power = (byte << 23).to(gl.float32, bitcast=True)
-    power = gl.where(byte == 0, 5.877471754111438e-39, power)
-    return gl.where(byte == 255, float("nan"), power)
+def _block_scale(word, j: gl.constexpr):
+    """2^(byte - 127) in fp32 for byte ``j`` of the rows' scale words (int32): shifted into
+    the exponent field, byte 0 made 2^-127 (subnormal: the maximum with its bit pattern).
+    Byte 255 (NaN) comes out infinite here: ``_nan_scales`` marks its rows."""
+    if j == 3:
+        field = (word >> 1) & 0x7F800000
+    else:
+        field = (word << (23 - 8 * j)) & 0x7F800000
+    return gl.maximum(field, 0x00400000).to(gl.float32, bitcast=True)
 
 
 @gluon.jit
-def _add_block(acc, codes, scale_byte, x_ptrs, block, x_mask, a_layout: gl.constexpr):
-    """``acc`` plus one 32-element scale block's product: ``codes`` (64, 16) bytes in the code
-    layout, ``scale_byte`` (64,) int32, x's block loaded here."""
-    x = gl.load(x_ptrs + block.to(gl.int64) * _BLOCK, mask=x_mask, other=0.0)
-    w = gl.convert_layout(gl.fp4_to_fp(codes, gl.bfloat16, axis=1), a_layout,
-                          assert_trivial=True)
+def _nan_scales(seen, word):
+    """``seen`` with bit 7 of a byte set where that byte of ``word`` is 255 (an E8M0 NaN).
+    Exact for whether a word has one, not for which byte (a borrow can flag a higher byte):
+    a row is NaN where any of its scales is, so that is all that is needed."""
+    return seen | ((~word - 0x01010101) & word & -0x7F7F7F80)  # 0x80808080 as int32
+
+
+# E2M1 codes to bf16: a 32-bit word of 8 codes c0-c7 ($4: 4 bytes, the lower-index code in
+# each byte's low nibble) to 4 registers of 2 bf16 each, register i holding codes 2 i (low half)
+# and 2 i + 1, the pairs the MMA takes in one register. PRMT looks up the low and the high byte
+# of each code's magnitude ($5, $6 and the immediates: two 8-byte tables), PRMT's
+# sign-replicating selectors spread the codes' signs (bit 3) to bit 7 of the high bytes, and a
+# last PRMT pairs low and high bytes: 15 instructions for 8 codes (Triton's fp4_to_fp, whose
+# tables are also copied into registers before each use: about 24).
+_E2M1_TO_BF16_ASM = gl.constexpr("""{
+.reg .b32 m, mh, la, ha, lb, hb, q4, sa, sb;
+and.b32 m, $4, 0x77777777;
+shr.b32 mh, m, 16;
+shl.b32 q4, $4, 4;
+prmt.b32 la, $5, 0xC0804000, m;
+prmt.b32 ha, $6, 0x40404040, m;
+prmt.b32 lb, $5, 0xC0804000, mh;
+prmt.b32 hb, $6, 0x40404040, mh;
+prmt.b32 sa, q4, $4, 0xD9C8;
+prmt.b32 sb, q4, $4, 0xFBEA;
+lop3.b32 ha, ha, sa, 0x80808080, 0xF8;
+lop3.b32 hb, hb, sb, 0x80808080, 0xF8;
+prmt.b32 $0, la, ha, 0x5140;
+prmt.b32 $1, la, ha, 0x7362;
+prmt.b32 $2, lb, hb, 0x5140;
+prmt.b32 $3, lb, hb, 0x7362;
+}""")
+
+
+@gluon.jit
+def e2m1_tables(zeros):
+    """The lookup words of e2m1_to_bf16 in int32 tensors shaped as ``zeros`` (int32 zeros the
+    compiler cannot know are zero): the lane id times those zeros makes them values of each
+    thread, so ptxas holds them in registers instead of copying them out of uniform registers
+    before every use (a third more instructions in the loop)."""
+    return gl.inline_asm_elementwise(
+        "{.reg .u32 t; mov.u32 t, %laneid; mul.lo.u32 t, t, $2; or.b32 $0, t, 0xC0800000; "
+        "or.b32 $1, t, 0x3F3F3F00;}", "=r,=r,r", [zeros], dtype=(gl.int32, gl.int32),
+        is_pure=True, pack=1)
+
+
+@gluon.jit
+def _halves(pair):
+    """An int32 tensor of bf16 pairs as (..., 2) bf16, the low half first."""
+    return gl.join(pair.to(gl.int16).to(gl.bfloat16, bitcast=True),
+                   (pair >> 16).to(gl.int16).to(gl.bfloat16, bitcast=True))
+
+
+@gluon.jit
+def e2m1_to_bf16(words, tables):
+    """(R, T) int32 words of 8 codes each -> (R, 8 T) bf16: word t's codes are elements 8 t to
+    8 t + 7, in the word's thread."""
+    r = gl.inline_asm_elementwise(_E2M1_TO_BF16_ASM, "=r,=r,=r,=r,r,r,r",
+                                  [words, tables[0], tables[1]], dtype=(gl.int32,) * 4,
+                                  is_pure=True, pack=1)
+    # Register i is codes 2 i (low half) and 2 i + 1: taken apart here, put back together as
+    # they were for the MMA (no instruction).
+    codes = gl.join(gl.join(_halves(r[0]), _halves(r[1])), gl.join(_halves(r[2]), _halves(r[3])))
+    # (R, T, half, i % 2, i // 2) -> codes in order
+    return gl.reshape(gl.permute(codes, [0, 1, 4, 3, 2]), [words.shape[0], 8 * words.shape[1]])
+
+
+@gluon.jit
+def _add_block(acc, words, scale, x, a_layout: gl.constexpr, b_layout: gl.constexpr, tables):
+    """``acc`` plus one 32-element scale block's product: ``words`` (64, 4) int32 (each
+    thread's 8 codes of a row), ``scale`` (64,) fp32, ``x`` x's words (``_load_x``)."""
+    w = gl.convert_layout(e2m1_to_bf16(words, tables), a_layout, assert_trivial=True)
     # From zero per block: the block's scale multiplies its product exactly in fp32.
-    product = mma_v2(w, x, gl.zeros_like(acc))
-    return acc + product * _e8m0_to_fp32(scale_byte)[:, None]
+    product = mma_v2(w, _x_bf16(x, b_layout), gl.zeros_like(acc))
+    return acc + product * scale[:, None]
 
 
 @gluon.jit
-def _packed_blocks(group_bytes, w_layout: gl.constexpr):
-    """The 4 blocks' code tensors (64, 16) in ``w_layout`` of a packed group's bytes (64, 64):
-    stored byte 16 t + 4 j + i is byte 4 t + i of block j (``mxfp4.prepack``). Each step here
-    moves registers only (the conversions are checked trivial)."""
-    q = gl.permute(gl.reshape(group_bytes, [_BN, 4, 4, 4]), [0, 1, 3, 2])  # (row, t, i, j)
-    even, odd = gl.split(gl.reshape(q, [_BN, 16, 2, 2]))  # j's low bit
+def _packed_blocks(group, word_layout: gl.constexpr):
+    """The 4 blocks' words (64, 4) in ``word_layout`` of a packed group's words (64, 16):
+    stored word 4 t + j is word t of block j (``mxfp4.prepack``). Each step here moves
+    registers only (the conversions are checked trivial)."""
+    even, odd = gl.split(gl.reshape(group, [_BN, 4, 2, 2]))  # (row, t, j // 2, j % 2)
     b0, b2 = gl.split(even)
     b1, b3 = gl.split(odd)
-    return (gl.convert_layout(b0, w_layout, assert_trivial=True),
-            gl.convert_layout(b1, w_layout, assert_trivial=True),
-            gl.convert_layout(b2, w_layout, assert_trivial=True),
-            gl.convert_layout(b3, w_layout, assert_trivial=True))
+    return (gl.convert_layout(b0, word_layout, assert_trivial=True),
+            gl.convert_layout(b1, word_layout, assert_trivial=True),
+            gl.convert_layout(b2, word_layout, assert_trivial=True),
+            gl.convert_layout(b3, word_layout, assert_trivial=True))
+
+
+@gluon.jit
+def _load_x(x_ptrs, block):
+    """x's 32-element block: (16, BLOCK_M) int32, two bf16 a word (loaded as words, so that a
+    block carried to the next iteration stays whole registers)."""
+    return gl.load(x_ptrs + block.to(gl.int64) * (_BLOCK // 2))
+
+
+@gluon.jit
+def _x_bf16(words, b_layout: gl.constexpr):
+    """A block of x's words (16, BLOCK_M) as (32, BLOCK_M) bf16 in the B layout (no
+    instruction: the conversion is checked trivial)."""
+    pairs = gl.permute(_halves(words), [0, 2, 1])  # (word, half, row)
+    return gl.convert_layout(gl.reshape(pairs, [2 * words.shape[0], words.shape[1]]), b_layout,
+                             assert_trivial=True)
+
+
+@gluon.jit
+def _add_group(acc, nan_seen, word, c0, c1, c2, c3, x0, x1, x2, x3, a_layout: gl.constexpr,
+               b_layout: gl.constexpr, tables):
+    """``acc`` and ``nan_seen`` with a group of 4 blocks added: ``word`` the rows' 4 scale
+    bytes, c0-c3 the blocks' code words, x0-x3 x's blocks' words."""
+    acc = _add_block(acc, c0, _block_scale(word, 0), x0, a_layout, b_layout, tables)
+    acc = _add_block(acc, c1, _block_scale(word, 1), x1, a_layout, b_layout, tables)
+    acc = _add_block(acc, c2, _block_scale(word, 2), x2, a_layout, b_layout, tables)
+    acc = _add_block(acc, c3, _block_scale(word, 3), x3, a_layout, b_layout, tables)
+    return acc, _nan_scales(nan_seen, word)
+
+
+@gluon.jit
+def _load_group(w_ptrs, s_ptrs, group, PACKED: gl.constexpr, word_layout: gl.constexpr):
+    """A group's scale words (a row's 4 bytes) and its 4 blocks' code words (64, 4) each: packed
+    (mxfp4.prepack), one 16-byte load a row; as quantised, a word a row and block."""
+    word = gl.load(s_ptrs + group)
+    if PACKED:
+        c0, c1, c2, c3 = _packed_blocks(gl.load(w_ptrs + group.to(gl.int64) * 16), word_layout)
+    else:
+        c0 = gl.load(w_ptrs + (group * 16).to(gl.int64))
+        c1 = gl.load(w_ptrs + (group * 16 + 4).to(gl.int64))
+        c2 = gl.load(w_ptrs + (group * 16 + 8).to(gl.int64))
+        c3 = gl.load(w_ptrs + (group * 16 + 12).to(gl.int64))
+    return word, c0, c1, c2, c3
+
+
+@gluon.jit
+def _load_x_group(x_ptrs, group):
+    return (_load_x(x_ptrs, group * 4), _load_x(x_ptrs, group * 4 + 1),
+            _load_x(x_ptrs, group * 4 + 2), _load_x(x_ptrs, group * 4 + 3))
 
 
 @gluon.jit(do_not_specialize=["M"])
@@ -210,17 +327,19 @@ def gemm_w4frag_kernel(
 ):
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[_WARPS, 1],
                                                   instr_shape=[16, 8])
-    # The code bytes 4 consecutive a thread and row: fp4_to_fp makes them the A operand's 8
-    # consecutive bf16; x's B operand takes the same K order.
-    w_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=4)
+    # Each thread's 8 codes of a row and block (one 32-bit word, thread t of a row's 4 holding
+    # word t of its 32-element block) become the A operand's 8 consecutive bf16; x's B operand
+    # takes the same K order. Rows g and g + 8 of a warp's 16 (lane = 4 g + t), as the MMA's.
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=8)
     b_layout: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=8)
-    # A packed group (64 rows, 64 stored bytes): each thread's 16 contiguous bytes (its word of
-    # each of 4 blocks) of rows g and g + 8, as w_layout places rows (lane = 4 g + t).
+    word_layout: gl.constexpr = gl.DistributedLinearLayout(
+        reg_bases=[[8, 0]], lane_bases=[[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]],
+        warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[64, 4])
+    # A packed group (64 rows, 16 stored words): each thread's 4 contiguous words (its word of
+    # each of 4 blocks) of rows g and g + 8.
     group_layout: gl.constexpr = gl.DistributedLinearLayout(
-        reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [8, 0]],
-        lane_bases=[[0, 16], [0, 32], [1, 0], [2, 0], [4, 0]],
-        warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[64, 64])
+        reg_bases=[[0, 1], [0, 2], [8, 0]], lane_bases=[[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]],
+        warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[64, 16])
     BLOCKS: gl.constexpr = BLOCK_K // _BLOCK
     pid_n = gl.program_id(0)
     split = gl.program_id(1)
@@ -232,14 +351,16 @@ def gemm_w4frag_kernel(
         release_then_wait()
 
     # Rows past N read row 0 (their outputs are never stored): no mask in the loop.
+    # w as 32-bit words (rows 4-byte aligned: w4frag_call); a block's row is 4 words.
+    wq_words = wq_ptr.to(gl.pointer_type(gl.int32))
     if PACKED:
         n = pid_n * _BN + gl.arange(0, _BN, layout=gl.SliceLayout(1, group_layout))
-        w_ptrs = wq_ptr + gl.where(n < N, n, 0).to(gl.int64)[:, None] * stride_wn \
-            + gl.arange(0, 64, layout=gl.SliceLayout(0, group_layout))[None, :]
+        w_ptrs = wq_words + gl.where(n < N, n, 0).to(gl.int64)[:, None] * (stride_wn // 4) \
+            + gl.arange(0, 16, layout=gl.SliceLayout(0, group_layout))[None, :]
     else:
-        n = pid_n * _BN + gl.arange(0, _BN, layout=gl.SliceLayout(1, w_layout))
-        w_ptrs = wq_ptr + gl.where(n < N, n, 0).to(gl.int64)[:, None] * stride_wn \
-            + gl.arange(0, _BLOCK // 2, layout=gl.SliceLayout(0, w_layout))[None, :]
+        n = pid_n * _BN + gl.arange(0, _BN, layout=gl.SliceLayout(1, word_layout))
+        w_ptrs = wq_words + gl.where(n < N, n, 0).to(gl.int64)[:, None] * (stride_wn // 4) \
+            + gl.arange(0, 4, layout=gl.SliceLayout(0, word_layout))[None, :]
     # A step's scale bytes of a row load together, up to 4 (one 32-bit word) at once.
     SCALE_BYTES: gl.constexpr = 4 if BLOCKS >= 4 else BLOCKS
     word_type: gl.constexpr = gl.int32 if SCALE_BYTES == 4 else (
@@ -247,31 +368,72 @@ def gemm_w4frag_kernel(
     sn = pid_n * _BN + gl.arange(0, _BN, layout=gl.SliceLayout(1, mma))
     s_ptrs = ws_ptr.to(gl.pointer_type(word_type)) \
         + gl.where(sn < N, sn, 0).to(gl.int64) * (stride_sn // SCALE_BYTES)
-    xm = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, b_layout))
-    x_ptrs = x_ptr + xm.to(gl.int64)[None, :] * stride_xm \
-        + gl.arange(0, _BLOCK, layout=gl.SliceLayout(1, b_layout))[:, None]
-    x_mask = (xm < M)[None, :]
+    # x as 32-bit words, two bf16 each (rows an even number of elements apart, 4-byte
+    # aligned: w4frag_call), in the B layout's places (x_layout). Rows of x past M read row
+    # M - 1 (their outputs are never stored): no mask in the loop.
+    if BLOCK_M == 8:
+        x_layout: gl.constexpr = gl.DistributedLinearLayout(
+            reg_bases=[[1, 0], [2, 0], [0, 0]], lane_bases=[[4, 0], [8, 0], [0, 1], [0, 2], [0, 4]],
+            warp_bases=[[0, 0], [0, 0]], block_bases=[], shape=[16, 8])
+    elif BLOCK_M == 16:
+        x_layout: gl.constexpr = gl.DistributedLinearLayout(
+            reg_bases=[[1, 0], [2, 0], [0, 0], [0, 8]],
+            lane_bases=[[4, 0], [8, 0], [0, 1], [0, 2], [0, 4]],
+            warp_bases=[[0, 0], [0, 0]], block_bases=[], shape=[16, 16])
+    else:
+        x_layout: gl.constexpr = gl.DistributedLinearLayout(
+            reg_bases=[[1, 0], [2, 0], [0, 0], [0, 8], [0, 16]],
+            lane_bases=[[4, 0], [8, 0], [0, 1], [0, 2], [0, 4]],
+            warp_bases=[[0, 0], [0, 0]], block_bases=[], shape=[16, 32])
+    xm = gl.minimum(pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, x_layout)),
+                    M - 1)
+    x_ptrs = x_ptr.to(gl.pointer_type(gl.int32)) + xm.to(gl.int64)[None, :] * (stride_xm // 2) \
+        + gl.arange(0, _BLOCK // 2, layout=gl.SliceLayout(1, x_layout))[:, None]
     acc = gl.zeros([_BN, BLOCK_M], gl.float32, layout=mma)
-    for step in range(step_lo, step_hi):
-        for g in gl.static_range(BLOCKS // SCALE_BYTES):
-            group = step * (BLOCKS // SCALE_BYTES) + g
-            word = gl.load(s_ptrs + group).to(gl.int32)
-            if PACKED:  # SCALE_BYTES is 4: one 64-byte group of 4 blocks a row, one load
-                b0, b1, b2, b3 = _packed_blocks(gl.load(w_ptrs + group.to(gl.int64) * 64),
-                                                w_layout)
-                acc = _add_block(acc, b0, word & 0xFF, x_ptrs, group * 4, x_mask, a_layout)
-                acc = _add_block(acc, b1, (word >> 8) & 0xFF, x_ptrs, group * 4 + 1, x_mask,
-                                 a_layout)
-                acc = _add_block(acc, b2, (word >> 16) & 0xFF, x_ptrs, group * 4 + 2, x_mask,
-                                 a_layout)
-                acc = _add_block(acc, b3, (word >> 24) & 0xFF, x_ptrs, group * 4 + 3, x_mask,
-                                 a_layout)
+    nan_seen = gl.zeros([_BN], gl.int32, layout=gl.SliceLayout(1, mma))
+    # K >> 31 is 0 (K > 0), unknown to the compiler
+    tables = e2m1_tables(gl.full([_BN, 4], 0, gl.int32, word_layout) + (K >> 31))
+    if SCALE_BYTES == 4:
+        # Groups of 4 blocks, two an iteration in a software pipeline: each group's loads
+        # (w's, the HBM stream, and up to 16 rows of x's) are issued before the group ahead of
+        # it is multiplied; 32 rows of x load as their group starts (held a group longer,
+        # they would take 64 more registers a thread). Past the split's last group the loads
+        # read that group again (no branch).
+        X_AHEAD: gl.constexpr = BLOCK_M <= 16
+        g_lo = step_lo * (BLOCKS // 4)
+        last = step_hi * (BLOCKS // 4) - 1
+        word, c0, c1, c2, c3 = _load_group(w_ptrs, s_ptrs, g_lo, PACKED, word_layout)
+        x0, x1, x2, x3 = _load_x_group(x_ptrs, g_lo)
+        for group in range(g_lo, last + 1, 2):
+            ahead = gl.minimum(group + 1, last)
+            word_b, b0, b1, b2, b3 = _load_group(w_ptrs, s_ptrs, ahead, PACKED, word_layout)
+            if X_AHEAD:
+                y0, y1, y2, y3 = _load_x_group(x_ptrs, ahead)
             else:
-                for j in gl.static_range(SCALE_BYTES):
-                    block = group * SCALE_BYTES + j
-                    codes = gl.load(w_ptrs + block.to(gl.int64) * (_BLOCK // 2))
-                    acc = _add_block(acc, codes, (word >> (8 * j)) & 0xFF, x_ptrs, block,
-                                     x_mask, a_layout)
+                x0, x1, x2, x3 = _load_x_group(x_ptrs, group)
+            acc, nan_seen = _add_group(acc, nan_seen, word, c0, c1, c2, c3, x0, x1, x2, x3,
+                                       a_layout, b_layout, tables)
+            ahead = gl.minimum(group + 2, last)
+            word, c0, c1, c2, c3 = _load_group(w_ptrs, s_ptrs, ahead, PACKED, word_layout)
+            if X_AHEAD:
+                x0, x1, x2, x3 = _load_x_group(x_ptrs, ahead)
+            if group < last:
+                if not X_AHEAD:
+                    y0, y1, y2, y3 = _load_x_group(x_ptrs, group + 1)
+                acc, nan_seen = _add_group(acc, nan_seen, word_b, b0, b1, b2, b3, y0, y1, y2,
+                                           y3, a_layout, b_layout, tables)
+    else:  # block_k 32 or 64: a step's 1-2 scale bytes a row as one uint8 / int16
+        for step in range(step_lo, step_hi):
+            word = gl.load(s_ptrs + step).to(gl.int32)
+            if SCALE_BYTES == 2:  # int16, sign-extended
+                word = word & 0xFFFF
+            nan_seen = _nan_scales(nan_seen, word)
+            for j in gl.static_range(SCALE_BYTES):
+                block = step * SCALE_BYTES + j
+                codes = gl.load(w_ptrs + block.to(gl.int64) * 4)
+                acc = _add_block(acc, codes, _block_scale(word, j), _load_x(x_ptrs, block),
+                                 a_layout, b_layout, tables)
+    acc = gl.where((nan_seen != 0)[:, None], float("nan"), acc)
 
     finish_tile(acc, pid_n, split, pid_m, y_ptr, bias_ptr, x_ptr, x_ptr, part_ptr, count_ptr,
                 M, N, stride_ym, 1, stride_bias, HAS_BIAS, 0, 0, SPLIT_K, BLOCK_M, PER_LOAD,
@@ -286,9 +448,12 @@ def w4frag_call(x, w, bias, out, scale_a, scale_b, config: W4FragConfig,
     packed config), scale_b their scales (N, K // 32), out (M, N); scale_a None."""
     M, K = x.shape
     N = w.shape[0]
-    x = x if x.stride(1) == 1 else x.contiguous()
-    # Each thread reads 4 bytes of a row at once: rows 4-byte aligned, bytes contiguous.
+    # x and w are read as 32-bit words: x's rows an even number of elements apart, w's 4 bytes;
+    # both 16-byte aligned (a copy otherwise), which a recording's alignment check then covers.
+    x = x if x.stride(1) == 1 and x.stride(0) % 2 == 0 else x.contiguous()
     w = w if w.stride(1) == 1 and w.stride(0) % 4 == 0 else w.contiguous()
+    x = x.clone() if x.data_ptr() % 16 else x
+    w = w.clone() if w.data_ptr() % 16 else w
     # A step's scale bytes of a row load as one word of up to 4 bytes: rows a whole number of
     # words apart (contiguous: K // 32, a multiple of the word) and, so that a recording's
     # 16-byte alignment check (_replay) covers the word's, 16-byte aligned (a copy otherwise).

@@ -1,0 +1,140 @@
+"""Issue 16 end to end: a Llama-architecture model in Hugging Face transformers with real
+dimensions (llama3-8b, ``LAYERS`` decoder layers, random weights), every Linear (the lm_head
+too) made MXFP4 by ``gemmtune.patch_linear(model, quant="mxfp4")``, against the bf16 model:
+one decode step at batch 1 against a static KV cache, each as a captured CUDA graph, replayed
+in alternation (``ROUNDS`` rounds of ``GRAPH_REPLAYS``); speed-up = bf16 ms / MXFP4 ms, the
+median over the rounds of each round's ratio.
+
+First the a16w4 rows the decode step needs (the Hugging Face layout's projections and the
+lm_head at M = batch, both weight layouts) are tuned where the tables in force have none
+(``gemmtune tune a16w4`` into $OUT/e2e_mxfp4_tuned.csv, an overlay for this run), so that
+``patch_linear`` picks each weight's layout from them.
+
+Checks: the MXFP4 model's logits against the same model with each weight replaced by its
+dequantised MXFP4 value in bf16 (``F.linear``): within 2e-2 relative (bf16 sums in another
+order); and how far MXFP4 moves the logits from the bf16 model's (reported).
+
+    PYTHONPATH=src python3 benchmarks/e2e_hf_mxfp4.py [--no-tune] [--batch 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+import gemmtune
+from gemmtune import quant
+
+from e2e_hf import MODELS, DecodePoint, capture, ms_per_call, rel_err
+
+NAME = "llama3-8b"
+LAYERS = 8
+ROUNDS = 31
+GRAPH_REPLAYS = 20
+
+
+def build(name: str):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(num_hidden_layers=LAYERS, max_position_embeddings=8192,
+                         rope_theta=500000.0, **MODELS[name])
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        return LlamaForCausalLM(config).to(torch.bfloat16).eval()
+
+
+def weight_shapes(name: str) -> list[tuple[int, int]]:
+    """(N, K) of every Linear of the Hugging Face layout: q, k, v, o, gate, up, down, lm_head."""
+    d = MODELS[name]
+    h, hd = d["hidden_size"], d["head_dim"]
+    q, kv = d["num_attention_heads"] * hd, d["num_key_value_heads"] * hd
+    return sorted({(q, h), (kv, h), (h, q), (d["intermediate_size"], h),
+                   (h, d["intermediate_size"]), (d["vocab_size"], h)})
+
+
+def tune_missing(name: str, batch: int, out_dir: Path) -> None:
+    """The a16w4 rows at M = ``batch`` that the tables in force lack (both layouts), tuned into
+    $OUT/e2e_mxfp4_tuned.csv, made an overlay of the a16w4 table for this run."""
+    from gemmtune.families.a16w4.op import DISPATCH
+    from gemmtune.tables.lookup import Rule
+
+    tuned = out_dir / "e2e_mxfp4_tuned.csv"
+    if tuned.exists():
+        os.environ["GEMMTUNE_CONFIG_A16W4"] = str(tuned)
+        gemmtune.reset()
+    missing = [(n, k, packed) for n, k in weight_shapes(name) for packed in (False, True)
+               if DISPATCH.decide((batch, n, k, torch.bfloat16, packed)).rule is not Rule.exact]
+    if missing:
+        untuned = out_dir / "e2e_mxfp4_untuned.csv"
+        untuned.write_text("M,N,K,dtype,packed\n" + "".join(
+            f"{batch},{n},{k},torch.bfloat16,{packed}\n" for n, k, packed in missing))
+        start = time.perf_counter()
+        rc = subprocess.call([sys.executable, "-m", "gemmtune.cli", "tune", "a16w4", "-i",
+                              str(untuned), "-o", str(tuned), "--mp", "8", "--timeout", "60"])
+        print(f"tuned {len(missing)} a16w4 rows in {time.perf_counter() - start:.0f} s "
+              f"(rc {rc})")
+    if tuned.exists():
+        os.environ["GEMMTUNE_CONFIG_A16W4"] = str(tuned)
+        gemmtune.reset()
+
+
+def dequantised(model):
+    """``model`` with every Linear's weight replaced by its MXFP4 value in bf16, in place."""
+    for module in model.modules():
+        if type(module) is nn.Linear:
+            wq, ws = quant.mxfp4(module.weight.float())
+            module.weight.data.copy_(quant.dequant_mxfp4(wq, ws).to(module.weight.dtype))
+    return model
+
+
+@torch.no_grad()
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--no-tune", action="store_true")
+    parser.add_argument("--batch", type=int, default=1)
+    args = parser.parse_args()
+    out_dir = Path(os.environ.get("OUT", "out"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if not args.no_tune:
+        tune_missing(NAME, args.batch, out_dir)
+    bf16 = build(NAME)
+    mxfp4 = build(NAME)
+    layers = gemmtune.patch_linear(mxfp4, quant="mxfp4")
+    packed = sum(getattr(m, "weight_packed", False) for m in mxfp4.modules())
+    reference = dequantised(build(NAME))
+    point = DecodePoint(bf16, args.batch)
+    logits = {}
+    for label, model in (("bf16", bf16), ("mxfp4", mxfp4), ("reference", reference)):
+        point.rewind()
+        logits[label] = point.step(model).clone()
+    kernel_err = rel_err(logits["mxfp4"], logits["reference"])
+    if kernel_err > 2e-2:
+        raise RuntimeError(f"MXFP4 logits off the dequantised-weight model's by {kernel_err:.2e}")
+    del reference
+    graphs = {label: capture(point, model)[0] for label, model in (("bf16", bf16),
+                                                                    ("mxfp4", mxfp4))}
+    times = {label: [] for label in graphs}
+    ratios = []
+    for i in range(ROUNDS):
+        order = list(graphs) if i % 2 == 0 else list(reversed(graphs))
+        for label in order:
+            times[label].append(ms_per_call(point, graphs[label].replay, GRAPH_REPLAYS))
+        ratios.append(times["bf16"][-1] / times["mxfp4"][-1])
+    print(f"{torch.cuda.get_device_name()}, {NAME}, {LAYERS} layers, {layers} Linear layers "
+          f"MXFP4 ({packed} packed), decode batch {args.batch}, CUDA graphs")
+    print(f"bf16 {statistics.median(times['bf16']):.3f} ms, MXFP4 "
+          f"{statistics.median(times['mxfp4']):.3f} ms: speed-up {statistics.median(ratios):.3f} "
+          f"(rounds {min(ratios):.3f}-{max(ratios):.3f}); logits vs the dequantised-weight "
+          f"model {kernel_err:.1e}, vs bf16 {rel_err(logits['mxfp4'], logits['bf16']):.1e}")
+
+
+if __name__ == "__main__":
+    main()
