@@ -10,6 +10,9 @@ lm_head at M = batch, both weight layouts) are tuned where the tables in force h
 (``gemmtune tune a16w4`` into $OUT/e2e_mxfp4_tuned.csv, an overlay for this run), so that
 ``patch_linear`` picks each weight's layout from them.
 
+A third model, its Linear layers doing no work (an uninitialised output), times the rest of
+the step (attention, norms, rotary embedding, sampling-free logits): what no GEMM can shorten.
+
 Checks: the MXFP4 model's logits against the same model with each weight replaced by its
 dequantised MXFP4 value in bf16 (``F.linear``): within 2e-2 relative (bf16 sums in another
 order); and how far MXFP4 moves the logits from the bf16 model's (reported).
@@ -63,7 +66,7 @@ def weight_shapes(name: str) -> list[tuple[int, int]]:
 def tune_missing(name: str, batch: int, out_dir: Path) -> None:
     """The a16w4 rows at M = ``batch`` that the tables in force lack (both layouts), tuned into
     $OUT/e2e_mxfp4_tuned.csv, made an overlay of the a16w4 table for this run."""
-    from gemmtune.families.a16w4.op import DISPATCH
+    from gemmtune.families.a16w4.op import DISPATCH, A16w4Key
     from gemmtune.tables.lookup import Rule
 
     tuned = out_dir / "e2e_mxfp4_tuned.csv"
@@ -71,7 +74,8 @@ def tune_missing(name: str, batch: int, out_dir: Path) -> None:
         os.environ["GEMMTUNE_CONFIG_A16W4"] = str(tuned)
         gemmtune.reset()
     missing = [(n, k, packed) for n, k in weight_shapes(name) for packed in (False, True)
-               if DISPATCH.decide((batch, n, k, torch.bfloat16, packed)).rule is not Rule.exact]
+               if DISPATCH.decide(A16w4Key(batch, n, k, "torch.bfloat16", packed)).rule
+               is not Rule.exact]
     if missing:
         untuned = out_dir / "e2e_mxfp4_untuned.csv"
         untuned.write_text("M,N,K,dtype,packed\n" + "".join(
@@ -84,6 +88,13 @@ def tune_missing(name: str, batch: int, out_dir: Path) -> None:
     if tuned.exists():
         os.environ["GEMMTUNE_CONFIG_A16W4"] = str(tuned)
         gemmtune.reset()
+
+
+class _NoGemm(nn.Linear):
+    """A Linear that multiplies nothing (its output uninitialised): the step without GEMMs."""
+
+    def forward(self, x):
+        return x.new_empty(*x.shape[:-1], self.out_features)
 
 
 def dequantised(model):
@@ -119,8 +130,12 @@ def main() -> None:
     if kernel_err > 2e-2:
         raise RuntimeError(f"MXFP4 logits off the dequantised-weight model's by {kernel_err:.2e}")
     del reference
-    graphs = {label: capture(point, model)[0] for label, model in (("bf16", bf16),
-                                                                    ("mxfp4", mxfp4))}
+    no_gemm = build(NAME)
+    for module in no_gemm.modules():
+        if type(module) is nn.Linear:
+            module.__class__ = _NoGemm
+    graphs = {label: capture(point, model)[0] for label, model in (
+        ("bf16", bf16), ("mxfp4", mxfp4), ("no GEMM", no_gemm))}
     times = {label: [] for label in graphs}
     ratios = []
     for i in range(ROUNDS):
@@ -134,6 +149,10 @@ def main() -> None:
           f"{statistics.median(times['mxfp4']):.3f} ms: speed-up {statistics.median(ratios):.3f} "
           f"(rounds {min(ratios):.3f}-{max(ratios):.3f}); logits vs the dequantised-weight "
           f"model {kernel_err:.1e}, vs bf16 {rel_err(logits['mxfp4'], logits['bf16']):.1e}")
+    rest = statistics.median(times["no GEMM"])
+    print(f"the step without GEMMs: {rest:.3f} ms, so the GEMMs take "
+          f"{statistics.median(times['bf16']) - rest:.3f} ms in bf16 and "
+          f"{statistics.median(times['mxfp4']) - rest:.3f} ms in MXFP4")
 
 
 if __name__ == "__main__":

@@ -239,6 +239,38 @@ def test_both_floors_and_capped_efficiency_geomeans():
     assert lines[1].startswith("faster than the attainable floor") and "pdl 1x8x8" in lines[1]
 
 
+def test_comparisons_summary_by_m_range_and_csv_columns(tmp_path):
+    """The ops a family's bench times beside its own (BenchOp.comparisons): per M range, how
+    many times faster the tuned op ran, and each one's time and ratio as CSV columns."""
+    import csv
+
+    from gemmtune.bench import summarize, write_csv
+
+    rows = [bench_row("a", m, 10.0, tuned, compared_us={"F.linear": linear})
+            for m, tuned, linear in ((1, 2.0, 5.0), (16, 4.0, 20.0), (2048, 10.0, 8.0))]
+    lines = [line for line in summarize(rows) if "F.linear" in line]
+    # M <= 16: 2.5x and 5x -> geomean sqrt(12.5); from 1024: 0.8x
+    assert lines[0] == "M<=16          2 shapes: 3.536x F.linear geomean (min 2.500, max 5.000)"
+    assert lines[1].startswith("M>=1024        1 shapes: 0.800x F.linear")
+    write_csv(rows, tmp_path / "b.csv")
+    first = next(csv.DictReader(open(tmp_path / "b.csv")))
+    assert first["F.linear us"] == "5" and first["x F.linear"] == "2.5"
+    assert "compared_us" not in first
+
+
+@pytest.mark.parametrize("family", ["a16w4", "a4w4-blockscale"])
+def test_mxfp4_benches_time_f_linear_and_the_fp8_op_beside_theirs(family, tmp_path, capsys):
+    dtype = "bf16" if family == "a16w4" else "fp4"
+    shapes = tmp_path / "shapes.csv"
+    shapes.write_text("M,N,K\n3,40,96\n")
+    assert main(["bench", family, "--dtype", dtype, "--shapes", str(shapes),
+                 "-o", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "x F.linear" in out and "x FP8 op" in out
+    table = next(tmp_path.glob("bench_*.csv")).read_text()
+    assert "F.linear us" in table and "FP8 op us" in table
+
+
 def test_lookup_refuses_a_key_outside_its_range(capsys):
     assert main(["lookup", "bf16", "M=16", "N=-4096", "K=4096"]) == 2
     assert "N: N=-4096 is out of range: expected 1 <= N <= 2147483647" in capsys.readouterr().err

@@ -17,7 +17,7 @@ import csv
 import math
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
@@ -64,6 +64,12 @@ class BenchRow:
     # The tuned op dispatched to the torch backend itself: both columns ran one function, so the
     # speed-up is 1 but for the spread between two CUDA graphs of the same kernel.
     same_kernel: bool = False
+    # The family's comparisons (BenchOp.comparisons), timed in the same run: label -> us
+    compared_us: dict[str, float] = field(default_factory=dict)
+
+    def times_over(self, label: str) -> float:
+        """How many times faster the tuned op ran than comparison ``label``."""
+        return self.compared_us[label] / self.tuned_us
 
     @property
     def below_floor(self) -> bool:
@@ -85,7 +91,11 @@ def floors_of(m: int, n: int, k: int, op: BenchOp, c: Ceilings) -> Floors:
     return floors(2.0 * m * n * k, nbytes, c)
 
 
-def _time_pair(op: BenchOp, args: tuple) -> tuple[float, float]:
+def _time_columns(op: BenchOp, args: tuple,
+                  compared: list[tuple]) -> tuple[float, float, list[float]]:
+    """Times of torch, the tuned op and each comparison (``compared``: each one's arguments,
+    in ``op.comparisons`` order), in one interleaved run over cold copies of every weight."""
+    runs = [op.torch, op.tuned] + [c.run for c in op.comparisons]
     if not args[0].is_cuda:
         def wall(fn):
             fn()
@@ -96,12 +106,17 @@ def _time_pair(op: BenchOp, args: tuple) -> tuple[float, float]:
                 times.append((time.perf_counter() - t0) * 1e6)
             return statistics.median(times)
 
-        return wall(lambda: op.torch(args)), wall(lambda: op.tuned(args))
-    w = args[op.w_index]
-    sets = [args[:op.w_index] + (w.clone(),) + args[op.w_index + 1:]
-            for _ in range(copies_to_exceed_l2(w.numel() * w.element_size()))]
-    (torch_us, _), (tuned_us, _) = interleaved_graph_us([op.torch, op.tuned], sets)
-    return torch_us, tuned_us
+        times = [wall(lambda: op.torch(args)), wall(lambda: op.tuned(args))] + [
+            wall(lambda c=c, a=a: c.run(a)) for c, a in zip(op.comparisons, compared)]
+        return times[0], times[1], times[2:]
+    operands = [(args, op.w_index)] + [(a, c.w_index) for c, a in zip(op.comparisons, compared)]
+    weights = sum(a[i].numel() * a[i].element_size() for a, i in operands)
+    sets = [tuple(a[:i] + (a[i].clone(),) + a[i + 1:] for a, i in operands)
+            for _ in range(copies_to_exceed_l2(weights))]
+    slots = [0, 0] + list(range(1, len(compared) + 1))  # torch and tuned share the op's operands
+    fns = [lambda s, run=run, slot=slot: run(s[slot]) for run, slot in zip(runs, slots)]
+    times = [t for t, _ in interleaved_graph_us(fns, sets)]
+    return times[0], times[1], times[2:]
 
 
 def bench_shape(shape: BenchShape, family: Family, op: BenchOp, ceilings: Ceilings | None,
@@ -115,7 +130,10 @@ def bench_shape(shape: BenchShape, family: Family, op: BenchOp, ceilings: Ceilin
     rel = float((y.float() - ref).norm() / ref.norm().clamp_min(1e-30))
     ok = bool(torch.isfinite(y).all()) and rel <= TOLERANCES[op.out_dtype][2]  # the tuner's
     decision = family.dispatcher.decide(op.table_key(m, n, k))
-    torch_us, tuned_us = _time_pair(op, args)
+    compared = [c.inputs(m, n, k, gen) for c in op.comparisons]
+    for c, a in zip(op.comparisons, compared):
+        c.run(a)  # compiled and planned before any capture
+    torch_us, tuned_us, compared_us = _time_columns(op, args, compared)
     nan = float("nan")
     f = floors_of(m, n, k, op, ceilings) if ceilings is not None else Floors(nan, nan)
     eff, att_eff = f.efficiencies(tuned_us)
@@ -123,7 +141,8 @@ def bench_shape(shape: BenchShape, family: Family, op: BenchOp, ceilings: Ceilin
     return BenchRow(name, m, n, k, torch_us, tuned_us, torch_us / tuned_us, f.roofline_us,
                     f.attainable_us, eff, att_eff, torch_eff, torch_att_eff, decision.rule.value,
                     decision.kernel_name, rel, ok, op.torch_is_reference(m, n, k),
-                    same_kernel=decision.kernel_name == op.torch_kernel)
+                    same_kernel=decision.kernel_name == op.torch_kernel,
+                    compared_us={c.label: t for c, t in zip(op.comparisons, compared_us)})
 
 
 def geomean(values: list[float]) -> float:
@@ -192,6 +211,7 @@ def summarize(rows: list[BenchRow], gpu: bool = True) -> list[str]:
             f"tuned {capped_geomean([r.efficiency for r in sel]):.3f} / "
             f"{capped_geomean([r.attainable_efficiency for r in sel]):.3f}, torch "
             f"{torch_eff}{apart}")
+    lines += compared_summary(rows)
     below_floor = [r for r in rows if r.below_floor]
     if below_floor:
         lines.append("faster than the attainable floor (launch overlapped; counted as 1.0): "
@@ -208,10 +228,39 @@ def summarize(rows: list[BenchRow], gpu: bool = True) -> list[str]:
     return lines
 
 
+def _record(r: BenchRow) -> dict:
+    """A row as the CSV has it: each comparison's time and how many times faster the tuned op
+    was, as columns of their own."""
+    record = {**asdict(r), "below_floor": r.below_floor}
+    for label, us in record.pop("compared_us").items():
+        record[f"{label} us"] = us
+        record[f"x {label}"] = r.times_over(label)
+    return {k: format(v, ".6g") if isinstance(v, float) else v for k, v in record.items()}
+
+
+# The issues' ranges for the comparisons (decode at M <= 16, prefill from 1024)
+COMPARED_RANGES = (("M<=16", 1, 16), ("16<M<1024", 17, 1023), ("M>=1024", 1024, 1 << 62))
+
+
+def op_labels(rows: list[BenchRow]) -> list[str]:
+    """The comparisons' labels (every row has the same)."""
+    return list(rows[0].compared_us) if rows else []
+
+
+def compared_summary(rows: list[BenchRow]) -> list[str]:
+    """Per comparison and M range: how many times faster the tuned op ran, geomean and min."""
+    lines = []
+    for label in op_labels(rows):
+        for name, lo, hi in COMPARED_RANGES:
+            sel = [r.times_over(label) for r in rows if lo <= r.M <= hi]
+            if sel:
+                lines.append(f"{name:<11} {len(sel):>4} shapes: {geomean(sel):.3f}x {label} "
+                             f"geomean (min {min(sel):.3f}, max {max(sel):.3f})")
+    return lines
+
+
 def write_csv(rows: list[BenchRow], path: Path) -> None:
-    write_records([{k: format(v, ".6g") if isinstance(v, float) else v
-                    for k, v in {**asdict(r), "below_floor": r.below_floor}.items()}
-                   for r in rows], path)
+    write_records([_record(r) for r in rows], path)
 
 
 def write_records(records: list[dict], path: Path) -> None:
@@ -296,14 +345,17 @@ def run_bench(shapes: list[BenchShape], family: Family, op: BenchOp, out_dir: Pa
     png_path = out_dir / f"bench_{op.label}.png"
     write_csv(rows, csv_path)
     why_no_plot = plot(rows, png_path, title)
+    labels = list(op_labels(rows))
     print(f"{'shape':<14} {'M':>5} {'N':>6} {'K':>6} {'torch us':>9} {'tuned us':>9} "
-          f"{'speedup':>7} {'roof us':>8} {'att us':>7} {'eff':>5} {'att':>5} {'rule':<8} kernel")
+          f"{'speedup':>7} {'roof us':>8} {'att us':>7} {'eff':>5} {'att':>5} "
+          + "".join(f"{'x ' + label:>11} " for label in labels) + f"{'rule':<8} kernel")
     for r in rows:
         flag = ("" if r.ok else "  WRONG") + ("  <floor" if r.below_floor else "")
         print(f"{r.name:<14} {r.M:>5} {r.N:>6} {r.K:>6} {r.torch_us:>9.2f} {r.tuned_us:>9.2f} "
               f"{r.speedup:>7.3f} {r.roofline_us:>8.2f} {r.attainable_us:>7.2f} "
-              f"{r.efficiency:>5.3f} {r.attainable_efficiency:>5.3f} {r.rule:<8} "
-              f"{r.kernel}{flag}")
+              f"{r.efficiency:>5.3f} {r.attainable_efficiency:>5.3f} "
+              + "".join(f"{r.times_over(label):>11.3f} " for label in labels)
+              + f"{r.rule:<8} {r.kernel}{flag}")
     return finish_report(summarize(rows, gpu), csv_path, png_path, why_no_plot,
                          [f"{r.name} M={r.M}" for r in rows if not r.ok])
 

@@ -5,7 +5,7 @@ bench runs it and its Triton JSON tags. The CLI, the bench, capture and dispatch
 here by name; ``register_family`` adds one. Each built-in family is one line below.
 """
 
-from gemmtune.families._family import BenchOp, Family
+from gemmtune.families._family import BenchOp, Comparison, Family
 from gemmtune.families._registry import (all_families, get_family, register_family,
                                          unregister_family)
 from gemmtune.families import (a4w4_blockscale, a8w8, a8w8_blockscale, a8w8_bpreshuffle,
@@ -21,4 +21,4 @@ register_family(batched_bf16.FAMILY)
 register_family(batched_a8w8.FAMILY)
 register_family(fmoe.FAMILY)
 
-__all__ = ["BenchOp", "Family", "all_families", "get_family", "register_family", "unregister_family"]
+__all__ = ["BenchOp", "Comparison", "Family", "all_families", "get_family", "register_family", "unregister_family"]

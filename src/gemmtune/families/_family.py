@@ -11,11 +11,23 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any, NamedTuple
 
 import torch
 
 from gemmtune.dispatch import Dispatcher
 from gemmtune.tables.schema import Schema
+
+
+class Comparison(NamedTuple):
+    """Another op the bench times beside a family's, on the same shape in the same run (a
+    quantised family against bf16 ``F.linear``): ``inputs(m, n, k, gen)`` its arguments, the
+    weight at ``w_index`` (copied to keep it cold); ``run`` calls it."""
+
+    label: str
+    inputs: Callable[[int, int, int, torch.Generator], tuple]
+    w_index: int
+    run: Callable[[tuple], Any]
 
 
 @dataclass(frozen=True)
@@ -41,6 +53,7 @@ class BenchOp:
     # a scale byte per 32)
     w_bytes: float | None = None
     x_bytes: float | None = None
+    comparisons: tuple[Comparison, ...] = ()  # timed beside torch and the tuned op
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from gemmtune import quant
+from gemmtune.families._compare import linear_and_fp8
 from gemmtune.families._family import BenchOp, Family
 from gemmtune.families.a4w4_blockscale.op import (DISPATCH, SCHEMA, TUNED_OUT_DTYPE, A4w4Key,
                                                   gemm_a4w4_blockscale)
@@ -26,7 +27,8 @@ def _why_not_gemm(n: int, k: int, dtype: str) -> str | None:
 
 def bench_op(dtype: str) -> BenchOp:
     """x and w quantised to MXFP4 once; the torch column dequantises both on every call (the
-    family's torch backend)."""
+    family's torch backend). bf16 ``F.linear`` and the FP8 per-token op are timed beside
+    them."""
     def inputs(m, n, k, gen):
         device = gen.device
         xq, xs = quant.mxfp4(torch.randn(m, k, generator=gen, device=device))
@@ -40,7 +42,8 @@ def bench_op(dtype: str) -> BenchOp:
         reference=lambda a: gemm_a4w4_ref(*a),
         table_key=lambda m, n, k: gemm_key(m, n, k),
         torch_kernel=TORCH_DEQUANT_MM,
-        w_bytes=0.5 + 1 / mxfp4.BLOCK, x_bytes=0.5 + 1 / mxfp4.BLOCK)
+        w_bytes=0.5 + 1 / mxfp4.BLOCK, x_bytes=0.5 + 1 / mxfp4.BLOCK,
+        comparisons=linear_and_fp8(TUNED_OUT_DTYPE))
 
 
 FAMILY = Family(
