@@ -85,7 +85,10 @@ def time_shape(m: int, n: int, k: int, named: list | None, all_times,
     xq8, xs8 = quant.per_token_fp8(x)
     wq8, ws8 = quant.per_channel_fp8(w)
     wqp = quant.prepack_mxfp4(wq, ws)[0] if k % 128 == 0 else wq
-    sets = cold_copies((x16, w16, wq, ws, xq4, xs4, xq8, xs8, wq8, ws8, wqp))
+    # Each op's own operands beyond L2: F.linear's, the FP8 op's, the MXFP4 kernels' (bf16 x,
+    # MXFP4 x, packed w)
+    sets = cold_copies((x16, w16, wq, ws, xq4, xs4, xq8, xs8, wq8, ws8, wqp),
+                       per_op=((0, 1), (6, 7, 8, 9), (0, 2, 3), (4, 5, 2, 3), (0, 3, 10)))
     configs = _configs(named, m, n, k, torch.bfloat16, frag_candidates)
     a4_configs = _configs(named, m, n, k, torch.uint8) if mxfp4_x else []
     out16 = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")

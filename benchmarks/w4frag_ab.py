@@ -14,6 +14,7 @@ import importlib.util
 import subprocess
 import sys
 import tempfile
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -34,9 +35,11 @@ def _shape(text: str) -> tuple[int, int, int]:
 
 
 def module_at(rev: str):
-    """``gemm_w4frag`` as it was at ``rev``, imported under another name."""
+    """``gemm_w4frag`` as it was at ``rev``, imported under another name (from a temporary
+    file that stays: Triton reads a kernel's source from its file when it compiles)."""
     source = subprocess.run(["git", "show", f"{rev}:src/gemmtune/kernels/triton/gemm_w4frag.py"],
-                            capture_output=True, text=True, check=True).stdout
+                            capture_output=True, text=True, check=True,
+                            cwd=Path(__file__).resolve().parent.parent).stdout
     path = tempfile.NamedTemporaryFile("w", suffix="_w4frag_old.py", delete=False)
     path.write(source)
     path.close()
@@ -52,7 +55,8 @@ def time_shape(m, n, k, old, packed, out):
     x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
     wq, ws = quant.mxfp4(w)
     stored = quant.prepack_mxfp4(wq, ws)[0] if packed else wq
-    sets = cold_copies((x, w.to(torch.bfloat16), stored, ws))
+    # Each op's own operands beyond L2 (F.linear's bf16 weight; the kernels' codes and scales)
+    sets = cold_copies((x, w.to(torch.bfloat16), stored, ws), per_op=((0, 1), (0, 2, 3)))
     configs = [c for c in gemm_w4frag.candidates(m, n, k, torch.bfloat16, pdl=PDL_WAIT,
                                                   packed=packed) if c.pdl == PDL_WAIT]
     y = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")

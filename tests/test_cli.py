@@ -267,8 +267,33 @@ def test_mxfp4_benches_time_f_linear_and_the_fp8_op_beside_theirs(family, tmp_pa
                  "-o", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "x F.linear" in out and "x FP8 op" in out
-    table = next(tmp_path.glob("bench_*.csv")).read_text()
-    assert "F.linear us" in table and "FP8 op us" in table
+    import csv
+
+    (row,) = csv.DictReader(open(next(tmp_path.glob("bench_*.csv"))))
+    for column in ("F.linear us", "x F.linear", "FP8 op us", "x FP8 op"):
+        assert float(row[column]) > 0, (column, row[column])
+
+
+def test_a16w4_run_config_runs_the_rows_for_weights_as_quantised(tmp_path, capsys):
+    """With packed rows in the table (which patch_linear, and so the bench, would follow),
+    --run_config leaves them out of the dispatch too: each shape runs its row for weights as
+    quantised."""
+    import csv
+
+    import torch
+
+    table = tmp_path / "a16w4.csv"
+    if torch.cuda.is_available():
+        pytest.skip("the table's rows are the CPU's")
+    table.write_text("arch,cu_num,M,N,K,dtype,packed,us,kernelName\n"
+                     "cpu,0,2,64,128,torch.bfloat16,False,5.0,torch.dequant_linear\n"
+                     "cpu,0,2,64,128,torch.bfloat16,True,1.0,"
+                     "triton.w4frag:BM8.BK128.SK1.P0.R0.L1\n")
+    assert main(["tune", "a16w4", "--run_config", "-i", str(table), "-o",
+                 str(tmp_path / "out")]) == 0
+    assert "1 row(s) for packed weights left out" in capsys.readouterr().out
+    (row,) = csv.DictReader(open(tmp_path / "out" / "bench_a16w4_bf16.csv"))
+    assert row["kernel"] == "torch.dequant_linear" and row["rule"] == "exact"
 
 
 def test_lookup_refuses_a_key_outside_its_range(capsys):

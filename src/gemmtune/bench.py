@@ -29,8 +29,8 @@ from gemmtune.families import BenchOp, Family
 from gemmtune.measure.accuracy import TOLERANCES
 from gemmtune.measure.ceilings import Ceilings, Floors, floors, measure_ceilings
 from gemmtune.measure.gpulock import GpuLock, gpu_label
-from gemmtune.measure.timing import copies_to_exceed_l2, interleaved_graph_us
-from gemmtune.tables.store import read_table
+from gemmtune.measure.timing import copies_for_each, interleaved_graph_us
+from gemmtune.tables.store import read_table, write_table
 
 class BenchShape(NamedTuple):
     """One GEMM the bench runs: ``name`` (the projection, or where the shape came from)."""
@@ -110,9 +110,10 @@ def _time_columns(op: BenchOp, args: tuple,
             wall(lambda c=c, a=a: c.run(a)) for c, a in zip(op.comparisons, compared)]
         return times[0], times[1], times[2:]
     operands = [(args, op.w_index)] + [(a, c.w_index) for c, a in zip(op.comparisons, compared)]
-    weights = sum(a[i].numel() * a[i].element_size() for a, i in operands)
+    # Enough sets that each op's own weight (not all of them together) exceeds L2.
+    copies = copies_for_each([a[i].numel() * a[i].element_size() for a, i in operands])
     sets = [tuple(a[:i] + (a[i].clone(),) + a[i + 1:] for a, i in operands)
-            for _ in range(copies_to_exceed_l2(weights))]
+            for _ in range(copies)]
     slots = [0, 0] + list(range(1, len(compared) + 1))  # torch and tuned share the op's operands
     fns = [lambda s, run=run, slot=slot: run(s[slot]) for run, slot in zip(runs, slots)]
     times = [t for t, _ in interleaved_graph_us(fns, sets)]
@@ -188,8 +189,8 @@ def summarize(rows: list[BenchRow], gpu: bool = True) -> list[str]:
     """Per M range: speed-up geomean and both efficiencies' geomeans (each capped at 1.0), for
     the tuned op and torch. Shapes whose torch column ran the fp32 reference are left out of the
     speed-up and of torch's efficiencies (neither says anything about cuBLAS there) and counted
-    apart. Then, if any: the rows faster than their attainable floor, the shapes below 0.98x
-    torch."""
+    apart. Then the family's comparisons (``compared_summary``) and, if any: the rows faster
+    than their attainable floor, the shapes below 0.98x torch."""
     if not gpu:
         return cpu_summary([r.ok for r in rows])
     lines = []
@@ -248,7 +249,8 @@ def op_labels(rows: list[BenchRow]) -> list[str]:
 
 
 def compared_summary(rows: list[BenchRow]) -> list[str]:
-    """Per comparison and M range: how many times faster the tuned op ran, geomean and min."""
+    """Per comparison and M range: how many times faster the tuned op ran (geomean, min,
+    max)."""
     lines = []
     for label in op_labels(rows):
         for name, lo, hi in COMPARED_RANGES:
@@ -345,7 +347,7 @@ def run_bench(shapes: list[BenchShape], family: Family, op: BenchOp, out_dir: Pa
     png_path = out_dir / f"bench_{op.label}.png"
     write_csv(rows, csv_path)
     why_no_plot = plot(rows, png_path, title)
-    labels = list(op_labels(rows))
+    labels = op_labels(rows)
     print(f"{'shape':<14} {'M':>5} {'N':>6} {'K':>6} {'torch us':>9} {'tuned us':>9} "
           f"{'speedup':>7} {'roof us':>8} {'att us':>7} {'eff':>5} {'att':>5} "
           + "".join(f"{'x ' + label:>11} " for label in labels) + f"{'rule':<8} kernel")
@@ -370,9 +372,17 @@ def run_config(family: Family, table: Path, out_dir: Path) -> int:
         raise ValueError(f"{table}: no rows to run")
     by_dtype: dict[str, set[tuple[int, int, int]]] = {}
     other_layouts = [r for r in rows if getattr(r.key, "packed", False)]
+    dispatch_from = table
     if other_layouts:
+        # Out of the dispatch table too: with packed rows there, the bench would store the
+        # weights packed (as patch_linear would) and run those rows instead.
+        dispatch_from = out_dir / f"{table.stem}.as_quantised.csv"
+        out_dir.mkdir(parents=True, exist_ok=True)
+        write_table(dispatch_from, family.schema,
+                    [r for r in rows if not getattr(r.key, "packed", False)])
         print(f"{table}: {len(other_layouts)} row(s) for packed weights left out: the "
-              f"{family.cli_name} bench runs weights as quantised")
+              f"{family.cli_name} bench runs weights as quantised (dispatching from "
+              f"{dispatch_from})")
     for r in rows:
         if not getattr(r.key, "packed", False):
             by_dtype.setdefault(family.dtype_of_key(r.key), set()).add(
@@ -381,7 +391,7 @@ def run_config(family: Family, table: Path, out_dir: Path) -> int:
         print(f"{table}: {len(by_dtype.pop(dtype))} row shape(s) in {dtype} left out: the "
               f"{family.cli_name} bench runs {', '.join(family.bench_dtypes)}")
     status = 0
-    with use_tables(family.schema, [table]):
+    with use_tables(family.schema, [dispatch_from]):
         for dtype, gemms in sorted(by_dtype.items()):
             op = family.bench_op(dtype)
             shapes = sorted((BenchShape("row", m, n, k) for m, n, k in gemms),

@@ -431,32 +431,34 @@ def dequant_mxfp4(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return _mx.dequantize(q, scale)
 
 
+def _check_weight(op: str, wq: torch.Tensor, w_scale: torch.Tensor) -> None:
+    """An MXFP4 weight as ``mxfp4`` returns it (uint8 codes (N, K // 2), scales (N, K // 32))
+    whose K has the packed layout: ValueError saying what is wrong otherwise."""
+    if wq.dtype != torch.uint8 or w_scale.dtype != torch.uint8 or wq.dim() != 2 \
+            or w_scale.dim() != 2:
+        raise ValueError(f"{op}: expected uint8 codes (N, K // 2) and scales (N, K // 32) as "
+                         f"mxfp4 returns them, got {wq.dtype} {tuple(wq.shape)} and "
+                         f"{w_scale.dtype} {tuple(w_scale.shape)}")
+    if tuple(w_scale.shape) != (wq.shape[0], wq.shape[1] * 2 // _mx.BLOCK):
+        raise ValueError(f"{op}: codes {tuple(wq.shape)} and scales {tuple(w_scale.shape)} do "
+                         f"not belong together")
+    why = _mx.why_not_packable(wq.shape[1] * 2)
+    if why is not None:
+        raise ValueError(f"{op}: {why}")
+
+
 def prepack_mxfp4(wq: torch.Tensor, w_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """An MXFP4 weight (``mxfp4``'s (N, K // 2) codes and (N, K // 32) scales) in the packed
     layout ``gemm_a16w4(..., packed=True)`` takes: within each row's groups of 128 elements the
     codes' 4-byte words are reordered so that the register-direct kernel (``triton.w4frag``)
     reads each thread's codes of 4 blocks in one 16-byte load; the scales are unchanged. K must
     be a multiple of 128. ``unpack_mxfp4`` undoes it (the reordering is its own inverse)."""
-    if wq.dtype != torch.uint8 or w_scale.dtype != torch.uint8 or wq.dim() != 2 \
-            or w_scale.dim() != 2:
-        raise ValueError(f"prepack_mxfp4: expected uint8 codes (N, K // 2) and scales "
-                         f"(N, K // 32) as mxfp4 returns them, got {wq.dtype} "
-                         f"{tuple(wq.shape)} and {w_scale.dtype} {tuple(w_scale.shape)}")
-    if tuple(w_scale.shape) != (wq.shape[0], wq.shape[1] * 2 // _mx.BLOCK):
-        raise ValueError(f"prepack_mxfp4: codes {tuple(wq.shape)} and scales "
-                         f"{tuple(w_scale.shape)} do not belong together")
+    _check_weight("prepack_mxfp4", wq, w_scale)
     return _mx.prepack(wq), w_scale
 
 
 def unpack_mxfp4(wq: torch.Tensor, w_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """A weight ``prepack_mxfp4`` packed, as ``mxfp4`` made it: codes (N, K // 2) and the
     (unchanged) scales."""
-    if wq.dtype != torch.uint8 or w_scale.dtype != torch.uint8 or wq.dim() != 2 \
-            or w_scale.dim() != 2:
-        raise ValueError(f"unpack_mxfp4: expected uint8 codes (N, K // 2) and scales "
-                         f"(N, K // 32) as prepack_mxfp4 returns them, got {wq.dtype} "
-                         f"{tuple(wq.shape)} and {w_scale.dtype} {tuple(w_scale.shape)}")
-    if tuple(w_scale.shape) != (wq.shape[0], wq.shape[1] * 2 // _mx.BLOCK):
-        raise ValueError(f"unpack_mxfp4: codes {tuple(wq.shape)} and scales "
-                         f"{tuple(w_scale.shape)} do not belong together")
+    _check_weight("unpack_mxfp4", wq, w_scale)
     return _mx.unpack(wq), w_scale

@@ -21,4 +21,5 @@ register_family(batched_bf16.FAMILY)
 register_family(batched_a8w8.FAMILY)
 register_family(fmoe.FAMILY)
 
-__all__ = ["BenchOp", "Comparison", "Family", "all_families", "get_family", "register_family", "unregister_family"]
+__all__ = ["BenchOp", "Comparison", "Family", "all_families", "get_family", "register_family",
+           "unregister_family"]

@@ -1,6 +1,8 @@
 """What the MXFP4 families' benches time beside their ops (issue: MXFP4): the same GEMM as bf16
 ``F.linear`` (the weight in x's dtype: what the quantised weight replaces) and as the FP8
-per-token op (``gemm_a8w8`` through its table: the other way to cut the weight's bytes)."""
+per-token op (``gemm_a8w8`` through its table: the other way to cut the weight's bytes). The
+FP8 op takes x quantised, as ``gemm_a8w8`` does: quantising x per call (a layer's cost, an
+extra launch at decode) is not in its time."""
 
 from __future__ import annotations
 

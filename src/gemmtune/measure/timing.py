@@ -30,12 +30,30 @@ def copies_to_exceed_l2(bytes_per_set: int, l2: int | None = None, cap: int = 64
     return max(2, min(cap, wanted, affordable))
 
 
-def cold_copies(first: tuple[torch.Tensor, ...]) -> list[tuple[torch.Tensor, ...]]:
+def copies_for_each(byte_counts: Sequence[int], l2: int | None = None, cap: int = 64,
+                    max_total_bytes: int = 4 << 30) -> int:
+    """How many sets of several ops' operands to rotate through (each op reading only its own
+    ``byte_counts[i]`` of a set) so that every op reads its operands cold: as many as the op
+    with the fewest bytes needs (``copies_to_exceed_l2``), no more than all the sets fit in
+    ``max_total_bytes``, at least 2. Sizing by the sum instead would leave a small op's
+    operands in L2 (an 8 MiB MXFP4 weight beside a 32 MiB bf16 one: 2 sets, all 16 MiB
+    cached)."""
+    wanted = max(copies_to_exceed_l2(b, l2, cap, max_total_bytes) for b in byte_counts)
+    return max(2, min(wanted, max_total_bytes // max(1, sum(byte_counts))))
+
+
+def cold_copies(first: tuple[torch.Tensor, ...],
+                per_op: Sequence[Sequence[int]] | None = None) -> list[tuple[torch.Tensor, ...]]:
     """``first`` and clones of its tensors, as many sets as ``copies_to_exceed_l2`` says: a call
-    rotating through them reads its operands from HBM."""
-    per_set = sum(t.numel() * t.element_size() for t in first)
-    return [first] + [tuple(t.clone() for t in first)
-                      for _ in range(copies_to_exceed_l2(per_set) - 1)]
+    rotating through them reads its operands from HBM. ``per_op``: where several ops share the
+    sets, the indices of each op's tensors in ``first`` (``copies_for_each`` then sizes them, so
+    that each op's own operands exceed L2)."""
+    if per_op is not None:
+        copies = copies_for_each([sum(first[i].numel() * first[i].element_size() for i in op)
+                                  for op in per_op])
+    else:
+        copies = copies_to_exceed_l2(sum(t.numel() * t.element_size() for t in first))
+    return [first] + [tuple(t.clone() for t in first) for _ in range(copies - 1)]
 
 
 def graph_replay_us(fn: Callable, inputs: Sequence, replays: int = 20) -> tuple[float, float]:
