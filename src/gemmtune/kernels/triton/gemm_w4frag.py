@@ -4,23 +4,26 @@ takes its A operand from.
 
 Swapped as ``triton.frag`` is (y.T = w @ x.T): a program's 64 rows of w are the MMA's M (4
 warps, 16 rows each), x's rows its N (BLOCK_M, 8-32). Per 32-element scale block, each thread
-loads 4 contiguous bytes of each of its 2 rows (8 codes), Triton's own E2M1 upcast
-(``gl.fp4_to_fp``) makes them bf16 in the A layout (exact: E2M1 values are 0-6 with one
-mantissa bit), x's 32 x BLOCK_M
-block comes in the B layout, ``mma.sync`` multiplies them from zero into fp32, and the product
-is scaled by the block's power of two in fp32 (exact for every scale byte) before its add.
-There is no shared memory in the loop and no barrier; the BLOCK_K / 32 blocks of a step are
-unrolled, so their loads are in flight together, a row's scale bytes of a step load as one
-word, and many small programs (about 50-70 registers a thread) keep the weight stream wide.
+holds one 32-bit word (8 codes) of each of its 2 rows; an inline-PTX decode (``e2m1_to_bf16``:
+PRMT table lookups, 15 instructions a word) makes them bf16 in the A layout (exact: E2M1 values
+are 0-6 with one mantissa bit); x's 32 x BLOCK_M block comes in the B layout; ``mma.sync``
+multiplies them from zero into fp32, and the product is scaled by the block's power of two in
+fp32 (exact for every scale byte) before its add. A NaN scale (byte 255) makes its row's
+outputs NaN. There is no shared memory in the loop and no barrier.
 
-Both operands use the MMA's K order with 8 consecutive elements a thread (``k_width`` 8 for
-bf16, 4 for the code bytes): the sum over K is the same in any order, so w's bytes load as one
-32-bit word per row and block and x's as 16-byte vectors.
+Both operands use the MMA's K order with 8 consecutive elements a thread (``k_width`` 8): the
+sum over K is the same in any order, so w's codes load as one 32-bit word a row and block (or,
+packed by ``mxfp4.prepack``, a thread's words of 4 blocks in one 16-byte load), x's as 16-byte
+vectors, and a row's scale bytes of 4 blocks as one word. The loop takes two groups of 4
+blocks an iteration in a software pipeline (each group's loads issued while the group before
+it is multiplied); many small programs (about 60-100 registers a thread) keep the weight
+stream wide.
 
 Why: the ``tl.dot_scaled`` route (``triton.w4`` DS1) spends about 11 instructions a weight
-element in its scale broadcast and layout changes and reached 0.6 TB/s (docs/benchmarks.md,
-session 23). K split over the grid's second axis, x's row blocks on its third, and the end
-(bias, output dtype, the splits' sum in order or added) is ``_swapped.finish_tile``.
+element in its scale broadcast and layout changes and reached 0.6 TB/s; Triton's own E2M1
+upcast (``gl.fp4_to_fp``) took 24 instructions a word (docs/benchmarks.md, sessions 23-24). K
+split over the grid's second axis, x's row blocks on its third, and the end (bias, output
+dtype, the splits' sum in order or added) is ``_swapped.finish_tile``.
 
 Hopper (sm_90) only, compiled (Gluon does not run in Triton's interpreter).
 """
