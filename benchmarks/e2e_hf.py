@@ -84,6 +84,28 @@ def gemm_shapes(name: str) -> list[tuple[int, int, int]]:
     return sorted(shapes)
 
 
+def use_overlay(variable: str, tuned: Path) -> None:
+    """``tuned`` (if written) as an overlay of a family's table (``variable``) for this run."""
+    if tuned.exists():
+        os.environ[variable] = str(tuned)
+        gemmtune.reset()
+
+
+def tune_into_overlay(family: str, variable: str, header: str, lines: list[str], tuned: Path,
+                      *extra: str) -> None:
+    """The untuned rows ``lines`` (under ``header``) tuned into ``tuned`` (``gemmtune tune
+    FAMILY``, ``extra`` flags), made an overlay of the family's table for this run."""
+    if lines:
+        untuned = tuned.with_name(tuned.stem.replace("tuned", "untuned") + ".csv")
+        untuned.write_text(header + "".join(lines))
+        start = time.perf_counter()
+        rc = subprocess.call([sys.executable, "-m", "gemmtune.cli", "tune", family, "-i",
+                              str(untuned), "-o", str(tuned), "--mp", "8", *extra])
+        print(f"tuned {len(lines)} {family} rows in {time.perf_counter() - start:.0f} s "
+              f"(rc {rc})")
+    use_overlay(variable, tuned)
+
+
 def tune_missing(names: list[str], out_dir: Path) -> None:
     """Tune the shapes with no exact row in the tables in force into $OUT/e2e_tuned.csv, and
     make it an overlay of the bf16 table for this run."""
@@ -91,28 +113,17 @@ def tune_missing(names: list[str], out_dir: Path) -> None:
     from gemmtune.tables.lookup import Rule
 
     tuned = out_dir / "e2e_tuned.csv"
-    if tuned.exists():  # an earlier run's, in force before looking for what is missing
-        os.environ["GEMMTUNE_CONFIG_BF16"] = str(tuned)
-        gemmtune.reset()
-    missing = []
+    use_overlay("GEMMTUNE_CONFIG_BF16", tuned)  # an earlier run's, before looking for gaps
+    missing = set()
     for name in names:
         for m, n, k in gemm_shapes(name):
             key = (m, n, k, False, "torch.bfloat16", "torch.bfloat16", False, False)
             if DISPATCH.decide(key).rule is not Rule.exact:
-                missing.append((m, n, k))
-    if missing:
-        untuned = out_dir / "e2e_untuned.csv"
-        untuned.write_text("M,N,K,bias,dtype,outdtype,scaleAB,bpreshuffle\n" + "".join(
-            f"{m},{n},{k},False,torch.bfloat16,torch.bfloat16,False,False\n"
-            for m, n, k in sorted(set(missing))))
-        start = time.perf_counter()
-        rc = subprocess.call([sys.executable, "-m", "gemmtune.cli", "tune", "bf16", "-i",
-                              str(untuned), "-o", str(tuned), "--mp", "8"])
-        print(f"tuned {len(set(missing))} shapes in {time.perf_counter() - start:.0f} s "
-              f"(rc {rc})")
-    if tuned.exists():
-        os.environ["GEMMTUNE_CONFIG_BF16"] = str(tuned)
-        gemmtune.reset()
+                missing.add((m, n, k))
+    tune_into_overlay("bf16", "GEMMTUNE_CONFIG_BF16",
+                      "M,N,K,bias,dtype,outdtype,scaleAB,bpreshuffle\n",
+                      [f"{m},{n},{k},False,torch.bfloat16,torch.bfloat16,False,False\n"
+                       for m, n, k in sorted(missing)], tuned)
 
 
 class _SameLinear(nn.Linear):

@@ -25,9 +25,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import torch
@@ -36,7 +33,8 @@ from torch import nn
 import gemmtune
 from gemmtune import quant
 
-from e2e_hf import MODELS, DecodePoint, capture, ms_per_call, rel_err
+from e2e_hf import (MODELS, DecodePoint, capture, ms_per_call, rel_err, tune_into_overlay,
+                    use_overlay)
 
 NAME = "llama3-8b"
 LAYERS = 8
@@ -70,24 +68,13 @@ def tune_missing(name: str, batch: int, out_dir: Path) -> None:
     from gemmtune.tables.lookup import Rule
 
     tuned = out_dir / "e2e_mxfp4_tuned.csv"
-    if tuned.exists():
-        os.environ["GEMMTUNE_CONFIG_A16W4"] = str(tuned)
-        gemmtune.reset()
+    use_overlay("GEMMTUNE_CONFIG_A16W4", tuned)  # an earlier run's, before looking for gaps
     missing = [(n, k, packed) for n, k in weight_shapes(name) for packed in (False, True)
                if DISPATCH.decide(A16w4Key(batch, n, k, "torch.bfloat16", packed)).rule
                is not Rule.exact]
-    if missing:
-        untuned = out_dir / "e2e_mxfp4_untuned.csv"
-        untuned.write_text("M,N,K,dtype,packed\n" + "".join(
-            f"{batch},{n},{k},torch.bfloat16,{packed}\n" for n, k, packed in missing))
-        start = time.perf_counter()
-        rc = subprocess.call([sys.executable, "-m", "gemmtune.cli", "tune", "a16w4", "-i",
-                              str(untuned), "-o", str(tuned), "--mp", "8", "--timeout", "60"])
-        print(f"tuned {len(missing)} a16w4 rows in {time.perf_counter() - start:.0f} s "
-              f"(rc {rc})")
-    if tuned.exists():
-        os.environ["GEMMTUNE_CONFIG_A16W4"] = str(tuned)
-        gemmtune.reset()
+    tune_into_overlay("a16w4", "GEMMTUNE_CONFIG_A16W4", "M,N,K,dtype,packed\n",
+                      [f"{batch},{n},{k},torch.bfloat16,{packed}\n" for n, k, packed in missing],
+                      tuned, "--timeout", "60")
 
 
 class _NoGemm(nn.Linear):
