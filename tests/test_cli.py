@@ -296,6 +296,33 @@ def test_a16w4_run_config_runs_the_rows_for_weights_as_quantised(tmp_path, capsy
     assert row["kernel"] == "torch.dequant_linear" and row["rule"] == "exact"
 
 
+def test_a16w4_bench_stores_weights_as_patch_linear_would(tmp_path, monkeypatch, capsys):
+    """Where the table's packed rows are the faster, the bench packs the weight (its torch and
+    reference columns unpack it, and stay right); a packed shape that falls back to the torch
+    backend counts as the torch column's own kernel."""
+    import csv
+
+    import torch
+
+    from gemm_checks import install_user_table
+
+    if torch.cuda.is_available():
+        pytest.skip("on the CPU the packed row's Gluon kernel falls back to torch")
+    install_user_table(monkeypatch, tmp_path / "a16w4.csv", "GEMMTUNE_CONFIG_A16W4",
+                       "arch,cu_num,M,N,K,dtype,packed,libtype,solidx,splitK,us,kernelName,"
+                       "err_ratio,tflops,bw\n",
+                       [(2, 64, 128, "torch.bfloat16", False, "torch.dequant_linear"),
+                        (2, 64, 128, "torch.bfloat16", True,
+                         "triton.w4frag:BM8.BK128.SK1.P0.R0.L1")])
+    shapes = tmp_path / "shapes.csv"
+    shapes.write_text("M,N,K\n2,64,128\n")
+    assert main(["bench", "a16w4", "--shapes", str(shapes), "-o", str(tmp_path / "out")]) == 0
+    (row,) = csv.DictReader(open(tmp_path / "out" / "bench_a16w4_bf16.csv"))
+    # The packed key, its row's Gluon kernel refused on the CPU: the unpacking torch backend.
+    assert row["kernel"] == "torch.unpack_dequant_linear" and row["ok"] == "True"
+    assert row["same_kernel"] == "True"
+
+
 def test_lookup_refuses_a_key_outside_its_range(capsys):
     assert main(["lookup", "bf16", "M=16", "N=-4096", "K=4096"]) == 2
     assert "N: N=-4096 is out of range: expected 1 <= N <= 2147483647" in capsys.readouterr().err

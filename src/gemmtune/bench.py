@@ -142,7 +142,7 @@ def bench_shape(shape: BenchShape, family: Family, op: BenchOp, ceilings: Ceilin
     return BenchRow(name, m, n, k, torch_us, tuned_us, torch_us / tuned_us, f.roofline_us,
                     f.attainable_us, eff, att_eff, torch_eff, torch_att_eff, decision.rule.value,
                     decision.kernel_name, rel, ok, op.torch_is_reference(m, n, k),
-                    same_kernel=decision.kernel_name == op.torch_kernel,
+                    same_kernel=decision.kernel_name in (op.torch_kernel, *op.torch_aliases),
                     compared_us={c.label: t for c, t in zip(op.comparisons, compared_us)})
 
 

@@ -54,6 +54,9 @@ class BenchOp:
     w_bytes: float | None = None
     x_bytes: float | None = None
     comparisons: tuple[Comparison, ...] = ()  # timed beside torch and the tuned op
+    # Other table names of what the torch column runs (the torch backend of another weight
+    # layout: the same computation after an unpacking)
+    torch_aliases: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -16,8 +16,8 @@ from gemmtune.families._gemm import SHORT_DTYPES, short_dtype
 from gemmtune.families.a16w4.op import (DISPATCH, SCHEMA, A16w4Key, gemm_a16w4,
                                         packed_layout_tuned)
 from gemmtune.kernels import mxfp4
-from gemmtune.kernels.torch_ref import (TORCH_DEQUANT_LINEAR, dequant_linear_torch,
-                                        gemm_a16w4_ref)
+from gemmtune.kernels.torch_ref import (TORCH_DEQUANT_LINEAR, TORCH_UNPACK_DEQUANT_LINEAR,
+                                        dequant_linear_torch, gemm_a16w4_ref)
 from gemmtune.tables.values import DTYPE_NAMES
 
 BENCH_DTYPES = ("bf16", "fp16")  # x's dtype (and the output's)
@@ -56,7 +56,7 @@ def bench_op(dtype: str) -> BenchOp:
         reference=lambda a: gemm_a16w4_ref(a[0], codes(a), a[2]),
         table_key=lambda m, n, k: gemm_key(m, n, k, dtype,
                                            packed=packed_layout_tuned(n, k, x_dtype)),
-        torch_kernel=TORCH_DEQUANT_LINEAR,
+        torch_kernel=TORCH_DEQUANT_LINEAR, torch_aliases=(TORCH_UNPACK_DEQUANT_LINEAR,),
         w_bytes=0.5 + 1 / mxfp4.BLOCK, comparisons=linear_and_fp8(x_dtype))
 
 
