@@ -588,3 +588,14 @@ def assert_block_scaled_decode_launches(gemm, M, N, K, what, reproducible=True):
     gen = generator(M + N + K)
     _assert_decode_launches(gemm, block_scaled_operands(M, N, K, gen), check_block_scaled_decode,
                             gen, what, reproducible)
+
+
+def assert_mxfp4_launcher_says_what_is_wrong(gemm):
+    """An MXFP4-weight kernel's validating launcher (``_mxfp4_calls.validated_launch``): codes
+    of the wrong width and an output of the wrong shape refused, saying so."""
+    x = torch.zeros(4, 64, dtype=torch.bfloat16, device=DEVICE)
+    wq, w_scale = quant.mxfp4(torch.ones(8, 64, device=DEVICE))
+    with pytest.raises(ValueError, match=r"needs wq \(N, 32\)"):
+        gemm(x, wq[:, :16], w_scale)
+    with pytest.raises(ValueError, match="out must be"):
+        gemm(x, wq, w_scale, out=torch.empty(4, 8, device=DEVICE))

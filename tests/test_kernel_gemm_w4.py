@@ -11,7 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gemm_checks import DEVICE, assert_matches_reference, generator, randn
+from gemm_checks import (DEVICE, assert_matches_reference,
+                         assert_mxfp4_launcher_says_what_is_wrong, generator, randn)
 from gemmtune import quant
 from gemmtune.kernels.triton.gemm_w4 import W4Config, default_config, gemm_w4, why_not_fits
 
@@ -187,16 +188,13 @@ def test_nan_blocks_give_nan_outputs_never_a_finite_number():
 def test_default_config_fits_and_bad_arguments_say_what_is_wrong():
     assert why_not_fits(default_config(300, 4096, 4096, torch.bfloat16), 300, 4096, 4096,
                         torch.bfloat16) is None
+    assert_mxfp4_launcher_says_what_is_wrong(gemm_w4)
     x = torch.zeros(4, 64, dtype=torch.bfloat16, device=DEVICE)
     wq, w_scale = quant.mxfp4(torch.ones(8, 64, device=DEVICE))
-    with pytest.raises(ValueError, match=r"needs wq \(N, 32\)"):
-        gemm_w4(x, wq[:, :16], w_scale)
     with pytest.raises(TypeError, match="uint8"):
         gemm_w4(x, wq.to(torch.int8), w_scale)
     with pytest.raises(ValueError, match="bias has shape"):
         gemm_w4(x, wq, w_scale, torch.zeros(3, dtype=torch.bfloat16, device=DEVICE))
-    with pytest.raises(ValueError, match="out must be"):
-        gemm_w4(x, wq, w_scale, out=torch.empty(4, 8, device=DEVICE))
     assert gemm_w4(x[:0], wq, w_scale).shape == (0, 8)
 
 
@@ -223,3 +221,23 @@ def test_empty_k_gives_the_bias():
     bias = torch.arange(8, dtype=torch.bfloat16, device=DEVICE)
     y = gemm_w4(x, wq, ws, bias)
     assert torch.equal(y, bias.expand(3, 8))
+
+
+@pytest.mark.parametrize("module", ["gemm_w4", "gemm_w4frag", "gemm_w4deq"])
+def test_each_mxfp4_kernel_takes_the_common_scaled_call(module):
+    """Dispatch calls every kernel module's validating launcher as (x, w, bias, out_dtype,
+    scale_a, scale_b, ...): the MXFP4 modules' refuse x scales and another output dtype by
+    name, and pass the call on to their own validating launcher (whose checks then apply)."""
+    import importlib
+
+    scaled = getattr(importlib.import_module(f"gemmtune.kernels.triton.{module}"),
+                     f"{module}_scaled")
+    assert scaled.__name__ == f"{module}_scaled"
+    x = torch.zeros(4, 64, dtype=torch.bfloat16, device=DEVICE)
+    wq, w_scale = quant.mxfp4(torch.ones(8, 64, device=DEVICE))
+    with pytest.raises(ValueError, match=f"^{module}: an MXFP4 weight brings its own scales"):
+        scaled(x, wq, None, None, w_scale, w_scale)
+    with pytest.raises(TypeError, match=f"^{module}: the output is in x's dtype"):
+        scaled(x, wq, None, torch.float32, None, w_scale)
+    with pytest.raises(ValueError, match=rf"^{module}: x's K=64 needs wq \(N, 32\)"):
+        scaled(x, wq[:, :16], None, None, None, w_scale)

@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gemm_checks import DEVICE, assert_matches_reference, generator, randn
+from gemm_checks import (DEVICE, assert_matches_reference,
+                         assert_mxfp4_launcher_says_what_is_wrong, generator, randn)
 from gemmtune import quant
 from gemmtune.kernels.triton.gemm_w4deq import (W4DeqConfig, candidates, dequantize,
                                                 gemm_w4deq, why_not_fits)
@@ -100,12 +101,7 @@ def test_empty_k_gives_the_bias_and_bad_calls_say_why():
     ws = torch.zeros(8, 0, dtype=torch.uint8, device=DEVICE)
     bias = torch.arange(8, dtype=torch.bfloat16, device=DEVICE)
     assert torch.equal(gemm_w4deq(x, wq, ws, bias), bias.expand(3, 8))
-    x = torch.zeros(4, 64, dtype=torch.bfloat16, device=DEVICE)
-    wq, ws = quant.mxfp4(torch.ones(8, 64, device=DEVICE))
-    with pytest.raises(ValueError, match=r"needs wq \(N, 32\)"):
-        gemm_w4deq(x, wq[:, :16], ws)
-    with pytest.raises(ValueError, match="out must be"):
-        gemm_w4deq(x, wq, ws, out=torch.empty(4, 8, device=DEVICE))
+    assert_mxfp4_launcher_says_what_is_wrong(gemm_w4deq)
 
 
 @pytest.mark.gpu

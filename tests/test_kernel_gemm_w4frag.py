@@ -13,7 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gemm_checks import DEVICE, assert_matches_reference, generator, randn
+from gemm_checks import (DEVICE, assert_matches_reference,
+                         assert_mxfp4_launcher_says_what_is_wrong, generator, randn)
 from gemmtune import quant
 from gemmtune.kernels.triton._splits import PDL_WAIT
 from gemmtune.kernels.triton.gemm_w4frag import (W4FragConfig, candidates, default_config,
@@ -166,12 +167,7 @@ def test_gpu_real_sizes_and_default_config():
 
 
 def test_bad_arguments_say_what_is_wrong():
-    x = torch.zeros(4, 64, dtype=torch.bfloat16, device=DEVICE)
-    wq, w_scale = quant.mxfp4(torch.ones(8, 64, device=DEVICE))
-    with pytest.raises(ValueError, match=r"needs wq \(N, 32\)"):
-        gemm_w4frag(x, wq[:, :16], w_scale)
-    with pytest.raises(ValueError, match="out must be"):
-        gemm_w4frag(x, wq, w_scale, out=torch.empty(4, 8, device=DEVICE))
+    assert_mxfp4_launcher_says_what_is_wrong(gemm_w4frag)
 
 
 def test_scales_reach_the_kernel_16_byte_aligned():

@@ -79,3 +79,16 @@ def check_scaled_call(op: str, x: torch.Tensor, out_dtype, scale_a, scale_b) -> 
                          f"bf16/fp16 x none (scale_a None); MXFP4 x is gemm_a4w4_blockscale's")
     if out_dtype not in (None, x.dtype):
         raise TypeError(f"{op}: the output is in x's dtype ({x.dtype}), not {out_dtype}")
+
+
+def scaled_launcher(op: str, gemm: Callable) -> Callable:
+    """``gemm`` (a module's validating launcher, ``gemm(x, wq, w_scale, bias, config, out)``)
+    called as every kernel module's validating launcher is: ``(x, w, bias, out_dtype, scale_a,
+    scale_b, config=None, out=None)``, w the codes, scale_b their scales, scale_a None, the
+    output in x's dtype."""
+    def launch_scaled(x, w, bias, out_dtype, scale_a, scale_b, config=None, out=None):
+        check_scaled_call(op, x, out_dtype, scale_a, scale_b)
+        return gemm(x, w, scale_b, bias, config, out)
+
+    launch_scaled.__name__ = launch_scaled.__qualname__ = f"{op}_scaled"
+    return launch_scaled

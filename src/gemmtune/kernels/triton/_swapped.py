@@ -83,6 +83,14 @@ def partials_per_load(block_m: int) -> int:
 
 
 @gluon.jit
+def split_steps(split, K, BLOCK_K: gl.constexpr, SPLIT_K: gl.constexpr):
+    """The K steps (of BLOCK_K) that split ``split`` of SPLIT_K takes: [lo, hi), the steps
+    shared out as evenly as they go."""
+    k_steps = K // BLOCK_K
+    return split * k_steps // SPLIT_K, (split + 1) * k_steps // SPLIT_K
+
+
+@gluon.jit
 def release_then_wait():
     """Programmatic dependent launch: let the next kernel's grid be scheduled now (it waits for
     this one before touching what this one writes), then wait for the previous kernel to finish

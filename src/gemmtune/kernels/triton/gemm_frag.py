@@ -47,7 +47,7 @@ from gemmtune.kernels.triton._splits import (PDL_OFF, pdl_supported, split_for,
                                              why_not_wait_pdl, workspace)
 from gemmtune.kernels.triton._swapped import (BLOCK_MS, BLOCK_N, NUM_WARPS, barrier,
                                               block_m_for, finish_tile, partials_per_load,
-                                              release_then_wait, step_scales,
+                                              release_then_wait, split_steps, step_scales,
                                               why_not_add_splits, why_not_grid, why_not_here)
 from gemmtune.kernels.triton._wlayout import why_not_tiled
 
@@ -227,9 +227,7 @@ def gemm_frag_kernel(
     pid_n = gl.program_id(0)
     split = gl.program_id(1)
     pid_m = gl.program_id(2)
-    k_steps = K // BLOCK_K
-    step_lo = split * k_steps // SPLIT_K
-    step_hi = (split + 1) * k_steps // SPLIT_K
+    step_lo, step_hi = split_steps(split, K, BLOCK_K, SPLIT_K)
 
     w_offs, in_n = _w_offsets(pid_n, N, K, stride_wn, BLOCK_K, W_TILED, a_layout)
     # w never depends on the kernel before: its first steps load before the PDL wait.

@@ -27,7 +27,7 @@ import triton.language as tl
 from gemmtune.kernels import mxfp4
 from gemmtune.kernels._names import Field, NameCodec, NamedConfig
 from gemmtune.kernels.triton._replay import KernelCall, launch
-from gemmtune.kernels.triton._mxfp4_calls import check_scaled_call, validated_launch
+from gemmtune.kernels.triton._mxfp4_calls import scaled_launcher, validated_launch
 from gemmtune.kernels.triton.gemm_w4 import e2m1, e8m0
 
 KERNEL_PREFIX = "triton.w4deq"
@@ -177,10 +177,5 @@ def gemm_w4deq(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
                             wq, w_scale, bias, config, out)
 
 
-def gemm_w4deq_scaled(x, w, bias, out_dtype, scale_a, scale_b,
-                      config: W4DeqConfig | None = None,
-                      out: torch.Tensor | None = None) -> torch.Tensor:
-    """``gemm_w4deq`` called as every kernel module's validating launcher is: w the codes,
-    scale_b their scales, scale_a None, the output in x's dtype."""
-    check_scaled_call("gemm_w4deq", x, out_dtype, scale_a, scale_b)
-    return gemm_w4deq(x, w, scale_b, bias, config, out)
+# Called as every kernel module's validating launcher is (dispatchable)
+gemm_w4deq_scaled = scaled_launcher("gemm_w4deq", gemm_w4deq)

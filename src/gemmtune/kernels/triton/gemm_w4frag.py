@@ -46,8 +46,9 @@ from gemmtune.kernels.triton._splits import (PDL_OFF, pdl_supported, split_for,
                                              why_not_wait_pdl, workspace)
 from gemmtune.kernels.triton._swapped import (BLOCK_N, NUM_WARPS, finish_tile,
                                               partials_per_load, release_then_wait,
-                                              why_not_add_splits, why_not_grid, why_not_here)
-from gemmtune.kernels.triton._mxfp4_calls import check_scaled_call, validated_launch
+                                              split_steps, why_not_add_splits, why_not_grid,
+                                              why_not_here)
+from gemmtune.kernels.triton._mxfp4_calls import scaled_launcher, validated_launch
 
 KERNEL_PREFIX = "triton.w4frag"
 _BN = gl.constexpr(BLOCK_N)
@@ -347,9 +348,7 @@ def gemm_w4frag_kernel(
     pid_n = gl.program_id(0)
     split = gl.program_id(1)
     pid_m = gl.program_id(2)
-    k_steps = K // BLOCK_K
-    step_lo = split * k_steps // SPLIT_K
-    step_hi = (split + 1) * k_steps // SPLIT_K
+    step_lo, step_hi = split_steps(split, K, BLOCK_K, SPLIT_K)
     if PDL:  # before any load: x may be the previous kernel's output
         release_then_wait()
 
@@ -507,10 +506,5 @@ def _why_not_here(config: W4FragConfig, M: int, N: int, K: int,
     return why_not_supported(config, M, N, K, dtype, dtype)
 
 
-def gemm_w4frag_scaled(x, w, bias, out_dtype, scale_a, scale_b,
-                       config: W4FragConfig | None = None,
-                       out: torch.Tensor | None = None) -> torch.Tensor:
-    """``gemm_w4frag`` called as every kernel module's validating launcher is: w the codes,
-    scale_b their scales, scale_a None, the output in x's dtype."""
-    check_scaled_call("gemm_w4frag", x, out_dtype, scale_a, scale_b)
-    return gemm_w4frag(x, w, scale_b, bias, config, out)
+# Called as every kernel module's validating launcher is (dispatchable)
+gemm_w4frag_scaled = scaled_launcher("gemm_w4frag", gemm_w4frag)
