@@ -5,7 +5,7 @@ On the CPU: its names, constraints and candidates (tests/test_kernels_compile_fo
 compiles it for sm_90). On a GPU: against the fp32 product of x and the dequantised weight at
 ragged sizes, every block_k and block_m, split sums in order and added, PDL, bias, with fresh
 random data and NaN-poisoned outputs; every code at every scale byte bit for bit, a NaN scale
-making its row NaN and no other.
+making its row NaN and no other; MXFP4 x (gemm_a4w4_blockscale's) the same ways.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def test_names_round_trip():
 
 
 @pytest.mark.parametrize("config, M, K, dtype, says", [
-    (W4FragConfig(8, 128, 1), 1, 256, torch.float16, "takes bf16 x"),
+    (W4FragConfig(8, 128, 1), 1, 256, torch.float16, "takes bf16 x or MXFP4 x"),
     (W4FragConfig(64, 128, 1), 1, 256, torch.bfloat16, "block_m=64 must be one of"),
     (W4FragConfig(8, 96, 1), 1, 192, torch.bfloat16, "block_k=96"),
     (W4FragConfig(8, 128, 1), 1, 160, torch.bfloat16, "not a multiple of block_k=128"),
@@ -69,6 +69,9 @@ def test_candidates_fit_cover_m_and_split_for_decode():
         assert {c.pdl for c in found} == {0, PDL_WAIT}
     assert candidates(33, 4096, 4096, torch.bfloat16, num_sms=132) == []
     assert candidates(1, 4096, 4096, torch.float16, num_sms=132) == []
+    # MXFP4 x (uint8 codes: gemm_a4w4_blockscale) takes the same configs as bf16 x
+    assert candidates(16, 2880, 2880, torch.uint8, num_sms=132, pdl=PDL_WAIT) == \
+        candidates(16, 2880, 2880, torch.bfloat16, num_sms=132, pdl=PDL_WAIT)
     # 2912 = 91 x 32: no step of 64-256 divides it, so 32; 2880 = 45 x 64
     assert {c.block_k for c in candidates(1, 2880, 2912, torch.bfloat16, num_sms=132)} == {32}
     assert {c.block_k for c in candidates(1, 2880, 2880, torch.bfloat16, num_sms=132)} == {64}
@@ -85,6 +88,8 @@ def test_refuses_to_run_where_it_cannot():
     assert why is not None and ("interpreter" in why or "Hopper" in why)
     assert "writes x's dtype" in why_not_supported(W4FragConfig(8, 128, 1), 1, 64, 128,
                                                    torch.bfloat16, torch.float32)
+    assert "with MXFP4 x the kernel writes bf16, fp16 or fp32" in why_not_supported(
+        W4FragConfig(8, 128, 1), 1, 64, 128, torch.uint8, torch.uint8)
 
 
 @on_hopper
@@ -154,6 +159,57 @@ def test_gpu_a_nan_scale_makes_its_row_nan_and_no_other(config):
     nan[list(nan_rows)] = True
     assert y[:, nan].isnan().all()
     assert_matches_reference(y[:, ~nan], x, quant.dequant_mxfp4(wq, w_scale)[~nan])
+
+
+@on_hopper
+@pytest.mark.gpu
+@pytest.mark.parametrize("M, N, K, config", [
+    (1, 70, 128, W4FragConfig(8, 128, 1)),            # N ragged, one group
+    (5, 200, 2880, W4FragConfig(8, 32, 6)),           # K in 32-blocks, split 6 ways
+    (13, 130, 1024, W4FragConfig(16, 256, 2, 0, 1)),  # added splits
+    (20, 96, 768, W4FragConfig(32, 128, 3)),          # 32 rows of x, uneven split
+    (3, 70, 1024, W4FragConfig(8, 128, 3, PDL_WAIT, packed=1)),  # packed w, PDL
+    (40, 64, 512, W4FragConfig(16, 64, 2)),           # x's rows in 3 blocks, 2 scale bytes
+])
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+def test_gpu_mxfp4_x_matches_the_dequantised_reference(M, N, K, config, out_dtype):
+    """x MXFP4 too (gemm_a4w4_blockscale): its codes decoded like w's, each block's product
+    scaled by both rows' scales."""
+    from gemmtune.kernels.triton.gemm_w4frag import launch_gemm_w4frag
+
+    gen = generator(M * 7 + N + K)
+    x, wq, w_scale, _ = _operands(M, N, K, gen, False)
+    xq, x_scale = quant.mxfp4(x.float() * torch.logspace(
+        -2, 2, K // 32, device=DEVICE).repeat_interleave(32))
+    stored = quant.prepack_mxfp4(wq, w_scale)[0] if config.packed else wq
+    out = torch.full((M, N), float("nan"), dtype=out_dtype, device=DEVICE)
+    for _ in range(2):  # twice: the split's sums and counters are left as they were found
+        launch_gemm_w4frag(xq, stored, None, out, x_scale, w_scale, config)
+        assert_matches_reference(out, quant.dequant_mxfp4(xq, x_scale),
+                                 quant.dequant_mxfp4(wq, w_scale))
+
+
+@on_hopper
+@pytest.mark.gpu
+def test_gpu_every_x_code_at_every_x_scale_byte_exactly():
+    """w the identity (code 1.0, scale 2^0): y is x dequantised, bit for bit, for every code of
+    x at every scale byte of x (a launch per 32 rows of bytes; the NaN row, byte 255,
+    included)."""
+    from gemmtune.kernels.triton.gemm_w4frag import launch_gemm_w4frag
+
+    K = 128
+    eye = torch.eye(K, device=DEVICE, dtype=torch.uint8) * 2  # code 2 is 1.0
+    wq = (eye[:, 0::2] | (eye[:, 1::2] << 4)).contiguous()
+    w_scale = torch.full((K, K // 32), 127, dtype=torch.uint8, device=DEVICE)
+    codes = (torch.arange(K, device=DEVICE) + torch.arange(K, device=DEVICE) // 32) % 16
+    for first in range(0, 256, 32):
+        xq = (codes[0::2] | (codes[1::2] << 4)).to(torch.uint8).repeat(32, 1)
+        x_scale = torch.arange(first, first + 32, device=DEVICE).to(torch.uint8)[:, None] \
+            .repeat(1, K // 32)
+        out = torch.empty(32, K, dtype=torch.float32, device=DEVICE)
+        launch_gemm_w4frag(xq, wq, None, out, x_scale, w_scale, W4FragConfig(32, 128, 1))
+        torch.testing.assert_close(out, quant.dequant_mxfp4(xq, x_scale), rtol=0, atol=0,
+                                   equal_nan=True)
 
 
 @on_hopper

@@ -458,22 +458,23 @@ W4FRAG_SCRIPT = textwrap.dedent("""
     from gemmtune.kernels.triton import gemm_w4frag
 
     names = inspect.signature(gemm_w4frag.gemm_w4frag_kernel.fn).parameters
-    pointers = {"x_ptr": "*bf16", "wq_ptr": "*u8", "ws_ptr": "*u8", "y_ptr": "*bf16",
-                "bias_ptr": "*bf16", "part_ptr": "*fp32", "count_ptr": "*i32"}
     aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
                if n.endswith("_ptr") or n in ("K", "stride_xm", "stride_wn")}
     ptxas = get_ptxas(90).path
-    # (block_m, block_k, split_k (negative: added), pdl, bias, packed w)
-    for block_m, block_k, split_k, pdl, bias, packed in ((8, 128, 1, False, False, False),
-                                                         (16, 256, 4, True, True, False),
-                                                         (32, 64, -8, True, False, False),
-                                                         (8, 32, 2, False, True, False),
-                                                         (8, 128, 4, True, False, True),
-                                                         (32, 256, -2, False, True, True)):
+    # (block_m, block_k, split_k (negative: added), pdl, bias, packed w, MXFP4 x)
+    for block_m, block_k, split_k, pdl, bias, packed, x_mxfp4 in (
+            (8, 128, 1, False, False, False, False), (16, 256, 4, True, True, False, False),
+            (32, 64, -8, True, False, False, False), (8, 32, 2, False, True, False, False),
+            (8, 128, 4, True, False, True, False), (32, 256, -2, False, True, True, False),
+            (8, 128, 4, True, False, True, True), (16, 64, -3, False, False, False, True),
+            (32, 256, 2, True, False, False, True)):
+        pointers = {"x_ptr": "*u8" if x_mxfp4 else "*bf16", "wq_ptr": "*u8", "ws_ptr": "*u8",
+                    "xs_ptr": "*u8", "y_ptr": "*bf16", "bias_ptr": "*bf16",
+                    "part_ptr": "*fp32", "count_ptr": "*i32"}
         constexprs = dict(HAS_BIAS=bias, SPLIT_K=abs(split_k), BLOCK_M=block_m,
                           BLOCK_K=block_k, PDL=pdl,
                           PER_LOAD=min(abs(split_k), gemm_w4frag.partials_per_load(block_m)),
-                          ADD_SPLITS=split_k < 0, PACKED=packed)
+                          ADD_SPLITS=split_k < 0, PACKED=packed, X_MXFP4=x_mxfp4)
         signature = {n: pointers.get(n, "constexpr" if n in constexprs else "i32")
                      for n in names}
         kernel = triton.compile(gluon._runtime.GluonASTSource(
@@ -494,22 +495,30 @@ W4FRAG_SCRIPT = textwrap.dedent("""
         assert "st.shared" not in loop and "bar.sync" not in loop
         assert ("griddepcontrol.wait" in text) == pdl
         assert ("atom.global" in text) == (split_k != 1)
+        # The E2M1 decode (an inline-PTX block of PRMT lookups) for w's words and, MXFP4 x,
+        # x's too: x's scales then multiply w's (fp32) in each block's product.
+        # A decode a word: w's 2 rows a thread, x's 1-4 (BLOCK_M / 8) words; a loop iteration
+        # takes 2 groups of 4 blocks (block_k < 128: a step's blocks).
+        looped = 8 if block_k >= 128 else block_k // 32
+        assert text.count("prmt.b32 la") == looped * (2 + (block_m // 8 if x_mxfp4 else 0)), \\
+            (block_m, block_k, x_mxfp4, text.count("prmt.b32 la"))
         with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
             f.write(text)
         done = subprocess.run([ptxas, "-v", "-arch=sm_90a", f.name, "-o", os.devnull],
                               capture_output=True, text=True)
         assert done.returncode == 0, done.stderr[-2000:]
         assert int(re.search(r"(\\d+) bytes spill stores", done.stderr).group(1)) == 0, \\
-            (block_m, block_k, done.stderr)
+            (block_m, block_k, x_mxfp4, done.stderr)
     print("ok")
 """)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the kernel's own tests run it")
 def test_register_direct_mxfp4_kernel_compiles_for_hopper():
-    """triton.w4frag (Gluon) for sm_90: the codes straight from global memory into mma.sync's
-    registers (a 32-bit load a row and block), no shared memory or barrier in the loop, no
-    spills, PDL and the splits' atomics only where configured."""
+    """triton.w4frag (Gluon) for sm_90, bf16 and MXFP4 x: the codes straight from global memory
+    into mma.sync's registers (a 32-bit load a row and block), decoded by the inline PTX, no
+    shared memory or barrier in the loop, no spills, PDL and the splits' atomics only where
+    configured."""
     compiles_for_hopper(W4FRAG_SCRIPT)
 
 

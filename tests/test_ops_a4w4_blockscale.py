@@ -133,10 +133,18 @@ def test_tuner_checks_every_candidate_against_the_dequantised_reference(tmp_path
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("M", [1, 16, 100])
-def test_gpu_real_sizes_through_a_row(a4w4_table, M):
+@pytest.mark.parametrize("M, kernel", [(1, "triton.w4:BM16.BN64.BK128.W4.S3"),
+                                       (16, "triton.w4:BM16.BN64.BK128.W4.S3"),
+                                       (100, "triton.w4:BM16.BN64.BK128.W4.S3"),
+                                       (1, "triton.w4frag:BM8.BK64.SK5.P1.R1"),
+                                       (16, "triton.w4frag:BM16.BK64.SK3")])
+def test_gpu_real_sizes_through_a_row(a4w4_table, M, kernel):
+    """Through a row naming either MXFP4 kernel (the register-direct one decodes x's codes as
+    it does w's: up to 32 rows)."""
+    if kernel.startswith("triton.w4frag") and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("triton.w4frag is a Gluon kernel for Hopper (sm_90)")
     N, K = 2880, 2880
-    a4w4_table((M, N, K, "triton.w4:BM16.BN64.BK128.W4.S3"))
+    a4w4_table((M, N, K, kernel))
     xq, xs, wq, ws = operands(M, N, K, seed=M)
     for _ in range(3):  # planned, bound, replayed
         y = gemmtune.gemm_a4w4_blockscale(xq, wq, xs, ws)
@@ -152,6 +160,21 @@ def test_one_huge_and_one_tiny_scale_multiply_without_overflow():
     ws.fill_(127 - 118)
     y = gemmtune.gemm_a4w4_blockscale(xq, wq, xs, ws, dtype=torch.float32,
                                       kernel="triton.w4:BM16.BN32.BK64.W4.S1")
+    ref = gemm_a4w4_ref(xq, wq, xs, ws)
+    assert torch.isfinite(ref).all() and torch.equal(y, ref)
+
+
+@pytest.mark.gpu
+def test_gpu_register_direct_kernel_multiplies_the_two_scales_first():
+    """triton.w4frag with the scales of the test above: the two powers of two make 2^6 before
+    they scale a block's product, so nothing overflows; equal to the reference."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("triton.w4frag is a Gluon kernel for Hopper (sm_90)")
+    xq, xs, wq, ws = operands(3, 32, 64, seed=9)
+    xs.fill_(127 + 124)
+    ws.fill_(127 - 118)
+    y = gemmtune.gemm_a4w4_blockscale(xq, wq, xs, ws, dtype=torch.float32,
+                                      kernel="triton.w4frag:BM8.BK64.SK1")
     ref = gemm_a4w4_ref(xq, wq, xs, ws)
     assert torch.isfinite(ref).all() and torch.equal(y, ref)
 

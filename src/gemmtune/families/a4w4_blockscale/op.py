@@ -25,7 +25,7 @@ from gemmtune.families._switches import dynamo_compiling as _dynamo_compiling
 from gemmtune.kernels import mxfp4
 from gemmtune.kernels.problem import GemmProblem, Scaling
 from gemmtune.kernels.torch_ref import TORCH_DEQUANT_MM, dequant_mm_torch
-from gemmtune.kernels.triton.dispatchable import W4_PREFIX
+from gemmtune.kernels.triton.dispatchable import W4_PREFIX, W4FRAG_PREFIX
 
 
 class A4w4Key(NamedTuple):
@@ -45,7 +45,8 @@ def problem_of(key: A4w4Key) -> GemmProblem:
     return GemmProblem(key.M, key.N, key.K, torch.uint8, TUNED_OUT_DTYPE, scaling=Scaling.mxfp4)
 
 
-REGISTRY = gemm_registry("a4w4_blockscale", TORCH_DEQUANT_MM, dequant_mm_torch, (W4_PREFIX,))
+REGISTRY = gemm_registry("a4w4_blockscale", TORCH_DEQUANT_MM, dequant_mm_torch,
+                         (W4_PREFIX, W4FRAG_PREFIX))
 
 
 def _to_table_key(raw: tuple) -> A4w4Key:

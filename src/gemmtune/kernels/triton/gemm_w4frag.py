@@ -1,23 +1,24 @@
 """A register-direct MXFP4-weight decode GEMM, in Gluon: ``y = x @ dequant(wq, w_scale).T + bias``
-for bf16 x (M <= 32), each thread loading its own codes of w straight into the registers the MMA
-takes its A operand from.
+for bf16 x, or MXFP4 x (``gemm_a4w4_blockscale``: its codes and scales, decoded the same way),
+M <= 32, each thread loading its own codes of w straight into the registers the MMA takes its
+A operand from.
 
 Swapped as ``triton.frag`` is (y.T = w @ x.T): a program's 64 rows of w are the MMA's M (4
 warps, 16 rows each), x's rows its N (BLOCK_M, 8-32). Per 32-element scale block, each thread
 holds one 32-bit word (8 codes) of each of its 2 rows; an inline-PTX decode (``e2m1_to_bf16``:
 PRMT table lookups, 15 instructions a word) makes them bf16 in the A layout (exact: E2M1 values
 are 0-6 with one mantissa bit); x's 32 x BLOCK_M block comes in the B layout; ``mma.sync``
-multiplies them from zero into fp32, and the product is scaled by the block's power of two in
-fp32 (exact for every scale byte) before its add. A NaN scale (byte 255) makes its row's
-outputs NaN. There is no shared memory in the loop and no barrier.
+multiplies them from zero into fp32, and the product is scaled by the block's power of two (of
+x's row too, for MXFP4 x) in fp32, exact for every scale byte, before its add. A NaN scale
+(byte 255) makes its row's outputs NaN. There is no shared memory in the loop and no barrier.
 
 Both operands use the MMA's K order with 8 consecutive elements a thread (``k_width`` 8): the
 sum over K is the same in any order, so w's codes load as one 32-bit word a row and block (or,
 packed by ``mxfp4.prepack``, a thread's words of 4 blocks in one 16-byte load), x's as 16-byte
-vectors, and a row's scale bytes of 4 blocks as one word. The loop takes two groups of 4
-blocks an iteration in a software pipeline (each group's loads issued while the group before
-it is multiplied); many small programs (about 60-100 registers a thread) keep the weight
-stream wide.
+vectors (MXFP4 x: a word), and a row's scale bytes of 4 blocks as one word. The loop takes two
+groups of 4 blocks an iteration in a software pipeline (each group's loads issued while the
+group before it is multiplied); many small programs (about 60-100 registers a thread) keep
+the weight stream wide.
 
 Why: the ``tl.dot_scaled`` route (``triton.w4`` DS1) spends about 11 instructions a weight
 element in its scale broadcast and layout changes and reached 0.6 TB/s; Triton's own E2M1
@@ -51,6 +52,7 @@ from gemmtune.kernels.triton._swapped import (BLOCK_N, NUM_WARPS, finish_tile,
 from gemmtune.kernels.triton._mxfp4_calls import scaled_launcher, validated_launch
 
 KERNEL_PREFIX = "triton.w4frag"
+_OUT_DTYPES_OF_MXFP4_X = (torch.bfloat16, torch.float16, torch.float32)
 _BN = gl.constexpr(BLOCK_N)
 _WARPS = gl.constexpr(NUM_WARPS)
 _BLOCK = gl.constexpr(mxfp4.BLOCK)
@@ -86,9 +88,9 @@ def why_not_fits(config: W4FragConfig, M: int, N: int, K: int,
                  dtype: torch.dtype) -> str | None:
     """The first constraint ``config`` breaks for an (M, N, K) GEMM with ``dtype`` x, or None."""
     c = config
-    if dtype != torch.bfloat16:
-        return (f"x of {dtype}: the register-direct MXFP4 kernel takes bf16 x (its MMA is bf16); "
-                f"use a triton.w4 config")
+    if dtype not in (torch.bfloat16, torch.uint8):
+        return (f"x of {dtype}: the register-direct MXFP4 kernel takes bf16 x or MXFP4 x (uint8 "
+                f"codes; its MMA is bf16); use a triton.w4 config")
     if c.block_m not in BLOCK_MS:
         return f"block_m={c.block_m} must be one of {BLOCK_MS}"
     if c.block_k not in BLOCK_KS:
@@ -108,8 +110,12 @@ def why_not_fits(config: W4FragConfig, M: int, N: int, K: int,
 
 def why_not_supported(config: W4FragConfig, M: int, N: int, K: int, dtype: torch.dtype,
                       out_dtype: torch.dtype) -> str | None:
-    """``why_not_fits``, the output (x's dtype), and whether the kernel can run here."""
-    if out_dtype != dtype:
+    """``why_not_fits``, the output (x's dtype; with MXFP4 x, ``dtype`` uint8, bf16, fp16 or
+    fp32), and whether the kernel can run here."""
+    if dtype == torch.uint8:
+        if out_dtype not in _OUT_DTYPES_OF_MXFP4_X:
+            return f"with MXFP4 x the kernel writes bf16, fp16 or fp32, not {out_dtype}"
+    elif out_dtype != dtype:
         return f"the register-direct MXFP4 kernel writes x's dtype ({dtype}), not {out_dtype}"
     return (why_not_here("register-direct MXFP4 kernel",
                          "a triton.w4 config or torch.dequant_linear (packed weights: "
@@ -127,7 +133,7 @@ def candidates(M: int, N: int, K: int, dtype: torch.dtype, num_sms: int | None =
     ``mxfp4.prepack`` stores it: block_m covering M; each block_k of 64-256 (packed: 128-256)
     dividing K (32 where none does); K split to reach each of ``_PROGRAMS_PER_SM``; without PDL
     and with ``pdl``; split sums in order and added. Only configs that fit."""
-    if M > BLOCK_MS[-1] or dtype != torch.bfloat16:
+    if M > BLOCK_MS[-1] or dtype not in (torch.bfloat16, torch.uint8):
         return []
     num_sms = num_sms or _checks.sm_count()
     bm = next(b for b in BLOCK_MS if b >= M)
@@ -167,6 +173,15 @@ def _block_scale(word, j: gl.constexpr):
     else:
         field = (word << (23 - 8 * j)) & 0x7F800000
     return gl.maximum(field, 0x00400000).to(gl.float32, bitcast=True)
+
+
+@gluon.jit
+def _scale_word(ptrs, step, SCALE_BYTES: gl.constexpr):
+    """A step's 1 or 2 scale bytes of each row (uint8 / int16 loads) as int32."""
+    word = gl.load(ptrs + step).to(gl.int32)
+    if SCALE_BYTES == 2:  # int16, sign-extended
+        word = word & 0xFFFF
+    return word
 
 
 @gluon.jit
@@ -224,27 +239,50 @@ def _halves(pair):
 
 
 @gluon.jit
-def e2m1_to_bf16(words, tables):
-    """(R, T) int32 words of 8 codes each -> (R, 8 T) bf16: word t's codes are elements 8 t to
-    8 t + 7, in the word's thread."""
+def _e2m1_codes(words, tables):
+    """(R, T) int32 words of 8 codes each -> (R, T, 2, 2, 2) bf16, code i of a word at
+    (i % 2, i // 2 % 2, i // 4), in the word's thread."""
     r = gl.inline_asm_elementwise(_E2M1_TO_BF16_ASM, "=r,=r,=r,=r,r,r,r",
                                   [words, tables[0], tables[1]], dtype=(gl.int32,) * 4,
                                   is_pure=True, pack=1)
     # Register i is codes 2 i (low half) and 2 i + 1: taken apart here, put back together as
     # they were for the MMA (no instruction).
-    codes = gl.join(gl.join(_halves(r[0]), _halves(r[1])), gl.join(_halves(r[2]), _halves(r[3])))
-    # (R, T, half, i % 2, i // 2) -> codes in order
-    return gl.reshape(gl.permute(codes, [0, 1, 4, 3, 2]), [words.shape[0], 8 * words.shape[1]])
+    return gl.join(gl.join(_halves(r[0]), _halves(r[1])), gl.join(_halves(r[2]), _halves(r[3])))
 
 
 @gluon.jit
-def _add_block(acc, words, scale, x, a_layout: gl.constexpr, b_layout: gl.constexpr, tables):
+def e2m1_to_bf16(words, tables):
+    """(R, T) int32 words of 8 codes each -> (R, 8 T) bf16: word t's codes are elements 8 t to
+    8 t + 7, in the word's thread."""
+    codes = gl.permute(_e2m1_codes(words, tables), [0, 1, 4, 3, 2])  # (R, T, i // 4, ..., i % 2)
+    return gl.reshape(codes, [words.shape[0], 8 * words.shape[1]])
+
+
+@gluon.jit
+def _x_codes_bf16(words, tables, b_layout: gl.constexpr):
+    """A block of MXFP4 x's words (4, BLOCK_M): thread t of a column its word t, 8 codes) as
+    (32, BLOCK_M) bf16 in the B layout, unscaled."""
+    codes = gl.permute(_e2m1_codes(words, tables), [0, 4, 3, 2, 1])  # (t, i // 4, ..., i % 2, m)
+    return gl.convert_layout(gl.reshape(codes, [8 * words.shape[0], words.shape[1]]), b_layout,
+                             assert_trivial=True)
+
+
+@gluon.jit
+def _add_block(acc, words, scale, x, x_scale, a_layout: gl.constexpr, b_layout: gl.constexpr,
+               tables, X_MXFP4: gl.constexpr):
     """``acc`` plus one 32-element scale block's product: ``words`` (64, 4) int32 (each
-    thread's 8 codes of a row), ``scale`` (64,) fp32, ``x`` x's words (``_load_x``)."""
-    w = gl.convert_layout(e2m1_to_bf16(words, tables), a_layout, assert_trivial=True)
-    # From zero per block: the block's scale multiplies its product exactly in fp32.
-    product = mma_v2(w, _x_bf16(x, b_layout), gl.zeros_like(acc))
-    return acc + product * scale[:, None]
+    thread's 8 codes of a row), ``scale`` (64,) fp32, ``x`` x's words (``_load_x``); with
+    ``X_MXFP4`` x's codes, ``x_scale`` (BLOCK_M,) fp32 their scales (else unused). ``tables``:
+    e2m1_tables for w's words and for x's."""
+    w = gl.convert_layout(e2m1_to_bf16(words, tables[0]), a_layout, assert_trivial=True)
+    # From zero per block: the block's scales multiply its product exactly in fp32.
+    if X_MXFP4:
+        product = mma_v2(w, _x_codes_bf16(x, tables[1], b_layout), gl.zeros_like(acc))
+        acc = acc + product * (scale[:, None] * x_scale[None, :])
+    else:
+        product = mma_v2(w, _x_bf16(x, b_layout), gl.zeros_like(acc))
+        acc = acc + product * scale[:, None]
+    return acc
 
 
 @gluon.jit
@@ -262,10 +300,11 @@ def _packed_blocks(group, word_layout: gl.constexpr):
 
 
 @gluon.jit
-def _load_x(x_ptrs, block):
-    """x's 32-element block: (16, BLOCK_M) int32, two bf16 a word (loaded as words, so that a
-    block carried to the next iteration stays whole registers)."""
-    return gl.load(x_ptrs + block.to(gl.int64) * (_BLOCK // 2))
+def _load_x(x_ptrs, block, X_MXFP4: gl.constexpr):
+    """x's 32-element block as int32 words (so that a block carried to the next iteration
+    stays whole registers): (16, BLOCK_M), two bf16 a word; with ``X_MXFP4`` (4, BLOCK_M), 8
+    codes a word."""
+    return gl.load(x_ptrs + block.to(gl.int64) * _x_words(X_MXFP4))
 
 
 @gluon.jit
@@ -278,15 +317,20 @@ def _x_bf16(words, b_layout: gl.constexpr):
 
 
 @gluon.jit
-def _add_group(acc, nan_seen, word, c0, c1, c2, c3, x0, x1, x2, x3, a_layout: gl.constexpr,
-               b_layout: gl.constexpr, tables):
+def _add_group(acc, nan_seen, word, c0, c1, c2, c3, x0, x1, x2, x3, x_word,
+               a_layout: gl.constexpr, b_layout: gl.constexpr, tables, X_MXFP4: gl.constexpr):
     """``acc`` and ``nan_seen`` with a group of 4 blocks added: ``word`` the rows' 4 scale
-    bytes, c0-c3 the blocks' code words, x0-x3 x's blocks' words."""
-    acc = _add_block(acc, c0, _block_scale(word, 0), x0, a_layout, b_layout, tables)
-    acc = _add_block(acc, c1, _block_scale(word, 1), x1, a_layout, b_layout, tables)
-    acc = _add_block(acc, c2, _block_scale(word, 2), x2, a_layout, b_layout, tables)
-    acc = _add_block(acc, c3, _block_scale(word, 3), x3, a_layout, b_layout, tables)
-    return acc, _nan_scales(nan_seen, word)
+    bytes, c0-c3 the blocks' code words, x0-x3 x's blocks' words, ``x_word`` x's rows' 4 scale
+    bytes with ``X_MXFP4`` (else unused). ``nan_seen``: (w's rows' flags, x's rows' flags)."""
+    acc = _add_block(acc, c0, _block_scale(word, 0), x0, _block_scale(x_word, 0), a_layout,
+                     b_layout, tables, X_MXFP4)
+    acc = _add_block(acc, c1, _block_scale(word, 1), x1, _block_scale(x_word, 1), a_layout,
+                     b_layout, tables, X_MXFP4)
+    acc = _add_block(acc, c2, _block_scale(word, 2), x2, _block_scale(x_word, 2), a_layout,
+                     b_layout, tables, X_MXFP4)
+    acc = _add_block(acc, c3, _block_scale(word, 3), x3, _block_scale(x_word, 3), a_layout,
+                     b_layout, tables, X_MXFP4)
+    return acc, (_nan_scales(nan_seen[0], word), _nan_scales(nan_seen[1], x_word))
 
 
 @gluon.jit
@@ -305,18 +349,54 @@ def _load_group(w_ptrs, s_ptrs, group, PACKED: gl.constexpr, word_layout: gl.con
 
 
 @gluon.jit
-def _load_x_group(x_ptrs, group):
-    return (_load_x(x_ptrs, group * 4), _load_x(x_ptrs, group * 4 + 1),
-            _load_x(x_ptrs, group * 4 + 2), _load_x(x_ptrs, group * 4 + 3))
+def _load_x_group(x_ptrs, xs_ptrs, group, no_scales, X_MXFP4: gl.constexpr):
+    """x's 4 blocks of a group (``_load_x``) and, with ``X_MXFP4``, its rows' 4 scale bytes as
+    one word (else ``no_scales``, zeros; ``xs_ptrs`` unused)."""
+    if X_MXFP4:
+        x_word = gl.load(xs_ptrs + group)
+    else:
+        x_word = no_scales
+    return (_load_x(x_ptrs, group * 4, X_MXFP4), _load_x(x_ptrs, group * 4 + 1, X_MXFP4),
+            _load_x(x_ptrs, group * 4 + 2, X_MXFP4), _load_x(x_ptrs, group * 4 + 3, X_MXFP4),
+            x_word)
+
+
+@gluon.constexpr_function
+def _x_words(x_mxfp4):
+    """A row of x's words in a 32-element block: 16 (two bf16 each), MXFP4 x 4 (8 codes)."""
+    return 4 if x_mxfp4 else 16
+
+
+@gluon.constexpr_function
+def _x_per_word(x_mxfp4):
+    """x's elements a word: 2 bf16, MXFP4 x 4 code bytes."""
+    return 4 if x_mxfp4 else 2
+
+
+@gluon.constexpr_function
+def _x_layout(block_m, x_mxfp4):
+    """Where a block of x's words sits: in the B layout's places (each thread 8 consecutive of
+    K of a row of x; rows past 8 in registers), a word two bf16 (16, BLOCK_M) or, MXFP4 x, 8
+    codes (4, BLOCK_M)."""
+    rows = [[0, 8 << i] for i in range(block_m.bit_length() - 4)]
+    if x_mxfp4:
+        return gl.DistributedLinearLayout(
+            reg_bases=[[0, 0]] + rows, lane_bases=[[1, 0], [2, 0], [0, 1], [0, 2], [0, 4]],
+            warp_bases=[[0, 0], [0, 0]], block_bases=[], shape=[4, block_m])
+    return gl.DistributedLinearLayout(
+        reg_bases=[[1, 0], [2, 0], [0, 0]] + rows,
+        lane_bases=[[4, 0], [8, 0], [0, 1], [0, 2], [0, 4]], warp_bases=[[0, 0], [0, 0]],
+        block_bases=[], shape=[16, block_m])
 
 
 @gluon.jit(do_not_specialize=["M"])
 def gemm_w4frag_kernel(
-    x_ptr,  # (M, K) bf16, K contiguous
+    x_ptr,  # (M, K) bf16, K contiguous; X_MXFP4: (M, K // 2) uint8 codes
     # (N, K // 2) uint8: two E2M1 codes a byte, the lower-index one in the low nibble; PACKED:
     # each row's 64-byte groups as mxfp4.prepack stores them
     wq_ptr,
     ws_ptr,  # (N, K // 32) uint8: E8M0 scales
+    xs_ptr,  # X_MXFP4: (M, K // 32) uint8, x's scales; else unused
     y_ptr,  # (M, N)
     bias_ptr,  # (N,) or unused
     # (tiles, SPLIT_K, BLOCK_M, 64) fp32, or with ADD_SPLITS (tiles, BLOCK_M, 64) zeroed and
@@ -324,10 +404,10 @@ def gemm_w4frag_kernel(
     part_ptr,
     count_ptr,  # (tiles,) int32, zero on entry and left zero; unused unless SPLIT_K > 1
     M, N, K,
-    stride_xm, stride_wn, stride_sn, stride_ym, stride_bias,
+    stride_xm, stride_wn, stride_sn, stride_xsm, stride_ym, stride_bias,
     HAS_BIAS: gl.constexpr, SPLIT_K: gl.constexpr, BLOCK_M: gl.constexpr,
     BLOCK_K: gl.constexpr, PDL: gl.constexpr, PER_LOAD: gl.constexpr,
-    ADD_SPLITS: gl.constexpr, PACKED: gl.constexpr,
+    ADD_SPLITS: gl.constexpr, PACKED: gl.constexpr, X_MXFP4: gl.constexpr,
 ):
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[_WARPS, 1],
                                                   instr_shape=[16, 8])
@@ -370,31 +450,29 @@ def gemm_w4frag_kernel(
     sn = pid_n * _BN + gl.arange(0, _BN, layout=gl.SliceLayout(1, mma))
     s_ptrs = ws_ptr.to(gl.pointer_type(word_type)) \
         + gl.where(sn < N, sn, 0).to(gl.int64) * (stride_sn // SCALE_BYTES)
-    # x as 32-bit words, two bf16 each (rows an even number of elements apart, 4-byte
-    # aligned: w4frag_call), in the B layout's places (x_layout). Rows of x past M read row
-    # M - 1 (their outputs are never stored): no mask in the loop.
-    if BLOCK_M == 8:
-        x_layout: gl.constexpr = gl.DistributedLinearLayout(
-            reg_bases=[[1, 0], [2, 0], [0, 0]], lane_bases=[[4, 0], [8, 0], [0, 1], [0, 2], [0, 4]],
-            warp_bases=[[0, 0], [0, 0]], block_bases=[], shape=[16, 8])
-    elif BLOCK_M == 16:
-        x_layout: gl.constexpr = gl.DistributedLinearLayout(
-            reg_bases=[[1, 0], [2, 0], [0, 0], [0, 8]],
-            lane_bases=[[4, 0], [8, 0], [0, 1], [0, 2], [0, 4]],
-            warp_bases=[[0, 0], [0, 0]], block_bases=[], shape=[16, 16])
-    else:
-        x_layout: gl.constexpr = gl.DistributedLinearLayout(
-            reg_bases=[[1, 0], [2, 0], [0, 0], [0, 8], [0, 16]],
-            lane_bases=[[4, 0], [8, 0], [0, 1], [0, 2], [0, 4]],
-            warp_bases=[[0, 0], [0, 0]], block_bases=[], shape=[16, 32])
+    # x as 32-bit words, two bf16 or 8 codes each (rows 4-byte aligned: w4frag_call), in the
+    # B layout's places. Rows of x past M read row M - 1 (their outputs are never stored): no
+    # mask in the loop.
+    x_layout: gl.constexpr = _x_layout(BLOCK_M, X_MXFP4)
+    X_ROW_WORDS: gl.constexpr = _x_words(X_MXFP4)
+    X_PER_WORD: gl.constexpr = _x_per_word(X_MXFP4)
     xm = gl.minimum(pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, x_layout)),
                     M - 1)
-    x_ptrs = x_ptr.to(gl.pointer_type(gl.int32)) + xm.to(gl.int64)[None, :] * (stride_xm // 2) \
-        + gl.arange(0, _BLOCK // 2, layout=gl.SliceLayout(1, x_layout))[:, None]
+    x_ptrs = x_ptr.to(gl.pointer_type(gl.int32)) \
+        + xm.to(gl.int64)[None, :] * (stride_xm // X_PER_WORD) \
+        + gl.arange(0, X_ROW_WORDS, layout=gl.SliceLayout(1, x_layout))[:, None]
+    # MXFP4 x's scale bytes of a step, a row, as one word (as w's)
+    xsm = gl.minimum(pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma)),
+                     M - 1)
+    xs_ptrs = xs_ptr.to(gl.pointer_type(word_type)) \
+        + xsm.to(gl.int64) * (stride_xsm // SCALE_BYTES)
     acc = gl.zeros([_BN, BLOCK_M], gl.float32, layout=mma)
-    nan_seen = gl.zeros([_BN], gl.int32, layout=gl.SliceLayout(1, mma))
-    # K >> 31 is 0 (K > 0), unknown to the compiler
-    tables = e2m1_tables(gl.full([_BN, 4], 0, gl.int32, word_layout) + (K >> 31))
+    # Rows of w, and of x, with a NaN scale (_nan_scales)
+    no_scales = gl.zeros([BLOCK_M], gl.int32, layout=gl.SliceLayout(0, mma))  # bf16 x's
+    nan_seen = (gl.zeros([_BN], gl.int32, layout=gl.SliceLayout(1, mma)), no_scales)
+    # K >> 31 is 0 (K > 0), unknown to the compiler; x's only used with MXFP4 x
+    tables = (e2m1_tables(gl.full([_BN, 4], 0, gl.int32, word_layout) + (K >> 31)),
+              e2m1_tables(gl.full([X_ROW_WORDS, BLOCK_M], 0, gl.int32, x_layout) + (K >> 31)))
     if SCALE_BYTES == 4:
         # Groups of 4 blocks, two an iteration in a software pipeline: each group's loads
         # (w's, the HBM stream, and up to 16 rows of x's) are issued before the group ahead of
@@ -405,41 +483,52 @@ def gemm_w4frag_kernel(
         g_lo = step_lo * (BLOCKS // 4)
         last = step_hi * (BLOCKS // 4) - 1
         word, c0, c1, c2, c3 = _load_group(w_ptrs, s_ptrs, g_lo, PACKED, word_layout)
-        x0, x1, x2, x3 = _load_x_group(x_ptrs, g_lo)
+        x0, x1, x2, x3, xw = _load_x_group(x_ptrs, xs_ptrs, g_lo, no_scales, X_MXFP4)
         for group in range(g_lo, last + 1, 2):
             ahead = gl.minimum(group + 1, last)
             word_b, b0, b1, b2, b3 = _load_group(w_ptrs, s_ptrs, ahead, PACKED, word_layout)
             if X_AHEAD:
-                y0, y1, y2, y3 = _load_x_group(x_ptrs, ahead)
+                y0, y1, y2, y3, yw = _load_x_group(x_ptrs, xs_ptrs, ahead, no_scales, X_MXFP4)
             else:
-                x0, x1, x2, x3 = _load_x_group(x_ptrs, group)
-            acc, nan_seen = _add_group(acc, nan_seen, word, c0, c1, c2, c3, x0, x1, x2, x3,
-                                       a_layout, b_layout, tables)
+                x0, x1, x2, x3, xw = _load_x_group(x_ptrs, xs_ptrs, group, no_scales, X_MXFP4)
+            acc, nan_seen = _add_group(acc, nan_seen, word, c0, c1, c2, c3, x0, x1, x2, x3, xw,
+                                       a_layout, b_layout, tables, X_MXFP4)
             ahead = gl.minimum(group + 2, last)
             word, c0, c1, c2, c3 = _load_group(w_ptrs, s_ptrs, ahead, PACKED, word_layout)
             if X_AHEAD:
-                x0, x1, x2, x3 = _load_x_group(x_ptrs, ahead)
+                x0, x1, x2, x3, xw = _load_x_group(x_ptrs, xs_ptrs, ahead, no_scales, X_MXFP4)
             if group < last:
                 if not X_AHEAD:
-                    y0, y1, y2, y3 = _load_x_group(x_ptrs, group + 1)
+                    y0, y1, y2, y3, yw = _load_x_group(x_ptrs, xs_ptrs, group + 1, no_scales,
+                                                     X_MXFP4)
                 acc, nan_seen = _add_group(acc, nan_seen, word_b, b0, b1, b2, b3, y0, y1, y2,
-                                           y3, a_layout, b_layout, tables)
+                                           y3, yw, a_layout, b_layout, tables, X_MXFP4)
     else:  # block_k 32 or 64: a step's 1-2 scale bytes a row as one uint8 / int16
         for step in range(step_lo, step_hi):
-            word = gl.load(s_ptrs + step).to(gl.int32)
-            if SCALE_BYTES == 2:  # int16, sign-extended
-                word = word & 0xFFFF
-            nan_seen = _nan_scales(nan_seen, word)
+            word = _scale_word(s_ptrs, step, SCALE_BYTES)
+            if X_MXFP4:
+                x_word = _scale_word(xs_ptrs, step, SCALE_BYTES)
+            else:
+                x_word = no_scales
+            nan_seen = (_nan_scales(nan_seen[0], word), _nan_scales(nan_seen[1], x_word))
             for j in gl.static_range(SCALE_BYTES):
                 block = step * SCALE_BYTES + j
                 codes = gl.load(w_ptrs + block.to(gl.int64) * 4)
-                acc = _add_block(acc, codes, _block_scale(word, j), _load_x(x_ptrs, block),
-                                 a_layout, b_layout, tables)
-    acc = gl.where((nan_seen != 0)[:, None], float("nan"), acc)
+                acc = _add_block(acc, codes, _block_scale(word, j),
+                                 _load_x(x_ptrs, block, X_MXFP4), _block_scale(x_word, j),
+                                 a_layout, b_layout, tables, X_MXFP4)
+    # A NaN scale of w's row n or x's row m makes output (m, n) NaN.
+    acc = gl.where((nan_seen[0] != 0)[:, None] | (nan_seen[1] != 0)[None, :], float("nan"),
+                   acc)
 
     finish_tile(acc, pid_n, split, pid_m, y_ptr, bias_ptr, x_ptr, x_ptr, part_ptr, count_ptr,
                 M, N, stride_ym, 1, stride_bias, HAS_BIAS, 0, 0, SPLIT_K, BLOCK_M, PER_LOAD,
                 ADD_SPLITS)
+
+
+def _aligned_scales(scales: torch.Tensor) -> torch.Tensor:
+    scales = scales.contiguous()
+    return scales.clone() if scales.data_ptr() % 16 else scales
 
 
 def w4frag_call(x, w, bias, out, scale_a, scale_b, config: W4FragConfig,
@@ -447,34 +536,37 @@ def w4frag_call(x, w, bias, out, scale_a, scale_b, config: W4FragConfig,
                 block_scales: bool = False) -> KernelCall:
     """The launch of ``launch_gemm_w4frag`` as data (what a dispatch plan records and
     replays): x (M, K) bf16, w the codes (two a byte, (N, K // 2); in the packed layout for a
-    packed config), scale_b their scales (N, K // 32), out (M, N); scale_a None."""
-    M, K = x.shape
+    packed config), scale_b their scales (N, K // 32), out (M, N); scale_a None, or x's scales
+    (M, K // 32) with x MXFP4 too, its codes (M, K // 2)."""
+    x_mxfp4 = scale_a is not None
+    M = x.shape[0]
+    K = x.shape[1] * 2 if x_mxfp4 else x.shape[1]
     N = w.shape[0]
-    # x and w are read as 32-bit words: x's rows an even number of elements apart, w's 4 bytes;
-    # both 16-byte aligned (a copy otherwise), which a recording's alignment check then covers.
-    x = x if x.stride(1) == 1 and x.stride(0) % 2 == 0 else x.contiguous()
+    # x and w are read as 32-bit words: rows a whole number of words apart and 16-byte aligned
+    # (a copy otherwise), which a recording's alignment check then covers.
+    per_word = 4 if x_mxfp4 else 2  # x's elements (code bytes or bf16) a word
+    x = x if x.stride(1) == 1 and x.stride(0) % per_word == 0 else x.contiguous()
     w = w if w.stride(1) == 1 and w.stride(0) % 4 == 0 else w.contiguous()
     x = x.clone() if x.data_ptr() % 16 else x
     w = w.clone() if w.data_ptr() % 16 else w
     # A step's scale bytes of a row load as one word of up to 4 bytes: rows a whole number of
     # words apart (contiguous: K // 32, a multiple of the word) and, so that a recording's
     # 16-byte alignment check (_replay) covers the word's, 16-byte aligned (a copy otherwise).
-    scale_b = scale_b.contiguous()
-    if scale_b.data_ptr() % 16:
-        scale_b = scale_b.clone()
+    scale_b = _aligned_scales(scale_b)
+    x_scales = _aligned_scales(scale_a) if x_mxfp4 else scale_b  # unused without MXFP4 x
     bias = bias if bias is None or bias.stride(0) == 1 else bias.contiguous()
     c = config
     n_tiles, m_tiles = triton.cdiv(N, BLOCK_N), triton.cdiv(M, c.block_m)
     parts, counters, per_call = workspace(x, out, n_tiles * m_tiles, BLOCK_N * c.block_m,
                                           c.split_k, counters, warmup, bool(c.add_splits))
     pdl = c.pdl if pdl_supported(x.device) else PDL_OFF
-    args = (x, w, scale_b, out, bias if bias is not None else x, parts, counters, M, N, K,
-            x.stride(0), w.stride(0), scale_b.stride(0), out.stride(0),
-            bias.stride(0) if bias is not None else 0)
+    args = (x, w, scale_b, x_scales, out, bias if bias is not None else out, parts, counters,
+            M, N, K, x.stride(0), w.stride(0), scale_b.stride(0), x_scales.stride(0),
+            out.stride(0), bias.stride(0) if bias is not None else 0)
     constexprs = dict(HAS_BIAS=bias is not None, SPLIT_K=c.split_k, BLOCK_M=c.block_m,
                       BLOCK_K=c.block_k, PDL=pdl != PDL_OFF,
                       PER_LOAD=min(c.split_k, partials_per_load(c.block_m)),
-                      ADD_SPLITS=bool(c.add_splits), PACKED=bool(c.packed))
+                      ADD_SPLITS=bool(c.add_splits), PACKED=bool(c.packed), X_MXFP4=x_mxfp4)
     return KernelCall(gemm_w4frag_kernel, (n_tiles, c.split_k, m_tiles), args, constexprs,
                       dict(num_warps=NUM_WARPS), launch_pdl=pdl != PDL_OFF,
                       replayable=not per_call)
