@@ -90,7 +90,7 @@ def time_shape(m: int, n: int, k: int, named: list | None, all_times,
     sets = cold_copies((x16, w16, wq, ws, xq4, xs4, xq8, xs8, wq8, ws8, wqp),
                        per_op=((0, 1), (6, 7, 8, 9), (0, 2, 3), (4, 5, 2, 3), (0, 3, 10)))
     configs = _configs(named, m, n, k, torch.bfloat16, frag_candidates)
-    a4_configs = _configs(named, m, n, k, torch.uint8) if mxfp4_x else []
+    a4_configs = _configs(named, m, n, k, torch.uint8, frag_candidates) if mxfp4_x else []
     out16 = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
     fns = [lambda s: F.linear(s[0], s[1]),
            lambda s: gemm_a8w8(s[6], s[8], s[7], s[9])]
@@ -98,8 +98,8 @@ def time_shape(m: int, n: int, k: int, named: list | None, all_times,
         _launch(c, x16, wq, out16, None, ws, wqp)  # compiled before the capture
         fns.append(lambda s, c=c: _launch(c, s[0], s[2], out16, None, s[3], s[10]))
     for c in a4_configs:
-        _launch(c, xq4, wq, out16, xs4, ws)
-        fns.append(lambda s, c=c: _launch(c, s[4], s[2], out16, s[5], s[3]))
+        _launch(c, xq4, wq, out16, xs4, ws, wqp)
+        fns.append(lambda s, c=c: _launch(c, s[4], s[2], out16, s[5], s[3], s[10]))
     fns[1](sets[0])  # the FP8 op planned before the capture
     times = [t for t, _ in interleaved_graph_us(fns, sets, rounds=10)]
     linear, fp8 = times[0], times[1]
