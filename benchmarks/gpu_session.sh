@@ -227,6 +227,12 @@ for what in "$@"; do
             model_and_tp "${what#bench:}"
             TAIL=40 stage "bench_$model" 400 python3 -m gemmtune.cli bench bf16 --model "$model" \
                 --tp "$tp" -o "$OUT/bench_${model}_tp$tp" ;;
+        benchf:*)  # benchf:FAMILY:MODEL[:TP]: gemmtune bench FAMILY through its shipped table, at
+            # BENCH_M (default the bench's own M)
+            rest=${what#benchf:}; family=${rest%%:*}; model_and_tp "${rest#*:}"
+            m_arg=(); [[ -n ${BENCH_M:-} ]] && m_arg=(--M "$BENCH_M")
+            TAIL=40 stage "benchf_${family}_$model" 400 python3 -m gemmtune.cli bench "$family" \
+                --model "$model" --tp "$tp" "${m_arg[@]}" -o "$OUT/benchf_${family}_${model}_tp$tp" ;;
         benchbs:*)  # the same for a8w8-blockscale through its shipped table
             model_and_tp "${what#benchbs:}"
             TAIL=40 stage "benchbs_$model" 400 python3 -m gemmtune.cli bench a8w8-blockscale \

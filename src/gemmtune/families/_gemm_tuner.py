@@ -192,7 +192,7 @@ def gluon_candidates(p: GemmProblem, registry) -> list[Candidate]:
 
 
 def mxfp4_candidates(p: GemmProblem, wanted: frozenset[str], baseline: str,
-                     registry=None) -> list[Candidate]:
+                     registry) -> list[Candidate]:
     """The MXFP4 families' candidates (gemm_a16w4, gemm_a4w4_blockscale): their torch
     ``baseline``, then the MXFP4 kernel's configs (``gemm_w4.candidates``, for weights as
     quantised; on the CPU two, in the interpreter, bf16 ones refused as the other families'
@@ -210,7 +210,7 @@ def mxfp4_candidates(p: GemmProblem, wanted: frozenset[str], baseline: str,
         if not torch.cuda.is_available():
             refused = INTERPRETER_BF16 if p.dtype == torch.bfloat16 else ""
             configs = [dataclasses.replace(c, refused=refused) for c in configs[:2]]
-        elif registry is not None:
+        else:
             from gemmtune.kernels.triton import gemm_w4deq, gemm_w4frag
             from gemmtune.kernels.triton._splits import pdl_where_supported
 

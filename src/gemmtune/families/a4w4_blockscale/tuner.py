@@ -25,7 +25,8 @@ class A4w4BlockscaleTuner(GemmTuner):
     problem_of = staticmethod(problem_of)
 
     def candidates(self, key: A4w4Key, libtypes: frozenset[str]) -> list[Candidate]:
-        return mxfp4_candidates(self.shape(key), self.wanted(libtypes), TORCH_DEQUANT_MM)
+        return mxfp4_candidates(self.shape(key), self.wanted(libtypes), TORCH_DEQUANT_MM,
+                                REGISTRY)
 
     def prepare(self, key: A4w4Key, seed: int) -> Prepared:
         p = self.shape(key)
