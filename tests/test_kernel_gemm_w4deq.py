@@ -1,7 +1,7 @@
 """Dequantise-then-cuBLAS for MXFP4 weights (``gemm_w4deq``): the Triton kernel's dequantised
 weight bit for bit against ``quant.dequant_mxfp4`` rounded once to x's dtype (both layouts, every
-code at every scale byte, ragged N and K), and the GEMM against the fp32 reference; in the
-interpreter on the CPU, at real sizes on a GPU.
+code at every scale byte, ragged N and K), and the GEMM against the fp32 reference, with bf16,
+fp16 and MXFP4 x; in the interpreter on the CPU, at real sizes on a GPU.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def test_names_and_candidates():
 
 
 @pytest.mark.parametrize("config, K, dtype, says", [
-    (W4DeqConfig(32, 128, 4), 128, torch.float32, "bf16 or fp16"),
+    (W4DeqConfig(32, 128, 4), 128, torch.float32, "bf16 or fp16 x"),
     (W4DeqConfig(32, 16, 4), 128, torch.bfloat16, "whole scale blocks"),
     (W4DeqConfig(24, 128, 4), 128, torch.bfloat16, "block_n=24"),
     (W4DeqConfig(32, 128, 4, 1), 96, torch.bfloat16, "multiple of 128"),
@@ -93,6 +93,28 @@ def test_a_bias_of_another_dtype_is_added_in_fp32():
     y = gemm_w4deq(x, wq, ws, bias, W4DeqConfig(16, 64, 4))
     ref = x.float() @ quant.dequant_mxfp4(wq, ws).T + bias
     assert y.dtype == torch.bfloat16 and ((y.float() - ref).abs() <= ref.abs() * 2 ** -8).all()
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("config", [W4DeqConfig(16, 128, 4), W4DeqConfig(8, 256, 4, 1)])
+def test_mxfp4_x_matches_the_reference(out_dtype, config):
+    """x MXFP4 too (gemm_a4w4_blockscale's): both operands dequantised to bf16 (x's codes as
+    quantised whatever w's layout), multiplied from fp32 sums into each output dtype, rounded
+    once."""
+    from gemmtune.kernels.triton.gemm_w4deq import launch_gemm_w4deq, why_not_supported
+
+    M, N, K = 37, 45, 256
+    gen = generator(M + N + K)
+    xq, xs = quant.mxfp4(randn(M, K, gen=gen) * torch.logspace(
+        -2, 2, K // 32, device=DEVICE).repeat_interleave(32))
+    wq, ws = _weight(N, K, gen)
+    stored = quant.prepack_mxfp4(wq, ws)[0] if config.packed else wq
+    assert why_not_supported(config, M, N, K, torch.uint8, out_dtype) is None
+    out = torch.full((M, N), float("nan"), dtype=out_dtype, device=DEVICE)
+    launch_gemm_w4deq(xq, stored, None, out, xs, ws, config)
+    assert_matches_reference(out, quant.dequant_mxfp4(xq, xs), quant.dequant_mxfp4(wq, ws))
+    assert "writes bf16, fp16 or fp32" in why_not_supported(config, M, N, K, torch.uint8,
+                                                            torch.int8)
 
 
 def test_empty_k_gives_the_bias_and_bad_calls_say_why():

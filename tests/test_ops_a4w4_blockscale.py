@@ -53,7 +53,8 @@ def test_default_is_torch_and_matches_reference():
 
 @pytest.mark.parametrize("kernel", ["triton.w4:BM16.BN32.BK64.W4.S1",
                                     "triton.w4:BM16.BN32.BK32.W4.S1.SK3",
-                                    "triton.w4:BM16.BN32.BK64.W4.S1.SK2.DS1"])
+                                    "triton.w4:BM16.BN32.BK64.W4.S1.SK2.DS1",
+                                    "triton.w4deq:BN16.BK64.W4"])  # dequantise both, cuBLAS
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_table_row_picks_the_triton_kernel(a4w4_table, kernel, dtype):
     M, N, K = 5, 70, 160
@@ -137,10 +138,11 @@ def test_tuner_checks_every_candidate_against_the_dequantised_reference(tmp_path
                                        (16, "triton.w4:BM16.BN64.BK128.W4.S3"),
                                        (100, "triton.w4:BM16.BN64.BK128.W4.S3"),
                                        (1, "triton.w4frag:BM8.BK64.SK5.P1.R1"),
-                                       (16, "triton.w4frag:BM16.BK64.SK3")])
+                                       (16, "triton.w4frag:BM16.BK64.SK3"),
+                                       (1024, "triton.w4deq:BN8.BK512.W4")])
 def test_gpu_real_sizes_through_a_row(a4w4_table, M, kernel):
-    """Through a row naming either MXFP4 kernel (the register-direct one decodes x's codes as
-    it does w's: up to 32 rows)."""
+    """Through a row naming each MXFP4 kernel (the register-direct one decodes x's codes as
+    it does w's: up to 32 rows; dequantise-then-cuBLAS for prefill)."""
     if kernel.startswith("triton.w4frag") and torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("triton.w4frag is a Gluon kernel for Hopper (sm_90)")
     N, K = 2880, 2880

@@ -25,7 +25,7 @@ from gemmtune.families._switches import dynamo_compiling as _dynamo_compiling
 from gemmtune.kernels import mxfp4
 from gemmtune.kernels.problem import GemmProblem, Scaling
 from gemmtune.kernels.torch_ref import TORCH_DEQUANT_MM, dequant_mm_torch
-from gemmtune.kernels.triton.dispatchable import W4_PREFIX, W4FRAG_PREFIX
+from gemmtune.kernels.triton.dispatchable import W4_PREFIX, W4DEQ_PREFIX, W4FRAG_PREFIX
 
 
 class A4w4Key(NamedTuple):
@@ -46,7 +46,7 @@ def problem_of(key: A4w4Key) -> GemmProblem:
 
 
 REGISTRY = gemm_registry("a4w4_blockscale", TORCH_DEQUANT_MM, dequant_mm_torch,
-                         (W4_PREFIX, W4FRAG_PREFIX))
+                         (W4_PREFIX, W4FRAG_PREFIX, W4DEQ_PREFIX))
 
 
 def _to_table_key(raw: tuple) -> A4w4Key:

@@ -1,6 +1,7 @@
 """MXFP4-weight GEMMs for many rows of x (prefill): ``y = x @ dequant(wq, w_scale).T + bias``
 as a Triton kernel that dequantises the weight into a bf16 / fp16 copy, then cuBLAS
-(``torch.mm``) on that copy.
+(``torch.mm``) on that copy; with MXFP4 x too (``gemm_a4w4_blockscale``), x is dequantised to
+bf16 the same way first.
 
 From M of about a thousand a GEMM is bound by the tensor cores, where cuBLAS is at its best and
 a kernel that decodes the codes in its main loop pays for the decode on every tile of x's rows.
@@ -14,10 +15,15 @@ round, as any fp16 copy of the weight would (the torch backend's too). Weights a
 ``gemmtune.quant.mxfp4`` makes them or, ``packed``, as ``prepack_mxfp4`` reorders them. The bias
 is added by cuBLAS where it has x's dtype, else to the product (already rounded to x's dtype) in
 fp32 and rounded again, as the torch backend adds it.
+
+MXFP4 x (its codes (M, K // 2) and scales (M, K // 32), as quantised): both operands exact in
+bf16, multiplied by cuBLAS into the output's dtype (bf16, fp16 or fp32) from fp32 sums, rounded
+once.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +38,7 @@ from gemmtune.kernels.triton.gemm_w4 import e2m1, e8m0
 
 KERNEL_PREFIX = "triton.w4deq"
 _X_DTYPES = (torch.bfloat16, torch.float16)
+_OUT_DTYPES_OF_MXFP4_X = (torch.bfloat16, torch.float16, torch.float32)
 _BLOCK = tl.constexpr(mxfp4.BLOCK)
 # x's rows from which the tuner offers it: below, the decode kernels move several times fewer
 # bytes (the 4.25-bit weight once, against its 16-bit copy written and read again).
@@ -58,9 +65,9 @@ def why_not_fits(config: W4DeqConfig, M: int, N: int, K: int,
                  dtype: torch.dtype) -> str | None:
     """The first constraint ``config`` breaks for an (M, N, K) GEMM with ``dtype`` x, or None."""
     c = config
-    if dtype not in _X_DTYPES:
+    if dtype not in _X_DTYPES and dtype != torch.uint8:
         return (f"x of {dtype}: the dequantise-then-cuBLAS kernel takes bf16 or fp16 x (the "
-                f"weight is dequantised to x's dtype)")
+                f"weight is dequantised to x's dtype) or MXFP4 x (uint8 codes)")
     for name, value in (("block_n", c.block_n), ("block_k", c.block_k)):
         if value < 1 or value & (value - 1):
             return f"{name}={value} must be a power of two"
@@ -78,8 +85,12 @@ def why_not_fits(config: W4DeqConfig, M: int, N: int, K: int,
 
 def why_not_supported(config: W4DeqConfig, M: int, N: int, K: int, dtype: torch.dtype,
                       out_dtype: torch.dtype) -> str | None:
-    """``why_not_fits``, and the output: x's dtype."""
-    if out_dtype != dtype:
+    """``why_not_fits``, and the output: x's dtype, or with MXFP4 x (``dtype`` uint8, its
+    storage) bf16, fp16 or fp32."""
+    if dtype == torch.uint8:
+        if out_dtype not in _OUT_DTYPES_OF_MXFP4_X:
+            return f"with MXFP4 x the kernel writes bf16, fp16 or fp32, not {out_dtype}"
+    elif out_dtype != dtype:
         return f"the dequantise-then-cuBLAS kernel writes x's dtype ({dtype}), not {out_dtype}"
     return why_not_fits(config, M, N, K, dtype)
 
@@ -147,14 +158,37 @@ def dequantize(wq: torch.Tensor, w_scale: torch.Tensor, dtype: torch.dtype,
     return out
 
 
+def _mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``out = a @ b`` for bf16 a and b, from fp32 sums rounded once to out's dtype: cuBLAS's
+    own output where out is bf16 or where torch has the dtype-output mm (CUDA), else the exact
+    bf16 values multiplied in fp32."""
+    if out.dtype == a.dtype:
+        torch.mm(a, b, out=out)
+    elif a.is_cuda:
+        out.copy_(torch.mm(a, b, out_dtype=torch.float32))
+    else:
+        out.copy_(torch.mm(a.float(), b.float()))
+
+
 def launch_gemm_w4deq(x, w, bias, out, scale_a, scale_b, config: W4DeqConfig,
                       counters: torch.Tensor | None = None, warmup: bool = False,
                       block_scales: bool = False) -> torch.Tensor:
     """The launches alone, for callers that validated once per shape (dispatch plans): x (M, K),
     w the codes (two a byte; packed for a packed config), scale_b their scales, ``out`` (M, N)
-    in x's dtype, its column stride 1."""
+    in x's dtype, its column stride 1. With ``scale_a`` x is MXFP4 too (its codes (M, K // 2),
+    scale_a their scales (M, K // 32)), ``out`` bf16, fp16 or fp32, and bias None."""
     w = w if w.stride(1) == 1 else w.contiguous()
     scale_b = scale_b if scale_b.stride(1) == 1 else scale_b.contiguous()
+    if scale_a is not None:
+        x = x if x.stride(1) == 1 else x.contiguous()
+        scale_a = scale_a if scale_a.stride(1) == 1 else scale_a.contiguous()
+        # x's codes as quantised, whatever w's layout
+        activations = dequantize(x, scale_a, torch.bfloat16,
+                                 dataclasses.replace(config, packed=0), warmup)
+        weight = dequantize(w, scale_b, torch.bfloat16, config, warmup)
+        if not warmup:
+            _mm_into(out, activations, weight.t())
+        return out
     weight = dequantize(w, scale_b, x.dtype, config, warmup)
     if warmup:
         return out
