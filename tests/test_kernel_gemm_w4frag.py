@@ -10,6 +10,8 @@ making its row NaN and no other; MXFP4 x (gemm_a4w4_blockscale's) the same ways.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -44,6 +46,9 @@ def test_names_round_trip():
     assert W4FragConfig.from_name(packed.name) == packed
     assert W4FragConfig.from_name(cfg.name) == cfg
     assert W4FragConfig.from_name(added.name) == added
+    first = W4FragConfig(8, 128, 4, x_first=1)
+    assert first.name == "triton.w4frag:BM8.BK128.SK4.P0.R0.L0.X1"
+    assert W4FragConfig.from_name(first.name) == first
 
 
 @pytest.mark.parametrize("config, M, K, dtype, says", [
@@ -55,6 +60,7 @@ def test_names_round_trip():
     (W4FragConfig(8, 64, 1, add_splits=1), 1, 256, torch.bfloat16, "needs split_k > 1"),
     (W4FragConfig(8, 64, 2, pdl=2), 1, 256, torch.bfloat16, "pdl=2"),
     (W4FragConfig(8, 64, 2, packed=1), 1, 256, torch.bfloat16, "use block_k 128 or 256"),
+    (W4FragConfig(8, 64, 2, x_first=1), 1, 256, torch.bfloat16, "1 dequantises MXFP4 x first"),
 ])
 def test_configs_that_cannot_run_say_why(config, M, K, dtype, says):
     assert says in why_not_fits(config, M, 256, K, dtype)
@@ -69,9 +75,12 @@ def test_candidates_fit_cover_m_and_split_for_decode():
         assert {c.pdl for c in found} == {0, PDL_WAIT}
     assert candidates(33, 4096, 4096, torch.bfloat16, num_sms=132) == []
     assert candidates(1, 4096, 4096, torch.float16, num_sms=132) == []
-    # MXFP4 x (uint8 codes: gemm_a4w4_blockscale) takes the same configs as bf16 x
-    assert candidates(16, 2880, 2880, torch.uint8, num_sms=132, pdl=PDL_WAIT) == \
-        candidates(16, 2880, 2880, torch.bfloat16, num_sms=132, pdl=PDL_WAIT)
+    # MXFP4 x (uint8 codes: gemm_a4w4_blockscale) takes the same configs as bf16 x, each also
+    # with x dequantised first
+    bf16_x = candidates(16, 2880, 2880, torch.bfloat16, num_sms=132, pdl=PDL_WAIT)
+    mxfp4_x = candidates(16, 2880, 2880, torch.uint8, num_sms=132, pdl=PDL_WAIT)
+    assert sorted(mxfp4_x, key=str) == sorted(
+        bf16_x + [dataclasses.replace(c, x_first=1) for c in bf16_x], key=str)
     # 2912 = 91 x 32: no step of 64-256 divides it, so 32; 2880 = 45 x 64
     assert {c.block_k for c in candidates(1, 2880, 2912, torch.bfloat16, num_sms=132)} == {32}
     assert {c.block_k for c in candidates(1, 2880, 2880, torch.bfloat16, num_sms=132)} == {64}
@@ -170,11 +179,15 @@ def test_gpu_a_nan_scale_makes_its_row_nan_and_no_other(config):
     (20, 96, 768, W4FragConfig(32, 128, 3)),          # 32 rows of x, uneven split
     (3, 70, 1024, W4FragConfig(8, 128, 3, PDL_WAIT, packed=1)),  # packed w, PDL
     (40, 64, 512, W4FragConfig(16, 64, 2)),           # x's rows in 3 blocks, 2 scale bytes
+    (5, 200, 2880, W4FragConfig(8, 32, 6, x_first=1)),  # x dequantised first
+    (3, 70, 1024, W4FragConfig(8, 128, 3, PDL_WAIT, packed=1, x_first=1)),  # ... PDL, packed
+    (20, 96, 768, W4FragConfig(32, 128, 3, 0, 1, x_first=1)),  # ... added splits
 ])
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
 def test_gpu_mxfp4_x_matches_the_dequantised_reference(M, N, K, config, out_dtype):
     """x MXFP4 too (gemm_a4w4_blockscale): its codes decoded like w's, each block's product
-    scaled by both rows' scales."""
+    scaled by both rows' scales; or (x_first) x dequantised to bf16 by a launch of its own,
+    then the bf16-x kernel."""
     from gemmtune.kernels.triton.gemm_w4frag import launch_gemm_w4frag
 
     gen = generator(M * 7 + N + K)
@@ -191,10 +204,11 @@ def test_gpu_mxfp4_x_matches_the_dequantised_reference(M, N, K, config, out_dtyp
 
 @on_hopper
 @pytest.mark.gpu
-def test_gpu_every_x_code_at_every_x_scale_byte_exactly():
+@pytest.mark.parametrize("x_first", [0, 1])
+def test_gpu_every_x_code_at_every_x_scale_byte_exactly(x_first):
     """w the identity (code 1.0, scale 2^0): y is x dequantised, bit for bit, for every code of
     x at every scale byte of x (a launch per 32 rows of bytes; the NaN row, byte 255,
-    included)."""
+    included), decoded in the loop or dequantised first."""
     from gemmtune.kernels.triton.gemm_w4frag import launch_gemm_w4frag
 
     K = 128
@@ -207,7 +221,8 @@ def test_gpu_every_x_code_at_every_x_scale_byte_exactly():
         x_scale = torch.arange(first, first + 32, device=DEVICE).to(torch.uint8)[:, None] \
             .repeat(1, K // 32)
         out = torch.empty(32, K, dtype=torch.float32, device=DEVICE)
-        launch_gemm_w4frag(xq, wq, None, out, x_scale, w_scale, W4FragConfig(32, 128, 1))
+        launch_gemm_w4frag(xq, wq, None, out, x_scale, w_scale,
+                           W4FragConfig(32, 128, 1, x_first=x_first))
         torch.testing.assert_close(out, quant.dequant_mxfp4(xq, x_scale), rtol=0, atol=0,
                                    equal_nan=True)
 
@@ -273,3 +288,15 @@ def test_x_and_codes_reach_the_kernel_as_aligned_words():
     assert sent.data_ptr() % 16 == 0 and torch.equal(sent, wq)
     call = w4frag_call(x, wq, None, y, None, ws, config)
     assert call.args[0] is x and call.args[1] is wq
+
+
+def test_configs_that_dequantise_x_first_are_not_replayed():
+    """Two launches (x's dequantisation, then the kernel): dispatch launches them each call
+    instead of replaying a recording of the second alone."""
+    from gemmtune.kernels.triton.dispatchable import TritonKernel
+    from gemmtune.kernels.triton.gemm_w4frag import replayed
+
+    first = W4FragConfig(8, 128, 4, x_first=1)
+    assert not replayed(first) and replayed(W4FragConfig(8, 128, 4))
+    assert TritonKernel(first.name)._call is None
+    assert TritonKernel(W4FragConfig(8, 128, 4).name)._call is not None

@@ -139,6 +139,7 @@ def test_tuner_checks_every_candidate_against_the_dequantised_reference(tmp_path
                                        (100, "triton.w4:BM16.BN64.BK128.W4.S3"),
                                        (1, "triton.w4frag:BM8.BK64.SK5.P1.R1"),
                                        (16, "triton.w4frag:BM16.BK64.SK3"),
+                                       (8, "triton.w4frag:BM8.BK128.SK4.P1.R1.L0.X1"),
                                        (1024, "triton.w4deq:BN8.BK512.W4")])
 def test_gpu_real_sizes_through_a_row(a4w4_table, M, kernel):
     """Through a row naming each MXFP4 kernel (the register-direct one decodes x's codes as

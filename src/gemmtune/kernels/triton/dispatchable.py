@@ -46,6 +46,8 @@ class _KernelModule(NamedTuple):
     # It multiplies MXFP4 weights (and nothing else): a call brings w's scales (scale_b), and x's
     # (scale_a) where x is MXFP4 too; the other kernels take both scales or neither.
     mxfp4_weights: bool = False
+    # config -> whether its launch may be replayed (``call``); None: every config's may
+    replayed: Callable | None = None
 
 
 def _kernel_module(prefix: str) -> _KernelModule:
@@ -92,8 +94,9 @@ def _kernel_module(prefix: str) -> _KernelModule:
     if prefix == W4FRAG_PREFIX:
         from gemmtune.kernels.triton import gemm_w4frag as m
 
+        # A config that dequantises MXFP4 x first makes two launches: not replayed.
         return _KernelModule(m, m.W4FragConfig, m.launch_gemm_w4frag, m.gemm_w4frag_scaled,
-                             m.w4frag_call, mxfp4_weights=True)
+                             m.w4frag_call, mxfp4_weights=True, replayed=m.replayed)
     if prefix == W4DEQ_PREFIX:
         from gemmtune.kernels.triton import gemm_w4deq as m
 
@@ -122,12 +125,13 @@ class TritonKernel:
         self._module = kernel.module
         self._launch = kernel.launch
         self._validating_launch = kernel.validating_launch
-        self._call = kernel.call
         self._why_not_block_scaled = kernel.why_not_block_scaled
         self._mxfp4_weights = kernel.mxfp4_weights
         # (M, N, K, dtypes, bias and scales given, device) -> the Replay of its first launch
         self._replays: dict[tuple, Replay] = {}
         self.config = kernel.config_cls.from_name(name)
+        replayed = kernel.replayed is None or kernel.replayed(self.config)
+        self._call = kernel.call if replayed else None
         if getattr(self.config, "add_splits", 0) and _env.deterministic():
             # Bitwise reproducible: the splits summed in order (the same kernel otherwise).
             self.config = dataclasses.replace(self.config, add_splits=0)

@@ -50,6 +50,7 @@ from gemmtune.kernels.triton._swapped import (BLOCK_N, NUM_WARPS, finish_tile,
                                               split_steps, why_not_add_splits, why_not_grid,
                                               why_not_here)
 from gemmtune.kernels.triton._mxfp4_calls import scaled_launcher, validated_launch
+from gemmtune.kernels.triton.gemm_w4deq import W4DeqConfig, dequantize
 
 KERNEL_PREFIX = "triton.w4frag"
 _OUT_DTYPES_OF_MXFP4_X = (torch.bfloat16, torch.float16, torch.float32)
@@ -70,7 +71,7 @@ class W4FragConfig(NamedConfig):
     NAME_CODEC = NameCodec("register-direct MXFP4 config", KERNEL_PREFIX, (
         Field("BM", "block_m"), Field("BK", "block_k"), Field("SK", "split_k"),
         Field("P", "pdl", default=PDL_OFF), Field("R", "add_splits", default=0),
-        Field("L", "packed", default=0)))
+        Field("L", "packed", default=0), Field("X", "x_first", default=0)))
 
     block_m: int
     block_k: int
@@ -82,6 +83,10 @@ class W4FragConfig(NamedConfig):
     # 1: w in the packed layout (``mxfp4.prepack``): each thread's codes of 4 blocks of a row
     # in one 16-byte load; 0: as ``mxfp4.quantize`` makes it (a 4-byte load a block)
     packed: int = 0
+    # MXFP4 x only. 1: x dequantised to bf16 by a launch of its own first (exact), then the
+    # bf16-x kernel: each program's 4 warps no longer decode the same x, for a second launch;
+    # 0: x's codes decoded in the loop. Two launches are not replayed (``replayed``).
+    x_first: int = 0
 
 
 def why_not_fits(config: W4FragConfig, M: int, N: int, K: int,
@@ -100,6 +105,9 @@ def why_not_fits(config: W4FragConfig, M: int, N: int, K: int,
         return problem
     if c.packed not in (0, 1):
         return f"packed={c.packed} must be 0 (w as quantised) or 1 (w packed: mxfp4.prepack)"
+    if c.x_first not in (0, 1) or (c.x_first and dtype != torch.uint8):
+        return (f"x_first={c.x_first}: 1 dequantises MXFP4 x first (x of {dtype} here), 0 "
+                f"decodes it in the loop")
     if c.packed and c.block_k % mxfp4.PACK_GROUP:
         return (f"block_k={c.block_k}: a packed w is read in groups of {mxfp4.PACK_GROUP} of K; "
                 f"use block_k 128 or 256")
@@ -132,7 +140,8 @@ def candidates(M: int, N: int, K: int, dtype: torch.dtype, num_sms: int | None =
     """The configs to tune one shape with, for M <= 32, for w as quantised or (``packed``) as
     ``mxfp4.prepack`` stores it: block_m covering M; each block_k of 64-256 (packed: 128-256)
     dividing K (32 where none does); K split to reach each of ``_PROGRAMS_PER_SM``; without PDL
-    and with ``pdl``; split sums in order and added. Only configs that fit."""
+    and with ``pdl``; split sums in order and added; MXFP4 x (``dtype`` uint8) decoded in the
+    loop and dequantised first. Only configs that fit."""
     if M > BLOCK_MS[-1] or dtype not in (torch.bfloat16, torch.uint8):
         return []
     num_sms = num_sms or _checks.sm_count()
@@ -146,10 +155,17 @@ def candidates(M: int, N: int, K: int, dtype: torch.dtype, num_sms: int | None =
             split = split_for(tiles, K // bk, per_sm * num_sms, MAX_SPLIT_K)
             for mode in sorted({PDL_OFF, pdl}):
                 for add in sorted({0, int(split > 1)}):
-                    cfg = W4FragConfig(bm, bk, split, mode, add, int(packed))
-                    if why_not_fits(cfg, M, N, K, dtype) is None:
-                        found[cfg] = None
+                    for x_first in (0, 1) if dtype == torch.uint8 else (0,):
+                        cfg = W4FragConfig(bm, bk, split, mode, add, int(packed), x_first)
+                        if why_not_fits(cfg, M, N, K, dtype) is None:
+                            found[cfg] = None
     return list(found)
+
+
+def replayed(config: W4FragConfig) -> bool:
+    """Whether dispatch may replay a recording of the config's launch: not where x is
+    dequantised by a launch of its own first."""
+    return not config.x_first
 
 
 def default_config(M: int, N: int, K: int, dtype: torch.dtype,
@@ -572,11 +588,20 @@ def w4frag_call(x, w, bias, out, scale_a, scale_b, config: W4FragConfig,
                       replayable=not per_call)
 
 
+# x's dequantising launch of x_first configs: programs of 8 rows x 512 elements (M <= 32)
+_X_FIRST = W4DeqConfig(8, 512, 4)
+
+
 def launch_gemm_w4frag(x, w, bias, out, scale_a, scale_b, config: W4FragConfig,
                        counters: torch.Tensor | None = None, warmup: bool = False,
                        block_scales: bool = False) -> torch.Tensor:
     """The launch alone, for callers that validated once per shape (dispatch plans): ``out``
-    (M, N) with M, N > 0, its column stride 1."""
+    (M, N) with M, N > 0, its column stride 1. An ``x_first`` config with MXFP4 x launches x's
+    dequantisation to bf16 first (``gemm_w4deq.dequantize``), then the bf16-x kernel."""
+    if config.x_first and scale_a is not None:
+        x = x if x.stride(1) == 1 else x.contiguous()
+        scale_a = scale_a if scale_a.stride(1) == 1 else scale_a.contiguous()
+        x, scale_a = dequantize(x, scale_a, torch.bfloat16, _X_FIRST, warmup), None
     launch(w4frag_call(x, w, bias, out, scale_a, scale_b, config, counters, warmup), warmup)
     return out
 
