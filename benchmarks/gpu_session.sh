@@ -367,6 +367,10 @@ for what in "$@"; do
             # (W4PROBE_ARGS: e.g. --shapes ... --configs ...; every config's time: w4probe_all.csv)
             TAIL=14 stage w4probe "${W4PROBE_LIMIT:-400}" python3 benchmarks/w4_probe.py \
                 --all-times "$OUT/w4probe_all.csv" ${W4PROBE_ARGS:-} ;;
+        w4probe:*)  # w4probe:NAME: the same with benchmarks/w4_probe_args/NAME.args
+            name=${what#w4probe:}
+            TAIL=14 stage "w4probe_$name" "${W4PROBE_LIMIT:-400}" python3 benchmarks/w4_probe.py \
+                --all-times "$OUT/w4probe_${name}_all.csv" "@benchmarks/w4_probe_args/$name.args" ;;
         eagerring)  # host µs per eager call of triton.ring rows against the rows they beat
             TAIL=8 stage eagerring 200 python3 benchmarks/eager_ring_probe.py ;;
         probe)  # the host cost of a Triton row's eager call, layer by layer
