@@ -154,30 +154,20 @@ def test_gpu_real_sizes_through_a_row(a4w4_table, M, kernel):
         assert_close_to_reference(y, xq, xs, wq, ws)
 
 
-def test_one_huge_and_one_tiny_scale_multiply_without_overflow():
+@pytest.mark.parametrize("kernel", [
+    "triton.w4:BM16.BN32.BK64.W4.S1",
+    # the two powers of two make 2^6 before they scale a block's product
+    pytest.param("triton.w4frag:BM8.BK64.SK1", marks=pytest.mark.gpu)])
+def test_one_huge_and_one_tiny_scale_multiply_without_overflow(kernel):
     """x's blocks at scale 2^124 and w's at 2^-118: each product is finite (2^6 times the
     codes'), and so is the output, equal to the reference's (a block's codes' dot times 2^124
     alone passes fp32's largest number from 16 on)."""
-    xq, xs, wq, ws = operands(3, 32, 64, seed=9)
-    xs.fill_(127 + 124)
-    ws.fill_(127 - 118)
-    y = gemmtune.gemm_a4w4_blockscale(xq, wq, xs, ws, dtype=torch.float32,
-                                      kernel="triton.w4:BM16.BN32.BK64.W4.S1")
-    ref = gemm_a4w4_ref(xq, wq, xs, ws)
-    assert torch.isfinite(ref).all() and torch.equal(y, ref)
-
-
-@pytest.mark.gpu
-def test_gpu_register_direct_kernel_multiplies_the_two_scales_first():
-    """triton.w4frag with the scales of the test above: the two powers of two make 2^6 before
-    they scale a block's product, so nothing overflows; equal to the reference."""
-    if torch.cuda.get_device_capability() != (9, 0):
+    if kernel.startswith("triton.w4frag") and torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("triton.w4frag is a Gluon kernel for Hopper (sm_90)")
     xq, xs, wq, ws = operands(3, 32, 64, seed=9)
     xs.fill_(127 + 124)
     ws.fill_(127 - 118)
-    y = gemmtune.gemm_a4w4_blockscale(xq, wq, xs, ws, dtype=torch.float32,
-                                      kernel="triton.w4frag:BM8.BK64.SK1")
+    y = gemmtune.gemm_a4w4_blockscale(xq, wq, xs, ws, dtype=torch.float32, kernel=kernel)
     ref = gemm_a4w4_ref(xq, wq, xs, ws)
     assert torch.isfinite(ref).all() and torch.equal(y, ref)
 
