@@ -46,6 +46,22 @@ SCALE_A, SCALE_B = 0.37, 1.9
 FP8_SCALE = SCALE_A * SCALE_B
 
 
+# Gluon kernels run on a Hopper only
+on_hopper = pytest.mark.skipif(
+    not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)),
+    reason="Gluon kernel for Hopper (sm_90)")
+
+
+def mxfp4_weight_operands(M, N, K, gen, with_bias, dtype=torch.bfloat16):
+    """x (M, K) and a bias (N,) or None in ``dtype``, and an MXFP4 weight (codes, scales) whose
+    rows' blocks differ in magnitude along K, so the blocks' scales differ along N and K."""
+    x = randn(M, K, gen=gen).to(dtype)
+    w = randn(N, K, gen=gen) * torch.logspace(-3, 1, K // 32, device=DEVICE).repeat_interleave(32)
+    wq, w_scale = quant.mxfp4(w)
+    bias = randn(N, gen=gen).to(dtype) if with_bias else None
+    return x, wq, w_scale, bias
+
+
 def generator(seed):
     return torch.Generator(device=DEVICE).manual_seed(seed)
 

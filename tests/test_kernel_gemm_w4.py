@@ -12,18 +12,10 @@ import pytest
 import torch
 
 from gemm_checks import (DEVICE, assert_matches_reference,
-                         assert_mxfp4_launcher_says_what_is_wrong, generator, randn)
+                         assert_mxfp4_launcher_says_what_is_wrong, generator,
+                         mxfp4_weight_operands)
 from gemmtune import quant
 from gemmtune.kernels.triton.gemm_w4 import W4Config, default_config, gemm_w4, why_not_fits
-
-
-def _operands(M, N, K, dtype, gen, with_bias):
-    x = randn(M, K, gen=gen).to(dtype)
-    # Rows of different magnitudes, so the blocks' scales differ along N and K.
-    w = randn(N, K, gen=gen) * torch.logspace(-3, 1, K // 32, device=DEVICE).repeat_interleave(32)
-    wq, w_scale = quant.mxfp4(w)
-    bias = randn(N, gen=gen).to(dtype) if with_bias else None
-    return x, wq, w_scale, bias
 
 
 def test_names_round_trip():
@@ -75,7 +67,7 @@ def test_configs_that_cannot_run_say_why(config, K, dtype, says):
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_matches_the_dequantised_reference(M, N, K, config, dtype, with_bias):
     gen = generator(M * 1000 + N + K)
-    x, wq, w_scale, bias = _operands(M, N, K, dtype, gen, with_bias)
+    x, wq, w_scale, bias = mxfp4_weight_operands(M, N, K, gen, with_bias, dtype)
     out = torch.full((M, N), float("nan"), dtype=dtype, device=DEVICE)
     y = gemm_w4(x, wq, w_scale, bias, config, out=out)
     assert y.data_ptr() == out.data_ptr() and y.dtype == dtype
@@ -91,7 +83,7 @@ def test_dot_scaled_matches_the_reference(M, N, K, config):
     """Each step one ``tl.dot_scaled`` (DS1, bf16 x), split and not."""
     dtype = torch.bfloat16
     gen = generator(M * 1000 + N + K + 1)
-    x, wq, w_scale, bias = _operands(M, N, K, dtype, gen, True)
+    x, wq, w_scale, bias = mxfp4_weight_operands(M, N, K, gen, True, dtype)
     out = torch.full((M, N), float("nan"), dtype=dtype, device=DEVICE)
     y = gemm_w4(x, wq, w_scale, bias, config, out=out)
     assert_matches_reference(y, x, quant.dequant_mxfp4(wq, w_scale), bias)
@@ -101,7 +93,7 @@ def test_strided_x_and_output():
     """x a column slice of a wider tensor (its rows a wider pitch apart) and the output a slice
     of a wider one: read and written in place, the rest untouched."""
     gen = generator(11)
-    x, wq, w_scale, bias = _operands(6, 40, 64, torch.bfloat16, gen, True)
+    x, wq, w_scale, bias = mxfp4_weight_operands(6, 40, 64, gen, True, torch.bfloat16)
     wide_x = torch.zeros(6, 96, dtype=torch.bfloat16, device=DEVICE)
     wide_x[:, :64] = x
     wide_out = torch.full((6, 56), float("nan"), dtype=torch.bfloat16, device=DEVICE)
@@ -146,7 +138,7 @@ def test_strided_weight_scales_bias_and_transposed_x():
     x a transposed view (K contiguous nowhere): all read right."""
     M, N, K = 5, 24, 96
     gen = generator(13)
-    x, wq, w_scale, bias = _operands(M, N, K, torch.float16, gen, True)
+    x, wq, w_scale, bias = mxfp4_weight_operands(M, N, K, gen, True, torch.float16)
     wide_q = torch.zeros(N, K // 2 + 16, dtype=torch.uint8, device=DEVICE)
     wide_q[:, :K // 2] = wq
     wide_s = torch.full((N, K // 32 + 5), 255, dtype=torch.uint8, device=DEVICE)
@@ -162,7 +154,7 @@ def test_ragged_k_reads_no_scale_past_its_row():
     """K = 96 in steps of 64: the last step's second block is past K; the next row's first
     scale byte there is 255 (NaN) and must not be read into this row."""
     gen = generator(17)
-    x, wq, w_scale, _ = _operands(4, 16, 96, torch.bfloat16, gen, False)
+    x, wq, w_scale, _ = mxfp4_weight_operands(4, 16, 96, gen, False, torch.bfloat16)
     w_scale[1:, 0] = 255  # every row but the first starts with a NaN block
     y = gemm_w4(x, wq, w_scale, None, W4Config(16, 16, 64, 4, 1))
     assert torch.isfinite(y[:, 0]).all() and torch.isnan(y[:, 1:]).all()
@@ -173,7 +165,7 @@ def test_nan_blocks_give_nan_outputs_never_a_finite_number():
     """A weight block with a NaN (scale byte 255) makes its row's outputs NaN; the others stay
     finite and right."""
     gen = generator(7)
-    x, wq, w_scale, _ = _operands(3, 32, 64, torch.bfloat16, gen, False)
+    x, wq, w_scale, _ = mxfp4_weight_operands(3, 32, 64, gen, False, torch.bfloat16)
     # Positive x and a block of 1.0s: an infinite scale would give +inf here, not NaN.
     x = x.abs() + 0.5
     w_scale[5, 1] = 255
@@ -203,7 +195,7 @@ def test_default_config_fits_and_bad_arguments_say_what_is_wrong():
                                      (1024, 512, 1024)])
 def test_gpu_real_sizes(M, N, K):
     gen = generator(M + N)
-    x, wq, w_scale, bias = _operands(M, N, K, torch.bfloat16, gen, True)
+    x, wq, w_scale, bias = mxfp4_weight_operands(M, N, K, gen, True, torch.bfloat16)
     out = torch.full((M, N), float("nan"), dtype=torch.bfloat16, device=DEVICE)
     y = gemm_w4(x, wq, w_scale, bias, out=out)
     assert_matches_reference(y, x, quant.dequant_mxfp4(wq, w_scale), bias)

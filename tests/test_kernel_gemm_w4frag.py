@@ -16,25 +16,12 @@ import pytest
 import torch
 
 from gemm_checks import (DEVICE, assert_matches_reference,
-                         assert_mxfp4_launcher_says_what_is_wrong, generator, randn)
+                         assert_mxfp4_launcher_says_what_is_wrong, generator,
+                         mxfp4_weight_operands, on_hopper, randn)
 from gemmtune import quant
 from gemmtune.kernels.triton._splits import PDL_WAIT
 from gemmtune.kernels.triton.gemm_w4frag import (W4FragConfig, candidates, default_config,
                                                  gemm_w4frag, why_not_fits, why_not_supported)
-
-on_hopper = pytest.mark.skipif(
-    not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)),
-    reason="Gluon kernel for Hopper (sm_90)")
-
-
-def _operands(M, N, K, gen, with_bias):
-    x = randn(M, K, gen=gen).to(torch.bfloat16)
-    # Rows of different magnitudes, so the blocks' scales differ along N and K.
-    w = randn(N, K, gen=gen) * torch.logspace(-3, 1, K // 32, device=DEVICE).repeat_interleave(32)
-    wq, w_scale = quant.mxfp4(w)
-    bias = randn(N, gen=gen).to(torch.bfloat16) if with_bias else None
-    return x, wq, w_scale, bias
-
 
 def test_names_round_trip():
     cfg = W4FragConfig(8, 128, 4)
@@ -117,7 +104,7 @@ def test_refuses_to_run_where_it_cannot():
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_gpu_matches_the_dequantised_reference(M, N, K, config, with_bias):
     gen = generator(M * 1000 + N + K)
-    x, wq, w_scale, bias = _operands(M, N, K, gen, with_bias)
+    x, wq, w_scale, bias = mxfp4_weight_operands(M, N, K, gen, with_bias)
     codes = quant.prepack_mxfp4(wq, w_scale)[0] if config.packed else wq
     out = torch.full((M, N), float("nan"), dtype=torch.bfloat16, device=DEVICE)
     for _ in range(2):  # twice: the split's sums and counters are left as they were found
@@ -155,7 +142,7 @@ def test_gpu_a_nan_scale_makes_its_row_nan_and_no_other(config):
     and beside the largest finite byte (254): that row is NaN, every other row exact."""
     M, N, K = 3, 64, 512
     gen = generator(7)
-    x, wq, w_scale, _ = _operands(M, N, K, gen, False)
+    x, wq, w_scale, _ = mxfp4_weight_operands(M, N, K, gen, False)
     w_scale = w_scale.clone()
     nan_rows = {5: 0, 17: 1, 30: 6, 41: 15}  # row: block (the word's byte: block % 4)
     w_scale[40:42, :] = 254
@@ -191,7 +178,7 @@ def test_gpu_mxfp4_x_matches_the_dequantised_reference(M, N, K, config, out_dtyp
     from gemmtune.kernels.triton.gemm_w4frag import launch_gemm_w4frag
 
     gen = generator(M * 7 + N + K)
-    x, wq, w_scale, _ = _operands(M, N, K, gen, False)
+    x, wq, w_scale, _ = mxfp4_weight_operands(M, N, K, gen, False)
     xq, x_scale = quant.mxfp4(x.float() * torch.logspace(
         -2, 2, K // 32, device=DEVICE).repeat_interleave(32))
     stored = quant.prepack_mxfp4(wq, w_scale)[0] if config.packed else wq
@@ -232,7 +219,7 @@ def test_gpu_every_x_code_at_every_x_scale_byte_exactly(x_first):
 def test_gpu_real_sizes_and_default_config():
     for M, N, K in ((1, 4096, 4096), (16, 1280, 8192), (32, 2880, 2880)):
         gen = generator(M + N)
-        x, wq, w_scale, bias = _operands(M, N, K, gen, True)
+        x, wq, w_scale, bias = mxfp4_weight_operands(M, N, K, gen, True)
         y = gemm_w4frag(x, wq, w_scale, bias)
         assert_matches_reference(y, x, quant.dequant_mxfp4(wq, w_scale), bias)
 
