@@ -99,8 +99,8 @@ def test_a_bias_of_another_dtype_is_added_in_fp32():
 @pytest.mark.parametrize("config", [W4DeqConfig(16, 128, 4), W4DeqConfig(8, 256, 4, 1)])
 def test_mxfp4_x_matches_the_reference(out_dtype, config):
     """x MXFP4 too (gemm_a4w4_blockscale's): both operands dequantised to bf16 (x's codes as
-    quantised whatever w's layout), multiplied from fp32 sums into each output dtype, rounded
-    once."""
+    quantised whatever w's layout), multiplied into each output dtype; a bias is refused (the
+    op has none)."""
     from gemmtune.kernels.triton.gemm_w4deq import launch_gemm_w4deq, why_not_supported
 
     M, N, K = 37, 45, 256
@@ -115,6 +115,8 @@ def test_mxfp4_x_matches_the_reference(out_dtype, config):
     assert_matches_reference(out, quant.dequant_mxfp4(xq, xs), quant.dequant_mxfp4(wq, ws))
     assert "writes bf16, fp16 or fp32" in why_not_supported(config, M, N, K, torch.uint8,
                                                             torch.int8)
+    with pytest.raises(ValueError, match="no bias"):
+        launch_gemm_w4deq(xq, stored, torch.zeros(N, device=DEVICE), out, xs, ws, config)
 
 
 def test_empty_k_gives_the_bias_and_bad_calls_say_why():

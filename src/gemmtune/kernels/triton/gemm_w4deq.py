@@ -17,8 +17,7 @@ is added by cuBLAS where it has x's dtype, else to the product (already rounded 
 fp32 and rounded again, as the torch backend adds it.
 
 MXFP4 x (its codes (M, K // 2) and scales (M, K // 32), as quantised): both operands exact in
-bf16, multiplied by cuBLAS into the output's dtype (bf16, fp16 or fp32) from fp32 sums, rounded
-once.
+bf16, multiplied by cuBLAS into bf16, or into fp32 then rounded to fp16 or kept.
 """
 
 from __future__ import annotations
@@ -159,11 +158,14 @@ def dequantize(wq: torch.Tensor, w_scale: torch.Tensor, dtype: torch.dtype,
 
 
 def _mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """``out = a @ b`` for bf16 a and b, from fp32 sums rounded once to out's dtype: cuBLAS's
-    own output where out is bf16 or where torch has the dtype-output mm (CUDA), else the exact
-    bf16 values multiplied in fp32."""
+    """``out = a @ b`` for bf16 a and b: cuBLAS's bf16 output where out is bf16 (as torch.mm
+    computes it: fp32 sums, or bf16 partial sums where torch allows a reduced-precision
+    reduction); otherwise fp32 output (torch's dtype-output mm on CUDA, the exact bf16 values
+    multiplied in fp32 on the CPU), rounded to out's dtype."""
     if out.dtype == a.dtype:
         torch.mm(a, b, out=out)
+    elif a.is_cuda and out.dtype == torch.float32:
+        torch.mm(a, b, out_dtype=torch.float32, out=out)
     elif a.is_cuda:
         out.copy_(torch.mm(a, b, out_dtype=torch.float32))
     else:
@@ -180,6 +182,9 @@ def launch_gemm_w4deq(x, w, bias, out, scale_a, scale_b, config: W4DeqConfig,
     w = w if w.stride(1) == 1 else w.contiguous()
     scale_b = scale_b if scale_b.stride(1) == 1 else scale_b.contiguous()
     if scale_a is not None:
+        if bias is not None:
+            raise ValueError("gemm_w4deq: with MXFP4 x (gemm_a4w4_blockscale's) there is no "
+                             "bias; add it to the output")
         x = x if x.stride(1) == 1 else x.contiguous()
         scale_a = scale_a if scale_a.stride(1) == 1 else scale_a.contiguous()
         # x's codes as quantised, whatever w's layout
