@@ -235,12 +235,29 @@ def test_gluon_probe_loads_w_fragments_straight_into_wgmma_registers():
                                                           rowreg["st.shared"]), line
 
 
-FRAG_SCRIPT = textwrap.dedent("""
-    import inspect
+# What the Gluon scripts share: ptxas's report of a kernel's PTX (its registers and spills are
+# ptxas's decisions; the PTX cannot show them).
+PTXAS_REPORT = textwrap.dedent("""
     import os
     import re
     import subprocess
     import tempfile
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    def ptxas_report(ptx):
+        # ptxas -v's report of ptx for sm_90a (with the ptxas Triton assembles sm_90 with: its
+        # PTX version), and the bytes of spill stores it reports
+        with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+            f.write(ptx)
+        done = subprocess.run([get_ptxas(90).path, "-v", "-arch=sm_90a", f.name, "-o",
+                               os.devnull], capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr[-2000:]
+        return done.stderr, int(re.search(r"(\\d+) bytes spill stores", done.stderr).group(1))
+""")
+
+
+FRAG_SCRIPT = PTXAS_REPORT + textwrap.dedent("""
+    import inspect
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental import gluon
@@ -266,9 +283,7 @@ FRAG_SCRIPT = textwrap.dedent("""
             fn=gemm_frag.gemm_frag_kernel, signature=signature, attrs=aligned,
             constexprs=constexprs), target=GPUTarget("cuda", 90, 128))
 
-    from triton.backends.nvidia.compiler import get_ptxas
 
-    ptxas = get_ptxas(90).path  # the one Triton assembles sm_90 with (its PTX version)
     # (scale_a, scale_b, bias): per row, per tensor or none, FP8 block scales (3: PER_BLOCK),
     # and with and without bias
     for block_m, block_k, split_k, ahead, pdl, w_tiled, epilogue in (
@@ -300,17 +315,11 @@ FRAG_SCRIPT = textwrap.dedent("""
         assert ("atom.global" in text) == (split_k != 1)
         # Added splits: each partial's elements added at L2 (relaxed fp32 atomics).
         assert ("global.gpu.relaxed.add.f32" in text) == (split_k < 0)
-        # No register spills (ptxas decides them; the PTX cannot show them).
-        with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
-            f.write(text)
-        done = subprocess.run([ptxas, "-v", "-arch=sm_90a", f.name, "-o", os.devnull],
-                              capture_output=True, text=True)
-        assert done.returncode == 0, done.stderr[-2000:]
-        spilled = int(re.search(r"(\\d+) bytes spill stores", done.stderr).group(1))
+        report, spilled = ptxas_report(text)
         # At BLOCK_M 64 the kernel uses all 255 registers and some configs spill a few dozen
         # bytes (up to 76 measured, Triton 3.6 and 3.9); below it none spills.
         assert spilled <= (128 if block_m == 64 else 0), \
-            (block_m, block_k, ahead, epilogue, done.stderr)
+            (block_m, block_k, ahead, epilogue, report)
     print("ok")
 """)
 
@@ -323,7 +332,7 @@ def test_fragment_order_kernel_loads_w_straight_into_wgmma_registers():
     compiles_for_hopper(FRAG_SCRIPT)
 
 
-RING_SCRIPT = textwrap.dedent("""
+RING_SCRIPT = PTXAS_REPORT + textwrap.dedent("""
     import inspect
     import triton
     from triton.backends.compiler import GPUTarget
@@ -331,14 +340,9 @@ RING_SCRIPT = textwrap.dedent("""
     from triton.experimental.gluon import language as gl
     from gemmtune.kernels.triton import gemm_ring
 
-    import os
-    import subprocess
-    import tempfile
 
     names = inspect.signature(gemm_ring.gemm_ring_kernel.fn).parameters
-    from triton.backends.nvidia.compiler import get_ptxas
 
-    ptxas = get_ptxas(90).path  # the one Triton assembles sm_90 with (its PTX version)
     # (block_m, block_k, stages, split_k, (scale_a, scale_b, bias)); the largest rings the
     # space admits and the largest split sums among them, and FP8 block scales (3: PER_BLOCK)
     for block_m, block_k, stages, split_k, epilogue in (
@@ -379,13 +383,8 @@ RING_SCRIPT = textwrap.dedent("""
         # 3.6, red in 3.9), one read back.
         assert ("global.gpu.relaxed.add.f32" in text) == add_splits, add_splits
         assert kernel.metadata.shared <= 227 * 1024  # what a block may have on an H100
-        # No register spills (ptxas decides them; the PTX cannot show them).
-        with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
-            f.write(text)
-        done = subprocess.run([ptxas, "-v", "-arch=sm_90a", f.name, "-o", os.devnull],
-                              capture_output=True, text=True)
-        assert done.returncode == 0, done.stderr[-2000:]
-        assert " 0 bytes spill stores" in done.stderr, (block_m, stages, split_k, done.stderr)
+        report, spilled = ptxas_report(text)
+        assert spilled == 0, (block_m, stages, split_k, report)
     print("ok")
 """)
 
@@ -445,22 +444,16 @@ def test_mxfp4_weight_kernel_compiles_for_hopper():
 
 
 
-W4FRAG_SCRIPT = textwrap.dedent("""
+W4FRAG_SCRIPT = PTXAS_REPORT + textwrap.dedent("""
     import inspect
-    import os
-    import re
-    import subprocess
-    import tempfile
     import triton
     from triton.backends.compiler import GPUTarget
-    from triton.backends.nvidia.compiler import get_ptxas
     from triton.experimental import gluon
     from gemmtune.kernels.triton import gemm_w4frag
 
     names = inspect.signature(gemm_w4frag.gemm_w4frag_kernel.fn).parameters
     aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
                if n.endswith("_ptr") or n in ("K", "stride_xm", "stride_wn")}
-    ptxas = get_ptxas(90).path
     # (block_m, block_k, split_k (negative: added), pdl, bias, packed w, MXFP4 x)
     for block_m, block_k, split_k, pdl, bias, packed, x_mxfp4 in (
             (8, 128, 1, False, False, False, False), (16, 256, 4, True, True, False, False),
@@ -502,13 +495,8 @@ W4FRAG_SCRIPT = textwrap.dedent("""
         looped = 8 if block_k >= 128 else block_k // 32
         assert text.count("prmt.b32 la") == looped * (2 + (block_m // 8 if x_mxfp4 else 0)), \\
             (block_m, block_k, x_mxfp4, text.count("prmt.b32 la"))
-        with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
-            f.write(text)
-        done = subprocess.run([ptxas, "-v", "-arch=sm_90a", f.name, "-o", os.devnull],
-                              capture_output=True, text=True)
-        assert done.returncode == 0, done.stderr[-2000:]
-        assert int(re.search(r"(\\d+) bytes spill stores", done.stderr).group(1)) == 0, \\
-            (block_m, block_k, x_mxfp4, done.stderr)
+        report, spilled = ptxas_report(text)
+        assert spilled == 0, (block_m, block_k, x_mxfp4, report)
     print("ok")
 """)
 
