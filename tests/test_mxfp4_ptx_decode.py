@@ -1,0 +1,126 @@
+"""The inline PTX that decodes E2M1 codes in the Gluon MXFP4 kernels (``gemm_w4frag``'s
+``_E2M1_TO_BF16_ASM``), run on the CPU by a small emulator of the PTX instructions it uses
+(``and``, ``shr``, ``shl``, ``prmt``, ``lop3``, with the PTX ISA's semantics), bit for bit against
+``mxfp4.e2m1_values`` in bf16: every code at every place of a word, and random words. The GPU
+tests run the real instructions; this catches an edit of the asm text without a GPU.
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import torch
+
+from gemmtune.kernels import mxfp4
+from gemmtune.kernels.triton.gemm_w4frag import _E2M1_TO_BF16_ASM
+
+MASK = np.uint64(0xFFFFFFFF)
+
+
+def _prmt(a, b, selector):
+    """prmt.b32 (default mode): byte i of the result is byte (selector nibble i) & 7 of the 8
+    bytes {a, b}, or with the nibble's bit 3 set, that byte's sign bit copied to all 8 bits."""
+    pool = (a & MASK) | ((b & MASK) << np.uint64(32))
+    out = np.zeros_like(a)
+    for i in range(4):
+        nibble = (selector >> np.uint64(4 * i)) & np.uint64(0xF)
+        byte = (pool >> ((nibble & np.uint64(7)) * np.uint64(8))) & np.uint64(0xFF)
+        sign = np.where(byte & np.uint64(0x80), np.uint64(0xFF), np.uint64(0))
+        out |= np.where(nibble & np.uint64(8), sign, byte) << np.uint64(8 * i)
+    return out
+
+
+def _lop3(a, b, c, lut):
+    """lop3.b32: each bit of the result is bit (a b c as a 3-bit index) of ``lut``."""
+    out = np.zeros_like(a)
+    for index in range(8):
+        if lut >> index & 1:
+            pick = [x if index >> shift & 1 else ~x & MASK
+                    for x, shift in ((a, 2), (b, 1), (c, 0))]
+            out |= pick[0] & pick[1] & pick[2]
+    return out
+
+
+def run_ptx(asm: str, operands: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Run the instructions of an inline-asm block on uint64 arrays holding 32-bit values:
+    ``operands`` the inputs by name ($4 ...), the result every register written by name."""
+    regs = dict(operands)
+
+    def value(token):
+        token = token.strip()
+        if token.startswith("0x") or token.isdigit():
+            return np.uint64(int(token, 0))
+        return regs[token]
+
+    for line in asm.strip().strip("{}").split(";"):
+        line = line.strip()
+        if not line or line.startswith(".reg"):
+            continue
+        op, args = line.split(None, 1)
+        dest, *srcs = [a.strip() for a in args.split(",")]
+        v = [value(s) for s in srcs]
+        if op == "and.b32":
+            out = v[0] & v[1]
+        elif op == "shr.b32":
+            out = (v[0] & MASK) >> v[1]
+        elif op == "shl.b32":
+            out = (v[0] << v[1]) & MASK
+        elif op == "prmt.b32":
+            out = _prmt(v[0], v[1], v[2] & np.uint64(0xFFFF))
+        elif op == "lop3.b32":
+            out = _lop3(v[0], v[1], v[2], int(v[3]))
+        else:
+            raise NotImplementedError(f"the emulator has no {op}")
+        regs[dest] = out & MASK
+    return regs
+
+
+def _bf16_bits(values: torch.Tensor) -> np.ndarray:
+    return (values.to(torch.bfloat16).view(torch.int16).numpy().astype(np.int64) & 0xFFFF) \
+        .astype(np.uint64)
+
+
+def _decode(words: np.ndarray) -> np.ndarray:
+    """The asm's 4 output registers of each word, as (words, 8) bf16 bit patterns in code
+    order: register i holds codes 2 i (low half) and 2 i + 1."""
+    # e2m1_tables: the lane id times zeros, or'd with the two table words
+    regs = run_ptx(_E2M1_TO_BF16_ASM.value, {"$4": words, "$5": np.uint64(0xC0800000) + 0 * words,
+                                             "$6": np.uint64(0x3F3F3F00) + 0 * words})
+    out = np.stack([regs[f"${i}"] for i in range(4)], axis=1)
+    return np.stack([out & np.uint64(0xFFFF), out >> np.uint64(16)], axis=2).reshape(-1, 8)
+
+
+def _expected(words: np.ndarray) -> np.ndarray:
+    codes = torch.from_numpy(((words[:, None] >> (4 * np.arange(8, dtype=np.uint64)))
+                              & np.uint64(0xF)).astype(np.int64))
+    return _bf16_bits(mxfp4.e2m1_values(codes))
+
+
+def test_every_code_at_every_place_of_a_word():
+    """Code c at place i, every other place the code c + 1 + i (so neighbours differ)."""
+    words = []
+    for place in range(8):
+        for code in range(16):
+            others = [(code + 1 + i) % 16 for i in range(8)]
+            others[place] = code
+            words.append(sum(c << (4 * i) for i, c in enumerate(others)))
+    words = np.array(words, dtype=np.uint64)
+    np.testing.assert_array_equal(_decode(words), _expected(words))
+
+
+def test_random_words():
+    words = np.random.default_rng(0).integers(0, 2**32, size=100_000, dtype=np.uint64)
+    np.testing.assert_array_equal(_decode(words), _expected(words))
+
+
+def test_the_emulator_follows_the_ptx_isa():
+    """prmt's sign replication and lop3's look-up table, on values whose answers the PTX ISA
+    spells out."""
+    a, b = np.array([0x80FF7F01], dtype=np.uint64), np.array([0x04030201], dtype=np.uint64)
+    assert _prmt(a, b, np.uint64(0x7654))[0] == 0x04030201  # b's bytes
+    assert _prmt(a, b, np.uint64(0x8B9A))[0] == 0x00FF00FF  # signs of a's bytes 2, 1, 3, 0
+    x, y, z = (np.array([v], dtype=np.uint64) for v in (0xF0F0F0F0, 0xCCCCCCCC, 0xAAAAAAAA))
+    assert _lop3(x, y, z, 0x80)[0] == 0x80808080  # a & b & c
+    assert _lop3(x, y, z, 0xF8)[0] == 0xF8F8F8F8  # a | (b & c)
+    assert re.search(r"lop3\.b32 \w+, \w+, \w+, 0x80808080, 0xF8", _E2M1_TO_BF16_ASM.value)
