@@ -362,15 +362,15 @@ for what in "$@"; do
             TAIL=20 stage moehost 300 python3 benchmarks/moe_host_cost.py ;;
         overhead)  # host µs per eager call of every op's backends (benchmarks/dispatch_overhead.py)
             TAIL=40 stage overhead 400 python3 benchmarks/dispatch_overhead.py ;;
-        w4probe)  # issue 16: the MXFP4 kernel's configs (bf16 and MXFP4 x) against F.linear and
-            # the FP8 op, one run
-            # (W4PROBE_ARGS: e.g. --shapes ... --configs ...; every config's time: w4probe_all.csv)
-            TAIL=14 stage w4probe "${W4PROBE_LIMIT:-400}" python3 benchmarks/w4_probe.py \
-                --all-times "$OUT/w4probe_all.csv" ${W4PROBE_ARGS:-} ;;
-        w4probe:*)  # w4probe:NAME: the same with benchmarks/w4_probe_args/NAME.args
-            name=${what#w4probe:}
-            TAIL=14 stage "w4probe_$name" "${W4PROBE_LIMIT:-400}" python3 benchmarks/w4_probe.py \
-                --all-times "$OUT/w4probe_${name}_all.csv" "@benchmarks/w4_probe_args/$name.args" ;;
+        w4probe|w4probe:*)  # issue 16: the MXFP4 kernel's configs (bf16 and MXFP4 x) against
+            # F.linear and the FP8 op, one run; w4probe:NAME with the arguments of
+            # benchmarks/w4_probe_args/NAME.args, else W4PROBE_ARGS (e.g. --shapes ... --configs
+            # ...); every config's time: w4probe[_NAME]_all.csv
+            name=w4probe; args=(${W4PROBE_ARGS:-})
+            [[ $what == w4probe:* ]] && name=w4probe_${what#w4probe:} \
+                && args=("@benchmarks/w4_probe_args/${what#w4probe:}.args")
+            TAIL=14 stage "$name" "${W4PROBE_LIMIT:-400}" python3 benchmarks/w4_probe.py \
+                --all-times "$OUT/${name}_all.csv" "${args[@]}" ;;
         eagerring)  # host µs per eager call of triton.ring rows against the rows they beat
             TAIL=8 stage eagerring 200 python3 benchmarks/eager_ring_probe.py ;;
         probe)  # the host cost of a Triton row's eager call, layer by layer

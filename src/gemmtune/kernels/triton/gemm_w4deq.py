@@ -143,7 +143,10 @@ def dequant_mxfp4_kernel(wq_ptr, ws_ptr, out_ptr, N, K, stride_wn, stride_sn, st
 def dequantize(wq: torch.Tensor, w_scale: torch.Tensor, dtype: torch.dtype,
                config: W4DeqConfig, warmup: bool = False) -> torch.Tensor:
     """The weight (N, K) in ``dtype``, by ``dequant_mxfp4_kernel`` (``config.packed``: wq in
-    the packed layout)."""
+    the packed layout); MXFP4 activations the same way. The kernel reads the codes and scales
+    along K with unit stride: others are copied first."""
+    wq = wq if wq.stride(1) == 1 else wq.contiguous()
+    w_scale = w_scale if w_scale.stride(1) == 1 else w_scale.contiguous()
     n, k = wq.shape[0], wq.shape[1] * 2
     out = torch.empty(n, k, dtype=dtype, device=wq.device)
     if n and k:
@@ -179,14 +182,10 @@ def launch_gemm_w4deq(x, w, bias, out, scale_a, scale_b, config: W4DeqConfig,
     w the codes (two a byte; packed for a packed config), scale_b their scales, ``out`` (M, N)
     in x's dtype, its column stride 1. With ``scale_a`` x is MXFP4 too (its codes (M, K // 2),
     scale_a their scales (M, K // 32)), ``out`` bf16, fp16 or fp32, and bias None."""
-    w = w if w.stride(1) == 1 else w.contiguous()
-    scale_b = scale_b if scale_b.stride(1) == 1 else scale_b.contiguous()
     if scale_a is not None:
         if bias is not None:
             raise ValueError("gemm_w4deq: with MXFP4 x (gemm_a4w4_blockscale's) there is no "
                              "bias; add it to the output")
-        x = x if x.stride(1) == 1 else x.contiguous()
-        scale_a = scale_a if scale_a.stride(1) == 1 else scale_a.contiguous()
         # x's codes as quantised, whatever w's layout
         activations = dequantize(x, scale_a, torch.bfloat16,
                                  dataclasses.replace(config, packed=0), warmup)

@@ -599,8 +599,6 @@ def launch_gemm_w4frag(x, w, bias, out, scale_a, scale_b, config: W4FragConfig,
     (M, N) with M, N > 0, its column stride 1. An ``x_first`` config with MXFP4 x launches x's
     dequantisation to bf16 first (``gemm_w4deq.dequantize``), then the bf16-x kernel."""
     if config.x_first and scale_a is not None:
-        x = x if x.stride(1) == 1 else x.contiguous()
-        scale_a = scale_a if scale_a.stride(1) == 1 else scale_a.contiguous()
         x, scale_a = dequantize(x, scale_a, torch.bfloat16, _X_FIRST, warmup), None
     launch(w4frag_call(x, w, bias, out, scale_a, scale_b, config, counters, warmup), warmup)
     return out
