@@ -6,8 +6,8 @@ L2, the best config per shape.
     PYTHONPATH=src python3 benchmarks/w4_probe.py [--shapes M,N,K ...] [--configs NAME ...]
         [--all-times FILE]
 
-``--configs``: time these configs (``triton.w4``, ``triton.w4frag`` and ``triton.w4deq`` names;
-those that fit each shape) instead of the kernels' candidates.
+``--configs``: time these configs (``triton.w4``, ``triton.w4frag``, ``triton.w4wg`` and
+``triton.w4deq`` names; those that fit each shape) instead of the kernels' candidates.
 ``--all-times``: every config's time per shape, as CSV. Session 22 timed six shapes with twelve
 unsplit configs: 0.45-0.60x F.linear.
 """
@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from gemmtune import quant
 from gemmtune.families.a8w8 import gemm_a8w8
-from gemmtune.kernels.triton import gemm_w4, gemm_w4deq, gemm_w4frag
+from gemmtune.kernels.triton import gemm_w4, gemm_w4deq, gemm_w4frag, gemm_w4wg
 from gemmtune.kernels.triton._splits import pdl_where_supported
 from gemmtune.measure.timing import cold_copies, interleaved_graph_us
 
@@ -37,9 +37,10 @@ def _shape(text: str) -> tuple[int, int, int]:
 
 _CONFIGS = {gemm_w4.KERNEL_PREFIX: gemm_w4.W4Config,
             gemm_w4frag.KERNEL_PREFIX: gemm_w4frag.W4FragConfig,
-            gemm_w4deq.KERNEL_PREFIX: gemm_w4deq.W4DeqConfig}
+            gemm_w4deq.KERNEL_PREFIX: gemm_w4deq.W4DeqConfig,
+            gemm_w4wg.KERNEL_PREFIX: gemm_w4wg.W4WgConfig}
 _MODULES = {gemm_w4.W4Config: gemm_w4, gemm_w4frag.W4FragConfig: gemm_w4frag,
-            gemm_w4deq.W4DeqConfig: gemm_w4deq}
+            gemm_w4deq.W4DeqConfig: gemm_w4deq, gemm_w4wg.W4WgConfig: gemm_w4wg}
 
 
 def _config(name: str):
@@ -52,12 +53,13 @@ def _module(config):
 
 def _configs(named: list | None, m: int, n: int, k: int, dtype: torch.dtype,
              frag_candidates: bool = False) -> list:
-    """The named configs that fit (and with ``frag_candidates`` the register-direct and the
-    dequantise-then-cuBLAS kernels' candidates, both layouts), else all three kernels'
-    candidates (the register-direct one's for bf16 x, M <= 32; dequantise-then-cuBLAS from
-    M = 64)."""
+    """The named configs that fit (and with ``frag_candidates`` the register-direct, the
+    warpgroup-MMA and the dequantise-then-cuBLAS kernels' candidates, both layouts), else all
+    four kernels' candidates (the register-direct one's for bf16 and MXFP4 x, M <= 32; the
+    other two's from M = 64, the warpgroup MMA's for bf16 x and w as quantised)."""
     frags = [c for packed in (False, True) for c in gemm_w4frag.candidates(
         m, n, k, dtype, pdl=pdl_where_supported(), packed=packed)
+        + gemm_w4wg.candidates(m, n, k, dtype, packed=packed)
         + gemm_w4deq.candidates(m, n, k, dtype, packed=packed)]
     if named is None:
         return gemm_w4.candidates(m, n, k, dtype) + frags
@@ -69,6 +71,8 @@ def _launch(config, x, w, out, x_scale, w_scale, w_packed=None):
     if isinstance(config, gemm_w4frag.W4FragConfig):
         return gemm_w4frag.launch_gemm_w4frag(x, w_packed if config.packed else w, None, out,
                                               x_scale, w_scale, config)
+    if isinstance(config, gemm_w4wg.W4WgConfig):
+        return gemm_w4wg.launch_gemm_w4wg(x, w, None, out, x_scale, w_scale, config)
     if isinstance(config, gemm_w4deq.W4DeqConfig):
         return gemm_w4deq.launch_gemm_w4deq(x, w_packed if config.packed else w, None, out,
                                             x_scale, w_scale, config)
@@ -129,7 +133,8 @@ def main() -> None:
     parser.add_argument("--bf16-x-only", action="store_true",
                         help="time bf16 x alone (not MXFP4 x too): half the compiles")
     parser.add_argument("--frag-candidates", action="store_true",
-                        help="with --configs: the w4frag and w4deq kernels' candidates too")
+                        help="with --configs: the w4frag, w4wg and w4deq kernels' candidates "
+                             "too")
     args = parser.parse_args()
     if args.all_times is not None:
         args.all_times.write("M,N,K,x,config,us,linear_us\n")

@@ -539,3 +539,73 @@ W4DEQ_SCRIPT = textwrap.dedent("""
 def test_mxfp4_dequantising_kernel_compiles_for_hopper():
     """triton.w4deq's dequantising kernel builds for sm_90 in bf16 and fp16, both layouts."""
     compiles_for_hopper(W4DEQ_SCRIPT)
+
+
+W4WG_SCRIPT = textwrap.dedent("""
+    import inspect
+    import os
+    import re
+    import subprocess
+    import tempfile
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import get_ptxas
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from gemmtune.kernels.triton import gemm_w4wg
+
+    names = inspect.signature(gemm_w4wg.gemm_w4wg_kernel.fn).parameters
+    aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+               if n.endswith("_ptr") or n in ("K", "stride_wn", "stride_ym")}
+    ptxas = get_ptxas(90).path
+    # Every tile and warp count the space admits (stages change only the ring's size)
+    tiles = [(bn, bm, w) for bn in gemm_w4wg.BLOCK_NS for bm in gemm_w4wg.BLOCK_MS
+             for w in gemm_w4wg.WARPS if gemm_w4wg.why_not_fits(
+                 gemm_w4wg.W4WgConfig(bn, bm, w, 3), 4096, 4096, 4096, __import__("torch").bfloat16)
+             is None]
+    assert len(tiles) >= 8, tiles
+    for i, (block_n, block_m, warps) in enumerate(tiles):
+        stages = 3 + i % 2
+        box = [block_m, 64]
+        descs = {"x_desc": f"tensordesc<bf16{box},"
+                           f"{gl.NVMMASharedLayout.get_default_for(box, gl.bfloat16)!r}>"}
+        pointers = {"wq_ptr": "*u8", "ws_ptr": "*u8", "y_ptr": "*bf16", "bias_ptr": "*bf16"}
+        constexprs = dict(HAS_BIAS=i % 2 == 0, BLOCK_N=block_n, BLOCK_M=block_m, STAGES=stages,
+                          WARPS=warps)
+        signature = {n: descs.get(n) or pointers.get(n) or
+                     ("constexpr" if n in constexprs else "i32") for n in names}
+        kernel = triton.compile(gluon._runtime.GluonASTSource(
+            fn=gemm_w4wg.gemm_w4wg_kernel, signature=signature, attrs=aligned,
+            constexprs=constexprs), target=GPUTarget("cuda", 90, 128),
+            options=dict(num_warps=warps))
+        text = kernel.asm["ptx"]
+        # x through TMA (each slot before the loop, its refill in it), w's blocks as 16-byte
+        # loads of each of a thread's rows (2 blocks a step, loaded in 3 places), the MMA bf16
+        # with fp32 sums, and no shared-memory store in the loop.
+        assert text.count("cp.async.bulk.tensor") >= stages + 1
+        rows = block_n // (8 * warps)
+        assert text.count("ld.global.v4.b32") == 3 * 2 * rows, text.count("ld.global.v4.b32")
+        assert f"wgmma.mma_async.sync.aligned.m64n{block_m}k16.f32.bf16.bf16" in text
+        loop = text[text.find("wgmma.mma_async"):text.rfind("wgmma.mma_async")]
+        assert "st.shared" not in loop
+        # A word's decode once a step (3 gathering PRMTs, 10 in the decode) and its scale
+        assert text.count("mul.rn.bf16x2") == 2 * 4 * 2 * rows
+        with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+            f.write(text)
+        done = subprocess.run([ptxas, "-v", "-arch=sm_90a", f.name, "-o", os.devnull],
+                              capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert int(re.search(r"(\\d+) bytes spill stores", done.stderr).group(1)) == 0, \\
+            (block_n, block_m, warps, done.stderr)
+        # ptxas would serialise every MMA where A's registers are written while one runs
+        assert "C7513" not in done.stderr, (block_n, block_m, warps, done.stderr)
+    print("ok")
+""")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the kernel's own tests run it")
+def test_mxfp4_warpgroup_mma_kernel_compiles_for_hopper():
+    """triton.w4wg (Gluon) for sm_90: x by TMA, w's codes as 16-byte loads decoded into the
+    warpgroup MMA's A registers, no shared-memory store in the loop, no spills, and no MMA
+    serialised by ptxas, at every tile and warp count of its space."""
+    compiles_for_hopper(W4WG_SCRIPT)

@@ -186,17 +186,19 @@ def test_the_torch_backend_keeps_the_outputs_precision(dtype):
 
 def test_both_mxfp4_tuners_offer_the_gluon_kernels_on_hopper(monkeypatch):
     """On a Hopper (faked here) the a4w4 and a16w4 tuners offer triton.w4frag's configs at
-    decode, each for the weight layout of its key; the a4w4 tuner once offered only triton.w4
-    (its registry was not passed), so its tuned rows were the slower kernel's."""
+    decode, each for the weight layout of its key, and the a16w4 tuner triton.w4wg's at
+    prefill for weights as quantised; the a4w4 tuner once offered only triton.w4 (its registry
+    was not passed), so its tuned rows were the slower kernel's."""
     from gemmtune.families.a4w4_blockscale.tuner import A4w4BlockscaleTuner
     from gemmtune.families.a16w4.op import A16w4Key
     from gemmtune.families.a16w4.tuner import A16w4Tuner
-    from gemmtune.kernels.triton import _checks, _splits, gemm_w4frag
+    from gemmtune.kernels.triton import _checks, _splits, gemm_w4frag, gemm_w4wg
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(_checks, "sm_count", lambda device=None: 132)
     monkeypatch.setattr(_splits, "pdl_where_supported", lambda: _splits.PDL_WAIT)
-    monkeypatch.setattr(gemm_w4frag, "why_not_here", lambda kernel, instead: None)
+    for module in (gemm_w4frag, gemm_w4wg):
+        monkeypatch.setattr(module, "why_not_here", lambda kernel, instead: None)
     a4w4 = [c.name for c in A4w4BlockscaleTuner().candidates(A4w4Key(8, 4096, 4096),
                                                              frozenset())]
     assert a4w4[0] == TORCH_DEQUANT_MM
@@ -206,3 +208,7 @@ def test_both_mxfp4_tuners_offer_the_gluon_kernels_on_hopper(monkeypatch):
             A16w4Key(16, 4096, 4096, "torch.bfloat16", packed), frozenset())]
         frags = [n for n in a16w4 if n.startswith("triton.w4frag:BM16.")]
         assert frags and all(n.endswith(".L1") == packed for n in frags), a16w4
+        prefill = [c.name for c in A16w4Tuner().candidates(
+            A16w4Key(1024, 4096, 4096, "torch.bfloat16", packed), frozenset())]
+        assert any(n.startswith("triton.w4wg:") for n in prefill) != packed, prefill
+        assert any(n.startswith("triton.w4deq:") for n in prefill), prefill

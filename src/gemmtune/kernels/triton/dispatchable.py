@@ -1,6 +1,7 @@
 """A Triton config name (``triton.tile:...``, ``triton.splitk:...``, ``triton.gemv:...``,
 ``triton.persistent:...``, ``triton.frag:...``, ``triton.ring:...``, the last two Gluon kernels;
-``triton.w4:...``, ``triton.w4frag:...`` (Gluon) and ``triton.w4deq:...`` of MXFP4 weights)
+``triton.w4:...``, ``triton.w4frag:...`` and ``triton.w4wg:...`` (Gluon) and
+``triton.w4deq:...`` of MXFP4 weights)
 as a callable for dispatch: checked once per problem, then each call only allocates and
 launches; each kernel of one launch replays its first launch of a shape through the compiled
 kernel's own launcher (``_replay``; ``triton.w4deq``, two launches, is not replayed). Called
@@ -29,9 +30,10 @@ PREFIXES = ("triton.tile", "triton.splitk", "triton.gemv", "triton.persistent", 
 W4_PREFIX = "triton.w4"
 W4FRAG_PREFIX = "triton.w4frag"
 W4DEQ_PREFIX = "triton.w4deq"
-MXFP4_PREFIXES = (W4_PREFIX, W4FRAG_PREFIX, W4DEQ_PREFIX)
+W4WG_PREFIX = "triton.w4wg"
+MXFP4_PREFIXES = (W4_PREFIX, W4FRAG_PREFIX, W4DEQ_PREFIX, W4WG_PREFIX)
 # Gluon kernels: compiled for Hopper only, never in Triton's interpreter.
-GLUON_PREFIXES = ("triton.frag", "triton.ring", W4FRAG_PREFIX)
+GLUON_PREFIXES = ("triton.frag", "triton.ring", W4FRAG_PREFIX, W4WG_PREFIX)
 
 
 class _KernelModule(NamedTuple):
@@ -97,6 +99,12 @@ def _kernel_module(prefix: str) -> _KernelModule:
         # A config that dequantises MXFP4 x first makes two launches: not replayed.
         return _KernelModule(m, m.W4FragConfig, m.launch_gemm_w4frag, m.gemm_w4frag_scaled,
                              m.w4frag_call, mxfp4_weights=True, replayed=m.replayed)
+    if prefix == W4WG_PREFIX:
+        from gemmtune.kernels.triton import gemm_w4wg as m
+
+        # Its Gluon TMA descriptor of x is rebuilt around each replayed call's x.
+        return _KernelModule(m, m.W4WgConfig, m.launch_gemm_w4wg, m.gemm_w4wg_scaled,
+                             m.w4wg_call, mxfp4_weights=True)
     if prefix == W4DEQ_PREFIX:
         from gemmtune.kernels.triton import gemm_w4deq as m
 
