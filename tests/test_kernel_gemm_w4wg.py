@@ -37,6 +37,9 @@ def test_names_round_trip():
     cfg = W4WgConfig(128, 128, 4, 3)
     assert cfg.name == "triton.w4wg:BN128.BM128.W4.S3"
     assert W4WgConfig.from_name(cfg.name) == cfg
+    packed = W4WgConfig(256, 64, 8, 4, 1)
+    assert packed.name == "triton.w4wg:BN256.BM64.W8.S4.L1"
+    assert W4WgConfig.from_name(packed.name) == packed
 
 
 @pytest.mark.parametrize("config, K, dtype, says", [
@@ -49,6 +52,8 @@ def test_names_round_trip():
     (W4WgConfig(64, 256, 4, 6), 256, torch.bfloat16, "stages=6"),
     (W4WgConfig(128, 128, 4, 1), 256, torch.bfloat16, "stages=1"),
     (W4WgConfig(128, 128, 4, 3), 160, torch.bfloat16, "not a multiple of 64"),
+    (W4WgConfig(128, 128, 4, 3, 1), 192, torch.bfloat16, "not a multiple of 128"),
+    (W4WgConfig(128, 128, 4, 3, 2), 256, torch.bfloat16, "packed=2"),
 ])
 def test_configs_that_cannot_run_say_why(config, K, dtype, says):
     assert says in why_not_fits(config, 1024, 256, K, dtype)
@@ -63,8 +68,10 @@ def test_candidates_fit_and_start_where_decode_ends():
     assert {c.block_m for c in candidates(64, 4096, 4096, torch.bfloat16)} == {64}
     assert candidates(32, 4096, 4096, torch.bfloat16) == []
     assert candidates(1024, 4096, 4096, torch.float16) == []
-    assert candidates(1024, 4096, 4096, torch.bfloat16, packed=True) == []
+    packed = candidates(1024, 4096, 4096, torch.bfloat16, packed=True)
+    assert packed and all(c.packed for c in packed)
     assert candidates(1024, 4096, 2880 + 32, torch.bfloat16) == []  # K not in steps of 64
+    assert candidates(1024, 4096, 2880, torch.bfloat16, packed=True) == []  # nor of 128
     assert why_not_fits(default_config(100, 4096, 2880, torch.bfloat16), 100, 4096, 2880,
                         torch.bfloat16) is None
 
@@ -114,13 +121,16 @@ def test_bad_arguments_say_what_is_wrong():
     (257, 300, 2880, W4WgConfig(128, 64, 4, 4)),   # 2 reps of w's rows in a warpgroup
     (130, 520, 768, W4WgConfig(256, 128, 8, 3)),   # two warpgroups
     (64, 130, 128, W4WgConfig(128, 64, 8, 4)),     # two steps, more slots than steps
+    (100, 200, 512, W4WgConfig(128, 128, 4, 3, 1)),  # packed w
+    (130, 520, 768, W4WgConfig(256, 128, 8, 3, 1)),  # packed, two warpgroups
 ])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_gpu_matches_the_dequantised_reference(M, N, K, config, with_bias):
     gen = generator(M * 1000 + N + K)
     x, wq, w_scale, bias = _operands(M, N, K, gen, with_bias)
+    stored = quant.prepack_mxfp4(wq, w_scale)[0] if config.packed else wq
     out = torch.full((M, N), float("nan"), dtype=torch.bfloat16, device=DEVICE)
-    y = gemm_w4wg(x, wq, w_scale, bias, config, out=out)
+    y = gemm_w4wg(x, stored, w_scale, bias, config, out=out)
     assert y.data_ptr() == out.data_ptr()
     assert_matches_reference(y, x, quant.dequant_mxfp4(wq, w_scale), bias)
 
@@ -128,19 +138,20 @@ def test_gpu_matches_the_dequantised_reference(M, N, K, config, with_bias):
 @on_hopper
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", [W4WgConfig(128, 128, 4, 3), W4WgConfig(256, 64, 8, 3),
-                                    W4WgConfig(64, 256, 4, 3)])
+                                    W4WgConfig(64, 256, 4, 3), W4WgConfig(128, 128, 4, 3, 1)])
 def test_gpu_every_code_at_every_scale_byte_exactly(config):
     """Row n of w has scale byte n (0-255) on all its blocks and the 16 codes over and over,
     each block's codes shifted by its index; x is the identity, so y is w dequantised, rounded
     once to bf16: equal to the reference bit for bit, 2^-127's multiples (bf16 subnormals
     through the bf16 scale multiply), infinities (6 x 2^127) and the NaN row (byte 255)
-    included."""
+    included; packed too."""
     K = 128
     codes = (torch.arange(K, device=DEVICE) + torch.arange(K, device=DEVICE) // 32) % 16
     wq = (codes[0::2] | (codes[1::2] << 4)).to(torch.uint8).repeat(256, 1)
     w_scale = torch.arange(256, device=DEVICE).to(torch.uint8)[:, None].repeat(1, K // 32)
     x = torch.eye(K, dtype=torch.bfloat16, device=DEVICE)
-    y = gemm_w4wg(x, wq, w_scale, None, config)
+    stored = quant.prepack_mxfp4(wq, w_scale)[0] if config.packed else wq
+    y = gemm_w4wg(x, stored, w_scale, None, config)
     want = quant.dequant_mxfp4(wq, w_scale).T.to(torch.bfloat16)
     torch.testing.assert_close(y, want, rtol=0, atol=0, equal_nan=True)
 

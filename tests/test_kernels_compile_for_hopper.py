@@ -570,8 +570,9 @@ W4WG_SCRIPT = textwrap.dedent("""
         descs = {"x_desc": f"tensordesc<bf16{box},"
                            f"{gl.NVMMASharedLayout.get_default_for(box, gl.bfloat16)!r}>"}
         pointers = {"wq_ptr": "*u8", "ws_ptr": "*u8", "y_ptr": "*bf16", "bias_ptr": "*bf16"}
+        packed = i % 3 == 1  # w in mxfp4.prepack's layout
         constexprs = dict(HAS_BIAS=i % 2 == 0, BLOCK_N=block_n, BLOCK_M=block_m, STAGES=stages,
-                          WARPS=warps)
+                          WARPS=warps, PACKED=packed)
         signature = {n: descs.get(n) or pointers.get(n) or
                      ("constexpr" if n in constexprs else "i32") for n in names}
         kernel = triton.compile(gluon._runtime.GluonASTSource(
@@ -580,11 +581,15 @@ W4WG_SCRIPT = textwrap.dedent("""
             options=dict(num_warps=warps))
         text = kernel.asm["ptx"]
         # x through TMA (each slot before the loop, its refill in it), w's blocks as 16-byte
-        # loads of each of a thread's rows (2 blocks a step, loaded in 3 places), the MMA bf16
-        # with fp32 sums, and no shared-memory store in the loop.
+        # loads of each of a thread's rows (2 blocks a step, loaded in 3 places; packed, 4
+        # 8-byte loads of word pairs), the MMA bf16 with fp32 sums, and no shared-memory store
+        # in the loop.
         assert text.count("cp.async.bulk.tensor") >= stages + 1
         rows = block_n // (8 * warps)
-        assert text.count("ld.global.v4.b32") == 3 * 2 * rows, text.count("ld.global.v4.b32")
+        if packed:
+            assert text.count("ld.global.v2.b32") == 3 * 4 * rows, text.count("ld.global.v2")
+        else:
+            assert text.count("ld.global.v4.b32") == 3 * 2 * rows, text.count("ld.global.v4")
         assert f"wgmma.mma_async.sync.aligned.m64n{block_m}k16.f32.bf16.bf16" in text
         loop = text[text.find("wgmma.mma_async"):text.rfind("wgmma.mma_async")]
         assert "st.shared" not in loop
@@ -605,7 +610,7 @@ W4WG_SCRIPT = textwrap.dedent("""
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the kernel's own tests run it")
 def test_mxfp4_warpgroup_mma_kernel_compiles_for_hopper():
-    """triton.w4wg (Gluon) for sm_90: x by TMA, w's codes as 16-byte loads decoded into the
-    warpgroup MMA's A registers, no shared-memory store in the loop, no spills, and no MMA
-    serialised by ptxas, at every tile and warp count of its space."""
+    """triton.w4wg (Gluon) for sm_90: x by TMA, w's codes as 16-byte loads (packed: 8-byte)
+    decoded into the warpgroup MMA's A registers, no shared-memory store in the loop, no
+    spills, and no MMA serialised by ptxas, at every tile and warp count of its space."""
     compiles_for_hopper(W4WG_SCRIPT)

@@ -28,7 +28,8 @@ registers written while an MMA runs make ptxas serialise every MMA (its C7513), 
 compile test checks does not happen.
 
 Rows of w past N read row N - 1 and x's past M read TMA's zeros; neither is stored. w as
-quantised (row-major codes; not ``mxfp4.prepack``'s layout); K a multiple of 64 (a step).
+quantised (a block's 16 bytes in one load) or in ``mxfp4.prepack``'s layout (a step's word t of
+both its blocks in one 8-byte load); K a multiple of 64 (a step; packed, of 128).
 Hopper (sm_90) only, compiled (Gluon does not run in Triton's interpreter); bf16 x only (the
 scale multiply and the MMA are bf16).
 """
@@ -74,13 +75,16 @@ class W4WgConfig(NamedConfig):
 
     NAME_CODEC = NameCodec("MXFP4 warpgroup-MMA config", KERNEL_PREFIX, (
         Field("BN", "block_n"), Field("BM", "block_m"), Field("W", "num_warps"),
-        Field("S", "stages")))
+        Field("S", "stages"), Field("L", "packed", default=0)))
 
     block_n: int  # rows of w a program (the MMA's M)
     block_m: int  # rows of x a program (the MMA's N)
     # 4: one warpgroup (two programs an SM take turns on the tensor cores); 8: two, in step
     num_warps: int
     stages: int  # slots of x's ring
+    # 1: w in the packed layout (``mxfp4.prepack``: a step's word t of its 2 blocks in one
+    # 8-byte load); 0: as ``mxfp4.quantize`` makes it (a block's 16 bytes in one load)
+    packed: int = 0
 
 
 def ring_bytes(config: W4WgConfig) -> int:
@@ -104,7 +108,9 @@ def why_not_fits(config: W4WgConfig, M: int, N: int, K: int, dtype: torch.dtype)
     if not 2 <= c.stages or ring_bytes(c) > _RING_BYTES:
         return (f"stages={c.stages}: 2 or more slots of {c.block_m * BLOCK_K * 2} bytes, at most "
                 f"{_RING_BYTES} bytes in all")
-    why = mxfp4.why_not_quantisable(K)
+    if c.packed not in (0, 1):
+        return f"packed={c.packed} must be 0 (w as quantised) or 1 (w packed: mxfp4.prepack)"
+    why = mxfp4.why_not_quantisable(K) or (mxfp4.why_not_packable(K) if c.packed else None)
     if why is not None:
         return why
     if K % BLOCK_K:
@@ -125,11 +131,10 @@ def why_not_supported(config: W4WgConfig, M: int, N: int, K: int, dtype: torch.d
 
 def candidates(M: int, N: int, K: int, dtype: torch.dtype,
                packed: bool = False) -> list[W4WgConfig]:
-    """The configs to tune one shape with, for M >= MIN_M and w as quantised (none for a
-    ``packed`` one: the kernel reads a block's 16 bytes as they are quantised): 64-256 rows of
-    w, 64-256 of x (not past M's power of two), one warpgroup or two, 3-4 slots. Only configs
-    that fit."""
-    if M < MIN_M or dtype != torch.bfloat16 or packed:
+    """The configs to tune one shape with, for M >= MIN_M and w as quantised or (``packed``) as
+    ``mxfp4.prepack`` stores it: 64-256 rows of w, 64-256 of x (not past M's power of two), one
+    warpgroup or two, 3-4 slots. Only configs that fit."""
+    if M < MIN_M or dtype != torch.bfloat16:
         return []
     found = []
     for bn in BLOCK_NS:
@@ -138,7 +143,7 @@ def candidates(M: int, N: int, K: int, dtype: torch.dtype,
                 continue
             for warps in WARPS:
                 for stages in (3, 4):
-                    config = W4WgConfig(bn, bm, warps, stages)
+                    config = W4WgConfig(bn, bm, warps, stages, int(packed))
                     if why_not_fits(config, M, N, K, dtype) is None:
                         found.append(config)
     return found
@@ -160,13 +165,17 @@ def _row_bases(block_n, warps):
 
 
 @gluon.constexpr_function
-def _words_layout(block_n, warps):
+def _words_layout(block_n, warps, blocks_first=False):
     """A step's code words of w, (BLOCK_N, 2 blocks, 4 places in a quad, 4 words of a block):
     thread 4 g + t of a warp holds all 4 words of both blocks of its rows (``_row_bases``), its
-    quad's 4 threads the same words, at their own place t."""
+    quad's 4 threads the same words, at their own place t. In registers the words of a block
+    come first (as quantised, a block's 16 bytes are contiguous) or, ``blocks_first``, the
+    blocks of a word (packed, word t of a step's 2 blocks are)."""
     in_regs, in_warps = _row_bases(block_n, warps)
+    words, blocks = [[0, 0, 0, 1], [0, 0, 0, 2]], [[0, 1, 0, 0]]
     return gl.DistributedLinearLayout(
-        reg_bases=[[0, 0, 0, 1], [0, 0, 0, 2], [0, 1, 0, 0]] + [[r, 0, 0, 0] for r in in_regs],
+        reg_bases=(blocks + words if blocks_first else words + blocks)
+        + [[r, 0, 0, 0] for r in in_regs],
         lane_bases=[[0, 0, 1, 0], [0, 0, 2, 0], [1, 0, 0, 0], [2, 0, 0, 0], [4, 0, 0, 0]],
         warp_bases=[[r, 0, 0, 0] for r in in_warps], block_bases=[],
         shape=[block_n, 2, 4, 4])
@@ -201,6 +210,19 @@ def _bf16_scales(byte):
     (0x7FC0)."""
     s = gl.maximum(byte << 7, 0x40) | (((byte + 1) >> 8) << 6)
     return s | (s << 16)
+
+
+@gluon.jit
+def _step_words(ptrs, step, PACKED: gl.constexpr, words_layout: gl.constexpr):
+    """Step ``step``'s code words in ``words_layout``: as quantised, a row's 8 words at 8 step
+    (two 16-byte loads); packed, the step's half of its group of 16 (four 8-byte loads: word t
+    of both blocks), the registers then renamed (no instruction: the conversion is checked
+    trivial)."""
+    if PACKED:
+        words = gl.load(ptrs + ((step // 2) * 16 + (step % 2) * 2))
+    else:
+        words = gl.load(ptrs + step * 8)
+    return gl.convert_layout(words, words_layout, assert_trivial=True)
 
 
 @gluon.jit
@@ -241,12 +263,13 @@ def gemm_w4wg_kernel(
     M, N, K,
     stride_wn, stride_sn, stride_ym, stride_bias,
     HAS_BIAS: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
-    STAGES: gl.constexpr, WARPS: gl.constexpr,
+    STAGES: gl.constexpr, WARPS: gl.constexpr, PACKED: gl.constexpr,
 ):
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
                                                   instr_shape=[16, BLOCK_M, 16])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     words_layout: gl.constexpr = _words_layout(BLOCK_N, WARPS)
+    loaded_layout: gl.constexpr = _words_layout(BLOCK_N, WARPS, PACKED)
     gathered_layout: gl.constexpr = _gathered_layout(BLOCK_N, WARPS)
     pid_m = gl.program_id(0)  # x's blocks vary fastest: the programs of one w tile run together
     pid_n = gl.program_id(1)
@@ -262,15 +285,20 @@ def gemm_w4wg_kernel(
         _tma_load(x_desc, [pid_m * BLOCK_M, s * _BK], ready.index(s), x_ring.index(s),
                   pred=pred)
 
-    # w as 32-bit words (rows 16-byte aligned: w4wg_call). Rows past N read row N - 1.
+    # w as 32-bit words (rows 16-byte aligned: w4wg_call). Rows past N read row N - 1. As
+    # quantised, word t of a step's block b is word 4 b + t of its 8; packed (mxfp4.prepack),
+    # word 4 t + b of the step's half of a 16-word group.
     w_words = wq_ptr.to(gl.pointer_type(gl.int32))
     n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, gl.SliceLayout(
-        1, gl.SliceLayout(2, gl.SliceLayout(3, words_layout))))
-    in_row_layout: gl.constexpr = gl.SliceLayout(0, words_layout)  # (block, place, word)
+        1, gl.SliceLayout(2, gl.SliceLayout(3, loaded_layout))))
+    in_row_layout: gl.constexpr = gl.SliceLayout(0, loaded_layout)  # (block, place, word)
     block = gl.arange(0, 2, gl.SliceLayout(1, gl.SliceLayout(2, in_row_layout)))
     place = gl.arange(0, 4, gl.SliceLayout(0, gl.SliceLayout(2, in_row_layout)))
     word = gl.arange(0, 4, gl.SliceLayout(0, gl.SliceLayout(1, in_row_layout)))
-    in_row = block[:, None, None] * 4 + word[None, None, :] + place[None, :, None] * 0
+    if PACKED:
+        in_row = block[:, None, None] + word[None, None, :] * 4 + place[None, :, None] * 0
+    else:
+        in_row = block[:, None, None] * 4 + word[None, None, :] + place[None, :, None] * 0
     rows = gl.minimum(n, N - 1).to(gl.int64)
     w_ptrs = w_words + (rows * (stride_wn // 4))[:, None, None, None] + in_row[None, :, :, :]
     # A step's 2 scale bytes of each row, in the gathered words' places
@@ -287,10 +315,11 @@ def gemm_w4wg_kernel(
     # K >> 31 is 0 (K > 0), unknown to the compiler (e2m1_tables)
     tables = e2m1_tables(gl.zeros([BLOCK_N, 2, 4], gl.int32, gathered_layout) + (K >> 31))
 
-    a_now = _decode_step(gl.load(w_ptrs), gl.load(s_ptrs).to(gl.int32), selector,
+    a_now = _decode_step(_step_words(w_ptrs, 0, PACKED, words_layout),
+                         gl.load(s_ptrs).to(gl.int32), selector,
                          tables, a_layout, gathered_layout)
     ahead = gl.minimum(1, steps - 1)
-    words = gl.load(w_ptrs + ahead * 8)
+    words = _step_words(w_ptrs, ahead, PACKED, words_layout)
     scale_bytes = gl.load(s_ptrs + ahead * 2).to(gl.int32)
     acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=mma)
     for i in range(steps):
@@ -301,7 +330,7 @@ def gemm_w4wg_kernel(
         # done (registers the MMA reads, written while it runs, would make ptxas serialise
         # every MMA: C7513). The last steps load the final one again: no branch.
         ahead = gl.minimum(i + 2, steps - 1)
-        words_ahead = gl.load(w_ptrs + ahead * 8)
+        words_ahead = _step_words(w_ptrs, ahead, PACKED, words_layout)
         scales_ahead = gl.load(s_ptrs + ahead * 2).to(gl.int32)
         acc, a_now = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a_now))
         a_now = _decode_step(words, scale_bytes, selector, tables, a_layout, gathered_layout)
@@ -343,11 +372,13 @@ def w4wg_call(x, w, bias, out, scale_a, scale_b, config: W4WgConfig,
               block_scales: bool = False) -> KernelCall:
     """The launch of ``launch_gemm_w4wg`` as data (what a dispatch plan records and replays,
     its TMA descriptor rebuilt around each later call's x): x (M, K) bf16, w the codes (N,
-    K // 2) as quantised, scale_b their scales (N, K // 32), out (M, N); scale_a None."""
+    K // 2; packed for a packed config), scale_b their scales (N, K // 32), out (M, N); scale_a
+    None."""
     M, K = x.shape
     N = w.shape[0]
     x = _checks.tma_ready(x)
-    # w is read as 16-byte vectors of a row and its scales by the byte: rows 16-byte aligned.
+    # w is read as 16-byte (packed: 8-byte) vectors of a row and its scales by the byte: rows
+    # 16-byte aligned.
     w = w if w.stride(1) == 1 and w.stride(0) % 16 == 0 and w.data_ptr() % 16 == 0 \
         else w.contiguous().clone()
     scale_b = scale_b if scale_b.stride(1) == 1 else scale_b.contiguous()
@@ -357,7 +388,7 @@ def w4wg_call(x, w, bias, out, scale_a, scale_b, config: W4WgConfig,
             w.stride(0), scale_b.stride(0), out.stride(0),
             bias.stride(0) if bias is not None else 0)
     constexprs = dict(HAS_BIAS=bias is not None, BLOCK_N=c.block_n, BLOCK_M=c.block_m,
-                      STAGES=c.stages, WARPS=c.num_warps)
+                      STAGES=c.stages, WARPS=c.num_warps, PACKED=bool(c.packed))
     grid = (triton.cdiv(M, c.block_m), triton.cdiv(N, c.block_n))
     return KernelCall(gemm_w4wg_kernel, grid, args, constexprs, dict(num_warps=c.num_warps))
 
@@ -375,8 +406,9 @@ def gemm_w4wg(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
               bias: torch.Tensor | None = None, config: W4WgConfig | None = None,
               out: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ dequant_mxfp4(wq, w_scale).T + bias`` in bf16: x (M, K) bf16, wq (N, K // 2) and
-    w_scale (N, K // 32) uint8 as ``gemmtune.quant.mxfp4`` makes them (not packed), bias (N,).
-    Validates everything, then launches."""
+    w_scale (N, K // 32) uint8 as ``gemmtune.quant.mxfp4`` makes them, or wq as
+    ``gemmtune.quant.prepack_mxfp4`` packs it with a ``packed`` config, bias (N,). Validates
+    everything, then launches."""
     return validated_launch("gemm_w4wg", launch_gemm_w4wg, default_config, _why_not_here,
                             x, wq, w_scale, bias, config, out)
 
