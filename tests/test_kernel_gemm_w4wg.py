@@ -14,24 +14,11 @@ import pytest
 import torch
 
 from gemm_checks import (DEVICE, assert_matches_reference,
-                         assert_mxfp4_launcher_says_what_is_wrong, generator, randn)
+                         assert_mxfp4_launcher_says_what_is_wrong, generator,
+                         mxfp4_weight_operands, on_hopper, randn)
 from gemmtune import quant
 from gemmtune.kernels.triton.gemm_w4wg import (W4WgConfig, candidates, default_config,
                                                gemm_w4wg, why_not_fits, why_not_supported)
-
-on_hopper = pytest.mark.skipif(
-    not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)),
-    reason="Gluon kernel for Hopper (sm_90)")
-
-
-def _operands(M, N, K, gen, with_bias):
-    x = randn(M, K, gen=gen).to(torch.bfloat16)
-    # Rows of different magnitudes, so the blocks' scales differ along N and K.
-    w = randn(N, K, gen=gen) * torch.logspace(-3, 1, K // 32, device=DEVICE).repeat_interleave(32)
-    wq, w_scale = quant.mxfp4(w)
-    bias = randn(N, gen=gen).to(torch.bfloat16) if with_bias else None
-    return x, wq, w_scale, bias
-
 
 def test_names_round_trip():
     cfg = W4WgConfig(128, 128, 4, 3)
@@ -127,7 +114,7 @@ def test_bad_arguments_say_what_is_wrong():
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_gpu_matches_the_dequantised_reference(M, N, K, config, with_bias):
     gen = generator(M * 1000 + N + K)
-    x, wq, w_scale, bias = _operands(M, N, K, gen, with_bias)
+    x, wq, w_scale, bias = mxfp4_weight_operands(M, N, K, gen, with_bias)
     stored = quant.prepack_mxfp4(wq, w_scale)[0] if config.packed else wq
     out = torch.full((M, N), float("nan"), dtype=torch.bfloat16, device=DEVICE)
     y = gemm_w4wg(x, stored, w_scale, bias, config, out=out)
@@ -162,7 +149,7 @@ def test_gpu_a_nan_scale_makes_its_row_nan_and_no_other():
     """A NaN scale byte (255) in one block of a row, beside the largest finite byte (254) and
     the smallest (0): that row is NaN, every other row right."""
     M, N, K = 70, 130, 512
-    x, wq, w_scale, _ = _operands(M, N, K, generator(7), False)
+    x, wq, w_scale, _ = mxfp4_weight_operands(M, N, K, generator(7), False)
     w_scale = w_scale.clone()
     nan_rows = {5: 0, 17: 1, 30: 6, 100: 15}  # row: block
     w_scale[40:42, :] = 254
@@ -180,6 +167,6 @@ def test_gpu_a_nan_scale_makes_its_row_nan_and_no_other():
 @pytest.mark.gpu
 def test_gpu_real_sizes_and_default_config():
     for M, N, K in ((1024, 4096, 4096), (2048, 2880, 2880), (96, 1280, 8192)):
-        x, wq, w_scale, bias = _operands(M, N, K, generator(M + N), True)
+        x, wq, w_scale, bias = mxfp4_weight_operands(M, N, K, generator(M + N), True)
         y = gemm_w4wg(x, wq, w_scale, bias)
         assert_matches_reference(y, x, quant.dequant_mxfp4(wq, w_scale), bias)
