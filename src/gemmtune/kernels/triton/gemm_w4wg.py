@@ -14,7 +14,8 @@ decode is ``triton.w4frag``'s inline PTX; the block's scale then multiplies the 
 bf16 (``mul.rn.bf16x2``), exact for every finite result: bf16 has fp32's exponent range and
 its subnormals reach 2^-133, below the smallest scaled value (0.5 x 2^-127). A NaN scale
 (byte 255) makes its block NaN and so its row's outputs. The MMA accumulates in fp32 over all
-of K.
+of K, the scales already in: a weight too large for fp32 (from 4 x 2^126) is infinite, as in
+the dequantised weight itself, and times x's zeros NaN.
 
 Why: dequantising into a bf16 weight first and calling cuBLAS (``triton.w4deq``) writes and
 reads 2 bytes an element more, a third of the GEMM's time at M = 1024 (0.67x ``F.linear``,
@@ -113,8 +114,9 @@ def why_not_fits(config: W4WgConfig, M: int, N: int, K: int, dtype: torch.dtype)
     why = mxfp4.why_not_quantisable(K) or (mxfp4.why_not_packable(K) if c.packed else None)
     if why is not None:
         return why
-    if K % BLOCK_K:
-        return f"K={K} is not a multiple of {BLOCK_K}, the kernel's step"
+    if K % BLOCK_K or not K:
+        return (f"K={K} is not a positive multiple of {BLOCK_K}, the kernel's step (K=0, an "
+                f"empty sum: the other MXFP4 kernels write the bias)")
     return None
 
 
@@ -380,7 +382,7 @@ def w4wg_call(x, w, bias, out, scale_a, scale_b, config: W4WgConfig,
     # w is read as 16-byte (packed: 8-byte) vectors of a row and its scales by the byte: rows
     # 16-byte aligned.
     w = w if w.stride(1) == 1 and w.stride(0) % 16 == 0 and w.data_ptr() % 16 == 0 \
-        else w.contiguous().clone()
+        else w.clone(memory_format=torch.contiguous_format)
     scale_b = scale_b if scale_b.stride(1) == 1 else scale_b.contiguous()
     bias = bias if bias is None or bias.stride(0) == 1 else bias.contiguous()
     c = config
