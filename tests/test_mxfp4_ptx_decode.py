@@ -1,8 +1,9 @@
 """The inline PTX that decodes E2M1 codes in the Gluon MXFP4 kernels (``gemm_w4frag``'s
 ``_E2M1_TO_BF16_ASM``), run on the CPU by a small emulator of the PTX instructions it uses
-(``and``, ``shr``, ``shl``, ``prmt``, ``lop3``, with the PTX ISA's semantics), bit for bit against
-``mxfp4.e2m1_values`` in bf16: every code at every place of a word, and random words. The GPU
-tests run the real instructions; this catches an edit of the asm text without a GPU.
+(``and``, ``shr``, ``shl``, ``prmt``, ``lop3``, ``mul.rn.bf16x2``, with the PTX ISA's semantics),
+bit for bit against ``mxfp4.e2m1_values`` in bf16: every code at every place of a word, and
+random words; and ``gemm_w4wg``'s byte gather and bf16 scale multiply around it. The GPU tests
+run the real instructions; this catches an edit of the asm text without a GPU.
 """
 
 from __future__ import annotations
@@ -42,9 +43,10 @@ def _lop3(a, b, c, lut):
     return out
 
 
-def run_ptx(asm: str, operands: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+def run_ptx(asm: str, operands: dict[str, np.ndarray], muls=None) -> dict[str, np.ndarray]:
     """Run the instructions of an inline-asm block on uint64 arrays holding 32-bit values:
-    ``operands`` the inputs by name ($4 ...), the result every register written by name."""
+    ``operands`` the inputs by name ($4 ...), the result every register written by name;
+    ``muls`` emulates mul.rn.bf16x2 where the block has it."""
     regs = dict(operands)
 
     def value(token):
@@ -70,6 +72,8 @@ def run_ptx(asm: str, operands: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
             out = _prmt(v[0], v[1], v[2] & np.uint64(0xFFFF))
         elif op == "lop3.b32":
             out = _lop3(v[0], v[1], v[2], int(v[3]))
+        elif op == "mul.rn.bf16x2" and muls is not None:
+            out = muls(v[0], v[1])
         else:
             raise NotImplementedError(f"the emulator has no {op}")
         regs[dest] = out & MASK
@@ -124,3 +128,58 @@ def test_the_emulator_follows_the_ptx_isa():
     assert _lop3(x, y, z, 0x80)[0] == 0x80808080  # a & b & c
     assert _lop3(x, y, z, 0xF8)[0] == 0xF8F8F8F8  # a | (b & c)
     assert re.search(r"lop3\.b32 \w+, \w+, \w+, 0x80808080, 0xF8", _E2M1_TO_BF16_ASM.value)
+
+
+def _mul_bf16x2(a, b):
+    """mul.rn.bf16x2: each half a bf16 product rounded to nearest even, subnormals kept."""
+    out = np.zeros_like(a)
+    for shift in (np.uint64(0), np.uint64(16)):
+        fa = ((a >> shift) & np.uint64(0xFFFF)).astype(np.uint32) << np.uint32(16)
+        fb = ((b >> shift) & np.uint64(0xFFFF)).astype(np.uint32) << np.uint32(16)
+        with np.errstate(over="ignore", invalid="ignore"):
+            product = (fa.view(np.float32) * fb.view(np.float32)).view(np.uint32)
+        rounded = (product.astype(np.uint64) + np.uint64(0x7FFF)
+                   + ((product.astype(np.uint64) >> np.uint64(16)) & np.uint64(1))) >> np.uint64(16)
+        nan = np.isnan(product.view(np.float32))
+        out |= np.where(nan, np.uint64(0x7FC0), rounded & np.uint64(0xFFFF)) << shift
+    return out
+
+
+def test_the_prefill_kernels_gather_decode_and_scale():
+    """triton.w4wg's three asm blocks on a block row of 16 bytes: thread t of a quad gathers
+    bytes t, t + 4, t + 8, t + 12, the decode makes register i its codes at K 8 i + 2 t and
+    8 i + 2 t + 1 of the block (wgmma's A fragment), and the bf16 scale multiply gives the
+    dequantised value bit for bit at every scale byte up to 252 (6 x 2^125), infinity past it
+    where the value is past fp32's range, NaN at byte 255."""
+    from gemmtune.kernels.triton.gemm_w4wg import _GATHER_ASM, _SCALE_ASM
+
+    rng = np.random.default_rng(1)
+    rows = rng.integers(0, 256, size=(4096, 16), dtype=np.uint64)
+    rows[:256, 0] = np.arange(256, dtype=np.uint64)  # every byte at a place at least once
+    words = [rows[:, 4 * j] | rows[:, 4 * j + 1] << np.uint64(8) | rows[:, 4 * j + 2]
+             << np.uint64(16) | rows[:, 4 * j + 3] << np.uint64(24) for j in range(4)]
+    codes = torch.from_numpy(np.stack([rows & np.uint64(15), rows >> np.uint64(4)], axis=2)
+                             .reshape(-1, 32).astype(np.int64))  # element k of each block
+    scale_bytes = torch.arange(256)
+    scales = torch.where(scale_bytes == 255, torch.nan, torch.pow(2.0, scale_bytes - 127.0))
+    scale_bits = _bf16_bits(scales)
+    for t in range(4):
+        selector = np.uint64(t | (t + 4) << 4) + 0 * words[0]
+        mine = run_ptx(_GATHER_ASM.value,
+                       {"$1": words[0], "$2": words[1], "$3": words[2], "$4": words[3],
+                        "$5": selector})["$0"]
+        decoded = _decode(mine).reshape(-1, 4, 2)  # (row, register i, half)
+        k = 8 * np.arange(4)[:, None] + 2 * t + np.arange(2)[None, :]
+        np.testing.assert_array_equal(decoded, _bf16_bits(mxfp4.e2m1_values(codes[:, k])))
+        for byte in (0, 1, 2, 7, 126, 127, 128, 200, 252, 253, 254, 255):
+            pair = np.uint64(int(scale_bits[byte]) * 0x10001) + 0 * mine
+            regs = {f"${4 + i}": (decoded[:, i, 0] | decoded[:, i, 1] << np.uint64(16))
+                    for i in range(4)}
+            scaled = run_ptx(_SCALE_ASM.value, {**regs, "$8": pair}, muls=_mul_bf16x2)
+            got = np.stack([scaled[f"${i}"] for i in range(4)], axis=1)
+            got = np.stack([got & np.uint64(0xFFFF), got >> np.uint64(16)], axis=2)
+            want = mxfp4.e2m1_values(codes[:, k]) * scales[byte]
+            want_bits = _bf16_bits(want)
+            same = (got == want_bits) | (np.isnan(want.numpy()) & ((got & np.uint64(0x7FFF))
+                                                                  > np.uint64(0x7F80)))
+            assert same.all(), (t, byte)
