@@ -72,7 +72,8 @@ def _launch(config, x, w, out, x_scale, w_scale, w_packed=None):
         return gemm_w4frag.launch_gemm_w4frag(x, w_packed if config.packed else w, None, out,
                                               x_scale, w_scale, config)
     if isinstance(config, gemm_w4wg.W4WgConfig):
-        return gemm_w4wg.launch_gemm_w4wg(x, w, None, out, x_scale, w_scale, config)
+        return gemm_w4wg.launch_gemm_w4wg(x, w_packed if config.packed else w, None, out,
+                                          x_scale, w_scale, config)
     if isinstance(config, gemm_w4deq.W4DeqConfig):
         return gemm_w4deq.launch_gemm_w4deq(x, w_packed if config.packed else w, None, out,
                                             x_scale, w_scale, config)
