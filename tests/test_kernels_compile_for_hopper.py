@@ -565,34 +565,40 @@ W4WG_SCRIPT = PTXAS_REPORT + textwrap.dedent("""
                            f"{gl.NVMMASharedLayout.get_default_for(box, gl.bfloat16)!r}>"}
         pointers = {"wq_ptr": "*u8", "ws_ptr": "*u8", "y_ptr": "*bf16", "bias_ptr": "*bf16"}
         packed = i % 3 == 1  # w in mxfp4.prepack's layout
-        constexprs = dict(HAS_BIAS=i % 2 == 0, BLOCK_N=block_n, BLOCK_M=block_m, STAGES=stages,
-                          WARPS=warps, PACKED=packed)
-        signature = {n: descs.get(n) or pointers.get(n) or
-                     ("constexpr" if n in constexprs else "i32") for n in names}
-        kernel = triton.compile(gluon._runtime.GluonASTSource(
-            fn=gemm_w4wg.gemm_w4wg_kernel, signature=signature, attrs=aligned,
-            constexprs=constexprs), target=GPUTarget("cuda", 90, 128),
-            options=dict(num_warps=warps))
-        text = kernel.asm["ptx"]
-        # x through TMA (each slot before the loop, its refill in it), w's blocks as 16-byte
-        # loads of each of a thread's rows (2 blocks a step, loaded in 3 places; packed, 4
-        # 8-byte loads of word pairs), the MMA bf16 with fp32 sums, and no shared-memory store
-        # in the loop.
-        assert text.count("cp.async.bulk.tensor") >= stages + 1
-        rows = block_n // (8 * warps)
-        if packed:
-            assert text.count("ld.global.v2.b32") == 3 * 4 * rows, text.count("ld.global.v2")
-        else:
-            assert text.count("ld.global.v4.b32") == 3 * 2 * rows, text.count("ld.global.v4")
-        assert f"wgmma.mma_async.sync.aligned.m64n{block_m}k16.f32.bf16.bf16" in text
-        loop = text[text.find("wgmma.mma_async"):text.rfind("wgmma.mma_async")]
-        assert "st.shared" not in loop
-        # A word's decode once a step (3 gathering PRMTs, 10 in the decode) and its scale
-        assert text.count("mul.rn.bf16x2") == 2 * 4 * 2 * rows
-        report, spilled = ptxas_report(text)
-        assert spilled == 0, (block_n, block_m, warps, report)
-        # ptxas would serialise every MMA where A's registers are written while one runs
-        assert "C7513" not in report, (block_n, block_m, warps, report)
+        # the decode after each MMA, or beside it into a second set of A registers
+        for overlap in (False, True):
+            constexprs = dict(HAS_BIAS=i % 2 == 0, BLOCK_N=block_n, BLOCK_M=block_m,
+                              STAGES=stages, WARPS=warps, PACKED=packed, OVERLAP=overlap)
+            signature = {n: descs.get(n) or pointers.get(n) or
+                         ("constexpr" if n in constexprs else "i32") for n in names}
+            kernel = triton.compile(gluon._runtime.GluonASTSource(
+                fn=gemm_w4wg.gemm_w4wg_kernel, signature=signature, attrs=aligned,
+                constexprs=constexprs), target=GPUTarget("cuda", 90, 128),
+                options=dict(num_warps=warps))
+            text = kernel.asm["ptx"]
+            # x through TMA (each slot before the loop, its refill in it), w's blocks as 16-byte
+            # loads of each of a thread's rows (2 blocks a step, loaded before the loop for 2
+            # steps and in each step body: one, or two where overlap unrolls the loop (an odd
+            # K's last step loads nothing it uses); packed, 4 8-byte loads of word pairs), the
+            # MMA bf16 with fp32 sums, and no shared-memory store in the loop.
+            assert text.count("cp.async.bulk.tensor") >= stages + 1
+            rows = block_n // (8 * warps)
+            loads = (2 + (2 if overlap else 1)) * rows
+            if packed:
+                assert text.count("ld.global.v2.b32") == 4 * loads, text.count("ld.global.v2")
+            else:
+                assert text.count("ld.global.v4.b32") == 2 * loads, text.count("ld.global.v4")
+            assert f"wgmma.mma_async.sync.aligned.m64n{block_m}k16.f32.bf16.bf16" in text
+            loop = text[text.find("wgmma.mma_async"):text.rfind("wgmma.mma_async")]
+            assert "st.shared" not in loop
+            # A word's decode once before the loop and in each body (3 gathering PRMTs, 10 in the
+            # decode) and its scale
+            decodes = 1 + (2 if overlap else 1)
+            assert text.count("mul.rn.bf16x2") == decodes * 4 * 2 * rows
+            report, spilled = ptxas_report(text)
+            assert spilled == 0, (block_n, block_m, warps, overlap, report)
+            # ptxas would serialise every MMA where A's registers are written while one runs
+            assert "C7513" not in report, (block_n, block_m, warps, overlap, report)
     print("ok")
 """)
 

@@ -211,5 +211,5 @@ def test_both_mxfp4_tuners_offer_the_gluon_kernels_on_hopper(monkeypatch):
         prefill = [c.name for c in A16w4Tuner().candidates(
             A16w4Key(1024, 4096, 4096, "torch.bfloat16", packed), frozenset())]
         prefill_wg = [n for n in prefill if n.startswith("triton.w4wg:")]
-        assert prefill_wg and all(n.endswith(".L1") == packed for n in prefill_wg), prefill
+        assert prefill_wg and all((".L1" in n) == packed for n in prefill_wg), prefill
         assert any(n.startswith("triton.w4deq:") for n in prefill), prefill

@@ -76,7 +76,8 @@ class W4WgConfig(NamedConfig):
 
     NAME_CODEC = NameCodec("MXFP4 warpgroup-MMA config", KERNEL_PREFIX, (
         Field("BN", "block_n"), Field("BM", "block_m"), Field("W", "num_warps"),
-        Field("S", "stages"), Field("L", "packed", default=0)))
+        Field("S", "stages"), Field("L", "packed", default=0),
+        Field("O", "overlap", default=0)))
 
     block_n: int  # rows of w a program (the MMA's M)
     block_m: int  # rows of x a program (the MMA's N)
@@ -86,6 +87,9 @@ class W4WgConfig(NamedConfig):
     # 1: w in the packed layout (``mxfp4.prepack``: a step's word t of its 2 blocks in one
     # 8-byte load); 0: as ``mxfp4.quantize`` makes it (a block's 16 bytes in one load)
     packed: int = 0
+    # 1: the next step decodes while this step's MMA runs (two sets of A registers); 0: once it
+    # is done
+    overlap: int = 0
 
 
 def ring_bytes(config: W4WgConfig) -> int:
@@ -111,6 +115,9 @@ def why_not_fits(config: W4WgConfig, M: int, N: int, K: int, dtype: torch.dtype)
                 f"{_RING_BYTES} bytes in all")
     if c.packed not in (0, 1):
         return f"packed={c.packed} must be 0 (w as quantised) or 1 (w packed: mxfp4.prepack)"
+    if c.overlap not in (0, 1):
+        return (f"overlap={c.overlap} must be 0 (decode after the MMA) or 1 (beside it, "
+                f"two sets of A registers)")
     why = mxfp4.why_not_quantisable(K) or (mxfp4.why_not_packable(K) if c.packed else None)
     if why is not None:
         return why
@@ -135,7 +142,7 @@ def candidates(M: int, N: int, K: int, dtype: torch.dtype,
                packed: bool = False) -> list[W4WgConfig]:
     """The configs to tune one shape with, for M >= MIN_M and w as quantised or (``packed``) as
     ``mxfp4.prepack`` stores it: 64-256 rows of w, 64-256 of x (not past M's power of two), one
-    warpgroup or two, 3-4 slots. Only configs that fit."""
+    warpgroup or two, 3-4 slots, the decode after or beside the MMA. Only configs that fit."""
     if M < MIN_M or dtype != torch.bfloat16:
         return []
     found = []
@@ -145,9 +152,10 @@ def candidates(M: int, N: int, K: int, dtype: torch.dtype,
                 continue
             for warps in WARPS:
                 for stages in (3, 4):
-                    config = W4WgConfig(bn, bm, warps, stages, int(packed))
-                    if why_not_fits(config, M, N, K, dtype) is None:
-                        found.append(config)
+                    for overlap in (0, 1):
+                        config = W4WgConfig(bn, bm, warps, stages, int(packed), overlap)
+                        if why_not_fits(config, M, N, K, dtype) is None:
+                            found.append(config)
     return found
 
 
@@ -255,6 +263,38 @@ def _decode_step(words, scale_bytes, selector, tables, a_layout: gl.constexpr,
                              assert_trivial=True)
 
 
+@gluon.jit
+def _step(acc, a, i, words, scale_bytes, OVERLAP: gl.constexpr, x_desc, x_ring, ready, w_ptrs,
+          s_ptrs, selector, tables, steps, pid_m, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+          PACKED: gl.constexpr, words_layout: gl.constexpr, a_layout: gl.constexpr,
+          gathered_layout: gl.constexpr):
+    """Step i: its MMA (A operand ``a``) on x's slot, the loads of step i + 2's words while it
+    runs, the decode of step i + 1's (``words``) into the next A operand, and the slot's
+    refill. ``OVERLAP``: the decode runs beside the MMA, into registers of its own; otherwise
+    once the MMA is done (into the same ones). The last steps load and decode the final one
+    again: no branch. Returns the accumulator, the next A operand and step i + 2's words and
+    scale bytes."""
+    slot = i % STAGES
+    mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
+    acc = warpgroup_mma(a, x_ring.index(slot).permute((1, 0)), acc, is_async=True)
+    ahead = gl.minimum(i + 2, steps - 1)
+    words_ahead = _step_words(w_ptrs, ahead, PACKED, words_layout)
+    scales_ahead = gl.load(s_ptrs + ahead * 2).to(gl.int32)
+    if OVERLAP:
+        a_next = _decode_step(words, scale_bytes, selector, tables, a_layout, gathered_layout)
+        acc, a = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a))
+    else:
+        acc, a = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a))
+        a_next = _decode_step(words, scale_bytes, selector, tables, a_layout, gathered_layout)
+    barrier()  # every warp's MMA has read the slot before TMA writes it again
+    nxt = i + STAGES
+    pred = nxt < steps
+    mbarrier.expect(ready.index(slot), BLOCK_M * _BK * 2, pred=pred)
+    _tma_load(x_desc, [pid_m * BLOCK_M, nxt * _BK], ready.index(slot), x_ring.index(slot),
+              pred=pred)
+    return acc, a_next, words_ahead, scales_ahead
+
+
 @gluon.jit(do_not_specialize=["M"])
 def gemm_w4wg_kernel(
     x_desc,  # TMA descriptor of x (M, K) bf16 in (BLOCK_M, 64) boxes
@@ -266,6 +306,7 @@ def gemm_w4wg_kernel(
     stride_wn, stride_sn, stride_ym, stride_bias,
     HAS_BIAS: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
     STAGES: gl.constexpr, WARPS: gl.constexpr, PACKED: gl.constexpr,
+    OVERLAP: gl.constexpr,
 ):
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
                                                   instr_shape=[16, BLOCK_M, 16])
@@ -317,33 +358,35 @@ def gemm_w4wg_kernel(
     # K >> 31 is 0 (K > 0), unknown to the compiler (e2m1_tables)
     tables = e2m1_tables(gl.zeros([BLOCK_N, 2, 4], gl.int32, gathered_layout) + (K >> 31))
 
-    a_now = _decode_step(_step_words(w_ptrs, 0, PACKED, words_layout),
-                         gl.load(s_ptrs).to(gl.int32), selector,
-                         tables, a_layout, gathered_layout)
+    a = _decode_step(_step_words(w_ptrs, 0, PACKED, words_layout),
+                     gl.load(s_ptrs).to(gl.int32), selector, tables, a_layout, gathered_layout)
     ahead = gl.minimum(1, steps - 1)
     words = _step_words(w_ptrs, ahead, PACKED, words_layout)
     scale_bytes = gl.load(s_ptrs + ahead * 2).to(gl.int32)
     acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=mma)
-    for i in range(steps):
-        slot = i % STAGES
-        mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
-        acc = warpgroup_mma(a_now, x_ring.index(slot).permute((1, 0)), acc, is_async=True)
-        # The step after the next loads while the MMA runs; the next one decodes once it is
-        # done (registers the MMA reads, written while it runs, would make ptxas serialise
-        # every MMA: C7513). The last steps load the final one again: no branch.
-        ahead = gl.minimum(i + 2, steps - 1)
-        words_ahead = _step_words(w_ptrs, ahead, PACKED, words_layout)
-        scales_ahead = gl.load(s_ptrs + ahead * 2).to(gl.int32)
-        acc, a_now = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a_now))
-        a_now = _decode_step(words, scale_bytes, selector, tables, a_layout, gathered_layout)
-        words = words_ahead
-        scale_bytes = scales_ahead
-        barrier()  # every warp's MMA has read the slot before TMA writes it again
-        nxt = i + STAGES
-        pred = nxt < steps
-        mbarrier.expect(ready.index(slot), BLOCK_M * _BK * 2, pred=pred)
-        _tma_load(x_desc, [pid_m * BLOCK_M, nxt * _BK], ready.index(slot), x_ring.index(slot),
-                  pred=pred)
+    if OVERLAP:
+        # Two sets of A registers, each step's MMA reading one while the next step decodes
+        # into the other: no register an MMA reads is written while it runs (ptxas's C7513).
+        for pair in range(steps // 2):
+            acc, a_odd, words, scale_bytes = _step(
+                acc, a, 2 * pair, words, scale_bytes, True, x_desc, x_ring, ready, w_ptrs,
+                s_ptrs, selector, tables, steps, pid_m, BLOCK_M, STAGES, PACKED, words_layout,
+                a_layout, gathered_layout)
+            acc, a, words, scale_bytes = _step(
+                acc, a_odd, 2 * pair + 1, words, scale_bytes, True, x_desc, x_ring, ready,
+                w_ptrs, s_ptrs, selector, tables, steps, pid_m, BLOCK_M, STAGES, PACKED,
+                words_layout, a_layout, gathered_layout)
+        if steps % 2:
+            acc, a, words, scale_bytes = _step(
+                acc, a, steps - 1, words, scale_bytes, True, x_desc, x_ring, ready, w_ptrs,
+                s_ptrs, selector, tables, steps, pid_m, BLOCK_M, STAGES, PACKED, words_layout,
+                a_layout, gathered_layout)
+    else:
+        for i in range(steps):
+            acc, a, words, scale_bytes = _step(
+                acc, a, i, words, scale_bytes, False, x_desc, x_ring, ready, w_ptrs, s_ptrs,
+                selector, tables, steps, pid_m, BLOCK_M, STAGES, PACKED, words_layout,
+                a_layout, gathered_layout)
     for s in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(s))
 
@@ -390,7 +433,8 @@ def w4wg_call(x, w, bias, out, scale_a, scale_b, config: W4WgConfig,
             w.stride(0), scale_b.stride(0), out.stride(0),
             bias.stride(0) if bias is not None else 0)
     constexprs = dict(HAS_BIAS=bias is not None, BLOCK_N=c.block_n, BLOCK_M=c.block_m,
-                      STAGES=c.stages, WARPS=c.num_warps, PACKED=bool(c.packed))
+                      STAGES=c.stages, WARPS=c.num_warps, PACKED=bool(c.packed),
+                      OVERLAP=bool(c.overlap))
     grid = (triton.cdiv(M, c.block_m), triton.cdiv(N, c.block_n))
     return KernelCall(gemm_w4wg_kernel, grid, args, constexprs, dict(num_warps=c.num_warps))
 
