@@ -44,7 +44,8 @@ def test_names_round_trip():
     (W4WgConfig(128, 128, 4, 3), 160, torch.bfloat16, "not a positive multiple of 64"),
     (W4WgConfig(128, 128, 4, 3, 1), 192, torch.bfloat16, "not a multiple of 128"),
     (W4WgConfig(128, 128, 4, 3, 2), 256, torch.bfloat16, "packed=2"),
-    (W4WgConfig(128, 128, 4, 3, 0, 2), 256, torch.bfloat16, "overlap=2"),
+    (W4WgConfig(128, 128, 4, 3, 0, 3), 256, torch.bfloat16, "overlap=3"),
+    (W4WgConfig(128, 128, 4, 3, 0, 2), 256, torch.bfloat16, "overlap=2 with 32 rows"),
     (W4WgConfig(128, 128, 4, 3), 0, torch.bfloat16, "K=0"),
 ])
 def test_configs_that_cannot_run_say_why(config, K, dtype, says):
@@ -56,7 +57,7 @@ def test_candidates_fit_and_start_where_decode_ends():
         found = candidates(M, N, K, torch.bfloat16)
         assert found and all(why_not_fits(c, M, N, K, torch.bfloat16) is None for c in found)
         assert {c.num_warps for c in found} == {4, 8}
-        assert {c.overlap for c in found} == {0, 1}
+        assert {c.overlap for c in found} == {0, 1, 2}
         assert all(c.block_m <= max(64, M) for c in found)
     assert {c.block_m for c in candidates(64, 4096, 4096, torch.bfloat16)} == {64}
     assert candidates(32, 4096, 4096, torch.bfloat16) == []
@@ -124,6 +125,14 @@ def test_bad_arguments_say_what_is_wrong():
     (100, 200, 512, W4WgConfig(128, 128, 4, 3, 0, 1)),
     (130, 520, 768, W4WgConfig(128, 256, 8, 3, 0, 1)),
     (300, 70, 1024, W4WgConfig(64, 256, 4, 3, 1, 1)),
+    # two MMAs in flight: the same cases (the slot refilled one step later)
+    (64, 64, 64, W4WgConfig(64, 64, 4, 3, 0, 2)),
+    (64, 130, 128, W4WgConfig(128, 64, 8, 4, 0, 2)),
+    (257, 300, 2880, W4WgConfig(64, 64, 4, 3, 0, 2)),
+    (100, 200, 512, W4WgConfig(128, 128, 8, 3, 0, 2)),
+    (130, 520, 768, W4WgConfig(128, 256, 8, 3, 0, 2)),
+    (300, 70, 1024, W4WgConfig(64, 256, 4, 2, 1, 2)),
+    (257, 300, 2880, W4WgConfig(128, 64, 4, 4, 0, 2)),
 ])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_gpu_matches_the_dequantised_reference(M, N, K, config, with_bias):
@@ -140,7 +149,8 @@ def test_gpu_matches_the_dequantised_reference(M, N, K, config, with_bias):
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", [W4WgConfig(128, 128, 4, 3), W4WgConfig(256, 64, 8, 3),
                                     W4WgConfig(64, 256, 4, 3), W4WgConfig(128, 128, 4, 3, 1),
-                                    W4WgConfig(128, 256, 8, 3, 0, 1)])
+                                    W4WgConfig(128, 256, 8, 3, 0, 1),
+                                    W4WgConfig(128, 256, 8, 3, 0, 2)])
 def test_gpu_every_code_at_every_scale_byte_exactly(config):
     """Row n of w has scale byte n on all its blocks and the 16 codes over and over, shifted by
     each 16 elements' index (so a K order wrong within a block shows); x is the identity, so y

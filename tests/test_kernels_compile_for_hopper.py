@@ -565,8 +565,13 @@ W4WG_SCRIPT = PTXAS_REPORT + textwrap.dedent("""
                            f"{gl.NVMMASharedLayout.get_default_for(box, gl.bfloat16)!r}>"}
         pointers = {"wq_ptr": "*u8", "ws_ptr": "*u8", "y_ptr": "*bf16", "bias_ptr": "*bf16"}
         packed = i % 3 == 1  # w in mxfp4.prepack's layout
-        # the decode after each MMA, or beside it into a second set of A registers
-        for overlap in (False, True):
+        # the decode after each MMA, or beside it into a second set of A registers (with one
+        # MMA or two in flight)
+        for overlap in (0, 1, 2):
+            if gemm_w4wg.why_not_fits(gemm_w4wg.W4WgConfig(block_n, block_m, warps, stages,
+                                                           int(packed), overlap),
+                                      4096, 4096, 4096, __import__("torch").bfloat16):
+                continue
             constexprs = dict(HAS_BIAS=i % 2 == 0, BLOCK_N=block_n, BLOCK_M=block_m,
                               STAGES=stages, WARPS=warps, PACKED=packed, OVERLAP=overlap)
             signature = {n: descs.get(n) or pointers.get(n) or

@@ -87,8 +87,8 @@ class W4WgConfig(NamedConfig):
     # 1: w in the packed layout (``mxfp4.prepack``: a step's word t of its 2 blocks in one
     # 8-byte load); 0: as ``mxfp4.quantize`` makes it (a block's 16 bytes in one load)
     packed: int = 0
-    # 1: the next step decodes while this step's MMA runs (two sets of A registers); 0: once it
-    # is done
+    # 0: the next step decodes once this step's MMA is done; 1: while it runs (two sets of A
+    # registers); 2: while it runs, queued behind the previous step's (two MMAs in flight)
     overlap: int = 0
 
 
@@ -107,7 +107,8 @@ def why_not_fits(config: W4WgConfig, M: int, N: int, K: int, dtype: torch.dtype)
     if c.num_warps not in WARPS or not 16 * c.num_warps <= c.block_n <= 32 * c.num_warps:
         return (f"num_warps={c.num_warps} must be one of {WARPS}, with 16 or 32 rows of w each "
                 f"(block_n={c.block_n}; 64 a warp spill the decode's registers)")
-    if c.block_n * c.block_m // (32 * c.num_warps) > MAX_ACC_REGS:
+    acc_regs = c.block_n * c.block_m // (32 * c.num_warps)
+    if acc_regs > MAX_ACC_REGS:
         return (f"block_n x block_m = {c.block_n} x {c.block_m}: the fp32 accumulator would take "
                 f"more than {MAX_ACC_REGS} registers a thread")
     if not 2 <= c.stages or ring_bytes(c) > _RING_BYTES:
@@ -115,9 +116,13 @@ def why_not_fits(config: W4WgConfig, M: int, N: int, K: int, dtype: torch.dtype)
                 f"{_RING_BYTES} bytes in all")
     if c.packed not in (0, 1):
         return f"packed={c.packed} must be 0 (w as quantised) or 1 (w packed: mxfp4.prepack)"
-    if c.overlap not in (0, 1):
-        return (f"overlap={c.overlap} must be 0 (decode after the MMA) or 1 (beside it, "
-                f"two sets of A registers)")
+    if c.overlap not in (0, 1, 2):
+        return (f"overlap={c.overlap} must be 0 (decode after the MMA), 1 (beside it, two sets "
+                f"of A registers) or 2 (beside it, two MMAs in flight)")
+    if c.overlap == 2 and c.block_n == 32 * c.num_warps and acc_regs > MAX_ACC_REGS // 2:
+        return (f"overlap=2 with 32 rows of w a warp and {acc_regs} accumulator registers a "
+                f"thread spills registers (two MMAs in flight keep both A operands live); use "
+                f"overlap=1, more warps or a smaller block_m")
     why = mxfp4.why_not_quantisable(K) or (mxfp4.why_not_packable(K) if c.packed else None)
     if why is not None:
         return why
@@ -152,7 +157,7 @@ def candidates(M: int, N: int, K: int, dtype: torch.dtype,
                 continue
             for warps in WARPS:
                 for stages in (3, 4):
-                    for overlap in (0, 1):
+                    for overlap in (0, 1, 2):
                         config = W4WgConfig(bn, bm, warps, stages, int(packed), overlap)
                         if why_not_fits(config, M, N, K, dtype) is None:
                             found.append(config)
@@ -295,6 +300,33 @@ def _step(acc, a, i, words, scale_bytes, OVERLAP: gl.constexpr, x_desc, x_ring, 
     return acc, a_next, words_ahead, scales_ahead
 
 
+@gluon.jit
+def _queued_step(acc, a, a_prev, i, words, scale_bytes, x_desc, x_ring, ready, w_ptrs, s_ptrs,
+                 selector, tables, steps, pid_m, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+                 PACKED: gl.constexpr, words_layout: gl.constexpr, a_layout: gl.constexpr,
+                 gathered_layout: gl.constexpr):
+    """Step i with its MMA queued behind step i - 1's: once that one is done (its A operand
+    ``a_prev`` free), step i + 1 decodes into its registers while this one runs, and step
+    i - 1's slot is refilled. Returns the accumulator (this step's MMA still running), the next
+    A operand, this one, and step i + 2's words and scale bytes."""
+    slot = i % STAGES
+    mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
+    acc = warpgroup_mma(a, x_ring.index(slot).permute((1, 0)), acc, is_async=True)
+    ahead = gl.minimum(i + 2, steps - 1)
+    words_ahead = _step_words(w_ptrs, ahead, PACKED, words_layout)
+    scales_ahead = gl.load(s_ptrs + ahead * 2).to(gl.int32)
+    acc, a_prev = warpgroup_mma_wait(num_outstanding=1, deps=(acc, a_prev))
+    a_next = _decode_step(words, scale_bytes, selector, tables, a_layout, gathered_layout)
+    barrier()  # every warp's MMA of step i - 1 is done before TMA writes its slot again
+    nxt = i - 1 + STAGES
+    done_slot = nxt % STAGES
+    pred = (i >= 1) & (nxt < steps)
+    mbarrier.expect(ready.index(done_slot), BLOCK_M * _BK * 2, pred=pred)
+    _tma_load(x_desc, [pid_m * BLOCK_M, nxt * _BK], ready.index(done_slot),
+              x_ring.index(done_slot), pred=pred)
+    return acc, a_next, a, words_ahead, scales_ahead
+
+
 @gluon.jit(do_not_specialize=["M"])
 def gemm_w4wg_kernel(
     x_desc,  # TMA descriptor of x (M, K) bf16 in (BLOCK_M, 64) boxes
@@ -306,7 +338,7 @@ def gemm_w4wg_kernel(
     stride_wn, stride_sn, stride_ym, stride_bias,
     HAS_BIAS: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
     STAGES: gl.constexpr, WARPS: gl.constexpr, PACKED: gl.constexpr,
-    OVERLAP: gl.constexpr,
+    OVERLAP: gl.constexpr,  # 0, 1 or 2: W4WgConfig.overlap
 ):
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS, 1],
                                                   instr_shape=[16, BLOCK_M, 16])
@@ -364,7 +396,27 @@ def gemm_w4wg_kernel(
     words = _step_words(w_ptrs, ahead, PACKED, words_layout)
     scale_bytes = gl.load(s_ptrs + ahead * 2).to(gl.int32)
     acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=mma)
-    if OVERLAP:
+    if OVERLAP == 2:
+        # Two sets of A registers and two MMAs in flight: step i's queued behind step i - 1's,
+        # whose registers step i + 1 decodes into once it is done (no register an MMA reads is
+        # written while it runs: ptxas's C7513), so the tensor cores never wait for a decode.
+        a_odd = gl.zeros([BLOCK_N, _BK], gl.bfloat16, a_layout)
+        for pair in range(steps // 2):
+            acc, a_odd, a, words, scale_bytes = _queued_step(
+                acc, a, a_odd, 2 * pair, words, scale_bytes, x_desc, x_ring, ready, w_ptrs,
+                s_ptrs, selector, tables, steps, pid_m, BLOCK_M, STAGES, PACKED, words_layout,
+                a_layout, gathered_layout)
+            acc, a, a_odd, words, scale_bytes = _queued_step(
+                acc, a_odd, a, 2 * pair + 1, words, scale_bytes, x_desc, x_ring, ready,
+                w_ptrs, s_ptrs, selector, tables, steps, pid_m, BLOCK_M, STAGES, PACKED,
+                words_layout, a_layout, gathered_layout)
+        if steps % 2:
+            acc, a_odd, a, words, scale_bytes = _queued_step(
+                acc, a, a_odd, steps - 1, words, scale_bytes, x_desc, x_ring, ready, w_ptrs,
+                s_ptrs, selector, tables, steps, pid_m, BLOCK_M, STAGES, PACKED, words_layout,
+                a_layout, gathered_layout)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    elif OVERLAP == 1:
         # Two sets of A registers, each step's MMA reading one while the next step decodes
         # into the other: no register an MMA reads is written while it runs (ptxas's C7513).
         for pair in range(steps // 2):
@@ -434,7 +486,7 @@ def w4wg_call(x, w, bias, out, scale_a, scale_b, config: W4WgConfig,
             bias.stride(0) if bias is not None else 0)
     constexprs = dict(HAS_BIAS=bias is not None, BLOCK_N=c.block_n, BLOCK_M=c.block_m,
                       STAGES=c.stages, WARPS=c.num_warps, PACKED=bool(c.packed),
-                      OVERLAP=bool(c.overlap))
+                      OVERLAP=c.overlap)
     grid = (triton.cdiv(M, c.block_m), triton.cdiv(N, c.block_n))
     return KernelCall(gemm_w4wg_kernel, grid, args, constexprs, dict(num_warps=c.num_warps))
 
