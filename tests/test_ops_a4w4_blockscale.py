@@ -213,3 +213,15 @@ def test_both_mxfp4_tuners_offer_the_gluon_kernels_on_hopper(monkeypatch):
         prefill_wg = [n for n in prefill if n.startswith("triton.w4wg:")]
         assert prefill_wg and all((".L1" in n) == packed for n in prefill_wg), prefill
         assert any(n.startswith("triton.w4deq:") for n in prefill), prefill
+
+
+def test_the_mxfp4_benches_peak_is_f_linear_not_the_torch_dequantise():
+    """The bench's compute ceiling for the MXFP4 families is F.linear in the dtype their
+    kernels multiply in (the torch column dequantises in torch first: timed at 8192^3 it gave
+    a ceiling of ~200 TFLOP/s, and every prefill shape came out "faster than the floor")."""
+    from gemmtune.families import a4w4_blockscale, a16w4
+
+    assert a16w4.FAMILY.bench("bf16").math_dtype == torch.bfloat16
+    assert a16w4.FAMILY.bench("fp16").math_dtype == torch.float16
+    for dtype in a4w4_blockscale.FAMILY.bench_dtypes:
+        assert a4w4_blockscale.FAMILY.bench(dtype).math_dtype == torch.bfloat16

@@ -78,9 +78,15 @@ class BenchRow:
 
 
 def _peak_gemm(op: BenchOp):
-    """A large GEMM through torch in ``op``'s dtype, and its FLOPs: the peak-throughput probe."""
+    """A large GEMM through torch in ``op``'s dtype (``F.linear`` in its ``math_dtype`` where it
+    has one), and its FLOPs: the peak-throughput probe."""
     n = 8192
-    args = op.inputs(n, n, n, torch.Generator(device="cuda").manual_seed(1))
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    if op.math_dtype is not None:
+        x, w = (torch.randn(n, n, generator=gen, device="cuda").to(op.math_dtype)
+                for _ in range(2))
+        return (lambda: torch.nn.functional.linear(x, w)), 2.0 * n ** 3
+    args = op.inputs(n, n, n, gen)
     return (lambda: op.torch(args)), 2.0 * n ** 3
 
 

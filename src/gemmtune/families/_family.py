@@ -54,6 +54,9 @@ class BenchOp:
     w_bytes: float | None = None
     x_bytes: float | None = None
     comparisons: tuple[Comparison, ...] = ()  # timed beside torch and the tuned op
+    # The dtype the tuned kernels' tensor cores multiply in, where the torch column's own GEMM
+    # is not the peak (MXFP4: a dequantise in torch, then bf16): the peak probe is F.linear in it
+    math_dtype: torch.dtype | None = None
     # Other table names of what the torch column runs (the torch backend of another weight
     # layout: the same computation after an unpacking)
     torch_aliases: tuple[str, ...] = ()

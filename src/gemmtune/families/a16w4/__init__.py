@@ -57,7 +57,7 @@ def bench_op(dtype: str) -> BenchOp:
         table_key=lambda m, n, k: gemm_key(m, n, k, dtype,
                                            packed=packed_layout_tuned(n, k, x_dtype)),
         torch_kernel=TORCH_DEQUANT_LINEAR, torch_aliases=(TORCH_UNPACK_DEQUANT_LINEAR,),
-        w_bytes=0.5 + 1 / mxfp4.BLOCK, comparisons=linear_and_fp8(x_dtype))
+        w_bytes=0.5 + 1 / mxfp4.BLOCK, comparisons=linear_and_fp8(x_dtype), math_dtype=x_dtype)
 
 
 def _packed_twin(key: A16w4Key) -> tuple[A16w4Key, ...]:

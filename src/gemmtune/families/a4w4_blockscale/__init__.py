@@ -43,7 +43,7 @@ def bench_op(dtype: str) -> BenchOp:
         table_key=lambda m, n, k: gemm_key(m, n, k),
         torch_kernel=TORCH_DEQUANT_MM,
         w_bytes=0.5 + 1 / mxfp4.BLOCK, x_bytes=0.5 + 1 / mxfp4.BLOCK,
-        comparisons=linear_and_fp8(TUNED_OUT_DTYPE))
+        comparisons=linear_and_fp8(TUNED_OUT_DTYPE), math_dtype=torch.bfloat16)
 
 
 FAMILY = Family(
