@@ -1,5 +1,5 @@
 """The inline PTX that decodes E2M1 codes in the Gluon MXFP4 kernels (``gemm_w4frag``'s
-``_E2M1_TO_BF16_ASM``), run on the CPU by a small emulator of the PTX instructions it uses
+``E2M1_TO_BF16_ASM``), run on the CPU by a small emulator of the PTX instructions it uses
 (``and``, ``shr``, ``shl``, ``prmt``, ``lop3``, ``mul.rn.bf16x2``, with the PTX ISA's semantics),
 bit for bit against ``mxfp4.e2m1_values`` in bf16: every code at every place of a word, and
 random words; and ``gemm_w4wg``'s byte gather and bf16 scale multiply around it. The GPU tests
@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from gemmtune.kernels import mxfp4
-from gemmtune.kernels.triton.gemm_w4frag import _E2M1_TO_BF16_ASM
+from gemmtune.kernels.triton._e2m1_ptx import E2M1_TO_BF16_ASM, SCALE_BF16X2_ASM
 
 MASK = np.uint64(0xFFFFFFFF)
 
@@ -89,7 +89,7 @@ def _decode(words: np.ndarray) -> np.ndarray:
     """The asm's 4 output registers of each word, as (words, 8) bf16 bit patterns in code
     order: register i holds codes 2 i (low half) and 2 i + 1."""
     # e2m1_tables: the lane id times zeros, or'd with the two table words
-    regs = run_ptx(_E2M1_TO_BF16_ASM.value, {"$4": words, "$5": np.uint64(0xC0800000) + 0 * words,
+    regs = run_ptx(E2M1_TO_BF16_ASM.value, {"$4": words, "$5": np.uint64(0xC0800000) + 0 * words,
                                              "$6": np.uint64(0x3F3F3F00) + 0 * words})
     out = np.stack([regs[f"${i}"] for i in range(4)], axis=1)
     return np.stack([out & np.uint64(0xFFFF), out >> np.uint64(16)], axis=2).reshape(-1, 8)
@@ -127,7 +127,7 @@ def test_the_emulator_follows_the_ptx_isa():
     x, y, z = (np.array([v], dtype=np.uint64) for v in (0xF0F0F0F0, 0xCCCCCCCC, 0xAAAAAAAA))
     assert _lop3(x, y, z, 0x80)[0] == 0x80808080  # a & b & c
     assert _lop3(x, y, z, 0xF8)[0] == 0xF8F8F8F8  # a | (b & c)
-    assert re.search(r"lop3\.b32 \w+, \w+, \w+, 0x80808080, 0xF8", _E2M1_TO_BF16_ASM.value)
+    assert re.search(r"lop3\.b32 \w+, \w+, \w+, 0x80808080, 0xF8", E2M1_TO_BF16_ASM.value)
 
 
 def _mul_bf16x2(a, b):
@@ -151,7 +151,7 @@ def test_the_prefill_kernels_gather_decode_and_scale():
     8 i + 2 t + 1 of the block (wgmma's A fragment), and the bf16 scale multiply gives the
     dequantised value bit for bit at every scale byte up to 252 (6 x 2^125), infinity past it
     where the value is past fp32's range, NaN at byte 255."""
-    from gemmtune.kernels.triton.gemm_w4wg import _GATHER_ASM, _SCALE_ASM
+    from gemmtune.kernels.triton.gemm_w4wg import _GATHER_ASM
 
     rng = np.random.default_rng(1)
     rows = rng.integers(0, 256, size=(4096, 16), dtype=np.uint64)
@@ -175,7 +175,7 @@ def test_the_prefill_kernels_gather_decode_and_scale():
             pair = np.uint64(int(scale_bits[byte]) * 0x10001) + 0 * mine
             regs = {f"${4 + i}": (decoded[:, i, 0] | decoded[:, i, 1] << np.uint64(16))
                     for i in range(4)}
-            scaled = run_ptx(_SCALE_ASM.value, {**regs, "$8": pair}, muls=_mul_bf16x2)
+            scaled = run_ptx(SCALE_BF16X2_ASM.value, {**regs, "$8": pair}, muls=_mul_bf16x2)
             got = np.stack([scaled[f"${i}"] for i in range(4)], axis=1)
             got = np.stack([got & np.uint64(0xFFFF), got >> np.uint64(16)], axis=2)
             want = mxfp4.e2m1_values(codes[:, k]) * scales[byte]

@@ -49,6 +49,7 @@ from gemmtune.kernels.triton._swapped import (BLOCK_N, NUM_WARPS, finish_tile,
                                               partials_per_load, release_then_wait,
                                               split_steps, why_not_add_splits, why_not_grid,
                                               why_not_here)
+from gemmtune.kernels.triton._e2m1_ptx import E2M1_TO_BF16_ASM, e2m1_tables
 from gemmtune.kernels.triton._mxfp4_calls import scaled_launcher, validated_launch
 from gemmtune.kernels.triton.gemm_w4deq import W4DeqConfig, dequantize
 
@@ -208,43 +209,6 @@ def _nan_scales(seen, word):
     return seen | ((~word - 0x01010101) & word & -0x7F7F7F80)  # 0x80808080 as int32
 
 
-# E2M1 codes to bf16: a 32-bit word of 8 codes c0-c7 ($4: 4 bytes, the lower-index code in
-# each byte's low nibble) to 4 registers of 2 bf16 each, register i holding codes 2 i (low half)
-# and 2 i + 1, the pairs the MMA takes in one register. PRMT looks up the low and the high byte
-# of each code's magnitude ($5, $6 and the immediates: two 8-byte tables), PRMT's
-# sign-replicating selectors spread the codes' signs (bit 3) to bit 7 of the high bytes, and a
-# last PRMT pairs low and high bytes: 15 instructions for 8 codes (Triton's fp4_to_fp, whose
-# tables are also copied into registers before each use: about 24).
-_E2M1_TO_BF16_ASM = gl.constexpr("""{
-.reg .b32 m, mh, la, ha, lb, hb, q4, sa, sb;
-and.b32 m, $4, 0x77777777;
-shr.b32 mh, m, 16;
-shl.b32 q4, $4, 4;
-prmt.b32 la, $5, 0xC0804000, m;
-prmt.b32 ha, $6, 0x40404040, m;
-prmt.b32 lb, $5, 0xC0804000, mh;
-prmt.b32 hb, $6, 0x40404040, mh;
-prmt.b32 sa, q4, $4, 0xD9C8;
-prmt.b32 sb, q4, $4, 0xFBEA;
-lop3.b32 ha, ha, sa, 0x80808080, 0xF8;
-lop3.b32 hb, hb, sb, 0x80808080, 0xF8;
-prmt.b32 $0, la, ha, 0x5140;
-prmt.b32 $1, la, ha, 0x7362;
-prmt.b32 $2, lb, hb, 0x5140;
-prmt.b32 $3, lb, hb, 0x7362;
-}""")
-
-
-@gluon.jit
-def e2m1_tables(zeros):
-    """The lookup words of e2m1_to_bf16 in int32 tensors shaped as ``zeros`` (int32 zeros the
-    compiler cannot know are zero): the lane id times those zeros makes them values of each
-    thread, so ptxas holds them in registers instead of copying them out of uniform registers
-    before every use (a third more instructions in the loop)."""
-    return gl.inline_asm_elementwise(
-        "{.reg .u32 t; mov.u32 t, %laneid; mul.lo.u32 t, t, $2; or.b32 $0, t, 0xC0800000; "
-        "or.b32 $1, t, 0x3F3F3F00;}", "=r,=r,r", [zeros], dtype=(gl.int32, gl.int32),
-        is_pure=True, pack=1)
 
 
 @gluon.jit
@@ -258,7 +222,7 @@ def _halves(pair):
 def _e2m1_codes(words, tables):
     """(R, T) int32 words of 8 codes each -> (R, T, 2, 2, 2) bf16, code i of a word at
     (i % 2, i // 2 % 2, i // 4), in the word's thread."""
-    r = gl.inline_asm_elementwise(_E2M1_TO_BF16_ASM, "=r,=r,=r,=r,r,r,r",
+    r = gl.inline_asm_elementwise(E2M1_TO_BF16_ASM, "=r,=r,=r,=r,r,r,r",
                                   [words, tables[0], tables[1]], dtype=(gl.int32,) * 4,
                                   is_pure=True, pack=1)
     # Register i is codes 2 i (low half) and 2 i + 1: taken apart here, put back together as

@@ -52,7 +52,9 @@ from gemmtune.kernels.triton import _checks
 from gemmtune.kernels.triton._mxfp4_calls import scaled_launcher, validated_launch
 from gemmtune.kernels.triton._replay import KernelCall, launch
 from gemmtune.kernels.triton._swapped import barrier, why_not_here
-from gemmtune.kernels.triton.gemm_w4frag import _E2M1_TO_BF16_ASM, _halves, e2m1_tables
+from gemmtune.kernels.triton._e2m1_ptx import (E2M1_TO_BF16_ASM, SCALE_BF16X2_ASM,
+                                               bf16_scale_pairs, e2m1_tables)
+from gemmtune.kernels.triton.gemm_w4frag import _halves
 
 KERNEL_PREFIX = "triton.w4wg"
 BLOCK_K = 64  # K a step: a TMA box row of x is 128 bytes (the widest swizzle)
@@ -212,21 +214,6 @@ def _gathered_layout(block_n, warps):
 _GATHER_ASM = gl.constexpr(
     "{.reg .b32 lo, hi; prmt.b32 lo, $1, $2, $5; prmt.b32 hi, $3, $4, $5; "
     "prmt.b32 $0, lo, hi, 0x5410;}")
-# 4 registers of 2 bf16 each times a pair of bf16 scales
-_SCALE_ASM = gl.constexpr(
-    "mul.rn.bf16x2 $0, $4, $8; mul.rn.bf16x2 $1, $5, $8; mul.rn.bf16x2 $2, $6, $8; "
-    "mul.rn.bf16x2 $3, $7, $8;")
-
-
-@gluon.jit
-def _bf16_scales(byte):
-    """Pairs of bf16 2^(byte - 127) (int32: the same bf16 in both halves) of E8M0 bytes: the
-    byte shifted into the exponent field, byte 0 2^-127 (bf16 subnormal 0x0040), byte 255 NaN
-    (0x7FC0)."""
-    s = gl.maximum(byte << 7, 0x40) | (((byte + 1) >> 8) << 6)
-    return s | (s << 16)
-
-
 @gluon.jit
 def _step_words(ptrs, step, PACKED: gl.constexpr, words_layout: gl.constexpr):
     """Step ``step``'s code words in ``words_layout``: as quantised, a row's 8 words at 8 step
@@ -254,11 +241,11 @@ def _decode_step(words, scale_bytes, selector, tables, a_layout: gl.constexpr,
     w3 = gl.convert_layout(w3, gathered_layout, assert_trivial=True)
     mine = gl.inline_asm_elementwise(_GATHER_ASM, "=r,r,r,r,r,r", [w0, w1, w2, w3, selector],
                                      dtype=gl.int32, is_pure=True, pack=1)
-    r = gl.inline_asm_elementwise(_E2M1_TO_BF16_ASM, "=r,=r,=r,=r,r,r,r",
+    r = gl.inline_asm_elementwise(E2M1_TO_BF16_ASM, "=r,=r,=r,=r,r,r,r",
                                   [mine, tables[0], tables[1]], dtype=(gl.int32,) * 4,
                                   is_pure=True, pack=1)
-    r = gl.inline_asm_elementwise(_SCALE_ASM, "=r,=r,=r,=r,r,r,r,r,r",
-                                  [r[0], r[1], r[2], r[3], _bf16_scales(scale_bytes)],
+    r = gl.inline_asm_elementwise(SCALE_BF16X2_ASM, "=r,=r,=r,=r,r,r,r,r,r",
+                                  [r[0], r[1], r[2], r[3], bf16_scale_pairs(scale_bytes)],
                                   dtype=(gl.int32,) * 4, is_pure=True, pack=1)
     # Register i holds byte i's 2 codes: K 8 i + 2 t + (0, 1) of the block.
     codes = gl.join(gl.join(_halves(r[0]), _halves(r[1])), gl.join(_halves(r[2]), _halves(r[3])))

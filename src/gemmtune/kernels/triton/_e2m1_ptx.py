@@ -1,0 +1,65 @@
+"""The inline PTX that turns MXFP4 codes and scales into bf16, shared by the kernels that
+decode in registers (``triton.w4frag``, ``triton.w4wg``, ``triton.w4deq``'s bf16 copy).
+
+The asm texts are constexprs (Triton and Gluon take them alike); the two helpers are
+``triton.jit`` functions, which Gluon kernels call too. None of it runs in Triton's
+interpreter; ``tests/test_mxfp4_ptx_decode.py`` runs the texts on the CPU through a small PTX
+emulator, bit for bit against ``mxfp4.e2m1_values``.
+"""
+
+import triton
+import triton.language as tl
+
+# E2M1 codes to bf16: a 32-bit word of 8 codes c0-c7 ($4: 4 bytes, the lower-index code in
+# each byte's low nibble) to 4 registers of 2 bf16 each, register i holding codes 2 i (low half)
+# and 2 i + 1, the pairs the MMA takes in one register. PRMT looks up the low and the high byte
+# of each code's magnitude ($5, $6 and the immediates: two 8-byte tables), PRMT's
+# sign-replicating selectors spread the codes' signs (bit 3) to bit 7 of the high bytes, and a
+# last PRMT pairs low and high bytes: 15 instructions for 8 codes (Triton's fp4_to_fp, whose
+# tables are also copied into registers before each use: about 24).
+E2M1_TO_BF16_ASM = tl.constexpr("""{
+.reg .b32 m, mh, la, ha, lb, hb, q4, sa, sb;
+and.b32 m, $4, 0x77777777;
+shr.b32 mh, m, 16;
+shl.b32 q4, $4, 4;
+prmt.b32 la, $5, 0xC0804000, m;
+prmt.b32 ha, $6, 0x40404040, m;
+prmt.b32 lb, $5, 0xC0804000, mh;
+prmt.b32 hb, $6, 0x40404040, mh;
+prmt.b32 sa, q4, $4, 0xD9C8;
+prmt.b32 sb, q4, $4, 0xFBEA;
+lop3.b32 ha, ha, sa, 0x80808080, 0xF8;
+lop3.b32 hb, hb, sb, 0x80808080, 0xF8;
+prmt.b32 $0, la, ha, 0x5140;
+prmt.b32 $1, la, ha, 0x7362;
+prmt.b32 $2, lb, hb, 0x5140;
+prmt.b32 $3, lb, hb, 0x7362;
+}""")
+
+# 4 registers of 2 bf16 each ($4-$7) times a pair of bf16 scales ($8): exact for every finite
+# result (bf16 has fp32's exponent range, and its subnormals reach 2^-133, below the smallest
+# scaled value 0.5 x 2^-127)
+SCALE_BF16X2_ASM = tl.constexpr(
+    "mul.rn.bf16x2 $0, $4, $8; mul.rn.bf16x2 $1, $5, $8; mul.rn.bf16x2 $2, $6, $8; "
+    "mul.rn.bf16x2 $3, $7, $8;")
+
+
+@triton.jit
+def e2m1_tables(zeros):
+    """The lookup words of E2M1_TO_BF16_ASM in int32 tensors shaped as ``zeros`` (int32 zeros
+    the compiler cannot know are zero): the lane id times those zeros makes them values of each
+    thread, so ptxas holds them in registers instead of copying them out of uniform registers
+    before every use (a third more instructions in the loop)."""
+    return tl.inline_asm_elementwise(
+        "{.reg .u32 t; mov.u32 t, %laneid; mul.lo.u32 t, t, $2; or.b32 $0, t, 0xC0800000; "
+        "or.b32 $1, t, 0x3F3F3F00;}", "=r,=r,r", [zeros], dtype=(tl.int32, tl.int32),
+        is_pure=True, pack=1)
+
+
+@triton.jit
+def bf16_scale_pairs(byte):
+    """Pairs of bf16 2^(byte - 127) (int32: the same bf16 in both halves) of E8M0 bytes (int32):
+    the byte shifted into the exponent field, byte 0 2^-127 (bf16 subnormal 0x0040), byte 255
+    NaN (0x7FC0)."""
+    s = tl.maximum(byte << 7, 0x40) | (((byte + 1) >> 8) << 6)
+    return s | (s << 16)
