@@ -13,7 +13,7 @@ from gemm_checks import (DEVICE, assert_matches_reference,
                          assert_mxfp4_launcher_says_what_is_wrong, generator, randn)
 from gemmtune import quant
 from gemmtune.kernels.triton.gemm_w4deq import (W4DeqConfig, candidates, dequantize,
-                                                gemm_w4deq, why_not_fits)
+                                                gemm_w4deq, why_not_fits, why_not_supported)
 
 
 def _weight(N, K, gen):
@@ -32,6 +32,13 @@ def test_names_and_candidates():
     assert found and all(c.packed and why_not_fits(c, 1024, 4096, 4096, torch.bfloat16) is None
                          for c in found)
     assert candidates(1024, 4096, 2880, torch.bfloat16, packed=True) == []  # no packed layout
+    asm = W4DeqConfig(8, 512, 4, 0, 1)
+    assert asm.name == "triton.w4deq:BN8.BK512.W4.L0.A1"
+    assert W4DeqConfig.from_name(asm.name) == asm
+    # The inline-PTX decode where it is compiled, for bf16 copies (bf16 and MXFP4 x)
+    for dtype in (torch.bfloat16, torch.uint8, torch.float16):
+        asms = {c.asm for c in candidates(1024, 4096, 4096, dtype)}
+        assert asms == ({0} if dtype == torch.float16 or DEVICE != "cuda" else {0, 1})
 
 
 @pytest.mark.parametrize("config, K, dtype, says", [
@@ -39,6 +46,8 @@ def test_names_and_candidates():
     (W4DeqConfig(32, 16, 4), 128, torch.bfloat16, "whole scale blocks"),
     (W4DeqConfig(24, 128, 4), 128, torch.bfloat16, "block_n=24"),
     (W4DeqConfig(32, 128, 4, 1), 96, torch.bfloat16, "multiple of 128"),
+    (W4DeqConfig(32, 128, 4, 0, 2), 128, torch.bfloat16, "asm=2"),
+    (W4DeqConfig(32, 128, 4, 0, 1), 128, torch.float16, "asm=1 decodes to bf16"),
 ])
 def test_configs_that_cannot_run_say_why(config, K, dtype, says):
     assert says in why_not_fits(config, 64, 64, K, dtype)
@@ -96,7 +105,10 @@ def test_a_bias_of_another_dtype_is_added_in_fp32():
 
 
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize("config", [W4DeqConfig(16, 128, 4), W4DeqConfig(8, 256, 4, 1)])
+@pytest.mark.parametrize("config", [
+    W4DeqConfig(16, 128, 4), W4DeqConfig(8, 256, 4, 1),
+    pytest.param(W4DeqConfig(8, 256, 4, 1, 1), marks=pytest.mark.gpu),  # the PTX decode
+])
 def test_mxfp4_x_matches_the_reference(out_dtype, config):
     """x MXFP4 too (gemm_a4w4_blockscale's): both operands dequantised to bf16 (x's codes as
     quantised whatever w's layout), multiplied into each output dtype; a bias is refused (the
@@ -139,3 +151,48 @@ def test_gpu_real_sizes(packed):
     for config in candidates(M, N, K, torch.bfloat16, packed):
         y = gemm_w4deq(x, stored, ws, None, config)
         assert_matches_reference(y, x, quant.dequant_mxfp4(wq, ws))
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="the interpreter refuses the PTX decode")
+def test_the_ptx_decode_is_refused_in_the_interpreter():
+    why = why_not_supported(W4DeqConfig(8, 512, 4, 0, 1), 64, 64, 128, torch.bfloat16,
+                            torch.bfloat16)
+    assert "interpreter" in why and "asm=0" in why
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("N, K, config", [
+    (37, 96, W4DeqConfig(8, 64, 4, 0, 1)),       # N and K ragged against the blocks
+    (300, 4096, W4DeqConfig(8, 512, 4, 0, 1)),
+    (300, 4096, W4DeqConfig(32, 128, 4, 0, 1)),
+    (20, 256, W4DeqConfig(16, 128, 4, 1, 1)),    # packed
+    (9, 384, W4DeqConfig(8, 256, 4, 1, 1)),      # packed, K ragged against block_k
+    (130, 2048, W4DeqConfig(8, 512, 4, 1, 1)),   # packed, groups of 16 words in every place
+])
+def test_gpu_ptx_decode_is_the_reference_exactly(N, K, config):
+    wq, ws = _weight(N, K, generator(N + K))
+    stored = quant.prepack_mxfp4(wq, ws)[0] if config.packed else wq
+    got = dequantize(stored, ws, torch.bfloat16, config)
+    torch.testing.assert_close(got, quant.dequant_mxfp4(wq, ws).to(torch.bfloat16), rtol=0,
+                               atol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("packed", [0, 1])
+def test_gpu_ptx_decode_of_every_code_at_every_scale_byte_exactly(packed):
+    """As the Triton decode's test, through the PTX, both layouts; and codes of a misaligned
+    view (its rows not 4-byte aligned: copied first)."""
+    K = 128
+    k = torch.arange(K, device=DEVICE)
+    codes = (k + k // 16) % 16
+    wq = (codes[0::2] | (codes[1::2] << 4)).to(torch.uint8).repeat(256, 1)
+    ws = torch.arange(256, device=DEVICE).to(torch.uint8)[:, None].repeat(1, K // 32)
+    want = quant.dequant_mxfp4(wq, ws).to(torch.bfloat16)
+    stored = quant.prepack_mxfp4(wq, ws)[0] if packed else wq
+    got = dequantize(stored, ws, torch.bfloat16, W4DeqConfig(32, 128, 4, packed, 1))
+    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+    wide = torch.zeros(256, K // 2 + 1, dtype=torch.uint8, device=DEVICE)
+    wide[:, 1:] = wq
+    got = dequantize(wide[:, 1:], ws, torch.bfloat16, W4DeqConfig(32, 128, 4, 0, 1))
+    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+

@@ -7,7 +7,10 @@ From M of about a thousand a GEMM is bound by the tensor cores, where cuBLAS is 
 a kernel that decodes the codes in its main loop pays for the decode on every tile of x's rows.
 Dequantising once per call reads the 4.25-bit weight and writes a 16-bit one (2.5 bytes an
 element: about 14 µs for 4096 x 4096 at 3 TB/s) and leaves the rest to cuBLAS; the copy is the
-price, and it shrinks against the GEMM as M grows. Not yet timed on a GPU.
+price, and it shrinks against the GEMM as M grows. The copy is only that cheap if it is bound
+by bandwidth: decoded in Triton it takes about 27 instructions an element, more issue than
+the bytes' time, so bf16 copies on a GPU are also offered through the register-decoding
+kernels' PTX (``asm``: under 9 instructions an element).
 
 The dequantised values are exact in bf16 (an E2M1 value times a power of two has two
 significant bits, within bf16's range); in fp16 a weight past 65504 becomes inf and tiny ones
@@ -31,6 +34,9 @@ import triton.language as tl
 
 from gemmtune.kernels import mxfp4
 from gemmtune.kernels._names import Field, NameCodec, NamedConfig
+from gemmtune.kernels.triton import _checks
+from gemmtune.kernels.triton._e2m1_ptx import (E2M1_TO_BF16_ASM, SCALE_BF16X2_ASM,
+                                               bf16_scale_pairs, e2m1_tables)
 from gemmtune.kernels.triton._replay import KernelCall, launch
 from gemmtune.kernels.triton._mxfp4_calls import scaled_launcher, validated_launch
 from gemmtune.kernels.triton.gemm_w4 import e2m1, e8m0
@@ -52,12 +58,15 @@ class W4DeqConfig(NamedConfig):
 
     NAME_CODEC = NameCodec("MXFP4 dequantise-then-cuBLAS config", KERNEL_PREFIX, (
         Field("BN", "block_n"), Field("BK", "block_k"), Field("W", "num_warps"),
-        Field("L", "packed", default=0)))
+        Field("L", "packed", default=0), Field("A", "asm", default=0)))
 
     block_n: int
     block_k: int  # elements of K a program dequantises per row
     num_warps: int
     packed: int = 0  # 1: w in the packed layout (mxfp4.prepack)
+    # 1: a bf16 copy decoded by the inline PTX of the register-decoding kernels (a code word to
+    # 16 bytes of output in one store; compiled only, not in the interpreter); 0: in Triton
+    asm: int = 0
 
 
 def why_not_fits(config: W4DeqConfig, M: int, N: int, K: int,
@@ -79,6 +88,10 @@ def why_not_fits(config: W4DeqConfig, M: int, N: int, K: int,
         return f"num_warps={c.num_warps} must be 1, 2, 4 or 8"
     if c.packed not in (0, 1):
         return f"packed={c.packed} must be 0 (w as quantised) or 1 (w packed: mxfp4.prepack)"
+    if c.asm not in (0, 1):
+        return f"asm={c.asm} must be 0 (decode in Triton) or 1 (by inline PTX, bf16 only)"
+    if c.asm and dtype == torch.float16:
+        return "asm=1 decodes to bf16; fp16 x takes asm=0"
     return mxfp4.why_not_quantisable(K) or (mxfp4.why_not_packable(K) if c.packed else None)
 
 
@@ -91,16 +104,23 @@ def why_not_supported(config: W4DeqConfig, M: int, N: int, K: int, dtype: torch.
             return f"with MXFP4 x the kernel writes bf16, fp16 or fp32, not {out_dtype}"
     elif out_dtype != dtype:
         return f"the dequantise-then-cuBLAS kernel writes x's dtype ({dtype}), not {out_dtype}"
+    if config.asm and _checks.interpreted():
+        return ("asm=1 decodes by inline PTX, which Triton's interpreter cannot run: use the "
+                "same config with asm=0")
     return why_not_fits(config, M, N, K, dtype)
 
 
 def candidates(M: int, N: int, K: int, dtype: torch.dtype,
                packed: bool = False) -> list[W4DeqConfig]:
     """For M >= MIN_M: two shapes of the dequantising programs (8 rows of 512 elements or 32 of
-    128: 2 KiB of codes each). Only configs that fit."""
+    128: 2 KiB of codes each), decoding in Triton or (compiled, bf16) by inline PTX. Only
+    configs that fit."""
     if M < MIN_M:
         return []
-    configs = (W4DeqConfig(8, 512, 4, int(packed)), W4DeqConfig(32, 128, 4, int(packed)))
+    configs = [W4DeqConfig(8, 512, 4, int(packed), asm) for asm in (0, 1)] \
+        + [W4DeqConfig(32, 128, 4, int(packed), asm) for asm in (0, 1)]
+    if _checks.interpreted():
+        configs = [c for c in configs if not c.asm]
     return [c for c in configs if why_not_fits(c, M, N, K, dtype) is None]
 
 
@@ -140,18 +160,59 @@ def dequant_mxfp4_kernel(wq_ptr, ws_ptr, out_ptr, N, K, stride_wn, stride_sn, st
              mask=(rows < N)[:, None] & (ks < K)[None, :])
 
 
+@triton.jit
+def dequant_mxfp4_bf16_kernel(wq_ptr, ws_ptr, out_ptr, N, K, stride_wn, stride_sn, stride_on,
+                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                              PACKED: tl.constexpr):
+    """``dequant_mxfp4_kernel`` into bf16 by the register-decoding kernels' inline PTX: each
+    32-bit word of 8 codes becomes 4 registers of bf16 pairs, times its block's scale
+    (``mul.rn.bf16x2``, exact), stored as 16 contiguous bytes. Rows 4-byte aligned (codes) and
+    out unit-stride along K."""
+    WORDS: tl.constexpr = BLOCK_K // 8
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    words = tl.program_id(1) * WORDS + tl.arange(0, WORDS)
+    inside = (rows < N)[:, None] & (words < K // 8)[None, :]
+    row_offsets = rows[:, None].to(tl.int64)
+    codes = tl.load(wq_ptr.to(tl.pointer_type(tl.int32)) + row_offsets * (stride_wn // 4)
+                    + words[None, :], mask=inside, other=0)
+    if PACKED:
+        # mxfp4.prepack: word 4 t + j of a 16-word group holds bytes 4 t to 4 t + 3 of the
+        # group's block j
+        first = (words // 16 * 4 + words % 4) * _BLOCK + words % 16 // 4 * 8
+    else:
+        first = words * 8  # the word's first element along K
+    scale_bytes = tl.load(ws_ptr + row_offsets * stride_sn + (first // _BLOCK)[None, :],
+                          mask=inside, other=0).to(tl.int32)
+    tables = e2m1_tables(tl.zeros_like(codes) + (K >> 31))  # K >> 31 is 0, unknown
+    r = tl.inline_asm_elementwise(E2M1_TO_BF16_ASM, "=r,=r,=r,=r,r,r,r",
+                                  [codes, tables[0], tables[1]], dtype=(tl.int32,) * 4,
+                                  is_pure=True, pack=1)
+    r = tl.inline_asm_elementwise(SCALE_BF16X2_ASM, "=r,=r,=r,=r,r,r,r,r,r",
+                                  [r[0], r[1], r[2], r[3], bf16_scale_pairs(scale_bytes)],
+                                  dtype=(tl.int32,) * 4, is_pure=True, pack=1)
+    # register i holds elements 2 i and 2 i + 1: in order along the last axis
+    pairs = tl.reshape(tl.join(tl.join(r[0], r[2]), tl.join(r[1], r[3])),
+                       (BLOCK_N, WORDS, 4))
+    offsets = row_offsets[:, :, None] * (stride_on // 2) + (first // 2)[None, :, None] \
+        + tl.arange(0, 4)[None, None, :]
+    tl.store(out_ptr.to(tl.pointer_type(tl.int32)) + offsets, pairs, mask=inside[:, :, None])
+
+
 def dequantize(wq: torch.Tensor, w_scale: torch.Tensor, dtype: torch.dtype,
                config: W4DeqConfig, warmup: bool = False) -> torch.Tensor:
     """The weight (N, K) in ``dtype``, by ``dequant_mxfp4_kernel`` (``config.packed``: wq in
     the packed layout); MXFP4 activations the same way. The kernel reads the codes and scales
     along K with unit stride: others are copied first."""
-    wq = wq if wq.stride(1) == 1 else wq.contiguous()
+    c = config
+    words = c.asm and dtype == torch.bfloat16  # read as 32-bit words: rows 4-byte aligned
+    wq = wq if wq.stride(1) == 1 and not (words and (wq.stride(0) % 4 or wq.data_ptr() % 4)) \
+        else wq.clone(memory_format=torch.contiguous_format)
     w_scale = w_scale if w_scale.stride(1) == 1 else w_scale.contiguous()
     n, k = wq.shape[0], wq.shape[1] * 2
     out = torch.empty(n, k, dtype=dtype, device=wq.device)
     if n and k:
-        c = config
-        launch(KernelCall(dequant_mxfp4_kernel, (triton.cdiv(n, c.block_n),
+        kernel = dequant_mxfp4_bf16_kernel if words else dequant_mxfp4_kernel
+        launch(KernelCall(kernel, (triton.cdiv(n, c.block_n),
                                                  triton.cdiv(k, c.block_k)),
                           (wq, w_scale, out, n, k, wq.stride(0), w_scale.stride(0),
                            out.stride(0)),

@@ -552,8 +552,9 @@ def w4frag_call(x, w, bias, out, scale_a, scale_b, config: W4FragConfig,
                       replayable=not per_call)
 
 
-# x's dequantising launch of x_first configs: programs of 8 rows x 512 elements (M <= 32)
-_X_FIRST = W4DeqConfig(8, 512, 4)
+# x's dequantising launch of x_first configs: programs of 8 rows x 512 elements (M <= 32),
+# decoded by PTX (this kernel runs compiled only)
+_X_FIRST = W4DeqConfig(8, 512, 4, asm=1)
 
 
 def launch_gemm_w4frag(x, w, bias, out, scale_a, scale_b, config: W4FragConfig,
