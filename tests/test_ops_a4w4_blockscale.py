@@ -206,12 +206,15 @@ def test_both_mxfp4_tuners_offer_the_gluon_kernels_on_hopper(monkeypatch):
     for packed in (False, True):
         a16w4 = [c.name for c in A16w4Tuner().candidates(
             A16w4Key(16, 4096, 4096, "torch.bfloat16", packed), frozenset())]
-        frags = [n for n in a16w4 if n.startswith("triton.w4frag:BM16.")]
-        assert frags and all(n.endswith(".L1") == packed for n in frags), a16w4
+        frags = [gemm_w4frag.W4FragConfig.from_name(n) for n in a16w4
+                 if n.startswith("triton.w4frag:BM16.")]
+        assert frags and all(c.packed == packed for c in frags), a16w4
+        assert {c.ring for c in frags} == {0, 4, 8}, a16w4  # through registers, or a ring
         prefill = [c.name for c in A16w4Tuner().candidates(
             A16w4Key(1024, 4096, 4096, "torch.bfloat16", packed), frozenset())]
-        prefill_wg = [n for n in prefill if n.startswith("triton.w4wg:")]
-        assert prefill_wg and all((".L1" in n) == packed for n in prefill_wg), prefill
+        prefill_wg = [gemm_w4wg.W4WgConfig.from_name(n) for n in prefill
+                      if n.startswith("triton.w4wg:")]
+        assert prefill_wg and all(c.packed == packed for c in prefill_wg), prefill
         assert any(n.startswith("triton.w4deq:") for n in prefill), prefill
 
 
