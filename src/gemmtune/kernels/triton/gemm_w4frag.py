@@ -166,8 +166,8 @@ def candidates(M: int, N: int, K: int, dtype: torch.dtype, num_sms: int | None =
     ``mxfp4.prepack`` stores it: block_m covering M; each block_k of 64-256 (packed: 128-256)
     dividing K (32 where none does); K split to reach each of ``_PROGRAMS_PER_SM``; without PDL
     and with ``pdl``; split sums in order and added; MXFP4 x (``dtype`` uint8) decoded in the
-    loop and dequantised first; w through registers and, from block_k 128, through shared
-    memory 4 or 8 groups ahead. Only configs that fit."""
+    loop and dequantised first; w through registers and, from block_k 128 (with ``pdl`` and
+    the splits added), through shared memory 4 or 8 groups ahead. Only configs that fit."""
     if M > BLOCK_MS[-1] or dtype not in (torch.bfloat16, torch.uint8):
         return []
     num_sms = num_sms or _checks.sm_count()
@@ -182,7 +182,11 @@ def candidates(M: int, N: int, K: int, dtype: torch.dtype, num_sms: int | None =
             for mode in sorted({PDL_OFF, pdl}):
                 for add in sorted({0, int(split > 1)}):
                     for x_first in (0, 1) if dtype == torch.uint8 else (0,):
-                        for ring in (0,) + RINGS[1:]:
+                        # Rings only beside PDL where it is on and with the splits added (the
+                        # register path's winners, session 25): a third more candidates, not
+                        # three times as many
+                        rings = RINGS[1:] if mode == pdl and add == int(split > 1) else ()
+                        for ring in (0,) + rings:
                             cfg = W4FragConfig(bm, bk, split, mode, add, int(packed), x_first,
                                                ring)
                             if why_not_fits(cfg, M, N, K, dtype) is None:
