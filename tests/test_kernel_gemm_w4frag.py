@@ -63,10 +63,17 @@ def test_candidates_fit_cover_m_and_split_for_decode():
     for M, N, K in ((1, 4096, 4096), (16, 2880, 2880), (32, 576, 7168)):
         found = candidates(M, N, K, torch.bfloat16, num_sms=132, pdl=PDL_WAIT)
         assert found and all(why_not_fits(c, M, N, K, torch.bfloat16) is None for c in found)
-        assert all(c.block_m >= M for c in found)
+        # one tile of x's rows through registers; rings in tiles of at most 16 rows
+        assert all(c.block_m >= M for c in found if not c.ring)
+        assert all(c.block_m <= 16 for c in found if c.ring)
         assert any(c.split_k > 1 and c.add_splits for c in found)
         assert {c.pdl for c in found} == {0, PDL_WAIT}
-    assert candidates(33, 4096, 4096, torch.bfloat16, num_sms=132) == []
+    # Past 32 rows, tiles of 32 (rings: 16) to 128 rows, each decoding the same w
+    for M in (33, 128):
+        found = candidates(M, 4096, 4096, torch.bfloat16, num_sms=132, pdl=PDL_WAIT)
+        assert {c.block_m for c in found} == {16, 32}
+        assert all(c.block_m == 32 or c.ring for c in found)
+    assert candidates(129, 4096, 4096, torch.bfloat16, num_sms=132) == []
     assert candidates(1, 4096, 4096, torch.float16, num_sms=132) == []
     # MXFP4 x (uint8 codes: gemm_a4w4_blockscale) takes the same configs as bf16 x, each also
     # with x dequantised first

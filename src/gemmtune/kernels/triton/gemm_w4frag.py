@@ -1,7 +1,7 @@
 """A register-direct MXFP4-weight decode GEMM, in Gluon: ``y = x @ dequant(wq, w_scale).T + bias``
 for bf16 x, or MXFP4 x (``gemm_a4w4_blockscale``: its codes and scales, decoded the same way),
-M <= 32, each thread loading its own codes of w straight into the registers the MMA takes its
-A operand from.
+up to 32 rows of x a program (the tuner offers it to M = 128), each thread loading its own codes
+of w straight into the registers the MMA takes its A operand from.
 
 Swapped as ``triton.frag`` is (y.T = w @ x.T): a program's 64 rows of w are the MMA's M (4
 warps, 16 rows each), x's rows its N (BLOCK_M, 8-32). Per 32-element scale block, each thread
@@ -71,6 +71,9 @@ _BLOCK = gl.constexpr(mxfp4.BLOCK)
 BLOCK_MS = (8, 16, 32)
 BLOCK_KS = (32, 64, 128, 256)  # K per step: whole scale blocks, unrolled
 MAX_SPLIT_K = 32
+# Rows of x up to which the tuner offers the kernel: past 32 in tiles of x's rows, each decoding
+# the same w again (from L2), which can still beat the prefill kernels to M of about a hundred
+MAX_M = 128
 # Groups ahead through shared memory (``ring``): 4.25 KiB of codes and scales a group, a program
 RINGS = (2, 4, 8)
 MAX_RING_BLOCK_M = 16
@@ -162,36 +165,41 @@ _PROGRAMS_PER_SM = (1, 2, 4, 8)
 
 def candidates(M: int, N: int, K: int, dtype: torch.dtype, num_sms: int | None = None,
                pdl: int = PDL_OFF, packed: bool = False) -> list[W4FragConfig]:
-    """The configs to tune one shape with, for M <= 32, for w as quantised or (``packed``) as
-    ``mxfp4.prepack`` stores it: block_m covering M; each block_k of 64-256 (packed: 128-256)
+    """The configs to tune one shape with, for M <= MAX_M, for w as quantised or (``packed``) as
+    ``mxfp4.prepack`` stores it: block_m covering M (past 32, tiles of 32 rows of x, and of 16
+    for the rings); each block_k of 64-256 (packed: 128-256)
     dividing K (32 where none does); K split to reach each of ``_PROGRAMS_PER_SM``; without PDL
     and with ``pdl``; split sums in order and added; MXFP4 x (``dtype`` uint8) decoded in the
     loop and dequantised first; w through registers and, from block_k 128 (with ``pdl`` and
     the splits added), through shared memory 4 or 8 groups ahead. Only configs that fit."""
-    if M > BLOCK_MS[-1] or dtype not in (torch.bfloat16, torch.uint8):
+    if M > MAX_M or dtype not in (torch.bfloat16, torch.uint8):
         return []
     num_sms = num_sms or _checks.sm_count()
-    bm = next(b for b in BLOCK_MS if b >= M)
+    bm = next((b for b in BLOCK_MS if b >= M), BLOCK_MS[-1])
     steps = [bk for bk in BLOCK_KS[1:] if K % bk == 0 and bk % (
         mxfp4.PACK_GROUP if packed else 1) == 0] or ([] if packed else [BLOCK_KS[0]])
     found = {}
     for bk in steps:
-        tiles = triton.cdiv(N, BLOCK_N) * triton.cdiv(M, bm)
-        for per_sm in _PROGRAMS_PER_SM:
-            split = split_for(tiles, K // bk, per_sm * num_sms, MAX_SPLIT_K)
-            for mode in sorted({PDL_OFF, pdl}):
-                for add in sorted({0, int(split > 1)}):
-                    for x_first in (0, 1) if dtype == torch.uint8 else (0,):
-                        # Rings only beside PDL where it is on and with the splits added (the
-                        # register path's winners, session 25): a third more candidates, not
-                        # three times as many
-                        rings = RINGS[1:] if mode == pdl and add == int(split > 1) else ()
-                        for ring in (0,) + rings:
-                            cfg = W4FragConfig(bm, bk, split, mode, add, int(packed), x_first,
-                                               ring)
-                            if why_not_fits(cfg, M, N, K, dtype) is None:
-                                found[cfg] = None
+        for ring in (0,) + RINGS[1:]:
+            _add_candidates(found, M, N, K, dtype, num_sms, pdl, packed, bk,
+                            min(bm, MAX_RING_BLOCK_M) if ring else bm, ring)
     return list(found)
+
+
+def _add_candidates(found: dict, M: int, N: int, K: int, dtype: torch.dtype, num_sms: int,
+                    pdl: int, packed: bool, bk: int, bm: int, ring: int) -> None:
+    """``candidates``' configs of one block_k, block_m and ring into ``found``: rings only
+    beside PDL where it is on and with the splits added (the register path's winners, session
+    25): a third more candidates, not three times as many."""
+    tiles = triton.cdiv(N, BLOCK_N) * triton.cdiv(M, bm)
+    for per_sm in _PROGRAMS_PER_SM:
+        split = split_for(tiles, K // bk, per_sm * num_sms, MAX_SPLIT_K)
+        for mode in sorted({PDL_OFF, pdl}) if not ring else (pdl,):
+            for add in sorted({0, int(split > 1)}) if not ring else (int(split > 1),):
+                for x_first in (0, 1) if dtype == torch.uint8 else (0,):
+                    cfg = W4FragConfig(bm, bk, split, mode, add, int(packed), x_first, ring)
+                    if why_not_fits(cfg, M, N, K, dtype) is None:
+                        found[cfg] = None
 
 
 def replayed(config: W4FragConfig) -> bool:
