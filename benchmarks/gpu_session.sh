@@ -10,7 +10,8 @@
 # (benchmarks/splitk_sweep.py, kernels precompiled in parallel first), cost
 # (benchmarks/tune_cost.py, then `gemmtune tune bf16` on one (N, K) x 8 M with a cold Triton
 # cache: the tuning-cost figure), presets[:FAMILY] (scripts/tune_presets.sh into the shipped
-# table of FAMILY, bf16 or a8w8, cut off after PRESETS_LIMIT seconds; run again to resume), bench:MODEL[:TP] (gemmtune bench bf16 on
+# table of FAMILY, bf16 or a8w8, cut off after PRESETS_LIMIT seconds; run again to resume; MS
+# the token counts, TUNE_EXTRA more tuner flags, e.g. --kernels), bench:MODEL[:TP] (gemmtune bench bf16 on
 # the shipped table), persistent (the persistent TMA kernel's gpu tests and
 # benchmarks/persistent_check.py), smallk (tiny and ragged K through the a8w8 tuners), fp8acc
 # (benchmarks/fp8_accumulation.py: promoted FP8 accumulation, error and time),
@@ -133,7 +134,7 @@ for what in "$@"; do
             mp=${MP:-8}; [[ $spec == *:* ]] && mp=${spec##*:}
             GEMMTUNE="python3 -m gemmtune.cli" FAMILY=$family \
                 PROFILE="$OUT/presets_profile.csv" SHAPES_DIR="$OUT/presets" \
-                EXTRA="--mp $mp --timeout 60" \
+                EXTRA="--mp $mp --timeout 60 ${TUNE_EXTRA:-}" \
                 stage "presets_$family" "${PRESETS_LIMIT:-540}" bash scripts/tune_presets.sh
             cp "src/gemmtune/configs/${family//-/_}_tuned_gemm.csv" "$OUT/" ;;
         retie:*)  # retie:FAMILY: the shipped table's torch rows tuned again with torch and
