@@ -63,3 +63,16 @@ def bf16_scale_pairs(byte):
     NaN (0x7FC0)."""
     s = tl.maximum(byte << 7, 0x40) | (((byte + 1) >> 8) << 6)
     return s | (s << 16)
+
+
+@triton.jit
+def e2m1_scaled_bf16(words, tables, scale_bytes):
+    """Words of 8 E2M1 codes (int32) times their blocks' E8M0 scales (``scale_bytes``, int32
+    bytes, shaped as ``words``) as 4 int32 tensors of bf16 pairs, register i holding codes 2 i
+    (low half) and 2 i + 1, exact for every finite result. ``tables``: ``e2m1_tables``."""
+    r = tl.inline_asm_elementwise(E2M1_TO_BF16_ASM, "=r,=r,=r,=r,r,r,r",
+                                  [words, tables[0], tables[1]], dtype=(tl.int32,) * 4,
+                                  is_pure=True, pack=1)
+    return tl.inline_asm_elementwise(SCALE_BF16X2_ASM, "=r,=r,=r,=r,r,r,r,r,r",
+                                     [r[0], r[1], r[2], r[3], bf16_scale_pairs(scale_bytes)],
+                                     dtype=(tl.int32,) * 4, is_pure=True, pack=1)

@@ -35,8 +35,7 @@ import triton.language as tl
 from gemmtune.kernels import mxfp4
 from gemmtune.kernels._names import Field, NameCodec, NamedConfig
 from gemmtune.kernels.triton import _checks
-from gemmtune.kernels.triton._e2m1_ptx import (E2M1_TO_BF16_ASM, SCALE_BF16X2_ASM,
-                                               bf16_scale_pairs, e2m1_tables)
+from gemmtune.kernels.triton._e2m1_ptx import e2m1_scaled_bf16, e2m1_tables
 from gemmtune.kernels.triton._replay import KernelCall, launch
 from gemmtune.kernels.triton._mxfp4_calls import scaled_launcher, validated_launch
 from gemmtune.kernels.triton.gemm_w4 import e2m1, e8m0
@@ -184,12 +183,7 @@ def dequant_mxfp4_bf16_kernel(wq_ptr, ws_ptr, out_ptr, N, K, stride_wn, stride_s
     scale_bytes = tl.load(ws_ptr + row_offsets * stride_sn + (first // _BLOCK)[None, :],
                           mask=inside, other=0).to(tl.int32)
     tables = e2m1_tables(tl.zeros_like(codes) + (K >> 31))  # K >> 31 is 0, unknown
-    r = tl.inline_asm_elementwise(E2M1_TO_BF16_ASM, "=r,=r,=r,=r,r,r,r",
-                                  [codes, tables[0], tables[1]], dtype=(tl.int32,) * 4,
-                                  is_pure=True, pack=1)
-    r = tl.inline_asm_elementwise(SCALE_BF16X2_ASM, "=r,=r,=r,=r,r,r,r,r,r",
-                                  [r[0], r[1], r[2], r[3], bf16_scale_pairs(scale_bytes)],
-                                  dtype=(tl.int32,) * 4, is_pure=True, pack=1)
+    r = e2m1_scaled_bf16(codes, tables, scale_bytes)
     # register i holds elements 2 i and 2 i + 1: in order along the last axis
     pairs = tl.reshape(tl.join(tl.join(r[0], r[2]), tl.join(r[1], r[3])),
                        (BLOCK_N, WORDS, 4))

@@ -307,9 +307,16 @@ def _add_block(acc, words, scale, x, x_scale, a_layout: gl.constexpr, b_layout: 
 @gluon.jit
 def _packed_blocks(group, word_layout: gl.constexpr):
     """The 4 blocks' words (64, 4) in ``word_layout`` of a packed group's words (64, 16):
-    stored word 4 t + j is word t of block j (``mxfp4.prepack``). Each step here moves
-    registers only (the conversions are checked trivial)."""
-    even, odd = gl.split(gl.reshape(group, [_BN, 4, 2, 2]))  # (row, t, j // 2, j % 2)
+    stored word 4 t + j is word t of block j (``mxfp4.prepack``)."""
+    return _split_blocks(gl.reshape(group, [_BN, 4, 2, 2]), word_layout)  # (row, t, j // 2, j % 2)
+
+
+@gluon.jit
+def _split_blocks(group, word_layout: gl.constexpr):
+    """A group's words as (64 rows, t, j // 2, j % 2) -> the 4 blocks' (64, 4) words in
+    ``word_layout``. Each step here moves registers only (the conversions are checked
+    trivial)."""
+    even, odd = gl.split(group)
     b0, b2 = gl.split(even)
     b1, b3 = gl.split(odd)
     return (gl.convert_layout(b0, word_layout, assert_trivial=True),
@@ -421,14 +428,9 @@ def _natural_group_layout():
 def _natural_blocks(group, word_layout: gl.constexpr):
     """The 4 blocks' words (64, 4) in ``word_layout`` of a group of w as quantised (64, 16),
     word 4 b + t being word t of block b; as ``_packed_blocks``, registers only."""
-    group = gl.permute(gl.reshape(group, [_BN, 2, 2, 4]), [0, 3, 1, 2])  # (row, t, b // 2, b % 2)
-    even, odd = gl.split(group)
-    b0, b2 = gl.split(even)
-    b1, b3 = gl.split(odd)
-    return (gl.convert_layout(b0, word_layout, assert_trivial=True),
-            gl.convert_layout(b1, word_layout, assert_trivial=True),
-            gl.convert_layout(b2, word_layout, assert_trivial=True),
-            gl.convert_layout(b3, word_layout, assert_trivial=True))
+    # (row, b // 2, b % 2, t) -> (row, t, b // 2, b % 2)
+    return _split_blocks(gl.permute(gl.reshape(group, [_BN, 2, 2, 4]), [0, 3, 1, 2]),
+                         word_layout)
 
 
 @gluon.jit

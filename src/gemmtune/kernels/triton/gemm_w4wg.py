@@ -52,8 +52,7 @@ from gemmtune.kernels.triton import _checks
 from gemmtune.kernels.triton._mxfp4_calls import scaled_launcher, validated_launch
 from gemmtune.kernels.triton._replay import KernelCall, launch
 from gemmtune.kernels.triton._swapped import barrier, why_not_here
-from gemmtune.kernels.triton._e2m1_ptx import (E2M1_TO_BF16_ASM, SCALE_BF16X2_ASM,
-                                               bf16_scale_pairs, e2m1_tables)
+from gemmtune.kernels.triton._e2m1_ptx import e2m1_scaled_bf16, e2m1_tables
 from gemmtune.kernels.triton.gemm_w4frag import _halves
 
 KERNEL_PREFIX = "triton.w4wg"
@@ -241,12 +240,7 @@ def _decode_step(words, scale_bytes, selector, tables, a_layout: gl.constexpr,
     w3 = gl.convert_layout(w3, gathered_layout, assert_trivial=True)
     mine = gl.inline_asm_elementwise(_GATHER_ASM, "=r,r,r,r,r,r", [w0, w1, w2, w3, selector],
                                      dtype=gl.int32, is_pure=True, pack=1)
-    r = gl.inline_asm_elementwise(E2M1_TO_BF16_ASM, "=r,=r,=r,=r,r,r,r",
-                                  [mine, tables[0], tables[1]], dtype=(gl.int32,) * 4,
-                                  is_pure=True, pack=1)
-    r = gl.inline_asm_elementwise(SCALE_BF16X2_ASM, "=r,=r,=r,=r,r,r,r,r,r",
-                                  [r[0], r[1], r[2], r[3], bf16_scale_pairs(scale_bytes)],
-                                  dtype=(gl.int32,) * 4, is_pure=True, pack=1)
+    r = e2m1_scaled_bf16(mine, tables, scale_bytes)
     # Register i holds byte i's 2 codes: K 8 i + 2 t + (0, 1) of the block.
     codes = gl.join(gl.join(_halves(r[0]), _halves(r[1])), gl.join(_halves(r[2]), _halves(r[3])))
     # (row, block, t, code % 2, byte % 2, byte // 2) -> (row, block, byte // 2, byte % 2, t, ..)
@@ -256,34 +250,52 @@ def _decode_step(words, scale_bytes, selector, tables, a_layout: gl.constexpr,
 
 
 @gluon.jit
-def _step(acc, a, i, words, scale_bytes, OVERLAP: gl.constexpr, x_desc, x_ring, ready, w_ptrs,
-          s_ptrs, selector, tables, steps, pid_m, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-          PACKED: gl.constexpr, words_layout: gl.constexpr, a_layout: gl.constexpr,
-          gathered_layout: gl.constexpr):
-    """Step i: its MMA (A operand ``a``) on x's slot, the loads of step i + 2's words while it
-    runs, the decode of step i + 1's (``words``) into the next A operand, and the slot's
-    refill. ``OVERLAP``: the decode runs beside the MMA, into registers of its own; otherwise
-    once the MMA is done (into the same ones). The last steps load and decode the final one
-    again: no branch. Returns the accumulator, the next A operand and step i + 2's words and
-    scale bytes."""
+def _issue(acc, a, i, x_ring, ready, w_ptrs, s_ptrs, steps, STAGES: gl.constexpr,
+           PACKED: gl.constexpr, words_layout: gl.constexpr):
+    """Step i's MMA (A operand ``a``) on x's slot, once TMA has filled it, then the loads of
+    step i + 2's words and scale bytes (the last steps load the final one again: no branch).
+    Returns the accumulator (the MMA running) and those words and bytes."""
     slot = i % STAGES
     mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
     acc = warpgroup_mma(a, x_ring.index(slot).permute((1, 0)), acc, is_async=True)
     ahead = gl.minimum(i + 2, steps - 1)
-    words_ahead = _step_words(w_ptrs, ahead, PACKED, words_layout)
-    scales_ahead = gl.load(s_ptrs + ahead * 2).to(gl.int32)
+    return (acc, _step_words(w_ptrs, ahead, PACKED, words_layout),
+            gl.load(s_ptrs + ahead * 2).to(gl.int32))
+
+
+@gluon.jit
+def _refill(x_desc, x_ring, ready, done, steps, pid_m, BLOCK_M: gl.constexpr,
+            STAGES: gl.constexpr):
+    """Step ``done``'s slot, which every warp's MMA has read (a barrier before this), loaded
+    again with step done + STAGES where there is one (``done`` -1: none)."""
+    barrier()
+    nxt = done + STAGES
+    slot = nxt % STAGES
+    pred = (done >= 0) & (nxt < steps)
+    mbarrier.expect(ready.index(slot), BLOCK_M * _BK * 2, pred=pred)
+    _tma_load(x_desc, [pid_m * BLOCK_M, nxt * _BK], ready.index(slot), x_ring.index(slot),
+              pred=pred)
+
+
+@gluon.jit
+def _step(acc, a, i, words, scale_bytes, OVERLAP: gl.constexpr, x_desc, x_ring, ready, w_ptrs,
+          s_ptrs, selector, tables, steps, pid_m, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+          PACKED: gl.constexpr, words_layout: gl.constexpr, a_layout: gl.constexpr,
+          gathered_layout: gl.constexpr):
+    """Step i: its MMA and step i + 2's loads (``_issue``), the decode of step i + 1's
+    (``words``) into the next A operand, and the slot's refill. ``OVERLAP``: the decode runs
+    beside the MMA, into registers of its own; otherwise once the MMA is done (into the same
+    ones). Returns the accumulator, the next A operand and step i + 2's words and scale
+    bytes."""
+    acc, words_ahead, scales_ahead = _issue(acc, a, i, x_ring, ready, w_ptrs, s_ptrs, steps,
+                                            STAGES, PACKED, words_layout)
     if OVERLAP:
         a_next = _decode_step(words, scale_bytes, selector, tables, a_layout, gathered_layout)
         acc, a = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a))
     else:
         acc, a = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a))
         a_next = _decode_step(words, scale_bytes, selector, tables, a_layout, gathered_layout)
-    barrier()  # every warp's MMA has read the slot before TMA writes it again
-    nxt = i + STAGES
-    pred = nxt < steps
-    mbarrier.expect(ready.index(slot), BLOCK_M * _BK * 2, pred=pred)
-    _tma_load(x_desc, [pid_m * BLOCK_M, nxt * _BK], ready.index(slot), x_ring.index(slot),
-              pred=pred)
+    _refill(x_desc, x_ring, ready, i, steps, pid_m, BLOCK_M, STAGES)
     return acc, a_next, words_ahead, scales_ahead
 
 
@@ -296,21 +308,11 @@ def _queued_step(acc, a, a_prev, i, words, scale_bytes, x_desc, x_ring, ready, w
     ``a_prev`` free), step i + 1 decodes into its registers while this one runs, and step
     i - 1's slot is refilled. Returns the accumulator (this step's MMA still running), the next
     A operand, this one, and step i + 2's words and scale bytes."""
-    slot = i % STAGES
-    mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
-    acc = warpgroup_mma(a, x_ring.index(slot).permute((1, 0)), acc, is_async=True)
-    ahead = gl.minimum(i + 2, steps - 1)
-    words_ahead = _step_words(w_ptrs, ahead, PACKED, words_layout)
-    scales_ahead = gl.load(s_ptrs + ahead * 2).to(gl.int32)
+    acc, words_ahead, scales_ahead = _issue(acc, a, i, x_ring, ready, w_ptrs, s_ptrs, steps,
+                                            STAGES, PACKED, words_layout)
     acc, a_prev = warpgroup_mma_wait(num_outstanding=1, deps=(acc, a_prev))
     a_next = _decode_step(words, scale_bytes, selector, tables, a_layout, gathered_layout)
-    barrier()  # every warp's MMA of step i - 1 is done before TMA writes its slot again
-    nxt = i - 1 + STAGES
-    done_slot = nxt % STAGES
-    pred = (i >= 1) & (nxt < steps)
-    mbarrier.expect(ready.index(done_slot), BLOCK_M * _BK * 2, pred=pred)
-    _tma_load(x_desc, [pid_m * BLOCK_M, nxt * _BK], ready.index(done_slot),
-              x_ring.index(done_slot), pred=pred)
+    _refill(x_desc, x_ring, ready, i - 1, steps, pid_m, BLOCK_M, STAGES)
     return acc, a_next, a, words_ahead, scales_ahead
 
 
