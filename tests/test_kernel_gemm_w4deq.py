@@ -12,6 +12,7 @@ import torch
 from gemm_checks import (DEVICE, assert_matches_reference,
                          assert_mxfp4_launcher_says_what_is_wrong, generator, randn)
 from gemmtune import quant
+from gemmtune.kernels.triton._swapped import runs_here
 from gemmtune.kernels.triton.gemm_w4deq import (W4DeqConfig, candidates, dequantize,
                                                 gemm_w4deq, why_not_fits, why_not_supported)
 
@@ -35,10 +36,11 @@ def test_names_and_candidates():
     asm = W4DeqConfig(8, 512, 4, 0, 1)
     assert asm.name == "triton.w4deq:BN8.BK512.W4.L0.A1"
     assert W4DeqConfig.from_name(asm.name) == asm
-    # The inline-PTX decode where it is compiled, for bf16 copies (bf16 and MXFP4 x)
+    # The inline-PTX decode where it is compiled for a Hopper (sm_90's bf16x2 multiply), for
+    # bf16 copies (bf16 and MXFP4 x)
     for dtype in (torch.bfloat16, torch.uint8, torch.float16):
         asms = {c.asm for c in candidates(1024, 4096, 4096, dtype)}
-        assert asms == ({0} if dtype == torch.float16 or DEVICE != "cuda" else {0, 1})
+        assert asms == ({0} if dtype == torch.float16 or not runs_here() else {0, 1})
 
 
 @pytest.mark.parametrize("config, K, dtype, says", [
@@ -155,9 +157,12 @@ def test_gpu_real_sizes(packed):
 
 @pytest.mark.skipif(DEVICE == "cuda", reason="the interpreter refuses the PTX decode")
 def test_the_ptx_decode_is_refused_in_the_interpreter():
-    why = why_not_supported(W4DeqConfig(8, 512, 4, 0, 1), 64, 64, 128, torch.bfloat16,
-                            torch.bfloat16)
+    config = W4DeqConfig(8, 512, 4, 0, 1)
+    why = why_not_supported(config, 64, 64, 128, torch.bfloat16, torch.bfloat16)
     assert "interpreter" in why and "asm=0" in why
+    wq, ws = _weight(64, 128, generator(3))
+    with pytest.raises(ValueError, match="asm=0"):  # the op says so too, before any launch
+        gemm_w4deq(randn(4, 128, gen=generator(4)).to(torch.bfloat16), wq, ws, None, config)
 
 
 @pytest.mark.gpu
@@ -180,19 +185,40 @@ def test_gpu_ptx_decode_is_the_reference_exactly(N, K, config):
 @pytest.mark.gpu
 @pytest.mark.parametrize("packed", [0, 1])
 def test_gpu_ptx_decode_of_every_code_at_every_scale_byte_exactly(packed):
-    """As the Triton decode's test, through the PTX, both layouts; and codes of a misaligned
-    view (its rows not 4-byte aligned: copied first)."""
+    """As the Triton decode's test, through the PTX, both layouts, each block of a row with a
+    scale byte of its own (a block's scale taken from the wrong block shows): equal bit for
+    bit (-0 included) and NaN where the reference is."""
     K = 128
     k = torch.arange(K, device=DEVICE)
     codes = (k + k // 16) % 16
     wq = (codes[0::2] | (codes[1::2] << 4)).to(torch.uint8).repeat(256, 1)
-    ws = torch.arange(256, device=DEVICE).to(torch.uint8)[:, None].repeat(1, K // 32)
-    want = quant.dequant_mxfp4(wq, ws).to(torch.bfloat16)
+    n, block = torch.arange(256, device=DEVICE)[:, None], torch.arange(K // 32, device=DEVICE)
+    ws = ((n + 67 * block) % 256).to(torch.uint8)
     stored = quant.prepack_mxfp4(wq, ws)[0] if packed else wq
     got = dequantize(stored, ws, torch.bfloat16, W4DeqConfig(32, 128, 4, packed, 1))
-    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
-    wide = torch.zeros(256, K // 2 + 1, dtype=torch.uint8, device=DEVICE)
-    wide[:, 1:] = wq
-    got = dequantize(wide[:, 1:], ws, torch.bfloat16, W4DeqConfig(32, 128, 4, 0, 1))
-    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+    _assert_same_bits(got, quant.dequant_mxfp4(wq, ws).to(torch.bfloat16))
+
+
+def _assert_same_bits(got, want):
+    nan = want.isnan()
+    assert torch.equal(got.isnan(), nan)
+    assert torch.equal(got.view(torch.int16)[~nan], want.view(torch.int16)[~nan])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("offset, extra", [(1, 4), (0, 1)])
+def test_gpu_ptx_decode_of_codes_not_in_aligned_words(offset, extra):
+    """Codes whose rows start off a 4-byte boundary (a view one byte in, rows 4-byte apart) or
+    lie an odd number of bytes apart (rows padded by one byte) are copied first, then decoded
+    as the rest."""
+    N, K = 70, 256
+    wq, ws = _weight(N, K, generator(5))
+    wide = torch.zeros(N, K // 2 + extra, dtype=torch.uint8, device=DEVICE)
+    wide[:, offset:offset + K // 2] = wq
+    view = wide[:, offset:offset + K // 2]
+    assert (view.data_ptr() % 4 != 0) == bool(offset)
+    assert (view.stride(0) % 4 != 0) == (extra % 4 != 0)
+    got = dequantize(view, ws, torch.bfloat16, W4DeqConfig(8, 256, 4, 0, 1))
+    _assert_same_bits(got, quant.dequant_mxfp4(wq, ws).to(torch.bfloat16))
+
 

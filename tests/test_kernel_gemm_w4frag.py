@@ -157,6 +157,23 @@ def test_gpu_every_code_at_every_scale_byte_exactly(config):
 
 @on_hopper
 @pytest.mark.gpu
+@pytest.mark.parametrize("packed", [0, 1])
+@pytest.mark.parametrize("ring", [2, 4, 8])
+def test_gpu_the_ring_gives_the_register_paths_bits(packed, ring):
+    """Through shared memory the same products are added in the same order as through
+    registers: the same bits, over 32 groups a row in 3 splits (the ring wraps several times;
+    the splits summed in order)."""
+    M, N, K = 5, 300, 4096
+    x, wq, w_scale, _ = mxfp4_weight_operands(M, N, K, generator(ring), False)
+    stored = quant.prepack_mxfp4(wq, w_scale)[0] if packed else wq
+    base = W4FragConfig(8, 128, 3, PDL_WAIT, 0, packed)
+    want = gemm_w4frag(x, stored, w_scale, None, base)
+    got = gemm_w4frag(x, stored, w_scale, None, dataclasses.replace(base, ring=ring))
+    assert torch.equal(got, want)
+
+
+@on_hopper
+@pytest.mark.gpu
 @pytest.mark.parametrize("config", [W4FragConfig(8, 128, 2), W4FragConfig(16, 256, 1, packed=1),
                                     W4FragConfig(16, 256, 1, packed=1, ring=4)])
 def test_gpu_a_nan_scale_makes_its_row_nan_and_no_other(config):

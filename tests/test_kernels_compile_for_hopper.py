@@ -488,6 +488,20 @@ W4FRAG_SCRIPT = PTXAS_REPORT + textwrap.dedent("""
             assert text.count(copy) >= ring * (2 if packed else 8), text.count(copy)
             assert "cp.async.wait_group" in text and "cp.async.commit_group" in text
             assert "ld.global.v4.b32" not in loop
+            # Threads read other threads' copies (a quad's scale word, ldmatrix): a barrier
+            # before each refill of a slot, one after each wait before the slot is read, and
+            # after the last wait before the end reuses the shared memory.
+            ops = re.findall(r"bar\\.sync|cp\\.async\\.wait_group|cp\\.async\\.c[ag]|"
+                             r"ldmatrix|ld\\.shared", text[text.find("cp.async.wait_group"):])
+            first_read = next(i for i, op in enumerate(ops) if op in ("ldmatrix", "ld.shared"))
+            assert ops[:first_read] == ["cp.async.wait_group", "bar.sync"], ops[:first_read + 1]
+            refill = text.rfind("cp.async.c", 0, text.rfind("cp.async.wait_group"))
+            assert "bar.sync" in text[text.rfind("cp.async.commit_group", 0, refill):refill]
+            end = text[text.rfind("cp.async.wait_group"):]
+            touches = [end.find(op) for op in ("st.shared", "ld.shared", "stmatrix")]
+            if max(touches) >= 0:
+                first = min(t for t in touches if t >= 0)
+                assert 0 <= end.find("bar.sync") < first, "no barrier before the end"
         elif packed:
             assert text.count("ld.global.v4.b32") >= 2 * blocks // 4
         else:

@@ -36,8 +36,9 @@ from gemmtune.kernels import mxfp4
 from gemmtune.kernels._names import Field, NameCodec, NamedConfig
 from gemmtune.kernels.triton import _checks
 from gemmtune.kernels.triton._e2m1_ptx import e2m1_scaled_bf16, e2m1_tables
-from gemmtune.kernels.triton._replay import KernelCall, launch
 from gemmtune.kernels.triton._mxfp4_calls import scaled_launcher, validated_launch
+from gemmtune.kernels.triton._replay import KernelCall, launch
+from gemmtune.kernels.triton._swapped import runs_here, why_not_here
 from gemmtune.kernels.triton.gemm_w4 import e2m1, e8m0
 
 KERNEL_PREFIX = "triton.w4deq"
@@ -103,10 +104,15 @@ def why_not_supported(config: W4DeqConfig, M: int, N: int, K: int, dtype: torch.
             return f"with MXFP4 x the kernel writes bf16, fp16 or fp32, not {out_dtype}"
     elif out_dtype != dtype:
         return f"the dequantise-then-cuBLAS kernel writes x's dtype ({dtype}), not {out_dtype}"
-    if config.asm and _checks.interpreted():
-        return ("asm=1 decodes by inline PTX, which Triton's interpreter cannot run: use the "
-                "same config with asm=0")
-    return why_not_fits(config, M, N, K, dtype)
+    return (_why_not_asm_here(config) or why_not_fits(config, M, N, K, dtype))
+
+
+def _why_not_asm_here(config: W4DeqConfig) -> str | None:
+    """Why an ``asm`` config's PTX decode cannot run in this process (Triton's interpreter, or
+    a GPU before Hopper: ``mul.rn.bf16x2`` is sm_90's), or None."""
+    if not config.asm:
+        return None
+    return why_not_here("dequantising kernel's PTX decode (asm=1)", "the same config with asm=0")
 
 
 def candidates(M: int, N: int, K: int, dtype: torch.dtype,
@@ -118,7 +124,7 @@ def candidates(M: int, N: int, K: int, dtype: torch.dtype,
         return []
     configs = [W4DeqConfig(8, 512, 4, int(packed), asm) for asm in (0, 1)] \
         + [W4DeqConfig(32, 128, 4, int(packed), asm) for asm in (0, 1)]
-    if _checks.interpreted():
+    if _checks.interpreted() or not runs_here():  # the PTX decode only where it can run
         configs = [c for c in configs if not c.asm]
     return [c for c in configs if why_not_fits(c, M, N, K, dtype) is None]
 
@@ -266,8 +272,13 @@ def gemm_w4deq(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
     """``x @ dequant_mxfp4(wq, w_scale).T + bias`` in x's dtype: x (M, K) bf16 or fp16, wq
     (N, K // 2) and w_scale (N, K // 32) uint8 (wq packed for a packed config), bias (N,).
     Validates everything, then launches."""
-    return validated_launch("gemm_w4deq", launch_gemm_w4deq, default_config, why_not_fits, x,
+    return validated_launch("gemm_w4deq", launch_gemm_w4deq, default_config, _why_not_here, x,
                             wq, w_scale, bias, config, out)
+
+
+def _why_not_here(config: W4DeqConfig, M: int, N: int, K: int,
+                  dtype: torch.dtype) -> str | None:
+    return _why_not_asm_here(config) or why_not_fits(config, M, N, K, dtype)
 
 
 # Called as every kernel module's validating launcher is (dispatchable)

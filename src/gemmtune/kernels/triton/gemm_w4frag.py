@@ -22,8 +22,10 @@ the weight stream wide.
 
 With a ``ring`` (M <= 16, block_k 128-256) each thread's codes and scale words of w go through
 shared memory instead: cp.async copies them ``ring`` - 1 groups ahead of their use into a ring
-of slots (4.25 KiB a group), and the thread reads its own back (as quantised, the compiler reads
-a group with ldmatrix, so a barrier follows the wait). Why: one group ahead in registers is 8
+of slots (4.25 KiB a group), read back once the copies are in. Threads read what others copied
+(one lane of a quad copies a row's scale word; as quantised, the compiler reads a group with
+ldmatrix), so the barriers Triton inserts (before a slot's refill, after the wait) are needed:
+the compile test checks they are there. Why: one group ahead in registers is 8
 KiB in flight a program, and the decode rows reached 0.57 of the attainable floor (session 25)
 where a plain read of the same bytes reaches 0.9; the ring keeps up to 8 groups in flight
 without registers.
@@ -439,9 +441,10 @@ def _ring_groups(acc, nan_seen, wq_words, s_ptrs, x_ptrs, xs_ptrs, no_scales, ta
                  X_MXFP4: gl.constexpr, mma: gl.constexpr, a_layout: gl.constexpr,
                  b_layout: gl.constexpr, word_layout: gl.constexpr,
                  group_layout: gl.constexpr):
-    """Groups g_lo to ``last`` added to ``acc``, each thread's codes and scale words of w
-    copied into shared memory (cp.async) RING - 1 groups ahead of their use, and read back by
-    the thread that copied them; x a group ahead in registers. Returns (acc, nan_seen)."""
+    """Groups g_lo to ``last`` added to ``acc``, w's codes and scale words copied into shared
+    memory (cp.async) RING - 1 groups ahead of their use and read back after the wait (and the
+    barrier Triton puts after it: threads read other threads' copies); x a group ahead in
+    registers. Returns (acc, nan_seen)."""
     codes_layout: gl.constexpr = group_layout if PACKED else _natural_group_layout()
     cols = gl.arange(0, 16, layout=gl.SliceLayout(0, codes_layout))
     rn = gl.convert_layout(gl.where(n < N, n, 0), gl.SliceLayout(1, codes_layout))
@@ -460,7 +463,7 @@ def _ring_groups(acc, nan_seen, wq_words, s_ptrs, x_ptrs, xs_ptrs, no_scales, ta
                     w_ptrs, s_ptrs, group + RING - 1, last)
         y0, y1, y2, y3, yw = _load_x_group(x_ptrs, xs_ptrs, gl.minimum(group + 1, last),
                                            no_scales, X_MXFP4)
-        async_copy.wait_group(RING - 1)  # this thread's copies of the group are in
+        async_copy.wait_group(RING - 1)  # the group's copies are in (then a barrier)
         words = w_ring.index(i % RING).load(codes_layout)
         word = s_ring.index(i % RING).load(gl.SliceLayout(1, mma))
         if PACKED:
