@@ -10,6 +10,10 @@ lm_head at M = batch, both weight layouts) are tuned where the tables in force h
 (``gemmtune tune a16w4`` into $OUT/e2e_mxfp4_tuned.csv, an overlay for this run), so that
 ``patch_linear`` picks each weight's layout from them.
 
+A fourth model is the MXFP4 one with its sibling projections fused (``gemmtune.fuse_siblings``:
+q, k and v as one GEMM, gate and up as one, as serving engines store them), timed in the same
+rounds; the bf16 model stays as Hugging Face writes it.
+
 A third model, its Linear layers doing no work (an uninitialised output), times the rest of
 the step (attention, norms, rotary embedding, sampling-free logits): what no GEMM can shorten.
 
@@ -53,12 +57,13 @@ def build(name: str):
 
 
 def weight_shapes(name: str) -> list[tuple[int, int]]:
-    """(N, K) of every Linear of the Hugging Face layout: q, k, v, o, gate, up, down, lm_head."""
+    """(N, K) of every Linear of the Hugging Face layout (q, k, v, o, gate, up, down, lm_head)
+    and of the fused siblings (qkv, gate_up)."""
     d = MODELS[name]
-    h, hd = d["hidden_size"], d["head_dim"]
+    h, hd, inter = d["hidden_size"], d["head_dim"], d["intermediate_size"]
     q, kv = d["num_attention_heads"] * hd, d["num_key_value_heads"] * hd
-    return sorted({(q, h), (kv, h), (h, q), (d["intermediate_size"], h),
-                   (h, d["intermediate_size"]), (d["vocab_size"], h)})
+    return sorted({(q, h), (kv, h), (h, q), (inter, h), (h, inter), (d["vocab_size"], h),
+                   (q + 2 * kv, h), (2 * inter, h)})
 
 
 def tune_missing(name: str, batch: int, out_dir: Path) -> None:
@@ -107,39 +112,51 @@ def main() -> None:
     mxfp4 = build(NAME)
     layers = gemmtune.patch_linear(mxfp4, quant="mxfp4")
     packed = sum(getattr(m, "weight_packed", False) for m in mxfp4.modules())
+    fused = build(NAME)
+    gemmtune.patch_linear(fused, quant="mxfp4")
+    groups = gemmtune.fuse_siblings(fused, torch.ones(args.batch, 1, dtype=torch.long,
+                                                      device="cuda"))
     reference = dequantised(build(NAME))
     point = DecodePoint(bf16, args.batch)
     logits = {}
-    for label, model in (("bf16", bf16), ("mxfp4", mxfp4), ("reference", reference)):
+    for label, model in (("bf16", bf16), ("mxfp4", mxfp4), ("mxfp4 fused", fused),
+                         ("reference", reference)):
         point.rewind()
         logits[label] = point.step(model).clone()
-    kernel_err = rel_err(logits["mxfp4"], logits["reference"])
-    if kernel_err > 2e-2:
-        raise RuntimeError(f"MXFP4 logits off the dequantised-weight model's by {kernel_err:.2e}")
+    for label in ("mxfp4", "mxfp4 fused"):
+        kernel_err = rel_err(logits[label], logits["reference"])
+        if kernel_err > 2e-2:
+            raise RuntimeError(f"{label} logits off the dequantised-weight model's by "
+                               f"{kernel_err:.2e}")
     del reference
     no_gemm = build(NAME)
     for module in no_gemm.modules():
         if type(module) is nn.Linear:
             module.__class__ = _NoGemm
     graphs = {label: capture(point, model)[0] for label, model in (
-        ("bf16", bf16), ("mxfp4", mxfp4), ("no GEMM", no_gemm))}
+        ("bf16", bf16), ("mxfp4", mxfp4), ("mxfp4 fused", fused), ("no GEMM", no_gemm))}
     times = {label: [] for label in graphs}
-    ratios = []
+    ratios = {"mxfp4": [], "mxfp4 fused": []}
     for i in range(ROUNDS):
         order = list(graphs) if i % 2 == 0 else list(reversed(graphs))
         for label in order:
             times[label].append(ms_per_call(point, graphs[label].replay, GRAPH_REPLAYS))
-        ratios.append(times["bf16"][-1] / times["mxfp4"][-1])
+        for label, each in ratios.items():
+            each.append(times["bf16"][-1] / times[label][-1])
+    kinds = sorted({"+".join(name.split(".")[-1] for name in group) for group in groups})
     print(f"{torch.cuda.get_device_name()}, {NAME}, {LAYERS} layers, {layers} Linear layers "
-          f"MXFP4 ({packed} packed), decode batch {args.batch}, CUDA graphs")
-    print(f"bf16 {statistics.median(times['bf16']):.3f} ms, MXFP4 "
-          f"{statistics.median(times['mxfp4']):.3f} ms: speed-up {statistics.median(ratios):.3f} "
-          f"(rounds {min(ratios):.3f}-{max(ratios):.3f}); logits vs the dequantised-weight "
-          f"model {kernel_err:.1e}, vs bf16 {rel_err(logits['mxfp4'], logits['bf16']):.1e}")
+          f"MXFP4 ({packed} packed), decode batch {args.batch}, CUDA graphs; fused: "
+          f"{len(groups)} groups ({', '.join(kinds)})")
     rest = statistics.median(times["no GEMM"])
-    print(f"the step without GEMMs: {rest:.3f} ms, so the GEMMs take "
-          f"{statistics.median(times['bf16']) - rest:.3f} ms in bf16 and "
-          f"{statistics.median(times['mxfp4']) - rest:.3f} ms in MXFP4")
+    bf16_ms = statistics.median(times["bf16"])
+    print(f"bf16 {bf16_ms:.3f} ms; the step without GEMMs {rest:.3f} ms, so the GEMMs take "
+          f"{bf16_ms - rest:.3f} ms in bf16")
+    for label, each in ratios.items():
+        ms = statistics.median(times[label])
+        print(f"{label} {ms:.3f} ms (GEMMs {ms - rest:.3f} ms): speed-up "
+              f"{statistics.median(each):.3f} (rounds {min(each):.3f}-{max(each):.3f}); logits "
+              f"vs the dequantised-weight model {rel_err(logits[label], logits['reference']):.1e}, "
+              f"vs bf16 {rel_err(logits[label], logits['bf16']):.1e}")
 
 
 if __name__ == "__main__":

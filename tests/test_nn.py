@@ -348,3 +348,14 @@ def test_mxfp4_layout_follows_the_faster_rows(tmp_path, monkeypatch, rows, packs
     assert packed_layout_tuned(96, 128, torch.bfloat16) is packs
     assert packed_layout_tuned(96, 96, torch.bfloat16) is False  # K without a packed layout
     assert packed_layout_tuned(64, 128, torch.bfloat16) is False  # no rows
+
+
+def test_patched_layers_take_their_input_by_nn_linears_name():
+    """``layer(input=x)`` works on an nn.Linear, so on both kinds of patched layers too."""
+    model = nn.Sequential(nn.Linear(64, 40), nn.Linear(40, 8)).to(torch.bfloat16)
+    gemmtune.patch_linear(model, quant="mxfp4")  # in_features 40: not a whole MXFP4 block
+    assert isinstance(model[0], gemmtune.Mxfp4Linear) and type(model[1]) is gemmtune.TunedLinear
+    x = torch.randn(3, 64).to(torch.bfloat16)
+    h = model[0](input=x)
+    assert torch.equal(h, model[0](x))
+    assert torch.equal(model[1](input=h), model[1](h))

@@ -17,6 +17,7 @@ from gemmtune.families.a16w4.op import gemm_a16w4
 from gemmtune.families.bf16.op import gemm_a16w16
 from gemmtune.families.fmoe.op import fused_moe
 from gemmtune.nn import Mxfp4Linear, TunedLinear, patch_linear
+from gemmtune.siblings import fuse_siblings
 
 __version__ = "0.1.0"
 
@@ -40,6 +41,6 @@ __all__ = [
     "gemm_a4w4_blockscale",
     "fused_moe", "report_misses",
     "format_misses",
-    "reset", "TunedLinear", "Mxfp4Linear", "patch_linear", "patch_moe", "current_device", "DeviceId", "quant",
+    "reset", "TunedLinear", "Mxfp4Linear", "patch_linear", "fuse_siblings", "patch_moe", "current_device", "DeviceId", "quant",
     "Family", "all_families", "get_family", "register_family", "precompile",
 ]

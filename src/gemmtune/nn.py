@@ -34,7 +34,8 @@ class TunedLinear(nn.Linear):
     step of this call costs several times what it does in a loop (docs/benchmarks.md, session
     12), so it takes as few as it can."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002 (nn.Linear's name)
+        x = input
         if (type(self) is TunedLinear and not (
                 _dynamo_compiling() or _compiler._is_compiling_flag or _grad_enabled()
                 or _any_autocast())):
@@ -64,16 +65,33 @@ class Mxfp4Linear(nn.Module):
     in_features: int
     out_features: int
     weight_packed: bool = False
+    # The group whose fused GEMM serves this layer (``gemmtune.fuse_siblings``), or None, and
+    # the layer's columns of it (first, count)
+    fused = None
+    fused_columns: tuple[int, int] = (0, 0)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002 (nn.Linear's name)
+        x = input
         if _any_autocast() and torch.is_autocast_enabled(x.device.type):
             # As nn.Linear under torch.autocast: x in the autocast dtype (so is the output).
             x = x.to(torch.get_autocast_dtype(x.device.type))
+        if self.fused is not None and not (_dynamo_compiling() or _compiler._is_compiling_flag):
+            return self.fused.run(self, x)
         return gemm_a16w4(x, self.weight_q, self.weight_scale, self.bias,
                           packed=self.weight_packed)
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         saved = state_dict.get(prefix + "weight_layout")
+        if self.fused is not None and saved is not None and not saved.is_meta \
+                and bool(saved.item()) != self.weight_packed:
+            # A fused layer keeps its group's layout: codes saved in the other one are
+            # converted (the reordering is its own inverse) before they are copied in.
+            codes = state_dict[prefix + "weight_q"]
+            state_dict[prefix + "weight_q"] = prepack_mxfp4(codes, state_dict[
+                prefix + "weight_scale"])[0]
+            state_dict[prefix + "weight_layout"] = torch.tensor(int(self.weight_packed),
+                                                                dtype=torch.uint8)
+            saved = state_dict[prefix + "weight_layout"]
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
         if saved is not None and not saved.is_meta:
             self.weight_packed = bool(saved.item())

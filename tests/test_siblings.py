@@ -1,0 +1,172 @@
+"""``fuse_siblings``: MXFP4 layers reading one input (q, k, v; gate, up) multiplied as one
+GEMM, seen from one forward; each layer's output its columns of it, the same as unfused; the
+state_dict, moves and copies kept right."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import gemmtune
+import gemmtune.nn as tuned_nn
+import gemmtune.siblings as siblings
+
+
+class _Block(nn.Module):
+    """A transformer block's projections: q, k, v read x; o (same in_features) reads their
+    mix; gate and up read the normed sum; down reads their product."""
+
+    def __init__(self, bias: bool = False):
+        super().__init__()
+        self.q, self.k, self.v = nn.Linear(128, 128, bias=bias), \
+            nn.Linear(128, 64, bias=bias), nn.Linear(128, 64, bias=bias)
+        self.o = nn.Linear(128, 128, bias=bias)
+        self.gate, self.up = nn.Linear(128, 256, bias=bias), nn.Linear(128, 256, bias=bias)
+        self.down = nn.Linear(256, 128, bias=bias)
+
+    def forward(self, x):
+        q, k, v = self.q(x), self.k(x), self.v(x)
+        h = x + self.o(q * torch.cat([k, v], -1))
+        h = h / h.norm(dim=-1, keepdim=True)
+        return h + self.down(torch.relu(self.gate(h)) * self.up(h))
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dispatch():
+    gemmtune.reset()
+    yield
+    gemmtune.reset()
+
+
+@pytest.fixture
+def gemms(monkeypatch):
+    """(N, K) of every MXFP4 GEMM run, fused or not."""
+    seen = []
+
+    def counting(module):
+        real = module.gemm_a16w4
+
+        def gemm(x, wq, w_scale, bias=None, *args, **kwargs):
+            seen.append((wq.shape[0], x.shape[-1]))
+            return real(x, wq, w_scale, bias, *args, **kwargs)
+        monkeypatch.setattr(module, "gemm_a16w4", gemm)
+
+    counting(tuned_nn)
+    counting(siblings)
+    return seen
+
+
+def _block(bias=False):
+    torch.manual_seed(0)
+    model = _Block(bias).to(torch.bfloat16)
+    gemmtune.patch_linear(model, quant="mxfp4")
+    return model
+
+
+def _x(rows=5, seed=1):
+    return torch.randn(rows, 128, generator=torch.Generator().manual_seed(seed)).to(
+        torch.bfloat16)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_layers_reading_one_input_run_as_one_gemm(gemms, bias):
+    model = _block(bias)
+    x = _x()
+    want = model(x)
+    unfused = list(gemms)
+    assert len(unfused) == 7
+    groups = gemmtune.fuse_siblings(model, _x(3, seed=2))
+    # o has q's in_features but reads another input: not q's sibling
+    assert sorted(groups) == [["gate", "up"], ["q", "k", "v"]]
+    gemms.clear()
+    got = model(x)
+    assert sorted(gemms) == [(128, 128), (128, 256), (256, 128), (512, 128)]  # o down qkv gate_up
+    # Each layer's columns of the fused product: its own dequantised weight's product
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+    q = model.q(x)
+    ref = x.float() @ gemmtune.quant.dequant_mxfp4(
+        gemmtune.quant.unpack_mxfp4(model.q.weight_q, model.q.weight_scale)[0]
+        if model.q.weight_packed else model.q.weight_q, model.q.weight_scale).T
+    if bias:
+        ref = ref + model.q.bias.float()
+    torch.testing.assert_close(q.float(), ref, rtol=2e-2, atol=2e-2)
+
+
+def test_the_layers_weights_are_rows_of_the_fused_weight_and_keep_their_names():
+    model = _block(bias=True)
+    keys = set(model.state_dict())
+    gemmtune.fuse_siblings(model, _x())
+    group = model.q.fused
+    assert group is model.k.fused is model.v.fused and model.o.fused is None
+    assert set(model.state_dict()) == keys
+    assert model.k.weight_q.data_ptr() == group.codes[128].data_ptr()
+    assert model.v.weight_scale.data_ptr() == group.scales[192].data_ptr()
+    assert model.v.bias.data_ptr() == group.bias[192:].data_ptr()
+
+
+def test_a_layer_served_again_or_another_input_computes_again(gemms):
+    model = _block()
+    gemmtune.fuse_siblings(model, _x())
+    x = _x()
+    gemms.clear()
+    model.q(x)
+    model.k(x)
+    model.q(x)  # before v: q was served, so this is a new call
+    assert gemms == [(256, 128), (256, 128)]
+    model.v(x.clone())  # another tensor (equal values)
+    x.add_(1)  # the same tensor changed in place
+    model.k(x)
+    assert gemms == [(256, 128)] * 4
+
+
+def test_a_state_dict_loads_across_fused_and_unfused_and_either_layout(monkeypatch):
+    """The fused model's state_dict loads into an unfused one and back, also where the group
+    stores its weight packed and the saved codes are as quantised (converted on load)."""
+    monkeypatch.setattr(siblings, "packed_layout_tuned", lambda n, k, dtype: n == 256)
+    model, other = _block(), _block()
+    with torch.no_grad():
+        for layer in (other.q, other.k, other.v):
+            layer.weight_q.copy_(layer.weight_q.flip(0))  # other weights
+    gemmtune.fuse_siblings(model, _x())
+    assert model.q.weight_packed and not other.q.weight_packed
+    x = _x()
+    want = other(x)
+    model.load_state_dict(other.state_dict())
+    assert model.q.weight_packed and model.q.fused is not None
+    torch.testing.assert_close(model(x), want, rtol=2e-2, atol=2e-2)
+    fresh = _block()
+    fresh.load_state_dict(model.state_dict())  # packed codes into an unfused model
+    assert fresh.q.weight_packed
+    torch.testing.assert_close(fresh(x), want, rtol=2e-2, atol=2e-2)
+
+
+def test_a_moved_or_copied_model_is_regrouped():
+    model = _block()
+    gemmtune.fuse_siblings(model, _x())
+    x = _x()
+    want = model(x)
+    copied = copy.deepcopy(model)
+    model._apply(lambda t: t.clone())  # every buffer replaced, as model.to(device) does
+    old = model.q.fused.codes
+    torch.testing.assert_close(model(x), want, rtol=0, atol=0)
+    assert model.q.fused.codes.data_ptr() != old.data_ptr()
+    assert model.k.weight_q.data_ptr() == model.q.fused.codes[128].data_ptr()
+    torch.testing.assert_close(copied(x), want, rtol=0, atol=0)
+
+
+def test_layers_called_twice_or_by_keyword_stay_apart():
+    class Twice(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.c = nn.Linear(128, 32), nn.Linear(128, 32), nn.Linear(128, 32)
+
+        def forward(self, x):
+            return self.a(x) + self.a(x) + self.b(x) + self.c(input=x)
+
+    torch.manual_seed(0)
+    model = Twice().to(torch.bfloat16)
+    gemmtune.patch_linear(model, quant="mxfp4")
+    assert gemmtune.fuse_siblings(model, _x()) == []  # a twice, c by keyword: b alone
