@@ -34,13 +34,6 @@ class _Block(nn.Module):
         return h + self.down(torch.relu(self.gate(h)) * self.up(h))
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dispatch():
-    gemmtune.reset()
-    yield
-    gemmtune.reset()
-
-
 @pytest.fixture
 def gemms(monkeypatch):
     """(N, K) of every MXFP4 GEMM run, fused or not."""
