@@ -148,7 +148,9 @@ def candidates(M: int, N: int, K: int, dtype: torch.dtype,
                packed: bool = False) -> list[W4WgConfig]:
     """The configs to tune one shape with, for M >= MIN_M and w as quantised or (``packed``) as
     ``mxfp4.prepack`` stores it: 64-256 rows of w, 64-256 of x (not past M's power of two), one
-    warpgroup or two, 3-4 slots, the decode after or beside the MMA. Only configs that fit."""
+    warpgroup or two, 3 slots, the decode beside the MMA with one or two MMAs in flight (the
+    decode after each MMA and 4 slots won no shape of seven, docs/benchmarks.md, session 26).
+    Only configs that fit."""
     if M < MIN_M or dtype != torch.bfloat16:
         return []
     found = []
@@ -157,18 +159,20 @@ def candidates(M: int, N: int, K: int, dtype: torch.dtype,
             if bm > max(MIN_M, triton.next_power_of_2(M)):
                 continue
             for warps in WARPS:
-                for stages in (3, 4):
-                    for overlap in (0, 1, 2):
-                        config = W4WgConfig(bn, bm, warps, stages, int(packed), overlap)
-                        if why_not_fits(config, M, N, K, dtype) is None:
-                            found.append(config)
+                for overlap in (1, 2):
+                    config = W4WgConfig(bn, bm, warps, 3, int(packed), overlap)
+                    if why_not_fits(config, M, N, K, dtype) is None:
+                        found.append(config)
     return found
 
 
 def default_config(M: int, N: int, K: int, dtype: torch.dtype) -> W4WgConfig:
-    """Reasonable untuned: 128 rows of w by 128 of x (64 when M is that small), one
-    warpgroup, 3 slots."""
-    return W4WgConfig(128, 128 if M > 64 else 64, 4, 3)
+    """Reasonable untuned, two MMAs in flight, 3 slots: from 256 rows of x, 128 rows of w by
+    256 of x on two warpgroups; below, 64 by 128 (64 for M <= 64) on one (the best tiles of
+    the session-26 probe, docs/benchmarks.md)."""
+    if M > 256:
+        return W4WgConfig(128, 256, 8, 3, 0, 2)
+    return W4WgConfig(64, 128 if M > 64 else 64, 4, 3, 0, 2)
 
 
 @gluon.constexpr_function
