@@ -163,3 +163,13 @@ def test_layers_called_twice_or_by_keyword_stay_apart():
     model = Twice().to(torch.bfloat16)
     gemmtune.patch_linear(model, quant="mxfp4")
     assert gemmtune.fuse_siblings(model, _x()) == []  # a twice, c by keyword: b alone
+
+
+def test_a_model_without_mxfp4_layers_is_refused_and_a_second_call_changes_nothing():
+    plain = _Block().to(torch.bfloat16)
+    with pytest.raises(ValueError, match="patch_linear"):
+        gemmtune.fuse_siblings(plain, _x())
+    model = _block()
+    assert len(gemmtune.fuse_siblings(model, _x())) == 2
+    group = model.q.fused
+    assert gemmtune.fuse_siblings(model, _x()) == [] and model.q.fused is group

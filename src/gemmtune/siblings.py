@@ -107,7 +107,11 @@ def fuse_siblings(model: nn.Module, *args, **kwargs) -> list[list[str]]:
     one forward with ``args``/``kwargs`` (example inputs; no gradients) shows reading the same
     input, each once, with the same in_features and all or none with a bias; multiply each
     group as one GEMM from then on. Returns the groups, as the layers' names."""
-    layers = [m for m in model.modules() if isinstance(m, Mxfp4Linear) and m.fused is None]
+    mxfp4 = [m for m in model.modules() if isinstance(m, Mxfp4Linear)]
+    if not mxfp4:
+        raise ValueError("fuse_siblings: the model has no MXFP4 layers; run "
+                         "gemmtune.patch_linear(model, quant='mxfp4') first")
+    layers = [m for m in mxfp4 if m.fused is None]  # a second call leaves groups as they are
     inputs: dict[int, tuple[torch.Tensor, list[Mxfp4Linear]]] = {}
     calls: dict[int, int] = {}
 
