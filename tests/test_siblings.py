@@ -95,9 +95,9 @@ def test_the_layers_weights_are_rows_of_the_fused_weight_and_keep_their_names():
     group = model.q.fused
     assert group is model.k.fused is model.v.fused and model.o.fused is None
     assert set(model.state_dict()) == keys
-    assert model.k.weight_q.data_ptr() == group.codes[128].data_ptr()
-    assert model.v.weight_scale.data_ptr() == group.scales[192].data_ptr()
-    assert model.v.bias.data_ptr() == group.bias[192:].data_ptr()
+    assert model.k.weight_q.data_ptr() == group.tensor("weight_q")[128].data_ptr()
+    assert model.v.weight_scale.data_ptr() == group.tensor("weight_scale")[192].data_ptr()
+    assert model.v.bias.data_ptr() == group.tensor("bias")[192:].data_ptr()
 
 
 def test_a_layer_served_again_or_another_input_computes_again(gemms):
@@ -143,10 +143,10 @@ def test_a_moved_or_copied_model_is_regrouped():
     want = model(x)
     copied = copy.deepcopy(model)
     model._apply(lambda t: t.clone())  # every buffer replaced, as model.to(device) does
-    old = model.q.fused.codes
+    old = model.q.fused.tensor("weight_q")
     torch.testing.assert_close(model(x), want, rtol=0, atol=0)
-    assert model.q.fused.codes.data_ptr() != old.data_ptr()
-    assert model.k.weight_q.data_ptr() == model.q.fused.codes[128].data_ptr()
+    assert model.q.fused.tensor("weight_q").data_ptr() != old.data_ptr()
+    assert model.k.weight_q.data_ptr() == model.q.fused.tensor("weight_q")[128].data_ptr()
     torch.testing.assert_close(copied(x), want, rtol=0, atol=0)
 
 
@@ -166,10 +166,41 @@ def test_layers_called_twice_or_by_keyword_stay_apart():
 
 
 def test_a_model_without_mxfp4_layers_is_refused_and_a_second_call_changes_nothing():
-    plain = _Block().to(torch.bfloat16)
+    plain = _Block().to(torch.bfloat16)  # not patched
     with pytest.raises(ValueError, match="patch_linear"):
         gemmtune.fuse_siblings(plain, _x())
     model = _block()
     assert len(gemmtune.fuse_siblings(model, _x())) == 2
     group = model.q.fused
     assert gemmtune.fuse_siblings(model, _x()) == [] and model.q.fused is group
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_bf16_layers_fuse_the_same_way(monkeypatch, bias):
+    """TunedLinear siblings (patch_linear without quant): one gemm_a16w16 per group, the
+    weights rows of the fused one, the same outputs."""
+    shapes = []
+    real = siblings.gemm_a16w16
+
+    def counting(x, w, b=None, *args, **kwargs):
+        shapes.append(tuple(w.shape))
+        return real(x, w, b, *args, **kwargs)
+
+    monkeypatch.setattr(siblings, "gemm_a16w16", counting)
+    torch.manual_seed(0)
+    model = _Block(bias).to(torch.bfloat16)
+    gemmtune.patch_linear(model)
+    x = _x()
+    want = model(x)
+    assert sorted(gemmtune.fuse_siblings(model, _x(3, seed=2))) == [["gate", "up"],
+                                                                    ["q", "k", "v"]]
+    shapes.clear()
+    torch.testing.assert_close(model(x), want, rtol=1e-2, atol=1e-2)
+    assert sorted(shapes) == [(256, 128), (512, 128)]  # qkv and gate_up; o and down on their own
+    assert isinstance(model.k.weight, nn.Parameter)
+    assert model.k.weight.data_ptr() == model.q.fused.tensor("weight")[128].data_ptr()
+    keys = set(model.state_dict())
+    fresh = _Block(bias).to(torch.bfloat16)
+    fresh.load_state_dict(model.state_dict())
+    assert set(fresh.state_dict()) == keys
+    torch.testing.assert_close(fresh(x), want, rtol=1e-2, atol=1e-2)

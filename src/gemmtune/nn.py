@@ -34,8 +34,15 @@ class TunedLinear(nn.Linear):
     step of this call costs several times what it does in a loop (docs/benchmarks.md, session
     12), so it takes as few as it can."""
 
+    # The group whose fused GEMM serves this layer (``gemmtune.fuse_siblings``), or None, and
+    # the layer's columns of it (first, count)
+    fused = None
+    fused_columns: tuple[int, int] = (0, 0)
+
     def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002 (nn.Linear's name)
         x = input
+        if self.fused is not None and not (_dynamo_compiling() or _compiler._is_compiling_flag):
+            return self.fused.run(self, x)
         if (type(self) is TunedLinear and not (
                 _dynamo_compiling() or _compiler._is_compiling_flag or _grad_enabled()
                 or _any_autocast())):

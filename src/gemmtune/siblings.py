@@ -1,5 +1,6 @@
-"""``fuse_siblings``: MXFP4 layers that read the same input (a transformer's q, k and v
-projections; an MLP's gate and up) multiplied as one GEMM, as serving engines store them.
+"""``fuse_siblings``: patched layers that read the same input (a transformer's q, k and v
+projections; an MLP's gate and up) multiplied as one GEMM, as serving engines store them:
+``Mxfp4Linear`` layers through ``gemm_a16w4``, ``TunedLinear`` ones through ``gemm_a16w16``.
 
 Why: a model written with separate projections (Hugging Face transformers) runs three GEMMs
 where one would do, and the small ones (k and v at 1024 x 4096) are far from their floor: a
@@ -7,11 +8,11 @@ launch costs about what reading their 2 MB weight does. The fused shapes are the
 (qkv 6144 x 4096, gate_up 28672 x 4096), which the shipped tables cover.
 
 Which layers are siblings is seen, not guessed from names: one forward of the model with
-example inputs records which ``Mxfp4Linear`` layers receive the same tensor object; those that
-receive it exactly once each, with the same in_features, become a group. Their codes and scales
-are concatenated along N into one weight (in the layout the a16w4 table prefers for the fused
-shape), and each layer's buffers become row views of it: the ``state_dict`` keeps every layer's
-own names and values, and memory is not doubled.
+example inputs records which patched layers receive the same tensor object; those of one kind
+that receive it exactly once each, with the same in_features, become a group. Their weights
+are concatenated along N into one (MXFP4: codes and scales, in the layout the a16w4 table
+prefers for the fused shape), and each layer's weight, scales and bias become row views of it:
+the ``state_dict`` keeps every layer's own names and values, and memory is not doubled.
 
 At run time the first layer of a group called with an input computes the fused product; the
 others called with that same tensor (same object, storage and version) take their columns of
@@ -27,65 +28,71 @@ import torch
 from torch import nn
 
 from gemmtune.families.a16w4.op import gemm_a16w4, packed_layout_tuned
-from gemmtune.nn import Mxfp4Linear
+from gemmtune.families.bf16.op import gemm_a16w16
+from gemmtune.nn import Mxfp4Linear, TunedLinear
 from gemmtune.quant import prepack_mxfp4, unpack_mxfp4
 
 
 class SiblingGroup:
-    """Layers reading one input, their fused MXFP4 weight, and the product of the last input
-    until each layer has taken its columns."""
+    """Layers reading one input, their fused weight, and the product of the last input until
+    each layer has taken its columns. The fused weight's rows are the layers' own tensors
+    (``_rows``); the subclasses say which tensors and how the product is made."""
 
-    def __init__(self, members: list[Mxfp4Linear], x_dtype: torch.dtype):
+    def __init__(self, members: list[nn.Module], x_dtype: torch.dtype):
         self.members = members
         self.x_dtype = x_dtype
         self._build()
 
     def _build(self) -> None:
-        """The fused weight from the members' own (each as quantised, concatenated, packed where
-        the table prefers it for the fused shape), and the members' buffers views of it."""
-        codes = torch.cat([unpack_mxfp4(m.weight_q, m.weight_scale)[0] if m.weight_packed
-                           else m.weight_q for m in self.members])
-        scales = torch.cat([m.weight_scale for m in self.members])
-        self.packed = packed_layout_tuned(codes.shape[0], codes.shape[1] * 2, self.x_dtype)
-        if self.packed:
-            codes, scales = prepack_mxfp4(codes, scales)
-        biases = [m.bias for m in self.members]
-        self.bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
-        self.codes, self.scales = codes, scales
+        """The fused tensors from the members' own, and the members' tensors views of them."""
+        self.fused = self._fuse()
         start = 0
         for m in self.members:
             n = m.out_features
-            m._buffers["weight_q"] = codes[start:start + n]
-            m._buffers["weight_scale"] = scales[start:start + n]
-            m._buffers["weight_layout"].fill_(int(self.packed))
-            m.weight_packed = self.packed
-            if self.bias is not None:
-                m._parameters["bias"] = nn.Parameter(self.bias[start:start + n],
-                                                     requires_grad=m.bias.requires_grad)
+            for name, (kind, fused) in self.fused.items():
+                rows = fused[start:start + n]
+                if kind == "buffer":
+                    m._buffers[name] = rows
+                else:
+                    m._parameters[name] = nn.Parameter(
+                        rows, requires_grad=m._parameters[name].requires_grad)
             m.fused_columns = (start, n)  # on the layer: a copy of the model keeps it right
             start += n
         self._forget()
+
+    def _fuse(self) -> dict[str, tuple[str, torch.Tensor]]:
+        """Name -> ("buffer" or "parameter", the members' tensors of that name concatenated)."""
+        raise NotImplementedError
+
+    def _product(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def tensor(self, name: str) -> torch.Tensor | None:
+        """The fused tensor ``name`` (the members' rows of it), or None (no bias)."""
+        return self.fused[name][1] if name in self.fused else None
+
+    def _bias(self) -> dict[str, tuple[str, torch.Tensor]]:
+        biases = [m.bias for m in self.members]
+        if biases[0] is None:
+            return {}
+        return {"bias": ("parameter", torch.cat([b.detach() for b in biases]))}
 
     def _forget(self) -> None:
         self._x = self._key = self._y = None
         self._served: set[int] = set()  # the first columns of the layers served
 
     def _views_intact(self) -> bool:
-        """Whether every member's buffers are still the rows of the fused weight they were made
+        """Whether every member's tensors are still the rows of the fused ones they were made
         (not after ``model.to``, a copy or a load that replaced them)."""
-        row_bytes = self.codes.stride(0) * self.codes.element_size()
-        scale_bytes = self.scales.stride(0) * self.scales.element_size()
         for m in self.members:
             start, _ = m.fused_columns
-            if (m._buffers["weight_q"].data_ptr() != self.codes.data_ptr() + start * row_bytes
-                    or m._buffers["weight_scale"].data_ptr()
-                    != self.scales.data_ptr() + start * scale_bytes
-                    or (self.bias is not None and m.bias.data_ptr()
-                        != self.bias.data_ptr() + start * self.bias.element_size())):
-                return False
+            for name, (kind, fused) in self.fused.items():
+                mine = (m._buffers if kind == "buffer" else m._parameters)[name]
+                if mine.data_ptr() != fused[start].data_ptr():
+                    return False
         return True
 
-    def run(self, member: Mxfp4Linear, x: torch.Tensor) -> torch.Tensor:
+    def run(self, member: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """``member``'s output for ``x``: its columns of the fused product, computed where this
         is a new input or ``member`` was already served since."""
         key = (x.data_ptr(), x._version, tuple(x.shape), x.stride(), x.dtype)
@@ -93,7 +100,7 @@ class SiblingGroup:
         if self._x is not x or self._key != key or start in self._served:
             if not self._views_intact():
                 self._build()
-            self._y = gemm_a16w4(x, self.codes, self.scales, self.bias, packed=self.packed)
+            self._y = self._product(x)
             self._x, self._key, self._served = x, key, set()
         out = self._y.narrow(-1, start, n)
         self._served.add(start)
@@ -102,16 +109,50 @@ class SiblingGroup:
         return out
 
 
+class Mxfp4Siblings(SiblingGroup):
+    """``Mxfp4Linear`` layers: codes and scales concatenated (each as quantised, then packed
+    where the a16w4 table prefers it for the fused shape), one ``gemm_a16w4``."""
+
+    def _fuse(self):
+        codes = torch.cat([unpack_mxfp4(m.weight_q, m.weight_scale)[0] if m.weight_packed
+                           else m.weight_q for m in self.members])
+        scales = torch.cat([m.weight_scale for m in self.members])
+        self.packed = packed_layout_tuned(codes.shape[0], codes.shape[1] * 2, self.x_dtype)
+        if self.packed:
+            codes, scales = prepack_mxfp4(codes, scales)
+        for m in self.members:
+            m._buffers["weight_layout"].fill_(int(self.packed))
+            m.weight_packed = self.packed
+        return {"weight_q": ("buffer", codes), "weight_scale": ("buffer", scales),
+                **self._bias()}
+
+    def _product(self, x):
+        return gemm_a16w4(x, self.tensor("weight_q"), self.tensor("weight_scale"),
+                          self.tensor("bias"), packed=self.packed)
+
+
+class TunedSiblings(SiblingGroup):
+    """``TunedLinear`` layers (bf16 / fp16): weights concatenated, one ``gemm_a16w16``."""
+
+    def _fuse(self):
+        weight = torch.cat([m.weight.detach() for m in self.members])
+        return {"weight": ("parameter", weight), **self._bias()}
+
+    def _product(self, x):
+        return gemm_a16w16(x, self.tensor("weight"), self.tensor("bias"))
+
+
 def fuse_siblings(model: nn.Module, *args, **kwargs) -> list[list[str]]:
-    """Group ``model``'s ``Mxfp4Linear`` layers (``patch_linear(quant="mxfp4")`` first) that
-    one forward with ``args``/``kwargs`` (example inputs; no gradients) shows reading the same
-    input, each once, with the same in_features and all or none with a bias; multiply each
-    group as one GEMM from then on. Returns the groups, as the layers' names."""
-    mxfp4 = [m for m in model.modules() if isinstance(m, Mxfp4Linear)]
-    if not mxfp4:
-        raise ValueError("fuse_siblings: the model has no MXFP4 layers; run "
-                         "gemmtune.patch_linear(model, quant='mxfp4') first")
-    layers = [m for m in mxfp4 if m.fused is None]  # a second call leaves groups as they are
+    """Group ``model``'s patched layers (``patch_linear`` first: ``Mxfp4Linear`` or
+    ``TunedLinear``) that one forward with ``args``/``kwargs`` (example inputs; no gradients)
+    shows reading the same input, each once, of one kind with the same in_features and all or
+    none with a bias; multiply each group as one GEMM from then on. Returns the groups, as the
+    layers' names."""
+    patched = [m for m in model.modules() if type(m) in _GROUPS]
+    if not patched:
+        raise ValueError("fuse_siblings: the model has no patched layers; run "
+                         "gemmtune.patch_linear(model) (or quant='mxfp4') first")
+    layers = [m for m in patched if m.fused is None]  # a second call leaves groups as they are
     inputs: dict[int, tuple[torch.Tensor, list[Mxfp4Linear]]] = {}
     calls: dict[int, int] = {}
 
@@ -131,17 +172,28 @@ def fuse_siblings(model: nn.Module, *args, **kwargs) -> list[list[str]]:
     groups = []
     for x, members in inputs.values():
         if len(members) > 1 and _fusable(members, calls):
-            group = SiblingGroup(members, x.dtype)
+            group = _GROUPS[type(members[0])](members, x.dtype)
             for m in members:
                 m.fused = group
             groups.append([names[id(m)] for m in members])
     return groups
 
 
-def _fusable(members: list[Mxfp4Linear], calls: dict[int, int]) -> bool:
-    """Layers called once each, with one in_features, device, and all or none with a bias."""
+def _fusable(members: list[nn.Module], calls: dict[int, int]) -> bool:
+    """Layers of one kind called once each, with one in_features, weight dtype and device, and
+    all or none with a bias."""
     first = members[0]
-    return all(calls[id(m)] == 1 and m.in_features == first.in_features
-               and m.weight_q.device == first.weight_q.device
+
+    def weight(m):
+        return m.weight_q if isinstance(m, Mxfp4Linear) else m.weight
+
+    return all(type(m) is type(first) and calls[id(m)] == 1
+               and m.in_features == first.in_features
+               and weight(m).dtype == weight(first).dtype
+               and weight(m).device == weight(first).device
                and (m.bias is None) == (first.bias is None)
                and (m.bias is None or m.bias.dtype == first.bias.dtype) for m in members)
+
+
+# What each kind of patched layer is fused by
+_GROUPS = {Mxfp4Linear: Mxfp4Siblings, TunedLinear: TunedSiblings}
