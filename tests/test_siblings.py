@@ -75,7 +75,8 @@ def test_layers_reading_one_input_run_as_one_gemm(gemms, bias):
     # o has q's in_features but reads another input: not q's sibling
     assert sorted(groups) == [["gate", "up"], ["q", "k", "v"]]
     gemms.clear()
-    got = model(x)
+    with torch.no_grad():  # (with gradients wanted each layer runs on its own: below)
+        got = model(x)
     assert sorted(gemms) == [(128, 128), (128, 256), (256, 128), (512, 128)]  # o down qkv gate_up
     # Each layer's columns of the fused product: its own dequantised weight's product
     torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
@@ -195,7 +196,8 @@ def test_bf16_layers_fuse_the_same_way(monkeypatch, bias):
     assert sorted(gemmtune.fuse_siblings(model, _x(3, seed=2))) == [["gate", "up"],
                                                                     ["q", "k", "v"]]
     shapes.clear()
-    torch.testing.assert_close(model(x), want, rtol=1e-2, atol=1e-2)
+    with torch.inference_mode():  # serving's context: inference tensors, no version counter
+        torch.testing.assert_close(model(x), want, rtol=1e-2, atol=1e-2)
     assert sorted(shapes) == [(256, 128), (512, 128)]  # qkv and gate_up; o and down on their own
     assert isinstance(model.k.weight, nn.Parameter)
     assert model.k.weight.data_ptr() == model.q.fused.tensor("weight")[128].data_ptr()
@@ -204,3 +206,82 @@ def test_bf16_layers_fuse_the_same_way(monkeypatch, bias):
     fresh.load_state_dict(model.state_dict())
     assert set(fresh.state_dict()) == keys
     torch.testing.assert_close(fresh(x), want, rtol=1e-2, atol=1e-2)
+
+
+def test_with_gradients_wanted_each_layer_runs_on_its_own_and_gets_them():
+    """Training through fused layers: the parameters keep their objects (an optimizer made
+    before fusing still holds them) and get the gradients the unfused model gives them."""
+    torch.manual_seed(0)
+    model = _Block(bias=True).to(torch.bfloat16)
+    gemmtune.patch_linear(model)
+    plain = copy.deepcopy(model)
+    params = [id(p) for p in model.parameters()]
+    gemmtune.fuse_siblings(model, _x())
+    assert [id(p) for p in model.parameters()] == params
+    x = _x()
+    for m in (model, plain):
+        m(x).float().square().sum().backward()
+    for name in ("q", "k", "v", "gate", "up"):
+        for attr in ("weight", "bias"):
+            mine, want = getattr(getattr(model, name), attr), getattr(getattr(plain, name), attr)
+            torch.testing.assert_close(mine.grad, want.grad, rtol=1e-2, atol=1e-2)
+    with torch.no_grad():  # an update through the layer's own parameter reaches the group
+        model.k.weight.add_(1)
+        torch.testing.assert_close(model.k(x), plain.k(x) + x.sum(-1, keepdim=True),
+                                   rtol=2e-2, atol=2e-1)
+
+
+def test_autocast_from_fp32_runs_one_gemm_a_group(gemms):
+    model = _block()
+    gemmtune.fuse_siblings(model, _x())
+    gemms.clear()
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
+        model(_x().float())  # each layer casts its own copy of x: the group keys the uncast one
+    assert sorted(gemms) == [(128, 128), (128, 256), (256, 128), (512, 128)]
+
+
+def test_a_member_cast_apart_dissolves_its_group():
+    torch.manual_seed(0)
+    model = _Block().to(torch.bfloat16)
+    gemmtune.patch_linear(model)
+    gemmtune.fuse_siblings(model, _x())
+    model.k.half()
+    x = _x()
+    with torch.no_grad():
+        out = model.q(x)
+    assert model.q.fused is None and model.k.fused is None
+    assert model.q.weight.dtype == torch.bfloat16 and model.k.weight.dtype == torch.float16
+    assert out.dtype == torch.bfloat16
+
+
+def test_a_tied_weight_stays_tied():
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.c = nn.Linear(128, 32), nn.Linear(128, 32), nn.Linear(128, 32)
+            self.c.weight = self.a.weight
+
+        def forward(self, x):
+            return self.a(x) + self.b(x) + self.c(x)
+
+    torch.manual_seed(0)
+    model = Tied().to(torch.bfloat16)
+    gemmtune.patch_linear(model)
+    assert gemmtune.fuse_siblings(model, _x()) == []  # a and c share a weight: b alone
+    assert model.c.weight is model.a.weight
+
+
+def test_the_group_holds_no_weight_and_frees_an_input_a_round_left():
+    import gc
+
+    model = _block()
+    gemmtune.fuse_siblings(model, _x())
+    group = model.q.fused
+    x = _x()
+    with torch.no_grad():
+        model.q(x)  # k and v never called
+    assert group._y is not None
+    del x
+    gc.collect()
+    assert group._y is None  # the product went with its input
+    assert not [v for v in vars(group).values() if isinstance(v, torch.Tensor)]

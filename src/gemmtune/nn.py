@@ -42,7 +42,9 @@ class TunedLinear(nn.Linear):
     def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002 (nn.Linear's name)
         x = input
         if self.fused is not None and not (_dynamo_compiling() or _compiler._is_compiling_flag):
-            return self.fused.run(self, x)
+            out = self.fused.run(self, x)
+            if out is not None:  # else this layer on its own (gemmtune.fuse_siblings)
+                return out
         if (type(self) is TunedLinear and not (
                 _dynamo_compiling() or _compiler._is_compiling_flag or _grad_enabled()
                 or _any_autocast())):
@@ -79,11 +81,15 @@ class Mxfp4Linear(nn.Module):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:  # noqa: A002 (nn.Linear's name)
         x = input
-        if _any_autocast() and torch.is_autocast_enabled(x.device.type):
-            # As nn.Linear under torch.autocast: x in the autocast dtype (so is the output).
-            x = x.to(torch.get_autocast_dtype(x.device.type))
+        # As nn.Linear under torch.autocast: x in the autocast dtype (so is the output).
+        cast = torch.get_autocast_dtype(x.device.type) if _any_autocast() \
+            and torch.is_autocast_enabled(x.device.type) else None
         if self.fused is not None and not (_dynamo_compiling() or _compiler._is_compiling_flag):
-            return self.fused.run(self, x)
+            out = self.fused.run(self, x, cast)  # the siblings' input before its cast
+            if out is not None:  # else this layer on its own (gemmtune.fuse_siblings)
+                return out
+        if cast is not None:
+            x = x.to(cast)
         return gemm_a16w4(x, self.weight_q, self.weight_scale, self.bias,
                           packed=self.weight_packed)
 

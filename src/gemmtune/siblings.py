@@ -16,13 +16,24 @@ the ``state_dict`` keeps every layer's own names and values, and memory is not d
 
 At run time the first layer of a group called with an input computes the fused product; the
 others called with that same tensor (same object, storage and version) take their columns of
-it, a view. A layer served twice before its siblings, or another input, computes again, so the
-product of one call is never given for another. A model moved or copied (its buffers no longer
-views of the group's weight) is regrouped on its next call. Under torch.compile the layers run
-on their own (views of the fused weight).
+it, a view (not contiguous: ``.view`` that splits the last dimension works, one that merges it
+with another does not). A layer served twice before its siblings, or another input, computes
+again, so the product of one call is never given for another; the product is dropped with its
+input. Inference tensors (``torch.inference_mode``) have no version: an input changed in place
+between two siblings' calls is not seen there. A model moved, cast or copied (its tensors no
+longer rows of one storage) is regrouped on its next call, or its group dissolved where the
+layers no longer match; the group holds no weight of its own, so a model moved off a GPU frees
+it there. Layers run on their own where gradients are wanted (parameters that require them, or
+such an input; the fused product would not reach them) and under torch.compile. Parameters keep
+their objects (optimizers, ties); a layer tied to another module is not grouped. CUDA graphs:
+capture whole forwards (a capture that starts between two siblings would record the product's
+reads without the GEMM).
 """
 
 from __future__ import annotations
+
+import weakref
+from collections import Counter
 
 import torch
 from torch import nn
@@ -34,30 +45,37 @@ from gemmtune.quant import prepack_mxfp4, unpack_mxfp4
 
 
 class SiblingGroup:
-    """Layers reading one input, their fused weight, and the product of the last input until
-    each layer has taken its columns. The fused weight's rows are the layers' own tensors
-    (``_rows``); the subclasses say which tensors and how the product is made."""
+    """Layers reading one input, the layout of their fused tensors, and the product of the last
+    input until each layer has taken its columns. The group holds no weight: the fused tensors
+    are the storage the layers' own tensors are rows of (seen through the first layer's), so a
+    model moved or offloaded frees them; the subclasses say which tensors and how the product
+    is made."""
 
     def __init__(self, members: list[nn.Module], x_dtype: torch.dtype):
         self.members = members
         self.x_dtype = x_dtype
+        self._layout: dict[str, tuple[str, tuple[int, ...], tuple[int, ...]]] = {}
+        self._forget()
         self._build()
 
     def _build(self) -> None:
-        """The fused tensors from the members' own, and the members' tensors views of them."""
-        self.fused = self._fuse()
-        start = 0
-        for m in self.members:
-            n = m.out_features
-            for name, (kind, fused) in self.fused.items():
-                rows = fused[start:start + n]
-                if kind == "buffer":
-                    m._buffers[name] = rows
-                else:
-                    m._parameters[name] = nn.Parameter(
-                        rows, requires_grad=m._parameters[name].requires_grad)
-            m.fused_columns = (start, n)  # on the layer: a copy of the model keeps it right
-            start += n
+        """The fused tensors from the members' own, and the members' tensors rows of them (a
+        parameter keeps its object: optimizers and ties to it stay right)."""
+        with torch.inference_mode(False), torch.no_grad():
+            fused = self._fuse()
+            start = 0
+            for m in self.members:
+                n = m.out_features
+                for name, (kind, tensor) in fused.items():
+                    rows = tensor[start:start + n]
+                    if kind == "buffer":
+                        m._buffers[name] = rows
+                    else:
+                        m._parameters[name].data = rows
+                m.fused_columns = (start, n)  # on the layer: a copy of the model keeps it right
+                start += n
+        self._layout = {name: (kind, tuple(t.shape), t.stride())
+                        for name, (kind, t) in fused.items()}
         self._forget()
 
     def _fuse(self) -> dict[str, tuple[str, torch.Tensor]]:
@@ -67,41 +85,76 @@ class SiblingGroup:
     def _product(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
-    def tensor(self, name: str) -> torch.Tensor | None:
-        """The fused tensor ``name`` (the members' rows of it), or None (no bias)."""
-        return self.fused[name][1] if name in self.fused else None
-
     def _bias(self) -> dict[str, tuple[str, torch.Tensor]]:
         biases = [m.bias for m in self.members]
         if biases[0] is None:
             return {}
         return {"bias": ("parameter", torch.cat([b.detach() for b in biases]))}
 
-    def _forget(self) -> None:
-        self._x = self._key = self._y = None
-        self._served: set[int] = set()  # the first columns of the layers served
+    @staticmethod
+    def _own(member: nn.Module, kind: str, name: str) -> torch.Tensor:
+        return (member._buffers if kind == "buffer" else member._parameters)[name]
+
+    def tensor(self, name: str) -> torch.Tensor | None:
+        """The fused tensor ``name`` (the members' rows of it), or None (no bias)."""
+        if name not in self._layout:
+            return None
+        kind, shape, stride = self._layout[name]
+        first = self._own(self.members[0], kind, name).detach()
+        return first.new_empty(0).set_(first.untyped_storage(), 0, shape, stride)
 
     def _views_intact(self) -> bool:
-        """Whether every member's tensors are still the rows of the fused ones they were made
-        (not after ``model.to``, a copy or a load that replaced them)."""
-        for m in self.members:
-            start, _ = m.fused_columns
-            for name, (kind, fused) in self.fused.items():
-                mine = (m._buffers if kind == "buffer" else m._parameters)[name]
-                if mine.data_ptr() != fused[start].data_ptr():
+        """Whether every member's tensors are still the rows of one storage, where they were
+        made (not after ``model.to``, a copy, a load or a cast that replaced them)."""
+        for name, (kind, shape, stride) in self._layout.items():
+            storage = self._own(self.members[0], kind, name).untyped_storage()
+            for m in self.members:
+                mine = self._own(m, kind, name)
+                start, n = m.fused_columns
+                if (mine.untyped_storage().data_ptr() != storage.data_ptr()
+                        or mine.storage_offset() != start * stride[0]
+                        or tuple(mine.shape) != (n,) + shape[1:]
+                        or mine.stride() != stride):
                     return False
         return True
 
-    def run(self, member: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        """``member``'s output for ``x``: its columns of the fused product, computed where this
-        is a new input or ``member`` was already served since."""
-        key = (x.data_ptr(), x._version, tuple(x.shape), x.stride(), x.dtype)
+    def _forget(self) -> None:
+        self._input = self._key = self._y = None
+        self._served: set[int] = set()  # the first columns of the layers served
+
+    def _input_freed(self, ref) -> None:
+        """The product dies with its input (a round some siblings skipped keeps nothing)."""
+        if ref is self._input:
+            self._forget()
+
+    def _wants_grad(self, x: torch.Tensor) -> bool:
+        return torch.is_grad_enabled() and (x.requires_grad or any(
+            p is not None and p.requires_grad for m in self.members
+            for p in m._parameters.values()))
+
+    def run(self, member: nn.Module, x: torch.Tensor,
+            cast: torch.dtype | None = None) -> torch.Tensor | None:
+        """``member``'s output for ``x`` (multiplied in ``cast`` where autocast gives one): its
+        columns of the fused product, computed where this is a new input or ``member`` was
+        already served since. None where the layer is to run on its own: gradients wanted
+        (the fused product would not reach the layers' parameters), or the group no longer
+        fusable (a member cast or moved apart: it is dissolved)."""
+        if self._wants_grad(x):
+            return None
+        # Inference tensors keep no version counter: within a round they are not changed
+        key = (x.data_ptr(), 0 if x.is_inference() else x._version, tuple(x.shape), x.stride(),
+               x.dtype, cast)
         start, n = member.fused_columns
-        if self._x is not x or self._key != key or start in self._served:
+        seen = self._input() if self._input is not None else None
+        if seen is not x or self._key != key or start in self._served:
             if not self._views_intact():
+                if not _fusable(self.members):
+                    for m in self.members:
+                        m.fused = None
+                    return None
                 self._build()
-            self._y = self._product(x)
-            self._x, self._key, self._served = x, key, set()
+            self._y = self._product(x if cast is None else x.to(cast))
+            self._input, self._key, self._served = weakref.ref(x, self._input_freed), key, set()
         out = self._y.narrow(-1, start, n)
         self._served.add(start)
         if len(self._served) == len(self.members):
@@ -152,7 +205,11 @@ def fuse_siblings(model: nn.Module, *args, **kwargs) -> list[list[str]]:
     if not patched:
         raise ValueError("fuse_siblings: the model has no patched layers; run "
                          "gemmtune.patch_linear(model) (or quant='mxfp4') first")
-    layers = [m for m in patched if m.fused is None]  # a second call leaves groups as they are
+    # Left alone: layers already grouped (a second call keeps its groups) and layers with a
+    # parameter another module holds too (a tied weight stays tied)
+    uses = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
+    layers = [m for m in patched if m.fused is None
+              and all(uses[id(p)] == 1 for p in m._parameters.values() if p is not None)]
     inputs: dict[int, tuple[torch.Tensor, list[Mxfp4Linear]]] = {}
     calls: dict[int, int] = {}
 
@@ -179,15 +236,15 @@ def fuse_siblings(model: nn.Module, *args, **kwargs) -> list[list[str]]:
     return groups
 
 
-def _fusable(members: list[nn.Module], calls: dict[int, int]) -> bool:
-    """Layers of one kind called once each, with one in_features, weight dtype and device, and
-    all or none with a bias."""
+def _fusable(members: list[nn.Module], calls: dict[int, int] | None = None) -> bool:
+    """Layers of one kind (called once each, where ``calls`` counts them), with one in_features,
+    weight dtype and device, and all or none with a bias."""
     first = members[0]
 
     def weight(m):
         return m.weight_q if isinstance(m, Mxfp4Linear) else m.weight
 
-    return all(type(m) is type(first) and calls[id(m)] == 1
+    return all(type(m) is type(first) and (calls is None or calls[id(m)] == 1)
                and m.in_features == first.in_features
                and weight(m).dtype == weight(first).dtype
                and weight(m).device == weight(first).device
