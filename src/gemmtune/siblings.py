@@ -54,8 +54,6 @@ class SiblingGroup:
     def __init__(self, members: list[nn.Module], x_dtype: torch.dtype):
         self.members = members
         self.x_dtype = x_dtype
-        self._layout: dict[str, tuple[str, tuple[int, ...], tuple[int, ...]]] = {}
-        self._forget()
         self._build()
 
     def _build(self) -> None:
@@ -74,6 +72,7 @@ class SiblingGroup:
                         m._parameters[name].data = rows
                 m.fused_columns = (start, n)  # on the layer: a copy of the model keeps it right
                 start += n
+        # name -> (buffer or parameter, the fused tensor's shape and strides)
         self._layout = {name: (kind, tuple(t.shape), t.stride())
                         for name, (kind, t) in fused.items()}
         self._forget()
@@ -210,7 +209,7 @@ def fuse_siblings(model: nn.Module, *args, **kwargs) -> list[list[str]]:
     uses = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
     layers = [m for m in patched if m.fused is None
               and all(uses[id(p)] == 1 for p in m._parameters.values() if p is not None)]
-    inputs: dict[int, tuple[torch.Tensor, list[Mxfp4Linear]]] = {}
+    inputs: dict[int, tuple[torch.Tensor, list[nn.Module]]] = {}
     calls: dict[int, int] = {}
 
     def record(module, module_args):

@@ -49,7 +49,8 @@ def validated_launch(op: str, launch: Callable, default_config: Callable, why_no
                      bias: torch.Tensor | None, config, out: torch.Tensor | None) -> torch.Tensor:
     """``op``'s validating launcher: x (M, K) and the operands checked (``check_operands``),
     ``out`` (M, N) in x's dtype with unit column stride or None (made here), ``config`` (or
-    ``default_config(M, N, K, dtype)``) checked by ``why_not(config, M, N, K, dtype)``; then
+    ``default_config(M, N, K, dtype)``) checked by the module's ``why_not_supported``
+    (``why_not(config, M, N, K, dtype, out_dtype)``: whether it fits and can run here); then
     ``launch(x, wq, bias, out, None, w_scale, config)`` unless the output is empty."""
     if x.dim() != 2:
         raise ValueError(f"{op}: expected x (M, K), got {tuple(x.shape)}")
@@ -60,7 +61,7 @@ def validated_launch(op: str, launch: Callable, default_config: Callable, why_no
         raise ValueError(f"{op}: out must be ({M}, {N}) {x.dtype} with unit column stride; got "
                          f"{tuple(out.shape)} {out.dtype} strides {out.stride()}")
     config = config or default_config(M, N, K, x.dtype)
-    why = why_not(config, M, N, K, x.dtype)
+    why = why_not(config, M, N, K, x.dtype, x.dtype)
     if why is not None:
         raise ValueError(f"{op}: {config.name} cannot run (M={M}, N={N}, K={K}): {why}")
     if out is None:

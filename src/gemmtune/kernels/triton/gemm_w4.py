@@ -324,7 +324,7 @@ def gemm_w4(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
     """``x @ dequant_mxfp4(wq, w_scale).T + bias`` in x's dtype: x (M, K) bf16 or fp16, wq
     (N, K // 2) and w_scale (N, K // 32) uint8 as ``gemmtune.quant.mxfp4`` makes them, bias
     (N,). Validates everything, then launches."""
-    return validated_launch("gemm_w4", launch_gemm_w4, default_config, why_not_fits, x, wq,
+    return validated_launch("gemm_w4", launch_gemm_w4, default_config, why_not_supported, x, wq,
                             w_scale, bias, config, out)
 
 

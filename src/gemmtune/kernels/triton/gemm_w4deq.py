@@ -104,7 +104,7 @@ def why_not_supported(config: W4DeqConfig, M: int, N: int, K: int, dtype: torch.
             return f"with MXFP4 x the kernel writes bf16, fp16 or fp32, not {out_dtype}"
     elif out_dtype != dtype:
         return f"the dequantise-then-cuBLAS kernel writes x's dtype ({dtype}), not {out_dtype}"
-    return (_why_not_asm_here(config) or why_not_fits(config, M, N, K, dtype))
+    return _why_not_asm_here(config) or why_not_fits(config, M, N, K, dtype)
 
 
 def _why_not_asm_here(config: W4DeqConfig) -> str | None:
@@ -272,13 +272,9 @@ def gemm_w4deq(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
     """``x @ dequant_mxfp4(wq, w_scale).T + bias`` in x's dtype: x (M, K) bf16 or fp16, wq
     (N, K // 2) and w_scale (N, K // 32) uint8 (wq packed for a packed config), bias (N,).
     Validates everything, then launches."""
-    return validated_launch("gemm_w4deq", launch_gemm_w4deq, default_config, _why_not_here, x,
+    return validated_launch("gemm_w4deq", launch_gemm_w4deq, default_config, why_not_supported, x,
                             wq, w_scale, bias, config, out)
 
-
-def _why_not_here(config: W4DeqConfig, M: int, N: int, K: int,
-                  dtype: torch.dtype) -> str | None:
-    return _why_not_asm_here(config) or why_not_fits(config, M, N, K, dtype)
 
 
 # Called as every kernel module's validating launcher is (dispatchable)

@@ -702,13 +702,9 @@ def gemm_w4frag(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
     ``gemmtune.quant.prepack_mxfp4`` packs it with a ``packed`` config (the layout is the
     config's: the default reads wq as quantised), bias (N,). Validates everything, then
     launches."""
-    return validated_launch("gemm_w4frag", launch_gemm_w4frag, default_config, _why_not_here,
+    return validated_launch("gemm_w4frag", launch_gemm_w4frag, default_config, why_not_supported,
                             x, wq, w_scale, bias, config, out)
 
-
-def _why_not_here(config: W4FragConfig, M: int, N: int, K: int,
-                  dtype: torch.dtype) -> str | None:
-    return why_not_supported(config, M, N, K, dtype, dtype)
 
 
 # Called as every kernel module's validating launcher is (dispatchable)

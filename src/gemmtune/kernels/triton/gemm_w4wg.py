@@ -500,13 +500,9 @@ def gemm_w4wg(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
     w_scale (N, K // 32) uint8 as ``gemmtune.quant.mxfp4`` makes them, or wq as
     ``gemmtune.quant.prepack_mxfp4`` packs it with a ``packed`` config, bias (N,). Validates
     everything, then launches."""
-    return validated_launch("gemm_w4wg", launch_gemm_w4wg, default_config, _why_not_here,
+    return validated_launch("gemm_w4wg", launch_gemm_w4wg, default_config, why_not_supported,
                             x, wq, w_scale, bias, config, out)
 
-
-def _why_not_here(config: W4WgConfig, M: int, N: int, K: int,
-                  dtype: torch.dtype) -> str | None:
-    return why_not_supported(config, M, N, K, dtype, dtype)
 
 
 # Called as every kernel module's validating launcher is (dispatchable)
