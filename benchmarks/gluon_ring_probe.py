@@ -61,7 +61,7 @@ def ring_kernel(w_desc, x_desc, y_ptr, bias_ptr, scale_a_ptr, scale_b_ptr, part_
         gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [],
                                   dtype=gl.int32, is_pure=False, pack=1)
     acc, pid_n, split, pid_m = ring_tile(w_desc, x_desc, M, K, scale_a_ptr, scale_b_ptr, 0,
-                                         SPLIT_K, BLOCK_M, BLOCK_K, STAGES, False)
+                                         SPLIT_K, 64, BLOCK_M, BLOCK_K, STAGES, False)
     if PARTIAL_ONLY:
         out_layout: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [2, 2], [0, 1])
         local = gl.arange(0, 64, layout=gl.SliceLayout(1, out_layout))[:, None] \
@@ -72,7 +72,7 @@ def ring_kernel(w_desc, x_desc, y_ptr, bias_ptr, scale_a_ptr, scale_b_ptr, part_
     else:
         finish_tile(acc, pid_n, split, pid_m, y_ptr, bias_ptr, scale_a_ptr, scale_b_ptr,
                     part_ptr, count_ptr, M, N, stride_ym, stride_yn, stride_bias, HAS_BIAS,
-                    SCALE_A, SCALE_B, SPLIT_K, BLOCK_M, PER_LOAD, False)
+                    SCALE_A, SCALE_B, SPLIT_K, 64, BLOCK_M, PER_LOAD, False)
 
 
 @triton.jit

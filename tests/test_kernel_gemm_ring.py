@@ -50,10 +50,13 @@ def test_configs_that_cannot_run_say_why(config, M, N, K, dtype, says):
 
 
 @pytest.mark.parametrize("M, N, K", [(1, 576, 7168), (16, 4096, 512), (33, 1040, 2320),
-                                     (64, 151936, 5120), (200, 256, 7168), (3, 16, 128)])
+                                     (64, 151936, 5120), (200, 256, 7168), (3, 16, 128),
+                                     (300, 4096, 4096)])
 def test_candidates_and_default_fit(M, N, K):
     found = gemm_ring.candidates(M, N, K, FP8, num_sms=132)
-    assert bool(found) == (M <= 64), (M, N, K)  # decode only
+    assert bool(found) == (M <= gemm_ring.MAX_M), (M, N, K)  # decode, and the wide tile to 256
+    # 64 < M: the wide tile (128 rows of w on two warpgroups, 128 of x, steps of 128).
+    assert all((c.block_n, c.block_m, c.block_k) == (128, 128, 128) for c in found if M > 64)
     # Every split config both ways: its partials summed in order and added.
     split = {dataclasses.replace(c, add_splits=0) for c in found if c.split_k > 1}
     assert {dataclasses.replace(c, add_splits=1) for c in split} <= set(found)

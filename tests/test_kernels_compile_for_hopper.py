@@ -350,15 +350,19 @@ RING_SCRIPT = PTXAS_REPORT + textwrap.dedent("""
             (64, 256, 4, 2, (2, 2, True)), (32, 128, 8, 20, (0, 1, False)),
             (8, 128, 22, 32, (2, 2, True)), (64, 256, 6, 32, (2, 2, True)),
             (16, 128, 8, 1, (3, 3, False)), (64, 128, 12, 32, (3, 3, True)),
-            (16, 256, 4, -4, (2, 2, True)), (64, 128, 8, -32, (3, 3, True))):
-        # A negative split: the splits add their partials (ADD_SPLITS)
+            (16, 256, 4, -4, (2, 2, True)), (64, 128, 8, -32, (3, 3, True)),
+            (128, 128, 4, 1, (2, 2, True)), (128, 128, 4, -8, (3, 3, False)),
+            (128, 128, 2, 4, (2, 2, False)), (128, 128, 3, 32, (3, 3, True))):
+        # A negative split: the splits add their partials (ADD_SPLITS). 128 rows of x: 128 rows
+        # of w too, on two warpgroups (the space's wide tile).
         add_splits, split_k = split_k < 0, abs(split_k)
+        block_n = 128 if block_m == 128 else 64
         scale_a, scale_b, has_bias = epilogue
         constexprs = dict(HAS_BIAS=has_bias, SCALE_A=scale_a, SCALE_B=scale_b, SPLIT_K=split_k,
-                          BLOCK_M=block_m, BLOCK_K=block_k, STAGES=stages,
+                          BLOCK_N=block_n, BLOCK_M=block_m, BLOCK_K=block_k, STAGES=stages,
                           PER_LOAD=min(split_k, gemm_ring.partials_per_load(block_m)),
                           ADD_SPLITS=add_splits)
-        boxes = {"w_desc": [64, block_k], "x_desc": [block_m, block_k]}
+        boxes = {"w_desc": [block_n, block_k], "x_desc": [block_m, block_k]}
         descs = {n: f"tensordesc<fp8e4nv{box},"
                     f"{gl.NVMMASharedLayout.get_default_for(box, gl.float8e4nv)!r}>"
                  for n, box in boxes.items()}
@@ -368,23 +372,27 @@ RING_SCRIPT = PTXAS_REPORT + textwrap.dedent("""
                      ("constexpr" if n in constexprs else "i32") for n in names}
         kernel = triton.compile(gluon._runtime.GluonASTSource(
             fn=gemm_ring.gemm_ring_kernel, signature=signature, constexprs=constexprs),
-            target=GPUTarget("cuda", 90, 128))
+            target=GPUTarget("cuda", 90, 128), options={"num_warps": block_n // 16})
         text = kernel.asm["ptx"]
         # Both operands through TMA: two bulk tensor copies per slot before the loop and two in
         # it, and the loop's wait on the slot's mbarrier.
         assert text.count("cp.async.bulk.tensor") >= 2 * stages + 2, text.count("cp.async.bulk")
         assert text.count("mbarrier.try_wait") >= 1
         assert f"wgmma.mma_async.sync.aligned.m64n{block_m}k32.f32.e4m3.e4m3" in text
-        ring = stages * (64 + block_m) * block_k
-        assert ring <= kernel.metadata.shared <= ring + 64 * block_m * 4 + 1024, \
+        ring = stages * (block_n + block_m) * block_k
+        assert ring <= kernel.metadata.shared <= ring + block_n * block_m * 4 + 1024, \
             (ring, kernel.metadata.shared)
+        assert kernel.metadata.num_warps == block_n // 16
         assert ("atom.global" in text) == (split_k > 1)
         # Added splits: each partial's elements added at L2 (relaxed fp32 atomics: atom in Triton
         # 3.6, red in 3.9), one read back.
         assert ("global.gpu.relaxed.add.f32" in text) == add_splits, add_splits
         assert kernel.metadata.shared <= 227 * 1024  # what a block may have on an H100
         report, spilled = ptxas_report(text)
-        assert spilled == 0, (block_m, stages, split_k, report)
+        # The wide tile (128 x 128 on two warpgroups) spills: 24-32 B, and 152-260 B where a
+        # few splits' partials are summed in order (Triton 3.6 and 3.9; its whole sum
+        # unrolled); the others none. Not yet timed: whether it pays is the GPU's to say.
+        assert spilled <= (288 if block_m == 128 else 0), (block_m, stages, split_k, report)
     print("ok")
 """)
 

@@ -13,7 +13,9 @@ from triton.experimental.gluon import language as gl
 
 BLOCK_N = 64  # w rows per program: one warpgroup's MMA M (4 warps, a 16-row band each)
 NUM_WARPS = 4
-_BN = gl.constexpr(BLOCK_N)  # as the jitted code reads it
+# w rows of a program per warp (a warpgroup's 4 warps take 64 rows): the TMA-ring kernel also
+# runs 128 rows of w with two warpgroups.
+ROWS_PER_WARP = 16
 # The MMA's N: x's rows per program (more rows take more programs on the grid's third axis).
 # ptxas spilled registers at every 128 and 256 (Triton 3.6 and 3.9, session 20's review).
 BLOCK_MS = (8, 16, 32, 64)
@@ -78,8 +80,9 @@ def block_m_for(M: int) -> int:
 
 
 def partials_per_load(block_m: int) -> int:
-    """Split partials the last program of a tile loads at once (``_PARTIAL_REGS``)."""
-    return max(1, _PARTIAL_REGS * 128 // (block_m * BLOCK_N))
+    """Split partials the last program of a tile loads at once (``_PARTIAL_REGS``): a thread
+    holds block_m / 2 elements of each, whether 64 rows of w take 4 warps or 128 take 8."""
+    return max(1, _PARTIAL_REGS * 2 // block_m)
 
 
 @gluon.jit
@@ -103,16 +106,17 @@ def release_then_wait():
 
 @gluon.jit
 def step_scales(step, pid_n, pid_m, M, scale_a_ptr, scale_b_ptr, k_blocks,
-                BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, layout: gl.constexpr):
-    """FP8 block scales of K step ``step`` for y.T's (64, BLOCK_M) tile, one factor per x row
-    in ``layout`` (the tile's SliceLayout(0, ...)): x's scale (row, kb) times w's (the tile's
-    64 rows lie in one block of 128). BLOCK_K divides 128, so the step lies in one block ``kb``;
-    scales are contiguous fp32, x's (M, k_blocks), w's (ceil(N / 128), k_blocks)."""
+                BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr,
+                layout: gl.constexpr):
+    """FP8 block scales of K step ``step`` for y.T's (BLOCK_N, BLOCK_M) tile, one factor per x
+    row in ``layout`` (the tile's SliceLayout(0, ...)): x's scale (row, kb) times w's (the
+    tile's 64 or 128 rows lie in one block of 128). BLOCK_K divides 128, so the step lies in one
+    block ``kb``; scales are contiguous fp32, x's (M, k_blocks), w's (ceil(N / 128), k_blocks)."""
     kb = step * BLOCK_K // 128
     om = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=layout)
     rows = gl.where(om < M, om, 0).to(gl.int64)
     sa = gl.load(scale_a_ptr + rows * k_blocks + kb)
-    sb = gl.load(scale_b_ptr + (pid_n * _BN // 128).to(gl.int64) * k_blocks + kb)
+    sb = gl.load(scale_b_ptr + (pid_n * BLOCK_N // 128).to(gl.int64) * k_blocks + kb)
     return sa * sb
 
 
@@ -135,10 +139,23 @@ def _scaled(acc, rows, cols, bias_ptr, scale_a_ptr, scale_b_ptr, stride_bias,
 
 
 @gluon.jit
+def _store_y(tile, y_tile, on, om, M, N, stride_ym, stride_yn, BLOCK_N: gl.constexpr,
+             BLOCK_M: gl.constexpr):
+    """y.T's (BLOCK_N, BLOCK_M) ``tile`` stored at ``y_tile`` (its corner) where it lies in y:
+    ``on`` its rows of w, ``om`` its rows of x."""
+    local_n = on - gl.program_id(0) * BLOCK_N
+    local_m = om - gl.program_id(2) * BLOCK_M
+    offsets = local_m[None, :] * stride_ym + local_n[:, None] * stride_yn
+    inside = (on < N)[:, None] & (om < M)[None, :]
+    gl.store(y_tile + offsets, tile.to(y_tile.dtype.element_ty), mask=inside)
+
+
+@gluon.jit
 def finish_tile(acc, pid_n, split, pid_m, y_ptr, bias_ptr, scale_a_ptr, scale_b_ptr, part_ptr,
                 count_ptr, M, N, stride_ym, stride_yn, stride_bias, HAS_BIAS: gl.constexpr,
                 SCALE_A: gl.constexpr, SCALE_B: gl.constexpr, SPLIT_K: gl.constexpr,
-                BLOCK_M: gl.constexpr, PER_LOAD: gl.constexpr, ADD_SPLITS: gl.constexpr):
+                BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, PER_LOAD: gl.constexpr,
+                ADD_SPLITS: gl.constexpr):
     """y.T's (BLOCK_N, BLOCK_M) tile ``acc`` (any layout) of split ``split``: scaled and stored,
     or, split, the split's sum finished by the last to arrive. Either each split's fp32 partial
     is stored and the last sums them in split order (bitwise deterministic, as
@@ -146,32 +163,35 @@ def finish_tile(acc, pid_n, split, pid_m, y_ptr, bias_ptr, scale_a_ptr, scale_b_
     tile's fp32 sum in memory (zero at rest: ``_splits.workspace``) and the last reads that sum
     once and zeroes it (one round trip instead of SPLIT_K / PER_LOAD; the adds' order, and so
     the sum's last bits, follow the splits' arrival)."""
-    # One thread per element of the (BLOCK_N, BLOCK_M) tile (64 rows: 32 lanes x 2 warps), so
-    # the partials' sum and the stores touch each element once.
-    out_layout: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [2, 2], [0, 1])
+    # One thread per element of the (BLOCK_N, BLOCK_M) tile (BLOCK_N rows: 32 lanes x
+    # BLOCK_N / 32 warps, the other 2 warps of the BLOCK_N / 16 along x's rows), so the
+    # partials' sum and the stores touch each element once.
+    out_layout: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [BLOCK_N // 32, 2], [0, 1])
     out = gl.convert_layout(acc, out_layout)
-    on = pid_n * _BN + gl.arange(0, _BN, layout=gl.SliceLayout(1, out_layout))
+    on = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, out_layout))
     om = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, out_layout))
     cols = gl.where(on < N, on, 0).to(gl.int64)
     rows = gl.where(om < M, om, 0).to(gl.int64)
-    inside = (on < N)[:, None] & (om < M)[None, :]
-    y_ptrs = y_ptr + om.to(gl.int64)[None, :] * stride_ym + on.to(gl.int64)[:, None] * stride_yn
+    # The tile's corner in 64 bits, its elements' offsets from it in 32 (made at the store: a
+    # tile of 64-bit pointers held across the sum took 2 registers an element).
+    y_tile = y_ptr + (pid_m * BLOCK_M).to(gl.int64) * stride_ym \
+        + (pid_n * BLOCK_N).to(gl.int64) * stride_yn
     if SPLIT_K == 1:
         out = _scaled(out, rows, cols, bias_ptr, scale_a_ptr, scale_b_ptr, stride_bias,
                       HAS_BIAS, SCALE_A, SCALE_B)
-        gl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=inside)
+        _store_y(out, y_tile, on, om, M, N, stride_ym, stride_yn, BLOCK_N, BLOCK_M)
     else:
         tile = pid_m * gl.num_programs(0) + pid_n
         # [BLOCK_M][BLOCK_N] (w's rows fastest, as the lanes of out_layout run): coalesced.
-        local = gl.arange(0, _BN, layout=gl.SliceLayout(1, out_layout))[:, None] \
-            + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, out_layout))[None, :] * _BN
+        local = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, out_layout))[:, None] \
+            + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, out_layout))[None, :] * BLOCK_N
         # A tile's partials (SPLIT_K of them), or with ADD_SPLITS its one sum.
-        tile_size: gl.constexpr = _BN * BLOCK_M if ADD_SPLITS else SPLIT_K * _BN * BLOCK_M
+        tile_size: gl.constexpr = BLOCK_N * BLOCK_M if ADD_SPLITS else SPLIT_K * BLOCK_N * BLOCK_M
         tile_parts = part_ptr + tile.to(gl.int64) * tile_size
         if ADD_SPLITS:
             gl.atomic_add(tile_parts + local, out, sem="relaxed", scope="gpu")
         else:
-            gl.store(tile_parts + split * (_BN * BLOCK_M) + local, out)
+            gl.store(tile_parts + split * (BLOCK_N * BLOCK_M) + local, out)
         # Every thread's partial before the one release (as _splits.sum_splits_and_store).
         barrier()
         arrived = gl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
@@ -180,14 +200,14 @@ def finish_tile(acc, pid_n, split, pid_m, y_ptr, bias_ptr, scale_a_ptr, scale_b_
                 total = gl.load(tile_parts + local, cache_modifier=".cg")
                 gl.store(tile_parts + local, gl.zeros_like(total))  # zero for the next launch
             else:
-                total = gl.zeros([_BN, BLOCK_M], gl.float32, layout=out_layout)
+                total = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=out_layout)
                 # PER_LOAD partials a group, unrolled: a group's loads are issued together (one
                 # L2 round trip) and held in at most _PARTIAL_REGS registers.
                 for s0 in range(0, SPLIT_K, PER_LOAD):
                     for s in gl.static_range(PER_LOAD):
-                        total += gl.load(tile_parts + (s0 + s) * (_BN * BLOCK_M) + local,
+                        total += gl.load(tile_parts + (s0 + s) * (BLOCK_N * BLOCK_M) + local,
                                          mask=s0 + s < SPLIT_K, other=0.0, cache_modifier=".cg")
             gl.store(count_ptr + tile, 0)  # zero for the next launch
             total = _scaled(total, rows, cols, bias_ptr, scale_a_ptr, scale_b_ptr, stride_bias,
                             HAS_BIAS, SCALE_A, SCALE_B)
-            gl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=inside)
+            _store_y(total, y_tile, on, om, M, N, stride_ym, stride_yn, BLOCK_N, BLOCK_M)

@@ -250,13 +250,14 @@ def gemm_frag_kernel(
     acc = gl.zeros([_BN, BLOCK_M], gl.float32, layout=mma)
     BLOCK_SCALED: gl.constexpr = SCALE_A == _PER_BLOCK
     if BLOCK_SCALED:
-        scale = step_scales(step_lo, pid_n, pid_m, M, scale_a_ptr, scale_b_ptr, k_blocks,
+        scale = step_scales(step_lo, pid_n, pid_m, M, scale_a_ptr, scale_b_ptr, k_blocks, _BN,
                             BLOCK_M, BLOCK_K, gl.SliceLayout(0, mma))
     for step in range(step_lo, step_hi):
         if BLOCK_SCALED:  # the next step's block scales load while this one multiplies
             now = scale
             scale = step_scales(gl.minimum(step + 1, step_hi - 1), pid_n, pid_m, M, scale_a_ptr,
-                                scale_b_ptr, k_blocks, BLOCK_M, BLOCK_K, gl.SliceLayout(0, mma))
+                                scale_b_ptr, k_blocks, _BN, BLOCK_M, BLOCK_K,
+                                gl.SliceLayout(0, mma))
         w_now = w0
         # The steps up to AHEAD on are in flight while this one multiplies (the last steps
         # re-read the final one: a few L2 hits instead of a branch).
@@ -284,7 +285,7 @@ def gemm_frag_kernel(
 
     finish_tile(acc, pid_n, split, pid_m, y_ptr, bias_ptr, scale_a_ptr, scale_b_ptr, part_ptr,
                  count_ptr, M, N, stride_ym, stride_yn, stride_bias, HAS_BIAS, SCALE_A, SCALE_B,
-                 SPLIT_K, BLOCK_M, PER_LOAD, ADD_SPLITS)
+                 SPLIT_K, _BN, BLOCK_M, PER_LOAD, ADD_SPLITS)
 
 
 def frag_call(x, w, bias, out, scale_a, scale_b, config: FragConfig,

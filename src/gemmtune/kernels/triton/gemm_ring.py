@@ -43,21 +43,29 @@ from gemmtune.kernels.triton._epilogue import (PER_BLOCK, SCALE_BLOCK, epilogue_
                                                 epilogue_operands)
 from gemmtune.kernels.triton._replay import KernelCall, launch
 from gemmtune.kernels.triton._splits import split_for, workspace
-from gemmtune.kernels.triton._swapped import (BLOCK_MS, BLOCK_N, NUM_WARPS, barrier,
+from gemmtune.kernels.triton._swapped import (BLOCK_MS, BLOCK_N, ROWS_PER_WARP, barrier,
                                               block_m_for, finish_tile, partials_per_load,
                                               step_scales, why_not_add_splits, why_not_grid,
                                               why_not_here)
 
 KERNEL_PREFIX = "triton.ring"
 BLOCK_KS = (128, 256)
+# w rows per program: 64 (one warpgroup) for M <= 64, 128 (two) for 64 < M <= 256, where x's
+# rows come in blocks of 128 (WIDE_BLOCK_M; with 64 rows of w, ptxas spilled at 128 rows of x).
+BLOCK_NS = (BLOCK_N, 2 * BLOCK_N)
+WIDE_BLOCK_M = 128
+WIDE_BLOCK_K = 128  # the wide tile's step (ptxas spills at 256)
+MAX_M = 256  # the largest M the candidates cover
 MAX_SPLIT_K = 32
-# Shared memory the ring may take; the rest of the 227 KiB a block may have is the end's layout
-# conversion.
+# Shared memory the ring may take, and what a block may have in all (H100): the ring, the end's
+# layout conversion of the fp32 tile (at most its size) and the mbarriers.
 RING_BYTES = 200 * 1024
+SMEM_BYTES = 227 * 1024
 # TMA's load into shared memory: tma.async_load from Triton 3.7 on (3.9 refuses the old name),
 # async_copy_global_to_shared in 3.6.
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
-_PER_BLOCK = gl.constexpr(PER_BLOCK)  # as the jitted code reads it
+_PER_BLOCK = gl.constexpr(PER_BLOCK)  # as the jitted code reads them
+_ROWS_PER_WARP = gl.constexpr(ROWS_PER_WARP)
 
 
 @dataclass(frozen=True)
@@ -66,7 +74,8 @@ class RingConfig(NamedConfig):
 
     NAME_CODEC = NameCodec("TMA-ring config", KERNEL_PREFIX, (
         Field("BM", "block_m"), Field("BK", "block_k"), Field("S", "stages"),
-        Field("SK", "split_k"), Field("R", "add_splits", default=0)))
+        Field("SK", "split_k"), Field("R", "add_splits", default=0),
+        Field("N", "block_n", default=BLOCK_N)))
 
     block_m: int
     block_k: int
@@ -75,28 +84,47 @@ class RingConfig(NamedConfig):
     # 1: the splits add their partials into one fp32 sum per tile, read once by the last
     # (``_swapped.finish_tile``'s ADD_SPLITS: not bitwise reproducible); 0: summed in order
     add_splits: int = 0
+    block_n: int = BLOCK_N  # w rows per program (the MMA's M): 64, or 128 on two warpgroups
+
+    @property
+    def num_warps(self) -> int:
+        return self.block_n // ROWS_PER_WARP
 
 
 def ring_bytes(config: RingConfig) -> int:
     """Shared memory the ring of ``config`` takes."""
-    return config.stages * (BLOCK_N + config.block_m) * config.block_k
+    return config.stages * (config.block_n + config.block_m) * config.block_k
+
+
+def smem_bytes(config: RingConfig) -> int:
+    """Shared memory a program of ``config`` may take: the ring, the end's conversion of the
+    fp32 tile, the mbarriers."""
+    return ring_bytes(config) + config.block_n * config.block_m * 4 + 1024
 
 
 def why_not_fits(config: RingConfig, M: int, N: int, K: int, dtype: torch.dtype) -> str | None:
     """The first constraint ``config`` breaks for an (M, N, K) GEMM, or None."""
     c = config
-    if c.block_m not in BLOCK_MS:
-        return f"block_m={c.block_m} must be one of {BLOCK_MS}"
+    if c.block_n not in BLOCK_NS:
+        return f"block_n={c.block_n} must be one of {BLOCK_NS}"
+    block_ms = BLOCK_MS + ((WIDE_BLOCK_M,) if c.block_n > BLOCK_N else ())
+    if c.block_m not in block_ms:
+        return f"block_m={c.block_m} must be one of {block_ms} with block_n={c.block_n}"
     if c.block_k not in BLOCK_KS:
         return f"block_k={c.block_k} must be one of {BLOCK_KS}"
+    if c.block_n > BLOCK_N and c.block_k > WIDE_BLOCK_K:
+        # ptxas spilled 176-260 B at 256 (split sums; Triton 3.6 and 3.9), 24 B at 128.
+        return (f"block_k={c.block_k} with block_n={c.block_n}: the wide tile takes "
+                f"block_k {WIDE_BLOCK_K} (its registers spill beyond)")
     if c.stages < 2:
         return f"stages={c.stages} must be >= 2 (a ring of one slot waits on every load)"
     problem = why_not_add_splits(c)
     if problem is not None:
         return problem
-    if ring_bytes(c) > RING_BYTES:
-        return (f"{c.stages} stages of (64 + {c.block_m}) x {c.block_k} bytes take "
-                f"{ring_bytes(c)} B of shared memory (> {RING_BYTES}); use fewer stages")
+    if ring_bytes(c) > RING_BYTES or smem_bytes(c) > SMEM_BYTES:
+        return (f"{c.stages} stages of ({c.block_n} + {c.block_m}) x {c.block_k} bytes take "
+                f"{ring_bytes(c)} B of shared memory (> {RING_BYTES}, or > {SMEM_BYTES} with the "
+                f"end's {c.block_n} x {c.block_m} fp32 tile); use fewer stages")
     if dtype != torch.float8_e4m3fn:
         return (f"{dtype} weights: the TMA-ring kernel takes float8_e4m3fn only; use a "
                 f"triton.splitk, triton.tile or triton.gemv config")
@@ -124,27 +152,35 @@ _PROGRAMS_PER_SM = (1, 2, 4)
 _STAGES = (2, 4, 8)
 
 
+def tile_for(M: int) -> tuple[int, int]:
+    """(block_n, block_m) for M rows of x: 64 rows of w and the smallest block of x that takes
+    M up to 64; past it 128 rows of each (two warpgroups)."""
+    if M <= BLOCK_MS[-1]:
+        return BLOCK_N, block_m_for(M)
+    return 2 * BLOCK_N, WIDE_BLOCK_M
+
+
 def candidates(M: int, N: int, K: int, dtype: torch.dtype,
                num_sms: int | None = None) -> list[RingConfig]:
-    """The configs to tune one shape with, for M <= 64 (none above): block_m covering M; each
-    block_k; K split to reach each of ``_PROGRAMS_PER_SM``; 2, 4 or 8 slots, as many as that
-    many programs per SM can hold and the split's steps use; split sums in order and, split,
-    added. Only configs that fit."""
-    if M > BLOCK_MS[-1]:
+    """The configs to tune one shape with, for M <= 256 (none above): the tile ``tile_for``
+    gives; each block_k; K split to reach each of ``_PROGRAMS_PER_SM``; 2, 4 or 8 slots, as
+    many as that many programs per SM can hold and the split's steps use; split sums in order
+    and, split, added. Only configs that fit."""
+    if M > MAX_M:
         return []
     num_sms = num_sms or _checks.sm_count()
-    bm = block_m_for(M)
+    bn, bm = tile_for(M)
     found = {}
     for bk in BLOCK_KS:
         k_steps = triton.cdiv(K, bk)
-        tiles = triton.cdiv(N, BLOCK_N) * triton.cdiv(M, bm)
+        tiles = triton.cdiv(N, bn) * triton.cdiv(M, bm)
         for per_sm in _PROGRAMS_PER_SM:
             split = split_for(tiles, k_steps, per_sm * num_sms, MAX_SPLIT_K)
-            most = RING_BYTES // per_sm // ((BLOCK_N + bm) * bk)
+            most = RING_BYTES // per_sm // ((bn + bm) * bk)
             for stages in _STAGES:
                 stages = max(2, min(stages, most, triton.cdiv(k_steps, split)))
                 for add in sorted({0, int(split > 1)}):
-                    cfg = RingConfig(bm, bk, stages, split, add)
+                    cfg = RingConfig(bm, bk, stages, split, add, bn)
                     if fits(cfg, M, N, K, dtype):
                         found[cfg] = None
     return list(found)
@@ -152,47 +188,52 @@ def candidates(M: int, N: int, K: int, dtype: torch.dtype,
 
 def default_config(M: int, N: int, K: int, dtype: torch.dtype,
                    num_sms: int | None = None) -> RingConfig:
-    """Reasonable untuned: 256 bytes of K per step, four slots, K split until there is one
-    program per SM (the one-program-per-tile ring won where that filled the GPU)."""
+    """Reasonable untuned: ``tile_for``'s tile, 256 bytes of K per step (128 for the wide tile,
+    whose end takes more of the shared memory), four slots, K split until there is one program
+    per SM (the one-program-per-tile ring won where that filled the GPU)."""
     num_sms = num_sms or _checks.sm_count()
-    bm = block_m_for(M)
-    tiles = triton.cdiv(N, BLOCK_N) * triton.cdiv(M, bm)
-    return RingConfig(bm, 256, 4, split_for(tiles, triton.cdiv(K, 256), num_sms, MAX_SPLIT_K))
+    bn, bm = tile_for(M)
+    bk = 256 if bn == BLOCK_N else 128
+    tiles = triton.cdiv(N, bn) * triton.cdiv(M, bm)
+    return RingConfig(bm, bk, 4, split_for(tiles, triton.cdiv(K, bk), num_sms, MAX_SPLIT_K), 0,
+                      bn)
 
 
 @gluon.jit
 def ring_mainloop(w_desc, x_desc, pid_n, pid_m, lo, steps, M, scale_a_ptr, scale_b_ptr,
-                  k_blocks, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
-                  BLOCK_SCALED: gl.constexpr):
-    """y.T's (64, BLOCK_M) tile over K steps [lo, lo + steps) of BLOCK_K, fp32, in the MMA's
-    layout: every slot's loads issued first, then per step the slot's wait, the MMA from zero
-    added into fp32, and the slot's refill with the step STAGES on. ``BLOCK_SCALED``: each
-    step's product is scaled by its FP8 block scales before the add (``step_scales``; the next
-    step's are loaded before this step's wait)."""
-    w_ring = gl.allocate_shared_memory(w_desc.dtype, [STAGES, 64, BLOCK_K], w_desc.layout)
+                  k_blocks, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr,
+                  STAGES: gl.constexpr, BLOCK_SCALED: gl.constexpr):
+    """y.T's (BLOCK_N, BLOCK_M) tile over K steps [lo, lo + steps) of BLOCK_K, fp32, in the MMA's
+    layout (one warpgroup per 64 rows of w): every slot's loads issued first, then per step the
+    slot's wait, the MMA from zero added into fp32, and the slot's refill with the step STAGES
+    on. ``BLOCK_SCALED``: each step's product is scaled by its FP8 block scales before the add
+    (``step_scales``; the next step's are loaded before this step's wait)."""
+    w_ring = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
     x_ring = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], x_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(STAGES):
         mbarrier.init(ready.index(s), count=1)
-    nbytes: gl.constexpr = (64 + BLOCK_M) * BLOCK_K  # a slot's bytes, out-of-bounds zeros too
+    # A slot's bytes, out-of-bounds zeros too.
+    nbytes: gl.constexpr = (BLOCK_N + BLOCK_M) * BLOCK_K
     for s in gl.static_range(STAGES):
         pred = s < steps
         mbarrier.expect(ready.index(s), nbytes, pred=pred)
-        _tma_load(w_desc, [pid_n * 64, (lo + s) * BLOCK_K], ready.index(s), w_ring.index(s),
-                  pred=pred)
+        _tma_load(w_desc, [pid_n * BLOCK_N, (lo + s) * BLOCK_K], ready.index(s),
+                  w_ring.index(s), pred=pred)
         _tma_load(x_desc, [pid_m * BLOCK_M, (lo + s) * BLOCK_K], ready.index(s),
                   x_ring.index(s), pred=pred)
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                  instr_shape=[16, BLOCK_M, 32])
-    acc = gl.zeros([64, BLOCK_M], gl.float32, layout=mma)
+    mma: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[BLOCK_N // _ROWS_PER_WARP, 1],
+        instr_shape=[16, BLOCK_M, 32])
+    acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=mma)
     if BLOCK_SCALED:
-        scale = step_scales(lo, pid_n, pid_m, M, scale_a_ptr, scale_b_ptr, k_blocks, BLOCK_M,
-                            BLOCK_K, gl.SliceLayout(0, mma))
+        scale = step_scales(lo, pid_n, pid_m, M, scale_a_ptr, scale_b_ptr, k_blocks, BLOCK_N,
+                            BLOCK_M, BLOCK_K, gl.SliceLayout(0, mma))
     for i in range(steps):
         if BLOCK_SCALED:
             now = scale
             scale = step_scales(lo + gl.minimum(i + 1, steps - 1), pid_n, pid_m, M,
-                                scale_a_ptr, scale_b_ptr, k_blocks, BLOCK_M, BLOCK_K,
+                                scale_a_ptr, scale_b_ptr, k_blocks, BLOCK_N, BLOCK_M, BLOCK_K,
                                 gl.SliceLayout(0, mma))
         slot = i % STAGES
         mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
@@ -206,7 +247,7 @@ def ring_mainloop(w_desc, x_desc, pid_n, pid_m, lo, steps, M, scale_a_ptr, scale
         nxt = i + STAGES
         pred = nxt < steps
         mbarrier.expect(ready.index(slot), nbytes, pred=pred)
-        _tma_load(w_desc, [pid_n * 64, (lo + nxt) * BLOCK_K], ready.index(slot),
+        _tma_load(w_desc, [pid_n * BLOCK_N, (lo + nxt) * BLOCK_K], ready.index(slot),
                   w_ring.index(slot), pred=pred)
         _tma_load(x_desc, [pid_m * BLOCK_M, (lo + nxt) * BLOCK_K], ready.index(slot),
                   x_ring.index(slot), pred=pred)
@@ -217,45 +258,46 @@ def ring_mainloop(w_desc, x_desc, pid_n, pid_m, lo, steps, M, scale_a_ptr, scale
 
 @gluon.jit
 def ring_tile(w_desc, x_desc, M, K, scale_a_ptr, scale_b_ptr, k_blocks,
-              SPLIT_K: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr,
-              STAGES: gl.constexpr, BLOCK_SCALED: gl.constexpr):
-    """This program's tile (w's 64 rows ``pid_n``, x's block ``pid_m``) over its split of K:
-    (acc, pid_n, split, pid_m), acc in the MMA's layout (``ring_mainloop``)."""
+              SPLIT_K: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
+              BLOCK_K: gl.constexpr, STAGES: gl.constexpr, BLOCK_SCALED: gl.constexpr):
+    """This program's tile (w's BLOCK_N rows ``pid_n``, x's block ``pid_m``) over its split of
+    K: (acc, pid_n, split, pid_m), acc in the MMA's layout (``ring_mainloop``)."""
     pid_n = gl.program_id(0)
     split = gl.program_id(1)
     pid_m = gl.program_id(2)
     k_steps = gl.cdiv(K, BLOCK_K)
     lo = split * k_steps // SPLIT_K
     acc = ring_mainloop(w_desc, x_desc, pid_n, pid_m, lo, (split + 1) * k_steps // SPLIT_K - lo,
-                        M, scale_a_ptr, scale_b_ptr, k_blocks, BLOCK_M, BLOCK_K, STAGES,
+                        M, scale_a_ptr, scale_b_ptr, k_blocks, BLOCK_N, BLOCK_M, BLOCK_K, STAGES,
                         BLOCK_SCALED)
     return acc, pid_n, split, pid_m
 
 
 @gluon.jit(do_not_specialize=["M"])
 def gemm_ring_kernel(
-    w_desc, x_desc,  # TMA descriptors: w (N, K) in (64, BLOCK_K) boxes, x (M, K) in (BLOCK_M, ..)
+    w_desc, x_desc,  # TMA descriptors: w (N, K) in (BLOCK_N, BLOCK_K) boxes, x (M, K) (BLOCK_M, ..)
     y_ptr, bias_ptr, scale_a_ptr, scale_b_ptr,  # as gemm_frag's
     part_ptr, count_ptr,  # the splits' partials and counters, as gemm_frag's
     M, N, K, stride_ym, stride_yn, stride_bias,
     k_blocks,  # ceil(K / 128): columns of the block scales (SCALE_A == PER_BLOCK only)
     HAS_BIAS: gl.constexpr, SCALE_A: gl.constexpr, SCALE_B: gl.constexpr,
-    SPLIT_K: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr,
+    SPLIT_K: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr,
     STAGES: gl.constexpr, PER_LOAD: gl.constexpr, ADD_SPLITS: gl.constexpr,
 ):
     acc, pid_n, split, pid_m = ring_tile(w_desc, x_desc, M, K, scale_a_ptr, scale_b_ptr,
-                                         k_blocks, SPLIT_K, BLOCK_M, BLOCK_K, STAGES,
+                                         k_blocks, SPLIT_K, BLOCK_N, BLOCK_M, BLOCK_K, STAGES,
                                          SCALE_A == _PER_BLOCK)
     finish_tile(acc, pid_n, split, pid_m, y_ptr, bias_ptr, scale_a_ptr, scale_b_ptr, part_ptr,
                 count_ptr, M, N, stride_ym, stride_yn, stride_bias, HAS_BIAS, SCALE_A, SCALE_B,
-                SPLIT_K, BLOCK_M, PER_LOAD, ADD_SPLITS)
+                SPLIT_K, BLOCK_N, BLOCK_M, PER_LOAD, ADD_SPLITS)
 
 
 def descriptors(x: torch.Tensor, w: torch.Tensor, config: RingConfig):
-    """Gluon's host TMA descriptors of w in (64, BLOCK_K) boxes and x in (BLOCK_M, BLOCK_K)."""
+    """Gluon's host TMA descriptors of w in (BLOCK_N, BLOCK_K) boxes and x in (BLOCK_M,
+    BLOCK_K)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    boxes = ([BLOCK_N, config.block_k], [config.block_m, config.block_k])
+    boxes = ([config.block_n, config.block_k], [config.block_m, config.block_k])
     return tuple(TensorDescriptor.from_tensor(t, box, gl.NVMMASharedLayout.get_default_for(
         box, gl.float8e4nv)) for t, box in zip((w, x), boxes))
 
@@ -269,10 +311,10 @@ def ring_call(x, w, bias, out, scale_a, scale_b, config: RingConfig,
     N = w.shape[0]
     x, w = _checks.tma_ready(x), _checks.tma_ready(w)
     w_desc, x_desc = descriptors(x, w, config)
-    n_tiles, m_tiles = triton.cdiv(N, BLOCK_N), triton.cdiv(M, config.block_m)
-    parts, counters, per_call = workspace(x, out, n_tiles * m_tiles, BLOCK_N * config.block_m,
-                                          config.split_k, counters, warmup,
-                                          bool(config.add_splits))
+    n_tiles, m_tiles = triton.cdiv(N, config.block_n), triton.cdiv(M, config.block_m)
+    parts, counters, per_call = workspace(x, out, n_tiles * m_tiles,
+                                          config.block_n * config.block_m, config.split_k,
+                                          counters, warmup, bool(config.add_splits))
     bias_, scale_a_, scale_b_ = epilogue_operands(x, bias, scale_a, scale_b)
     args = (w_desc, x_desc, out, bias_, scale_a_, scale_b_, parts, counters, M, N, K,
             out.stride(0), out.stride(1), bias.stride(0) if bias is not None else 0,
@@ -280,13 +322,14 @@ def ring_call(x, w, bias, out, scale_a, scale_b, config: RingConfig,
     constexprs = dict(
         **epilogue_constexprs(bias, scale_a, scale_b, block_scales),
         SPLIT_K=config.split_k,
+        BLOCK_N=config.block_n,
         BLOCK_M=config.block_m,
         BLOCK_K=config.block_k,
         STAGES=config.stages,
         PER_LOAD=min(config.split_k, partials_per_load(config.block_m)),
         ADD_SPLITS=bool(config.add_splits))
     return KernelCall(gemm_ring_kernel, (n_tiles, config.split_k, m_tiles), args, constexprs,
-                      dict(num_warps=NUM_WARPS), replayable=not per_call)
+                      dict(num_warps=config.num_warps), replayable=not per_call)
 
 
 def launch_gemm_ring(x, w, bias, out, scale_a, scale_b, config: RingConfig,

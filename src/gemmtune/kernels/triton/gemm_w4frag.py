@@ -626,8 +626,8 @@ def gemm_w4frag_kernel(
                    acc)
 
     finish_tile(acc, pid_n, split, pid_m, y_ptr, bias_ptr, x_ptr, x_ptr, part_ptr, count_ptr,
-                M, N, stride_ym, 1, stride_bias, HAS_BIAS, 0, 0, SPLIT_K, BLOCK_M, PER_LOAD,
-                ADD_SPLITS)
+                M, N, stride_ym, 1, stride_bias, HAS_BIAS, 0, 0, SPLIT_K, _BN, BLOCK_M,
+                PER_LOAD, ADD_SPLITS)
 
 
 def _aligned_scales(scales: torch.Tensor) -> torch.Tensor:
