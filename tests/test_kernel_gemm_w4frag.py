@@ -33,9 +33,6 @@ def test_names_round_trip():
     assert W4FragConfig.from_name(packed.name) == packed
     assert W4FragConfig.from_name(cfg.name) == cfg
     assert W4FragConfig.from_name(added.name) == added
-    ringed = W4FragConfig(8, 128, 4, packed=1, ring=4)
-    assert ringed.name == "triton.w4frag:BM8.BK128.SK4.P0.R0.L1.X0.Q4"
-    assert W4FragConfig.from_name(ringed.name) == ringed
     first = W4FragConfig(8, 128, 4, x_first=1)
     assert first.name == "triton.w4frag:BM8.BK128.SK4.P0.R0.L0.X1"
     assert W4FragConfig.from_name(first.name) == first
@@ -51,9 +48,6 @@ def test_names_round_trip():
     (W4FragConfig(8, 64, 2, pdl=2), 1, 256, torch.bfloat16, "pdl=2"),
     (W4FragConfig(8, 64, 2, packed=1), 1, 256, torch.bfloat16, "use block_k 128 or 256"),
     (W4FragConfig(8, 64, 2, x_first=1), 1, 256, torch.bfloat16, "1 dequantises MXFP4 x first"),
-    (W4FragConfig(8, 64, 2, ring=4), 1, 256, torch.bfloat16, "ring=4: one of"),
-    (W4FragConfig(8, 128, 2, ring=3), 1, 256, torch.bfloat16, "ring=3: one of"),
-    (W4FragConfig(32, 128, 2, ring=4), 1, 256, torch.bfloat16, "a ring takes block_m <= 16"),
 ])
 def test_configs_that_cannot_run_say_why(config, M, K, dtype, says):
     assert says in why_not_fits(config, M, 256, K, dtype)
@@ -63,16 +57,13 @@ def test_candidates_fit_cover_m_and_split_for_decode():
     for M, N, K in ((1, 4096, 4096), (16, 2880, 2880), (32, 576, 7168)):
         found = candidates(M, N, K, torch.bfloat16, num_sms=132, pdl=PDL_WAIT)
         assert found and all(why_not_fits(c, M, N, K, torch.bfloat16) is None for c in found)
-        # one tile of x's rows through registers; rings in tiles of at most 16 rows
-        assert all(c.block_m >= M for c in found if not c.ring)
-        assert all(c.block_m <= 16 for c in found if c.ring)
+        assert all(c.block_m >= M for c in found)  # one tile of x's rows
         assert any(c.split_k > 1 and c.add_splits for c in found)
         assert {c.pdl for c in found} == {0, PDL_WAIT}
-    # Past 32 rows, tiles of 32 (rings: 16) to 128 rows, each decoding the same w
+    # Past 32 rows, tiles of 32 to 128 rows, each decoding the same w
     for M in (33, 128):
         found = candidates(M, 4096, 4096, torch.bfloat16, num_sms=132, pdl=PDL_WAIT)
-        assert {c.block_m for c in found} == {16, 32}
-        assert all(c.block_m == 32 or c.ring for c in found)
+        assert {c.block_m for c in found} == {32}
     assert candidates(129, 4096, 4096, torch.bfloat16, num_sms=132) == []
     assert candidates(1, 4096, 4096, torch.float16, num_sms=132) == []
     # MXFP4 x (uint8 codes: gemm_a4w4_blockscale) takes the same configs as bf16 x, each also
@@ -113,13 +104,6 @@ def test_refuses_to_run_where_it_cannot():
     (3, 70, 1024, W4FragConfig(8, 128, 3, packed=1)),  # packed w, split 3 (uneven steps)
     (17, 200, 768, W4FragConfig(32, 256, 1, PDL_WAIT, packed=1)),  # packed, 2 groups a step
     (8, 64, 2048, W4FragConfig(8, 256, 4, 0, 1, 1)),  # packed, added splits
-    # w through shared memory (ring): fewer groups a split than the ring holds ahead (copies
-    # past the split's last group read nothing), more, both layouts, 2-8 ahead
-    (1, 70, 1024, W4FragConfig(8, 128, 3, packed=1, ring=8)),
-    (5, 200, 4096, W4FragConfig(8, 128, 2, packed=1, ring=4)),
-    (13, 130, 2048, W4FragConfig(16, 256, 2, 0, 1, ring=2)),
-    (13, 96, 3072, W4FragConfig(16, 128, 3, PDL_WAIT, ring=8)),
-    (3, 200, 2048, W4FragConfig(8, 256, 1, 0, 0, 1, ring=4)),
 ])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_gpu_matches_the_dequantised_reference(M, N, K, config, with_bias):
@@ -137,8 +121,7 @@ def test_gpu_matches_the_dequantised_reference(M, N, K, config, with_bias):
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", [
     W4FragConfig(32, 32, 1), W4FragConfig(32, 64, 1),  # a step's scales as a byte, two bytes
-    W4FragConfig(32, 256, 1), W4FragConfig(32, 128, 1, packed=1),  # groups of 4: a word
-    W4FragConfig(16, 128, 1, ring=2), W4FragConfig(16, 128, 1, packed=1, ring=4)])
+    W4FragConfig(32, 256, 1), W4FragConfig(32, 128, 1, packed=1)])  # groups of 4: a word
 def test_gpu_every_code_at_every_scale_byte_exactly(config):
     """Row n of w has scale byte n (0-255) on all its blocks and the 16 codes over and over,
     each block's codes shifted by its index; x is the identity, so y is w dequantised, rounded
@@ -157,25 +140,7 @@ def test_gpu_every_code_at_every_scale_byte_exactly(config):
 
 @on_hopper
 @pytest.mark.gpu
-@pytest.mark.parametrize("packed", [0, 1])
-@pytest.mark.parametrize("ring", [2, 4, 8])
-def test_gpu_the_ring_gives_the_register_paths_bits(packed, ring):
-    """Through shared memory the same products are added in the same order as through
-    registers: the same bits, over 32 groups a row in 3 splits (the ring wraps several times;
-    the splits summed in order)."""
-    M, N, K = 5, 300, 4096
-    x, wq, w_scale, _ = mxfp4_weight_operands(M, N, K, generator(ring), False)
-    stored = quant.prepack_mxfp4(wq, w_scale)[0] if packed else wq
-    base = W4FragConfig(8, 128, 3, PDL_WAIT, 0, packed)
-    want = gemm_w4frag(x, stored, w_scale, None, base)
-    got = gemm_w4frag(x, stored, w_scale, None, dataclasses.replace(base, ring=ring))
-    assert torch.equal(got, want)
-
-
-@on_hopper
-@pytest.mark.gpu
-@pytest.mark.parametrize("config", [W4FragConfig(8, 128, 2), W4FragConfig(16, 256, 1, packed=1),
-                                    W4FragConfig(16, 256, 1, packed=1, ring=4)])
+@pytest.mark.parametrize("config", [W4FragConfig(8, 128, 2), W4FragConfig(16, 256, 1, packed=1)])
 def test_gpu_a_nan_scale_makes_its_row_nan_and_no_other(config):
     """A NaN scale byte (255) in one block of a row, at each of the 4 places of a scale word
     and beside the largest finite byte (254): that row is NaN, every other row exact."""
@@ -208,8 +173,6 @@ def test_gpu_a_nan_scale_makes_its_row_nan_and_no_other(config):
     (5, 200, 2880, W4FragConfig(8, 32, 6, x_first=1)),  # x dequantised first
     (3, 70, 1024, W4FragConfig(8, 128, 3, PDL_WAIT, packed=1, x_first=1)),  # ... PDL, packed
     (20, 96, 768, W4FragConfig(32, 128, 3, 0, 1, x_first=1)),  # ... added splits
-    (5, 200, 4096, W4FragConfig(8, 128, 2, packed=1, ring=4)),  # w through shared memory
-    (13, 130, 2048, W4FragConfig(16, 256, 2, 0, 1, ring=8)),    # ... as quantised, added
 ])
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
 def test_gpu_mxfp4_x_matches_the_dequantised_reference(M, N, K, config, out_dtype):
@@ -329,9 +292,6 @@ def test_configs_that_dequantise_x_first_are_not_replayed():
     from gemmtune.kernels.triton.dispatchable import TritonKernel
     from gemmtune.kernels.triton.gemm_w4frag import replayed
 
-    ringed = W4FragConfig(8, 128, 4, packed=1, ring=4)
-    assert ringed.name == "triton.w4frag:BM8.BK128.SK4.P0.R0.L1.X0.Q4"
-    assert W4FragConfig.from_name(ringed.name) == ringed
     first = W4FragConfig(8, 128, 4, x_first=1)
     assert not replayed(first) and replayed(W4FragConfig(8, 128, 4))
     assert TritonKernel(first.name)._call is None

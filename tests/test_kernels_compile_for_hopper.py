@@ -462,22 +462,20 @@ W4FRAG_SCRIPT = PTXAS_REPORT + textwrap.dedent("""
     names = inspect.signature(gemm_w4frag.gemm_w4frag_kernel.fn).parameters
     aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
                if n.endswith("_ptr") or n in ("K", "stride_xm", "stride_wn")}
-    # (block_m, block_k, split_k (negative: added), pdl, bias, packed w, MXFP4 x, ring)
-    for block_m, block_k, split_k, pdl, bias, packed, x_mxfp4, ring in (
-            (8, 128, 1, False, False, False, False, 0), (16, 256, 4, True, True, False, False, 0),
-            (32, 64, -8, True, False, False, False, 0), (8, 32, 2, False, True, False, False, 0),
-            (8, 128, 4, True, False, True, False, 0), (32, 256, -2, False, True, True, False, 0),
-            (8, 128, 4, True, False, True, True, 0), (16, 64, -3, False, False, False, True, 0),
-            (32, 256, 2, True, False, False, True, 0), (8, 128, 4, True, False, True, False, 4),
-            (16, 256, 1, False, True, False, False, 8), (8, 128, -4, True, False, True, True, 2),
-            (16, 128, 2, False, False, True, False, 8)):
+    # (block_m, block_k, split_k (negative: added), pdl, bias, packed w, MXFP4 x)
+    for block_m, block_k, split_k, pdl, bias, packed, x_mxfp4 in (
+            (8, 128, 1, False, False, False, False), (16, 256, 4, True, True, False, False),
+            (32, 64, -8, True, False, False, False), (8, 32, 2, False, True, False, False),
+            (8, 128, 4, True, False, True, False), (32, 256, -2, False, True, True, False),
+            (8, 128, 4, True, False, True, True), (16, 64, -3, False, False, False, True),
+            (32, 256, 2, True, False, False, True), (8, 128, -4, True, False, True, True)):
         pointers = {"x_ptr": "*u8" if x_mxfp4 else "*bf16", "wq_ptr": "*u8", "ws_ptr": "*u8",
                     "xs_ptr": "*u8", "y_ptr": "*bf16", "bias_ptr": "*bf16",
                     "part_ptr": "*fp32", "count_ptr": "*i32"}
         constexprs = dict(HAS_BIAS=bias, SPLIT_K=abs(split_k), BLOCK_M=block_m,
                           BLOCK_K=block_k, PDL=pdl,
                           PER_LOAD=min(abs(split_k), gemm_w4frag.partials_per_load(block_m)),
-                          ADD_SPLITS=split_k < 0, PACKED=packed, X_MXFP4=x_mxfp4, RING=ring)
+                          ADD_SPLITS=split_k < 0, PACKED=packed, X_MXFP4=x_mxfp4)
         signature = {n: pointers.get(n, "constexpr" if n in constexprs else "i32")
                      for n in names}
         kernel = triton.compile(gluon._runtime.GluonASTSource(
@@ -487,44 +485,22 @@ W4FRAG_SCRIPT = PTXAS_REPORT + textwrap.dedent("""
         loop = text[text.find("mma.sync"):text.rfind("mma.sync")]
         # Per scale block, each thread loads one 32-bit word of codes for each of its 2 rows
         # (packed: one 16-byte load a row for 4 blocks), multiplies on mma.sync (bf16, fp32
-        # sums), and touches no shared memory in the loop. With a ring, the thread's words of a
-        # group (and its rows' scale words) are copied into shared memory by cp.async (16 bytes
-        # a row packed, 4 a word as quantised) and read back there, once a group.
+        # sums), and touches no shared memory in the loop.
         blocks = min(block_k, 128) // 32  # a step's blocks, or from 128 a group of 4 blocks
-        if ring:
-            copy = "cp.async.cg.shared.global" if packed else "cp.async.ca.shared.global"
-            assert text.count(copy) >= ring * (2 if packed else 8), text.count(copy)
-            assert "cp.async.wait_group" in text and "cp.async.commit_group" in text
-            assert "ld.global.v4.b32" not in loop
-            # Threads read other threads' copies (a quad's scale word, ldmatrix): a barrier
-            # before each refill of a slot, one after each wait before the slot is read, and
-            # after the last wait before the end reuses the shared memory.
-            ops = re.findall(r"bar\\.sync|cp\\.async\\.wait_group|cp\\.async\\.c[ag]|"
-                             r"ldmatrix|ld\\.shared", text[text.find("cp.async.wait_group"):])
-            first_read = next(i for i, op in enumerate(ops) if op in ("ldmatrix", "ld.shared"))
-            assert ops[:first_read] == ["cp.async.wait_group", "bar.sync"], ops[:first_read + 1]
-            refill = text.rfind("cp.async.c", 0, text.rfind("cp.async.wait_group"))
-            assert "bar.sync" in text[text.rfind("cp.async.commit_group", 0, refill):refill]
-            end = text[text.rfind("cp.async.wait_group"):]
-            touches = [end.find(op) for op in ("st.shared", "ld.shared", "stmatrix")]
-            if max(touches) >= 0:
-                first = min(t for t in touches if t >= 0)
-                assert 0 <= end.find("bar.sync") < first, "no barrier before the end"
-        elif packed:
+        if packed:
             assert text.count("ld.global.v4.b32") >= 2 * blocks // 4
         else:
             assert text.count("ld.global.b32") >= 2 * blocks, text.count("ld.global.b32")
         assert text.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") >= \\
             2 * blocks * block_m // 8
-        if not ring:
-            assert "st.shared" not in loop and "bar.sync" not in loop
+        assert "st.shared" not in loop and "bar.sync" not in loop
         assert ("griddepcontrol.wait" in text) == pdl
         assert ("atom.global" in text) == (split_k != 1)
         # The E2M1 decode (an inline-PTX block of PRMT lookups) for w's words and, MXFP4 x,
         # x's too: x's scales then multiply w's (fp32) in each block's product.
         # A decode a word: w's 2 rows a thread, x's 1-4 (BLOCK_M / 8) words; a loop iteration
-        # takes 2 groups of 4 blocks (a ring: one; block_k < 128: a step's blocks).
-        looped = (4 if ring else 8) if block_k >= 128 else block_k // 32
+        # takes 2 groups of 4 blocks (block_k < 128: a step's blocks).
+        looped = 8 if block_k >= 128 else block_k // 32
         assert text.count("prmt.b32 la") == looped * (2 + (block_m // 8 if x_mxfp4 else 0)), \\
             (block_m, block_k, x_mxfp4, text.count("prmt.b32 la"))
         report, spilled = ptxas_report(text)
@@ -537,8 +513,8 @@ W4FRAG_SCRIPT = PTXAS_REPORT + textwrap.dedent("""
 def test_register_direct_mxfp4_kernel_compiles_for_hopper():
     """triton.w4frag (Gluon) for sm_90, bf16 and MXFP4 x: the codes straight from global memory
     into mma.sync's registers (a 32-bit load a row and block), decoded by the inline PTX, no
-    shared memory or barrier in the loop, or (ring) through shared memory by cp.async; no
-    spills, PDL and the splits' atomics only where configured."""
+    shared memory or barrier in the loop; no spills, PDL and the splits' atomics only where
+    configured."""
     compiles_for_hopper(W4FRAG_SCRIPT)
 
 

@@ -20,16 +20,6 @@ groups of 4 blocks an iteration in a software pipeline (each group's loads issue
 group before it is multiplied); many small programs (about 60-100 registers a thread) keep
 the weight stream wide.
 
-With a ``ring`` (M <= 16, block_k 128-256) each thread's codes and scale words of w go through
-shared memory instead: cp.async copies them ``ring`` - 1 groups ahead of their use into a ring
-of slots (4.25 KiB a group), read back once the copies are in. Threads read what others copied
-(one lane of a quad copies a row's scale word; as quantised, the compiler reads a group with
-ldmatrix), so the barriers Triton inserts (before a slot's refill, after the wait) are needed:
-the compile test checks they are there. Why: one group ahead in registers is 8
-KiB in flight a program, and the decode rows reached 0.57 of the attainable floor (session 25)
-where a plain read of the same bytes reaches 0.9; the ring keeps up to 8 groups in flight
-without registers.
-
 Why: the ``tl.dot_scaled`` route (``triton.w4`` DS1) spends about 11 instructions a weight
 element in its scale broadcast and layout changes and reached 0.6 TB/s; Triton's own E2M1
 upcast (``gl.fp4_to_fp``) took 24 instructions a word (docs/benchmarks.md, sessions 23-24). K
@@ -47,7 +37,7 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 from gemmtune.kernels import mxfp4
 from gemmtune.kernels._names import Field, NameCodec, NamedConfig
@@ -76,11 +66,6 @@ MAX_SPLIT_K = 32
 # Rows of x up to which the tuner offers the kernel: past 32 in tiles of x's rows, each decoding
 # the same w again (from L2), which can still beat the prefill kernels to M of about a hundred
 MAX_M = 128
-# Groups ahead through shared memory (``ring``): 4.25 KiB of codes and scales a group, a program
-RINGS = (2, 4, 8)
-MAX_RING_BLOCK_M = 16
-# cp.async into shared memory: async_load from Triton 3.9 on, async_copy_global_to_shared in 3.6
-_cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
 
 
 @dataclass(frozen=True)
@@ -90,8 +75,7 @@ class W4FragConfig(NamedConfig):
     NAME_CODEC = NameCodec("register-direct MXFP4 config", KERNEL_PREFIX, (
         Field("BM", "block_m"), Field("BK", "block_k"), Field("SK", "split_k"),
         Field("P", "pdl", default=PDL_OFF), Field("R", "add_splits", default=0),
-        Field("L", "packed", default=0), Field("X", "x_first", default=0),
-        Field("Q", "ring", default=0)))
+        Field("L", "packed", default=0), Field("X", "x_first", default=0)))
 
     block_m: int
     block_k: int
@@ -107,10 +91,6 @@ class W4FragConfig(NamedConfig):
     # bf16-x kernel: each program's 4 warps no longer decode the same x, for a second launch;
     # 0: x's codes decoded in the loop. Two launches are not replayed (``replayed``).
     x_first: int = 0
-    # Groups of 4 blocks each thread's copies of w's codes and scales run ahead of their use,
-    # through shared memory (cp.async, a ring of that many groups); 0: through registers, one
-    # group ahead
-    ring: int = 0
 
 
 def why_not_fits(config: W4FragConfig, M: int, N: int, K: int,
@@ -137,12 +117,6 @@ def why_not_fits(config: W4FragConfig, M: int, N: int, K: int,
                 f"use block_k 128 or 256")
     if K % c.block_k:
         return f"K={K} is not a multiple of block_k={c.block_k}: use a block_k that divides it"
-    if c.ring and (c.ring not in RINGS or c.block_k < mxfp4.PACK_GROUP):
-        return (f"ring={c.ring}: one of {RINGS} groups ahead, with block_k 128 or 256 (whole "
-                f"groups of 4 blocks; block_k={c.block_k}), or 0 (through registers)")
-    if c.ring and c.block_m > MAX_RING_BLOCK_M:
-        return (f"ring={c.ring} with block_m={c.block_m}: x's rows beside the ring's addresses "
-                f"spill registers; a ring takes block_m <= {MAX_RING_BLOCK_M}")
     return why_not_grid(c, M, K, K // c.block_k, MAX_SPLIT_K)
 
 
@@ -168,40 +142,28 @@ _PROGRAMS_PER_SM = (1, 2, 4, 8)
 def candidates(M: int, N: int, K: int, dtype: torch.dtype, num_sms: int | None = None,
                pdl: int = PDL_OFF, packed: bool = False) -> list[W4FragConfig]:
     """The configs to tune one shape with, for M <= MAX_M, for w as quantised or (``packed``) as
-    ``mxfp4.prepack`` stores it: block_m covering M (past 32, tiles of 32 rows of x, and of 16
-    for the rings); each block_k of 64-256 (packed: 128-256)
-    dividing K (32 where none does); K split to reach each of ``_PROGRAMS_PER_SM``; without PDL
-    and with ``pdl``; split sums in order and added; MXFP4 x (``dtype`` uint8) decoded in the
-    loop and dequantised first; w through registers and, from block_k 128 (with ``pdl`` and
-    the splits added), through shared memory 4 or 8 groups ahead. Only configs that fit."""
+    ``mxfp4.prepack`` stores it: block_m covering M (past 32, tiles of 32 rows of x); each
+    block_k of 64-256 (packed: 128-256) dividing K (32 where none does); K split to reach each
+    of ``_PROGRAMS_PER_SM``; without PDL and with ``pdl``; split sums in order and added; MXFP4
+    x (``dtype`` uint8) decoded in the loop and dequantised first. Only configs that fit."""
     if M > MAX_M or dtype not in (torch.bfloat16, torch.uint8):
         return []
     num_sms = num_sms or _checks.sm_count()
     bm = next((b for b in BLOCK_MS if b >= M), BLOCK_MS[-1])
     steps = [bk for bk in BLOCK_KS[1:] if K % bk == 0 and bk % (
         mxfp4.PACK_GROUP if packed else 1) == 0] or ([] if packed else [BLOCK_KS[0]])
+    tiles = triton.cdiv(N, BLOCK_N) * triton.cdiv(M, bm)
     found = {}
     for bk in steps:
-        for ring in (0,) + RINGS[1:]:
-            _add_candidates(found, M, N, K, dtype, num_sms, pdl, packed, bk,
-                            min(bm, MAX_RING_BLOCK_M) if ring else bm, ring)
+        for per_sm in _PROGRAMS_PER_SM:
+            split = split_for(tiles, K // bk, per_sm * num_sms, MAX_SPLIT_K)
+            for mode in sorted({PDL_OFF, pdl}):
+                for add in sorted({0, int(split > 1)}):
+                    for x_first in (0, 1) if dtype == torch.uint8 else (0,):
+                        cfg = W4FragConfig(bm, bk, split, mode, add, int(packed), x_first)
+                        if why_not_fits(cfg, M, N, K, dtype) is None:
+                            found[cfg] = None
     return list(found)
-
-
-def _add_candidates(found: dict, M: int, N: int, K: int, dtype: torch.dtype, num_sms: int,
-                    pdl: int, packed: bool, bk: int, bm: int, ring: int) -> None:
-    """``candidates``' configs of one block_k, block_m and ring into ``found``: rings only
-    beside PDL where it is on and with the splits added (the register path's winners, session
-    25): a third more candidates, not three times as many."""
-    tiles = triton.cdiv(N, BLOCK_N) * triton.cdiv(M, bm)
-    for per_sm in _PROGRAMS_PER_SM:
-        split = split_for(tiles, K // bk, per_sm * num_sms, MAX_SPLIT_K)
-        for mode in sorted({PDL_OFF, pdl}) if not ring else (pdl,):
-            for add in sorted({0, int(split > 1)}) if not ring else (int(split > 1),):
-                for x_first in (0, 1) if dtype == torch.uint8 else (0,):
-                    cfg = W4FragConfig(bm, bk, split, mode, add, int(packed), x_first, ring)
-                    if why_not_fits(cfg, M, N, K, dtype) is None:
-                        found[cfg] = None
 
 
 def replayed(config: W4FragConfig) -> bool:
@@ -417,76 +379,6 @@ def _x_layout(block_m, x_mxfp4):
         block_bases=[], shape=[16, block_m])
 
 
-@gluon.constexpr_function
-def _natural_group_layout():
-    """A group of w as quantised (64 rows, 16 words: word 4 b + t is word t of block b): each
-    thread its word t of the 4 blocks of rows g and g + 8, as ``word_layout`` holds them."""
-    return gl.DistributedLinearLayout(
-        reg_bases=[[0, 4], [0, 8], [8, 0]], lane_bases=[[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]],
-        warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[64, 16])
-
-
-@gluon.jit
-def _natural_blocks(group, word_layout: gl.constexpr):
-    """The 4 blocks' words (64, 4) in ``word_layout`` of a group of w as quantised (64, 16),
-    word 4 b + t being word t of block b; as ``_packed_blocks``, registers only."""
-    # (row, b // 2, b % 2, t) -> (row, t, b // 2, b % 2)
-    return _split_blocks(gl.permute(gl.reshape(group, [_BN, 2, 2, 4]), [0, 3, 1, 2]),
-                         word_layout)
-
-
-@gluon.jit
-def _ring_groups(acc, nan_seen, wq_words, s_ptrs, x_ptrs, xs_ptrs, no_scales, tables, n, sn, N,
-                 stride_wn, g_lo, last, RING: gl.constexpr, PACKED: gl.constexpr,
-                 X_MXFP4: gl.constexpr, mma: gl.constexpr, a_layout: gl.constexpr,
-                 b_layout: gl.constexpr, word_layout: gl.constexpr,
-                 group_layout: gl.constexpr):
-    """Groups g_lo to ``last`` added to ``acc``, w's codes and scale words copied into shared
-    memory (cp.async) RING - 1 groups ahead of their use and read back after the wait (and the
-    barrier Triton puts after it: threads read other threads' copies); x a group ahead in
-    registers. Returns (acc, nan_seen)."""
-    codes_layout: gl.constexpr = group_layout if PACKED else _natural_group_layout()
-    cols = gl.arange(0, 16, layout=gl.SliceLayout(0, codes_layout))
-    rn = gl.convert_layout(gl.where(n < N, n, 0), gl.SliceLayout(1, codes_layout))
-    w_ptrs = wq_words + rn.to(gl.int64)[:, None] * (stride_wn // 4) + cols[None, :]
-    w_ring = gl.allocate_shared_memory(gl.int32, [RING, _BN, 16], gl.SwizzledSharedLayout(
-        vec=4, per_phase=1, max_phase=8, order=[1, 0]))
-    s_ring = gl.allocate_shared_memory(gl.int32, [RING, _BN], gl.SwizzledSharedLayout(
-        vec=1, per_phase=1, max_phase=1, order=[0]))
-    for first in gl.static_range(RING - 1):
-        _copy_group(w_ring.index(first), s_ring.index(first), w_ptrs, s_ptrs, g_lo + first,
-                    last)
-    x0, x1, x2, x3, xw = _load_x_group(x_ptrs, xs_ptrs, g_lo, no_scales, X_MXFP4)
-    for group in range(g_lo, last + 1):
-        i = group - g_lo
-        _copy_group(w_ring.index((i + RING - 1) % RING), s_ring.index((i + RING - 1) % RING),
-                    w_ptrs, s_ptrs, group + RING - 1, last)
-        y0, y1, y2, y3, yw = _load_x_group(x_ptrs, xs_ptrs, gl.minimum(group + 1, last),
-                                           no_scales, X_MXFP4)
-        async_copy.wait_group(RING - 1)  # the group's copies are in (then a barrier)
-        words = w_ring.index(i % RING).load(codes_layout)
-        word = s_ring.index(i % RING).load(gl.SliceLayout(1, mma))
-        if PACKED:
-            c0, c1, c2, c3 = _packed_blocks(words, word_layout)
-        else:
-            c0, c1, c2, c3 = _natural_blocks(words, word_layout)
-        acc, nan_seen = _add_group(acc, nan_seen, word, c0, c1, c2, c3, x0, x1, x2, x3, xw,
-                                   a_layout, b_layout, tables, X_MXFP4)
-        x0, x1, x2, x3, xw = y0, y1, y2, y3, yw
-    async_copy.wait_group(0)
-    return acc, nan_seen
-
-
-@gluon.jit
-def _copy_group(w_slot, s_slot, w_ptrs, s_ptrs, group, last):
-    """cp.async of a group's code words and scale words into a ring slot, one commit group;
-    past ``last`` nothing is read (the slot is never used)."""
-    inside = group <= last
-    _cp_async(w_slot, w_ptrs + group.to(gl.int64) * 16, mask=inside)
-    _cp_async(s_slot, s_ptrs + group, mask=inside)
-    async_copy.commit_group()
-
-
 @gluon.jit(do_not_specialize=["M"])
 def gemm_w4frag_kernel(
     x_ptr,  # (M, K) bf16, K contiguous; X_MXFP4: (M, K // 2) uint8 codes
@@ -506,7 +398,6 @@ def gemm_w4frag_kernel(
     HAS_BIAS: gl.constexpr, SPLIT_K: gl.constexpr, BLOCK_M: gl.constexpr,
     BLOCK_K: gl.constexpr, PDL: gl.constexpr, PER_LOAD: gl.constexpr,
     ADD_SPLITS: gl.constexpr, PACKED: gl.constexpr, X_MXFP4: gl.constexpr,
-    RING: gl.constexpr,
 ):
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[_WARPS, 1],
                                                   instr_shape=[16, 8])
@@ -572,12 +463,7 @@ def gemm_w4frag_kernel(
     # K >> 31 is 0 (K > 0), unknown to the compiler; x's only used with MXFP4 x
     tables = (e2m1_tables(gl.full([_BN, 4], 0, gl.int32, word_layout) + (K >> 31)),
               e2m1_tables(gl.full([X_ROW_WORDS, BLOCK_M], 0, gl.int32, x_layout) + (K >> 31)))
-    if RING > 0:
-        acc, nan_seen = _ring_groups(
-            acc, nan_seen, wq_words, s_ptrs, x_ptrs, xs_ptrs, no_scales, tables, n, sn, N,
-            stride_wn, step_lo * (BLOCKS // 4), step_hi * (BLOCKS // 4) - 1, RING, PACKED,
-            X_MXFP4, mma, a_layout, b_layout, word_layout, group_layout)
-    elif SCALE_BYTES == 4:
+    if SCALE_BYTES == 4:
         # Groups of 4 blocks, two an iteration in a software pipeline: each group's loads
         # (w's, the HBM stream, and up to 16 rows of x's) are issued before the group ahead of
         # it is multiplied; 32 rows of x load as their group starts (held a group longer,
@@ -670,8 +556,7 @@ def w4frag_call(x, w, bias, out, scale_a, scale_b, config: W4FragConfig,
     constexprs = dict(HAS_BIAS=bias is not None, SPLIT_K=c.split_k, BLOCK_M=c.block_m,
                       BLOCK_K=c.block_k, PDL=pdl != PDL_OFF,
                       PER_LOAD=min(c.split_k, partials_per_load(c.block_m)),
-                      ADD_SPLITS=bool(c.add_splits), PACKED=bool(c.packed), X_MXFP4=x_mxfp4,
-                      RING=c.ring)
+                      ADD_SPLITS=bool(c.add_splits), PACKED=bool(c.packed), X_MXFP4=x_mxfp4)
     return KernelCall(gemm_w4frag_kernel, (n_tiles, c.split_k, m_tiles), args, constexprs,
                       dict(num_warps=NUM_WARPS), launch_pdl=pdl != PDL_OFF,
                       replayable=not per_call)
