@@ -374,6 +374,23 @@ for what in "$@"; do
                 --all-times "$OUT/${name}_all.csv" "${args[@]}" ;;
         eagerring)  # host µs per eager call of triton.ring rows against the rows they beat
             TAIL=8 stage eagerring 200 python3 benchmarks/eager_ring_probe.py ;;
+        ncu:*)  # ncu:FAMILY:M,N,K:KERNEL[,KERNEL...]: Nsight Compute on each kernel's launches
+            # (cold caches, clocks left alone) of benchmarks/ncu_probe.py; the report and its raw
+            # metrics ($OUT/ncu_*.ncu-rep, .csv), a summary (time, DRAM and issue use,
+            # occupancy, the largest stalls) after
+            spec=${what#ncu:}
+            family=${spec%%:*}; rest=${spec#*:}
+            shape=${rest%%:*}; kernels=${rest#*:}
+            tag="ncu_${family}_${shape//,/x}"
+            stage "$tag" "${NCU_LIMIT:-300}" ncu --clock-control none --force-overwrite \
+                --kernel-name "regex:${NCU_KERNELS:-gemm|ring|frag|w4|splitk|tile}" \
+                --section SpeedOfLight --section WarpStateStats --section Occupancy \
+                --section LaunchStats --section SchedulerStats --section MemoryWorkloadAnalysis \
+                --export "$OUT/$tag" \
+                python3 benchmarks/ncu_probe.py --family "$family" --shape "$shape" \
+                --kernels "$kernels" --launches 2
+            ncu --import "$OUT/$tag.ncu-rep" --csv --page raw > "$OUT/$tag.csv" 2>> "$OUT/$tag.log"
+            python3 benchmarks/ncu_summary.py "$OUT/$tag.csv" | tee "$OUT/$tag.txt" >> "$summary" ;;
         probe)  # the host cost of a Triton row's eager call, layer by layer
             TAIL=30 stage probe 200 python3 benchmarks/host_cost_probe.py ;;
         firstcall)  # a Triton row's first call in a fresh process, with and without precompile
