@@ -209,7 +209,7 @@ def test_both_mxfp4_tuners_offer_the_gluon_kernels_on_hopper(monkeypatch):
         frags = [gemm_w4frag.W4FragConfig.from_name(n) for n in a16w4
                  if n.startswith("triton.w4frag:BM16.")]
         assert frags and all(c.packed == packed for c in frags), a16w4
-        assert {c.ring for c in frags} == {0, 4, 8}, a16w4  # through registers, or a ring
+        assert {c.add_splits for c in frags} == {0, 1}, a16w4  # split sums in order, added
         prefill = [c.name for c in A16w4Tuner().candidates(
             A16w4Key(1024, 4096, 4096, "torch.bfloat16", packed), frozenset())]
         prefill_wg = [gemm_w4wg.W4WgConfig.from_name(n) for n in prefill
