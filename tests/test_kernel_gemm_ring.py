@@ -55,8 +55,13 @@ def test_configs_that_cannot_run_say_why(config, M, N, K, dtype, says):
 def test_candidates_and_default_fit(M, N, K):
     found = gemm_ring.candidates(M, N, K, FP8, num_sms=132)
     assert bool(found) == (M <= gemm_ring.MAX_M), (M, N, K)  # decode, and the wide tile to 256
-    # 64 < M: the wide tile (128 rows of w on two warpgroups, 128 of x, steps of 128).
-    assert all((c.block_n, c.block_m, c.block_k) == (128, 128, 128) for c in found if M > 64)
+    # 64 < M: the wide tile (128 rows of w on two warpgroups, 128 of x, steps of 128), and
+    # 64 rows of w by 64 of x, M in blocks of 64.
+    past_64 = 64 < M <= gemm_ring.MAX_M
+    wide = {(c.block_n, c.block_m, c.block_k) for c in found if c.block_n == 128}
+    assert wide == ({(128, 128, 128)} if past_64 else set()), (M, wide)
+    if past_64:
+        assert {c.block_m for c in found if c.block_n == 64} == {64}
     # Every split config both ways: its partials summed in order and added.
     split = {dataclasses.replace(c, add_splits=0) for c in found if c.split_k > 1}
     assert {dataclasses.replace(c, add_splits=1) for c in split} <= set(found)

@@ -160,29 +160,38 @@ def tile_for(M: int) -> tuple[int, int]:
     return 2 * BLOCK_N, WIDE_BLOCK_M
 
 
+def tiles_for(M: int) -> list[tuple[int, int]]:
+    """The (block_n, block_m) tiles the candidates take: ``tile_for``'s, and past 64 rows of x
+    also 64 of w by 64 of x (M in several blocks, each reading w again, from L2 where it stays
+    there): the wide tile takes all of a multiprocessor's registers, one program each."""
+    if M <= BLOCK_MS[-1]:
+        return [tile_for(M)]
+    return [(BLOCK_N, BLOCK_MS[-1]), tile_for(M)]
+
+
 def candidates(M: int, N: int, K: int, dtype: torch.dtype,
                num_sms: int | None = None) -> list[RingConfig]:
-    """The configs to tune one shape with, for M <= 256 (none above): the tile ``tile_for``
+    """The configs to tune one shape with, for M <= 256 (none above): each tile ``tiles_for``
     gives; each block_k; K split to reach each of ``_PROGRAMS_PER_SM``; 2, 4 or 8 slots, as
     many as that many programs per SM can hold and the split's steps use; split sums in order
     and, split, added. Only configs that fit."""
     if M > MAX_M:
         return []
     num_sms = num_sms or _checks.sm_count()
-    bn, bm = tile_for(M)
     found = {}
-    for bk in BLOCK_KS:
-        k_steps = triton.cdiv(K, bk)
-        tiles = triton.cdiv(N, bn) * triton.cdiv(M, bm)
-        for per_sm in _PROGRAMS_PER_SM:
-            split = split_for(tiles, k_steps, per_sm * num_sms, MAX_SPLIT_K)
-            most = RING_BYTES // per_sm // ((bn + bm) * bk)
-            for stages in _STAGES:
-                stages = max(2, min(stages, most, triton.cdiv(k_steps, split)))
-                for add in sorted({0, int(split > 1)}):
-                    cfg = RingConfig(bm, bk, stages, split, add, bn)
-                    if fits(cfg, M, N, K, dtype):
-                        found[cfg] = None
+    for bn, bm in tiles_for(M):
+        for bk in BLOCK_KS:
+            k_steps = triton.cdiv(K, bk)
+            tiles = triton.cdiv(N, bn) * triton.cdiv(M, bm)
+            for per_sm in _PROGRAMS_PER_SM:
+                split = split_for(tiles, k_steps, per_sm * num_sms, MAX_SPLIT_K)
+                most = RING_BYTES // per_sm // ((bn + bm) * bk)
+                for stages in _STAGES:
+                    stages = max(2, min(stages, most, triton.cdiv(k_steps, split)))
+                    for add in sorted({0, int(split > 1)}):
+                        cfg = RingConfig(bm, bk, stages, split, add, bn)
+                        if fits(cfg, M, N, K, dtype):
+                            found[cfg] = None
     return list(found)
 
 
