@@ -16,6 +16,10 @@ MXFP4 one, and the bf16 one through ``patch_linear`` (the tuned bf16 op), so tha
 gains and what MXFP4 gains show apart; the issue's baseline stays the bf16 model as Hugging
 Face writes it.
 
+Each model's GEMMs are also timed alone: the Linear layers' calls of one step, recorded with
+their inputs and replayed in order as one CUDA graph; beside "the step less the step without
+GEMMs" this tells whether the difference is the GEMM kernels' own time or work around them.
+
 A third model, its Linear layers doing no work (an uninitialised output), times the rest of
 the step (attention, norms, rotary embedding, sampling-free logits): what no GEMM can shorten.
 
@@ -91,6 +95,44 @@ class _NoGemm(nn.Linear):
         return x.new_empty(*x.shape[:-1], self.out_features)
 
 
+def linear_calls(point, model) -> list[tuple[nn.Module, torch.Tensor]]:
+    """The Linear layers' calls of one eager step, in order, each with its input (the same
+    tensor object where siblings read the same input, so that a fused group still computes
+    once)."""
+    calls = []
+
+    def record(module, args, kwargs):
+        calls.append((module, args[0] if args else kwargs["input"]))
+
+    hooks = [module.register_forward_pre_hook(record, with_kwargs=True)
+             for module in model.modules()
+             if isinstance(module, (nn.Linear, gemmtune.Mxfp4Linear))]
+    try:
+        point.rewind()
+        point.step(model)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return calls
+
+
+def gemms_alone_graph(calls: list[tuple[nn.Module, torch.Tensor]]) -> torch.cuda.CUDAGraph:
+    """The recorded calls replayed in order, as one CUDA graph (warmed up on a side stream)."""
+    def run():
+        for module, x in calls:
+            module(x)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        run()
+        run()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    return graph
+
+
 def dequantised(model):
     """``model`` with every Linear's weight replaced by its MXFP4 value in bf16, in place."""
     for module in model.modules():
@@ -144,6 +186,9 @@ def main() -> None:
     graphs = {label: capture(point, model)[0] for label, model in (
         ("bf16", bf16), ("bf16 fused", bf16_fused), ("mxfp4", mxfp4), ("mxfp4 fused", fused),
         ("no GEMM", no_gemm))}
+    alone = {f"{label} GEMMs alone": gemms_alone_graph(linear_calls(point, model))
+             for label, model in (("bf16", bf16), ("mxfp4", mxfp4), ("mxfp4 fused", fused))}
+    graphs.update(alone)
     times = {label: [] for label in graphs}
     ratios = {"mxfp4": [], "mxfp4 fused": [], "bf16 fused": []}
     fused_over_fused = []
@@ -170,6 +215,9 @@ def main() -> None:
               f"vs bf16 {rel_err(logits[label], logits['bf16']):.1e}")
     print(f"mxfp4 fused over bf16 fused: {statistics.median(fused_over_fused):.3f} (rounds "
           f"{min(fused_over_fused):.3f}-{max(fused_over_fused):.3f})")
+    for label in alone:
+        print(f"{label}: {statistics.median(times[label]):.3f} ms (one graph of the step's "
+              f"Linear calls in order)")
 
 
 if __name__ == "__main__":
