@@ -62,6 +62,25 @@ def mxfp4_weight_operands(M, N, K, gen, with_bias, dtype=torch.bfloat16):
     return x, wq, w_scale, bias
 
 
+def with_nan_scales(w_scale, nan_rows, large_byte):
+    """A copy of ``w_scale`` whose rows ``nan_rows`` ({row: block}) have the NaN byte 255 in
+    that block, row 40 the smallest byte (0) and row 41 ``large_byte`` on every block."""
+    w_scale = w_scale.clone()
+    w_scale[40:42, :] = large_byte
+    w_scale[40, :] = 0
+    for row, block in nan_rows.items():
+        w_scale[row, block] = 255
+    return w_scale
+
+
+def assert_only_nan_rows_are_nan(y, nan_rows, x, wq, w_scale):
+    """Outputs of w's rows ``nan_rows`` all NaN, every other one right."""
+    nan = torch.zeros(y.shape[1], dtype=torch.bool, device=DEVICE)
+    nan[list(nan_rows)] = True
+    assert y[:, nan].isnan().all()
+    assert_matches_reference(y[:, ~nan], x, quant.dequant_mxfp4(wq, w_scale)[~nan])
+
+
 def generator(seed):
     return torch.Generator(device=DEVICE).manual_seed(seed)
 

@@ -16,8 +16,9 @@ import pytest
 import torch
 
 from gemm_checks import (DEVICE, assert_matches_reference,
-                         assert_mxfp4_launcher_says_what_is_wrong, generator,
-                         mxfp4_weight_operands, on_hopper, randn)
+                         assert_mxfp4_launcher_says_what_is_wrong,
+                         assert_only_nan_rows_are_nan, generator, mxfp4_weight_operands,
+                         on_hopper, randn, with_nan_scales)
 from gemmtune import quant
 from gemmtune.kernels.triton._splits import PDL_WAIT
 from gemmtune.kernels.triton.gemm_w4frag import (W4FragConfig, candidates, default_config,
@@ -147,18 +148,11 @@ def test_gpu_a_nan_scale_makes_its_row_nan_and_no_other(config):
     M, N, K = 3, 64, 512
     gen = generator(7)
     x, wq, w_scale, _ = mxfp4_weight_operands(M, N, K, gen, False)
-    w_scale = w_scale.clone()
     nan_rows = {5: 0, 17: 1, 30: 6, 41: 15}  # row: block (the word's byte: block % 4)
-    w_scale[40:42, :] = 254
-    w_scale[40, :] = 0
-    for row, block in nan_rows.items():
-        w_scale[row, block] = 255
+    w_scale = with_nan_scales(w_scale, nan_rows, 254)
     stored = quant.prepack_mxfp4(wq, w_scale)[0] if config.packed else wq
     y = gemm_w4frag(x, stored, w_scale, None, config)
-    nan = torch.zeros(N, dtype=torch.bool, device=DEVICE)
-    nan[list(nan_rows)] = True
-    assert y[:, nan].isnan().all()
-    assert_matches_reference(y[:, ~nan], x, quant.dequant_mxfp4(wq, w_scale)[~nan])
+    assert_only_nan_rows_are_nan(y, nan_rows, x, wq, w_scale)
 
 
 @on_hopper

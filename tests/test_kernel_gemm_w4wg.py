@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from gemm_checks import (DEVICE, assert_matches_reference,
-                         assert_mxfp4_launcher_says_what_is_wrong, generator,
-                         mxfp4_weight_operands, on_hopper, randn)
+                         assert_mxfp4_launcher_says_what_is_wrong,
+                         assert_only_nan_rows_are_nan, generator, mxfp4_weight_operands,
+                         on_hopper, randn, with_nan_scales)
 from gemmtune import quant
 from gemmtune.kernels.triton.gemm_w4wg import (W4WgConfig, candidates, default_config,
                                                gemm_w4wg, why_not_fits, why_not_supported)
@@ -188,17 +189,11 @@ def test_gpu_a_nan_scale_makes_its_row_nan_and_no_other():
     that row is NaN, every other row right."""
     M, N, K = 70, 130, 512
     x, wq, w_scale, _ = mxfp4_weight_operands(M, N, K, generator(7), False)
-    w_scale = w_scale.clone()
     nan_rows = {5: 0, 17: 1, 30: 6, 100: 15}  # row: block
-    w_scale[40:42, :] = 236  # |x| K 6 x 2^109 < 2^128: the row's sums stay finite
-    w_scale[40, :] = 0
-    for row, block in nan_rows.items():
-        w_scale[row, block] = 255
+    # 236: |x| K 6 x 2^109 < 2^128, the row's sums stay finite
+    w_scale = with_nan_scales(w_scale, nan_rows, 236)
     y = gemm_w4wg(x, wq, w_scale, None, W4WgConfig(128, 64, 4, 3))
-    nan = torch.zeros(N, dtype=torch.bool, device=DEVICE)
-    nan[list(nan_rows)] = True
-    assert y[:, nan].isnan().all()
-    assert_matches_reference(y[:, ~nan], x, quant.dequant_mxfp4(wq, w_scale)[~nan])
+    assert_only_nan_rows_are_nan(y, nan_rows, x, wq, w_scale)
 
 
 @on_hopper
