@@ -206,20 +206,26 @@ def ms_per_call(point, fn, calls: int) -> float:
     return (time.perf_counter() - start) / calls * 1e3
 
 
-def capture(point, model):
-    """The point's step as a CUDA graph (warmed up on a side stream first) and its output."""
+def graph_of(run, reset=lambda: None):
+    """``run()`` as a CUDA graph (run twice on a side stream first, ``reset()`` before each run
+    and before the capture, outside it) and its output."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         for _ in range(2):
-            point.rewind()
-            point.step(model)
+            reset()
+            run()
     torch.cuda.current_stream().wait_stream(side)
-    point.rewind()
+    reset()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = point.step(model)
+        out = run()
     return graph, out
+
+
+def capture(point, model):
+    """The point's step as a CUDA graph (warmed up on a side stream first) and its output."""
+    return graph_of(lambda: point.step(model), point.rewind)
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -43,7 +43,8 @@ from torch import nn
 import gemmtune
 from gemmtune import quant
 
-from e2e_hf import (MODELS, DecodePoint, capture, ms_per_call, rel_err, tune_into_overlay,
+from e2e_hf import (MODELS, DecodePoint, capture, graph_of, ms_per_call, rel_err,
+                    tune_into_overlay,
                     use_overlay)
 
 NAME = "llama3-8b"
@@ -117,20 +118,11 @@ def linear_calls(point, model) -> list[tuple[nn.Module, torch.Tensor]]:
 
 
 def gemms_alone_graph(calls: list[tuple[nn.Module, torch.Tensor]]) -> torch.cuda.CUDAGraph:
-    """The recorded calls replayed in order, as one CUDA graph (warmed up on a side stream)."""
+    """The recorded calls replayed in order, as one CUDA graph."""
     def run():
         for module, x in calls:
             module(x)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        run()
-        run()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
-    return graph
+    return graph_of(run)[0]
 
 
 def dequantised(model):
