@@ -44,8 +44,7 @@ import gemmtune
 from gemmtune import quant
 
 from e2e_hf import (MODELS, DecodePoint, capture, graph_of, ms_per_call, rel_err,
-                    tune_into_overlay,
-                    use_overlay)
+                    tune_into_overlay, use_overlay)
 
 NAME = "llama3-8b"
 LAYERS = 8
