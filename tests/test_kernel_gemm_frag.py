@@ -158,6 +158,9 @@ GPU_CASES = [
     (1, 576, 7168, FragConfig(8, 256, 4, 1, 1, 1)),
     (31, 256, 7168, FragConfig(32, 256, 28, 1, 0, 1)),
     (100, 4096, 1024, FragConfig(64, 256, 2, 1, 1, 1)),
+    (5, 1040, 2304, FragConfig(8, 128, 3, 1, 0, 1)),  # N past a multiple of 64
+    (64, 1040, 4096, FragConfig(64, 128, 5, 2, 0, 1)),
+    (16, 576, 7168, FragConfig(16, 256, 28, 1, 1, 1)),  # a step a split
 ]
 
 

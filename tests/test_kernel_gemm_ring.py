@@ -49,6 +49,31 @@ def test_configs_that_cannot_run_say_why(config, M, N, K, dtype, says):
     assert says in gemm_ring.why_not_fits(config, M, N, K, dtype)
 
 
+def test_split_partials_layout_holds_each_element_once():
+    """_swapped.finish_tile's layout over every (BLOCK_N, warps, BLOCK_M) the swapped kernels
+    launch (ring: 64 rows of w on 4 warps, 128 on 8; frag: 64 on 4; w4frag: 64 on 4 or 2): its
+    tile of threads fits the (BLOCK_N, BLOCK_M) tile, so no element is held twice (it would be
+    added twice), with a warp's 32 lanes down consecutive rows of w."""
+    from gemmtune.kernels.triton import gemm_frag, gemm_w4frag
+
+    launched = [(n, n // gemm_ring.ROWS_PER_WARP,
+                 gemm_ring.BLOCK_MS + ((gemm_ring.WIDE_BLOCK_M,) if n > _swapped.BLOCK_N else ()))
+                for n in gemm_ring.BLOCK_NS]
+    launched += [(_swapped.BLOCK_N, gemm_frag.NUM_WARPS, gemm_frag.BLOCK_MS)]
+    launched += [(_swapped.BLOCK_N, w, gemm_w4frag.BLOCK_MS) for w in gemm_w4frag.WARPS]
+    for block_n, warps, block_ms in launched:
+        layout = _swapped._end_layout(block_n, warps)
+        assert layout.size_per_thread == [1, 1] and layout.order == [0, 1], layout
+        assert layout.threads_per_warp == [32, 1], layout
+        assert layout.warps_per_cta[0] * layout.warps_per_cta[1] == warps, layout
+        if warps == block_n // 16:  # 16 rows of w a warp: the end every shipped row runs
+            assert layout.warps_per_cta == [block_n // 32, 2], layout
+        covered = [layout.threads_per_warp[d] * layout.warps_per_cta[d] for d in (0, 1)]
+        for block_m in block_ms:
+            assert block_n % covered[0] == 0 and block_m % covered[1] == 0, \
+                (block_n, warps, block_m, layout)
+
+
 @pytest.mark.parametrize("M, N, K", [(1, 576, 7168), (16, 4096, 512), (33, 1040, 2320),
                                      (64, 151936, 5120), (200, 256, 7168), (3, 16, 128),
                                      (300, 4096, 4096)])
@@ -114,7 +139,8 @@ def test_block_scales_take_steps_of_128(monkeypatch):
 
 # (M, N, K, config): blocks of x's rows 8-64 and several blocks past 64, steps of 128-256, K not
 # a multiple of the step (TMA's zero fill), 2-8 slots, rings longer than a split's steps,
-# splits that divide the steps and that do not, N past a multiple of 64.
+# splits that divide the steps and that do not, N past a multiple of 64; the wide tile (128
+# rows of w and of x) with N and M past multiples of 128.
 GPU_CASES = [
     (1, 576, 7168, RingConfig(8, 256, 4, 4)),
     (5, 1040, 2320, RingConfig(8, 128, 8, 3)),
@@ -130,6 +156,12 @@ GPU_CASES = [
     (16, 1536, 7168, RingConfig(16, 256, 4, 7, 1)),
     (31, 256, 7168, RingConfig(32, 256, 4, 28, 1)),
     (100, 4096, 1040, RingConfig(64, 256, 2, 2, 1)),
+    (5, 1040, 2320, RingConfig(8, 128, 8, 3, 1)),
+    # the wide tile: summed in order, and added (32 splits of a narrow long-K weight; N and M
+    # past whole tiles, whose sums' rows past them are added but never stored)
+    (100, 576, 7168, RingConfig(128, 128, 3, 8, 0, 128)),
+    (128, 576, 7168, RingConfig(128, 128, 4, 32, 1, 128)),
+    (200, 1040, 2320, RingConfig(128, 128, 4, 3, 1, 128)),
 ]
 
 
@@ -311,7 +343,9 @@ def test_gpu_added_splits_leave_the_streams_sums_zero():
 
     for seed, (M, N, K, config) in enumerate([(16, 1536, 7168, RingConfig(16, 256, 4, 7, 1)),
                                                (64, 1040, 4096, RingConfig(64, 128, 8, 5, 1)),
-                                               (16, 1536, 7168, RingConfig(16, 256, 4, 7, 1))]):
+                                               (16, 1536, 7168, RingConfig(16, 256, 4, 7, 1)),
+                                               (128, 576, 7168,
+                                                RingConfig(128, 128, 4, 32, 1, 128))]):
         xq, wq, x_scale, w_scale = quantised_operands(M, N, K, FP8, "token_channel",
                                                       generator(seed))
         y = gemm_ring.gemm_ring(xq, wq, None, torch.bfloat16, x_scale, w_scale, config)

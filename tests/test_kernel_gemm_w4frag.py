@@ -37,6 +37,9 @@ def test_names_round_trip():
     first = W4FragConfig(8, 128, 4, x_first=1)
     assert first.name == "triton.w4frag:BM8.BK128.SK4.P0.R0.L0.X1"
     assert W4FragConfig.from_name(first.name) == first
+    two_warps = W4FragConfig(8, 128, 4, PDL_WAIT, 1, 1, warps=2)
+    assert two_warps.name == "triton.w4frag:BM8.BK128.SK4.P1.R1.L1.X0.W2"
+    assert W4FragConfig.from_name(two_warps.name) == two_warps
 
 
 @pytest.mark.parametrize("config, M, K, dtype, says", [
@@ -49,6 +52,9 @@ def test_names_round_trip():
     (W4FragConfig(8, 64, 2, pdl=2), 1, 256, torch.bfloat16, "pdl=2"),
     (W4FragConfig(8, 64, 2, packed=1), 1, 256, torch.bfloat16, "use block_k 128 or 256"),
     (W4FragConfig(8, 64, 2, x_first=1), 1, 256, torch.bfloat16, "1 dequantises MXFP4 x first"),
+    (W4FragConfig(8, 64, 2, warps=3), 1, 256, torch.bfloat16, "warps=3 must be one of"),
+    (W4FragConfig(8, 128, 2, warps=1), 1, 256, torch.bfloat16, "warps=1 must be one of"),
+    (W4FragConfig(32, 128, 2, warps=2), 1, 256, torch.bfloat16, "2 warps take block_m <= 16"),
 ])
 def test_configs_that_cannot_run_say_why(config, M, K, dtype, says):
     assert says in why_not_fits(config, M, 256, K, dtype)
@@ -65,6 +71,12 @@ def test_candidates_fit_cover_m_and_split_for_decode():
     for M in (33, 128):
         found = candidates(M, 4096, 4096, torch.bfloat16, num_sms=132, pdl=PDL_WAIT)
         assert {c.block_m for c in found} == {32}
+        assert {c.warps for c in found} == {4}
+    # Fewer warps (more rows of w each) beside PDL with the splits added, to 16 rows of x
+    for M in (1, 16):
+        found = candidates(M, 4096, 4096, torch.bfloat16, num_sms=132, pdl=PDL_WAIT)
+        assert {c.warps for c in found} == {2, 4}
+        assert all(c.pdl == PDL_WAIT and c.add_splits for c in found if c.warps < 4)
     assert candidates(129, 4096, 4096, torch.bfloat16, num_sms=132) == []
     assert candidates(1, 4096, 4096, torch.float16, num_sms=132) == []
     # MXFP4 x (uint8 codes: gemm_a4w4_blockscale) takes the same configs as bf16 x, each also
@@ -105,6 +117,13 @@ def test_refuses_to_run_where_it_cannot():
     (3, 70, 1024, W4FragConfig(8, 128, 3, packed=1)),  # packed w, split 3 (uneven steps)
     (17, 200, 768, W4FragConfig(32, 256, 1, PDL_WAIT, packed=1)),  # packed, 2 groups a step
     (8, 64, 2048, W4FragConfig(8, 256, 4, 0, 1, 1)),  # packed, added splits
+    # 2 warps (32 rows each): both layouts, in order and added, PDL
+    (1, 70, 1024, W4FragConfig(8, 128, 3, PDL_WAIT, 1, 1, warps=2)),
+    (13, 130, 2048, W4FragConfig(16, 256, 2, 0, 0, 0, warps=2)),
+    (5, 200, 2880, W4FragConfig(8, 32, 6, warps=2)),
+    (3, 200, 4096, W4FragConfig(16, 128, 5, PDL_WAIT, 1, 1, warps=2)),
+    (33, 600, 7168, W4FragConfig(32, 128, 28, 0, 1)),  # added: 28 splits, N and M ragged
+    (1, 200, 7168, W4FragConfig(8, 256, 28, PDL_WAIT, 1, 1)),  # ... packed, a step a split
 ])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_gpu_matches_the_dequantised_reference(M, N, K, config, with_bias):
@@ -122,7 +141,8 @@ def test_gpu_matches_the_dequantised_reference(M, N, K, config, with_bias):
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", [
     W4FragConfig(32, 32, 1), W4FragConfig(32, 64, 1),  # a step's scales as a byte, two bytes
-    W4FragConfig(32, 256, 1), W4FragConfig(32, 128, 1, packed=1)])  # groups of 4: a word
+    W4FragConfig(32, 256, 1), W4FragConfig(32, 128, 1, packed=1),  # groups of 4: a word
+    W4FragConfig(16, 128, 1, packed=1, warps=2), W4FragConfig(8, 64, 1, warps=2)])
 def test_gpu_every_code_at_every_scale_byte_exactly(config):
     """Row n of w has scale byte n (0-255) on all its blocks and the 16 codes over and over,
     each block's codes shifted by its index; x is the identity, so y is w dequantised, rounded
@@ -141,7 +161,9 @@ def test_gpu_every_code_at_every_scale_byte_exactly(config):
 
 @on_hopper
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", [W4FragConfig(8, 128, 2), W4FragConfig(16, 256, 1, packed=1)])
+@pytest.mark.parametrize("config", [W4FragConfig(8, 128, 2), W4FragConfig(16, 256, 1, packed=1),
+                                    W4FragConfig(8, 128, 2, packed=1, warps=2),
+                                    W4FragConfig(16, 128, 2, warps=2)])
 def test_gpu_a_nan_scale_makes_its_row_nan_and_no_other(config):
     """A NaN scale byte (255) in one block of a row, at each of the 4 places of a scale word
     and beside the largest finite byte (254): that row is NaN, every other row exact."""
@@ -167,6 +189,11 @@ def test_gpu_a_nan_scale_makes_its_row_nan_and_no_other(config):
     (5, 200, 2880, W4FragConfig(8, 32, 6, x_first=1)),  # x dequantised first
     (3, 70, 1024, W4FragConfig(8, 128, 3, PDL_WAIT, packed=1, x_first=1)),  # ... PDL, packed
     (20, 96, 768, W4FragConfig(32, 128, 3, 0, 1, x_first=1)),  # ... added splits
+    (5, 200, 4096, W4FragConfig(8, 128, 4, PDL_WAIT, 1, 1, warps=2)),  # 2 warps
+    (13, 130, 2048, W4FragConfig(16, 256, 2, 0, 0, 0, 1, warps=2)),  # ... x dequantised first
+    (5, 200, 4096, W4FragConfig(8, 128, 16, 0, 1)),  # added: 16 splits, N ragged
+    (3, 200, 4096, W4FragConfig(16, 128, 4, PDL_WAIT, 1, 0, warps=2)),  # 2 warps, x decoded
+    (1, 70, 2048, W4FragConfig(8, 256, 3, PDL_WAIT, 0, 1, warps=2)),  # ... packed, in order
 ])
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
 def test_gpu_mxfp4_x_matches_the_dequantised_reference(M, N, K, config, out_dtype):

@@ -462,13 +462,15 @@ W4FRAG_SCRIPT = PTXAS_REPORT + textwrap.dedent("""
     names = inspect.signature(gemm_w4frag.gemm_w4frag_kernel.fn).parameters
     aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
                if n.endswith("_ptr") or n in ("K", "stride_xm", "stride_wn")}
-    # (block_m, block_k, split_k (negative: added), pdl, bias, packed w, MXFP4 x)
-    for block_m, block_k, split_k, pdl, bias, packed, x_mxfp4 in (
-            (8, 128, 1, False, False, False, False), (16, 256, 4, True, True, False, False),
-            (32, 64, -8, True, False, False, False), (8, 32, 2, False, True, False, False),
-            (8, 128, 4, True, False, True, False), (32, 256, -2, False, True, True, False),
-            (8, 128, 4, True, False, True, True), (16, 64, -3, False, False, False, True),
-            (32, 256, 2, True, False, False, True), (8, 128, -4, True, False, True, True)):
+    # (block_m, block_k, split_k (negative: added), pdl, bias, packed w, MXFP4 x, warps)
+    for block_m, block_k, split_k, pdl, bias, packed, x_mxfp4, warps in (
+            (8, 128, 1, False, False, False, False, 4), (16, 256, 4, True, True, False, False, 4),
+            (32, 64, -8, True, False, False, False, 4), (8, 32, 2, False, True, False, False, 4),
+            (8, 128, 4, True, False, True, False, 4), (32, 256, -2, False, True, True, False, 4),
+            (8, 128, 4, True, False, True, True, 4), (16, 64, -3, False, False, False, True, 4),
+            (32, 256, 2, True, False, False, True, 4), (8, 128, -4, True, False, True, True, 4),
+            (8, 128, -5, True, False, True, False, 2), (16, 128, -9, True, False, True, False, 2),
+            (8, 64, 2, False, True, False, True, 2), (16, 256, 3, True, True, True, True, 2)):
         pointers = {"x_ptr": "*u8" if x_mxfp4 else "*bf16", "wq_ptr": "*u8", "ws_ptr": "*u8",
                     "xs_ptr": "*u8", "y_ptr": "*bf16", "bias_ptr": "*bf16",
                     "part_ptr": "*fp32", "count_ptr": "*i32"}
@@ -480,19 +482,23 @@ W4FRAG_SCRIPT = PTXAS_REPORT + textwrap.dedent("""
                      for n in names}
         kernel = triton.compile(gluon._runtime.GluonASTSource(
             fn=gemm_w4frag.gemm_w4frag_kernel, signature=signature, attrs=aligned,
-            constexprs=constexprs), target=GPUTarget("cuda", 90, 128))
+            constexprs=constexprs), target=GPUTarget("cuda", 90, 128),
+            options={"num_warps": warps})
         text = kernel.asm["ptx"]
         loop = text[text.find("mma.sync"):text.rfind("mma.sync")]
         # Per scale block, each thread loads one 32-bit word of codes for each of its 2 rows
-        # (packed: one 16-byte load a row for 4 blocks), multiplies on mma.sync (bf16, fp32
-        # sums), and touches no shared memory in the loop.
+        # of each 16 its warp takes (4 // warps MMAs down w's 64 rows; packed: one 16-byte
+        # load a row for 4 blocks), multiplies on mma.sync (bf16, fp32 sums), and touches no
+        # shared memory in the loop.
+        tiles = 4 // warps
         blocks = min(block_k, 128) // 32  # a step's blocks, or from 128 a group of 4 blocks
         if packed:
-            assert text.count("ld.global.v4.b32") >= 2 * blocks // 4
+            assert text.count("ld.global.v4.b32") >= 2 * tiles * blocks // 4
         else:
-            assert text.count("ld.global.b32") >= 2 * blocks, text.count("ld.global.b32")
+            assert text.count("ld.global.b32") >= 2 * tiles * blocks, \\
+                text.count("ld.global.b32")
         assert text.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") >= \\
-            2 * blocks * block_m // 8
+            2 * tiles * blocks * block_m // 8
         assert "st.shared" not in loop and "bar.sync" not in loop
         assert ("griddepcontrol.wait" in text) == pdl
         assert ("atom.global" in text) == (split_k != 1)
@@ -501,10 +507,11 @@ W4FRAG_SCRIPT = PTXAS_REPORT + textwrap.dedent("""
         # A decode a word: w's 2 rows a thread, x's 1-4 (BLOCK_M / 8) words; a loop iteration
         # takes 2 groups of 4 blocks (block_k < 128: a step's blocks).
         looped = 8 if block_k >= 128 else block_k // 32
-        assert text.count("prmt.b32 la") == looped * (2 + (block_m // 8 if x_mxfp4 else 0)), \\
-            (block_m, block_k, x_mxfp4, text.count("prmt.b32 la"))
+        assert text.count("prmt.b32 la") == looped * (2 * tiles
+                                                      + (block_m // 8 if x_mxfp4 else 0)), \\
+            (block_m, block_k, x_mxfp4, warps, text.count("prmt.b32 la"))
         report, spilled = ptxas_report(text)
-        assert spilled == 0, (block_m, block_k, x_mxfp4, report)
+        assert spilled == 0, (block_m, block_k, x_mxfp4, warps, report)
     print("ok")
 """)
 
@@ -513,8 +520,8 @@ W4FRAG_SCRIPT = PTXAS_REPORT + textwrap.dedent("""
 def test_register_direct_mxfp4_kernel_compiles_for_hopper():
     """triton.w4frag (Gluon) for sm_90, bf16 and MXFP4 x: the codes straight from global memory
     into mma.sync's registers (a 32-bit load a row and block), decoded by the inline PTX, no
-    shared memory or barrier in the loop; no spills, PDL and the splits' atomics only where
-    configured."""
+    shared memory or barrier in the loop, on 4 warps or 2; no spills, PDL and the splits'
+    atomics only where configured."""
     compiles_for_hopper(W4FRAG_SCRIPT)
 
 

@@ -150,6 +150,14 @@ def _store_y(tile, y_tile, on, om, M, N, stride_ym, stride_yn, BLOCK_N: gl.const
     gl.store(y_tile + offsets, tile.to(y_tile.dtype.element_ty), mask=inside)
 
 
+@gluon.constexpr_function
+def _end_layout(block_n, warps):
+    """``finish_tile``'s layout: lanes down w's rows, warps down them as far as 32 rows each go,
+    the rest across x's rows."""
+    down = min(block_n // 32, warps)
+    return gl.BlockedLayout([1, 1], [32, 1], [down, warps // down], [0, 1])
+
+
 @gluon.jit
 def finish_tile(acc, pid_n, split, pid_m, y_ptr, bias_ptr, scale_a_ptr, scale_b_ptr, part_ptr,
                 count_ptr, M, N, stride_ym, stride_yn, stride_bias, HAS_BIAS: gl.constexpr,
@@ -164,9 +172,9 @@ def finish_tile(acc, pid_n, split, pid_m, y_ptr, bias_ptr, scale_a_ptr, scale_b_
     once and zeroes it (one round trip instead of SPLIT_K / PER_LOAD; the adds' order, and so
     the sum's last bits, follow the splits' arrival)."""
     # One thread per element of the (BLOCK_N, BLOCK_M) tile (BLOCK_N rows: 32 lanes x
-    # BLOCK_N / 32 warps, the other 2 warps of the BLOCK_N / 16 along x's rows), so the
-    # partials' sum and the stores touch each element once.
-    out_layout: gl.constexpr = gl.BlockedLayout([1, 1], [32, 1], [BLOCK_N // 32, 2], [0, 1])
+    # BLOCK_N / 32 warps, any other warps along x's rows), so the partials' sum and the stores
+    # touch each element once.
+    out_layout: gl.constexpr = _end_layout(BLOCK_N, gl.num_warps())
     out = gl.convert_layout(acc, out_layout)
     on = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, out_layout))
     om = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, out_layout))

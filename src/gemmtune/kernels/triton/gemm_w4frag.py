@@ -4,13 +4,17 @@ up to 32 rows of x a program (the tuner offers it to M = 128), each thread loadi
 of w straight into the registers the MMA takes its A operand from.
 
 Swapped as ``triton.frag`` is (y.T = w @ x.T): a program's 64 rows of w are the MMA's M (4
-warps, 16 rows each), x's rows its N (BLOCK_M, 8-32). Per 32-element scale block, each thread
-holds one 32-bit word (8 codes) of each of its 2 rows; an inline-PTX decode (``e2m1_to_bf16``:
-PRMT table lookups, 15 instructions a word) makes them bf16 in the A layout (exact: E2M1 values
-are 0-6 with one mantissa bit); x's 32 x BLOCK_M block comes in the B layout; ``mma.sync``
-multiplies them from zero into fp32, and the product is scaled by the block's power of two (of
-x's row too, for MXFP4 x) in fp32, exact for every scale byte, before its add. A NaN scale
-(byte 255) makes its row's outputs NaN. There is no shared memory in the loop and no barrier.
+warps, 16 rows each; or 2 warps of 32 rows, ``warps``), x's rows its N (BLOCK_M, 8-32). Every
+warp loads x's whole block for its rows, so with fewer warps x crosses L1 fewer times for the
+same w (Nsight Compute found the 4-warp kernel waiting on L1 two thirds of its stalls, x
+replicated in each warp), for more registers a thread. Per 32-element scale block, each
+thread holds one 32-bit word (8 codes) of each of its 2 rows of each 16; an inline-PTX decode
+(``e2m1_to_bf16``: PRMT table lookups, 15 instructions a word) makes them bf16 in the A
+layout (exact: E2M1 values are 0-6 with one mantissa bit); x's 32 x BLOCK_M block comes in the
+B layout; ``mma.sync`` multiplies them from zero into fp32, and the product is scaled by the
+block's power of two (of x's row too, for MXFP4 x) in fp32, exact for every scale byte, before
+its add. A NaN scale (byte 255) makes its row's outputs NaN. There is no shared memory in the
+loop and no barrier.
 
 Both operands use the MMA's K order with 8 consecutive elements a thread (``k_width`` 8): the
 sum over K is the same in any order, so w's codes load as one 32-bit word a row and block (or,
@@ -56,13 +60,16 @@ from gemmtune.kernels.triton.gemm_w4deq import W4DeqConfig, dequantize
 KERNEL_PREFIX = "triton.w4frag"
 _OUT_DTYPES_OF_MXFP4_X = (torch.bfloat16, torch.float16, torch.float32)
 _BN = gl.constexpr(BLOCK_N)
-_WARPS = gl.constexpr(NUM_WARPS)
 _BLOCK = gl.constexpr(mxfp4.BLOCK)
 # x's rows per program: the MMA's N in blocks of 8. From 64, x's step alone would take 128
 # registers a thread (each warp holds all of it).
 BLOCK_MS = (8, 16, 32)
 BLOCK_KS = (32, 64, 128, 256)  # K per step: whole scale blocks, unrolled
 MAX_SPLIT_K = 32
+# Warps a program: 2 beat 4 at 1-8 rows of x on narrow weights (H100); 1 (64 rows a warp) lost
+# to 2 on every shape timed (docs/benchmarks.md, session 28)
+WARPS = (2, 4)
+_MOST_ROWS_OF_X = {2: 16, 4: 32}  # block_m each warp count takes without spilling
 # Rows of x up to which the tuner offers the kernel: past 32 in tiles of x's rows, each decoding
 # the same w again (from L2), which can still beat the prefill kernels to M of about a hundred
 MAX_M = 128
@@ -75,7 +82,8 @@ class W4FragConfig(NamedConfig):
     NAME_CODEC = NameCodec("register-direct MXFP4 config", KERNEL_PREFIX, (
         Field("BM", "block_m"), Field("BK", "block_k"), Field("SK", "split_k"),
         Field("P", "pdl", default=PDL_OFF), Field("R", "add_splits", default=0),
-        Field("L", "packed", default=0), Field("X", "x_first", default=0)))
+        Field("L", "packed", default=0), Field("X", "x_first", default=0),
+        Field("W", "warps", default=NUM_WARPS)))
 
     block_m: int
     block_k: int
@@ -91,6 +99,10 @@ class W4FragConfig(NamedConfig):
     # bf16-x kernel: each program's 4 warps no longer decode the same x, for a second launch;
     # 0: x's codes decoded in the loop. Two launches are not replayed (``replayed``).
     x_first: int = 0
+    # Warps a program (``WARPS``), its 64 rows of w split among them (16 rows an MMA): each
+    # warp loads the whole of x's block for its rows, so fewer warps with more rows each load
+    # x (L1 traffic) fewer times for the same w
+    warps: int = NUM_WARPS
 
 
 def why_not_fits(config: W4FragConfig, M: int, N: int, K: int,
@@ -117,6 +129,14 @@ def why_not_fits(config: W4FragConfig, M: int, N: int, K: int,
                 f"use block_k 128 or 256")
     if K % c.block_k:
         return f"K={K} is not a multiple of block_k={c.block_k}: use a block_k that divides it"
+    if c.warps not in WARPS:
+        return (f"warps={c.warps} must be one of {WARPS} (a program's 64 rows of w, 16 rows an "
+                f"MMA, split among its warps)")
+    if c.block_m > _MOST_ROWS_OF_X[c.warps]:
+        # ptxas: 2 warps at 32 rows of x spilled 20 B
+        return (f"warps={c.warps} with block_m={c.block_m}: a thread's share of x's rows and of "
+                f"w's spills registers; {c.warps} warps take block_m <= "
+                f"{_MOST_ROWS_OF_X[c.warps]}")
     return why_not_grid(c, M, K, K // c.block_k, MAX_SPLIT_K)
 
 
@@ -160,10 +180,20 @@ def candidates(M: int, N: int, K: int, dtype: torch.dtype, num_sms: int | None =
             for mode in sorted({PDL_OFF, pdl}):
                 for add in sorted({0, int(split > 1)}):
                     for x_first in (0, 1) if dtype == torch.uint8 else (0,):
-                        cfg = W4FragConfig(bm, bk, split, mode, add, int(packed), x_first)
-                        if why_not_fits(cfg, M, N, K, dtype) is None:
-                            found[cfg] = None
+                        for warps in _warps_to_try(bm, mode == pdl and add == int(split > 1)):
+                            cfg = W4FragConfig(bm, bk, split, mode, add, int(packed), x_first,
+                                               warps)
+                            if why_not_fits(cfg, M, N, K, dtype) is None:
+                                found[cfg] = None
     return list(found)
+
+
+def _warps_to_try(block_m: int, beside_pdl_and_added: bool) -> tuple[int, ...]:
+    """4 warps a program; beside PDL with the splits added (the 4-warp winners), to 16 rows of
+    x, also 2 (ptxas: 91 and 128 registers at 8 rows, 128 at 16 for 2 warps)."""
+    if not beside_pdl_and_added or block_m > _MOST_ROWS_OF_X[2]:
+        return (NUM_WARPS,)
+    return (NUM_WARPS, 2)
 
 
 def replayed(config: W4FragConfig) -> bool:
@@ -364,19 +394,47 @@ def _x_per_word(x_mxfp4):
 
 
 @gluon.constexpr_function
-def _x_layout(block_m, x_mxfp4):
+def _x_layout(block_m, x_mxfp4, warps):
     """Where a block of x's words sits: in the B layout's places (each thread 8 consecutive of
     K of a row of x; rows past 8 in registers), a word two bf16 (16, BLOCK_M) or, MXFP4 x, 8
     codes (4, BLOCK_M)."""
     rows = [[0, 8 << i] for i in range(block_m.bit_length() - 4)]
+    every_warp = [[0, 0]] * (warps.bit_length() - 1)  # each warp holds all of it
     if x_mxfp4:
         return gl.DistributedLinearLayout(
             reg_bases=[[0, 0]] + rows, lane_bases=[[1, 0], [2, 0], [0, 1], [0, 2], [0, 4]],
-            warp_bases=[[0, 0], [0, 0]], block_bases=[], shape=[4, block_m])
+            warp_bases=every_warp, block_bases=[], shape=[4, block_m])
     return gl.DistributedLinearLayout(
         reg_bases=[[1, 0], [2, 0], [0, 0]] + rows,
-        lane_bases=[[4, 0], [8, 0], [0, 1], [0, 2], [0, 4]], warp_bases=[[0, 0], [0, 0]],
+        lane_bases=[[4, 0], [8, 0], [0, 1], [0, 2], [0, 4]], warp_bases=every_warp,
         block_bases=[], shape=[16, block_m])
+
+
+@gluon.constexpr_function
+def _rows_on(warps, reg_bases, lane_bases, shape):
+    """A layout of (64 rows, ...) words as the MMA's A operand places a program's rows: rows
+    16 and 32 apart on the warps as far as there are warps, the rest on registers (the MMA's
+    repetitions down M), ``reg_bases`` and ``lane_bases`` within a warp's 16 rows."""
+    rows = [[16, 0], [32, 0]]
+    on_warps = warps.bit_length() - 1
+    return gl.DistributedLinearLayout(
+        reg_bases=reg_bases + rows[on_warps:], lane_bases=lane_bases,
+        warp_bases=rows[:on_warps], block_bases=[], shape=shape)
+
+
+@gluon.constexpr_function
+def _word_layout(warps):
+    """A block's words (64 rows, 4): each thread its word t of rows g and g + 8 of its 16
+    (lane = 4 g + t), as the MMA's A operand holds them."""
+    return _rows_on(warps, [[8, 0]], [[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]], [64, 4])
+
+
+@gluon.constexpr_function
+def _group_layout(warps):
+    """A packed group (64 rows, 16 stored words): each thread's 4 contiguous words (its word of
+    each of 4 blocks) of rows g and g + 8."""
+    return _rows_on(warps, [[0, 1], [0, 2], [8, 0]], [[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]],
+                    [64, 16])
 
 
 @gluon.jit(do_not_specialize=["M"])
@@ -399,21 +457,18 @@ def gemm_w4frag_kernel(
     BLOCK_K: gl.constexpr, PDL: gl.constexpr, PER_LOAD: gl.constexpr,
     ADD_SPLITS: gl.constexpr, PACKED: gl.constexpr, X_MXFP4: gl.constexpr,
 ):
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[_WARPS, 1],
+    WARPS_HERE: gl.constexpr = gl.num_warps()
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS_HERE, 1],
                                                   instr_shape=[16, 8])
     # Each thread's 8 codes of a row and block (one 32-bit word, thread t of a row's 4 holding
     # word t of its 32-element block) become the A operand's 8 consecutive bf16; x's B operand
     # takes the same K order. Rows g and g + 8 of a warp's 16 (lane = 4 g + t), as the MMA's.
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=8)
     b_layout: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=8)
-    word_layout: gl.constexpr = gl.DistributedLinearLayout(
-        reg_bases=[[8, 0]], lane_bases=[[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]],
-        warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[64, 4])
+    word_layout: gl.constexpr = _word_layout(WARPS_HERE)
     # A packed group (64 rows, 16 stored words): each thread's 4 contiguous words (its word of
     # each of 4 blocks) of rows g and g + 8.
-    group_layout: gl.constexpr = gl.DistributedLinearLayout(
-        reg_bases=[[0, 1], [0, 2], [8, 0]], lane_bases=[[0, 4], [0, 8], [1, 0], [2, 0], [4, 0]],
-        warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[64, 16])
+    group_layout: gl.constexpr = _group_layout(WARPS_HERE)
     BLOCKS: gl.constexpr = BLOCK_K // _BLOCK
     pid_n = gl.program_id(0)
     split = gl.program_id(1)
@@ -443,7 +498,7 @@ def gemm_w4frag_kernel(
     # x as 32-bit words, two bf16 or 8 codes each (rows 4-byte aligned: w4frag_call), in the
     # B layout's places. Rows of x past M read row M - 1 (their outputs are never stored): no
     # mask in the loop.
-    x_layout: gl.constexpr = _x_layout(BLOCK_M, X_MXFP4)
+    x_layout: gl.constexpr = _x_layout(BLOCK_M, X_MXFP4, WARPS_HERE)
     X_ROW_WORDS: gl.constexpr = _x_words(X_MXFP4)
     X_PER_WORD: gl.constexpr = _x_per_word(X_MXFP4)
     xm = gl.minimum(pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, x_layout)),
@@ -558,7 +613,7 @@ def w4frag_call(x, w, bias, out, scale_a, scale_b, config: W4FragConfig,
                       PER_LOAD=min(c.split_k, partials_per_load(c.block_m)),
                       ADD_SPLITS=bool(c.add_splits), PACKED=bool(c.packed), X_MXFP4=x_mxfp4)
     return KernelCall(gemm_w4frag_kernel, (n_tiles, c.split_k, m_tiles), args, constexprs,
-                      dict(num_warps=NUM_WARPS), launch_pdl=pdl != PDL_OFF,
+                      dict(num_warps=c.warps), launch_pdl=pdl != PDL_OFF,
                       replayable=not per_call)
 
 
