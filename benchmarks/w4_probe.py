@@ -15,6 +15,7 @@ unsplit configs: 0.45-0.60x F.linear.
 from __future__ import annotations
 
 import argparse
+import fnmatch
 
 import torch
 import torch.nn.functional as F
@@ -81,7 +82,8 @@ def _launch(config, x, w, out, x_scale, w_scale, w_packed=None):
 
 
 def time_shape(m: int, n: int, k: int, named: list | None, all_times,
-               mxfp4_x: bool = True, frag_candidates: bool = False) -> str:
+               mxfp4_x: bool = True, frag_candidates: bool = False,
+               only: str | None = None) -> str:
     w = torch.randn(n, k, device="cuda") / k ** 0.5
     x = torch.randn(m, k, device="cuda")
     wq, ws = quant.mxfp4(w)
@@ -96,6 +98,9 @@ def time_shape(m: int, n: int, k: int, named: list | None, all_times,
                        per_op=((0, 1), (6, 7, 8, 9), (0, 2, 3), (4, 5, 2, 3), (0, 3, 10)))
     configs = _configs(named, m, n, k, torch.bfloat16, frag_candidates)
     a4_configs = _configs(named, m, n, k, torch.uint8, frag_candidates) if mxfp4_x else []
+    if only is not None:  # the configs whose names match the pattern
+        configs = [c for c in configs if fnmatch.fnmatchcase(c.name, only)]
+        a4_configs = [c for c in a4_configs if fnmatch.fnmatchcase(c.name, only)]
     out16 = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
     fns = [lambda s: F.linear(s[0], s[1]),
            lambda s: gemm_a8w8(s[6], s[8], s[7], s[9])]
@@ -136,6 +141,9 @@ def main() -> None:
     parser.add_argument("--frag-candidates", action="store_true",
                         help="with --configs: the w4frag, w4wg and w4deq kernels' candidates "
                              "too")
+    parser.add_argument("--only", metavar="GLOB", default=None,
+                        help="time only the configs whose names match GLOB (fnmatch), e.g. "
+                             "'triton.w4frag:*P1.R1.L1*'")
     args = parser.parse_args()
     if args.all_times is not None:
         args.all_times.write("M,N,K,x,config,us,linear_us\n")
@@ -143,7 +151,7 @@ def main() -> None:
           f"{'a4w4':>9} {'x':>6}  best configs (µs; x = F.linear / it)")
     for m, n, k in args.shapes:
         print(time_shape(m, n, k, args.configs, args.all_times, not args.bf16_x_only,
-                         args.frag_candidates), flush=True)
+                         args.frag_candidates, args.only), flush=True)
 
 
 if __name__ == "__main__":
