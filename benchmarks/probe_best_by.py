@@ -1,9 +1,11 @@
-"""Per shape of a ``w4_probe.py --all-times`` CSV, the best time of each value of one config
-field (e.g. ``W``, a w4frag program's warps; ``A``, w4deq's PTX decode): which value of the
-field wins where, and by how much, beside ``F.linear``.
+"""Per shape of a ``w4_probe.py --all-times`` CSV, or of a tuner's profile (``gemmtune tune
+-o2``), the best time of each value of one config field (e.g. ``W``, a w4frag program's warps;
+``A``, w4deq's PTX decode; ``H``, the bytes L2 fetches a miss): which value of the field wins
+where, and by how much, beside ``F.linear`` where the probe timed it.
 
     python3 benchmarks/probe_best_by.py w4probe_w4frag_warps_all.csv --field W --default 4 \
         --kernel triton.w4frag
+    python3 benchmarks/probe_best_by.py profile.csv --field H --default 0 --kernel triton.frag
 """
 
 from __future__ import annotations
@@ -26,18 +28,21 @@ def field_value(config: str, field: str, default: str) -> str:
 
 
 def best_by(rows, field: str, default: str, kernel: str):
-    """{(M, N, K, x): ({value: (us, config)}, linear_us)} over the rows of ``kernel``."""
+    """{(M, N, K, x): ({value: (us, config)}, linear_us or nan)} over the rows of ``kernel``: a
+    probe's (config, x, linear_us) or a tuner profile's (kernelName, dtype; its failed
+    candidates left out)."""
     best = defaultdict(dict)
     linear = {}
     for row in rows:
-        if not row["config"].startswith(kernel):
+        config = row.get("config") or row.get("kernelName") or ""
+        if not config.startswith(kernel) or row.get("status", "ok") != "ok":
             continue
-        shape = (int(row["M"]), int(row["N"]), int(row["K"]), row["x"])
-        value = field_value(row["config"], field, default)
+        shape = (int(row["M"]), int(row["N"]), int(row["K"]), row.get("x") or row.get("dtype", ""))
+        value = field_value(config, field, default)
         us = float(row["us"])
-        linear[shape] = float(row["linear_us"])
+        linear[shape] = float(row.get("linear_us") or "nan")
         if value not in best[shape] or us < best[shape][value][0]:
-            best[shape][value] = (us, row["config"])
+            best[shape][value] = (us, config)
     return {shape: (values, linear[shape]) for shape, values in best.items()}
 
 
