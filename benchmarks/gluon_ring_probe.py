@@ -144,7 +144,7 @@ def ring_call(x, w, y, x_scale, w_scale, v: Ring, counters=None):
         w_desc, x_desc, y, y, x_scale, w_scale, parts, counters, m, n, k, y.stride(0),
         y.stride(1), 0, HAS_BIAS=False, SCALE_A=2, SCALE_B=2, SPLIT_K=v.split_k,
         BLOCK_M=v.block_m, BLOCK_K=v.block_k, STAGES=v.stages,
-        PER_LOAD=min(v.split_k, partials_per_load(v.block_m)), PARTIAL_ONLY=v.end != "sum",
+        PER_LOAD=partials_per_load(v.split_k, 64, v.block_m, 4), PARTIAL_ONLY=v.end != "sum",
         RELEASE=v.end == "2L", num_warps=4)
     if v.end == "2L":
         sum_kernel[(n_tiles * m_tiles,)](parts, y, x_scale, w_scale, m, n, y.stride(0),
@@ -163,7 +163,7 @@ def show_ptx() -> None:
     for v in (Ring(16, 128, 8, 4), Ring(64, 256, 4, 2), Ring(16, 128, 8, 4, "2L")):
         constexprs = dict(HAS_BIAS=False, SCALE_A=2, SCALE_B=2, SPLIT_K=v.split_k,
                           BLOCK_M=v.block_m, BLOCK_K=v.block_k, STAGES=v.stages,
-                          PER_LOAD=min(v.split_k, partials_per_load(v.block_m)),
+                          PER_LOAD=partials_per_load(v.split_k, 64, v.block_m, 4),
                           PARTIAL_ONLY=v.end != "sum", RELEASE=v.end == "2L")
         w_layout = gl.NVMMASharedLayout.get_default_for([64, v.block_k], gl.float8e4nv)
         x_layout = gl.NVMMASharedLayout.get_default_for([v.block_m, v.block_k], gl.float8e4nv)

@@ -271,7 +271,7 @@ FRAG_SCRIPT = PTXAS_REPORT + textwrap.dedent("""
         scale_a, scale_b, has_bias = epilogue
         constexprs = dict(HAS_BIAS=has_bias, SCALE_A=scale_a, SCALE_B=scale_b, SPLIT_K=split_k,
                           BLOCK_M=block_m, BLOCK_K=block_k, AHEAD=ahead, PDL=pdl,
-                          PER_LOAD=min(abs(split_k), gemm_frag.partials_per_load(block_m)),
+                          PER_LOAD=gemm_frag.partials_per_load(abs(split_k), 64, block_m, 4),
                           W_TILED=w_tiled, ADD_SPLITS=split_k < 0)
         constexprs["SPLIT_K"] = abs(split_k)
         signature = {n: pointers.get(n, "constexpr" if n in constexprs else "i32")
@@ -360,7 +360,8 @@ RING_SCRIPT = PTXAS_REPORT + textwrap.dedent("""
         scale_a, scale_b, has_bias = epilogue
         constexprs = dict(HAS_BIAS=has_bias, SCALE_A=scale_a, SCALE_B=scale_b, SPLIT_K=split_k,
                           BLOCK_N=block_n, BLOCK_M=block_m, BLOCK_K=block_k, STAGES=stages,
-                          PER_LOAD=min(split_k, gemm_ring.partials_per_load(block_m)),
+                          PER_LOAD=gemm_ring.partials_per_load(split_k, block_n, block_m,
+                                                               block_n // 16),
                           ADD_SPLITS=add_splits)
         boxes = {"w_desc": [block_n, block_k], "x_desc": [block_m, block_k]}
         descs = {n: f"tensordesc<fp8e4nv{box},"
@@ -476,7 +477,8 @@ W4FRAG_SCRIPT = PTXAS_REPORT + textwrap.dedent("""
                     "part_ptr": "*fp32", "count_ptr": "*i32"}
         constexprs = dict(HAS_BIAS=bias, SPLIT_K=abs(split_k), BLOCK_M=block_m,
                           BLOCK_K=block_k, PDL=pdl,
-                          PER_LOAD=min(abs(split_k), gemm_w4frag.partials_per_load(block_m)),
+                          PER_LOAD=gemm_w4frag.partials_per_load(abs(split_k), 64, block_m,
+                                                                 warps),
                           ADD_SPLITS=split_k < 0, PACKED=packed, X_MXFP4=x_mxfp4)
         signature = {n: pointers.get(n, "constexpr" if n in constexprs else "i32")
                      for n in names}

@@ -79,10 +79,12 @@ def block_m_for(M: int) -> int:
     return next((b for b in BLOCK_MS if b >= M), BLOCK_MS[-1])
 
 
-def partials_per_load(block_m: int) -> int:
-    """Split partials the last program of a tile loads at once (``_PARTIAL_REGS``): a thread
-    holds block_m / 2 elements of each, whether 64 rows of w take 4 warps or 128 take 8."""
-    return max(1, _PARTIAL_REGS * 2 // block_m)
+def partials_per_load(split_k: int, block_n: int, block_m: int, warps: int) -> int:
+    """Split partials (of ``split_k``) the last program of a (block_n, block_m) tile loads at
+    once (finish_tile's PER_LOAD): as many as ``_PARTIAL_REGS`` registers a thread hold, each
+    partial block_n x block_m over ``warps`` warps' threads."""
+    per_thread = block_n * block_m // (warps * 32)
+    return min(split_k, max(1, _PARTIAL_REGS // per_thread))
 
 
 @gluon.jit

@@ -316,7 +316,7 @@ def frag_call(x, w, bias, out, scale_a, scale_b, config: FragConfig,
         BLOCK_K=config.block_k,
         AHEAD=config.ahead,
         PDL=pdl != PDL_OFF,
-        PER_LOAD=min(config.split_k, partials_per_load(config.block_m)),
+        PER_LOAD=partials_per_load(config.split_k, BLOCK_N, config.block_m, NUM_WARPS),
         W_TILED=w_tiled,
         ADD_SPLITS=bool(config.add_splits))
     return KernelCall(gemm_frag_kernel, (n_tiles, config.split_k, m_tiles), args, constexprs,

@@ -335,7 +335,8 @@ def ring_call(x, w, bias, out, scale_a, scale_b, config: RingConfig,
         BLOCK_M=config.block_m,
         BLOCK_K=config.block_k,
         STAGES=config.stages,
-        PER_LOAD=min(config.split_k, partials_per_load(config.block_m)),
+        PER_LOAD=partials_per_load(config.split_k, config.block_n, config.block_m,
+                                   config.num_warps),
         ADD_SPLITS=bool(config.add_splits))
     return KernelCall(gemm_ring_kernel, (n_tiles, config.split_k, m_tiles), args, constexprs,
                       dict(num_warps=config.num_warps), replayable=not per_call)

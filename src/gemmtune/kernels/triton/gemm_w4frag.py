@@ -610,7 +610,7 @@ def w4frag_call(x, w, bias, out, scale_a, scale_b, config: W4FragConfig,
             out.stride(0), bias.stride(0) if bias is not None else 0)
     constexprs = dict(HAS_BIAS=bias is not None, SPLIT_K=c.split_k, BLOCK_M=c.block_m,
                       BLOCK_K=c.block_k, PDL=pdl != PDL_OFF,
-                      PER_LOAD=min(c.split_k, partials_per_load(c.block_m)),
+                      PER_LOAD=partials_per_load(c.split_k, BLOCK_N, c.block_m, c.warps),
                       ADD_SPLITS=bool(c.add_splits), PACKED=bool(c.packed), X_MXFP4=x_mxfp4)
     return KernelCall(gemm_w4frag_kernel, (n_tiles, c.split_k, m_tiles), args, constexprs,
                       dict(num_warps=c.warps), launch_pdl=pdl != PDL_OFF,
