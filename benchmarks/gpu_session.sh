@@ -167,6 +167,25 @@ for what in "$@"; do
             python3 benchmarks/added_splits.py \
                 "$OUT/challenge_$family/${stem}_retune_profile.csv" > "$OUT/added_$family.txt"
             grep '^M=' "$OUT/added_$family.txt" >> "$summary" ;;
+        probe:*)  # probe:FAMILY:SHAPES: the shapes of SHAPES (a csv) tuned into a scratch table
+            # with the challengers (CHALLENGE) and the kernels PROBE_OLD names (a file of one
+            # comma list: the shipped rows' own), then the summary against the shipped rows'
+            # kernels, all timed in this run: a challenge on a GPU other than the one the
+            # rows were tuned on (retune_rows takes this GPU's rows only); resumable
+            spec=${what#probe:}
+            family=${spec%%:*}; shapes=${spec#*:}
+            stem=${family//-/_}; name=$(basename "$shapes" .csv)
+            dir="$OUT/probe_$name"; mkdir -p "$dir"
+            [[ -n ${PROBE_FROM:-} ]] && cp -n "$PROBE_FROM"/* "$dir/"
+            kernels=${CHALLENGE:-triton.gemv}
+            [[ -n ${PROBE_OLD:-} ]] && kernels="$kernels,$(tr -d '\n' < "$PROBE_OLD")"
+            stage "probe_$name" "${PROBE_LIMIT:-420}" python3 -m gemmtune.cli tune "$family" \
+                -i "$shapes" -o "$dir/tuned.csv" -o2 "$dir/profile.csv" --kernels "$kernels" \
+                --mp "${MP:-14}" --timeout 60
+            python3 benchmarks/challenge_summary.py "src/gemmtune/configs/${stem}_tuned_gemm.csv" \
+                "$dir/profile.csv" "$dir/tuned.csv" --prefix "${CHALLENGE:-triton.gemv}" \
+                > "$OUT/probe_$name.txt"
+            grep '^M=' "$OUT/probe_$name.txt" >> "$summary" ;;
         newshapes:*)  # newshapes:FAMILY: (N, K) that no preset has (NEW_NK, default three), at
             # NEW_M (default 1,16,32,64): tuned with every candidate, then benched through that
             # table alone (issue 15 asks the kernels to hold off the presets too)
@@ -386,6 +405,7 @@ for what in "$@"; do
                 --kernel-name "regex:${NCU_KERNELS:-gemm|ring|frag|w4|splitk|tile}" \
                 --section SpeedOfLight --section WarpStateStats --section Occupancy \
                 --section LaunchStats --section SchedulerStats --section MemoryWorkloadAnalysis \
+                --section ComputeWorkloadAnalysis \
                 --export "$OUT/$tag" \
                 python3 benchmarks/ncu_probe.py --family "$family" --shape "$shape" \
                 --kernels "$kernels" --launches 2

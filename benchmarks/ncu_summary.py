@@ -21,6 +21,7 @@ COLUMNS = (
     ("sm%", "sm__throughput.avg.pct_of_peak_sustained_elapsed"),
     ("issue%", "smsp__issue_active.avg.pct_of_peak_sustained_active"),
     ("occ%", "sm__warps_active.avg.pct_of_peak_sustained_active"),
+    ("l2%", "lts__throughput.avg.pct_of_peak_sustained_elapsed"),
     ("regs", "launch__registers_per_thread"),
     ("cyc/inst", "smsp__average_warp_latency_per_inst_issued.ratio"),
 )
@@ -76,6 +77,14 @@ def dram_read_gbs(launch: Launch) -> float | None:
     return value * BYTES_SCALE.get(unit, float("nan")) / (us * 1e3)
 
 
+def tensor_pct(launch: Launch) -> float | None:
+    """The busiest tensor pipe's share of its peak (ComputeWorkloadAnalysis's pipe metrics:
+    the warpgroup MMA's on Hopper), where the report has one."""
+    shares = [v for n, (v, _) in launch.values.items()
+              if "pipe_tensor" in n and n.endswith("pct_of_peak_sustained_active") and v is not None]
+    return max(shares, default=None)
+
+
 def top_stalls(launch: Launch, count: int = 4) -> str:
     stalls = sorted(((v, STALL.match(n).group(1)) for n, (v, _) in launch.values.items()
                      if STALL.match(n) and v), reverse=True)
@@ -86,13 +95,13 @@ def table(launches: list[Launch]) -> list[str]:
     def cell(value):
         return "-" if value is None else f"{value:.1f}"
     lines = [" | ".join(["kernel", "grid", "us", "GB/s"] + [c for c, _ in COLUMNS[1:]]
-                        + ["largest stalls (warps per issue)"])]
+                        + ["tensor%", "largest stalls (warps per issue)"])]
     for launch in launches:
         kernel = launch.kernel if len(launch.kernel) <= 40 else launch.kernel[:37] + "..."
         lines.append(" | ".join(
             [kernel, launch.grid, cell(time_us(launch)), cell(dram_read_gbs(launch))]
             + [cell(launch.values.get(metric, (None, ""))[0]) for _, metric in COLUMNS[1:]]
-            + [top_stalls(launch)]))
+            + [cell(tensor_pct(launch)), top_stalls(launch)]))
     return lines
 
 

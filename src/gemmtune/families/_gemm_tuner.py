@@ -176,17 +176,19 @@ def triton_candidates(m: int, n: int, k: int, dtype: torch.dtype,
 
 
 def gluon_candidates(p: GemmProblem, registry) -> list[Candidate]:
-    """The Gluon decode kernels' configs (FP8, M <= 64: ``gemm_frag.candidates`` with PDL where
-    it is supported, ``gemm_ring.candidates``) that ``registry`` can run for ``p`` (it refuses
-    them off Hopper, in the interpreter, on a layout the kernel does not read and, with block
-    scales, at steps other than 128); none without a GPU."""
+    """The Gluon kernels' configs (FP8: ``gemm_frag.candidates`` and ``gemm_wsring.candidates``
+    (64 < M <= 256) with PDL where it is supported, ``gemm_ring.candidates`` to M = 256) that
+    ``registry`` can run for ``p`` (it refuses them off Hopper, in the interpreter, on a layout
+    the kernel does not read and, with block scales, at steps other than 128); none without a
+    GPU."""
     if not torch.cuda.is_available():
         return []
-    from gemmtune.kernels.triton import gemm_frag, gemm_ring
+    from gemmtune.kernels.triton import gemm_frag, gemm_ring, gemm_wsring
     from gemmtune.kernels.triton._splits import pdl_where_supported
 
     configs = (gemm_frag.candidates(p.m, p.n, p.k, p.dtype, pdl=pdl_where_supported())
-               + gemm_ring.candidates(p.m, p.n, p.k, p.dtype))
+               + gemm_ring.candidates(p.m, p.n, p.k, p.dtype)
+               + gemm_wsring.candidates(p.m, p.n, p.k, p.dtype, pdl=pdl_where_supported()))
     return [Candidate(cfg.name, "triton", splitk=cfg.split_k) for cfg in configs
             if registry.can_run(cfg.name, p)]
 

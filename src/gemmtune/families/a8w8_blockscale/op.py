@@ -47,11 +47,12 @@ def problem_of(key: BlockscaleKey) -> GemmProblem:
 
 # The tag of the Triton JSON config files (gemmtune tune-triton) a shape without a row may use.
 JSON_TAG = "A8W8_BLOCKSCALE"
-# No persistent kernel: it takes no block scales. The Gluon decode kernels (triton.frag,
-# triton.ring) scale each K step of 128 (Hopper only).
+# No persistent kernel: it takes no block scales. The Gluon kernels (triton.frag, triton.ring,
+# triton.wsring) scale each K step of 128 (Hopper only).
 REGISTRY = gemm_registry("a8w8_blockscale", TORCH_BLOCKSCALE, blockscale_torch,
                          ("triton.tile", "triton.splitk", "triton.gemv", "triton.frag",
-                          "triton.ring"), block_scales=True, torch_bind=bind_blockscale)
+                          "triton.ring", "triton.wsring"), block_scales=True,
+                         torch_bind=bind_blockscale)
 
 
 def _to_table_key(raw: tuple) -> BlockscaleKey:

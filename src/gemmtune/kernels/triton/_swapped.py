@@ -107,18 +107,29 @@ def release_then_wait():
 
 
 @gluon.jit
-def step_scales(step, pid_n, pid_m, M, scale_a_ptr, scale_b_ptr, k_blocks,
-                BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr,
-                layout: gl.constexpr):
-    """FP8 block scales of K step ``step`` for y.T's (BLOCK_N, BLOCK_M) tile, one factor per x
-    row in ``layout`` (the tile's SliceLayout(0, ...)): x's scale (row, kb) times w's (the
-    tile's 64 or 128 rows lie in one block of 128). BLOCK_K divides 128, so the step lies in one
-    block ``kb``; scales are contiguous fp32, x's (M, k_blocks), w's (ceil(N / 128), k_blocks)."""
+def step_scale_loads(step, pid_n, pid_m, M, scale_a_ptr, scale_b_ptr, k_blocks,
+                     BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr,
+                     layout: gl.constexpr):
+    """FP8 block scales of K step ``step`` for a tile of BLOCK_N rows of w and BLOCK_M of x,
+    as loaded: (x's per row, in ``layout``, a slice of the tile's; w's one, the tile's 64 or
+    128 rows lying in one block of 128). BLOCK_K divides 128, so the step lies in one block
+    ``kb``; scales are contiguous fp32, x's (M, k_blocks), w's (ceil(N / 128), k_blocks)."""
     kb = step * BLOCK_K // 128
     om = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=layout)
     rows = gl.where(om < M, om, 0).to(gl.int64)
     sa = gl.load(scale_a_ptr + rows * k_blocks + kb)
     sb = gl.load(scale_b_ptr + (pid_n * BLOCK_N // 128).to(gl.int64) * k_blocks + kb)
+    return sa, sb
+
+
+@gluon.jit
+def step_scales(step, pid_n, pid_m, M, scale_a_ptr, scale_b_ptr, k_blocks,
+                BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr,
+                layout: gl.constexpr):
+    """``step_scale_loads``'s product: one factor per x row of y.T's (BLOCK_N, BLOCK_M) tile in
+    ``layout`` (the tile's SliceLayout(0, ...))."""
+    sa, sb = step_scale_loads(step, pid_n, pid_m, M, scale_a_ptr, scale_b_ptr, k_blocks,
+                              BLOCK_N, BLOCK_M, BLOCK_K, layout)
     return sa * sb
 
 

@@ -1,5 +1,6 @@
 """A Triton config name (``triton.tile:...``, ``triton.splitk:...``, ``triton.gemv:...``,
-``triton.persistent:...``, ``triton.frag:...``, ``triton.ring:...``, the last two Gluon kernels;
+``triton.persistent:...``, ``triton.frag:...``, ``triton.ring:...``, ``triton.wsring:...``, the
+last three Gluon kernels;
 ``triton.w4:...``, ``triton.w4frag:...`` and ``triton.w4wg:...`` (Gluon) and
 ``triton.w4deq:...`` of MXFP4 weights)
 as a callable for dispatch: checked once per problem, then each call only allocates and
@@ -25,7 +26,7 @@ from gemmtune.kernels.triton import _checks
 from gemmtune.kernels.triton._replay import Replay, launch
 
 PREFIXES = ("triton.tile", "triton.splitk", "triton.gemv", "triton.persistent", "triton.frag",
-            "triton.ring")
+            "triton.ring", "triton.wsring")
 # The kernels of MXFP4 weights (gemm_a16w4's): w the codes (two a byte), scale_b their scales.
 W4_PREFIX = "triton.w4"
 W4FRAG_PREFIX = "triton.w4frag"
@@ -33,7 +34,7 @@ W4DEQ_PREFIX = "triton.w4deq"
 W4WG_PREFIX = "triton.w4wg"
 MXFP4_PREFIXES = (W4_PREFIX, W4FRAG_PREFIX, W4DEQ_PREFIX, W4WG_PREFIX)
 # Gluon kernels: compiled for Hopper only, never in Triton's interpreter.
-GLUON_PREFIXES = ("triton.frag", "triton.ring", W4FRAG_PREFIX, W4WG_PREFIX)
+GLUON_PREFIXES = ("triton.frag", "triton.ring", "triton.wsring", W4FRAG_PREFIX, W4WG_PREFIX)
 
 
 class _KernelModule(NamedTuple):
@@ -87,6 +88,13 @@ def _kernel_module(prefix: str) -> _KernelModule:
 
         # Its Gluon TMA descriptors of x and w are rebuilt around each replayed call's tensors.
         return _KernelModule(m, m.RingConfig, m.launch_gemm_ring, m.gemm_ring, m.ring_call)
+    if prefix == "triton.wsring":
+        from gemmtune.kernels.triton import gemm_wsring as m
+
+        # As the ring's: its TMA descriptors rebuilt around each replayed call's x and w; every
+        # config takes block scales (steps of 128).
+        return _KernelModule(m, m.WsRingConfig, m.launch_gemm_wsring, m.gemm_wsring,
+                             m.wsring_call, m.why_not_block_scaled)
     if prefix == W4_PREFIX:
         from gemmtune.kernels.triton import gemm_w4 as m
 

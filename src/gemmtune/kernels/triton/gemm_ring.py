@@ -38,15 +38,13 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma
 
 from gemmtune.kernels._names import Field, NameCodec, NamedConfig
-from gemmtune.kernels.triton import _checks
-from gemmtune.kernels.triton._epilogue import (PER_BLOCK, SCALE_BLOCK, epilogue_constexprs,
-                                                epilogue_operands)
+from gemmtune.kernels.triton import _checks, _ring_launch
+from gemmtune.kernels.triton._epilogue import PER_BLOCK
 from gemmtune.kernels.triton._replay import KernelCall, launch
-from gemmtune.kernels.triton._splits import split_for, workspace
+from gemmtune.kernels.triton._splits import split_for
 from gemmtune.kernels.triton._swapped import (BLOCK_MS, BLOCK_N, ROWS_PER_WARP, barrier,
-                                              block_m_for, finish_tile, partials_per_load,
-                                              step_scales, why_not_add_splits, why_not_grid,
-                                              why_not_here)
+                                              block_m_for, finish_tile, step_scales,
+                                              why_not_add_splits, why_not_grid, why_not_here)
 
 KERNEL_PREFIX = "triton.ring"
 BLOCK_KS = (128, 256)
@@ -301,45 +299,14 @@ def gemm_ring_kernel(
                 SPLIT_K, BLOCK_N, BLOCK_M, PER_LOAD, ADD_SPLITS)
 
 
-def descriptors(x: torch.Tensor, w: torch.Tensor, config: RingConfig):
-    """Gluon's host TMA descriptors of w in (BLOCK_N, BLOCK_K) boxes and x in (BLOCK_M,
-    BLOCK_K)."""
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    boxes = ([config.block_n, config.block_k], [config.block_m, config.block_k])
-    return tuple(TensorDescriptor.from_tensor(t, box, gl.NVMMASharedLayout.get_default_for(
-        box, gl.float8e4nv)) for t, box in zip((w, x), boxes))
-
-
 def ring_call(x, w, bias, out, scale_a, scale_b, config: RingConfig,
               counters: torch.Tensor | None = None, warmup: bool = False,
               block_scales: bool = False) -> KernelCall:
     """The launch of ``launch_gemm_ring`` as data (what a dispatch plan records and replays: its
     TMA descriptors are rebuilt around each later call's x and w, ``_replay.DescribedRole``)."""
-    M, K = x.shape
-    N = w.shape[0]
-    x, w = _checks.tma_ready(x), _checks.tma_ready(w)
-    w_desc, x_desc = descriptors(x, w, config)
-    n_tiles, m_tiles = triton.cdiv(N, config.block_n), triton.cdiv(M, config.block_m)
-    parts, counters, per_call = workspace(x, out, n_tiles * m_tiles,
-                                          config.block_n * config.block_m, config.split_k,
-                                          counters, warmup, bool(config.add_splits))
-    bias_, scale_a_, scale_b_ = epilogue_operands(x, bias, scale_a, scale_b)
-    args = (w_desc, x_desc, out, bias_, scale_a_, scale_b_, parts, counters, M, N, K,
-            out.stride(0), out.stride(1), bias.stride(0) if bias is not None else 0,
-            triton.cdiv(K, SCALE_BLOCK))
-    constexprs = dict(
-        **epilogue_constexprs(bias, scale_a, scale_b, block_scales),
-        SPLIT_K=config.split_k,
-        BLOCK_N=config.block_n,
-        BLOCK_M=config.block_m,
-        BLOCK_K=config.block_k,
-        STAGES=config.stages,
-        PER_LOAD=partials_per_load(config.split_k, config.block_n, config.block_m,
-                                   config.num_warps),
-        ADD_SPLITS=bool(config.add_splits))
-    return KernelCall(gemm_ring_kernel, (n_tiles, config.split_k, m_tiles), args, constexprs,
-                      dict(num_warps=config.num_warps), replayable=not per_call)
+    return _ring_launch.ring_call(gemm_ring_kernel, x, w, bias, out, scale_a, scale_b, config,
+                                  counters, warmup, block_scales,
+                                  dict(BLOCK_K=config.block_k), {})
 
 
 def launch_gemm_ring(x, w, bias, out, scale_a, scale_b, config: RingConfig,

@@ -1,0 +1,59 @@
+"""What the TMA-fed Gluon GEMMs (``triton.ring``, ``triton.wsring``) share on the host: the TMA
+descriptors of x and w, and a launch as data (``_replay.KernelCall``: the operands of the end
+of ``_swapped.finish_tile``, the split's workspace, the grid of (w's tiles, K's splits, x's
+tiles)). A dispatch plan replays it, the descriptors rebuilt around each call's x and w."""
+
+from __future__ import annotations
+
+import torch
+import triton
+from triton.experimental.gluon import language as gl
+
+from gemmtune.kernels.triton import _checks
+from gemmtune.kernels.triton._epilogue import (SCALE_BLOCK, epilogue_constexprs,
+                                                epilogue_operands)
+from gemmtune.kernels.triton._replay import KernelCall
+from gemmtune.kernels.triton._splits import workspace
+from gemmtune.kernels.triton._swapped import partials_per_load
+
+
+def descriptors(x: torch.Tensor, w: torch.Tensor, block_n: int, block_m: int, block_k: int):
+    """Gluon's host TMA descriptors of w in (block_n, block_k) boxes and x in (block_m,
+    block_k), FP8."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    boxes = ([block_n, block_k], [block_m, block_k])
+    return tuple(TensorDescriptor.from_tensor(t, box, gl.NVMMASharedLayout.get_default_for(
+        box, gl.float8e4nv)) for t, box in zip((w, x), boxes))
+
+
+def ring_call(kernel, x, w, bias, out, scale_a, scale_b, config, counters, warmup: bool,
+              block_scales: bool, constexprs: dict, options: dict,
+              launch_pdl: bool = False) -> KernelCall:
+    """``kernel``'s launch for ``config`` (its block_n, block_m, block_k, stages, split_k,
+    add_splits and num_warps) on x (M, K) and w (N, K) into ``out``, with the kernel's own
+    ``constexprs`` and launch ``options`` beside the shared ones."""
+    M, K = x.shape
+    N = w.shape[0]
+    x, w = _checks.tma_ready(x), _checks.tma_ready(w)
+    w_desc, x_desc = descriptors(x, w, config.block_n, config.block_m, config.block_k)
+    n_tiles, m_tiles = triton.cdiv(N, config.block_n), triton.cdiv(M, config.block_m)
+    parts, counters, per_call = workspace(x, out, n_tiles * m_tiles,
+                                          config.block_n * config.block_m, config.split_k,
+                                          counters, warmup, bool(config.add_splits))
+    bias_, scale_a_, scale_b_ = epilogue_operands(x, bias, scale_a, scale_b)
+    args = (w_desc, x_desc, out, bias_, scale_a_, scale_b_, parts, counters, M, N, K,
+            out.stride(0), out.stride(1), bias.stride(0) if bias is not None else 0,
+            triton.cdiv(K, SCALE_BLOCK))
+    shared = dict(
+        **epilogue_constexprs(bias, scale_a, scale_b, block_scales),
+        SPLIT_K=config.split_k,
+        BLOCK_N=config.block_n,
+        BLOCK_M=config.block_m,
+        STAGES=config.stages,
+        PER_LOAD=partials_per_load(config.split_k, config.block_n, config.block_m,
+                                   config.num_warps),
+        ADD_SPLITS=bool(config.add_splits))
+    return KernelCall(kernel, (n_tiles, config.split_k, m_tiles), args, {**shared, **constexprs},
+                      {"num_warps": config.num_warps, **options}, launch_pdl=launch_pdl,
+                      replayable=not per_call)

@@ -1,0 +1,375 @@
+"""An FP8 GEMM for 64 < M <= 256 with a warp-specialised TMA ring, in Gluon:
+``y = (x @ w.T) * scale_a * scale_b + bias``, FP8 block scales applied per K step.
+
+Not swapped, unlike ``triton.ring``: x's rows are the warpgroup MMA's M (64 or 128 a program:
+one or two math warpgroups), w's rows its N (64 or 128). A producer warp of its own
+(``gl.warp_specialize``) keeps a ring of STAGES slots filled through TMA, each slot freed by the
+math warps once their MMA has read it; the math warps only wait, multiply and scale. So loads
+are issued as soon as a slot frees instead of after each step's multiply and scaling, which in
+``triton.ring``'s wide tile (one thread stream doing both, one 255-register program per SM) ran
+step after step with nothing beside it (docs/benchmarks.md, session 27).
+
+Each K step of 128 (one FP8 scale block) multiplies from zero and is added into fp32, scaled by
+x's per-row block scales and w's one block scale of the tile (BLOCK_N <= 128 lies in one block of
+128 rows); per-token / per-tensor scales and bias are the end's (``_swapped.finish_tile``, which
+also sums K's splits, in order or, ``.R1``, added).
+
+Row-major w only, K a multiple of 16 (TMA's row pitch), any N and M (TMA zero-fills past the
+edges). FP8 (float8_e4m3fn), Hopper (sm_90) only; Gluon does not run in Triton's interpreter,
+so the CPU checks only compile it (tests/test_kernels_compile_for_hopper.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (mbarrier, tma, warpgroup_mma,
+                                                              warpgroup_mma_wait)
+
+from gemmtune.kernels._names import Field, NameCodec, NamedConfig
+from gemmtune.kernels.triton import _checks, _ring_launch
+from gemmtune.kernels.triton._epilogue import PER_BLOCK
+from gemmtune.kernels.triton._replay import KernelCall, launch
+from gemmtune.kernels.triton._splits import (PDL_OFF, pdl_supported, split_for,
+                                             why_not_wait_pdl)
+from gemmtune.kernels.triton._swapped import (barrier, finish_tile, release_then_wait,
+                                              step_scale_loads, why_not_add_splits,
+                                              why_not_grid, why_not_here)
+
+KERNEL_PREFIX = "triton.wsring"
+BLOCK_K = 128  # one FP8 scale block a step
+BLOCK_MS = (64, 128)  # x rows a program: one or two math warpgroups (64 rows each)
+BLOCK_NS = (64, 128)  # w rows a program (the MMA's N); within one block scale of 128 rows
+ROWS_PER_WARP = 16  # a warpgroup's 4 warps take 64 rows of x
+MIN_M, MAX_M = 65, 256  # the Ms the candidates cover (below, the swapped kernels' rows)
+TWO_PER_SM_TILE = (64, 64)  # the tile two programs of an SM can hold (registers)
+MAX_SPLIT_K = 32
+SMEM_BYTES = 227 * 1024  # what a block may have (H100)
+# The producer warp only computes coordinates and waits: few registers, the rest the math's.
+_PRODUCER_WARPS = gl.constexpr(1)
+_PRODUCER_REGS = gl.constexpr(40)
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+_PER_BLOCK = gl.constexpr(PER_BLOCK)
+
+
+@dataclass(frozen=True)
+class WsRingConfig(NamedConfig):
+    """One point of the kernel's config space, e.g. ``triton.wsring:BM128.BN128.S4.SK4``."""
+
+    NAME_CODEC = NameCodec("warp-specialised ring config", KERNEL_PREFIX, (
+        Field("BM", "block_m"), Field("BN", "block_n"), Field("S", "stages"),
+        Field("SK", "split_k"), Field("R", "add_splits", default=0),
+        Field("O", "per_sm", default=1), Field("P", "pdl", default=PDL_OFF)))
+
+    block_m: int  # x rows a program (the MMA's M): 64 a math warpgroup
+    block_n: int  # w rows a program (the MMA's N)
+    stages: int  # slots of the ring, each 128 bytes of K of both tiles
+    split_k: int
+    add_splits: int = 0  # 1: the splits add into one fp32 sum (``finish_tile``'s ADD_SPLITS)
+    # Programs an SM holds at once: 2 caps the registers (``max_registers``) so that two fit.
+    per_sm: int = 1
+    # PDL_WAIT: launched with programmatic dependent launch, its setup under the previous
+    # kernel's tail (``_splits``); PDL_OFF: launched plainly
+    pdl: int = PDL_OFF
+
+    @property
+    def block_k(self) -> int:
+        return BLOCK_K
+
+    @property
+    def num_warps(self) -> int:
+        """The math warps (the producer's are the warp-specialised region's own)."""
+        return self.block_m // ROWS_PER_WARP
+
+    @property
+    def threads(self) -> int:
+        """A program's threads: the math warps and the producer's warpgroup (setmaxnreg hands
+        registers over a warpgroup at a time, so the producer's warp comes with three idle)."""
+        return (self.num_warps + 4) * 32
+
+
+def max_registers(config: WsRingConfig) -> int:
+    """Registers a thread may take so that ``per_sm`` programs share an SM's 64K (Triton gives
+    the warp-specialised kernel's partitions their shares of it)."""
+    return 65536 // (config.threads * config.per_sm) // 8 * 8
+
+
+def ring_bytes(config: WsRingConfig) -> int:
+    return config.stages * (config.block_m + config.block_n) * BLOCK_K
+
+
+def smem_bytes(config: WsRingConfig) -> int:
+    """A program's shared memory: the ring and its mbarriers (the end's conversion of the fp32
+    tile, at most the ring's size, reuses the ring's memory: compiled so, Triton 3.6 and 3.9)."""
+    return ring_bytes(config) + 1024
+
+
+def why_not_fits(config: WsRingConfig, M: int, N: int, K: int,
+                 dtype: torch.dtype) -> str | None:
+    """The first constraint ``config`` breaks for an (M, N, K) GEMM, or None."""
+    c = config
+    if c.block_m not in BLOCK_MS:
+        return f"block_m={c.block_m} must be one of {BLOCK_MS}"
+    if c.block_n not in BLOCK_NS:
+        return f"block_n={c.block_n} must be one of {BLOCK_NS}"
+    if c.stages < 2:
+        return f"stages={c.stages} must be >= 2 (a ring of one slot waits on every load)"
+    problem = why_not_add_splits(c) or why_not_wait_pdl(c.pdl)
+    if problem is not None:
+        return problem
+    if c.per_sm not in (1, 2):
+        return f"per_sm={c.per_sm} must be 1 or 2"
+    if c.per_sm == 2 and (c.block_m, c.block_n) != TWO_PER_SM_TILE:
+        # 128 registers a thread: the 64 x 64 tile's sum, product and MMA operand fit, no more.
+        return (f"per_sm=2 takes the {TWO_PER_SM_TILE[0]} x {TWO_PER_SM_TILE[1]} tile only (its "
+                f"{max_registers(c)} registers a thread hold no larger one)")
+    if smem_bytes(c) * c.per_sm > SMEM_BYTES:
+        return (f"{c.per_sm} program(s) of {c.stages} stages of ({c.block_m} + {c.block_n}) x "
+                f"{BLOCK_K} bytes take {smem_bytes(c) * c.per_sm} B of an SM's shared memory "
+                f"(> {SMEM_BYTES}); use fewer stages")
+    if dtype != torch.float8_e4m3fn:
+        return (f"{dtype} weights: the warp-specialised ring takes float8_e4m3fn only; use a "
+                f"triton.splitk or triton.tile config")
+    if K % _checks.TMA_ALIGN:
+        return (f"K={K} FP8 rows are not a multiple of {_checks.TMA_ALIGN} B, as TMA needs; use a "
+                f"triton.splitk config")
+    return why_not_grid(c, M, K, triton.cdiv(K, BLOCK_K), MAX_SPLIT_K)
+
+
+def why_not_supported(config: WsRingConfig, M: int, N: int, K: int, dtype: torch.dtype,
+                      out_dtype: torch.dtype) -> str | None:
+    """``why_not_fits``, the output dtypes, and whether the kernel can run here (compiled, on a
+    Hopper GPU)."""
+    return (why_not_here("warp-specialised ring kernel", "a triton.splitk or triton.tile config")
+            or _checks.why_not_dtypes(dtype, out_dtype)
+            or why_not_fits(config, M, N, K, dtype))
+
+
+def fits(config: WsRingConfig, M: int, N: int, K: int, dtype: torch.dtype) -> bool:
+    return why_not_fits(config, M, N, K, dtype) is None
+
+
+def why_not_block_scaled(config: WsRingConfig, dtype: torch.dtype) -> str | None:
+    """Every config takes FP8 block scales (steps of 128, w's tile in one block of 128 rows)."""
+    if dtype != torch.float8_e4m3fn:
+        return f"block scales need float8_e4m3fn inputs, not {dtype}"
+    return None
+
+
+_PROGRAMS_PER_SM = (1, 2)
+_STAGES = (3, 4)  # 6 won no shape of the presets at M = 128 and 256 (docs/benchmarks.md)
+
+
+def candidates(M: int, N: int, K: int, dtype: torch.dtype, num_sms: int | None = None,
+               pdl: int = PDL_OFF) -> list[WsRingConfig]:
+    """The configs to tune one shape with, for 64 < M <= 256 (none elsewhere): every tile; K
+    split to reach one program per SM and two (of the 64 x 64 tile, held two at a time, and
+    of the others one after another); 3 or 4 slots where the split's steps use them; split
+    sums in order and added; launched plainly and, where ``pdl`` is PDL_WAIT, with PDL."""
+    if not MIN_M <= M <= MAX_M:
+        return []
+    num_sms = num_sms or _checks.sm_count()
+    k_steps = triton.cdiv(K, BLOCK_K)
+    found = {}
+    for bm in BLOCK_MS:
+        for bn in BLOCK_NS:
+            tiles = triton.cdiv(N, bn) * triton.cdiv(M, bm)
+            for per_sm in _PROGRAMS_PER_SM:
+                split = split_for(tiles, k_steps, per_sm * num_sms, MAX_SPLIT_K)
+                held = per_sm if (bm, bn) == TWO_PER_SM_TILE else 1
+                for stages in _STAGES:
+                    stages = max(2, min(stages, triton.cdiv(k_steps, split)))
+                    for add in sorted({0, int(split > 1)}):
+                        for mode in sorted({PDL_OFF, pdl}):
+                            cfg = WsRingConfig(bm, bn, stages, split, add, held, mode)
+                            if fits(cfg, M, N, K, dtype):
+                                found[cfg] = None
+    return list(found)
+
+
+def default_config(M: int, N: int, K: int, dtype: torch.dtype,
+                   num_sms: int | None = None) -> WsRingConfig:
+    """Reasonable untuned: 128 rows of x (64 where M fits in them), 128 of w, four slots, K
+    split until there is a program per SM."""
+    num_sms = num_sms or _checks.sm_count()
+    bm = 64 if M <= 64 else 128
+    tiles = triton.cdiv(N, 128) * triton.cdiv(M, bm)
+    return WsRingConfig(bm, 128, 4, split_for(tiles, triton.cdiv(K, BLOCK_K), num_sms,
+                                              MAX_SPLIT_K))
+
+
+@gluon.jit
+def _producer(w_desc, x_desc, w_ring, x_ring, ready, empty, off_n, off_m, lo, steps,
+              STAGES: gl.constexpr):
+    """The producer warp: each step's w and x tiles into its slot once the math warps have
+    freed it (a fresh mbarrier passes a wait on phase 1, so the first STAGES go at once)."""
+    nbytes: gl.constexpr = w_desc.block_type.nbytes + x_desc.block_type.nbytes
+    for i in range(steps):
+        slot = i % STAGES
+        mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1)
+        mbarrier.expect(ready.index(slot), nbytes)
+        _tma_load(w_desc, [off_n, (lo + i) * 128], ready.index(slot), w_ring.index(slot))
+        _tma_load(x_desc, [off_m, (lo + i) * 128], ready.index(slot), x_ring.index(slot))
+
+
+@gluon.jit
+def _issue(w_ring, x_ring, ready, i, zero, STAGES: gl.constexpr):
+    """Step ``i``'s MMA, from zero, issued once its slot has landed (asynchronous: its token)."""
+    slot = i % STAGES
+    mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
+    return warpgroup_mma(x_ring.index(slot), w_ring.index(slot).permute((1, 0)), zero,
+                         use_acc=False, is_async=True)
+
+
+@gluon.jit
+def _landed(token, empty, i, STAGES: gl.constexpr):
+    """Step ``i``'s product once its MMA is done, its slot freed: every math warp past the wait
+    before one arrive (the producer may then overwrite the slot)."""
+    product = warpgroup_mma_wait(0, deps=[token])
+    barrier()
+    mbarrier.arrive(empty.index(i % STAGES), count=1)
+    return product
+
+
+@gluon.jit
+def _scale_loads(step, pid_n, pid_m, M, scale_a_ptr, scale_b_ptr, k_blocks,
+                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, layout: gl.constexpr,
+                 BLOCK_SCALED: gl.constexpr):
+    """Step ``step``'s FP8 block scales as loaded (x's per row down the tile's rows, w's one),
+    multiplied only where used a step later: a product right after its loads waits on them.
+    Ones without block scales (their scales are the end's)."""
+    if BLOCK_SCALED:
+        sa, sb = step_scale_loads(step, pid_n, pid_m, M, scale_a_ptr, scale_b_ptr, k_blocks,
+                                  BLOCK_N, BLOCK_M, 128, layout)
+    else:
+        sa = gl.full([BLOCK_M], 1.0, gl.float32, layout=layout)
+        sb = 1.0
+    return sa, sb
+
+
+@gluon.jit
+def _added(acc, product, sa, sb, BLOCK_SCALED: gl.constexpr):
+    """acc + a step's product, scaled by its block scales where there are any."""
+    if BLOCK_SCALED:
+        return acc + product * (sa * sb)[:, None]
+    return acc + product
+
+
+@gluon.jit
+def _math(w_ring, x_ring, ready, empty, pid_n, pid_m, lo, steps, M, scale_a_ptr, scale_b_ptr,
+          k_blocks, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+          BLOCK_SCALED: gl.constexpr):
+    """The math warps: x @ w.T's (BLOCK_M, BLOCK_N) tile over K steps [lo, lo + steps), fp32 in
+    the MMA's layout. Pipelined by one step: step i's MMA runs on the tensor cores while step
+    i - 1's product is scaled and added on the FMA units (each MMA from zero, so FP8's
+    reduced-precision sum spans one step of K); step i's scales are loaded as its MMA is
+    issued. Unrolled by two, the two products' registers alternating, and only waited-for
+    products cross the loop's back edge: ptxas serialises every MMA whose registers another
+    instruction reads before its wait, and a product carried in the same registers each step
+    cost a copy of it (64 moves a thread at 128 x 128)."""
+    mma: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[gl.num_warps(), 1], instr_shape=[16, BLOCK_N, 32])
+    rows: gl.constexpr = gl.SliceLayout(1, mma)
+    acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=mma)
+    zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=mma)
+    sa, sb = _scale_loads(lo, pid_n, pid_m, M, scale_a_ptr, scale_b_ptr, k_blocks, BLOCK_M,
+                          BLOCK_N, rows, BLOCK_SCALED)
+    even = _landed(_issue(w_ring, x_ring, ready, 0, zero, STAGES), empty, 0, STAGES)
+    for i in range(1, steps - 1, 2):  # steps i (odd) and i + 1 (even)
+        token = _issue(w_ring, x_ring, ready, i, zero, STAGES)
+        sa_odd, sb_odd = _scale_loads(lo + i, pid_n, pid_m, M, scale_a_ptr, scale_b_ptr,
+                                      k_blocks, BLOCK_M, BLOCK_N, rows, BLOCK_SCALED)
+        acc = _added(acc, even, sa, sb, BLOCK_SCALED)
+        odd = _landed(token, empty, i, STAGES)
+        token = _issue(w_ring, x_ring, ready, i + 1, zero, STAGES)
+        sa, sb = _scale_loads(lo + i + 1, pid_n, pid_m, M, scale_a_ptr, scale_b_ptr, k_blocks,
+                              BLOCK_M, BLOCK_N, rows, BLOCK_SCALED)
+        acc = _added(acc, odd, sa_odd, sb_odd, BLOCK_SCALED)
+        even = _landed(token, empty, i + 1, STAGES)
+    if steps % 2 == 0:  # the last step, odd, is left
+        token = _issue(w_ring, x_ring, ready, steps - 1, zero, STAGES)
+        sa_odd, sb_odd = _scale_loads(lo + steps - 1, pid_n, pid_m, M, scale_a_ptr, scale_b_ptr,
+                                      k_blocks, BLOCK_M, BLOCK_N, rows, BLOCK_SCALED)
+        acc = _added(acc, even, sa, sb, BLOCK_SCALED)
+        odd = _landed(token, empty, steps - 1, STAGES)
+        acc = _added(acc, odd, sa_odd, sb_odd, BLOCK_SCALED)
+    else:
+        acc = _added(acc, even, sa, sb, BLOCK_SCALED)
+    return (acc,)  # the region's results, a tuple
+
+
+@gluon.jit(do_not_specialize=["M"])
+def gemm_wsring_kernel(
+    w_desc, x_desc,  # TMA descriptors: w (N, K) in (BLOCK_N, 128) boxes, x (M, K) in (BLOCK_M, ..)
+    y_ptr, bias_ptr, scale_a_ptr, scale_b_ptr,  # as gemm_ring's
+    part_ptr, count_ptr,  # the splits' partials and counters, as gemm_ring's
+    M, N, K, stride_ym, stride_yn, stride_bias,
+    k_blocks,  # ceil(K / 128): columns of the block scales (SCALE_A == PER_BLOCK only)
+    HAS_BIAS: gl.constexpr, SCALE_A: gl.constexpr, SCALE_B: gl.constexpr,
+    SPLIT_K: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+    PER_LOAD: gl.constexpr, ADD_SPLITS: gl.constexpr, PDL: gl.constexpr,
+):
+    if PDL:
+        # Before any memory is touched: only the setup overlaps the previous kernel.
+        release_then_wait()
+    pid_n = gl.program_id(0)
+    split = gl.program_id(1)
+    pid_m = gl.program_id(2)
+    k_steps = gl.cdiv(K, 128)
+    lo = split * k_steps // SPLIT_K
+    steps = (split + 1) * k_steps // SPLIT_K - lo
+    w_ring = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BLOCK_N, 128], w_desc.layout)
+    x_ring = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BLOCK_M, 128], x_desc.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for s in gl.static_range(STAGES):
+        mbarrier.init(ready.index(s), count=1)
+        mbarrier.init(empty.index(s), count=1)
+    acc, = gl.warp_specialize([
+        (_math, (w_ring, x_ring, ready, empty, pid_n, pid_m, lo, steps, M, scale_a_ptr,
+                 scale_b_ptr, k_blocks, BLOCK_M, BLOCK_N, STAGES, SCALE_A == _PER_BLOCK)),
+        (_producer, (w_desc, x_desc, w_ring, x_ring, ready, empty, pid_n * BLOCK_N,
+                     pid_m * BLOCK_M, lo, steps, STAGES)),
+    ], [_PRODUCER_WARPS], [_PRODUCER_REGS])
+    # finish_tile takes y.T's tile (w's rows down), as the swapped kernels hold it.
+    finish_tile(acc.permute((1, 0)), pid_n, split, pid_m, y_ptr, bias_ptr, scale_a_ptr,
+                scale_b_ptr, part_ptr, count_ptr, M, N, stride_ym, stride_yn, stride_bias,
+                HAS_BIAS, SCALE_A, SCALE_B, SPLIT_K, BLOCK_N, BLOCK_M, PER_LOAD, ADD_SPLITS)
+
+
+def wsring_call(x, w, bias, out, scale_a, scale_b, config: WsRingConfig,
+                counters: torch.Tensor | None = None, warmup: bool = False,
+                block_scales: bool = False) -> KernelCall:
+    """The launch as data (what a dispatch plan records and replays; its TMA descriptors are
+    rebuilt around each later call's x and w), with its registers capped for ``per_sm``."""
+    pdl = config.pdl if pdl_supported(x.device) else PDL_OFF
+    return _ring_launch.ring_call(gemm_wsring_kernel, x, w, bias, out, scale_a, scale_b, config,
+                                  counters, warmup, block_scales, dict(PDL=pdl != PDL_OFF),
+                                  dict(maxnreg=max_registers(config)),
+                                  launch_pdl=pdl != PDL_OFF)
+
+
+def launch_gemm_wsring(x, w, bias, out, scale_a, scale_b, config: WsRingConfig,
+                       counters: torch.Tensor | None = None, warmup: bool = False,
+                       block_scales: bool = False) -> torch.Tensor:
+    """The launch alone, for callers that validated once per shape (dispatch plans)."""
+    launch(wsring_call(x, w, bias, out, scale_a, scale_b, config, counters, warmup,
+                       block_scales), warmup)
+    return out
+
+
+def gemm_wsring(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
+                out_dtype: torch.dtype | None = None, scale_a: torch.Tensor | None = None,
+                scale_b: torch.Tensor | None = None, config: WsRingConfig | None = None,
+                out: torch.Tensor | None = None, block_scales: bool = False) -> torch.Tensor:
+    """``y = (x @ w.T) * scale_a * scale_b + bias`` for FP8 x and row-major w; validates
+    everything, then launches (``block_scales``: x's per 1x128 and w's per 128x128 scales)."""
+    if _checks.interpreted():
+        raise ValueError("gemm_wsring: Gluon kernels do not run in Triton's interpreter")
+    return _checks.validated_launch("gemm_wsring", launch_gemm_wsring, default_config,
+                                    why_not_fits, x, w, bias, out_dtype, scale_a, scale_b,
+                                    config, out, block_scales)

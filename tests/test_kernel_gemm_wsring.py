@@ -1,0 +1,221 @@
+"""The warp-specialised TMA-ring Gluon kernel (``triton.wsring``) of FP8 GEMMs at 64 < M <= 256.
+
+Gluon kernels do not run in Triton's interpreter: on the CPU its config space and refusals are
+checked here and its sm_90 code in tests/test_kernels_compile_for_hopper.py; the ``gpu`` tests
+check tiles, slots and splits against the fp32 reference at ragged sizes, with every scale
+layout and FP8 block scales, bias and output dtypes, NaN-poisoned outputs, and repeat launches
+bitwise.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from gemm_checks import (assert_block_scaled_decode_launches, assert_fp8_decode_launches,
+                         block_scaled_operands, check_block_scaled_decode, generator)
+from gemmtune.kernels.triton import _swapped, gemm_wsring
+from gemmtune.kernels.triton.gemm_wsring import WsRingConfig
+
+FP8 = torch.float8_e4m3fn
+# Every GPU case runs in a few seconds; one that hangs (a ring's waits that never complete)
+# fails here instead of stalling the run.
+GPU_TIMEOUT = pytest.mark.timeout(60)
+
+
+def test_names_round_trip():
+    cfg = WsRingConfig(128, 64, 4, 2)
+    assert cfg.name == "triton.wsring:BM128.BN64.S4.SK2"
+    assert WsRingConfig.from_name(cfg.name) == cfg
+    added = WsRingConfig(64, 128, 3, 8, 1)
+    assert added.name == "triton.wsring:BM64.BN128.S3.SK8.R1"
+    assert WsRingConfig.from_name(added.name) == added
+    two = WsRingConfig(64, 64, 6, 3, 0, 2)
+    assert two.name == "triton.wsring:BM64.BN64.S6.SK3.R0.O2"
+    assert WsRingConfig.from_name(two.name) == two
+    pdl = WsRingConfig(128, 128, 4, 1, 0, 1, 1)
+    assert pdl.name == "triton.wsring:BM128.BN128.S4.SK1.R0.O1.P1"
+    assert WsRingConfig.from_name(pdl.name) == pdl
+
+
+def test_registers_share_an_sm():
+    """A program's threads (the math warps and the producer's warpgroup) times their registers
+    fit an SM's 64K as many times as programs it is to hold."""
+    for cfg in (WsRingConfig(128, 128, 4, 1), WsRingConfig(64, 64, 4, 1),
+                WsRingConfig(64, 64, 4, 1, 0, 2)):
+        regs = gemm_wsring.max_registers(cfg)
+        assert regs % 8 == 0 and regs * cfg.threads * cfg.per_sm <= 65536, cfg.name
+    assert gemm_wsring.max_registers(WsRingConfig(128, 128, 4, 1)) == 168  # 384 threads
+    assert gemm_wsring.max_registers(WsRingConfig(64, 64, 4, 1, 0, 2)) == 128  # 2 x 256
+
+
+@pytest.mark.parametrize("config, M, N, K, dtype, says", [
+    (WsRingConfig(128, 128, 4, 2), 128, 4096, 4096, torch.int8, "float8_e4m3fn only"),
+    (WsRingConfig(128, 128, 4, 2), 128, 4096, 4104, FP8, "not a multiple of 16"),
+    (WsRingConfig(128, 128, 4, 40), 128, 4096, 16384, FP8, "split_k=40 must be in"),
+    (WsRingConfig(128, 128, 4, 8), 128, 4096, 512, FP8, "4 steps of block_k=128"),
+    (WsRingConfig(96, 128, 4, 1), 128, 4096, 4096, FP8, "block_m=96 must be one of"),
+    (WsRingConfig(128, 256, 2, 1), 128, 4096, 4096, FP8, "block_n=256 must be one of"),
+    (WsRingConfig(128, 128, 1, 1), 128, 4096, 4096, FP8, "stages=1 must be >= 2"),
+    (WsRingConfig(128, 128, 8, 1), 128, 4096, 4096, FP8, "use fewer stages"),
+    (WsRingConfig(64, 64, 8, 1, 0, 2), 128, 4096, 4096, FP8, "use fewer stages"),
+    (WsRingConfig(128, 64, 3, 1, 0, 2), 128, 4096, 4096, FP8, "takes the 64 x 64 tile only"),
+    (WsRingConfig(64, 64, 3, 1, 0, 3), 128, 4096, 4096, FP8, "per_sm=3 must be 1 or 2"),
+    (WsRingConfig(64, 64, 3, 1, 0, 1, 2), 128, 4096, 4096, FP8, "pdl=2 must be"),
+    (WsRingConfig(64, 64, 2, 1), 128, 4096, 0, FP8, "K=0"),
+    (WsRingConfig(128, 128, 4, 1, 1), 128, 4096, 4096, FP8, "add_splits=1 needs split_k > 1"),
+])
+def test_configs_that_cannot_run_say_why(config, M, N, K, dtype, says):
+    assert says in gemm_wsring.why_not_fits(config, M, N, K, dtype)
+
+
+@pytest.mark.parametrize("M, N, K", [(65, 576, 7168), (128, 4096, 4096), (200, 1040, 2320),
+                                     (256, 151936, 5120), (256, 7168, 256), (64, 4096, 4096),
+                                     (300, 4096, 4096)])
+def test_candidates_and_default_fit(M, N, K):
+    plain = gemm_wsring.candidates(M, N, K, FP8, num_sms=132)
+    found = gemm_wsring.candidates(M, N, K, FP8, num_sms=132, pdl=1)
+    # With PDL asked for: every config both ways.
+    assert {c.pdl for c in plain} <= {0}
+    assert {dataclasses.replace(c, pdl=0) for c in found} == set(plain)
+    assert len(found) == 2 * len(plain)
+    assert bool(found) == (gemm_wsring.MIN_M <= M <= gemm_wsring.MAX_M), (M, N, K)
+    if not found:
+        return
+    # Every tile, and each split config both ways: its partials summed in order and added.
+    assert {(c.block_m, c.block_n) for c in found} == {(m, n) for m in gemm_wsring.BLOCK_MS
+                                                       for n in gemm_wsring.BLOCK_NS}
+    split = {dataclasses.replace(c, add_splits=0) for c in found if c.split_k > 1}
+    assert {dataclasses.replace(c, add_splits=1) for c in split} <= set(found)
+    for cfg in found:
+        assert gemm_wsring.fits(cfg, M, N, K, FP8), cfg.name
+        assert gemm_wsring.smem_bytes(cfg) * cfg.per_sm <= gemm_wsring.SMEM_BYTES
+    # Two programs an SM: the 64 x 64 tile's alone (the registers of the others hold one).
+    assert {(c.block_m, c.block_n) for c in found if c.per_sm == 2} <= {(64, 64)}
+    assert len({c.name for c in found}) == len(found)
+    assert gemm_wsring.fits(gemm_wsring.default_config(M, N, K, FP8, num_sms=132), M, N, K, FP8)
+
+
+def test_refuses_the_interpreter_and_other_gpus(monkeypatch):
+    """It says what to use instead: in the interpreter and off Hopper."""
+    from gemmtune.kernels.triton import _checks
+
+    cfg = WsRingConfig(128, 128, 4, 1)
+    monkeypatch.setattr(_checks, "interpreted", lambda: True)
+    assert "interpreter" in gemm_wsring.why_not_supported(cfg, 128, 64, 256, FP8,
+                                                          torch.bfloat16)
+    with pytest.raises(ValueError, match="interpreter"):
+        gemm_wsring.gemm_wsring(torch.zeros(128, 256).to(FP8), torch.zeros(64, 256).to(FP8))
+    monkeypatch.setattr(_checks, "interpreted", lambda: False)
+    monkeypatch.setattr(_swapped, "runs_here", lambda: False)
+    assert "written for Hopper" in gemm_wsring.why_not_supported(cfg, 128, 64, 256, FP8,
+                                                                  torch.bfloat16)
+
+
+def test_registries_that_take_it(monkeypatch):
+    """The block-scale and FP8 per-row families run it (as on a Hopper, faked); the pre-shuffled
+    family (w in tiles, not rows) and bf16 (not FP8) refuse it, saying why."""
+    from gemmtune.dispatch import KernelNameError
+    from gemmtune.families.a8w8.op import REGISTRY as A8W8
+    from gemmtune.families.a8w8_blockscale.op import REGISTRY as BLOCKSCALE
+    from gemmtune.families.a8w8_bpreshuffle.op import REGISTRY as SHUFFLED
+    from gemmtune.families.bf16.op import REGISTRY as BF16
+    from gemmtune.kernels.problem import GemmProblem, Scaling
+
+    monkeypatch.setattr(gemm_wsring, "why_not_here", lambda kernel, instead: None)
+    name = WsRingConfig(128, 128, 4, 4).name
+    blocked = GemmProblem(128, 1536, 7168, FP8, torch.bfloat16, scaling=Scaling.block)
+    rowwise = GemmProblem(128, 1536, 7168, FP8, torch.bfloat16, scaling=Scaling.rowwise)
+    assert BLOCKSCALE.can_run(name, blocked)
+    assert A8W8.can_run(name, rowwise)
+    with pytest.raises(KernelNameError, match="triton.wsring"):
+        SHUFFLED.resolve_for(name, dataclasses.replace(rowwise, preshuffled=True))
+    with pytest.raises(KernelNameError, match="float8_e4m3fn only"):
+        BF16.resolve_for(name, GemmProblem(128, 1536, 7168, torch.bfloat16, torch.bfloat16))
+
+
+def test_tuners_offer_it_past_64_rows_where_it_runs(monkeypatch):
+    """On a Hopper (faked) the block-scale tuner's Gluon candidates include its configs for
+    64 < M <= 256 and none at M <= 64."""
+    from gemmtune.families._gemm_tuner import gluon_candidates
+    from gemmtune.families.a8w8_blockscale.op import REGISTRY as BLOCKSCALE
+    from gemmtune.kernels.problem import GemmProblem, Scaling
+    from gemmtune.kernels.triton import _checks, _splits, gemm_frag, gemm_ring
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(_checks, "sm_count", lambda device=None: 132)
+    monkeypatch.setattr(_splits, "pdl_where_supported", lambda: 0)
+    for module in (gemm_frag, gemm_ring, gemm_wsring):
+        monkeypatch.setattr(module, "why_not_here", lambda *args: None)
+
+    def names(M):
+        problem = GemmProblem(M, 4096, 4096, FP8, torch.bfloat16, scaling=Scaling.block)
+        return [c.name for c in gluon_candidates(problem, BLOCKSCALE)
+                if c.name.startswith(gemm_wsring.KERNEL_PREFIX + ":")]
+
+    assert names(128) and names(256)
+    assert set(names(128)) == {c.name for c in gemm_wsring.candidates(128, 4096, 4096, FP8, 132)}
+    assert not names(64)
+
+
+# --- GPU -----------------------------------------------------------------------------------
+
+# (M, N, K, config): one and two math warpgroups, 64 and 128 rows of w; M, N and K past whole
+# tiles and steps (TMA's zero fill), rings longer than a split's steps, splits that divide the
+# steps and that do not, summed in order and added.
+GPU_CASES = [
+    (65, 576, 7168, WsRingConfig(128, 64, 4, 8)),
+    (100, 1040, 2320, WsRingConfig(64, 128, 3, 3)),
+    (128, 4096, 4096, WsRingConfig(128, 128, 4, 4)),
+    (200, 256, 7168, WsRingConfig(128, 128, 5, 28)),
+    (256, 1040, 1040, WsRingConfig(64, 64, 6, 1)),
+    (129, 4096, 512, WsRingConfig(128, 64, 6, 1)),
+    (256, 4096, 4096, WsRingConfig(64, 64, 6, 3, 0, 2)),
+    (160, 1280, 2048, WsRingConfig(128, 128, 4, 3, 1, 1, 1)),
+    (65, 576, 7168, WsRingConfig(128, 64, 4, 8, 1)),
+    (200, 256, 7168, WsRingConfig(128, 128, 5, 28, 1)),
+    (100, 1040, 2320, WsRingConfig(64, 128, 3, 3, 1)),
+]
+
+
+@pytest.mark.gpu
+@GPU_TIMEOUT
+@pytest.mark.parametrize("M, N, K, config", GPU_CASES, ids=lambda v: getattr(v, "name", v))
+@pytest.mark.parametrize("layout", ["tensor", "token_channel"])
+def test_gpu_matches_reference(M, N, K, config, layout):
+    def gemm(xq, wq, bias, out_dtype, x_scale, w_scale, out):
+        return gemm_wsring.gemm_wsring(xq, wq, bias, out_dtype, x_scale, w_scale, config,
+                                       out=out)
+
+    assert_fp8_decode_launches(gemm, M, N, K, layout, config.name, not config.add_splits)
+
+
+@pytest.mark.gpu
+@GPU_TIMEOUT
+@pytest.mark.parametrize("M, N, K, config", GPU_CASES, ids=lambda v: getattr(v, "name", v))
+def test_gpu_block_scales_match_the_dequantised_reference(M, N, K, config):
+    def gemm(xq, wq, bias, out_dtype, x_scale, w_scale, out):
+        return gemm_wsring.gemm_wsring(xq, wq, bias, out_dtype, x_scale, w_scale, config,
+                                       out=out, block_scales=True)
+
+    assert_block_scaled_decode_launches(gemm, M, N, K, config.name, not config.add_splits)
+
+
+@pytest.mark.gpu
+@GPU_TIMEOUT
+def test_gpu_through_dispatch_replays_on_new_inputs():
+    """Named as gemm_a8w8_blockscale's kernel: the first call checks, plans and launches, the
+    later ones replay (descriptors rebuilt around each call's x and w), right on new inputs
+    and on a second weight of the same shape."""
+    import gemmtune
+
+    M, N, K = 160, 1280, 2048
+    weights = [block_scaled_operands(M, N, K, generator(s)) for s in (1, 2)]
+    name = WsRingConfig(128, 128, 4, 3).name
+    for step in range(4):
+        xq, _, x_scale, _ = block_scaled_operands(M, N, K, generator(10 + step))
+        _, wq, _, w_scale = weights[step % 2]
+        y = gemmtune.gemm_a8w8_blockscale(xq, wq, x_scale, w_scale, kernel=name)
+        check_block_scaled_decode(y, xq, wq, x_scale, w_scale, None, f"call {step}")
