@@ -39,8 +39,9 @@ import triton.language as tl
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
+from gemmtune.kernels.triton._ring_launch import descriptors
 from gemmtune.kernels.triton._swapped import finish_tile, partials_per_load
-from gemmtune.kernels.triton.gemm_ring import descriptors, ring_tile
+from gemmtune.kernels.triton.gemm_ring import ring_tile
 
 BLOCK_N = 64  # w rows per program: the MMA's M, one warpgroup
 SMEM_BYTES = 200 * 1024  # of the 227 KiB a block may take, the rest for the end's conversion
@@ -136,7 +137,7 @@ def ring_call(x, w, y, x_scale, w_scale, v: Ring, counters=None):
 
     m, k = x.shape
     n = w.shape[0]
-    w_desc, x_desc = descriptors(x, w, v)
+    w_desc, x_desc = descriptors(x, w, BLOCK_N, v.block_m, v.block_k)
     n_tiles, m_tiles = triton.cdiv(n, 64), triton.cdiv(m, v.block_m)
     parts, counters, _ = workspace(x, y, n_tiles * m_tiles, 64 * v.block_m,
                                    max(v.split_k, 2 if v.end != "sum" else 1), counters, False)

@@ -174,6 +174,10 @@ GPU_CASES = [
     (129, 4096, 512, WsRingConfig(128, 64, 6, 1)),
     (256, 4096, 4096, WsRingConfig(64, 64, 6, 3, 0, 2)),
     (160, 1280, 2048, WsRingConfig(128, 128, 4, 3, 1, 1, 1)),
+    # splits of 1-2 steps on 2 slots (a shipped H200 row's config), 1 step a split, 3 steps
+    (128, 256, 7168, WsRingConfig(64, 64, 2, 32, 1, 2, 1)),
+    (128, 512, 384, WsRingConfig(128, 128, 2, 3)),
+    (200, 1040, 384, WsRingConfig(64, 128, 2, 1)),
     (65, 576, 7168, WsRingConfig(128, 64, 4, 8, 1)),
     (200, 256, 7168, WsRingConfig(128, 128, 5, 28, 1)),
     (100, 1040, 2320, WsRingConfig(64, 128, 3, 3, 1)),

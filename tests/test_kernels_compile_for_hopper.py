@@ -422,7 +422,8 @@ WSRING_SCRIPT = PTXAS_REPORT + textwrap.dedent("""
     for block_m, block_n, stages, split_k, epilogue, per_sm in (
             (128, 128, 6, 4, (3, 3, False), 1), (128, 128, 4, -8, (3, 3, True), 1),
             (128, 64, 6, 1, (2, 2, True), 1), (64, 128, 6, 2, (1, 1, False), 1),
-            (64, 64, 6, -32, (3, 3, False), 1), (64, 64, 6, 3, (3, 3, True), 2)):
+            (64, 64, 6, -32, (3, 3, False), 1), (64, 64, 6, 3, (3, 3, True), 2),
+            (128, 128, 4, 5, (3, 3, False), 1), (64, 128, 4, 5, (2, 2, False), 1)):
         add_splits, split_k = split_k < 0, abs(split_k)
         config = gemm_wsring.WsRingConfig(block_m, block_n, stages, split_k, int(add_splits),
                                           per_sm)
@@ -472,10 +473,12 @@ WSRING_SCRIPT = PTXAS_REPORT + textwrap.dedent("""
         # Each MMA overlaps the previous step's scaling: ptxas serialises none (C7514: another
         # instruction reads an MMA's registers before its wait).
         assert "C7514" not in report and "C7517" not in report, report
-    # Only the largest tile's end spills, past the main loop (split: 292 B summed in order in
-    # Triton 3.6, 340 in 3.9; 80 added).
-    assert all(b == 0 for k, b in spills.items() if k[:2] != (128, 128)), spills
-    assert all(b <= 352 for b in spills.values()), spills
+    # Only a split's end spills, past the main loop: the sum in order, its loop over the
+    # splits unrolled with every load hoisted (128 x 128: 292-340 B at 4 splits, 516-616 at 5;
+    # 64 x 128 at 5: 700; added: 80; Triton 3.6 and 3.9). A cost once a program, timed by the
+    # tuner beside the added sums (which win most split rows).
+    assert all(b == 0 for k, b in spills.items() if k[2] == 1 or k[:2] == (64, 64)), spills
+    assert all(b <= 768 for b in spills.values()), spills
     print("ok")
 """)
 
