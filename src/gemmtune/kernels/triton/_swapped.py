@@ -152,12 +152,12 @@ def _scaled(acc, rows, cols, bias_ptr, scale_a_ptr, scale_b_ptr, stride_bias,
 
 
 @gluon.jit
-def _store_y(tile, y_tile, on, om, M, N, stride_ym, stride_yn, BLOCK_N: gl.constexpr,
-             BLOCK_M: gl.constexpr):
-    """y.T's (BLOCK_N, BLOCK_M) ``tile`` stored at ``y_tile`` (its corner) where it lies in y:
-    ``on`` its rows of w, ``om`` its rows of x."""
-    local_n = on - gl.program_id(0) * BLOCK_N
-    local_m = om - gl.program_id(2) * BLOCK_M
+def _store_y(tile, y_tile, on, om, pid_n, pid_m, M, N, stride_ym, stride_yn,
+             BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr):
+    """y.T's (BLOCK_N, BLOCK_M) ``tile`` (w's block ``pid_n``, x's ``pid_m``) stored at
+    ``y_tile`` (its corner) where it lies in y: ``on`` its rows of w, ``om`` its rows of x."""
+    local_n = on - pid_n * BLOCK_N
+    local_m = om - pid_m * BLOCK_M
     offsets = local_m[None, :] * stride_ym + local_n[:, None] * stride_yn
     inside = (on < N)[:, None] & (om < M)[None, :]
     gl.store(y_tile + offsets, tile.to(y_tile.dtype.element_ty), mask=inside)
@@ -176,14 +176,15 @@ def finish_tile(acc, pid_n, split, pid_m, y_ptr, bias_ptr, scale_a_ptr, scale_b_
                 count_ptr, M, N, stride_ym, stride_yn, stride_bias, HAS_BIAS: gl.constexpr,
                 SCALE_A: gl.constexpr, SCALE_B: gl.constexpr, SPLIT_K: gl.constexpr,
                 BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, PER_LOAD: gl.constexpr,
-                ADD_SPLITS: gl.constexpr):
+                ADD_SPLITS: gl.constexpr, n_tiles=None):
     """y.T's (BLOCK_N, BLOCK_M) tile ``acc`` (any layout) of split ``split``: scaled and stored,
     or, split, the split's sum finished by the last to arrive. Either each split's fp32 partial
     is stored and the last sums them in split order (bitwise deterministic, as
     ``_splits.sum_splits_and_store``), or, ``ADD_SPLITS``, each split adds its partial into the
     tile's fp32 sum in memory (zero at rest: ``_splits.workspace``) and the last reads that sum
     once and zeroes it (one round trip instead of SPLIT_K / PER_LOAD; the adds' order, and so
-    the sum's last bits, follow the splits' arrival)."""
+    the sum's last bits, follow the splits' arrival). The tile is w's block ``pid_n`` and x's
+    ``pid_m`` of ``n_tiles`` blocks of w (None: the grid's first axis, one program a tile)."""
     # One thread per element of the (BLOCK_N, BLOCK_M) tile (BLOCK_N rows: 32 lanes x
     # BLOCK_N / 32 warps, any other warps along x's rows), so the partials' sum and the stores
     # touch each element once.
@@ -200,9 +201,13 @@ def finish_tile(acc, pid_n, split, pid_m, y_ptr, bias_ptr, scale_a_ptr, scale_b_
     if SPLIT_K == 1:
         out = _scaled(out, rows, cols, bias_ptr, scale_a_ptr, scale_b_ptr, stride_bias,
                       HAS_BIAS, SCALE_A, SCALE_B)
-        _store_y(out, y_tile, on, om, M, N, stride_ym, stride_yn, BLOCK_N, BLOCK_M)
+        _store_y(out, y_tile, on, om, pid_n, pid_m, M, N, stride_ym, stride_yn, BLOCK_N,
+                 BLOCK_M)
     else:
-        tile = pid_m * gl.num_programs(0) + pid_n
+        if n_tiles is None:
+            tile = pid_m * gl.num_programs(0) + pid_n
+        else:
+            tile = pid_m * n_tiles + pid_n
         # [BLOCK_M][BLOCK_N] (w's rows fastest, as the lanes of out_layout run): coalesced.
         local = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, out_layout))[:, None] \
             + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, out_layout))[None, :] * BLOCK_N
@@ -231,4 +236,5 @@ def finish_tile(acc, pid_n, split, pid_m, y_ptr, bias_ptr, scale_a_ptr, scale_b_
             gl.store(count_ptr + tile, 0)  # zero for the next launch
             total = _scaled(total, rows, cols, bias_ptr, scale_a_ptr, scale_b_ptr, stride_bias,
                             HAS_BIAS, SCALE_A, SCALE_B)
-            _store_y(total, y_tile, on, om, M, N, stride_ym, stride_yn, BLOCK_N, BLOCK_M)
+            _store_y(total, y_tile, on, om, pid_n, pid_m, M, N, stride_ym, stride_yn, BLOCK_N,
+                     BLOCK_M)
