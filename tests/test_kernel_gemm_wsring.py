@@ -38,6 +38,9 @@ def test_names_round_trip():
     pdl = WsRingConfig(128, 128, 4, 1, 0, 1, 1)
     assert pdl.name == "triton.wsring:BM128.BN128.S4.SK1.R0.O1.P1"
     assert WsRingConfig.from_name(pdl.name) == pdl
+    looped = WsRingConfig(128, 128, 4, 1, 0, 1, 0, 1)
+    assert looped.name == "triton.wsring:BM128.BN128.S4.SK1.R0.O1.P0.L1"
+    assert WsRingConfig.from_name(looped.name) == looped
 
 
 def test_registers_share_an_sm():
@@ -64,6 +67,9 @@ def test_registers_share_an_sm():
     (WsRingConfig(128, 64, 3, 1, 0, 2), 128, 4096, 4096, FP8, "takes the 64 x 64 tile only"),
     (WsRingConfig(64, 64, 3, 1, 0, 3), 128, 4096, 4096, FP8, "per_sm=3 must be 1 or 2"),
     (WsRingConfig(64, 64, 3, 1, 0, 1, 2), 128, 4096, 4096, FP8, "pdl=2 must be"),
+    (WsRingConfig(64, 64, 3, 1, 0, 1, 0, 2), 128, 4096, 4096, FP8, "persistent=2 must be"),
+    # persistent: the end's fp32 tile beside the ring (which holds the next unit's steps)
+    (WsRingConfig(128, 128, 6, 1, 0, 1, 0, 1), 128, 4096, 4096, FP8, "use fewer stages"),
     (WsRingConfig(64, 64, 2, 1), 128, 4096, 0, FP8, "K=0"),
     (WsRingConfig(128, 128, 4, 1, 1), 128, 4096, 4096, FP8, "add_splits=1 needs split_k > 1"),
 ])
@@ -94,6 +100,8 @@ def test_candidates_and_default_fit(M, N, K):
         assert gemm_wsring.smem_bytes(cfg) * cfg.per_sm <= gemm_wsring.SMEM_BYTES
     # Two programs an SM: the 64 x 64 tile's alone (the registers of the others hold one).
     assert {(c.block_m, c.block_n) for c in found if c.per_sm == 2} <= {(64, 64)}
+    # Persistent programs are not offered until a GPU has run them.
+    assert not any(c.persistent for c in found)
     assert len({c.name for c in found}) == len(found)
     assert gemm_wsring.fits(gemm_wsring.default_config(M, N, K, FP8, num_sms=132), M, N, K, FP8)
 
@@ -178,6 +186,11 @@ GPU_CASES = [
     (128, 256, 7168, WsRingConfig(64, 64, 2, 32, 1, 2, 1)),
     (128, 512, 384, WsRingConfig(128, 128, 2, 3)),
     (200, 1040, 384, WsRingConfig(64, 128, 2, 1)),
+    # persistent programs (not yet run on a GPU): more units than programs (each program
+    # several, the ring's positions running on across them), fewer; splits added, in order
+    (256, 16384, 512, WsRingConfig(128, 128, 4, 1, 0, 1, 0, 1)),
+    (200, 1040, 2320, WsRingConfig(64, 64, 4, 3, 1, 2, 1, 1)),
+    (130, 4096, 1040, WsRingConfig(128, 64, 3, 3, 0, 1, 0, 1)),
     (65, 576, 7168, WsRingConfig(128, 64, 4, 8, 1)),
     (200, 256, 7168, WsRingConfig(128, 128, 5, 28, 1)),
     (100, 1040, 2320, WsRingConfig(64, 128, 3, 3, 1)),

@@ -28,11 +28,12 @@ def descriptors(x: torch.Tensor, w: torch.Tensor, block_n: int, block_m: int, bl
 
 
 def ring_call(kernel, x, w, bias, out, scale_a, scale_b, config, counters, warmup: bool,
-              block_scales: bool, constexprs: dict, options: dict,
-              launch_pdl: bool = False) -> KernelCall:
+              block_scales: bool, constexprs: dict, options: dict, launch_pdl: bool = False,
+              grid: tuple | None = None) -> KernelCall:
     """``kernel``'s launch for ``config`` (its block_n, block_m, block_k, stages, split_k,
     add_splits and num_warps) on x (M, K) and w (N, K) into ``out``, with the kernel's own
-    ``constexprs`` and launch ``options`` beside the shared ones."""
+    ``constexprs`` and launch ``options`` beside the shared ones; on ``grid``, else a program
+    a unit (w's block, K's split, x's block)."""
     M, K = x.shape
     N = w.shape[0]
     x, w = _checks.tma_ready(x), _checks.tma_ready(w)
@@ -54,6 +55,7 @@ def ring_call(kernel, x, w, bias, out, scale_a, scale_b, config, counters, warmu
         PER_LOAD=partials_per_load(config.split_k, config.block_n, config.block_m,
                                    config.num_warps),
         ADD_SPLITS=bool(config.add_splits))
-    return KernelCall(kernel, (n_tiles, config.split_k, m_tiles), args, {**shared, **constexprs},
+    return KernelCall(kernel, grid or (n_tiles, config.split_k, m_tiles), args,
+                      {**shared, **constexprs},
                       {"num_warps": config.num_warps, **options}, launch_pdl=launch_pdl,
                       replayable=not per_call)

@@ -63,7 +63,8 @@ class WsRingConfig(NamedConfig):
     NAME_CODEC = NameCodec("warp-specialised ring config", KERNEL_PREFIX, (
         Field("BM", "block_m"), Field("BN", "block_n"), Field("S", "stages"),
         Field("SK", "split_k"), Field("R", "add_splits", default=0),
-        Field("O", "per_sm", default=1), Field("P", "pdl", default=PDL_OFF)))
+        Field("O", "per_sm", default=1), Field("P", "pdl", default=PDL_OFF),
+        Field("L", "persistent", default=0)))
 
     block_m: int  # x rows a program (the MMA's M): 64 a math warpgroup
     block_n: int  # w rows a program (the MMA's N)
@@ -75,6 +76,10 @@ class WsRingConfig(NamedConfig):
     # PDL_WAIT: launched with programmatic dependent launch, its setup under the previous
     # kernel's tail (``_splits``); PDL_OFF: launched plainly
     pdl: int = PDL_OFF
+    # 1: at most ``per_sm`` programs an SM, each taking units (w's block, K's split, x's
+    # block) in turn, so the producer fills the next unit's slots under this one's end; 0: a
+    # program a unit. Not yet run on a GPU: no candidate takes it (name it to try it).
+    persistent: int = 0
 
     @property
     def block_k(self) -> int:
@@ -103,9 +108,11 @@ def ring_bytes(config: WsRingConfig) -> int:
 
 
 def smem_bytes(config: WsRingConfig) -> int:
-    """A program's shared memory: the ring and its mbarriers (the end's conversion of the fp32
-    tile, at most the ring's size, reuses the ring's memory: compiled so, Triton 3.6 and 3.9)."""
-    return ring_bytes(config) + 1024
+    """A program's shared memory: the ring and its mbarriers, and the end's conversion of the
+    fp32 tile where the ring is still in use then (persistent: the next unit's steps are in
+    it; a program of one unit reuses the ring's memory, compiled so in Triton 3.6 and 3.9)."""
+    end = config.block_m * config.block_n * 4 if config.persistent else 0
+    return ring_bytes(config) + end + 1024
 
 
 def why_not_fits(config: WsRingConfig, M: int, N: int, K: int,
@@ -121,6 +128,8 @@ def why_not_fits(config: WsRingConfig, M: int, N: int, K: int,
     problem = why_not_add_splits(c) or why_not_wait_pdl(c.pdl)
     if problem is not None:
         return problem
+    if c.persistent not in (0, 1):
+        return f"persistent={c.persistent} must be 0 (a program a unit) or 1 (a loop over them)"
     if c.per_sm not in (1, 2):
         return f"per_sm={c.per_sm} must be 1 or 2"
     if c.per_sm == 2 and (c.block_m, c.block_n) != TWO_PER_SM_TILE:
@@ -203,17 +212,53 @@ def default_config(M: int, N: int, K: int, dtype: torch.dtype,
 
 
 @gluon.jit
-def _producer(w_desc, x_desc, w_ring, x_ring, ready, empty, off_n, off_m, lo, steps,
-              STAGES: gl.constexpr):
-    """The producer warp: each step's w and x tiles into its slot once the math warps have
-    freed it (a fresh mbarrier passes a wait on phase 1, so the first STAGES go at once)."""
+def _load_steps(w_desc, x_desc, w_ring, x_ring, ready, empty, base, off_n, off_m, lo, steps,
+                STAGES: gl.constexpr):
+    """The producer's K steps [lo, lo + steps) of one tile (w's rows from ``off_n``, x's from
+    ``off_m``) at ring positions ``base`` on: each step's tiles into its slot once the math
+    warps have freed it (a fresh mbarrier passes a wait on phase 1, so the first STAGES go at
+    once)."""
     nbytes: gl.constexpr = w_desc.block_type.nbytes + x_desc.block_type.nbytes
     for i in range(steps):
-        slot = i % STAGES
-        mbarrier.wait(empty.index(slot), ((i // STAGES) & 1) ^ 1)
+        slot = (base + i) % STAGES
+        mbarrier.wait(empty.index(slot), (((base + i) // STAGES) & 1) ^ 1)
         mbarrier.expect(ready.index(slot), nbytes)
         _tma_load(w_desc, [off_n, (lo + i) * 128], ready.index(slot), w_ring.index(slot))
         _tma_load(x_desc, [off_m, (lo + i) * 128], ready.index(slot), x_ring.index(slot))
+
+
+@gluon.jit
+def _producer(w_desc, x_desc, w_ring, x_ring, ready, empty, off_n, off_m, lo, steps,
+              STAGES: gl.constexpr):
+    """The producer warp of a program of one tile."""
+    _load_steps(w_desc, x_desc, w_ring, x_ring, ready, empty, 0, off_n, off_m, lo, steps,
+                STAGES)
+
+
+@gluon.jit
+def _unit(u, K, n_tiles, SPLIT_K: gl.constexpr):
+    """Work unit ``u`` of a persistent program: (w's block, x's block, K's first step and its
+    steps), w's blocks fastest, then K's splits."""
+    pid_n = u % n_tiles
+    split = (u // n_tiles) % SPLIT_K
+    pid_m = u // (n_tiles * SPLIT_K)
+    k_steps = gl.cdiv(K, 128)
+    lo = split * k_steps // SPLIT_K
+    return pid_n, split, pid_m, lo, (split + 1) * k_steps // SPLIT_K - lo
+
+
+@gluon.jit
+def _persistent_producer(w_desc, x_desc, w_ring, x_ring, ready, empty, K, units, n_tiles,
+                         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, SPLIT_K: gl.constexpr,
+                         STAGES: gl.constexpr):
+    """The producer warp of a persistent program: its units' steps one after another through
+    the ring, so the next tile's slots fill while the math warps finish this one."""
+    base = 0
+    for u in range(gl.program_id(0), units, gl.num_programs(0)):
+        pid_n, split, pid_m, lo, steps = _unit(u, K, n_tiles, SPLIT_K)
+        _load_steps(w_desc, x_desc, w_ring, x_ring, ready, empty, base, pid_n * BLOCK_N,
+                    pid_m * BLOCK_M, lo, steps, STAGES)
+        base += steps
 
 
 @gluon.jit
@@ -260,11 +305,11 @@ def _added(acc, product, sa, sb, BLOCK_SCALED: gl.constexpr):
 
 
 @gluon.jit
-def _math(w_ring, x_ring, ready, empty, pid_n, pid_m, lo, steps, M, scale_a_ptr, scale_b_ptr,
-          k_blocks, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-          BLOCK_SCALED: gl.constexpr):
-    """The math warps: x @ w.T's (BLOCK_M, BLOCK_N) tile over K steps [lo, lo + steps), fp32 in
-    the MMA's layout. Pipelined by one step: step i's MMA runs on the tensor cores while step
+def _tile_sum(w_ring, x_ring, ready, empty, base, pid_n, pid_m, lo, steps, M, scale_a_ptr,
+              scale_b_ptr, k_blocks, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+              STAGES: gl.constexpr, BLOCK_SCALED: gl.constexpr):
+    """The math warps: x @ w.T's (BLOCK_M, BLOCK_N) tile over K steps [lo, lo + steps) (ring
+    positions ``base`` on), fp32 in the MMA's layout. Pipelined by one step: step i's MMA runs on the tensor cores while step
     i - 1's product is scaled and added on the FMA units (each MMA from zero, so FP8's
     reduced-precision sum spans one step of K); step i's scales are loaded as its MMA is
     issued. Unrolled by two, the two products' registers alternating, and only waited-for
@@ -278,28 +323,59 @@ def _math(w_ring, x_ring, ready, empty, pid_n, pid_m, lo, steps, M, scale_a_ptr,
     zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=mma)
     sa, sb = _scale_loads(lo, pid_n, pid_m, M, scale_a_ptr, scale_b_ptr, k_blocks, BLOCK_M,
                           BLOCK_N, rows, BLOCK_SCALED)
-    even = _landed(_issue(w_ring, x_ring, ready, 0, zero, STAGES), empty, 0, STAGES)
+    even = _landed(_issue(w_ring, x_ring, ready, base, zero, STAGES), empty, base, STAGES)
     for i in range(1, steps - 1, 2):  # steps i (odd) and i + 1 (even)
-        token = _issue(w_ring, x_ring, ready, i, zero, STAGES)
+        token = _issue(w_ring, x_ring, ready, base + i, zero, STAGES)
         sa_odd, sb_odd = _scale_loads(lo + i, pid_n, pid_m, M, scale_a_ptr, scale_b_ptr,
                                       k_blocks, BLOCK_M, BLOCK_N, rows, BLOCK_SCALED)
         acc = _added(acc, even, sa, sb, BLOCK_SCALED)
-        odd = _landed(token, empty, i, STAGES)
-        token = _issue(w_ring, x_ring, ready, i + 1, zero, STAGES)
+        odd = _landed(token, empty, base + i, STAGES)
+        token = _issue(w_ring, x_ring, ready, base + i + 1, zero, STAGES)
         sa, sb = _scale_loads(lo + i + 1, pid_n, pid_m, M, scale_a_ptr, scale_b_ptr, k_blocks,
                               BLOCK_M, BLOCK_N, rows, BLOCK_SCALED)
         acc = _added(acc, odd, sa_odd, sb_odd, BLOCK_SCALED)
-        even = _landed(token, empty, i + 1, STAGES)
+        even = _landed(token, empty, base + i + 1, STAGES)
     if steps % 2 == 0:  # the last step, odd, is left
-        token = _issue(w_ring, x_ring, ready, steps - 1, zero, STAGES)
+        token = _issue(w_ring, x_ring, ready, base + steps - 1, zero, STAGES)
         sa_odd, sb_odd = _scale_loads(lo + steps - 1, pid_n, pid_m, M, scale_a_ptr, scale_b_ptr,
                                       k_blocks, BLOCK_M, BLOCK_N, rows, BLOCK_SCALED)
         acc = _added(acc, even, sa, sb, BLOCK_SCALED)
-        odd = _landed(token, empty, steps - 1, STAGES)
+        odd = _landed(token, empty, base + steps - 1, STAGES)
         acc = _added(acc, odd, sa_odd, sb_odd, BLOCK_SCALED)
     else:
         acc = _added(acc, even, sa, sb, BLOCK_SCALED)
-    return (acc,)  # the region's results, a tuple
+    return acc
+
+
+@gluon.jit
+def _math(w_ring, x_ring, ready, empty, pid_n, pid_m, lo, steps, M, scale_a_ptr, scale_b_ptr,
+          k_blocks, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+          BLOCK_SCALED: gl.constexpr):
+    """The math warps of a program of one tile: its sum, the region's result (a tuple)."""
+    return (_tile_sum(w_ring, x_ring, ready, empty, 0, pid_n, pid_m, lo, steps, M, scale_a_ptr,
+                      scale_b_ptr, k_blocks, BLOCK_M, BLOCK_N, STAGES, BLOCK_SCALED),)
+
+
+@gluon.jit
+def _persistent_math(w_ring, x_ring, ready, empty, y_ptr, bias_ptr, scale_a_ptr, scale_b_ptr,
+                     part_ptr, count_ptr, M, N, K, stride_ym, stride_yn, stride_bias, k_blocks,
+                     units, n_tiles, HAS_BIAS: gl.constexpr, SCALE_A: gl.constexpr,
+                     SCALE_B: gl.constexpr, SPLIT_K: gl.constexpr, BLOCK_M: gl.constexpr,
+                     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PER_LOAD: gl.constexpr,
+                     ADD_SPLITS: gl.constexpr):
+    """The math warps of a persistent program: each unit's sum, then its end (scales, bias,
+    splits), while the producer already fills the ring with the next unit's steps."""
+    base = 0
+    for u in range(gl.program_id(0), units, gl.num_programs(0)):
+        pid_n, split, pid_m, lo, steps = _unit(u, K, n_tiles, SPLIT_K)
+        acc = _tile_sum(w_ring, x_ring, ready, empty, base, pid_n, pid_m, lo, steps, M,
+                        scale_a_ptr, scale_b_ptr, k_blocks, BLOCK_M, BLOCK_N, STAGES,
+                        SCALE_A == _PER_BLOCK)
+        base += steps
+        finish_tile(acc.permute((1, 0)), pid_n, split, pid_m, y_ptr, bias_ptr, scale_a_ptr,
+                    scale_b_ptr, part_ptr, count_ptr, M, N, stride_ym, stride_yn, stride_bias,
+                    HAS_BIAS, SCALE_A, SCALE_B, SPLIT_K, BLOCK_N, BLOCK_M, PER_LOAD,
+                    ADD_SPLITS, n_tiles)
 
 
 @gluon.jit(do_not_specialize=["M"])
@@ -312,16 +388,18 @@ def gemm_wsring_kernel(
     HAS_BIAS: gl.constexpr, SCALE_A: gl.constexpr, SCALE_B: gl.constexpr,
     SPLIT_K: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     PER_LOAD: gl.constexpr, ADD_SPLITS: gl.constexpr, PDL: gl.constexpr,
+    PERSISTENT: gl.constexpr,
 ):
     if PDL:
         # Before any memory is touched: only the setup overlaps the previous kernel.
         release_then_wait()
-    pid_n = gl.program_id(0)
-    split = gl.program_id(1)
-    pid_m = gl.program_id(2)
-    k_steps = gl.cdiv(K, 128)
-    lo = split * k_steps // SPLIT_K
-    steps = (split + 1) * k_steps // SPLIT_K - lo
+    if not PERSISTENT:  # a program a unit: the grid's three axes
+        pid_n = gl.program_id(0)
+        split = gl.program_id(1)
+        pid_m = gl.program_id(2)
+        k_steps = gl.cdiv(K, 128)
+        lo = split * k_steps // SPLIT_K
+        steps = (split + 1) * k_steps // SPLIT_K - lo
     w_ring = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BLOCK_N, 128], w_desc.layout)
     x_ring = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BLOCK_M, 128], x_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -329,16 +407,31 @@ def gemm_wsring_kernel(
     for s in gl.static_range(STAGES):
         mbarrier.init(ready.index(s), count=1)
         mbarrier.init(empty.index(s), count=1)
-    acc, = gl.warp_specialize([
-        (_math, (w_ring, x_ring, ready, empty, pid_n, pid_m, lo, steps, M, scale_a_ptr,
-                 scale_b_ptr, k_blocks, BLOCK_M, BLOCK_N, STAGES, SCALE_A == _PER_BLOCK)),
-        (_producer, (w_desc, x_desc, w_ring, x_ring, ready, empty, pid_n * BLOCK_N,
-                     pid_m * BLOCK_M, lo, steps, STAGES)),
-    ], [_PRODUCER_WARPS], [_PRODUCER_REGS])
-    # finish_tile takes y.T's tile (w's rows down), as the swapped kernels hold it.
-    finish_tile(acc.permute((1, 0)), pid_n, split, pid_m, y_ptr, bias_ptr, scale_a_ptr,
-                scale_b_ptr, part_ptr, count_ptr, M, N, stride_ym, stride_yn, stride_bias,
-                HAS_BIAS, SCALE_A, SCALE_B, SPLIT_K, BLOCK_N, BLOCK_M, PER_LOAD, ADD_SPLITS)
+    if PERSISTENT:
+        # Units (w's block, K's split, x's block) in turn, a grid of at most a program an SM.
+        n_tiles = gl.cdiv(N, BLOCK_N)
+        units = n_tiles * SPLIT_K * gl.cdiv(M, BLOCK_M)
+        gl.warp_specialize([
+            (_persistent_math, (w_ring, x_ring, ready, empty, y_ptr, bias_ptr, scale_a_ptr,
+                                scale_b_ptr, part_ptr, count_ptr, M, N, K, stride_ym,
+                                stride_yn, stride_bias, k_blocks, units, n_tiles, HAS_BIAS,
+                                SCALE_A, SCALE_B, SPLIT_K, BLOCK_M, BLOCK_N, STAGES, PER_LOAD,
+                                ADD_SPLITS)),
+            (_persistent_producer, (w_desc, x_desc, w_ring, x_ring, ready, empty, K, units,
+                                    n_tiles, BLOCK_M, BLOCK_N, SPLIT_K, STAGES)),
+        ], [_PRODUCER_WARPS], [_PRODUCER_REGS])
+    else:
+        acc, = gl.warp_specialize([
+            (_math, (w_ring, x_ring, ready, empty, pid_n, pid_m, lo, steps, M, scale_a_ptr,
+                     scale_b_ptr, k_blocks, BLOCK_M, BLOCK_N, STAGES, SCALE_A == _PER_BLOCK)),
+            (_producer, (w_desc, x_desc, w_ring, x_ring, ready, empty, pid_n * BLOCK_N,
+                         pid_m * BLOCK_M, lo, steps, STAGES)),
+        ], [_PRODUCER_WARPS], [_PRODUCER_REGS])
+        # finish_tile takes y.T's tile (w's rows down), as the swapped kernels hold it.
+        finish_tile(acc.permute((1, 0)), pid_n, split, pid_m, y_ptr, bias_ptr, scale_a_ptr,
+                    scale_b_ptr, part_ptr, count_ptr, M, N, stride_ym, stride_yn, stride_bias,
+                    HAS_BIAS, SCALE_A, SCALE_B, SPLIT_K, BLOCK_N, BLOCK_M, PER_LOAD,
+                    ADD_SPLITS)
 
 
 def wsring_call(x, w, bias, out, scale_a, scale_b, config: WsRingConfig,
@@ -347,10 +440,16 @@ def wsring_call(x, w, bias, out, scale_a, scale_b, config: WsRingConfig,
     """The launch as data (what a dispatch plan records and replays; its TMA descriptors are
     rebuilt around each later call's x and w), with its registers capped for ``per_sm``."""
     pdl = config.pdl if pdl_supported(x.device) else PDL_OFF
+    grid = None
+    if config.persistent:
+        units = (triton.cdiv(w.shape[0], config.block_n) * config.split_k
+                 * triton.cdiv(x.shape[0], config.block_m))
+        grid = (min(units, _checks.sm_count(x.device) * config.per_sm),)
     return _ring_launch.ring_call(gemm_wsring_kernel, x, w, bias, out, scale_a, scale_b, config,
-                                  counters, warmup, block_scales, dict(PDL=pdl != PDL_OFF),
+                                  counters, warmup, block_scales,
+                                  dict(PDL=pdl != PDL_OFF, PERSISTENT=bool(config.persistent)),
                                   dict(maxnreg=max_registers(config)),
-                                  launch_pdl=pdl != PDL_OFF)
+                                  launch_pdl=pdl != PDL_OFF, grid=grid)
 
 
 def launch_gemm_wsring(x, w, bias, out, scale_a, scale_b, config: WsRingConfig,
