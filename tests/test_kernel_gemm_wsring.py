@@ -41,6 +41,9 @@ def test_names_round_trip():
     looped = WsRingConfig(128, 128, 4, 1, 0, 1, 0, 1)
     assert looped.name == "triton.wsring:BM128.BN128.S4.SK1.R0.O1.P0.L1"
     assert WsRingConfig.from_name(looped.name) == looped
+    m_first = WsRingConfig(64, 128, 4, 2, 1, 1, 1, 0, 1)
+    assert m_first.name == "triton.wsring:BM64.BN128.S4.SK2.R1.O1.P1.L0.G1"
+    assert WsRingConfig.from_name(m_first.name) == m_first
 
 
 def test_registers_share_an_sm():
@@ -68,6 +71,8 @@ def test_registers_share_an_sm():
     (WsRingConfig(64, 64, 3, 1, 0, 3), 128, 4096, 4096, FP8, "per_sm=3 must be 1 or 2"),
     (WsRingConfig(64, 64, 3, 1, 0, 1, 2), 128, 4096, 4096, FP8, "pdl=2 must be"),
     (WsRingConfig(64, 64, 3, 1, 0, 1, 0, 2), 128, 4096, 4096, FP8, "persistent=2 must be"),
+    (WsRingConfig(64, 64, 3, 1, 0, 1, 0, 0, 2), 128, 4096, 4096, FP8, "m_first=2 must be"),
+    (WsRingConfig(64, 64, 3, 1, 0, 1, 0, 0, 1), 128, 64 * 65536, 4096, FP8, "third axis"),
     # persistent: the end's fp32 tile beside the ring (which holds the next unit's steps)
     (WsRingConfig(128, 128, 6, 1, 0, 1, 0, 1), 128, 4096, 4096, FP8, "use fewer stages"),
     (WsRingConfig(64, 64, 2, 1), 128, 4096, 0, FP8, "K=0"),
@@ -102,6 +107,10 @@ def test_candidates_and_default_fit(M, N, K):
     assert {(c.block_m, c.block_n) for c in found if c.per_sm == 2} <= {(64, 64)}
     # Persistent programs are not offered until a GPU has run them.
     assert not any(c.persistent for c in found)
+    # x's blocks first beside w's wherever M takes several blocks of x, and only there.
+    several = {c for c in found if -(-M // c.block_m) > 1}
+    assert {c for c in found if c.m_first} == {dataclasses.replace(c, m_first=1)
+                                               for c in several if not c.m_first}
     assert len({c.name for c in found}) == len(found)
     assert gemm_wsring.fits(gemm_wsring.default_config(M, N, K, FP8, num_sms=132), M, N, K, FP8)
 
@@ -191,6 +200,10 @@ GPU_CASES = [
     (256, 16384, 512, WsRingConfig(128, 128, 4, 1, 0, 1, 0, 1)),
     (200, 1040, 2320, WsRingConfig(64, 64, 4, 3, 1, 2, 1, 1)),
     (130, 4096, 1040, WsRingConfig(128, 64, 3, 3, 0, 1, 0, 1)),
+    # x's blocks first: a program a unit (M in 4 and 2 blocks, split), and looping
+    (256, 4096, 2048, WsRingConfig(64, 128, 4, 2, 1, 1, 1, 0, 1)),
+    (200, 1040, 1040, WsRingConfig(128, 64, 4, 1, 0, 1, 0, 0, 1)),
+    (256, 16384, 512, WsRingConfig(64, 64, 4, 1, 0, 2, 0, 1, 1)),
     (65, 576, 7168, WsRingConfig(128, 64, 4, 8, 1)),
     (200, 256, 7168, WsRingConfig(128, 128, 5, 28, 1)),
     (100, 1040, 2320, WsRingConfig(64, 128, 3, 3, 1)),

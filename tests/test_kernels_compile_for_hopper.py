@@ -416,25 +416,29 @@ WSRING_SCRIPT = PTXAS_REPORT + textwrap.dedent("""
 
     names = inspect.signature(gemm_wsring.gemm_wsring_kernel.fn).parameters
     spills = {}
-    # (block_m, block_n, stages, split_k, (scale_a, scale_b, bias), per_sm, persistent): every
+    # (block_m, block_n, stages, split_k, (scale_a, scale_b, bias), per_sm, order): every
     # tile, the deepest rings they take, block scales (3) and per-row ones, two programs an SM,
-    # programs looping over units; a negative split adds its partials.
-    for block_m, block_n, stages, split_k, epilogue, per_sm, persistent in (
+    # programs looping over units, x's blocks first; a negative split adds its partials.
+    for block_m, block_n, stages, split_k, epilogue, per_sm, order in (
             (128, 128, 6, 4, (3, 3, False), 1, 0), (128, 128, 4, -8, (3, 3, True), 1, 0),
             (128, 64, 6, 1, (2, 2, True), 1, 0), (64, 128, 6, 2, (1, 1, False), 1, 0),
             (64, 64, 6, -32, (3, 3, False), 1, 0), (64, 64, 6, 3, (3, 3, True), 2, 0),
             (128, 128, 4, 5, (3, 3, False), 1, 0), (64, 128, 4, 5, (2, 2, False), 1, 0),
-            (128, 128, 4, 1, (3, 3, True), 1, 1), (64, 64, 4, -4, (3, 3, False), 2, 1)):
+            (128, 128, 4, 1, (3, 3, True), 1, 1), (64, 64, 4, -4, (3, 3, False), 2, 1),
+            (64, 128, 4, 2, (3, 3, False), 1, 2), (64, 64, 4, 1, (2, 2, True), 1, 3)):
+        # order: 0 a program a unit, w's blocks first; 1 a loop over units; 2 x's blocks
+        # first; 3 both
+        m_first, persistent = order >= 2, order in (1, 3)
         add_splits, split_k = split_k < 0, abs(split_k)
         config = gemm_wsring.WsRingConfig(block_m, block_n, stages, split_k, int(add_splits),
-                                          per_sm, 0, persistent)
+                                          per_sm, 0, int(persistent), int(m_first))
         scale_a, scale_b, has_bias = epilogue
         constexprs = dict(HAS_BIAS=has_bias, SCALE_A=scale_a, SCALE_B=scale_b, SPLIT_K=split_k,
                           BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages,
                           PER_LOAD=_swapped.partials_per_load(split_k, block_n, block_m,
                                                               block_m // 16),
                           ADD_SPLITS=add_splits, PDL=per_sm == 2,
-                          PERSISTENT=bool(persistent))
+                          PERSISTENT=persistent, M_FIRST=m_first)
         boxes = {"w_desc": [block_n, 128], "x_desc": [block_m, 128]}
         descs = {n: f"tensordesc<fp8e4nv{box},"
                     f"{gl.NVMMASharedLayout.get_default_for(box, gl.float8e4nv)!r}>"
@@ -471,7 +475,8 @@ WSRING_SCRIPT = PTXAS_REPORT + textwrap.dedent("""
         pdl = "griddepcontrol.wait" in text
         assert pdl == constexprs["PDL"]
         assert not pdl or text.index("griddepcontrol.wait") < text.index("cp.async.bulk.tensor")
-        report, spills[block_m, block_n, split_k, add_splits, persistent] = ptxas_report(text)
+        report, spills[block_m, block_n, split_k, add_splits, persistent, m_first] = \
+            ptxas_report(text)
         # Each MMA overlaps the previous step's scaling: ptxas serialises none (C7514: another
         # instruction reads an MMA's registers before its wait).
         assert "C7514" not in report and "C7517" not in report, report

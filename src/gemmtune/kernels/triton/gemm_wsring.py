@@ -36,9 +36,9 @@ from gemmtune.kernels.triton._epilogue import PER_BLOCK
 from gemmtune.kernels.triton._replay import KernelCall, launch
 from gemmtune.kernels.triton._splits import (PDL_OFF, pdl_supported, split_for,
                                              why_not_wait_pdl)
-from gemmtune.kernels.triton._swapped import (barrier, finish_tile, release_then_wait,
-                                              step_scale_loads, why_not_add_splits,
-                                              why_not_grid, why_not_here)
+from gemmtune.kernels.triton._swapped import (MAX_GRID_Z, barrier, finish_tile,
+                                              release_then_wait, step_scale_loads,
+                                              why_not_add_splits, why_not_grid, why_not_here)
 
 KERNEL_PREFIX = "triton.wsring"
 BLOCK_K = 128  # one FP8 scale block a step
@@ -64,7 +64,7 @@ class WsRingConfig(NamedConfig):
         Field("BM", "block_m"), Field("BN", "block_n"), Field("S", "stages"),
         Field("SK", "split_k"), Field("R", "add_splits", default=0),
         Field("O", "per_sm", default=1), Field("P", "pdl", default=PDL_OFF),
-        Field("L", "persistent", default=0)))
+        Field("L", "persistent", default=0), Field("G", "m_first", default=0)))
 
     block_m: int  # x rows a program (the MMA's M): 64 a math warpgroup
     block_n: int  # w rows a program (the MMA's N)
@@ -80,6 +80,10 @@ class WsRingConfig(NamedConfig):
     # block) in turn, so the producer fills the next unit's slots under this one's end; 0: a
     # program a unit. Not yet run on a GPU: no candidate takes it (name it to try it).
     persistent: int = 0
+    # 1: x's blocks first in the launch order (the grid's first axis, or a persistent
+    # program's units), so the programs reading one block of w run together and w comes
+    # from HBM once; 0: w's blocks first
+    m_first: int = 0
 
     @property
     def block_k(self) -> int:
@@ -128,6 +132,8 @@ def why_not_fits(config: WsRingConfig, M: int, N: int, K: int,
     problem = why_not_add_splits(c) or why_not_wait_pdl(c.pdl)
     if problem is not None:
         return problem
+    if c.m_first not in (0, 1):
+        return f"m_first={c.m_first} must be 0 (w's blocks first) or 1 (x's blocks first)"
     if c.persistent not in (0, 1):
         return f"persistent={c.persistent} must be 0 (a program a unit) or 1 (a loop over them)"
     if c.per_sm not in (1, 2):
@@ -146,6 +152,10 @@ def why_not_fits(config: WsRingConfig, M: int, N: int, K: int,
     if K % _checks.TMA_ALIGN:
         return (f"K={K} FP8 rows are not a multiple of {_checks.TMA_ALIGN} B, as TMA needs; use a "
                 f"triton.splitk config")
+    if c.m_first and not c.persistent and triton.cdiv(N, c.block_n) > MAX_GRID_Z:
+        return (f"N={N} takes {triton.cdiv(N, c.block_n)} blocks of block_n={c.block_n}, more "
+                f"than the grid's third axis holds ({MAX_GRID_Z}) with x's blocks first; use "
+                f"m_first=0")
     return why_not_grid(c, M, K, triton.cdiv(K, BLOCK_K), MAX_SPLIT_K)
 
 
@@ -178,7 +188,8 @@ def candidates(M: int, N: int, K: int, dtype: torch.dtype, num_sms: int | None =
     """The configs to tune one shape with, for 64 < M <= 256 (none elsewhere): every tile; K
     split to reach one program per SM and two (of the 64 x 64 tile, held two at a time, and
     of the others one after another); 3 or 4 slots where the split's steps use them; split
-    sums in order and added; launched plainly and, where ``pdl`` is PDL_WAIT, with PDL."""
+    sums in order and added; launched plainly and, where ``pdl`` is PDL_WAIT, with PDL; where
+    M takes several blocks of x, w's blocks first and x's (``m_first``)."""
     if not MIN_M <= M <= MAX_M:
         return []
     num_sms = num_sms or _checks.sm_count()
@@ -194,9 +205,11 @@ def candidates(M: int, N: int, K: int, dtype: torch.dtype, num_sms: int | None =
                     stages = max(2, min(stages, triton.cdiv(k_steps, split)))
                     for add in sorted({0, int(split > 1)}):
                         for mode in sorted({PDL_OFF, pdl}):
-                            cfg = WsRingConfig(bm, bn, stages, split, add, held, mode)
-                            if fits(cfg, M, N, K, dtype):
-                                found[cfg] = None
+                            for first in sorted({0, int(triton.cdiv(M, bm) > 1)}):
+                                cfg = WsRingConfig(bm, bn, stages, split, add, held, mode, 0,
+                                                   first)
+                                if fits(cfg, M, N, K, dtype):
+                                    found[cfg] = None
     return list(found)
 
 
@@ -236,12 +249,18 @@ def _producer(w_desc, x_desc, w_ring, x_ring, ready, empty, off_n, off_m, lo, st
 
 
 @gluon.jit
-def _unit(u, K, n_tiles, SPLIT_K: gl.constexpr):
-    """Work unit ``u`` of a persistent program: (w's block, x's block, K's first step and its
-    steps), w's blocks fastest, then K's splits."""
-    pid_n = u % n_tiles
-    split = (u // n_tiles) % SPLIT_K
-    pid_m = u // (n_tiles * SPLIT_K)
+def _unit(u, K, n_tiles, m_tiles, SPLIT_K: gl.constexpr, M_FIRST: gl.constexpr):
+    """Work unit ``u`` of a persistent program: (w's block, K's split, x's block, K's first
+    step and its steps), w's blocks fastest, then K's splits; ``M_FIRST``: x's blocks fastest,
+    so the programs that read one block of w run together (one read of it from HBM)."""
+    if M_FIRST:
+        pid_m = u % m_tiles
+        split = (u // m_tiles) % SPLIT_K
+        pid_n = u // (m_tiles * SPLIT_K)
+    else:
+        pid_n = u % n_tiles
+        split = (u // n_tiles) % SPLIT_K
+        pid_m = u // (n_tiles * SPLIT_K)
     k_steps = gl.cdiv(K, 128)
     lo = split * k_steps // SPLIT_K
     return pid_n, split, pid_m, lo, (split + 1) * k_steps // SPLIT_K - lo
@@ -249,13 +268,13 @@ def _unit(u, K, n_tiles, SPLIT_K: gl.constexpr):
 
 @gluon.jit
 def _persistent_producer(w_desc, x_desc, w_ring, x_ring, ready, empty, K, units, n_tiles,
-                         BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, SPLIT_K: gl.constexpr,
-                         STAGES: gl.constexpr):
+                         m_tiles, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                         SPLIT_K: gl.constexpr, STAGES: gl.constexpr, M_FIRST: gl.constexpr):
     """The producer warp of a persistent program: its units' steps one after another through
     the ring, so the next tile's slots fill while the math warps finish this one."""
     base = 0
     for u in range(gl.program_id(0), units, gl.num_programs(0)):
-        pid_n, split, pid_m, lo, steps = _unit(u, K, n_tiles, SPLIT_K)
+        pid_n, split, pid_m, lo, steps = _unit(u, K, n_tiles, m_tiles, SPLIT_K, M_FIRST)
         _load_steps(w_desc, x_desc, w_ring, x_ring, ready, empty, base, pid_n * BLOCK_N,
                     pid_m * BLOCK_M, lo, steps, STAGES)
         base += steps
@@ -359,15 +378,15 @@ def _math(w_ring, x_ring, ready, empty, pid_n, pid_m, lo, steps, M, scale_a_ptr,
 @gluon.jit
 def _persistent_math(w_ring, x_ring, ready, empty, y_ptr, bias_ptr, scale_a_ptr, scale_b_ptr,
                      part_ptr, count_ptr, M, N, K, stride_ym, stride_yn, stride_bias, k_blocks,
-                     units, n_tiles, HAS_BIAS: gl.constexpr, SCALE_A: gl.constexpr,
+                     units, n_tiles, m_tiles, HAS_BIAS: gl.constexpr, SCALE_A: gl.constexpr,
                      SCALE_B: gl.constexpr, SPLIT_K: gl.constexpr, BLOCK_M: gl.constexpr,
                      BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PER_LOAD: gl.constexpr,
-                     ADD_SPLITS: gl.constexpr):
+                     ADD_SPLITS: gl.constexpr, M_FIRST: gl.constexpr):
     """The math warps of a persistent program: each unit's sum, then its end (scales, bias,
     splits), while the producer already fills the ring with the next unit's steps."""
     base = 0
     for u in range(gl.program_id(0), units, gl.num_programs(0)):
-        pid_n, split, pid_m, lo, steps = _unit(u, K, n_tiles, SPLIT_K)
+        pid_n, split, pid_m, lo, steps = _unit(u, K, n_tiles, m_tiles, SPLIT_K, M_FIRST)
         acc = _tile_sum(w_ring, x_ring, ready, empty, base, pid_n, pid_m, lo, steps, M,
                         scale_a_ptr, scale_b_ptr, k_blocks, BLOCK_M, BLOCK_N, STAGES,
                         SCALE_A == _PER_BLOCK)
@@ -388,15 +407,20 @@ def gemm_wsring_kernel(
     HAS_BIAS: gl.constexpr, SCALE_A: gl.constexpr, SCALE_B: gl.constexpr,
     SPLIT_K: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     PER_LOAD: gl.constexpr, ADD_SPLITS: gl.constexpr, PDL: gl.constexpr,
-    PERSISTENT: gl.constexpr,
+    PERSISTENT: gl.constexpr, M_FIRST: gl.constexpr,
 ):
     if PDL:
         # Before any memory is touched: only the setup overlaps the previous kernel.
         release_then_wait()
     if not PERSISTENT:  # a program a unit: the grid's three axes
-        pid_n = gl.program_id(0)
-        split = gl.program_id(1)
-        pid_m = gl.program_id(2)
+        if M_FIRST:  # x's blocks first: the programs of one block of w launch together
+            pid_m = gl.program_id(0)
+            split = gl.program_id(1)
+            pid_n = gl.program_id(2)
+        else:
+            pid_n = gl.program_id(0)
+            split = gl.program_id(1)
+            pid_m = gl.program_id(2)
         k_steps = gl.cdiv(K, 128)
         lo = split * k_steps // SPLIT_K
         steps = (split + 1) * k_steps // SPLIT_K - lo
@@ -410,15 +434,17 @@ def gemm_wsring_kernel(
     if PERSISTENT:
         # Units (w's block, K's split, x's block) in turn, a grid of at most a program an SM.
         n_tiles = gl.cdiv(N, BLOCK_N)
-        units = n_tiles * SPLIT_K * gl.cdiv(M, BLOCK_M)
+        m_tiles = gl.cdiv(M, BLOCK_M)
+        units = n_tiles * SPLIT_K * m_tiles
         gl.warp_specialize([
             (_persistent_math, (w_ring, x_ring, ready, empty, y_ptr, bias_ptr, scale_a_ptr,
                                 scale_b_ptr, part_ptr, count_ptr, M, N, K, stride_ym,
-                                stride_yn, stride_bias, k_blocks, units, n_tiles, HAS_BIAS,
-                                SCALE_A, SCALE_B, SPLIT_K, BLOCK_M, BLOCK_N, STAGES, PER_LOAD,
-                                ADD_SPLITS)),
+                                stride_yn, stride_bias, k_blocks, units, n_tiles, m_tiles,
+                                HAS_BIAS, SCALE_A, SCALE_B, SPLIT_K, BLOCK_M, BLOCK_N, STAGES,
+                                PER_LOAD, ADD_SPLITS, M_FIRST)),
             (_persistent_producer, (w_desc, x_desc, w_ring, x_ring, ready, empty, K, units,
-                                    n_tiles, BLOCK_M, BLOCK_N, SPLIT_K, STAGES)),
+                                    n_tiles, m_tiles, BLOCK_M, BLOCK_N, SPLIT_K, STAGES,
+                                    M_FIRST)),
         ], [_PRODUCER_WARPS], [_PRODUCER_REGS])
     else:
         acc, = gl.warp_specialize([
@@ -428,10 +454,16 @@ def gemm_wsring_kernel(
                          pid_m * BLOCK_M, lo, steps, STAGES)),
         ], [_PRODUCER_WARPS], [_PRODUCER_REGS])
         # finish_tile takes y.T's tile (w's rows down), as the swapped kernels hold it.
-        finish_tile(acc.permute((1, 0)), pid_n, split, pid_m, y_ptr, bias_ptr, scale_a_ptr,
-                    scale_b_ptr, part_ptr, count_ptr, M, N, stride_ym, stride_yn, stride_bias,
-                    HAS_BIAS, SCALE_A, SCALE_B, SPLIT_K, BLOCK_N, BLOCK_M, PER_LOAD,
-                    ADD_SPLITS)
+        if M_FIRST:  # w's blocks are the grid's third axis, not its first
+            finish_tile(acc.permute((1, 0)), pid_n, split, pid_m, y_ptr, bias_ptr, scale_a_ptr,
+                        scale_b_ptr, part_ptr, count_ptr, M, N, stride_ym, stride_yn,
+                        stride_bias, HAS_BIAS, SCALE_A, SCALE_B, SPLIT_K, BLOCK_N, BLOCK_M,
+                        PER_LOAD, ADD_SPLITS, gl.cdiv(N, BLOCK_N))
+        else:
+            finish_tile(acc.permute((1, 0)), pid_n, split, pid_m, y_ptr, bias_ptr, scale_a_ptr,
+                        scale_b_ptr, part_ptr, count_ptr, M, N, stride_ym, stride_yn,
+                        stride_bias, HAS_BIAS, SCALE_A, SCALE_B, SPLIT_K, BLOCK_N, BLOCK_M,
+                        PER_LOAD, ADD_SPLITS)
 
 
 def wsring_call(x, w, bias, out, scale_a, scale_b, config: WsRingConfig,
@@ -440,14 +472,16 @@ def wsring_call(x, w, bias, out, scale_a, scale_b, config: WsRingConfig,
     """The launch as data (what a dispatch plan records and replays; its TMA descriptors are
     rebuilt around each later call's x and w), with its registers capped for ``per_sm``."""
     pdl = config.pdl if pdl_supported(x.device) else PDL_OFF
-    grid = None
+    n_tiles = triton.cdiv(w.shape[0], config.block_n)
+    m_tiles = triton.cdiv(x.shape[0], config.block_m)
+    grid = (m_tiles, config.split_k, n_tiles) if config.m_first else None
     if config.persistent:
-        units = (triton.cdiv(w.shape[0], config.block_n) * config.split_k
-                 * triton.cdiv(x.shape[0], config.block_m))
+        units = n_tiles * config.split_k * m_tiles
         grid = (min(units, _checks.sm_count(x.device) * config.per_sm),)
     return _ring_launch.ring_call(gemm_wsring_kernel, x, w, bias, out, scale_a, scale_b, config,
                                   counters, warmup, block_scales,
-                                  dict(PDL=pdl != PDL_OFF, PERSISTENT=bool(config.persistent)),
+                                  dict(PDL=pdl != PDL_OFF, PERSISTENT=bool(config.persistent),
+                                       M_FIRST=bool(config.m_first)),
                                   dict(maxnreg=max_registers(config)),
                                   launch_pdl=pdl != PDL_OFF, grid=grid)
 
