@@ -256,6 +256,31 @@ PTXAS_REPORT = textwrap.dedent("""
 """)
 
 
+# The TMA-fed Gluon GEMMs (ring, wsring) compiled for sm_90: w and x as FP8 TMA descriptors in
+# (block_n, block_k) and (block_m, block_k) boxes, the end's pointers, the rest i32 or constexpr.
+TMA_GEMM_COMPILE = textwrap.dedent("""
+    import inspect
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+
+    def compile_tma_gemm(kernel, block_n, block_m, block_k, constexprs, options):
+        boxes = {"w_desc": [block_n, block_k], "x_desc": [block_m, block_k]}
+        descs = {n: f"tensordesc<fp8e4nv{box},"
+                    f"{gl.NVMMASharedLayout.get_default_for(box, gl.float8e4nv)!r}>"
+                 for n, box in boxes.items()}
+        pointers = {"y_ptr": "*bf16", "bias_ptr": "*bf16", "scale_a_ptr": "*fp32",
+                    "scale_b_ptr": "*fp32", "part_ptr": "*fp32", "count_ptr": "*i32"}
+        signature = {n: descs.get(n) or pointers.get(n) or
+                     ("constexpr" if n in constexprs else "i32")
+                     for n in inspect.signature(kernel.fn).parameters}
+        return triton.compile(gluon._runtime.GluonASTSource(
+            fn=kernel, signature=signature, constexprs=constexprs),
+            target=GPUTarget("cuda", 90, 128), options=options)
+""")
+
+
 FRAG_SCRIPT = PTXAS_REPORT + textwrap.dedent("""
     import inspect
     import triton
@@ -332,16 +357,9 @@ def test_fragment_order_kernel_loads_w_straight_into_wgmma_registers():
     compiles_for_hopper(FRAG_SCRIPT)
 
 
-RING_SCRIPT = PTXAS_REPORT + textwrap.dedent("""
-    import inspect
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
+RING_SCRIPT = PTXAS_REPORT + TMA_GEMM_COMPILE + textwrap.dedent("""
     from gemmtune.kernels.triton import _swapped, gemm_ring
 
-
-    names = inspect.signature(gemm_ring.gemm_ring_kernel.fn).parameters
 
     # (block_m, block_k, stages, split_k, (scale_a, scale_b, bias)); the largest rings the
     # space admits and the largest split sums among them, and FP8 block scales (3: PER_BLOCK)
@@ -363,17 +381,8 @@ RING_SCRIPT = PTXAS_REPORT + textwrap.dedent("""
                           PER_LOAD=_swapped.partials_per_load(split_k, block_n, block_m,
                                                               block_n // 16),
                           ADD_SPLITS=add_splits)
-        boxes = {"w_desc": [block_n, block_k], "x_desc": [block_m, block_k]}
-        descs = {n: f"tensordesc<fp8e4nv{box},"
-                    f"{gl.NVMMASharedLayout.get_default_for(box, gl.float8e4nv)!r}>"
-                 for n, box in boxes.items()}
-        pointers = {"y_ptr": "*bf16", "bias_ptr": "*bf16", "scale_a_ptr": "*fp32",
-                    "scale_b_ptr": "*fp32", "part_ptr": "*fp32", "count_ptr": "*i32"}
-        signature = {n: descs.get(n) or pointers.get(n) or
-                     ("constexpr" if n in constexprs else "i32") for n in names}
-        kernel = triton.compile(gluon._runtime.GluonASTSource(
-            fn=gemm_ring.gemm_ring_kernel, signature=signature, constexprs=constexprs),
-            target=GPUTarget("cuda", 90, 128), options={"num_warps": block_n // 16})
+        kernel = compile_tma_gemm(gemm_ring.gemm_ring_kernel, block_n, block_m, block_k,
+                                  constexprs, {"num_warps": block_n // 16})
         text = kernel.asm["ptx"]
         # Both operands through TMA: two bulk tensor copies per slot before the loop and two in
         # it, and the loop's wait on the slot's mbarrier.
@@ -406,15 +415,9 @@ def test_ring_kernel_feeds_both_operands_through_tma():
     compiles_for_hopper(RING_SCRIPT)
 
 
-WSRING_SCRIPT = PTXAS_REPORT + textwrap.dedent("""
-    import inspect
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
+WSRING_SCRIPT = PTXAS_REPORT + TMA_GEMM_COMPILE + textwrap.dedent("""
     from gemmtune.kernels.triton import _swapped, gemm_wsring
 
-    names = inspect.signature(gemm_wsring.gemm_wsring_kernel.fn).parameters
     spills = {}
     # (block_m, block_n, stages, split_k, (scale_a, scale_b, bias), per_sm, order): every
     # tile, the deepest rings they take, block scales (3) and per-row ones, two programs an SM,
@@ -439,19 +442,9 @@ WSRING_SCRIPT = PTXAS_REPORT + textwrap.dedent("""
                                                               block_m // 16),
                           ADD_SPLITS=add_splits, PDL=per_sm == 2,
                           PERSISTENT=persistent, M_FIRST=m_first)
-        boxes = {"w_desc": [block_n, 128], "x_desc": [block_m, 128]}
-        descs = {n: f"tensordesc<fp8e4nv{box},"
-                    f"{gl.NVMMASharedLayout.get_default_for(box, gl.float8e4nv)!r}>"
-                 for n, box in boxes.items()}
-        pointers = {"y_ptr": "*bf16", "bias_ptr": "*bf16", "scale_a_ptr": "*fp32",
-                    "scale_b_ptr": "*fp32", "part_ptr": "*fp32", "count_ptr": "*i32"}
-        signature = {n: descs.get(n) or pointers.get(n) or
-                     ("constexpr" if n in constexprs else "i32") for n in names}
-        kernel = triton.compile(gluon._runtime.GluonASTSource(
-            fn=gemm_wsring.gemm_wsring_kernel, signature=signature, constexprs=constexprs),
-            target=GPUTarget("cuda", 90, 128),
-            options={"num_warps": block_m // 16,
-                     "maxnreg": gemm_wsring.max_registers(config)})
+        kernel = compile_tma_gemm(gemm_wsring.gemm_wsring_kernel, block_n, block_m, 128,
+                                  constexprs, {"num_warps": block_m // 16,
+                                               "maxnreg": gemm_wsring.max_registers(config)})
         text = kernel.asm["ptx"]
         # x's rows are the MMA's M, w's its N; the producer warp's two bulk tensor copies a
         # slot; registers handed from the producer to the math warps; a slot freed by one

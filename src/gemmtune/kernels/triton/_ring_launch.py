@@ -1,13 +1,15 @@
-"""What the TMA-fed Gluon GEMMs (``triton.ring``, ``triton.wsring``) share on the host: the TMA
-descriptors of x and w, and a launch as data (``_replay.KernelCall``: the operands of the end
-of ``_swapped.finish_tile``, the split's workspace, the grid of (w's tiles, K's splits, x's
-tiles)). A dispatch plan replays it, the descriptors rebuilt around each call's x and w."""
+"""What the TMA-fed Gluon GEMMs (``triton.ring``, ``triton.wsring``) share: TMA's load into
+shared memory, and on the host the TMA descriptors of x and w and a launch as data
+(``_replay.KernelCall``: the operands of the end of ``_swapped.finish_tile``, the split's
+workspace, the grid of (w's tiles, K's splits, x's tiles)). A dispatch plan replays it, the
+descriptors rebuilt around each call's x and w."""
 
 from __future__ import annotations
 
 import torch
 import triton
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import tma
 
 from gemmtune.kernels.triton import _checks
 from gemmtune.kernels.triton._epilogue import (SCALE_BLOCK, epilogue_constexprs,
@@ -15,6 +17,10 @@ from gemmtune.kernels.triton._epilogue import (SCALE_BLOCK, epilogue_constexprs,
 from gemmtune.kernels.triton._replay import KernelCall
 from gemmtune.kernels.triton._splits import workspace
 from gemmtune.kernels.triton._swapped import partials_per_load
+
+# TMA's load into shared memory: tma.async_load from Triton 3.7 on (3.9 refuses the old name),
+# async_copy_global_to_shared in 3.6.
+tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 
 
 def descriptors(x: torch.Tensor, w: torch.Tensor, block_n: int, block_m: int, block_k: int):

@@ -91,10 +91,9 @@ def _kernel_module(prefix: str) -> _KernelModule:
     if prefix == "triton.wsring":
         from gemmtune.kernels.triton import gemm_wsring as m
 
-        # As the ring's: its TMA descriptors rebuilt around each replayed call's x and w; every
-        # config takes block scales (steps of 128).
+        # As the ring's: its TMA descriptors rebuilt around each replayed call's x and w.
         return _KernelModule(m, m.WsRingConfig, m.launch_gemm_wsring, m.gemm_wsring,
-                             m.wsring_call, m.why_not_block_scaled)
+                             m.wsring_call)
     if prefix == W4_PREFIX:
         from gemmtune.kernels.triton import gemm_w4 as m
 

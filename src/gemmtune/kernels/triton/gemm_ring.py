@@ -35,12 +35,13 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma
 
 from gemmtune.kernels._names import Field, NameCodec, NamedConfig
 from gemmtune.kernels.triton import _checks, _ring_launch
 from gemmtune.kernels.triton._epilogue import PER_BLOCK
 from gemmtune.kernels.triton._replay import KernelCall, launch
+from gemmtune.kernels.triton._ring_launch import tma_load
 from gemmtune.kernels.triton._splits import split_for
 from gemmtune.kernels.triton._swapped import (BLOCK_MS, BLOCK_N, ROWS_PER_WARP, barrier,
                                               block_m_for, finish_tile, step_scales,
@@ -59,9 +60,6 @@ MAX_SPLIT_K = 32
 # layout conversion of the fp32 tile (at most its size) and the mbarriers.
 RING_BYTES = 200 * 1024
 SMEM_BYTES = 227 * 1024
-# TMA's load into shared memory: tma.async_load from Triton 3.7 on (3.9 refuses the old name),
-# async_copy_global_to_shared in 3.6.
-_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 _PER_BLOCK = gl.constexpr(PER_BLOCK)  # as the jitted code reads them
 _ROWS_PER_WARP = gl.constexpr(ROWS_PER_WARP)
 
@@ -225,9 +223,9 @@ def ring_mainloop(w_desc, x_desc, pid_n, pid_m, lo, steps, M, scale_a_ptr, scale
     for s in gl.static_range(STAGES):
         pred = s < steps
         mbarrier.expect(ready.index(s), nbytes, pred=pred)
-        _tma_load(w_desc, [pid_n * BLOCK_N, (lo + s) * BLOCK_K], ready.index(s),
+        tma_load(w_desc, [pid_n * BLOCK_N, (lo + s) * BLOCK_K], ready.index(s),
                   w_ring.index(s), pred=pred)
-        _tma_load(x_desc, [pid_m * BLOCK_M, (lo + s) * BLOCK_K], ready.index(s),
+        tma_load(x_desc, [pid_m * BLOCK_M, (lo + s) * BLOCK_K], ready.index(s),
                   x_ring.index(s), pred=pred)
     mma: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[BLOCK_N // _ROWS_PER_WARP, 1],
@@ -254,9 +252,9 @@ def ring_mainloop(w_desc, x_desc, pid_n, pid_m, lo, steps, M, scale_a_ptr, scale
         nxt = i + STAGES
         pred = nxt < steps
         mbarrier.expect(ready.index(slot), nbytes, pred=pred)
-        _tma_load(w_desc, [pid_n * BLOCK_N, (lo + nxt) * BLOCK_K], ready.index(slot),
+        tma_load(w_desc, [pid_n * BLOCK_N, (lo + nxt) * BLOCK_K], ready.index(slot),
                   w_ring.index(slot), pred=pred)
-        _tma_load(x_desc, [pid_m * BLOCK_M, (lo + nxt) * BLOCK_K], ready.index(slot),
+        tma_load(x_desc, [pid_m * BLOCK_M, (lo + nxt) * BLOCK_K], ready.index(slot),
                   x_ring.index(slot), pred=pred)
     for s in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(s))

@@ -27,7 +27,7 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (mbarrier, tma, warpgroup_mma,
+from triton.experimental.gluon.language.nvidia.hopper import (mbarrier, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
 from gemmtune.kernels._names import Field, NameCodec, NamedConfig
@@ -36,7 +36,8 @@ from gemmtune.kernels.triton._epilogue import PER_BLOCK
 from gemmtune.kernels.triton._replay import KernelCall, launch
 from gemmtune.kernels.triton._splits import (PDL_OFF, pdl_supported, split_for,
                                              why_not_wait_pdl)
-from gemmtune.kernels.triton._swapped import (MAX_GRID_Z, barrier, finish_tile,
+from gemmtune.kernels.triton._ring_launch import tma_load
+from gemmtune.kernels.triton._swapped import (MAX_GRID_Z, ROWS_PER_WARP, barrier, finish_tile,
                                               release_then_wait, step_scale_loads,
                                               why_not_add_splits, why_not_grid, why_not_here)
 
@@ -44,15 +45,13 @@ KERNEL_PREFIX = "triton.wsring"
 BLOCK_K = 128  # one FP8 scale block a step
 BLOCK_MS = (64, 128)  # x rows a program: one or two math warpgroups (64 rows each)
 BLOCK_NS = (64, 128)  # w rows a program (the MMA's N); within one block scale of 128 rows
-ROWS_PER_WARP = 16  # a warpgroup's 4 warps take 64 rows of x
 MIN_M, MAX_M = 65, 256  # the Ms the candidates cover (below, the swapped kernels' rows)
 TWO_PER_SM_TILE = (64, 64)  # the tile two programs of an SM can hold (registers)
 MAX_SPLIT_K = 32
-SMEM_BYTES = 227 * 1024  # what a block may have (H100)
+SMEM_BYTES = _checks.SMEM_LIMIT_BYTES
 # The producer warp only computes coordinates and waits: few registers, the rest the math's.
 _PRODUCER_WARPS = gl.constexpr(1)
 _PRODUCER_REGS = gl.constexpr(40)
-_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 _PER_BLOCK = gl.constexpr(PER_BLOCK)
 
 
@@ -92,7 +91,7 @@ class WsRingConfig(NamedConfig):
     @property
     def num_warps(self) -> int:
         """The math warps (the producer's are the warp-specialised region's own)."""
-        return self.block_m // ROWS_PER_WARP
+        return self.block_m // ROWS_PER_WARP  # a warpgroup's 4 warps: 64 rows of x
 
     @property
     def threads(self) -> int:
@@ -172,13 +171,6 @@ def fits(config: WsRingConfig, M: int, N: int, K: int, dtype: torch.dtype) -> bo
     return why_not_fits(config, M, N, K, dtype) is None
 
 
-def why_not_block_scaled(config: WsRingConfig, dtype: torch.dtype) -> str | None:
-    """Every config takes FP8 block scales (steps of 128, w's tile in one block of 128 rows)."""
-    if dtype != torch.float8_e4m3fn:
-        return f"block scales need float8_e4m3fn inputs, not {dtype}"
-    return None
-
-
 _PROGRAMS_PER_SM = (1, 2)
 _STAGES = (3, 4)  # 6 won no shape of the presets at M = 128 and 256 (docs/benchmarks.md)
 
@@ -236,8 +228,8 @@ def _load_steps(w_desc, x_desc, w_ring, x_ring, ready, empty, base, off_n, off_m
         slot = (base + i) % STAGES
         mbarrier.wait(empty.index(slot), (((base + i) // STAGES) & 1) ^ 1)
         mbarrier.expect(ready.index(slot), nbytes)
-        _tma_load(w_desc, [off_n, (lo + i) * 128], ready.index(slot), w_ring.index(slot))
-        _tma_load(x_desc, [off_m, (lo + i) * 128], ready.index(slot), x_ring.index(slot))
+        tma_load(w_desc, [off_n, (lo + i) * 128], ready.index(slot), w_ring.index(slot))
+        tma_load(x_desc, [off_m, (lo + i) * 128], ready.index(slot), x_ring.index(slot))
 
 
 @gluon.jit
@@ -417,10 +409,12 @@ def gemm_wsring_kernel(
             pid_m = gl.program_id(0)
             split = gl.program_id(1)
             pid_n = gl.program_id(2)
+            tile_row = gl.cdiv(N, BLOCK_N)  # w's blocks: the grid's third axis, not its first
         else:
             pid_n = gl.program_id(0)
             split = gl.program_id(1)
             pid_m = gl.program_id(2)
+            tile_row = None  # the grid's first axis
         k_steps = gl.cdiv(K, 128)
         lo = split * k_steps // SPLIT_K
         steps = (split + 1) * k_steps // SPLIT_K - lo
@@ -454,16 +448,10 @@ def gemm_wsring_kernel(
                          pid_m * BLOCK_M, lo, steps, STAGES)),
         ], [_PRODUCER_WARPS], [_PRODUCER_REGS])
         # finish_tile takes y.T's tile (w's rows down), as the swapped kernels hold it.
-        if M_FIRST:  # w's blocks are the grid's third axis, not its first
-            finish_tile(acc.permute((1, 0)), pid_n, split, pid_m, y_ptr, bias_ptr, scale_a_ptr,
-                        scale_b_ptr, part_ptr, count_ptr, M, N, stride_ym, stride_yn,
-                        stride_bias, HAS_BIAS, SCALE_A, SCALE_B, SPLIT_K, BLOCK_N, BLOCK_M,
-                        PER_LOAD, ADD_SPLITS, gl.cdiv(N, BLOCK_N))
-        else:
-            finish_tile(acc.permute((1, 0)), pid_n, split, pid_m, y_ptr, bias_ptr, scale_a_ptr,
-                        scale_b_ptr, part_ptr, count_ptr, M, N, stride_ym, stride_yn,
-                        stride_bias, HAS_BIAS, SCALE_A, SCALE_B, SPLIT_K, BLOCK_N, BLOCK_M,
-                        PER_LOAD, ADD_SPLITS)
+        finish_tile(acc.permute((1, 0)), pid_n, split, pid_m, y_ptr, bias_ptr, scale_a_ptr,
+                    scale_b_ptr, part_ptr, count_ptr, M, N, stride_ym, stride_yn, stride_bias,
+                    HAS_BIAS, SCALE_A, SCALE_B, SPLIT_K, BLOCK_N, BLOCK_M, PER_LOAD,
+                    ADD_SPLITS, tile_row)
 
 
 def wsring_call(x, w, bias, out, scale_a, scale_b, config: WsRingConfig,
