@@ -88,10 +88,12 @@ def test_configs_that_cannot_run_say_why(config, M, N, K, dtype, says):
 def test_candidates_and_default_fit(M, N, K):
     plain = gemm_wsring.candidates(M, N, K, FP8, num_sms=132)
     found = gemm_wsring.candidates(M, N, K, FP8, num_sms=132, pdl=1)
-    # With PDL asked for: every config both ways.
+    # With PDL asked for: every config of a program a unit both ways, persistent ones (whose
+    # setup is paid once) with PDL alone.
     assert {c.pdl for c in plain} <= {0}
     assert {dataclasses.replace(c, pdl=0) for c in found} == set(plain)
-    assert len(found) == 2 * len(plain)
+    assert ({c for c in found if not c.persistent and c.pdl} ==
+            {dataclasses.replace(c, pdl=1) for c in plain if not c.persistent})
     assert bool(found) == (gemm_wsring.MIN_M <= M <= gemm_wsring.MAX_M), (M, N, K)
     if not found:
         return
@@ -105,8 +107,14 @@ def test_candidates_and_default_fit(M, N, K):
         assert gemm_wsring.smem_bytes(cfg) * cfg.per_sm <= gemm_wsring.SMEM_BYTES
     # Two programs an SM: the 64 x 64 tile's alone (the registers of the others hold one).
     assert {(c.block_m, c.block_n) for c in found if c.per_sm == 2} <= {(64, 64)}
-    # Persistent programs are not offered until a GPU has run them.
-    assert not any(c.persistent for c in found)
+    # Persistent programs beside a program a unit wherever the units outnumber the programs
+    # the SMs hold, and only there.
+    def more_units_than_programs(c):
+        return -(-N // c.block_n) * -(-M // c.block_m) * c.split_k > c.per_sm * 132
+
+    assert {c for c in found if c.persistent} == {
+        dataclasses.replace(c, persistent=1) for c in found
+        if not c.persistent and more_units_than_programs(c) and c.stages == 4 and c.pdl == 1}
     # x's blocks first beside w's wherever M takes several blocks of x, and only there.
     several = {c for c in found if -(-M // c.block_m) > 1}
     assert {c for c in found if c.m_first} == {dataclasses.replace(c, m_first=1)

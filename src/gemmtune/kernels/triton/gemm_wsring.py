@@ -21,6 +21,7 @@ so the CPU checks only compile it (tests/test_kernels_compile_for_hopper.py).
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -77,7 +78,7 @@ class WsRingConfig(NamedConfig):
     pdl: int = PDL_OFF
     # 1: at most ``per_sm`` programs an SM, each taking units (w's block, K's split, x's
     # block) in turn, so the producer fills the next unit's slots under this one's end; 0: a
-    # program a unit. Not yet run on a GPU: no candidate takes it (name it to try it).
+    # program a unit
     persistent: int = 0
     # 1: x's blocks first in the launch order (the grid's first axis, or a persistent
     # program's units), so the programs reading one block of w run together and w comes
@@ -181,7 +182,8 @@ def candidates(M: int, N: int, K: int, dtype: torch.dtype, num_sms: int | None =
     split to reach one program per SM and two (of the 64 x 64 tile, held two at a time, and
     of the others one after another); 3 or 4 slots where the split's steps use them; split
     sums in order and added; launched plainly and, where ``pdl`` is PDL_WAIT, with PDL; where
-    M takes several blocks of x, w's blocks first and x's (``m_first``)."""
+    M takes several blocks of x, w's blocks first and x's (``m_first``); where there are
+    more units than the SMs hold programs, persistent programs too (4 slots, ``pdl``)."""
     if not MIN_M <= M <= MAX_M:
         return []
     num_sms = num_sms or _checks.sm_count()
@@ -193,15 +195,20 @@ def candidates(M: int, N: int, K: int, dtype: torch.dtype, num_sms: int | None =
             for per_sm in _PROGRAMS_PER_SM:
                 split = split_for(tiles, k_steps, per_sm * num_sms, MAX_SPLIT_K)
                 held = per_sm if (bm, bn) == TWO_PER_SM_TILE else 1
+                looped = sorted({0, int(tiles * split > held * num_sms)})
                 for stages in _STAGES:
                     stages = max(2, min(stages, triton.cdiv(k_steps, split)))
-                    for add in sorted({0, int(split > 1)}):
-                        for mode in sorted({PDL_OFF, pdl}):
-                            for first in sorted({0, int(triton.cdiv(M, bm) > 1)}):
-                                cfg = WsRingConfig(bm, bn, stages, split, add, held, mode, 0,
-                                                   first)
-                                if fits(cfg, M, N, K, dtype):
-                                    found[cfg] = None
+                    for add, mode, persistent, first in itertools.product(
+                            sorted({0, int(split > 1)}), sorted({PDL_OFF, pdl}), looped,
+                            sorted({0, int(triton.cdiv(M, bm) > 1)})):
+                        cfg = WsRingConfig(bm, bn, stages, split, add, held, mode, persistent,
+                                           first)
+                        # Persistent: the deepest ring and the launch asked for only (a
+                        # program's setup is paid once, not a unit's).
+                        if persistent and (stages, mode) != (max(_STAGES), pdl):
+                            continue
+                        if fits(cfg, M, N, K, dtype):
+                            found[cfg] = None
     return list(found)
 
 
