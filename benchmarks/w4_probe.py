@@ -15,7 +15,6 @@ unsplit configs: 0.45-0.60x F.linear.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import fnmatch
 
 import torch
@@ -82,22 +81,9 @@ def _launch(config, x, w, out, x_scale, w_scale, w_packed=None):
     return gemm_w4.launch_gemm_w4(x, w, None, out, x_scale, w_scale, config)
 
 
-def _with_rings(configs: list, rings: tuple, m: int, n: int, k: int,
-                dtype: torch.dtype) -> list:
-    """``configs`` and, after each register-direct one, its variants with w's codes through a
-    TMA ring of each of ``rings`` slots (those that fit)."""
-    out = []
-    for c in configs:
-        out.append(c)
-        if isinstance(c, gemm_w4frag.W4FragConfig) and not c.ring:
-            out += [r for r in (dataclasses.replace(c, ring=s) for s in rings)
-                    if gemm_w4frag.why_not_fits(r, m, n, k, dtype) is None]
-    return out
-
-
 def time_shape(m: int, n: int, k: int, named: list | None, all_times,
                mxfp4_x: bool = True, frag_candidates: bool = False,
-               only: str | None = None, rings: tuple = ()) -> str:
+               only: str | None = None) -> str:
     w = torch.randn(n, k, device="cuda") / k ** 0.5
     x = torch.randn(m, k, device="cuda")
     wq, ws = quant.mxfp4(w)
@@ -115,8 +101,6 @@ def time_shape(m: int, n: int, k: int, named: list | None, all_times,
     if only is not None:  # the configs whose names match the pattern
         configs = [c for c in configs if fnmatch.fnmatchcase(c.name, only)]
         a4_configs = [c for c in a4_configs if fnmatch.fnmatchcase(c.name, only)]
-    configs, a4_configs = (_with_rings(cs, rings, m, n, k, dtype) for cs, dtype in (
-        (configs, torch.bfloat16), (a4_configs, torch.uint8)))
     out16 = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
     fns = [lambda s: F.linear(s[0], s[1]),
            lambda s: gemm_a8w8(s[6], s[8], s[7], s[9])]
@@ -160,10 +144,6 @@ def main() -> None:
     parser.add_argument("--only", metavar="GLOB", default=None,
                         help="time only the configs whose names match GLOB (fnmatch), e.g. "
                              "'triton.w4frag:*P1.R1.L1*'")
-    parser.add_argument("--rings", default="", type=lambda t: tuple(int(v) for v in t.split(",")
-                                                                    if v),
-                        help="after each w4frag config timed, its variants with w's codes "
-                             "through a TMA ring of these slots, e.g. 4,8,16 (packed w only)")
     args = parser.parse_args()
     if args.all_times is not None:
         args.all_times.write("M,N,K,x,config,us,linear_us\n")
@@ -171,7 +151,7 @@ def main() -> None:
           f"{'a4w4':>9} {'x':>6}  best configs (µs; x = F.linear / it)")
     for m, n, k in args.shapes:
         print(time_shape(m, n, k, args.configs, args.all_times, not args.bf16_x_only,
-                         args.frag_candidates, args.only, args.rings), flush=True)
+                         args.frag_candidates, args.only), flush=True)
 
 
 if __name__ == "__main__":

@@ -37,9 +37,6 @@ def test_names_round_trip():
     first = W4FragConfig(8, 128, 4, x_first=1)
     assert first.name == "triton.w4frag:BM8.BK128.SK4.P0.R0.L0.X1"
     assert W4FragConfig.from_name(first.name) == first
-    ringed = W4FragConfig(8, 128, 4, PDL_WAIT, 1, 1, ring=6)
-    assert ringed.name == "triton.w4frag:BM8.BK128.SK4.P1.R1.L1.X0.W4.T6"
-    assert W4FragConfig.from_name(ringed.name) == ringed
     two_warps = W4FragConfig(8, 128, 4, PDL_WAIT, 1, 1, warps=2)
     assert two_warps.name == "triton.w4frag:BM8.BK128.SK4.P1.R1.L1.X0.W2"
     assert W4FragConfig.from_name(two_warps.name) == two_warps
@@ -58,9 +55,6 @@ def test_names_round_trip():
     (W4FragConfig(8, 64, 2, warps=3), 1, 256, torch.bfloat16, "warps=3 must be one of"),
     (W4FragConfig(8, 128, 2, warps=1), 1, 256, torch.bfloat16, "warps=1 must be one of"),
     (W4FragConfig(32, 128, 2, warps=2), 1, 256, torch.bfloat16, "2 warps take block_m <= 16"),
-    (W4FragConfig(8, 128, 2, ring=4), 1, 256, torch.bfloat16, "takes a packed w"),
-    (W4FragConfig(8, 128, 2, packed=1, ring=1), 1, 256, torch.bfloat16, "ring=1 must be 0"),
-    (W4FragConfig(8, 128, 2, packed=1, ring=17), 1, 256, torch.bfloat16, "ring=17 must be 0"),
 ])
 def test_configs_that_cannot_run_say_why(config, M, K, dtype, says):
     assert says in why_not_fits(config, M, 256, K, dtype)
@@ -130,13 +124,6 @@ def test_refuses_to_run_where_it_cannot():
     (3, 200, 4096, W4FragConfig(16, 128, 5, PDL_WAIT, 1, 1, warps=2)),
     (33, 600, 7168, W4FragConfig(32, 128, 28, 0, 1)),  # added: 28 splits, N and M ragged
     (1, 200, 7168, W4FragConfig(8, 256, 28, PDL_WAIT, 1, 1)),  # ... packed, a step a split
-    # w's codes through the TMA ring: fewer groups than slots, a slot's reuse (groups past
-    # the ring), uneven splits, N ragged past a TMA box, 2 warps, 32 rows of x, PDL, added
-    (1, 70, 1024, W4FragConfig(8, 128, 3, PDL_WAIT, 1, 1, ring=6)),
-    (3, 200, 4096, W4FragConfig(8, 128, 5, 0, 0, 1, ring=2)),
-    (13, 130, 2048, W4FragConfig(16, 256, 2, PDL_WAIT, 1, 1, warps=2, ring=4)),
-    (33, 600, 7168, W4FragConfig(32, 128, 3, 0, 1, 1, ring=3)),
-    (1, 4100, 4096, W4FragConfig(8, 128, 1, PDL_WAIT, 0, 1, ring=16)),
 ])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_gpu_matches_the_dequantised_reference(M, N, K, config, with_bias):
@@ -155,8 +142,7 @@ def test_gpu_matches_the_dequantised_reference(M, N, K, config, with_bias):
 @pytest.mark.parametrize("config", [
     W4FragConfig(32, 32, 1), W4FragConfig(32, 64, 1),  # a step's scales as a byte, two bytes
     W4FragConfig(32, 256, 1), W4FragConfig(32, 128, 1, packed=1),  # groups of 4: a word
-    W4FragConfig(16, 128, 1, packed=1, warps=2), W4FragConfig(8, 64, 1, warps=2),
-    W4FragConfig(32, 128, 1, packed=1, ring=2), W4FragConfig(16, 256, 1, packed=1, ring=4)])
+    W4FragConfig(16, 128, 1, packed=1, warps=2), W4FragConfig(8, 64, 1, warps=2)])
 def test_gpu_every_code_at_every_scale_byte_exactly(config):
     """Row n of w has scale byte n (0-255) on all its blocks and the 16 codes over and over,
     each block's codes shifted by its index; x is the identity, so y is w dequantised, rounded
@@ -177,8 +163,7 @@ def test_gpu_every_code_at_every_scale_byte_exactly(config):
 @pytest.mark.gpu
 @pytest.mark.parametrize("config", [W4FragConfig(8, 128, 2), W4FragConfig(16, 256, 1, packed=1),
                                     W4FragConfig(8, 128, 2, packed=1, warps=2),
-                                    W4FragConfig(16, 128, 2, warps=2),
-                                    W4FragConfig(8, 128, 2, packed=1, ring=3)])
+                                    W4FragConfig(16, 128, 2, warps=2)])
 def test_gpu_a_nan_scale_makes_its_row_nan_and_no_other(config):
     """A NaN scale byte (255) in one block of a row, at each of the 4 places of a scale word
     and beside the largest finite byte (254): that row is NaN, every other row exact."""
@@ -209,8 +194,6 @@ def test_gpu_a_nan_scale_makes_its_row_nan_and_no_other(config):
     (5, 200, 4096, W4FragConfig(8, 128, 16, 0, 1)),  # added: 16 splits, N ragged
     (3, 200, 4096, W4FragConfig(16, 128, 4, PDL_WAIT, 1, 0, warps=2)),  # 2 warps, x decoded
     (1, 70, 2048, W4FragConfig(8, 256, 3, PDL_WAIT, 0, 1, warps=2)),  # ... packed, in order
-    (5, 200, 4096, W4FragConfig(8, 128, 4, PDL_WAIT, 1, 1, ring=4)),  # w through the TMA ring
-    (20, 96, 2048, W4FragConfig(32, 256, 2, 0, 0, 1, ring=8)),
 ])
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
 def test_gpu_mxfp4_x_matches_the_dequantised_reference(M, N, K, config, out_dtype):
@@ -289,13 +272,13 @@ def test_scales_reach_the_kernel_16_byte_aligned():
     odd = flat[1:].view(64, 8)
     odd.copy_(ws)
     config = W4FragConfig(8, 128, 1)
-    scales = w4frag_call(x, wq, None, y, None, odd, config).args[3]
+    scales = w4frag_call(x, wq, None, y, None, odd, config).args[2]
     assert scales.data_ptr() % 16 == 0 and torch.equal(scales, ws)
     wide = torch.zeros(64, 16, dtype=torch.uint8, device=DEVICE)
     wide[:, :8] = ws
-    scales = w4frag_call(x, wq, None, y, None, wide[:, :8], config).args[3]
+    scales = w4frag_call(x, wq, None, y, None, wide[:, :8], config).args[2]
     assert scales.is_contiguous() and torch.equal(scales, ws)
-    assert w4frag_call(x, wq, None, y, None, ws, config).args[3] is ws
+    assert w4frag_call(x, wq, None, y, None, ws, config).args[2] is ws
 
 
 def test_x_and_codes_reach_the_kernel_as_aligned_words():

@@ -545,43 +545,28 @@ W4FRAG_SCRIPT = PTXAS_REPORT + textwrap.dedent("""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
     from gemmtune.kernels.triton import gemm_w4frag
 
     names = inspect.signature(gemm_w4frag.gemm_w4frag_kernel.fn).parameters
     aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
                if n.endswith("_ptr") or n in ("K", "stride_xm", "stride_wn")}
-    ring_box = gl.NVMMASharedLayout(swizzle_byte_width=0, element_bitwidth=8, rank=2)
-    # (block_m, block_k, split_k (negative: added), pdl, bias, packed w, MXFP4 x, warps, the
-    # TMA ring's slots)
-    for block_m, block_k, split_k, pdl, bias, packed, x_mxfp4, warps, ring in (
-            (8, 128, 1, False, False, False, False, 4, 0),
-            (16, 256, 4, True, True, False, False, 4, 0),
-            (32, 64, -8, True, False, False, False, 4, 0),
-            (8, 32, 2, False, True, False, False, 4, 0),
-            (8, 128, 4, True, False, True, False, 4, 0),
-            (32, 256, -2, False, True, True, False, 4, 0),
-            (8, 128, 4, True, False, True, True, 4, 0),
-            (16, 64, -3, False, False, False, True, 4, 0),
-            (32, 256, 2, True, False, False, True, 4, 0),
-            (8, 128, -4, True, False, True, True, 4, 0),
-            (8, 128, -5, True, False, True, False, 2, 0),
-            (16, 128, -9, True, False, True, False, 2, 0),
-            (8, 64, 2, False, True, False, True, 2, 0),
-            (16, 256, 3, True, True, True, True, 2, 0),
-            (8, 128, -4, True, False, True, False, 4, 6),
-            (16, 256, 2, False, True, True, False, 2, 12),
-            (32, 128, -3, True, False, True, False, 4, 4),
-            (8, 256, 1, True, False, True, True, 4, 8)):
+    # (block_m, block_k, split_k (negative: added), pdl, bias, packed w, MXFP4 x, warps)
+    for block_m, block_k, split_k, pdl, bias, packed, x_mxfp4, warps in (
+            (8, 128, 1, False, False, False, False, 4), (16, 256, 4, True, True, False, False, 4),
+            (32, 64, -8, True, False, False, False, 4), (8, 32, 2, False, True, False, False, 4),
+            (8, 128, 4, True, False, True, False, 4), (32, 256, -2, False, True, True, False, 4),
+            (8, 128, 4, True, False, True, True, 4), (16, 64, -3, False, False, False, True, 4),
+            (32, 256, 2, True, False, False, True, 4), (8, 128, -4, True, False, True, True, 4),
+            (8, 128, -5, True, False, True, False, 2), (16, 128, -9, True, False, True, False, 2),
+            (8, 64, 2, False, True, False, True, 2), (16, 256, 3, True, True, True, True, 2)):
         pointers = {"x_ptr": "*u8" if x_mxfp4 else "*bf16", "wq_ptr": "*u8", "ws_ptr": "*u8",
                     "xs_ptr": "*u8", "y_ptr": "*bf16", "bias_ptr": "*bf16",
-                    "part_ptr": "*fp32", "count_ptr": "*i32",
-                    "w_desc": f"tensordesc<u8[64, 64],{ring_box!r}>" if ring else "*u8"}
+                    "part_ptr": "*fp32", "count_ptr": "*i32"}
         constexprs = dict(HAS_BIAS=bias, SPLIT_K=abs(split_k), BLOCK_M=block_m,
                           BLOCK_K=block_k, PDL=pdl,
                           PER_LOAD=gemm_w4frag.partials_per_load(abs(split_k), 64, block_m,
                                                                  warps),
-                          ADD_SPLITS=split_k < 0, PACKED=packed, X_MXFP4=x_mxfp4, RING=ring)
+                          ADD_SPLITS=split_k < 0, PACKED=packed, X_MXFP4=x_mxfp4)
         signature = {n: pointers.get(n, "constexpr" if n in constexprs else "i32")
                      for n in names}
         kernel = triton.compile(gluon._runtime.GluonASTSource(
@@ -596,27 +581,21 @@ W4FRAG_SCRIPT = PTXAS_REPORT + textwrap.dedent("""
         # shared memory in the loop.
         tiles = 4 // warps
         blocks = min(block_k, 128) // 32  # a step's blocks, or from 128 a group of 4 blocks
-        if ring:
-            # TMA fills the ring; each thread's words of a group come from it in 16-byte
-            # loads, a barrier before the slot's refill.
-            assert "cp.async.bulk.tensor.2d" in text and "bar.sync" in text
-            assert text.count("ld.shared.v4.b32") >= 2 * tiles, text.count("ld.shared.v4.b32")
-        elif packed:
+        if packed:
             assert text.count("ld.global.v4.b32") >= 2 * tiles * blocks // 4
         else:
             assert text.count("ld.global.b32") >= 2 * tiles * blocks, \\
                 text.count("ld.global.b32")
         assert text.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") >= \\
             2 * tiles * blocks * block_m // 8
-        assert "st.shared" not in loop and ("bar.sync" not in loop or ring)
+        assert "st.shared" not in loop and "bar.sync" not in loop
         assert ("griddepcontrol.wait" in text) == pdl
         assert ("atom.global" in text) == (split_k != 1)
         # The E2M1 decode (an inline-PTX block of PRMT lookups) for w's words and, MXFP4 x,
         # x's too: x's scales then multiply w's (fp32) in each block's product.
         # A decode a word: w's 2 rows a thread, x's 1-4 (BLOCK_M / 8) words; a loop iteration
-        # takes 2 groups of 4 blocks (block_k < 128: a step's blocks; the ring's loop, one
-        # group).
-        looped = 4 if ring else 8 if block_k >= 128 else block_k // 32
+        # takes 2 groups of 4 blocks (block_k < 128: a step's blocks).
+        looped = 8 if block_k >= 128 else block_k // 32
         assert text.count("prmt.b32 la") == looped * (2 * tiles
                                                       + (block_m // 8 if x_mxfp4 else 0)), \\
             (block_m, block_k, x_mxfp4, warps, text.count("prmt.b32 la"))

@@ -42,7 +42,6 @@ import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
 from gemmtune.kernels import mxfp4
 from gemmtune.kernels._names import Field, NameCodec, NamedConfig
@@ -50,8 +49,7 @@ from gemmtune.kernels.triton import _checks
 from gemmtune.kernels.triton._replay import KernelCall, launch
 from gemmtune.kernels.triton._splits import (PDL_OFF, pdl_supported, split_for,
                                              why_not_wait_pdl, workspace)
-from gemmtune.kernels.triton._ring_launch import tma_load
-from gemmtune.kernels.triton._swapped import (BLOCK_N, NUM_WARPS, barrier, finish_tile,
+from gemmtune.kernels.triton._swapped import (BLOCK_N, NUM_WARPS, finish_tile,
                                               partials_per_load, release_then_wait,
                                               split_steps, why_not_add_splits, why_not_grid,
                                               why_not_here)
@@ -75,10 +73,6 @@ _MOST_ROWS_OF_X = {2: 16, 4: 32}  # block_m each warp count takes without spilli
 # Rows of x up to which the tuner offers the kernel: past 32 in tiles of x's rows, each decoding
 # the same w again (from L2), which can still beat the prefill kernels to M of about a hundred
 MAX_M = 128
-# The TMA ring's slots (``ring``): a group of 128 of K of the program's 64 rows of w each
-RING_SLOT_BYTES = BLOCK_N * mxfp4.PACK_GROUP // 2
-RING_SLOTS = (2, 16)
-RING_BOX_BYTES = gl.constexpr(RING_SLOT_BYTES)
 
 
 @dataclass(frozen=True)
@@ -89,7 +83,7 @@ class W4FragConfig(NamedConfig):
         Field("BM", "block_m"), Field("BK", "block_k"), Field("SK", "split_k"),
         Field("P", "pdl", default=PDL_OFF), Field("R", "add_splits", default=0),
         Field("L", "packed", default=0), Field("X", "x_first", default=0),
-        Field("W", "warps", default=NUM_WARPS), Field("T", "ring", default=0)))
+        Field("W", "warps", default=NUM_WARPS)))
 
     block_m: int
     block_k: int
@@ -109,12 +103,6 @@ class W4FragConfig(NamedConfig):
     # warp loads the whole of x's block for its rows, so fewer warps with more rows each load
     # x (L1 traffic) fewer times for the same w
     warps: int = NUM_WARPS
-    # Packed w only. 0: each thread loads its codes from global memory into registers, a
-    # group ahead; n: TMA keeps n groups of the program's codes (4 KB each) in flight in a
-    # ring of shared memory, from which each thread loads its words as their group comes up
-    # (the bytes in flight no longer cost registers). Not yet run on a GPU: no candidate
-    # takes it (name it to try it).
-    ring: int = 0
 
 
 def why_not_fits(config: W4FragConfig, M: int, N: int, K: int,
@@ -144,12 +132,6 @@ def why_not_fits(config: W4FragConfig, M: int, N: int, K: int,
     if c.warps not in WARPS:
         return (f"warps={c.warps} must be one of {WARPS} (a program's 64 rows of w, 16 rows an "
                 f"MMA, split among its warps)")
-    if c.ring and (not c.packed or c.block_k % mxfp4.PACK_GROUP):
-        return (f"ring={c.ring}: the TMA ring takes a packed w (mxfp4.prepack) in groups of "
-                f"{mxfp4.PACK_GROUP} of K (block_k 128 or 256); use ring=0")
-    if c.ring and not RING_SLOTS[0] <= c.ring <= RING_SLOTS[1]:
-        return (f"ring={c.ring} must be 0 (loads straight to registers) or "
-                f"{RING_SLOTS[0]}-{RING_SLOTS[1]} slots of {RING_SLOT_BYTES} B")
     if c.block_m > _MOST_ROWS_OF_X[c.warps]:
         # ptxas: 2 warps at 32 rows of x spilled 20 B
         return (f"warps={c.warps} with block_m={c.block_m}: a thread's share of x's rows and of "
@@ -455,78 +437,12 @@ def _group_layout(warps):
                     [64, 16])
 
 
-# A slot's bytes as 32-bit words, rows of 16 (TMA writes a box row-major, unswizzled):
-# ``reinterpret`` from Triton 3.7 on, ``_reinterpret`` in 3.6.
-if hasattr(gl.shared_memory_descriptor, "reinterpret"):
-    @gluon.jit
-    def _as_words(slot):
-        return slot.reinterpret(gl.int32, [_BN, 16], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-else:
-    @gluon.jit
-    def _as_words(slot):
-        return slot._reinterpret(gl.int32, [_BN, 16], gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-
-
-@gluon.jit
-def _ring_groups(acc, nan_seen, w_desc, s_ptrs, x_ptrs, xs_ptrs, no_scales, pid_n, g_lo, g_hi,
-                 a_layout: gl.constexpr, b_layout: gl.constexpr, word_layout: gl.constexpr,
-                 group_layout: gl.constexpr, tables, BLOCK_M: gl.constexpr,
-                 RING: gl.constexpr, X_MXFP4: gl.constexpr):
-    """``acc`` and ``nan_seen`` with groups [g_lo, g_hi) added, w's codes through a TMA ring
-    of RING slots (a group each: 64 rows x 64 bytes, packed): every slot's load issued first;
-    per group, its slot's wait, each thread's words loaded from it (the group layout's 16-byte
-    loads: a warp's 8 rows x 64 bytes are contiguous, no bank conflict), a barrier (every
-    warp has its words) and the slot's refill with the group RING on; then the decode and
-    MMAs as the register-direct loop's. The rows' scale words and x's blocks load a group
-    ahead (32 rows of x as their group starts, as there)."""
-    ring = gl.allocate_shared_memory(gl.uint8, [RING, _BN, 64], w_desc.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [RING, 1], mbarrier.MBarrierLayout())
-    for s in gl.static_range(RING):
-        mbarrier.init(ready.index(s), count=1)
-    groups = g_hi - g_lo
-    row = pid_n * _BN
-    for s in gl.static_range(RING):
-        pred = s < groups
-        mbarrier.expect(ready.index(s), RING_BOX_BYTES, pred=pred)
-        tma_load(w_desc, [row, (g_lo + s) * 64], ready.index(s), ring.index(s), pred=pred)
-    X_AHEAD: gl.constexpr = BLOCK_M <= 16
-    word = gl.load(s_ptrs + g_lo)
-    x0, x1, x2, x3, xw = _load_x_group(x_ptrs, xs_ptrs, g_lo, no_scales, X_MXFP4)
-    for i in range(groups):
-        ahead = g_lo + gl.minimum(i + 1, groups - 1)  # past the last, the last again
-        word_b = gl.load(s_ptrs + ahead)
-        if X_AHEAD:
-            y0, y1, y2, y3, yw = _load_x_group(x_ptrs, xs_ptrs, ahead, no_scales, X_MXFP4)
-        else:
-            x0, x1, x2, x3, xw = _load_x_group(x_ptrs, xs_ptrs, g_lo + i, no_scales, X_MXFP4)
-        slot = i % RING
-        mbarrier.wait(ready.index(slot), (i // RING) & 1)
-        group = _as_words(ring.index(slot)).load(group_layout)
-        barrier()  # every warp has its words before TMA writes the slot again
-        pred = i + RING < groups
-        mbarrier.expect(ready.index(slot), RING_BOX_BYTES, pred=pred)
-        tma_load(w_desc, [row, (g_lo + i + RING) * 64], ready.index(slot), ring.index(slot),
-                 pred=pred)
-        c0, c1, c2, c3 = _packed_blocks(group, word_layout)
-        acc, nan_seen = _add_group(acc, nan_seen, word, c0, c1, c2, c3, x0, x1, x2, x3, xw,
-                                   a_layout, b_layout, tables, X_MXFP4)
-        word = word_b
-        if X_AHEAD:
-            x0, x1, x2, x3, xw = y0, y1, y2, y3, yw
-    for s in gl.static_range(RING):
-        mbarrier.invalidate(ready.index(s))
-    return acc, nan_seen
-
-
 @gluon.jit(do_not_specialize=["M"])
 def gemm_w4frag_kernel(
     x_ptr,  # (M, K) bf16, K contiguous; X_MXFP4: (M, K // 2) uint8 codes
     # (N, K // 2) uint8: two E2M1 codes a byte, the lower-index one in the low nibble; PACKED:
     # each row's 64-byte groups as mxfp4.prepack stores them
     wq_ptr,
-    # RING: a TMA descriptor of wq in (64 rows, 64 bytes) boxes, a group of 128 of K; else wq
-    # again (unused)
-    w_desc,
     ws_ptr,  # (N, K // 32) uint8: E8M0 scales
     xs_ptr,  # X_MXFP4: (M, K // 32) uint8, x's scales; else unused
     y_ptr,  # (M, N)
@@ -540,7 +456,6 @@ def gemm_w4frag_kernel(
     HAS_BIAS: gl.constexpr, SPLIT_K: gl.constexpr, BLOCK_M: gl.constexpr,
     BLOCK_K: gl.constexpr, PDL: gl.constexpr, PER_LOAD: gl.constexpr,
     ADD_SPLITS: gl.constexpr, PACKED: gl.constexpr, X_MXFP4: gl.constexpr,
-    RING: gl.constexpr,
 ):
     WARPS_HERE: gl.constexpr = gl.num_warps()
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS_HERE, 1],
@@ -603,12 +518,7 @@ def gemm_w4frag_kernel(
     # K >> 31 is 0 (K > 0), unknown to the compiler; x's only used with MXFP4 x
     tables = (e2m1_tables(gl.full([_BN, 4], 0, gl.int32, word_layout) + (K >> 31)),
               e2m1_tables(gl.full([X_ROW_WORDS, BLOCK_M], 0, gl.int32, x_layout) + (K >> 31)))
-    if RING:
-        acc, nan_seen = _ring_groups(acc, nan_seen, w_desc, s_ptrs, x_ptrs, xs_ptrs, no_scales,
-                                     pid_n, step_lo * (BLOCKS // 4), step_hi * (BLOCKS // 4),
-                                     a_layout, b_layout, word_layout, group_layout, tables,
-                                     BLOCK_M, RING, X_MXFP4)
-    elif SCALE_BYTES == 4:
+    if SCALE_BYTES == 4:
         # Groups of 4 blocks, two an iteration in a software pipeline: each group's loads
         # (w's, the HBM stream, and up to 16 rows of x's) are issued before the group ahead of
         # it is multiplied; 32 rows of x load as their group starts (held a group longer,
@@ -661,16 +571,6 @@ def gemm_w4frag_kernel(
                 PER_LOAD, ADD_SPLITS)
 
 
-def _ring_descriptor(w: torch.Tensor):
-    """Gluon's host TMA descriptor of the codes (N, K // 2) in boxes of a group (64 rows x 64
-    bytes), unswizzled: the kernel reads the slots as rows of 32-bit words."""
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    box = [BLOCK_N, mxfp4.PACK_GROUP // 2]
-    return TensorDescriptor.from_tensor(w, box, gl.NVMMASharedLayout(
-        swizzle_byte_width=0, element_bitwidth=8, rank=2))
-
-
 def _aligned_scales(scales: torch.Tensor) -> torch.Tensor:
     scales = scales.contiguous()
     return scales.clone() if scales.data_ptr() % 16 else scales
@@ -694,8 +594,6 @@ def w4frag_call(x, w, bias, out, scale_a, scale_b, config: W4FragConfig,
     w = w if w.stride(1) == 1 and w.stride(0) % 4 == 0 else w.contiguous()
     x = x.clone() if x.data_ptr() % 16 else x
     w = w.clone() if w.data_ptr() % 16 else w
-    if config.ring:
-        w = _checks.tma_ready(w)  # TMA: the rows' pitch a multiple of 16 bytes too
     # A step's scale bytes of a row load as one word of up to 4 bytes: rows a whole number of
     # words apart (contiguous: K // 32, a multiple of the word) and, so that a recording's
     # 16-byte alignment check (_replay) covers the word's, 16-byte aligned (a copy otherwise).
@@ -707,15 +605,13 @@ def w4frag_call(x, w, bias, out, scale_a, scale_b, config: W4FragConfig,
     parts, counters, per_call = workspace(x, out, n_tiles * m_tiles, BLOCK_N * c.block_m,
                                           c.split_k, counters, warmup, bool(c.add_splits))
     pdl = c.pdl if pdl_supported(x.device) else PDL_OFF
-    args = (x, w, _ring_descriptor(w) if c.ring else w, scale_b, x_scales, out,
-            bias if bias is not None else out, parts, counters,
+    args = (x, w, scale_b, x_scales, out, bias if bias is not None else out, parts, counters,
             M, N, K, x.stride(0), w.stride(0), scale_b.stride(0), x_scales.stride(0),
             out.stride(0), bias.stride(0) if bias is not None else 0)
     constexprs = dict(HAS_BIAS=bias is not None, SPLIT_K=c.split_k, BLOCK_M=c.block_m,
                       BLOCK_K=c.block_k, PDL=pdl != PDL_OFF,
                       PER_LOAD=partials_per_load(c.split_k, BLOCK_N, c.block_m, c.warps),
-                      ADD_SPLITS=bool(c.add_splits), PACKED=bool(c.packed), X_MXFP4=x_mxfp4,
-                      RING=c.ring)
+                      ADD_SPLITS=bool(c.add_splits), PACKED=bool(c.packed), X_MXFP4=x_mxfp4)
     return KernelCall(gemm_w4frag_kernel, (n_tiles, c.split_k, m_tiles), args, constexprs,
                       dict(num_warps=c.warps), launch_pdl=pdl != PDL_OFF,
                       replayable=not per_call)
