@@ -2,15 +2,16 @@
 set -uo pipefail
 pip install -q --no-index --no-deps --target /tmp/site .whl/nvmath*.whl >/dev/null 2>&1
 export PYTHONPATH=/tmp/site:src
-K=$1; SHAPE=$2
-timeout 200 ncu --clock-control none --force-overwrite --kernel-name regex:wsring --launch-skip 1 --launch-count 1 \
-  --section WarpStateStats --section SourceCounters --export $OUT/src \
-  python3 benchmarks/ncu_probe.py --family a8w8-blockscale --shape $SHAPE --kernels $K --launches 2 > $OUT/ncu.log 2>&1
-tail -3 $OUT/ncu.log
-ncu --import $OUT/src.ncu-rep --page source --csv --print-source sass > $OUT/sass.csv 2>>$OUT/ncu.log
-python3 - <<'PY'
+# bash benchmarks/ncu_sass_top.sh KERNEL M,N,K [FAMILY [KERNEL_REGEX [TAG]]]
+K=$1; SHAPE=$2; FAMILY=${3:-a8w8-blockscale}; REGEX=${4:-wsring}; TAG=${5:-}
+timeout 200 ncu --clock-control none --force-overwrite --kernel-name regex:$REGEX --launch-skip 1 --launch-count 1 \
+  --section WarpStateStats --section SourceCounters --export $OUT/src$TAG \
+  python3 benchmarks/ncu_probe.py --family $FAMILY --shape $SHAPE --kernels $K --launches 2 > $OUT/ncu$TAG.log 2>&1
+tail -3 $OUT/ncu$TAG.log
+ncu --import $OUT/src$TAG.ncu-rep --page source --csv --print-source sass > $OUT/sass$TAG.csv 2>>$OUT/ncu$TAG.log
+TAG=$TAG python3 - <<'PY'
 import csv, os
-rows = list(csv.reader(open(os.environ["OUT"] + "/sass.csv")))
+rows = list(csv.reader(open(os.environ["OUT"] + "/sass" + os.environ.get("TAG", "") + ".csv")))
 hdr_i = next(i for i, r in enumerate(rows) if "Source" in r)
 hdr = rows[hdr_i]; print(hdr)
 body = [r for r in rows[hdr_i+1:] if len(r) == len(hdr)]
