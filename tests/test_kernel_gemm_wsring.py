@@ -263,11 +263,13 @@ def test_splits_from_above_and_below_the_programs_per_sm():
     """24 tiles of 56 steps on 132 SMs: a split of 6 (144 programs) spills 12 into a second
     wave, so 5 (120) is offered too; at two an SM 11 gives 264 exactly. The below one is
     offered with 4 slots and the PDL mode asked for only."""
-    Split = gemm_wsring._Split
-    assert gemm_wsring._splits(24, 56, 132) == [Split(1, 6, True), Split(1, 5, False),
-                                                Split(2, 11, True)]
-    # More tiles than programs: no split from either side.
-    assert gemm_wsring._splits(448, 32, 132) == [Split(1, 1, True), Split(2, 1, True)]
+    from gemmtune.kernels.triton._splits import WaveSplit, splits_around
+
+    assert splits_around(24, 56, 132, (1, 2)) == [WaveSplit(1, 6, True), WaveSplit(1, 5, False),
+                                                  WaveSplit(2, 11, True)]
+    # More tiles than programs: no split from either side; the split's cap holds both.
+    assert splits_around(448, 32, 132, (1, 2)) == [WaveSplit(1, 1, True), WaveSplit(2, 1, True)]
+    assert splits_around(4, 56, 132, (1,), 16) == [WaveSplit(1, 16, True)]
     found = gemm_wsring.candidates(256, 1536, 7168, FP8, num_sms=132, pdl=1)
     below = {c for c in found if (c.block_m, c.block_n, c.split_k) == (128, 128, 5)}
     assert below and all(c.stages == 4 and c.pdl == 1 for c in below)

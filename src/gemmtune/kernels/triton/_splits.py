@@ -52,6 +52,29 @@ def split_for(tiles: int, k_steps: int, programs: int, max_split: int = MAX_SPLI
     return max(1, min(max_split, k_steps, triton.cdiv(programs, tiles)))
 
 
+class WaveSplit(NamedTuple):
+    """A split of K aimed at ``per_sm`` programs an SM, from above or from below."""
+
+    per_sm: int
+    split: int
+    above: bool  # the programs nearest above per_sm an SM (else nearest below)
+
+
+def splits_around(tiles: int, k_steps: int, num_sms: int, per_sm_counts,
+                  max_split: int = MAX_SPLIT_K) -> list[WaveSplit]:
+    """Per count of ``per_sm_counts``, ``split_for``'s split (the programs nearest above that
+    many an SM) and, where it differs, the one nearest below: a program an SM at a time, a
+    few programs past the wave take a wave of their own (24 tiles split 6 ways make 144
+    programs on 132 SMs; 5 ways, 120 in one wave)."""
+    found = []
+    for per_sm in per_sm_counts:
+        above = split_for(tiles, k_steps, per_sm * num_sms, max_split)
+        below = max(1, min(above, per_sm * num_sms // tiles))
+        found += [WaveSplit(per_sm, above, True)] + (
+            [WaveSplit(per_sm, below, False)] if below != above else [])
+    return found
+
+
 def why_not_wait_pdl(pdl: int) -> str | None:
     """Why ``pdl`` is not a launch mode of a kernel without row prefetch (PDL_OFF or PDL_WAIT),
     or None."""

@@ -42,7 +42,7 @@ from gemmtune.kernels.triton import _checks, _ring_launch
 from gemmtune.kernels.triton._epilogue import PER_BLOCK
 from gemmtune.kernels.triton._replay import KernelCall, launch
 from gemmtune.kernels.triton._ring_launch import tma_load
-from gemmtune.kernels.triton._splits import split_for
+from gemmtune.kernels.triton._splits import split_for, splits_around
 from gemmtune.kernels.triton._swapped import (BLOCK_MS, BLOCK_N, ROWS_PER_WARP, barrier,
                                               block_m_for, finish_tile, step_scales,
                                               why_not_add_splits, why_not_grid, why_not_here)
@@ -168,9 +168,10 @@ def tiles_for(M: int) -> list[tuple[int, int]]:
 def candidates(M: int, N: int, K: int, dtype: torch.dtype,
                num_sms: int | None = None) -> list[RingConfig]:
     """The configs to tune one shape with, for M <= 256 (none above): each tile ``tiles_for``
-    gives; each block_k; K split to reach each of ``_PROGRAMS_PER_SM``; 2, 4 or 8 slots, as
-    many as that many programs per SM can hold and the split's steps use; split sums in order
-    and, split, added. Only configs that fit."""
+    gives; each block_k; K split to reach each of ``_PROGRAMS_PER_SM`` from above and (the
+    deepest ring only) from below (``_splits.splits_around``); 2, 4 or 8 slots, as many as
+    that many programs per SM can hold and the split's steps use; split sums in order and,
+    split, added. Only configs that fit."""
     if M > MAX_M:
         return []
     num_sms = num_sms or _checks.sm_count()
@@ -179,10 +180,11 @@ def candidates(M: int, N: int, K: int, dtype: torch.dtype,
         for bk in BLOCK_KS:
             k_steps = triton.cdiv(K, bk)
             tiles = triton.cdiv(N, bn) * triton.cdiv(M, bm)
-            for per_sm in _PROGRAMS_PER_SM:
-                split = split_for(tiles, k_steps, per_sm * num_sms, MAX_SPLIT_K)
+            for per_sm, split, above in splits_around(tiles, k_steps, num_sms,
+                                                      _PROGRAMS_PER_SM, MAX_SPLIT_K):
                 most = RING_BYTES // per_sm // ((bn + bm) * bk)
-                for stages in _STAGES:
+                # From below, the deepest ring alone
+                for stages in _STAGES if above else _STAGES[-1:]:
                     stages = max(2, min(stages, most, triton.cdiv(k_steps, split)))
                     for add in sorted({0, int(split > 1)}):
                         cfg = RingConfig(bm, bk, stages, split, add, bn)

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 import triton
@@ -37,7 +36,7 @@ from gemmtune.kernels.triton import _checks, _ring_launch
 from gemmtune.kernels.triton._epilogue import PER_BLOCK
 from gemmtune.kernels.triton._replay import KernelCall, launch
 from gemmtune.kernels.triton._splits import (PDL_OFF, pdl_supported, split_for,
-                                             why_not_wait_pdl)
+                                             splits_around, why_not_wait_pdl)
 from gemmtune.kernels.triton._ring_launch import tma_load
 from gemmtune.kernels.triton._swapped import (MAX_GRID_Z, ROWS_PER_WARP, barrier, finish_tile,
                                               release_then_wait, step_scale_loads,
@@ -177,34 +176,15 @@ _PROGRAMS_PER_SM = (1, 2)
 _STAGES = (3, 4)  # 6 won no shape of the presets at M = 128 and 256 (docs/benchmarks.md)
 
 
-class _Split(NamedTuple):
-    per_sm: int  # programs an SM the split aims at
-    split: int
-    above: bool  # the programs nearest above per_sm an SM (else nearest below)
-
-
-def _splits(tiles: int, k_steps: int, num_sms: int) -> list[_Split]:
-    """The splits of K to try: per ``_PROGRAMS_PER_SM``, the one that brings the programs
-    nearest above that many an SM and, where it differs, the one nearest below (a wave fewer
-    where the one above spills a few programs into another wave)."""
-    found = []
-    for per_sm in _PROGRAMS_PER_SM:
-        above = split_for(tiles, k_steps, per_sm * num_sms, MAX_SPLIT_K)
-        below = max(1, min(above, per_sm * num_sms // tiles))
-        found += [_Split(per_sm, above, True)] + (
-            [_Split(per_sm, below, False)] if below != above else [])
-    return found
-
-
 def candidates(M: int, N: int, K: int, dtype: torch.dtype, num_sms: int | None = None,
                pdl: int = PDL_OFF) -> list[WsRingConfig]:
     """The configs to tune one shape with, for 64 < M <= 256 (none elsewhere): every tile; K
     split to reach one program per SM and two (of the 64 x 64 tile, held two at a time, and
     of the others one after another), from above and (4 slots, ``pdl``) from below
-    (``_splits``); 3 or 4 slots where the split's steps use them; split sums in order and added; launched plainly and,
-    where ``pdl`` is PDL_WAIT, with PDL; where M takes several blocks of x, w's blocks first
-    and x's (``m_first``); where there are more units than the SMs hold programs, persistent
-    programs too (4 slots, ``pdl``)."""
+    (``_splits.splits_around``); 3 or 4 slots where the split's steps use them; split sums in
+    order and added; launched plainly and, where ``pdl`` is PDL_WAIT, with PDL; where M takes
+    several blocks of x, w's blocks first and x's (``m_first``); where there are more units
+    than the SMs hold programs, persistent programs too (4 slots, ``pdl``)."""
     if not MIN_M <= M <= MAX_M:
         return []
     num_sms = num_sms or _checks.sm_count()
@@ -213,7 +193,8 @@ def candidates(M: int, N: int, K: int, dtype: torch.dtype, num_sms: int | None =
     for bm in BLOCK_MS:
         for bn in BLOCK_NS:
             tiles = triton.cdiv(N, bn) * triton.cdiv(M, bm)
-            for per_sm, split, above in _splits(tiles, k_steps, num_sms):
+            for per_sm, split, above in splits_around(tiles, k_steps, num_sms,
+                                                      _PROGRAMS_PER_SM, MAX_SPLIT_K):
                 held = per_sm if (bm, bn) == TWO_PER_SM_TILE else 1
                 looped = sorted({0, int(tiles * split > held * num_sms)})
                 for stages in _STAGES:
