@@ -180,9 +180,9 @@ def test_tuners_offer_it_past_64_rows_where_it_runs(monkeypatch):
         return [c.name for c in gluon_candidates(problem, BLOCKSCALE)
                 if c.name.startswith(gemm_wsring.KERNEL_PREFIX + ":")]
 
-    assert names(128) and names(256)
+    assert names(128) and names(256) and names(gemm_wsring.MIN_M)
     assert set(names(128)) == {c.name for c in gemm_wsring.candidates(128, 4096, 4096, FP8, 132)}
-    assert not names(64)
+    assert not names(gemm_wsring.MIN_M - 1) and not names(gemm_wsring.MAX_M + 1)
 
 
 # --- GPU -----------------------------------------------------------------------------------
