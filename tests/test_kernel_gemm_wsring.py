@@ -1,4 +1,4 @@
-"""The warp-specialised TMA-ring Gluon kernel (``triton.wsring``) of FP8 GEMMs at 64 < M <= 256.
+"""The warp-specialised TMA-ring Gluon kernel (``triton.wsring``) of FP8 GEMMs at 64 <= M <= 256.
 
 Gluon kernels do not run in Triton's interpreter: on the CPU its config space and refusals are
 checked here and its sm_90 code in tests/test_kernels_compile_for_hopper.py; the ``gpu`` tests
@@ -161,9 +161,9 @@ def test_registries_that_take_it(monkeypatch):
         BF16.resolve_for(name, GemmProblem(128, 1536, 7168, torch.bfloat16, torch.bfloat16))
 
 
-def test_tuners_offer_it_past_64_rows_where_it_runs(monkeypatch):
+def test_tuners_offer_it_from_64_rows_where_it_runs(monkeypatch):
     """On a Hopper (faked) the block-scale tuner's Gluon candidates include its configs for
-    64 < M <= 256 and none at M <= 64."""
+    64 <= M <= 256 and none below or above."""
     from gemmtune.families._gemm_tuner import gluon_candidates
     from gemmtune.families.a8w8_blockscale.op import REGISTRY as BLOCKSCALE
     from gemmtune.kernels.problem import GemmProblem, Scaling

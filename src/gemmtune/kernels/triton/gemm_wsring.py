@@ -1,4 +1,4 @@
-"""An FP8 GEMM for 64 < M <= 256 with a warp-specialised TMA ring, in Gluon:
+"""An FP8 GEMM for 64 <= M <= 256 with a warp-specialised TMA ring, in Gluon:
 ``y = (x @ w.T) * scale_a * scale_b + bias``, FP8 block scales applied per K step.
 
 Not swapped, unlike ``triton.ring``: x's rows are the warpgroup MMA's M (64 or 128 a program:
@@ -178,7 +178,7 @@ _STAGES = (3, 4)  # 6 won no shape of the presets at M = 128 and 256 (docs/bench
 
 def candidates(M: int, N: int, K: int, dtype: torch.dtype, num_sms: int | None = None,
                pdl: int = PDL_OFF) -> list[WsRingConfig]:
-    """The configs to tune one shape with, for 64 < M <= 256 (none elsewhere): every tile; K
+    """The configs to tune one shape with, for 64 <= M <= 256 (none elsewhere): every tile; K
     split to reach one program per SM and two (of the 64 x 64 tile, held two at a time, and
     of the others one after another), from above and (4 slots, ``pdl``) from below
     (``_splits.splits_around``); 3 or 4 slots where the split's steps use them; split sums in
