@@ -97,6 +97,23 @@ def test_candidates_and_default_fit(M, N, K):
     assert gemm_ring.fits(gemm_ring.default_config(M, N, K, FP8, num_sms=132), M, N, K, FP8)
 
 
+def test_splits_from_below_take_the_deepest_ring_that_fits():
+    """128 x 4096 x 4096 on 132 SMs: the wide tile's 32 tiles split 5 ways (160 programs) spill
+    past one a SM, so 4 ways (128) is offered too, in the deepest of the ring's depths that
+    fits (4: the 6 the ring's bytes hold do not, the end's fp32 tile beside them); 64 rows of
+    x at M = 64 and 7168 x 256: 112 tiles of 2 steps, unsplit from below, in 2 slots."""
+    wide = {c for c in gemm_ring.candidates(128, 4096, 4096, FP8, num_sms=132)
+            if c.block_n == 128}
+    assert {c.split_k for c in wide} >= {4, 5}
+    below = {c for c in wide if c.split_k == 4}
+    assert {c.stages for c in below} == {4}
+    assert not gemm_ring.fits(dataclasses.replace(next(iter(below)), stages=6),
+                              128, 4096, 4096, FP8)
+    unsplit = [c for c in gemm_ring.candidates(64, 7168, 256, FP8, num_sms=132)
+               if c.split_k == 1]
+    assert unsplit and all(c.stages == 2 for c in unsplit)
+
+
 def test_refuses_the_interpreter_other_gpus_and_tiled_weights(monkeypatch):
     """It says what to use instead: in the interpreter, off Hopper, and for the pre-shuffled
     family (whose registry has no ring)."""

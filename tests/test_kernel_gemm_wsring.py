@@ -97,9 +97,10 @@ def test_candidates_and_default_fit(M, N, K):
     assert bool(found) == (gemm_wsring.MIN_M <= M <= gemm_wsring.MAX_M), (M, N, K)
     if not found:
         return
-    # Every tile, and each split config both ways: its partials summed in order and added.
-    assert {(c.block_m, c.block_n) for c in found} == {(m, n) for m in gemm_wsring.BLOCK_MS
-                                                       for n in gemm_wsring.BLOCK_NS}
+    # Every tile (128 rows of x past 64 only), and each split config both ways: its partials
+    # summed in order and added.
+    assert {(c.block_m, c.block_n) for c in found} == {
+        (m, n) for m in gemm_wsring.BLOCK_MS for n in gemm_wsring.BLOCK_NS if m == 64 or M > 64}
     split = {dataclasses.replace(c, add_splits=0) for c in found if c.split_k > 1}
     assert {dataclasses.replace(c, add_splits=1) for c in split} <= set(found)
     for cfg in found:
@@ -107,14 +108,12 @@ def test_candidates_and_default_fit(M, N, K):
         assert gemm_wsring.smem_bytes(cfg) * cfg.per_sm <= gemm_wsring.SMEM_BYTES
     # Two programs an SM: the 64 x 64 tile's alone (the registers of the others hold one).
     assert {(c.block_m, c.block_n) for c in found if c.per_sm == 2} <= {(64, 64)}
-    # Persistent programs beside a program a unit wherever the units outnumber the programs
-    # the SMs hold, and only there.
-    def more_units_than_programs(c):
-        return -(-N // c.block_n) * -(-M // c.block_m) * c.split_k > c.per_sm * 132
-
-    assert {c for c in found if c.persistent} == {
-        dataclasses.replace(c, persistent=1) for c in found
-        if not c.persistent and more_units_than_programs(c) and c.stages == 4 and c.pdl == 1}
+    # Persistent programs: 4 slots (their ring runs on across units), PDL, and beside a
+    # program a unit of the same tile and split.
+    for c in (c for c in found if c.persistent):
+        assert (c.stages, c.pdl) == (4, 1), c.name
+        assert any(not o.persistent and (o.block_m, o.block_n, o.split_k, o.per_sm) ==
+                   (c.block_m, c.block_n, c.split_k, c.per_sm) for o in found), c.name
     # x's blocks first beside w's wherever M takes several blocks of x, and only there.
     several = {c for c in found if -(-M // c.block_m) > 1}
     assert {c for c in found if c.m_first} == {dataclasses.replace(c, m_first=1)
@@ -183,6 +182,37 @@ def test_tuners_offer_it_from_64_rows_where_it_runs(monkeypatch):
     assert names(128) and names(256) and names(gemm_wsring.MIN_M)
     assert set(names(128)) == {c.name for c in gemm_wsring.candidates(128, 4096, 4096, FP8, 132)}
     assert not names(gemm_wsring.MIN_M - 1) and not names(gemm_wsring.MAX_M + 1)
+
+
+@pytest.mark.parametrize("M, N, K, persistent", [
+    (256, 28672, 4096, {(64, 64), (64, 128), (128, 64), (128, 128)}),  # more tiles than SMs
+    (256, 7168, 256, {(64, 64), (64, 128), (128, 64), (128, 128)}),  # 2 steps: still 4 slots
+    (64, 512, 256, set()),  # 16 units at most: all fit at once
+])
+def test_persistent_where_units_outnumber_the_programs(M, N, K, persistent):
+    found = gemm_wsring.candidates(M, N, K, FP8, num_sms=132, pdl=1)
+    assert {(c.block_m, c.block_n) for c in found if c.persistent} == persistent
+
+
+def test_splits_from_above_and_below_the_programs_per_sm():
+    """24 tiles of 56 steps on 132 SMs: a split of 6 (144 programs) spills 12 into a second
+    wave, so 5 (120) is offered too; at two an SM 11 gives 264 exactly. The below one is
+    offered with 4 slots and the PDL mode asked for only."""
+    from gemmtune.kernels.triton._splits import WaveSplit, splits_around
+
+    assert splits_around(24, 56, 132, (1, 2)) == [WaveSplit(1, 6, True), WaveSplit(1, 5, False),
+                                                  WaveSplit(2, 11, True)]
+    # More tiles than programs: no split from either side; the split's cap holds both.
+    assert splits_around(448, 32, 132, (1, 2)) == [WaveSplit(1, 1, True), WaveSplit(2, 1, True)]
+    assert splits_around(4, 56, 132, (1,), 16) == [WaveSplit(1, 16, True)]
+    found = gemm_wsring.candidates(256, 1536, 7168, FP8, num_sms=132, pdl=1)
+    below = {c for c in found if (c.block_m, c.block_n, c.split_k) == (128, 128, 5)}
+    assert below and all(c.stages == 4 and c.pdl == 1 for c in below)
+    assert {c.split_k for c in found if (c.block_m, c.block_n) == (128, 128)} == {5, 6, 11}
+    # A split from below of fewer steps than slots: its deepest ring is its steps.
+    found = gemm_wsring.candidates(64, 7168, 256, FP8, num_sms=132, pdl=1)
+    assert {(c.stages, c.pdl) for c in found
+            if (c.block_m, c.block_n, c.split_k, c.persistent) == (64, 64, 1, 0)} == {(2, 1)}
 
 
 # --- GPU -----------------------------------------------------------------------------------
@@ -257,20 +287,3 @@ def test_gpu_through_dispatch_replays_on_new_inputs():
         _, wq, _, w_scale = weights[step % 2]
         y = gemmtune.gemm_a8w8_blockscale(xq, wq, x_scale, w_scale, kernel=name)
         check_block_scaled_decode(y, xq, wq, x_scale, w_scale, None, f"call {step}")
-
-
-def test_splits_from_above_and_below_the_programs_per_sm():
-    """24 tiles of 56 steps on 132 SMs: a split of 6 (144 programs) spills 12 into a second
-    wave, so 5 (120) is offered too; at two an SM 11 gives 264 exactly. The below one is
-    offered with 4 slots and the PDL mode asked for only."""
-    from gemmtune.kernels.triton._splits import WaveSplit, splits_around
-
-    assert splits_around(24, 56, 132, (1, 2)) == [WaveSplit(1, 6, True), WaveSplit(1, 5, False),
-                                                  WaveSplit(2, 11, True)]
-    # More tiles than programs: no split from either side; the split's cap holds both.
-    assert splits_around(448, 32, 132, (1, 2)) == [WaveSplit(1, 1, True), WaveSplit(2, 1, True)]
-    assert splits_around(4, 56, 132, (1,), 16) == [WaveSplit(1, 16, True)]
-    found = gemm_wsring.candidates(256, 1536, 7168, FP8, num_sms=132, pdl=1)
-    below = {c for c in found if (c.block_m, c.block_n, c.split_k) == (128, 128, 5)}
-    assert below and all(c.stages == 4 and c.pdl == 1 for c in below)
-    assert {c.split_k for c in found if (c.block_m, c.block_n) == (128, 128)} == {5, 6, 11}

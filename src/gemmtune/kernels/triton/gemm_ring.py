@@ -169,7 +169,7 @@ def candidates(M: int, N: int, K: int, dtype: torch.dtype,
                num_sms: int | None = None) -> list[RingConfig]:
     """The configs to tune one shape with, for M <= 256 (none above): each tile ``tiles_for``
     gives; each block_k; K split to reach each of ``_PROGRAMS_PER_SM`` from above and (the
-    deepest ring only) from below (``_splits.splits_around``); 2, 4 or 8 slots, as many as
+    deepest ring that fits only) from below (``_splits.splits_around``); 2, 4 or 8 slots, as many as
     that many programs per SM can hold and the split's steps use; split sums in order and,
     split, added. Only configs that fit."""
     if M > MAX_M:
@@ -183,13 +183,14 @@ def candidates(M: int, N: int, K: int, dtype: torch.dtype,
             for per_sm, split, above in splits_around(tiles, k_steps, num_sms,
                                                       _PROGRAMS_PER_SM, MAX_SPLIT_K):
                 most = RING_BYTES // per_sm // ((bn + bm) * bk)
-                # From below, the deepest ring alone
-                for stages in _STAGES if above else _STAGES[-1:]:
-                    stages = max(2, min(stages, most, triton.cdiv(k_steps, split)))
-                    for add in sorted({0, int(split > 1)}):
-                        cfg = RingConfig(bm, bk, stages, split, add, bn)
-                        if fits(cfg, M, N, K, dtype):
-                            found[cfg] = None
+                for add in sorted({0, int(split > 1)}):
+                    fitting = [cfg for cfg in (
+                        RingConfig(bm, bk, max(2, min(stages, most, triton.cdiv(k_steps, split))),
+                                   split, add, bn) for stages in _STAGES)
+                               if fits(cfg, M, N, K, dtype)]
+                    # From below, the deepest ring that fits alone
+                    for cfg in fitting if above else sorted(fitting, key=lambda c: c.stages)[-1:]:
+                        found[cfg] = None
     return list(found)
 
 

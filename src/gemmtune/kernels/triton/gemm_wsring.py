@@ -176,40 +176,50 @@ _PROGRAMS_PER_SM = (1, 2)
 _STAGES = (3, 4)  # 6 won no shape of the presets at M = 128 and 256 (docs/benchmarks.md)
 
 
+def _configs(bm: int, bn: int, split: int, held: int, above: bool, looped: int, k_steps: int,
+             several_x_blocks: bool, pdl: int):
+    """One tile's and split's configs: 3 and 4 slots (as many as the split's steps use), the
+    sums in order and added, each launch mode, each launch order; a split from below (``not
+    above``) with the deepest ring and ``pdl`` alone; where ``looped``, persistent programs
+    too, with 4 slots (their ring runs on across units) and ``pdl``."""
+    deepest = max(2, min(max(_STAGES), triton.cdiv(k_steps, split)))
+    for add, first in itertools.product(sorted({0, int(split > 1)}),
+                                        sorted({0, int(several_x_blocks)})):
+        for stages, mode in itertools.product(
+                sorted({max(2, min(s, deepest)) for s in _STAGES}) if above else [deepest],
+                sorted({PDL_OFF, pdl}) if above else [pdl]):
+            yield WsRingConfig(bm, bn, stages, split, add, held, mode, 0, first)
+        if looped:
+            yield WsRingConfig(bm, bn, max(_STAGES), split, add, held, pdl, 1, first)
+
+
 def candidates(M: int, N: int, K: int, dtype: torch.dtype, num_sms: int | None = None,
                pdl: int = PDL_OFF) -> list[WsRingConfig]:
     """The configs to tune one shape with, for 64 <= M <= 256 (none elsewhere): every tile; K
     split to reach one program per SM and two (of the 64 x 64 tile, held two at a time, and
-    of the others one after another), from above and (4 slots, ``pdl``) from below
+    of the others one after another), from above and (the deepest ring, ``pdl``) from below
     (``_splits.splits_around``); 3 or 4 slots where the split's steps use them; split sums in
     order and added; launched plainly and, where ``pdl`` is PDL_WAIT, with PDL; where M takes
     several blocks of x, w's blocks first and x's (``m_first``); where there are more units
-    than the SMs hold programs, persistent programs too (4 slots, ``pdl``)."""
+    than the SMs hold programs, persistent programs too (4 slots, ``pdl``); 128 rows of x
+    only past 64 (``_configs``)."""
     if not MIN_M <= M <= MAX_M:
         return []
     num_sms = num_sms or _checks.sm_count()
     k_steps = triton.cdiv(K, BLOCK_K)
     found = {}
-    for bm in BLOCK_MS:
+    # 128 rows of x where M takes more than 64 (at M = 64 half of them would be TMA's zeros)
+    for bm in (b for b in BLOCK_MS if b == BLOCK_MS[0] or M > BLOCK_MS[0]):
         for bn in BLOCK_NS:
             tiles = triton.cdiv(N, bn) * triton.cdiv(M, bm)
             for per_sm, split, above in splits_around(tiles, k_steps, num_sms,
                                                       _PROGRAMS_PER_SM, MAX_SPLIT_K):
                 held = per_sm if (bm, bn) == TWO_PER_SM_TILE else 1
-                looped = sorted({0, int(tiles * split > held * num_sms)})
-                for stages in _STAGES:
-                    stages = max(2, min(stages, triton.cdiv(k_steps, split)))
-                    for add, mode, persistent, first in itertools.product(
-                            sorted({0, int(split > 1)}), sorted({PDL_OFF, pdl}), looped,
-                            sorted({0, int(triton.cdiv(M, bm) > 1)})):
-                        cfg = WsRingConfig(bm, bn, stages, split, add, held, mode, persistent,
-                                           first)
-                        # Persistent, and the splits from below: the deepest ring and the
-                        # launch asked for only (a persistent program's setup is paid once).
-                        if (persistent or not above) and (stages, mode) != (max(_STAGES), pdl):
-                            continue
-                        if fits(cfg, M, N, K, dtype):
-                            found[cfg] = None
+                looped = int(tiles * split > held * num_sms)
+                for cfg in _configs(bm, bn, split, held, above, looped, k_steps,
+                                    triton.cdiv(M, bm) > 1, pdl):
+                    if fits(cfg, M, N, K, dtype):
+                        found[cfg] = None
     return list(found)
 
 
