@@ -169,9 +169,9 @@ def candidates(M: int, N: int, K: int, dtype: torch.dtype,
                num_sms: int | None = None) -> list[RingConfig]:
     """The configs to tune one shape with, for M <= 256 (none above): each tile ``tiles_for``
     gives; each block_k; K split to reach each of ``_PROGRAMS_PER_SM`` from above and (the
-    deepest ring that fits only) from below (``_splits.splits_around``); 2, 4 or 8 slots, as many as
-    that many programs per SM can hold and the split's steps use; split sums in order and,
-    split, added. Only configs that fit."""
+    deepest ring that fits only) from below (``_splits.splits_around``); 2, 4 or 8 slots, as
+    many as that many programs per SM can hold and the split's steps use; split sums in order
+    and, split, added. Only configs that fit."""
     if M > MAX_M:
         return []
     num_sms = num_sms or _checks.sm_count()
@@ -188,9 +188,9 @@ def candidates(M: int, N: int, K: int, dtype: torch.dtype,
                         RingConfig(bm, bk, max(2, min(stages, most, triton.cdiv(k_steps, split))),
                                    split, add, bn) for stages in _STAGES)
                                if fits(cfg, M, N, K, dtype)]
-                    # From below, the deepest ring that fits alone
-                    for cfg in fitting if above else sorted(fitting, key=lambda c: c.stages)[-1:]:
-                        found[cfg] = None
+                    if fitting and not above:  # from below, the deepest ring that fits alone
+                        fitting = [max(fitting, key=lambda c: c.stages)]
+                    found.update(dict.fromkeys(fitting))
     return list(found)
 
 

@@ -186,7 +186,7 @@ def _configs(bm: int, bn: int, split: int, held: int, above: bool, looped: int, 
     for add, first in itertools.product(sorted({0, int(split > 1)}),
                                         sorted({0, int(several_x_blocks)})):
         for stages, mode in itertools.product(
-                sorted({max(2, min(s, deepest)) for s in _STAGES}) if above else [deepest],
+                sorted({min(s, deepest) for s in _STAGES}) if above else [deepest],
                 sorted({PDL_OFF, pdl}) if above else [pdl]):
             yield WsRingConfig(bm, bn, stages, split, add, held, mode, 0, first)
         if looped:
@@ -338,13 +338,13 @@ def _tile_sum(w_ring, x_ring, ready, empty, base, pid_n, pid_m, lo, steps, M, sc
               scale_b_ptr, k_blocks, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               STAGES: gl.constexpr, BLOCK_SCALED: gl.constexpr):
     """The math warps: x @ w.T's (BLOCK_M, BLOCK_N) tile over K steps [lo, lo + steps) (ring
-    positions ``base`` on), fp32 in the MMA's layout. Pipelined by one step: step i's MMA runs on the tensor cores while step
-    i - 1's product is scaled and added on the FMA units (each MMA from zero, so FP8's
-    reduced-precision sum spans one step of K); step i's scales are loaded as its MMA is
-    issued. Unrolled by two, the two products' registers alternating, and only waited-for
-    products cross the loop's back edge: ptxas serialises every MMA whose registers another
-    instruction reads before its wait, and a product carried in the same registers each step
-    cost a copy of it (64 moves a thread at 128 x 128)."""
+    positions ``base`` on), fp32 in the MMA's layout. Pipelined by one step: step i's MMA runs
+    on the tensor cores while step i - 1's product is scaled and added on the FMA units (each
+    MMA from zero, so FP8's reduced-precision sum spans one step of K); step i's scales are
+    loaded as its MMA is issued. Unrolled by two, the two products' registers alternating, and
+    only waited-for products cross the loop's back edge: ptxas serialises every MMA whose
+    registers another instruction reads before its wait, and a product carried in the same
+    registers each step cost a copy of it (64 moves a thread at 128 x 128)."""
     mma: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[gl.num_warps(), 1], instr_shape=[16, BLOCK_N, 32])
     rows: gl.constexpr = gl.SliceLayout(1, mma)
