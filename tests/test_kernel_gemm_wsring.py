@@ -84,7 +84,7 @@ def test_configs_that_cannot_run_say_why(config, M, N, K, dtype, says):
 
 @pytest.mark.parametrize("M, N, K", [(65, 576, 7168), (128, 4096, 4096), (200, 1040, 2320),
                                      (256, 151936, 5120), (256, 7168, 256), (64, 4096, 4096),
-                                     (300, 4096, 4096)])
+                                     (16, 4096, 4096), (15, 4096, 4096), (300, 4096, 4096)])
 def test_candidates_and_default_fit(M, N, K):
     plain = gemm_wsring.candidates(M, N, K, FP8, num_sms=132)
     found = gemm_wsring.candidates(M, N, K, FP8, num_sms=132, pdl=1)
@@ -160,9 +160,9 @@ def test_registries_that_take_it(monkeypatch):
         BF16.resolve_for(name, GemmProblem(128, 1536, 7168, torch.bfloat16, torch.bfloat16))
 
 
-def test_tuners_offer_it_from_64_rows_where_it_runs(monkeypatch):
+def test_tuners_offer_it_from_min_m_rows_where_it_runs(monkeypatch):
     """On a Hopper (faked) the block-scale tuner's Gluon candidates include its configs for
-    64 <= M <= 256 and none below or above."""
+    MIN_M <= M <= MAX_M and none below or above."""
     from gemmtune.families._gemm_tuner import gluon_candidates
     from gemmtune.families.a8w8_blockscale.op import REGISTRY as BLOCKSCALE
     from gemmtune.kernels.problem import GemmProblem, Scaling
@@ -245,6 +245,10 @@ GPU_CASES = [
     (65, 576, 7168, WsRingConfig(128, 64, 4, 8, 1)),
     (200, 256, 7168, WsRingConfig(128, 128, 5, 28, 1)),
     (100, 1040, 2320, WsRingConfig(64, 128, 3, 3, 1)),
+    # fewer rows of x than the MMA's 64 (TMA's zeros below them): split, added, persistent
+    (16, 1040, 2320, WsRingConfig(64, 128, 3, 3)),
+    (33, 576, 7168, WsRingConfig(64, 64, 4, 8, 1)),
+    (1, 4096, 1040, WsRingConfig(64, 64, 4, 1, 0, 2, 1, 1)),
 ]
 
 

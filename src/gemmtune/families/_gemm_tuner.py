@@ -177,7 +177,7 @@ def triton_candidates(m: int, n: int, k: int, dtype: torch.dtype,
 
 def gluon_candidates(p: GemmProblem, registry) -> list[Candidate]:
     """The Gluon kernels' configs (FP8: ``gemm_frag.candidates`` and ``gemm_wsring.candidates``
-    (64 <= M <= 256) with PDL where it is supported, ``gemm_ring.candidates`` to M = 256) that
+    (16 <= M <= 256) with PDL where it is supported, ``gemm_ring.candidates`` to M = 256) that
     ``registry`` can run for ``p`` (it refuses them off Hopper, in the interpreter, on a layout
     the kernel does not read and, with block scales, at steps other than 128); none without a
     GPU."""

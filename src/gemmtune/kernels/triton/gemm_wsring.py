@@ -1,4 +1,4 @@
-"""An FP8 GEMM for 64 <= M <= 256 with a warp-specialised TMA ring, in Gluon:
+"""An FP8 GEMM for 16 <= M <= 256 with a warp-specialised TMA ring, in Gluon:
 ``y = (x @ w.T) * scale_a * scale_b + bias``, FP8 block scales applied per K step.
 
 Not swapped, unlike ``triton.ring``: x's rows are the warpgroup MMA's M (64 or 128 a program:
@@ -46,7 +46,10 @@ KERNEL_PREFIX = "triton.wsring"
 BLOCK_K = 128  # one FP8 scale block a step
 BLOCK_MS = (64, 128)  # x rows a program: one or two math warpgroups (64 rows each)
 BLOCK_NS = (64, 128)  # w rows a program (the MMA's N); within one block scale of 128 rows
-MIN_M, MAX_M = 64, 256  # the Ms the candidates cover (below, the swapped kernels' rows)
+# The Ms the candidates cover. Below 64 the 64-row MMA is partly TMA's zeros, which cost no
+# reads (x's rows are few next to w's) while the MMA's time stays under the weight's stream;
+# below 16 the swapped kernels take x's rows as the MMA's N of 8 instead.
+MIN_M, MAX_M = 16, 256
 TWO_PER_SM_TILE = (64, 64)  # the tile two programs of an SM can hold (registers)
 MAX_SPLIT_K = 32
 SMEM_BYTES = _checks.SMEM_LIMIT_BYTES
@@ -195,7 +198,7 @@ def _configs(bm: int, bn: int, split: int, held: int, above: bool, looped: int, 
 
 def candidates(M: int, N: int, K: int, dtype: torch.dtype, num_sms: int | None = None,
                pdl: int = PDL_OFF) -> list[WsRingConfig]:
-    """The configs to tune one shape with, for 64 <= M <= 256 (none elsewhere): every tile; K
+    """The configs to tune one shape with, for MIN_M <= M <= MAX_M (none elsewhere): every tile; K
     split to reach one program per SM and two (of the 64 x 64 tile, held two at a time, and
     of the others one after another), from above and (the deepest ring, ``pdl``) from below
     (``_splits.splits_around``); 3 or 4 slots where the split's steps use them; split sums in
