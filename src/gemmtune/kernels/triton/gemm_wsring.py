@@ -46,9 +46,9 @@ KERNEL_PREFIX = "triton.wsring"
 BLOCK_K = 128  # one FP8 scale block a step
 BLOCK_MS = (64, 128)  # x rows a program: one or two math warpgroups (64 rows each)
 BLOCK_NS = (64, 128)  # w rows a program (the MMA's N); within one block scale of 128 rows
-# The Ms the candidates cover. Below 64 the 64-row MMA is partly TMA's zeros, which cost no
-# reads (x's rows are few next to w's) while the MMA's time stays under the weight's stream;
-# below 16 the swapped kernels take x's rows as the MMA's N of 8 instead.
+# The Ms the candidates cover. Below 64 rows the 64-row MMA is partly TMA's zeros, which are
+# not read; on short-K shapes the warp-specialised ring still wins there (H200: 4 of the
+# presets' 26 block-scale shapes at M = 32, 2 at M = 16; docs/benchmarks.md, session 31).
 MIN_M, MAX_M = 16, 256
 TWO_PER_SM_TILE = (64, 64)  # the tile two programs of an SM can hold (registers)
 MAX_SPLIT_K = 32
