@@ -1,10 +1,11 @@
-"""The warp-specialised TMA-ring Gluon kernel (``triton.wsring``) of FP8 GEMMs at 64 <= M <= 256.
+"""The warp-specialised TMA-ring Gluon kernel (``triton.wsring``) of FP8 GEMMs at 16 <= M <= 256.
 
 Gluon kernels do not run in Triton's interpreter: on the CPU its config space and refusals are
 checked here and its sm_90 code in tests/test_kernels_compile_for_hopper.py; the ``gpu`` tests
 check tiles, slots and splits against the fp32 reference at ragged sizes, with every scale
 layout and FP8 block scales, bias and output dtypes, NaN-poisoned outputs, and repeat launches
-bitwise.
+bitwise; fast accumulation (per-row and per-tensor scales) against the reference's K-wide
+bound, and less precise than the promoted sum at long K.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ import pytest
 import torch
 
 from gemm_checks import (assert_block_scaled_decode_launches, assert_fp8_decode_launches,
-                         block_scaled_operands, check_block_scaled_decode, generator)
+                         block_scaled_operands, check_block_scaled_decode, generator, poisoned,
+                         quantised_operands, quantised_scaled)
 from gemmtune.kernels.triton import _swapped, gemm_wsring
 from gemmtune.kernels.triton.gemm_wsring import WsRingConfig
 
@@ -44,6 +46,26 @@ def test_names_round_trip():
     m_first = WsRingConfig(64, 128, 4, 2, 1, 1, 1, 0, 1)
     assert m_first.name == "triton.wsring:BM64.BN128.S4.SK2.R1.O1.P1.L0.G1"
     assert WsRingConfig.from_name(m_first.name) == m_first
+    fast = WsRingConfig(64, 128, 4, 2, fast_accumulation=1)
+    assert fast.name == "triton.wsring:BM64.BN128.S4.SK2.R0.O1.P0.L0.G0.F1"
+    assert WsRingConfig.from_name(fast.name) == fast
+    assert WsRingConfig.from_name("triton.wsring:BM64.BN128.S4.SK2").fast_accumulation == 0
+
+
+def test_fast_accumulation_twins_and_refusals():
+    """A fast twin where a split sums two or more steps of K (with one the two kernels are the
+    same); block scales refuse it, saying why, and take the promoted config."""
+    promoted = WsRingConfig(128, 128, 4, 4, 1, 1, 1)
+    twin = gemm_wsring.fast_twin(promoted, 4096)  # 32 steps, 8 a split
+    assert twin == dataclasses.replace(promoted, fast_accumulation=1)
+    assert gemm_wsring.fast_twin(twin, 4096) is None
+    assert gemm_wsring.fast_twin(WsRingConfig(64, 64, 2, 2), 512) is not None  # 2 a split
+    assert gemm_wsring.fast_twin(WsRingConfig(64, 64, 2, 4), 512) is None  # 1 a split
+    assert gemm_wsring.fast_twin(WsRingConfig(64, 64, 2, 1), 128) is None  # 1 step
+    assert "block scales" in gemm_wsring.why_not_block_scaled(twin, FP8)
+    assert gemm_wsring.why_not_block_scaled(promoted, FP8) is None
+    assert "must be 0" in gemm_wsring.why_not_fits(
+        dataclasses.replace(promoted, fast_accumulation=2), 128, 4096, 4096, FP8)
 
 
 def test_registers_share_an_sm():
@@ -184,6 +206,37 @@ def test_tuners_offer_it_from_min_m_rows_where_it_runs(monkeypatch):
     assert not names(gemm_wsring.MIN_M - 1) and not names(gemm_wsring.MAX_M + 1)
 
 
+def test_a8w8_tuner_runs_fast_twins_kept_only_where_faster(monkeypatch):
+    """Per-row scales (a8w8): each config whose splits sum two or more steps beside its fast
+    twin, which a tie within the noise does not keep (split-K's rule); block scales: none."""
+    from gemmtune.families._gemm_tuner import FAST_FP8_SIMPLICITY, gluon_candidates
+    from gemmtune.families.a8w8.op import REGISTRY as A8W8
+    from gemmtune.families.a8w8_blockscale.op import REGISTRY as BLOCKSCALE
+    from gemmtune.kernels.problem import GemmProblem, Scaling
+    from gemmtune.kernels.triton import _checks, _splits, gemm_frag, gemm_ring
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(_checks, "sm_count", lambda device=None: 132)
+    monkeypatch.setattr(_splits, "pdl_where_supported", lambda: 0)
+    for module in (gemm_frag, gemm_ring, gemm_wsring):
+        monkeypatch.setattr(module, "why_not_here", lambda *args: None)
+
+    def wsring(registry, scaling):
+        problem = GemmProblem(128, 4096, 4096, FP8, torch.bfloat16, scaling=scaling)
+        return {c.name: c for c in gluon_candidates(problem, registry)
+                if c.name.startswith(gemm_wsring.KERNEL_PREFIX + ":")}
+
+    rowwise = wsring(A8W8, Scaling.rowwise)
+    fast = {n: c for n, c in rowwise.items() if WsRingConfig.from_name(n).fast_accumulation}
+    promoted = gemm_wsring.candidates(128, 4096, 4096, FP8, 132)
+    assert set(rowwise) - set(fast) == {c.name for c in promoted}
+    assert set(fast) == {t.name for t in map(lambda c: gemm_wsring.fast_twin(c, 4096), promoted)
+                         if t is not None}
+    assert fast and all(c.simplicity == FAST_FP8_SIMPLICITY for c in fast.values())
+    assert not any(WsRingConfig.from_name(n).fast_accumulation
+                   for n in wsring(BLOCKSCALE, Scaling.block))
+
+
 @pytest.mark.parametrize("M, N, K, persistent", [
     (256, 28672, 4096, {(64, 64), (64, 128), (128, 64), (128, 128)}),  # more tiles than SMs
     (256, 7168, 256, {(64, 64), (64, 128), (128, 64), (128, 128)}),  # 2 steps: still 4 slots
@@ -273,6 +326,51 @@ def test_gpu_block_scales_match_the_dequantised_reference(M, N, K, config):
                                        out=out, block_scales=True)
 
     assert_block_scaled_decode_launches(gemm, M, N, K, config.name, not config.add_splits)
+
+
+# Fast accumulation: one and two warpgroups, split (in order and added) and not, two programs
+# an SM with PDL, persistent, x's blocks first, fewer rows of x than the MMA's.
+FAST_GPU_CASES = [
+    (128, 4096, 4096, WsRingConfig(128, 128, 4, 4, fast_accumulation=1)),
+    (100, 1040, 2320, WsRingConfig(64, 128, 3, 3, 1, fast_accumulation=1)),
+    (33, 576, 7168, WsRingConfig(64, 64, 4, 8, 1, 2, 1, fast_accumulation=1)),
+    (256, 16384, 512, WsRingConfig(128, 128, 4, 1, 0, 1, 0, 1, fast_accumulation=1)),
+    (200, 1040, 1040, WsRingConfig(128, 64, 4, 1, 0, 1, 0, 0, 1, fast_accumulation=1)),
+    (130, 4096, 1040, WsRingConfig(128, 64, 3, 3, 0, 1, 0, 1, fast_accumulation=1)),
+]
+
+
+@pytest.mark.gpu
+@GPU_TIMEOUT
+@pytest.mark.parametrize("M, N, K, config", FAST_GPU_CASES,
+                         ids=lambda v: getattr(v, "name", v))
+@pytest.mark.parametrize("layout", ["tensor", "token_channel"])
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+def test_gpu_fast_accumulation_matches_reference(M, N, K, config, layout, out_dtype):
+    """Within the reference's bound for sums over K (its error grows with K, unlike the
+    promoted sum's: the bound the split-K kernel's fast configs meet), bias included."""
+    quantised_scaled(gemm_wsring.gemm_wsring, M, N, K, FP8, layout, out_dtype, config)
+
+
+@pytest.mark.gpu
+@GPU_TIMEOUT
+def test_gpu_fast_accumulation_is_the_less_precise_sum_at_long_k():
+    """The fast config runs its own loop: at K = 8192 in one split its fp32 result is further
+    from the reference than the promoted config's, which stays within 1.5x cuBLAS's."""
+    M, N, K = 64, 512, 8192
+    xq, wq, x_scale, w_scale = quantised_operands(M, N, K, FP8, "token_channel", generator(K))
+    ref = (xq.double() @ wq.double().T) * (x_scale.reshape(-1, 1) * w_scale.reshape(1, -1))
+    cublas = torch._scaled_mm(xq, wq.T, scale_a=x_scale.reshape(-1, 1).contiguous(),
+                              scale_b=w_scale.reshape(1, -1).contiguous(),
+                              out_dtype=torch.float32)
+    errors = {}
+    for fast in (0, 1):
+        config = WsRingConfig(64, 128, 4, 1, fast_accumulation=fast)
+        y = gemm_wsring.gemm_wsring(xq, wq, None, torch.float32, x_scale, w_scale, config,
+                                    out=poisoned(M, N, torch.float32))
+        errors[fast] = float((y.double() - ref).norm() / ref.norm())
+    theirs = float((cublas.double() - ref).norm() / ref.norm())
+    assert errors[0] <= 1.5 * theirs + 1e-7 and errors[0] < errors[1], (errors, theirs)
 
 
 @pytest.mark.gpu

@@ -421,27 +421,31 @@ WSRING_SCRIPT = PTXAS_REPORT + TMA_GEMM_COMPILE + textwrap.dedent("""
     spills = {}
     # (block_m, block_n, stages, split_k, (scale_a, scale_b, bias), per_sm, order): every
     # tile, the deepest rings they take, block scales (3) and per-row ones, two programs an SM,
-    # programs looping over units, x's blocks first; a negative split adds its partials.
+    # programs looping over units, x's blocks first; a negative split adds its partials; order
+    # + 4: fast accumulation (per-row and per-tensor scales only).
     for block_m, block_n, stages, split_k, epilogue, per_sm, order in (
             (128, 128, 6, 4, (3, 3, False), 1, 0), (128, 128, 4, -8, (3, 3, True), 1, 0),
             (128, 64, 6, 1, (2, 2, True), 1, 0), (64, 128, 6, 2, (1, 1, False), 1, 0),
             (64, 64, 6, -32, (3, 3, False), 1, 0), (64, 64, 6, 3, (3, 3, True), 2, 0),
             (128, 128, 4, 5, (3, 3, False), 1, 0), (64, 128, 4, 5, (2, 2, False), 1, 0),
             (128, 128, 4, 1, (3, 3, True), 1, 1), (64, 64, 4, -4, (3, 3, False), 2, 1),
-            (64, 128, 4, 2, (3, 3, False), 1, 2), (64, 64, 4, 1, (2, 2, True), 1, 3)):
+            (64, 128, 4, 2, (3, 3, False), 1, 2), (64, 64, 4, 1, (2, 2, True), 1, 3),
+            (128, 128, 4, 4, (2, 2, False), 1, 4), (64, 64, 4, -3, (2, 1, True), 2, 5),
+            (64, 128, 3, 2, (1, 1, False), 1, 6), (128, 64, 4, 1, (0, 0, True), 1, 4)):
         # order: 0 a program a unit, w's blocks first; 1 a loop over units; 2 x's blocks
         # first; 3 both
+        fast, order = order >= 4, order % 4
         m_first, persistent = order >= 2, order in (1, 3)
         add_splits, split_k = split_k < 0, abs(split_k)
         config = gemm_wsring.WsRingConfig(block_m, block_n, stages, split_k, int(add_splits),
-                                          per_sm, 0, int(persistent), int(m_first))
+                                          per_sm, 0, int(persistent), int(m_first), int(fast))
         scale_a, scale_b, has_bias = epilogue
         constexprs = dict(HAS_BIAS=has_bias, SCALE_A=scale_a, SCALE_B=scale_b, SPLIT_K=split_k,
                           BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages,
                           PER_LOAD=_swapped.partials_per_load(split_k, block_n, block_m,
                                                               block_m // 16),
                           ADD_SPLITS=add_splits, PDL=per_sm == 2,
-                          PERSISTENT=persistent, M_FIRST=m_first)
+                          PERSISTENT=persistent, M_FIRST=m_first, FAST=fast)
         kernel = compile_tma_gemm(gemm_wsring.gemm_wsring_kernel, block_n, block_m, 128,
                                   constexprs, {"num_warps": block_m // 16,
                                                "maxnreg": gemm_wsring.max_registers(config)})
@@ -473,6 +477,8 @@ WSRING_SCRIPT = PTXAS_REPORT + TMA_GEMM_COMPILE + textwrap.dedent("""
         # Each MMA overlaps the previous step's scaling: ptxas serialises none (C7514: another
         # instruction reads an MMA's registers before its wait).
         assert "C7514" not in report and "C7517" not in report, report
+        # Fast accumulation: each MMA into the running sum, waited for with the next in flight.
+        assert ("wgmma.wait_group.sync.aligned 1;" in text) == fast, fast
     # Only the end spills, past the main loop: a split's sum in order, its loop over the
     # splits unrolled with every load hoisted (128 x 128: 292-340 B at 4 splits, 516-616 at 5;
     # 64 x 128 at 5: 700; added: 80), and a persistent 128 x 128 program's end (300: values

@@ -17,7 +17,7 @@ import torch
 
 from gemmtune.dispatch import KernelRegistry
 from gemmtune.families._scaled_op import Q_DTYPES
-from gemmtune.kernels.problem import GemmProblem
+from gemmtune.kernels.problem import GemmProblem, Scaling
 from gemmtune.measure.timing import (copies_to_exceed_l2, eager_us, graph_replay_us,
                                      interleaved_graph_us)
 from gemmtune.tune.family import Candidate, FamilyTuner, Prepared
@@ -177,8 +177,9 @@ def triton_candidates(m: int, n: int, k: int, dtype: torch.dtype,
 
 def gluon_candidates(p: GemmProblem, registry) -> list[Candidate]:
     """The Gluon kernels' configs (FP8: ``gemm_frag.candidates`` and ``gemm_wsring.candidates``
-    (16 <= M <= 256) with PDL where it is supported, ``gemm_ring.candidates`` to M = 256) that
-    ``registry`` can run for ``p`` (it refuses them off Hopper, in the interpreter, on a layout
+    (16 <= M <= 256) with PDL where it is supported, and without block scales wsring's fast
+    twins (``gemm_wsring.fast_twin``); ``gemm_ring.candidates`` to M = 256) that ``registry``
+    can run for ``p`` (it refuses them off Hopper, in the interpreter, on a layout
     the kernel does not read and, with block scales, at steps other than 128); none without a
     GPU."""
     if not torch.cuda.is_available():
@@ -186,11 +187,18 @@ def gluon_candidates(p: GemmProblem, registry) -> list[Candidate]:
     from gemmtune.kernels.triton import gemm_frag, gemm_ring, gemm_wsring
     from gemmtune.kernels.triton._splits import pdl_where_supported
 
+    wsring = gemm_wsring.candidates(p.m, p.n, p.k, p.dtype, pdl=pdl_where_supported())
     configs = (gemm_frag.candidates(p.m, p.n, p.k, p.dtype, pdl=pdl_where_supported())
-               + gemm_ring.candidates(p.m, p.n, p.k, p.dtype)
-               + gemm_wsring.candidates(p.m, p.n, p.k, p.dtype, pdl=pdl_where_supported()))
-    return [Candidate(cfg.name, "triton", splitk=cfg.split_k) for cfg in configs
-            if registry.can_run(cfg.name, p)]
+               + gemm_ring.candidates(p.m, p.n, p.k, p.dtype) + wsring)
+    found = [Candidate(cfg.name, "triton", splitk=cfg.split_k) for cfg in configs
+             if registry.can_run(cfg.name, p)]
+    if p.scaling == Scaling.block:
+        return found
+    # Fast accumulation as split-K's: kept only where faster beyond the noise.
+    twins = (gemm_wsring.fast_twin(cfg, p.k) for cfg in wsring)
+    return found + [Candidate(t.name, "triton", splitk=t.split_k,
+                              simplicity=FAST_FP8_SIMPLICITY)
+                    for t in twins if t is not None and registry.can_run(t.name, p)]
 
 
 def mxfp4_candidates(p: GemmProblem, wanted: frozenset[str], baseline: str,

@@ -93,7 +93,7 @@ def _kernel_module(prefix: str) -> _KernelModule:
 
         # As the ring's: its TMA descriptors rebuilt around each replayed call's x and w.
         return _KernelModule(m, m.WsRingConfig, m.launch_gemm_wsring, m.gemm_wsring,
-                             m.wsring_call)
+                             m.wsring_call, m.why_not_block_scaled)
     if prefix == W4_PREFIX:
         from gemmtune.kernels.triton import gemm_w4 as m
 

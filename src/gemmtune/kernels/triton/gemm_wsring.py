@@ -21,6 +21,7 @@ so the CPU checks only compile it (tests/test_kernels_compile_for_hopper.py).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass
 
@@ -67,7 +68,8 @@ class WsRingConfig(NamedConfig):
         Field("BM", "block_m"), Field("BN", "block_n"), Field("S", "stages"),
         Field("SK", "split_k"), Field("R", "add_splits", default=0),
         Field("O", "per_sm", default=1), Field("P", "pdl", default=PDL_OFF),
-        Field("L", "persistent", default=0), Field("G", "m_first", default=0)))
+        Field("L", "persistent", default=0), Field("G", "m_first", default=0),
+        Field("F", "fast_accumulation", default=0)))
 
     block_m: int  # x rows a program (the MMA's M): 64 a math warpgroup
     block_n: int  # w rows a program (the MMA's N)
@@ -87,6 +89,12 @@ class WsRingConfig(NamedConfig):
     # program's units), so the programs reading one block of w run together and w comes
     # from HBM once; 0: w's blocks first
     m_first: int = 0
+    # 1 (per-token and per-tensor scales only): each step's MMA adds into the running sum in
+    # the tensor cores, the next one issued before it is waited for, so they run back to back;
+    # FP8's reduced-precision sum then spans the split's K (as torch's use_fast_accum and
+    # gemm_splitk's promote_k=0). 0: each step's MMA from zero, added into fp32 (exact sums of
+    # 128 of K, as cuBLAS; block scales need it)
+    fast_accumulation: int = 0
 
     @property
     def block_k(self) -> int:
@@ -137,6 +145,9 @@ def why_not_fits(config: WsRingConfig, M: int, N: int, K: int,
         return problem
     if c.m_first not in (0, 1):
         return f"m_first={c.m_first} must be 0 (w's blocks first) or 1 (x's blocks first)"
+    if c.fast_accumulation not in (0, 1):
+        return (f"fast_accumulation={c.fast_accumulation} must be 0 (each step added into fp32) "
+                f"or 1 (the steps summed in the tensor cores)")
     if c.persistent not in (0, 1):
         return f"persistent={c.persistent} must be 0 (a program a unit) or 1 (a loop over them)"
     if c.per_sm not in (1, 2):
@@ -169,6 +180,14 @@ def why_not_supported(config: WsRingConfig, M: int, N: int, K: int, dtype: torch
     return (why_not_here("warp-specialised ring kernel", "a triton.splitk or triton.tile config")
             or _checks.why_not_dtypes(dtype, out_dtype)
             or why_not_fits(config, M, N, K, dtype))
+
+
+def why_not_block_scaled(config: WsRingConfig, dtype: torch.dtype) -> str | None:
+    """What keeps ``config`` from FP8 block scales (a scale per 128 of K), or None."""
+    if config.fast_accumulation:
+        return ("fast_accumulation=1 sums the K steps in the tensor cores, where block scales "
+                "must scale each step's product: use fast_accumulation=0")
+    return _checks.why_not_block_scaled(config, dtype)
 
 
 def fits(config: WsRingConfig, M: int, N: int, K: int, dtype: torch.dtype) -> bool:
@@ -224,6 +243,14 @@ def candidates(M: int, N: int, K: int, dtype: torch.dtype, num_sms: int | None =
                     if fits(cfg, M, N, K, dtype):
                         found[cfg] = None
     return list(found)
+
+
+def fast_twin(config: WsRingConfig, K: int) -> WsRingConfig | None:
+    """``config`` with fast accumulation where its splits sum two or more K steps (with one
+    the two are the same kernel); else None. For per-token and per-tensor scales only."""
+    if config.fast_accumulation or triton.cdiv(K, BLOCK_K) // config.split_k < 2:
+        return None
+    return dataclasses.replace(config, fast_accumulation=1)
 
 
 def default_config(M: int, N: int, K: int, dtype: torch.dtype,
@@ -380,12 +407,56 @@ def _tile_sum(w_ring, x_ring, ready, empty, base, pid_n, pid_m, lo, steps, M, sc
 
 
 @gluon.jit
+def _chained_sum(w_ring, x_ring, ready, empty, base, steps, BLOCK_M: gl.constexpr,
+                 BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """The math warps with fast accumulation: x @ w.T's tile over ``steps`` K steps (ring
+    positions ``base`` on) summed in the tensor cores, each step's MMA issued before the one
+    before it is waited for (one in flight behind it), that one's slot freed once it has
+    completed (warpgroup MMAs complete in order)."""
+    mma: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[gl.num_warps(), 1], instr_shape=[16, BLOCK_N, 32])
+    acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=mma)
+    mbarrier.wait(ready.index(base % STAGES), (base // STAGES) & 1)
+    acc = warpgroup_mma(x_ring.index(base % STAGES),
+                        w_ring.index(base % STAGES).permute((1, 0)), acc, use_acc=False,
+                        is_async=True)
+    acc = warpgroup_mma_wait(1, deps=[acc])  # passes at once: the loop carries a tensor
+    for i in range(1, steps):
+        slot = (base + i) % STAGES
+        mbarrier.wait(ready.index(slot), ((base + i) // STAGES) & 1)
+        acc = warpgroup_mma(x_ring.index(slot), w_ring.index(slot).permute((1, 0)), acc,
+                            is_async=True)
+        acc = warpgroup_mma_wait(1, deps=[acc])
+        # Step i - 1's MMA is done: every math warp past the wait, then one arrive.
+        barrier()
+        mbarrier.arrive(empty.index((base + i - 1) % STAGES), count=1)
+    acc = warpgroup_mma_wait(0, deps=[acc])
+    barrier()
+    mbarrier.arrive(empty.index((base + steps - 1) % STAGES), count=1)
+    return acc
+
+
+@gluon.jit
+def _unit_sum(w_ring, x_ring, ready, empty, base, pid_n, pid_m, lo, steps, M, scale_a_ptr,
+              scale_b_ptr, k_blocks, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+              STAGES: gl.constexpr, BLOCK_SCALED: gl.constexpr, FAST: gl.constexpr):
+    """One unit's tile: summed in the tensor cores (``FAST``) or step by step in fp32."""
+    if FAST:
+        acc = _chained_sum(w_ring, x_ring, ready, empty, base, steps, BLOCK_M, BLOCK_N, STAGES)
+    else:
+        acc = _tile_sum(w_ring, x_ring, ready, empty, base, pid_n, pid_m, lo, steps, M,
+                        scale_a_ptr, scale_b_ptr, k_blocks, BLOCK_M, BLOCK_N, STAGES,
+                        BLOCK_SCALED)
+    return acc
+
+
+@gluon.jit
 def _math(w_ring, x_ring, ready, empty, pid_n, pid_m, lo, steps, M, scale_a_ptr, scale_b_ptr,
           k_blocks, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-          BLOCK_SCALED: gl.constexpr):
+          BLOCK_SCALED: gl.constexpr, FAST: gl.constexpr):
     """The math warps of a program of one tile: its sum, the region's result (a tuple)."""
-    return (_tile_sum(w_ring, x_ring, ready, empty, 0, pid_n, pid_m, lo, steps, M, scale_a_ptr,
-                      scale_b_ptr, k_blocks, BLOCK_M, BLOCK_N, STAGES, BLOCK_SCALED),)
+    return (_unit_sum(w_ring, x_ring, ready, empty, 0, pid_n, pid_m, lo, steps, M, scale_a_ptr,
+                      scale_b_ptr, k_blocks, BLOCK_M, BLOCK_N, STAGES, BLOCK_SCALED, FAST),)
 
 
 @gluon.jit
@@ -394,15 +465,15 @@ def _persistent_math(w_ring, x_ring, ready, empty, y_ptr, bias_ptr, scale_a_ptr,
                      units, n_tiles, m_tiles, HAS_BIAS: gl.constexpr, SCALE_A: gl.constexpr,
                      SCALE_B: gl.constexpr, SPLIT_K: gl.constexpr, BLOCK_M: gl.constexpr,
                      BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PER_LOAD: gl.constexpr,
-                     ADD_SPLITS: gl.constexpr, M_FIRST: gl.constexpr):
+                     ADD_SPLITS: gl.constexpr, M_FIRST: gl.constexpr, FAST: gl.constexpr):
     """The math warps of a persistent program: each unit's sum, then its end (scales, bias,
     splits), while the producer already fills the ring with the next unit's steps."""
     base = 0
     for u in range(gl.program_id(0), units, gl.num_programs(0)):
         pid_n, split, pid_m, lo, steps = _unit(u, K, n_tiles, m_tiles, SPLIT_K, M_FIRST)
-        acc = _tile_sum(w_ring, x_ring, ready, empty, base, pid_n, pid_m, lo, steps, M,
+        acc = _unit_sum(w_ring, x_ring, ready, empty, base, pid_n, pid_m, lo, steps, M,
                         scale_a_ptr, scale_b_ptr, k_blocks, BLOCK_M, BLOCK_N, STAGES,
-                        SCALE_A == _PER_BLOCK)
+                        SCALE_A == _PER_BLOCK, FAST)
         base += steps
         finish_tile(acc.permute((1, 0)), pid_n, split, pid_m, y_ptr, bias_ptr, scale_a_ptr,
                     scale_b_ptr, part_ptr, count_ptr, M, N, stride_ym, stride_yn, stride_bias,
@@ -420,7 +491,7 @@ def gemm_wsring_kernel(
     HAS_BIAS: gl.constexpr, SCALE_A: gl.constexpr, SCALE_B: gl.constexpr,
     SPLIT_K: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     PER_LOAD: gl.constexpr, ADD_SPLITS: gl.constexpr, PDL: gl.constexpr,
-    PERSISTENT: gl.constexpr, M_FIRST: gl.constexpr,
+    PERSISTENT: gl.constexpr, M_FIRST: gl.constexpr, FAST: gl.constexpr,
 ):
     if PDL:
         # Before any memory is touched: only the setup overlaps the previous kernel.
@@ -456,7 +527,7 @@ def gemm_wsring_kernel(
                                 scale_b_ptr, part_ptr, count_ptr, M, N, K, stride_ym,
                                 stride_yn, stride_bias, k_blocks, units, n_tiles, m_tiles,
                                 HAS_BIAS, SCALE_A, SCALE_B, SPLIT_K, BLOCK_M, BLOCK_N, STAGES,
-                                PER_LOAD, ADD_SPLITS, M_FIRST)),
+                                PER_LOAD, ADD_SPLITS, M_FIRST, FAST)),
             (_persistent_producer, (w_desc, x_desc, w_ring, x_ring, ready, empty, K, units,
                                     n_tiles, m_tiles, BLOCK_M, BLOCK_N, SPLIT_K, STAGES,
                                     M_FIRST)),
@@ -464,7 +535,8 @@ def gemm_wsring_kernel(
     else:
         acc, = gl.warp_specialize([
             (_math, (w_ring, x_ring, ready, empty, pid_n, pid_m, lo, steps, M, scale_a_ptr,
-                     scale_b_ptr, k_blocks, BLOCK_M, BLOCK_N, STAGES, SCALE_A == _PER_BLOCK)),
+                     scale_b_ptr, k_blocks, BLOCK_M, BLOCK_N, STAGES, SCALE_A == _PER_BLOCK,
+                     FAST)),
             (_producer, (w_desc, x_desc, w_ring, x_ring, ready, empty, pid_n * BLOCK_N,
                          pid_m * BLOCK_M, lo, steps, STAGES)),
         ], [_PRODUCER_WARPS], [_PRODUCER_REGS])
@@ -490,7 +562,8 @@ def wsring_call(x, w, bias, out, scale_a, scale_b, config: WsRingConfig,
     return _ring_launch.ring_call(gemm_wsring_kernel, x, w, bias, out, scale_a, scale_b, config,
                                   counters, warmup, block_scales,
                                   dict(PDL=pdl != PDL_OFF, PERSISTENT=bool(config.persistent),
-                                       M_FIRST=bool(config.m_first)),
+                                       M_FIRST=bool(config.m_first),
+                                       FAST=bool(config.fast_accumulation)),
                                   dict(maxnreg=max_registers(config)),
                                   launch_pdl=pdl != PDL_OFF, grid=grid)
 
@@ -514,4 +587,4 @@ def gemm_wsring(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = No
         raise ValueError("gemm_wsring: Gluon kernels do not run in Triton's interpreter")
     return _checks.validated_launch("gemm_wsring", launch_gemm_wsring, default_config,
                                     why_not_fits, x, w, bias, out_dtype, scale_a, scale_b,
-                                    config, out, block_scales)
+                                    config, out, block_scales, why_not_block_scaled)
