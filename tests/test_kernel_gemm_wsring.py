@@ -66,6 +66,11 @@ def test_fast_accumulation_twins_and_refusals():
     assert gemm_wsring.why_not_block_scaled(promoted, FP8) is None
     assert "must be 0" in gemm_wsring.why_not_fits(
         dataclasses.replace(promoted, fast_accumulation=2), 128, 4096, 4096, FP8)
+    # The launch-only path (a dispatch plan's, no config checks) refuses the pair too.
+    x, w = torch.zeros(128, 4096).to(FP8), torch.zeros(256, 4096).to(FP8)
+    with pytest.raises(ValueError, match="fast_accumulation=1 sums the K steps"):
+        gemm_wsring.wsring_call(x, w, None, torch.empty(128, 256), torch.ones(128, 32),
+                                torch.ones(2, 32), twin, block_scales=True)
 
 
 def test_registers_share_an_sm():
@@ -176,6 +181,11 @@ def test_registries_that_take_it(monkeypatch):
     rowwise = GemmProblem(128, 1536, 7168, FP8, torch.bfloat16, scaling=Scaling.rowwise)
     assert BLOCKSCALE.can_run(name, blocked)
     assert A8W8.can_run(name, rowwise)
+    # Fast accumulation: per-row scales only; block scales refuse it, saying why.
+    fast = WsRingConfig(128, 128, 4, 4, fast_accumulation=1).name
+    assert A8W8.can_run(fast, rowwise) and not BLOCKSCALE.can_run(fast, blocked)
+    with pytest.raises(KernelNameError, match="fast_accumulation=1 sums the K steps"):
+        BLOCKSCALE.resolve_for(fast, blocked)
     with pytest.raises(KernelNameError, match="triton.wsring"):
         SHUFFLED.resolve_for(name, dataclasses.replace(rowwise, preshuffled=True))
     with pytest.raises(KernelNameError, match="float8_e4m3fn only"):
@@ -206,9 +216,10 @@ def test_tuners_offer_it_from_min_m_rows_where_it_runs(monkeypatch):
     assert not names(gemm_wsring.MIN_M - 1) and not names(gemm_wsring.MAX_M + 1)
 
 
-def test_a8w8_tuner_runs_fast_twins_kept_only_where_faster(monkeypatch):
+def test_a8w8_tuner_runs_fast_twins_marked_as_split_k_fast_configs(monkeypatch):
     """Per-row scales (a8w8): each config whose splits sum two or more steps beside its fast
-    twin, which a tie within the noise does not keep (split-K's rule); block scales: none."""
+    twin, marked as split-K's fast configs (FAST_FP8_SIMPLICITY: a tie within the noise does
+    not keep it); block scales: none."""
     from gemmtune.families._gemm_tuner import FAST_FP8_SIMPLICITY, gluon_candidates
     from gemmtune.families.a8w8.op import REGISTRY as A8W8
     from gemmtune.families.a8w8_blockscale.op import REGISTRY as BLOCKSCALE
@@ -337,6 +348,9 @@ FAST_GPU_CASES = [
     (256, 16384, 512, WsRingConfig(128, 128, 4, 1, 0, 1, 0, 1, fast_accumulation=1)),
     (200, 1040, 1040, WsRingConfig(128, 64, 4, 1, 0, 1, 0, 0, 1, fast_accumulation=1)),
     (130, 4096, 1040, WsRingConfig(128, 64, 3, 3, 0, 1, 0, 1, fast_accumulation=1)),
+    # 2-slot rings: a step a split, and two
+    (128, 512, 384, WsRingConfig(128, 128, 2, 3, fast_accumulation=1)),
+    (200, 1040, 512, WsRingConfig(64, 128, 2, 2, 1, fast_accumulation=1)),
 ]
 
 
@@ -356,7 +370,8 @@ def test_gpu_fast_accumulation_matches_reference(M, N, K, config, layout, out_dt
 @GPU_TIMEOUT
 def test_gpu_fast_accumulation_is_the_less_precise_sum_at_long_k():
     """The fast config runs its own loop: at K = 8192 in one split its fp32 result is further
-    from the reference than the promoted config's, which stays within 1.5x cuBLAS's."""
+    from the reference than the promoted config's, which stays within 3x cuBLAS's (as
+    ``assert_long_k_as_precise_as_cublas`` holds the promoted Gluon kernels)."""
     M, N, K = 64, 512, 8192
     xq, wq, x_scale, w_scale = quantised_operands(M, N, K, FP8, "token_channel", generator(K))
     ref = (xq.double() @ wq.double().T) * (x_scale.reshape(-1, 1) * w_scale.reshape(1, -1))
@@ -370,7 +385,7 @@ def test_gpu_fast_accumulation_is_the_less_precise_sum_at_long_k():
                                     out=poisoned(M, N, torch.float32))
         errors[fast] = float((y.double() - ref).norm() / ref.norm())
     theirs = float((cublas.double() - ref).norm() / ref.norm())
-    assert errors[0] <= 1.5 * theirs + 1e-7 and errors[0] < errors[1], (errors, theirs)
+    assert errors[0] <= 3 * theirs + 1e-7 and errors[0] < errors[1], (errors, theirs)
 
 
 @pytest.mark.gpu

@@ -472,7 +472,7 @@ WSRING_SCRIPT = PTXAS_REPORT + TMA_GEMM_COMPILE + textwrap.dedent("""
         pdl = "griddepcontrol.wait" in text
         assert pdl == constexprs["PDL"]
         assert not pdl or text.index("griddepcontrol.wait") < text.index("cp.async.bulk.tensor")
-        report, spills[block_m, block_n, split_k, add_splits, persistent, m_first] = \
+        report, spills[block_m, block_n, split_k, add_splits, persistent, m_first, fast] = \
             ptxas_report(text)
         # Each MMA overlaps the previous step's scaling: ptxas serialises none (C7514: another
         # instruction reads an MMA's registers before its wait).
@@ -480,7 +480,8 @@ WSRING_SCRIPT = PTXAS_REPORT + TMA_GEMM_COMPILE + textwrap.dedent("""
         # Fast accumulation: each MMA into the running sum, waited for with the next in flight.
         assert ("wgmma.wait_group.sync.aligned 1;" in text) == fast, fast
     # Only the end spills, past the main loop: a split's sum in order, its loop over the
-    # splits unrolled with every load hoisted (128 x 128: 292-340 B at 4 splits, 516-616 at 5;
+    # splits unrolled with every load hoisted (128 x 128: 292-340 B at 4 splits, 556-588 with
+    # fast accumulation, 516-616 at 5;
     # 64 x 128 at 5: 700; added: 80), and a persistent 128 x 128 program's end (300: values
     # for it kept across the units' loop; Triton 3.6 and 3.9). A cost once a unit, timed by the
     # tuner beside the configs that have none.

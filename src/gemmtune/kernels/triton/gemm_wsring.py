@@ -441,6 +441,8 @@ def _unit_sum(w_ring, x_ring, ready, empty, base, pid_n, pid_m, lo, steps, M, sc
               scale_b_ptr, k_blocks, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
               STAGES: gl.constexpr, BLOCK_SCALED: gl.constexpr, FAST: gl.constexpr):
     """One unit's tile: summed in the tensor cores (``FAST``) or step by step in fp32."""
+    gl.static_assert(not (FAST and BLOCK_SCALED),
+                     "fast accumulation cannot scale each K step by its block scales")
     if FAST:
         acc = _chained_sum(w_ring, x_ring, ready, empty, base, steps, BLOCK_M, BLOCK_N, STAGES)
     else:
@@ -552,6 +554,8 @@ def wsring_call(x, w, bias, out, scale_a, scale_b, config: WsRingConfig,
                 block_scales: bool = False) -> KernelCall:
     """The launch as data (what a dispatch plan records and replays; its TMA descriptors are
     rebuilt around each later call's x and w), with its registers capped for ``per_sm``."""
+    if block_scales and (problem := why_not_block_scaled(config, x.dtype)):
+        raise ValueError(f"gemm_wsring: {config.name}: {problem}")
     pdl = config.pdl if pdl_supported(x.device) else PDL_OFF
     n_tiles = triton.cdiv(w.shape[0], config.block_n)
     m_tiles = triton.cdiv(x.shape[0], config.block_m)
