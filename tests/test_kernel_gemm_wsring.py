@@ -49,12 +49,16 @@ def test_names_round_trip():
     fast = WsRingConfig(64, 128, 4, 2, fast_accumulation=1)
     assert fast.name == "triton.wsring:BM64.BN128.S4.SK2.R0.O1.P0.L0.G0.F1"
     assert WsRingConfig.from_name(fast.name) == fast
+    streamed = WsRingConfig(64, 64, 4, 1, 0, 2, 1, 1, stream_k=1)
+    assert streamed.name == "triton.wsring:BM64.BN64.S4.SK1.R0.O2.P1.L1.G0.F0.K1"
+    assert WsRingConfig.from_name(streamed.name) == streamed
     assert WsRingConfig.from_name("triton.wsring:BM64.BN128.S4.SK2").fast_accumulation == 0
 
 
 def test_fast_accumulation_twins_and_refusals():
     """A fast twin where a split sums two or more steps of K (with one the two kernels are the
-    same); block scales refuse it, saying why, and take the promoted config."""
+    same); block scales refuse it, saying why, and take the promoted config. Stream-K takes
+    persistent, unsplit configs only."""
     promoted = WsRingConfig(128, 128, 4, 4, 1, 1, 1)
     twin = gemm_wsring.fast_twin(promoted, 4096)  # 32 steps, 8 a split
     assert twin == dataclasses.replace(promoted, fast_accumulation=1)
@@ -66,6 +70,11 @@ def test_fast_accumulation_twins_and_refusals():
     assert gemm_wsring.why_not_block_scaled(promoted, FP8) is None
     assert "must be 0" in gemm_wsring.why_not_fits(
         dataclasses.replace(promoted, fast_accumulation=2), 128, 4096, 4096, FP8)
+    # Stream-K: persistent and unsplit only.
+    for bad in (WsRingConfig(64, 64, 4, 1, stream_k=1), WsRingConfig(64, 64, 4, 2, 1, 1, 0, 1,
+                                                                        stream_k=1)):
+        assert "stream_k=1 takes persistent programs" in gemm_wsring.why_not_fits(
+            bad, 128, 4096, 4096, FP8)
     # The launch-only path (a dispatch plan's, no config checks) refuses the pair too.
     x, w = torch.zeros(128, 4096).to(FP8), torch.zeros(256, 4096).to(FP8)
     with pytest.raises(ValueError, match="fast_accumulation=1 sums the K steps"):
@@ -137,10 +146,17 @@ def test_candidates_and_default_fit(M, N, K):
     assert {(c.block_m, c.block_n) for c in found if c.per_sm == 2} <= {(64, 64)}
     # Persistent programs: 4 slots (their ring runs on across units), PDL, and beside a
     # program a unit of the same tile and split.
-    for c in (c for c in found if c.persistent):
+    for c in (c for c in found if c.persistent and not c.stream_k):
         assert (c.stages, c.pdl) == (4, 1), c.name
         assert any(not o.persistent and (o.block_m, o.block_n, o.split_k, o.per_sm) ==
                    (c.block_m, c.block_n, c.split_k, c.per_sm) for o in found), c.name
+    # Stream-K for every tile: persistent, unsplit, 4 slots, PDL, each launch order, both
+    # programs an SM for the 64 x 64 tile.
+    streamed = {c for c in found if c.stream_k}
+    assert {(c.block_m, c.block_n) for c in streamed} == {(c.block_m, c.block_n) for c in found}
+    assert all((c.persistent, c.split_k, c.add_splits, c.stages, c.pdl) == (1, 1, 0, 4, 1)
+               for c in streamed)
+    assert {c.per_sm for c in streamed if (c.block_m, c.block_n) == (64, 64)} == {1, 2}
     # x's blocks first beside w's wherever M takes several blocks of x, and only there.
     several = {c for c in found if -(-M // c.block_m) > 1}
     assert {c for c in found if c.m_first} == {dataclasses.replace(c, m_first=1)
@@ -255,7 +271,8 @@ def test_a8w8_tuner_runs_fast_twins_marked_as_split_k_fast_configs(monkeypatch):
 ])
 def test_persistent_where_units_outnumber_the_programs(M, N, K, persistent):
     found = gemm_wsring.candidates(M, N, K, FP8, num_sms=132, pdl=1)
-    assert {(c.block_m, c.block_n) for c in found if c.persistent} == persistent
+    assert {(c.block_m, c.block_n) for c in found if c.persistent and not c.stream_k} == \
+        persistent
 
 
 def test_splits_from_above_and_below_the_programs_per_sm():
@@ -272,7 +289,8 @@ def test_splits_from_above_and_below_the_programs_per_sm():
     found = gemm_wsring.candidates(256, 1536, 7168, FP8, num_sms=132, pdl=1)
     below = {c for c in found if (c.block_m, c.block_n, c.split_k) == (128, 128, 5)}
     assert below and all(c.stages == 4 and c.pdl == 1 for c in below)
-    assert {c.split_k for c in found if (c.block_m, c.block_n) == (128, 128)} == {5, 6, 11}
+    assert {c.split_k for c in found
+            if (c.block_m, c.block_n) == (128, 128) and not c.stream_k} == {5, 6, 11}
     # A split from below of fewer steps than slots: its deepest ring is its steps.
     found = gemm_wsring.candidates(64, 7168, 256, FP8, num_sms=132, pdl=1)
     assert {(c.stages, c.pdl) for c in found
@@ -309,11 +327,22 @@ GPU_CASES = [
     (65, 576, 7168, WsRingConfig(128, 64, 4, 8, 1)),
     (200, 256, 7168, WsRingConfig(128, 128, 5, 28, 1)),
     (100, 1040, 2320, WsRingConfig(64, 128, 3, 3, 1)),
+    # stream-K: parts of tiles across programs (runs of 15.5, 2.6 and 1.9 steps of tiles of 32,
+    # 19 and 56), x's blocks first, two programs an SM
+    (256, 4096, 4096, WsRingConfig(128, 128, 4, 1, 0, 1, 1, 1, stream_k=1)),
+    (100, 1040, 2320, WsRingConfig(64, 128, 4, 1, 0, 1, 0, 1, 1, stream_k=1)),
+    (33, 576, 7168, WsRingConfig(64, 64, 4, 1, 0, 2, 1, 1, stream_k=1)),
     # fewer rows of x than the MMA's 64 (TMA's zeros below them): split, added, persistent
     (16, 1040, 2320, WsRingConfig(64, 128, 3, 3)),
     (33, 576, 7168, WsRingConfig(64, 64, 4, 8, 1)),
     (1, 4096, 1040, WsRingConfig(64, 64, 4, 1, 0, 2, 1, 1)),
 ]
+
+
+def _reproducible(config: WsRingConfig) -> bool:
+    """Whether a second launch must give the same bits: not where parts of a tile are added in
+    their arrival order (added splits, stream-K)."""
+    return not (config.add_splits or config.stream_k)
 
 
 @pytest.mark.gpu
@@ -325,7 +354,7 @@ def test_gpu_matches_reference(M, N, K, config, layout):
         return gemm_wsring.gemm_wsring(xq, wq, bias, out_dtype, x_scale, w_scale, config,
                                        out=out)
 
-    assert_fp8_decode_launches(gemm, M, N, K, layout, config.name, not config.add_splits)
+    assert_fp8_decode_launches(gemm, M, N, K, layout, config.name, _reproducible(config))
 
 
 @pytest.mark.gpu
@@ -336,7 +365,7 @@ def test_gpu_block_scales_match_the_dequantised_reference(M, N, K, config):
         return gemm_wsring.gemm_wsring(xq, wq, bias, out_dtype, x_scale, w_scale, config,
                                        out=out, block_scales=True)
 
-    assert_block_scaled_decode_launches(gemm, M, N, K, config.name, not config.add_splits)
+    assert_block_scaled_decode_launches(gemm, M, N, K, config.name, _reproducible(config))
 
 
 # Fast accumulation: one and two warpgroups, split (in order and added) and not, two programs
@@ -351,6 +380,7 @@ FAST_GPU_CASES = [
     # 2-slot rings: a step a split, and two
     (128, 512, 384, WsRingConfig(128, 128, 2, 3, fast_accumulation=1)),
     (200, 1040, 512, WsRingConfig(64, 128, 2, 2, 1, fast_accumulation=1)),
+    (200, 1040, 1040, WsRingConfig(128, 64, 4, 1, 0, 1, 0, 1, 1, 1, 1)),  # stream-K
 ]
 
 

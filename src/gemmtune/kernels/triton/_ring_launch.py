@@ -35,19 +35,22 @@ def descriptors(x: torch.Tensor, w: torch.Tensor, block_n: int, block_m: int, bl
 
 def ring_call(kernel, x, w, bias, out, scale_a, scale_b, config, counters, warmup: bool,
               block_scales: bool, constexprs: dict, options: dict, launch_pdl: bool = False,
-              grid: tuple | None = None) -> KernelCall:
+              grid: tuple | None = None, parts_of_tiles: bool = False) -> KernelCall:
     """``kernel``'s launch for ``config`` (its block_n, block_m, block_k, stages, split_k,
     add_splits and num_warps) on x (M, K) and w (N, K) into ``out``, with the kernel's own
     ``constexprs`` and launch ``options`` beside the shared ones; on ``grid``, else a program
-    a unit (w's block, K's split, x's block)."""
+    a unit (w's block, K's split, x's block). ``parts_of_tiles`` (stream-K): unsplit, but
+    programs add parts of tiles, so every tile has its zeroed fp32 sum and counter."""
     M, K = x.shape
     N = w.shape[0]
     x, w = _checks.tma_ready(x), _checks.tma_ready(w)
     w_desc, x_desc = descriptors(x, w, config.block_n, config.block_m, config.block_k)
     n_tiles, m_tiles = triton.cdiv(N, config.block_n), triton.cdiv(M, config.block_m)
+    # The workspace of added splits (any split above one sizes it alike) for parts of tiles.
+    split_k = max(config.split_k, 2) if parts_of_tiles else config.split_k
     parts, counters, per_call = workspace(x, out, n_tiles * m_tiles,
-                                          config.block_n * config.block_m, config.split_k,
-                                          counters, warmup, bool(config.add_splits))
+                                          config.block_n * config.block_m, split_k, counters,
+                                          warmup, bool(config.add_splits) or parts_of_tiles)
     bias_, scale_a_, scale_b_ = epilogue_operands(x, bias, scale_a, scale_b)
     args = (w_desc, x_desc, out, bias_, scale_a_, scale_b_, parts, counters, M, N, K,
             out.stride(0), out.stride(1), bias.stride(0) if bias is not None else 0,

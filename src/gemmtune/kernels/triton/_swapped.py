@@ -172,19 +172,11 @@ def _end_layout(block_n, warps):
 
 
 @gluon.jit
-def finish_tile(acc, pid_n, split, pid_m, y_ptr, bias_ptr, scale_a_ptr, scale_b_ptr, part_ptr,
-                count_ptr, M, N, stride_ym, stride_yn, stride_bias, HAS_BIAS: gl.constexpr,
-                SCALE_A: gl.constexpr, SCALE_B: gl.constexpr, SPLIT_K: gl.constexpr,
-                BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, PER_LOAD: gl.constexpr,
-                ADD_SPLITS: gl.constexpr, n_tiles=None):
-    """y.T's (BLOCK_N, BLOCK_M) tile ``acc`` (any layout) of split ``split``: scaled and stored,
-    or, split, the split's sum finished by the last to arrive. Either each split's fp32 partial
-    is stored and the last sums them in split order (bitwise deterministic, as
-    ``_splits.sum_splits_and_store``), or, ``ADD_SPLITS``, each split adds its partial into the
-    tile's fp32 sum in memory (zero at rest: ``_splits.workspace``) and the last reads that sum
-    once and zeroes it (one round trip instead of SPLIT_K / PER_LOAD; the adds' order, and so
-    the sum's last bits, follow the splits' arrival). The tile is w's block ``pid_n`` and x's
-    ``pid_m`` of ``n_tiles`` blocks of w (None: the grid's first axis, one program a tile)."""
+def _tile_end(acc, pid_n, pid_m, y_ptr, M, N, stride_ym, stride_yn, BLOCK_N: gl.constexpr,
+              BLOCK_M: gl.constexpr):
+    """What an end needs of y.T's (BLOCK_N, BLOCK_M) tile ``acc`` (w's block ``pid_n``, x's
+    ``pid_m``): the tile in the end's layout, its rows of w and of x, both clamped into range,
+    its corner in y, and each element's offset in the tile's fp32 sum or partial."""
     # One thread per element of the (BLOCK_N, BLOCK_M) tile (BLOCK_N rows: 32 lanes x
     # BLOCK_N / 32 warps, any other warps along x's rows), so the partials' sum and the stores
     # touch each element once.
@@ -198,6 +190,48 @@ def finish_tile(acc, pid_n, split, pid_m, y_ptr, bias_ptr, scale_a_ptr, scale_b_
     # tile of 64-bit pointers held across the sum took 2 registers an element).
     y_tile = y_ptr + (pid_m * BLOCK_M).to(gl.int64) * stride_ym \
         + (pid_n * BLOCK_N).to(gl.int64) * stride_yn
+    # [BLOCK_M][BLOCK_N] (w's rows fastest, as the lanes of out_layout run): coalesced.
+    local = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, out_layout))[:, None] \
+        + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, out_layout))[None, :] * BLOCK_N
+    return out, on, om, cols, rows, y_tile, local
+
+
+@gluon.jit
+def _added_completes(out, tile_sum, count, share, whole, local):
+    """Add ``out`` into the tile's fp32 sum in memory (relaxed atomics at L2) and ``share`` into
+    its counter: whether these parts complete ``whole`` (this one is the last to arrive)."""
+    gl.atomic_add(tile_sum + local, out, sem="relaxed", scope="gpu")
+    # Every thread's part before the one release (as _splits.sum_splits_and_store).
+    barrier()
+    arrived = gl.atomic_add(count, share, sem="acq_rel", scope="gpu")
+    return arrived == whole - share
+
+
+@gluon.jit
+def _taken_sum(tile_sum, count, local):
+    """The tile's fp32 sum, read once; the sum and its counter left zero for the next launch."""
+    total = gl.load(tile_sum + local, cache_modifier=".cg")
+    gl.store(tile_sum + local, gl.zeros_like(total))
+    gl.store(count, 0)
+    return total
+
+
+@gluon.jit
+def finish_tile(acc, pid_n, split, pid_m, y_ptr, bias_ptr, scale_a_ptr, scale_b_ptr, part_ptr,
+                count_ptr, M, N, stride_ym, stride_yn, stride_bias, HAS_BIAS: gl.constexpr,
+                SCALE_A: gl.constexpr, SCALE_B: gl.constexpr, SPLIT_K: gl.constexpr,
+                BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, PER_LOAD: gl.constexpr,
+                ADD_SPLITS: gl.constexpr, n_tiles=None):
+    """y.T's (BLOCK_N, BLOCK_M) tile ``acc`` (any layout) of split ``split``: scaled and stored,
+    or, split, the split's sum finished by the last to arrive. Either each split's fp32 partial
+    is stored and the last sums them in split order (bitwise deterministic, as
+    ``_splits.sum_splits_and_store``), or, ``ADD_SPLITS``, each split adds its partial into the
+    tile's fp32 sum in memory (zero at rest: ``_splits.workspace``) and the last reads that sum
+    once and zeroes it (one round trip instead of SPLIT_K / PER_LOAD; the adds' order, and so
+    the sum's last bits, follow the splits' arrival). The tile is w's block ``pid_n`` and x's
+    ``pid_m`` of ``n_tiles`` blocks of w (None: the grid's first axis, one program a tile)."""
+    out, on, om, cols, rows, y_tile, local = _tile_end(acc, pid_n, pid_m, y_ptr, M, N,
+                                                      stride_ym, stride_yn, BLOCK_N, BLOCK_M)
     if SPLIT_K == 1:
         out = _scaled(out, rows, cols, bias_ptr, scale_a_ptr, scale_b_ptr, stride_bias,
                       HAS_BIAS, SCALE_A, SCALE_B)
@@ -208,32 +242,55 @@ def finish_tile(acc, pid_n, split, pid_m, y_ptr, bias_ptr, scale_a_ptr, scale_b_
             tile = pid_m * gl.num_programs(0) + pid_n
         else:
             tile = pid_m * n_tiles + pid_n
-        # [BLOCK_M][BLOCK_N] (w's rows fastest, as the lanes of out_layout run): coalesced.
-        local = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, out_layout))[:, None] \
-            + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, out_layout))[None, :] * BLOCK_N
         # A tile's partials (SPLIT_K of them), or with ADD_SPLITS its one sum.
         tile_size: gl.constexpr = BLOCK_N * BLOCK_M if ADD_SPLITS else SPLIT_K * BLOCK_N * BLOCK_M
         tile_parts = part_ptr + tile.to(gl.int64) * tile_size
         if ADD_SPLITS:
-            gl.atomic_add(tile_parts + local, out, sem="relaxed", scope="gpu")
+            last = _added_completes(out, tile_parts, count_ptr + tile, 1, SPLIT_K, local)
         else:
             gl.store(tile_parts + split * (BLOCK_N * BLOCK_M) + local, out)
-        # Every thread's partial before the one release (as _splits.sum_splits_and_store).
-        barrier()
-        arrived = gl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLIT_K - 1:
+            # Every thread's partial before the one release (as _splits.sum_splits_and_store).
+            barrier()
+            last = gl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1
+        if last:
             if ADD_SPLITS:
-                total = gl.load(tile_parts + local, cache_modifier=".cg")
-                gl.store(tile_parts + local, gl.zeros_like(total))  # zero for the next launch
+                total = _taken_sum(tile_parts, count_ptr + tile, local)
             else:
-                total = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=out_layout)
+                total = gl.zeros_like(out)
                 # PER_LOAD partials a group, unrolled: a group's loads are issued together (one
                 # L2 round trip) and held in at most _PARTIAL_REGS registers.
                 for s0 in range(0, SPLIT_K, PER_LOAD):
                     for s in gl.static_range(PER_LOAD):
                         total += gl.load(tile_parts + (s0 + s) * (BLOCK_N * BLOCK_M) + local,
                                          mask=s0 + s < SPLIT_K, other=0.0, cache_modifier=".cg")
-            gl.store(count_ptr + tile, 0)  # zero for the next launch
+                gl.store(count_ptr + tile, 0)  # zero for the next launch
+            total = _scaled(total, rows, cols, bias_ptr, scale_a_ptr, scale_b_ptr, stride_bias,
+                            HAS_BIAS, SCALE_A, SCALE_B)
+            _store_y(total, y_tile, on, om, pid_n, pid_m, M, N, stride_ym, stride_yn, BLOCK_N,
+                     BLOCK_M)
+
+
+@gluon.jit
+def finish_share(acc, pid_n, pid_m, tile, steps, k_steps, y_ptr, bias_ptr, scale_a_ptr,
+                 scale_b_ptr, part_ptr, count_ptr, M, N, stride_ym, stride_yn, stride_bias,
+                 HAS_BIAS: gl.constexpr, SCALE_A: gl.constexpr, SCALE_B: gl.constexpr,
+                 BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr):
+    """Stream-K's end: ``acc``, ``steps`` of the ``k_steps`` K steps of tile ``tile`` (w's
+    block ``pid_n``, x's ``pid_m``). A whole tile is scaled and stored; a part is added into the
+    tile's fp32 sum (zero at rest), its counter counting steps, and the part that completes the
+    tile reads the sum once, zeroes it, and stores it scaled (the adds' order, and so the sum's
+    last bits, follow the parts' arrival, as ``finish_tile``'s ADD_SPLITS)."""
+    out, on, om, cols, rows, y_tile, local = _tile_end(acc, pid_n, pid_m, y_ptr, M, N,
+                                                      stride_ym, stride_yn, BLOCK_N, BLOCK_M)
+    if steps == k_steps:
+        out = _scaled(out, rows, cols, bias_ptr, scale_a_ptr, scale_b_ptr, stride_bias,
+                      HAS_BIAS, SCALE_A, SCALE_B)
+        _store_y(out, y_tile, on, om, pid_n, pid_m, M, N, stride_ym, stride_yn, BLOCK_N,
+                 BLOCK_M)
+    else:
+        tile_sum = part_ptr + tile.to(gl.int64) * (BLOCK_N * BLOCK_M)
+        if _added_completes(out, tile_sum, count_ptr + tile, steps, k_steps, local):
+            total = _taken_sum(tile_sum, count_ptr + tile, local)
             total = _scaled(total, rows, cols, bias_ptr, scale_a_ptr, scale_b_ptr, stride_bias,
                             HAS_BIAS, SCALE_A, SCALE_B)
             _store_y(total, y_tile, on, om, pid_n, pid_m, M, N, stride_ym, stride_yn, BLOCK_N,

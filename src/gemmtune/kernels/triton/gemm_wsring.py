@@ -39,8 +39,8 @@ from gemmtune.kernels.triton._replay import KernelCall, launch
 from gemmtune.kernels.triton._splits import (PDL_OFF, pdl_supported, split_for,
                                              splits_around, why_not_wait_pdl)
 from gemmtune.kernels.triton._ring_launch import tma_load
-from gemmtune.kernels.triton._swapped import (MAX_GRID_Z, ROWS_PER_WARP, barrier, finish_tile,
-                                              release_then_wait, step_scale_loads,
+from gemmtune.kernels.triton._swapped import (MAX_GRID_Z, ROWS_PER_WARP, barrier, finish_share,
+                                              finish_tile, release_then_wait, step_scale_loads,
                                               why_not_add_splits, why_not_grid, why_not_here)
 
 KERNEL_PREFIX = "triton.wsring"
@@ -69,7 +69,7 @@ class WsRingConfig(NamedConfig):
         Field("SK", "split_k"), Field("R", "add_splits", default=0),
         Field("O", "per_sm", default=1), Field("P", "pdl", default=PDL_OFF),
         Field("L", "persistent", default=0), Field("G", "m_first", default=0),
-        Field("F", "fast_accumulation", default=0)))
+        Field("F", "fast_accumulation", default=0), Field("K", "stream_k", default=0)))
 
     block_m: int  # x rows a program (the MMA's M): 64 a math warpgroup
     block_n: int  # w rows a program (the MMA's N)
@@ -95,6 +95,12 @@ class WsRingConfig(NamedConfig):
     # gemm_splitk's promote_k=0). 0: each step's MMA from zero, added into fp32 (exact sums of
     # 128 of K, as cuBLAS; block scales need it)
     fast_accumulation: int = 0
+    # 1 (persistent, split_k 1): stream-K. The tiles' K steps, one after another, dealt out
+    # evenly to the programs: each takes its run of them, tile parts included, a part added
+    # into its tile's fp32 sum (as ``add_splits``) and the part that completes the tile
+    # storing it. No program idles while others finish a wave (the tile and split counts need
+    # not fit one).
+    stream_k: int = 0
 
     @property
     def block_k(self) -> int:
@@ -148,6 +154,11 @@ def why_not_fits(config: WsRingConfig, M: int, N: int, K: int,
     if c.fast_accumulation not in (0, 1):
         return (f"fast_accumulation={c.fast_accumulation} must be 0 (each step added into fp32) "
                 f"or 1 (the steps summed in the tensor cores)")
+    if c.stream_k not in (0, 1):
+        return f"stream_k={c.stream_k} must be 0 or 1 (the K steps dealt out evenly)"
+    if c.stream_k and (not c.persistent or c.split_k != 1):
+        return (f"stream_k=1 takes persistent programs (L1) and split_k=1 (its parts of tiles "
+                f"are added, whatever their number), not L{c.persistent}, SK{c.split_k}")
     if c.persistent not in (0, 1):
         return f"persistent={c.persistent} must be 0 (a program a unit) or 1 (a loop over them)"
     if c.per_sm not in (1, 2):
@@ -217,14 +228,14 @@ def _configs(bm: int, bn: int, split: int, held: int, above: bool, looped: int, 
 
 def candidates(M: int, N: int, K: int, dtype: torch.dtype, num_sms: int | None = None,
                pdl: int = PDL_OFF) -> list[WsRingConfig]:
-    """The configs to tune one shape with, for MIN_M <= M <= MAX_M (none elsewhere): every tile; K
-    split to reach one program per SM and two (of the 64 x 64 tile, held two at a time, and
+    """The configs to tune one shape with, for MIN_M <= M <= MAX_M (none elsewhere): every tile;
+    K split to reach one program per SM and two (of the 64 x 64 tile, held two at a time, and
     of the others one after another), from above and (the deepest ring, ``pdl``) from below
     (``_splits.splits_around``); 3 or 4 slots where the split's steps use them; split sums in
     order and added; launched plainly and, where ``pdl`` is PDL_WAIT, with PDL; where M takes
     several blocks of x, w's blocks first and x's (``m_first``); where there are more units
-    than the SMs hold programs, persistent programs too (4 slots, ``pdl``); 128 rows of x
-    only past 64 (``_configs``)."""
+    than the SMs hold programs, persistent programs too (4 slots, ``pdl``); stream-K
+    (``_streamed_configs``) for every tile; 128 rows of x only past 64 (``_configs``)."""
     if not MIN_M <= M <= MAX_M:
         return []
     num_sms = num_sms or _checks.sm_count()
@@ -242,7 +253,18 @@ def candidates(M: int, N: int, K: int, dtype: torch.dtype, num_sms: int | None =
                                     triton.cdiv(M, bm) > 1, pdl):
                     if fits(cfg, M, N, K, dtype):
                         found[cfg] = None
+            for cfg in _streamed_configs(bm, bn, triton.cdiv(M, bm) > 1, pdl):
+                if fits(cfg, M, N, K, dtype):
+                    found[cfg] = None
     return list(found)
+
+
+def _streamed_configs(bm: int, bn: int, several_x_blocks: bool, pdl: int):
+    """One tile's stream-K configs: 4 slots (the ring runs on across parts), ``pdl``, as many
+    programs an SM as the tile's registers allow, each launch order."""
+    for held in _PROGRAMS_PER_SM if (bm, bn) == TWO_PER_SM_TILE else (1,):
+        for first in sorted({0, int(several_x_blocks)}):
+            yield WsRingConfig(bm, bn, max(_STAGES), 1, 0, held, pdl, 1, first, 0, 1)
 
 
 def fast_twin(config: WsRingConfig, K: int) -> WsRingConfig | None:
@@ -304,6 +326,46 @@ def _unit(u, K, n_tiles, m_tiles, SPLIT_K: gl.constexpr, M_FIRST: gl.constexpr):
     k_steps = gl.cdiv(K, 128)
     lo = split * k_steps // SPLIT_K
     return pid_n, split, pid_m, lo, (split + 1) * k_steps // SPLIT_K - lo
+
+
+@gluon.jit
+def _run(k_steps, tiles):
+    """Stream-K: this program's run [first, end) of the tiles' K steps laid one tile after
+    another, the runs of the programs as even as whole steps make them."""
+    total = tiles * k_steps
+    return (gl.program_id(0) * total // gl.num_programs(0),
+            (gl.program_id(0) + 1) * total // gl.num_programs(0))
+
+
+@gluon.jit
+def _part(s, end, k_steps, n_tiles, m_tiles, M_FIRST: gl.constexpr):
+    """Stream-K: the part of a tile from step ``s`` of a run ending at ``end``: (the tile, w's
+    block, x's block, its first K step, its steps); tiles in ``_unit``'s order."""
+    tile = s // k_steps
+    lo = s - tile * k_steps
+    if M_FIRST:
+        pid_m = tile % m_tiles
+        pid_n = tile // m_tiles
+    else:
+        pid_n = tile % n_tiles
+        pid_m = tile // n_tiles
+    return tile, pid_n, pid_m, lo, gl.minimum(k_steps - lo, end - s)
+
+
+@gluon.jit
+def _streamed_producer(w_desc, x_desc, w_ring, x_ring, ready, empty, K, n_tiles, m_tiles,
+                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                       M_FIRST: gl.constexpr):
+    """The producer warp of a stream-K program: its run's steps through the ring, part after
+    part (the ring's positions the steps' places in the run)."""
+    k_steps = gl.cdiv(K, 128)
+    first, end = _run(k_steps, n_tiles * m_tiles)
+    s = first
+    while s < end:
+        tile, pid_n, pid_m, lo, steps = _part(s, end, k_steps, n_tiles, m_tiles, M_FIRST)
+        _load_steps(w_desc, x_desc, w_ring, x_ring, ready, empty, s - first, pid_n * BLOCK_N,
+                    pid_m * BLOCK_M, lo, steps, STAGES)
+        s += steps
 
 
 @gluon.jit
@@ -483,6 +545,28 @@ def _persistent_math(w_ring, x_ring, ready, empty, y_ptr, bias_ptr, scale_a_ptr,
                     ADD_SPLITS, n_tiles)
 
 
+@gluon.jit
+def _streamed_math(w_ring, x_ring, ready, empty, y_ptr, bias_ptr, scale_a_ptr, scale_b_ptr,
+                   part_ptr, count_ptr, M, N, K, stride_ym, stride_yn, stride_bias, k_blocks,
+                   n_tiles, m_tiles, HAS_BIAS: gl.constexpr, SCALE_A: gl.constexpr,
+                   SCALE_B: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                   STAGES: gl.constexpr, M_FIRST: gl.constexpr, FAST: gl.constexpr):
+    """The math warps of a stream-K program: each part's sum, then its end (``finish_share``),
+    while the producer already fills the ring with the next part's steps."""
+    k_steps = gl.cdiv(K, 128)
+    first, end = _run(k_steps, n_tiles * m_tiles)
+    s = first
+    while s < end:
+        tile, pid_n, pid_m, lo, steps = _part(s, end, k_steps, n_tiles, m_tiles, M_FIRST)
+        acc = _unit_sum(w_ring, x_ring, ready, empty, s - first, pid_n, pid_m, lo, steps, M,
+                        scale_a_ptr, scale_b_ptr, k_blocks, BLOCK_M, BLOCK_N, STAGES,
+                        SCALE_A == _PER_BLOCK, FAST)
+        finish_share(acc.permute((1, 0)), pid_n, pid_m, tile, steps, k_steps, y_ptr, bias_ptr,
+                     scale_a_ptr, scale_b_ptr, part_ptr, count_ptr, M, N, stride_ym, stride_yn,
+                     stride_bias, HAS_BIAS, SCALE_A, SCALE_B, BLOCK_N, BLOCK_M)
+        s += steps
+
+
 @gluon.jit(do_not_specialize=["M"])
 def gemm_wsring_kernel(
     w_desc, x_desc,  # TMA descriptors: w (N, K) in (BLOCK_N, 128) boxes, x (M, K) in (BLOCK_M, ..)
@@ -494,6 +578,7 @@ def gemm_wsring_kernel(
     SPLIT_K: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     PER_LOAD: gl.constexpr, ADD_SPLITS: gl.constexpr, PDL: gl.constexpr,
     PERSISTENT: gl.constexpr, M_FIRST: gl.constexpr, FAST: gl.constexpr,
+    STREAM_K: gl.constexpr,
 ):
     if PDL:
         # Before any memory is touched: only the setup overlaps the previous kernel.
@@ -519,7 +604,19 @@ def gemm_wsring_kernel(
     for s in gl.static_range(STAGES):
         mbarrier.init(ready.index(s), count=1)
         mbarrier.init(empty.index(s), count=1)
-    if PERSISTENT:
+    if STREAM_K:
+        # The tiles' K steps dealt out evenly, a grid of at most a program an SM.
+        n_tiles = gl.cdiv(N, BLOCK_N)
+        m_tiles = gl.cdiv(M, BLOCK_M)
+        gl.warp_specialize([
+            (_streamed_math, (w_ring, x_ring, ready, empty, y_ptr, bias_ptr, scale_a_ptr,
+                              scale_b_ptr, part_ptr, count_ptr, M, N, K, stride_ym, stride_yn,
+                              stride_bias, k_blocks, n_tiles, m_tiles, HAS_BIAS, SCALE_A,
+                              SCALE_B, BLOCK_M, BLOCK_N, STAGES, M_FIRST, FAST)),
+            (_streamed_producer, (w_desc, x_desc, w_ring, x_ring, ready, empty, K, n_tiles,
+                                  m_tiles, BLOCK_M, BLOCK_N, STAGES, M_FIRST)),
+        ], [_PRODUCER_WARPS], [_PRODUCER_REGS])
+    elif PERSISTENT:
         # Units (w's block, K's split, x's block) in turn, a grid of at most a program an SM.
         n_tiles = gl.cdiv(N, BLOCK_N)
         m_tiles = gl.cdiv(M, BLOCK_M)
@@ -561,15 +658,19 @@ def wsring_call(x, w, bias, out, scale_a, scale_b, config: WsRingConfig,
     m_tiles = triton.cdiv(x.shape[0], config.block_m)
     grid = (m_tiles, config.split_k, n_tiles) if config.m_first else None
     if config.persistent:
-        units = n_tiles * config.split_k * m_tiles
+        # Stream-K's units are the tiles' K steps: at most one program a step.
+        units = n_tiles * m_tiles * (triton.cdiv(x.shape[1], BLOCK_K) if config.stream_k
+                                     else config.split_k)
         grid = (min(units, _checks.sm_count(x.device) * config.per_sm),)
     return _ring_launch.ring_call(gemm_wsring_kernel, x, w, bias, out, scale_a, scale_b, config,
                                   counters, warmup, block_scales,
                                   dict(PDL=pdl != PDL_OFF, PERSISTENT=bool(config.persistent),
                                        M_FIRST=bool(config.m_first),
-                                       FAST=bool(config.fast_accumulation)),
+                                       FAST=bool(config.fast_accumulation),
+                                       STREAM_K=bool(config.stream_k)),
                                   dict(maxnreg=max_registers(config)),
-                                  launch_pdl=pdl != PDL_OFF, grid=grid)
+                                  launch_pdl=pdl != PDL_OFF, grid=grid,
+                                  parts_of_tiles=bool(config.stream_k))
 
 
 def launch_gemm_wsring(x, w, bias, out, scale_a, scale_b, config: WsRingConfig,
