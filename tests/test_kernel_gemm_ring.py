@@ -373,7 +373,8 @@ def test_gpu_added_splits_leave_the_streams_sums_zero():
 
 def test_the_deterministic_switches_sum_added_splits_in_order(monkeypatch):
     """GEMMTUNE_DETERMINISTIC=1, or torch's deterministic switch, turns a row's added splits
-    (.R1) into splits summed in order when its kernel is resolved; other configs are kept."""
+    (.R1) into splits summed in order, and wsring's stream-K (.K1) into persistent programs of
+    whole tiles, when its kernel is resolved; other configs are kept."""
     from gemmtune.kernels.triton.dispatchable import TritonKernel
 
     added, ordered = RingConfig(16, 256, 4, 7, 1), RingConfig(16, 256, 4, 7)
@@ -382,7 +383,10 @@ def test_the_deterministic_switches_sum_added_splits_in_order(monkeypatch):
     assert TritonKernel(added.name).config == ordered
     assert TritonKernel(added.name).name == ordered.name
     assert TritonKernel("triton.frag:BM16.BK256.SK4.A1.P0.R1").config.add_splits == 0
+    streamed = "triton.wsring:BM64.BN64.S4.SK1.R0.O2.P1.L1.G0.F0.K1"
+    assert TritonKernel(streamed).name == "triton.wsring:BM64.BN64.S4.SK1.R0.O2.P1.L1"
     monkeypatch.setenv("GEMMTUNE_DETERMINISTIC", "0")
+    assert TritonKernel(streamed).name == streamed
     assert TritonKernel(added.name).config == added
     was = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)

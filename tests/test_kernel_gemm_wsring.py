@@ -332,6 +332,8 @@ GPU_CASES = [
     (256, 4096, 4096, WsRingConfig(128, 128, 4, 1, 0, 1, 1, 1, stream_k=1)),
     (100, 1040, 2320, WsRingConfig(64, 128, 4, 1, 0, 1, 0, 1, 1, stream_k=1)),
     (33, 576, 7168, WsRingConfig(64, 64, 4, 1, 0, 2, 1, 1, stream_k=1)),
+    # runs of 7.75 steps of 4-step tiles: parts, whole tiles, parts
+    (256, 16384, 512, WsRingConfig(128, 128, 4, 1, 0, 1, 0, 1, stream_k=1)),
     # fewer rows of x than the MMA's 64 (TMA's zeros below them): split, added, persistent
     (16, 1040, 2320, WsRingConfig(64, 128, 3, 3)),
     (33, 576, 7168, WsRingConfig(64, 64, 4, 8, 1)),

@@ -493,6 +493,8 @@ WSRING_SCRIPT = PTXAS_REPORT + TMA_GEMM_COMPILE + textwrap.dedent("""
     # 84-88). A cost once a unit, timed by the tuner beside the configs that have none.
     assert all(b == 0 for k, b in spills.items()
                if ((k[2] == 1 and not k[4]) or k[:2] == (64, 64)) and not k[7]), spills
+    assert all(b <= {(64, 64): 96, (64, 128): 256}.get(k[:2], 640)
+               for k, b in spills.items() if k[7]), spills
     assert all(b <= 768 for b in spills.values()), spills
     print("ok")
 """)

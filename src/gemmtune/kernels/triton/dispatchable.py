@@ -150,6 +150,10 @@ class TritonKernel:
         if getattr(self.config, "add_splits", 0) and _env.deterministic():
             # Bitwise reproducible: the splits summed in order (the same kernel otherwise).
             self.config = dataclasses.replace(self.config, add_splits=0)
+        if getattr(self.config, "stream_k", 0) and _env.deterministic():
+            # Stream-K's parts of tiles add in their arrival order: persistent programs of
+            # whole tiles instead (the same tile and ring).
+            self.config = dataclasses.replace(self.config, stream_k=0)
         self.name = self.config.name
         # Only block-scaled and tiled kernels pass a flag: the common launch passes no extra
         # argument. The validating launchers (only called to explain a bad call) take no w_tiled.

@@ -253,7 +253,9 @@ def candidates(M: int, N: int, K: int, dtype: torch.dtype, num_sms: int | None =
                                     triton.cdiv(M, bm) > 1, pdl):
                     if fits(cfg, M, N, K, dtype):
                         found[cfg] = None
-            for cfg in _streamed_configs(bm, bn, triton.cdiv(M, bm) > 1, pdl):
+            # One step a tile leaves stream-K nothing to deal out but whole tiles (as L1).
+            for cfg in _streamed_configs(bm, bn, triton.cdiv(M, bm) > 1, pdl) \
+                    if k_steps > 1 else ():
                 if fits(cfg, M, N, K, dtype):
                     found[cfg] = None
     return list(found)
@@ -332,9 +334,11 @@ def _unit(u, K, n_tiles, m_tiles, SPLIT_K: gl.constexpr, M_FIRST: gl.constexpr):
 def _run(k_steps, tiles):
     """Stream-K: this program's run [first, end) of the tiles' K steps laid one tile after
     another, the runs of the programs as even as whole steps make them."""
-    total = tiles * k_steps
-    return (gl.program_id(0) * total // gl.num_programs(0),
-            (gl.program_id(0) + 1) * total // gl.num_programs(0))
+    # In 64 bits: a program's index times the steps passes 2^31 from 8M steps at 264 programs.
+    total = tiles.to(gl.int64) * k_steps
+    programs = gl.num_programs(0)
+    return ((gl.program_id(0) * total // programs).to(gl.int32),
+            ((gl.program_id(0) + 1) * total // programs).to(gl.int32))
 
 
 @gluon.jit
