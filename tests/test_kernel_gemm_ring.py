@@ -29,6 +29,9 @@ def test_names_round_trip():
     added = RingConfig(16, 256, 4, 2, 1)
     assert added.name == "triton.ring:BM16.BK256.S4.SK2.R1"
     assert RingConfig.from_name(added.name) == added
+    streamed = RingConfig(16, 256, 8, 1, 0, 64, 2)
+    assert streamed.name == "triton.ring:BM16.BK256.S8.SK1.R0.N64.K2"
+    assert RingConfig.from_name(streamed.name) == streamed
 
 
 @pytest.mark.parametrize("config, M, N, K, dtype, says", [
@@ -44,6 +47,8 @@ def test_names_round_trip():
     (RingConfig(8, 128, 2, 1), 16, 4096, 0, FP8, "K=0"),
     (RingConfig(16, 256, 4, 1, 1), 16, 4096, 4096, FP8, "add_splits=1 needs split_k > 1"),
     (RingConfig(16, 256, 4, 2, 2), 16, 4096, 4096, FP8, "add_splits=2 must be 0"),
+    (RingConfig(16, 256, 4, 1, 0, 64, 3), 16, 4096, 4096, FP8, "stream_k=3 must be 0"),
+    (RingConfig(16, 256, 4, 2, 0, 64, 2), 16, 4096, 4096, FP8, "takes split_k=1"),
 ])
 def test_configs_that_cannot_run_say_why(config, M, N, K, dtype, says):
     assert says in gemm_ring.why_not_fits(config, M, N, K, dtype)
@@ -110,8 +115,22 @@ def test_splits_from_below_take_the_deepest_ring_that_fits():
     assert not gemm_ring.fits(dataclasses.replace(next(iter(below)), stages=6),
                               128, 4096, 4096, FP8)
     unsplit = [c for c in gemm_ring.candidates(64, 7168, 256, FP8, num_sms=132)
-               if c.split_k == 1]
+               if c.split_k == 1 and not c.stream_k]
     assert unsplit and all(c.stages == 2 for c in unsplit)
+
+
+def test_stream_k_at_each_count_of_programs_an_sm():
+    """Stream-K for every tile and step, unsplit, at 1, 2 and 4 programs an SM with the deepest
+    ring that many hold; none where a tile has one step (only whole tiles to deal out)."""
+    found = gemm_ring.candidates(16, 7168, 2048, FP8, num_sms=132)
+    streamed = [c for c in found if c.stream_k]
+    assert {(c.block_k, c.stream_k) for c in streamed} == {
+        (bk, n) for bk in gemm_ring.BLOCK_KS for n in (1, 2, 4)}
+    for c in streamed:
+        assert (c.split_k, c.add_splits) == (1, 0), c.name
+        deeper = dataclasses.replace(c, stages=c.stages * 2)
+        assert c.stages == 8 or gemm_ring.ring_bytes(deeper) * c.stream_k > gemm_ring.RING_BYTES
+    assert not any(c.stream_k for c in gemm_ring.candidates(16, 7168, 128, FP8, num_sms=132))
 
 
 def test_refuses_the_interpreter_other_gpus_and_tiled_weights(monkeypatch):
@@ -179,6 +198,11 @@ GPU_CASES = [
     (100, 576, 7168, RingConfig(128, 128, 3, 8, 0, 128)),
     (128, 576, 7168, RingConfig(128, 128, 4, 32, 1, 128)),
     (200, 1040, 2320, RingConfig(128, 128, 4, 3, 1, 128)),
+    # stream-K (on 132 SMs): runs of 1.3 steps of 28-step tiles (4 programs an SM), of 7.8
+    # steps of 4-step tiles (parts and whole tiles), the wide tile's runs of 2.6 of 19
+    (16, 1536, 7168, RingConfig(16, 256, 4, 1, 0, 64, 4)),
+    (16, 16384, 512, RingConfig(16, 128, 4, 1, 0, 64, 1)),
+    (200, 1040, 2320, RingConfig(128, 128, 4, 1, 0, 128, 1)),
 ]
 
 
@@ -189,7 +213,8 @@ def test_gpu_matches_reference(M, N, K, config, layout):
     def gemm(xq, wq, bias, out_dtype, x_scale, w_scale, out):
         return gemm_ring.gemm_ring(xq, wq, bias, out_dtype, x_scale, w_scale, config, out=out)
 
-    assert_fp8_decode_launches(gemm, M, N, K, layout, config.name, not config.add_splits)
+    assert_fp8_decode_launches(gemm, M, N, K, layout, config.name,
+                               not (config.add_splits or config.stream_k))
 
 
 @pytest.mark.gpu
@@ -250,6 +275,7 @@ BLOCK_SCALED_CASES = [
     (100, 4096, 1024, RingConfig(64, 128, 4, 2)),
     (5, 1040, 2320, RingConfig(8, 128, 8, 3, 1)),
     (64, 1040, 4096, RingConfig(64, 128, 8, 5, 1)),
+    (31, 256, 7168, RingConfig(32, 128, 4, 1, 0, 64, 2)),  # stream-K: a step a program
 ]
 
 
@@ -261,7 +287,8 @@ def test_gpu_block_scales_match_the_dequantised_reference(M, N, K, config):
         return gemm_ring.gemm_ring(xq, wq, bias, out_dtype, x_scale, w_scale, config, out=out,
                                    block_scales=True)
 
-    assert_block_scaled_decode_launches(gemm, M, N, K, config.name, not config.add_splits)
+    assert_block_scaled_decode_launches(gemm, M, N, K, config.name,
+                                        not (config.add_splits or config.stream_k))
 
 
 @pytest.mark.gpu
@@ -373,8 +400,9 @@ def test_gpu_added_splits_leave_the_streams_sums_zero():
 
 def test_the_deterministic_switches_sum_added_splits_in_order(monkeypatch):
     """GEMMTUNE_DETERMINISTIC=1, or torch's deterministic switch, turns a row's added splits
-    (.R1) into splits summed in order, and wsring's stream-K (.K1) into persistent programs of
-    whole tiles, when its kernel is resolved; other configs are kept."""
+    (.R1) into splits summed in order, and stream-K (.K1: wsring's persistent programs, of
+    whole tiles; ring's a program a tile), when its kernel is resolved; other configs are
+    kept."""
     from gemmtune.kernels.triton.dispatchable import TritonKernel
 
     added, ordered = RingConfig(16, 256, 4, 7, 1), RingConfig(16, 256, 4, 7)
@@ -385,6 +413,8 @@ def test_the_deterministic_switches_sum_added_splits_in_order(monkeypatch):
     assert TritonKernel("triton.frag:BM16.BK256.SK4.A1.P0.R1").config.add_splits == 0
     streamed = "triton.wsring:BM64.BN64.S4.SK1.R0.O2.P1.L1.G0.F0.K1"
     assert TritonKernel(streamed).name == "triton.wsring:BM64.BN64.S4.SK1.R0.O2.P1.L1"
+    assert TritonKernel("triton.ring:BM16.BK256.S8.SK1.R0.N64.K2").name == \
+        "triton.ring:BM16.BK256.S8.SK1"
     monkeypatch.setenv("GEMMTUNE_DETERMINISTIC", "0")
     assert TritonKernel(streamed).name == streamed
     assert TritonKernel(added.name).config == added

@@ -115,8 +115,8 @@ def visible_devices() -> list[str] | None:
 def deterministic() -> bool:
     """``GEMMTUNE_DETERMINISTIC=1``, or torch's own switch (``torch.use_deterministic_algorithms``):
     table rows whose Gluon kernels add K's splits into one sum in arrival order (``.R1``) run
-    with the splits summed in order instead, and wsring's stream-K (``.K1``) as persistent
-    programs of whole tiles, bitwise reproducible (and as slow as that is where the row chose
+    with the splits summed in order instead, and stream-K (``.K<n>``) as whole tiles (wsring's
+    persistent programs, ring's a program a tile), bitwise reproducible (and as slow as that is where the row chose
     adding). Read when a kernel name is first resolved in the process: set it
     before the first call."""
     import torch

@@ -271,6 +271,32 @@ def finish_tile(acc, pid_n, split, pid_m, y_ptr, bias_ptr, scale_a_ptr, scale_b_
 
 
 @gluon.jit
+def stream_run(k_steps, tiles):
+    """Stream-K: this program's run [first, end) of the tiles' K steps laid one tile after
+    another, the runs of the programs as even as whole steps make them."""
+    # In 64 bits: a program's index times the steps passes 2^31 from 8M steps at 264 programs.
+    total = tiles.to(gl.int64) * k_steps
+    programs = gl.num_programs(0)
+    return ((gl.program_id(0) * total // programs).to(gl.int32),
+            ((gl.program_id(0) + 1) * total // programs).to(gl.int32))
+
+
+@gluon.jit
+def stream_part(s, end, k_steps, n_tiles, m_tiles, M_FIRST: gl.constexpr):
+    """Stream-K: the part of a tile from step ``s`` of a run ending at ``end``: (the tile, w's
+    block, x's block, its first K step, its steps); w's blocks first (x's, ``M_FIRST``)."""
+    tile = s // k_steps
+    lo = s - tile * k_steps
+    if M_FIRST:
+        pid_m = tile % m_tiles
+        pid_n = tile // m_tiles
+    else:
+        pid_n = tile % n_tiles
+        pid_m = tile // n_tiles
+    return tile, pid_n, pid_m, lo, gl.minimum(k_steps - lo, end - s)
+
+
+@gluon.jit
 def finish_share(acc, pid_n, pid_m, tile, steps, k_steps, y_ptr, bias_ptr, scale_a_ptr,
                  scale_b_ptr, part_ptr, count_ptr, M, N, stride_ym, stride_yn, stride_bias,
                  HAS_BIAS: gl.constexpr, SCALE_A: gl.constexpr, SCALE_B: gl.constexpr,

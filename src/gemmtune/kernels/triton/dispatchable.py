@@ -151,8 +151,8 @@ class TritonKernel:
             # Bitwise reproducible: the splits summed in order (the same kernel otherwise).
             self.config = dataclasses.replace(self.config, add_splits=0)
         if getattr(self.config, "stream_k", 0) and _env.deterministic():
-            # Stream-K's parts of tiles add in their arrival order: persistent programs of
-            # whole tiles instead (the same tile and ring).
+            # Stream-K's parts of tiles add in their arrival order: whole tiles instead (the
+            # same tile and ring; wsring's programs stay persistent).
             self.config = dataclasses.replace(self.config, stream_k=0)
         self.name = self.config.name
         # Only block-scaled and tiled kernels pass a flag: the common launch passes no extra

@@ -44,10 +44,15 @@ from gemmtune.kernels.triton._replay import KernelCall, launch
 from gemmtune.kernels.triton._ring_launch import tma_load
 from gemmtune.kernels.triton._splits import split_for, splits_around
 from gemmtune.kernels.triton._swapped import (BLOCK_MS, BLOCK_N, ROWS_PER_WARP, barrier,
-                                              block_m_for, finish_tile, step_scales,
+                                              block_m_for, finish_share, finish_tile,
+                                              step_scales, stream_part, stream_run,
                                               why_not_add_splits, why_not_grid, why_not_here)
 
 KERNEL_PREFIX = "triton.ring"
+# Programs per SM the splits (and stream-K) aim at; a ring takes up to 200 KiB, so 2 and 4 per
+# SM share it.
+_PROGRAMS_PER_SM = (1, 2, 4)
+_STAGES = (2, 4, 8)
 BLOCK_KS = (128, 256)
 # w rows per program: 64 (one warpgroup) for M <= 64, 128 (two) for 64 < M <= 256, where x's
 # rows come in blocks of 128 (WIDE_BLOCK_M; with 64 rows of w, ptxas spilled at 128 rows of x).
@@ -71,7 +76,7 @@ class RingConfig(NamedConfig):
     NAME_CODEC = NameCodec("TMA-ring config", KERNEL_PREFIX, (
         Field("BM", "block_m"), Field("BK", "block_k"), Field("S", "stages"),
         Field("SK", "split_k"), Field("R", "add_splits", default=0),
-        Field("N", "block_n", default=BLOCK_N)))
+        Field("N", "block_n", default=BLOCK_N), Field("K", "stream_k", default=0)))
 
     block_m: int
     block_k: int
@@ -81,6 +86,10 @@ class RingConfig(NamedConfig):
     # (``_swapped.finish_tile``'s ADD_SPLITS: not bitwise reproducible); 0: summed in order
     add_splits: int = 0
     block_n: int = BLOCK_N  # w rows per program (the MMA's M): 64, or 128 on two warpgroups
+    # Stream-K (split_k 1): 1, 2 or 4 programs an SM, each taking an even run of the tiles' K
+    # steps (its parts of tiles added into the tile's fp32 sum, the part that completes a tile
+    # storing it: ``_swapped.finish_share``); 0: a program a tile and split
+    stream_k: int = 0
 
     @property
     def num_warps(self) -> int:
@@ -117,6 +126,12 @@ def why_not_fits(config: RingConfig, M: int, N: int, K: int, dtype: torch.dtype)
     problem = why_not_add_splits(c)
     if problem is not None:
         return problem
+    if c.stream_k not in (0,) + _PROGRAMS_PER_SM:
+        return (f"stream_k={c.stream_k} must be 0 (a program a tile and split) or the programs "
+                f"an SM, one of {_PROGRAMS_PER_SM}")
+    if c.stream_k and c.split_k != 1:
+        return (f"stream_k={c.stream_k} takes split_k=1 (its runs of K steps part the tiles), "
+                f"not {c.split_k}")
     if ring_bytes(c) > RING_BYTES or smem_bytes(c) > SMEM_BYTES:
         return (f"{c.stages} stages of ({c.block_n} + {c.block_m}) x {c.block_k} bytes take "
                 f"{ring_bytes(c)} B of shared memory (> {RING_BYTES}, or > {SMEM_BYTES} with the "
@@ -143,9 +158,6 @@ def fits(config: RingConfig, M: int, N: int, K: int, dtype: torch.dtype) -> bool
     return why_not_fits(config, M, N, K, dtype) is None
 
 
-# Programs per SM the splits aim at; a ring takes up to 200 KiB, so 2 and 4 per SM share it.
-_PROGRAMS_PER_SM = (1, 2, 4)
-_STAGES = (2, 4, 8)
 
 
 def tile_for(M: int) -> tuple[int, int]:
@@ -171,7 +183,8 @@ def candidates(M: int, N: int, K: int, dtype: torch.dtype,
     gives; each block_k; K split to reach each of ``_PROGRAMS_PER_SM`` from above and (the
     deepest ring that fits only) from below (``_splits.splits_around``); 2, 4 or 8 slots, as
     many as that many programs per SM can hold and the split's steps use; split sums in order
-    and, split, added. Only configs that fit."""
+    and, split, added; stream-K (``_streamed``) at each count of programs an SM. Only configs
+    that fit."""
     if M > MAX_M:
         return []
     num_sms = num_sms or _checks.sm_count()
@@ -191,7 +204,19 @@ def candidates(M: int, N: int, K: int, dtype: torch.dtype,
                     if fitting and not above:  # from below, the deepest ring that fits alone
                         fitting = [max(fitting, key=lambda c: c.stages)]
                     found.update(dict.fromkeys(fitting))
+            if k_steps > 1:  # one step a tile leaves nothing to deal out but whole tiles
+                found.update(dict.fromkeys(_streamed(bm, bk, bn, M, N, K, dtype)))
     return list(found)
+
+
+def _streamed(bm: int, bk: int, bn: int, M: int, N: int, K: int, dtype: torch.dtype):
+    """One tile's stream-K configs: each count of programs an SM, with the deepest ring that
+    many fit (the runs' parts are at least a few steps where they matter)."""
+    for per_sm in _PROGRAMS_PER_SM:
+        most = RING_BYTES // per_sm // ((bn + bm) * bk)
+        cfg = RingConfig(bm, bk, max(2, min(max(_STAGES), most)), 1, 0, bn, per_sm)
+        if fits(cfg, M, N, K, dtype):
+            yield cfg
 
 
 def default_config(M: int, N: int, K: int, dtype: torch.dtype,
@@ -291,13 +316,30 @@ def gemm_ring_kernel(
     HAS_BIAS: gl.constexpr, SCALE_A: gl.constexpr, SCALE_B: gl.constexpr,
     SPLIT_K: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr,
     STAGES: gl.constexpr, PER_LOAD: gl.constexpr, ADD_SPLITS: gl.constexpr,
+    STREAM_K: gl.constexpr,
 ):
-    acc, pid_n, split, pid_m = ring_tile(w_desc, x_desc, M, K, scale_a_ptr, scale_b_ptr,
-                                         k_blocks, SPLIT_K, BLOCK_N, BLOCK_M, BLOCK_K, STAGES,
-                                         SCALE_A == _PER_BLOCK)
-    finish_tile(acc, pid_n, split, pid_m, y_ptr, bias_ptr, scale_a_ptr, scale_b_ptr, part_ptr,
-                count_ptr, M, N, stride_ym, stride_yn, stride_bias, HAS_BIAS, SCALE_A, SCALE_B,
-                SPLIT_K, BLOCK_N, BLOCK_M, PER_LOAD, ADD_SPLITS)
+    if STREAM_K:
+        # An even run of the tiles' K steps, part by part, the ring refilled for each.
+        n_tiles = gl.cdiv(N, BLOCK_N)
+        m_tiles = gl.cdiv(M, BLOCK_M)
+        k_steps = gl.cdiv(K, BLOCK_K)
+        s, end = stream_run(k_steps, n_tiles * m_tiles)
+        while s < end:
+            tile, pid_n, pid_m, lo, steps = stream_part(s, end, k_steps, n_tiles, m_tiles, False)
+            acc = ring_mainloop(w_desc, x_desc, pid_n, pid_m, lo, steps, M, scale_a_ptr,
+                                scale_b_ptr, k_blocks, BLOCK_N, BLOCK_M, BLOCK_K, STAGES,
+                                SCALE_A == _PER_BLOCK)
+            finish_share(acc, pid_n, pid_m, tile, steps, k_steps, y_ptr, bias_ptr, scale_a_ptr,
+                         scale_b_ptr, part_ptr, count_ptr, M, N, stride_ym, stride_yn,
+                         stride_bias, HAS_BIAS, SCALE_A, SCALE_B, BLOCK_N, BLOCK_M)
+            s += steps
+    else:
+        acc, pid_n, split, pid_m = ring_tile(w_desc, x_desc, M, K, scale_a_ptr, scale_b_ptr,
+                                             k_blocks, SPLIT_K, BLOCK_N, BLOCK_M, BLOCK_K,
+                                             STAGES, SCALE_A == _PER_BLOCK)
+        finish_tile(acc, pid_n, split, pid_m, y_ptr, bias_ptr, scale_a_ptr, scale_b_ptr,
+                    part_ptr, count_ptr, M, N, stride_ym, stride_yn, stride_bias, HAS_BIAS,
+                    SCALE_A, SCALE_B, SPLIT_K, BLOCK_N, BLOCK_M, PER_LOAD, ADD_SPLITS)
 
 
 def ring_call(x, w, bias, out, scale_a, scale_b, config: RingConfig,
@@ -305,9 +347,15 @@ def ring_call(x, w, bias, out, scale_a, scale_b, config: RingConfig,
               block_scales: bool = False) -> KernelCall:
     """The launch of ``launch_gemm_ring`` as data (what a dispatch plan records and replays: its
     TMA descriptors are rebuilt around each later call's x and w, ``_replay.DescribedRole``)."""
+    grid = None
+    if config.stream_k:  # at most a program a K step
+        steps = (triton.cdiv(w.shape[0], config.block_n) * triton.cdiv(x.shape[0], config.block_m)
+                 * triton.cdiv(x.shape[1], config.block_k))
+        grid = (min(steps, _checks.sm_count(x.device) * config.stream_k),)
     return _ring_launch.ring_call(gemm_ring_kernel, x, w, bias, out, scale_a, scale_b, config,
                                   counters, warmup, block_scales,
-                                  dict(BLOCK_K=config.block_k), {})
+                                  dict(BLOCK_K=config.block_k, STREAM_K=bool(config.stream_k)),
+                                  {}, grid=grid, parts_of_tiles=bool(config.stream_k))
 
 
 def launch_gemm_ring(x, w, bias, out, scale_a, scale_b, config: RingConfig,

@@ -41,7 +41,8 @@ from gemmtune.kernels.triton._splits import (PDL_OFF, pdl_supported, split_for,
 from gemmtune.kernels.triton._ring_launch import tma_load
 from gemmtune.kernels.triton._swapped import (MAX_GRID_Z, ROWS_PER_WARP, barrier, finish_share,
                                               finish_tile, release_then_wait, step_scale_loads,
-                                              why_not_add_splits, why_not_grid, why_not_here)
+                                              stream_part, stream_run, why_not_add_splits,
+                                              why_not_grid, why_not_here)
 
 KERNEL_PREFIX = "triton.wsring"
 BLOCK_K = 128  # one FP8 scale block a step
@@ -331,42 +332,16 @@ def _unit(u, K, n_tiles, m_tiles, SPLIT_K: gl.constexpr, M_FIRST: gl.constexpr):
 
 
 @gluon.jit
-def _run(k_steps, tiles):
-    """Stream-K: this program's run [first, end) of the tiles' K steps laid one tile after
-    another, the runs of the programs as even as whole steps make them."""
-    # In 64 bits: a program's index times the steps passes 2^31 from 8M steps at 264 programs.
-    total = tiles.to(gl.int64) * k_steps
-    programs = gl.num_programs(0)
-    return ((gl.program_id(0) * total // programs).to(gl.int32),
-            ((gl.program_id(0) + 1) * total // programs).to(gl.int32))
-
-
-@gluon.jit
-def _part(s, end, k_steps, n_tiles, m_tiles, M_FIRST: gl.constexpr):
-    """Stream-K: the part of a tile from step ``s`` of a run ending at ``end``: (the tile, w's
-    block, x's block, its first K step, its steps); tiles in ``_unit``'s order."""
-    tile = s // k_steps
-    lo = s - tile * k_steps
-    if M_FIRST:
-        pid_m = tile % m_tiles
-        pid_n = tile // m_tiles
-    else:
-        pid_n = tile % n_tiles
-        pid_m = tile // n_tiles
-    return tile, pid_n, pid_m, lo, gl.minimum(k_steps - lo, end - s)
-
-
-@gluon.jit
 def _streamed_producer(w_desc, x_desc, w_ring, x_ring, ready, empty, K, n_tiles, m_tiles,
                        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                        M_FIRST: gl.constexpr):
     """The producer warp of a stream-K program: its run's steps through the ring, part after
     part (the ring's positions the steps' places in the run)."""
     k_steps = gl.cdiv(K, 128)
-    first, end = _run(k_steps, n_tiles * m_tiles)
+    first, end = stream_run(k_steps, n_tiles * m_tiles)
     s = first
     while s < end:
-        tile, pid_n, pid_m, lo, steps = _part(s, end, k_steps, n_tiles, m_tiles, M_FIRST)
+        tile, pid_n, pid_m, lo, steps = stream_part(s, end, k_steps, n_tiles, m_tiles, M_FIRST)
         _load_steps(w_desc, x_desc, w_ring, x_ring, ready, empty, s - first, pid_n * BLOCK_N,
                     pid_m * BLOCK_M, lo, steps, STAGES)
         s += steps
@@ -558,10 +533,10 @@ def _streamed_math(w_ring, x_ring, ready, empty, y_ptr, bias_ptr, scale_a_ptr, s
     """The math warps of a stream-K program: each part's sum, then its end (``finish_share``),
     while the producer already fills the ring with the next part's steps."""
     k_steps = gl.cdiv(K, 128)
-    first, end = _run(k_steps, n_tiles * m_tiles)
+    first, end = stream_run(k_steps, n_tiles * m_tiles)
     s = first
     while s < end:
-        tile, pid_n, pid_m, lo, steps = _part(s, end, k_steps, n_tiles, m_tiles, M_FIRST)
+        tile, pid_n, pid_m, lo, steps = stream_part(s, end, k_steps, n_tiles, m_tiles, M_FIRST)
         acc = _unit_sum(w_ring, x_ring, ready, empty, s - first, pid_n, pid_m, lo, steps, M,
                         scale_a_ptr, scale_b_ptr, k_blocks, BLOCK_M, BLOCK_N, STAGES,
                         SCALE_A == _PER_BLOCK, FAST)
