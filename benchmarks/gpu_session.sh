@@ -167,18 +167,20 @@ for what in "$@"; do
             python3 benchmarks/added_splits.py \
                 "$OUT/challenge_$family/${stem}_retune_profile.csv" > "$OUT/added_$family.txt"
             grep '^M=' "$OUT/added_$family.txt" >> "$summary" ;;
-        probe:*)  # probe:FAMILY:SHAPES: the shapes of SHAPES (a csv) tuned into a scratch table
-            # with the challengers (CHALLENGE) and the kernels PROBE_OLD names (a file of one
-            # comma list: the shipped rows' own), then the summary against the shipped rows'
-            # kernels, all timed in this run: a challenge on a GPU other than the one the
-            # rows were tuned on (retune_rows takes this GPU's rows only); resumable
+        probe:*)  # probe:FAMILY:SHAPES[:OLD]: the shapes of SHAPES (a csv) tuned into a scratch
+            # table with the challengers (CHALLENGE) and the kernels OLD (else PROBE_OLD) names
+            # (a file of one comma list: the shipped rows' own), then the summary against the
+            # shipped rows' kernels, all timed in this run: a challenge on a GPU other than the
+            # one the rows were tuned on (retune_rows takes this GPU's rows only); resumable
             spec=${what#probe:}
             family=${spec%%:*}; shapes=${spec#*:}
+            old=${PROBE_OLD:-}
+            [[ $shapes == *:* ]] && old=${shapes#*:} && shapes=${shapes%%:*}
             stem=${family//-/_}; name=$(basename "$shapes" .csv)
             dir="$OUT/probe_$name"; mkdir -p "$dir"
             [[ -n ${PROBE_FROM:-} ]] && cp -n "$PROBE_FROM"/* "$dir/"
             kernels=${CHALLENGE:-triton.gemv}
-            [[ -n ${PROBE_OLD:-} ]] && kernels="$kernels,$(tr -d '\n' < "$PROBE_OLD")"
+            [[ -n $old ]] && kernels="$kernels,$(tr -d '\n' < "$old")"
             stage "probe_$name" "${PROBE_LIMIT:-420}" python3 -m gemmtune.cli tune "$family" \
                 -i "$shapes" -o "$dir/tuned.csv" -o2 "$dir/profile.csv" --kernels "$kernels" \
                 --mp "${MP:-14}" --timeout 60
