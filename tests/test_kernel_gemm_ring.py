@@ -120,16 +120,27 @@ def test_splits_from_below_take_the_deepest_ring_that_fits():
 
 
 def test_stream_k_at_each_count_of_programs_an_sm():
-    """Stream-K for every tile and step, unsplit, at 1, 2 and 4 programs an SM with the deepest
-    ring that many hold; none where a tile has one step (only whole tiles to deal out)."""
+    """Stream-K for every tile and step, unsplit, at 1, 2 and 4 programs an SM where that many
+    rings of 2 slots fit (one for the wide tile), with the deepest ring that many hold, and
+    registers capped to hold them; none where a tile has one step (only whole tiles)."""
     found = gemm_ring.candidates(16, 7168, 2048, FP8, num_sms=132)
     streamed = [c for c in found if c.stream_k]
     assert {(c.block_k, c.stream_k) for c in streamed} == {
         (bk, n) for bk in gemm_ring.BLOCK_KS for n in (1, 2, 4)}
     for c in streamed:
         assert (c.split_k, c.add_splits) == (1, 0), c.name
-        deeper = dataclasses.replace(c, stages=c.stages * 2)
-        assert c.stages == 8 or gemm_ring.ring_bytes(deeper) * c.stream_k > gemm_ring.RING_BYTES
+        deeper = dataclasses.replace(c, stages=c.stages + 1)
+        assert (c.stages == 8 or gemm_ring.ring_bytes(deeper) * c.stream_k > gemm_ring.RING_BYTES
+                or not gemm_ring.fits(deeper, 16, 7168, 2048, FP8)), c.name
+        regs = gemm_ring.max_registers(c)
+        assert regs * c.num_warps * 32 * c.stream_k <= 65536 and regs <= 255, c.name
+    assert gemm_ring.max_registers(dataclasses.replace(streamed[0], stream_k=0)) is None
+    # 64 rows of x at 256 of K a step: 4 rings of 2 slots do not fit; the wide tile one an SM.
+    at_64 = [c for c in gemm_ring.candidates(64, 7168, 2048, FP8, num_sms=132) if c.stream_k]
+    assert (256, 4) not in {(c.block_k, c.stream_k) for c in at_64 if c.block_n == 64}
+    wide = [c for c in gemm_ring.candidates(128, 7168, 2048, FP8, num_sms=132)
+            if c.stream_k and c.block_n == 128]
+    assert wide and {c.stream_k for c in wide} == {1}
     assert not any(c.stream_k for c in gemm_ring.candidates(16, 7168, 128, FP8, num_sms=132))
 
 
@@ -200,7 +211,7 @@ GPU_CASES = [
     (200, 1040, 2320, RingConfig(128, 128, 4, 3, 1, 128)),
     # stream-K (on 132 SMs): runs of 1.3 steps of 28-step tiles (4 programs an SM), of 7.8
     # steps of 4-step tiles (parts and whole tiles), the wide tile's runs of 2.6 of 19
-    (16, 1536, 7168, RingConfig(16, 256, 4, 1, 0, 64, 4)),
+    (16, 1536, 7168, RingConfig(16, 256, 2, 1, 0, 64, 4)),
     (16, 16384, 512, RingConfig(16, 128, 4, 1, 0, 64, 1)),
     (200, 1040, 2320, RingConfig(128, 128, 4, 1, 0, 128, 1)),
 ]
@@ -276,6 +287,7 @@ BLOCK_SCALED_CASES = [
     (5, 1040, 2320, RingConfig(8, 128, 8, 3, 1)),
     (64, 1040, 4096, RingConfig(64, 128, 8, 5, 1)),
     (31, 256, 7168, RingConfig(32, 128, 4, 1, 0, 64, 2)),  # stream-K: a step a program
+    (31, 1024, 7168, RingConfig(32, 128, 4, 1, 0, 64, 1)),  # runs of 6.8 steps, across tiles
 ]
 
 

@@ -96,6 +96,15 @@ class RingConfig(NamedConfig):
         return self.block_n // ROWS_PER_WARP
 
 
+def max_registers(config: RingConfig) -> int | None:
+    """A stream-K program's registers, capped so that ``stream_k`` of them share an SM's 64K
+    (ptxas took all 255 for its loop over parts, where a program a tile takes 80-199, so more
+    than one an SM would have run in waves); None elsewhere (ptxas's own choice)."""
+    if not config.stream_k:
+        return None
+    return min(255, 65536 // (config.num_warps * 32 * config.stream_k) // 8 * 8)
+
+
 def ring_bytes(config: RingConfig) -> int:
     """Shared memory the ring of ``config`` takes."""
     return config.stages * (config.block_n + config.block_m) * config.block_k
@@ -210,13 +219,17 @@ def candidates(M: int, N: int, K: int, dtype: torch.dtype,
 
 
 def _streamed(bm: int, bk: int, bn: int, M: int, N: int, K: int, dtype: torch.dtype):
-    """One tile's stream-K configs: each count of programs an SM, with the deepest ring that
-    many fit (the runs' parts are at least a few steps where they matter)."""
-    for per_sm in _PROGRAMS_PER_SM:
-        most = RING_BYTES // per_sm // ((bn + bm) * bk)
-        cfg = RingConfig(bm, bk, max(2, min(max(_STAGES), most)), 1, 0, bn, per_sm)
-        if fits(cfg, M, N, K, dtype):
-            yield cfg
+    """One tile's stream-K configs: each count of programs an SM whose rings of 2 slots or more
+    fit beside each other, with the deepest ring that many fit; one program an SM for the wide
+    tile (its registers, 145-199 a thread a tile, hold no second one)."""
+    for per_sm in _PROGRAMS_PER_SM if bn == BLOCK_N else (1,):
+        most = min(max(_STAGES), RING_BYTES // per_sm // ((bn + bm) * bk))
+        fitting = (cfg for cfg in (RingConfig(bm, bk, stages, 1, 0, bn, per_sm)
+                                   for stages in range(most, 1, -1))
+                   if fits(cfg, M, N, K, dtype))
+        deepest = next(fitting, None)
+        if deepest is not None:
+            yield deepest
 
 
 def default_config(M: int, N: int, K: int, dtype: torch.dtype,
@@ -352,10 +365,12 @@ def ring_call(x, w, bias, out, scale_a, scale_b, config: RingConfig,
         steps = (triton.cdiv(w.shape[0], config.block_n) * triton.cdiv(x.shape[0], config.block_m)
                  * triton.cdiv(x.shape[1], config.block_k))
         grid = (min(steps, _checks.sm_count(x.device) * config.stream_k),)
+    regs = max_registers(config)
     return _ring_launch.ring_call(gemm_ring_kernel, x, w, bias, out, scale_a, scale_b, config,
                                   counters, warmup, block_scales,
                                   dict(BLOCK_K=config.block_k, STREAM_K=bool(config.stream_k)),
-                                  {}, grid=grid, parts_of_tiles=bool(config.stream_k))
+                                  {} if regs is None else dict(maxnreg=regs), grid=grid,
+                                  parts_of_tiles=bool(config.stream_k))
 
 
 def launch_gemm_ring(x, w, bias, out, scale_a, scale_b, config: RingConfig,
