@@ -6,6 +6,8 @@ descriptors rebuilt around each call's x and w."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 from triton.experimental.gluon import language as gl
@@ -33,19 +35,32 @@ def descriptors(x: torch.Tensor, w: torch.Tensor, block_n: int, block_m: int, bl
         box, gl.float8e4nv)) for t, box in zip((w, x), boxes))
 
 
+class Persistent(NamedTuple):
+    """A launch of at most ``per_sm`` programs an SM looping over units: ``units_per_tile`` of
+    each tile (K's splits, or stream-K's K steps). ``parts_of_tiles`` (stream-K): unsplit, but
+    programs add parts of tiles, so every tile has its zeroed fp32 sum and counter."""
+
+    per_sm: int
+    units_per_tile: int
+    parts_of_tiles: bool = False
+
+
 def ring_call(kernel, x, w, bias, out, scale_a, scale_b, config, counters, warmup: bool,
               block_scales: bool, constexprs: dict, options: dict, launch_pdl: bool = False,
-              grid: tuple | None = None, parts_of_tiles: bool = False) -> KernelCall:
+              grid: tuple | None = None, persistent: Persistent | None = None) -> KernelCall:
     """``kernel``'s launch for ``config`` (its block_n, block_m, block_k, stages, split_k,
     add_splits and num_warps) on x (M, K) and w (N, K) into ``out``, with the kernel's own
-    ``constexprs`` and launch ``options`` beside the shared ones; on ``grid``, else a program
-    a unit (w's block, K's split, x's block). ``parts_of_tiles`` (stream-K): unsplit, but
-    programs add parts of tiles, so every tile has its zeroed fp32 sum and counter."""
+    ``constexprs`` and launch ``options`` beside the shared ones; on ``grid``, or of
+    ``persistent`` programs, else a program a unit (w's block, K's split, x's block)."""
     M, K = x.shape
     N = w.shape[0]
     x, w = _checks.tma_ready(x), _checks.tma_ready(w)
     w_desc, x_desc = descriptors(x, w, config.block_n, config.block_m, config.block_k)
     n_tiles, m_tiles = triton.cdiv(N, config.block_n), triton.cdiv(M, config.block_m)
+    parts_of_tiles = persistent is not None and persistent.parts_of_tiles
+    if persistent is not None:
+        units = n_tiles * m_tiles * persistent.units_per_tile
+        grid = (min(units, _checks.sm_count(x.device) * persistent.per_sm),)
     # The workspace of added splits (any split above one sizes it alike) for parts of tiles.
     split_k = max(config.split_k, 2) if parts_of_tiles else config.split_k
     parts, counters, per_call = workspace(x, out, n_tiles * m_tiles,

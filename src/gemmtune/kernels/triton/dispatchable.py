@@ -147,13 +147,13 @@ class TritonKernel:
         self.config = kernel.config_cls.from_name(name)
         replayed = kernel.replayed is None or kernel.replayed(self.config)
         self._call = kernel.call if replayed else None
-        if getattr(self.config, "add_splits", 0) and _env.deterministic():
-            # Bitwise reproducible: the splits summed in order (the same kernel otherwise).
-            self.config = dataclasses.replace(self.config, add_splits=0)
-        if getattr(self.config, "stream_k", 0) and _env.deterministic():
-            # Stream-K's parts of tiles add in their arrival order: whole tiles instead (the
-            # same tile and ring; wsring's programs stay persistent).
-            self.config = dataclasses.replace(self.config, stream_k=0)
+        # Bitwise reproducible: what adds in arrival order does not (the same kernel
+        # otherwise): added splits are summed in order, stream-K's parts of tiles become
+        # whole tiles (the same tile and ring; wsring's programs stay persistent).
+        arrival_ordered = {field: 0 for field in ("add_splits", "stream_k")
+                           if getattr(self.config, field, 0)}
+        if arrival_ordered and _env.deterministic():
+            self.config = dataclasses.replace(self.config, **arrival_ordered)
         self.name = self.config.name
         # Only block-scaled and tiled kernels pass a flag: the common launch passes no extra
         # argument. The validating launchers (only called to explain a bad call) take no w_tiled.

@@ -360,17 +360,16 @@ def ring_call(x, w, bias, out, scale_a, scale_b, config: RingConfig,
               block_scales: bool = False) -> KernelCall:
     """The launch of ``launch_gemm_ring`` as data (what a dispatch plan records and replays: its
     TMA descriptors are rebuilt around each later call's x and w, ``_replay.DescribedRole``)."""
-    grid = None
+    persistent = None
     if config.stream_k:  # at most a program a K step
-        steps = (triton.cdiv(w.shape[0], config.block_n) * triton.cdiv(x.shape[0], config.block_m)
-                 * triton.cdiv(x.shape[1], config.block_k))
-        grid = (min(steps, _checks.sm_count(x.device) * config.stream_k),)
+        persistent = _ring_launch.Persistent(config.stream_k,
+                                             triton.cdiv(x.shape[1], config.block_k), True)
     regs = max_registers(config)
     return _ring_launch.ring_call(gemm_ring_kernel, x, w, bias, out, scale_a, scale_b, config,
                                   counters, warmup, block_scales,
                                   dict(BLOCK_K=config.block_k, STREAM_K=bool(config.stream_k)),
-                                  {} if regs is None else dict(maxnreg=regs), grid=grid,
-                                  parts_of_tiles=bool(config.stream_k))
+                                  {} if regs is None else dict(maxnreg=regs),
+                                  persistent=persistent)
 
 
 def launch_gemm_ring(x, w, bias, out, scale_a, scale_b, config: RingConfig,

@@ -633,14 +633,15 @@ def wsring_call(x, w, bias, out, scale_a, scale_b, config: WsRingConfig,
     if block_scales and (problem := why_not_block_scaled(config, x.dtype)):
         raise ValueError(f"gemm_wsring: {config.name}: {problem}")
     pdl = config.pdl if pdl_supported(x.device) else PDL_OFF
-    n_tiles = triton.cdiv(w.shape[0], config.block_n)
-    m_tiles = triton.cdiv(x.shape[0], config.block_m)
-    grid = (m_tiles, config.split_k, n_tiles) if config.m_first else None
+    grid = persistent = None
     if config.persistent:
         # Stream-K's units are the tiles' K steps: at most one program a step.
-        units = n_tiles * m_tiles * (triton.cdiv(x.shape[1], BLOCK_K) if config.stream_k
-                                     else config.split_k)
-        grid = (min(units, _checks.sm_count(x.device) * config.per_sm),)
+        persistent = _ring_launch.Persistent(
+            config.per_sm, triton.cdiv(x.shape[1], BLOCK_K) if config.stream_k
+            else config.split_k, bool(config.stream_k))
+    elif config.m_first:
+        grid = (triton.cdiv(x.shape[0], config.block_m), config.split_k,
+                triton.cdiv(w.shape[0], config.block_n))
     return _ring_launch.ring_call(gemm_wsring_kernel, x, w, bias, out, scale_a, scale_b, config,
                                   counters, warmup, block_scales,
                                   dict(PDL=pdl != PDL_OFF, PERSISTENT=bool(config.persistent),
@@ -648,8 +649,7 @@ def wsring_call(x, w, bias, out, scale_a, scale_b, config: WsRingConfig,
                                        FAST=bool(config.fast_accumulation),
                                        STREAM_K=bool(config.stream_k)),
                                   dict(maxnreg=max_registers(config)),
-                                  launch_pdl=pdl != PDL_OFF, grid=grid,
-                                  parts_of_tiles=bool(config.stream_k))
+                                  launch_pdl=pdl != PDL_OFF, grid=grid, persistent=persistent)
 
 
 def launch_gemm_wsring(x, w, bias, out, scale_a, scale_b, config: WsRingConfig,
