@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from gemm_checks import (assert_block_scaled_decode_launches, assert_fp8_decode_launches,
-                         block_scaled_operands, check_block_scaled_decode, generator, poisoned,
-                         quantised_operands, quantised_scaled)
+                         block_scaled_operands, check_block_scaled_decode, fast_accumulated_scaled,
+                         generator, poisoned, quantised_operands)
 from gemmtune.kernels.triton import _swapped, gemm_wsring
 from gemmtune.kernels.triton.gemm_wsring import WsRingConfig
 
@@ -393,9 +393,8 @@ FAST_GPU_CASES = [
 @pytest.mark.parametrize("layout", ["tensor", "token_channel"])
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
 def test_gpu_fast_accumulation_matches_reference(M, N, K, config, layout, out_dtype):
-    """Within the reference's bound for sums over K (its error grows with K, unlike the
-    promoted sum's: the bound the split-K kernel's fast configs meet), bias included."""
-    quantised_scaled(gemm_wsring.gemm_wsring, M, N, K, FP8, layout, out_dtype, config)
+    """Within what cuBLAS's fast accumulation errs on the same operands, bias included."""
+    fast_accumulated_scaled(gemm_wsring.gemm_wsring, M, N, K, layout, out_dtype, config)
 
 
 @pytest.mark.gpu
