@@ -95,6 +95,7 @@ def test_candidates_and_default_fit(M, N, K):
     # Every split config both ways: its partials summed in order and added.
     split = {dataclasses.replace(c, add_splits=0) for c in found if c.split_k > 1}
     assert {dataclasses.replace(c, add_splits=1) for c in split} <= set(found)
+    assert not any(c.stream_k for c in found)  # stream-K lost everywhere it was timed
     for cfg in found:
         assert gemm_ring.fits(cfg, M, N, K, FP8), cfg.name
         assert gemm_ring.ring_bytes(cfg) <= gemm_ring.RING_BYTES
@@ -120,28 +121,29 @@ def test_splits_from_below_take_the_deepest_ring_that_fits():
 
 
 def test_stream_k_at_each_count_of_programs_an_sm():
-    """Stream-K for every tile and step, unsplit, at 1, 2 and 4 programs an SM where that many
-    rings of 2 slots fit (one for the wide tile), with the deepest ring that many hold, and
-    registers capped to hold them; none where a tile has one step (only whole tiles)."""
-    found = gemm_ring.candidates(16, 7168, 2048, FP8, num_sms=132)
-    streamed = [c for c in found if c.stream_k]
-    assert {(c.block_k, c.stream_k) for c in streamed} == {
+    """``streamed`` (not offered to the tuner, run by name): stream-K for every tile and step,
+    unsplit, at 1, 2 and 4 programs an SM where that many rings of 2 slots fit (one for the wide
+    tile), with the deepest ring that many hold, and registers capped to hold them."""
+    def streamed(M, N, K):
+        return [c for bn, bm in gemm_ring.tiles_for(M) for bk in gemm_ring.BLOCK_KS
+                for c in gemm_ring.streamed(bm, bk, bn, M, N, K, FP8)]
+
+    found = streamed(16, 7168, 2048)
+    assert {(c.block_k, c.stream_k) for c in found} == {
         (bk, n) for bk in gemm_ring.BLOCK_KS for n in (1, 2, 4)}
-    for c in streamed:
+    for c in found:
         assert (c.split_k, c.add_splits) == (1, 0), c.name
         deeper = dataclasses.replace(c, stages=c.stages + 1)
         assert (c.stages == 8 or gemm_ring.ring_bytes(deeper) * c.stream_k > gemm_ring.RING_BYTES
                 or not gemm_ring.fits(deeper, 16, 7168, 2048, FP8)), c.name
         regs = gemm_ring.max_registers(c)
         assert regs * c.num_warps * 32 * c.stream_k <= 65536 and regs <= 255, c.name
-    assert gemm_ring.max_registers(dataclasses.replace(streamed[0], stream_k=0)) is None
+    assert gemm_ring.max_registers(dataclasses.replace(found[0], stream_k=0)) is None
     # 64 rows of x at 256 of K a step: 4 rings of 2 slots do not fit; the wide tile one an SM.
-    at_64 = [c for c in gemm_ring.candidates(64, 7168, 2048, FP8, num_sms=132) if c.stream_k]
+    at_64 = streamed(64, 7168, 2048)
     assert (256, 4) not in {(c.block_k, c.stream_k) for c in at_64 if c.block_n == 64}
-    wide = [c for c in gemm_ring.candidates(128, 7168, 2048, FP8, num_sms=132)
-            if c.stream_k and c.block_n == 128]
+    wide = [c for c in streamed(128, 7168, 2048) if c.block_n == 128]
     assert wide and {c.stream_k for c in wide} == {1}
-    assert not any(c.stream_k for c in gemm_ring.candidates(16, 7168, 128, FP8, num_sms=132))
 
 
 def test_refuses_the_interpreter_other_gpus_and_tiled_weights(monkeypatch):

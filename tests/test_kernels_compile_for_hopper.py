@@ -372,7 +372,7 @@ RING_SCRIPT = PTXAS_REPORT + TMA_GEMM_COMPILE + textwrap.dedent("""
             (16, 256, 4, -4, (2, 2, True)), (64, 128, 8, -32, (3, 3, True)),
             (128, 128, 4, 1, (2, 2, True)), (128, 128, 4, -8, (3, 3, False)),
             (128, 128, 2, 4, (2, 2, False)), (128, 128, 3, 32, (3, 3, True)),
-            # stream-K (stages = -programs an SM): the candidates' deepest rings
+            # stream-K (stages = -programs an SM): ``streamed``'s deepest rings
             (16, 256, -2, 0, (2, 2, True)), (32, 256, -4, 0, (2, 2, False)),
             (64, 128, -1, 0, (3, 3, False)), (64, 128, -2, 0, (2, 2, True)),
             (128, 128, -1, 0, (3, 3, True)), (128, 128, -1, 0, (2, 2, True))):
@@ -384,10 +384,9 @@ RING_SCRIPT = PTXAS_REPORT + TMA_GEMM_COMPILE + textwrap.dedent("""
         config = gemm_ring.RingConfig(block_m, block_k, max(stages, 2), split_k,
                                       int(add_splits), block_n, -stages if streamed else 0)
         if streamed:
-            config = max((c for c in gemm_ring.candidates(block_m, 7168, 7168,
-                                                          torch.float8_e4m3fn, num_sms=132)
-                          if (c.block_m, c.block_k, c.block_n, c.stream_k) ==
-                          (block_m, block_k, block_n, -stages)), key=lambda c: c.stages)
+            config = next(c for c in gemm_ring.streamed(block_m, block_k, block_n, block_m,
+                                                        7168, 7168, torch.float8_e4m3fn)
+                          if c.stream_k == -stages)
         stages = config.stages
         scale_a, scale_b, has_bias = epilogue
         constexprs = dict(HAS_BIAS=has_bias, SCALE_A=scale_a, SCALE_B=scale_b, SPLIT_K=split_k,

@@ -192,8 +192,8 @@ def candidates(M: int, N: int, K: int, dtype: torch.dtype,
     gives; each block_k; K split to reach each of ``_PROGRAMS_PER_SM`` from above and (the
     deepest ring that fits only) from below (``_splits.splits_around``); 2, 4 or 8 slots, as
     many as that many programs per SM can hold and the split's steps use; split sums in order
-    and, split, added; stream-K (``_streamed``) at each count of programs an SM. Only configs
-    that fit."""
+    and, split, added. Only configs that fit. Stream-K (``streamed``) is not among them: it lost
+    on every shape it was timed on (docs/benchmarks.md, session 32)."""
     if M > MAX_M:
         return []
     num_sms = num_sms or _checks.sm_count()
@@ -213,12 +213,10 @@ def candidates(M: int, N: int, K: int, dtype: torch.dtype,
                     if fitting and not above:  # from below, the deepest ring that fits alone
                         fitting = [max(fitting, key=lambda c: c.stages)]
                     found.update(dict.fromkeys(fitting))
-            if k_steps > 1:  # one step a tile leaves nothing to deal out but whole tiles
-                found.update(dict.fromkeys(_streamed(bm, bk, bn, M, N, K, dtype)))
     return list(found)
 
 
-def _streamed(bm: int, bk: int, bn: int, M: int, N: int, K: int, dtype: torch.dtype):
+def streamed(bm: int, bk: int, bn: int, M: int, N: int, K: int, dtype: torch.dtype):
     """One tile's stream-K configs: each count of programs an SM whose rings of 2 slots or more
     fit beside each other, with the deepest ring that many fit; one program an SM for the wide
     tile (its registers, 145-199 a thread a tile, hold no second one)."""

@@ -235,8 +235,9 @@ def candidates(M: int, N: int, K: int, dtype: torch.dtype, num_sms: int | None =
     (``_splits.splits_around``); 3 or 4 slots where the split's steps use them; split sums in
     order and added; launched plainly and, where ``pdl`` is PDL_WAIT, with PDL; where M takes
     several blocks of x, w's blocks first and x's (``m_first``); where there are more units
-    than the SMs hold programs, persistent programs too (4 slots, ``pdl``); stream-K
-    (``_streamed_configs``) for every tile; 128 rows of x only past 64 (``_configs``)."""
+    than the SMs hold programs, persistent programs too (4 slots, ``pdl``); 128 rows of x only
+    past 64 (``_configs``). Stream-K (``streamed_configs``) is not among them: it lost on every
+    shape it was timed on (docs/benchmarks.md, session 32)."""
     if not MIN_M <= M <= MAX_M:
         return []
     num_sms = num_sms or _checks.sm_count()
@@ -254,15 +255,10 @@ def candidates(M: int, N: int, K: int, dtype: torch.dtype, num_sms: int | None =
                                     triton.cdiv(M, bm) > 1, pdl):
                     if fits(cfg, M, N, K, dtype):
                         found[cfg] = None
-            # One step a tile leaves stream-K nothing to deal out but whole tiles (as L1).
-            for cfg in _streamed_configs(bm, bn, triton.cdiv(M, bm) > 1, pdl) \
-                    if k_steps > 1 else ():
-                if fits(cfg, M, N, K, dtype):
-                    found[cfg] = None
     return list(found)
 
 
-def _streamed_configs(bm: int, bn: int, several_x_blocks: bool, pdl: int):
+def streamed_configs(bm: int, bn: int, several_x_blocks: bool, pdl: int):
     """One tile's stream-K configs: 4 slots (the ring runs on across parts), ``pdl``, as many
     programs an SM as the tile's registers allow, each launch order."""
     for held in _PROGRAMS_PER_SM if (bm, bn) == TWO_PER_SM_TILE else (1,):
