@@ -113,10 +113,11 @@ def layouts(M, N, K, dtype, gen):
     return {"x_t": x_t, "x_s": x_s}, {"w_t": w_t, "w_s": w_s}
 
 
-def assert_matches_reference(y, x, w, bias=None, scale=1.0):
+def assert_matches_reference(y, x, w, bias=None, scale=1.0, allowance=0.0):
     """Every element written, and within the TOLERANCES bound of the fp32 reference. ``scale``
     multiplies x @ w.T: a number, or a tensor that broadcasts to (M, N) (row and column scales
-    of quantised operands)."""
+    of quantised operands). ``allowance``: more error allowed, a number or a tensor that
+    broadcasts to (M, N) (a sum less precise than fp32's)."""
     assert not torch.isnan(y).any(), f"{int(torch.isnan(y).sum())} of {y.numel()} outputs unwritten"
     xf, wf = x.float(), w.float()
     ref = (xf @ wf.T) * scale
@@ -124,7 +125,7 @@ def assert_matches_reference(y, x, w, bias=None, scale=1.0):
     if bias is not None:
         ref = ref + bias.float()
         mag = mag + bias.float().abs()
-    bound = TOLERANCES[y.dtype] * ref.abs() + ACC_EPS * (x.shape[1] + 2) * mag
+    bound = TOLERANCES[y.dtype] * ref.abs() + ACC_EPS * (x.shape[1] + 2) * mag + allowance
     err = (y.float() - ref).abs()
     worst = int((err - bound).argmax())
     assert (err <= bound).all(), (
@@ -248,34 +249,25 @@ def fast_accumulated_scaled(launch, M, N, K, layout, out_dtype, config):
     """GPU: FP8 products summed in the tensor cores (Hopper keeps ~13 bits of the running sum,
     truncated), so the fp32 bound of ``assert_matches_reference`` does not hold. cuBLAS with fast
     accumulation on the same operands (unit scales, fp32 out, scaled exactly afterwards) shows
-    what that sum costs here. Every element within the output's rounding of the reference plus
-    twice cuBLAS's worst error in its row, and the error's norm within 1.5x cuBLAS's plus the
-    output's rounding: a dropped or doubled K step is ~100x cuBLAS's error."""
+    what that sum costs here. Every element within the reference's bound plus twice cuBLAS's
+    worst error in its row, and the error's norm within 1.5x cuBLAS's plus the output's
+    rounding: a dropped or doubled K step is ~100x cuBLAS's error."""
     gen = generator(M * 7 + N)
     xq, wq, x_scale, w_scale = quantised_operands(M, N, K, torch.float8_e4m3fn, layout, gen)
     bias = randn(N, gen=gen, dtype=torch.bfloat16)
     y = launch(xq, wq, bias=bias, out_dtype=out_dtype, scale_a=x_scale, scale_b=w_scale,
                config=config, out=poisoned(M, N, out_dtype))
-    assert not torch.isnan(y).any(), f"{int(torch.isnan(y).sum())} of {y.numel()} outputs unwritten"
     scale = x_scale.double().reshape(-1, 1) * w_scale.double().reshape(1, -1)
     exact = xq.double() @ wq.double().T
-    ref = exact * scale + bias.double()
     one = torch.tensor(1.0, device=DEVICE)
     unit = torch._scaled_mm(xq, wq.T, scale_a=one, scale_b=one, out_dtype=torch.float32,
                             use_fast_accum=True)
     theirs = (unit.double() - exact) * scale
-    err = (y.double() - ref).abs()
-    tolerance = TOLERANCES[out_dtype]
-    bound = tolerance * ref.abs() + 2 * theirs.abs().amax(dim=1, keepdim=True) \
-        + ACC_EPS * (K + 2) * ((xq.double().abs() @ wq.double().abs().T) * scale.abs()
-                               + bias.double().abs())
-    worst = int((err - bound).argmax())
-    assert (err <= bound).all(), (
-        f"max excess at flat index {worst}: |y - ref| = {err.flatten()[worst]:.3g} > bound "
-        f"{bound.flatten()[worst]:.3g} (ref {ref.flatten()[worst]:.4g}; cuBLAS's worst error "
-        f"in the row {theirs.abs().amax(dim=1).flatten()[worst // N]:.3g})")
-    ours, cublas = float(err.norm()), float(theirs.norm())
-    assert ours <= 1.5 * cublas + tolerance * float(ref.norm()), (
+    assert_matches_reference(y, xq, wq, bias, scale=scale.float(),
+                             allowance=2 * theirs.abs().amax(dim=1, keepdim=True).float())
+    ref = exact * scale + bias.double()
+    ours, cublas = float((y.double() - ref).norm()), float(theirs.norm())
+    assert ours <= 1.5 * cublas + TOLERANCES[out_dtype] * float(ref.norm()), (
         f"error norm {ours:.3g} vs cuBLAS fast accumulation's {cublas:.3g}")
 
 

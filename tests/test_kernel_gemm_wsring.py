@@ -4,8 +4,8 @@ Gluon kernels do not run in Triton's interpreter: on the CPU its config space an
 checked here and its sm_90 code in tests/test_kernels_compile_for_hopper.py; the ``gpu`` tests
 check tiles, slots and splits against the fp32 reference at ragged sizes, with every scale
 layout and FP8 block scales, bias and output dtypes, NaN-poisoned outputs, and repeat launches
-bitwise; fast accumulation (per-row and per-tensor scales) against the reference's K-wide
-bound, and less precise than the promoted sum at long K.
+bitwise; fast accumulation (per-row and per-tensor scales) within what cuBLAS's fast
+accumulation errs, and less precise than the promoted sum at long K.
 """
 
 from __future__ import annotations

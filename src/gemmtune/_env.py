@@ -116,9 +116,9 @@ def deterministic() -> bool:
     """``GEMMTUNE_DETERMINISTIC=1``, or torch's own switch (``torch.use_deterministic_algorithms``):
     table rows whose Gluon kernels add K's splits into one sum in arrival order (``.R1``) run
     with the splits summed in order instead, and stream-K (``.K<n>``) as whole tiles (wsring's
-    persistent programs, ring's a program a tile), bitwise reproducible (and as slow as that is where the row chose
-    adding). Read when a kernel name is first resolved in the process: set it
-    before the first call."""
+    persistent programs, ring's a program a tile), bitwise reproducible (and as slow as that is
+    where the row chose adding). Read when a kernel name is first resolved in the process: set
+    it before the first call."""
     import torch
 
     return _flag("GEMMTUNE_DETERMINISTIC") or torch.are_deterministic_algorithms_enabled()

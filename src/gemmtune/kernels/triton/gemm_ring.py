@@ -167,8 +167,6 @@ def fits(config: RingConfig, M: int, N: int, K: int, dtype: torch.dtype) -> bool
     return why_not_fits(config, M, N, K, dtype) is None
 
 
-
-
 def tile_for(M: int) -> tuple[int, int]:
     """(block_n, block_m) for M rows of x: 64 rows of w and the smallest block of x that takes
     M up to 64; past it 128 rows of each (two warpgroups)."""

@@ -99,8 +99,8 @@ class WsRingConfig(NamedConfig):
     # 1 (persistent, split_k 1): stream-K. The tiles' K steps, one after another, dealt out
     # evenly to the programs: each takes its run of them, tile parts included, a part added
     # into its tile's fp32 sum (as ``add_splits``) and the part that completes the tile
-    # storing it. No program idles while others finish a wave (the tile and split counts need
-    # not fit one).
+    # storing it, so no program idles while others finish a wave. Run by name only: each part's
+    # end costs L2 round trips that made it slower on every shape timed (``candidates``).
     stream_k: int = 0
 
     @property
