@@ -395,6 +395,12 @@ for what in "$@"; do
                 --all-times "$OUT/${name}_all.csv" "${args[@]}" ;;
         eagerring)  # host µs per eager call of triton.ring rows against the rows they beat
             TAIL=8 stage eagerring 200 python3 benchmarks/eager_ring_probe.py ;;
+        named:*)  # named:NAME: benchmarks/named_probe.py with benchmarks/named_probe_args/NAME.args
+            # (named kernels of an FP8 family against each other, configs no tuner offers too)
+            name=${what#named:}
+            TAIL=${NAMED_TAIL:-40} stage "named_$name" "${NAMED_LIMIT:-300}" python3 \
+                benchmarks/named_probe.py "@benchmarks/named_probe_args/$name.args" \
+                --csv "$OUT/named_$name.csv" ;;
         ncu:*)  # ncu:FAMILY:M,N,K:KERNEL[,KERNEL...]: Nsight Compute on each kernel's launches
             # (cold caches, clocks left alone) of benchmarks/ncu_probe.py; the report and its raw
             # metrics ($OUT/ncu_*.ncu-rep, .csv), a summary (time, DRAM and issue use,

@@ -144,10 +144,14 @@ def test_candidates_and_default_fit(M, N, K):
         assert gemm_wsring.smem_bytes(cfg) * cfg.per_sm <= gemm_wsring.SMEM_BYTES
     # Two programs an SM: the 64 x 64 tile's alone (the registers of the others hold one).
     assert {(c.block_m, c.block_n) for c in found if c.per_sm == 2} <= {(64, 64)}
-    # Persistent programs: 4 slots (their ring runs on across units), PDL, and beside a
-    # program a unit of the same tile and split.
+    # Persistent programs: the deepest ring that its programs an SM hold beside the end's fp32
+    # tile (the ring runs on across units), PDL, and beside a program a unit of the same tile
+    # and split.
     for c in (c for c in found if c.persistent and not c.stream_k):
-        assert (c.stages, c.pdl) == (4, 1), c.name
+        deeper = [s for s in gemm_wsring._STAGES if s > c.stages]
+        assert c.stages in gemm_wsring._STAGES and c.pdl == 1, c.name
+        assert all(gemm_wsring.smem_bytes(dataclasses.replace(c, stages=s)) * c.per_sm >
+                   gemm_wsring.SMEM_BYTES for s in deeper), c.name
         assert any(not o.persistent and (o.block_m, o.block_n, o.split_k, o.per_sm) ==
                    (c.block_m, c.block_n, c.split_k, c.per_sm) for o in found), c.name
     # Stream-K lost everywhere it was timed: not offered. By name (``streamed_configs``):
@@ -281,7 +285,8 @@ def test_persistent_where_units_outnumber_the_programs(M, N, K, persistent):
 def test_splits_from_above_and_below_the_programs_per_sm():
     """24 tiles of 56 steps on 132 SMs: a split of 6 (144 programs) spills 12 into a second
     wave, so 5 (120) is offered too; at two an SM 11 gives 264 exactly. The below one is
-    offered with 4 slots and the PDL mode asked for only."""
+    offered with the deepest ring that fits (6 slots of 128 x 128) and the PDL mode asked for
+    only."""
     from gemmtune.kernels.triton._splits import WaveSplit, splits_around
 
     assert splits_around(24, 56, 132, (1, 2)) == [WaveSplit(1, 6, True), WaveSplit(1, 5, False),
@@ -291,7 +296,7 @@ def test_splits_from_above_and_below_the_programs_per_sm():
     assert splits_around(4, 56, 132, (1,), 16) == [WaveSplit(1, 16, True)]
     found = gemm_wsring.candidates(256, 1536, 7168, FP8, num_sms=132, pdl=1)
     below = {c for c in found if (c.block_m, c.block_n, c.split_k) == (128, 128, 5)}
-    assert below and all(c.stages == 4 and c.pdl == 1 for c in below)
+    assert below and all(c.stages == 6 and c.pdl == 1 for c in below)
     assert {c.split_k for c in found
             if (c.block_m, c.block_n) == (128, 128) and not c.stream_k} == {5, 6, 11}
     # A split from below of fewer steps than slots: its deepest ring is its steps.
@@ -337,6 +342,10 @@ GPU_CASES = [
     (33, 576, 7168, WsRingConfig(64, 64, 4, 1, 0, 2, 1, 1, stream_k=1)),
     # runs of 7.75 steps of 4-step tiles: parts, whole tiles, parts
     (256, 16384, 512, WsRingConfig(128, 128, 4, 1, 0, 1, 0, 1, stream_k=1)),
+    # 8-slot rings: around more than twice (19 steps), 9 steps on 8, persistent, two warpgroups
+    (100, 1040, 2320, WsRingConfig(64, 64, 8, 1)),
+    (130, 4096, 1040, WsRingConfig(128, 64, 8, 1, 0, 1, 1)),
+    (200, 1040, 2320, WsRingConfig(64, 128, 8, 3, 1, 1, 1, 1)),
     # fewer rows of x than the MMA's 64 (TMA's zeros below them): split, added, persistent
     (16, 1040, 2320, WsRingConfig(64, 128, 3, 3)),
     (33, 576, 7168, WsRingConfig(64, 64, 4, 8, 1)),
@@ -386,6 +395,9 @@ FAST_GPU_CASES = [
     (128, 512, 384, WsRingConfig(128, 128, 2, 3, fast_accumulation=1)),
     (200, 1040, 512, WsRingConfig(64, 128, 2, 2, 1, fast_accumulation=1)),
     (200, 1040, 1040, WsRingConfig(128, 64, 4, 1, 0, 1, 0, 1, 1, 1, 1)),  # stream-K
+    # 8-slot rings: 19 steps around them, and 9 steps of two warpgroups
+    (100, 1040, 2320, WsRingConfig(64, 64, 8, 1, 0, 1, 1, fast_accumulation=1)),
+    (130, 4096, 1040, WsRingConfig(128, 64, 8, 1, fast_accumulation=1)),
 ]
 
 

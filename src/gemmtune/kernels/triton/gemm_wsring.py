@@ -207,24 +207,39 @@ def fits(config: WsRingConfig, M: int, N: int, K: int, dtype: torch.dtype) -> bo
 
 
 _PROGRAMS_PER_SM = (1, 2)
-_STAGES = (3, 4)  # 6 won no shape of the presets at M = 128 and 256 (docs/benchmarks.md)
+# Slots a ring may take, where a program's shared memory holds them (``_depths``): deeper
+# rings keep more of w in flight, which the 64-row tiles need (H200, a8w8 64 x 7168 x 8192,
+# 64 x 64 tile: 24.7 µs with 4 slots, 18.6 with 8; docs/benchmarks.md, session 33). 3 won no
+# shipped row.
+_STAGES = (4, 6, 8)
+
+
+def _depths(bm: int, bn: int, per_sm: int, persistent: int) -> list[int]:
+    """The depths of ``_STAGES`` whose ring ``per_sm`` programs of the tile hold (as many as
+    fit, at least the shallowest)."""
+    fit = [s for s in _STAGES
+           if smem_bytes(WsRingConfig(bm, bn, s, 1, 0, per_sm, PDL_OFF, persistent)) * per_sm
+           <= SMEM_BYTES]
+    return fit or [min(_STAGES)]
 
 
 def _configs(bm: int, bn: int, split: int, held: int, above: bool, looped: int, k_steps: int,
              several_x_blocks: bool, pdl: int):
-    """One tile's and split's configs: 3 and 4 slots (as many as the split's steps use), the
-    sums in order and added, each launch mode, each launch order; a split from below (``not
-    above``) with the deepest ring and ``pdl`` alone; where ``looped``, persistent programs
-    too, with 4 slots (their ring runs on across units) and ``pdl``."""
-    deepest = max(2, min(max(_STAGES), triton.cdiv(k_steps, split)))
+    """One tile's and split's configs: each depth of ``_depths`` (none deeper than the split's
+    steps use), the sums in order and added, each launch mode, each launch order; a split from
+    below (``not above``) with the deepest ring and ``pdl`` alone; where ``looped``,
+    persistent programs too, with their deepest ring (it runs on across units) and ``pdl``."""
+    depths = _depths(bm, bn, held, 0)
+    deepest = max(2, min(max(depths), triton.cdiv(k_steps, split)))
     for add, first in itertools.product(sorted({0, int(split > 1)}),
                                         sorted({0, int(several_x_blocks)})):
         for stages, mode in itertools.product(
-                sorted({min(s, deepest) for s in _STAGES}) if above else [deepest],
+                sorted({min(s, deepest) for s in depths}) if above else [deepest],
                 sorted({PDL_OFF, pdl}) if above else [pdl]):
             yield WsRingConfig(bm, bn, stages, split, add, held, mode, 0, first)
         if looped:
-            yield WsRingConfig(bm, bn, max(_STAGES), split, add, held, pdl, 1, first)
+            yield WsRingConfig(bm, bn, max(_depths(bm, bn, held, 1)), split, add, held, pdl, 1,
+                               first)
 
 
 def candidates(M: int, N: int, K: int, dtype: torch.dtype, num_sms: int | None = None,
@@ -232,11 +247,11 @@ def candidates(M: int, N: int, K: int, dtype: torch.dtype, num_sms: int | None =
     """The configs to tune one shape with, for MIN_M <= M <= MAX_M (none elsewhere): every tile;
     K split to reach one program per SM and two (of the 64 x 64 tile, held two at a time, and
     of the others one after another), from above and (the deepest ring, ``pdl``) from below
-    (``_splits.splits_around``); 3 or 4 slots where the split's steps use them; split sums in
-    order and added; launched plainly and, where ``pdl`` is PDL_WAIT, with PDL; where M takes
-    several blocks of x, w's blocks first and x's (``m_first``); where there are more units
-    than the SMs hold programs, persistent programs too (4 slots, ``pdl``); 128 rows of x only
-    past 64 (``_configs``). Stream-K (``streamed_configs``) is not among them: it lost on every
+    (``_splits.splits_around``); rings of 4, 6 and 8 slots where they fit and the split's steps
+    use them; split sums in order and added; launched plainly and, where ``pdl`` is PDL_WAIT,
+    with PDL; where M takes several blocks of x, w's blocks first and x's (``m_first``); where
+    there are more units than the SMs hold programs, persistent programs too (their deepest
+    ring, ``pdl``); 128 rows of x only past 64 (``_configs``). Stream-K (``streamed_configs``) is not among them: it lost on every
     shape it was timed on (docs/benchmarks.md, session 32)."""
     if not MIN_M <= M <= MAX_M:
         return []
@@ -259,11 +274,11 @@ def candidates(M: int, N: int, K: int, dtype: torch.dtype, num_sms: int | None =
 
 
 def streamed_configs(bm: int, bn: int, several_x_blocks: bool, pdl: int):
-    """One tile's stream-K configs: 4 slots (the ring runs on across parts), ``pdl``, as many
+    """One tile's stream-K configs: 4 slots (as they were timed), ``pdl``, as many
     programs an SM as the tile's registers allow, each launch order."""
     for held in _PROGRAMS_PER_SM if (bm, bn) == TWO_PER_SM_TILE else (1,):
         for first in sorted({0, int(several_x_blocks)}):
-            yield WsRingConfig(bm, bn, max(_STAGES), 1, 0, held, pdl, 1, first, 0, 1)
+            yield WsRingConfig(bm, bn, 4, 1, 0, held, pdl, 1, first, 0, 1)
 
 
 def fast_twin(config: WsRingConfig, K: int) -> WsRingConfig | None:
