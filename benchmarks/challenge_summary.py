@@ -45,10 +45,17 @@ def main() -> None:
     def key(row: dict) -> tuple:
         return tuple(row[c] for c in key_names)
 
-    old = {key(r): r["kernelName"] for r in before if r.get("kernelName")}
+    profiled = _rows(args.profile)[1]
+    # The row the probe's GPU looked up: its own model's where the table has one for the shape
+    # (a table may hold H100 and H200 rows of one shape), else another model's.
+    gpus = {r.get("gpu", "") for r in profiled}
+    old = {}
+    for own in (False, True):
+        old.update({key(r): r["kernelName"] for r in before
+                    if r.get("kernelName") and (r.get("gpu", "") in gpus) == own})
     new = {key(r): r["kernelName"] for r in _rows(args.after)[1]}
     timed: dict[tuple, dict[str, float]] = defaultdict(dict)
-    for r in _rows(args.profile)[1]:
+    for r in profiled:
         if r["status"] == "ok":
             timed[key(r)][r["kernelName"]] = float(r["us"])
     ratios = defaultdict(list)

@@ -181,6 +181,10 @@ for what in "$@"; do
             [[ -n ${PROBE_FROM:-} ]] && cp -n "$PROBE_FROM"/* "$dir/"
             kernels=${CHALLENGE:-triton.gemv}
             [[ -n $old ]] && kernels="$kernels,$(tr -d '\n' < "$old")"
+            # This GPU's own rows of the shapes, challenged (each row's kernel timed even where
+            # the candidates no longer offer its config)
+            python3 benchmarks/seed_probe_rows.py "$family" "$shapes" "$dir/tuned.csv" \
+                >> "$summary" 2>&1
             stage "probe_$name" "${PROBE_LIMIT:-420}" python3 -m gemmtune.cli tune "$family" \
                 -i "$shapes" -o "$dir/tuned.csv" -o2 "$dir/profile.csv" --kernels "$kernels" \
                 --mp "${MP:-14}" --timeout 60

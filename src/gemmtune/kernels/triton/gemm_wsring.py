@@ -227,15 +227,14 @@ def _configs(bm: int, bn: int, split: int, held: int, above: bool, looped: int, 
              several_x_blocks: bool, pdl: int):
     """One tile's and split's configs: each depth of ``_depths`` (none deeper than the split's
     steps use), the sums in order and added, each launch mode, each launch order; a split from
-    below (``not above``) with the deepest ring and ``pdl`` alone; where ``looped``,
-    persistent programs too, with their deepest ring (it runs on across units) and ``pdl``."""
+    below (``not above``) with ``pdl`` alone; where ``looped``, persistent programs too, with
+    their deepest ring (it runs on across units) and ``pdl``."""
     depths = _depths(bm, bn, held, 0)
     deepest = max(2, min(max(depths), triton.cdiv(k_steps, split)))
     for add, first in itertools.product(sorted({0, int(split > 1)}),
                                         sorted({0, int(several_x_blocks)})):
-        for stages, mode in itertools.product(
-                sorted({min(s, deepest) for s in depths}) if above else [deepest],
-                sorted({PDL_OFF, pdl}) if above else [pdl]):
+        for stages, mode in itertools.product(sorted({min(s, deepest) for s in depths}),
+                                              sorted({PDL_OFF, pdl}) if above else [pdl]):
             yield WsRingConfig(bm, bn, stages, split, add, held, mode, 0, first)
         if looped:
             yield WsRingConfig(bm, bn, max(_depths(bm, bn, held, 1)), split, add, held, pdl, 1,
@@ -246,7 +245,7 @@ def candidates(M: int, N: int, K: int, dtype: torch.dtype, num_sms: int | None =
                pdl: int = PDL_OFF) -> list[WsRingConfig]:
     """The configs to tune one shape with, for MIN_M <= M <= MAX_M (none elsewhere): every tile;
     K split to reach one program per SM and two (of the 64 x 64 tile, held two at a time, and
-    of the others one after another), from above and (the deepest ring, ``pdl``) from below
+    of the others one after another), from above and (``pdl`` alone) from below
     (``_splits.splits_around``); rings of 4, 6 and 8 slots where they fit and the split's steps
     use them; split sums in order and added; launched plainly and, where ``pdl`` is PDL_WAIT,
     with PDL; where M takes several blocks of x, w's blocks first and x's (``m_first``); where
