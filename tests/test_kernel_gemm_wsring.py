@@ -133,10 +133,13 @@ def test_candidates_and_default_fit(M, N, K):
     assert bool(found) == (gemm_wsring.MIN_M <= M <= gemm_wsring.MAX_M), (M, N, K)
     if not found:
         return
-    # Every tile (128 rows of x past 64 only), and each split config both ways: its partials
+    # Every tile (128 rows of x past 64 only; 16 and 32 rows of w at one block of x where
+    # 64-row tiles of w are fewer than the SMs), and each split config both ways: its partials
     # summed in order and added.
+    narrow = M <= 64 and -(-N // 64) < 132
     assert {(c.block_m, c.block_n) for c in found} == {
-        (m, n) for m in gemm_wsring.BLOCK_MS for n in gemm_wsring.BLOCK_NS if m == 64 or M > 64}
+        (m, n) for m in gemm_wsring.BLOCK_MS for n in gemm_wsring.BLOCK_NS
+        if (m == 64 or M > 64) and (narrow or n not in gemm_wsring.NARROW_NS)}
     split = {dataclasses.replace(c, add_splits=0) for c in found if c.split_k > 1}
     assert {dataclasses.replace(c, add_splits=1) for c in split} <= set(found)
     for cfg in found:
@@ -306,6 +309,19 @@ def test_splits_from_above_and_below_the_programs_per_sm():
             if (c.block_m, c.block_n, c.split_k, c.persistent) == (64, 64, 1, 0)} == {(2, 1)}
 
 
+def test_narrow_tiles_where_wide_ones_leave_sms_idle():
+    """16 and 32 rows of w at one block of x where 64-row tiles are fewer than the SMs: at
+    16 x 4096 x 4096 32-row tiles make 128 programs that stream all of K unsplit; not for a
+    weight of more 64-row tiles than SMs, nor past one block of x."""
+    found = gemm_wsring.candidates(16, 4096, 4096, FP8, num_sms=132, pdl=1)
+    unsplit = {(c.block_n, c.stages) for c in found if c.block_n in gemm_wsring.NARROW_NS
+               and c.split_k == 1 and not c.persistent}
+    assert unsplit == {(16, 4), (16, 6), (16, 8), (32, 4), (32, 6), (32, 8)}
+    for M, N in ((16, 8448), (65, 4096)):
+        assert not any(c.block_n in gemm_wsring.NARROW_NS
+                       for c in gemm_wsring.candidates(M, N, 4096, FP8, num_sms=132, pdl=1))
+
+
 # --- GPU -----------------------------------------------------------------------------------
 
 # (M, N, K, config): one and two math warpgroups, 64 and 128 rows of w; M, N and K past whole
@@ -347,6 +363,10 @@ GPU_CASES = [
     (100, 1040, 2320, WsRingConfig(64, 64, 8, 1)),
     (130, 4096, 1040, WsRingConfig(128, 64, 8, 1, 0, 1, 1)),
     (200, 1040, 2320, WsRingConfig(64, 128, 8, 3, 1, 1, 1, 1)),
+    # 16 and 32 rows of w (ragged N): unsplit, split added and in order
+    (16, 1000, 2320, WsRingConfig(64, 16, 8, 1)),
+    (33, 4096, 1040, WsRingConfig(64, 32, 6, 2, 1)),
+    (64, 1040, 2320, WsRingConfig(64, 32, 8, 3, 0, 1, 1)),
     # fewer rows of x than the MMA's 64 (TMA's zeros below them): split, added, persistent
     (16, 1040, 2320, WsRingConfig(64, 128, 3, 3)),
     (33, 576, 7168, WsRingConfig(64, 64, 4, 8, 1)),
@@ -399,6 +419,9 @@ FAST_GPU_CASES = [
     # 8-slot rings: 19 steps around them, and 9 steps of two warpgroups
     (100, 1040, 2320, WsRingConfig(64, 64, 8, 1, 0, 1, 1, fast_accumulation=1)),
     (130, 4096, 1040, WsRingConfig(128, 64, 8, 1, fast_accumulation=1)),
+    # 16 and 32 rows of w
+    (16, 1000, 2320, WsRingConfig(64, 32, 8, 1, 0, 1, 1, fast_accumulation=1)),
+    (40, 1000, 1040, WsRingConfig(64, 16, 6, 2, 1, fast_accumulation=1)),
 ]
 
 

@@ -165,10 +165,11 @@ def _store_y(tile, y_tile, on, om, pid_n, pid_m, M, N, stride_ym, stride_yn,
 
 @gluon.constexpr_function
 def _end_layout(block_n, warps):
-    """``finish_tile``'s layout: lanes down w's rows, warps down them as far as 32 rows each go,
-    the rest across x's rows."""
-    down = min(block_n // 32, warps)
-    return gl.BlockedLayout([1, 1], [32, 1], [down, warps // down], [0, 1])
+    """``finish_tile``'s layout: lanes down w's rows (all 32 where it has as many, else the rest
+    across x's rows), warps down them as far as 32 rows each go, the rest across x's rows."""
+    lanes = min(block_n, 32)
+    down = max(1, min(block_n // 32, warps))
+    return gl.BlockedLayout([1, 1], [lanes, 32 // lanes], [down, warps // down], [0, 1])
 
 
 @gluon.jit

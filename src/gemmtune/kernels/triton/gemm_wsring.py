@@ -2,7 +2,7 @@
 ``y = (x @ w.T) * scale_a * scale_b + bias``, FP8 block scales applied per K step.
 
 Not swapped, unlike ``triton.ring``: x's rows are the warpgroup MMA's M (64 or 128 a program:
-one or two math warpgroups), w's rows its N (64 or 128). A producer warp of its own
+one or two math warpgroups), w's rows its N (16, 32, 64 or 128). A producer warp of its own
 (``gl.warp_specialize``) keeps a ring of STAGES slots filled through TMA, each slot freed by the
 math warps once their MMA has read it; the math warps only wait, multiply and scale. So loads
 are issued as soon as a slot frees instead of after each step's multiply and scaling, which in
@@ -47,7 +47,11 @@ from gemmtune.kernels.triton._swapped import (MAX_GRID_Z, ROWS_PER_WARP, barrier
 KERNEL_PREFIX = "triton.wsring"
 BLOCK_K = 128  # one FP8 scale block a step
 BLOCK_MS = (64, 128)  # x rows a program: one or two math warpgroups (64 rows each)
-BLOCK_NS = (64, 128)  # w rows a program (the MMA's N); within one block scale of 128 rows
+BLOCK_NS = (16, 32, 64, 128)  # w rows a program (the MMA's N); within one block scale of 128
+# The narrow tiles (16, 32 rows of w) are for weights whose 64-row tiles leave SMs idle at one
+# block of x: every SM then streams its own slab of w over the whole of K, with no split's sum
+# to add at the end. Each step still reads x's block (8 KB at 64 rows) for 0.5-1 of w.
+NARROW_NS = (16, 32)
 # The Ms the candidates cover. Below 64 rows the 64-row MMA is partly TMA's zeros, which are
 # not read; on short-K shapes the warp-specialised ring still wins there (H200: 4 of the
 # presets' 26 block-scale shapes at M = 32, 2 at M = 16; docs/benchmarks.md, session 31).
@@ -241,11 +245,17 @@ def _configs(bm: int, bn: int, split: int, held: int, above: bool, looped: int, 
                                first)
 
 
+def _narrow_pays(M: int, N: int, num_sms: int) -> bool:
+    """Whether the narrow tiles are offered: one block of x, and w's 64-row tiles fewer than
+    the SMs (otherwise every SM has a slab of w without them)."""
+    return M <= BLOCK_MS[0] and triton.cdiv(N, 64) < num_sms
+
+
 def candidates(M: int, N: int, K: int, dtype: torch.dtype, num_sms: int | None = None,
                pdl: int = PDL_OFF) -> list[WsRingConfig]:
-    """The configs to tune one shape with, for MIN_M <= M <= MAX_M (none elsewhere): every tile;
-    K split to reach one program per SM and two (of the 64 x 64 tile, held two at a time, and
-    of the others one after another), from above and (``pdl`` alone) from below
+    """The configs to tune one shape with, for MIN_M <= M <= MAX_M (none elsewhere): every tile
+    (the narrow ones where ``_narrow_pays``); K split to reach one program per SM and two (of
+    the 64 x 64 tile, held two at a time, and of the others one after another), from above and (``pdl`` alone) from below
     (``_splits.splits_around``); rings of 4, 6 and 8 slots where they fit and the split's steps
     use them; split sums in order and added; launched plainly and, where ``pdl`` is PDL_WAIT,
     with PDL; where M takes several blocks of x, w's blocks first and x's (``m_first``); where
@@ -259,7 +269,7 @@ def candidates(M: int, N: int, K: int, dtype: torch.dtype, num_sms: int | None =
     found = {}
     # 128 rows of x where M takes more than 64 (at M = 64 half of them would be TMA's zeros)
     for bm in (b for b in BLOCK_MS if b == BLOCK_MS[0] or M > BLOCK_MS[0]):
-        for bn in BLOCK_NS:
+        for bn in (b for b in BLOCK_NS if b not in NARROW_NS or _narrow_pays(M, N, num_sms)):
             tiles = triton.cdiv(N, bn) * triton.cdiv(M, bm)
             for per_sm, split, above in splits_around(tiles, k_steps, num_sms,
                                                       _PROGRAMS_PER_SM, MAX_SPLIT_K):
