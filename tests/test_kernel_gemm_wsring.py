@@ -134,12 +134,12 @@ def test_candidates_and_default_fit(M, N, K):
     if not found:
         return
     # Every tile (128 rows of x past 64 only; 16 and 32 rows of w at one block of x where
-    # 64-row tiles of w are fewer than the SMs), and each split config both ways: its partials
+    # they make one wave over a short K), and each split config both ways: its partials
     # summed in order and added.
-    narrow = M <= 64 and -(-N // 64) < 132
     assert {(c.block_m, c.block_n) for c in found} == {
         (m, n) for m in gemm_wsring.BLOCK_MS for n in gemm_wsring.BLOCK_NS
-        if (m == 64 or M > 64) and (narrow or n not in gemm_wsring.NARROW_NS)}
+        if (m == 64 or M > 64) and (n not in gemm_wsring.NARROW_NS or (
+            M <= 64 and -(-N // n) <= 132 and -(-K // 128) <= gemm_wsring.NARROW_MAX_STEPS))}
     split = {dataclasses.replace(c, add_splits=0) for c in found if c.split_k > 1}
     assert {dataclasses.replace(c, add_splits=1) for c in split} <= set(found)
     for cfg in found:
@@ -309,17 +309,20 @@ def test_splits_from_above_and_below_the_programs_per_sm():
             if (c.block_m, c.block_n, c.split_k, c.persistent) == (64, 64, 1, 0)} == {(2, 1)}
 
 
-def test_narrow_tiles_where_wide_ones_leave_sms_idle():
-    """16 and 32 rows of w at one block of x where 64-row tiles are fewer than the SMs: at
-    16 x 4096 x 4096 32-row tiles make 128 programs that stream all of K unsplit; not for a
-    weight of more 64-row tiles than SMs, nor past one block of x."""
-    found = gemm_wsring.candidates(16, 4096, 4096, FP8, num_sms=132, pdl=1)
-    unsplit = {(c.block_n, c.stages) for c in found if c.block_n in gemm_wsring.NARROW_NS
-               and c.split_k == 1 and not c.persistent}
-    assert unsplit == {(16, 4), (16, 6), (16, 8), (32, 4), (32, 6), (32, 8)}
-    for M, N in ((16, 8448), (65, 4096)):
+def test_narrow_tiles_where_one_wave_streams_a_short_k():
+    """16 and 32 rows of w at one block of x where their tiles make one wave and K is at most
+    NARROW_MAX_STEPS steps: at 16 x 4096 x 512 the 32-row tiles make 128 programs of 4 steps
+    unsplit (4 slots: the steps use no more); not the 16-row ones (256 tiles), nor at a longer
+    K, more tiles than SMs, or past one block of x."""
+    found = gemm_wsring.candidates(16, 4096, 512, FP8, num_sms=132, pdl=1)
+    narrow = [c for c in found if c.block_n in gemm_wsring.NARROW_NS]
+    assert {c.block_n for c in narrow} == {32}
+    assert {c.stages for c in narrow if c.split_k == 1} == {4}
+    assert {c.block_n for c in gemm_wsring.candidates(32, 3072, 1536, FP8, num_sms=132)
+            if c.block_n in gemm_wsring.NARROW_NS} == {32}  # 16 rows: 192 tiles
+    for M, N, K in ((16, 4096, 1664), (16, 4256, 512), (65, 4096, 512)):
         assert not any(c.block_n in gemm_wsring.NARROW_NS
-                       for c in gemm_wsring.candidates(M, N, 4096, FP8, num_sms=132, pdl=1))
+                       for c in gemm_wsring.candidates(M, N, K, FP8, num_sms=132, pdl=1))
 
 
 # --- GPU -----------------------------------------------------------------------------------
@@ -419,9 +422,9 @@ FAST_GPU_CASES = [
     # 8-slot rings: 19 steps around them, and 9 steps of two warpgroups
     (100, 1040, 2320, WsRingConfig(64, 64, 8, 1, 0, 1, 1, fast_accumulation=1)),
     (130, 4096, 1040, WsRingConfig(128, 64, 8, 1, fast_accumulation=1)),
-    # 16 and 32 rows of w
-    (16, 1000, 2320, WsRingConfig(64, 32, 8, 1, 0, 1, 1, fast_accumulation=1)),
-    (40, 1000, 1040, WsRingConfig(64, 16, 6, 2, 1, fast_accumulation=1)),
+    # 16 and 32 rows of w (N a multiple of 16, as cuBLAS's fast reference takes)
+    (16, 1008, 2320, WsRingConfig(64, 32, 8, 1, 0, 1, 1, fast_accumulation=1)),
+    (40, 1008, 1040, WsRingConfig(64, 16, 6, 2, 1, fast_accumulation=1)),
 ]
 
 

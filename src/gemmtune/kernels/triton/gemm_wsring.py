@@ -48,10 +48,13 @@ KERNEL_PREFIX = "triton.wsring"
 BLOCK_K = 128  # one FP8 scale block a step
 BLOCK_MS = (64, 128)  # x rows a program: one or two math warpgroups (64 rows each)
 BLOCK_NS = (16, 32, 64, 128)  # w rows a program (the MMA's N); within one block scale of 128
-# The narrow tiles (16, 32 rows of w) are for weights whose 64-row tiles leave SMs idle at one
-# block of x: every SM then streams its own slab of w over the whole of K, with no split's sum
-# to add at the end. Each step still reads x's block (8 KB at 64 rows) for 0.5-1 of w.
+# The narrow tiles (16, 32 rows of w): one program an SM streams its slab of w over all of K,
+# with no split's sum to add at the end. A slot then holds only 2-4 KB of w (beside x's 8 KB
+# block), too few bytes in flight for a long K: on an H200 they won only where a program's
+# slab is a few steps (16-32 x 4096 x 512, 1.22-1.32x; 32 x 3072 x 1536, 1.07x) and lost up to
+# 2.4x on long K (docs/benchmarks.md, session 33), so they are offered only there.
 NARROW_NS = (16, 32)
+NARROW_MAX_STEPS = 12
 # The Ms the candidates cover. Below 64 rows the 64-row MMA is partly TMA's zeros, which are
 # not read; on short-K shapes the warp-specialised ring still wins there (H200: 4 of the
 # presets' 26 block-scale shapes at M = 32, 2 at M = 16; docs/benchmarks.md, session 31).
@@ -245,10 +248,11 @@ def _configs(bm: int, bn: int, split: int, held: int, above: bool, looped: int, 
                                first)
 
 
-def _narrow_pays(M: int, N: int, num_sms: int) -> bool:
-    """Whether the narrow tiles are offered: one block of x, and w's 64-row tiles fewer than
-    the SMs (otherwise every SM has a slab of w without them)."""
-    return M <= BLOCK_MS[0] and triton.cdiv(N, 64) < num_sms
+def _narrow_pays(M: int, N: int, k_steps: int, bn: int, num_sms: int) -> bool:
+    """Whether a narrow tile of ``bn`` rows of w is offered: one block of x, one wave of its
+    tiles, and at most NARROW_MAX_STEPS steps of K (a slab the ring holds most of)."""
+    return (M <= BLOCK_MS[0] and triton.cdiv(N, bn) <= num_sms
+            and k_steps <= NARROW_MAX_STEPS)
 
 
 def candidates(M: int, N: int, K: int, dtype: torch.dtype, num_sms: int | None = None,
@@ -269,7 +273,8 @@ def candidates(M: int, N: int, K: int, dtype: torch.dtype, num_sms: int | None =
     found = {}
     # 128 rows of x where M takes more than 64 (at M = 64 half of them would be TMA's zeros)
     for bm in (b for b in BLOCK_MS if b == BLOCK_MS[0] or M > BLOCK_MS[0]):
-        for bn in (b for b in BLOCK_NS if b not in NARROW_NS or _narrow_pays(M, N, num_sms)):
+        for bn in (b for b in BLOCK_NS
+                   if b not in NARROW_NS or _narrow_pays(M, N, k_steps, b, num_sms)):
             tiles = triton.cdiv(N, bn) * triton.cdiv(M, bm)
             for per_sm, split, above in splits_around(tiles, k_steps, num_sms,
                                                       _PROGRAMS_PER_SM, MAX_SPLIT_K):
