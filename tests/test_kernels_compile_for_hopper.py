@@ -453,7 +453,8 @@ WSRING_SCRIPT = PTXAS_REPORT + TMA_GEMM_COMPILE + textwrap.dedent("""
             (64, 128, 4, 1, (3, 3, True), 1, 11), (64, 64, 8, 1, (2, 2, False), 1, 4),
             (128, 64, 8, 1, (3, 3, False), 1, 0), (64, 128, 8, 3, (3, 3, True), 1, 1),
             (64, 16, 8, 1, (3, 3, False), 1, 0), (64, 32, 8, 1, (2, 2, True), 1, 4),
-            (64, 32, 6, -2, (3, 3, False), 1, 0), (64, 16, 8, 3, (2, 2, False), 1, 0)):
+            (64, 32, 6, -2, (3, 3, False), 1, 0), (64, 16, 8, 3, (2, 2, False), 1, 0),
+            (64, 32, 16, 1, (3, 3, False), 1, 0), (64, 64, 12, 1, (3, 3, False), 1, 0)):
         # order: 0 a program a unit, w's blocks first; 1 a loop over units; 2 x's blocks
         # first; 3 both
         fast, streamed, order = bool(order & 4), bool(order & 8), order % 4
