@@ -46,13 +46,13 @@ def main() -> None:
         return tuple(row[c] for c in key_names)
 
     profiled = _rows(args.profile)[1]
-    # The row the probe's GPU looked up: its own model's where the table has one for the shape
-    # (a table may hold H100 and H200 rows of one shape), else another model's.
-    gpus = {r.get("gpu", "") for r in profiled}
+    # The row the probe's GPU looked up: the model that timed the shape's own row where the
+    # table has one (a table may hold H100 and H200 rows of one shape), else another model's.
+    probed_on = {key(r): r.get("gpu", "") for r in profiled}
     old = {}
     for own in (False, True):
-        old.update({key(r): r["kernelName"] for r in before
-                    if r.get("kernelName") and (r.get("gpu", "") in gpus) == own})
+        old.update({key(r): r["kernelName"] for r in before if r.get("kernelName")
+                    and (r.get("gpu", "") == probed_on.get(key(r))) == own})
     new = {key(r): r["kernelName"] for r in _rows(args.after)[1]}
     timed: dict[tuple, dict[str, float]] = defaultdict(dict)
     for r in profiled:

@@ -17,6 +17,7 @@ Prints a table per shape (µs, and each kernel's time over the first's); ``--csv
 from __future__ import annotations
 
 import argparse
+import csv
 import sys
 
 import torch
@@ -72,9 +73,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--csv", help="write every time here too")
     args = parser.parse_args()
-    out = open(args.csv, "w") if args.csv else None
-    if out:
-        out.write("M,N,K,kernelName,us,why_not\n")
+    out = open(args.csv, "w", newline="") if args.csv else None
+    table = csv.writer(out) if out else None
+    if table:
+        table.writerow(["M", "N", "K", "kernelName", "us", "why_not"])
     for text in args.shapes:
         shape = tuple(int(v) for v in text.split(","))
         rows = time_shape(args.family, shape, args.kernels, args.rounds)
@@ -85,9 +87,8 @@ def main() -> None:
                 print(f"  {'-':>8} {'-':>6}  {name}: {why}")
             else:
                 print(f"  {us:8.2f} {us / base:6.3f}  {name}")
-            if out:
-                out.write(f"{shape[0]},{shape[1]},{shape[2]},{name},"
-                          f"{'' if us is None else f'{us:.3f}'},\"{why}\"\n")
+            if table:
+                table.writerow([*shape, name, "" if us is None else f"{us:.3f}", why])
         sys.stdout.flush()
     if out:
         out.close()

@@ -120,7 +120,8 @@ def test_configs_that_cannot_run_say_why(config, M, N, K, dtype, says):
 
 @pytest.mark.parametrize("M, N, K", [(65, 576, 7168), (128, 4096, 4096), (200, 1040, 2320),
                                      (256, 151936, 5120), (256, 7168, 256), (64, 4096, 4096),
-                                     (16, 4096, 4096), (15, 4096, 4096), (300, 4096, 4096)])
+                                     (16, 4096, 4096), (15, 4096, 4096), (300, 4096, 4096),
+                                     (16, 4096, 512), (32, 3072, 1536), (64, 3072, 1536)])
 def test_candidates_and_default_fit(M, N, K):
     plain = gemm_wsring.candidates(M, N, K, FP8, num_sms=132)
     found = gemm_wsring.candidates(M, N, K, FP8, num_sms=132, pdl=1)
@@ -133,18 +134,21 @@ def test_candidates_and_default_fit(M, N, K):
     assert bool(found) == (gemm_wsring.MIN_M <= M <= gemm_wsring.MAX_M), (M, N, K)
     if not found:
         return
-    # Every tile (128 rows of x past 64 only; 16 and 32 rows of w at one block of x where
-    # they make one wave over a short K), and each split config both ways: its partials
-    # summed in order and added.
+    # Every tile (128 rows of x past 64 only; 16 and 32 rows of w up to 32 rows of x where
+    # they make one wave over a short K, unsplit and a program a tile), and each split config
+    # both ways: its partials summed in order and added.
     assert {(c.block_m, c.block_n) for c in found} == {
         (m, n) for m in gemm_wsring.BLOCK_MS for n in gemm_wsring.BLOCK_NS
         if (m == 64 or M > 64) and (n not in gemm_wsring.NARROW_NS or (
-            M <= 64 and -(-N // n) <= 132 and -(-K // 128) <= gemm_wsring.NARROW_MAX_STEPS))}
+            M <= 32 and -(-N // n) <= 132 and -(-K // 128) <= gemm_wsring.NARROW_MAX_STEPS))}
+    assert all(c.split_k == 1 and not c.persistent
+               for c in found if c.block_n in gemm_wsring.NARROW_NS)
     split = {dataclasses.replace(c, add_splits=0) for c in found if c.split_k > 1}
     assert {dataclasses.replace(c, add_splits=1) for c in split} <= set(found)
     for cfg in found:
         assert gemm_wsring.fits(cfg, M, N, K, FP8), cfg.name
-        assert gemm_wsring.smem_bytes(cfg) * cfg.per_sm <= gemm_wsring.SMEM_BYTES
+        # Each program's block reserves 1 KiB of the SM's 228 beside its own.
+        assert (gemm_wsring.smem_bytes(cfg) + 1024) * cfg.per_sm <= 228 * 1024
     # Two programs an SM: the 64 x 64 tile's alone (the registers of the others hold one).
     assert {(c.block_m, c.block_n) for c in found if c.per_sm == 2} <= {(64, 64)}
     # Persistent programs: the deepest ring that its programs an SM hold beside the end's fp32
@@ -153,8 +157,8 @@ def test_candidates_and_default_fit(M, N, K):
     for c in (c for c in found if c.persistent and not c.stream_k):
         deeper = [s for s in gemm_wsring._STAGES if s > c.stages]
         assert c.stages in gemm_wsring._STAGES and c.pdl == 1, c.name
-        assert all(gemm_wsring.smem_bytes(dataclasses.replace(c, stages=s)) * c.per_sm >
-                   gemm_wsring.SMEM_BYTES for s in deeper), c.name
+        assert not any(gemm_wsring.smem_fits(dataclasses.replace(c, stages=s))
+                       for s in deeper), c.name
         assert any(not o.persistent and (o.block_m, o.block_n, o.split_k, o.per_sm) ==
                    (c.block_m, c.block_n, c.split_k, c.per_sm) for o in found), c.name
     # Stream-K lost everywhere it was timed: not offered. By name (``streamed_configs``):
@@ -276,7 +280,8 @@ def test_a8w8_tuner_runs_fast_twins_marked_as_split_k_fast_configs(monkeypatch):
 
 @pytest.mark.parametrize("M, N, K, persistent", [
     (256, 28672, 4096, {(64, 64), (64, 128), (128, 64), (128, 128)}),  # more tiles than SMs
-    (256, 7168, 256, {(64, 64), (64, 128), (128, 64), (128, 128)}),  # 2 steps: still 4 slots
+    # 2 steps: still the deepest ring (it runs on across units)
+    (256, 7168, 256, {(64, 64), (64, 128), (128, 64), (128, 128)}),
     (64, 512, 256, set()),  # 16 units at most: all fit at once
 ])
 def test_persistent_where_units_outnumber_the_programs(M, N, K, persistent):
@@ -310,17 +315,17 @@ def test_splits_from_above_and_below_the_programs_per_sm():
 
 
 def test_narrow_tiles_where_one_wave_streams_a_short_k():
-    """16 and 32 rows of w at one block of x where their tiles make one wave and K is at most
-    NARROW_MAX_STEPS steps: at 16 x 4096 x 512 the 32-row tiles make 128 programs of 4 steps
-    unsplit (4 slots: the steps use no more); not the 16-row ones (256 tiles), nor at a longer
-    K, more tiles than SMs, or past one block of x."""
+    """16 and 32 rows of w up to 32 rows of x where their tiles make one wave and K is at most
+    NARROW_MAX_STEPS steps: at 16 x 4096 x 512 the 32-row tiles make 128 programs of 4 steps,
+    unsplit, a program a tile (4 slots: the steps use no more; both launch modes); not the
+    16-row ones (256 tiles), nor at a longer K, more tiles than SMs, or M = 64."""
     found = gemm_wsring.candidates(16, 4096, 512, FP8, num_sms=132, pdl=1)
-    narrow = [c for c in found if c.block_n in gemm_wsring.NARROW_NS]
-    assert {c.block_n for c in narrow} == {32}
-    assert {c.stages for c in narrow if c.split_k == 1} == {4}
+    narrow = {(c.block_n, c.split_k, c.stages, c.persistent, c.pdl) for c in found
+              if c.block_n in gemm_wsring.NARROW_NS}
+    assert narrow == {(32, 1, 4, 0, 0), (32, 1, 4, 0, 1)}
     assert {c.block_n for c in gemm_wsring.candidates(32, 3072, 1536, FP8, num_sms=132)
             if c.block_n in gemm_wsring.NARROW_NS} == {32}  # 16 rows: 192 tiles
-    for M, N, K in ((16, 4096, 1664), (16, 4256, 512), (65, 4096, 512)):
+    for M, N, K in ((16, 4096, 1664), (16, 4256, 512), (64, 4096, 512)):
         assert not any(c.block_n in gemm_wsring.NARROW_NS
                        for c in gemm_wsring.candidates(M, N, K, FP8, num_sms=132, pdl=1))
 

@@ -454,7 +454,8 @@ WSRING_SCRIPT = PTXAS_REPORT + TMA_GEMM_COMPILE + textwrap.dedent("""
             (128, 64, 8, 1, (3, 3, False), 1, 0), (64, 128, 8, 3, (3, 3, True), 1, 1),
             (64, 16, 8, 1, (3, 3, False), 1, 0), (64, 32, 8, 1, (2, 2, True), 1, 4),
             (64, 32, 6, -2, (3, 3, False), 1, 0), (64, 16, 8, 3, (2, 2, False), 1, 0),
-            (64, 32, 16, 1, (3, 3, False), 1, 0), (64, 64, 12, 1, (3, 3, False), 1, 0)):
+            (64, 32, 16, 1, (3, 3, False), 1, 0), (64, 64, 12, 1, (3, 3, False), 1, 0),
+            (64, 64, 6, 1, (3, 3, False), 2, 1)):
         # order: 0 a program a unit, w's blocks first; 1 a loop over units; 2 x's blocks
         # first; 3 both
         fast, streamed, order = bool(order & 4), bool(order & 8), order % 4
@@ -487,6 +488,8 @@ WSRING_SCRIPT = PTXAS_REPORT + TMA_GEMM_COMPILE + textwrap.dedent("""
         ring = gemm_wsring.ring_bytes(config)
         assert ring < kernel.metadata.shared <= gemm_wsring.smem_bytes(config), \
             kernel.metadata.shared
+        # per_sm programs fit an SM together (each block reserves 1 KiB of its 228).
+        assert (kernel.metadata.shared + 1024) * per_sm <= 228 * 1024, kernel.metadata.shared
         # The math warps, and a warpgroup beside them for the producer warp.
         assert kernel.metadata.num_warps == block_m // 16 + 4, kernel.metadata.num_warps
         assert kernel.metadata.num_warps * 32 == config.threads

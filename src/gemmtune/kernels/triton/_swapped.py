@@ -111,8 +111,8 @@ def step_scale_loads(step, pid_n, pid_m, M, scale_a_ptr, scale_b_ptr, k_blocks,
                      BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr,
                      layout: gl.constexpr):
     """FP8 block scales of K step ``step`` for a tile of BLOCK_N rows of w and BLOCK_M of x,
-    as loaded: (x's per row, in ``layout``, a slice of the tile's; w's one, the tile's 64 or
-    128 rows lying in one block of 128). BLOCK_K divides 128, so the step lies in one block
+    as loaded: (x's per row, in ``layout``, a slice of the tile's; w's one, the tile's 16-128
+    rows lying in one block of 128). BLOCK_K divides 128, so the step lies in one block
     ``kb``; scales are contiguous fp32, x's (M, k_blocks), w's (ceil(N / 128), k_blocks)."""
     kb = step * BLOCK_K // 128
     om = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=layout)
@@ -178,9 +178,9 @@ def _tile_end(acc, pid_n, pid_m, y_ptr, M, N, stride_ym, stride_yn, BLOCK_N: gl.
     """What an end needs of y.T's (BLOCK_N, BLOCK_M) tile ``acc`` (w's block ``pid_n``, x's
     ``pid_m``): the tile in the end's layout, its rows of w and of x, both clamped into range,
     its corner in y, and each element's offset in the tile's fp32 sum or partial."""
-    # One thread per element of the (BLOCK_N, BLOCK_M) tile (BLOCK_N rows: 32 lanes x
-    # BLOCK_N / 32 warps, any other warps along x's rows), so the partials' sum and the stores
-    # touch each element once.
+    # Each element of the (BLOCK_N, BLOCK_M) tile held by one thread (BLOCK_N rows: 32 lanes x
+    # BLOCK_N / 32 warps, or under 32 rows BLOCK_N lanes and the rest along x's rows; any other
+    # warps along x's rows), so the partials' sum and the stores touch each element once.
     out_layout: gl.constexpr = _end_layout(BLOCK_N, gl.num_warps())
     out = gl.convert_layout(acc, out_layout)
     on = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, out_layout))

@@ -36,7 +36,7 @@ from gemmtune.kernels._names import Field, NameCodec, NamedConfig
 from gemmtune.kernels.triton import _checks, _ring_launch
 from gemmtune.kernels.triton._epilogue import PER_BLOCK
 from gemmtune.kernels.triton._replay import KernelCall, launch
-from gemmtune.kernels.triton._splits import (PDL_OFF, pdl_supported, split_for,
+from gemmtune.kernels.triton._splits import (PDL_OFF, WaveSplit, pdl_supported, split_for,
                                              splits_around, why_not_wait_pdl)
 from gemmtune.kernels.triton._ring_launch import tma_load
 from gemmtune.kernels.triton._swapped import (MAX_GRID_Z, ROWS_PER_WARP, barrier, finish_share,
@@ -52,8 +52,10 @@ BLOCK_NS = (16, 32, 64, 128)  # w rows a program (the MMA's N); within one block
 # with no split's sum to add at the end. A slot then holds only 2-4 KB of w (beside x's 8 KB
 # block), too few bytes in flight for a long K: on an H200 they won only where a program's
 # slab is a few steps (16-32 x 4096 x 512, 1.22-1.32x; 32 x 3072 x 1536, 1.07x) and lost up to
-# 2.4x on long K (docs/benchmarks.md, session 33), so they are offered only there.
+# 2.2x on long K (docs/benchmarks.md, session 33), so they are offered only there: M <= 32,
+# unsplit, a program a tile.
 NARROW_NS = (16, 32)
+NARROW_MAX_M = 32
 NARROW_MAX_STEPS = 12
 # The Ms the candidates cover. Below 64 rows the 64-row MMA is partly TMA's zeros, which are
 # not read; on short-K shapes the warp-specialised ring still wins there (H200: 4 of the
@@ -61,7 +63,10 @@ NARROW_MAX_STEPS = 12
 MIN_M, MAX_M = 16, 256
 TWO_PER_SM_TILE = (64, 64)  # the tile two programs of an SM can hold (registers)
 MAX_SPLIT_K = 32
-SMEM_BYTES = _checks.SMEM_LIMIT_BYTES
+SMEM_BYTES = _checks.SMEM_LIMIT_BYTES  # one program's most
+# An SM's shared memory, of which each resident program's block reserves 1 KiB besides its own
+BLOCK_RESERVED_BYTES = 1024
+SM_SMEM_BYTES = SMEM_BYTES + BLOCK_RESERVED_BYTES
 # The producer warp only computes coordinates and waits: few registers, the rest the math's.
 _PRODUCER_WARPS = gl.constexpr(1)
 _PRODUCER_REGS = gl.constexpr(40)
@@ -144,6 +149,11 @@ def smem_bytes(config: WsRingConfig) -> int:
     return ring_bytes(config) + end + 1024
 
 
+def smem_fits(config: WsRingConfig) -> bool:
+    """Whether ``per_sm`` programs of ``config`` fit an SM's shared memory together."""
+    return (smem_bytes(config) + BLOCK_RESERVED_BYTES) * config.per_sm <= SM_SMEM_BYTES
+
+
 def why_not_fits(config: WsRingConfig, M: int, N: int, K: int,
                  dtype: torch.dtype) -> str | None:
     """The first constraint ``config`` breaks for an (M, N, K) GEMM, or None."""
@@ -175,10 +185,10 @@ def why_not_fits(config: WsRingConfig, M: int, N: int, K: int,
         # 128 registers a thread: the 64 x 64 tile's sum, product and MMA operand fit, no more.
         return (f"per_sm=2 takes the {TWO_PER_SM_TILE[0]} x {TWO_PER_SM_TILE[1]} tile only (its "
                 f"{max_registers(c)} registers a thread hold no larger one)")
-    if smem_bytes(c) * c.per_sm > SMEM_BYTES:
+    if not smem_fits(c):
         return (f"{c.per_sm} program(s) of {c.stages} stages of ({c.block_m} + {c.block_n}) x "
-                f"{BLOCK_K} bytes take {smem_bytes(c) * c.per_sm} B of an SM's shared memory "
-                f"(> {SMEM_BYTES}); use fewer stages")
+                f"{BLOCK_K} bytes take {(smem_bytes(c) + BLOCK_RESERVED_BYTES) * c.per_sm} B of "
+                f"an SM's shared memory (> {SM_SMEM_BYTES}); use fewer stages")
     if dtype != torch.float8_e4m3fn:
         return (f"{dtype} weights: the warp-specialised ring takes float8_e4m3fn only; use a "
                 f"triton.splitk or triton.tile config")
@@ -225,8 +235,7 @@ def _depths(bm: int, bn: int, per_sm: int, persistent: int) -> list[int]:
     """The depths of ``_STAGES`` whose ring ``per_sm`` programs of the tile hold (as many as
     fit, at least the shallowest)."""
     fit = [s for s in _STAGES
-           if smem_bytes(WsRingConfig(bm, bn, s, 1, 0, per_sm, PDL_OFF, persistent)) * per_sm
-           <= SMEM_BYTES]
+           if smem_fits(WsRingConfig(bm, bn, s, 1, 0, per_sm, PDL_OFF, persistent))]
     return fit or [min(_STAGES)]
 
 
@@ -249,23 +258,25 @@ def _configs(bm: int, bn: int, split: int, held: int, above: bool, looped: int, 
 
 
 def _narrow_pays(M: int, N: int, k_steps: int, bn: int, num_sms: int) -> bool:
-    """Whether a narrow tile of ``bn`` rows of w is offered: one block of x, one wave of its
-    tiles, and at most NARROW_MAX_STEPS steps of K (a slab the ring holds most of)."""
-    return (M <= BLOCK_MS[0] and triton.cdiv(N, bn) <= num_sms
+    """Whether a narrow tile of ``bn`` rows of w is offered (unsplit, a program a tile): at
+    most NARROW_MAX_M rows of x, one wave of its tiles, and at most NARROW_MAX_STEPS steps of
+    K (a slab the ring holds most of)."""
+    return (M <= NARROW_MAX_M and triton.cdiv(N, bn) <= num_sms
             and k_steps <= NARROW_MAX_STEPS)
 
 
 def candidates(M: int, N: int, K: int, dtype: torch.dtype, num_sms: int | None = None,
                pdl: int = PDL_OFF) -> list[WsRingConfig]:
     """The configs to tune one shape with, for MIN_M <= M <= MAX_M (none elsewhere): every tile
-    (the narrow ones where ``_narrow_pays``); K split to reach one program per SM and two (of
-    the 64 x 64 tile, held two at a time, and of the others one after another), from above and (``pdl`` alone) from below
-    (``_splits.splits_around``); rings of 4, 6 and 8 slots where they fit and the split's steps
-    use them; split sums in order and added; launched plainly and, where ``pdl`` is PDL_WAIT,
-    with PDL; where M takes several blocks of x, w's blocks first and x's (``m_first``); where
-    there are more units than the SMs hold programs, persistent programs too (their deepest
-    ring, ``pdl``); 128 rows of x only past 64 (``_configs``). Stream-K (``streamed_configs``) is not among them: it lost on every
-    shape it was timed on (docs/benchmarks.md, session 32)."""
+    (the narrow ones, unsplit and a program a tile, where ``_narrow_pays``); K split to reach
+    one program per SM and two (of the 64 x 64 tile, held two at a time, and of the others one
+    after another), from above and (``pdl`` alone) from below (``_splits.splits_around``);
+    rings of 4, 6 and 8 slots where they fit and the split's steps use them; split sums in
+    order and added; launched plainly and, where ``pdl`` is PDL_WAIT, with PDL; where M takes
+    several blocks of x, w's blocks first and x's (``m_first``); where there are more units
+    than the SMs hold programs, persistent programs too (their deepest ring, ``pdl``); 128 rows
+    of x only past 64 (``_configs``). Stream-K (``streamed_configs``) is not among them: it
+    lost on every shape it was timed on (docs/benchmarks.md, session 32)."""
     if not MIN_M <= M <= MAX_M:
         return []
     num_sms = num_sms or _checks.sm_count()
@@ -276,10 +287,11 @@ def candidates(M: int, N: int, K: int, dtype: torch.dtype, num_sms: int | None =
         for bn in (b for b in BLOCK_NS
                    if b not in NARROW_NS or _narrow_pays(M, N, k_steps, b, num_sms)):
             tiles = triton.cdiv(N, bn) * triton.cdiv(M, bm)
-            for per_sm, split, above in splits_around(tiles, k_steps, num_sms,
-                                                      _PROGRAMS_PER_SM, MAX_SPLIT_K):
+            narrow = bn in NARROW_NS
+            for per_sm, split, above in ([WaveSplit(1, 1, True)] if narrow else splits_around(
+                    tiles, k_steps, num_sms, _PROGRAMS_PER_SM, MAX_SPLIT_K)):
                 held = per_sm if (bm, bn) == TWO_PER_SM_TILE else 1
-                looped = int(tiles * split > held * num_sms)
+                looped = int(tiles * split > held * num_sms and not narrow)
                 for cfg in _configs(bm, bn, split, held, above, looped, k_steps,
                                     triton.cdiv(M, bm) > 1, pdl):
                     if fits(cfg, M, N, K, dtype):
