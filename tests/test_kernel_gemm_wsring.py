@@ -371,6 +371,8 @@ GPU_CASES = [
     (100, 1040, 2320, WsRingConfig(64, 64, 8, 1)),
     (130, 4096, 1040, WsRingConfig(128, 64, 8, 1, 0, 1, 1)),
     (200, 1040, 2320, WsRingConfig(64, 128, 8, 3, 1, 1, 1, 1)),
+    # persistent, two an SM, 6 slots: the most shared memory two programs hold
+    (200, 4096, 2320, WsRingConfig(64, 64, 6, 1, 0, 2, 1, 1)),
     # 16 and 32 rows of w (ragged N): unsplit, split added and in order
     (16, 1000, 2320, WsRingConfig(64, 16, 8, 1)),
     (33, 4096, 1040, WsRingConfig(64, 32, 6, 2, 1)),
