@@ -406,7 +406,8 @@ for what in "$@"; do
                 benchmarks/named_probe.py "@benchmarks/named_probe_args/$name.args" \
                 --csv "$OUT/named_$name.csv" ;;
         ncu:*)  # ncu:FAMILY:M,N,K:KERNEL[,KERNEL...]: Nsight Compute on each kernel's launches
-            # (cold caches, clocks left alone) of benchmarks/ncu_probe.py; the report and its raw
+            # (cold caches, clocks left alone) of benchmarks/ncu_probe.py (cuBLAS's kernels too:
+            # nvjet, xmma, cutlass; NCU_KERNELS sets the regex); the report and its raw
             # metrics ($OUT/ncu_*.ncu-rep, .csv), a summary (time, DRAM and issue use,
             # occupancy, the largest stalls) after
             spec=${what#ncu:}
@@ -414,7 +415,7 @@ for what in "$@"; do
             shape=${rest%%:*}; kernels=${rest#*:}
             tag="ncu_${family}_${shape//,/x}"
             stage "$tag" "${NCU_LIMIT:-300}" ncu --clock-control none --force-overwrite \
-                --kernel-name "regex:${NCU_KERNELS:-gemm|ring|frag|w4|splitk|tile}" \
+                --kernel-name "regex:${NCU_KERNELS:-gemm|ring|frag|w4|splitk|tile|nvjet|xmma|cutlass}" \
                 --section SpeedOfLight --section WarpStateStats --section Occupancy \
                 --section LaunchStats --section SchedulerStats --section MemoryWorkloadAnalysis \
                 --section ComputeWorkloadAnalysis \
