@@ -170,8 +170,8 @@ for what in "$@"; do
         probe:*)  # probe:FAMILY:SHAPES[:OLD]: the shapes of SHAPES (a csv) tuned into a scratch
             # table with the challengers (CHALLENGE) and the kernels OLD (else PROBE_OLD) names
             # (a file of one comma list: the shipped rows' own), then the summary against the
-            # shipped rows' kernels, all timed in this run: a challenge on a GPU other than the
-            # one the rows were tuned on (retune_rows takes this GPU's rows only); resumable
+            # shipped rows' kernels, all timed in this run: this GPU's own rows challenged (seeded
+            # below), and where it has none, the other GPU's rows' kernels by OLD; resumable
             spec=${what#probe:}
             family=${spec%%:*}; shapes=${spec#*:}
             old=${PROBE_OLD:-}

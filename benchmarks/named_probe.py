@@ -23,26 +23,22 @@ import sys
 import torch
 
 import gemmtune
-from gemmtune import quant
+from gemmtune.families import get_family
 from gemmtune.measure.timing import cold_copies, interleaved_graph_us
 
 
+# The op of each family, called with its bench's inputs (xq, wq, x_scale, w_scale).
+OPS = {"a8w8": gemmtune.gemm_a8w8, "a8w8-blockscale": gemmtune.gemm_a8w8_blockscale}
+
+
 def operands(family: str, m: int, n: int, k: int) -> tuple[torch.Tensor, ...]:
-    """(xq, x_scale, wq, w_scale) of the family on fresh random data."""
-    x = torch.randn(m, k, device="cuda")
-    w = torch.randn(n, k, device="cuda") * k ** -0.5
-    if family == "a8w8":
-        xq, xs = quant.per_token_fp8(x)
-        wq, ws = quant.per_channel_fp8(w)
-        return xq, xs.reshape(-1), wq, ws.reshape(-1)
-    xq, xs = quant.per_block_fp8(x, (1, 128))
-    wq, ws = quant.per_block_fp8(w, (128, 128))
-    return xq, xs, wq, ws
+    """The family's FP8 operands on fresh random data, as its bench makes them."""
+    gen = torch.Generator(device="cuda").manual_seed(m * 7 + n * 3 + k)
+    return get_family(family).bench("fp8").inputs(m, n, k, gen)
 
 
 def call(family: str, s: tuple[torch.Tensor, ...], name: str) -> torch.Tensor:
-    op = gemmtune.gemm_a8w8 if family == "a8w8" else gemmtune.gemm_a8w8_blockscale
-    return op(s[0], s[2], s[1], s[3], kernel=name)
+    return OPS[family](*s, kernel=name)
 
 
 def time_shape(family: str, shape: tuple[int, int, int], names: list[str],
@@ -67,7 +63,7 @@ def time_shape(family: str, shape: tuple[int, int, int], names: list[str],
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      fromfile_prefix_chars="@")
-    parser.add_argument("--family", choices=("a8w8", "a8w8-blockscale"), default="a8w8")
+    parser.add_argument("--family", choices=sorted(OPS), default="a8w8")
     parser.add_argument("--shapes", nargs="+", required=True, help="M,N,K ...")
     parser.add_argument("--kernels", nargs="+", required=True, help="kernelNames")
     parser.add_argument("--rounds", type=int, default=15)
