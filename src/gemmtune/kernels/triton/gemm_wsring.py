@@ -247,14 +247,14 @@ def _configs(bm: int, bn: int, split: int, held: int, above: bool, looped: int, 
     their deepest ring (it runs on across units) and ``pdl``."""
     depths = _depths(bm, bn, held, 0)
     deepest = max(2, min(max(depths), triton.cdiv(k_steps, split)))
+    looped_ring = max(_depths(bm, bn, held, 1))
     for add, first in itertools.product(sorted({0, int(split > 1)}),
                                         sorted({0, int(several_x_blocks)})):
         for stages, mode in itertools.product(sorted({min(s, deepest) for s in depths}),
                                               sorted({PDL_OFF, pdl}) if above else [pdl]):
             yield WsRingConfig(bm, bn, stages, split, add, held, mode, 0, first)
         if looped:
-            yield WsRingConfig(bm, bn, max(_depths(bm, bn, held, 1)), split, add, held, pdl, 1,
-                               first)
+            yield WsRingConfig(bm, bn, looped_ring, split, add, held, pdl, 1, first)
 
 
 def _narrow_pays(M: int, N: int, k_steps: int, bn: int, num_sms: int) -> bool:
