@@ -325,9 +325,18 @@ def test_narrow_tiles_where_one_wave_streams_a_short_k():
     assert narrow == {(32, 1, 4, 0, 0), (32, 1, 4, 0, 1)}
     assert {c.block_n for c in gemm_wsring.candidates(32, 3072, 1536, FP8, num_sms=132)
             if c.block_n in gemm_wsring.NARROW_NS} == {32}  # 16 rows: 192 tiles
-    for M, N, K in ((16, 4096, 1664), (16, 4256, 512), (64, 4096, 512)):
+    for M, N, K in ((16, 4096, 4224), (16, 4256, 512), (64, 4096, 512)):
         assert not any(c.block_n in gemm_wsring.NARROW_NS
                        for c in gemm_wsring.candidates(M, N, K, FP8, num_sms=132, pdl=1))
+
+
+@pytest.mark.parametrize("M, block_m, rows", [
+    (1, 64, 16), (16, 64, 16), (17, 64, 32), (32, 64, 32), (33, 64, 64), (64, 64, 64),
+    (200, 64, 64), (40, 128, 64), (100, 128, 128), (256, 128, 128)])
+def test_x_loads_bring_the_rows_m_fills(M, block_m, rows):
+    """Where M is under the MMA's rows a load brings the fewest rows (a power of two, at
+    least 16) holding M, so TMA fills no more zeros than that."""
+    assert gemm_wsring.x_box_rows(M, block_m) == rows
 
 
 # --- GPU -----------------------------------------------------------------------------------
@@ -377,10 +386,17 @@ GPU_CASES = [
     (16, 1000, 2320, WsRingConfig(64, 16, 8, 1)),
     (33, 4096, 1040, WsRingConfig(64, 32, 6, 2, 1)),
     (64, 1040, 2320, WsRingConfig(64, 32, 8, 3, 0, 1, 1)),
-    # fewer rows of x than the MMA's 64 (TMA's zeros below them): split, added, persistent
+    # fewer rows of x than the MMA's 64: loads of 16 and 32 rows (x_box_rows), the slots' other
+    # rows zeroed; 33 rows load all 64 (TMA's zeros below them): split, added, persistent
     (16, 1040, 2320, WsRingConfig(64, 128, 3, 3)),
     (33, 576, 7168, WsRingConfig(64, 64, 4, 8, 1)),
     (1, 4096, 1040, WsRingConfig(64, 64, 4, 1, 0, 2, 1, 1)),
+    (20, 1040, 2320, WsRingConfig(64, 64, 8, 1)),
+    (16, 4096, 2320, WsRingConfig(64, 64, 6, 1, 0, 2, 1, 1)),
+    (32, 1040, 1040, WsRingConfig(64, 32, 8, 3, 1)),
+    # 128 rows of x, 40 of them loaded (64 a load); stream-K at 20 rows
+    (40, 1040, 1040, WsRingConfig(128, 64, 4, 2)),
+    (20, 1040, 2320, WsRingConfig(64, 64, 4, 1, 0, 2, 1, 1, stream_k=1)),
 ]
 
 
@@ -432,6 +448,9 @@ FAST_GPU_CASES = [
     # 16 and 32 rows of w (N a multiple of 16, as cuBLAS's fast reference takes)
     (16, 1008, 2320, WsRingConfig(64, 32, 8, 1, 0, 1, 1, fast_accumulation=1)),
     (40, 1008, 1040, WsRingConfig(64, 16, 6, 2, 1, fast_accumulation=1)),
+    # 16 and 32 rows of x a load (x_box_rows), the slots' other rows zeroed
+    (16, 4096, 4096, WsRingConfig(64, 64, 8, 1, fast_accumulation=1)),
+    (24, 1008, 2320, WsRingConfig(64, 64, 6, 3, 1, 2, 1, 1, fast_accumulation=1)),
 ]
 
 

@@ -265,8 +265,8 @@ TMA_GEMM_COMPILE = textwrap.dedent("""
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
 
-    def compile_tma_gemm(kernel, block_n, block_m, block_k, constexprs, options):
-        boxes = {"w_desc": [block_n, block_k], "x_desc": [block_m, block_k]}
+    def compile_tma_gemm(kernel, block_n, block_m, block_k, constexprs, options, x_rows=None):
+        boxes = {"w_desc": [block_n, block_k], "x_desc": [x_rows or block_m, block_k]}
         descs = {n: f"tensordesc<fp8e4nv{box},"
                     f"{gl.NVMMASharedLayout.get_default_for(box, gl.float8e4nv)!r}>"
                  for n, box in boxes.items()}
@@ -440,7 +440,7 @@ WSRING_SCRIPT = PTXAS_REPORT + TMA_GEMM_COMPILE + textwrap.dedent("""
     # tile, the deepest rings they take, block scales (3) and per-row ones, two programs an SM,
     # programs looping over units, x's blocks first; a negative split adds its partials; order
     # + 4: fast accumulation (per-row and per-tensor scales only); + 8: stream-K (persistent).
-    for block_m, block_n, stages, split_k, epilogue, per_sm, order in (
+    for case in (
             (128, 128, 6, 4, (3, 3, False), 1, 0), (128, 128, 4, -8, (3, 3, True), 1, 0),
             (128, 64, 6, 1, (2, 2, True), 1, 0), (64, 128, 6, 2, (1, 1, False), 1, 0),
             (64, 64, 6, -32, (3, 3, False), 1, 0), (64, 64, 6, 3, (3, 3, True), 2, 0),
@@ -455,9 +455,14 @@ WSRING_SCRIPT = PTXAS_REPORT + TMA_GEMM_COMPILE + textwrap.dedent("""
             (64, 16, 8, 1, (3, 3, False), 1, 0), (64, 32, 8, 1, (2, 2, True), 1, 4),
             (64, 32, 6, -2, (3, 3, False), 1, 0), (64, 16, 8, 3, (2, 2, False), 1, 0),
             (64, 32, 16, 1, (3, 3, False), 1, 0), (64, 64, 12, 1, (3, 3, False), 1, 0),
-            (64, 64, 6, 1, (3, 3, False), 2, 1)):
+            (64, 64, 6, 1, (3, 3, False), 2, 1), (64, 32, 8, 1, (3, 3, False), 1, 0, 16),
+            (64, 64, 8, -2, (2, 2, True), 1, 5, 32), (64, 64, 6, 1, (3, 3, False), 2, 1, 16),
+            (128, 64, 6, 1, (3, 3, False), 1, 9, 32)):
         # order: 0 a program a unit, w's blocks first; 1 a loop over units; 2 x's blocks
-        # first; 3 both
+        # first; 3 both. An eighth number: x's rows a load brings (M under block_m), the rest
+        # of the slot zeroed by the math warps.
+        block_m, block_n, stages, split_k, epilogue, per_sm, order, *x_rows = case
+        x_rows = x_rows[0] if x_rows else block_m
         fast, streamed, order = bool(order & 4), bool(order & 8), order % 4
         m_first, persistent = order >= 2, order in (1, 3)
         add_splits, split_k = split_k < 0, abs(split_k)
@@ -474,8 +479,12 @@ WSRING_SCRIPT = PTXAS_REPORT + TMA_GEMM_COMPILE + textwrap.dedent("""
                           STREAM_K=streamed)
         kernel = compile_tma_gemm(gemm_wsring.gemm_wsring_kernel, block_n, block_m, 128,
                                   constexprs, {"num_warps": block_m // 16,
-                                               "maxnreg": gemm_wsring.max_registers(config)})
+                                               "maxnreg": gemm_wsring.max_registers(config)},
+                                  x_rows)
         text = kernel.asm["ptx"]
+        # Fewer rows of x a load: the slots' other rows stored as zeros once, fenced from the
+        # MMA's reads; else neither.
+        assert ("fence.proxy.async.shared::cta" in text) == (x_rows < block_m), x_rows
         # x's rows are the MMA's M, w's its N; the producer warp's two bulk tensor copies a
         # slot; registers handed from the producer to the math warps; a slot freed by one
         # arrive of the math warps after their barrier (bar.sync over their threads alone).
@@ -502,7 +511,7 @@ WSRING_SCRIPT = PTXAS_REPORT + TMA_GEMM_COMPILE + textwrap.dedent("""
         assert pdl == constexprs["PDL"]
         assert not pdl or text.index("griddepcontrol.wait") < text.index("cp.async.bulk.tensor")
         report, spills[block_m, block_n, split_k, add_splits, persistent, m_first, fast,
-                       streamed] = ptxas_report(text)
+                       streamed, x_rows] = ptxas_report(text)
         # Each MMA overlaps the previous step's scaling: ptxas serialises none (C7514: another
         # instruction reads an MMA's registers before its wait).
         assert "C7514" not in report and "C7517" not in report, report

@@ -47,15 +47,18 @@ class Persistent(NamedTuple):
 
 def ring_call(kernel, x, w, bias, out, scale_a, scale_b, config, counters, warmup: bool,
               block_scales: bool, constexprs: dict, options: dict, launch_pdl: bool = False,
-              grid: tuple | None = None, persistent: Persistent | None = None) -> KernelCall:
+              grid: tuple | None = None, persistent: Persistent | None = None,
+              x_box_rows: int | None = None) -> KernelCall:
     """``kernel``'s launch for ``config`` (its block_n, block_m, block_k, stages, split_k,
     add_splits and num_warps) on x (M, K) and w (N, K) into ``out``, with the kernel's own
     ``constexprs`` and launch ``options`` beside the shared ones; on ``grid``, or of
-    ``persistent`` programs, else a program a unit (w's block, K's split, x's block)."""
+    ``persistent`` programs, else a program a unit (w's block, K's split, x's block). x's TMA
+    box is ``x_box_rows`` rows (the kernel's block_m where not given)."""
     M, K = x.shape
     N = w.shape[0]
     x, w = _checks.tma_ready(x), _checks.tma_ready(w)
-    w_desc, x_desc = descriptors(x, w, config.block_n, config.block_m, config.block_k)
+    w_desc, x_desc = descriptors(x, w, config.block_n, x_box_rows or config.block_m,
+                                 config.block_k)
     n_tiles, m_tiles = triton.cdiv(N, config.block_n), triton.cdiv(M, config.block_m)
     parts_of_tiles = persistent is not None and persistent.parts_of_tiles
     if persistent is not None:

@@ -29,8 +29,8 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import (mbarrier, warpgroup_mma,
-                                                              warpgroup_mma_wait)
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier,
+                                                              warpgroup_mma, warpgroup_mma_wait)
 
 from gemmtune.kernels._names import Field, NameCodec, NamedConfig
 from gemmtune.kernels.triton import _checks, _ring_launch
@@ -49,17 +49,18 @@ BLOCK_K = 128  # one FP8 scale block a step
 BLOCK_MS = (64, 128)  # x rows a program: one or two math warpgroups (64 rows each)
 BLOCK_NS = (16, 32, 64, 128)  # w rows a program (the MMA's N); within one block scale of 128
 # The narrow tiles (16, 32 rows of w): one program an SM streams its slab of w over all of K,
-# with no split's sum to add at the end. A slot then holds only 2-4 KB of w (beside x's 8 KB
-# block), too few bytes in flight for a long K: on an H200 they won only where a program's
-# slab is a few steps (16-32 x 4096 x 512, 1.22-1.32x; 32 x 3072 x 1536, 1.07x) and lost up to
-# 2.2x on long K (docs/benchmarks.md, session 33), so they are offered only there: M <= 32,
-# unsplit, a program a tile.
+# with no split's sum to add at the end. A slot then holds only 2-4 KB of w, too few bytes in
+# flight for a long K: on an H200, with x loaded as only the rows M fills (``x_box_rows``),
+# the 32-row tile was level with the split rows at 16-32 x 4096 x 4096 (0.95-1.12 of them;
+# 32 steps) and 1.3x slower at 16 x 4096 x 14336 (112), faster at 16-32 x 4096 x 512
+# (docs/benchmarks.md, sessions 33-34), so they are offered only there: M <= 32, unsplit, a
+# program a tile, one wave.
 NARROW_NS = (16, 32)
 NARROW_MAX_M = 32
-NARROW_MAX_STEPS = 12
-# The Ms the candidates cover. Below 64 rows the 64-row MMA is partly TMA's zeros, which are
-# not read; on short-K shapes the warp-specialised ring still wins there (H200: 4 of the
-# presets' 26 block-scale shapes at M = 32, 2 at M = 16; docs/benchmarks.md, session 31).
+NARROW_MAX_STEPS = 32
+# The Ms the candidates cover. Below 64 rows the 64-row MMA is partly zeros (``x_box_rows``:
+# loaded as fewer rows, the slot's others zeroed once); the warp-specialised ring wins some
+# shapes there (H200, docs/benchmarks.md, sessions 31 and 34).
 MIN_M, MAX_M = 16, 256
 TWO_PER_SM_TILE = (64, 64)  # the tile two programs of an SM can hold (registers)
 MAX_SPLIT_K = 32
@@ -339,7 +340,10 @@ def _load_steps(w_desc, x_desc, w_ring, x_ring, ready, empty, base, off_n, off_m
         mbarrier.wait(empty.index(slot), (((base + i) // STAGES) & 1) ^ 1)
         mbarrier.expect(ready.index(slot), nbytes)
         tma_load(w_desc, [off_n, (lo + i) * 128], ready.index(slot), w_ring.index(slot))
-        tma_load(x_desc, [off_m, (lo + i) * 128], ready.index(slot), x_ring.index(slot))
+        x_slot = x_ring.index(slot)
+        if x_desc.block_type.shape[0] < x_ring.shape[1]:  # x's rows at the slot's top
+            x_slot = x_slot.slice(0, x_desc.block_type.shape[0])
+        tma_load(x_desc, [off_m, (lo + i) * 128], ready.index(slot), x_slot)
 
 
 @gluon.jit
@@ -396,6 +400,22 @@ def _persistent_producer(w_desc, x_desc, w_ring, x_ring, ready, empty, K, units,
         _load_steps(w_desc, x_desc, w_ring, x_ring, ready, empty, base, pid_n * BLOCK_N,
                     pid_m * BLOCK_M, lo, steps, STAGES)
         base += steps
+
+
+@gluon.jit
+def _zero_x_padding(x_ring, X_ROWS: gl.constexpr, STAGES: gl.constexpr):
+    """Where TMA brings fewer rows of x than the MMA takes (``x_box_rows``), the slots' other
+    rows zeroed once, by the math warps before their first MMA (TMA never writes them; the
+    producer's first loads, to other bytes, may already be landing)."""
+    BLOCK_M: gl.constexpr = x_ring.shape[1]
+    if X_ROWS < BLOCK_M:
+        rows: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [gl.num_warps(), 1], [1, 0])
+        zeros = gl.zeros([X_ROWS, 128], x_ring.dtype, rows)
+        for s in gl.static_range(STAGES):
+            for j in gl.static_range(1, BLOCK_M // X_ROWS):
+                x_ring.index(s).slice(j * X_ROWS, X_ROWS).store(zeros)
+        fence_async_shared()  # the stores seen by the MMA's (async) reads
+        barrier()
 
 
 @gluon.jit
@@ -533,8 +553,9 @@ def _unit_sum(w_ring, x_ring, ready, empty, base, pid_n, pid_m, lo, steps, M, sc
 @gluon.jit
 def _math(w_ring, x_ring, ready, empty, pid_n, pid_m, lo, steps, M, scale_a_ptr, scale_b_ptr,
           k_blocks, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-          BLOCK_SCALED: gl.constexpr, FAST: gl.constexpr):
+          BLOCK_SCALED: gl.constexpr, FAST: gl.constexpr, X_ROWS: gl.constexpr):
     """The math warps of a program of one tile: its sum, the region's result (a tuple)."""
+    _zero_x_padding(x_ring, X_ROWS, STAGES)
     return (_unit_sum(w_ring, x_ring, ready, empty, 0, pid_n, pid_m, lo, steps, M, scale_a_ptr,
                       scale_b_ptr, k_blocks, BLOCK_M, BLOCK_N, STAGES, BLOCK_SCALED, FAST),)
 
@@ -545,9 +566,11 @@ def _persistent_math(w_ring, x_ring, ready, empty, y_ptr, bias_ptr, scale_a_ptr,
                      units, n_tiles, m_tiles, HAS_BIAS: gl.constexpr, SCALE_A: gl.constexpr,
                      SCALE_B: gl.constexpr, SPLIT_K: gl.constexpr, BLOCK_M: gl.constexpr,
                      BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PER_LOAD: gl.constexpr,
-                     ADD_SPLITS: gl.constexpr, M_FIRST: gl.constexpr, FAST: gl.constexpr):
+                     ADD_SPLITS: gl.constexpr, M_FIRST: gl.constexpr, FAST: gl.constexpr,
+                     X_ROWS: gl.constexpr):
     """The math warps of a persistent program: each unit's sum, then its end (scales, bias,
     splits), while the producer already fills the ring with the next unit's steps."""
+    _zero_x_padding(x_ring, X_ROWS, STAGES)
     base = 0
     for u in range(gl.program_id(0), units, gl.num_programs(0)):
         pid_n, split, pid_m, lo, steps = _unit(u, K, n_tiles, m_tiles, SPLIT_K, M_FIRST)
@@ -566,9 +589,11 @@ def _streamed_math(w_ring, x_ring, ready, empty, y_ptr, bias_ptr, scale_a_ptr, s
                    part_ptr, count_ptr, M, N, K, stride_ym, stride_yn, stride_bias, k_blocks,
                    n_tiles, m_tiles, HAS_BIAS: gl.constexpr, SCALE_A: gl.constexpr,
                    SCALE_B: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                   STAGES: gl.constexpr, M_FIRST: gl.constexpr, FAST: gl.constexpr):
+                   STAGES: gl.constexpr, M_FIRST: gl.constexpr, FAST: gl.constexpr,
+                   X_ROWS: gl.constexpr):
     """The math warps of a stream-K program: each part's sum, then its end (``finish_share``),
     while the producer already fills the ring with the next part's steps."""
+    _zero_x_padding(x_ring, X_ROWS, STAGES)
     k_steps = gl.cdiv(K, 128)
     first, end = stream_run(k_steps, n_tiles * m_tiles)
     s = first
@@ -585,7 +610,8 @@ def _streamed_math(w_ring, x_ring, ready, empty, y_ptr, bias_ptr, scale_a_ptr, s
 
 @gluon.jit(do_not_specialize=["M"])
 def gemm_wsring_kernel(
-    w_desc, x_desc,  # TMA descriptors: w (N, K) in (BLOCK_N, 128) boxes, x (M, K) in (BLOCK_M, ..)
+    w_desc, x_desc,  # TMA descriptors: w (N, K) in (BLOCK_N, 128) boxes, x (M, K) in
+                     # (x_box_rows(M, BLOCK_M), 128)
     y_ptr, bias_ptr, scale_a_ptr, scale_b_ptr,  # as gemm_ring's
     part_ptr, count_ptr,  # the splits' partials and counters, as gemm_ring's
     M, N, K, stride_ym, stride_yn, stride_bias,
@@ -613,6 +639,8 @@ def gemm_wsring_kernel(
         k_steps = gl.cdiv(K, 128)
         lo = split * k_steps // SPLIT_K
         steps = (split + 1) * k_steps // SPLIT_K - lo
+    # x's rows a load brings: BLOCK_M, or fewer where M is (``x_box_rows``)
+    X_ROWS: gl.constexpr = x_desc.block_type.shape[0]
     w_ring = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BLOCK_N, 128], w_desc.layout)
     x_ring = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BLOCK_M, 128], x_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -628,7 +656,7 @@ def gemm_wsring_kernel(
             (_streamed_math, (w_ring, x_ring, ready, empty, y_ptr, bias_ptr, scale_a_ptr,
                               scale_b_ptr, part_ptr, count_ptr, M, N, K, stride_ym, stride_yn,
                               stride_bias, k_blocks, n_tiles, m_tiles, HAS_BIAS, SCALE_A,
-                              SCALE_B, BLOCK_M, BLOCK_N, STAGES, M_FIRST, FAST)),
+                              SCALE_B, BLOCK_M, BLOCK_N, STAGES, M_FIRST, FAST, X_ROWS)),
             (_streamed_producer, (w_desc, x_desc, w_ring, x_ring, ready, empty, K, n_tiles,
                                   m_tiles, BLOCK_M, BLOCK_N, STAGES, M_FIRST)),
         ], [_PRODUCER_WARPS], [_PRODUCER_REGS])
@@ -642,7 +670,7 @@ def gemm_wsring_kernel(
                                 scale_b_ptr, part_ptr, count_ptr, M, N, K, stride_ym,
                                 stride_yn, stride_bias, k_blocks, units, n_tiles, m_tiles,
                                 HAS_BIAS, SCALE_A, SCALE_B, SPLIT_K, BLOCK_M, BLOCK_N, STAGES,
-                                PER_LOAD, ADD_SPLITS, M_FIRST, FAST)),
+                                PER_LOAD, ADD_SPLITS, M_FIRST, FAST, X_ROWS)),
             (_persistent_producer, (w_desc, x_desc, w_ring, x_ring, ready, empty, K, units,
                                     n_tiles, m_tiles, BLOCK_M, BLOCK_N, SPLIT_K, STAGES,
                                     M_FIRST)),
@@ -651,7 +679,7 @@ def gemm_wsring_kernel(
         acc, = gl.warp_specialize([
             (_math, (w_ring, x_ring, ready, empty, pid_n, pid_m, lo, steps, M, scale_a_ptr,
                      scale_b_ptr, k_blocks, BLOCK_M, BLOCK_N, STAGES, SCALE_A == _PER_BLOCK,
-                     FAST)),
+                     FAST, X_ROWS)),
             (_producer, (w_desc, x_desc, w_ring, x_ring, ready, empty, pid_n * BLOCK_N,
                          pid_m * BLOCK_M, lo, steps, STAGES)),
         ], [_PRODUCER_WARPS], [_PRODUCER_REGS])
@@ -660,6 +688,17 @@ def gemm_wsring_kernel(
                     scale_b_ptr, part_ptr, count_ptr, M, N, stride_ym, stride_yn, stride_bias,
                     HAS_BIAS, SCALE_A, SCALE_B, SPLIT_K, BLOCK_N, BLOCK_M, PER_LOAD,
                     ADD_SPLITS, tile_row)
+
+
+def x_box_rows(M: int, block_m: int) -> int:
+    """x's rows a TMA load brings into a slot of ``block_m``: all of them, or where M is under
+    ``block_m`` the fewest (a power of two, at least 16) that hold M, the slot's other rows
+    zeroed once (``_zero_x_padding``). TMA's zero fill of the rows past M is slow: on an H200
+    the 32 x 64 tile over 16 x 4096 x 4096 took 12.5 µs with 48 such rows a load, 8.3 µs at
+    M = 64 with none (docs/benchmarks.md, session 34)."""
+    if M >= block_m:
+        return block_m
+    return min(block_m, max(16, triton.next_power_of_2(M)))
 
 
 def wsring_call(x, w, bias, out, scale_a, scale_b, config: WsRingConfig,
@@ -686,7 +725,8 @@ def wsring_call(x, w, bias, out, scale_a, scale_b, config: WsRingConfig,
                                        FAST=bool(config.fast_accumulation),
                                        STREAM_K=bool(config.stream_k)),
                                   dict(maxnreg=max_registers(config)),
-                                  launch_pdl=pdl != PDL_OFF, grid=grid, persistent=persistent)
+                                  launch_pdl=pdl != PDL_OFF, grid=grid, persistent=persistent,
+                                  x_box_rows=x_box_rows(x.shape[0], config.block_m))
 
 
 def launch_gemm_wsring(x, w, bias, out, scale_a, scale_b, config: WsRingConfig,
