@@ -12,8 +12,11 @@ interleaved per shape):
   the programs) and wrapping around: the same bytes, the Ks spread over the SMs;
 - ``flat``: (unsplit) each program's slab, contiguous in memory, read front to back.
 
-The loads are plain (UNROLL steps issued before they are summed), so all variants keep the same
-bytes in flight; only the order differs.
+The loads are plain, UNROLL steps a loop iteration. ``tiles`` and ``tiles+rot`` move the same
+bytes in the same loads and differ only in their order; ``flat`` loads 4096 bytes at a time
+(as many as ``tiles`` only at R = 32), so compare it with R32 rows. N must be a multiple of 128
+and K of 128 x UNROLL; a (rows, splits) whose steps UNROLL does not divide is skipped, and
+said so.
 
     PYTHONPATH=src python3 benchmarks/read_order_probe.py [--shapes 4096,4096 ...]
 """
@@ -67,14 +70,20 @@ def _flat(w_ptr, out_ptr, slab, UNROLL: tl.constexpr):
 
 def variants(n: int, k: int, sms: int) -> dict:
     """name -> fn(w): every (rows, splits) that makes one wave or about one, each order."""
+    if n % 128 or k % (BLOCK_K * UNROLL):
+        raise SystemExit(f"{n} x {k}: N must be a multiple of 128 and K of {BLOCK_K * UNROLL}")
     k_steps = k // BLOCK_K
-    out = torch.empty(4 * sms * 8, device="cuda", dtype=torch.float32)
+    out = torch.empty(2 * sms, device="cuda", dtype=torch.float32)  # a float a program
     found = {}
     for rows in (16, 32, 64, 128):
         tiles = n // rows
         for splits in (1, 2, 3, 4, 5, 6, 8):
             programs = tiles * splits
-            if programs > 2 * sms or programs * 2 < sms or k_steps % (splits * UNROLL):
+            if programs > 2 * sms or programs * 2 < sms:
+                continue
+            if k_steps % (splits * UNROLL):
+                print(f"  {n} x {k}: R{rows} S{splits} skipped ({k_steps} steps, {splits} "
+                      f"splits of {UNROLL}-step loads)")
                 continue
             steps = k_steps // splits
             for rot in (0, 1):
@@ -93,7 +102,7 @@ def variants(n: int, k: int, sms: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shapes", nargs="+", default=["4096,4096", "6144,4096", "4096,14336",
-                                                    "8192,3584", "7168,8192"])
+                                                    "7168,8192"])
     ap.add_argument("--rounds", type=int, default=30)
     args = ap.parse_args()
     sms = torch.cuda.get_device_properties(0).multi_processor_count

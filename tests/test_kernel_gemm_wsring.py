@@ -323,6 +323,10 @@ def test_narrow_tiles_where_one_wave_streams_a_short_k():
     narrow = {(c.block_n, c.split_k, c.stages, c.persistent, c.pdl) for c in found
               if c.block_n in gemm_wsring.NARROW_NS}
     assert narrow == {(32, 1, 4, 0, 0), (32, 1, 4, 0, 1)}
+    # 32 steps, the most offered: the 32-row tiles, with each ring depth
+    assert {(c.block_n, c.split_k, c.stages) for c in gemm_wsring.candidates(
+        16, 4096, 4096, FP8, num_sms=132) if c.block_n in gemm_wsring.NARROW_NS} == {
+        (32, 1, 4), (32, 1, 6), (32, 1, 8)}
     assert {c.block_n for c in gemm_wsring.candidates(32, 3072, 1536, FP8, num_sms=132)
             if c.block_n in gemm_wsring.NARROW_NS} == {32}  # 16 rows: 192 tiles
     for M, N, K in ((16, 4096, 4224), (16, 4256, 512), (64, 4096, 512)):
@@ -337,6 +341,18 @@ def test_x_loads_bring_the_rows_m_fills(M, block_m, rows):
     """Where M is under the MMA's rows a load brings the fewest rows (a power of two, at
     least 16) holding M, so TMA fills no more zeros than that."""
     assert gemm_wsring.x_box_rows(M, block_m) == rows
+
+
+@pytest.mark.parametrize("M, rows", [(16, 16), (20, 32), (64, 64)])
+def test_the_launch_takes_x_in_boxes_of_those_rows(M, rows):
+    """The launch's TMA descriptor of x has boxes of ``x_box_rows`` rows (w's of the tile's)."""
+    x = torch.zeros(M, 1024, dtype=FP8)
+    w = torch.zeros(512, 1024, dtype=FP8)
+    out = torch.empty(M, 512, dtype=torch.bfloat16)
+    call = gemm_wsring.wsring_call(x, w, None, out, torch.ones(1), torch.ones(1),
+                                   WsRingConfig(64, 32, 8, 1))
+    w_desc, x_desc = call.args[:2]
+    assert (list(x_desc.block_shape), list(w_desc.block_shape)) == ([rows, 128], [32, 128])
 
 
 # --- GPU -----------------------------------------------------------------------------------

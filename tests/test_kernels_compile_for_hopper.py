@@ -485,6 +485,10 @@ WSRING_SCRIPT = PTXAS_REPORT + TMA_GEMM_COMPILE + textwrap.dedent("""
         # Fewer rows of x a load: the slots' other rows stored as zeros once, fenced from the
         # MMA's reads; else neither.
         assert ("fence.proxy.async.shared::cta" in text) == (x_rows < block_m), x_rows
+        if x_rows < block_m:  # stored, fenced, every math warp past them, then the first MMA
+            fence = text.index("fence.proxy.async.shared::cta")
+            mma = text.index("wgmma.mma_async")
+            assert fence < text.index(f"bar.sync \t0, {block_m * 2};", fence) < mma
         # x's rows are the MMA's M, w's its N; the producer warp's two bulk tensor copies a
         # slot; registers handed from the producer to the math warps; a slot freed by one
         # arrive of the math warps after their barrier (bar.sync over their threads alone).

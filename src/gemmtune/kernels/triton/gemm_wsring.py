@@ -49,18 +49,17 @@ BLOCK_K = 128  # one FP8 scale block a step
 BLOCK_MS = (64, 128)  # x rows a program: one or two math warpgroups (64 rows each)
 BLOCK_NS = (16, 32, 64, 128)  # w rows a program (the MMA's N); within one block scale of 128
 # The narrow tiles (16, 32 rows of w): one program an SM streams its slab of w over all of K,
-# with no split's sum to add at the end. A slot then holds only 2-4 KB of w, too few bytes in
-# flight for a long K: on an H200, with x loaded as only the rows M fills (``x_box_rows``),
-# the 32-row tile was level with the split rows at 16-32 x 4096 x 4096 (0.95-1.12 of them;
-# 32 steps) and 1.3x slower at 16 x 4096 x 14336 (112), faster at 16-32 x 4096 x 512
-# (docs/benchmarks.md, sessions 33-34), so they are offered only there: M <= 32, unsplit, a
-# program a tile, one wave.
+# with no split's sum to add at the end. On an H200, with x loaded as only the rows M fills
+# (``x_box_rows``), the unsplit 32-row tile took 0.95-1.12x the best ring config's time at
+# 16-32 x 4096 x 4096 (32 steps), 1.12-1.32x at 16 x 4096 x 14336 (112 steps), and won at
+# 16-32 x 4096 x 512; deeper rings (12, 16 slots) were slower (docs/benchmarks.md, sessions
+# 33-34). So they are offered only up to 32 steps: M <= 32, unsplit, a program a tile, one wave.
 NARROW_NS = (16, 32)
 NARROW_MAX_M = 32
 NARROW_MAX_STEPS = 32
 # The Ms the candidates cover. Below 64 rows the 64-row MMA is partly zeros (``x_box_rows``:
-# loaded as fewer rows, the slot's others zeroed once); the warp-specialised ring wins some
-# shapes there (H200, docs/benchmarks.md, sessions 31 and 34).
+# at M <= 32 loaded as fewer rows, the slot's others zeroed once; from 33 TMA's zero fill); the
+# warp-specialised ring wins some shapes there (H200, docs/benchmarks.md, sessions 31 and 34).
 MIN_M, MAX_M = 16, 256
 TWO_PER_SM_TILE = (64, 64)  # the tile two programs of an SM can hold (registers)
 MAX_SPLIT_K = 32
@@ -406,7 +405,10 @@ def _persistent_producer(w_desc, x_desc, w_ring, x_ring, ready, empty, K, units,
 def _zero_x_padding(x_ring, X_ROWS: gl.constexpr, STAGES: gl.constexpr):
     """Where TMA brings fewer rows of x than the MMA takes (``x_box_rows``), the slots' other
     rows zeroed once, by the math warps before their first MMA (TMA never writes them; the
-    producer's first loads, to other bytes, may already be landing)."""
+    producer's first loads, to other bytes, may already be landing). The MMA's rows past M
+    never reach y, but zeros keep them finite, so no split's or part's fp32 sum ever holds
+    what an earlier kernel left in shared memory. Triton 3.6 puts a barrier between the stores;
+    the measured times include them, under the first loads' latency."""
     BLOCK_M: gl.constexpr = x_ring.shape[1]
     if X_ROWS < BLOCK_M:
         rows: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [gl.num_warps(), 1], [1, 0])
@@ -694,8 +696,11 @@ def x_box_rows(M: int, block_m: int) -> int:
     """x's rows a TMA load brings into a slot of ``block_m``: all of them, or where M is under
     ``block_m`` the fewest (a power of two, at least 16) that hold M, the slot's other rows
     zeroed once (``_zero_x_padding``). TMA's zero fill of the rows past M is slow: on an H200
-    the 32 x 64 tile over 16 x 4096 x 4096 took 12.5 µs with 48 such rows a load, 8.3 µs at
-    M = 64 with none (docs/benchmarks.md, session 34)."""
+    the 64 x 32 tile over 16 x 4096 x 4096 took 12.5 µs with 48 such rows a load, 8.3 µs at
+    M = 64 with none (docs/benchmarks.md, session 34). M from 33 (of 64 rows) still loads all of
+    them. The box is part of the compiled kernel's type, so a row's kernel builds once for each
+    class (16, 32, block_m); the tables' rows at powers of two serve the Ms padded up to them,
+    all of the row's own class."""
     if M >= block_m:
         return block_m
     return min(block_m, max(16, triton.next_power_of_2(M)))
