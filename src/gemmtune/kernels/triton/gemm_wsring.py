@@ -410,9 +410,10 @@ def _zero_x_padding(x_ring, X_ROWS: gl.constexpr, STAGES: gl.constexpr):
     what an earlier kernel left in shared memory. Triton 3.6 puts a barrier between the stores;
     the measured times include them, under the first loads' latency."""
     BLOCK_M: gl.constexpr = x_ring.shape[1]
+    STEP_K: gl.constexpr = x_ring.shape[2]
     if X_ROWS < BLOCK_M:
         rows: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [gl.num_warps(), 1], [1, 0])
-        zeros = gl.zeros([X_ROWS, 128], x_ring.dtype, rows)
+        zeros = gl.zeros([X_ROWS, STEP_K], x_ring.dtype, rows)
         for s in gl.static_range(STAGES):
             for j in gl.static_range(1, BLOCK_M // X_ROWS):
                 x_ring.index(s).slice(j * X_ROWS, X_ROWS).store(zeros)
