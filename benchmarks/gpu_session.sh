@@ -62,10 +62,11 @@ for what in "$@"; do
                 tests/test_ops_a8w8.py tests/test_ops_a8w8_blockscale.py tests/test_layout.py \
                 tests/test_triton_json.py ;;
         pytest:*)  # pytest:FILE[:KEYWORDS]: one test file, or its tests matching -k KEYWORDS
+            # (PYTEST_LIMIT seconds, 300 unless set)
             spec=${what#pytest:}
             file=${spec%%:*}
             keywords=""; [[ $spec == *:* ]] && keywords=${spec#*:}
-            stage "pytest_$(basename "$file" .py)" 300 python3 -m pytest -q -p no:cacheprovider \
+            stage "pytest_$(basename "$file" .py)" "${PYTEST_LIMIT:-300}" python3 -m pytest -q -p no:cacheprovider \
                 --timeout 200 "$file" ${keywords:+-k "$keywords"} ;;
         smallk)  # tiny and ragged K through the tuners: which candidates fail there, and why
             printf 'M,N,K,q_dtype_w\n5,48,64,torch.float8_e4m3fn\n20,32,96,torch.int8\n' \

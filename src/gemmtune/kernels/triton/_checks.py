@@ -82,6 +82,16 @@ def sm_count(device: torch.device | None = None) -> int:
     return device_sms(index)
 
 
+# An SM's 32-bit registers (sm_90), handed to warps in steps of 8 a thread
+REGISTERS_PER_SM = 65536
+
+
+def registers_to_share(threads: int, programs: int) -> int:
+    """Registers a thread may take so that ``programs`` programs of ``threads`` threads share an
+    SM (``maxnreg``; at most 255)."""
+    return min(255, REGISTERS_PER_SM // (threads * programs) // 8 * 8)
+
+
 def is_pow2(v: int) -> bool:
     return v > 0 and v & (v - 1) == 0
 

@@ -134,7 +134,7 @@ class WsRingConfig(NamedConfig):
 def max_registers(config: WsRingConfig) -> int:
     """Registers a thread may take so that ``per_sm`` programs share an SM's 64K (Triton gives
     the warp-specialised kernel's partitions their shares of it)."""
-    return 65536 // (config.threads * config.per_sm) // 8 * 8
+    return _checks.registers_to_share(config.threads, config.per_sm)
 
 
 def ring_bytes(config: WsRingConfig) -> int:
