@@ -12,12 +12,11 @@ import dataclasses
 
 import pytest
 import torch
-import triton
 
 from gemm_checks import (DEVICE, assert_block_scaled_decode_launches,
                          assert_fp8_decode_launches, assert_long_k_as_precise_as_cublas,
                          check_fp8_decode, generator, quantised_operands)
-from gemmtune.kernels.triton import _checks, _swapped, gemm_ring
+from gemmtune.kernels.triton import _swapped, gemm_ring
 from gemmtune.kernels.triton.gemm_ring import RingConfig
 
 FP8 = torch.float8_e4m3fn
@@ -33,9 +32,6 @@ def test_names_round_trip():
     streamed = RingConfig(16, 256, 8, 1, 0, 64, 2)
     assert streamed.name == "triton.ring:BM16.BK256.S8.SK1.R0.N64.K2"
     assert RingConfig.from_name(streamed.name) == streamed
-    clustered = RingConfig(16, 128, 4, 8, cluster=1)
-    assert clustered.name == "triton.ring:BM16.BK128.S4.SK8.R0.N64.K0.C1"
-    assert RingConfig.from_name(clustered.name) == clustered
 
 
 @pytest.mark.parametrize("config, M, N, K, dtype, says", [
@@ -53,12 +49,6 @@ def test_names_round_trip():
     (RingConfig(16, 256, 4, 2, 2), 16, 4096, 4096, FP8, "add_splits=2 must be 0"),
     (RingConfig(16, 256, 4, 1, 0, 64, 3), 16, 4096, 4096, FP8, "stream_k=3 must be 0"),
     (RingConfig(16, 256, 4, 2, 0, 64, 2), 16, 4096, 4096, FP8, "takes split_k=1"),
-    (RingConfig(16, 128, 4, 9, cluster=1), 16, 4096, 4096, FP8, "a cluster takes"),
-    (RingConfig(16, 128, 4, 32, cluster=1), 16, 4096, 4096, FP8, "a cluster takes"),
-    (RingConfig(64, 128, 4, 4, cluster=1), 16, 4096, 4096, FP8, "at most 16"),
-    (RingConfig(16, 128, 4, 4, 1, cluster=1), 16, 4096, 4096, FP8, "not with add_splits=1"),
-    (RingConfig(16, 128, 4, 4, cluster=2), 16, 4096, 4096, FP8, "cluster=2 must be 0"),
-    (RingConfig(16, 128, 4, 16, cluster=1), 16, 4096, 4096, FP8, "61440 B of static shared"),
 ])
 def test_configs_that_cannot_run_say_why(config, M, N, K, dtype, says):
     assert says in gemm_ring.why_not_fits(config, M, N, K, dtype)
@@ -226,12 +216,6 @@ GPU_CASES = [
     (16, 1536, 7168, RingConfig(16, 256, 2, 1, 0, 64, 4)),
     (16, 16384, 512, RingConfig(16, 128, 4, 1, 0, 64, 1)),
     (200, 1040, 2320, RingConfig(128, 128, 4, 1, 0, 128, 1)),
-    # a tile's splits summed in their cluster: 4-16 of them, uneven steps, x in several blocks
-    (1, 576, 7168, RingConfig(8, 256, 4, 4, cluster=1)),
-    (5, 1040, 2320, RingConfig(8, 128, 8, 3, cluster=1)),
-    (16, 1536, 7168, RingConfig(16, 256, 4, 7, cluster=1)),
-    (31, 256, 7168, RingConfig(32, 128, 4, 7, cluster=1)),
-    (100, 1040, 2320, RingConfig(16, 128, 4, 2, cluster=1)),
 ]
 
 
@@ -306,8 +290,6 @@ BLOCK_SCALED_CASES = [
     (64, 1040, 4096, RingConfig(64, 128, 8, 5, 1)),
     (31, 256, 7168, RingConfig(32, 128, 4, 1, 0, 64, 2)),  # stream-K: a step a program
     (31, 1024, 7168, RingConfig(32, 128, 4, 1, 0, 64, 1)),  # runs of 6.8 steps, across tiles
-    (1, 576, 7168, RingConfig(8, 128, 8, 16, cluster=1)),  # splits summed in their cluster
-    (31, 1024, 7168, RingConfig(32, 128, 4, 6, cluster=1)),
 ]
 
 
@@ -321,26 +303,6 @@ def test_gpu_block_scales_match_the_dequantised_reference(M, N, K, config):
 
     assert_block_scaled_decode_launches(gemm, M, N, K, config.name,
                                         not (config.add_splits or config.stream_k))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("M, N, K, config", [
-    (16, 4096, 4096, RingConfig(16, 128, 4, 8)), (1, 576, 7168, RingConfig(8, 128, 4, 16)),
-    (40, 1040, 2320, RingConfig(32, 128, 2, 5))], ids=lambda v: getattr(v, "name", v))
-def test_gpu_cluster_sums_the_splits_as_memory_does_bit_for_bit(M, N, K, config):
-    """The cluster's sum (the first program adding the others' partials in split order) is the
-    in-order sum through global memory, bit for bit, with and without block scales."""
-    from gemm_checks import block_scaled_operands
-
-    clustered = dataclasses.replace(config, cluster=1)
-    xq, wq, x_scale, w_scale = quantised_operands(M, N, K, FP8, "token_channel", generator(M))
-    outs = [gemm_ring.gemm_ring(xq, wq, None, torch.bfloat16, x_scale, w_scale, c)
-            for c in (config, clustered)]
-    assert torch.equal(outs[0], outs[1])
-    xq, wq, x_scale, w_scale = block_scaled_operands(M, N, K, generator(M + 1))
-    outs = [gemm_ring.gemm_ring(xq, wq, None, torch.float32, x_scale, w_scale, c,
-                                block_scales=True) for c in (config, clustered)]
-    assert torch.equal(outs[0], outs[1])
 
 
 @pytest.mark.gpu
@@ -414,46 +376,6 @@ def test_tuners_offer_both_gluon_kernels_where_they_run(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert _gemm_tuner.gluon_candidates(GemmProblem(16, 1536, 7168, FP8, torch.bfloat16,
                                                     scaling=Scaling.block), BLOCKSCALE) == []
-
-
-def test_clustered_splits_launch_as_clusters_with_no_partials(monkeypatch):
-    """A tile's splits in a cluster: the grid's first axis counts clusters of split_k programs
-    (the launcher multiplies it), its second is 1, and no partials or counters are made; the
-    kernel is compiled, then set to launch in those clusters, before any launch of it."""
-    from gemmtune.kernels.triton import _cluster, _replay, _ring_launch
-
-    monkeypatch.setattr(_ring_launch, "descriptors", lambda *args: ("w_desc", "x_desc"))
-    x, w = torch.zeros(20, 512).to(FP8), torch.zeros(1000, 512).to(FP8)
-    out = torch.zeros(20, 1000, dtype=torch.bfloat16)
-    call = gemm_ring.ring_call(x, w, None, out, None, None, RingConfig(16, 128, 4, 4, cluster=1))
-    assert (call.grid, call.cluster, call.constexprs["CLUSTER"]) == ((16, 1, 2), 4, True)
-    assert call.args[6] is out and call.replayable  # no partials: the output in their place
-    plain = gemm_ring.ring_call(x, w, None, out, None, None, RingConfig(16, 128, 4, 4))
-    assert (plain.grid, plain.cluster, plain.constexprs["CLUSTER"]) == ((16, 4, 2), 1, False)
-
-    class Compiled:
-        packed_metadata = (4, 1, 50000)
-        function = None
-
-        def _init_handles(self):
-            self.function = 1234
-
-    compiled, started, allowed = Compiled(), [], []
-    monkeypatch.setattr(_cluster, "_allow_dynamic_shared",
-                        lambda function, shared: allowed.append((function, shared)))
-
-    def start(kernel, grid, warmup, launch_pdl=False):
-        def run(*args, **kwargs):
-            started.append((warmup, compiled.packed_metadata))
-            return compiled
-        return run
-
-    monkeypatch.setattr(_checks, "start", start)
-    assert _replay.launch(call) is compiled
-    assert started == [(True, (4, 1, 50000)), (False, (4, 4, 50000))]
-    assert allowed == [(1234, 50000)]  # the loaded function's dynamic share, beside the array
-    assert (_cluster.why_not_cluster_launch_here() is None) == \
-        triton.__version__.startswith("3.6.")
 
 
 def test_added_splits_take_one_zeroed_sum_per_tile():

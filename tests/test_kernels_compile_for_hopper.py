@@ -364,7 +364,7 @@ RING_SCRIPT = PTXAS_REPORT + TMA_GEMM_COMPILE + textwrap.dedent("""
 
     # (block_m, block_k, stages, split_k, (scale_a, scale_b, bias)); the largest rings the
     # space admits and the largest split sums among them, and FP8 block scales (3: PER_BLOCK)
-    for block_m, block_k, stages, split_k, epilogue, *rest in (
+    for block_m, block_k, stages, split_k, epilogue in (
             (8, 128, 8, 1, (2, 2, False)), (16, 256, 4, 4, (1, 0, True)),
             (64, 256, 4, 2, (2, 2, True)), (32, 128, 8, 20, (0, 1, False)),
             (8, 128, 22, 32, (2, 2, True)), (64, 256, 6, 32, (2, 2, True)),
@@ -375,21 +375,14 @@ RING_SCRIPT = PTXAS_REPORT + TMA_GEMM_COMPILE + textwrap.dedent("""
             # stream-K (stages = -programs an SM): ``streamed``'s deepest rings
             (16, 256, -2, 0, (2, 2, True)), (32, 256, -4, 0, (2, 2, False)),
             (64, 128, -1, 0, (3, 3, False)), (64, 128, -2, 0, (2, 2, True)),
-            (128, 128, -1, 0, (3, 3, True)), (128, 128, -1, 0, (2, 2, True)),
-            # a tile's splits summed in their cluster (a sixth value: 1): 2-16 of them, 8 to
-            # 32 rows of x (4-16 partials a thread), block scales and bias
-            (8, 128, 4, 16, (3, 3, True), 1), (16, 256, 4, 8, (2, 2, False), 1),
-            (32, 128, 8, 7, (3, 3, False), 1), (16, 128, 2, 5, (2, 1, True), 1)):
+            (128, 128, -1, 0, (3, 3, True)), (128, 128, -1, 0, (2, 2, True))):
         # A negative split: the splits add their partials (ADD_SPLITS); split 0: stream-K, its
         # programs an SM given by -stages, the ring the deepest that many hold (the
         # candidates'). 128 rows of x: 128 rows of w too, on two warpgroups (the wide tile).
-        clustered = bool(rest and rest[0])
         add_splits, streamed, split_k = split_k < 0, split_k == 0, max(abs(split_k), 1)
         block_n = 128 if block_m == 128 else 64
         config = gemm_ring.RingConfig(block_m, block_k, max(stages, 2), split_k,
-                                      int(add_splits), block_n, -stages if streamed else 0,
-                                      int(clustered))
-        assert not clustered or gemm_ring.fits(config, 16, 7168, 7168, torch.float8_e4m3fn)
+                                      int(add_splits), block_n, -stages if streamed else 0)
         if streamed:
             config = next(c for c in gemm_ring.streamed(block_m, block_k, block_n, block_m,
                                                         7168, 7168, torch.float8_e4m3fn)
@@ -400,7 +393,7 @@ RING_SCRIPT = PTXAS_REPORT + TMA_GEMM_COMPILE + textwrap.dedent("""
                           BLOCK_N=block_n, BLOCK_M=block_m, BLOCK_K=block_k, STAGES=stages,
                           PER_LOAD=_swapped.partials_per_load(split_k, block_n, block_m,
                                                               block_n // 16),
-                          ADD_SPLITS=add_splits, STREAM_K=streamed, CLUSTER=clustered)
+                          ADD_SPLITS=add_splits, STREAM_K=streamed)
         regs = gemm_ring.max_registers(config)
         kernel = compile_tma_gemm(gemm_ring.gemm_ring_kernel, block_n, block_m, block_k,
                                   constexprs, {"num_warps": block_n // 16,
@@ -415,20 +408,7 @@ RING_SCRIPT = PTXAS_REPORT + TMA_GEMM_COMPILE + textwrap.dedent("""
         assert ring <= kernel.metadata.shared <= ring + block_n * block_m * 4 + 1024, \
             (ring, kernel.metadata.shared)
         assert kernel.metadata.num_warps == block_n // 16
-        assert ("atom.global" in text) == ((split_k > 1 and not clustered) or streamed)
-        # In a cluster: each split but the first stores its partial into the first's shared
-        # memory (one array of the others' partials, beside Triton's), one cluster barrier,
-        # the first loads and adds them; no global partials, counters or atomics.
-        assert ("barrier.cluster.arrive.release" in text) == clustered
-        assert ("st.shared::cluster.f32" in text) == clustered
-        per_thread = block_n * block_m // (block_n // 16 * 32)
-        if clustered:
-            assert text.count("st.shared::cluster.f32") == per_thread
-            assert text.count("barrier.cluster.wait.acquire") == 1
-            assert text.count("add.f32") >= (split_k - 1) * per_thread
-            array = (split_k - 1) * block_n * block_m * 4
-            assert f".b8 red[{array}]" in text
-            assert gemm_ring.smem_bytes(config) >= kernel.metadata.shared + array
+        assert ("atom.global" in text) == (split_k > 1 or streamed)
         # Added splits and stream-K's parts: each partial's elements added at L2 (relaxed fp32
         # atomics: atom in Triton 3.6, red in 3.9), one read back.
         assert ("global.gpu.relaxed.add.f32" in text) == (add_splits or streamed), add_splits
@@ -440,9 +420,6 @@ RING_SCRIPT = PTXAS_REPORT + TMA_GEMM_COMPILE + textwrap.dedent("""
         # (32 B in 3.6). Whether it pays is the GPU's to say.
         limit = (1024 if streamed else 288) if block_m == 128 else (32 if streamed else 0)
         assert spilled <= limit, (block_m, stages, split_k, streamed, report)
-        if clustered:  # the array is static shared memory, beside the kernel's dynamic
-            static = int(re.search(r"(\d+) bytes smem", report).group(1))
-            assert static == (split_k - 1) * block_n * block_m * 4, report
     print("ok")
 """)
 

@@ -88,8 +88,8 @@ REGISTERS_PER_SM = 65536
 
 def registers_to_share(threads: int, programs: int) -> int:
     """Registers a thread may take so that ``programs`` programs of ``threads`` threads share an
-    SM (``maxnreg``; at most 255)."""
-    return min(255, REGISTERS_PER_SM // (threads * programs) // 8 * 8)
+    SM (``maxnreg``)."""
+    return REGISTERS_PER_SM // (threads * programs) // 8 * 8
 
 
 def is_pow2(v: int) -> bool:

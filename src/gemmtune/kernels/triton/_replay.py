@@ -33,7 +33,7 @@ import triton
 from triton import knobs
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from gemmtune.kernels.triton import _checks, _cluster
+from gemmtune.kernels.triton import _checks
 
 try:  # Gluon's host descriptor (triton.ring's): Triton's own with a shared-memory layout
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
@@ -54,21 +54,11 @@ class KernelCall(NamedTuple):
     launch_pdl: bool = False
     # False where the launch holds a buffer made for this call alone (a recording would keep it)
     replayable: bool = True
-    # Programs a cluster along the grid's first axis (``_cluster.clustered``), which then counts
-    # clusters; 1: no cluster
-    cluster: int = 1
 
 
 def launch(call: KernelCall, warmup: bool = False):
     """Launch (or with ``warmup`` compile) ``call`` the usual way; the compiled kernel (None
-    under the interpreter). A clustered call's kernel is compiled first and set to launch in
-    its clusters (``_cluster.clustered``), so no launch of it ever goes without them."""
-    if call.cluster > 1:
-        compiled = _checks.start(call.kernel, call.grid, True, call.launch_pdl)(
-            *call.args, **call.constexprs, **call.options)
-        _cluster.clustered(compiled, call.cluster)
-        if warmup:
-            return compiled
+    under the interpreter)."""
     return _checks.start(call.kernel, call.grid, warmup, call.launch_pdl)(
         *call.args, **call.constexprs, **call.options)
 

@@ -48,14 +48,12 @@ class Persistent(NamedTuple):
 def ring_call(kernel, x, w, bias, out, scale_a, scale_b, config, counters, warmup: bool,
               block_scales: bool, constexprs: dict, options: dict, launch_pdl: bool = False,
               grid: tuple | None = None, persistent: Persistent | None = None,
-              x_box_rows: int | None = None, cluster: int = 1) -> KernelCall:
+              x_box_rows: int | None = None) -> KernelCall:
     """``kernel``'s launch for ``config`` (its block_n, block_m, block_k, stages, split_k,
     add_splits and num_warps) on x (M, K) and w (N, K) into ``out``, with the kernel's own
     ``constexprs`` and launch ``options`` beside the shared ones; on ``grid``, or of
     ``persistent`` programs, else a program a unit (w's block, K's split, x's block). x's TMA
-    box is ``x_box_rows`` rows (the kernel's block_m where not given). ``cluster`` above one: a
-    tile's splits are one cluster of that many programs along the grid's first axis
-    (``_cluster``), summed there, with no partials in memory."""
+    box is ``x_box_rows`` rows (the kernel's block_m where not given)."""
     M, K = x.shape
     N = w.shape[0]
     x, w = _checks.tma_ready(x), _checks.tma_ready(w)
@@ -68,7 +66,6 @@ def ring_call(kernel, x, w, bias, out, scale_a, scale_b, config, counters, warmu
         grid = (min(units, _checks.sm_count(x.device) * persistent.per_sm),)
     # The workspace of added splits (any split above one sizes it alike) for parts of tiles.
     split_k = max(config.split_k, 2) if parts_of_tiles else config.split_k
-    split_k = 1 if cluster > 1 else split_k
     parts, counters, per_call = workspace(x, out, n_tiles * m_tiles,
                                           config.block_n * config.block_m, split_k, counters,
                                           warmup, bool(config.add_splits) or parts_of_tiles)
@@ -85,7 +82,7 @@ def ring_call(kernel, x, w, bias, out, scale_a, scale_b, config, counters, warmu
         PER_LOAD=partials_per_load(config.split_k, config.block_n, config.block_m,
                                    config.num_warps),
         ADD_SPLITS=bool(config.add_splits))
-    grid = grid or (n_tiles, config.split_k if cluster == 1 else 1, m_tiles)
-    return KernelCall(kernel, grid, args, {**shared, **constexprs},
+    return KernelCall(kernel, grid or (n_tiles, config.split_k, m_tiles), args,
+                      {**shared, **constexprs},
                       {"num_warps": config.num_warps, **options}, launch_pdl=launch_pdl,
-                      replayable=not per_call, cluster=cluster)
+                      replayable=not per_call)

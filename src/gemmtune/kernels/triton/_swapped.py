@@ -11,8 +11,6 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-from gemmtune.kernels.triton._cluster import cluster_sum
-
 BLOCK_N = 64  # w rows per program: one warpgroup's MMA M (4 warps, a 16-row band each)
 NUM_WARPS = 4
 # w rows of a program per warp (a warpgroup's 4 warps take 64 rows): the TMA-ring kernel also
@@ -271,24 +269,6 @@ def finish_tile(acc, pid_n, split, pid_m, y_ptr, bias_ptr, scale_a_ptr, scale_b_
                             HAS_BIAS, SCALE_A, SCALE_B)
             _store_y(total, y_tile, on, om, pid_n, pid_m, M, N, stride_ym, stride_yn, BLOCK_N,
                      BLOCK_M)
-
-
-@gluon.jit
-def finish_clustered(acc, pid_n, split, pid_m, y_ptr, bias_ptr, scale_a_ptr, scale_b_ptr, M, N,
-                     stride_ym, stride_yn, stride_bias, HAS_BIAS: gl.constexpr,
-                     SCALE_A: gl.constexpr, SCALE_B: gl.constexpr, SPLIT_K: gl.constexpr,
-                     BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr):
-    """``finish_tile`` for a tile whose SPLIT_K splits are the programs of one cluster
-    (``_cluster``): the partials summed in split order in the first's shared memory (as
-    ``finish_tile``'s in-order sum, bit for bit), which scales and stores the tile."""
-    out, on, om, cols, rows, y_tile, local = _tile_end(acc, pid_n, pid_m, y_ptr, M, N,
-                                                      stride_ym, stride_yn, BLOCK_N, BLOCK_M)
-    total = cluster_sum(out, SPLIT_K, BLOCK_N * BLOCK_M // (gl.num_warps() * 32))
-    if split == 0:
-        total = _scaled(total, rows, cols, bias_ptr, scale_a_ptr, scale_b_ptr, stride_bias,
-                        HAS_BIAS, SCALE_A, SCALE_B)
-        _store_y(total, y_tile, on, om, pid_n, pid_m, M, N, stride_ym, stride_yn, BLOCK_N,
-                 BLOCK_M)
 
 
 @gluon.jit

@@ -38,14 +38,13 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma
 
 from gemmtune.kernels._names import Field, NameCodec, NamedConfig
-from gemmtune.kernels.triton import _checks, _cluster, _ring_launch
+from gemmtune.kernels.triton import _checks, _ring_launch
 from gemmtune.kernels.triton._epilogue import PER_BLOCK
 from gemmtune.kernels.triton._replay import KernelCall, launch
 from gemmtune.kernels.triton._ring_launch import tma_load
 from gemmtune.kernels.triton._splits import split_for, splits_around
 from gemmtune.kernels.triton._swapped import (BLOCK_MS, BLOCK_N, ROWS_PER_WARP, barrier,
-                                              block_m_for, finish_clustered, finish_share,
-                                              finish_tile,
+                                              block_m_for, finish_share, finish_tile,
                                               step_scales, stream_part, stream_run,
                                               why_not_add_splits, why_not_grid, why_not_here)
 
@@ -77,8 +76,7 @@ class RingConfig(NamedConfig):
     NAME_CODEC = NameCodec("TMA-ring config", KERNEL_PREFIX, (
         Field("BM", "block_m"), Field("BK", "block_k"), Field("S", "stages"),
         Field("SK", "split_k"), Field("R", "add_splits", default=0),
-        Field("N", "block_n", default=BLOCK_N), Field("K", "stream_k", default=0),
-        Field("C", "cluster", default=0)))
+        Field("N", "block_n", default=BLOCK_N), Field("K", "stream_k", default=0)))
 
     block_m: int
     block_k: int
@@ -92,9 +90,6 @@ class RingConfig(NamedConfig):
     # steps (its parts of tiles added into the tile's fp32 sum, the part that completes a tile
     # storing it: ``_swapped.finish_share``); 0: a program a tile and split
     stream_k: int = 0
-    # 1: a tile's splits launch as one thread-block cluster and are summed in the first's
-    # shared memory, in split order (``_cluster``); 0: through global memory (``add_splits``)
-    cluster: int = 0
 
     @property
     def num_warps(self) -> int:
@@ -107,7 +102,7 @@ def max_registers(config: RingConfig) -> int | None:
     than one an SM would have run in waves); None elsewhere (ptxas's own choice)."""
     if not config.stream_k:
         return None
-    return _checks.registers_to_share(config.num_warps * 32, config.stream_k)
+    return min(255, _checks.registers_to_share(config.num_warps * 32, config.stream_k))
 
 
 def ring_bytes(config: RingConfig) -> int:
@@ -117,10 +112,8 @@ def ring_bytes(config: RingConfig) -> int:
 
 def smem_bytes(config: RingConfig) -> int:
     """Shared memory a program of ``config`` may take: the ring, the end's conversion of the
-    fp32 tile, the mbarriers, and in a cluster the others' partials."""
-    tile = config.block_n * config.block_m
-    summed = _cluster.sum_bytes(config.split_k, tile) if config.cluster else 0
-    return ring_bytes(config) + tile * 4 + 1024 + summed
+    fp32 tile, the mbarriers."""
+    return ring_bytes(config) + config.block_n * config.block_m * 4 + 1024
 
 
 def why_not_fits(config: RingConfig, M: int, N: int, K: int, dtype: torch.dtype) -> str | None:
@@ -148,9 +141,6 @@ def why_not_fits(config: RingConfig, M: int, N: int, K: int, dtype: torch.dtype)
     if c.stream_k and c.split_k != 1:
         return (f"stream_k={c.stream_k} takes split_k=1 (its runs of K steps part the tiles), "
                 f"not {c.split_k}")
-    problem = _why_not_cluster(c)
-    if problem is not None:
-        return problem
     if ring_bytes(c) > RING_BYTES or smem_bytes(c) > SMEM_BYTES:
         return (f"{c.stages} stages of ({c.block_n} + {c.block_m}) x {c.block_k} bytes take "
                 f"{ring_bytes(c)} B of shared memory (> {RING_BYTES}, or > {SMEM_BYTES} with the "
@@ -165,23 +155,11 @@ def why_not_fits(config: RingConfig, M: int, N: int, K: int, dtype: torch.dtype)
     return why_not_grid(c, M, K, k_steps, MAX_SPLIT_K)
 
 
-def _why_not_cluster(c: RingConfig) -> str | None:
-    if c.cluster not in (0, 1):
-        return f"cluster={c.cluster} must be 0 (splits summed in memory) or 1 (in a cluster)"
-    if not c.cluster:
-        return None
-    if c.add_splits or c.stream_k:
-        return (f"cluster=1 sums the splits in the cluster: not with add_splits={c.add_splits} "
-                f"or stream_k={c.stream_k}")
-    return _cluster.why_not_cluster(c.split_k, c.block_n * c.block_m, c.num_warps * 32)
-
-
 def why_not_supported(config: RingConfig, M: int, N: int, K: int, dtype: torch.dtype,
                       out_dtype: torch.dtype) -> str | None:
     """``why_not_fits``, the output dtypes, and whether the kernel can run here: compiled (not in
     Triton's interpreter) for a Hopper GPU."""
     return (why_not_here("TMA-ring kernel") or _checks.why_not_dtypes(dtype, out_dtype)
-            or (_cluster.why_not_cluster_launch_here() if config.cluster else None)
             or why_not_fits(config, M, N, K, dtype))
 
 
@@ -323,18 +301,11 @@ def ring_mainloop(w_desc, x_desc, pid_n, pid_m, lo, steps, M, scale_a_ptr, scale
 @gluon.jit
 def ring_tile(w_desc, x_desc, M, K, scale_a_ptr, scale_b_ptr, k_blocks,
               SPLIT_K: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
-              BLOCK_K: gl.constexpr, STAGES: gl.constexpr, BLOCK_SCALED: gl.constexpr,
-              CLUSTER: gl.constexpr):
+              BLOCK_K: gl.constexpr, STAGES: gl.constexpr, BLOCK_SCALED: gl.constexpr):
     """This program's tile (w's BLOCK_N rows ``pid_n``, x's block ``pid_m``) over its split of
-    K: (acc, pid_n, split, pid_m), acc in the MMA's layout (``ring_mainloop``). The split is the
-    grid's second axis, or, ``CLUSTER``, the program's rank in its cluster of a tile's splits
-    along the first."""
-    if CLUSTER:
-        pid_n = gl.program_id(0) // SPLIT_K
-        split = gl.program_id(0) % SPLIT_K
-    else:
-        pid_n = gl.program_id(0)
-        split = gl.program_id(1)
+    K: (acc, pid_n, split, pid_m), acc in the MMA's layout (``ring_mainloop``)."""
+    pid_n = gl.program_id(0)
+    split = gl.program_id(1)
     pid_m = gl.program_id(2)
     k_steps = gl.cdiv(K, BLOCK_K)
     lo = split * k_steps // SPLIT_K
@@ -354,7 +325,7 @@ def gemm_ring_kernel(
     HAS_BIAS: gl.constexpr, SCALE_A: gl.constexpr, SCALE_B: gl.constexpr,
     SPLIT_K: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr,
     STAGES: gl.constexpr, PER_LOAD: gl.constexpr, ADD_SPLITS: gl.constexpr,
-    STREAM_K: gl.constexpr, CLUSTER: gl.constexpr,
+    STREAM_K: gl.constexpr,
 ):
     if STREAM_K:
         # An even run of the tiles' K steps, part by part, the ring refilled for each.
@@ -374,15 +345,10 @@ def gemm_ring_kernel(
     else:
         acc, pid_n, split, pid_m = ring_tile(w_desc, x_desc, M, K, scale_a_ptr, scale_b_ptr,
                                              k_blocks, SPLIT_K, BLOCK_N, BLOCK_M, BLOCK_K,
-                                             STAGES, SCALE_A == _PER_BLOCK, CLUSTER)
-        if CLUSTER:
-            finish_clustered(acc, pid_n, split, pid_m, y_ptr, bias_ptr, scale_a_ptr,
-                             scale_b_ptr, M, N, stride_ym, stride_yn, stride_bias, HAS_BIAS,
-                             SCALE_A, SCALE_B, SPLIT_K, BLOCK_N, BLOCK_M)
-        else:
-            finish_tile(acc, pid_n, split, pid_m, y_ptr, bias_ptr, scale_a_ptr, scale_b_ptr,
-                        part_ptr, count_ptr, M, N, stride_ym, stride_yn, stride_bias, HAS_BIAS,
-                        SCALE_A, SCALE_B, SPLIT_K, BLOCK_N, BLOCK_M, PER_LOAD, ADD_SPLITS)
+                                             STAGES, SCALE_A == _PER_BLOCK)
+        finish_tile(acc, pid_n, split, pid_m, y_ptr, bias_ptr, scale_a_ptr, scale_b_ptr,
+                    part_ptr, count_ptr, M, N, stride_ym, stride_yn, stride_bias, HAS_BIAS,
+                    SCALE_A, SCALE_B, SPLIT_K, BLOCK_N, BLOCK_M, PER_LOAD, ADD_SPLITS)
 
 
 def ring_call(x, w, bias, out, scale_a, scale_b, config: RingConfig,
@@ -397,11 +363,9 @@ def ring_call(x, w, bias, out, scale_a, scale_b, config: RingConfig,
     regs = max_registers(config)
     return _ring_launch.ring_call(gemm_ring_kernel, x, w, bias, out, scale_a, scale_b, config,
                                   counters, warmup, block_scales,
-                                  dict(BLOCK_K=config.block_k, STREAM_K=bool(config.stream_k),
-                                       CLUSTER=bool(config.cluster)),
+                                  dict(BLOCK_K=config.block_k, STREAM_K=bool(config.stream_k)),
                                   {} if regs is None else dict(maxnreg=regs),
-                                  persistent=persistent,
-                                  cluster=config.split_k if config.cluster else 1)
+                                  persistent=persistent)
 
 
 def launch_gemm_ring(x, w, bias, out, scale_a, scale_b, config: RingConfig,
