@@ -389,11 +389,6 @@ for what in "$@"; do
             TAIL=20 stage moehost 300 python3 benchmarks/moe_host_cost.py ;;
         overhead)  # host µs per eager call of every op's backends (benchmarks/dispatch_overhead.py)
             TAIL=40 stage overhead 400 python3 benchmarks/dispatch_overhead.py ;;
-        w4decode:*)  # w4decode:DECODE: benchmarks/w4_decode_probe.py (prmt or bits), packed
-            # w4frag configs against F.linear, one process a decode (W4DECODE_ARGS: more flags)
-            TAIL=12 stage "w4decode_${what#w4decode:}" 300 python3 benchmarks/w4_decode_probe.py \
-                --decode "${what#w4decode:}" --csv "$OUT/w4decode_${what#w4decode:}.csv" \
-                ${W4DECODE_ARGS:-} ;;
         w4probe|w4probe:*)  # issue 16: the MXFP4 kernel's configs (bf16 and MXFP4 x) against
             # F.linear and the FP8 op, one run; w4probe:NAME with the arguments of
             # benchmarks/w4_probe_args/NAME.args, else W4PROBE_ARGS (e.g. --shapes ... --configs

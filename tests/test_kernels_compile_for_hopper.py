@@ -643,14 +643,17 @@ W4FRAG_SCRIPT = PTXAS_REPORT + textwrap.dedent("""
         assert "st.shared" not in loop and "bar.sync" not in loop
         assert ("griddepcontrol.wait" in text) == pdl
         assert ("atom.global" in text) == (split_k != 1)
-        # The E2M1 decode (an inline-PTX block of PRMT lookups) for w's words and, MXFP4 x,
-        # x's too: x's scales then multiply w's (fp32) in each block's product.
+        # The E2M1 decode (an inline-PTX block of PRMT lookups) for w's words as quantised
+        # and, MXFP4 x, x's too: x's scales then multiply w's (fp32) in each block's product;
+        # packed w's words by masks and shifts (their bits placed), 4 bf16 multiplies each.
         # A decode a word: w's 2 rows a thread, x's 1-4 (BLOCK_M / 8) words; a loop iteration
         # takes 2 groups of 4 blocks (block_k < 128: a step's blocks).
         looped = 8 if block_k >= 128 else block_k // 32
-        assert text.count("prmt.b32 la") == looped * (2 * tiles
-                                                      + (block_m // 8 if x_mxfp4 else 0)), \\
+        w_words, x_words = 2 * tiles * looped, (block_m // 8 if x_mxfp4 else 0) * looped
+        assert text.count("prmt.b32 la") == x_words + (0 if packed else w_words), \\
             (block_m, block_k, x_mxfp4, warps, text.count("prmt.b32 la"))
+        assert text.count("mul.rn.bf16x2") == (4 * w_words if packed else 0), \\
+            (block_m, block_k, packed, text.count("mul.rn.bf16x2"))
         report, spilled = ptxas_report(text)
         assert spilled == 0, (block_m, block_k, x_mxfp4, warps, report)
     print("ok")
@@ -693,10 +696,11 @@ W4DEQ_SCRIPT = textwrap.dedent("""
         assert "st.global.v4" in ptx, (out, packed)
         if fn is gemm_w4deq.dequant_mxfp4_bf16_kernel:
             # The PTX decode: a thread's code words in vector loads, 15 instructions for 8
-            # codes and 4 multiplies by the scale: under 9 instructions an element in all
-            # (the Triton decode takes about 27, which bounds it by issue, not bandwidth)
+            # codes (packed: masks and shifts, 11, and 4 multiplies by 2^126) and 4 multiplies
+            # by the scale: under 9 instructions an element in all (the Triton decode takes
+            # about 27, which bounds it by issue, not bandwidth)
             assert "ld.global.v2.b32" in ptx or "ld.global.v4.b32" in ptx, packed
-            assert "mul.rn.bf16x2" in ptx and "prmt.b32" in ptx
+            assert "mul.rn.bf16x2" in ptx and ("prmt.b32" in ptx) != packed
             body = [line for line in ptx.splitlines()
                     if line.strip().endswith(";") and not line.strip().startswith(".")]
             assert len(body) * 128 < 9 * bn * bk, len(body)
@@ -767,9 +771,11 @@ W4WG_SCRIPT = PTXAS_REPORT + textwrap.dedent("""
             loop = text[text.find("wgmma.mma_async"):text.rfind("wgmma.mma_async")]
             assert "st.shared" not in loop
             # A word's decode once before the loop and in each body (3 gathering PRMTs, 10 in the
-            # decode) and its scale
+            # decode; packed, each word's register of the thread rotated out of its placed bits
+            # and multiplied by 2^126) and its scale
             decodes = 1 + (2 if overlap else 1)
-            assert text.count("mul.rn.bf16x2") == decodes * 4 * 2 * rows
+            assert text.count("mul.rn.bf16x2") == decodes * 4 * 2 * rows * (2 if packed else 1)
+            assert ("shf.l.wrap.b32" in text) == packed and ("prmt.b32" in text) != packed
             report, spilled = ptxas_report(text)
             assert spilled == 0, (block_n, block_m, warps, overlap, report)
             # ptxas would serialise every MMA where A's registers are written while one runs

@@ -1,8 +1,9 @@
 """The inline PTX that decodes E2M1 codes in the Gluon MXFP4 kernels (``gemm_w4frag``'s
 ``E2M1_TO_BF16_ASM``), run on the CPU by a small emulator of the PTX instructions it uses
-(``and``, ``shr``, ``shl``, ``prmt``, ``lop3``, ``mul.rn.bf16x2``, with the PTX ISA's semantics),
-bit for bit against ``mxfp4.e2m1_values`` in bf16: every code at every place of a word, and
-random words; and ``gemm_w4wg``'s byte gather and bf16 scale multiply around it. The GPU tests
+(``and``, ``shr``, ``shl``, ``prmt``, ``lop3``, ``mov``, ``mul.lo``, ``shf.l.wrap``,
+``mul.rn.bf16x2``, with the PTX ISA's semantics), bit for bit against ``mxfp4.e2m1_values`` in
+bf16: every code at every place of a word, and random words, as quantised and packed (their
+bits placed); and ``gemm_w4wg``'s byte gather and bf16 scale multiply around it. The GPU tests
 run the real instructions; this catches an edit of the asm text without a GPU.
 """
 
@@ -14,7 +15,9 @@ import numpy as np
 import torch
 
 from gemmtune.kernels import mxfp4
-from gemmtune.kernels.triton._e2m1_ptx import E2M1_TO_BF16_ASM, SCALE_BF16X2_ASM
+from gemmtune.kernels.triton._e2m1_ptx import (E2M1_TO_BF16_ASM, MAGNITUDE_TURN,
+                                               PLACED_REGISTER_ASM, PLACED_TO_BF16_ASM,
+                                               SCALE_BF16X2_ASM, SIGN_TURN)
 
 MASK = np.uint64(0xFFFFFFFF)
 
@@ -64,6 +67,14 @@ def run_ptx(asm: str, operands: dict[str, np.ndarray], muls=None) -> dict[str, n
         v = [value(s) for s in srcs]
         if op == "and.b32":
             out = v[0] & v[1]
+        elif op == "mov.b32":
+            out = v[0] + 0 * next(iter(operands.values()))
+        elif op == "mul.lo.u32":
+            out = (v[0] * v[1]) & MASK
+        elif op == "shf.l.wrap.b32":  # a funnel of v[0]:v[1] (here one word: a rotation)
+            n = v[2] & np.uint64(31)
+            out = ((v[1] << n) | ((v[0] & MASK) >> ((np.uint64(32) - n) & np.uint64(31))
+                                  * (n != 0))) & MASK
         elif op == "shr.b32":
             out = (v[0] & MASK) >> v[1]
         elif op == "shl.b32":
@@ -72,8 +83,8 @@ def run_ptx(asm: str, operands: dict[str, np.ndarray], muls=None) -> dict[str, n
             out = _prmt(v[0], v[1], v[2] & np.uint64(0xFFFF))
         elif op == "lop3.b32":
             out = _lop3(v[0], v[1], v[2], int(v[3]))
-        elif op == "mul.rn.bf16x2" and muls is not None:
-            out = muls(v[0], v[1])
+        elif op == "mul.rn.bf16x2":
+            out = (muls or _mul_bf16x2)(v[0], v[1])
         else:
             raise NotImplementedError(f"the emulator has no {op}")
         regs[dest] = out & MASK
@@ -101,15 +112,20 @@ def _expected(words: np.ndarray) -> np.ndarray:
     return _bf16_bits(mxfp4.e2m1_values(codes))
 
 
-def test_every_code_at_every_place_of_a_word():
-    """Code c at place i, every other place the code c + 1 + i (so neighbours differ)."""
+def _every_code_at_every_place() -> np.ndarray:
+    """Words with code c at place i, every other place the code c + 1 + i (so neighbours
+    differ)."""
     words = []
     for place in range(8):
         for code in range(16):
             others = [(code + 1 + i) % 16 for i in range(8)]
             others[place] = code
             words.append(sum(c << (4 * i) for i, c in enumerate(others)))
-    words = np.array(words, dtype=np.uint64)
+    return np.array(words, dtype=np.uint64)
+
+
+def test_every_code_at_every_place_of_a_word():
+    words = _every_code_at_every_place()
     np.testing.assert_array_equal(_decode(words), _expected(words))
 
 
@@ -183,3 +199,50 @@ def test_the_prefill_kernels_gather_decode_and_scale():
             same = (got == want_bits) | (np.isnan(want.numpy()) & ((got & np.uint64(0x7FFF))
                                                                   > np.uint64(0x7F80)))
             assert same.all(), (t, byte)
+
+
+def _placed(words: np.ndarray) -> np.ndarray:
+    """Words of 8 codes as quantised -> the packed layout's words (``mxfp4.PLACES``)."""
+    placed = np.zeros_like(words)
+    for i, (magnitude, sign) in enumerate(mxfp4.PLACES):
+        code = (words >> np.uint64(4 * i)) & np.uint64(15)
+        placed |= ((code & np.uint64(7)) << np.uint64(magnitude)) \
+            | ((code >> np.uint64(3)) << np.uint64(sign))
+    return placed
+
+
+def _places_test_words() -> np.ndarray:
+    random = np.random.default_rng(2).integers(0, 2**32, size=50_000, dtype=np.uint64)
+    return np.concatenate([_every_code_at_every_place(), random])
+
+
+def test_packed_words_decode_from_their_placed_bits():
+    """PLACED_TO_BF16_ASM on the packed layout's words (mxfp4.prepack's bit placing, as here
+    and as ``_placed`` checks against prepack): the 4 registers the PRMT decode makes of the
+    same codes, bit for bit: every code at every place, zeros and 0.5 (subnormal before the
+    multiply by 2^126) included."""
+    words = _places_test_words()
+    regs = run_ptx(PLACED_TO_BF16_ASM.value, {"$4": _placed(words)})
+    out = np.stack([regs[f"${i}"] for i in range(4)], axis=1)
+    got = np.stack([out & np.uint64(0xFFFF), out >> np.uint64(16)], axis=2).reshape(-1, 8)
+    np.testing.assert_array_equal(got, _expected(words))
+    # the same placing as mxfp4.prepack's (a 64-byte group of one row: its 16 words)
+    codes = torch.from_numpy(words[:16].astype(np.uint32).view(np.uint8).copy()).reshape(1, 64)
+    packed = mxfp4.prepack(torch.cat([codes, codes], dim=1))[0, :64].view(torch.int32)
+    transposed = words[:16].reshape(4, 4).T.reshape(16)  # word t of block j at 4 t + j
+    np.testing.assert_array_equal(packed.numpy().astype(np.int64) & 0xFFFFFFFF,
+                                  _placed(transposed).astype(np.int64))
+
+
+def test_one_register_of_a_packed_word_by_the_threads_rotations():
+    """PLACED_REGISTER_ASM with register r's rotations (MAGNITUDE_TURN and SIGN_TURN's byte r):
+    PLACED_TO_BF16_ASM's register r, bit for bit, for every r."""
+    words = _places_test_words()
+    placed = _placed(words)
+    whole = run_ptx(PLACED_TO_BF16_ASM.value, {"$4": placed})
+    for r in range(4):
+        turns = {"$2": np.uint64(MAGNITUDE_TURN.value >> 8 * r & 255) + 0 * placed,
+                 "$3": np.uint64(SIGN_TURN.value >> 8 * r & 255) + 0 * placed}
+        one = run_ptx(PLACED_REGISTER_ASM.value, {"$1": placed, **turns})
+        np.testing.assert_array_equal(one["$0"], whole[f"${r}"])
+

@@ -317,6 +317,22 @@ def test_mxfp4_weights_are_packed_where_the_table_tuned_packed_rows(tmp_path, mo
     model.load_state_dict(again.state_dict())
     assert not model[0].weight_packed
     torch.testing.assert_close(model(x), again(x), rtol=0, atol=0)
+    # Saved packed by a gemmtune before bits were placed (layout 1: the words only transposed):
+    # converted to the present packed layout as it loads, and computing the same.
+    from gemmtune.kernels import mxfp4
+
+    state = plain.state_dict()
+    assert int(state["0.weight_layout"]) == mxfp4.PACKED_LAYOUT
+    quantised = mxfp4.unpack(state["0.weight_q"])
+    first = dict(state, **{"0.weight_q": quantised.reshape(96, 1, 4, 4, 4).transpose(2, 3)
+                           .reshape(96, 64), "0.weight_layout": torch.tensor(1, dtype=torch.uint8)})
+    model.load_state_dict(first)
+    assert model[0].weight_packed and int(model[0].weight_layout) == mxfp4.PACKED_LAYOUT
+    assert torch.equal(mxfp4.unpack(model[0].weight_q), quantised)
+    torch.testing.assert_close(model(x), plain(x), rtol=0, atol=0)
+    unknown = dict(state, **{"0.weight_layout": torch.tensor(7, dtype=torch.uint8)})
+    with pytest.raises(ValueError, match="0.weight_layout is 7: .* layouts \\[0, 1, 2\\]"):
+        model.load_state_dict(unknown)
 
 
 @pytest.mark.parametrize("rows, packs", [

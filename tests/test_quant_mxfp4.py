@@ -165,23 +165,43 @@ def test_quantise_and_dequantise_inside_a_cuda_graph():
     assert torch.equal(back, quant.dequant_mxfp4(q, s))
 
 
-def test_prepack_moves_each_threads_words_together_and_unpack_undoes_it():
+def _code(word: int, i: int) -> int:
+    return word >> (4 * i) & 15
+
+
+def test_prepack_moves_each_threads_words_together_places_their_bits_and_unpack_undoes_it():
     """Within each row's 64-byte groups, word t of block j (bytes 16 j + 4 t ...) moves to word
-    4 t + j: a thread's words of 4 blocks become 16 contiguous bytes. unpack_mxfp4 (the same
-    transpose) gives the codes back."""
-    wq = torch.arange(3 * 128, dtype=torch.int32).remainder(251).to(torch.uint8).reshape(3, 128)
+    4 t + j: a thread's words of 4 blocks become 16 contiguous bytes. In each word, code i's
+    magnitude bits move to bits PLACES[i][0] on and its sign to bit PLACES[i][1] (code 0 on
+    bits 6-8 and 15: a bf16's exponent-and-mantissa bits of the value times 2^-126).
+    unpack_mxfp4 gives the codes back."""
+    from gemmtune.kernels import mxfp4
+
+    wq = torch.randint(0, 256, (3, 128), dtype=torch.uint8,
+                       generator=torch.Generator().manual_seed(3))
     ws = torch.zeros(3, 8, dtype=torch.uint8)
     packed, scales = quant.prepack_mxfp4(wq, ws)
     assert scales is ws and packed.shape == wq.shape and packed.is_contiguous()
+    words = lambda t: [int.from_bytes(bytes(t[i:i + 4].tolist()), "little")
+                       for i in range(0, t.numel(), 4)]
     for row in range(3):
+        stored, quantised = words(packed[row]), words(wq[row])
         for group in range(2):
             for j in range(4):
                 for t in range(4):
-                    new = group * 64 + 16 * t + 4 * j
-                    old = group * 64 + 16 * j + 4 * t
-                    assert torch.equal(packed[row, new:new + 4], wq[row, old:old + 4])
+                    word, old = stored[group * 16 + 4 * t + j], quantised[group * 16 + 4 * j + t]
+                    for i, (magnitude, sign) in enumerate(mxfp4.PLACES):
+                        assert word >> magnitude & 7 == _code(old, i) & 7
+                        assert word >> sign & 1 == _code(old, i) >> 3
+    assert sorted(b for place in mxfp4.PLACES for b in (place[0], place[0] + 1, place[0] + 2,
+                                                          place[1])) == list(range(32))
     unpacked, scales = quant.unpack_mxfp4(packed, ws)
     assert scales is ws and torch.equal(unpacked, wq)
+    # version 1 of the packed layout (words transposed only, what older state_dicts hold)
+    transposed = packed.clone()
+    for row in range(3):
+        transposed[row] = wq[row].reshape(2, 4, 4, 4).transpose(1, 2).reshape(128)
+    assert torch.equal(mxfp4.unpack_transposed(transposed), wq)
 
 
 def test_prepack_refuses_what_has_no_packed_layout():

@@ -15,7 +15,8 @@ from gemmtune.families._switches import dynamo_compiling as _dynamo_compiling
 from gemmtune.families._switches import grad_enabled as _grad_enabled
 from gemmtune.families.a16w4.op import gemm_a16w4, packed_layout_tuned
 from gemmtune.families.bf16.op import bound_linear, gemm_a16w16
-from gemmtune.kernels.mxfp4 import why_not_quantisable
+from gemmtune.kernels.mxfp4 import (PACKED_LAYOUT, prepack, unpack, unpack_transposed,
+                                    why_not_quantisable)
 from gemmtune.quant import mxfp4 as quantise_mxfp4
 from gemmtune.quant import prepack_mxfp4
 
@@ -68,8 +69,9 @@ class Mxfp4Linear(nn.Module):
     makes one from an ``nn.Linear`` in place (the module object, its bias and hooks kept; its
     weight replaced by the buffers); the weight is no longer trained. ``weight_packed``:
     ``weight_q`` is in the packed layout (``gemmtune.quant.prepack_mxfp4``); the buffer
-    ``weight_layout`` (0 or 1) holds the same in the state_dict, so codes loaded from one are
-    read in the layout they were saved in."""
+    ``weight_layout`` holds the same in the state_dict (``weight_layout_code``: 0 as quantised,
+    else the packed layout's version), so codes loaded from one are read in the layout they
+    were saved in (version 1's, the words only transposed, converted)."""
 
     in_features: int
     out_features: int
@@ -95,16 +97,21 @@ class Mxfp4Linear(nn.Module):
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         saved = state_dict.get(prefix + "weight_layout")
-        if self.fused is not None and saved is not None and not saved.is_meta \
-                and bool(saved.item()) != self.weight_packed:
-            # A fused layer keeps its group's layout: codes saved in the other one are
-            # converted (the reordering is its own inverse) before they are copied in.
-            codes = state_dict[prefix + "weight_q"]
-            state_dict[prefix + "weight_q"] = prepack_mxfp4(codes, state_dict[
-                prefix + "weight_scale"])[0]
-            state_dict[prefix + "weight_layout"] = torch.tensor(int(self.weight_packed),
-                                                                dtype=torch.uint8)
-            saved = state_dict[prefix + "weight_layout"]
+        if saved is not None and not saved.is_meta:
+            layout = int(saved.item())
+            if layout not in _LAYOUTS:
+                raise ValueError(f"{prefix}weight_layout is {layout}: this gemmtune reads MXFP4 "
+                                 f"codes saved in layouts {sorted(_LAYOUTS)} (0 as quantised, "
+                                 f"{PACKED_LAYOUT} packed); save them again with it")
+            # A fused layer keeps its group's layout; codes saved in another one (or in the
+            # packed layout's first version) are converted before they are copied in.
+            packed = self.weight_packed if self.fused is not None else layout != 0
+            if layout != weight_layout_code(packed):
+                key = prefix + "weight_q"
+                state_dict[key] = _codes_in_layout(state_dict[key], layout, packed)
+                state_dict[prefix + "weight_layout"] = torch.tensor(
+                    weight_layout_code(packed), dtype=torch.uint8)
+                saved = state_dict[prefix + "weight_layout"]
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
         if saved is not None and not saved.is_meta:
             self.weight_packed = bool(saved.item())
@@ -164,6 +171,24 @@ def patch_linear(model: nn.Module, quant: str | None = None) -> int:
 
 
 _MXFP4_BUFFERS = ("weight_q", "weight_scale", "weight_layout")
+# weight_layout's values: as quantised, the packed layout's first version (its words transposed,
+# codes two a byte as quantised) and its present one (bits placed too)
+_LAYOUTS = (0, 1, PACKED_LAYOUT)
+
+
+def weight_layout_code(packed: bool) -> int:
+    """What ``Mxfp4Linear``'s ``weight_layout`` buffer holds for codes as quantised (0) or
+    packed (the packed layout's version)."""
+    return PACKED_LAYOUT if packed else 0
+
+
+def _codes_in_layout(codes: torch.Tensor, layout: int, packed: bool) -> torch.Tensor:
+    """Codes saved in ``layout`` (``_LAYOUTS``) as quantised, or (``packed``) packed."""
+    if layout == 1:
+        codes = unpack_transposed(codes)
+    elif layout == PACKED_LAYOUT:
+        codes = unpack(codes)
+    return prepack(codes) if packed else codes
 
 
 def _quantised_weight(module: nn.Linear) -> tuple[torch.Tensor, torch.Tensor, bool]:
@@ -188,8 +213,8 @@ def _to_mxfp4(module: nn.Linear, wq: torch.Tensor, w_scale: torch.Tensor,
     (``packed``: in the packed layout)."""
     module.register_buffer(_MXFP4_BUFFERS[0], wq)
     module.register_buffer(_MXFP4_BUFFERS[1], w_scale)
-    module.register_buffer(_MXFP4_BUFFERS[2], torch.tensor(int(packed), dtype=torch.uint8,
-                                                           device=wq.device))
+    module.register_buffer(_MXFP4_BUFFERS[2], torch.tensor(weight_layout_code(packed),
+                                                           dtype=torch.uint8, device=wq.device))
     del module._parameters["weight"]
     module.__class__ = Mxfp4Linear
     module.weight_packed = packed

@@ -451,8 +451,9 @@ def prepack_mxfp4(wq: torch.Tensor, w_scale: torch.Tensor) -> tuple[torch.Tensor
     """An MXFP4 weight (``mxfp4``'s (N, K // 2) codes and (N, K // 32) scales) in the packed
     layout ``gemm_a16w4(..., packed=True)`` takes: within each row's groups of 128 elements the
     codes' 4-byte words are reordered so that the register-direct kernel (``triton.w4frag``)
-    reads each thread's codes of 4 blocks in one 16-byte load; the scales are unchanged. K must
-    be a multiple of 128. ``unpack_mxfp4`` undoes it (the reordering is its own inverse)."""
+    reads each thread's codes of 4 blocks in one 16-byte load, and each word's bits placed so
+    that masks and shifts decode them (``gemmtune.kernels.mxfp4.PLACES``); the scales are
+    unchanged. K must be a multiple of 128. ``unpack_mxfp4`` undoes it."""
     _check_weight("prepack_mxfp4", wq, w_scale)
     return _mx.prepack(wq), w_scale
 

@@ -40,7 +40,7 @@ from torch import nn
 
 from gemmtune.families.a16w4.op import gemm_a16w4, packed_layout_tuned
 from gemmtune.families.bf16.op import gemm_a16w16
-from gemmtune.nn import Mxfp4Linear, TunedLinear
+from gemmtune.nn import Mxfp4Linear, TunedLinear, weight_layout_code
 from gemmtune.quant import prepack_mxfp4, unpack_mxfp4
 
 
@@ -173,7 +173,7 @@ class Mxfp4Siblings(SiblingGroup):
         if self.packed:
             codes, scales = prepack_mxfp4(codes, scales)
         for m in self.members:
-            m._buffers["weight_layout"].fill_(int(self.packed))
+            m._buffers["weight_layout"].fill_(weight_layout_code(self.packed))
             m.weight_packed = self.packed
         return {"weight_q": ("buffer", codes), "weight_scale": ("buffer", scales),
                 **self._bias()}

@@ -33,6 +33,16 @@ MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 # The packed layout (``prepack``) reorders each row's codes within groups of this many elements
 # of K (64 bytes: 4 blocks of 16).
 PACK_GROUP = 128
+# Where a packed 32-bit word puts each of its 8 codes (code i: elements 8 t + i of its block):
+# (the bit its 3 magnitude bits start at, its sign bit). Code 2 r lands, by one mask, or by a
+# shift or two and a mask, on bits 6-8 and 15 of a bf16 (the exponent's low two bits and the
+# mantissa's top one: the value times 2^-126), code 2 r + 1 on bits 22-24 and 31: register r
+# of the decode (``_e2m1_ptx.PLACED_TO_BF16_ASM``) shifts the word left 0, 3, 6 (the signs 1)
+# or right 3 (the signs left 2).
+PLACES = ((6, 15), (22, 31), (3, 12), (19, 28), (0, 14), (16, 30), (9, 13), (25, 29))
+# The packed layout's version, as ``nn.Mxfp4Linear``'s state_dict records it: 1 the words only
+# transposed (codes two a byte, as quantised), 2 their bits placed too (``PLACES``)
+PACKED_LAYOUT = 2
 
 
 def why_not_quantisable(k: int) -> str | None:
@@ -115,20 +125,59 @@ def why_not_packable(k: int) -> str | None:
 
 
 def prepack(codes: torch.Tensor) -> torch.Tensor:
-    """``quantize``'s codes (N, K // 2) in the register-direct kernel's packed layout: within
+    """``quantize``'s codes (N, K // 2) in the register-direct kernels' packed layout: within
     each row's 64-byte groups (128 elements, 4 blocks of 16 bytes), 4-byte word t of block j
     moves to word 4 t + j, so the 4 words one thread multiplies (word t of each block) are 16
-    contiguous bytes. A transpose of 4 x 4 words: ``unpack`` (the same transpose) undoes it.
-    The scales keep their layout."""
+    contiguous bytes; and each word's 8 codes have their bits placed as ``PLACES`` says.
+    ``unpack`` undoes both. The scales keep their layout."""
+    return _place_bits(_transpose_words(codes, "prepack"))
+
+
+def unpack(packed: torch.Tensor) -> torch.Tensor:
+    """``prepack``'s inverse: packed codes (N, K // 2) as ``quantize`` makes them."""
+    return _transpose_words(_unplace_bits(packed), "unpack")
+
+
+def unpack_transposed(packed: torch.Tensor) -> torch.Tensor:
+    """Codes in the packed layout's version 1 (the words transposed, bits as quantised: what
+    state_dicts saved before version 2 hold) as ``quantize`` makes them."""
+    return _transpose_words(packed, "unpack")
+
+
+def _transpose_words(codes: torch.Tensor, caller: str) -> torch.Tensor:
+    """Word t of block j of each 64-byte group <-> word 4 t + j (a 4 x 4 transpose: its own
+    inverse)."""
     n, half_k = codes.shape
     why = why_not_packable(half_k * 2)
     if why is not None:
-        raise ValueError(f"prepack: {why}")
+        raise ValueError(f"{caller}: {why}")
     groups = codes.reshape(n, half_k // 64, 4, 4, 4)  # (row, group, block j, word t, byte i)
     return groups.transpose(2, 3).reshape(n, half_k).contiguous()
 
 
-def unpack(packed: torch.Tensor) -> torch.Tensor:
-    """``prepack``'s inverse: packed codes (N, K // 2) as ``quantize`` makes them (the
-    transpose is its own inverse)."""
-    return prepack(packed)
+def _words(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 codes (N, K // 2) as their 32-bit words, int64 (little-endian: byte i bits 8 i on)."""
+    return codes.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+
+
+def _bytes(words: torch.Tensor, shape) -> torch.Tensor:
+    """int64 words of 32 bits back to uint8 codes of ``shape``."""
+    signed = words - ((words >> 31) << 32)  # two's complement, as int32 holds it
+    return signed.to(torch.int32).view(torch.uint8).reshape(shape)
+
+
+def _place_bits(codes: torch.Tensor) -> torch.Tensor:
+    words, placed = _words(codes), None
+    for i, (magnitude, sign) in enumerate(PLACES):
+        code = (words >> (4 * i)) & 15
+        bits = ((code & 7) << magnitude) | ((code >> 3) << sign)
+        placed = bits if placed is None else placed | bits
+    return _bytes(placed, codes.shape)
+
+
+def _unplace_bits(packed: torch.Tensor) -> torch.Tensor:
+    words, codes = _words(packed), None
+    for i, (magnitude, sign) in enumerate(PLACES):
+        code = (((words >> magnitude) & 7) | (((words >> sign) & 1) << 3)) << (4 * i)
+        codes = code if codes is None else codes | code
+    return _bytes(codes, packed.shape)

@@ -1,8 +1,10 @@
 """The inline PTX that turns MXFP4 codes and scales into bf16, shared by the kernels that
 decode in registers (``triton.w4frag``, ``triton.w4wg``, ``triton.w4deq``'s bf16 copy).
 
-The asm texts are constexprs (Triton and Gluon take them alike); the two helpers are
-``triton.jit`` functions, which Gluon kernels call too. None of it runs in Triton's
+Two decodes: of words as quantised (PRMT table look-ups) and of the packed layout's words,
+whose bits ``mxfp4.prepack`` placed so that masks and shifts decode them. The asm texts are
+constexprs (Triton and Gluon take them alike); the helpers are ``triton.jit`` functions, which
+Gluon kernels call too. None of it runs in Triton's
 interpreter; ``tests/test_mxfp4_ptx_decode.py`` runs the texts on the CPU through a small PTX
 emulator, bit for bit against ``mxfp4.e2m1_values``.
 """
@@ -35,6 +37,49 @@ prmt.b32 $1, la, ha, 0x7362;
 prmt.b32 $2, lb, hb, 0x5140;
 prmt.b32 $3, lb, hb, 0x7362;
 }""")
+
+# The packed layout's words (``mxfp4.PLACES``: each code's bits placed) to the same 4 registers:
+# a mask (register 0), a shift left by 3 and a mask (1), the magnitudes shifted left 6 and the
+# signs left 1 (2), the magnitudes right 3 and the signs left 2 (3): bf16 bits 6-8 and 15 hold
+# the value times 2^-126 (subnormal for 0.5), which mul.rn.bf16x2 by 2^126 (0x7E80) makes
+# exact. 7 ALU instructions and 4 integer multiplies (left shifts on the FMA pipe) a word; the
+# ALU issues a warp instruction every other cycle, and PRMT's decode is all ALU.
+PLACED_TO_BF16_ASM = tl.constexpr("""{
+.reg .b32 a, b, t, c;
+mov.b32 c, 0x7E807E80;
+and.b32 t, $4, 0x81C081C0;
+mul.rn.bf16x2 $0, t, c;
+mul.lo.u32 a, $4, 8;
+and.b32 t, a, 0x81C081C0;
+mul.rn.bf16x2 $1, t, c;
+mul.lo.u32 a, $4, 64;
+mul.lo.u32 b, $4, 2;
+and.b32 t, a, 0x01C001C0;
+lop3.b32 t, t, b, 0x80008000, 0xF8;
+mul.rn.bf16x2 $2, t, c;
+shr.b32 a, $4, 3;
+mul.lo.u32 b, $4, 4;
+and.b32 t, a, 0x01C001C0;
+lop3.b32 t, t, b, 0x80008000, 0xF8;
+mul.rn.bf16x2 $3, t, c;
+}""")
+
+# One register of that decode, chosen per thread: the word $1 rotated left by $2 for the
+# magnitudes (0, 3, 6 or 29 for registers 0-3) and by $3 for the signs (0, 3, 1, 2), masked,
+# times 2^126.
+PLACED_REGISTER_ASM = tl.constexpr("""{
+.reg .b32 a, b, c;
+shf.l.wrap.b32 a, $1, $1, $2;
+shf.l.wrap.b32 b, $1, $1, $3;
+and.b32 a, a, 0x01C001C0;
+lop3.b32 a, a, b, 0x80008000, 0xF8;
+mov.b32 c, 0x7E807E80;
+mul.rn.bf16x2 $0, a, c;
+}""")
+# Rotations of PLACED_REGISTER_ASM for register r: magnitudes MAGNITUDE_TURN >> 8 r & 255,
+# signs SIGN_TURN >> 8 r & 255
+MAGNITUDE_TURN = tl.constexpr(29 << 24 | 6 << 16 | 3 << 8)
+SIGN_TURN = tl.constexpr(2 << 24 | 1 << 16 | 3 << 8)
 
 # 4 registers of 2 bf16 each ($4-$7) times a pair of bf16 scales ($8): exact for every finite
 # result (bf16 has fp32's exponent range, and its subnormals reach 2^-133, below the smallest
@@ -73,6 +118,38 @@ def e2m1_scaled_bf16(words, tables, scale_bytes):
     r = tl.inline_asm_elementwise(E2M1_TO_BF16_ASM, "=r,=r,=r,=r,r,r,r",
                                   [words, tables[0], tables[1]], dtype=(tl.int32,) * 4,
                                   is_pure=True, pack=1)
-    return tl.inline_asm_elementwise(SCALE_BF16X2_ASM, "=r,=r,=r,=r,r,r,r,r,r",
-                                     [r[0], r[1], r[2], r[3], bf16_scale_pairs(scale_bytes)],
+    return scaled_bf16(r[0], r[1], r[2], r[3], scale_bytes)
+
+
+@triton.jit
+def placed_to_bf16(words):
+    """Packed words of 8 codes (int32, bits as ``mxfp4.PLACES``) as 4 int32 tensors of bf16
+    pairs, register i holding codes 2 i (low half) and 2 i + 1, as ``e2m1_scaled_bf16``'s
+    decode."""
+    return tl.inline_asm_elementwise(PLACED_TO_BF16_ASM, "=r,=r,=r,=r,r", [words],
                                      dtype=(tl.int32,) * 4, is_pure=True, pack=1)
+
+
+@triton.jit
+def scaled_bf16(r0, r1, r2, r3, scale_bytes):
+    """4 int32 tensors of bf16 pairs times their blocks' E8M0 scales (``scale_bytes``, int32),
+    exact for every finite result."""
+    return tl.inline_asm_elementwise(SCALE_BF16X2_ASM, "=r,=r,=r,=r,r,r,r,r,r",
+                                     [r0, r1, r2, r3, bf16_scale_pairs(scale_bytes)],
+                                     dtype=(tl.int32,) * 4, is_pure=True, pack=1)
+
+
+@triton.jit
+def placed_scaled_bf16(words, scale_bytes):
+    """``e2m1_scaled_bf16`` for packed words (bits as ``mxfp4.PLACES``)."""
+    r = placed_to_bf16(words)
+    return scaled_bf16(r[0], r[1], r[2], r[3], scale_bytes)
+
+
+@triton.jit
+def placed_register(words, magnitude_turn, sign_turn):
+    """One register of ``placed_to_bf16`` per element: the one the rotations (int32, shaped as
+    ``words``: ``MAGNITUDE_TURN`` and ``SIGN_TURN``'s byte r for register r) pick."""
+    return tl.inline_asm_elementwise(PLACED_REGISTER_ASM, "=r,r,r,r",
+                                     [words, magnitude_turn, sign_turn], dtype=tl.int32,
+                                     is_pure=True, pack=1)

@@ -35,7 +35,7 @@ import triton.language as tl
 from gemmtune.kernels import mxfp4
 from gemmtune.kernels._names import Field, NameCodec, NamedConfig
 from gemmtune.kernels.triton import _checks
-from gemmtune.kernels.triton._e2m1_ptx import e2m1_scaled_bf16, e2m1_tables
+from gemmtune.kernels.triton._e2m1_ptx import e2m1_scaled_bf16, e2m1_tables, placed_scaled_bf16
 from gemmtune.kernels.triton._mxfp4_calls import scaled_launcher, validated_launch
 from gemmtune.kernels.triton._replay import KernelCall, launch
 from gemmtune.kernels.triton._swapped import runs_here, why_not_here
@@ -138,31 +138,60 @@ def dequant_mxfp4_kernel(wq_ptr, ws_ptr, out_ptr, N, K, stride_wn, stride_sn, st
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PACKED: tl.constexpr):
     """out (N, K) = the MXFP4 weight in out's dtype, one (BLOCK_N, BLOCK_K) block a program:
     its BLOCK_K / 32 scale blocks of 16 code bytes each (a scale load per block, the codes in
-    16-byte loads; packed, in 4-byte words)."""
+    16-byte loads; packed, in 4-byte words, rows 4-byte aligned, each word's codes taken from
+    their places, ``mxfp4.PLACES``)."""
     BLOCKS: tl.constexpr = BLOCK_K // _BLOCK
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     blocks = tl.program_id(1) * BLOCKS + tl.arange(0, BLOCKS)
-    byte = tl.arange(0, _BLOCK // 2)  # of a block: elements 2 byte and 2 byte + 1
-    if PACKED:
-        # mxfp4.prepack: in each 64-byte group (4 blocks), byte 4 t + i of block j is stored
-        # at 16 t + 4 j + i.
-        stored = (blocks // 4 * 64 + blocks % 4 * 4)[:, None] \
-            + (byte // 4 * 16 + byte % 4)[None, :]
-    else:
-        stored = blocks[:, None] * (_BLOCK // 2) + byte[None, :]
     in_n = (rows < N)[:, None]
     in_k = blocks < K // _BLOCK
     row_offsets = rows[:, None].to(tl.int64)
-    codes = tl.load(wq_ptr + row_offsets[:, :, None] * stride_wn + stored[None, :, :],
-                    mask=in_n[:, :, None] & in_k[None, :, None], other=0).to(tl.int32)
     scale = e8m0(tl.load(ws_ptr + row_offsets * stride_sn + blocks[None, :],
                          mask=in_n & in_k[None, :], other=0).to(tl.int32))[:, :, None]
-    values = tl.join(e2m1(codes & 15) * scale, e2m1(codes >> 4) * scale)
+    if PACKED:
+        # mxfp4.prepack: in each 16-word group (4 blocks), word t of block j is stored at
+        # 4 t + j; its 8 codes are elements 8 t to 8 t + 7 of the block.
+        word = tl.arange(0, 4)
+        stored = (blocks // 4 * 16 + blocks % 4)[:, None] + (word * 4)[None, :]
+        words = tl.load(wq_ptr.to(tl.pointer_type(tl.int32)) + row_offsets[:, :, None]
+                        * (stride_wn // 4) + stored[None, :, :],
+                        mask=in_n[:, :, None] & in_k[None, :, None], other=0)
+        values = _placed_values(words, scale[:, :, :, None])
+    else:
+        byte = tl.arange(0, _BLOCK // 2)  # of a block: elements 2 byte and 2 byte + 1
+        stored = blocks[:, None] * (_BLOCK // 2) + byte[None, :]
+        codes = tl.load(wq_ptr + row_offsets[:, :, None] * stride_wn + stored[None, :, :],
+                        mask=in_n[:, :, None] & in_k[None, :, None], other=0).to(tl.int32)
+        values = tl.join(e2m1(codes & 15) * scale, e2m1(codes >> 4) * scale)
     values = tl.reshape(values, (BLOCK_N, BLOCK_K))
     ks = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     tl.store(out_ptr + row_offsets * stride_on + ks[None, :],
              values.to(out_ptr.dtype.element_ty),
              mask=(rows < N)[:, None] & (ks < K)[None, :])
+
+
+@triton.jit
+def _placed_code(words, MAGNITUDE: tl.constexpr, SIGN: tl.constexpr):
+    return ((words >> MAGNITUDE) & 7) | (((words >> SIGN) & 1) << 3)
+
+
+@triton.jit
+def _placed_values(words, scale):
+    """The packed words' 8 codes each (bits as ``mxfp4.PLACES``), times ``scale``: (..., 8)
+    fp32, code i at i."""
+    c0 = e2m1(_placed_code(words, 6, 15))
+    c1 = e2m1(_placed_code(words, 22, 31))
+    c2 = e2m1(_placed_code(words, 3, 12))
+    c3 = e2m1(_placed_code(words, 19, 28))
+    c4 = e2m1(_placed_code(words, 0, 14))
+    c5 = e2m1(_placed_code(words, 16, 30))
+    c6 = e2m1(_placed_code(words, 9, 13))
+    c7 = e2m1(_placed_code(words, 25, 29))
+    # join stacks on a new last axis: (..., i % 2, i // 2 % 2, i // 4) -> code order
+    codes = tl.join(tl.join(tl.join(c0, c1), tl.join(c2, c3)),
+                    tl.join(tl.join(c4, c5), tl.join(c6, c7)))
+    codes = tl.permute(codes, [0, 1, 2, 5, 4, 3])
+    return tl.reshape(codes, (words.shape[0], words.shape[1], words.shape[2], 8)) * scale
 
 
 @triton.jit
@@ -188,8 +217,11 @@ def dequant_mxfp4_bf16_kernel(wq_ptr, ws_ptr, out_ptr, N, K, stride_wn, stride_s
         first = words * 8  # the word's first element along K
     scale_bytes = tl.load(ws_ptr + row_offsets * stride_sn + (first // _BLOCK)[None, :],
                           mask=inside, other=0).to(tl.int32)
-    tables = e2m1_tables(tl.zeros_like(codes) + (K >> 31))  # K >> 31 is 0, unknown
-    r = e2m1_scaled_bf16(codes, tables, scale_bytes)
+    if PACKED:
+        r = placed_scaled_bf16(codes, scale_bytes)
+    else:
+        tables = e2m1_tables(tl.zeros_like(codes) + (K >> 31))  # K >> 31 is 0, unknown
+        r = e2m1_scaled_bf16(codes, tables, scale_bytes)
     # register i holds elements 2 i and 2 i + 1: in order along the last axis
     pairs = tl.reshape(tl.join(tl.join(r[0], r[2]), tl.join(r[1], r[3])),
                        (BLOCK_N, WORDS, 4))
@@ -204,14 +236,16 @@ def dequantize(wq: torch.Tensor, w_scale: torch.Tensor, dtype: torch.dtype,
     the packed layout); MXFP4 activations the same way. The kernel reads the codes and scales
     along K with unit stride: others are copied first."""
     c = config
-    words = c.asm and dtype == torch.bfloat16  # read as 32-bit words: rows 4-byte aligned
+    # read as 32-bit words (the PTX decode's, and packed codes'): rows 4-byte aligned
+    words = bool(c.asm and dtype == torch.bfloat16 or c.packed)
     wq = wq if wq.stride(1) == 1 and not (words and (wq.stride(0) % 4 or wq.data_ptr() % 4)) \
         else wq.clone(memory_format=torch.contiguous_format)
     w_scale = w_scale if w_scale.stride(1) == 1 else w_scale.contiguous()
     n, k = wq.shape[0], wq.shape[1] * 2
     out = torch.empty(n, k, dtype=dtype, device=wq.device)
     if n and k:
-        kernel = dequant_mxfp4_bf16_kernel if words else dequant_mxfp4_kernel
+        kernel = dequant_mxfp4_bf16_kernel if c.asm and dtype == torch.bfloat16 \
+            else dequant_mxfp4_kernel
         launch(KernelCall(kernel, (triton.cdiv(n, c.block_n),
                                                  triton.cdiv(k, c.block_k)),
                           (wq, w_scale, out, n, k, wq.stride(0), w_scale.stride(0),

@@ -9,7 +9,9 @@ warp loads x's whole block for its rows, so with fewer warps x crosses L1 fewer 
 same w (Nsight Compute found the 4-warp kernel waiting on L1 two thirds of its stalls, x
 replicated in each warp), for more registers a thread. Per 32-element scale block, each
 thread holds one 32-bit word (8 codes) of each of its 2 rows of each 16; an inline-PTX decode
-(``e2m1_to_bf16``: PRMT table lookups, 15 instructions a word) makes them bf16 in the A
+(``e2m1_to_bf16``: PRMT table lookups, 15 ALU instructions a word; for the packed layout,
+whose bits ``mxfp4.prepack`` placed, masks and shifts: 7 ALU instructions, 4 integer
+multiplies and 4 bf16 multiplies, 1.04-1.19x faster on an H200) makes them bf16 in the A
 layout (exact: E2M1 values are 0-6 with one mantissa bit); x's 32 x BLOCK_M block comes in the
 B layout; ``mma.sync`` multiplies them from zero into fp32, and the product is scaled by the
 block's power of two (of x's row too, for MXFP4 x) in fp32, exact for every scale byte, before
@@ -53,7 +55,7 @@ from gemmtune.kernels.triton._swapped import (BLOCK_N, NUM_WARPS, finish_tile,
                                               partials_per_load, release_then_wait,
                                               split_steps, why_not_add_splits, why_not_grid,
                                               why_not_here)
-from gemmtune.kernels.triton._e2m1_ptx import E2M1_TO_BF16_ASM, e2m1_tables
+from gemmtune.kernels.triton._e2m1_ptx import E2M1_TO_BF16_ASM, e2m1_tables, placed_to_bf16
 from gemmtune.kernels.triton._mxfp4_calls import scaled_launcher, validated_launch
 from gemmtune.kernels.triton.gemm_w4deq import W4DeqConfig, dequantize
 
@@ -252,22 +254,28 @@ def _halves(pair):
 
 
 @gluon.jit
-def _e2m1_codes(words, tables):
+def _e2m1_codes(words, tables, PLACED: gl.constexpr):
     """(R, T) int32 words of 8 codes each -> (R, T, 2, 2, 2) bf16, code i of a word at
-    (i % 2, i // 2 % 2, i // 4), in the word's thread."""
-    r = gl.inline_asm_elementwise(E2M1_TO_BF16_ASM, "=r,=r,=r,=r,r,r,r",
-                                  [words, tables[0], tables[1]], dtype=(gl.int32,) * 4,
-                                  is_pure=True, pack=1)
+    (i % 2, i // 2 % 2, i // 4), in the word's thread. ``PLACED``: the packed layout's words
+    (their bits placed: masks and shifts decode them), else words as quantised (PRMT look-ups
+    in ``tables``)."""
+    if PLACED:
+        r = placed_to_bf16(words)
+    else:
+        r = gl.inline_asm_elementwise(E2M1_TO_BF16_ASM, "=r,=r,=r,=r,r,r,r",
+                                      [words, tables[0], tables[1]], dtype=(gl.int32,) * 4,
+                                      is_pure=True, pack=1)
     # Register i is codes 2 i (low half) and 2 i + 1: taken apart here, put back together as
     # they were for the MMA (no instruction).
     return gl.join(gl.join(_halves(r[0]), _halves(r[1])), gl.join(_halves(r[2]), _halves(r[3])))
 
 
 @gluon.jit
-def e2m1_to_bf16(words, tables):
+def e2m1_to_bf16(words, tables, PLACED: gl.constexpr):
     """(R, T) int32 words of 8 codes each -> (R, 8 T) bf16: word t's codes are elements 8 t to
-    8 t + 7, in the word's thread."""
-    codes = gl.permute(_e2m1_codes(words, tables), [0, 1, 4, 3, 2])  # (R, T, i // 4, ..., i % 2)
+    8 t + 7, in the word's thread (``PLACED``: as ``_e2m1_codes``)."""
+    # (R, T, i // 4, ..., i % 2)
+    codes = gl.permute(_e2m1_codes(words, tables, PLACED), [0, 1, 4, 3, 2])
     return gl.reshape(codes, [words.shape[0], 8 * words.shape[1]])
 
 
@@ -275,19 +283,20 @@ def e2m1_to_bf16(words, tables):
 def _x_codes_bf16(words, tables, b_layout: gl.constexpr):
     """A block of MXFP4 x's words (4, BLOCK_M): thread t of a column its word t, 8 codes) as
     (32, BLOCK_M) bf16 in the B layout, unscaled."""
-    codes = gl.permute(_e2m1_codes(words, tables), [0, 4, 3, 2, 1])  # (t, i // 4, ..., i % 2, m)
+    # (t, i // 4, ..., i % 2, m)
+    codes = gl.permute(_e2m1_codes(words, tables, False), [0, 4, 3, 2, 1])
     return gl.convert_layout(gl.reshape(codes, [8 * words.shape[0], words.shape[1]]), b_layout,
                              assert_trivial=True)
 
 
 @gluon.jit
 def _add_block(acc, words, scale, x, x_scale, a_layout: gl.constexpr, b_layout: gl.constexpr,
-               tables, X_MXFP4: gl.constexpr):
+               tables, X_MXFP4: gl.constexpr, PACKED: gl.constexpr):
     """``acc`` plus one 32-element scale block's product: ``words`` (64, 4) int32 (each
     thread's 8 codes of a row), ``scale`` (64,) fp32, ``x`` x's words (``_load_x``); with
     ``X_MXFP4`` x's codes, ``x_scale`` (BLOCK_M,) fp32 their scales (else unused). ``tables``:
     e2m1_tables for w's words and for x's."""
-    w = gl.convert_layout(e2m1_to_bf16(words, tables[0]), a_layout, assert_trivial=True)
+    w = gl.convert_layout(e2m1_to_bf16(words, tables[0], PACKED), a_layout, assert_trivial=True)
     # From zero per block: the block's scales multiply its product exactly in fp32.
     if X_MXFP4:
         product = mma_v2(w, _x_codes_bf16(x, tables[1], b_layout), gl.zeros_like(acc))
@@ -338,18 +347,20 @@ def _x_bf16(words, b_layout: gl.constexpr):
 
 @gluon.jit
 def _add_group(acc, nan_seen, word, c0, c1, c2, c3, x0, x1, x2, x3, x_word,
-               a_layout: gl.constexpr, b_layout: gl.constexpr, tables, X_MXFP4: gl.constexpr):
+               a_layout: gl.constexpr, b_layout: gl.constexpr, tables, X_MXFP4: gl.constexpr,
+               PACKED: gl.constexpr):
     """``acc`` and ``nan_seen`` with a group of 4 blocks added: ``word`` the rows' 4 scale
-    bytes, c0-c3 the blocks' code words, x0-x3 x's blocks' words, ``x_word`` x's rows' 4 scale
-    bytes with ``X_MXFP4`` (else unused). ``nan_seen``: (w's rows' flags, x's rows' flags)."""
+    bytes, c0-c3 the blocks' code words (``PACKED``: the packed layout's), x0-x3 x's blocks'
+    words, ``x_word`` x's rows' 4 scale bytes with ``X_MXFP4`` (else unused). ``nan_seen``:
+    (w's rows' flags, x's rows' flags)."""
     acc = _add_block(acc, c0, _block_scale(word, 0), x0, _block_scale(x_word, 0), a_layout,
-                     b_layout, tables, X_MXFP4)
+                     b_layout, tables, X_MXFP4, PACKED)
     acc = _add_block(acc, c1, _block_scale(word, 1), x1, _block_scale(x_word, 1), a_layout,
-                     b_layout, tables, X_MXFP4)
+                     b_layout, tables, X_MXFP4, PACKED)
     acc = _add_block(acc, c2, _block_scale(word, 2), x2, _block_scale(x_word, 2), a_layout,
-                     b_layout, tables, X_MXFP4)
+                     b_layout, tables, X_MXFP4, PACKED)
     acc = _add_block(acc, c3, _block_scale(word, 3), x3, _block_scale(x_word, 3), a_layout,
-                     b_layout, tables, X_MXFP4)
+                     b_layout, tables, X_MXFP4, PACKED)
     return acc, (_nan_scales(nan_seen[0], word), _nan_scales(nan_seen[1], x_word))
 
 
@@ -537,7 +548,7 @@ def gemm_w4frag_kernel(
             else:
                 x0, x1, x2, x3, xw = _load_x_group(x_ptrs, xs_ptrs, group, no_scales, X_MXFP4)
             acc, nan_seen = _add_group(acc, nan_seen, word, c0, c1, c2, c3, x0, x1, x2, x3, xw,
-                                       a_layout, b_layout, tables, X_MXFP4)
+                                       a_layout, b_layout, tables, X_MXFP4, PACKED)
             ahead = gl.minimum(group + 2, last)
             word, c0, c1, c2, c3 = _load_group(w_ptrs, s_ptrs, ahead, PACKED, word_layout)
             if X_AHEAD:
@@ -547,7 +558,8 @@ def gemm_w4frag_kernel(
                     y0, y1, y2, y3, yw = _load_x_group(x_ptrs, xs_ptrs, group + 1, no_scales,
                                                      X_MXFP4)
                 acc, nan_seen = _add_group(acc, nan_seen, word_b, b0, b1, b2, b3, y0, y1, y2,
-                                           y3, yw, a_layout, b_layout, tables, X_MXFP4)
+                                           y3, yw, a_layout, b_layout, tables, X_MXFP4,
+                                           PACKED)
     else:  # block_k 32 or 64: a step's 1-2 scale bytes a row as one uint8 / int16
         for step in range(step_lo, step_hi):
             word = _scale_word(s_ptrs, step, SCALE_BYTES)
@@ -561,7 +573,7 @@ def gemm_w4frag_kernel(
                 codes = gl.load(w_ptrs + block.to(gl.int64) * 4)
                 acc = _add_block(acc, codes, _block_scale(word, j),
                                  _load_x(x_ptrs, block, X_MXFP4), _block_scale(x_word, j),
-                                 a_layout, b_layout, tables, X_MXFP4)
+                                 a_layout, b_layout, tables, X_MXFP4, PACKED)
     # A NaN scale of w's row n or x's row m makes output (m, n) NaN.
     acc = gl.where((nan_seen[0] != 0)[:, None] | (nan_seen[1] != 0)[None, :], float("nan"),
                    acc)

@@ -52,7 +52,8 @@ from gemmtune.kernels.triton import _checks
 from gemmtune.kernels.triton._mxfp4_calls import scaled_launcher, validated_launch
 from gemmtune.kernels.triton._replay import KernelCall, launch
 from gemmtune.kernels.triton._swapped import barrier, why_not_here
-from gemmtune.kernels.triton._e2m1_ptx import e2m1_scaled_bf16, e2m1_tables
+from gemmtune.kernels.triton._e2m1_ptx import (MAGNITUDE_TURN, SIGN_TURN, e2m1_scaled_bf16,
+                                               e2m1_tables, placed_register, scaled_bf16)
 from gemmtune.kernels.triton.gemm_w4frag import _halves
 
 KERNEL_PREFIX = "triton.w4wg"
@@ -232,9 +233,11 @@ def _step_words(ptrs, step, PACKED: gl.constexpr, words_layout: gl.constexpr):
 
 @gluon.jit
 def _decode_step(words, scale_bytes, selector, tables, a_layout: gl.constexpr,
-                 gathered_layout: gl.constexpr):
+                 gathered_layout: gl.constexpr, PACKED: gl.constexpr):
     """A step's A operand (BLOCK_N, 64) bf16 in ``a_layout``: each thread's bytes gathered from
-    its rows' blocks (``words``), decoded, scaled by ``scale_bytes`` (BLOCK_N, 2, 4) int32."""
+    its rows' blocks (``words``), decoded, scaled by ``scale_bytes`` (BLOCK_N, 2, 4) int32.
+    Packed, each word's register of the thread's place decoded from the placed bits instead
+    (``selector``: the rotations that pick it, ``_e2m1_ptx.placed_register``)."""
     first, second = gl.split(gl.reshape(words, [words.shape[0], 2, 4, 2, 2]))  # word % 2
     w0, w2 = gl.split(first)
     w1, w3 = gl.split(second)
@@ -242,9 +245,16 @@ def _decode_step(words, scale_bytes, selector, tables, a_layout: gl.constexpr,
     w1 = gl.convert_layout(w1, gathered_layout, assert_trivial=True)
     w2 = gl.convert_layout(w2, gathered_layout, assert_trivial=True)
     w3 = gl.convert_layout(w3, gathered_layout, assert_trivial=True)
-    mine = gl.inline_asm_elementwise(_GATHER_ASM, "=r,r,r,r,r,r", [w0, w1, w2, w3, selector],
-                                     dtype=gl.int32, is_pure=True, pack=1)
-    r = e2m1_scaled_bf16(mine, tables, scale_bytes)
+    if PACKED:
+        r = scaled_bf16(placed_register(w0, selector[0], selector[1]),
+                        placed_register(w1, selector[0], selector[1]),
+                        placed_register(w2, selector[0], selector[1]),
+                        placed_register(w3, selector[0], selector[1]), scale_bytes)
+    else:
+        mine = gl.inline_asm_elementwise(_GATHER_ASM, "=r,r,r,r,r,r",
+                                         [w0, w1, w2, w3, selector], dtype=gl.int32,
+                                         is_pure=True, pack=1)
+        r = e2m1_scaled_bf16(mine, tables, scale_bytes)
     # Register i holds byte i's 2 codes: K 8 i + 2 t + (0, 1) of the block.
     codes = gl.join(gl.join(_halves(r[0]), _halves(r[1])), gl.join(_halves(r[2]), _halves(r[3])))
     # (row, block, t, code % 2, byte % 2, byte // 2) -> (row, block, byte // 2, byte % 2, t, ..)
@@ -294,11 +304,13 @@ def _step(acc, a, i, words, scale_bytes, OVERLAP: gl.constexpr, x_desc, x_ring, 
     acc, words_ahead, scales_ahead = _issue(acc, a, i, x_ring, ready, w_ptrs, s_ptrs, steps,
                                             STAGES, PACKED, words_layout)
     if OVERLAP:
-        a_next = _decode_step(words, scale_bytes, selector, tables, a_layout, gathered_layout)
+        a_next = _decode_step(words, scale_bytes, selector, tables, a_layout, gathered_layout,
+                              PACKED)
         acc, a = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a))
     else:
         acc, a = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a))
-        a_next = _decode_step(words, scale_bytes, selector, tables, a_layout, gathered_layout)
+        a_next = _decode_step(words, scale_bytes, selector, tables, a_layout, gathered_layout,
+                              PACKED)
     _refill(x_desc, x_ring, ready, i, steps, pid_m, BLOCK_M, STAGES)
     return acc, a_next, words_ahead, scales_ahead
 
@@ -315,7 +327,8 @@ def _queued_step(acc, a, a_prev, i, words, scale_bytes, x_desc, x_ring, ready, w
     acc, words_ahead, scales_ahead = _issue(acc, a, i, x_ring, ready, w_ptrs, s_ptrs, steps,
                                             STAGES, PACKED, words_layout)
     acc, a_prev = warpgroup_mma_wait(num_outstanding=1, deps=(acc, a_prev))
-    a_next = _decode_step(words, scale_bytes, selector, tables, a_layout, gathered_layout)
+    a_next = _decode_step(words, scale_bytes, selector, tables, a_layout, gathered_layout,
+                          PACKED)
     _refill(x_desc, x_ring, ready, i - 1, steps, pid_m, BLOCK_M, STAGES)
     return acc, a_next, a, words_ahead, scales_ahead
 
@@ -377,14 +390,18 @@ def gemm_w4wg_kernel(
     splace = gl.arange(0, 4, gl.SliceLayout(0, step_layout))
     s_ptrs = ws_ptr + (gl.minimum(sn, N - 1).to(gl.int64) * stride_sn)[:, None, None] \
         + (sblock[:, None] + splace[None, :] * 0)[None, :, :]
-    # PRMT's selector of byte t of two words: t | (t + 4) << 4
-    selector = gl.zeros([BLOCK_N, 2, 4], gl.int32, gathered_layout) \
-        + (sblock[:, None] * 0 + (splace | ((splace + 4) << 4))[None, :])[None, :, :]
+    places = gl.zeros([BLOCK_N, 2, 4], gl.int32, gathered_layout) \
+        + (sblock[:, None] * 0 + splace[None, :])[None, :, :]
+    if PACKED:  # the rotations that pick register t of a packed word
+        selector = ((MAGNITUDE_TURN >> (8 * places)) & 255, (SIGN_TURN >> (8 * places)) & 255)
+    else:  # PRMT's selector of byte t of two words: t | (t + 4) << 4
+        selector = places | ((places + 4) << 4)
     # K >> 31 is 0 (K > 0), unknown to the compiler (e2m1_tables)
     tables = e2m1_tables(gl.zeros([BLOCK_N, 2, 4], gl.int32, gathered_layout) + (K >> 31))
 
     a = _decode_step(_step_words(w_ptrs, 0, PACKED, words_layout),
-                     gl.load(s_ptrs).to(gl.int32), selector, tables, a_layout, gathered_layout)
+                     gl.load(s_ptrs).to(gl.int32), selector, tables, a_layout, gathered_layout,
+                     PACKED)
     ahead = gl.minimum(1, steps - 1)
     words = _step_words(w_ptrs, ahead, PACKED, words_layout)
     scale_bytes = gl.load(s_ptrs + ahead * 2).to(gl.int32)
