@@ -276,6 +276,13 @@ def _two_layers():
     return nn.Sequential(nn.Linear(128, 96), nn.Linear(96, 64)).to(torch.bfloat16)
 
 
+def _transposed(codes: torch.Tensor) -> torch.Tensor:
+    """Codes as quantised in the packed layout's first version: in each 64-byte group, word t
+    of block j at word 4 t + j."""
+    n, half_k = codes.shape
+    return codes.reshape(n, half_k // 64, 4, 4, 4).transpose(2, 3).reshape(n, half_k)
+
+
 def test_mxfp4_weights_are_packed_where_the_table_tuned_packed_rows(tmp_path, monkeypatch):
     """A layer whose (N, K) and dtype have packed rows in the a16w4 table stores its weight
     packed (prepack_mxfp4) and calls gemm_a16w4(..., packed=True); the others stay as quantised;
@@ -306,8 +313,12 @@ def test_mxfp4_weights_are_packed_where_the_table_tuned_packed_rows(tmp_path, mo
     # where the table has no packed rows, is read packed (and the other way round).
     plain.load_state_dict(model.state_dict())
     assert plain[0].weight_packed
-    # Saved before layouts were recorded: loaded as this layer stores its codes, with a warning.
+    # Saved before layouts were recorded: loaded as this layer stores its codes, with a
+    # warning; packed then was the layout's first version (the words only transposed).
+    from gemmtune.kernels import mxfp4
+
     older = {k: v for k, v in model.state_dict().items() if not k.endswith("weight_layout")}
+    older["0.weight_q"] = _transposed(mxfp4.unpack(older["0.weight_q"]))
     with pytest.warns(UserWarning, match="without 0.weight_layout"):
         assert model.load_state_dict(older, strict=False).missing_keys == ["0.weight_layout",
                                                                           "1.weight_layout"]
@@ -319,13 +330,11 @@ def test_mxfp4_weights_are_packed_where_the_table_tuned_packed_rows(tmp_path, mo
     torch.testing.assert_close(model(x), again(x), rtol=0, atol=0)
     # Saved packed by a gemmtune before bits were placed (layout 1: the words only transposed):
     # converted to the present packed layout as it loads, and computing the same.
-    from gemmtune.kernels import mxfp4
-
     state = plain.state_dict()
     assert int(state["0.weight_layout"]) == mxfp4.PACKED_LAYOUT
     quantised = mxfp4.unpack(state["0.weight_q"])
-    first = dict(state, **{"0.weight_q": quantised.reshape(96, 1, 4, 4, 4).transpose(2, 3)
-                           .reshape(96, 64), "0.weight_layout": torch.tensor(1, dtype=torch.uint8)})
+    first = dict(state, **{"0.weight_q": _transposed(quantised),
+                           "0.weight_layout": torch.tensor(1, dtype=torch.uint8)})
     model.load_state_dict(first)
     assert model[0].weight_packed and int(model[0].weight_layout) == mxfp4.PACKED_LAYOUT
     assert torch.equal(mxfp4.unpack(model[0].weight_q), quantised)

@@ -201,7 +201,9 @@ def test_prepack_moves_each_threads_words_together_places_their_bits_and_unpack_
     transposed = packed.clone()
     for row in range(3):
         transposed[row] = wq[row].reshape(2, 4, 4, 4).transpose(1, 2).reshape(128)
-    assert torch.equal(mxfp4.unpack_transposed(transposed), wq)
+    assert torch.equal(quant.unpack_mxfp4(transposed, ws, layout=1)[0], wq)
+    with pytest.raises(ValueError, match="layout=3: the packed layouts are 1"):
+        quant.unpack_mxfp4(packed, ws, layout=3)
 
 
 def test_prepack_refuses_what_has_no_packed_layout():

@@ -135,6 +135,30 @@ def test_a_state_dict_loads_across_fused_and_unfused_and_either_layout(monkeypat
     fresh.load_state_dict(model.state_dict())  # packed codes into an unfused model
     assert fresh.q.weight_packed
     torch.testing.assert_close(fresh(x), want, rtol=2e-2, atol=2e-2)
+    # Codes saved packed in the layout's first version (words only transposed) into the fused
+    # group (packed) and into an unfused model, and the group's packed codes into a group that
+    # stores them as quantised: each converted as it loads.
+    from gemmtune.kernels import mxfp4
+
+    state = model.state_dict()
+    first = dict(state)
+    for name in ("q", "k", "v"):
+        quantised = mxfp4.unpack(state[f"{name}.weight_q"])
+        n, half_k = quantised.shape
+        first[f"{name}.weight_q"] = quantised.reshape(n, half_k // 64, 4, 4, 4) \
+            .transpose(2, 3).reshape(n, half_k)
+        first[f"{name}.weight_layout"] = torch.tensor(1, dtype=torch.uint8)
+    for target in (model, _block()):
+        target.load_state_dict(first)
+        assert target.q.weight_packed
+        torch.testing.assert_close(target(x), want, rtol=2e-2, atol=2e-2)
+    monkeypatch.setattr(siblings, "packed_layout_tuned", lambda n, k, dtype: False)
+    plain = _block()
+    gemmtune.fuse_siblings(plain, _x())
+    assert not plain.q.weight_packed and plain.q.fused is not None
+    plain.load_state_dict(state)
+    assert not plain.q.weight_packed
+    torch.testing.assert_close(plain(x), want, rtol=2e-2, atol=2e-2)
 
 
 def test_a_moved_or_copied_model_is_regrouped():

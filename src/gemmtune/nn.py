@@ -96,7 +96,11 @@ class Mxfp4Linear(nn.Module):
                           packed=self.weight_packed)
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        saved = state_dict.get(prefix + "weight_layout")
+        key, saved = prefix + "weight_q", state_dict.get(prefix + "weight_layout")
+        codes = state_dict.get(key)
+        # Codes of this buffer's shape (others fail torch's own size check, as they are)
+        convertible = codes is not None and not codes.is_meta \
+            and codes.shape == self.weight_q.shape
         if saved is not None and not saved.is_meta:
             layout = int(saved.item())
             if layout not in _LAYOUTS:
@@ -106,21 +110,22 @@ class Mxfp4Linear(nn.Module):
             # A fused layer keeps its group's layout; codes saved in another one (or in the
             # packed layout's first version) are converted before they are copied in.
             packed = self.weight_packed if self.fused is not None else layout != 0
-            if layout != weight_layout_code(packed):
-                key = prefix + "weight_q"
-                state_dict[key] = _codes_in_layout(state_dict[key], layout, packed)
+            if layout != weight_layout_code(packed) and convertible:
+                state_dict[key] = _codes_in_layout(codes, layout, packed)
                 state_dict[prefix + "weight_layout"] = torch.tensor(
                     weight_layout_code(packed), dtype=torch.uint8)
                 saved = state_dict[prefix + "weight_layout"]
+        elif saved is None and codes is not None:
+            then = "packed (the packed layout of then)" if self.weight_packed else "as quantised"
+            warnings.warn(f"{key} loaded without {prefix}weight_layout (a state_dict saved "
+                          f"before layouts were recorded): its codes are read {then}, as this "
+                          f"layer stores them; patch_linear the model that saved it the same "
+                          f"way", stacklevel=2)
+            if self.weight_packed and convertible:  # then packed meant layout 1
+                state_dict[key] = _codes_in_layout(codes, 1, True)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
         if saved is not None and not saved.is_meta:
             self.weight_packed = bool(saved.item())
-        elif saved is None and prefix + "weight_q" in state_dict:
-            warnings.warn(f"{prefix}weight_q loaded without {prefix}weight_layout (a state_dict "
-                          f"saved before layouts were recorded): its codes are read "
-                          f"{'packed' if self.weight_packed else 'as quantised'}, as this "
-                          f"layer stores them; patch_linear the model that saved it the same "
-                          f"way", stacklevel=2)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "

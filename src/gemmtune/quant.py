@@ -453,13 +453,20 @@ def prepack_mxfp4(wq: torch.Tensor, w_scale: torch.Tensor) -> tuple[torch.Tensor
     codes' 4-byte words are reordered so that the register-direct kernel (``triton.w4frag``)
     reads each thread's codes of 4 blocks in one 16-byte load, and each word's bits placed so
     that masks and shifts decode them (``gemmtune.kernels.mxfp4.PLACES``); the scales are
-    unchanged. K must be a multiple of 128. ``unpack_mxfp4`` undoes it."""
+    unchanged. K must be a multiple of 128. ``unpack_mxfp4`` undoes it. Codes packed by a
+    gemmtune from before the bits were placed (the packed layout's version 1: the words only
+    transposed) read back with ``unpack_mxfp4(wq, w_scale, layout=1)``."""
     _check_weight("prepack_mxfp4", wq, w_scale)
     return _mx.prepack(wq), w_scale
 
 
-def unpack_mxfp4(wq: torch.Tensor, w_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def unpack_mxfp4(wq: torch.Tensor, w_scale: torch.Tensor,
+                 layout: int = _mx.PACKED_LAYOUT) -> tuple[torch.Tensor, torch.Tensor]:
     """A weight ``prepack_mxfp4`` packed, as ``mxfp4`` made it: codes (N, K // 2) and the
-    (unchanged) scales."""
+    (unchanged) scales. ``layout`` 1: codes packed in the layout's first version (by a
+    gemmtune from before its bits were placed)."""
     _check_weight("unpack_mxfp4", wq, w_scale)
-    return _mx.unpack(wq), w_scale
+    if layout not in (1, _mx.PACKED_LAYOUT):
+        raise ValueError(f"unpack_mxfp4: layout={layout}: the packed layouts are 1 (words "
+                         f"transposed) and {_mx.PACKED_LAYOUT} (their bits placed too)")
+    return (_mx.unpack_transposed(wq) if layout == 1 else _mx.unpack(wq)), w_scale

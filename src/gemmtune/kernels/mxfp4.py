@@ -135,49 +135,51 @@ def prepack(codes: torch.Tensor) -> torch.Tensor:
 
 def unpack(packed: torch.Tensor) -> torch.Tensor:
     """``prepack``'s inverse: packed codes (N, K // 2) as ``quantize`` makes them."""
+    _check_packable(packed, "unpack")
     return _transpose_words(_unplace_bits(packed), "unpack")
 
 
 def unpack_transposed(packed: torch.Tensor) -> torch.Tensor:
     """Codes in the packed layout's version 1 (the words transposed, bits as quantised: what
-    state_dicts saved before version 2 hold) as ``quantize`` makes them."""
+    gemmtune packed before version 2) as ``quantize`` makes them."""
     return _transpose_words(packed, "unpack")
+
+
+def _check_packable(codes: torch.Tensor, caller: str) -> None:
+    why = why_not_packable(codes.shape[-1] * 2)
+    if why is not None:
+        raise ValueError(f"{caller}: {why}")
 
 
 def _transpose_words(codes: torch.Tensor, caller: str) -> torch.Tensor:
     """Word t of block j of each 64-byte group <-> word 4 t + j (a 4 x 4 transpose: its own
     inverse)."""
+    _check_packable(codes, caller)
     n, half_k = codes.shape
-    why = why_not_packable(half_k * 2)
-    if why is not None:
-        raise ValueError(f"{caller}: {why}")
     groups = codes.reshape(n, half_k // 64, 4, 4, 4)  # (row, group, block j, word t, byte i)
     return groups.transpose(2, 3).reshape(n, half_k).contiguous()
 
 
-def _words(codes: torch.Tensor) -> torch.Tensor:
-    """uint8 codes (N, K // 2) as their 32-bit words, int64 (little-endian: byte i bits 8 i on)."""
-    return codes.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
-
-
-def _bytes(words: torch.Tensor, shape) -> torch.Tensor:
-    """int64 words of 32 bits back to uint8 codes of ``shape``."""
-    signed = words - ((words >> 31) << 32)  # two's complement, as int32 holds it
-    return signed.to(torch.int32).view(torch.uint8).reshape(shape)
-
-
+# The bits are moved in int32 (two's complement: a shift right then a mask takes bits out
+# whatever the sign; a shift left into bit 31 wraps), in place, so a weight's codes take about
+# three times their size while they move.
 def _place_bits(codes: torch.Tensor) -> torch.Tensor:
-    words, placed = _words(codes), None
+    words = codes.contiguous().view(torch.int32)
+    placed, code = torch.zeros_like(words), torch.empty_like(words)
     for i, (magnitude, sign) in enumerate(PLACES):
-        code = (words >> (4 * i)) & 15
-        bits = ((code & 7) << magnitude) | ((code >> 3) << sign)
-        placed = bits if placed is None else placed | bits
-    return _bytes(placed, codes.shape)
+        torch.bitwise_right_shift(words, 4 * i, out=code)
+        code.bitwise_and_(15)
+        placed.bitwise_or_((code & 7).bitwise_left_shift_(magnitude))
+        placed.bitwise_or_(code.bitwise_right_shift_(3).bitwise_left_shift_(sign))
+    return placed.view(torch.uint8).reshape(codes.shape)
 
 
 def _unplace_bits(packed: torch.Tensor) -> torch.Tensor:
-    words, codes = _words(packed), None
+    words = packed.contiguous().view(torch.int32)
+    codes, part = torch.zeros_like(words), torch.empty_like(words)
     for i, (magnitude, sign) in enumerate(PLACES):
-        code = (((words >> magnitude) & 7) | (((words >> sign) & 1) << 3)) << (4 * i)
-        codes = code if codes is None else codes | code
-    return _bytes(codes, packed.shape)
+        torch.bitwise_right_shift(words, magnitude, out=part)
+        codes.bitwise_or_(part.bitwise_and_(7).bitwise_left_shift_(4 * i))
+        torch.bitwise_right_shift(words, sign, out=part)
+        codes.bitwise_or_(part.bitwise_and_(1).bitwise_left_shift_(4 * i + 3))
+    return codes.view(torch.uint8).reshape(packed.shape)

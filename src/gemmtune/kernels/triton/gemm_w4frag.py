@@ -11,7 +11,7 @@ replicated in each warp), for more registers a thread. Per 32-element scale bloc
 thread holds one 32-bit word (8 codes) of each of its 2 rows of each 16; an inline-PTX decode
 (``e2m1_to_bf16``: PRMT table lookups, 15 ALU instructions a word; for the packed layout,
 whose bits ``mxfp4.prepack`` placed, masks and shifts: 7 ALU instructions, 4 integer
-multiplies and 4 bf16 multiplies, 1.04-1.19x faster on an H200) makes them bf16 in the A
+multiplies and 4 bf16 multiplies: 0.99-1.19x, 1.095x geomean on an H200) makes them bf16 in the A
 layout (exact: E2M1 values are 0-6 with one mantissa bit); x's 32 x BLOCK_M block comes in the
 B layout; ``mma.sync`` multiplies them from zero into fp32, and the product is scaled by the
 block's power of two (of x's row too, for MXFP4 x) in fp32, exact for every scale byte, before

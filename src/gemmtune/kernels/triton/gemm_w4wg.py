@@ -10,7 +10,11 @@ and each refilled once every warp has read it. w never goes through shared memor
 quad load the same bytes, from L1) and three PRMTs gather its own bytes t, t + 4, t + 8 and
 t + 12 (t its place in the quad), which are exactly the codes of the A operand's natural
 fragment (k_width 2: rows g and g + 8, K 2t, 2t + 1, 2t + 8, 2t + 9 of each 16). The E2M1
-decode is ``triton.w4frag``'s inline PTX; the block's scale then multiplies the 8 values in
+decode is ``triton.w4frag``'s inline PTX. Packed (``mxfp4.prepack``: each word's bits placed),
+no gather: register t of each word's decode holds those codes, taken out of the word by two
+rotations chosen per thread, a mask and a ``lop3``, times 2^126 (``placed_register``; 5-10%
+slower than the gather on an H200, docs/benchmarks.md, session 35). The block's scale then
+multiplies the 8 values in
 bf16 (``mul.rn.bf16x2``), exact for every finite result: bf16 has fp32's exponent range and
 its subnormals reach 2^-133, below the smallest scaled value (0.5 x 2^-127). A NaN scale
 (byte 255) makes its block NaN and so its row's outputs. The MMA accumulates in fp32 over all
