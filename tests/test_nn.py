@@ -276,13 +276,6 @@ def _two_layers():
     return nn.Sequential(nn.Linear(128, 96), nn.Linear(96, 64)).to(torch.bfloat16)
 
 
-def _transposed(codes: torch.Tensor) -> torch.Tensor:
-    """Codes as quantised in the packed layout's first version: in each 64-byte group, word t
-    of block j at word 4 t + j."""
-    n, half_k = codes.shape
-    return codes.reshape(n, half_k // 64, 4, 4, 4).transpose(2, 3).reshape(n, half_k)
-
-
 def test_mxfp4_weights_are_packed_where_the_table_tuned_packed_rows(tmp_path, monkeypatch):
     """A layer whose (N, K) and dtype have packed rows in the a16w4 table stores its weight
     packed (prepack_mxfp4) and calls gemm_a16w4(..., packed=True); the others stay as quantised;
@@ -318,7 +311,8 @@ def test_mxfp4_weights_are_packed_where_the_table_tuned_packed_rows(tmp_path, mo
     from gemmtune.kernels import mxfp4
 
     older = {k: v for k, v in model.state_dict().items() if not k.endswith("weight_layout")}
-    older["0.weight_q"] = _transposed(mxfp4.unpack(older["0.weight_q"]))
+    # the layout's first version: the words transposed (the transpose is its own inverse)
+    older["0.weight_q"] = mxfp4.unpack_transposed(mxfp4.unpack(older["0.weight_q"]))
     with pytest.warns(UserWarning, match="without 0.weight_layout"):
         assert model.load_state_dict(older, strict=False).missing_keys == ["0.weight_layout",
                                                                           "1.weight_layout"]
@@ -333,7 +327,7 @@ def test_mxfp4_weights_are_packed_where_the_table_tuned_packed_rows(tmp_path, mo
     state = plain.state_dict()
     assert int(state["0.weight_layout"]) == mxfp4.PACKED_LAYOUT
     quantised = mxfp4.unpack(state["0.weight_q"])
-    first = dict(state, **{"0.weight_q": _transposed(quantised),
+    first = dict(state, **{"0.weight_q": mxfp4.unpack_transposed(quantised),
                            "0.weight_layout": torch.tensor(1, dtype=torch.uint8)})
     model.load_state_dict(first)
     assert model[0].weight_packed and int(model[0].weight_layout) == mxfp4.PACKED_LAYOUT

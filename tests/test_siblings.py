@@ -143,10 +143,8 @@ def test_a_state_dict_loads_across_fused_and_unfused_and_either_layout(monkeypat
     state = model.state_dict()
     first = dict(state)
     for name in ("q", "k", "v"):
-        quantised = mxfp4.unpack(state[f"{name}.weight_q"])
-        n, half_k = quantised.shape
-        first[f"{name}.weight_q"] = quantised.reshape(n, half_k // 64, 4, 4, 4) \
-            .transpose(2, 3).reshape(n, half_k)
+        # the words transposed (the transpose is its own inverse)
+        first[f"{name}.weight_q"] = mxfp4.unpack_transposed(mxfp4.unpack(state[f"{name}.weight_q"]))
         first[f"{name}.weight_layout"] = torch.tensor(1, dtype=torch.uint8)
     for target in (model, _block()):
         target.load_state_dict(first)

@@ -45,6 +45,7 @@ KERNEL_PREFIX = "triton.w4deq"
 _X_DTYPES = (torch.bfloat16, torch.float16)
 _OUT_DTYPES_OF_MXFP4_X = (torch.bfloat16, torch.float16, torch.float32)
 _BLOCK = tl.constexpr(mxfp4.BLOCK)
+_PLACES = tl.constexpr(mxfp4.PLACES)  # as the jitted code reads them
 # x's rows from which the tuner offers it: below, the decode kernels move several times fewer
 # bytes (the 4.25-bit weight once, against its 16-bit copy written and read again).
 MIN_M = 64
@@ -171,25 +172,21 @@ def dequant_mxfp4_kernel(wq_ptr, ws_ptr, out_ptr, N, K, stride_wn, stride_sn, st
 
 
 @triton.jit
-def _placed_code(words, MAGNITUDE: tl.constexpr, SIGN: tl.constexpr):
-    return ((words >> MAGNITUDE) & 7) | (((words >> SIGN) & 1) << 3)
+def _placed_code(words, I: tl.constexpr):
+    """Code I of each packed word (its bits where ``mxfp4.PLACES`` put them), as E2M1 value."""
+    code = ((words >> _PLACES[I][0]) & 7) | (((words >> _PLACES[I][1]) & 1) << 3)
+    return e2m1(code)
 
 
 @triton.jit
 def _placed_values(words, scale):
     """The packed words' 8 codes each (bits as ``mxfp4.PLACES``), times ``scale``: (..., 8)
     fp32, code i at i."""
-    c0 = e2m1(_placed_code(words, 6, 15))
-    c1 = e2m1(_placed_code(words, 22, 31))
-    c2 = e2m1(_placed_code(words, 3, 12))
-    c3 = e2m1(_placed_code(words, 19, 28))
-    c4 = e2m1(_placed_code(words, 0, 14))
-    c5 = e2m1(_placed_code(words, 16, 30))
-    c6 = e2m1(_placed_code(words, 9, 13))
-    c7 = e2m1(_placed_code(words, 25, 29))
     # join stacks on a new last axis: (..., i % 2, i // 2 % 2, i // 4) -> code order
-    codes = tl.join(tl.join(tl.join(c0, c1), tl.join(c2, c3)),
-                    tl.join(tl.join(c4, c5), tl.join(c6, c7)))
+    codes = tl.join(tl.join(tl.join(_placed_code(words, 0), _placed_code(words, 1)),
+                            tl.join(_placed_code(words, 2), _placed_code(words, 3))),
+                    tl.join(tl.join(_placed_code(words, 4), _placed_code(words, 5)),
+                            tl.join(_placed_code(words, 6), _placed_code(words, 7))))
     codes = tl.permute(codes, [0, 1, 2, 5, 4, 3])
     return tl.reshape(codes, (words.shape[0], words.shape[1], words.shape[2], 8)) * scale
 
@@ -236,16 +233,15 @@ def dequantize(wq: torch.Tensor, w_scale: torch.Tensor, dtype: torch.dtype,
     the packed layout); MXFP4 activations the same way. The kernel reads the codes and scales
     along K with unit stride: others are copied first."""
     c = config
-    # read as 32-bit words (the PTX decode's, and packed codes'): rows 4-byte aligned
-    words = bool(c.asm and dtype == torch.bfloat16 or c.packed)
+    ptx = bool(c.asm and dtype == torch.bfloat16)  # the PTX decode into bf16
+    words = ptx or bool(c.packed)  # codes read as 32-bit words: rows 4-byte aligned
     wq = wq if wq.stride(1) == 1 and not (words and (wq.stride(0) % 4 or wq.data_ptr() % 4)) \
         else wq.clone(memory_format=torch.contiguous_format)
     w_scale = w_scale if w_scale.stride(1) == 1 else w_scale.contiguous()
     n, k = wq.shape[0], wq.shape[1] * 2
     out = torch.empty(n, k, dtype=dtype, device=wq.device)
     if n and k:
-        kernel = dequant_mxfp4_bf16_kernel if c.asm and dtype == torch.bfloat16 \
-            else dequant_mxfp4_kernel
+        kernel = dequant_mxfp4_bf16_kernel if ptx else dequant_mxfp4_kernel
         launch(KernelCall(kernel, (triton.cdiv(n, c.block_n),
                                                  triton.cdiv(k, c.block_k)),
                           (wq, w_scale, out, n, k, wq.stride(0), w_scale.stride(0),
