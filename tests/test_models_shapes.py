@@ -343,12 +343,13 @@ def test_bf16_rows_columns_order_and_values():
     assert set(rows) == {"bf16", "a8w8", "a8w8_blockscale", "a8w8_bpreshuffle", "a16w4",
                          "a4w4_blockscale"}
     bf16 = shaped("bf16", rows["bf16"])
-    # MXFP4 weights: the same GEMMs (every K here a multiple of 32), x in bf16, each followed
-    # by its packed twin where K is a multiple of 128 (1408 is not).
-    assert [r.key for r in rows["a16w4"]] == [
-        (r["M"], r["N"], r["K"], "torch.bfloat16", packed) for r in bf16
-        for packed in ((False, True) if r["K"] % 128 == 0 else (False,))]
-    assert [r.key for r in rows["a4w4_blockscale"]] == [(r["M"], r["N"], r["K"]) for r in bf16]
+    # MXFP4 weights: the same GEMMs (every K here a multiple of 32), x in bf16 or MXFP4, each
+    # followed by its packed twin where K is a multiple of 128 (1408 is not).
+    layouts = [(r["M"], r["N"], r["K"], packed) for r in bf16
+               for packed in ((False, True) if r["K"] % 128 == 0 else (False,))]
+    assert [r.key for r in rows["a16w4"]] == [(m, n, k, "torch.bfloat16", packed)
+                                              for m, n, k, packed in layouts]
+    assert [r.key for r in rows["a4w4_blockscale"]] == layouts
     # a8w8: the same GEMMs with FP8 weights, in the same order; pre-shuffled too (every weight
     # here tiles: N a multiple of 16, K of 128).
     assert [r.key for r in rows["a8w8"]] == [

@@ -10,17 +10,23 @@ import gemmtune
 from gemm_checks import DEVICE, generator, install_user_table, randn
 from gemmtune import quant
 from gemmtune.families.a4w4_blockscale.op import DISPATCH, A4w4Key
-from gemmtune.kernels.torch_ref import TORCH_DEQUANT_MM, gemm_a4w4_ref
+from gemmtune.kernels.torch_ref import TORCH_DEQUANT_MM, TORCH_UNPACK_DEQUANT_MM, gemm_a4w4_ref
 from gemmtune.tables.lookup import Rule
 
+# As tables were written before the family took packed weights: their rows are as quantised.
 HEADER = "arch,cu_num,M,N,K,libtype,solidx,splitK,us,kernelName,err_ratio,tflops,bw\n"
+PACKED_HEADER = HEADER.replace("M,N,K,", "M,N,K,packed,")
+W4 = "triton.w4:BM16.BN32.BK64.W4.S1"
 
 
 @pytest.fixture
 def a4w4_table(tmp_path, monkeypatch):
-    def install(*rows: tuple) -> None:  # (M, N, K, kernelName)
+    def install(*rows: tuple) -> None:  # (M, N, K[, packed], kernelName)
+        header = HEADER if all(len(row) == 4 for row in rows) else PACKED_HEADER
+        rows = [row if header == HEADER or len(row) == 5 else (*row[:3], False, row[3])
+                for row in rows]
         install_user_table(monkeypatch, tmp_path / "a4w4_user.csv",
-                           "GEMMTUNE_CONFIG_A4W4_BLOCKSCALE", HEADER, rows)
+                           "GEMMTUNE_CONFIG_A4W4_BLOCKSCALE", header, rows)
 
     return install
 
@@ -104,26 +110,35 @@ def test_under_torch_compile_it_is_one_custom_op():
     assert_close_to_reference(f(xq) / 2, xq, xs, wq, ws)
 
 
-def test_tuner_checks_every_candidate_against_the_dequantised_reference(tmp_path):
-    """``gemmtune tune a4w4-blockscale``: torch and the MXFP4 kernel's configs (two on the CPU)
-    pass the gate; a K that is not a multiple of 32 fails that shape alone."""
-    import csv
+def _tune(tmp_path, untuned: str):
+    """``gemmtune tune a4w4-blockscale`` of the rows ``untuned`` (CSV text) into tmp_path's t.csv
+    and prof.csv, a few iterations: its summary and log."""
     import io
 
     from gemmtune.families.a4w4_blockscale.tuner import A4w4BlockscaleTuner
-    from gemmtune.tables.store import read_table
     from gemmtune.tune.engine import TuneConfig, Tuner, default_gpus
     from gemmtune.tune.family import TuneOptions
 
     inp = tmp_path / "u.csv"
-    inp.write_text("M,N,K\n5,40,96\n2,32,80\n")
+    inp.write_text(untuned)
     out = io.StringIO()
     config = TuneConfig(input=inp, output=tmp_path / "t.csv", profile=tmp_path / "prof.csv",
                         timeout=120, options=TuneOptions(iters=3, warmup=1),
                         gpus=default_gpus(), workers=4 if default_gpus() else 1)
-    summary = Tuner(A4w4BlockscaleTuner, config, out=out).run()
-    assert summary.tuned == 1 and len(summary.failed) == 1, out.getvalue()
-    assert "multiple of 32" in out.getvalue()
+    return Tuner(A4w4BlockscaleTuner, config, out=out).run(), out.getvalue()
+
+
+def test_tuner_checks_every_candidate_against_the_dequantised_reference(tmp_path):
+    """``gemmtune tune a4w4-blockscale``: torch and the MXFP4 kernel's configs (two on the CPU)
+    pass the gate; a K that is not a multiple of 32 fails that shape alone."""
+    import csv
+
+    from gemmtune.families.a4w4_blockscale.tuner import A4w4BlockscaleTuner
+    from gemmtune.tables.store import read_table
+
+    summary, log = _tune(tmp_path, "M,N,K\n5,40,96\n2,32,80\n")
+    assert summary.tuned == 1 and len(summary.failed) == 1, log
+    assert "multiple of 32" in log
     (row,) = read_table(tmp_path / "t.csv", A4w4BlockscaleTuner.schema).rows
     assert row.key == A4w4Key(5, 40, 96)
     with open(tmp_path / "prof.csv") as f:
@@ -154,6 +169,27 @@ def test_gpu_real_sizes_through_a_row(a4w4_table, M, kernel):
         assert_close_to_reference(y, xq, xs, wq, ws)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("M, kernel", [(1, "triton.w4frag:BM8.BK128.SK5.P1.R1.L1"),
+                                       (16, "triton.w4frag:BM16.BK256.SK3.P0.R0.L1"),
+                                       (8, "triton.w4frag:BM8.BK128.SK4.P1.R1.L1.X1"),
+                                       (1024, "triton.w4deq:BN8.BK512.W4.L1.A1")])
+def test_gpu_packed_weights_through_a_row(a4w4_table, M, kernel):
+    """A packed weight (prepack_mxfp4) through a row naming a kernel that reads it: planned,
+    bound and replayed, right each time."""
+    if kernel.startswith("triton.w4frag") and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("triton.w4frag is a Gluon kernel for Hopper (sm_90)")
+    N, K = 2880, 4096
+    a4w4_table((M, N, K, True, kernel))
+    xq, xs, wq, ws = operands(M, N, K, seed=M)
+    packed, _ = quant.prepack_mxfp4(wq, ws)
+    for _ in range(3):
+        y = gemmtune.gemm_a4w4_blockscale(xq, packed, xs, ws, packed=True)
+        assert_close_to_reference(y, xq, xs, wq, ws)
+    (plan,) = DISPATCH.plans.values()
+    assert plan.decision.rule is Rule.exact and plan.decision.kernel_name == kernel
+
+
 @pytest.mark.parametrize("kernel", [
     "triton.w4:BM16.BN32.BK64.W4.S1",
     # the two powers of two make 2^6 before they scale a block's product
@@ -172,6 +208,112 @@ def test_one_huge_and_one_tiny_scale_multiply_without_overflow(kernel):
     assert torch.isfinite(ref).all() and torch.equal(y, ref)
 
 
+# --- the packed layout -------------------------------------------------------------------------
+
+
+def test_packed_weights_default_to_the_unpacking_torch_backend():
+    xq, xs, wq, ws = operands(5, 40, 256, seed=3)
+    packed, _ = quant.prepack_mxfp4(wq, ws)
+    y = gemmtune.gemm_a4w4_blockscale(xq, packed, xs, ws, packed=True)
+    assert_close_to_reference(y, xq, xs, wq, ws)
+    (plan,) = DISPATCH.plans.values()
+    assert plan.decision.kernel_name == TORCH_UNPACK_DEQUANT_MM
+    assert plan.decision.key == A4w4Key(5, 40, 256, True)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_a_row_per_layout_runs_its_kernel(a4w4_table, packed):
+    """A table with the ``packed`` column: each layout's row names the dequantise-then-cuBLAS
+    kernel reading that layout, right for the planned and the bound call."""
+    M, N, K = 6, 48, 256
+    kernel = "triton.w4deq:BN16.BK128.W4" + (".L1" if packed else "")
+    other = "triton.w4deq:BN16.BK128.W4" + ("" if packed else ".L1")
+    a4w4_table((M, N, K, packed, kernel), (M, N, K, not packed, other))
+    xq, xs, wq, ws = operands(M, N, K, seed=7)
+    stored = quant.prepack_mxfp4(wq, ws)[0] if packed else wq
+    for _ in range(2):
+        y = gemmtune.gemm_a4w4_blockscale(xq, stored, xs, ws, packed=packed)
+        assert_close_to_reference(y, xq, xs, wq, ws)
+    (plan,) = DISPATCH.plans.values()
+    assert plan.decision.rule is Rule.exact and plan.decision.kernel_name == kernel
+    assert plan.decision.key == A4w4Key(M, N, K, packed)
+
+
+def test_a_row_for_the_other_layout_is_not_used(a4w4_table):
+    """Rows are per layout: a packed weight never runs a kernel that reads unpacked ones (nor
+    the unpacked torch backend), and the other way round."""
+    M, N, K = 5, 40, 256
+    a4w4_table((M, N, K, True, W4), (M, N, K, False, TORCH_UNPACK_DEQUANT_MM))
+    xq, xs, wq, ws = operands(M, N, K, seed=4)
+    packed, _ = quant.prepack_mxfp4(wq, ws)
+    with pytest.warns(UserWarning, match="this problem's are packed"):
+        y = gemmtune.gemm_a4w4_blockscale(xq, packed, xs, ws, packed=True)
+    assert_close_to_reference(y, xq, xs, wq, ws)
+    with pytest.warns(UserWarning, match="takes packed weights; use torch.dequant_mm"):
+        y = gemmtune.gemm_a4w4_blockscale(xq, wq, xs, ws)
+    assert_close_to_reference(y, xq, xs, wq, ws)
+    names = {plan.decision.kernel_name for plan in DISPATCH.plans.values()}
+    assert names == {TORCH_DEQUANT_MM, TORCH_UNPACK_DEQUANT_MM}
+
+
+def test_packed_needs_k_a_multiple_of_128_and_compiles_to_the_custom_op():
+    xq, xs, wq, ws = operands(3, 40, 96)
+    with pytest.raises(ValueError, match="packed=True, but K=96"):
+        gemmtune.gemm_a4w4_blockscale(xq, wq, xs, ws, packed=True)
+    xq, xs, wq, ws = operands(4, 40, 128, seed=5)
+    packed, _ = quant.prepack_mxfp4(wq, ws)
+
+    @torch.compile(fullgraph=True, backend="eager")
+    def f(xq):
+        return gemmtune.gemm_a4w4_blockscale(xq, packed, xs, ws, packed=True) * 2
+
+    assert_close_to_reference(f(xq) / 2, xq, xs, wq, ws)
+
+
+def test_tuner_packed_keys_time_packed_weights_and_only_kernels_that_read_them(tmp_path):
+    """A key with ``packed``: w is packed before the candidates run; the baseline is the
+    unpacking torch backend, triton.w4 (which reads weights as quantised) is not offered, and
+    a K without a packed layout fails that shape alone, saying why."""
+    import csv
+
+    from gemmtune.families.a4w4_blockscale.tuner import A4w4BlockscaleTuner
+    from gemmtune.tables.store import read_table
+
+    summary, log = _tune(tmp_path, "M,N,K,packed\n5,40,128,True\n5,40,96,True\n")
+    assert summary.tuned == 1 and len(summary.failed) == 1, log
+    assert "not a multiple of 128" in log
+    (row,) = read_table(tmp_path / "t.csv", A4w4BlockscaleTuner.schema).rows
+    assert row.key == A4w4Key(5, 40, 128, True)
+    with open(tmp_path / "prof.csv") as f:
+        profiled = [(r["kernelName"], r["status"]) for r in csv.DictReader(f) if r["K"] == "128"]
+    assert profiled[0] == (TORCH_UNPACK_DEQUANT_MM, "ok")
+    assert all(status == "ok" for _, status in profiled), profiled
+    assert not any(name.startswith("triton.w4:") for name, _ in profiled)
+    if not torch.cuda.is_available():
+        assert row.kernel_names(A4w4BlockscaleTuner.schema) == (TORCH_UNPACK_DEQUANT_MM,)
+
+
+def test_the_bench_stores_the_weight_in_the_layout_the_rows_favour(a4w4_table, tmp_path):
+    """``gemmtune bench a4w4-blockscale`` packs a weight whose packed rows take no longer than
+    its unpacked ones (here as long) and runs the packed row, its torch and reference columns
+    unpacking the weight (and staying right); a weight without packed rows stays as
+    quantised."""
+    import csv
+
+    from gemmtune.cli import main
+    from gemmtune.families.a4w4_blockscale.op import packed_layout_tuned
+
+    packed_row = "triton.w4deq:BN16.BK128.W4.L1"
+    a4w4_table((2, 64, 128, True, packed_row), (2, 64, 128, False, TORCH_DEQUANT_MM))
+    assert packed_layout_tuned(64, 128) and not packed_layout_tuned(64, 256)
+    shapes = tmp_path / "shapes.csv"
+    shapes.write_text("M,N,K\n2,64,128\n")
+    out = tmp_path / "out"
+    assert main(["bench", "a4w4-blockscale", "--shapes", str(shapes), "-o", str(out)]) == 0
+    (row,) = csv.DictReader(open(out / "bench_a4w4_blockscale.csv"))
+    assert row["kernel"] == packed_row and row["ok"] == "True"
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_the_torch_backend_keeps_the_outputs_precision(dtype):
     """Without a row the torch backend runs: in fp32 for fp16 and fp32 outputs (bf16 would
@@ -186,24 +328,33 @@ def test_the_torch_backend_keeps_the_outputs_precision(dtype):
 
 def test_both_mxfp4_tuners_offer_the_gluon_kernels_on_hopper(monkeypatch):
     """On a Hopper (faked here) the a4w4 and a16w4 tuners offer triton.w4frag's configs at
-    decode, each for the weight layout of its key, and the a16w4 tuner triton.w4wg's at
-    prefill, also for the key's layout; the a4w4 tuner once offered only triton.w4 (its registry
-    was not passed), so its tuned rows were the slower kernel's."""
+    decode, each for the weight layout of its key (triton.w4 only for weights as quantised),
+    the a4w4 tuner triton.w4deq's at prefill and the a16w4 tuner also triton.w4wg's, for the
+    key's layout; the a4w4 tuner once offered only triton.w4 (its registry was not passed), so
+    its tuned rows were the slower kernel's."""
     from gemmtune.families.a4w4_blockscale.tuner import A4w4BlockscaleTuner
     from gemmtune.families.a16w4.op import A16w4Key
     from gemmtune.families.a16w4.tuner import A16w4Tuner
-    from gemmtune.kernels.triton import _checks, _splits, gemm_w4frag, gemm_w4wg
+    from gemmtune.kernels.triton import _checks, _splits, gemm_w4deq, gemm_w4frag, gemm_w4wg
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(_checks, "sm_count", lambda device=None: 132)
     monkeypatch.setattr(_splits, "pdl_where_supported", lambda: _splits.PDL_WAIT)
     for module in (gemm_w4frag, gemm_w4wg):
         monkeypatch.setattr(module, "why_not_here", lambda kernel, instead: None)
-    a4w4 = [c.name for c in A4w4BlockscaleTuner().candidates(A4w4Key(8, 4096, 4096),
-                                                             frozenset())]
-    assert a4w4[0] == TORCH_DEQUANT_MM
-    assert any(n.startswith("triton.w4frag:BM8.") for n in a4w4), a4w4
     for packed in (False, True):
+        a4w4 = [c.name for c in A4w4BlockscaleTuner().candidates(A4w4Key(8, 4096, 4096, packed),
+                                                                 frozenset())]
+        assert a4w4[0] == (TORCH_UNPACK_DEQUANT_MM if packed else TORCH_DEQUANT_MM)
+        frags = [gemm_w4frag.W4FragConfig.from_name(n) for n in a4w4
+                 if n.startswith("triton.w4frag:BM8.")]
+        assert frags and all(c.packed == packed for c in frags), a4w4
+        assert any(n.startswith("triton.w4:") for n in a4w4) != packed, a4w4
+        prefill = [c.name for c in A4w4BlockscaleTuner().candidates(
+            A4w4Key(1024, 4096, 4096, packed), frozenset())]
+        deq = [gemm_w4deq.W4DeqConfig.from_name(n) for n in prefill
+               if n.startswith("triton.w4deq:")]
+        assert deq and all(c.packed == packed for c in deq), prefill
         a16w4 = [c.name for c in A16w4Tuner().candidates(
             A16w4Key(16, 4096, 4096, "torch.bfloat16", packed), frozenset())]
         frags = [gemm_w4frag.W4FragConfig.from_name(n) for n in a16w4

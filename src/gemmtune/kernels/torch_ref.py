@@ -294,6 +294,8 @@ def dequant_linear_torch(x, wq, bias, out_dtype, scale_a, scale_b, out=None):
 
 
 TORCH_DEQUANT_MM = "torch.dequant_mm"
+# The same for a weight in the packed layout (gemmtune.quant.prepack_mxfp4): unpacked first.
+TORCH_UNPACK_DEQUANT_MM = "torch.unpack_dequant_mm"
 
 
 def gemm_a4w4_ref(xq, wq, x_scale, w_scale, out_dtype=torch.float32):

@@ -13,6 +13,7 @@ from gemmtune import quant
 from gemmtune.families._compare import linear_and_fp8
 from gemmtune.families._family import BenchOp, Family
 from gemmtune.families._gemm import SHORT_DTYPES, short_dtype
+from gemmtune.families._mxfp4_layout import packed_twin
 from gemmtune.families.a16w4.op import (DISPATCH, SCHEMA, A16w4Key, gemm_a16w4,
                                         packed_layout_tuned)
 from gemmtune.kernels import mxfp4
@@ -60,16 +61,9 @@ def bench_op(dtype: str) -> BenchOp:
         w_bytes=0.5 + 1 / mxfp4.BLOCK, comparisons=linear_and_fp8(x_dtype), math_dtype=x_dtype)
 
 
-def _packed_twin(key: A16w4Key) -> tuple[A16w4Key, ...]:
-    """The same GEMM with the weight packed (``quant.prepack_mxfp4``), where K takes it."""
-    if key.packed or mxfp4.why_not_packable(key.K) is not None:
-        return ()
-    return (key._replace(packed=True),)
-
-
 FAMILY = Family("a16w4", SCHEMA, DISPATCH, tuner="gemmtune.families.a16w4.tuner:A16w4Tuner",
                 bench=bench_op, bench_dtypes=BENCH_DTYPES, gemm_key=gemm_key,
-                why_not_gemm=_why_not_gemm, other_layouts=_packed_twin,
+                why_not_gemm=_why_not_gemm, other_layouts=packed_twin,
                 dtype_of_key=lambda key: short_dtype(key.dtype))
 
 __all__ = ["A16w4Key", "FAMILY", "gemm_a16w4"]

@@ -19,8 +19,10 @@ from typing import NamedTuple, Optional
 import torch
 
 from gemmtune.device import DeviceId
-from gemmtune.dispatch import Dispatcher, table_index
-from gemmtune.families._gemm import gemm_registry, gemm_schema
+from gemmtune.dispatch import Dispatcher
+from gemmtune.families._gemm import gemm_schema
+from gemmtune.families._mxfp4_layout import PACKED_COLUMN, TorchBackends, mxfp4_registry
+from gemmtune.families._mxfp4_layout import packed_layout_tuned as layout_tuned
 from gemmtune.families._switches import compiler as _compiler
 from gemmtune.families._switches import dynamo_compiling as _dynamo_compiling
 from gemmtune.families._switches import grad_enabled as _grad_enabled
@@ -44,7 +46,7 @@ class A16w4Key(NamedTuple):
 SCHEMA = gemm_schema(
     "a16w4", "a16w4_tuned_gemm.csv", "a16w4_untuned_gemm.csv", A16w4Key,
     (Column("dtype", Kind.DTYPE, default="torch.bfloat16"),
-     Column("packed", Kind.BOOL, default="False")), ("GEMMTUNE_CONFIG_A16W4",))
+     PACKED_COLUMN), ("GEMMTUNE_CONFIG_A16W4",))
 
 
 def problem_of(key: A16w4Key) -> GemmProblem:
@@ -53,31 +55,8 @@ def problem_of(key: A16w4Key) -> GemmProblem:
                        preshuffled=key.packed)
 
 
-class _TorchDequantLinear:
-    """The torch backend for one layout of the weight: ``dequant_linear_torch``, a packed weight
-    unpacked first (``mxfp4.unpack``); it runs only problems of its layout."""
-
-    def __init__(self, packed: bool):
-        self.packed = packed
-
-    def __call__(self, x, wq, bias, out_dtype, scale_a, scale_b, out=None):
-        return dequant_linear_torch(x, mxfp4.unpack(wq) if self.packed else wq, bias,
-                                    out_dtype, scale_a, scale_b, out)
-
-    def check(self, problem: GemmProblem) -> str | None:
-        if problem.preshuffled == self.packed:
-            return None
-        return (f"{_torch_backend(self.packed)} takes {'packed' if self.packed else 'unpacked'} "
-                f"weights; use {_torch_backend(problem.preshuffled)}")
-
-
-def _torch_backend(packed: bool) -> str:
-    return TORCH_UNPACK_DEQUANT_LINEAR if packed else TORCH_DEQUANT_LINEAR
-
-
-REGISTRY = gemm_registry("a16w4", TORCH_DEQUANT_LINEAR, _TorchDequantLinear(False),
-                         MXFP4_PREFIXES)
-REGISTRY.register_exact(TORCH_UNPACK_DEQUANT_LINEAR, _TorchDequantLinear(True))
+_TORCH = TorchBackends(TORCH_DEQUANT_LINEAR, TORCH_UNPACK_DEQUANT_LINEAR)
+REGISTRY = mxfp4_registry("a16w4", _TORCH, dequant_linear_torch, MXFP4_PREFIXES)
 
 
 def _to_table_key(raw: tuple) -> A16w4Key:
@@ -87,7 +66,7 @@ def _to_table_key(raw: tuple) -> A16w4Key:
 
 def _default_kernel(key: A16w4Key, device: DeviceId) -> str:
     # Right for every shape; tuned rows name the kernels that beat it.
-    return _torch_backend(key.packed)
+    return _TORCH.of(key.packed)
 
 
 DISPATCH = Dispatcher(SCHEMA, REGISTRY, _to_table_key, problem_of, _default_kernel)
@@ -96,32 +75,11 @@ _CALLS = DISPATCH.calls  # the eager hot path's dict (Dispatcher.remember)
 
 def packed_layout_tuned(n: int, k: int, dtype: torch.dtype) -> bool:
     """Whether an (N, K) weight for x of ``dtype`` is best stored packed, by the a16w4 table's
-    rows for this GPU (its own model's, else a similar one's, as dispatch finds them): there
-    are rows for it packed, their kernels read packed weights themselves (none is the unpacking
-    torch backend), and over the M that timed rows of both layouts have (at least one), the
-    packed ones take no longer in all (one layout serves every M of a weight)."""
-    if mxfp4.why_not_packable(k) is not None or dtype not in DTYPE_NAMES:
+    rows for x of that dtype (``_mxfp4_layout.packed_layout_tuned``)."""
+    if dtype not in DTYPE_NAMES:
         return False
     name = DTYPE_NAMES[dtype]
-    rows = [row for row in table_index(SCHEMA).rows()
-            if row.key.N == n and row.key.K == k and row.key.dtype == name]
-    packed = {row.key.M: row for row in rows if row.key.packed}
-    plain = {row.key.M: row for row in rows if not row.key.packed}
-    if not packed or any(TORCH_UNPACK_DEQUANT_LINEAR in row.kernel_names(SCHEMA)
-                         for row in packed.values()):
-        return False
-    timed = [m for m in packed.keys() & plain.keys()
-             if _timed(packed[m]) is not None and _timed(plain[m]) is not None]
-    return bool(timed) and \
-        sum(_timed(packed[m]) for m in timed) <= sum(_timed(plain[m]) for m in timed)
-
-
-def _timed(row) -> float | None:
-    """A row's µs, or None where it has none (a row written by hand)."""
-    try:
-        return row.us
-    except (KeyError, TypeError, ValueError):
-        return None
+    return layout_tuned(SCHEMA, _TORCH, n, k, lambda key: key.dtype == name)
 
 
 def _check(x, wq, w_scale, bias, packed) -> None:

@@ -1,11 +1,13 @@
-"""``gemm_a4w4_blockscale(xq, wq, x_scale, w_scale, dtype)``: both operands MXFP4 (AITER's
-A4W4 block-scale GEMM), the output in ``dtype``.
+"""``gemm_a4w4_blockscale(xq, wq, x_scale, w_scale, dtype, packed=False)``: both operands
+MXFP4 (AITER's A4W4 block-scale GEMM), the output in ``dtype``.
 
 xq (..., K // 2) and wq (N, K // 2) uint8 E2M1 codes, x_scale (..., K // 32) and w_scale
 (N, K // 32) uint8 E8M0 scales, as ``gemmtune.quant.mxfp4`` makes them (x quantised per token
-row). Dispatched per shape through ``a4w4_blockscale_tuned_gemm.csv`` (key ``A4w4Key``: M, N,
-K, with K the elements, twice xq's last dimension); a shape without a row runs the torch
-backend (both dequantised on every call). Registered as
+row), or with ``packed`` wq as ``gemmtune.quant.prepack_mxfp4`` reorders it (the register-direct
+kernel reads it in 16-byte loads and decodes it with fewer instructions). Dispatched per shape
+through ``a4w4_blockscale_tuned_gemm.csv`` (key ``A4w4Key``: M, N, K, with K the elements,
+twice xq's last dimension, and the weight's layout, ``packed``); a shape without a row runs the
+torch backend (both dequantised on every call, a packed weight unpacked first). Registered as
 ``torch.ops.gemmtune.gemm_a4w4_blockscale``.
 """
 
@@ -19,50 +21,62 @@ import torch
 from gemmtune.device import DeviceId
 from gemmtune.dispatch import Dispatcher
 from gemmtune.families._gemm import (OUT_DTYPES, TUNED_OUT_DTYPE, check_out_dtype_and_device,
-                                     gemm_registry, gemm_schema)
+                                     gemm_schema)
+from gemmtune.families._mxfp4_layout import PACKED_COLUMN, TorchBackends, mxfp4_registry
+from gemmtune.families._mxfp4_layout import packed_layout_tuned as layout_tuned
 from gemmtune.families._switches import compiler as _compiler
 from gemmtune.families._switches import dynamo_compiling as _dynamo_compiling
 from gemmtune.kernels import mxfp4
 from gemmtune.kernels.problem import GemmProblem, Scaling
-from gemmtune.kernels.torch_ref import TORCH_DEQUANT_MM, dequant_mm_torch
+from gemmtune.kernels.torch_ref import TORCH_DEQUANT_MM, TORCH_UNPACK_DEQUANT_MM, dequant_mm_torch
 from gemmtune.kernels.triton.dispatchable import W4_PREFIX, W4DEQ_PREFIX, W4FRAG_PREFIX
 
 
 class A4w4Key(NamedTuple):
     M: int
     N: int
-    K: int  # elements along K (twice the packed operands' last dimension)
+    K: int  # elements along K (twice the operands' last dimension: two codes a byte)
+    packed: bool = False  # wq in the packed layout (gemmtune.quant.prepack_mxfp4)
 
 
 SCHEMA = gemm_schema(
     "a4w4_blockscale", "a4w4_blockscale_tuned_gemm.csv", "a4w4_blockscale_untuned_gemm.csv",
-    A4w4Key, (), ("GEMMTUNE_CONFIG_A4W4_BLOCKSCALE", "GEMMTUNE_CONFIG_GEMM_A4W4",
+    A4w4Key, (PACKED_COLUMN,), ("GEMMTUNE_CONFIG_A4W4_BLOCKSCALE", "GEMMTUNE_CONFIG_GEMM_A4W4",
                   "AITER_CONFIG_GEMM_A4W4"))
 
 
 def problem_of(key: A4w4Key) -> GemmProblem:
     # x's storage dtype (uint8 codes) tells the MXFP4 kernel that x is MXFP4 too.
-    return GemmProblem(key.M, key.N, key.K, torch.uint8, TUNED_OUT_DTYPE, scaling=Scaling.mxfp4)
+    return GemmProblem(key.M, key.N, key.K, torch.uint8, TUNED_OUT_DTYPE, scaling=Scaling.mxfp4,
+                       preshuffled=key.packed)
 
 
-REGISTRY = gemm_registry("a4w4_blockscale", TORCH_DEQUANT_MM, dequant_mm_torch,
-                         (W4_PREFIX, W4FRAG_PREFIX, W4DEQ_PREFIX))
+_TORCH = TorchBackends(TORCH_DEQUANT_MM, TORCH_UNPACK_DEQUANT_MM)
+REGISTRY = mxfp4_registry("a4w4_blockscale", _TORCH, dequant_mm_torch,
+                          (W4_PREFIX, W4FRAG_PREFIX, W4DEQ_PREFIX))
 
 
 def _to_table_key(raw: tuple) -> A4w4Key:
-    m, n, k, *_checked = raw
-    return A4w4Key(m, n, k)
+    m, n, k, packed, *_checked = raw
+    return A4w4Key(m, n, k, packed)
 
 
 def _default_kernel(key: A4w4Key, device: DeviceId) -> str:
-    return TORCH_DEQUANT_MM  # right for every shape; tuned rows name the kernels that beat it
+    # Right for every shape; tuned rows name the kernels that beat it.
+    return _TORCH.of(key.packed)
 
 
 DISPATCH = Dispatcher(SCHEMA, REGISTRY, _to_table_key, problem_of, _default_kernel)
 _CALLS = DISPATCH.calls  # the eager hot path's dict (Dispatcher.remember)
 
 
-def _check(xq, wq, x_scale, w_scale, dtype) -> None:
+def packed_layout_tuned(n: int, k: int) -> bool:
+    """Whether an (N, K) weight is best stored packed, by the a4w4_blockscale table's rows
+    (``_mxfp4_layout.packed_layout_tuned``)."""
+    return layout_tuned(SCHEMA, _TORCH, n, k)
+
+
+def _check(xq, wq, x_scale, w_scale, dtype, packed) -> None:
     op = "gemm_a4w4_blockscale"
     if not all(isinstance(t, torch.Tensor) for t in (xq, wq, x_scale, w_scale)):
         raise TypeError(f"{op}: xq, wq, x_scale and w_scale must be tensors")
@@ -86,16 +100,20 @@ def _check(xq, wq, x_scale, w_scale, dtype) -> None:
     check_out_dtype_and_device(op, xq, wq, dtype, OUT_DTYPES)
     if x_scale.device != xq.device or w_scale.device != xq.device:
         raise ValueError(f"{op}: put xq, wq, x_scale and w_scale on one device")
+    why = mxfp4.why_not_packable(k) if packed else None
+    if why is not None:
+        raise ValueError(f"{op}: packed=True, but {why}")
 
 
-def _plan(xq, wq, x_scale, w_scale, dtype, kernel):
-    args = (xq, wq, x_scale, w_scale, dtype)
+def _plan(xq, wq, x_scale, w_scale, dtype, kernel, packed):
+    args = (xq, wq, x_scale, w_scale, dtype, packed)
     try:
         k = xq.shape[-1] * 2
         m = math.prod(xq.shape[:-1])
         device = xq.get_device()
         # Everything _check depends on, so that a cached plan never runs what it would refuse.
-        key = (m, wq.shape[0], k, xq.dtype, tuple(wq.shape), wq.dtype, wq.get_device(),
+        key = (m, wq.shape[0], k, bool(packed), xq.dtype, tuple(wq.shape), wq.dtype,
+               wq.get_device(),
                tuple(x_scale.shape), x_scale.dtype, x_scale.get_device(),
                tuple(w_scale.shape), w_scale.dtype, w_scale.get_device(), dtype, device)
     except (AttributeError, IndexError, ValueError, TypeError):
@@ -108,16 +126,16 @@ def _flat_scale(x_scale: torch.Tensor) -> torch.Tensor:
     return x_scale.reshape(-1, x_scale.shape[-1])
 
 
-def _run(xq, wq, x_scale, w_scale, dtype, kernel):
-    plan = _plan(xq, wq, x_scale, w_scale, dtype, kernel)
+def _run(xq, wq, x_scale, w_scale, dtype, kernel, packed):
+    plan = _plan(xq, wq, x_scale, w_scale, dtype, kernel, packed)
     return plan.run(xq, wq, None, dtype, _flat_scale(x_scale), w_scale)
 
 
-def _run_and_remember(call_key: tuple, xq, wq, x_scale, w_scale, dtype, kernel):
+def _run_and_remember(call_key: tuple, xq, wq, x_scale, w_scale, dtype, kernel, packed):
     """The first eager call with ``call_key``: checked in full, planned, and its plan's kernel
     bound to the key for the calls after it (x_scale as the kernels take it: (M, K / 32))."""
-    _check(xq, wq, x_scale, w_scale, dtype)
-    plan = _plan(xq, wq, x_scale, w_scale, dtype, kernel)
+    _check(xq, wq, x_scale, w_scale, dtype, packed)
+    plan = _plan(xq, wq, x_scale, w_scale, dtype, kernel, packed)
     xs = _flat_scale(x_scale)
     run = DISPATCH.remember(call_key, plan, (xq, wq, None, dtype, xs, w_scale))
     return run(xq, wq, None, xs, w_scale)
@@ -126,29 +144,31 @@ def _run_and_remember(call_key: tuple, xq, wq, x_scale, w_scale, dtype, kernel):
 @torch.library.custom_op("gemmtune::gemm_a4w4_blockscale", mutates_args=())
 def _gemm_a4w4_blockscale_op(xq: torch.Tensor, wq: torch.Tensor, x_scale: torch.Tensor,
                              w_scale: torch.Tensor, dtype: torch.dtype,
-                             kernel_name: Optional[str] = None) -> torch.Tensor:
-    return _run(xq, wq, x_scale, w_scale, dtype, kernel_name)
+                             kernel_name: Optional[str] = None,
+                             packed: bool = False) -> torch.Tensor:
+    return _run(xq, wq, x_scale, w_scale, dtype, kernel_name, packed)
 
 
 @_gemm_a4w4_blockscale_op.register_fake
-def _(xq, wq, x_scale, w_scale, dtype, kernel_name=None):
+def _(xq, wq, x_scale, w_scale, dtype, kernel_name=None, packed=False):
     return xq.new_empty((*xq.shape[:-1], wq.shape[0]), dtype=dtype)
 
 
 def gemm_a4w4_blockscale(xq: torch.Tensor, wq: torch.Tensor, x_scale: torch.Tensor,
                          w_scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16,
-                         kernel: Optional[str] = None) -> torch.Tensor:
+                         kernel: Optional[str] = None, packed: bool = False) -> torch.Tensor:
     """``dequant_mxfp4(xq, x_scale) @ dequant_mxfp4(wq, w_scale).T`` in ``dtype`` (bf16, fp16 or
-    fp32), with the kernel the a4w4_blockscale table names for this shape on this GPU (or
-    ``kernel``, a kernelName checked like a table row). Returns (..., N)."""
+    fp32), with the kernel the a4w4_blockscale table names for this shape and weight layout on
+    this GPU (or ``kernel``, a kernelName checked like a table row). With ``packed``, wq comes
+    from ``gemmtune.quant.prepack_mxfp4`` (K a multiple of 128). Returns (..., N)."""
     if _dynamo_compiling() or _compiler._is_compiling_flag:
-        return _gemm_a4w4_blockscale_op(xq, wq, x_scale, w_scale, dtype, kernel)
+        return _gemm_a4w4_blockscale_op(xq, wq, x_scale, w_scale, dtype, kernel, packed)
     # The eager hot path: everything the checks and the plan depend on, one dict hit, the kernel
     # bound to this key (Dispatcher.remember).
     call_key = (xq.shape, wq.shape, x_scale.shape, w_scale.shape, xq.dtype, wq.dtype,
                 x_scale.dtype, w_scale.dtype, xq.get_device(), wq.get_device(),
-                x_scale.get_device(), w_scale.get_device(), dtype, kernel)
+                x_scale.get_device(), w_scale.get_device(), dtype, kernel, packed)
     run = _CALLS.get(call_key)
     if run is None:
-        return _run_and_remember(call_key, xq, wq, x_scale, w_scale, dtype, kernel)
+        return _run_and_remember(call_key, xq, wq, x_scale, w_scale, dtype, kernel, packed)
     return run(xq, wq, None, _flat_scale(x_scale), w_scale)

@@ -1,8 +1,9 @@
 """``gemmtune tune a4w4-blockscale``: candidates and inputs for gemm_a4w4_blockscale's table.
 
 x (per token row) and w are drawn in fp32 with magnitudes that vary along K (every block its own
-scale) and quantised to MXFP4; each candidate is checked against the fp32 product of the two
-dequantised operands, and timed with their 4-bit bytes.
+scale) and quantised to MXFP4, w packed for a key with ``packed`` (``quant.prepack_mxfp4``);
+each candidate is checked against the fp32 product of the two dequantised operands, and timed
+with their 4-bit bytes.
 """
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ from gemmtune import quant
 from gemmtune.families._gemm_tuner import GemmCall, GemmTuner, mxfp4_candidates
 from gemmtune.families.a4w4_blockscale.op import (REGISTRY, SCHEMA, TUNED_OUT_DTYPE, A4w4Key,
                                                   problem_of)
-from gemmtune.kernels.mxfp4 import BLOCK, why_not_quantisable
-from gemmtune.kernels.torch_ref import TORCH_DEQUANT_MM, gemm_a4w4_ref
+from gemmtune.kernels.mxfp4 import BLOCK, why_not_packable, why_not_quantisable
+from gemmtune.kernels.torch_ref import TORCH_DEQUANT_MM, TORCH_UNPACK_DEQUANT_MM, gemm_a4w4_ref
 from gemmtune.measure.accuracy import TOLERANCES
 from gemmtune.tune.family import Candidate, Prepared
 
@@ -25,12 +26,13 @@ class A4w4BlockscaleTuner(GemmTuner):
     problem_of = staticmethod(problem_of)
 
     def candidates(self, key: A4w4Key, libtypes: frozenset[str]) -> list[Candidate]:
-        return mxfp4_candidates(self.shape(key), self.wanted(libtypes), TORCH_DEQUANT_MM,
+        return mxfp4_candidates(self.shape(key), self.wanted(libtypes),
+                                TORCH_UNPACK_DEQUANT_MM if key.packed else TORCH_DEQUANT_MM,
                                 REGISTRY)
 
     def prepare(self, key: A4w4Key, seed: int) -> Prepared:
         p = self.shape(key)
-        why = why_not_quantisable(p.k)
+        why = why_not_quantisable(p.k) or (why_not_packable(p.k) if key.packed else None)
         if why is not None:
             raise ValueError(why)
         gen = self.generator(seed)
@@ -41,6 +43,8 @@ class A4w4BlockscaleTuner(GemmTuner):
         w = torch.randn(p.n, p.k, generator=gen, device=device) * blocks * p.k ** -0.5
         (xq, x_scale), (wq, w_scale) = quant.mxfp4(x), quant.mxfp4(w)
         ref = gemm_a4w4_ref(xq, wq, x_scale, w_scale, torch.float32)
+        if key.packed:
+            wq, w_scale = quant.prepack_mxfp4(wq, w_scale)
         return Prepared(key, seed, GemmCall(xq, wq, None, TUNED_OUT_DTYPE, x_scale, w_scale),
                         ref)
 

@@ -151,9 +151,10 @@ def why_not_supported(config: W4FragConfig, M: int, N: int, K: int, dtype: torch
             return f"with MXFP4 x the kernel writes bf16, fp16 or fp32, not {out_dtype}"
     elif out_dtype != dtype:
         return f"the register-direct MXFP4 kernel writes x's dtype ({dtype}), not {out_dtype}"
+    torch_backend = "dequant_mm" if dtype == torch.uint8 else "dequant_linear"
     return (why_not_here("register-direct MXFP4 kernel",
-                         "a triton.w4 config or torch.dequant_linear (packed weights: "
-                         "torch.unpack_dequant_linear)")
+                         f"a triton.w4 config or torch.{torch_backend} (packed weights: "
+                         f"torch.unpack_{torch_backend})")
             or why_not_fits(config, M, N, K, dtype))
 
 

@@ -1,0 +1,95 @@
+"""What the MXFP4 families share about their weight's two layouts (as quantised, or packed by
+``gemmtune.quant.prepack_mxfp4``): the ``packed`` key column, a torch backend per layout, which
+layout the table's rows favour for a weight, and the other layout of a model shape's key."""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+from gemmtune.dispatch import KernelRegistry, table_index
+from gemmtune.families._gemm import gemm_registry
+from gemmtune.kernels import mxfp4
+from gemmtune.kernels.problem import GemmProblem
+from gemmtune.tables.schema import Column, Kind, Schema
+
+# A key's weight layout: False as quantised, True packed (one layout per (N, K) is what a model
+# stores). Tables written before a family took packed weights have no such column: as quantised.
+PACKED_COLUMN = Column("packed", Kind.BOOL, default="False")
+
+
+class TorchBackends(NamedTuple):
+    """A family's torch backend under its two names: for weights as quantised, and for packed
+    ones (unpacked first, ``mxfp4.unpack``)."""
+    unpacked: str
+    packed: str
+
+    def of(self, packed: bool) -> str:
+        return self.packed if packed else self.unpacked
+
+
+class _LayoutTorchBackend:
+    """``run`` (a torch backend of MXFP4 weights as quantised) for one layout of the weight, a
+    packed weight unpacked first; it runs only problems of its layout."""
+
+    def __init__(self, run: Callable, names: TorchBackends, packed: bool):
+        self.run = run
+        self.names = names
+        self.packed = packed
+
+    def __call__(self, x, wq, bias, out_dtype, scale_a, scale_b, out=None):
+        return self.run(x, mxfp4.unpack(wq) if self.packed else wq, bias, out_dtype, scale_a,
+                        scale_b, out)
+
+    def check(self, problem: GemmProblem) -> str | None:
+        if problem.preshuffled == self.packed:
+            return None
+        return (f"{self.names.of(self.packed)} takes {'packed' if self.packed else 'unpacked'} "
+                f"weights; use {self.names.of(problem.preshuffled)}")
+
+
+def mxfp4_registry(family: str, names: TorchBackends, run: Callable,
+                   triton_prefixes: tuple[str, ...]) -> KernelRegistry:
+    """An MXFP4 family's backends: ``run`` under both torch names (each for its layout), and the
+    Triton kernels of ``triton_prefixes`` (each config names the layout it reads)."""
+    registry = gemm_registry(family, names.unpacked, _LayoutTorchBackend(run, names, False),
+                             triton_prefixes)
+    registry.register_exact(names.packed, _LayoutTorchBackend(run, names, True))
+    return registry
+
+
+def packed_layout_tuned(schema: Schema, names: TorchBackends, n: int, k: int,
+                        same_weight: Callable[[tuple], bool] = lambda key: True) -> bool:
+    """Whether an (N, K) weight is best stored packed, by ``schema``'s rows for this GPU (its
+    own model's, else a similar one's, as dispatch finds them) whose keys pass ``same_weight``
+    (e.g. x's dtype): there are rows for it packed, their kernels read packed weights themselves
+    (none is the unpacking torch backend), and over the M that timed rows of both layouts have
+    (at least one), the packed ones take no longer in all (one layout serves every M of a
+    weight)."""
+    if mxfp4.why_not_packable(k) is not None:
+        return False
+    rows = [row for row in table_index(schema).rows()
+            if row.key.N == n and row.key.K == k and same_weight(row.key)]
+    packed = {row.key.M: row for row in rows if row.key.packed}
+    plain = {row.key.M: row for row in rows if not row.key.packed}
+    if not packed or any(names.packed in row.kernel_names(schema) for row in packed.values()):
+        return False
+    timed = [m for m in packed.keys() & plain.keys()
+             if _timed(packed[m]) is not None and _timed(plain[m]) is not None]
+    return bool(timed) and \
+        sum(_timed(packed[m]) for m in timed) <= sum(_timed(plain[m]) for m in timed)
+
+
+def _timed(row) -> float | None:
+    """A row's µs, or None where it has none (a row written by hand)."""
+    try:
+        return row.us
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def packed_twin(key) -> tuple:
+    """The same GEMM with the weight packed (``quant.prepack_mxfp4``), where K takes it: the
+    other layout model shapes list (``Family.other_layouts``)."""
+    if key.packed or mxfp4.why_not_packable(key.K) is not None:
+        return ()
+    return (key._replace(packed=True),)
