@@ -661,3 +661,24 @@ def assert_mxfp4_launcher_says_what_is_wrong(gemm):
         gemm(x, wq[:, :16], w_scale)
     with pytest.raises(ValueError, match="out must be"):
         gemm(x, wq, w_scale, out=torch.empty(4, 8, device=DEVICE))
+
+
+def older_packed_layout(codes: torch.Tensor, layout: int) -> torch.Tensor:
+    """MXFP4 codes as quantised (N, K // 2), K a multiple of 128, in an earlier version of the
+    packed layout, made here independently of ``mxfp4.prepack``: 1 each 64-byte group's words
+    transposed (word t of block j at 4 t + j), 2 also each word's code i with its magnitude bits
+    at ``mxfp4.PLACES[i][0]`` on and its sign at ``PLACES[i][1]``. What state_dicts saved by
+    earlier gemmtunes hold."""
+    from gemmtune.kernels import mxfp4
+
+    n, half_k = codes.shape
+    moved = codes.reshape(n, half_k // 64, 4, 4, 4).transpose(2, 3).reshape(n, half_k)
+    if layout == 1:
+        return moved.contiguous()
+    words = moved.contiguous().view(torch.int32).to(torch.int64)
+    placed = torch.zeros_like(words)
+    for i, (magnitude, sign) in enumerate(mxfp4.PLACES):
+        code = words >> (4 * i) & 15
+        placed |= (code & 7) << magnitude | (code >> 3) << sign
+    signed = torch.where(placed >= 2 ** 31, placed - 2 ** 32, placed).to(torch.int32)
+    return signed.view(torch.uint8).reshape(n, half_k)

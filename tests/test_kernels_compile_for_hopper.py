@@ -629,8 +629,10 @@ W4FRAG_SCRIPT = PTXAS_REPORT + textwrap.dedent("""
         loop = text[text.find("mma.sync"):text.rfind("mma.sync")]
         # Per scale block, each thread loads one 32-bit word of codes for each of its 2 rows
         # of each 16 its warp takes (4 // warps MMAs down w's 64 rows; packed: one 16-byte
-        # load a row for 4 blocks), multiplies on mma.sync (bf16, fp32 sums), and touches no
-        # shared memory in the loop.
+        # load a row for 4 blocks) and multiplies on mma.sync (bf16, fp32 sums). x comes
+        # straight from global memory (no shared memory in the loop), but with packed w in K
+        # order through shared memory (16-byte stores of bf16, MXFP4 x's codes decoded first,
+        # before the loop and in it; a barrier a group; ldmatrix).
         tiles = 4 // warps
         blocks = min(block_k, 128) // 32  # a step's blocks, or from 128 a group of 4 blocks
         if packed:
@@ -640,16 +642,26 @@ W4FRAG_SCRIPT = PTXAS_REPORT + textwrap.dedent("""
                 text.count("ld.global.b32")
         assert text.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") >= \\
             2 * tiles * blocks * block_m // 8
-        assert "st.shared" not in loop and "bar.sync" not in loop
+        if packed:
+            assert text.count("ldmatrix.sync.aligned.m8n8.x4.shared.b16") == \\
+                blocks * block_m // 8, text.count("ldmatrix")
+            assert text.count("st.shared.v4.b32") == block_m // warps, \\
+                text.count("st.shared.v4")
+        else:
+            assert "st.shared" not in loop and "bar.sync" not in loop
         assert ("griddepcontrol.wait" in text) == pdl
         assert ("atom.global" in text) == (split_k != 1)
         # The E2M1 decode (an inline-PTX block of PRMT lookups) for w's words as quantised
         # and, MXFP4 x, x's too: x's scales then multiply w's (fp32) in each block's product;
         # packed w's words by masks and shifts (their bits placed), 4 bf16 multiplies each.
         # A decode a word: w's 2 rows a thread, x's 1-4 (BLOCK_M / 8) words; a loop iteration
-        # takes 2 groups of 4 blocks (block_k < 128: a step's blocks).
-        looped = 8 if block_k >= 128 else block_k // 32
+        # takes 2 groups of 4 blocks (packed: 1; block_k < 128: a step's blocks). Packed, x's
+        # group is decoded once a program, a word a thread from 8 rows, before the loop and in
+        # it.
+        looped = (4 if packed else 8) if block_k >= 128 else block_k // 32
         w_words, x_words = 2 * tiles * looped, (block_m // 8 if x_mxfp4 else 0) * looped
+        if packed:
+            x_words = block_m // warps if x_mxfp4 else 0
         assert text.count("prmt.b32 la") == x_words + (0 if packed else w_words), \\
             (block_m, block_k, x_mxfp4, warps, text.count("prmt.b32 la"))
         assert text.count("mul.rn.bf16x2") == (4 * w_words if packed else 0), \\
@@ -758,24 +770,25 @@ W4WG_SCRIPT = PTXAS_REPORT + textwrap.dedent("""
             # x through TMA (each slot before the loop, its refill in it), w's blocks as 16-byte
             # loads of each of a thread's rows (2 blocks a step, loaded before the loop for 2
             # steps and in each step body: one, or two where overlap unrolls the loop (an odd
-            # K's last step loads nothing it uses); packed, 4 8-byte loads of word pairs), the
+            # K's last step loads nothing it uses); packed, one 8-byte load of the thread's words), the
             # MMA bf16 with fp32 sums, and no shared-memory store in the loop.
             assert text.count("cp.async.bulk.tensor") >= stages + 1
             rows = block_n // (8 * warps)
             loads = (2 + (2 if overlap else 1)) * rows
             if packed:
-                assert text.count("ld.global.v2.b32") == 4 * loads, text.count("ld.global.v2")
+                assert text.count("ld.global.v2.b32") == loads, text.count("ld.global.v2")
             else:
                 assert text.count("ld.global.v4.b32") == 2 * loads, text.count("ld.global.v4")
             assert f"wgmma.mma_async.sync.aligned.m64n{block_m}k16.f32.bf16.bf16" in text
             loop = text[text.find("wgmma.mma_async"):text.rfind("wgmma.mma_async")]
             assert "st.shared" not in loop
             # A word's decode once before the loop and in each body (3 gathering PRMTs, 10 in the
-            # decode; packed, each word's register of the thread rotated out of its placed bits
-            # and multiplied by 2^126) and its scale
+            # decode; packed, the thread's own word decoded from its placed bits by masks and
+            # shifts and multiplied by 2^126, no PRMT) and its scale
             decodes = 1 + (2 if overlap else 1)
             assert text.count("mul.rn.bf16x2") == decodes * 4 * 2 * rows * (2 if packed else 1)
-            assert ("shf.l.wrap.b32" in text) == packed and ("prmt.b32" in text) != packed
+            assert text.count("0x81C081C0") == (decodes * 2 * 2 * rows if packed else 0)
+            assert ("prmt.b32" in text) != packed
             report, spilled = ptxas_report(text)
             assert spilled == 0, (block_n, block_m, warps, overlap, report)
             # ptxas would serialise every MMA where A's registers are written while one runs

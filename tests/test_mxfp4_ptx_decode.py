@@ -1,6 +1,6 @@
 """The inline PTX that decodes E2M1 codes in the Gluon MXFP4 kernels (``gemm_w4frag``'s
 ``E2M1_TO_BF16_ASM``), run on the CPU by a small emulator of the PTX instructions it uses
-(``and``, ``shr``, ``shl``, ``prmt``, ``lop3``, ``mov``, ``mul.lo``, ``shf.l.wrap``,
+(``and``, ``shr``, ``shl``, ``prmt``, ``lop3``, ``mov``, ``mul.lo``,
 ``mul.rn.bf16x2``, with the PTX ISA's semantics), bit for bit against ``mxfp4.e2m1_values`` in
 bf16: every code at every place of a word, and random words, as quantised and packed (their
 bits placed); and ``gemm_w4wg``'s byte gather and bf16 scale multiply around it. The GPU tests
@@ -15,9 +15,8 @@ import numpy as np
 import torch
 
 from gemmtune.kernels import mxfp4
-from gemmtune.kernels.triton._e2m1_ptx import (E2M1_TO_BF16_ASM, MAGNITUDE_TURN,
-                                               PLACED_REGISTER_ASM, PLACED_TO_BF16_ASM,
-                                               SCALE_BF16X2_ASM, SIGN_TURN)
+from gemmtune.kernels.triton._e2m1_ptx import (E2M1_TO_BF16_ASM, PLACED_TO_BF16_ASM,
+                                               SCALE_BF16X2_ASM)
 
 MASK = np.uint64(0xFFFFFFFF)
 
@@ -71,10 +70,6 @@ def run_ptx(asm: str, operands: dict[str, np.ndarray], muls=None) -> dict[str, n
             out = v[0] + 0 * next(iter(operands.values()))
         elif op == "mul.lo.u32":
             out = (v[0] * v[1]) & MASK
-        elif op == "shf.l.wrap.b32":  # a funnel of v[0]:v[1] (here one word: a rotation)
-            n = v[2] & np.uint64(31)
-            out = ((v[1] << n) | ((v[0] & MASK) >> ((np.uint64(32) - n) & np.uint64(31))
-                                  * (n != 0))) & MASK
         elif op == "shr.b32":
             out = (v[0] & MASK) >> v[1]
         elif op == "shl.b32":
@@ -227,22 +222,12 @@ def test_packed_words_decode_from_their_placed_bits():
     got = np.stack([out & np.uint64(0xFFFF), out >> np.uint64(16)], axis=2).reshape(-1, 8)
     np.testing.assert_array_equal(got, _expected(words))
     # the same placing as mxfp4.prepack's (a 64-byte group of one row: its 16 words)
-    codes = torch.from_numpy(words[:16].astype(np.uint32).view(np.uint8).copy()).reshape(1, 64)
+    group = words[:16].astype(np.uint32).view(np.uint8)  # 4 blocks of 16 bytes
+    codes = torch.from_numpy(group.copy()).reshape(1, 64)
     packed = mxfp4.prepack(torch.cat([codes, codes], dim=1))[0, :64].view(torch.int32)
-    transposed = words[:16].reshape(4, 4).T.reshape(16)  # word t of block j at 4 t + j
+    # word t of block j: its bytes t, t + 4, t + 8 and t + 12, stored at 4 t + j
+    gathered = group.reshape(4, 4, 4).transpose(0, 2, 1).copy().view(np.uint32).reshape(4, 4)
+    stored = gathered.T.reshape(16).astype(np.uint64)
     np.testing.assert_array_equal(packed.numpy().astype(np.int64) & 0xFFFFFFFF,
-                                  _placed(transposed).astype(np.int64))
-
-
-def test_one_register_of_a_packed_word_by_the_threads_rotations():
-    """PLACED_REGISTER_ASM with register r's rotations (MAGNITUDE_TURN and SIGN_TURN's byte r):
-    PLACED_TO_BF16_ASM's register r, bit for bit, for every r."""
-    words = _places_test_words()
-    placed = _placed(words)
-    whole = run_ptx(PLACED_TO_BF16_ASM.value, {"$4": placed})
-    for r in range(4):
-        turns = {"$2": np.uint64(MAGNITUDE_TURN.value >> 8 * r & 255) + 0 * placed,
-                 "$3": np.uint64(SIGN_TURN.value >> 8 * r & 255) + 0 * placed}
-        one = run_ptx(PLACED_REGISTER_ASM.value, {"$1": placed, **turns})
-        np.testing.assert_array_equal(one["$0"], whole[f"${r}"])
+                                  _placed(stored).astype(np.int64))
 

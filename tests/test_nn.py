@@ -15,6 +15,7 @@ from torch.nn.utils import prune
 
 import gemmtune
 import gemmtune.nn as tuned_nn
+from gemm_checks import older_packed_layout
 
 
 @pytest.fixture(autouse=True)
@@ -311,8 +312,8 @@ def test_mxfp4_weights_are_packed_where_the_table_tuned_packed_rows(tmp_path, mo
     from gemmtune.kernels import mxfp4
 
     older = {k: v for k, v in model.state_dict().items() if not k.endswith("weight_layout")}
-    # the layout's first version: the words transposed (the transpose is its own inverse)
-    older["0.weight_q"] = mxfp4.unpack_transposed(mxfp4.unpack(older["0.weight_q"]))
+    # the layout's first version: the words transposed
+    older["0.weight_q"] = older_packed_layout(mxfp4.unpack(older["0.weight_q"]), 1)
     with pytest.warns(UserWarning, match="without 0.weight_layout"):
         assert model.load_state_dict(older, strict=False).missing_keys == ["0.weight_layout",
                                                                           "1.weight_layout"]
@@ -322,19 +323,20 @@ def test_mxfp4_weights_are_packed_where_the_table_tuned_packed_rows(tmp_path, mo
     model.load_state_dict(again.state_dict())
     assert not model[0].weight_packed
     torch.testing.assert_close(model(x), again(x), rtol=0, atol=0)
-    # Saved packed by a gemmtune before bits were placed (layout 1: the words only transposed):
-    # converted to the present packed layout as it loads, and computing the same.
+    # Saved packed by an earlier gemmtune (layout 1: the words only transposed; 2: their bits
+    # placed too): converted to the present packed layout as it loads, and computing the same.
     state = plain.state_dict()
     assert int(state["0.weight_layout"]) == mxfp4.PACKED_LAYOUT
     quantised = mxfp4.unpack(state["0.weight_q"])
-    first = dict(state, **{"0.weight_q": mxfp4.unpack_transposed(quantised),
-                           "0.weight_layout": torch.tensor(1, dtype=torch.uint8)})
-    model.load_state_dict(first)
-    assert model[0].weight_packed and int(model[0].weight_layout) == mxfp4.PACKED_LAYOUT
-    assert torch.equal(mxfp4.unpack(model[0].weight_q), quantised)
-    torch.testing.assert_close(model(x), plain(x), rtol=0, atol=0)
+    for layout in (1, 2):
+        older = dict(state, **{"0.weight_q": older_packed_layout(quantised, layout),
+                               "0.weight_layout": torch.tensor(layout, dtype=torch.uint8)})
+        model.load_state_dict(older)
+        assert model[0].weight_packed and int(model[0].weight_layout) == mxfp4.PACKED_LAYOUT
+        assert torch.equal(mxfp4.unpack(model[0].weight_q), quantised)
+        torch.testing.assert_close(model(x), plain(x), rtol=0, atol=0)
     unknown = dict(state, **{"0.weight_layout": torch.tensor(7, dtype=torch.uint8)})
-    with pytest.raises(ValueError, match="0.weight_layout is 7: .* layouts \\[0, 1, 2\\]"):
+    with pytest.raises(ValueError, match="0.weight_layout is 7: .* layouts \\[0, 1, 2, 3\\]"):
         model.load_state_dict(unknown)
 
 

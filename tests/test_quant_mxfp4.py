@@ -165,16 +165,15 @@ def test_quantise_and_dequantise_inside_a_cuda_graph():
     assert torch.equal(back, quant.dequant_mxfp4(q, s))
 
 
-def _code(word: int, i: int) -> int:
-    return word >> (4 * i) & 15
-
-
-def test_prepack_moves_each_threads_words_together_places_their_bits_and_unpack_undoes_it():
-    """Within each row's 64-byte groups, word t of block j (bytes 16 j + 4 t ...) moves to word
-    4 t + j: a thread's words of 4 blocks become 16 contiguous bytes. In each word, code i's
-    magnitude bits move to bits PLACES[i][0] on and its sign to bit PLACES[i][1] (code 0 on
-    bits 6-8 and 15: a bf16's exponent-and-mantissa bits of the value times 2^-126).
-    unpack_mxfp4 gives the codes back."""
+def test_prepack_gathers_each_threads_codes_into_a_word_and_unpack_undoes_it():
+    """Word t of block j holds the block's elements 2 t + 8 r and 2 t + 8 r + 1 (r = 0-3, as
+    codes 2 r and 2 r + 1: thread t's share of an MMA operand), and within each row's 64-byte
+    groups it is stored at word 4 t + j (a thread's words of 4 blocks: 16 contiguous bytes).
+    In each word, code i's magnitude bits sit at bits PLACES[i][0] on and its sign at bit
+    PLACES[i][1] (code 0 on bits 6-8 and 15: a bf16's exponent-and-mantissa bits of the value
+    times 2^-126). unpack_mxfp4 gives the codes back, also from the layout's versions 1 and 2
+    (what older state_dicts hold)."""
+    from gemm_checks import older_packed_layout
     from gemmtune.kernels import mxfp4
 
     wq = torch.randint(0, 256, (3, 128), dtype=torch.uint8,
@@ -184,26 +183,27 @@ def test_prepack_moves_each_threads_words_together_places_their_bits_and_unpack_
     assert scales is ws and packed.shape == wq.shape and packed.is_contiguous()
     words = lambda t: [int.from_bytes(bytes(t[i:i + 4].tolist()), "little")
                        for i in range(0, t.numel(), 4)]
+    element = lambda row, e: int(wq[row, e // 2]) >> (4 * (e % 2)) & 15  # as quantised
     for row in range(3):
-        stored, quantised = words(packed[row]), words(wq[row])
+        stored = words(packed[row])
         for group in range(2):
             for j in range(4):
+                block = 32 * (4 * group + j)
                 for t in range(4):
-                    word, old = stored[group * 16 + 4 * t + j], quantised[group * 16 + 4 * j + t]
+                    word = stored[group * 16 + 4 * t + j]
                     for i, (magnitude, sign) in enumerate(mxfp4.PLACES):
-                        assert word >> magnitude & 7 == _code(old, i) & 7
-                        assert word >> sign & 1 == _code(old, i) >> 3
+                        code = element(row, block + 2 * t + 8 * (i // 2) + i % 2)
+                        assert word >> magnitude & 7 == code & 7
+                        assert word >> sign & 1 == code >> 3
     assert sorted(b for place in mxfp4.PLACES for b in (place[0], place[0] + 1, place[0] + 2,
                                                           place[1])) == list(range(32))
     unpacked, scales = quant.unpack_mxfp4(packed, ws)
     assert scales is ws and torch.equal(unpacked, wq)
-    # version 1 of the packed layout (words transposed only, what older state_dicts hold)
-    transposed = packed.clone()
-    for row in range(3):
-        transposed[row] = wq[row].reshape(2, 4, 4, 4).transpose(1, 2).reshape(128)
-    assert torch.equal(quant.unpack_mxfp4(transposed, ws, layout=1)[0], wq)
-    with pytest.raises(ValueError, match="layout=3: the packed layouts are 1"):
-        quant.unpack_mxfp4(packed, ws, layout=3)
+    for layout in (1, 2):
+        assert torch.equal(quant.unpack_mxfp4(older_packed_layout(wq, layout), ws,
+                                              layout=layout)[0], wq)
+    with pytest.raises(ValueError, match="layout=4: the packed layouts are \\(1, 2, 3\\)"):
+        quant.unpack_mxfp4(packed, ws, layout=4)
 
 
 def test_prepack_refuses_what_has_no_packed_layout():

@@ -13,6 +13,7 @@ from torch import nn
 import gemmtune
 import gemmtune.nn as tuned_nn
 import gemmtune.siblings as siblings
+from gemm_checks import older_packed_layout
 
 
 class _Block(nn.Module):
@@ -143,8 +144,7 @@ def test_a_state_dict_loads_across_fused_and_unfused_and_either_layout(monkeypat
     state = model.state_dict()
     first = dict(state)
     for name in ("q", "k", "v"):
-        # the words transposed (the transpose is its own inverse)
-        first[f"{name}.weight_q"] = mxfp4.unpack_transposed(mxfp4.unpack(state[f"{name}.weight_q"]))
+        first[f"{name}.weight_q"] = older_packed_layout(mxfp4.unpack(state[f"{name}.weight_q"]), 1)
         first[f"{name}.weight_layout"] = torch.tensor(1, dtype=torch.uint8)
     for target in (model, _block()):
         target.load_state_dict(first)

@@ -15,7 +15,7 @@ from gemmtune.families._switches import dynamo_compiling as _dynamo_compiling
 from gemmtune.families._switches import grad_enabled as _grad_enabled
 from gemmtune.families.a16w4.op import gemm_a16w4, packed_layout_tuned
 from gemmtune.families.bf16.op import bound_linear, gemm_a16w16
-from gemmtune.kernels.mxfp4 import (PACKED_LAYOUT, prepack, unpack, unpack_transposed,
+from gemmtune.kernels.mxfp4 import (PACKED_LAYOUT, PACKED_LAYOUTS, prepack, unpack,
                                     why_not_quantisable)
 from gemmtune.quant import mxfp4 as quantise_mxfp4
 from gemmtune.quant import prepack_mxfp4
@@ -107,8 +107,8 @@ class Mxfp4Linear(nn.Module):
                 raise ValueError(f"{prefix}weight_layout is {layout}: this gemmtune reads MXFP4 "
                                  f"codes saved in layouts {sorted(_LAYOUTS)} (0 as quantised, "
                                  f"{PACKED_LAYOUT} packed); save them again with it")
-            # A fused layer keeps its group's layout; codes saved in another one (or in the
-            # packed layout's first version) are converted before they are copied in.
+            # A fused layer keeps its group's layout; codes saved in another one (or in an
+            # earlier version of the packed layout) are converted before they are copied in.
             packed = self.weight_packed if self.fused is not None else layout != 0
             if layout != weight_layout_code(packed) and convertible:
                 state_dict[key] = _codes_in_layout(codes, layout, packed)
@@ -176,9 +176,9 @@ def patch_linear(model: nn.Module, quant: str | None = None) -> int:
 
 
 _MXFP4_BUFFERS = ("weight_q", "weight_scale", "weight_layout")
-# weight_layout's values: as quantised, the packed layout's first version (its words transposed,
-# codes two a byte as quantised) and its present one (bits placed too)
-_LAYOUTS = (0, 1, PACKED_LAYOUT)
+# weight_layout's values: as quantised, and the packed layout's versions (mxfp4.PACKED_LAYOUTS,
+# the last the present one)
+_LAYOUTS = (0, *PACKED_LAYOUTS)
 
 
 def weight_layout_code(packed: bool) -> int:
@@ -189,10 +189,8 @@ def weight_layout_code(packed: bool) -> int:
 
 def _codes_in_layout(codes: torch.Tensor, layout: int, packed: bool) -> torch.Tensor:
     """Codes saved in ``layout`` (``_LAYOUTS``) as quantised, or (``packed``) packed."""
-    if layout == 1:
-        codes = unpack_transposed(codes)
-    elif layout == PACKED_LAYOUT:
-        codes = unpack(codes)
+    if layout != 0:
+        codes = unpack(codes, layout)
     return prepack(codes) if packed else codes
 
 

@@ -449,13 +449,12 @@ def _check_weight(op: str, wq: torch.Tensor, w_scale: torch.Tensor) -> None:
 
 def prepack_mxfp4(wq: torch.Tensor, w_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """An MXFP4 weight (``mxfp4``'s (N, K // 2) codes and (N, K // 32) scales) in the packed
-    layout ``gemm_a16w4(..., packed=True)`` takes: within each row's groups of 128 elements the
-    codes' 4-byte words are reordered so that the register-direct kernel (``triton.w4frag``)
-    reads each thread's codes of 4 blocks in one 16-byte load, and each word's bits placed so
-    that masks and shifts decode them (``gemmtune.kernels.mxfp4.PLACES``); the scales are
-    unchanged. K must be a multiple of 128. ``unpack_mxfp4`` undoes it. Codes packed by a
-    gemmtune from before the bits were placed (the packed layout's version 1: the words only
-    transposed) read back with ``unpack_mxfp4(wq, w_scale, layout=1)``."""
+    layout ``gemm_a16w4(..., packed=True)`` and ``gemm_a4w4_blockscale(..., packed=True)``
+    take: each 4-byte word holds what one thread of the MMA's quad multiplies of a block, a
+    thread's words of 4 blocks are 16 contiguous bytes (one load), and each word's bits are
+    placed so that masks and shifts decode them (``gemmtune.kernels.mxfp4.prepack``); the
+    scales are unchanged. K must be a multiple of 128. ``unpack_mxfp4`` undoes it, also for
+    codes packed by an earlier gemmtune (``layout``: the version they were saved in)."""
     _check_weight("prepack_mxfp4", wq, w_scale)
     return _mx.prepack(wq), w_scale
 
@@ -463,10 +462,11 @@ def prepack_mxfp4(wq: torch.Tensor, w_scale: torch.Tensor) -> tuple[torch.Tensor
 def unpack_mxfp4(wq: torch.Tensor, w_scale: torch.Tensor,
                  layout: int = _mx.PACKED_LAYOUT) -> tuple[torch.Tensor, torch.Tensor]:
     """A weight ``prepack_mxfp4`` packed, as ``mxfp4`` made it: codes (N, K // 2) and the
-    (unchanged) scales. ``layout`` 1: codes packed in the layout's first version (by a
-    gemmtune from before its bits were placed)."""
+    (unchanged) scales. ``layout``: the packed layout's version the codes were packed in
+    (``gemmtune.kernels.mxfp4.PACKED_LAYOUTS``; 1 and 2 by a gemmtune from before 3)."""
     _check_weight("unpack_mxfp4", wq, w_scale)
-    if layout not in (1, _mx.PACKED_LAYOUT):
-        raise ValueError(f"unpack_mxfp4: layout={layout}: the packed layouts are 1 (words "
-                         f"transposed) and {_mx.PACKED_LAYOUT} (their bits placed too)")
-    return (_mx.unpack_transposed(wq) if layout == 1 else _mx.unpack(wq)), w_scale
+    if layout not in _mx.PACKED_LAYOUTS:
+        raise ValueError(f"unpack_mxfp4: layout={layout}: the packed layouts are "
+                         f"{_mx.PACKED_LAYOUTS} (1 words transposed, 2 their bits placed too, "
+                         f"3 their bytes gathered first)")
+    return _mx.unpack(wq, layout), w_scale

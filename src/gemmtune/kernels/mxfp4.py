@@ -33,16 +33,21 @@ MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 # The packed layout (``prepack``) reorders each row's codes within groups of this many elements
 # of K (64 bytes: 4 blocks of 16).
 PACK_GROUP = 128
-# Where a packed 32-bit word puts each of its 8 codes (code i: elements 8 t + i of its block):
-# (the bit its 3 magnitude bits start at, its sign bit). Code 2 r lands, by one mask, or by a
+# Where a packed 32-bit word puts each of its 8 codes (word t of a block holds its elements
+# 2 t + 8 r and 2 t + 8 r + 1 as codes 2 r and 2 r + 1, the MMA operand fragment of thread t
+# of a quad): (the bit its 3 magnitude bits start at, its sign bit). Code 2 r lands, by one mask, or by a
 # shift or two and a mask, on bits 6-8 and 15 of a bf16 (the exponent's low two bits and the
 # mantissa's top one: the value times 2^-126), code 2 r + 1 on bits 22-24 and 31: register r
 # of the decode (``_e2m1_ptx.PLACED_TO_BF16_ASM``) shifts the word left 0, 3, 6 (the signs 1)
 # or right 3 (the signs left 2).
 PLACES = ((6, 15), (22, 31), (3, 12), (19, 28), (0, 14), (16, 30), (9, 13), (25, 29))
-# The packed layout's version, as ``nn.Mxfp4Linear``'s state_dict records it: 1 the words only
-# transposed (codes two a byte, as quantised), 2 their bits placed too (``PLACES``)
-PACKED_LAYOUT = 2
+# The packed layout's versions, as ``nn.Mxfp4Linear``'s state_dict records them: 1 the words
+# only transposed (codes two a byte, as quantised), 2 their bits placed too (``PLACES``), 3 a
+# word's bytes gathered first (word t of a block: its bytes t, t + 4, t + 8 and t + 12), so that
+# a word is one thread's fragment of the MMA operand. ``PACKED_LAYOUT`` is what ``prepack``
+# writes.
+PACKED_LAYOUTS = (1, 2, 3)
+PACKED_LAYOUT = 3
 
 
 def why_not_quantisable(k: int) -> str | None:
@@ -125,24 +130,26 @@ def why_not_packable(k: int) -> str | None:
 
 
 def prepack(codes: torch.Tensor) -> torch.Tensor:
-    """``quantize``'s codes (N, K // 2) in the register-direct kernels' packed layout: within
-    each row's 64-byte groups (128 elements, 4 blocks of 16 bytes), 4-byte word t of block j
-    moves to word 4 t + j, so the 4 words one thread multiplies (word t of each block) are 16
-    contiguous bytes; and each word's 8 codes have their bits placed as ``PLACES`` says.
-    ``unpack`` undoes both. The scales keep their layout."""
-    return _place_bits(_transpose_words(codes, "prepack"))
+    """``quantize``'s codes (N, K // 2) in the register-direct kernels' packed layout: in each
+    16-byte block, word t gathers bytes t, t + 4, t + 8 and t + 12 (elements 2 t + 8 r and
+    2 t + 8 r + 1, r = 0-3: what thread t of a quad holds of an MMA operand); within each
+    row's 64-byte groups (128 elements, 4 blocks), word t of block j moves to word 4 t + j, so
+    the 4 words one thread multiplies (word t of each block) are 16 contiguous bytes; and each
+    word's 8 codes have their bits placed as ``PLACES`` says. ``unpack`` undoes all three. The
+    scales keep their layout."""
+    return _place_bits(_transpose_words(_transpose_bytes(codes, "prepack"), "prepack"))
 
 
-def unpack(packed: torch.Tensor) -> torch.Tensor:
-    """``prepack``'s inverse: packed codes (N, K // 2) as ``quantize`` makes them."""
+def unpack(packed: torch.Tensor, layout: int = PACKED_LAYOUT) -> torch.Tensor:
+    """``prepack``'s inverse: packed codes (N, K // 2) as ``quantize`` makes them; ``layout``
+    an earlier version of the packed layout (``PACKED_LAYOUTS``) that codes were saved in."""
+    if layout not in PACKED_LAYOUTS:
+        raise ValueError(f"unpack: layout={layout}: the packed layouts are {PACKED_LAYOUTS} "
+                         f"(1 words transposed, 2 their bits placed too, 3 their bytes gathered "
+                         f"first)")
     _check_packable(packed, "unpack")
-    return _transpose_words(_unplace_bits(packed), "unpack")
-
-
-def unpack_transposed(packed: torch.Tensor) -> torch.Tensor:
-    """Codes in the packed layout's version 1 (the words transposed, bits as quantised: what
-    gemmtune packed before version 2) as ``quantize`` makes them."""
-    return _transpose_words(packed, "unpack")
+    codes = _transpose_words(packed if layout == 1 else _unplace_bits(packed), "unpack")
+    return _transpose_bytes(codes, "unpack") if layout == 3 else codes
 
 
 def _check_packable(codes: torch.Tensor, caller: str) -> None:
@@ -158,6 +165,15 @@ def _transpose_words(codes: torch.Tensor, caller: str) -> torch.Tensor:
     n, half_k = codes.shape
     groups = codes.reshape(n, half_k // 64, 4, 4, 4)  # (row, group, block j, word t, byte i)
     return groups.transpose(2, 3).reshape(n, half_k).contiguous()
+
+
+def _transpose_bytes(codes: torch.Tensor, caller: str) -> torch.Tensor:
+    """Byte i of word t of each 16-byte block <-> byte t of word i (a 4 x 4 transpose: its own
+    inverse)."""
+    _check_packable(codes, caller)
+    n, half_k = codes.shape
+    blocks = codes.reshape(n, half_k // 16, 4, 4)  # (row, block, word t, byte i)
+    return blocks.transpose(2, 3).reshape(n, half_k).contiguous()
 
 
 # The bits are moved in int32 (two's complement: a shift right then a mask takes bits out

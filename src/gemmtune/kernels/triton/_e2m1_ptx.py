@@ -64,23 +64,6 @@ lop3.b32 t, t, b, 0x80008000, 0xF8;
 mul.rn.bf16x2 $3, t, c;
 }""")
 
-# One register of that decode, chosen per thread: the word $1 rotated left by $2 for the
-# magnitudes (0, 3, 6 or 29 for registers 0-3) and by $3 for the signs (0, 3, 1, 2), masked,
-# times 2^126.
-PLACED_REGISTER_ASM = tl.constexpr("""{
-.reg .b32 a, b, c;
-shf.l.wrap.b32 a, $1, $1, $2;
-shf.l.wrap.b32 b, $1, $1, $3;
-and.b32 a, a, 0x01C001C0;
-lop3.b32 a, a, b, 0x80008000, 0xF8;
-mov.b32 c, 0x7E807E80;
-mul.rn.bf16x2 $0, a, c;
-}""")
-# Rotations of PLACED_REGISTER_ASM for register r: magnitudes MAGNITUDE_TURN >> 8 r & 255,
-# signs SIGN_TURN >> 8 r & 255
-MAGNITUDE_TURN = tl.constexpr(29 << 24 | 6 << 16 | 3 << 8)
-SIGN_TURN = tl.constexpr(2 << 24 | 1 << 16 | 3 << 8)
-
 # 4 registers of 2 bf16 each ($4-$7) times a pair of bf16 scales ($8): exact for every finite
 # result (bf16 has fp32's exponent range, and its subnormals reach 2^-133, below the smallest
 # scaled value 0.5 x 2^-127)
@@ -145,11 +128,3 @@ def placed_scaled_bf16(words, scale_bytes):
     r = placed_to_bf16(words)
     return scaled_bf16(r[0], r[1], r[2], r[3], scale_bytes)
 
-
-@triton.jit
-def placed_register(words, magnitude_turn, sign_turn):
-    """One register of ``placed_to_bf16`` per element: the one the rotations (int32, shaped as
-    ``words``: ``MAGNITUDE_TURN`` and ``SIGN_TURN``'s byte r for register r) pick."""
-    return tl.inline_asm_elementwise(PLACED_REGISTER_ASM, "=r,r,r,r",
-                                     [words, magnitude_turn, sign_turn], dtype=tl.int32,
-                                     is_pure=True, pack=1)

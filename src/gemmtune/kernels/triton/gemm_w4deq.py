@@ -151,13 +151,15 @@ def dequant_mxfp4_kernel(wq_ptr, ws_ptr, out_ptr, N, K, stride_wn, stride_sn, st
                          mask=in_n & in_k[None, :], other=0).to(tl.int32))[:, :, None]
     if PACKED:
         # mxfp4.prepack: in each 16-word group (4 blocks), word t of block j is stored at
-        # 4 t + j; its 8 codes are elements 8 t to 8 t + 7 of the block.
+        # 4 t + j; its codes 2 r and 2 r + 1 are elements 8 r + 2 t and 8 r + 2 t + 1 of the
+        # block.
         word = tl.arange(0, 4)
         stored = (blocks // 4 * 16 + blocks % 4)[:, None] + (word * 4)[None, :]
         words = tl.load(wq_ptr.to(tl.pointer_type(tl.int32)) + row_offsets[:, :, None]
                         * (stride_wn // 4) + stored[None, :, :],
                         mask=in_n[:, :, None] & in_k[None, :, None], other=0)
-        values = _placed_values(words, scale[:, :, :, None])
+        values = _placed_values(words, scale[:, :, :, None])  # (row, block, t, code)
+        values = tl.permute(tl.reshape(values, (BLOCK_N, BLOCKS, 4, 4, 2)), (0, 1, 3, 2, 4))
     else:
         byte = tl.arange(0, _BLOCK // 2)  # of a block: elements 2 byte and 2 byte + 1
         stored = blocks[:, None] * (_BLOCK // 2) + byte[None, :]
@@ -197,8 +199,8 @@ def dequant_mxfp4_bf16_kernel(wq_ptr, ws_ptr, out_ptr, N, K, stride_wn, stride_s
                               PACKED: tl.constexpr):
     """``dequant_mxfp4_kernel`` into bf16 by the register-decoding kernels' inline PTX: each
     32-bit word of 8 codes becomes 4 registers of bf16 pairs, times its block's scale
-    (``mul.rn.bf16x2``, exact), stored as 16 contiguous bytes. Rows 4-byte aligned (codes) and
-    out unit-stride along K."""
+    (``mul.rn.bf16x2``, exact), stored as 16 contiguous bytes (packed, once each block's pairs
+    are put in order). Rows 4-byte aligned (codes) and out unit-stride along K."""
     WORDS: tl.constexpr = BLOCK_K // 8
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     words = tl.program_id(1) * WORDS + tl.arange(0, WORDS)
@@ -207,9 +209,8 @@ def dequant_mxfp4_bf16_kernel(wq_ptr, ws_ptr, out_ptr, N, K, stride_wn, stride_s
     codes = tl.load(wq_ptr.to(tl.pointer_type(tl.int32)) + row_offsets * (stride_wn // 4)
                     + words[None, :], mask=inside, other=0)
     if PACKED:
-        # mxfp4.prepack: word 4 t + j of a 16-word group holds bytes 4 t to 4 t + 3 of the
-        # group's block j
-        first = (words // 16 * 4 + words % 4) * _BLOCK + words % 16 // 4 * 8
+        # mxfp4.prepack: word 4 t + j of a 16-word group is block j's word t
+        first = (words // 16 * 4 + words % 4) * _BLOCK
     else:
         first = words * 8  # the word's first element along K
     scale_bytes = tl.load(ws_ptr + row_offsets * stride_sn + (first // _BLOCK)[None, :],
@@ -219,9 +220,16 @@ def dequant_mxfp4_bf16_kernel(wq_ptr, ws_ptr, out_ptr, N, K, stride_wn, stride_s
     else:
         tables = e2m1_tables(tl.zeros_like(codes) + (K >> 31))  # K >> 31 is 0, unknown
         r = e2m1_scaled_bf16(codes, tables, scale_bytes)
-    # register i holds elements 2 i and 2 i + 1: in order along the last axis
+    # register i holds elements 2 i and 2 i + 1 (packed: 8 i + 2 t and 8 i + 2 t + 1 of word
+    # t of a block): in order along the last axis
     pairs = tl.reshape(tl.join(tl.join(r[0], r[2]), tl.join(r[1], r[3])),
                        (BLOCK_N, WORDS, 4))
+    if PACKED:
+        # (row, group, t, j, i) -> (row, group, j, i, t): each block's pairs in order, then
+        # stored as words as quantised would be (inside or not by the group, as before)
+        pairs = tl.reshape(tl.permute(tl.reshape(pairs, (BLOCK_N, WORDS // 16, 4, 4, 4)),
+                                      (0, 1, 3, 4, 2)), (BLOCK_N, WORDS, 4))
+        first = words * 8
     offsets = row_offsets[:, :, None] * (stride_on // 2) + (first // 2)[None, :, None] \
         + tl.arange(0, 4)[None, None, :]
     tl.store(out_ptr.to(tl.pointer_type(tl.int32)) + offsets, pairs, mask=inside[:, :, None])

@@ -15,16 +15,24 @@ multiplies and 4 bf16 multiplies: 0.99-1.19x, 1.095x geomean on an H200) makes t
 layout (exact: E2M1 values are 0-6 with one mantissa bit); x's 32 x BLOCK_M block comes in the
 B layout; ``mma.sync`` multiplies them from zero into fp32, and the product is scaled by the
 block's power of two (of x's row too, for MXFP4 x) in fp32, exact for every scale byte, before
-its add. A NaN scale (byte 255) makes its row's outputs NaN. There is no shared memory in the
-loop and no barrier.
+its add. A NaN scale (byte 255) makes its row's outputs NaN. As quantised, there is no shared
+memory in the loop and no barrier.
 
 Both operands use the MMA's K order with 8 consecutive elements a thread (``k_width`` 8): the
-sum over K is the same in any order, so w's codes load as one 32-bit word a row and block (or,
-packed by ``mxfp4.prepack``, a thread's words of 4 blocks in one 16-byte load), x's as 16-byte
-vectors (MXFP4 x: a word), and a row's scale bytes of 4 blocks as one word. The loop takes two
-groups of 4 blocks an iteration in a software pipeline (each group's loads issued while the
-group before it is multiplied); many small programs (about 60-100 registers a thread) keep
-the weight stream wide.
+sum over K is the same in any order, so w's codes load as one 32-bit word a row and block, x's
+as 16-byte vectors (MXFP4 x: a word), and a row's scale bytes of 4 blocks as one word. The loop
+takes two groups of 4 blocks an iteration in a software pipeline (each group's loads issued
+while the group before it is multiplied); many small programs (about 60-100 registers a
+thread) keep the weight stream wide.
+
+Packed by ``mxfp4.prepack``, a thread's words of 4 blocks come in one 16-byte load, each word
+holding the block's elements 8 r + 2 t and 8 r + 2 t + 1 (r = 0-3): the MMA's natural fragment
+(``k_width`` 2), what ``triton.w4wg``'s warpgroup MMA takes too, so that one layout serves both
+kernels. x must then come in K order, which global loads straight into registers would take 4
+bytes at a time: it goes through shared memory instead, a group of 4 blocks at a time, loaded
+once a program (not once a warp) while the group before it multiplies, stored once every warp
+has read the slot (a barrier a group) and read by ``ldmatrix``; MXFP4 x's codes are decoded
+as they are stored (once a program instead of once a warp).
 
 Why: the ``tl.dot_scaled`` route (``triton.w4`` DS1) spends about 11 instructions a weight
 element in its scale broadcast and layout changes and reached 0.6 TB/s; Triton's own E2M1
@@ -51,7 +59,7 @@ from gemmtune.kernels.triton import _checks
 from gemmtune.kernels.triton._replay import KernelCall, launch
 from gemmtune.kernels.triton._splits import (PDL_OFF, pdl_supported, split_for,
                                              why_not_wait_pdl, workspace)
-from gemmtune.kernels.triton._swapped import (BLOCK_N, NUM_WARPS, finish_tile,
+from gemmtune.kernels.triton._swapped import (BLOCK_N, NUM_WARPS, barrier, finish_tile,
                                               partials_per_load, release_then_wait,
                                               split_steps, why_not_add_splits, why_not_grid,
                                               why_not_here)
@@ -274,7 +282,8 @@ def _e2m1_codes(words, tables, PLACED: gl.constexpr):
 @gluon.jit
 def e2m1_to_bf16(words, tables, PLACED: gl.constexpr):
     """(R, T) int32 words of 8 codes each -> (R, 8 T) bf16: word t's codes are elements 8 t to
-    8 t + 7, in the word's thread (``PLACED``: as ``_e2m1_codes``)."""
+    8 t + 7 (the MMA's K order, whichever K of w they are), in the word's thread (``PLACED``:
+    as ``_e2m1_codes``)."""
     # (R, T, i // 4, ..., i % 2)
     codes = gl.permute(_e2m1_codes(words, tables, PLACED), [0, 1, 4, 3, 2])
     return gl.reshape(codes, [words.shape[0], 8 * words.shape[1]])
@@ -297,15 +306,107 @@ def _add_block(acc, words, scale, x, x_scale, a_layout: gl.constexpr, b_layout: 
     thread's 8 codes of a row), ``scale`` (64,) fp32, ``x`` x's words (``_load_x``); with
     ``X_MXFP4`` x's codes, ``x_scale`` (BLOCK_M,) fp32 their scales (else unused). ``tables``:
     e2m1_tables for w's words and for x's."""
-    w = gl.convert_layout(e2m1_to_bf16(words, tables[0], PACKED), a_layout, assert_trivial=True)
-    # From zero per block: the block's scales multiply its product exactly in fp32.
+    if PACKED:
+        w = gl.convert_layout(_in_k_order(_e2m1_codes(words, tables[0], True)), a_layout,
+                              assert_trivial=True)
+    else:
+        w = gl.convert_layout(e2m1_to_bf16(words, tables[0], False), a_layout,
+                              assert_trivial=True)
+    # From zero per block: the block's scales multiply its product exactly in fp32. Packed,
+    # x is already the B operand (from shared memory, ``_x_blocks``; MXFP4 x's codes decoded).
+    if PACKED:
+        xb = x
+    elif X_MXFP4:
+        xb = _x_codes_bf16(x, tables[1], b_layout)
+    else:
+        xb = _x_bf16(x, b_layout)
+    product = mma_v2(w, xb, gl.zeros_like(acc))
     if X_MXFP4:
-        product = mma_v2(w, _x_codes_bf16(x, tables[1], b_layout), gl.zeros_like(acc))
         acc = acc + product * (scale[:, None] * x_scale[None, :])
     else:
-        product = mma_v2(w, _x_bf16(x, b_layout), gl.zeros_like(acc))
         acc = acc + product * scale[:, None]
     return acc
+
+
+@gluon.jit
+def _in_k_order(codes):
+    """(R, T, 2, 2, 2) bf16 codes of words that hold elements 8 r + 2 t and 8 r + 2 t + 1 of a
+    block as codes 2 r and 2 r + 1 (the packed layout's, ``_e2m1_codes``'s order) -> (R, 8 T)
+    in K order (the MMA's natural fragments, ``k_width`` 2)."""
+    # (R, t, i % 2, r % 2, r // 2) -> (R, r // 2, r % 2, t, i % 2)
+    codes = gl.permute(codes, [0, 4, 3, 1, 2])
+    return gl.reshape(codes, [codes.shape[0], 8 * codes.shape[3]])
+
+
+@gluon.constexpr_function
+def _x_tile_layout(warps, x_mxfp4):
+    """x's group (4 blocks x BLOCK_M rows, 32 elements) as the program's threads load it: bf16
+    16 bytes a thread, a row's block over 4 threads; MXFP4 x's (.., 4) words of 8 codes, one a
+    thread."""
+    return gl.BlockedLayout([1, 1 if x_mxfp4 else 8], [8, 4], [warps, 1], [1, 0])
+
+
+@gluon.jit
+def _x_tile_pointers(x_ptr, pid_m, M, stride_xm, BLOCK_M: gl.constexpr, X_MXFP4: gl.constexpr,
+                     tile_layout: gl.constexpr):
+    """Where x's first group loads from, in ``tile_layout``: row j BLOCK_M + m is block j of
+    x's row m (rows past M read row M - 1); bf16 elements, or MXFP4 x's 32-bit code words
+    (rows 4-byte aligned: w4frag_call)."""
+    row = gl.arange(0, 4 * BLOCK_M, layout=gl.SliceLayout(1, tile_layout))
+    m = gl.minimum(pid_m * BLOCK_M + row % BLOCK_M, M - 1).to(gl.int64)
+    per_block: gl.constexpr = _x_words(X_MXFP4) if X_MXFP4 else _BLOCK
+    col = gl.arange(0, per_block, layout=gl.SliceLayout(0, tile_layout))
+    if X_MXFP4:
+        ptrs = x_ptr.to(gl.pointer_type(gl.int32)) \
+            + (m * (stride_xm // 4) + (row // BLOCK_M) * per_block)[:, None] + col[None, :]
+    else:
+        ptrs = x_ptr + (m * stride_xm + (row // BLOCK_M) * per_block)[:, None] + col[None, :]
+    return ptrs
+
+
+@gluon.jit
+def _x_in_bf16(raw, tables, X_MXFP4: gl.constexpr):
+    """A group of x as loaded (``_x_tile_pointers``) as (4 BLOCK_M, 32) bf16: MXFP4 x's codes
+    decoded (unscaled: the block's product is scaled, x's scale too, in fp32)."""
+    if X_MXFP4:
+        tile = e2m1_to_bf16(raw, tables, False)
+    else:
+        tile = raw
+    return tile
+
+
+@gluon.jit
+def _x_tile(ptrs, group, tables, X_MXFP4: gl.constexpr):
+    """Group ``group`` of x as (4 BLOCK_M, 32) bf16 (``_x_in_bf16``)."""
+    return _x_in_bf16(gl.load(ptrs + group.to(gl.int64) * _x_group_stride(X_MXFP4)), tables,
+                      X_MXFP4)
+
+
+@gluon.constexpr_function
+def _x_group_stride(x_mxfp4):
+    """How far a group of x's pointers (``_x_tile_pointers``) move along K: 128 bf16, or 16
+    words of MXFP4 codes."""
+    return 16 if x_mxfp4 else 128
+
+
+@gluon.jit
+def _x_scale_word(xs_ptrs, group, no_scales, X_MXFP4: gl.constexpr):
+    """MXFP4 x's rows' 4 scale bytes of a group as one word (else ``no_scales``)."""
+    if X_MXFP4:
+        word = gl.load(xs_ptrs + group)
+    else:
+        word = no_scales
+    return word
+
+
+@gluon.jit
+def _x_blocks(tile, BLOCK_M: gl.constexpr, b_layout: gl.constexpr):
+    """The 4 blocks of x's group in shared memory (``tile``: block j's rows at j BLOCK_M) as
+    B operands (32, BLOCK_M) in K order."""
+    return (tile.slice(0, BLOCK_M).permute((1, 0)).load(b_layout),
+            tile.slice(BLOCK_M, BLOCK_M).permute((1, 0)).load(b_layout),
+            tile.slice(2 * BLOCK_M, BLOCK_M).permute((1, 0)).load(b_layout),
+            tile.slice(3 * BLOCK_M, BLOCK_M).permute((1, 0)).load(b_layout))
 
 
 @gluon.jit
@@ -383,14 +484,10 @@ def _load_group(w_ptrs, s_ptrs, group, PACKED: gl.constexpr, word_layout: gl.con
 @gluon.jit
 def _load_x_group(x_ptrs, xs_ptrs, group, no_scales, X_MXFP4: gl.constexpr):
     """x's 4 blocks of a group (``_load_x``) and, with ``X_MXFP4``, its rows' 4 scale bytes as
-    one word (else ``no_scales``, zeros; ``xs_ptrs`` unused)."""
-    if X_MXFP4:
-        x_word = gl.load(xs_ptrs + group)
-    else:
-        x_word = no_scales
+    one word (``_x_scale_word``)."""
     return (_load_x(x_ptrs, group * 4, X_MXFP4), _load_x(x_ptrs, group * 4 + 1, X_MXFP4),
             _load_x(x_ptrs, group * 4 + 2, X_MXFP4), _load_x(x_ptrs, group * 4 + 3, X_MXFP4),
-            x_word)
+            _x_scale_word(xs_ptrs, group, no_scales, X_MXFP4))
 
 
 @gluon.constexpr_function
@@ -475,8 +572,12 @@ def gemm_w4frag_kernel(
     # Each thread's 8 codes of a row and block (one 32-bit word, thread t of a row's 4 holding
     # word t of its 32-element block) become the A operand's 8 consecutive bf16; x's B operand
     # takes the same K order. Rows g and g + 8 of a warp's 16 (lane = 4 g + t), as the MMA's.
-    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=8)
-    b_layout: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=8)
+    # Packed, a word holds the block's elements 8 r + 2 t and 8 r + 2 t + 1: the MMA's natural
+    # fragments, the operands in K order (k_width 2).
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma,
+                                                 k_width=2 if PACKED else 8)
+    b_layout: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma,
+                                                 k_width=2 if PACKED else 8)
     word_layout: gl.constexpr = _word_layout(WARPS_HERE)
     # A packed group (64 rows, 16 stored words): each thread's 4 contiguous words (its word of
     # each of 4 blocks) of rows g and g + 8.
@@ -512,11 +613,10 @@ def gemm_w4frag_kernel(
     # mask in the loop.
     x_layout: gl.constexpr = _x_layout(BLOCK_M, X_MXFP4, WARPS_HERE)
     X_ROW_WORDS: gl.constexpr = _x_words(X_MXFP4)
-    X_PER_WORD: gl.constexpr = _x_per_word(X_MXFP4)
     xm = gl.minimum(pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, x_layout)),
                     M - 1)
     x_ptrs = x_ptr.to(gl.pointer_type(gl.int32)) \
-        + xm.to(gl.int64)[None, :] * (stride_xm // X_PER_WORD) \
+        + xm.to(gl.int64)[None, :] * (stride_xm // _x_per_word(X_MXFP4)) \
         + gl.arange(0, X_ROW_WORDS, layout=gl.SliceLayout(1, x_layout))[:, None]
     # MXFP4 x's scale bytes of a step, a row, as one word (as w's)
     xsm = gl.minimum(pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma)),
@@ -530,7 +630,37 @@ def gemm_w4frag_kernel(
     # K >> 31 is 0 (K > 0), unknown to the compiler; x's only used with MXFP4 x
     tables = (e2m1_tables(gl.full([_BN, 4], 0, gl.int32, word_layout) + (K >> 31)),
               e2m1_tables(gl.full([X_ROW_WORDS, BLOCK_M], 0, gl.int32, x_layout) + (K >> 31)))
-    if SCALE_BYTES == 4:
+    if PACKED:
+        # x in K order through shared memory, a group of 4 blocks a slot, two slots: the
+        # program's threads load the group ahead while this one multiplies (bf16 x 16 bytes
+        # each; MXFP4 x a word of 8 codes each, decoded once a program instead of once a warp)
+        # and store it once every warp has read its slot (a barrier a group); each warp reads
+        # its B operands by ldmatrix. x crosses L1 once a program, not once a warp. A group an
+        # iteration: two, as below, took more registers and lost up to 1.4x (H200).
+        tile_layout: gl.constexpr = _x_tile_layout(WARPS_HERE, X_MXFP4)
+        tiles = gl.allocate_shared_memory(gl.bfloat16, [2, 4 * BLOCK_M, _BLOCK],
+                                          gl.SwizzledSharedLayout(8, 2, 4, [1, 0]))
+        tile_ptrs = _x_tile_pointers(x_ptr, pid_m, M, stride_xm, BLOCK_M, X_MXFP4, tile_layout)
+        x_tables = e2m1_tables(gl.full([4 * BLOCK_M, _x_words(X_MXFP4)], 0, gl.int32,
+                                       tile_layout) + (K >> 31))
+        g_lo = step_lo * (BLOCKS // 4)
+        last = step_hi * (BLOCKS // 4) - 1
+        word, c0, c1, c2, c3 = _load_group(w_ptrs, s_ptrs, g_lo, PACKED, word_layout)
+        xw = _x_scale_word(xs_ptrs, g_lo, no_scales, X_MXFP4)
+        tiles.index(0).store(_x_tile(tile_ptrs, g_lo, x_tables, X_MXFP4))
+        for group in range(g_lo, last + 1):
+            ahead = gl.minimum(group + 1, last)
+            word_b, b0, b1, b2, b3 = _load_group(w_ptrs, s_ptrs, ahead, PACKED, word_layout)
+            xw_b = _x_scale_word(xs_ptrs, ahead, no_scales, X_MXFP4)
+            x_ahead = gl.load(tile_ptrs + ahead.to(gl.int64) * _x_group_stride(X_MXFP4))
+            slot = (group - g_lo) % 2
+            barrier()  # the slot's stores done, and the other slot's reads
+            x0, x1, x2, x3 = _x_blocks(tiles.index(slot), BLOCK_M, b_layout)
+            acc, nan_seen = _add_group(acc, nan_seen, word, c0, c1, c2, c3, x0, x1, x2, x3, xw,
+                                       a_layout, b_layout, tables, X_MXFP4, PACKED)
+            tiles.index(1 - slot).store(_x_in_bf16(x_ahead, x_tables, X_MXFP4))
+            word, c0, c1, c2, c3, xw = word_b, b0, b1, b2, b3, xw_b
+    elif SCALE_BYTES == 4:
         # Groups of 4 blocks, two an iteration in a software pipeline: each group's loads
         # (w's, the HBM stream, and up to 16 rows of x's) are issued before the group ahead of
         # it is multiplied; 32 rows of x load as their group starts (held a group longer,
@@ -557,7 +687,7 @@ def gemm_w4frag_kernel(
             if group < last:
                 if not X_AHEAD:
                     y0, y1, y2, y3, yw = _load_x_group(x_ptrs, xs_ptrs, group + 1, no_scales,
-                                                     X_MXFP4)
+                                                       X_MXFP4)
                 acc, nan_seen = _add_group(acc, nan_seen, word_b, b0, b1, b2, b3, y0, y1, y2,
                                            y3, yw, a_layout, b_layout, tables, X_MXFP4,
                                            PACKED)

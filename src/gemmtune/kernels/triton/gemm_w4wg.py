@@ -10,12 +10,10 @@ and each refilled once every warp has read it. w never goes through shared memor
 quad load the same bytes, from L1) and three PRMTs gather its own bytes t, t + 4, t + 8 and
 t + 12 (t its place in the quad), which are exactly the codes of the A operand's natural
 fragment (k_width 2: rows g and g + 8, K 2t, 2t + 1, 2t + 8, 2t + 9 of each 16). The E2M1
-decode is ``triton.w4frag``'s inline PTX. Packed (``mxfp4.prepack``: each word's bits placed),
-no gather: register t of each word's decode holds those codes, taken out of the word by two
-rotations chosen per thread, a mask and a ``lop3``, times 2^126 (``placed_register``; 5-10%
-slower than the gather on an H200, docs/benchmarks.md, session 35). The block's scale then
-multiplies the 8 values in
-bf16 (``mul.rn.bf16x2``), exact for every finite result: bf16 has fp32's exponent range and
+decode is ``triton.w4frag``'s inline PTX. Packed (``mxfp4.prepack``), a block's word t is
+already those codes, its bits placed: each thread loads only its own words (a step's 2 in one
+8-byte load) and decodes them by masks and shifts, no gather. The block's scale then
+multiplies the 8 values in bf16 (``mul.rn.bf16x2``), exact for every finite result: bf16 has fp32's exponent range and
 its subnormals reach 2^-133, below the smallest scaled value (0.5 x 2^-127). A NaN scale
 (byte 255) makes its block NaN and so its row's outputs. The MMA accumulates in fp32 over all
 of K, the scales already in: a weight too large for fp32 (from 4 x 2^126) is infinite, as in
@@ -33,8 +31,9 @@ registers written while an MMA runs make ptxas serialise every MMA (its C7513), 
 compile test checks does not happen.
 
 Rows of w past N read row N - 1 and x's past M read TMA's zeros; neither is stored. w as
-quantised (a block's 16 bytes in one load) or in ``mxfp4.prepack``'s layout (a step's word t of
-both its blocks in one 8-byte load); K a multiple of 64 (a step; packed, of 128).
+quantised (a block's 16 bytes in one load) or in ``mxfp4.prepack``'s layout (the thread's
+word of both blocks of a step in one 8-byte load); K a multiple of 64 (a step; packed, of
+128).
 Hopper (sm_90) only, compiled (Gluon does not run in Triton's interpreter); bf16 x only (the
 scale multiply and the MMA are bf16).
 """
@@ -56,8 +55,8 @@ from gemmtune.kernels.triton import _checks
 from gemmtune.kernels.triton._mxfp4_calls import scaled_launcher, validated_launch
 from gemmtune.kernels.triton._replay import KernelCall, launch
 from gemmtune.kernels.triton._swapped import barrier, why_not_here
-from gemmtune.kernels.triton._e2m1_ptx import (MAGNITUDE_TURN, SIGN_TURN, e2m1_scaled_bf16,
-                                               e2m1_tables, placed_register, scaled_bf16)
+from gemmtune.kernels.triton._e2m1_ptx import (e2m1_scaled_bf16, e2m1_tables,
+                                               placed_scaled_bf16)
 from gemmtune.kernels.triton.gemm_w4frag import _halves
 
 KERNEL_PREFIX = "triton.w4wg"
@@ -190,17 +189,14 @@ def _row_bases(block_n, warps):
 
 
 @gluon.constexpr_function
-def _words_layout(block_n, warps, blocks_first=False):
-    """A step's code words of w, (BLOCK_N, 2 blocks, 4 places in a quad, 4 words of a block):
-    thread 4 g + t of a warp holds all 4 words of both blocks of its rows (``_row_bases``), its
-    quad's 4 threads the same words, at their own place t. In registers the words of a block
-    come first (as quantised, a block's 16 bytes are contiguous) or, ``blocks_first``, the
-    blocks of a word (packed, word t of a step's 2 blocks are)."""
+def _words_layout(block_n, warps):
+    """A step's code words of w as quantised, (BLOCK_N, 2 blocks, 4 places in a quad, 4 words
+    of a block): thread 4 g + t of a warp holds all 4 words of both blocks of its rows
+    (``_row_bases``), its quad's 4 threads the same words, at their own place t; in registers
+    a block's words first (its 16 bytes are contiguous)."""
     in_regs, in_warps = _row_bases(block_n, warps)
-    words, blocks = [[0, 0, 0, 1], [0, 0, 0, 2]], [[0, 1, 0, 0]]
     return gl.DistributedLinearLayout(
-        reg_bases=(blocks + words if blocks_first else words + blocks)
-        + [[r, 0, 0, 0] for r in in_regs],
+        reg_bases=[[0, 0, 0, 1], [0, 0, 0, 2], [0, 1, 0, 0]] + [[r, 0, 0, 0] for r in in_regs],
         lane_bases=[[0, 0, 1, 0], [0, 0, 2, 0], [1, 0, 0, 0], [2, 0, 0, 0], [4, 0, 0, 0]],
         warp_bases=[[r, 0, 0, 0] for r in in_warps], block_bases=[],
         shape=[block_n, 2, 4, 4])
@@ -209,7 +205,7 @@ def _words_layout(block_n, warps, blocks_first=False):
 @gluon.constexpr_function
 def _gathered_layout(block_n, warps):
     """The gathered words, (BLOCK_N, 2 blocks, 4 places): thread 4 g + t holds its own word of
-    each block of its rows."""
+    each block of its rows (packed, as loaded: a step's 2 words of a row are contiguous)."""
     in_regs, in_warps = _row_bases(block_n, warps)
     return gl.DistributedLinearLayout(
         reg_bases=[[0, 1, 0]] + [[r, 0, 0] for r in in_regs],
@@ -223,38 +219,32 @@ _GATHER_ASM = gl.constexpr(
     "{.reg .b32 lo, hi; prmt.b32 lo, $1, $2, $5; prmt.b32 hi, $3, $4, $5; "
     "prmt.b32 $0, lo, hi, 0x5410;}")
 @gluon.jit
-def _step_words(ptrs, step, PACKED: gl.constexpr, words_layout: gl.constexpr):
-    """Step ``step``'s code words in ``words_layout``: as quantised, a row's 8 words at 8 step
-    (two 16-byte loads); packed, the step's half of its group of 16 (four 8-byte loads: word t
-    of both blocks), the registers then renamed (no instruction: the conversion is checked
-    trivial)."""
+def _step_words(ptrs, step, PACKED: gl.constexpr):
+    """Step ``step``'s code words, in the layout of ``ptrs``: as quantised, a row's 8 words at
+    8 step (two 16-byte loads, ``_words_layout``); packed, the thread's word of both blocks,
+    in the step's half of its group of 16 (one 8-byte load, ``_gathered_layout``)."""
     if PACKED:
-        words = gl.load(ptrs + ((step // 2) * 16 + (step % 2) * 2))
-    else:
-        words = gl.load(ptrs + step * 8)
-    return gl.convert_layout(words, words_layout, assert_trivial=True)
+        return gl.load(ptrs + ((step // 2) * 16 + (step % 2) * 2))
+    return gl.load(ptrs + step * 8)
 
 
 @gluon.jit
 def _decode_step(words, scale_bytes, selector, tables, a_layout: gl.constexpr,
                  gathered_layout: gl.constexpr, PACKED: gl.constexpr):
-    """A step's A operand (BLOCK_N, 64) bf16 in ``a_layout``: each thread's bytes gathered from
-    its rows' blocks (``words``), decoded, scaled by ``scale_bytes`` (BLOCK_N, 2, 4) int32.
-    Packed, each word's register of the thread's place decoded from the placed bits instead
-    (``selector``: the rotations that pick it, ``_e2m1_ptx.placed_register``)."""
-    first, second = gl.split(gl.reshape(words, [words.shape[0], 2, 4, 2, 2]))  # word % 2
-    w0, w2 = gl.split(first)
-    w1, w3 = gl.split(second)
-    w0 = gl.convert_layout(w0, gathered_layout, assert_trivial=True)
-    w1 = gl.convert_layout(w1, gathered_layout, assert_trivial=True)
-    w2 = gl.convert_layout(w2, gathered_layout, assert_trivial=True)
-    w3 = gl.convert_layout(w3, gathered_layout, assert_trivial=True)
+    """A step's A operand (BLOCK_N, 64) bf16 in ``a_layout``: as quantised, each thread's
+    bytes gathered from its rows' blocks (``words``; ``selector``, the PRMT's) and decoded;
+    packed, each thread's own words decoded from their placed bits (mxfp4.prepack); scaled by
+    ``scale_bytes`` (BLOCK_N, 2, 4) int32."""
     if PACKED:
-        r = scaled_bf16(placed_register(w0, selector[0], selector[1]),
-                        placed_register(w1, selector[0], selector[1]),
-                        placed_register(w2, selector[0], selector[1]),
-                        placed_register(w3, selector[0], selector[1]), scale_bytes)
+        r = placed_scaled_bf16(words, scale_bytes)
     else:
+        first, second = gl.split(gl.reshape(words, [words.shape[0], 2, 4, 2, 2]))  # word % 2
+        w0, w2 = gl.split(first)
+        w1, w3 = gl.split(second)
+        w0 = gl.convert_layout(w0, gathered_layout, assert_trivial=True)
+        w1 = gl.convert_layout(w1, gathered_layout, assert_trivial=True)
+        w2 = gl.convert_layout(w2, gathered_layout, assert_trivial=True)
+        w3 = gl.convert_layout(w3, gathered_layout, assert_trivial=True)
         mine = gl.inline_asm_elementwise(_GATHER_ASM, "=r,r,r,r,r,r",
                                          [w0, w1, w2, w3, selector], dtype=gl.int32,
                                          is_pure=True, pack=1)
@@ -269,7 +259,7 @@ def _decode_step(words, scale_bytes, selector, tables, a_layout: gl.constexpr,
 
 @gluon.jit
 def _issue(acc, a, i, x_ring, ready, w_ptrs, s_ptrs, steps, STAGES: gl.constexpr,
-           PACKED: gl.constexpr, words_layout: gl.constexpr):
+           PACKED: gl.constexpr):
     """Step i's MMA (A operand ``a``) on x's slot, once TMA has filled it, then the loads of
     step i + 2's words and scale bytes (the last steps load the final one again: no branch).
     Returns the accumulator (the MMA running) and those words and bytes."""
@@ -277,7 +267,7 @@ def _issue(acc, a, i, x_ring, ready, w_ptrs, s_ptrs, steps, STAGES: gl.constexpr
     mbarrier.wait(ready.index(slot), (i // STAGES) & 1)
     acc = warpgroup_mma(a, x_ring.index(slot).permute((1, 0)), acc, is_async=True)
     ahead = gl.minimum(i + 2, steps - 1)
-    return (acc, _step_words(w_ptrs, ahead, PACKED, words_layout),
+    return (acc, _step_words(w_ptrs, ahead, PACKED),
             gl.load(s_ptrs + ahead * 2).to(gl.int32))
 
 
@@ -298,7 +288,7 @@ def _refill(x_desc, x_ring, ready, done, steps, pid_m, BLOCK_M: gl.constexpr,
 @gluon.jit
 def _step(acc, a, i, words, scale_bytes, OVERLAP: gl.constexpr, x_desc, x_ring, ready, w_ptrs,
           s_ptrs, selector, tables, steps, pid_m, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-          PACKED: gl.constexpr, words_layout: gl.constexpr, a_layout: gl.constexpr,
+          PACKED: gl.constexpr, a_layout: gl.constexpr,
           gathered_layout: gl.constexpr):
     """Step i: its MMA and step i + 2's loads (``_issue``), the decode of step i + 1's
     (``words``) into the next A operand, and the slot's refill. ``OVERLAP``: the decode runs
@@ -306,7 +296,7 @@ def _step(acc, a, i, words, scale_bytes, OVERLAP: gl.constexpr, x_desc, x_ring, 
     ones). Returns the accumulator, the next A operand and step i + 2's words and scale
     bytes."""
     acc, words_ahead, scales_ahead = _issue(acc, a, i, x_ring, ready, w_ptrs, s_ptrs, steps,
-                                            STAGES, PACKED, words_layout)
+                                            STAGES, PACKED)
     if OVERLAP:
         a_next = _decode_step(words, scale_bytes, selector, tables, a_layout, gathered_layout,
                               PACKED)
@@ -322,14 +312,14 @@ def _step(acc, a, i, words, scale_bytes, OVERLAP: gl.constexpr, x_desc, x_ring, 
 @gluon.jit
 def _queued_step(acc, a, a_prev, i, words, scale_bytes, x_desc, x_ring, ready, w_ptrs, s_ptrs,
                  selector, tables, steps, pid_m, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-                 PACKED: gl.constexpr, words_layout: gl.constexpr, a_layout: gl.constexpr,
+                 PACKED: gl.constexpr, a_layout: gl.constexpr,
                  gathered_layout: gl.constexpr):
     """Step i with its MMA queued behind step i - 1's: once that one is done (its A operand
     ``a_prev`` free), step i + 1 decodes into its registers while this one runs, and step
     i - 1's slot is refilled. Returns the accumulator (this step's MMA still running), the next
     A operand, this one, and step i + 2's words and scale bytes."""
     acc, words_ahead, scales_ahead = _issue(acc, a, i, x_ring, ready, w_ptrs, s_ptrs, steps,
-                                            STAGES, PACKED, words_layout)
+                                            STAGES, PACKED)
     acc, a_prev = warpgroup_mma_wait(num_outstanding=1, deps=(acc, a_prev))
     a_next = _decode_step(words, scale_bytes, selector, tables, a_layout, gathered_layout,
                           PACKED)
@@ -354,7 +344,6 @@ def gemm_w4wg_kernel(
                                                   instr_shape=[16, BLOCK_M, 16])
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     words_layout: gl.constexpr = _words_layout(BLOCK_N, WARPS)
-    loaded_layout: gl.constexpr = _words_layout(BLOCK_N, WARPS, PACKED)
     gathered_layout: gl.constexpr = _gathered_layout(BLOCK_N, WARPS)
     pid_m = gl.program_id(0)  # x's blocks vary fastest: the programs of one w tile run together
     pid_n = gl.program_id(1)
@@ -370,44 +359,45 @@ def gemm_w4wg_kernel(
         _tma_load(x_desc, [pid_m * BLOCK_M, s * _BK], ready.index(s), x_ring.index(s),
                   pred=pred)
 
-    # w as 32-bit words (rows 16-byte aligned: w4wg_call). Rows past N read row N - 1. As
-    # quantised, word t of a step's block b is word 4 b + t of its 8; packed (mxfp4.prepack),
-    # word 4 t + b of the step's half of a 16-word group.
+    # w as 32-bit words (rows 16-byte aligned: w4wg_call). Rows past N read row N - 1.
     w_words = wq_ptr.to(gl.pointer_type(gl.int32))
-    n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, gl.SliceLayout(
-        1, gl.SliceLayout(2, gl.SliceLayout(3, loaded_layout))))
-    in_row_layout: gl.constexpr = gl.SliceLayout(0, loaded_layout)  # (block, place, word)
-    block = gl.arange(0, 2, gl.SliceLayout(1, gl.SliceLayout(2, in_row_layout)))
-    place = gl.arange(0, 4, gl.SliceLayout(0, gl.SliceLayout(2, in_row_layout)))
-    word = gl.arange(0, 4, gl.SliceLayout(0, gl.SliceLayout(1, in_row_layout)))
-    if PACKED:
-        in_row = block[:, None, None] + word[None, None, :] * 4 + place[None, :, None] * 0
-    else:
-        in_row = block[:, None, None] * 4 + word[None, None, :] + place[None, :, None] * 0
-    rows = gl.minimum(n, N - 1).to(gl.int64)
-    w_ptrs = w_words + (rows * (stride_wn // 4))[:, None, None, None] + in_row[None, :, :, :]
     # A step's 2 scale bytes of each row, in the gathered words' places
     sn = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, gl.SliceLayout(1, gl.SliceLayout(2,
                                                                                gathered_layout)))
     step_layout: gl.constexpr = gl.SliceLayout(0, gathered_layout)  # (block, place)
     sblock = gl.arange(0, 2, gl.SliceLayout(1, step_layout))
     splace = gl.arange(0, 4, gl.SliceLayout(0, step_layout))
-    s_ptrs = ws_ptr + (gl.minimum(sn, N - 1).to(gl.int64) * stride_sn)[:, None, None] \
+    s_rows = gl.minimum(sn, N - 1).to(gl.int64)
+    s_ptrs = ws_ptr + (s_rows * stride_sn)[:, None, None] \
         + (sblock[:, None] + splace[None, :] * 0)[None, :, :]
+    if PACKED:
+        # mxfp4.prepack: the thread's word of a step's block b is word 4 t + b of the step's
+        # half of a 16-word group
+        w_ptrs = w_words + (s_rows * (stride_wn // 4))[:, None, None] \
+            + (sblock[:, None] + splace[None, :] * 4)[None, :, :]
+    else:
+        # word t of a step's block b is word 4 b + t of its 8
+        n = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, gl.SliceLayout(
+            1, gl.SliceLayout(2, gl.SliceLayout(3, words_layout))))
+        in_row_layout: gl.constexpr = gl.SliceLayout(0, words_layout)  # (block, place, word)
+        block = gl.arange(0, 2, gl.SliceLayout(1, gl.SliceLayout(2, in_row_layout)))
+        place = gl.arange(0, 4, gl.SliceLayout(0, gl.SliceLayout(2, in_row_layout)))
+        word = gl.arange(0, 4, gl.SliceLayout(0, gl.SliceLayout(1, in_row_layout)))
+        in_row = block[:, None, None] * 4 + word[None, None, :] + place[None, :, None] * 0
+        rows = gl.minimum(n, N - 1).to(gl.int64)
+        w_ptrs = w_words + (rows * (stride_wn // 4))[:, None, None, None] + in_row[None, :, :, :]
     places = gl.zeros([BLOCK_N, 2, 4], gl.int32, gathered_layout) \
         + (sblock[:, None] * 0 + splace[None, :])[None, :, :]
-    if PACKED:  # the rotations that pick register t of a packed word
-        selector = ((MAGNITUDE_TURN >> (8 * places)) & 255, (SIGN_TURN >> (8 * places)) & 255)
-    else:  # PRMT's selector of byte t of two words: t | (t + 4) << 4
-        selector = places | ((places + 4) << 4)
+    # PRMT's selector of byte t of two words (as quantised): t | (t + 4) << 4
+    selector = places | ((places + 4) << 4)
     # K >> 31 is 0 (K > 0), unknown to the compiler (e2m1_tables)
     tables = e2m1_tables(gl.zeros([BLOCK_N, 2, 4], gl.int32, gathered_layout) + (K >> 31))
 
-    a = _decode_step(_step_words(w_ptrs, 0, PACKED, words_layout),
+    a = _decode_step(_step_words(w_ptrs, 0, PACKED),
                      gl.load(s_ptrs).to(gl.int32), selector, tables, a_layout, gathered_layout,
                      PACKED)
     ahead = gl.minimum(1, steps - 1)
-    words = _step_words(w_ptrs, ahead, PACKED, words_layout)
+    words = _step_words(w_ptrs, ahead, PACKED)
     scale_bytes = gl.load(s_ptrs + ahead * 2).to(gl.int32)
     acc = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, layout=mma)
     if OVERLAP == 2:
@@ -418,17 +408,17 @@ def gemm_w4wg_kernel(
         for pair in range(steps // 2):
             acc, a_odd, a, words, scale_bytes = _queued_step(
                 acc, a, a_odd, 2 * pair, words, scale_bytes, x_desc, x_ring, ready, w_ptrs,
-                s_ptrs, selector, tables, steps, pid_m, BLOCK_M, STAGES, PACKED, words_layout,
-                a_layout, gathered_layout)
+                s_ptrs, selector, tables, steps, pid_m, BLOCK_M, STAGES, PACKED, a_layout,
+                gathered_layout)
             acc, a, a_odd, words, scale_bytes = _queued_step(
                 acc, a_odd, a, 2 * pair + 1, words, scale_bytes, x_desc, x_ring, ready,
                 w_ptrs, s_ptrs, selector, tables, steps, pid_m, BLOCK_M, STAGES, PACKED,
-                words_layout, a_layout, gathered_layout)
+                a_layout, gathered_layout)
         if steps % 2:
             acc, a_odd, a, words, scale_bytes = _queued_step(
                 acc, a, a_odd, steps - 1, words, scale_bytes, x_desc, x_ring, ready, w_ptrs,
-                s_ptrs, selector, tables, steps, pid_m, BLOCK_M, STAGES, PACKED, words_layout,
-                a_layout, gathered_layout)
+                s_ptrs, selector, tables, steps, pid_m, BLOCK_M, STAGES, PACKED, a_layout,
+                gathered_layout)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
     elif OVERLAP == 1:
         # Two sets of A registers, each step's MMA reading one while the next step decodes
@@ -436,23 +426,23 @@ def gemm_w4wg_kernel(
         for pair in range(steps // 2):
             acc, a_odd, words, scale_bytes = _step(
                 acc, a, 2 * pair, words, scale_bytes, True, x_desc, x_ring, ready, w_ptrs,
-                s_ptrs, selector, tables, steps, pid_m, BLOCK_M, STAGES, PACKED, words_layout,
-                a_layout, gathered_layout)
+                s_ptrs, selector, tables, steps, pid_m, BLOCK_M, STAGES, PACKED, a_layout,
+                gathered_layout)
             acc, a, words, scale_bytes = _step(
                 acc, a_odd, 2 * pair + 1, words, scale_bytes, True, x_desc, x_ring, ready,
                 w_ptrs, s_ptrs, selector, tables, steps, pid_m, BLOCK_M, STAGES, PACKED,
-                words_layout, a_layout, gathered_layout)
+                a_layout, gathered_layout)
         if steps % 2:
             acc, a, words, scale_bytes = _step(
                 acc, a, steps - 1, words, scale_bytes, True, x_desc, x_ring, ready, w_ptrs,
-                s_ptrs, selector, tables, steps, pid_m, BLOCK_M, STAGES, PACKED, words_layout,
-                a_layout, gathered_layout)
+                s_ptrs, selector, tables, steps, pid_m, BLOCK_M, STAGES, PACKED, a_layout,
+                gathered_layout)
     else:
         for i in range(steps):
             acc, a, words, scale_bytes = _step(
                 acc, a, i, words, scale_bytes, False, x_desc, x_ring, ready, w_ptrs, s_ptrs,
-                selector, tables, steps, pid_m, BLOCK_M, STAGES, PACKED, words_layout,
-                a_layout, gathered_layout)
+                selector, tables, steps, pid_m, BLOCK_M, STAGES, PACKED, a_layout,
+                gathered_layout)
     for s in gl.static_range(STAGES):
         mbarrier.invalidate(ready.index(s))
 
