@@ -50,6 +50,7 @@ def test_names_and_candidates():
     (W4DeqConfig(32, 128, 4, 1), 96, torch.bfloat16, "multiple of 128"),
     (W4DeqConfig(32, 128, 4, 0, 2), 128, torch.bfloat16, "asm=2"),
     (W4DeqConfig(32, 128, 4, 0, 1), 128, torch.float16, "asm=1 decodes to bf16"),
+    (W4DeqConfig(32, 64, 4, 1, 1), 128, torch.bfloat16, "asm=1 reads a packed w in whole"),
 ])
 def test_configs_that_cannot_run_say_why(config, K, dtype, says):
     assert says in why_not_fits(config, 64, 64, K, dtype)

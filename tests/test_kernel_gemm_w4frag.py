@@ -124,7 +124,7 @@ def test_refuses_to_run_where_it_cannot():
     (3, 200, 4096, W4FragConfig(16, 128, 5, PDL_WAIT, 1, 1, warps=2)),
     (33, 600, 7168, W4FragConfig(32, 128, 28, 0, 1)),  # added: 28 splits, N and M ragged
     (1, 200, 7168, W4FragConfig(8, 256, 28, PDL_WAIT, 1, 1)),  # ... packed, a step a split
-    (5, 200, 4096, W4FragConfig(8, 256, 5, 0, 1, 1, warps=2)),  # packed, 2 warps, K ragged
+    (5, 200, 4096, W4FragConfig(8, 256, 5, 0, 1, 1, warps=2)),  # packed, 2 warps, uneven split
 ])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_gpu_matches_the_dequantised_reference(M, N, K, config, with_bias):

@@ -647,6 +647,11 @@ W4FRAG_SCRIPT = PTXAS_REPORT + textwrap.dedent("""
                 blocks * block_m // 8, text.count("ldmatrix")
             assert text.count("st.shared.v4.b32") == block_m // warps, \\
                 text.count("st.shared.v4")
+            # Two barriers a group: before the reads, and (Triton's: the slot is chosen at run
+            # time) between the reads and the store of the group ahead
+            first = text.find("ldmatrix")
+            assert text[:first].rsplit("st.shared", 1)[1].count("bar.sync") == 1
+            assert text[first:text.rfind("st.shared.v4")].count("bar.sync") == 1
         else:
             assert "st.shared" not in loop and "bar.sync" not in loop
         assert ("griddepcontrol.wait" in text) == pdl
@@ -676,8 +681,8 @@ W4FRAG_SCRIPT = PTXAS_REPORT + textwrap.dedent("""
 def test_register_direct_mxfp4_kernel_compiles_for_hopper():
     """triton.w4frag (Gluon) for sm_90, bf16 and MXFP4 x: the codes straight from global memory
     into mma.sync's registers (a 32-bit load a row and block), decoded by the inline PTX, no
-    shared memory or barrier in the loop, on 4 warps or 2; no spills, PDL and the splits'
-    atomics only where configured."""
+    shared memory or barrier in the loop (packed w: x through shared memory, by ldmatrix), on 4
+    warps or 2; no spills, PDL and the splits' atomics only where configured."""
     compiles_for_hopper(W4FRAG_SCRIPT)
 
 
@@ -770,8 +775,8 @@ W4WG_SCRIPT = PTXAS_REPORT + textwrap.dedent("""
             # x through TMA (each slot before the loop, its refill in it), w's blocks as 16-byte
             # loads of each of a thread's rows (2 blocks a step, loaded before the loop for 2
             # steps and in each step body: one, or two where overlap unrolls the loop (an odd
-            # K's last step loads nothing it uses); packed, one 8-byte load of the thread's words), the
-            # MMA bf16 with fp32 sums, and no shared-memory store in the loop.
+            # K's last step loads nothing it uses); packed, one 8-byte load of the thread's
+            # words), the MMA bf16 with fp32 sums, and no shared-memory store in the loop.
             assert text.count("cp.async.bulk.tensor") >= stages + 1
             rows = block_n // (8 * warps)
             loads = (2 + (2 if overlap else 1)) * rows

@@ -136,20 +136,22 @@ def test_a_state_dict_loads_across_fused_and_unfused_and_either_layout(monkeypat
     fresh.load_state_dict(model.state_dict())  # packed codes into an unfused model
     assert fresh.q.weight_packed
     torch.testing.assert_close(fresh(x), want, rtol=2e-2, atol=2e-2)
-    # Codes saved packed in the layout's first version (words only transposed) into the fused
-    # group (packed) and into an unfused model, and the group's packed codes into a group that
-    # stores them as quantised: each converted as it loads.
+    # Codes saved packed in the layout's earlier versions (1: words only transposed, 2: their
+    # bits placed too) into the fused group (packed) and into an unfused model, and the group's
+    # packed codes into a group that stores them as quantised: each converted as it loads.
     from gemmtune.kernels import mxfp4
 
     state = model.state_dict()
-    first = dict(state)
-    for name in ("q", "k", "v"):
-        first[f"{name}.weight_q"] = older_packed_layout(mxfp4.unpack(state[f"{name}.weight_q"]), 1)
-        first[f"{name}.weight_layout"] = torch.tensor(1, dtype=torch.uint8)
-    for target in (model, _block()):
-        target.load_state_dict(first)
-        assert target.q.weight_packed
-        torch.testing.assert_close(target(x), want, rtol=2e-2, atol=2e-2)
+    for layout in (1, 2):
+        older = dict(state)
+        for name in ("q", "k", "v"):
+            older[f"{name}.weight_q"] = older_packed_layout(
+                mxfp4.unpack(state[f"{name}.weight_q"]), layout)
+            older[f"{name}.weight_layout"] = torch.tensor(layout, dtype=torch.uint8)
+        for target in (model, _block()):
+            target.load_state_dict(older)
+            assert target.q.weight_packed
+            torch.testing.assert_close(target(x), want, rtol=2e-2, atol=2e-2)
     monkeypatch.setattr(siblings, "packed_layout_tuned", lambda n, k, dtype: False)
     plain = _block()
     gemmtune.fuse_siblings(plain, _x())

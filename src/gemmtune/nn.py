@@ -71,7 +71,7 @@ class Mxfp4Linear(nn.Module):
     ``weight_q`` is in the packed layout (``gemmtune.quant.prepack_mxfp4``); the buffer
     ``weight_layout`` holds the same in the state_dict (``weight_layout_code``: 0 as quantised,
     else the packed layout's version), so codes loaded from one are read in the layout they
-    were saved in (version 1's, the words only transposed, converted)."""
+    were saved in (earlier versions', 1 and 2, converted)."""
 
     in_features: int
     out_features: int

@@ -35,11 +35,11 @@ MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 PACK_GROUP = 128
 # Where a packed 32-bit word puts each of its 8 codes (word t of a block holds its elements
 # 2 t + 8 r and 2 t + 8 r + 1 as codes 2 r and 2 r + 1, the MMA operand fragment of thread t
-# of a quad): (the bit its 3 magnitude bits start at, its sign bit). Code 2 r lands, by one mask, or by a
-# shift or two and a mask, on bits 6-8 and 15 of a bf16 (the exponent's low two bits and the
-# mantissa's top one: the value times 2^-126), code 2 r + 1 on bits 22-24 and 31: register r
-# of the decode (``_e2m1_ptx.PLACED_TO_BF16_ASM``) shifts the word left 0, 3, 6 (the signs 1)
-# or right 3 (the signs left 2).
+# of a quad): (the bit its 3 magnitude bits start at, its sign bit). Code 2 r lands, by one
+# mask, or by a shift or two and a mask, on bits 6-8 and 15 of a bf16 (the exponent's low two
+# bits and the mantissa's top one: the value times 2^-126), code 2 r + 1 on bits 22-24 and 31:
+# register r of the decode (``_e2m1_ptx.PLACED_TO_BF16_ASM``) shifts the word left 0, 3, 6 (the
+# signs 1) or right 3 (the signs left 2).
 PLACES = ((6, 15), (22, 31), (3, 12), (19, 28), (0, 14), (16, 30), (9, 13), (25, 29))
 # The packed layout's versions, as ``nn.Mxfp4Linear``'s state_dict records them: 1 the words
 # only transposed (codes two a byte, as quantised), 2 their bits placed too (``PLACES``), 3 a

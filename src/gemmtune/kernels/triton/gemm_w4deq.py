@@ -93,6 +93,9 @@ def why_not_fits(config: W4DeqConfig, M: int, N: int, K: int,
         return f"asm={c.asm} must be 0 (decode in Triton) or 1 (by inline PTX, bf16 only)"
     if c.asm and dtype == torch.float16:
         return "asm=1 decodes to bf16; fp16 x takes asm=0"
+    if c.asm and c.packed and c.block_k % mxfp4.PACK_GROUP:
+        return (f"block_k={c.block_k}: asm=1 reads a packed w in whole groups of "
+                f"{mxfp4.PACK_GROUP} of K; use block_k 128 or more")
     return mxfp4.why_not_quantisable(K) or (mxfp4.why_not_packable(K) if c.packed else None)
 
 

@@ -18,12 +18,12 @@ block's power of two (of x's row too, for MXFP4 x) in fp32, exact for every scal
 its add. A NaN scale (byte 255) makes its row's outputs NaN. As quantised, there is no shared
 memory in the loop and no barrier.
 
-Both operands use the MMA's K order with 8 consecutive elements a thread (``k_width`` 8): the
-sum over K is the same in any order, so w's codes load as one 32-bit word a row and block, x's
-as 16-byte vectors (MXFP4 x: a word), and a row's scale bytes of 4 blocks as one word. The loop
-takes two groups of 4 blocks an iteration in a software pipeline (each group's loads issued
-while the group before it is multiplied); many small programs (about 60-100 registers a
-thread) keep the weight stream wide.
+As quantised, both operands use the MMA's K order with 8 consecutive elements a thread
+(``k_width`` 8): the sum over K is the same in any order, so w's codes load as one 32-bit word
+a row and block, x's as 16-byte vectors (MXFP4 x: a word), and a row's scale bytes of 4 blocks
+as one word. The loop takes two groups of 4 blocks an iteration in a software pipeline (each
+group's loads issued while the group before it is multiplied); many small programs (about
+60-100 registers a thread) keep the weight stream wide.
 
 Packed by ``mxfp4.prepack``, a thread's words of 4 blocks come in one 16-byte load, each word
 holding the block's elements 8 r + 2 t and 8 r + 2 t + 1 (r = 0-3): the MMA's natural fragment
@@ -31,7 +31,7 @@ holding the block's elements 8 r + 2 t and 8 r + 2 t + 1 (r = 0-3): the MMA's na
 kernels. x must then come in K order, which global loads straight into registers would take 4
 bytes at a time: it goes through shared memory instead, a group of 4 blocks at a time, loaded
 once a program (not once a warp) while the group before it multiplies, stored once every warp
-has read the slot (a barrier a group) and read by ``ldmatrix``; MXFP4 x's codes are decoded
+has read the slot (two barriers a group) and read by ``ldmatrix``; MXFP4 x's codes are decoded
 as they are stored (once a program instead of once a warp).
 
 Why: the ``tl.dot_scaled`` route (``triton.w4`` DS1) spends about 11 instructions a weight
@@ -303,9 +303,10 @@ def _x_codes_bf16(words, tables, b_layout: gl.constexpr):
 def _add_block(acc, words, scale, x, x_scale, a_layout: gl.constexpr, b_layout: gl.constexpr,
                tables, X_MXFP4: gl.constexpr, PACKED: gl.constexpr):
     """``acc`` plus one 32-element scale block's product: ``words`` (64, 4) int32 (each
-    thread's 8 codes of a row), ``scale`` (64,) fp32, ``x`` x's words (``_load_x``); with
-    ``X_MXFP4`` x's codes, ``x_scale`` (BLOCK_M,) fp32 their scales (else unused). ``tables``:
-    e2m1_tables for w's words and for x's."""
+    thread's 8 codes of a row), ``scale`` (64,) fp32, ``x`` x's words (``_load_x``; with
+    ``X_MXFP4`` x's codes; ``PACKED``, x's block as the B operand, ``_x_blocks``), ``x_scale``
+    (BLOCK_M,) fp32 x's scales with ``X_MXFP4`` (else unused). ``tables``: e2m1_tables for w's
+    words and for x's."""
     if PACKED:
         w = gl.convert_layout(_in_k_order(_e2m1_codes(words, tables[0], True)), a_layout,
                               assert_trivial=True)
@@ -452,9 +453,9 @@ def _add_group(acc, nan_seen, word, c0, c1, c2, c3, x0, x1, x2, x3, x_word,
                a_layout: gl.constexpr, b_layout: gl.constexpr, tables, X_MXFP4: gl.constexpr,
                PACKED: gl.constexpr):
     """``acc`` and ``nan_seen`` with a group of 4 blocks added: ``word`` the rows' 4 scale
-    bytes, c0-c3 the blocks' code words (``PACKED``: the packed layout's), x0-x3 x's blocks'
-    words, ``x_word`` x's rows' 4 scale bytes with ``X_MXFP4`` (else unused). ``nan_seen``:
-    (w's rows' flags, x's rows' flags)."""
+    bytes, c0-c3 the blocks' code words (``PACKED``: the packed layout's), x0-x3 x's blocks
+    (``_add_block``), ``x_word`` x's rows' 4 scale bytes with ``X_MXFP4`` (else unused).
+    ``nan_seen``: (w's rows' flags, x's rows' flags)."""
     acc = _add_block(acc, c0, _block_scale(word, 0), x0, _block_scale(x_word, 0), a_layout,
                      b_layout, tables, X_MXFP4, PACKED)
     acc = _add_block(acc, c1, _block_scale(word, 1), x1, _block_scale(x_word, 1), a_layout,
@@ -634,9 +635,11 @@ def gemm_w4frag_kernel(
         # x in K order through shared memory, a group of 4 blocks a slot, two slots: the
         # program's threads load the group ahead while this one multiplies (bf16 x 16 bytes
         # each; MXFP4 x a word of 8 codes each, decoded once a program instead of once a warp)
-        # and store it once every warp has read its slot (a barrier a group); each warp reads
-        # its B operands by ldmatrix. x crosses L1 once a program, not once a warp. A group an
-        # iteration: two, as below, took more registers and lost up to 1.4x (H200).
+        # and store it once every warp has read its slot; each warp reads its B operands by
+        # ldmatrix. x crosses L1 once a program, not once a warp. Two barriers a group: the
+        # one below, and one Triton adds before the store (the slot is chosen at run time, so
+        # it cannot tell the slots apart). A group an iteration: two, as below, with the slots
+        # fixed (one barrier a group), took more registers and lost up to 1.4x (H200).
         tile_layout: gl.constexpr = _x_tile_layout(WARPS_HERE, X_MXFP4)
         tiles = gl.allocate_shared_memory(gl.bfloat16, [2, 4 * BLOCK_M, _BLOCK],
                                           gl.SwizzledSharedLayout(8, 2, 4, [1, 0]))

@@ -13,11 +13,11 @@ fragment (k_width 2: rows g and g + 8, K 2t, 2t + 1, 2t + 8, 2t + 9 of each 16).
 decode is ``triton.w4frag``'s inline PTX. Packed (``mxfp4.prepack``), a block's word t is
 already those codes, its bits placed: each thread loads only its own words (a step's 2 in one
 8-byte load) and decodes them by masks and shifts, no gather. The block's scale then
-multiplies the 8 values in bf16 (``mul.rn.bf16x2``), exact for every finite result: bf16 has fp32's exponent range and
-its subnormals reach 2^-133, below the smallest scaled value (0.5 x 2^-127). A NaN scale
-(byte 255) makes its block NaN and so its row's outputs. The MMA accumulates in fp32 over all
-of K, the scales already in: a weight too large for fp32 (from 4 x 2^126) is infinite, as in
-the dequantised weight itself, and times x's zeros NaN.
+multiplies the 8 values in bf16 (``mul.rn.bf16x2``), exact for every finite result: bf16 has
+fp32's exponent range and its subnormals reach 2^-133, below the smallest scaled value
+(0.5 x 2^-127). A NaN scale (byte 255) makes its block NaN and so its row's outputs. The MMA
+accumulates in fp32 over all of K, the scales already in: a weight too large for fp32 (from
+4 x 2^126) is infinite, as in the dequantised weight itself, and times x's zeros NaN.
 
 Why: dequantising into a bf16 weight first and calling cuBLAS (``triton.w4deq``) writes and
 reads 2 bytes an element more, a third of the GEMM's time at M = 1024 (0.67x ``F.linear``,
