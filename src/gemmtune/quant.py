@@ -465,8 +465,4 @@ def unpack_mxfp4(wq: torch.Tensor, w_scale: torch.Tensor,
     (unchanged) scales. ``layout``: the packed layout's version the codes were packed in
     (``gemmtune.kernels.mxfp4.PACKED_LAYOUTS``; 1 and 2 by a gemmtune from before 3)."""
     _check_weight("unpack_mxfp4", wq, w_scale)
-    if layout not in _mx.PACKED_LAYOUTS:
-        raise ValueError(f"unpack_mxfp4: layout={layout}: the packed layouts are "
-                         f"{_mx.PACKED_LAYOUTS} (1 words transposed, 2 their bits placed too, "
-                         f"3 their bytes gathered first)")
-    return _mx.unpack(wq, layout), w_scale
+    return _mx.unpack(wq, layout, "unpack_mxfp4"), w_scale

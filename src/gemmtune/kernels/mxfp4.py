@@ -140,16 +140,18 @@ def prepack(codes: torch.Tensor) -> torch.Tensor:
     return _place_bits(_transpose_words(_transpose_bytes(codes, "prepack"), "prepack"))
 
 
-def unpack(packed: torch.Tensor, layout: int = PACKED_LAYOUT) -> torch.Tensor:
+def unpack(packed: torch.Tensor, layout: int = PACKED_LAYOUT,
+           caller: str = "unpack") -> torch.Tensor:
     """``prepack``'s inverse: packed codes (N, K // 2) as ``quantize`` makes them; ``layout``
-    an earlier version of the packed layout (``PACKED_LAYOUTS``) that codes were saved in."""
+    an earlier version of the packed layout (``PACKED_LAYOUTS``) that codes were saved in.
+    ``caller`` names the function in errors."""
     if layout not in PACKED_LAYOUTS:
-        raise ValueError(f"unpack: layout={layout}: the packed layouts are {PACKED_LAYOUTS} "
+        raise ValueError(f"{caller}: layout={layout}: the packed layouts are {PACKED_LAYOUTS} "
                          f"(1 words transposed, 2 their bits placed too, 3 their bytes gathered "
                          f"first)")
-    _check_packable(packed, "unpack")
-    codes = _transpose_words(packed if layout == 1 else _unplace_bits(packed), "unpack")
-    return _transpose_bytes(codes, "unpack") if layout == 3 else codes
+    _check_packable(packed, caller)
+    codes = _transpose_words(packed if layout == 1 else _unplace_bits(packed), caller)
+    return _transpose_bytes(codes, caller) if layout == 3 else codes
 
 
 def _check_packable(codes: torch.Tensor, caller: str) -> None:
