@@ -1,4 +1,5 @@
-"""Named kernels of an FP8 family timed against each other on given shapes, one run (issue 15).
+"""Named kernels of an FP8 family (or bf16) timed against each other on given shapes, one run
+(issue 15).
 
 Each kernel runs through the op with ``kernel=NAME`` (checked as a table row would be), all of
 a shape's kernels captured in CUDA graphs over cold copies of the operands and replayed in
@@ -27,14 +28,18 @@ from gemmtune.families import get_family
 from gemmtune.measure.timing import cold_copies, interleaved_graph_us
 
 
-# The op of each family, called with its bench's inputs (xq, wq, x_scale, w_scale).
-OPS = {"a8w8": gemmtune.gemm_a8w8, "a8w8-blockscale": gemmtune.gemm_a8w8_blockscale}
+# The op of each family, called with its bench's inputs ((xq, wq, x_scale, w_scale); bf16:
+# (x, w)), and the bench's input dtype.
+OPS = {"a8w8": gemmtune.gemm_a8w8, "a8w8-blockscale": gemmtune.gemm_a8w8_blockscale,
+       "bf16": gemmtune.gemm_a16w16}
+BENCH_DTYPES = {"bf16": "bf16"}
 
 
 def operands(family: str, m: int, n: int, k: int) -> tuple[torch.Tensor, ...]:
-    """The family's FP8 operands on fresh random data, as its bench makes them."""
+    """The family's operands (FP8; bf16 for bf16) on fresh random data, as its bench makes
+    them."""
     gen = torch.Generator(device="cuda").manual_seed(m * 7 + n * 3 + k)
-    return get_family(family).bench("fp8").inputs(m, n, k, gen)
+    return get_family(family).bench(BENCH_DTYPES.get(family, "fp8")).inputs(m, n, k, gen)
 
 
 def call(family: str, s: tuple[torch.Tensor, ...], name: str) -> torch.Tensor:

@@ -217,13 +217,14 @@ def test_gpu_mxfp4_x_matches_the_dequantised_reference(M, N, K, config, out_dtyp
 
 @on_hopper
 @pytest.mark.gpu
-@pytest.mark.parametrize("x_first", [0, 1])
-def test_gpu_every_x_code_at_every_x_scale_byte_exactly(x_first):
+@pytest.mark.parametrize("x_first, packed", [(0, 0), (1, 0), (0, 1)])
+def test_gpu_every_x_code_at_every_x_scale_byte_exactly(x_first, packed):
     """w the identity (code 1.0, scale 2^0): y is x dequantised, bit for bit, for every code of
     x at every scale byte of x (a launch per 32 rows of bytes; the NaN row, byte 255,
-    included), decoded in the loop or dequantised first. Dequantised first, an x past
-    bf16's range (bytes 253-254) is infinite before the MMA, whose sums with w's zeros make
-    its whole row NaN; decoded in the loop, the scale comes after the sums and keeps them
+    included), decoded in the loop (w as quantised, or packed: x's codes through shared
+    memory) or dequantised first. Dequantised first, an x past bf16's range (bytes 253-254) is
+    infinite before the MMA, whose sums with w's zeros make its whole row NaN (as in the fp32
+    reference's matmul); decoded in the loop, the scale comes after the sums and keeps them
     infinite."""
     from gemmtune.kernels.triton.gemm_w4frag import launch_gemm_w4frag
 
@@ -231,6 +232,8 @@ def test_gpu_every_x_code_at_every_x_scale_byte_exactly(x_first):
     eye = torch.eye(K, device=DEVICE, dtype=torch.uint8) * 2  # code 2 is 1.0
     wq = (eye[:, 0::2] | (eye[:, 1::2] << 4)).contiguous()
     w_scale = torch.full((K, K // 32), 127, dtype=torch.uint8, device=DEVICE)
+    if packed:
+        wq = quant.prepack_mxfp4(wq, w_scale)[0]
     codes = (torch.arange(K, device=DEVICE) + torch.arange(K, device=DEVICE) // 32) % 16
     for first in range(0, 256, 32):
         xq = (codes[0::2] | (codes[1::2] << 4)).to(torch.uint8).repeat(32, 1)
@@ -238,7 +241,7 @@ def test_gpu_every_x_code_at_every_x_scale_byte_exactly(x_first):
             .repeat(1, K // 32)
         out = torch.empty(32, K, dtype=torch.float32, device=DEVICE)
         launch_gemm_w4frag(xq, wq, None, out, x_scale, w_scale,
-                           W4FragConfig(32, 128, 1, x_first=x_first))
+                           W4FragConfig(32, 128, 1, x_first=x_first, packed=packed))
         expected = quant.dequant_mxfp4(xq, x_scale)
         if x_first:
             expected[expected.isinf().any(1)] = torch.nan

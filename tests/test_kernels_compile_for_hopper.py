@@ -170,8 +170,11 @@ GEMV_SCRIPT = textwrap.dedent("""
     tiled = ptx(gemv, "fp8e4nv", dict(SCALE_A=1, SCALE_B=1, USE_WORKSPACE=True, BLOCK_M=1,
                                       BLOCK_N=4, BLOCK_K=1024, STAGES=2, W_TILED=True, **common))
     for text in (*whole_k, split, tiled):
-        # w streams in 16-byte vectors, and nothing is loaded before the PDL wait.
-        assert "ld.global.v4" in text or "ld.global.nc.v4" in text
+        # w streams in 16-byte vectors (unscaled and per-token: first to leave the caches),
+        # and nothing is loaded before the PDL wait.
+        first_out = "ld.global.L1::evict_first.L2::cache_hint.v4" in text
+        assert first_out == (text is not split) and "ld.global.v4" in text.replace(
+            "L1::evict_first.L2::cache_hint.", "")
         assert -1 < text.find("griddepcontrol.wait") < text.find("ld.global")
     assert "gpu.acq_rel.add" in split and "ld.global.cg" in split
 
@@ -629,14 +632,15 @@ W4FRAG_SCRIPT = PTXAS_REPORT + textwrap.dedent("""
         loop = text[text.find("mma.sync"):text.rfind("mma.sync")]
         # Per scale block, each thread loads one 32-bit word of codes for each of its 2 rows
         # of each 16 its warp takes (4 // warps MMAs down w's 64 rows; packed: one 16-byte
-        # load a row for 4 blocks) and multiplies on mma.sync (bf16, fp32 sums). x comes
-        # straight from global memory (no shared memory in the loop), but with packed w in K
-        # order through shared memory (16-byte stores of bf16, MXFP4 x's codes decoded first,
-        # before the loop and in it; a barrier a group; ldmatrix).
+        # load a row for 4 blocks, first to evict) and multiplies on mma.sync (bf16, fp32
+        # sums). x comes straight from global memory (no shared memory in the loop), but with
+        # packed w in K order through shared memory (16-byte stores of bf16, MXFP4 x's codes
+        # decoded first, before the loop and in it; a barrier a group; ldmatrix).
         tiles = 4 // warps
         blocks = min(block_k, 128) // 32  # a step's blocks, or from 128 a group of 4 blocks
-        if packed:
-            assert text.count("ld.global.v4.b32") >= 2 * tiles * blocks // 4
+        if packed:  # w's codes first to leave L1 and L2 (x is read again, w once)
+            assert text.count("ld.global.L1::evict_first.L2::cache_hint.v4.b32") >= \
+                2 * tiles * blocks // 4
         else:
             assert text.count("ld.global.b32") >= 2 * tiles * blocks, \\
                 text.count("ld.global.b32")

@@ -473,7 +473,11 @@ def _load_group(w_ptrs, s_ptrs, group, PACKED: gl.constexpr, word_layout: gl.con
     (mxfp4.prepack), one 16-byte load a row; as quantised, a word a row and block."""
     word = gl.load(s_ptrs + group)
     if PACKED:
-        c0, c1, c2, c3 = _packed_blocks(gl.load(w_ptrs + group.to(gl.int64) * 16), word_layout)
+        # First to leave the caches: w's codes are read once, x again by every program.
+        # H200, bf16 and MXFP4 x: 1.00-1.10x the best config per shape (1.04 geomean); on
+        # weights as quantised 0.93-1.05x by config, not taken (docs/benchmarks.md, session 37).
+        codes = gl.load(w_ptrs + group.to(gl.int64) * 16, eviction_policy="evict_first")
+        c0, c1, c2, c3 = _packed_blocks(codes, word_layout)
     else:
         c0 = gl.load(w_ptrs + (group * 16).to(gl.int64))
         c1 = gl.load(w_ptrs + (group * 16 + 4).to(gl.int64))
