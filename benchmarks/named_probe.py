@@ -28,10 +28,10 @@ from gemmtune.families import get_family
 from gemmtune.measure.timing import cold_copies, interleaved_graph_us
 
 
-# The op of each family, called with its bench's inputs ((xq, wq, x_scale, w_scale); bf16:
-# (x, w)), and the bench's input dtype.
+# The op of each family, called with its bench's inputs ((xq, wq, x_scale, w_scale), the
+# pre-shuffled family's wq shuffled; bf16: (x, w)), and the bench's input dtype.
 OPS = {"a8w8": gemmtune.gemm_a8w8, "a8w8-blockscale": gemmtune.gemm_a8w8_blockscale,
-       "bf16": gemmtune.gemm_a16w16}
+       "a8w8-bpreshuffle": gemmtune.gemm_a8w8_bpreshuffle, "bf16": gemmtune.gemm_a16w16}
 BENCH_DTYPES = {"bf16": "bf16"}
 
 

@@ -169,13 +169,14 @@ GEMV_SCRIPT = textwrap.dedent("""
     # A pre-shuffled w (whole 128-byte rows of tiles) streams in 16-byte vectors too.
     tiled = ptx(gemv, "fp8e4nv", dict(SCALE_A=1, SCALE_B=1, USE_WORKSPACE=True, BLOCK_M=1,
                                       BLOCK_N=4, BLOCK_K=1024, STAGES=2, W_TILED=True, **common))
-    for text in (*whole_k, split, tiled):
-        # w streams in 16-byte vectors (unscaled and per-token: first to leave the caches),
-        # and nothing is loaded before the PDL wait.
-        first_out = "ld.global.L1::evict_first.L2::cache_hint.v4" in text
-        assert first_out == (text is not split) and "ld.global.v4" in text.replace(
-            "L1::evict_first.L2::cache_hint.", "")
-        assert -1 < text.find("griddepcontrol.wait") < text.find("ld.global")
+    evict_first = "ld.global.L1::evict_first.L2::cache_hint.v4"
+    for name, text, first_out in (("one step", whole_k[0], True), ("two", whole_k[1], True),
+                                  ("block-scaled", split, False), ("tiled", tiled, True)):
+        # w streams in 16-byte vectors (unscaled and per-token, tiled too: first to leave the
+        # caches; block-scaled: plain), and nothing is loaded before the PDL wait.
+        assert (evict_first in text) == first_out, (name, text.count(evict_first))
+        assert "ld.global.v4" in text.replace("L1::evict_first.L2::cache_hint.", ""), name
+        assert -1 < text.find("griddepcontrol.wait") < text.find("ld.global"), name
     assert "gpu.acq_rel.add" in split and "ld.global.cg" in split
 
     # The split-K kernel's swapped dot (swap_ab): w's 64 rows as a warpgroup MMA's M, x's 16

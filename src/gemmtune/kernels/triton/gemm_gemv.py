@@ -211,8 +211,8 @@ def _w_step(w_rows, step, step_hi, offs_k, K, stride_wk, BLOCK_K: tl.constexpr,
     ks = tl.cast(step, tl.int64) * BLOCK_K + offs_k
     k_end = tl.where(step < step_hi, K, 0)
     # First to leave the caches: w is read once, x again by every program. H200, the H100
-    # rows' configs: FP8 0.99-1.08x (1.024 geomean), bf16 unchanged (docs/benchmarks.md,
-    # session 37).
+    # rows' configs: FP8 0.99-1.08x (1.024 geomean), bf16 unchanged; pre-shuffled w not timed
+    # (docs/benchmarks.md, session 37).
     return tl.load(w_rows + w_k_offsets(ks, stride_wk, W_TILED)[None, :],
                    mask=ks[None, :] < k_end, other=0.0, eviction_policy="evict_first")
 
@@ -272,6 +272,7 @@ def _block_scaled_steps(x_ptr, w_ptr, scale_a_ptr, scale_b_ptr, acc, offs_m, col
     for step in range(step_lo, step_hi):
         ks = tl.cast(step, tl.int64) * BLOCK_K + k_of
         k_in = ks < K
+        # A plain load: evict-first (_w_step's) has not been timed with block scales
         w = tl.load(w_rows + ks[None, :, :] * stride_wk, mask=k_in[None, :, :], other=0.0)
         w = w.to(tl.float32)
         kbs = step * BLOCKS + blocks
