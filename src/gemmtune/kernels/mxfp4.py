@@ -137,7 +137,8 @@ def prepack(codes: torch.Tensor) -> torch.Tensor:
     the 4 words one thread multiplies (word t of each block) are 16 contiguous bytes; and each
     word's 8 codes have their bits placed as ``PLACES`` says. ``unpack`` undoes all three. The
     scales keep their layout."""
-    return _place_bits(_transpose_words(_transpose_bytes(codes, "prepack"), "prepack"))
+    _check_packable(codes, "prepack")
+    return _place_bits(_transpose_words(_transpose_bytes(codes)))
 
 
 def unpack(packed: torch.Tensor, layout: int = PACKED_LAYOUT,
@@ -150,8 +151,8 @@ def unpack(packed: torch.Tensor, layout: int = PACKED_LAYOUT,
                          f"(1 words transposed, 2 their bits placed too, 3 their bytes gathered "
                          f"first)")
     _check_packable(packed, caller)
-    codes = _transpose_words(packed if layout == 1 else _unplace_bits(packed), caller)
-    return _transpose_bytes(codes, caller) if layout == 3 else codes
+    codes = _transpose_words(packed if layout == 1 else _unplace_bits(packed))
+    return _transpose_bytes(codes) if layout == 3 else codes
 
 
 def _check_packable(codes: torch.Tensor, caller: str) -> None:
@@ -160,19 +161,17 @@ def _check_packable(codes: torch.Tensor, caller: str) -> None:
         raise ValueError(f"{caller}: {why}")
 
 
-def _transpose_words(codes: torch.Tensor, caller: str) -> torch.Tensor:
+def _transpose_words(codes: torch.Tensor) -> torch.Tensor:
     """Word t of block j of each 64-byte group <-> word 4 t + j (a 4 x 4 transpose: its own
-    inverse)."""
-    _check_packable(codes, caller)
+    inverse). ``codes`` checked packable by the caller."""
     n, half_k = codes.shape
     groups = codes.reshape(n, half_k // 64, 4, 4, 4)  # (row, group, block j, word t, byte i)
     return groups.transpose(2, 3).reshape(n, half_k).contiguous()
 
 
-def _transpose_bytes(codes: torch.Tensor, caller: str) -> torch.Tensor:
+def _transpose_bytes(codes: torch.Tensor) -> torch.Tensor:
     """Byte i of word t of each 16-byte block <-> byte t of word i (a 4 x 4 transpose: its own
-    inverse)."""
-    _check_packable(codes, caller)
+    inverse). ``codes`` checked packable by the caller."""
     n, half_k = codes.shape
     blocks = codes.reshape(n, half_k // 16, 4, 4)  # (row, block, word t, byte i)
     return blocks.transpose(2, 3).reshape(n, half_k).contiguous()
