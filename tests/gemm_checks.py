@@ -506,22 +506,35 @@ def splits_race_deterministically(launch, launch_only, config, tiles, M, N, K, r
     assert not counters.any()
 
 
+def bf16_weight(K, gen):
+    """A bf16 (K, K) weight for ``pdl_chain_reads_its_input_after_the_producer``: (what the
+    kernel takes, its scale (None), ``check(y, x, scale_a)`` of an output against it)."""
+    w = randn(K, K, gen=gen, dtype=torch.bfloat16)
+    return w, None, lambda y, x, scale_a: assert_matches_reference(y, x, w)
+
+
 def pdl_chain_reads_its_input_after_the_producer(launch_only, config, M, K, graph, seed,
-                                                links=12):
+                                                links=12, weight=bf16_weight, between=None):
     """GPU: each GEMM's x is the previous one's output, poisoned (NaN) until that one writes it:
     a launch that read x before its griddepcontrol.wait would see NaN or an old value. Outputs
     are also inputs' neighbours in the allocator, and the last GEMM of a link writes while the
-    next one is already resident. ``launch_only(x, w, bias, out, scale_a, scale_b, config)``."""
+    next one is already resident. ``launch_only(x, w, bias, out, scale_a, scale_b, config)``;
+    ``weight(K, gen)``: a (K, K) weight as ``bf16_weight`` makes one; ``between(y)``: (x,
+    scale_a) the next GEMM takes from an output (a kernel of its own: a quantisation), else the
+    output itself."""
     gen = generator(seed)
-    ws = [randn(K, K, gen=gen, dtype=torch.bfloat16) for _ in range(links)]
+    ws = [weight(K, gen) for _ in range(links)]
     x0 = randn(M, K, gen=gen, dtype=torch.bfloat16)
     ys = [poisoned(M, K, torch.bfloat16) for _ in range(links)]
+    inputs = []  # what each GEMM took: (x, its scale), as the reference reads it
 
     def chain():
-        x = x0
-        for w, y in zip(ws, ys):
-            launch_only(x, w, None, y, None, None, config)
-            x = y
+        inputs.clear()
+        x, scale_a = between(x0) if between else (x0, None)
+        for (w, scale_b, _), y in zip(ws, ys):
+            inputs.append((x, scale_a))
+            launch_only(x, w, None, y, scale_a, scale_b, config)
+            x, scale_a = between(y) if between else (y, None)
 
     chain()  # compiles, and allocates this stream's tile counters
     for y in ys:
@@ -536,10 +549,8 @@ def pdl_chain_reads_its_input_after_the_producer(launch_only, config, M, K, grap
     else:
         chain()
     torch.cuda.synchronize()
-    x = x0
-    for w, y in zip(ws, ys):
-        assert_matches_reference(y, x, w)
-        x = y
+    for (_, _, check), y, (x, scale_a) in zip(ws, ys, inputs):
+        check(y, x, scale_a)
 
 
 LAUNCHER_CHECKS = (default_out_dtype_and_config, fp8_defaults_to_bf16_output, empty_k_gives_bias,

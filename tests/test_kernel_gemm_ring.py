@@ -13,10 +13,13 @@ import dataclasses
 import pytest
 import torch
 
+import gemm_checks
 from gemm_checks import (DEVICE, assert_block_scaled_decode_launches,
                          assert_fp8_decode_launches, assert_long_k_as_precise_as_cublas,
-                         check_fp8_decode, generator, quantised_operands)
+                         check_fp8_decode, generator, quantised_operands, randn)
+from gemmtune import quant
 from gemmtune.kernels.triton import _swapped, gemm_ring
+from gemmtune.kernels.triton._splits import PDL_WAIT
 from gemmtune.kernels.triton.gemm_ring import RingConfig
 
 FP8 = torch.float8_e4m3fn
@@ -32,6 +35,9 @@ def test_names_round_trip():
     streamed = RingConfig(16, 256, 8, 1, 0, 64, 2)
     assert streamed.name == "triton.ring:BM16.BK256.S8.SK1.R0.N64.K2"
     assert RingConfig.from_name(streamed.name) == streamed
+    with_pdl = RingConfig(16, 256, 4, 2, pdl=PDL_WAIT)
+    assert with_pdl.name == "triton.ring:BM16.BK256.S4.SK2.R0.N64.K0.P1"
+    assert RingConfig.from_name(with_pdl.name) == with_pdl
 
 
 @pytest.mark.parametrize("config, M, N, K, dtype, says", [
@@ -49,6 +55,7 @@ def test_names_round_trip():
     (RingConfig(16, 256, 4, 2, 2), 16, 4096, 4096, FP8, "add_splits=2 must be 0"),
     (RingConfig(16, 256, 4, 1, 0, 64, 3), 16, 4096, 4096, FP8, "stream_k=3 must be 0"),
     (RingConfig(16, 256, 4, 2, 0, 64, 2), 16, 4096, 4096, FP8, "takes split_k=1"),
+    (RingConfig(16, 256, 4, 2, pdl=2), 16, 4096, 4096, FP8, "pdl=2 must be"),
 ])
 def test_configs_that_cannot_run_say_why(config, M, N, K, dtype, says):
     assert says in gemm_ring.why_not_fits(config, M, N, K, dtype)
@@ -101,6 +108,11 @@ def test_candidates_and_default_fit(M, N, K):
         assert gemm_ring.ring_bytes(cfg) <= gemm_ring.RING_BYTES
     assert len({c.name for c in found}) == len(found)
     assert gemm_ring.fits(gemm_ring.default_config(M, N, K, FP8, num_sms=132), M, N, K, FP8)
+    # Launched plainly and, where PDL is supported, each config with PDL too.
+    assert {c.pdl for c in found} <= {0}
+    with_pdl = gemm_ring.candidates(M, N, K, FP8, num_sms=132, pdl=PDL_WAIT)
+    assert set(with_pdl) == set(found) | {dataclasses.replace(c, pdl=PDL_WAIT) for c in found}
+    assert len(with_pdl) == 2 * len(found)
 
 
 def test_splits_from_below_take_the_deepest_ring_that_fits():
@@ -216,6 +228,12 @@ GPU_CASES = [
     (16, 1536, 7168, RingConfig(16, 256, 2, 1, 0, 64, 4)),
     (16, 16384, 512, RingConfig(16, 128, 4, 1, 0, 64, 1)),
     (200, 1040, 2320, RingConfig(128, 128, 4, 1, 0, 128, 1)),
+    # PDL: w's slots loading before the wait, x's after (more slots than a split's steps,
+    # added splits, the wide tile); stream-K, which waits first
+    (5, 1040, 2320, RingConfig(8, 128, 8, 3, 1, pdl=PDL_WAIT)),
+    (16, 4096, 512, RingConfig(16, 128, 2, 2, pdl=PDL_WAIT)),
+    (100, 576, 7168, RingConfig(128, 128, 3, 8, 0, 128, pdl=PDL_WAIT)),
+    (16, 1536, 7168, RingConfig(16, 256, 2, 1, 0, 64, 4, PDL_WAIT)),
 ]
 
 
@@ -276,6 +294,28 @@ def test_gpu_through_dispatch_with_3d_x_and_n_under_64():
         check_fp8_decode(y.reshape(M, N), xq, wq, x_scale, w_scale, None, name)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", [RingConfig(16, 256, 4, 1, pdl=PDL_WAIT),
+                                    RingConfig(8, 128, 8, 4, 1, pdl=PDL_WAIT)],
+                         ids=lambda c: c.name)
+@pytest.mark.parametrize("graph", [False, True])
+def test_gpu_pdl_chain_reads_its_input_after_the_producer(config, graph):
+    """Each GEMM's x quantised from the previous one's output by a kernel between them (x
+    poisoned until then): with PDL only w may load before the wait."""
+    def fp8_weight(K, gen):
+        wq, w_scale = quant.per_channel_fp8(randn(K, K, gen=gen) / K ** 0.5)
+        return wq, w_scale.reshape(-1), lambda y, xq, x_scale: check_fp8_decode(
+            y, xq, wq, x_scale, w_scale.reshape(-1), None, config.name)
+
+    def quantised(y):
+        xq, x_scale = quant.per_token_fp8(y)
+        return xq, x_scale.reshape(-1)
+
+    gemm_checks.pdl_chain_reads_its_input_after_the_producer(
+        gemm_ring.launch_gemm_ring, config, 16 if config.block_m == 16 else 5, 2048, graph,
+        60 + config.block_m, weight=fp8_weight, between=quantised)
+
+
 
 # (M, N, K, config) with block scales: steps of 128, K past a whole block (the last block's
 # scale covers a partial step), N past a block of 128 rows, splits and several blocks of x.
@@ -290,6 +330,7 @@ BLOCK_SCALED_CASES = [
     (64, 1040, 4096, RingConfig(64, 128, 8, 5, 1)),
     (31, 256, 7168, RingConfig(32, 128, 4, 1, 0, 64, 2)),  # stream-K: a step a program
     (31, 1024, 7168, RingConfig(32, 128, 4, 1, 0, 64, 1)),  # runs of 6.8 steps, across tiles
+    (31, 256, 7168, RingConfig(32, 128, 4, 28, pdl=PDL_WAIT)),
 ]
 
 

@@ -15,6 +15,7 @@ import dataclasses
 import pytest
 import torch
 
+import gemm_checks
 from gemm_checks import (DEVICE, assert_matches_reference,
                          assert_mxfp4_launcher_says_what_is_wrong,
                          assert_only_nan_rows_are_nan, generator, mxfp4_weight_operands,
@@ -22,7 +23,8 @@ from gemm_checks import (DEVICE, assert_matches_reference,
 from gemmtune import quant
 from gemmtune.kernels.triton._splits import PDL_WAIT
 from gemmtune.kernels.triton.gemm_w4frag import (W4FragConfig, candidates, default_config,
-                                                 gemm_w4frag, why_not_fits, why_not_supported)
+                                                 gemm_w4frag, launch_gemm_w4frag, why_not_fits,
+                                                 why_not_supported)
 
 def test_names_round_trip():
     cfg = W4FragConfig(8, 128, 4)
@@ -136,6 +138,26 @@ def test_gpu_matches_the_dequantised_reference(M, N, K, config, with_bias):
         y = gemm_w4frag(x, codes, w_scale, bias, config, out=out)
         assert y.data_ptr() == out.data_ptr()
         assert_matches_reference(y, x, quant.dequant_mxfp4(wq, w_scale), bias)
+
+
+@on_hopper
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", [W4FragConfig(8, 128, 4, PDL_WAIT, 1, 1),
+                                    W4FragConfig(16, 256, 1, PDL_WAIT),
+                                    W4FragConfig(8, 64, 2, PDL_WAIT)], ids=lambda c: c.name)
+@pytest.mark.parametrize("graph", [False, True])
+def test_gpu_pdl_chain_reads_its_input_after_the_producer(config, graph):
+    """Each GEMM's x is the previous one's output: with PDL only w (its first group, before
+    the wait) may load before the previous GEMM is done."""
+    def mxfp4_weight(K, gen):
+        wq, w_scale = quant.mxfp4(randn(K, K, gen=gen) / K ** 0.5)
+        codes = quant.prepack_mxfp4(wq, w_scale)[0] if config.packed else wq
+        return codes, w_scale, lambda y, x, scale_a: assert_matches_reference(
+            y, x, quant.dequant_mxfp4(wq, w_scale))
+
+    gemm_checks.pdl_chain_reads_its_input_after_the_producer(
+        launch_gemm_w4frag, config, config.block_m - 3, 1024, graph, 70 + config.block_k,
+        weight=mxfp4_weight)
 
 
 @on_hopper

@@ -173,10 +173,17 @@ GEMV_SCRIPT = textwrap.dedent("""
     for name, text, first_out in (("one step", whole_k[0], True), ("two", whole_k[1], True),
                                   ("block-scaled", split, False), ("tiled", tiled, True)):
         # w streams in 16-byte vectors (unscaled and per-token, tiled too: first to leave the
-        # caches; block-scaled: plain), and nothing is loaded before the PDL wait.
+        # caches; block-scaled: plain). Before the PDL wait: w's first step only, of those
+        # first to leave (x after it); block-scaled, nothing.
         assert (evict_first in text) == first_out, (name, text.count(evict_first))
         assert "ld.global.v4" in text.replace("L1::evict_first.L2::cache_hint.", ""), name
-        assert -1 < text.find("griddepcontrol.wait") < text.find("ld.global"), name
+        wait = text.find("griddepcontrol.wait")
+        before = text[:wait]
+        assert -1 < wait, name
+        if first_out:
+            assert before.count("ld.global") == before.count(evict_first) > 0, name
+        else:
+            assert "ld.global" not in before, name
     assert "gpu.acq_rel.add" in split and "ld.global.cg" in split
 
     # The split-K kernel's swapped dot (swap_ab): w's 64 rows as a warpgroup MMA's M, x's 16
@@ -367,8 +374,9 @@ RING_SCRIPT = PTXAS_REPORT + TMA_GEMM_COMPILE + textwrap.dedent("""
 
 
     # (block_m, block_k, stages, split_k, (scale_a, scale_b, bias)); the largest rings the
-    # space admits and the largest split sums among them, and FP8 block scales (3: PER_BLOCK)
-    for block_m, block_k, stages, split_k, epilogue in (
+    # space admits and the largest split sums among them, and FP8 block scales (3: PER_BLOCK);
+    # every other one launched with PDL
+    for i, (block_m, block_k, stages, split_k, epilogue) in enumerate((
             (8, 128, 8, 1, (2, 2, False)), (16, 256, 4, 4, (1, 0, True)),
             (64, 256, 4, 2, (2, 2, True)), (32, 128, 8, 20, (0, 1, False)),
             (8, 128, 22, 32, (2, 2, True)), (64, 256, 6, 32, (2, 2, True)),
@@ -379,14 +387,16 @@ RING_SCRIPT = PTXAS_REPORT + TMA_GEMM_COMPILE + textwrap.dedent("""
             # stream-K (stages = -programs an SM): ``streamed``'s deepest rings
             (16, 256, -2, 0, (2, 2, True)), (32, 256, -4, 0, (2, 2, False)),
             (64, 128, -1, 0, (3, 3, False)), (64, 128, -2, 0, (2, 2, True)),
-            (128, 128, -1, 0, (3, 3, True)), (128, 128, -1, 0, (2, 2, True))):
+            (128, 128, -1, 0, (3, 3, True)), (128, 128, -1, 0, (2, 2, True)))):
         # A negative split: the splits add their partials (ADD_SPLITS); split 0: stream-K, its
         # programs an SM given by -stages, the ring the deepest that many hold (the
         # candidates'). 128 rows of x: 128 rows of w too, on two warpgroups (the wide tile).
         add_splits, streamed, split_k = split_k < 0, split_k == 0, max(abs(split_k), 1)
         block_n = 128 if block_m == 128 else 64
+        pdl = i % 2 == 1
         config = gemm_ring.RingConfig(block_m, block_k, max(stages, 2), split_k,
-                                      int(add_splits), block_n, -stages if streamed else 0)
+                                      int(add_splits), block_n, -stages if streamed else 0,
+                                      int(pdl))
         if streamed:
             config = next(c for c in gemm_ring.streamed(block_m, block_k, block_n, block_m,
                                                         7168, 7168, torch.float8_e4m3fn)
@@ -397,7 +407,7 @@ RING_SCRIPT = PTXAS_REPORT + TMA_GEMM_COMPILE + textwrap.dedent("""
                           BLOCK_N=block_n, BLOCK_M=block_m, BLOCK_K=block_k, STAGES=stages,
                           PER_LOAD=_swapped.partials_per_load(split_k, block_n, block_m,
                                                               block_n // 16),
-                          ADD_SPLITS=add_splits, STREAM_K=streamed)
+                          ADD_SPLITS=add_splits, STREAM_K=streamed, PDL=pdl)
         regs = gemm_ring.max_registers(config)
         kernel = compile_tma_gemm(gemm_ring.gemm_ring_kernel, block_n, block_m, block_k,
                                   constexprs, {"num_warps": block_n // 16,
@@ -407,6 +417,17 @@ RING_SCRIPT = PTXAS_REPORT + TMA_GEMM_COMPILE + textwrap.dedent("""
         # it, and the loop's wait on the slot's mbarrier.
         assert text.count("cp.async.bulk.tensor") >= 2 * stages + 2, text.count("cp.async.bulk")
         assert text.count("mbarrier.try_wait") >= 1
+        # PDL: w's slots load before the wait for the previous kernel and x's after it, the
+        # next kernel released after the loop's last MMA; stream-K waits before any load,
+        # having released the next one.
+        wait = text.find("griddepcontrol.wait")
+        release = text.find("griddepcontrol.launch_dependents")
+        if pdl:
+            before = text[:wait].count("cp.async.bulk.tensor")
+            assert before == (0 if streamed else stages), (stages, before)
+            assert (release < wait) if streamed else (text.rfind("wgmma.mma_async") < release)
+        else:
+            assert wait == release == -1
         assert f"wgmma.mma_async.sync.aligned.m64n{block_m}k32.f32.e4m3.e4m3" in text
         ring = stages * (block_n + block_m) * block_k
         assert ring <= kernel.metadata.shared <= ring + block_n * block_m * 4 + 1024, \

@@ -176,9 +176,9 @@ def triton_candidates(m: int, n: int, k: int, dtype: torch.dtype,
 
 
 def gluon_candidates(p: GemmProblem, registry) -> list[Candidate]:
-    """The Gluon kernels' configs (FP8: ``gemm_frag.candidates`` and ``gemm_wsring.candidates``
-    (16 <= M <= 256) with PDL where it is supported, and without block scales wsring's fast
-    twins (``gemm_wsring.fast_twin``); ``gemm_ring.candidates`` to M = 256) that ``registry``
+    """The Gluon kernels' configs (FP8: ``gemm_frag.candidates``, ``gemm_ring.candidates`` to
+    M = 256 and ``gemm_wsring.candidates`` (16 <= M <= 256), with PDL where it is supported, and
+    without block scales wsring's fast twins (``gemm_wsring.fast_twin``)) that ``registry``
     can run for ``p`` (it refuses them off Hopper, in the interpreter, on a layout
     the kernel does not read and, with block scales, at steps other than 128); none without a
     GPU."""
@@ -187,9 +187,10 @@ def gluon_candidates(p: GemmProblem, registry) -> list[Candidate]:
     from gemmtune.kernels.triton import gemm_frag, gemm_ring, gemm_wsring
     from gemmtune.kernels.triton._splits import pdl_where_supported
 
-    wsring = gemm_wsring.candidates(p.m, p.n, p.k, p.dtype, pdl=pdl_where_supported())
-    configs = (gemm_frag.candidates(p.m, p.n, p.k, p.dtype, pdl=pdl_where_supported())
-               + gemm_ring.candidates(p.m, p.n, p.k, p.dtype) + wsring)
+    pdl = pdl_where_supported()
+    wsring = gemm_wsring.candidates(p.m, p.n, p.k, p.dtype, pdl=pdl)
+    configs = (gemm_frag.candidates(p.m, p.n, p.k, p.dtype, pdl=pdl)
+               + gemm_ring.candidates(p.m, p.n, p.k, p.dtype, pdl=pdl) + wsring)
     found = [Candidate(cfg.name, "triton", splitk=cfg.split_k) for cfg in configs
              if registry.can_run(cfg.name, p)]
     if p.scaling == Scaling.block:

@@ -20,10 +20,11 @@ from gemmtune.kernels.triton._epilogue import store_tile
 
 # Programmatic dependent launch (Hopper+), a config field because it changes what a launch overlaps
 # with: PDL_OFF launches plainly; PDL_WAIT launches with PDL, so the grid is scheduled while the
-# previous kernel drains and waits (griddepcontrol.wait) before touching memory; PDL_PREFETCH
-# (gemm_splitk only) also asks L2 for the first bytes of its w slice before that wait, so the
-# weight stream starts under the previous kernel's tail (w never depends on the previous kernel;
-# x, the partials and the output are only touched after the wait).
+# previous kernel drains and waits (griddepcontrol.wait) before touching memory other than w
+# (gemv, frag, ring and w4frag load w's first steps before it); PDL_PREFETCH (gemm_splitk only)
+# also asks L2 for the first bytes of its w slice before that wait, so the weight stream starts
+# under the previous kernel's tail (w never depends on the previous kernel; x, the partials and
+# the output are only touched after the wait).
 PDL_OFF, PDL_WAIT, PDL_PREFETCH = 0, 1, 2
 
 # The last program of a tile sums SPLIT_CHUNK partials per load: at most this many fp32 registers

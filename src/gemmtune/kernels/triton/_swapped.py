@@ -96,14 +96,27 @@ def split_steps(split, K, BLOCK_K: gl.constexpr, SPLIT_K: gl.constexpr):
 
 
 @gluon.jit
-def release_then_wait():
-    """Programmatic dependent launch: let the next kernel's grid be scheduled now (it waits for
-    this one before touching what this one writes), then wait for the previous kernel to finish
-    (what it wrote is read after this)."""
+def release_next():
+    """Programmatic dependent launch: let the next kernel's grid be scheduled (it waits for this
+    one before touching what this one writes)."""
     gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [],
                               dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def wait_for_previous():
+    """Programmatic dependent launch: wait for the previous kernel to finish (what it wrote is
+    read after this)."""
     gl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=gl.int32,
                               is_pure=False, pack=1)
+
+
+@gluon.jit
+def release_then_wait():
+    """Programmatic dependent launch: let the next kernel's grid be scheduled now, then wait for
+    the previous kernel to finish (``release_next``, ``wait_for_previous``)."""
+    release_next()
+    wait_for_previous()
 
 
 @gluon.jit

@@ -35,7 +35,7 @@ import triton.language as tl
 
 from gemmtune.kernels._names import Field, NameCodec, NamedConfig
 from gemmtune.kernels.triton import _checks
-from gemmtune.kernels.triton._epilogue import (SCALE_BLOCK, epilogue_constexprs,
+from gemmtune.kernels.triton._epilogue import (PER_BLOCK, SCALE_BLOCK, epilogue_constexprs,
                                                epilogue_operands, operand_strides)
 from gemmtune.kernels.triton._replay import KernelCall, launch
 from gemmtune.kernels.triton._splits import (MAX_SPLIT_K, PDL_OFF, pdl_supported, split_chunk,
@@ -44,6 +44,8 @@ from gemmtune.kernels.triton._splits import (MAX_SPLIT_K, PDL_OFF, pdl_supported
 from gemmtune.kernels.triton._wlayout import w_k_offsets, w_row_offsets
 
 KERNEL_PREFIX = "triton.gemv"
+# As the jitted code reads it
+_PER_BLOCK = tl.constexpr(PER_BLOCK)
 # Rows of x one launch takes: all of them live in one program's registers, and the CUDA cores'
 # FLOPs (2 per w element per row) outgrow the weight stream past a few rows.
 MAX_M = 16
@@ -72,7 +74,7 @@ class GemvConfig(NamedConfig):
     split_k: int
     num_warps: int
     num_stages: int  # steps of w in flight per thread: 1, or 2 (the next loaded before use)
-    pdl: int = PDL_OFF  # PDL_OFF or PDL_WAIT
+    pdl: int = PDL_OFF  # PDL_OFF or PDL_WAIT (w's first step loads before the wait)
 
 
 def block_m(M: int) -> int:
@@ -218,35 +220,51 @@ def _w_step(w_rows, step, step_hi, offs_k, K, stride_wk, BLOCK_K: tl.constexpr,
 
 
 @triton.jit
-def _steps(x_ptr, w_rows, acc, offs_m, offs_k, step_lo, step_hi, M, K, stride_xm, stride_xk,
-           stride_wk, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-           STAGES: tl.constexpr, W_TILED: tl.constexpr):
-    """``acc`` (BLOCK_M, BLOCK_N) plus x @ w.T over steps [step_lo, step_hi). With STAGES 2 the
-    next step of w is loaded before this one is used: two loads in flight per thread."""
+def _add_step(x_ptr, w, step, products, acc, offs_m, offs_k, M, K, stride_xm, stride_xk,
+              BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``products`` (one row of x) or ``acc`` with step ``step``'s w (as loaded) times x."""
+    ks = tl.cast(step, tl.int64) * BLOCK_K + offs_k
+    w = w.to(tl.float32)
+    for m in tl.static_range(BLOCK_M):
+        # Rows of x past M read nothing: their K ends at 0.
+        x_end = tl.where(m < M, K, 0)
+        xm = tl.load(x_ptr + m * stride_xm + ks * stride_xk, mask=ks < x_end, other=0.0)
+        prod = w * xm.to(tl.float32)[None, :]
+        if BLOCK_M == 1:
+            products += prod
+        else:
+            part = tl.sum(prod, axis=1)
+            acc += tl.where(offs_m[:, None] == m, part[None, :], 0.0)
+    return products, acc
+
+
+@triton.jit
+def _steps(x_ptr, w_rows, w_first, acc, offs_m, offs_k, step_lo, step_hi, M, K, stride_xm,
+           stride_xk, stride_wk, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+           BLOCK_K: tl.constexpr, STAGES: tl.constexpr, W_TILED: tl.constexpr):
+    """``acc`` (BLOCK_M, BLOCK_N) plus x @ w.T over steps [step_lo, step_hi), the first step of
+    w loaded (``w_first``: a split is never empty). With STAGES 2 the next step of w is loaded
+    before this one is used: two loads in flight per thread."""
     # One row of x (decode's M = 1): the products are only added up in w's own layout and
     # reduced over K once at the end, so the loop holds no reduction across threads and no
     # layout change. More rows: each row of x reduced per step (a 3-D broadcast of x against w
     # would move both through shared memory at every step).
     products = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    w_next = _w_step(w_rows, step_lo, step_hi, offs_k, K, stride_wk, BLOCK_K, W_TILED)
-    for step in range(step_lo, step_hi):
-        ks = tl.cast(step, tl.int64) * BLOCK_K + offs_k
+    # The first step apart (its w loaded before the PDL wait), the loop loading each step's w
+    # where it is used: a w carried across the loop's end at one step made the FP8 decode up
+    # to 1.4x slower (docs/benchmarks.md, session 38).
+    if STAGES == 2:
+        w_next = _w_step(w_rows, step_lo + 1, step_hi, offs_k, K, stride_wk, BLOCK_K, W_TILED)
+    products, acc = _add_step(x_ptr, w_first, step_lo, products, acc, offs_m, offs_k, M, K,
+                              stride_xm, stride_xk, BLOCK_M, BLOCK_K)
+    for step in range(step_lo + 1, step_hi):
         if STAGES == 2:
             w = w_next
             w_next = _w_step(w_rows, step + 1, step_hi, offs_k, K, stride_wk, BLOCK_K, W_TILED)
         else:
             w = _w_step(w_rows, step, step_hi, offs_k, K, stride_wk, BLOCK_K, W_TILED)
-        w = w.to(tl.float32)
-        for m in tl.static_range(BLOCK_M):
-            # Rows of x past M read nothing: their K ends at 0.
-            x_end = tl.where(m < M, K, 0)
-            xm = tl.load(x_ptr + m * stride_xm + ks * stride_xk, mask=ks < x_end, other=0.0)
-            prod = w * xm.to(tl.float32)[None, :]
-            if BLOCK_M == 1:
-                products += prod
-            else:
-                part = tl.sum(prod, axis=1)
-                acc += tl.where(offs_m[:, None] == m, part[None, :], 0.0)
+        products, acc = _add_step(x_ptr, w, step, products, acc, offs_m, offs_k, M, K,
+                                  stride_xm, stride_xk, BLOCK_M, BLOCK_K)
     if BLOCK_M == 1:
         acc = tl.sum(products, axis=1)[None, :]
     return acc
@@ -339,20 +357,24 @@ def gemm_gemv_kernel(
     # loads need only the K mask.
     cols = tl.where(offs_n < N, offs_n, 0).to(tl.int64)
     w_rows = w_ptr + w_row_offsets(cols, K, stride_wn, W_TILED)[:, None]  # (BLOCK_N, 1)
+    if SCALE_A != _PER_BLOCK:
+        # No kernel writes w: its first step loads before the PDL wait, its latency passing
+        # under the previous kernel's end.
+        w_first = _w_step(w_rows, step_lo, step_hi, offs_k, K, stride_wk, BLOCK_K, W_TILED)
     if PDL != 0:
         # Let the next kernel's grid be scheduled now (it waits for this grid to finish before
-        # touching memory, as this one does here).
+        # touching memory other than w, as this one does here).
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if SCALE_A == 3:
+    if SCALE_A == _PER_BLOCK:
         acc = _block_scaled_steps(x_ptr, w_ptr, scale_a_ptr, scale_b_ptr, acc, offs_m, cols, pid,
                                   step_lo, step_hi, M, K, scale_k_blocks, stride_xm, stride_xk,
                                   stride_wn, stride_wk, BLOCK_M, BLOCK_N, BLOCK_K)
     else:
-        acc = _steps(x_ptr, w_rows, acc, offs_m, offs_k, step_lo, step_hi, M, K, stride_xm,
-                     stride_xk, stride_wk, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, W_TILED)
+        acc = _steps(x_ptr, w_rows, w_first, acc, offs_m, offs_k, step_lo, step_hi, M, K,
+                     stride_xm, stride_xk, stride_wk, BLOCK_M, BLOCK_N, BLOCK_K, STAGES, W_TILED)
 
     store_split_tile(acc, pid, split, SPLIT_K, part_ptr, count_ptr, offs_m, offs_n, rows, cols,
                      y_ptr, bias_ptr, scale_a_ptr, scale_b_ptr, M, N, stride_ym, stride_yn,

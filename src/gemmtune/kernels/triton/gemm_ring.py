@@ -20,6 +20,11 @@ With FP8 block scales (``block_scales``: x's per 1x128, w's per 128x128; steps o
 scale block each) each step's product is scaled before its add, the next step's scales loaded
 before this step's wait.
 
+With programmatic dependent launch (``.P1``) w's slots start loading before the wait for the
+previous kernel (no kernel writes w), x's once it is done, and the next kernel is released when
+the program's loop is: its programs then take SMs' places as this one's finish (released at
+the start, they took them as soon as every program here had started, unevenly among SMs).
+
 Row-major w only (TMA reads rows; the pre-shuffled tiles are ``triton.frag``'s and the split-K
 kernels'); K a multiple of 16 (TMA's 16-byte row pitch), any N, M. FP8 (float8_e4m3fn), Hopper
 (sm_90) only; Gluon does not run in Triton's interpreter, so the CPU checks only compile it
@@ -29,6 +34,7 @@ kernels'); K a multiple of 16 (TMA's 16-byte row pitch), any N, M. FP8 (float8_e
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -42,10 +48,12 @@ from gemmtune.kernels.triton import _checks, _ring_launch
 from gemmtune.kernels.triton._epilogue import PER_BLOCK
 from gemmtune.kernels.triton._replay import KernelCall, launch
 from gemmtune.kernels.triton._ring_launch import tma_load
-from gemmtune.kernels.triton._splits import split_for, splits_around
+from gemmtune.kernels.triton._splits import (PDL_OFF, pdl_supported, split_for, splits_around,
+                                             why_not_wait_pdl)
 from gemmtune.kernels.triton._swapped import (BLOCK_MS, BLOCK_N, ROWS_PER_WARP, barrier,
                                               block_m_for, finish_share, finish_tile,
-                                              step_scales, stream_part, stream_run,
+                                              release_next, release_then_wait, step_scales,
+                                              stream_part, stream_run, wait_for_previous,
                                               why_not_add_splits, why_not_grid, why_not_here)
 
 KERNEL_PREFIX = "triton.ring"
@@ -76,7 +84,8 @@ class RingConfig(NamedConfig):
     NAME_CODEC = NameCodec("TMA-ring config", KERNEL_PREFIX, (
         Field("BM", "block_m"), Field("BK", "block_k"), Field("S", "stages"),
         Field("SK", "split_k"), Field("R", "add_splits", default=0),
-        Field("N", "block_n", default=BLOCK_N), Field("K", "stream_k", default=0)))
+        Field("N", "block_n", default=BLOCK_N), Field("K", "stream_k", default=0),
+        Field("P", "pdl", default=PDL_OFF)))
 
     block_m: int
     block_k: int
@@ -90,6 +99,10 @@ class RingConfig(NamedConfig):
     # steps (its parts of tiles added into the tile's fp32 sum, the part that completes a tile
     # storing it: ``_swapped.finish_share``); 0: a program a tile and split
     stream_k: int = 0
+    # PDL_OFF or PDL_WAIT: launched with programmatic dependent launch, w's first slots loading
+    # before the wait for the previous kernel (no kernel writes w), x's after it, the next
+    # kernel released once this program's loop is done (``ring_tile``)
+    pdl: int = PDL_OFF
 
     @property
     def num_warps(self) -> int:
@@ -132,7 +145,7 @@ def why_not_fits(config: RingConfig, M: int, N: int, K: int, dtype: torch.dtype)
                 f"block_k {WIDE_BLOCK_K} (its registers spill beyond)")
     if c.stages < 2:
         return f"stages={c.stages} must be >= 2 (a ring of one slot waits on every load)"
-    problem = why_not_add_splits(c)
+    problem = why_not_add_splits(c) or why_not_wait_pdl(c.pdl)
     if problem is not None:
         return problem
     if c.stream_k not in (0,) + _PROGRAMS_PER_SM:
@@ -184,14 +197,16 @@ def tiles_for(M: int) -> list[tuple[int, int]]:
     return [(BLOCK_N, BLOCK_MS[-1]), tile_for(M)]
 
 
-def candidates(M: int, N: int, K: int, dtype: torch.dtype,
-               num_sms: int | None = None) -> list[RingConfig]:
+def candidates(M: int, N: int, K: int, dtype: torch.dtype, num_sms: int | None = None,
+               pdl: int = PDL_OFF) -> list[RingConfig]:
     """The configs to tune one shape with, for M <= 256 (none above): each tile ``tiles_for``
     gives; each block_k; K split to reach each of ``_PROGRAMS_PER_SM`` from above and (the
     deepest ring that fits only) from below (``_splits.splits_around``); 2, 4 or 8 slots, as
     many as that many programs per SM can hold and the split's steps use; split sums in order
-    and, split, added. Only configs that fit. Stream-K (``streamed``) is not among them: it lost
-    on every shape it was timed on (docs/benchmarks.md, session 32)."""
+    and, split, added; launched plainly and, where ``pdl`` is PDL_WAIT, with PDL (faster on
+    short loops, slower on some long ones: docs/benchmarks.md, session 38). Only configs that
+    fit. Stream-K (``streamed``) is not among them: it lost on every shape it was timed on
+    (docs/benchmarks.md, session 32)."""
     if M > MAX_M:
         return []
     num_sms = num_sms or _checks.sm_count()
@@ -203,10 +218,11 @@ def candidates(M: int, N: int, K: int, dtype: torch.dtype,
             for per_sm, split, above in splits_around(tiles, k_steps, num_sms,
                                                       _PROGRAMS_PER_SM, MAX_SPLIT_K):
                 most = RING_BYTES // per_sm // ((bn + bm) * bk)
-                for add in sorted({0, int(split > 1)}):
+                for add, mode in itertools.product(sorted({0, int(split > 1)}),
+                                                   sorted({PDL_OFF, pdl})):
                     fitting = [cfg for cfg in (
                         RingConfig(bm, bk, max(2, min(stages, most, triton.cdiv(k_steps, split))),
-                                   split, add, bn) for stages in _STAGES)
+                                   split, add, bn, pdl=mode) for stages in _STAGES)
                                if fits(cfg, M, N, K, dtype)]
                     if fitting and not above:  # from below, the deepest ring that fits alone
                         fitting = [max(fitting, key=lambda c: c.stages)]
@@ -244,12 +260,13 @@ def default_config(M: int, N: int, K: int, dtype: torch.dtype,
 @gluon.jit
 def ring_mainloop(w_desc, x_desc, pid_n, pid_m, lo, steps, M, scale_a_ptr, scale_b_ptr,
                   k_blocks, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr,
-                  STAGES: gl.constexpr, BLOCK_SCALED: gl.constexpr):
+                  STAGES: gl.constexpr, BLOCK_SCALED: gl.constexpr, PDL: gl.constexpr):
     """y.T's (BLOCK_N, BLOCK_M) tile over K steps [lo, lo + steps) of BLOCK_K, fp32, in the MMA's
     layout (one warpgroup per 64 rows of w): every slot's loads issued first, then per step the
     slot's wait, the MMA from zero added into fp32, and the slot's refill with the step STAGES
     on. ``BLOCK_SCALED``: each step's product is scaled by its FP8 block scales before the add
-    (``step_scales``; the next step's are loaded before this step's wait)."""
+    (``step_scales``; the next step's are loaded before this step's wait). ``PDL``: w's slots
+    start loading before the wait for the previous kernel, everything else after it."""
     w_ring = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
     x_ring = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], x_desc.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -262,8 +279,16 @@ def ring_mainloop(w_desc, x_desc, pid_n, pid_m, lo, steps, M, scale_a_ptr, scale
         mbarrier.expect(ready.index(s), nbytes, pred=pred)
         tma_load(w_desc, [pid_n * BLOCK_N, (lo + s) * BLOCK_K], ready.index(s),
                   w_ring.index(s), pred=pred)
-        tma_load(x_desc, [pid_m * BLOCK_M, (lo + s) * BLOCK_K], ready.index(s),
-                  x_ring.index(s), pred=pred)
+        if not PDL:
+            tma_load(x_desc, [pid_m * BLOCK_M, (lo + s) * BLOCK_K], ready.index(s),
+                     x_ring.index(s), pred=pred)
+    if PDL:
+        # No kernel writes w: its slots fill while the previous kernel ends (each slot's
+        # barrier expects x's bytes too, so no step starts before x's load below lands).
+        wait_for_previous()
+        for s in gl.static_range(STAGES):
+            tma_load(x_desc, [pid_m * BLOCK_M, (lo + s) * BLOCK_K], ready.index(s),
+                     x_ring.index(s), pred=s < steps)
     mma: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[BLOCK_N // _ROWS_PER_WARP, 1],
         instr_shape=[16, BLOCK_M, 32])
@@ -301,7 +326,8 @@ def ring_mainloop(w_desc, x_desc, pid_n, pid_m, lo, steps, M, scale_a_ptr, scale
 @gluon.jit
 def ring_tile(w_desc, x_desc, M, K, scale_a_ptr, scale_b_ptr, k_blocks,
               SPLIT_K: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr,
-              BLOCK_K: gl.constexpr, STAGES: gl.constexpr, BLOCK_SCALED: gl.constexpr):
+              BLOCK_K: gl.constexpr, STAGES: gl.constexpr, BLOCK_SCALED: gl.constexpr,
+              PDL: gl.constexpr):
     """This program's tile (w's BLOCK_N rows ``pid_n``, x's block ``pid_m``) over its split of
     K: (acc, pid_n, split, pid_m), acc in the MMA's layout (``ring_mainloop``)."""
     pid_n = gl.program_id(0)
@@ -311,7 +337,12 @@ def ring_tile(w_desc, x_desc, M, K, scale_a_ptr, scale_b_ptr, k_blocks,
     lo = split * k_steps // SPLIT_K
     acc = ring_mainloop(w_desc, x_desc, pid_n, pid_m, lo, (split + 1) * k_steps // SPLIT_K - lo,
                         M, scale_a_ptr, scale_b_ptr, k_blocks, BLOCK_N, BLOCK_M, BLOCK_K, STAGES,
-                        BLOCK_SCALED)
+                        BLOCK_SCALED, PDL)
+    if PDL:
+        # Only now: released at the start, the next kernel's programs would take SMs' places
+        # as soon as every program here had started, unevenly among SMs where the grid is under
+        # a wave (up to 1.3x slower where the loop is long: docs/benchmarks.md, session 38).
+        release_next()
     return acc, pid_n, split, pid_m
 
 
@@ -325,9 +356,11 @@ def gemm_ring_kernel(
     HAS_BIAS: gl.constexpr, SCALE_A: gl.constexpr, SCALE_B: gl.constexpr,
     SPLIT_K: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_K: gl.constexpr,
     STAGES: gl.constexpr, PER_LOAD: gl.constexpr, ADD_SPLITS: gl.constexpr,
-    STREAM_K: gl.constexpr,
+    STREAM_K: gl.constexpr, PDL: gl.constexpr,
 ):
     if STREAM_K:
+        if PDL:  # before any load: the parts' rings load w and x together
+            release_then_wait()
         # An even run of the tiles' K steps, part by part, the ring refilled for each.
         n_tiles = gl.cdiv(N, BLOCK_N)
         m_tiles = gl.cdiv(M, BLOCK_M)
@@ -337,7 +370,7 @@ def gemm_ring_kernel(
             tile, pid_n, pid_m, lo, steps = stream_part(s, end, k_steps, n_tiles, m_tiles, False)
             acc = ring_mainloop(w_desc, x_desc, pid_n, pid_m, lo, steps, M, scale_a_ptr,
                                 scale_b_ptr, k_blocks, BLOCK_N, BLOCK_M, BLOCK_K, STAGES,
-                                SCALE_A == _PER_BLOCK)
+                                SCALE_A == _PER_BLOCK, False)
             finish_share(acc, pid_n, pid_m, tile, steps, k_steps, y_ptr, bias_ptr, scale_a_ptr,
                          scale_b_ptr, part_ptr, count_ptr, M, N, stride_ym, stride_yn,
                          stride_bias, HAS_BIAS, SCALE_A, SCALE_B, BLOCK_N, BLOCK_M)
@@ -345,7 +378,7 @@ def gemm_ring_kernel(
     else:
         acc, pid_n, split, pid_m = ring_tile(w_desc, x_desc, M, K, scale_a_ptr, scale_b_ptr,
                                              k_blocks, SPLIT_K, BLOCK_N, BLOCK_M, BLOCK_K,
-                                             STAGES, SCALE_A == _PER_BLOCK)
+                                             STAGES, SCALE_A == _PER_BLOCK, PDL)
         finish_tile(acc, pid_n, split, pid_m, y_ptr, bias_ptr, scale_a_ptr, scale_b_ptr,
                     part_ptr, count_ptr, M, N, stride_ym, stride_yn, stride_bias, HAS_BIAS,
                     SCALE_A, SCALE_B, SPLIT_K, BLOCK_N, BLOCK_M, PER_LOAD, ADD_SPLITS)
@@ -361,11 +394,13 @@ def ring_call(x, w, bias, out, scale_a, scale_b, config: RingConfig,
         persistent = _ring_launch.Persistent(config.stream_k,
                                              triton.cdiv(x.shape[1], config.block_k), True)
     regs = max_registers(config)
+    pdl = config.pdl if pdl_supported(x.device) else PDL_OFF
     return _ring_launch.ring_call(gemm_ring_kernel, x, w, bias, out, scale_a, scale_b, config,
                                   counters, warmup, block_scales,
-                                  dict(BLOCK_K=config.block_k, STREAM_K=bool(config.stream_k)),
+                                  dict(BLOCK_K=config.block_k, STREAM_K=bool(config.stream_k),
+                                       PDL=pdl != PDL_OFF),
                                   {} if regs is None else dict(maxnreg=regs),
-                                  persistent=persistent)
+                                  launch_pdl=pdl != PDL_OFF, persistent=persistent)
 
 
 def launch_gemm_ring(x, w, bias, out, scale_a, scale_b, config: RingConfig,

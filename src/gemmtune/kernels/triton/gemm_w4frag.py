@@ -98,7 +98,8 @@ class W4FragConfig(NamedConfig):
     block_m: int
     block_k: int
     split_k: int
-    # PDL_OFF or PDL_WAIT (the wait comes before any load: x may be the previous kernel's output)
+    # PDL_OFF or PDL_WAIT (w's first group loads before the wait, the rest after it: x may be
+    # the previous kernel's output)
     pdl: int = PDL_OFF
     # 1: the splits add their partials into one fp32 sum per tile (_swapped.finish_tile)
     add_splits: int = 0
@@ -592,8 +593,6 @@ def gemm_w4frag_kernel(
     split = gl.program_id(1)
     pid_m = gl.program_id(2)
     step_lo, step_hi = split_steps(split, K, BLOCK_K, SPLIT_K)
-    if PDL:  # before any load: x may be the previous kernel's output
-        release_then_wait()
 
     # Rows past N read row 0 (their outputs are never stored): no mask in the loop.
     # w as 32-bit words (rows 4-byte aligned: w4frag_call); a block's row is 4 words.
@@ -613,6 +612,14 @@ def gemm_w4frag_kernel(
     sn = pid_n * _BN + gl.arange(0, _BN, layout=gl.SliceLayout(1, mma))
     s_ptrs = ws_ptr.to(gl.pointer_type(word_type)) \
         + gl.where(sn < N, sn, 0).to(gl.int64) * (stride_sn // SCALE_BYTES)
+    if SCALE_BYTES == 4:  # groups of 4 blocks (block_k 128 or 256; packed w always)
+        g_lo = step_lo * (BLOCKS // 4)
+        last = step_hi * (BLOCKS // 4) - 1
+        # w is never the previous kernel's output: its first group loads before the PDL wait,
+        # so that the load's latency passes under the previous kernel's end
+        word, c0, c1, c2, c3 = _load_group(w_ptrs, s_ptrs, g_lo, PACKED, word_layout)
+    if PDL:  # before any other load: x may be the previous kernel's output
+        release_then_wait()
     # x as 32-bit words, two bf16 or 8 codes each (rows 4-byte aligned: w4frag_call), in the
     # B layout's places. Rows of x past M read row M - 1 (their outputs are never stored): no
     # mask in the loop.
@@ -650,9 +657,6 @@ def gemm_w4frag_kernel(
         tile_ptrs = _x_tile_pointers(x_ptr, pid_m, M, stride_xm, BLOCK_M, X_MXFP4, tile_layout)
         x_tables = e2m1_tables(gl.full([4 * BLOCK_M, _x_words(X_MXFP4)], 0, gl.int32,
                                        tile_layout) + (K >> 31))
-        g_lo = step_lo * (BLOCKS // 4)
-        last = step_hi * (BLOCKS // 4) - 1
-        word, c0, c1, c2, c3 = _load_group(w_ptrs, s_ptrs, g_lo, PACKED, word_layout)
         xw = _x_scale_word(xs_ptrs, g_lo, no_scales, X_MXFP4)
         tiles.index(0).store(_x_tile(tile_ptrs, g_lo, x_tables, X_MXFP4))
         for group in range(g_lo, last + 1):
@@ -674,9 +678,6 @@ def gemm_w4frag_kernel(
         # they would take 64 more registers a thread). Past the split's last group the loads
         # read that group again (no branch).
         X_AHEAD: gl.constexpr = BLOCK_M <= 16
-        g_lo = step_lo * (BLOCKS // 4)
-        last = step_hi * (BLOCKS // 4) - 1
-        word, c0, c1, c2, c3 = _load_group(w_ptrs, s_ptrs, g_lo, PACKED, word_layout)
         x0, x1, x2, x3, xw = _load_x_group(x_ptrs, xs_ptrs, g_lo, no_scales, X_MXFP4)
         for group in range(g_lo, last + 1, 2):
             ahead = gl.minimum(group + 1, last)
