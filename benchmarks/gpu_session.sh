@@ -406,6 +406,16 @@ for what in "$@"; do
             TAIL=${NAMED_TAIL:-40} stage "named_$name" "${NAMED_LIMIT:-300}" python3 \
                 benchmarks/named_probe.py "@benchmarks/named_probe_args/$name.args" \
                 --csv "$OUT/named_$name.csv" ;;
+        pdltwins:*)  # pdltwins:FAMILY[:KERNEL,...]: each shipped row's kernel (triton.ring unless
+            # named) at M <= PDL_MAX_M (64) of GPUs PDL_GPU names, against its twin launched the
+            # other way (with PDL or without): benchmarks/pdl_twins.py
+            spec=${what#pdltwins:}
+            family=${spec%%:*}; kernels=triton.ring
+            [[ $spec == *:* ]] && kernels=${spec#*:}
+            limit=${PDL_LIMIT:-300}
+            TAIL=4 stage "pdltwins_$family" "$limit" python3 benchmarks/pdl_twins.py \
+                --family "$family" --kernels ${kernels//,/ } --max-m "${PDL_MAX_M:-64}" \
+                --gpu "${PDL_GPU:-}" --deadline $((limit - 30)) --csv "$OUT/pdltwins_$family.csv" ;;
         ncu:*)  # ncu:FAMILY:M,N,K:KERNEL[,KERNEL...]: Nsight Compute on each kernel's launches
             # (cold caches, clocks left alone) of benchmarks/ncu_probe.py (cuBLAS's kernels too:
             # nvjet, xmma, cutlass; NCU_KERNELS sets the regex); the report and its raw

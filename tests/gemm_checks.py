@@ -11,6 +11,8 @@ import dataclasses
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from gemmtune import quant
 from gemmtune.kernels.torch_ref import scaled_mm_torch
@@ -515,13 +517,13 @@ def bf16_weight(K, gen):
 
 def pdl_chain_reads_its_input_after_the_producer(launch_only, config, M, K, graph, seed,
                                                 links=12, weight=bf16_weight, between=None):
-    """GPU: each GEMM's x is the previous one's output, poisoned (NaN) until that one writes it:
-    a launch that read x before its griddepcontrol.wait would see NaN or an old value. Outputs
-    are also inputs' neighbours in the allocator, and the last GEMM of a link writes while the
-    next one is already resident. ``launch_only(x, w, bias, out, scale_a, scale_b, config)``;
-    ``weight(K, gen)``: a (K, K) weight as ``bf16_weight`` makes one; ``between(y)``: (x,
-    scale_a) the next GEMM takes from an output (a kernel of its own: a quantisation), else the
-    output itself."""
+    """GPU: each GEMM's x is made by the kernel launched just before it, poisoned (NaN) until
+    that kernel writes it: a launch that read x before its griddepcontrol.wait would see NaN.
+    The producer lets the GEMM start before it is done: the previous GEMM itself (it releases
+    the next kernel at its start), or ``between(y)``, which gives (x, scale_a) from an output
+    into buffers of its own, the same each call (e.g. a quantisation, then ``written_late``).
+    ``launch_only(x, w, bias, out, scale_a, scale_b, config)``; ``weight(K, gen)``: a (K, K)
+    weight as ``bf16_weight`` makes one."""
     gen = generator(seed)
     ws = [weight(K, gen) for _ in range(links)]
     x0 = randn(M, K, gen=gen, dtype=torch.bfloat16)
@@ -536,21 +538,50 @@ def pdl_chain_reads_its_input_after_the_producer(launch_only, config, M, K, grap
             launch_only(x, w, None, y, scale_a, scale_b, config)
             x, scale_a = between(y) if between else (y, None)
 
+    def poison():  # every GEMM's input but the first's x0
+        for y in ys:
+            y.fill_(float("nan"))
+        for x, _ in inputs if between else ():
+            x.fill_(float("nan"))
+
     chain()  # compiles, and allocates this stream's tile counters
-    for y in ys:
-        y.fill_(float("nan"))
+    poison()
     if graph:
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
             chain()
-        for y in ys:
-            y.fill_(float("nan"))
+        poison()
         g.replay()
     else:
         chain()
     torch.cuda.synchronize()
     for (_, _, check), y, (x, scale_a) in zip(ws, ys, inputs):
         check(y, x, scale_a)
+
+
+@triton.jit
+def _late_copy_kernel(src_ptr, dst_ptr, n, BLOCK: tl.constexpr):
+    """Lets the next kernel start at once (PDL), sleeps ~20 µs, then copies ``n`` bytes from
+    ``src`` to ``dst``."""
+    tl.extra.cuda.gdc_wait()
+    tl.extra.cuda.gdc_launch_dependents()
+    zero = tl.inline_asm_elementwise("nanosleep.u32 20000;\n\tmov.u32 $0, 0;", "=r", [],
+                                     dtype=tl.int32, is_pure=False, pack=1)
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    inside = offs < n
+    # The copy depends on the sleep's result: it cannot be moved before it.
+    tl.store(dst_ptr + offs, tl.load(src_ptr + offs, mask=inside) + zero.to(tl.uint8),
+             mask=inside)
+
+
+def written_late(src, dst):
+    """``dst`` (contiguous, as ``src``) written from ``src`` by a kernel that lets the next one
+    start first and writes ~20 µs later: a kernel launched with PDL after it that read ``dst``
+    before its griddepcontrol.wait would read dst's old bytes."""
+    n = src.numel() * src.element_size()
+    _late_copy_kernel[(triton.cdiv(n, 1024),)](src.contiguous().view(torch.uint8),
+                                               dst.view(torch.uint8), n, BLOCK=1024,
+                                               launch_pdl=True)
 
 
 LAUNCHER_CHECKS = (default_out_dtype_and_config, fp8_defaults_to_bf16_output, empty_k_gives_bias,

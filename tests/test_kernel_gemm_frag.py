@@ -15,7 +15,8 @@ from gemm_checks import (DEVICE, assert_block_scaled_decode_launches,
                          assert_fp8_decode_launches, assert_long_k_as_precise_as_cublas,
                          check_fp8_decode, generator, poisoned, quantised_operands)
 from gemmtune import quant
-from gemmtune.kernels.triton import _swapped, gemm_frag
+from gemmtune.kernels.triton import _splits, _swapped, gemm_frag
+from gemmtune.kernels.triton._splits import PDL_WAIT
 from gemmtune.kernels.triton.gemm_frag import FragConfig
 
 FP8 = torch.float8_e4m3fn
@@ -74,6 +75,23 @@ def test_candidates_and_default_fit(M, N, K):
 
 
 @pytest.mark.skipif(DEVICE == "cuda", reason="the CPU's refusal")
+def test_a_weight_the_launcher_copies_goes_without_pdl(monkeypatch):
+    """With PDL w's first steps load before the wait, before which a copy the launcher has just
+    made of w (rows not 16-byte aligned) is not sure to be seen: such a launch goes without
+    PDL."""
+    monkeypatch.setattr(_splits, "pdl_supported", lambda device: True)
+    xq = torch.randn(16, 256).to(torch.float8_e4m3fn)
+    out = torch.empty(16, 64, dtype=torch.bfloat16)
+    config = FragConfig(16, 128, 1, 1, PDL_WAIT)
+    aligned = torch.randn(64, 256).to(torch.float8_e4m3fn)
+    call = gemm_frag.frag_call(xq, aligned, None, out, torch.ones(16), torch.ones(64), config)
+    assert call.launch_pdl and call.constexprs["PDL"]
+    wide = torch.zeros(64, 256 + 8).to(torch.float8_e4m3fn)
+    call = gemm_frag.frag_call(xq, wide[:, :256], None, out, torch.ones(16), torch.ones(64),
+                               config)
+    assert not call.launch_pdl and not call.constexprs["PDL"]
+
+
 def test_refuses_the_interpreter():
     from gemmtune.kernels.triton import _checks
 

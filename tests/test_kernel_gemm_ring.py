@@ -18,7 +18,7 @@ from gemm_checks import (DEVICE, assert_block_scaled_decode_launches,
                          assert_fp8_decode_launches, assert_long_k_as_precise_as_cublas,
                          check_fp8_decode, generator, quantised_operands, randn)
 from gemmtune import quant
-from gemmtune.kernels.triton import _swapped, gemm_ring
+from gemmtune.kernels.triton import _splits, _swapped, gemm_ring
 from gemmtune.kernels.triton._splits import PDL_WAIT
 from gemmtune.kernels.triton.gemm_ring import RingConfig
 
@@ -156,6 +156,22 @@ def test_stream_k_at_each_count_of_programs_an_sm():
     assert (256, 4) not in {(c.block_k, c.stream_k) for c in at_64 if c.block_n == 64}
     wide = [c for c in streamed(128, 7168, 2048) if c.block_n == 128]
     assert wide and {c.stream_k for c in wide} == {1}
+
+
+def test_a_weight_copied_for_tma_goes_without_pdl(monkeypatch):
+    """With PDL w's slots load before the wait, before which the copy the launcher has just
+    made of a w TMA cannot read is not sure to be seen: such a launch goes without PDL."""
+    monkeypatch.setattr(_splits, "pdl_supported", lambda device: True)
+    xq = torch.randn(16, 256).to(FP8)
+    out = torch.empty(16, 64, dtype=torch.bfloat16)
+    config = RingConfig(16, 128, 2, 1, pdl=PDL_WAIT)
+    aligned = torch.randn(64, 256).to(FP8)
+    call = gemm_ring.ring_call(xq, aligned, None, out, torch.ones(16), torch.ones(64), config)
+    assert call.launch_pdl and call.constexprs["PDL"]
+    wide = torch.zeros(64, 256 + 16).to(FP8)
+    call = gemm_ring.ring_call(xq, wide[:, 8:264], None, out, torch.ones(16), torch.ones(64),
+                               config)
+    assert not call.launch_pdl and not call.constexprs["PDL"]
 
 
 def test_refuses_the_interpreter_other_gpus_and_tiled_weights(monkeypatch):
@@ -300,16 +316,20 @@ def test_gpu_through_dispatch_with_3d_x_and_n_under_64():
                          ids=lambda c: c.name)
 @pytest.mark.parametrize("graph", [False, True])
 def test_gpu_pdl_chain_reads_its_input_after_the_producer(config, graph):
-    """Each GEMM's x quantised from the previous one's output by a kernel between them (x
-    poisoned until then): with PDL only w may load before the wait."""
+    """Each GEMM's x quantised from the previous one's output and written into its buffer
+    (poisoned) by a kernel that lets the GEMM start ~20 µs before it writes: with PDL only w
+    may load before the wait."""
     def fp8_weight(K, gen):
         wq, w_scale = quant.per_channel_fp8(randn(K, K, gen=gen) / K ** 0.5)
         return wq, w_scale.reshape(-1), lambda y, xq, x_scale: check_fp8_decode(
             y, xq, wq, x_scale, w_scale.reshape(-1), None, config.name)
 
+    late = {}  # an output's data pointer -> the buffer its quantised copy is written into
+
     def quantised(y):
         xq, x_scale = quant.per_token_fp8(y)
-        return xq, x_scale.reshape(-1)
+        gemm_checks.written_late(xq, late.setdefault(y.data_ptr(), torch.empty_like(xq)))
+        return late[y.data_ptr()], x_scale.reshape(-1)
 
     gemm_checks.pdl_chain_reads_its_input_after_the_producer(
         gemm_ring.launch_gemm_ring, config, 16 if config.block_m == 16 else 5, 2048, graph,

@@ -21,10 +21,11 @@ from gemm_checks import (DEVICE, assert_matches_reference,
                          assert_only_nan_rows_are_nan, generator, mxfp4_weight_operands,
                          on_hopper, randn, with_nan_scales)
 from gemmtune import quant
+from gemmtune.kernels.triton import _splits
 from gemmtune.kernels.triton._splits import PDL_WAIT
 from gemmtune.kernels.triton.gemm_w4frag import (W4FragConfig, candidates, default_config,
-                                                 gemm_w4frag, launch_gemm_w4frag, why_not_fits,
-                                                 why_not_supported)
+                                                 gemm_w4frag, launch_gemm_w4frag, w4frag_call,
+                                                 why_not_fits, why_not_supported)
 
 def test_names_round_trip():
     cfg = W4FragConfig(8, 128, 4)
@@ -98,6 +99,26 @@ def test_candidates_fit_cover_m_and_split_for_decode():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="says why where it cannot run")
+def test_a_weight_the_launcher_copies_goes_without_pdl(monkeypatch):
+    """With PDL w's first group loads before the wait, before which a copy the launcher has just
+    made of w (or its scales) is not sure to be seen: such a launch goes without PDL."""
+    monkeypatch.setattr(_splits, "pdl_supported", lambda device: True)
+    x = torch.randn(1, 256, dtype=torch.bfloat16)
+    wq, w_scale = quant.mxfp4(torch.randn(64, 256))
+    out = torch.empty(1, 64, dtype=torch.bfloat16)
+    config = W4FragConfig(8, 128, 1, PDL_WAIT)
+    call = w4frag_call(x, wq, None, out, None, w_scale, config)
+    assert call.launch_pdl and call.constexprs["PDL"]
+    wide = torch.zeros(64, 128 + 16, dtype=torch.uint8)
+    wide[:, 2:130] = wq  # rows 2 bytes past 16-byte alignment: copied
+    call = w4frag_call(x, wide[:, 2:130], None, out, None, w_scale, config)
+    assert not call.launch_pdl and not call.constexprs["PDL"]
+    scales = torch.zeros(64, 8 + 1, dtype=torch.uint8)
+    scales[:, 1:] = w_scale  # scales off their alignment: copied
+    call = w4frag_call(x, wq, None, out, None, scales[:, 1:], config)
+    assert not call.launch_pdl
+
+
 def test_refuses_to_run_where_it_cannot():
     why = why_not_supported(W4FragConfig(8, 128, 1), 1, 64, 128, torch.bfloat16, torch.bfloat16)
     assert why is not None and ("interpreter" in why or "Hopper" in why)

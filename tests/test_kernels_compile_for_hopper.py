@@ -681,6 +681,14 @@ W4FRAG_SCRIPT = PTXAS_REPORT + textwrap.dedent("""
         else:
             assert "st.shared" not in loop and "bar.sync" not in loop
         assert ("griddepcontrol.wait" in text) == pdl
+        if pdl:
+            # Before the wait only w's first group (block_k 128-256): its rows' scale words (2
+            # a thread an MMA down w) and codes (packed: a 16-byte load a row; else a word a
+            # row and block); at 32-64 nothing.
+            before = text[:text.find("griddepcontrol.wait")]
+            codes = (2 if packed else 8) * tiles
+            assert before.count("ld.global") == (2 * tiles + codes if block_k >= 128 else 0), \
+                (block_k, packed, warps, before.count("ld.global"))
         assert ("atom.global" in text) == (split_k != 1)
         # The E2M1 decode (an inline-PTX block of PRMT lookups) for w's words as quantised
         # and, MXFP4 x, x's too: x's scales then multiply w's (fp32) in each block's product;

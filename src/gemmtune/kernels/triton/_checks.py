@@ -41,16 +41,19 @@ QUANT_DTYPES = (torch.float8_e4m3fn, torch.int8)
 TMA_ALIGN = 16
 
 
+def tma_aligned(t: torch.Tensor) -> bool:
+    """Whether 2-D ``t`` is as TMA takes it: dense rows that do not overlap (an expanded,
+    stride-0 operand does), 16-byte aligned pitch and base."""
+    return (t.stride(-1) == 1 and t.stride(0) >= t.shape[1]
+            and (t.stride(0) * t.element_size()) % TMA_ALIGN == 0
+            and t.data_ptr() % TMA_ALIGN == 0)
+
+
 def tma_ready(t: torch.Tensor) -> torch.Tensor:
-    """2-D ``t`` as TMA takes it: dense rows, 16-byte aligned pitch and base; a copy where it is
-    not (a fresh copy is aligned where its row's bytes are a multiple of 16, which the kernels'
-    ``why_not_fits`` ask of K)."""
-    # Rows must not overlap either: an expanded (stride-0) operand is copied too.
-    if t.stride(-1) == 1 and t.stride(0) >= t.shape[1] \
-            and (t.stride(0) * t.element_size()) % TMA_ALIGN == 0 \
-            and t.data_ptr() % TMA_ALIGN == 0:
-        return t
-    return t.clone(memory_format=torch.contiguous_format)
+    """2-D ``t`` as TMA takes it (``tma_aligned``); a copy where it is not (a fresh copy is
+    aligned where its row's bytes are a multiple of 16, which the kernels' ``why_not_fits`` ask
+    of K)."""
+    return t if tma_aligned(t) else t.clone(memory_format=torch.contiguous_format)
 
 
 @functools.cache

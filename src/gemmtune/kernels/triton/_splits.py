@@ -21,10 +21,10 @@ from gemmtune.kernels.triton._epilogue import store_tile
 # Programmatic dependent launch (Hopper+), a config field because it changes what a launch overlaps
 # with: PDL_OFF launches plainly; PDL_WAIT launches with PDL, so the grid is scheduled while the
 # previous kernel drains and waits (griddepcontrol.wait) before touching memory other than w
-# (gemv, frag, ring and w4frag load w's first steps before it); PDL_PREFETCH (gemm_splitk only)
-# also asks L2 for the first bytes of its w slice before that wait, so the weight stream starts
-# under the previous kernel's tail (w never depends on the previous kernel; x, the partials and
-# the output are only touched after the wait).
+# (gemv, frag, ring and w4frag load w's first steps before it: ``launch_mode``); PDL_PREFETCH
+# (gemm_splitk only) also asks L2 for the first bytes of its w slice before that wait, so the
+# weight stream starts under the previous kernel's tail (w is never the previous kernel's
+# output; x, the partials and the output are only touched after the wait).
 PDL_OFF, PDL_WAIT, PDL_PREFETCH = 0, 1, 2
 
 # The last program of a tile sums SPLIT_CHUNK partials per load: at most this many fp32 registers
@@ -90,6 +90,13 @@ def pdl_supported(device: torch.device) -> bool:
     return (not _checks.interpreted() and device.type == "cuda"
             and _capability_major(device.index if device.index is not None
                                   else torch.cuda.current_device()) >= 9)
+
+
+def launch_mode(pdl: int, device: torch.device, copied_w: bool = False) -> int:
+    """The PDL mode a launch takes: ``pdl`` where the GPU has it, else PDL_OFF; PDL_OFF too where
+    the launcher has just copied w (or its scales) for a kernel that reads w before its wait:
+    the copying kernel's writes are only sure to be seen after the wait."""
+    return pdl if pdl_supported(device) and not copied_w else PDL_OFF
 
 
 def pdl_where_supported() -> int:

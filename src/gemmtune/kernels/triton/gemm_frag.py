@@ -43,7 +43,7 @@ from gemmtune.kernels.triton import _checks
 from gemmtune.kernels.triton._epilogue import (PER_BLOCK, SCALE_BLOCK, epilogue_constexprs,
                                                 epilogue_operands)
 from gemmtune.kernels.triton._replay import KernelCall, launch
-from gemmtune.kernels.triton._splits import (PDL_OFF, pdl_supported, split_for,
+from gemmtune.kernels.triton._splits import (PDL_OFF, launch_mode, split_for,
                                              why_not_wait_pdl, workspace)
 from gemmtune.kernels.triton._swapped import (BLOCK_MS, BLOCK_N, NUM_WARPS, barrier,
                                               block_m_for, finish_tile, partials_per_load,
@@ -296,7 +296,8 @@ def frag_call(x, w, bias, out, scale_a, scale_b, config: FragConfig,
     N = w.shape[0]
     if x.stride(1) != 1:
         x = x.contiguous()
-    if not w_tiled and (w.stride(1) != 1 or w.stride(0) % 16):
+    copied_w = not w_tiled and (w.stride(1) != 1 or w.stride(0) % 16)
+    if copied_w:
         # Each thread reads 4 bytes of a row at once: K contiguous, rows 16-byte aligned (any
         # weight of the families' K, a multiple of 128, is).
         w = w.contiguous()
@@ -304,7 +305,7 @@ def frag_call(x, w, bias, out, scale_a, scale_b, config: FragConfig,
     parts, counters, per_call = workspace(x, out, n_tiles * m_tiles, BLOCK_N * config.block_m,
                                           config.split_k, counters, warmup,
                                           bool(config.add_splits))
-    pdl = config.pdl if pdl_supported(x.device) else PDL_OFF
+    pdl = launch_mode(config.pdl, x.device, copied_w)
     bias_, scale_a_, scale_b_ = epilogue_operands(x, bias, scale_a, scale_b)
     args = (x, w, out, bias_, scale_a_, scale_b_, parts, counters, M, N, K,
             x.stride(0), w.stride(0), out.stride(0), out.stride(1),

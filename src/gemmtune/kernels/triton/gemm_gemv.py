@@ -74,7 +74,8 @@ class GemvConfig(NamedConfig):
     split_k: int
     num_warps: int
     num_stages: int  # steps of w in flight per thread: 1, or 2 (the next loaded before use)
-    pdl: int = PDL_OFF  # PDL_OFF or PDL_WAIT (w's first step loads before the wait)
+    # PDL_OFF or PDL_WAIT (w's first step loads before the wait; block-scaled: nothing does)
+    pdl: int = PDL_OFF
 
 
 def block_m(M: int) -> int:
@@ -358,8 +359,8 @@ def gemm_gemv_kernel(
     cols = tl.where(offs_n < N, offs_n, 0).to(tl.int64)
     w_rows = w_ptr + w_row_offsets(cols, K, stride_wn, W_TILED)[:, None]  # (BLOCK_N, 1)
     if SCALE_A != _PER_BLOCK:
-        # No kernel writes w: its first step loads before the PDL wait, its latency passing
-        # under the previous kernel's end.
+        # w is not the previous kernel's output (weights are written long before): its first
+        # step loads before the PDL wait, its latency passing under that kernel's end.
         w_first = _w_step(w_rows, step_lo, step_hi, offs_k, K, stride_wk, BLOCK_K, W_TILED)
     if PDL != 0:
         # Let the next kernel's grid be scheduled now (it waits for this grid to finish before

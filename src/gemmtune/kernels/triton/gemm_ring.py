@@ -21,9 +21,11 @@ scale block each) each step's product is scaled before its add, the next step's 
 before this step's wait.
 
 With programmatic dependent launch (``.P1``) w's slots start loading before the wait for the
-previous kernel (no kernel writes w), x's once it is done, and the next kernel is released when
-the program's loop is: its programs then take SMs' places as this one's finish (released at
-the start, they took them as soon as every program here had started, unevenly among SMs).
+previous kernel (w must not be that kernel's output: weights are written long before, and a w
+copied for TMA is launched without PDL), x's once it is done, and the next kernel is released
+when the program's loop is, so that the next kernel's programs take SMs' places as this one's
+finish: released when every program here has started, they would land unevenly among SMs
+under a wave's worth of programs. Stream-K releases, then waits, before any load.
 
 Row-major w only (TMA reads rows; the pre-shuffled tiles are ``triton.frag``'s and the split-K
 kernels'); K a multiple of 16 (TMA's 16-byte row pitch), any N, M. FP8 (float8_e4m3fn), Hopper
@@ -48,7 +50,7 @@ from gemmtune.kernels.triton import _checks, _ring_launch
 from gemmtune.kernels.triton._epilogue import PER_BLOCK
 from gemmtune.kernels.triton._replay import KernelCall, launch
 from gemmtune.kernels.triton._ring_launch import tma_load
-from gemmtune.kernels.triton._splits import (PDL_OFF, pdl_supported, split_for, splits_around,
+from gemmtune.kernels.triton._splits import (PDL_OFF, launch_mode, split_for, splits_around,
                                              why_not_wait_pdl)
 from gemmtune.kernels.triton._swapped import (BLOCK_MS, BLOCK_N, ROWS_PER_WARP, barrier,
                                               block_m_for, finish_share, finish_tile,
@@ -100,8 +102,8 @@ class RingConfig(NamedConfig):
     # storing it: ``_swapped.finish_share``); 0: a program a tile and split
     stream_k: int = 0
     # PDL_OFF or PDL_WAIT: launched with programmatic dependent launch, w's first slots loading
-    # before the wait for the previous kernel (no kernel writes w), x's after it, the next
-    # kernel released once this program's loop is done (``ring_tile``)
+    # before the wait for the previous kernel, x's after it, the next kernel released once this
+    # program's loop is done (``ring_tile``; stream-K: released and waited for first)
     pdl: int = PDL_OFF
 
     @property
@@ -283,8 +285,9 @@ def ring_mainloop(w_desc, x_desc, pid_n, pid_m, lo, steps, M, scale_a_ptr, scale
             tma_load(x_desc, [pid_m * BLOCK_M, (lo + s) * BLOCK_K], ready.index(s),
                      x_ring.index(s), pred=pred)
     if PDL:
-        # No kernel writes w: its slots fill while the previous kernel ends (each slot's
-        # barrier expects x's bytes too, so no step starts before x's load below lands).
+        # w is not the previous kernel's output (``ring_call``): its slots fill while that
+        # kernel ends (each slot's barrier expects x's bytes too, so no step starts before x's
+        # load below lands).
         wait_for_previous()
         for s in gl.static_range(STAGES):
             tma_load(x_desc, [pid_m * BLOCK_M, (lo + s) * BLOCK_K], ready.index(s),
@@ -339,9 +342,9 @@ def ring_tile(w_desc, x_desc, M, K, scale_a_ptr, scale_b_ptr, k_blocks,
                         M, scale_a_ptr, scale_b_ptr, k_blocks, BLOCK_N, BLOCK_M, BLOCK_K, STAGES,
                         BLOCK_SCALED, PDL)
     if PDL:
-        # Only now: released at the start, the next kernel's programs would take SMs' places
-        # as soon as every program here had started, unevenly among SMs where the grid is under
-        # a wave (up to 1.3x slower where the loop is long: docs/benchmarks.md, session 38).
+        # Now, so that the next kernel's programs take SMs' places as this one's end, evenly:
+        # released when every program here has started, they landed unevenly where the grid is
+        # under a wave (up to 1.3x slower on long loops: docs/benchmarks.md, session 38).
         release_next()
     return acc, pid_n, split, pid_m
 
@@ -394,7 +397,8 @@ def ring_call(x, w, bias, out, scale_a, scale_b, config: RingConfig,
         persistent = _ring_launch.Persistent(config.stream_k,
                                              triton.cdiv(x.shape[1], config.block_k), True)
     regs = max_registers(config)
-    pdl = config.pdl if pdl_supported(x.device) else PDL_OFF
+    # w copied for TMA (_ring_launch) is read before the wait: launched plainly then
+    pdl = launch_mode(config.pdl, x.device, not _checks.tma_aligned(w))
     return _ring_launch.ring_call(gemm_ring_kernel, x, w, bias, out, scale_a, scale_b, config,
                                   counters, warmup, block_scales,
                                   dict(BLOCK_K=config.block_k, STREAM_K=bool(config.stream_k),

@@ -57,7 +57,7 @@ from gemmtune.kernels import mxfp4
 from gemmtune.kernels._names import Field, NameCodec, NamedConfig
 from gemmtune.kernels.triton import _checks
 from gemmtune.kernels.triton._replay import KernelCall, launch
-from gemmtune.kernels.triton._splits import (PDL_OFF, pdl_supported, split_for,
+from gemmtune.kernels.triton._splits import (PDL_OFF, launch_mode, split_for,
                                              why_not_wait_pdl, workspace)
 from gemmtune.kernels.triton._swapped import (BLOCK_N, NUM_WARPS, barrier, finish_tile,
                                               partials_per_load, release_then_wait,
@@ -98,8 +98,8 @@ class W4FragConfig(NamedConfig):
     block_m: int
     block_k: int
     split_k: int
-    # PDL_OFF or PDL_WAIT (w's first group loads before the wait, the rest after it: x may be
-    # the previous kernel's output)
+    # PDL_OFF or PDL_WAIT (with block_k 128-256 w's first group loads before the wait, the rest
+    # after it: x may be the previous kernel's output; a w copied by w4frag_call goes without)
     pdl: int = PDL_OFF
     # 1: the splits add their partials into one fp32 sum per tile (_swapped.finish_tile)
     add_splits: int = 0
@@ -615,8 +615,9 @@ def gemm_w4frag_kernel(
     if SCALE_BYTES == 4:  # groups of 4 blocks (block_k 128 or 256; packed w always)
         g_lo = step_lo * (BLOCKS // 4)
         last = step_hi * (BLOCKS // 4) - 1
-        # w is never the previous kernel's output: its first group loads before the PDL wait,
-        # so that the load's latency passes under the previous kernel's end
+        # w is not the previous kernel's output (weights are written long before; w4frag_call
+        # launches a copy of its own without PDL): its first group loads before the PDL wait,
+        # so that the load's latency passes under that kernel's end
         word, c0, c1, c2, c3 = _load_group(w_ptrs, s_ptrs, g_lo, PACKED, word_layout)
     if PDL:  # before any other load: x may be the previous kernel's output
         release_then_wait()
@@ -742,6 +743,7 @@ def w4frag_call(x, w, bias, out, scale_a, scale_b, config: W4FragConfig,
     # (a copy otherwise), which a recording's alignment check then covers.
     per_word = 4 if x_mxfp4 else 2  # x's elements (code bytes or bf16) a word
     x = x if x.stride(1) == 1 and x.stride(0) % per_word == 0 else x.contiguous()
+    given_w, given_scales = w, scale_b
     w = w if w.stride(1) == 1 and w.stride(0) % 4 == 0 else w.contiguous()
     x = x.clone() if x.data_ptr() % 16 else x
     w = w.clone() if w.data_ptr() % 16 else w
@@ -755,7 +757,7 @@ def w4frag_call(x, w, bias, out, scale_a, scale_b, config: W4FragConfig,
     n_tiles, m_tiles = triton.cdiv(N, BLOCK_N), triton.cdiv(M, c.block_m)
     parts, counters, per_call = workspace(x, out, n_tiles * m_tiles, BLOCK_N * c.block_m,
                                           c.split_k, counters, warmup, bool(c.add_splits))
-    pdl = c.pdl if pdl_supported(x.device) else PDL_OFF
+    pdl = launch_mode(c.pdl, x.device, w is not given_w or scale_b is not given_scales)
     args = (x, w, scale_b, x_scales, out, bias if bias is not None else out, parts, counters,
             M, N, K, x.stride(0), w.stride(0), scale_b.stride(0), x_scales.stride(0),
             out.stride(0), bias.stride(0) if bias is not None else 0)
