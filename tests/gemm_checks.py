@@ -553,25 +553,35 @@ def pdl_chain_reads_its_input_after_the_producer(launch_only, config, M, K, grap
         poison()
         g.replay()
     else:
+        # The GPU first spins for ~2 ms, long enough for every launch to be queued behind it:
+        # otherwise each kernel could end before the host launched the next, and no two overlap.
+        torch.cuda._sleep(4_000_000)
         chain()
     torch.cuda.synchronize()
     for (_, _, check), y, (x, scale_a) in zip(ws, ys, inputs):
         check(y, x, scale_a)
 
 
+# Spins until 20 µs have passed on the global timer; $0 is 0 (the elapsed time's top bit),
+# which the assembler cannot know.
+_SPIN_20US = ("{ .reg .u64 t0, t; .reg .pred more; mov.u64 t0, %globaltimer; "
+              "spin_20us: mov.u64 t, %globaltimer; sub.u64 t, t, t0; "
+              "setp.lt.u64 more, t, 20000; @more bra spin_20us; "
+              "shr.u64 t, t, 63; cvt.u32.u64 $0, t; }")
+
+
 @triton.jit
-def _late_copy_kernel(src_ptr, dst_ptr, n, BLOCK: tl.constexpr):
-    """Lets the next kernel start at once (PDL), sleeps ~20 µs, then copies ``n`` bytes from
+def _late_copy_kernel(src_ptr, dst_ptr, n, BLOCK: tl.constexpr, SPIN: tl.constexpr):
+    """Lets the next kernel start at once (PDL), spins ~20 µs, then copies ``n`` bytes from
     ``src`` to ``dst``."""
     tl.extra.cuda.gdc_wait()
     tl.extra.cuda.gdc_launch_dependents()
-    zero = tl.inline_asm_elementwise("nanosleep.u32 20000;\n\tmov.u32 $0, 0;", "=r", [],
-                                     dtype=tl.int32, is_pure=False, pack=1)
+    zero = tl.inline_asm_elementwise(SPIN, "=r", [], dtype=tl.int32, is_pure=False, pack=1)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     inside = offs < n
-    # The copy depends on the sleep's result: it cannot be moved before it.
-    tl.store(dst_ptr + offs, tl.load(src_ptr + offs, mask=inside) + zero.to(tl.uint8),
-             mask=inside)
+    # The loads depend on the spin's result: neither they nor the stores come before it.
+    v = tl.load(src_ptr + offs + zero, mask=inside)
+    tl.store(dst_ptr + offs, v, mask=inside)
 
 
 def written_late(src, dst):
@@ -581,7 +591,7 @@ def written_late(src, dst):
     n = src.numel() * src.element_size()
     _late_copy_kernel[(triton.cdiv(n, 1024),)](src.contiguous().view(torch.uint8),
                                                dst.view(torch.uint8), n, BLOCK=1024,
-                                               launch_pdl=True)
+                                               SPIN=_SPIN_20US, launch_pdl=True)
 
 
 LAUNCHER_CHECKS = (default_out_dtype_and_config, fp8_defaults_to_bf16_output, empty_k_gives_bias,

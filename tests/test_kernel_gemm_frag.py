@@ -74,7 +74,6 @@ def test_candidates_and_default_fit(M, N, K):
     assert gemm_frag.fits(gemm_frag.default_config(M, N, K, FP8, num_sms=132), M, N, K, FP8)
 
 
-@pytest.mark.skipif(DEVICE == "cuda", reason="the CPU's refusal")
 def test_a_weight_the_launcher_copies_goes_without_pdl(monkeypatch):
     """With PDL w's first steps load before the wait, before which a copy the launcher has just
     made of w (rows not 16-byte aligned) is not sure to be seen: such a launch goes without
@@ -92,6 +91,7 @@ def test_a_weight_the_launcher_copies_goes_without_pdl(monkeypatch):
     assert not call.launch_pdl and not call.constexprs["PDL"]
 
 
+@pytest.mark.skipif(DEVICE == "cuda", reason="the CPU's refusal")
 def test_refuses_the_interpreter():
     from gemmtune.kernels.triton import _checks
 

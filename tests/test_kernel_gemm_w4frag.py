@@ -98,7 +98,6 @@ def test_candidates_fit_cover_m_and_split_for_decode():
     assert candidates(1, 2880, 2880, torch.bfloat16, num_sms=132, packed=True) == []
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="says why where it cannot run")
 def test_a_weight_the_launcher_copies_goes_without_pdl(monkeypatch):
     """With PDL w's first group loads before the wait, before which a copy the launcher has just
     made of w (or its scales) is not sure to be seen: such a launch goes without PDL."""
@@ -119,6 +118,7 @@ def test_a_weight_the_launcher_copies_goes_without_pdl(monkeypatch):
     assert not call.launch_pdl
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="says why where it cannot run")
 def test_refuses_to_run_where_it_cannot():
     why = why_not_supported(W4FragConfig(8, 128, 1), 1, 64, 128, torch.bfloat16, torch.bfloat16)
     assert why is not None and ("interpreter" in why or "Hopper" in why)

@@ -241,6 +241,25 @@ def test_patch_linear_under_autocast_matches_linear():
                        (4, 32, 32, torch.bfloat16)]
 
 
+def test_autocast_casts_w_first_and_x_after_it():
+    """A kernel launched with PDL may read w before it waits for the kernel before it: under
+    autocast a w cast for the call is followed by x's cast, or a copy of x where it needs none,
+    so that w's cast is never the GEMM's last predecessor."""
+    from gemmtune.families.bf16 import op
+
+    x, w = torch.randn(4, 16, dtype=torch.bfloat16), torch.randn(8, 16)
+    with torch.autocast("cpu", dtype=torch.bfloat16), \
+            torch.profiler.profile(record_shapes=True) as prof:
+        x2, w2, bias = op._autocast(x, w, None, None, None)
+    assert w2.dtype == x2.dtype == torch.bfloat16 and bias is None
+    assert x2.data_ptr() != x.data_ptr() and torch.equal(x2, x)
+    copied = [e.input_shapes[0] for e in prof.events() if e.name == "aten::_to_copy"]
+    assert copied == [[8, 16], [4, 16]]  # w, then x
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # w already bf16: nothing copied
+        x3, w3, _ = op._autocast(x, w2, None, None, None)
+    assert x3 is x and w3 is w2
+
+
 def test_torch_compile_fullgraph_with_tuned_linear():
     torch.manual_seed(0)
     model = Tiny().eval()

@@ -238,11 +238,16 @@ def bound_linear(x: torch.Tensor, w: torch.Tensor,
 
 
 def _autocast(x, w, bias, scale_a, scale_b):
-    """Cast like ``F.linear`` under ``torch.autocast``: float inputs to the autocast dtype."""
+    """Cast like ``F.linear`` under ``torch.autocast``: float inputs to the autocast dtype. A
+    kernel launched with PDL may read w before it waits for the kernel launched just before it,
+    whose writes it may not see yet: so w is cast first and, where it was, x is cast (or copied)
+    last, a kernel between w's cast and the GEMM."""
     device = x.device.type
     if scale_a is not None or scale_b is not None or not torch.is_autocast_enabled(device):
         return x, w, bias
     dtype = torch.get_autocast_dtype(device)
-    cast = [t if t is None or not t.is_floating_point() or t.dtype == dtype else t.to(dtype)
-            for t in (x, w, bias)]
-    return cast[0], cast[1], cast[2]
+    cast_w = w.is_floating_point() and w.dtype != dtype
+    w = w.to(dtype) if cast_w else w
+    bias = bias.to(dtype) if bias is not None and bias.is_floating_point() else bias
+    x = x.to(dtype, copy=cast_w) if x.is_floating_point() else x
+    return x, w, bias

@@ -230,7 +230,8 @@ def gemm_frag_kernel(
     step_lo, step_hi = split_steps(split, K, BLOCK_K, SPLIT_K)
 
     w_offs, in_n = _w_offsets(pid_n, N, K, stride_wn, BLOCK_K, W_TILED, a_layout)
-    # w never depends on the kernel before: its first steps load before the PDL wait.
+    # w is not the previous kernel's output (weights are written long before; frag_call
+    # launches a copy of its own without PDL): its first steps load before the PDL wait.
     w0 = _w_step(w_ptr, w_offs, in_n, step_lo, BLOCK_K, W_TILED)
     if AHEAD >= 2:
         w1 = _w_step(w_ptr, w_offs, in_n, gl.minimum(step_lo + 1, step_hi - 1), BLOCK_K,
@@ -239,8 +240,7 @@ def gemm_frag_kernel(
         w2 = _w_step(w_ptr, w_offs, in_n, gl.minimum(step_lo + 2, step_hi - 1), BLOCK_K,
                      W_TILED)
     if PDL:
-        # The next kernel's launch overlaps this one's tail; w, which no kernel before writes,
-        # is already loading.
+        # The next kernel's launch overlaps this one's tail; w is already loading.
         release_then_wait()
 
     xm = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, x_layout))

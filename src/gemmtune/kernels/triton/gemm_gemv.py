@@ -38,7 +38,7 @@ from gemmtune.kernels.triton import _checks
 from gemmtune.kernels.triton._epilogue import (PER_BLOCK, SCALE_BLOCK, epilogue_constexprs,
                                                epilogue_operands, operand_strides)
 from gemmtune.kernels.triton._replay import KernelCall, launch
-from gemmtune.kernels.triton._splits import (MAX_SPLIT_K, PDL_OFF, pdl_supported, split_chunk,
+from gemmtune.kernels.triton._splits import (MAX_SPLIT_K, PDL_OFF, launch_mode, split_chunk,
                                              split_for, store_split_tile, why_not_wait_pdl,
                                              workspace)
 from gemmtune.kernels.triton._wlayout import w_k_offsets, w_row_offsets
@@ -414,7 +414,7 @@ def gemv_call(x, w, bias, out, scale_a, scale_b, config: GemvConfig,
     use_workspace = config.split_k > 1
     parts, counters, per_call = workspace(x, out, tiles, bm * config.block_n,
                                           config.split_k, counters, warmup)
-    pdl = config.pdl if pdl_supported(x.device) else PDL_OFF
+    pdl = launch_mode(config.pdl, x.device)  # w as given: never copied here
     args = (x, w, out,
             *epilogue_operands(x, bias, scale_a, scale_b),
             parts, counters,
