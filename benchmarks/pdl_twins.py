@@ -26,6 +26,7 @@ from gemmtune.families import get_family
 from gemmtune.kernels.triton._splits import PDL_OFF, PDL_WAIT
 from gemmtune.kernels.triton.dispatchable import TritonKernel
 from gemmtune.tables.sources import configs_dir
+from gemmtune.tables.store import read_table
 from named_probe import OPS, call, operands, time_shape
 
 NOISE = 0.02  # a side faster by more than this counts as a win
@@ -44,19 +45,18 @@ def twins(family: str, kernels: list[str], max_m: int, gpu: str) -> list[Row]:
     each (shape, config) once."""
     schema = get_family(family).schema
     found = {}
-    with open(configs_dir() / schema.tuned_file, newline="") as f:
-        for r in csv.DictReader(f):
-            name = r["kernelName"]
-            if (name.split(":", 1)[0] not in kernels or int(r["M"]) > max_m
-                    or not r.get("gpu", "").startswith(gpu)):
-                continue
-            config = TritonKernel(name).config
-            if getattr(config, "pdl", None) not in (PDL_OFF, PDL_WAIT):
-                continue
-            row = Row((int(r["M"]), int(r["N"]), int(r["K"])), r.get("gpu", ""),
-                      dataclasses.replace(config, pdl=PDL_OFF).name,
-                      dataclasses.replace(config, pdl=PDL_WAIT).name)
-            found.setdefault((row.shape, row.plain), row)
+    for r in read_table(configs_dir() / schema.tuned_file, schema).rows:
+        name = str(r.results["kernelName"])
+        if (name.split(":", 1)[0] not in kernels or r.key.M > max_m
+                or not r.gpu.startswith(gpu)):
+            continue
+        config = TritonKernel(name).config
+        if getattr(config, "pdl", None) not in (PDL_OFF, PDL_WAIT):
+            continue
+        row = Row((r.key.M, r.key.N, r.key.K), r.gpu,
+                  dataclasses.replace(config, pdl=PDL_OFF).name,
+                  dataclasses.replace(config, pdl=PDL_WAIT).name)
+        found.setdefault((row.shape, row.plain), row)
     return list(found.values())
 
 

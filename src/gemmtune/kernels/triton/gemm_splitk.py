@@ -38,7 +38,7 @@ from gemmtune.kernels.triton._epilogue import (SCALE_BLOCK, block_scaled_dot, bl
                                                operand_strides)
 from gemmtune.kernels.triton._replay import KernelCall, launch
 from gemmtune.kernels.triton._splits import (MAX_SPLIT_K, PDL_OFF, PDL_PREFETCH, PDL_WAIT,
-                                             pdl_supported, split_chunk, store_split_tile,
+                                             launch_mode, split_chunk, store_split_tile,
                                              workspace)
 from gemmtune.kernels.triton._wlayout import w_tile_pointers
 
@@ -449,7 +449,7 @@ def splitk_call(x, w, bias, out, scale_a, scale_b, config: SplitKConfig,
     use_workspace = config.split_k > 1
     parts, counters, per_call = workspace(x, out, tiles, config.block_m * config.block_n,
                                           config.split_k, counters, warmup)
-    pdl = config.pdl if pdl_supported(x.device) else PDL_OFF
+    pdl = launch_mode(config.pdl, x.device)  # before its wait, only an L2 prefetch of w
     args = (x, w, out,
             *epilogue_operands(x, bias, scale_a, scale_b),
             parts, counters,

@@ -36,7 +36,7 @@ from gemmtune.kernels._names import Field, NameCodec, NamedConfig
 from gemmtune.kernels.triton import _checks, _ring_launch
 from gemmtune.kernels.triton._epilogue import PER_BLOCK
 from gemmtune.kernels.triton._replay import KernelCall, launch
-from gemmtune.kernels.triton._splits import (PDL_OFF, WaveSplit, pdl_supported, split_for,
+from gemmtune.kernels.triton._splits import (PDL_OFF, WaveSplit, launch_mode, split_for,
                                              splits_around, why_not_wait_pdl)
 from gemmtune.kernels.triton._ring_launch import tma_load
 from gemmtune.kernels.triton._swapped import (MAX_GRID_Z, ROWS_PER_WARP, barrier, finish_share,
@@ -714,7 +714,7 @@ def wsring_call(x, w, bias, out, scale_a, scale_b, config: WsRingConfig,
     rebuilt around each later call's x and w), with its registers capped for ``per_sm``."""
     if block_scales and (problem := why_not_block_scaled(config, x.dtype)):
         raise ValueError(f"gemm_wsring: {config.name}: {problem}")
-    pdl = config.pdl if pdl_supported(x.device) else PDL_OFF
+    pdl = launch_mode(config.pdl, x.device)  # waits before any load: a copied w is seen
     grid = persistent = None
     if config.persistent:
         # Stream-K's units are the tiles' K steps: at most one program a step.
