@@ -53,8 +53,10 @@ def twins(family: str, kernels: list[str], max_m: int, gpu: str) -> list[Row]:
         config = TritonKernel(name).config
         if getattr(config, "pdl", None) not in (PDL_OFF, PDL_WAIT):
             continue
-        row = Row((r.key.M, r.key.N, r.key.K), r.gpu,
-                  dataclasses.replace(config, pdl=PDL_OFF).name,
+        # Without PDL, nothing loads before a wait (triton.wsring's w_ahead needs PDL)
+        plain = dataclasses.replace(config, pdl=PDL_OFF, **(
+            {"w_ahead": 0} if hasattr(config, "w_ahead") else {}))
+        row = Row((r.key.M, r.key.N, r.key.K), r.gpu, plain.name,
                   dataclasses.replace(config, pdl=PDL_WAIT).name)
         found.setdefault((row.shape, row.plain), row)
     return list(found.values())

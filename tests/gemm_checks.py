@@ -517,8 +517,9 @@ def bf16_weight(K, gen):
 
 def pdl_chain_reads_its_input_after_the_producer(launch_only, config, M, K, graph, seed,
                                                 links=12, weight=bf16_weight, between=None):
-    """GPU: each GEMM's x is made by the kernel launched just before it, poisoned (NaN) until
-    that kernel writes it: a launch that read x before its griddepcontrol.wait would see NaN.
+    """GPU: each GEMM's x (and x's scales) is made by the kernel launched just before it,
+    poisoned (NaN) until that kernel writes it: a launch that read x before its
+    griddepcontrol.wait would see NaN.
     The producer lets the GEMM start before it is done: the previous GEMM itself (it releases
     the next kernel at its start), or ``between(y)``, which gives (x, scale_a) from an output
     into buffers of its own, the same each call (e.g. a quantisation, then ``written_late``).
@@ -538,11 +539,13 @@ def pdl_chain_reads_its_input_after_the_producer(launch_only, config, M, K, grap
             launch_only(x, w, None, y, scale_a, scale_b, config)
             x, scale_a = between(y) if between else (y, None)
 
-    def poison():  # every GEMM's input but the first's x0
+    def poison():  # every GEMM's input but the first's x0, and x's scales
         for y in ys:
             y.fill_(float("nan"))
-        for x, _ in inputs if between else ():
+        for x, scale_a in inputs if between else ():
             x.fill_(float("nan"))
+            if scale_a is not None:
+                scale_a.fill_(float("nan"))
 
     chain()  # compiles, and allocates this stream's tile counters
     poison()

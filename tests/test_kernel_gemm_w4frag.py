@@ -43,6 +43,9 @@ def test_names_round_trip():
     two_warps = W4FragConfig(8, 128, 4, PDL_WAIT, 1, 1, warps=2)
     assert two_warps.name == "triton.w4frag:BM8.BK128.SK4.P1.R1.L1.X0.W2"
     assert W4FragConfig.from_name(two_warps.name) == two_warps
+    by_block = W4FragConfig(16, 128, 9, PDL_WAIT, 1, 1, warps=2, x_by_block=1)
+    assert by_block.name == "triton.w4frag:BM16.BK128.SK9.P1.R1.L1.X0.W2.XB1"
+    assert W4FragConfig.from_name(by_block.name) == by_block
 
 
 @pytest.mark.parametrize("config, M, K, dtype, says", [
@@ -58,6 +61,8 @@ def test_names_round_trip():
     (W4FragConfig(8, 64, 2, warps=3), 1, 256, torch.bfloat16, "warps=3 must be one of"),
     (W4FragConfig(8, 128, 2, warps=1), 1, 256, torch.bfloat16, "warps=1 must be one of"),
     (W4FragConfig(32, 128, 2, warps=2), 1, 256, torch.bfloat16, "2 warps take block_m <= 16"),
+    (W4FragConfig(8, 128, 2, x_by_block=1), 1, 256, torch.bfloat16, "only a packed config"),
+    (W4FragConfig(8, 128, 2, packed=1, x_by_block=2), 1, 256, torch.bfloat16, "x_by_block=2"),
 ])
 def test_configs_that_cannot_run_say_why(config, M, K, dtype, says):
     assert says in why_not_fits(config, M, 256, K, dtype)
@@ -95,6 +100,14 @@ def test_candidates_fit_cover_m_and_split_for_decode():
                         2880, torch.bfloat16) is None
     packed = candidates(1, 4096, 4096, torch.bfloat16, num_sms=132, packed=True)
     assert packed and all(c.packed and c.block_k in (128, 256) for c in packed)
+    # x's blocks read one at a time: a twin of each packed 2-warp config with bf16 x
+    for M in (1, 16):
+        packed = candidates(M, 4096, 4096, torch.bfloat16, num_sms=132, pdl=PDL_WAIT,
+                            packed=True)
+        twins = {dataclasses.replace(c, x_by_block=0) for c in packed if c.x_by_block}
+        assert twins and twins == {c for c in packed if c.warps == 2 and not c.x_by_block}
+    assert not any(c.x_by_block for c in candidates(16, 4096, 4096, torch.uint8, num_sms=132,
+                                                    pdl=PDL_WAIT, packed=True))
     assert candidates(1, 2880, 2880, torch.bfloat16, num_sms=132, packed=True) == []
 
 
@@ -148,6 +161,10 @@ def test_refuses_to_run_where_it_cannot():
     (33, 600, 7168, W4FragConfig(32, 128, 28, 0, 1)),  # added: 28 splits, N and M ragged
     (1, 200, 7168, W4FragConfig(8, 256, 28, PDL_WAIT, 1, 1)),  # ... packed, a step a split
     (5, 200, 4096, W4FragConfig(8, 256, 5, 0, 1, 1, warps=2)),  # packed, 2 warps, uneven split
+    # packed, x's blocks read one at a time: 2 warps, in order and added, PDL; 4 warps
+    (13, 130, 2048, W4FragConfig(16, 128, 3, PDL_WAIT, 1, 1, warps=2, x_by_block=1)),
+    (1, 70, 1024, W4FragConfig(8, 256, 2, 0, 0, 1, warps=2, x_by_block=1)),
+    (20, 96, 768, W4FragConfig(32, 128, 1, 0, 0, 1, x_by_block=1)),
 ])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_gpu_matches_the_dequantised_reference(M, N, K, config, with_bias):
@@ -186,7 +203,8 @@ def test_gpu_pdl_chain_reads_its_input_after_the_producer(config, graph):
 @pytest.mark.parametrize("config", [
     W4FragConfig(32, 32, 1), W4FragConfig(32, 64, 1),  # a step's scales as a byte, two bytes
     W4FragConfig(32, 256, 1), W4FragConfig(32, 128, 1, packed=1),  # groups of 4: a word
-    W4FragConfig(16, 128, 1, packed=1, warps=2), W4FragConfig(8, 64, 1, warps=2)])
+    W4FragConfig(16, 128, 1, packed=1, warps=2), W4FragConfig(8, 64, 1, warps=2),
+    W4FragConfig(16, 128, 1, packed=1, warps=2, x_by_block=1)])
 def test_gpu_every_code_at_every_scale_byte_exactly(config):
     """Row n of w has scale byte n (0-255) on all its blocks and the 16 codes over and over,
     each block's codes shifted by its index; x is the identity, so y is w dequantised, rounded
@@ -238,6 +256,8 @@ def test_gpu_a_nan_scale_makes_its_row_nan_and_no_other(config):
     (5, 200, 4096, W4FragConfig(8, 128, 16, 0, 1)),  # added: 16 splits, N ragged
     (3, 200, 4096, W4FragConfig(16, 128, 4, PDL_WAIT, 1, 0, warps=2)),  # 2 warps, x decoded
     (1, 70, 2048, W4FragConfig(8, 256, 3, PDL_WAIT, 0, 1, warps=2)),  # ... packed, in order
+    (3, 200, 4096, W4FragConfig(16, 128, 4, PDL_WAIT, 1, 1, warps=2, x_by_block=1)),  # x's
+    # blocks read one at a time
 ])
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
 def test_gpu_mxfp4_x_matches_the_dequantised_reference(M, N, K, config, out_dtype):

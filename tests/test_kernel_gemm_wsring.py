@@ -15,9 +15,11 @@ import dataclasses
 import pytest
 import torch
 
+import gemm_checks
 from gemm_checks import (assert_block_scaled_decode_launches, assert_fp8_decode_launches,
-                         block_scaled_operands, check_block_scaled_decode, fast_accumulated_scaled,
-                         generator, poisoned, quantised_operands)
+                         block_scaled_operands, check_block_scaled_decode, check_fp8_decode,
+                         fast_accumulated_scaled, generator, poisoned, quantised_operands, randn)
+from gemmtune import quant
 from gemmtune.kernels.triton import _swapped, gemm_wsring
 from gemmtune.kernels.triton.gemm_wsring import WsRingConfig
 
@@ -40,6 +42,9 @@ def test_names_round_trip():
     pdl = WsRingConfig(128, 128, 4, 1, 0, 1, 1)
     assert pdl.name == "triton.wsring:BM128.BN128.S4.SK1.R0.O1.P1"
     assert WsRingConfig.from_name(pdl.name) == pdl
+    ahead = WsRingConfig(64, 64, 4, 2, 1, 1, 1, w_ahead=1)
+    assert ahead.name == "triton.wsring:BM64.BN64.S4.SK2.R1.O1.P1.L0.G0.F0.K0.A1"
+    assert WsRingConfig.from_name(ahead.name) == ahead
     looped = WsRingConfig(128, 128, 4, 1, 0, 1, 0, 1)
     assert looped.name == "triton.wsring:BM128.BN128.S4.SK1.R0.O1.P0.L1"
     assert WsRingConfig.from_name(looped.name) == looped
@@ -106,6 +111,9 @@ def test_registers_share_an_sm():
     (WsRingConfig(128, 64, 3, 1, 0, 2), 128, 4096, 4096, FP8, "takes the 64 x 64 tile only"),
     (WsRingConfig(64, 64, 3, 1, 0, 3), 128, 4096, 4096, FP8, "per_sm=3 must be 1 or 2"),
     (WsRingConfig(64, 64, 3, 1, 0, 1, 2), 128, 4096, 4096, FP8, "pdl=2 must be"),
+    (WsRingConfig(64, 64, 3, 1, w_ahead=1), 128, 4096, 4096, FP8, "which takes PDL (P1)"),
+    (WsRingConfig(64, 64, 3, 1, 0, 1, 1, 1, w_ahead=2), 128, 4096, 4096, FP8, "a program a unit"),
+    (WsRingConfig(64, 64, 3, 1, 0, 1, 1, w_ahead=3), 128, 4096, 4096, FP8, "w_ahead=3"),
     (WsRingConfig(64, 64, 3, 1, 0, 1, 0, 2), 128, 4096, 4096, FP8, "persistent=2 must be"),
     (WsRingConfig(64, 64, 3, 1, 0, 1, 0, 0, 2), 128, 4096, 4096, FP8, "m_first=2 must be"),
     (WsRingConfig(64, 64, 3, 1, 0, 1, 0, 0, 1), 128, 64 * 65536, 4096, FP8, "third axis"),
@@ -125,12 +133,16 @@ def test_configs_that_cannot_run_say_why(config, M, N, K, dtype, says):
 def test_candidates_and_default_fit(M, N, K):
     plain = gemm_wsring.candidates(M, N, K, FP8, num_sms=132)
     found = gemm_wsring.candidates(M, N, K, FP8, num_sms=132, pdl=1)
-    # With PDL asked for: every config of a program a unit both ways, persistent ones (whose
-    # setup is paid once) with PDL alone.
-    assert {c.pdl for c in plain} <= {0}
-    assert {dataclasses.replace(c, pdl=0) for c in found} == set(plain)
-    assert ({c for c in found if not c.persistent and c.pdl} ==
+    # With PDL asked for: every config of a program a unit both ways, with PDL also with w's
+    # first slots before the wait (w_ahead: the next kernel released at the start, or after
+    # the loop); persistent ones (whose setup is paid once) with PDL alone.
+    assert {(c.pdl, c.w_ahead) for c in plain} <= {(0, 0)}
+    assert {dataclasses.replace(c, pdl=0, w_ahead=0) for c in found} == set(plain)
+    assert ({c for c in found if not c.persistent and c.pdl and not c.w_ahead} ==
             {dataclasses.replace(c, pdl=1) for c in plain if not c.persistent})
+    for ahead in (gemm_wsring.W_AHEAD_START, gemm_wsring.W_AHEAD_AFTER):
+        assert ({c for c in found if c.w_ahead == ahead} ==
+                {dataclasses.replace(c, pdl=1, w_ahead=ahead) for c in plain if not c.persistent})
     assert bool(found) == (gemm_wsring.MIN_M <= M <= gemm_wsring.MAX_M), (M, N, K)
     if not found:
         return
@@ -413,6 +425,12 @@ GPU_CASES = [
     # 128 rows of x, 40 of them loaded (64 a load); stream-K at 20 rows
     (40, 1040, 1040, WsRingConfig(128, 64, 4, 2)),
     (20, 1040, 2320, WsRingConfig(64, 64, 4, 1, 0, 2, 1, 1, stream_k=1)),
+    # PDL with w's first slots before the wait (the next kernel released at the start, A1,
+    # or after the loop, A2): split and added (fewer steps than slots), x's blocks first, 16
+    # rows of x a load
+    (33, 576, 7168, WsRingConfig(64, 64, 8, 8, 1, 1, 1, w_ahead=1)),
+    (200, 1040, 2320, WsRingConfig(128, 64, 8, 3, 0, 1, 1, 0, 1, w_ahead=2)),
+    (16, 1040, 2320, WsRingConfig(64, 64, 6, 1, 0, 2, 1, w_ahead=1)),
 ]
 
 
@@ -445,6 +463,56 @@ def test_gpu_block_scales_match_the_dequantised_reference(M, N, K, config):
     assert_block_scaled_decode_launches(gemm, M, N, K, config.name, _reproducible(config))
 
 
+@pytest.mark.gpu
+@GPU_TIMEOUT
+@pytest.mark.parametrize("M, config, block_scales", [
+    # w's first slots before the wait, the next kernel released at the start or after the
+    # loop: 16 rows a load, split; more slots than a split's steps, added; per-token scales
+    # (the end's)
+    (16, WsRingConfig(64, 64, 4, 2, pdl=1, w_ahead=1), True),
+    (16, WsRingConfig(64, 64, 4, 2, pdl=1, w_ahead=2), True),
+    (48, WsRingConfig(64, 32, 8, 4, 1, pdl=1, w_ahead=1), True),
+    (64, WsRingConfig(64, 128, 3, 1, pdl=1, w_ahead=2), False),
+    # waiting before any load: a program a unit, and persistent
+    (16, WsRingConfig(64, 64, 4, 2, pdl=1), True),
+    (40, WsRingConfig(64, 64, 4, 2, 0, 2, 1, 1), True),
+], ids=lambda v: getattr(v, "name", v))
+@pytest.mark.parametrize("graph", [False, True])
+def test_gpu_pdl_chain_reads_its_input_after_the_producer(M, config, block_scales, graph):
+    """Each GEMM's x and x's scales quantised from the previous one's output and written into
+    their buffers (poisoned) by kernels that let the GEMM start ~20 us before they write: with
+    PDL only w may load before the wait (``w_ahead``: the producer's first slots), x's scales
+    after it."""
+    def fp8_weight(K, gen):
+        w = randn(K, K, gen=gen) / K ** 0.5
+        if block_scales:
+            wq, w_scale = quant.per_block_fp8(w, quant.WEIGHT_BLOCK)
+            return wq, w_scale, lambda y, xq, x_scale: check_block_scaled_decode(
+                y, xq, wq, x_scale, w_scale, None, config.name)
+        wq, w_scale = quant.per_channel_fp8(w)
+        return wq, w_scale.reshape(-1), lambda y, xq, x_scale: check_fp8_decode(
+            y, xq, wq, x_scale, w_scale.reshape(-1), None, config.name)
+
+    late = {}  # an output's data pointer -> the buffers its quantised copy is written into
+
+    def quantised(y):
+        xq, x_scale = (quant.per_block_fp8(y, quant.ACT_BLOCK) if block_scales
+                       else quant.per_token_fp8(y))
+        x_scale = x_scale.reshape(M, -1).contiguous()
+        buffers = late.setdefault(y.data_ptr(), (torch.empty_like(xq),
+                                                 torch.empty_like(x_scale)))
+        gemm_checks.written_late(xq, buffers[0])
+        gemm_checks.written_late(x_scale, buffers[1])  # waits for the first copy, then writes
+        return buffers[0], buffers[1] if block_scales else buffers[1].reshape(-1)
+
+    def launch(x, w, bias, out, scale_a, scale_b, config):
+        return gemm_wsring.launch_gemm_wsring(x, w, bias, out, scale_a, scale_b, config,
+                                              block_scales=block_scales)
+
+    gemm_checks.pdl_chain_reads_its_input_after_the_producer(
+        launch, config, M, 2048, graph, 70 + M, weight=fp8_weight, between=quantised)
+
+
 # Fast accumulation: one and two warpgroups, split (in order and added) and not, two programs
 # an SM with PDL, persistent, x's blocks first, fewer rows of x than the MMA's.
 FAST_GPU_CASES = [
@@ -467,6 +535,8 @@ FAST_GPU_CASES = [
     # 16 and 32 rows of x a load (x_box_rows), the slots' other rows zeroed
     (16, 4096, 4096, WsRingConfig(64, 64, 8, 1, fast_accumulation=1)),
     (24, 1008, 2320, WsRingConfig(64, 64, 6, 3, 1, 2, 1, 1, fast_accumulation=1)),
+    # PDL with w's first slots before the wait
+    (130, 4096, 1040, WsRingConfig(128, 64, 4, 2, 0, 1, 1, 0, 1, 1, w_ahead=1)),
 ]
 
 

@@ -458,6 +458,7 @@ def test_ring_kernel_feeds_both_operands_through_tma():
 
 
 WSRING_SCRIPT = PTXAS_REPORT + TMA_GEMM_COMPILE + textwrap.dedent("""
+    import torch
     from gemmtune.kernels.triton import _swapped, gemm_wsring
 
     spills = {}
@@ -482,18 +483,21 @@ WSRING_SCRIPT = PTXAS_REPORT + TMA_GEMM_COMPILE + textwrap.dedent("""
             (64, 32, 16, 1, (3, 3, False), 1, 0), (64, 64, 12, 1, (3, 3, False), 1, 0),
             (64, 64, 6, 1, (3, 3, False), 2, 1), (64, 32, 8, 1, (3, 3, False), 1, 0, 16),
             (64, 64, 8, -2, (2, 2, True), 1, 5, 32), (64, 64, 6, 1, (3, 3, False), 2, 1, 16),
-            (128, 64, 6, 1, (3, 3, False), 1, 9, 32)):
+            (128, 64, 6, 1, (3, 3, False), 1, 9, 32), (64, 64, 4, 2, (3, 3, False), 2, 16),
+            (64, 64, 6, 1, (2, 2, True), 2, 32, 16)):
         # order: 0 a program a unit, w's blocks first; 1 a loop over units; 2 x's blocks
-        # first; 3 both. An eighth number: x's rows a load brings (M under block_m), the rest
-        # of the slot zeroed by the math warps.
+        # first; 3 both; + 16, + 32: w's first slots before the PDL wait, the next kernel
+        # released at the start or after the loop (w_ahead 1, 2). An eighth number: x's rows
+        # a load brings (M under block_m), the rest of the slot zeroed by the math warps.
         block_m, block_n, stages, split_k, epilogue, per_sm, order, *x_rows = case
         x_rows = x_rows[0] if x_rows else block_m
+        w_ahead = 1 if order & 16 else (2 if order & 32 else 0)
         fast, streamed, order = bool(order & 4), bool(order & 8), order % 4
         m_first, persistent = order >= 2, order in (1, 3)
         add_splits, split_k = split_k < 0, abs(split_k)
         config = gemm_wsring.WsRingConfig(block_m, block_n, stages, split_k, int(add_splits),
-                                          per_sm, 0, int(persistent), int(m_first), int(fast),
-                                          int(streamed))
+                                          per_sm, int(per_sm == 2), int(persistent), int(m_first),
+                                          int(fast), int(streamed), w_ahead)
         scale_a, scale_b, has_bias = epilogue
         constexprs = dict(HAS_BIAS=has_bias, SCALE_A=scale_a, SCALE_B=scale_b, SPLIT_K=split_k,
                           BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages,
@@ -501,7 +505,9 @@ WSRING_SCRIPT = PTXAS_REPORT + TMA_GEMM_COMPILE + textwrap.dedent("""
                                                               block_m // 16),
                           ADD_SPLITS=add_splits, PDL=per_sm == 2,
                           PERSISTENT=persistent, M_FIRST=m_first, FAST=fast,
-                          STREAM_K=streamed)
+                          STREAM_K=streamed, W_AHEAD=w_ahead)
+        assert gemm_wsring.why_not_fits(config, x_rows, 4096, 4096, torch.float8_e4m3fn) is None, \
+            gemm_wsring.why_not_fits(config, x_rows, 4096, 4096, torch.float8_e4m3fn)
         kernel = compile_tma_gemm(gemm_wsring.gemm_wsring_kernel, block_n, block_m, 128,
                                   constexprs, {"num_warps": block_m // 16,
                                                "maxnreg": gemm_wsring.max_registers(config)},
@@ -518,7 +524,8 @@ WSRING_SCRIPT = PTXAS_REPORT + TMA_GEMM_COMPILE + textwrap.dedent("""
         # slot; registers handed from the producer to the math warps; a slot freed by one
         # arrive of the math warps after their barrier (bar.sync over their threads alone).
         assert f"wgmma.mma_async.sync.aligned.m64n{block_n}k32.f32.e4m3.e4m3" in text
-        assert text.count("cp.async.bulk.tensor") == 2, text.count("cp.async.bulk.tensor")
+        copies = 4 if w_ahead else 2  # and w's then x's first slots around the PDL wait
+        assert text.count("cp.async.bulk.tensor") == copies, text.count("cp.async.bulk.tensor")
         assert "setmaxnreg.dec" in text and "setmaxnreg.inc" in text
         assert "mbarrier.arrive" in text
         assert f"bar.sync \t0, {block_m * 2};" in text
@@ -535,10 +542,27 @@ WSRING_SCRIPT = PTXAS_REPORT + TMA_GEMM_COMPILE + textwrap.dedent("""
         # Split, or stream-K's parts of tiles: counters, and (added) the parts' fp32 sums.
         assert ("atom.global" in text) == (split_k > 1 or streamed)
         assert ("global.gpu.relaxed.add.f32" in text) == (add_splits or streamed), add_splits
-        # PDL: the next kernel released, and this one's wait, before any memory is touched.
+        # PDL with w ahead: the math warps wait before any load (x's scales, the end's); the
+        # producer loads w's first slots (its loop's first copy, as in the main loop) before
+        # its wait and x's after it; the next kernel released before any copy (1) or after the
+        # last MMA (2). Otherwise released, then the wait, before any memory is touched.
         pdl = "griddepcontrol.wait" in text
         assert pdl == constexprs["PDL"]
-        assert not pdl or text.index("griddepcontrol.wait") < text.index("cp.async.bulk.tensor")
+        wait = text.find("griddepcontrol.wait")
+        release = text.find("griddepcontrol.launch_dependents")
+        if w_ahead:
+            copies = [m.start() for m in re.finditer("cp.async.bulk.tensor", text)]
+            assert wait < text.index("ld.global")
+            producer_wait = text.index("griddepcontrol.wait", copies[0])
+            descriptor = [re.search(r"\\[(%rd\\d+),", text[c:]).group(1) for c in copies]
+            assert sum(c < producer_wait for c in copies) == 1
+            assert descriptor[0] == descriptor[2] != descriptor[1] == descriptor[3], descriptor
+            if w_ahead == 1:
+                assert release < copies[0]
+            else:
+                assert text.rfind("wgmma.mma_async") < release
+        elif pdl:
+            assert release < wait < text.index("cp.async.bulk.tensor")
         report, spills[block_m, block_n, split_k, add_splits, persistent, m_first, fast,
                        streamed, x_rows] = ptxas_report(text)
         # Each MMA overlaps the previous step's scaling: ptxas serialises none (C7514: another
@@ -627,15 +651,19 @@ W4FRAG_SCRIPT = PTXAS_REPORT + textwrap.dedent("""
     names = inspect.signature(gemm_w4frag.gemm_w4frag_kernel.fn).parameters
     aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
                if n.endswith("_ptr") or n in ("K", "stride_xm", "stride_wn")}
-    # (block_m, block_k, split_k (negative: added), pdl, bias, packed w, MXFP4 x, warps)
-    for block_m, block_k, split_k, pdl, bias, packed, x_mxfp4, warps in (
+    # (block_m, block_k, split_k (negative: added), pdl, bias, packed w, MXFP4 x, warps[, x
+    # read from shared memory a block at a time])
+    for block_m, block_k, split_k, pdl, bias, packed, x_mxfp4, warps, *by_block in (
             (8, 128, 1, False, False, False, False, 4), (16, 256, 4, True, True, False, False, 4),
             (32, 64, -8, True, False, False, False, 4), (8, 32, 2, False, True, False, False, 4),
             (8, 128, 4, True, False, True, False, 4), (32, 256, -2, False, True, True, False, 4),
             (8, 128, 4, True, False, True, True, 4), (16, 64, -3, False, False, False, True, 4),
             (32, 256, 2, True, False, False, True, 4), (8, 128, -4, True, False, True, True, 4),
             (8, 128, -5, True, False, True, False, 2), (16, 128, -9, True, False, True, False, 2),
-            (8, 64, 2, False, True, False, True, 2), (16, 256, 3, True, True, True, True, 2)):
+            (8, 64, 2, False, True, False, True, 2), (16, 256, 3, True, True, True, True, 2),
+            (16, 128, -9, True, False, True, False, 2, True),
+            (8, 256, 2, False, True, True, False, 2, True)):
+        by_block = bool(by_block)
         pointers = {"x_ptr": "*u8" if x_mxfp4 else "*bf16", "wq_ptr": "*u8", "ws_ptr": "*u8",
                     "xs_ptr": "*u8", "y_ptr": "*bf16", "bias_ptr": "*bf16",
                     "part_ptr": "*fp32", "count_ptr": "*i32"}
@@ -643,7 +671,8 @@ W4FRAG_SCRIPT = PTXAS_REPORT + textwrap.dedent("""
                           BLOCK_K=block_k, PDL=pdl,
                           PER_LOAD=gemm_w4frag.partials_per_load(abs(split_k), 64, block_m,
                                                                  warps),
-                          ADD_SPLITS=split_k < 0, PACKED=packed, X_MXFP4=x_mxfp4)
+                          ADD_SPLITS=split_k < 0, PACKED=packed, X_MXFP4=x_mxfp4,
+                          X_BY_BLOCK=by_block)
         signature = {n: pointers.get(n, "constexpr" if n in constexprs else "i32")
                      for n in names}
         kernel = triton.compile(gluon._runtime.GluonASTSource(
@@ -678,6 +707,9 @@ W4FRAG_SCRIPT = PTXAS_REPORT + textwrap.dedent("""
             first = text.find("ldmatrix")
             assert text[:first].rsplit("st.shared", 1)[1].count("bar.sync") == 1
             assert text[first:text.rfind("st.shared.v4")].count("bar.sync") == 1
+            # x's blocks read at once, before the group's first MMA, or each before its own
+            reads = text[first:text.rfind("ldmatrix")]
+            assert ("mma.sync" in reads) == by_block, by_block
         else:
             assert "st.shared" not in loop and "bar.sync" not in loop
         assert ("griddepcontrol.wait" in text) == pdl

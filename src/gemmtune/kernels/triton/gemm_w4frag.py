@@ -93,7 +93,7 @@ class W4FragConfig(NamedConfig):
         Field("BM", "block_m"), Field("BK", "block_k"), Field("SK", "split_k"),
         Field("P", "pdl", default=PDL_OFF), Field("R", "add_splits", default=0),
         Field("L", "packed", default=0), Field("X", "x_first", default=0),
-        Field("W", "warps", default=NUM_WARPS)))
+        Field("W", "warps", default=NUM_WARPS), Field("XB", "x_by_block", default=0)))
 
     block_m: int
     block_k: int
@@ -114,6 +114,10 @@ class W4FragConfig(NamedConfig):
     # warp loads the whole of x's block for its rows, so fewer warps with more rows each load
     # x (L1 traffic) fewer times for the same w
     warps: int = NUM_WARPS
+    # Packed only. 1: each block's B operand read from shared memory just before its MMA;
+    # 0: the group's 4 blocks read at once. With 2 warps and bf16 x, a block at a time gained
+    # up to 1.3x on some configs and lost up to 1.3x on others (docs/benchmarks.md, session 39)
+    x_by_block: int = 0
 
 
 def why_not_fits(config: W4FragConfig, M: int, N: int, K: int,
@@ -135,6 +139,9 @@ def why_not_fits(config: W4FragConfig, M: int, N: int, K: int,
     if c.x_first not in (0, 1) or (c.x_first and dtype != torch.uint8):
         return (f"x_first={c.x_first}: 1 dequantises MXFP4 x first (x of {dtype} here), 0 "
                 f"decodes it in the loop")
+    if c.x_by_block not in (0, 1) or (c.x_by_block and not c.packed):
+        return (f"x_by_block={c.x_by_block}: 1 reads x's blocks from shared memory one at a "
+                f"time, which only a packed config (packed=1) stages x in; else 0")
     if c.packed and c.block_k % mxfp4.PACK_GROUP:
         return (f"block_k={c.block_k}: a packed w is read in groups of {mxfp4.PACK_GROUP} of K; "
                 f"use block_k 128 or 256")
@@ -177,7 +184,8 @@ def candidates(M: int, N: int, K: int, dtype: torch.dtype, num_sms: int | None =
     ``mxfp4.prepack`` stores it: block_m covering M (past 32, tiles of 32 rows of x); each
     block_k of 64-256 (packed: 128-256) dividing K (32 where none does); K split to reach each
     of ``_PROGRAMS_PER_SM``; without PDL and with ``pdl``; split sums in order and added; MXFP4
-    x (``dtype`` uint8) decoded in the loop and dequantised first. Only configs that fit."""
+    x (``dtype`` uint8) decoded in the loop and dequantised first; packed with 2 warps and bf16
+    x, x's blocks read at once and one at a time. Only configs that fit."""
     if M > MAX_M or dtype not in (torch.bfloat16, torch.uint8):
         return []
     num_sms = num_sms or _checks.sm_count()
@@ -193,10 +201,11 @@ def candidates(M: int, N: int, K: int, dtype: torch.dtype, num_sms: int | None =
                 for add in sorted({0, int(split > 1)}):
                     for x_first in (0, 1) if dtype == torch.uint8 else (0,):
                         for warps in _warps_to_try(bm, mode == pdl and add == int(split > 1)):
-                            cfg = W4FragConfig(bm, bk, split, mode, add, int(packed), x_first,
-                                               warps)
-                            if why_not_fits(cfg, M, N, K, dtype) is None:
-                                found[cfg] = None
+                            for by_block in _x_by_block_to_try(packed, warps, dtype):
+                                cfg = W4FragConfig(bm, bk, split, mode, add, int(packed),
+                                                   x_first, warps, by_block)
+                                if why_not_fits(cfg, M, N, K, dtype) is None:
+                                    found[cfg] = None
     return list(found)
 
 
@@ -206,6 +215,12 @@ def _warps_to_try(block_m: int, beside_pdl_and_added: bool) -> tuple[int, ...]:
     if not beside_pdl_and_added or block_m > _MOST_ROWS_OF_X[2]:
         return (NUM_WARPS,)
     return (NUM_WARPS, 2)
+
+
+def _x_by_block_to_try(packed: bool, warps: int, dtype: torch.dtype) -> tuple[int, ...]:
+    """x's group read at once; packed with 2 warps and bf16 x, also a block at a time (where it
+    changes the code ptxas makes: 4 warps, and MXFP4 x, ran the same or slower)."""
+    return (0, 1) if packed and warps == 2 and dtype == torch.bfloat16 else (0,)
 
 
 def replayed(config: W4FragConfig) -> bool:
@@ -302,12 +317,13 @@ def _x_codes_bf16(words, tables, b_layout: gl.constexpr):
 
 @gluon.jit
 def _add_block(acc, words, scale, x, x_scale, a_layout: gl.constexpr, b_layout: gl.constexpr,
-               tables, X_MXFP4: gl.constexpr, PACKED: gl.constexpr):
+               tables, X_MXFP4: gl.constexpr, PACKED: gl.constexpr, X_BY_BLOCK: gl.constexpr):
     """``acc`` plus one 32-element scale block's product: ``words`` (64, 4) int32 (each
     thread's 8 codes of a row), ``scale`` (64,) fp32, ``x`` x's words (``_load_x``; with
-    ``X_MXFP4`` x's codes; ``PACKED``, x's block as the B operand, ``_x_blocks``), ``x_scale``
-    (BLOCK_M,) fp32 x's scales with ``X_MXFP4`` (else unused). ``tables``: e2m1_tables for w's
-    words and for x's."""
+    ``X_MXFP4`` x's codes; ``PACKED``, x's block as the B operand, ``_x_blocks``, or with
+    ``X_BY_BLOCK`` its place in shared memory, read here), ``x_scale`` (BLOCK_M,) fp32 x's
+    scales with ``X_MXFP4`` (else unused). ``tables``: e2m1_tables for w's words and for
+    x's."""
     if PACKED:
         w = gl.convert_layout(_in_k_order(_e2m1_codes(words, tables[0], True)), a_layout,
                               assert_trivial=True)
@@ -316,7 +332,9 @@ def _add_block(acc, words, scale, x, x_scale, a_layout: gl.constexpr, b_layout: 
                               assert_trivial=True)
     # From zero per block: the block's scales multiply its product exactly in fp32. Packed,
     # x is already the B operand (from shared memory, ``_x_blocks``; MXFP4 x's codes decoded).
-    if PACKED:
+    if X_BY_BLOCK:
+        xb = x.permute((1, 0)).load(b_layout)
+    elif PACKED:
         xb = x
     elif X_MXFP4:
         xb = _x_codes_bf16(x, tables[1], b_layout)
@@ -405,10 +423,17 @@ def _x_scale_word(xs_ptrs, group, no_scales, X_MXFP4: gl.constexpr):
 def _x_blocks(tile, BLOCK_M: gl.constexpr, b_layout: gl.constexpr):
     """The 4 blocks of x's group in shared memory (``tile``: block j's rows at j BLOCK_M) as
     B operands (32, BLOCK_M) in K order."""
-    return (tile.slice(0, BLOCK_M).permute((1, 0)).load(b_layout),
-            tile.slice(BLOCK_M, BLOCK_M).permute((1, 0)).load(b_layout),
-            tile.slice(2 * BLOCK_M, BLOCK_M).permute((1, 0)).load(b_layout),
-            tile.slice(3 * BLOCK_M, BLOCK_M).permute((1, 0)).load(b_layout))
+    x0, x1, x2, x3 = _x_places(tile, BLOCK_M)
+    return (x0.permute((1, 0)).load(b_layout), x1.permute((1, 0)).load(b_layout),
+            x2.permute((1, 0)).load(b_layout), x3.permute((1, 0)).load(b_layout))
+
+
+@gluon.jit
+def _x_places(tile, BLOCK_M: gl.constexpr):
+    """The 4 blocks of x's group in shared memory (``tile``: block j's rows at j BLOCK_M), not
+    yet read (``_add_block`` reads each as its B operand)."""
+    return (tile.slice(0, BLOCK_M), tile.slice(BLOCK_M, BLOCK_M),
+            tile.slice(2 * BLOCK_M, BLOCK_M), tile.slice(3 * BLOCK_M, BLOCK_M))
 
 
 @gluon.jit
@@ -452,19 +477,20 @@ def _x_bf16(words, b_layout: gl.constexpr):
 @gluon.jit
 def _add_group(acc, nan_seen, word, c0, c1, c2, c3, x0, x1, x2, x3, x_word,
                a_layout: gl.constexpr, b_layout: gl.constexpr, tables, X_MXFP4: gl.constexpr,
-               PACKED: gl.constexpr):
+               PACKED: gl.constexpr, X_BY_BLOCK: gl.constexpr):
     """``acc`` and ``nan_seen`` with a group of 4 blocks added: ``word`` the rows' 4 scale
     bytes, c0-c3 the blocks' code words (``PACKED``: the packed layout's), x0-x3 x's blocks
-    (``_add_block``), ``x_word`` x's rows' 4 scale bytes with ``X_MXFP4`` (else unused).
-    ``nan_seen``: (w's rows' flags, x's rows' flags)."""
+    (``_add_block``: ``X_BY_BLOCK``, their places in shared memory), ``x_word`` x's rows' 4
+    scale bytes with ``X_MXFP4`` (else unused). ``nan_seen``: (w's rows' flags, x's rows'
+    flags)."""
     acc = _add_block(acc, c0, _block_scale(word, 0), x0, _block_scale(x_word, 0), a_layout,
-                     b_layout, tables, X_MXFP4, PACKED)
+                     b_layout, tables, X_MXFP4, PACKED, X_BY_BLOCK)
     acc = _add_block(acc, c1, _block_scale(word, 1), x1, _block_scale(x_word, 1), a_layout,
-                     b_layout, tables, X_MXFP4, PACKED)
+                     b_layout, tables, X_MXFP4, PACKED, X_BY_BLOCK)
     acc = _add_block(acc, c2, _block_scale(word, 2), x2, _block_scale(x_word, 2), a_layout,
-                     b_layout, tables, X_MXFP4, PACKED)
+                     b_layout, tables, X_MXFP4, PACKED, X_BY_BLOCK)
     acc = _add_block(acc, c3, _block_scale(word, 3), x3, _block_scale(x_word, 3), a_layout,
-                     b_layout, tables, X_MXFP4, PACKED)
+                     b_layout, tables, X_MXFP4, PACKED, X_BY_BLOCK)
     return acc, (_nan_scales(nan_seen[0], word), _nan_scales(nan_seen[1], x_word))
 
 
@@ -571,6 +597,7 @@ def gemm_w4frag_kernel(
     HAS_BIAS: gl.constexpr, SPLIT_K: gl.constexpr, BLOCK_M: gl.constexpr,
     BLOCK_K: gl.constexpr, PDL: gl.constexpr, PER_LOAD: gl.constexpr,
     ADD_SPLITS: gl.constexpr, PACKED: gl.constexpr, X_MXFP4: gl.constexpr,
+    X_BY_BLOCK: gl.constexpr,
 ):
     WARPS_HERE: gl.constexpr = gl.num_warps()
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[WARPS_HERE, 1],
@@ -667,9 +694,12 @@ def gemm_w4frag_kernel(
             x_ahead = gl.load(tile_ptrs + ahead.to(gl.int64) * _x_group_stride(X_MXFP4))
             slot = (group - g_lo) % 2
             barrier()  # the slot's stores done, and the other slot's reads
-            x0, x1, x2, x3 = _x_blocks(tiles.index(slot), BLOCK_M, b_layout)
+            if X_BY_BLOCK:  # read by _add_block, each just before its MMA
+                x0, x1, x2, x3 = _x_places(tiles.index(slot), BLOCK_M)
+            else:
+                x0, x1, x2, x3 = _x_blocks(tiles.index(slot), BLOCK_M, b_layout)
             acc, nan_seen = _add_group(acc, nan_seen, word, c0, c1, c2, c3, x0, x1, x2, x3, xw,
-                                       a_layout, b_layout, tables, X_MXFP4, PACKED)
+                                       a_layout, b_layout, tables, X_MXFP4, PACKED, X_BY_BLOCK)
             tiles.index(1 - slot).store(_x_in_bf16(x_ahead, x_tables, X_MXFP4))
             word, c0, c1, c2, c3, xw = word_b, b0, b1, b2, b3, xw_b
     elif SCALE_BYTES == 4:
@@ -688,7 +718,7 @@ def gemm_w4frag_kernel(
             else:
                 x0, x1, x2, x3, xw = _load_x_group(x_ptrs, xs_ptrs, group, no_scales, X_MXFP4)
             acc, nan_seen = _add_group(acc, nan_seen, word, c0, c1, c2, c3, x0, x1, x2, x3, xw,
-                                       a_layout, b_layout, tables, X_MXFP4, PACKED)
+                                       a_layout, b_layout, tables, X_MXFP4, PACKED, False)
             ahead = gl.minimum(group + 2, last)
             word, c0, c1, c2, c3 = _load_group(w_ptrs, s_ptrs, ahead, PACKED, word_layout)
             if X_AHEAD:
@@ -699,7 +729,7 @@ def gemm_w4frag_kernel(
                                                        X_MXFP4)
                 acc, nan_seen = _add_group(acc, nan_seen, word_b, b0, b1, b2, b3, y0, y1, y2,
                                            y3, yw, a_layout, b_layout, tables, X_MXFP4,
-                                           PACKED)
+                                           PACKED, False)
     else:  # block_k 32 or 64: a step's 1-2 scale bytes a row as one uint8 / int16
         for step in range(step_lo, step_hi):
             word = _scale_word(s_ptrs, step, SCALE_BYTES)
@@ -713,7 +743,7 @@ def gemm_w4frag_kernel(
                 codes = gl.load(w_ptrs + block.to(gl.int64) * 4)
                 acc = _add_block(acc, codes, _block_scale(word, j),
                                  _load_x(x_ptrs, block, X_MXFP4), _block_scale(x_word, j),
-                                 a_layout, b_layout, tables, X_MXFP4, PACKED)
+                                 a_layout, b_layout, tables, X_MXFP4, PACKED, False)
     # A NaN scale of w's row n or x's row m makes output (m, n) NaN.
     acc = gl.where((nan_seen[0] != 0)[:, None] | (nan_seen[1] != 0)[None, :], float("nan"),
                    acc)
@@ -764,7 +794,8 @@ def w4frag_call(x, w, bias, out, scale_a, scale_b, config: W4FragConfig,
     constexprs = dict(HAS_BIAS=bias is not None, SPLIT_K=c.split_k, BLOCK_M=c.block_m,
                       BLOCK_K=c.block_k, PDL=pdl != PDL_OFF,
                       PER_LOAD=partials_per_load(c.split_k, BLOCK_N, c.block_m, c.warps),
-                      ADD_SPLITS=bool(c.add_splits), PACKED=bool(c.packed), X_MXFP4=x_mxfp4)
+                      ADD_SPLITS=bool(c.add_splits), PACKED=bool(c.packed), X_MXFP4=x_mxfp4,
+                      X_BY_BLOCK=bool(c.x_by_block))
     return KernelCall(gemm_w4frag_kernel, (n_tiles, c.split_k, m_tiles), args, constexprs,
                       dict(num_warps=c.warps), launch_pdl=pdl != PDL_OFF,
                       replayable=not per_call)

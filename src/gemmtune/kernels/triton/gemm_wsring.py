@@ -14,6 +14,10 @@ x's per-row block scales and w's one block scale of the tile (BLOCK_N <= 128 lie
 128 rows); per-token / per-tensor scales and bias are the end's (``_swapped.finish_tile``, which
 also sums K's splits, in order or, ``.R1``, added).
 
+With programmatic dependent launch (``.P1``) a program releases the next kernel and waits for
+the previous one before any load, or (``w_ahead``, a program a unit) its producer loads w's
+first slots before that wait, the math warps waiting before they read x's scales.
+
 Row-major w only, K a multiple of 16 (TMA's row pitch), any N and M (TMA zero-fills past the
 edges). FP8 (float8_e4m3fn), Hopper (sm_90) only; Gluon does not run in Triton's interpreter,
 so the CPU checks only compile it (tests/test_kernels_compile_for_hopper.py).
@@ -40,8 +44,9 @@ from gemmtune.kernels.triton._splits import (PDL_OFF, WaveSplit, launch_mode, sp
                                              splits_around, why_not_wait_pdl)
 from gemmtune.kernels.triton._ring_launch import tma_load
 from gemmtune.kernels.triton._swapped import (MAX_GRID_Z, ROWS_PER_WARP, barrier, finish_share,
-                                              finish_tile, release_then_wait, step_scale_loads,
-                                              stream_part, stream_run, why_not_add_splits,
+                                              finish_tile, release_next, release_then_wait,
+                                              step_scale_loads, stream_part, stream_run,
+                                              wait_for_previous, why_not_add_splits,
                                               why_not_grid, why_not_here)
 
 KERNEL_PREFIX = "triton.wsring"
@@ -63,6 +68,10 @@ NARROW_MAX_STEPS = 32
 MIN_M, MAX_M = 16, 256
 TWO_PER_SM_TILE = (64, 64)  # the tile two programs of an SM can hold (registers)
 MAX_SPLIT_K = 32
+# ``w_ahead``: 0 waits for the previous kernel before any load; the others load w's first
+# slots before the wait and release the next kernel at the start or after the loop
+W_AHEAD_START, W_AHEAD_AFTER = 1, 2
+W_AHEADS = (0, W_AHEAD_START, W_AHEAD_AFTER)
 SMEM_BYTES = _checks.SMEM_LIMIT_BYTES  # one program's most
 # An SM's shared memory, of which each resident program's block reserves 1 KiB besides its own
 BLOCK_RESERVED_BYTES = 1024
@@ -71,6 +80,8 @@ SM_SMEM_BYTES = SMEM_BYTES + BLOCK_RESERVED_BYTES
 _PRODUCER_WARPS = gl.constexpr(1)
 _PRODUCER_REGS = gl.constexpr(40)
 _PER_BLOCK = gl.constexpr(PER_BLOCK)
+_W_AHEAD_START = gl.constexpr(W_AHEAD_START)
+_W_AHEAD_AFTER = gl.constexpr(W_AHEAD_AFTER)
 
 
 @dataclass(frozen=True)
@@ -82,7 +93,8 @@ class WsRingConfig(NamedConfig):
         Field("SK", "split_k"), Field("R", "add_splits", default=0),
         Field("O", "per_sm", default=1), Field("P", "pdl", default=PDL_OFF),
         Field("L", "persistent", default=0), Field("G", "m_first", default=0),
-        Field("F", "fast_accumulation", default=0), Field("K", "stream_k", default=0)))
+        Field("F", "fast_accumulation", default=0), Field("K", "stream_k", default=0),
+        Field("A", "w_ahead", default=0)))
 
     block_m: int  # x rows a program (the MMA's M): 64 a math warpgroup
     block_n: int  # w rows a program (the MMA's N)
@@ -114,6 +126,13 @@ class WsRingConfig(NamedConfig):
     # storing it, so no program idles while others finish a wave. Run by name only: each part's
     # end costs L2 round trips that made it slower on every shape timed (``candidates``).
     stream_k: int = 0
+    # With PDL, a program a unit. W_AHEAD_START (1): the producer loads w's first slots before
+    # the wait for the previous kernel (w is not its output) and x's after it, the next kernel
+    # released at the start; W_AHEAD_AFTER (2): the same, the next kernel released after the
+    # loop; 0: the next kernel released, then the wait, before any load. On an H200 at
+    # M <= 32, 1 was 1.01-1.18x 0 and 0.97-1.24x 2; 2 was 0.91-1.13x 0 over M = 16-256
+    # (docs/benchmarks.md, session 39): the tuner offers all three.
+    w_ahead: int = 0
 
     @property
     def block_k(self) -> int:
@@ -179,6 +198,10 @@ def why_not_fits(config: WsRingConfig, M: int, N: int, K: int,
                 f"are added, whatever their number), not L{c.persistent}, SK{c.split_k}")
     if c.persistent not in (0, 1):
         return f"persistent={c.persistent} must be 0 (a program a unit) or 1 (a loop over them)"
+    if c.w_ahead not in W_AHEADS or (c.w_ahead and (c.pdl == PDL_OFF or c.persistent)):
+        return (f"w_ahead={c.w_ahead}: 1 and 2 load w's first slots before the PDL wait (the "
+                f"next kernel released at the start, or after the loop), which takes PDL (P1) "
+                f"and a program a unit (L0); else 0")
     if c.per_sm not in (1, 2):
         return f"per_sm={c.per_sm} must be 1 or 2"
     if c.per_sm == 2 and (c.block_m, c.block_n) != TWO_PER_SM_TILE:
@@ -242,7 +265,8 @@ def _depths(bm: int, bn: int, per_sm: int, persistent: int) -> list[int]:
 def _configs(bm: int, bn: int, split: int, held: int, above: bool, looped: int, k_steps: int,
              several_x_blocks: bool, pdl: int):
     """One tile's and split's configs: each depth of ``_depths`` (none deeper than the split's
-    steps use), the sums in order and added, each launch mode, each launch order; a split from
+    steps use), the sums in order and added, each launch mode (with PDL, w's first slots before
+    the wait and not: ``w_ahead``), each launch order; a split from
     below (``not above``) with ``pdl`` alone; where ``looped``, persistent programs too, with
     their deepest ring (it runs on across units) and ``pdl``."""
     depths = _depths(bm, bn, held, 0)
@@ -253,6 +277,9 @@ def _configs(bm: int, bn: int, split: int, held: int, above: bool, looped: int, 
         for stages, mode in itertools.product(sorted({min(s, deepest) for s in depths}),
                                               sorted({PDL_OFF, pdl}) if above else [pdl]):
             yield WsRingConfig(bm, bn, stages, split, add, held, mode, 0, first)
+            for ahead in W_AHEADS[1:] if mode != PDL_OFF else ():
+                yield WsRingConfig(bm, bn, stages, split, add, held, mode, 0, first,
+                                   w_ahead=ahead)
         if looped:
             yield WsRingConfig(bm, bn, looped_ring, split, add, held, pdl, 1, first)
 
@@ -272,7 +299,8 @@ def candidates(M: int, N: int, K: int, dtype: torch.dtype, num_sms: int | None =
     one program per SM and two (of the 64 x 64 tile, held two at a time, and of the others one
     after another), from above and (``pdl`` alone) from below (``_splits.splits_around``);
     rings of 4, 6 and 8 slots where they fit and the split's steps use them; split sums in
-    order and added; launched plainly and, where ``pdl`` is PDL_WAIT, with PDL; where M takes
+    order and added; launched plainly and, where ``pdl`` is PDL_WAIT, with PDL (w's first
+    slots before the wait and not, ``w_ahead``); where M takes
     several blocks of x, w's blocks first and x's (``m_first``); where there are more units
     than the SMs hold programs, persistent programs too (their deepest ring, ``pdl``); 128 rows
     of x only past 64 (``_configs``). Stream-K (``streamed_configs``) is not among them: it
@@ -327,30 +355,52 @@ def default_config(M: int, N: int, K: int, dtype: torch.dtype,
 
 
 @gluon.jit
+def _x_slot(x_desc, x_ring, slot):
+    """Where x's TMA load into ``slot`` lands: the slot, or its top rows where the box brings
+    fewer rows than the MMA takes (``x_box_rows``)."""
+    x_slot = x_ring.index(slot)
+    if x_desc.block_type.shape[0] < x_ring.shape[1]:
+        x_slot = x_slot.slice(0, x_desc.block_type.shape[0])
+    return x_slot
+
+
+@gluon.jit
 def _load_steps(w_desc, x_desc, w_ring, x_ring, ready, empty, base, off_n, off_m, lo, steps,
-                STAGES: gl.constexpr):
-    """The producer's K steps [lo, lo + steps) of one tile (w's rows from ``off_n``, x's from
-    ``off_m``) at ring positions ``base`` on: each step's tiles into its slot once the math
-    warps have freed it (a fresh mbarrier passes a wait on phase 1, so the first STAGES go at
-    once)."""
+                STAGES: gl.constexpr, first=0):
+    """The producer's K steps [lo + first, lo + steps) of one tile (w's rows from ``off_n``,
+    x's from ``off_m``) at ring positions ``base + first`` on: each step's tiles into its slot
+    once the math warps have freed it (a fresh mbarrier passes a wait on phase 1, so the first
+    STAGES go at once)."""
     nbytes: gl.constexpr = w_desc.block_type.nbytes + x_desc.block_type.nbytes
-    for i in range(steps):
+    for i in range(first, steps):
         slot = (base + i) % STAGES
         mbarrier.wait(empty.index(slot), (((base + i) // STAGES) & 1) ^ 1)
         mbarrier.expect(ready.index(slot), nbytes)
         tma_load(w_desc, [off_n, (lo + i) * 128], ready.index(slot), w_ring.index(slot))
-        x_slot = x_ring.index(slot)
-        if x_desc.block_type.shape[0] < x_ring.shape[1]:  # x's rows at the slot's top
-            x_slot = x_slot.slice(0, x_desc.block_type.shape[0])
-        tma_load(x_desc, [off_m, (lo + i) * 128], ready.index(slot), x_slot)
+        tma_load(x_desc, [off_m, (lo + i) * 128], ready.index(slot),
+                 _x_slot(x_desc, x_ring, slot))
 
 
 @gluon.jit
 def _producer(w_desc, x_desc, w_ring, x_ring, ready, empty, off_n, off_m, lo, steps,
-              STAGES: gl.constexpr):
-    """The producer warp of a program of one tile."""
+              STAGES: gl.constexpr, W_AHEAD: gl.constexpr):
+    """The producer warp of a program of one tile. ``W_AHEAD`` (PDL): w's first slots start
+    loading before the wait for the previous kernel (w is not its output; a w the launcher
+    copied goes without PDL), x's after it (each slot's barrier expects both, so no step starts
+    before its x lands); the later steps as without."""
+    first = 0
+    if W_AHEAD:
+        nbytes: gl.constexpr = w_desc.block_type.nbytes + x_desc.block_type.nbytes
+        first = gl.minimum(steps, STAGES)
+        for i in range(first):
+            mbarrier.expect(ready.index(i), nbytes)
+            tma_load(w_desc, [off_n, (lo + i) * 128], ready.index(i), w_ring.index(i))
+        wait_for_previous()
+        for i in range(first):
+            tma_load(x_desc, [off_m, (lo + i) * 128], ready.index(i),
+                     _x_slot(x_desc, x_ring, i))
     _load_steps(w_desc, x_desc, w_ring, x_ring, ready, empty, 0, off_n, off_m, lo, steps,
-                STAGES)
+                STAGES, first)
 
 
 @gluon.jit
@@ -556,8 +606,13 @@ def _unit_sum(w_ring, x_ring, ready, empty, base, pid_n, pid_m, lo, steps, M, sc
 @gluon.jit
 def _math(w_ring, x_ring, ready, empty, pid_n, pid_m, lo, steps, M, scale_a_ptr, scale_b_ptr,
           k_blocks, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-          BLOCK_SCALED: gl.constexpr, FAST: gl.constexpr, X_ROWS: gl.constexpr):
-    """The math warps of a program of one tile: its sum, the region's result (a tuple)."""
+          BLOCK_SCALED: gl.constexpr, FAST: gl.constexpr, X_ROWS: gl.constexpr,
+          W_AHEAD: gl.constexpr):
+    """The math warps of a program of one tile: its sum, the region's result (a tuple).
+    ``W_AHEAD`` (PDL; the kernel has not waited yet): they wait for the previous kernel first
+    (x's scales, and the end's, may be its output)."""
+    if W_AHEAD:
+        wait_for_previous()
     _zero_x_padding(x_ring, X_ROWS, STAGES)
     return (_unit_sum(w_ring, x_ring, ready, empty, 0, pid_n, pid_m, lo, steps, M, scale_a_ptr,
                       scale_b_ptr, k_blocks, BLOCK_M, BLOCK_N, STAGES, BLOCK_SCALED, FAST),)
@@ -623,11 +678,13 @@ def gemm_wsring_kernel(
     SPLIT_K: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
     PER_LOAD: gl.constexpr, ADD_SPLITS: gl.constexpr, PDL: gl.constexpr,
     PERSISTENT: gl.constexpr, M_FIRST: gl.constexpr, FAST: gl.constexpr,
-    STREAM_K: gl.constexpr,
+    STREAM_K: gl.constexpr, W_AHEAD: gl.constexpr,
 ):
-    if PDL:
+    if PDL and W_AHEAD == 0:
         # Before any memory is touched: only the setup overlaps the previous kernel.
         release_then_wait()
+    if W_AHEAD == _W_AHEAD_START:  # the producer loads w's first slots before its wait
+        release_next()
     if not PERSISTENT:  # a program a unit: the grid's three axes
         if M_FIRST:  # x's blocks first: the programs of one block of w launch together
             pid_m = gl.program_id(0)
@@ -682,10 +739,12 @@ def gemm_wsring_kernel(
         acc, = gl.warp_specialize([
             (_math, (w_ring, x_ring, ready, empty, pid_n, pid_m, lo, steps, M, scale_a_ptr,
                      scale_b_ptr, k_blocks, BLOCK_M, BLOCK_N, STAGES, SCALE_A == _PER_BLOCK,
-                     FAST, X_ROWS)),
+                     FAST, X_ROWS, W_AHEAD != 0)),
             (_producer, (w_desc, x_desc, w_ring, x_ring, ready, empty, pid_n * BLOCK_N,
-                         pid_m * BLOCK_M, lo, steps, STAGES)),
+                         pid_m * BLOCK_M, lo, steps, STAGES, W_AHEAD != 0)),
         ], [_PRODUCER_WARPS], [_PRODUCER_REGS])
+        if W_AHEAD == _W_AHEAD_AFTER:  # after the loop, as ``triton.ring`` does
+            release_next()
         # finish_tile takes y.T's tile (w's rows down), as the swapped kernels hold it.
         finish_tile(acc.permute((1, 0)), pid_n, split, pid_m, y_ptr, bias_ptr, scale_a_ptr,
                     scale_b_ptr, part_ptr, count_ptr, M, N, stride_ym, stride_yn, stride_bias,
@@ -714,7 +773,10 @@ def wsring_call(x, w, bias, out, scale_a, scale_b, config: WsRingConfig,
     rebuilt around each later call's x and w), with its registers capped for ``per_sm``."""
     if block_scales and (problem := why_not_block_scaled(config, x.dtype)):
         raise ValueError(f"gemm_wsring: {config.name}: {problem}")
-    pdl = launch_mode(config.pdl, x.device)  # waits before any load: a copied w is seen
+    # w_ahead reads w before the wait: launched plainly where w was just copied for TMA
+    # (_ring_launch); the other configs wait before any load
+    pdl = launch_mode(config.pdl, x.device,
+                      config.w_ahead != 0 and not _checks.tma_aligned(w))
     grid = persistent = None
     if config.persistent:
         # Stream-K's units are the tiles' K steps: at most one program a step.
@@ -726,7 +788,9 @@ def wsring_call(x, w, bias, out, scale_a, scale_b, config: WsRingConfig,
                 triton.cdiv(w.shape[0], config.block_n))
     return _ring_launch.ring_call(gemm_wsring_kernel, x, w, bias, out, scale_a, scale_b, config,
                                   counters, warmup, block_scales,
-                                  dict(PDL=pdl != PDL_OFF, PERSISTENT=bool(config.persistent),
+                                  dict(PDL=pdl != PDL_OFF,
+                                       W_AHEAD=config.w_ahead if pdl != PDL_OFF else 0,
+                                       PERSISTENT=bool(config.persistent),
                                        M_FIRST=bool(config.m_first),
                                        FAST=bool(config.fast_accumulation),
                                        STREAM_K=bool(config.stream_k)),
