@@ -663,7 +663,7 @@ W4FRAG_SCRIPT = PTXAS_REPORT + textwrap.dedent("""
             (8, 64, 2, False, True, False, True, 2), (16, 256, 3, True, True, True, True, 2),
             (16, 128, -9, True, False, True, False, 2, True),
             (8, 256, 2, False, True, True, False, 2, True)):
-        by_block = bool(by_block)
+        by_block = bool(by_block and by_block[0])
         pointers = {"x_ptr": "*u8" if x_mxfp4 else "*bf16", "wq_ptr": "*u8", "ws_ptr": "*u8",
                     "xs_ptr": "*u8", "y_ptr": "*bf16", "bias_ptr": "*bf16",
                     "part_ptr": "*fp32", "count_ptr": "*i32"}

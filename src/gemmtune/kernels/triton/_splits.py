@@ -21,7 +21,8 @@ from gemmtune.kernels.triton._epilogue import store_tile
 # Programmatic dependent launch (Hopper+), a config field because it changes what a launch overlaps
 # with: PDL_OFF launches plainly; PDL_WAIT launches with PDL, so the grid is scheduled while the
 # previous kernel drains and waits (griddepcontrol.wait) before touching memory other than w
-# (gemv, frag, ring and w4frag load w's first steps before it; ``launch_mode``); PDL_PREFETCH
+# (gemv, frag, ring, w4frag and wsring's w_ahead load w's first steps before it;
+# ``launch_mode``); PDL_PREFETCH
 # (gemm_splitk only) also asks L2 for the first bytes of its w slice before that wait, so the
 # weight stream starts under the previous kernel's tail (w is never the previous kernel's
 # output; x, the partials and the output are only touched after the wait).

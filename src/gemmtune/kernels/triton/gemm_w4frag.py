@@ -116,7 +116,7 @@ class W4FragConfig(NamedConfig):
     warps: int = NUM_WARPS
     # Packed only. 1: each block's B operand read from shared memory just before its MMA;
     # 0: the group's 4 blocks read at once. With 2 warps and bf16 x, a block at a time gained
-    # up to 1.3x on some configs and lost up to 1.3x on others (docs/benchmarks.md, session 39)
+    # up to 1.3x on some configs and lost up to 1.4x on others (docs/benchmarks.md, session 39)
     x_by_block: int = 0
 
 

@@ -129,9 +129,9 @@ class WsRingConfig(NamedConfig):
     # With PDL, a program a unit. W_AHEAD_START (1): the producer loads w's first slots before
     # the wait for the previous kernel (w is not its output) and x's after it, the next kernel
     # released at the start; W_AHEAD_AFTER (2): the same, the next kernel released after the
-    # loop; 0: the next kernel released, then the wait, before any load. On an H200 at
-    # M <= 32, 1 was 1.01-1.18x 0 and 0.97-1.24x 2; 2 was 0.91-1.13x 0 over M = 16-256
-    # (docs/benchmarks.md, session 39): the tuner offers all three.
+    # loop; 0: the next kernel released, then the wait, before any load. On an H200, 1 was
+    # 1.01-1.18x 0 at M <= 32 and 0.99-1.14x at M = 128, and at most 3% slower than 2 (0.91-1.13x
+    # 0): the tuner offers 1 (docs/benchmarks.md, session 39); 0 and 2 run by name.
     w_ahead: int = 0
 
     @property
@@ -266,7 +266,7 @@ def _configs(bm: int, bn: int, split: int, held: int, above: bool, looped: int, 
              several_x_blocks: bool, pdl: int):
     """One tile's and split's configs: each depth of ``_depths`` (none deeper than the split's
     steps use), the sums in order and added, each launch mode (with PDL, w's first slots before
-    the wait and not: ``w_ahead``), each launch order; a split from
+    the wait: ``w_ahead``), each launch order; a split from
     below (``not above``) with ``pdl`` alone; where ``looped``, persistent programs too, with
     their deepest ring (it runs on across units) and ``pdl``."""
     depths = _depths(bm, bn, held, 0)
@@ -276,10 +276,8 @@ def _configs(bm: int, bn: int, split: int, held: int, above: bool, looped: int, 
                                         sorted({0, int(several_x_blocks)})):
         for stages, mode in itertools.product(sorted({min(s, deepest) for s in depths}),
                                               sorted({PDL_OFF, pdl}) if above else [pdl]):
-            yield WsRingConfig(bm, bn, stages, split, add, held, mode, 0, first)
-            for ahead in W_AHEADS[1:] if mode != PDL_OFF else ():
-                yield WsRingConfig(bm, bn, stages, split, add, held, mode, 0, first,
-                                   w_ahead=ahead)
+            yield WsRingConfig(bm, bn, stages, split, add, held, mode, 0, first,
+                               w_ahead=W_AHEAD_START if mode != PDL_OFF else 0)
         if looped:
             yield WsRingConfig(bm, bn, looped_ring, split, add, held, pdl, 1, first)
 
@@ -300,7 +298,7 @@ def candidates(M: int, N: int, K: int, dtype: torch.dtype, num_sms: int | None =
     after another), from above and (``pdl`` alone) from below (``_splits.splits_around``);
     rings of 4, 6 and 8 slots where they fit and the split's steps use them; split sums in
     order and added; launched plainly and, where ``pdl`` is PDL_WAIT, with PDL (w's first
-    slots before the wait and not, ``w_ahead``); where M takes
+    slots before the wait, ``W_AHEAD_START``); where M takes
     several blocks of x, w's blocks first and x's (``m_first``); where there are more units
     than the SMs hold programs, persistent programs too (their deepest ring, ``pdl``); 128 rows
     of x only past 64 (``_configs``). Stream-K (``streamed_configs``) is not among them: it
@@ -680,6 +678,8 @@ def gemm_wsring_kernel(
     PERSISTENT: gl.constexpr, M_FIRST: gl.constexpr, FAST: gl.constexpr,
     STREAM_K: gl.constexpr, W_AHEAD: gl.constexpr,
 ):
+    gl.static_assert(W_AHEAD == 0 or not (PERSISTENT or STREAM_K),
+                     "w_ahead takes a program a unit: persistent programs wait before any load")
     if PDL and W_AHEAD == 0:
         # Before any memory is touched: only the setup overlaps the previous kernel.
         release_then_wait()
