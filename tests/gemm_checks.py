@@ -587,6 +587,43 @@ def _late_copy_kernel(src_ptr, dst_ptr, n, BLOCK: tl.constexpr, SPIN: tl.constex
     tl.store(dst_ptr + offs, v, mask=inside)
 
 
+def fp8_chain_weight(block_scales: bool, what: str):
+    """``pdl_chain_reads_its_input_after_the_producer``'s ``weight`` for FP8 GEMMs: a (K, K)
+    FP8 weight with per-channel scales (``block_scales``: per 128 x 128), and its check."""
+    def weight(K, gen):
+        w = randn(K, K, gen=gen) / K ** 0.5
+        if block_scales:
+            wq, w_scale = quant.per_block_fp8(w, quant.WEIGHT_BLOCK)
+            return wq, w_scale, lambda y, xq, x_scale: check_block_scaled_decode(
+                y, xq, wq, x_scale, w_scale, None, what)
+        wq, w_scale = quant.per_channel_fp8(w)
+        return wq, w_scale.reshape(-1), lambda y, xq, x_scale: check_fp8_decode(
+            y, xq, wq, x_scale, w_scale.reshape(-1), None, what)
+    return weight
+
+
+def fp8_quantised_late(block_scales: bool, scales_late: bool):
+    """``pdl_chain_reads_its_input_after_the_producer``'s ``between`` for FP8 GEMMs: an output
+    quantised per token (``block_scales``: per 1 x 128) and x written into a buffer of its own
+    (the same each call) by ``written_late``. ``scales_late``: x's scales too, by two late
+    writers in turn, the second letting the GEMM start before it writes (it waits for the
+    first): x last on every other link, its scales last on the others."""
+    late = {}  # an output's data pointer -> (x's buffer, its scales', whether x is written last)
+
+    def between(y):
+        xq, x_scale = (quant.per_block_fp8(y, quant.ACT_BLOCK) if block_scales
+                       else quant.per_token_fp8(y))
+        x_scale = x_scale.reshape(y.shape[0], -1).contiguous()
+        x_buf, scale_buf, x_last = late.setdefault(y.data_ptr(), (
+            torch.empty_like(xq), torch.empty_like(x_scale), len(late) % 2 == 0))
+        copies = [(x_scale, scale_buf), (xq, x_buf)] if scales_late else [(xq, x_buf)]
+        for src, dst in copies if x_last else copies[::-1]:
+            written_late(src, dst)
+        scales = scale_buf if scales_late else x_scale
+        return x_buf, scales if block_scales else scales.reshape(-1)
+    return between
+
+
 def written_late(src, dst):
     """``dst`` (contiguous, as ``src``) written from ``src`` by a kernel that lets the next one
     start first and writes ~20 µs later: a kernel launched with PDL after it that read ``dst``

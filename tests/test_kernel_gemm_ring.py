@@ -16,8 +16,7 @@ import torch
 import gemm_checks
 from gemm_checks import (DEVICE, assert_block_scaled_decode_launches,
                          assert_fp8_decode_launches, assert_long_k_as_precise_as_cublas,
-                         check_fp8_decode, generator, quantised_operands, randn)
-from gemmtune import quant
+                         check_fp8_decode, generator, quantised_operands)
 from gemmtune.kernels.triton import _splits, _swapped, gemm_ring
 from gemmtune.kernels.triton._splits import PDL_WAIT
 from gemmtune.kernels.triton.gemm_ring import RingConfig
@@ -319,21 +318,10 @@ def test_gpu_pdl_chain_reads_its_input_after_the_producer(config, graph):
     """Each GEMM's x quantised from the previous one's output and written into its buffer
     (poisoned) by a kernel that lets the GEMM start ~20 µs before it writes: with PDL only w
     may load before the wait."""
-    def fp8_weight(K, gen):
-        wq, w_scale = quant.per_channel_fp8(randn(K, K, gen=gen) / K ** 0.5)
-        return wq, w_scale.reshape(-1), lambda y, xq, x_scale: check_fp8_decode(
-            y, xq, wq, x_scale, w_scale.reshape(-1), None, config.name)
-
-    late = {}  # an output's data pointer -> the buffer its quantised copy is written into
-
-    def quantised(y):
-        xq, x_scale = quant.per_token_fp8(y)
-        gemm_checks.written_late(xq, late.setdefault(y.data_ptr(), torch.empty_like(xq)))
-        return late[y.data_ptr()], x_scale.reshape(-1)
-
     gemm_checks.pdl_chain_reads_its_input_after_the_producer(
         gemm_ring.launch_gemm_ring, config, 16 if config.block_m == 16 else 5, 2048, graph,
-        60 + config.block_m, weight=fp8_weight, between=quantised)
+        60 + config.block_m, weight=gemm_checks.fp8_chain_weight(False, config.name),
+        between=gemm_checks.fp8_quantised_late(False, scales_late=False))
 
 
 

@@ -17,9 +17,8 @@ import torch
 
 import gemm_checks
 from gemm_checks import (assert_block_scaled_decode_launches, assert_fp8_decode_launches,
-                         block_scaled_operands, check_block_scaled_decode, check_fp8_decode,
-                         fast_accumulated_scaled, generator, poisoned, quantised_operands, randn)
-from gemmtune import quant
+                         block_scaled_operands, check_block_scaled_decode, fast_accumulated_scaled,
+                         generator, poisoned, quantised_operands)
 from gemmtune.kernels.triton import _swapped, gemm_wsring
 from gemmtune.kernels.triton.gemm_wsring import WsRingConfig
 
@@ -484,36 +483,14 @@ def test_gpu_pdl_chain_reads_its_input_after_the_producer(M, config, block_scale
     the others. With PDL only w may load before the wait (``w_ahead``: the producer's first
     slots): x after the producer's wait, x's block scales after the math warps' (per-token
     scales are read at the end, after x, so there only x's order is checked)."""
-    def fp8_weight(K, gen):
-        w = randn(K, K, gen=gen) / K ** 0.5
-        if block_scales:
-            wq, w_scale = quant.per_block_fp8(w, quant.WEIGHT_BLOCK)
-            return wq, w_scale, lambda y, xq, x_scale: check_block_scaled_decode(
-                y, xq, wq, x_scale, w_scale, None, config.name)
-        wq, w_scale = quant.per_channel_fp8(w)
-        return wq, w_scale.reshape(-1), lambda y, xq, x_scale: check_fp8_decode(
-            y, xq, wq, x_scale, w_scale.reshape(-1), None, config.name)
-
-    late = {}  # an output's data pointer -> the buffers its quantised copy is written into
-
-    def quantised(y):
-        xq, x_scale = (quant.per_block_fp8(y, quant.ACT_BLOCK) if block_scales
-                       else quant.per_token_fp8(y))
-        x_scale = x_scale.reshape(M, -1).contiguous()
-        # (x's buffer, its scales', whether x is written last), x last on every other link
-        x_buf, scale_buf, x_last = late.setdefault(y.data_ptr(), (
-            torch.empty_like(xq), torch.empty_like(x_scale), len(late) % 2 == 0))
-        copies = [(x_scale, scale_buf), (xq, x_buf)]
-        for src, dst in copies if x_last else copies[::-1]:
-            gemm_checks.written_late(src, dst)
-        return x_buf, scale_buf if block_scales else scale_buf.reshape(-1)
-
     def launch(x, w, bias, out, scale_a, scale_b, config):
         return gemm_wsring.launch_gemm_wsring(x, w, bias, out, scale_a, scale_b, config,
                                               block_scales=block_scales)
 
     gemm_checks.pdl_chain_reads_its_input_after_the_producer(
-        launch, config, M, 2048, graph, 70 + M, weight=fp8_weight, between=quantised)
+        launch, config, M, 2048, graph, 70 + M,
+        weight=gemm_checks.fp8_chain_weight(block_scales, config.name),
+        between=gemm_checks.fp8_quantised_late(block_scales, scales_late=True))
 
 
 # Fast accumulation: one and two warpgroups, split (in order and added) and not, two programs

@@ -17,7 +17,7 @@ from gemmtune.kernels.triton import _checks
 from gemmtune.kernels.triton._epilogue import (SCALE_BLOCK, epilogue_constexprs,
                                                 epilogue_operands)
 from gemmtune.kernels.triton._replay import KernelCall
-from gemmtune.kernels.triton._splits import workspace
+from gemmtune.kernels.triton._splits import PDL_OFF, launch_mode, workspace
 from gemmtune.kernels.triton._swapped import partials_per_load
 
 # TMA's load into shared memory: tma.async_load from Triton 3.7 on (3.9 refuses the old name),
@@ -46,17 +46,23 @@ class Persistent(NamedTuple):
 
 
 def ring_call(kernel, x, w, bias, out, scale_a, scale_b, config, counters, warmup: bool,
-              block_scales: bool, constexprs: dict, options: dict, launch_pdl: bool = False,
-              grid: tuple | None = None, persistent: Persistent | None = None,
+              block_scales: bool, constexprs: dict, options: dict, pdl: int = PDL_OFF,
+              w_before_wait: bool = False, grid: tuple | None = None,
+              persistent: Persistent | None = None,
               x_box_rows: int | None = None) -> KernelCall:
     """``kernel``'s launch for ``config`` (its block_n, block_m, block_k, stages, split_k,
     add_splits and num_warps) on x (M, K) and w (N, K) into ``out``, with the kernel's own
     ``constexprs`` and launch ``options`` beside the shared ones; on ``grid``, or of
     ``persistent`` programs, else a program a unit (w's block, K's split, x's block). x's TMA
-    box is ``x_box_rows`` rows (the kernel's block_m where not given)."""
+    box is ``x_box_rows`` rows (the kernel's block_m where not given). ``pdl``: the launch mode
+    (the kernel's PDL constexpr), off where the GPU lacks it or where the kernel reads w
+    before its wait (``w_before_wait``) and w was copied here for TMA: the copy is only sure
+    to be seen after the wait."""
     M, K = x.shape
     N = w.shape[0]
+    given_w = w
     x, w = _checks.tma_ready(x), _checks.tma_ready(w)
+    with_pdl = launch_mode(pdl, x.device, w_before_wait and w is not given_w) != PDL_OFF
     w_desc, x_desc = descriptors(x, w, config.block_n, x_box_rows or config.block_m,
                                  config.block_k)
     n_tiles, m_tiles = triton.cdiv(N, config.block_n), triton.cdiv(M, config.block_m)
@@ -81,8 +87,9 @@ def ring_call(kernel, x, w, bias, out, scale_a, scale_b, config, counters, warmu
         STAGES=config.stages,
         PER_LOAD=partials_per_load(config.split_k, config.block_n, config.block_m,
                                    config.num_warps),
-        ADD_SPLITS=bool(config.add_splits))
+        ADD_SPLITS=bool(config.add_splits),
+        PDL=with_pdl)
     return KernelCall(kernel, grid or (n_tiles, config.split_k, m_tiles), args,
                       {**shared, **constexprs},
-                      {"num_warps": config.num_warps, **options}, launch_pdl=launch_pdl,
+                      {"num_warps": config.num_warps, **options}, launch_pdl=with_pdl,
                       replayable=not per_call)

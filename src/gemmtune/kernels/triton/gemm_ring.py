@@ -50,7 +50,7 @@ from gemmtune.kernels.triton import _checks, _ring_launch
 from gemmtune.kernels.triton._epilogue import PER_BLOCK
 from gemmtune.kernels.triton._replay import KernelCall, launch
 from gemmtune.kernels.triton._ring_launch import tma_load
-from gemmtune.kernels.triton._splits import (PDL_OFF, launch_mode, split_for, splits_around,
+from gemmtune.kernels.triton._splits import (PDL_OFF, split_for, splits_around,
                                              why_not_wait_pdl)
 from gemmtune.kernels.triton._swapped import (BLOCK_MS, BLOCK_N, ROWS_PER_WARP, barrier,
                                               block_m_for, finish_share, finish_tile,
@@ -397,14 +397,11 @@ def ring_call(x, w, bias, out, scale_a, scale_b, config: RingConfig,
         persistent = _ring_launch.Persistent(config.stream_k,
                                              triton.cdiv(x.shape[1], config.block_k), True)
     regs = max_registers(config)
-    # w copied for TMA (_ring_launch) is read before the wait: launched plainly then
-    pdl = launch_mode(config.pdl, x.device, not _checks.tma_aligned(w))
     return _ring_launch.ring_call(gemm_ring_kernel, x, w, bias, out, scale_a, scale_b, config,
                                   counters, warmup, block_scales,
-                                  dict(BLOCK_K=config.block_k, STREAM_K=bool(config.stream_k),
-                                       PDL=pdl != PDL_OFF),
+                                  dict(BLOCK_K=config.block_k, STREAM_K=bool(config.stream_k)),
                                   {} if regs is None else dict(maxnreg=regs),
-                                  launch_pdl=pdl != PDL_OFF, persistent=persistent)
+                                  pdl=config.pdl, w_before_wait=True, persistent=persistent)
 
 
 def launch_gemm_ring(x, w, bias, out, scale_a, scale_b, config: RingConfig,

@@ -40,8 +40,8 @@ from gemmtune.kernels._names import Field, NameCodec, NamedConfig
 from gemmtune.kernels.triton import _checks, _ring_launch
 from gemmtune.kernels.triton._epilogue import PER_BLOCK
 from gemmtune.kernels.triton._replay import KernelCall, launch
-from gemmtune.kernels.triton._splits import (PDL_OFF, WaveSplit, launch_mode, split_for,
-                                             splits_around, why_not_wait_pdl)
+from gemmtune.kernels.triton._splits import (PDL_OFF, WaveSplit, split_for, splits_around,
+                                             why_not_wait_pdl)
 from gemmtune.kernels.triton._ring_launch import tma_load
 from gemmtune.kernels.triton._swapped import (MAX_GRID_Z, ROWS_PER_WARP, barrier, finish_share,
                                               finish_tile, release_next, release_then_wait,
@@ -680,10 +680,12 @@ def gemm_wsring_kernel(
 ):
     gl.static_assert(W_AHEAD == 0 or not (PERSISTENT or STREAM_K),
                      "w_ahead takes a program a unit: persistent programs wait before any load")
-    if PDL and W_AHEAD == 0:
+    # Launched plainly (_ring_launch drops PDL where w was just copied), w is not loaded ahead
+    AHEAD: gl.constexpr = W_AHEAD if PDL else 0
+    if PDL and AHEAD == 0:
         # Before any memory is touched: only the setup overlaps the previous kernel.
         release_then_wait()
-    if W_AHEAD == _W_AHEAD_START:  # the producer loads w's first slots before its wait
+    if AHEAD == _W_AHEAD_START:  # the producer loads w's first slots before its wait
         release_next()
     if not PERSISTENT:  # a program a unit: the grid's three axes
         if M_FIRST:  # x's blocks first: the programs of one block of w launch together
@@ -739,11 +741,11 @@ def gemm_wsring_kernel(
         acc, = gl.warp_specialize([
             (_math, (w_ring, x_ring, ready, empty, pid_n, pid_m, lo, steps, M, scale_a_ptr,
                      scale_b_ptr, k_blocks, BLOCK_M, BLOCK_N, STAGES, SCALE_A == _PER_BLOCK,
-                     FAST, X_ROWS, W_AHEAD != 0)),
+                     FAST, X_ROWS, AHEAD != 0)),
             (_producer, (w_desc, x_desc, w_ring, x_ring, ready, empty, pid_n * BLOCK_N,
-                         pid_m * BLOCK_M, lo, steps, STAGES, W_AHEAD != 0)),
+                         pid_m * BLOCK_M, lo, steps, STAGES, AHEAD != 0)),
         ], [_PRODUCER_WARPS], [_PRODUCER_REGS])
-        if W_AHEAD == _W_AHEAD_AFTER:  # after the loop, as ``triton.ring`` does
+        if AHEAD == _W_AHEAD_AFTER:  # after the loop, as ``triton.ring`` does
             release_next()
         # finish_tile takes y.T's tile (w's rows down), as the swapped kernels hold it.
         finish_tile(acc.permute((1, 0)), pid_n, split, pid_m, y_ptr, bias_ptr, scale_a_ptr,
@@ -773,10 +775,6 @@ def wsring_call(x, w, bias, out, scale_a, scale_b, config: WsRingConfig,
     rebuilt around each later call's x and w), with its registers capped for ``per_sm``."""
     if block_scales and (problem := why_not_block_scaled(config, x.dtype)):
         raise ValueError(f"gemm_wsring: {config.name}: {problem}")
-    # w_ahead reads w before the wait: launched plainly where w was just copied for TMA
-    # (_ring_launch); the other configs wait before any load
-    pdl = launch_mode(config.pdl, x.device,
-                      config.w_ahead != 0 and not _checks.tma_aligned(w))
     grid = persistent = None
     if config.persistent:
         # Stream-K's units are the tiles' K steps: at most one program a step.
@@ -788,14 +786,14 @@ def wsring_call(x, w, bias, out, scale_a, scale_b, config: WsRingConfig,
                 triton.cdiv(w.shape[0], config.block_n))
     return _ring_launch.ring_call(gemm_wsring_kernel, x, w, bias, out, scale_a, scale_b, config,
                                   counters, warmup, block_scales,
-                                  dict(PDL=pdl != PDL_OFF,
-                                       W_AHEAD=config.w_ahead if pdl != PDL_OFF else 0,
+                                  dict(W_AHEAD=config.w_ahead,
                                        PERSISTENT=bool(config.persistent),
                                        M_FIRST=bool(config.m_first),
                                        FAST=bool(config.fast_accumulation),
                                        STREAM_K=bool(config.stream_k)),
                                   dict(maxnreg=max_registers(config)),
-                                  launch_pdl=pdl != PDL_OFF, grid=grid, persistent=persistent,
+                                  pdl=config.pdl, w_before_wait=config.w_ahead != 0, grid=grid,
+                                  persistent=persistent,
                                   x_box_rows=x_box_rows(x.shape[0], config.block_m))
 
 
