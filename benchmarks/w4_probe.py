@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from gemmtune import quant
 from gemmtune.families.a8w8 import gemm_a8w8
-from gemmtune.kernels.triton import gemm_w4, gemm_w4deq, gemm_w4frag, gemm_w4wg
+from gemmtune.kernels.triton import gemm_w4, gemm_w4deq, gemm_w4frag, gemm_w4wg, gemm_w4xa
 from gemmtune.kernels.triton._splits import pdl_where_supported
 from gemmtune.measure.timing import cold_copies, interleaved_graph_us
 
@@ -39,9 +39,11 @@ def _shape(text: str) -> tuple[int, int, int]:
 _CONFIGS = {gemm_w4.KERNEL_PREFIX: gemm_w4.W4Config,
             gemm_w4frag.KERNEL_PREFIX: gemm_w4frag.W4FragConfig,
             gemm_w4deq.KERNEL_PREFIX: gemm_w4deq.W4DeqConfig,
-            gemm_w4wg.KERNEL_PREFIX: gemm_w4wg.W4WgConfig}
+            gemm_w4wg.KERNEL_PREFIX: gemm_w4wg.W4WgConfig,
+            gemm_w4xa.KERNEL_PREFIX: gemm_w4xa.W4XaConfig}
 _MODULES = {gemm_w4.W4Config: gemm_w4, gemm_w4frag.W4FragConfig: gemm_w4frag,
-            gemm_w4deq.W4DeqConfig: gemm_w4deq, gemm_w4wg.W4WgConfig: gemm_w4wg}
+            gemm_w4deq.W4DeqConfig: gemm_w4deq, gemm_w4wg.W4WgConfig: gemm_w4wg,
+            gemm_w4xa.W4XaConfig: gemm_w4xa}
 
 
 def _config(name: str):
@@ -61,7 +63,8 @@ def _configs(named: list | None, m: int, n: int, k: int, dtype: torch.dtype,
     frags = [c for packed in (False, True) for c in gemm_w4frag.candidates(
         m, n, k, dtype, pdl=pdl_where_supported(), packed=packed)
         + gemm_w4wg.candidates(m, n, k, dtype, packed=packed)
-        + gemm_w4deq.candidates(m, n, k, dtype, packed=packed)]
+        + gemm_w4deq.candidates(m, n, k, dtype, packed=packed)
+        + gemm_w4xa.candidates(m, n, k, dtype, pdl=pdl_where_supported(), packed=packed)]
     if named is None:
         return gemm_w4.candidates(m, n, k, dtype) + frags
     return [c for c in named if _module(c).why_not_fits(c, m, n, k, dtype) is None] + \
@@ -69,6 +72,8 @@ def _configs(named: list | None, m: int, n: int, k: int, dtype: torch.dtype,
 
 
 def _launch(config, x, w, out, x_scale, w_scale, w_packed=None):
+    if isinstance(config, gemm_w4xa.W4XaConfig):  # packed w only
+        return gemm_w4xa.launch_gemm_w4xa(x, w_packed, None, out, x_scale, w_scale, config)
     if isinstance(config, gemm_w4frag.W4FragConfig):
         return gemm_w4frag.launch_gemm_w4frag(x, w_packed if config.packed else w, None, out,
                                               x_scale, w_scale, config)
@@ -81,9 +86,13 @@ def _launch(config, x, w, out, x_scale, w_scale, w_packed=None):
     return gemm_w4.launch_gemm_w4(x, w, None, out, x_scale, w_scale, config)
 
 
+def _matches(name: str, patterns: list[str]) -> bool:
+    return any(fnmatch.fnmatchcase(name, p) for p in patterns)
+
+
 def time_shape(m: int, n: int, k: int, named: list | None, all_times,
                mxfp4_x: bool = True, frag_candidates: bool = False,
-               only: str | None = None) -> str:
+               only: list[str] | None = None) -> str:
     w = torch.randn(n, k, device="cuda") / k ** 0.5
     x = torch.randn(m, k, device="cuda")
     wq, ws = quant.mxfp4(w)
@@ -98,9 +107,9 @@ def time_shape(m: int, n: int, k: int, named: list | None, all_times,
                        per_op=((0, 1), (6, 7, 8, 9), (0, 2, 3), (4, 5, 2, 3), (0, 3, 10)))
     configs = _configs(named, m, n, k, torch.bfloat16, frag_candidates)
     a4_configs = _configs(named, m, n, k, torch.uint8, frag_candidates) if mxfp4_x else []
-    if only is not None:  # the configs whose names match the pattern
-        configs = [c for c in configs if fnmatch.fnmatchcase(c.name, only)]
-        a4_configs = [c for c in a4_configs if fnmatch.fnmatchcase(c.name, only)]
+    if only is not None:  # the configs whose names match one of the patterns
+        configs = [c for c in configs if _matches(c.name, only)]
+        a4_configs = [c for c in a4_configs if _matches(c.name, only)]
     out16 = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
     fns = [lambda s: F.linear(s[0], s[1]),
            lambda s: gemm_a8w8(s[6], s[8], s[7], s[9])]
@@ -141,9 +150,9 @@ def main() -> None:
     parser.add_argument("--frag-candidates", action="store_true",
                         help="with --configs: the w4frag, w4wg and w4deq kernels' candidates "
                              "too")
-    parser.add_argument("--only", metavar="GLOB", default=None,
-                        help="time only the configs whose names match GLOB (fnmatch), e.g. "
-                             "'triton.w4frag:*P1.R1.L1*'")
+    parser.add_argument("--only", metavar="GLOB", nargs="+", default=None,
+                        help="time only the configs whose names match one of the GLOBs "
+                             "(fnmatch), e.g. 'triton.w4frag:*P1.R1.L1*' 'triton.w4xa:*'")
     args = parser.parse_args()
     if args.all_times is not None:
         args.all_times.write("M,N,K,x,config,us,linear_us\n")

@@ -83,6 +83,81 @@ def assert_only_nan_rows_are_nan(y, nan_rows, x, wq, w_scale):
     assert_matches_reference(y[:, ~nan], x, quant.dequant_mxfp4(wq, w_scale)[~nan])
 
 
+def mxfp4_weight_kernel_matches_reference(gemm, M, N, K, config, with_bias, packed):
+    """GPU: ``gemm(x, stored_w, w_scale, bias, config, out=)`` (an MXFP4-weight kernel's
+    validating launcher, w stored as quantised or ``packed``) into a NaN-poisoned output,
+    twice (a split's sums and counters are left as they were found), against the fp32
+    product with the dequantised weight."""
+    x, wq, w_scale, bias = mxfp4_weight_operands(M, N, K, generator(M * 1000 + N + K),
+                                                 with_bias)
+    stored = quant.prepack_mxfp4(wq, w_scale)[0] if packed else wq
+    out = poisoned(M, N, torch.bfloat16)
+    for _ in range(2):
+        y = gemm(x, stored, w_scale, bias, config, out=out)
+        assert y.data_ptr() == out.data_ptr()
+        assert_matches_reference(y, x, quant.dequant_mxfp4(wq, w_scale), bias)
+
+
+def mxfp4_x_kernel_matches_reference(launch_only, M, N, K, config, out_dtype, packed):
+    """GPU: ``launch_only(xq, stored_w, None, out, x_scale, w_scale, config)`` with x MXFP4
+    too (gemm_a4w4_blockscale's; its blocks' scales spread over 4 decades) into a
+    NaN-poisoned output of ``out_dtype``, twice, against the fp32 product of the two
+    dequantised operands."""
+    x, wq, w_scale, _ = mxfp4_weight_operands(M, N, K, generator(M * 7 + N + K), False)
+    xq, x_scale = quant.mxfp4(x.float() * torch.logspace(
+        -2, 2, K // 32, device=DEVICE).repeat_interleave(32))
+    stored = quant.prepack_mxfp4(wq, w_scale)[0] if packed else wq
+    out = poisoned(M, N, out_dtype)
+    for _ in range(2):
+        launch_only(xq, stored, None, out, x_scale, w_scale, config)
+        assert_matches_reference(out, quant.dequant_mxfp4(xq, x_scale),
+                                 quant.dequant_mxfp4(wq, w_scale))
+
+
+def mxfp4_every_code_at_every_scale_byte(gemm, config, K, packed, scaled_before_mma):
+    """GPU: row n of w has scale byte n (0-255) on all its blocks and the 16 codes over and
+    over, each block's codes shifted by its index; x is the identity, so y is w dequantised,
+    rounded once to bf16: equal to the reference bit for bit, 2^-127's multiples and the NaN
+    row (byte 255) included. ``scaled_before_mma``: a kernel that scales w's values in bf16
+    before the MMA makes a value past bf16's range (bytes 253-254) infinite there, and its sums
+    with x's zeros make the row NaN (as in the fp32 reference's matmul); else they stay
+    infinite."""
+    codes = (torch.arange(K, device=DEVICE) + torch.arange(K, device=DEVICE) // 32) % 16
+    wq = (codes[0::2] | (codes[1::2] << 4)).to(torch.uint8).repeat(256, 1)
+    w_scale = torch.arange(256, device=DEVICE).to(torch.uint8)[:, None].repeat(1, K // 32)
+    x = torch.eye(K, dtype=torch.bfloat16, device=DEVICE)
+    stored = quant.prepack_mxfp4(wq, w_scale)[0] if packed else wq
+    y = gemm(x, stored, w_scale, None, config)
+    want = quant.dequant_mxfp4(wq, w_scale).T.to(torch.bfloat16)
+    if scaled_before_mma:
+        want[:, want.isinf().any(0)] = torch.nan
+    torch.testing.assert_close(y, want, rtol=0, atol=0, equal_nan=True)
+
+
+def mxfp4_every_x_code_at_every_x_scale_byte(launch_only, config, packed, scaled_before_mma):
+    """GPU: w the identity (code 1.0, scale 2^0): y is x dequantised, bit for bit, for every
+    code of x at every scale byte of x (a launch per 32 rows of bytes; the NaN row, byte 255,
+    included). ``scaled_before_mma``: x past bf16's range (bytes 253-254) is infinite before
+    the MMA, whose sums with w's zeros make its row NaN (as in the fp32 reference's matmul)."""
+    K = 128
+    eye = torch.eye(K, device=DEVICE, dtype=torch.uint8) * 2  # code 2 is 1.0
+    wq = (eye[:, 0::2] | (eye[:, 1::2] << 4)).contiguous()
+    w_scale = torch.full((K, K // 32), 127, dtype=torch.uint8, device=DEVICE)
+    if packed:
+        wq = quant.prepack_mxfp4(wq, w_scale)[0]
+    codes = (torch.arange(K, device=DEVICE) + torch.arange(K, device=DEVICE) // 32) % 16
+    for first in range(0, 256, 32):
+        xq = (codes[0::2] | (codes[1::2] << 4)).to(torch.uint8).repeat(32, 1)
+        x_scale = torch.arange(first, first + 32, device=DEVICE).to(torch.uint8)[:, None] \
+            .repeat(1, K // 32)
+        out = torch.empty(32, K, dtype=torch.float32, device=DEVICE)
+        launch_only(xq, wq, None, out, x_scale, w_scale, config)
+        expected = quant.dequant_mxfp4(xq, x_scale)
+        if scaled_before_mma:
+            expected[expected.isinf().any(1)] = torch.nan
+        torch.testing.assert_close(out, expected, rtol=0, atol=0, equal_nan=True)
+
+
 def generator(seed):
     return torch.Generator(device=DEVICE).manual_seed(seed)
 

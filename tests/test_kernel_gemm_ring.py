@@ -62,16 +62,19 @@ def test_configs_that_cannot_run_say_why(config, M, N, K, dtype, says):
 
 def test_split_partials_layout_holds_each_element_once():
     """_swapped.finish_tile's layout over every (BLOCK_N, warps, BLOCK_M) the swapped kernels
-    launch (ring: 64 rows of w on 4 warps, 128 on 8; frag: 64 on 4; w4frag: 64 on 4 or 2): its
-    tile of threads fits the (BLOCK_N, BLOCK_M) tile, so no element is held twice (it would be
-    added twice), with a warp's 32 lanes down consecutive rows of w."""
-    from gemmtune.kernels.triton import gemm_frag, gemm_w4frag
+    launch (ring: 64 rows of w on 4 warps, 128 on 8; frag: 64 on 4; w4frag: 64 on 4 or 2;
+    w4xa: 32-256 on 1-4): its tile of threads fits the (BLOCK_N, BLOCK_M) tile, so no element
+    is held twice (it would be added twice), with a warp's 32 lanes down consecutive rows of
+    w."""
+    from gemmtune.kernels.triton import gemm_frag, gemm_w4frag, gemm_w4xa
 
     launched = [(n, n // gemm_ring.ROWS_PER_WARP,
                  gemm_ring.BLOCK_MS + ((gemm_ring.WIDE_BLOCK_M,) if n > _swapped.BLOCK_N else ()))
                 for n in gemm_ring.BLOCK_NS]
     launched += [(_swapped.BLOCK_N, gemm_frag.NUM_WARPS, gemm_frag.BLOCK_MS)]
     launched += [(_swapped.BLOCK_N, w, gemm_w4frag.BLOCK_MS) for w in gemm_w4frag.WARPS]
+    launched += [(8 * t * w, w, (gemm_w4xa.ROWS_OF_X,)) for t in gemm_w4xa.TILES
+                 for w in gemm_w4xa.WARPS if 8 * t * w >= gemm_w4xa.MIN_BLOCK_N]
     for block_n, warps, block_ms in launched:
         layout = _swapped._end_layout(block_n, warps)
         assert layout.size_per_thread == [1, 1] and layout.order == [0, 1], layout

@@ -215,7 +215,7 @@ def test_empty_k_gives_the_bias():
     assert torch.equal(y, bias.expand(3, 8))
 
 
-@pytest.mark.parametrize("module", ["gemm_w4", "gemm_w4frag", "gemm_w4deq"])
+@pytest.mark.parametrize("module", ["gemm_w4", "gemm_w4frag", "gemm_w4deq", "gemm_w4xa"])
 def test_each_mxfp4_kernel_takes_the_common_scaled_call(module):
     """Dispatch calls every kernel module's validating launcher as (x, w, bias, out_dtype,
     scale_a, scale_b, ...): the MXFP4 modules' refuse x scales and another output dtype by

@@ -168,14 +168,8 @@ def test_refuses_to_run_where_it_cannot():
 ])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_gpu_matches_the_dequantised_reference(M, N, K, config, with_bias):
-    gen = generator(M * 1000 + N + K)
-    x, wq, w_scale, bias = mxfp4_weight_operands(M, N, K, gen, with_bias)
-    codes = quant.prepack_mxfp4(wq, w_scale)[0] if config.packed else wq
-    out = torch.full((M, N), float("nan"), dtype=torch.bfloat16, device=DEVICE)
-    for _ in range(2):  # twice: the split's sums and counters are left as they were found
-        y = gemm_w4frag(x, codes, w_scale, bias, config, out=out)
-        assert y.data_ptr() == out.data_ptr()
-        assert_matches_reference(y, x, quant.dequant_mxfp4(wq, w_scale), bias)
+    gemm_checks.mxfp4_weight_kernel_matches_reference(gemm_w4frag, M, N, K, config, with_bias,
+                                                      packed=config.packed)
 
 
 @on_hopper
@@ -206,19 +200,11 @@ def test_gpu_pdl_chain_reads_its_input_after_the_producer(config, graph):
     W4FragConfig(16, 128, 1, packed=1, warps=2), W4FragConfig(8, 64, 1, warps=2),
     W4FragConfig(16, 128, 1, packed=1, warps=2, x_by_block=1)])
 def test_gpu_every_code_at_every_scale_byte_exactly(config):
-    """Row n of w has scale byte n (0-255) on all its blocks and the 16 codes over and over,
-    each block's codes shifted by its index; x is the identity, so y is w dequantised, rounded
-    once to bf16: equal to the reference bit for bit, 2^-127's multiples, infinities
-    (6 x 2^127) and the NaN row (byte 255) included; packed too."""
-    K = config.block_k
-    codes = (torch.arange(K, device=DEVICE) + torch.arange(K, device=DEVICE) // 32) % 16
-    wq = (codes[0::2] | (codes[1::2] << 4)).to(torch.uint8).repeat(256, 1)
-    w_scale = torch.arange(256, device=DEVICE).to(torch.uint8)[:, None].repeat(1, K // 32)
-    x = torch.eye(K, dtype=torch.bfloat16, device=DEVICE)
-    stored = quant.prepack_mxfp4(wq, w_scale)[0] if config.packed else wq
-    y = gemm_w4frag(x, stored, w_scale, None, config)
-    want = quant.dequant_mxfp4(wq, w_scale).T.to(torch.bfloat16)
-    torch.testing.assert_close(y, want, rtol=0, atol=0, equal_nan=True)
+    """w's codes multiplied from zero, each block's product scaled in fp32: infinities (6 x
+    2^127) stay infinite; packed too."""
+    gemm_checks.mxfp4_every_code_at_every_scale_byte(gemm_w4frag, config, config.block_k,
+                                                     packed=config.packed,
+                                                     scaled_before_mma=False)
 
 
 @on_hopper
@@ -262,53 +248,23 @@ def test_gpu_a_nan_scale_makes_its_row_nan_and_no_other(config):
 @pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
 def test_gpu_mxfp4_x_matches_the_dequantised_reference(M, N, K, config, out_dtype):
     """x MXFP4 too (gemm_a4w4_blockscale): its codes decoded like w's, each block's product
-    scaled by both rows' scales; or (x_first) x dequantised to bf16 by a launch of its own,
-    then the bf16-x kernel."""
-    from gemmtune.kernels.triton.gemm_w4frag import launch_gemm_w4frag
-
-    gen = generator(M * 7 + N + K)
-    x, wq, w_scale, _ = mxfp4_weight_operands(M, N, K, gen, False)
-    xq, x_scale = quant.mxfp4(x.float() * torch.logspace(
-        -2, 2, K // 32, device=DEVICE).repeat_interleave(32))
-    stored = quant.prepack_mxfp4(wq, w_scale)[0] if config.packed else wq
-    out = torch.full((M, N), float("nan"), dtype=out_dtype, device=DEVICE)
-    for _ in range(2):  # twice: the split's sums and counters are left as they were found
-        launch_gemm_w4frag(xq, stored, None, out, x_scale, w_scale, config)
-        assert_matches_reference(out, quant.dequant_mxfp4(xq, x_scale),
-                                 quant.dequant_mxfp4(wq, w_scale))
+    scaled by both rows' scales (packed w: x scaled as it is stored); or (x_first) x
+    dequantised to bf16 by a launch of its own, then the bf16-x kernel."""
+    gemm_checks.mxfp4_x_kernel_matches_reference(launch_gemm_w4frag, M, N, K, config,
+                                                 out_dtype, packed=config.packed)
 
 
 @on_hopper
 @pytest.mark.gpu
 @pytest.mark.parametrize("x_first, packed", [(0, 0), (1, 0), (0, 1)])
 def test_gpu_every_x_code_at_every_x_scale_byte_exactly(x_first, packed):
-    """w the identity (code 1.0, scale 2^0): y is x dequantised, bit for bit, for every code of
-    x at every scale byte of x (a launch per 32 rows of bytes; the NaN row, byte 255,
-    included), decoded in the loop (w as quantised, or packed: x's codes through shared
-    memory) or dequantised first. Dequantised first, an x past bf16's range (bytes 253-254) is
-    infinite before the MMA, whose sums with w's zeros make its whole row NaN (as in the fp32
-    reference's matmul); decoded in the loop, the scale comes after the sums and keeps them
-    infinite."""
-    from gemmtune.kernels.triton.gemm_w4frag import launch_gemm_w4frag
-
-    K = 128
-    eye = torch.eye(K, device=DEVICE, dtype=torch.uint8) * 2  # code 2 is 1.0
-    wq = (eye[:, 0::2] | (eye[:, 1::2] << 4)).contiguous()
-    w_scale = torch.full((K, K // 32), 127, dtype=torch.uint8, device=DEVICE)
-    if packed:
-        wq = quant.prepack_mxfp4(wq, w_scale)[0]
-    codes = (torch.arange(K, device=DEVICE) + torch.arange(K, device=DEVICE) // 32) % 16
-    for first in range(0, 256, 32):
-        xq = (codes[0::2] | (codes[1::2] << 4)).to(torch.uint8).repeat(32, 1)
-        x_scale = torch.arange(first, first + 32, device=DEVICE).to(torch.uint8)[:, None] \
-            .repeat(1, K // 32)
-        out = torch.empty(32, K, dtype=torch.float32, device=DEVICE)
-        launch_gemm_w4frag(xq, wq, None, out, x_scale, w_scale,
-                           W4FragConfig(32, 128, 1, x_first=x_first, packed=packed))
-        expected = quant.dequant_mxfp4(xq, x_scale)
-        if x_first:
-            expected[expected.isinf().any(1)] = torch.nan
-        torch.testing.assert_close(out, expected, rtol=0, atol=0, equal_nan=True)
+    """Decoded in the loop (w as quantised), decoded and scaled as it is stored in shared
+    memory (packed w) or dequantised first. Dequantised first or scaled as stored, an x past
+    bf16's range (bytes 253-254) is infinite before the MMA and its row NaN; decoded in the
+    loop, the scale comes after the sums and keeps them infinite."""
+    gemm_checks.mxfp4_every_x_code_at_every_x_scale_byte(
+        launch_gemm_w4frag, W4FragConfig(32, 128, 1, x_first=x_first, packed=packed),
+        packed=packed, scaled_before_mma=bool(x_first or packed))
 
 
 @on_hopper

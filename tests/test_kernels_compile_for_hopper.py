@@ -728,14 +728,14 @@ W4FRAG_SCRIPT = PTXAS_REPORT + textwrap.dedent("""
         # A decode a word: w's 2 rows a thread, x's 1-4 (BLOCK_M / 8) words; a loop iteration
         # takes 2 groups of 4 blocks (packed: 1; block_k < 128: a step's blocks). Packed, x's
         # group is decoded once a program, a word a thread from 8 rows, before the loop and in
-        # it.
+        # it, and times its row's scale there (4 bf16 multiplies a word).
         looped = (4 if packed else 8) if block_k >= 128 else block_k // 32
         w_words, x_words = 2 * tiles * looped, (block_m // 8 if x_mxfp4 else 0) * looped
         if packed:
             x_words = block_m // warps if x_mxfp4 else 0
         assert text.count("prmt.b32 la") == x_words + (0 if packed else w_words), \\
             (block_m, block_k, x_mxfp4, warps, text.count("prmt.b32 la"))
-        assert text.count("mul.rn.bf16x2") == (4 * w_words if packed else 0), \\
+        assert text.count("mul.rn.bf16x2") == (4 * (w_words + x_words) if packed else 0), \\
             (block_m, block_k, packed, text.count("mul.rn.bf16x2"))
         report, spilled = ptxas_report(text)
         assert spilled == 0, (block_m, block_k, x_mxfp4, warps, report)
@@ -874,3 +874,69 @@ def test_mxfp4_warpgroup_mma_kernel_compiles_for_hopper():
     decoded into the warpgroup MMA's A registers, no shared-memory store in the loop, no
     spills, and no MMA serialised by ptxas, at every tile and warp count of its space."""
     compiles_for_hopper(W4WG_SCRIPT)
+
+
+W4XA_SCRIPT = PTXAS_REPORT + textwrap.dedent("""
+    import inspect
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental import gluon
+    from gemmtune.kernels.triton import gemm_w4xa
+
+    names = inspect.signature(gemm_w4xa.gemm_w4xa_kernel.fn).parameters
+    aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+               if n.endswith("_ptr") or n in ("K", "stride_xm", "stride_wn")}
+    # (tiles, warps, split_k (negative: added), pdl, bias, MXFP4 x)
+    for tiles, warps, split_k, pdl, bias, x_mxfp4 in (
+            (2, 4, 4, True, False, False), (4, 4, -4, True, False, True),
+            (4, 2, 1, False, True, False), (8, 1, 2, True, False, True),
+            (2, 2, -9, False, True, True), (4, 1, 3, True, False, False)):
+        pointers = {"x_ptr": "*u8" if x_mxfp4 else "*bf16", "wq_ptr": "*u8", "ws_ptr": "*u8",
+                    "xs_ptr": "*u8", "y_ptr": "*bf16", "bias_ptr": "*bf16",
+                    "part_ptr": "*fp32", "count_ptr": "*i32"}
+        constexprs = dict(HAS_BIAS=bias, SPLIT_K=abs(split_k), TILES=tiles, PDL=pdl,
+                          PER_LOAD=gemm_w4xa.partials_per_load(abs(split_k), 8 * tiles * warps,
+                                                               16, warps),
+                          ADD_SPLITS=split_k < 0, X_MXFP4=x_mxfp4)
+        signature = {n: pointers.get(n, "constexpr" if n in constexprs else "i32")
+                     for n in names}
+        kernel = triton.compile(gluon._runtime.GluonASTSource(
+            fn=gemm_w4xa.gemm_w4xa_kernel, signature=signature, attrs=aligned,
+            constexprs=constexprs), target=GPUTarget("cuda", 90, 128),
+            options={"num_warps": warps})
+        text = kernel.asm["ptx"]
+        case = (tiles, warps, split_k, pdl, x_mxfp4)
+        # A group of 4 blocks a loop iteration: x's A operand read by ldmatrix once a block
+        # (16 rows x 32: two x4), multiplied with each of the warp's tiles of w (two k16
+        # MMAs a tile and block, bf16, fp32 sums)
+        assert text.count("ldmatrix.sync.aligned.m8n8.x4.shared.b16") == 8, case
+        assert text.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == \\
+            8 * tiles, case
+        # w's codes a 16-byte load a tile and group, first to leave the caches
+        assert text.count("ld.global.L1::evict_first") >= 2 * tiles, case
+        # Each word decoded by masks and shifts and multiplied by 2^126 and its block's scale
+        # (8 bf16 multiplies); MXFP4 x's words decoded by PRMT look-ups and scaled (4) as they
+        # are stored, before the loop and in it: 4 x 16 rows of 4 words a program's threads
+        x_words = 2 * 4 * 16 * 4 // (32 * warps) if x_mxfp4 else 0
+        assert text.count("mul.rn.bf16x2") == 8 * 4 * tiles + 4 * x_words, \\
+            (case, text.count("mul.rn.bf16x2"))
+        assert text.count("prmt.b32 la") == x_words, case
+        assert text.count("max.u16x2") == 4 * tiles + x_words, case
+        assert ("griddepcontrol.wait" in text) == pdl
+        if pdl:
+            # before the wait only w's first group: a tile's scale word and its codes
+            before = text[:text.find("griddepcontrol.wait")]
+            assert before.count("ld.global") == 2 * tiles, (case, before.count("ld.global"))
+        assert ("atom.global" in text) == (split_k != 1)
+        report, spilled = ptxas_report(text)
+        assert spilled == 0, (case, report)
+    print("ok")
+""")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the kernel's own tests run it")
+def test_x_as_a_mxfp4_kernel_compiles_for_hopper():
+    """triton.w4xa (Gluon) for sm_90, bf16 and MXFP4 x: x's A operand by ldmatrix once a block
+    for all of a warp's tiles of w, w's packed codes in 16-byte loads decoded and scaled in one
+    PTX block each, only w's loads before the PDL wait, no spills."""
+    compiles_for_hopper(W4XA_SCRIPT)

@@ -1,9 +1,11 @@
 """The inline PTX that decodes E2M1 codes in the Gluon MXFP4 kernels (``gemm_w4frag``'s
 ``E2M1_TO_BF16_ASM``), run on the CPU by a small emulator of the PTX instructions it uses
-(``and``, ``shr``, ``shl``, ``prmt``, ``lop3``, ``mov``, ``mul.lo``,
-``mul.rn.bf16x2``, with the PTX ISA's semantics), bit for bit against ``mxfp4.e2m1_values`` in
-bf16: every code at every place of a word, and random words, as quantised and packed (their
-bits placed); and ``gemm_w4wg``'s byte gather and bf16 scale multiply around it. The GPU tests
+(``and``, ``shr``, ``shl``, ``prmt``, ``lop3``, ``mov``, ``mul.lo``, ``add.u32``,
+``max.u16x2``, ``mul.rn.bf16x2``, with the PTX ISA's semantics), bit for bit against
+``mxfp4.e2m1_values`` in bf16: every code at every place of a word, and random words, as
+quantised and packed (their bits placed); ``gemm_w4wg``'s byte gather and bf16 scale multiply
+around it; and the decodes that scale in the same block (``placed_scaled_asm``,
+``e2m1_scaled_asm``) at every scale byte, at each byte of the scale word. The GPU tests
 run the real instructions; this catches an edit of the asm text without a GPU.
 """
 
@@ -16,7 +18,8 @@ import torch
 
 from gemmtune.kernels import mxfp4
 from gemmtune.kernels.triton._e2m1_ptx import (E2M1_TO_BF16_ASM, PLACED_TO_BF16_ASM,
-                                               SCALE_BF16X2_ASM)
+                                               SCALE_BF16X2_ASM, e2m1_scaled_asm,
+                                               placed_scaled_asm)
 
 MASK = np.uint64(0xFFFFFFFF)
 
@@ -78,6 +81,12 @@ def run_ptx(asm: str, operands: dict[str, np.ndarray], muls=None) -> dict[str, n
             out = _prmt(v[0], v[1], v[2] & np.uint64(0xFFFF))
         elif op == "lop3.b32":
             out = _lop3(v[0], v[1], v[2], int(v[3]))
+        elif op == "add.u32":
+            out = (v[0] + v[1]) & MASK
+        elif op == "max.u16x2":
+            halves = [np.maximum((v[0] >> np.uint64(h)) & np.uint64(0xFFFF),
+                                 (v[1] >> np.uint64(h)) & np.uint64(0xFFFF)) for h in (0, 16)]
+            out = halves[0] | halves[1] << np.uint64(16)
         elif op == "mul.rn.bf16x2":
             out = (muls or _mul_bf16x2)(v[0], v[1])
         else:
@@ -138,6 +147,9 @@ def test_the_emulator_follows_the_ptx_isa():
     x, y, z = (np.array([v], dtype=np.uint64) for v in (0xF0F0F0F0, 0xCCCCCCCC, 0xAAAAAAAA))
     assert _lop3(x, y, z, 0x80)[0] == 0x80808080  # a & b & c
     assert _lop3(x, y, z, 0xF8)[0] == 0xF8F8F8F8  # a | (b & c)
+    regs = run_ptx("max.u16x2 d, $1, $2;", {"$1": np.array([0x8000_0001], dtype=np.uint64),
+                                             "$2": np.array([0x7FFF_0040], dtype=np.uint64)})
+    assert regs["d"][0] == 0x8000_0040  # each half unsigned
     assert re.search(r"lop3\.b32 \w+, \w+, \w+, 0x80808080, 0xF8", E2M1_TO_BF16_ASM.value)
 
 
@@ -231,3 +243,47 @@ def test_packed_words_decode_from_their_placed_bits():
     np.testing.assert_array_equal(packed.numpy().astype(np.int64) & 0xFFFFFFFF,
                                   _placed(stored).astype(np.int64))
 
+
+
+def _scaled_expected(words: np.ndarray, scale_bytes: np.ndarray) -> np.ndarray:
+    """Each word's 8 codes times 2^(byte - 127) (NaN for byte 255) rounded once to bf16."""
+    codes = torch.from_numpy(((words[:, None] >> (4 * np.arange(8, dtype=np.uint64)))
+                              & np.uint64(0xF)).astype(np.int64))
+    exponent = torch.from_numpy(scale_bytes.astype(np.int64))[:, None]
+    scales = torch.where(exponent == 255, torch.nan, torch.pow(2.0, exponent - 127.0))
+    return _bf16_bits(mxfp4.e2m1_values(codes) * scales)
+
+
+def _registers(regs) -> np.ndarray:
+    out = np.stack([regs[f"${i}"] for i in range(4)], axis=1)
+    return np.stack([out & np.uint64(0xFFFF), out >> np.uint64(16)], axis=2).reshape(-1, 8)
+
+
+def _same_or_both_nan(got: np.ndarray, want: np.ndarray) -> None:
+    nan = (want & np.uint64(0x7FFF)) > np.uint64(0x7F80)
+    assert ((got == want) | (nan & ((got & np.uint64(0x7FFF)) > np.uint64(0x7F80)))).all()
+
+
+def test_decodes_that_scale_give_every_value_at_every_scale_byte():
+    """placed_scaled_asm(j) (a packed word and a scale word: byte j is its block's) and
+    e2m1_scaled_asm(0) (a word as quantised and its row's scale byte): the codes times
+    2^(byte - 127) rounded once to bf16 for every byte, 2^-127's multiples (byte 0: bf16
+    subnormals) and the values past bf16's range (infinite) included, NaN for byte 255; the
+    scale word's other bytes do not matter."""
+    words = np.tile(_every_code_at_every_place(), 2)
+    words = np.concatenate([words, np.random.default_rng(3).integers(0, 2**32, size=4096,
+                                                                     dtype=np.uint64)])
+    noise = np.random.default_rng(4).integers(0, 2**32, size=words.size, dtype=np.uint64)
+    tables = {"$5": np.uint64(0xC0800000) + 0 * words, "$6": np.uint64(0x3F3F3F00) + 0 * words}
+    for byte in range(256):
+        scale_bytes = np.full(words.size, byte, dtype=np.uint64)
+        want = _scaled_expected(words, scale_bytes)
+        for j in range(4):
+            place = np.uint64(8 * j)
+            scale_word = (noise & ~(np.uint64(0xFF) << place)) | (scale_bytes << place)
+            got = _registers(run_ptx(placed_scaled_asm(j), {"$4": _placed(words),
+                                                            "$5": scale_word}))
+            _same_or_both_nan(got, want)
+        got = _registers(run_ptx(e2m1_scaled_asm(0), {"$4": words, **tables,
+                                                      "$7": scale_bytes}))
+        _same_or_both_nan(got, want)

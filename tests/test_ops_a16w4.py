@@ -135,19 +135,21 @@ def test_gpu_real_sizes_through_a_row(a16w4_table, M):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("M", [1, 16])
-def test_gpu_packed_weights_through_a_row(a16w4_table, M):
-    """A packed weight (prepack_mxfp4) and a row naming the register-direct kernel for packed
-    weights: planned, bound and replayed, right each time."""
+@pytest.mark.parametrize("M, kernel", [(1, "triton.w4frag:BM16.BK128.SK4.P0.R0.L1"),
+                                       (16, "triton.w4frag:BM16.BK128.SK4.P0.R0.L1"),
+                                       (12, "triton.w4xa:T4.W4.SK4.P1.R1")])
+def test_gpu_packed_weights_through_a_row(a16w4_table, M, kernel):
+    """A packed weight (prepack_mxfp4) and a row naming a kernel for packed weights (the
+    register-direct one, the x-as-A one): planned, bound and replayed, right each time."""
     N, K = 2880, 4096
-    a16w4_table((M, N, K, "torch.bfloat16", True, "triton.w4frag:BM16.BK128.SK4.P0.R0.L1"))
+    a16w4_table((M, N, K, "torch.bfloat16", True, kernel))
     x, wq, ws, bias = operands(M, N, K, seed=M)
     packed, _ = quant.prepack_mxfp4(wq, ws)
     for _ in range(3):
         y = gemmtune.gemm_a16w4(x, packed, ws, bias, packed=True)
         assert_close_to_reference(y, x, wq, ws, bias)
     (plan,) = DISPATCH.plans.values()
-    assert plan.decision.kernel_name.endswith(".L1")
+    assert plan.decision.kernel_name == kernel
 
 
 @pytest.mark.parametrize("packed", [False, True])

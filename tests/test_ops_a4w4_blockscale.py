@@ -173,12 +173,14 @@ def test_gpu_real_sizes_through_a_row(a4w4_table, M, kernel):
 @pytest.mark.parametrize("M, kernel", [(1, "triton.w4frag:BM8.BK128.SK5.P1.R1.L1"),
                                        (16, "triton.w4frag:BM16.BK256.SK3.P0.R0.L1"),
                                        (8, "triton.w4frag:BM8.BK128.SK4.P1.R1.L1.X1"),
+                                       (13, "triton.w4xa:T2.W4.SK5.P1"),
                                        (1024, "triton.w4deq:BN8.BK512.W4.L1.A1")])
 def test_gpu_packed_weights_through_a_row(a4w4_table, M, kernel):
     """A packed weight (prepack_mxfp4) through a row naming a kernel that reads it: planned,
     bound and replayed, right each time."""
-    if kernel.startswith("triton.w4frag") and torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("triton.w4frag is a Gluon kernel for Hopper (sm_90)")
+    if kernel.startswith(("triton.w4frag", "triton.w4xa")) and \
+            torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip(f"{kernel.split(':')[0]} is a Gluon kernel for Hopper (sm_90)")
     N, K = 2880, 4096
     a4w4_table((M, N, K, True, kernel))
     xq, xs, wq, ws = operands(M, N, K, seed=M)
@@ -329,18 +331,20 @@ def test_the_torch_backend_keeps_the_outputs_precision(dtype):
 def test_both_mxfp4_tuners_offer_the_gluon_kernels_on_hopper(monkeypatch):
     """On a Hopper (faked here) the a4w4 and a16w4 tuners offer triton.w4frag's configs at
     decode, each for the weight layout of its key (triton.w4 only for weights as quantised),
-    the a4w4 tuner triton.w4deq's at prefill and the a16w4 tuner also triton.w4wg's, for the
-    key's layout; the a4w4 tuner once offered only triton.w4 (its registry was not passed), so
-    its tuned rows were the slower kernel's."""
+    and triton.w4xa's at 9-16 rows for packed weights; the a4w4 tuner triton.w4deq's at
+    prefill and the a16w4 tuner also triton.w4wg's, for the key's layout; the a4w4 tuner once
+    offered only triton.w4 (its registry was not passed), so its tuned rows were the slower
+    kernel's."""
     from gemmtune.families.a4w4_blockscale.tuner import A4w4BlockscaleTuner
     from gemmtune.families.a16w4.op import A16w4Key
     from gemmtune.families.a16w4.tuner import A16w4Tuner
-    from gemmtune.kernels.triton import _checks, _splits, gemm_w4deq, gemm_w4frag, gemm_w4wg
+    from gemmtune.kernels.triton import _checks, _splits, _swapped, gemm_w4deq, gemm_w4frag, \
+        gemm_w4wg
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(_checks, "sm_count", lambda device=None: 132)
     monkeypatch.setattr(_splits, "pdl_where_supported", lambda: _splits.PDL_WAIT)
-    for module in (gemm_w4frag, gemm_w4wg):
+    for module in (_swapped, gemm_w4wg):
         monkeypatch.setattr(module, "why_not_here", lambda kernel, instead: None)
     for packed in (False, True):
         a4w4 = [c.name for c in A4w4BlockscaleTuner().candidates(A4w4Key(8, 4096, 4096, packed),
@@ -361,6 +365,9 @@ def test_both_mxfp4_tuners_offer_the_gluon_kernels_on_hopper(monkeypatch):
                  if n.startswith("triton.w4frag:BM16.")]
         assert frags and all(c.packed == packed for c in frags), a16w4
         assert {c.add_splits for c in frags} == {0, 1}, a16w4  # split sums in order, added
+        for names in (a16w4, [c.name for c in A4w4BlockscaleTuner().candidates(
+                A4w4Key(12, 4096, 4096, packed), frozenset())]):
+            assert any(n.startswith("triton.w4xa:") for n in names) == packed, names
         prefill = [c.name for c in A16w4Tuner().candidates(
             A16w4Key(1024, 4096, 4096, "torch.bfloat16", packed), frozenset())]
         prefill_wg = [gemm_w4wg.W4WgConfig.from_name(n) for n in prefill

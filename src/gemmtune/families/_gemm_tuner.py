@@ -208,8 +208,9 @@ def mxfp4_candidates(p: GemmProblem, wanted: frozenset[str], baseline: str,
     ``baseline``, then the MXFP4 kernel's configs (``gemm_w4.candidates``, for weights as
     quantised; on the CPU two, in the interpreter, bf16 ones refused as the other families'
     are) and, on a GPU, those of the register-direct kernel (``gemm_w4frag.candidates``, with
-    PDL where supported), of the warpgroup-MMA kernel (``gemm_w4wg.candidates``, prefill) and of
-    dequantise-then-cuBLAS (``gemm_w4deq.candidates``, prefill)
+    PDL where supported), of the x-as-A kernel (``gemm_w4xa.candidates``, 9-16 rows of x,
+    packed w, with PDL where supported), of the warpgroup-MMA kernel (``gemm_w4wg.candidates``,
+    prefill) and of dequantise-then-cuBLAS (``gemm_w4deq.candidates``, prefill)
     for the problem's layout that ``registry`` can run, numbered."""
     found = []
     if "torch" in wanted:
@@ -223,12 +224,12 @@ def mxfp4_candidates(p: GemmProblem, wanted: frozenset[str], baseline: str,
             refused = INTERPRETER_BF16 if p.dtype == torch.bfloat16 else ""
             configs = [dataclasses.replace(c, refused=refused) for c in configs[:2]]
         else:
-            from gemmtune.kernels.triton import gemm_w4deq, gemm_w4frag, gemm_w4wg
+            from gemmtune.kernels.triton import gemm_w4deq, gemm_w4frag, gemm_w4wg, gemm_w4xa
             from gemmtune.kernels.triton._splits import pdl_where_supported
 
-            frags = gemm_w4frag.candidates(p.m, p.n, p.k, p.dtype, pdl=pdl_where_supported(),
-                                           packed=p.preshuffled)
-            configs += [Candidate(c.name, "triton", splitk=c.split_k) for c in frags
+            split = [c for module in (gemm_w4frag, gemm_w4xa) for c in module.candidates(
+                p.m, p.n, p.k, p.dtype, pdl=pdl_where_supported(), packed=p.preshuffled)]
+            configs += [Candidate(c.name, "triton", splitk=c.split_k) for c in split
                         if registry.can_run(c.name, p)]
             for module in (gemm_w4wg, gemm_w4deq):
                 configs += [Candidate(c.name, "triton") for c in module.candidates(

@@ -29,7 +29,8 @@ from gemmtune.families._switches import dynamo_compiling as _dynamo_compiling
 from gemmtune.kernels import mxfp4
 from gemmtune.kernels.problem import GemmProblem, Scaling
 from gemmtune.kernels.torch_ref import TORCH_DEQUANT_MM, TORCH_UNPACK_DEQUANT_MM, dequant_mm_torch
-from gemmtune.kernels.triton.dispatchable import W4_PREFIX, W4DEQ_PREFIX, W4FRAG_PREFIX
+from gemmtune.kernels.triton.dispatchable import (W4_PREFIX, W4DEQ_PREFIX, W4FRAG_PREFIX,
+                                                  W4XA_PREFIX)
 
 
 class A4w4Key(NamedTuple):
@@ -52,8 +53,9 @@ def problem_of(key: A4w4Key) -> GemmProblem:
 
 
 _TORCH = TorchBackends(TORCH_DEQUANT_MM, TORCH_UNPACK_DEQUANT_MM)
+# The MXFP4 kernels that take MXFP4 x too (not triton.w4wg)
 REGISTRY = mxfp4_registry("a4w4_blockscale", _TORCH, dequant_mm_torch,
-                          (W4_PREFIX, W4FRAG_PREFIX, W4DEQ_PREFIX))
+                          (W4_PREFIX, W4FRAG_PREFIX, W4DEQ_PREFIX, W4XA_PREFIX))
 
 
 def _to_table_key(raw: tuple) -> A4w4Key:

@@ -19,8 +19,8 @@ import triton.language as tl
 # sign-replicating selectors spread the codes' signs (bit 3) to bit 7 of the high bytes, and a
 # last PRMT pairs low and high bytes: 15 instructions for 8 codes (Triton's fp4_to_fp, whose
 # tables are also copied into registers before each use: about 24).
-E2M1_TO_BF16_ASM = tl.constexpr("""{
-.reg .b32 m, mh, la, ha, lb, hb, q4, sa, sb;
+_E2M1_REGS = ".reg .b32 m, mh, la, ha, lb, hb, q4, sa, sb;"
+_E2M1_BODY = """
 and.b32 m, $4, 0x77777777;
 shr.b32 mh, m, 16;
 shl.b32 q4, $4, 4;
@@ -36,7 +36,8 @@ prmt.b32 $0, la, ha, 0x5140;
 prmt.b32 $1, la, ha, 0x7362;
 prmt.b32 $2, lb, hb, 0x5140;
 prmt.b32 $3, lb, hb, 0x7362;
-}""")
+"""
+E2M1_TO_BF16_ASM = tl.constexpr("{\n" + _E2M1_REGS + _E2M1_BODY + "}")
 
 # The packed layout's words (``mxfp4.PLACES``: each code's bits placed) to the same 4 registers:
 # a mask (register 0), a shift left by 3 and a mask (1), the magnitudes shifted left 6 and the
@@ -44,8 +45,8 @@ prmt.b32 $3, lb, hb, 0x7362;
 # the value times 2^-126 (subnormal for 0.5), which mul.rn.bf16x2 by 2^126 (0x7E80) makes
 # exact. 7 ALU instructions and 4 integer multiplies (left shifts on the FMA pipe) a word; the
 # ALU issues a warp instruction every other cycle, and PRMT's decode is all ALU.
-PLACED_TO_BF16_ASM = tl.constexpr("""{
-.reg .b32 a, b, t, c;
+_PLACED_REGS = ".reg .b32 a, b, t, c;"
+_PLACED_BODY = """
 mov.b32 c, 0x7E807E80;
 and.b32 t, $4, 0x81C081C0;
 mul.rn.bf16x2 $0, t, c;
@@ -62,7 +63,8 @@ mul.lo.u32 b, $4, 4;
 and.b32 t, a, 0x01C001C0;
 lop3.b32 t, t, b, 0x80008000, 0xF8;
 mul.rn.bf16x2 $3, t, c;
-}""")
+"""
+PLACED_TO_BF16_ASM = tl.constexpr("{\n" + _PLACED_REGS + _PLACED_BODY + "}")
 
 # 4 registers of 2 bf16 each ($4-$7) times a pair of bf16 scales ($8): exact for every finite
 # result (bf16 has fp32's exponent range, and its subnormals reach 2^-133, below the smallest
@@ -71,6 +73,36 @@ SCALE_BF16X2_ASM = tl.constexpr(
     "mul.rn.bf16x2 $0, $4, $8; mul.rn.bf16x2 $1, $5, $8; mul.rn.bf16x2 $2, $6, $8; "
     "mul.rn.bf16x2 $3, $7, $8;")
 
+
+
+def _scale_pair(word: str, byte: int) -> str:
+    """PTX that makes register p a pair of bf16 2^(b - 127) of byte ``byte`` (0-3) b of the
+    32-bit register ``word``: b in both halves' exponent fields (PRMT, then a shift), byte 0
+    made 2^-127 (bf16 subnormal 0x0040, by a 16-bit max), byte 255 made NaN (0x7FC0: only
+    there does adding 0x80 carry into bit 15). 7 instructions, u a scratch register."""
+    selector = 0x4040 | byte << 8 | byte
+    return (f"prmt.b32 p, {word}, 0, {selector:#06x};\nshl.b32 p, p, 7;\n"
+            "mov.b32 u, 0x00400040;\nmax.u16x2 p, p, u;\nadd.u32 u, p, 0x00800080;\n"
+            "shr.b32 u, u, 9;\nlop3.b32 p, p, u, 0x00400040, 0xF8;\n")
+
+
+_TIMES_PAIR = ("mul.rn.bf16x2 $0, $0, p;\nmul.rn.bf16x2 $1, $1, p;\nmul.rn.bf16x2 $2, $2, p;\n"
+               "mul.rn.bf16x2 $3, $3, p;\n")
+
+
+def placed_scaled_asm(byte: int) -> str:
+    """PLACED_TO_BF16_ASM's decode of a packed word ($4) times the scale of byte ``byte`` of
+    the scale word $5 (``_scale_pair``): the 4 registers exact for every finite value, NaN
+    for byte 255, infinite past bf16's range."""
+    return ("{\n" + _PLACED_REGS + "\n.reg .b32 p, u;\n" + _scale_pair("$5", byte)
+            + _PLACED_BODY + _TIMES_PAIR + "}")
+
+
+def e2m1_scaled_asm(byte: int) -> str:
+    """E2M1_TO_BF16_ASM's decode of a word as quantised ($4; tables $5, $6) times the scale of
+    byte ``byte`` of $7 (``_scale_pair``), as ``placed_scaled_asm``."""
+    return ("{\n" + _E2M1_REGS + "\n.reg .b32 p, u;\n" + _scale_pair("$7", byte)
+            + _E2M1_BODY + _TIMES_PAIR + "}")
 
 @triton.jit
 def e2m1_tables(zeros):

@@ -1,15 +1,18 @@
-"""What the MXFP4-weight kernel modules (``gemm_w4``, ``gemm_w4frag``, ``gemm_w4deq``) share:
-the operands' checks (also ``gemm_a16w4``'s) and their validating launchers' common path."""
+"""What the MXFP4-weight kernel modules (``gemm_w4``, ``gemm_w4frag``, ``gemm_w4xa``,
+``gemm_w4deq``) share: the operands' checks (also ``gemm_a16w4``'s), their validating launchers'
+common path, and the word-aligned operands of the Gluon kernels that read 32-bit words."""
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 
 from gemmtune.kernels import mxfp4
 
 _X_DTYPES = (torch.bfloat16, torch.float16)
+# What the Gluon kernels write with MXFP4 x (gemm_a4w4_blockscale's outputs)
+_OUT_DTYPES_OF_MXFP4_X = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def check_operands(op: str, x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
@@ -93,3 +96,72 @@ def scaled_launcher(op: str, gemm: Callable) -> Callable:
 
     launch_scaled.__name__ = launch_scaled.__qualname__ = f"{op}_scaled"
     return launch_scaled
+
+
+class WordOperands(NamedTuple):
+    """A launch's operands as the word-reading Gluon kernels (``gemm_w4frag``, ``gemm_w4xa``)
+    take them (``word_operands``)."""
+
+    x: torch.Tensor
+    w: torch.Tensor
+    w_scales: torch.Tensor
+    x_scales: torch.Tensor  # MXFP4 x's, or w_scales (unused) for bf16 x
+    bias: torch.Tensor | None
+    M: int
+    N: int
+    K: int
+    copied_w: bool  # w or its scales copied here: a kernel that reads w before its PDL wait
+    # must then launch without PDL (``_splits.launch_mode``)
+
+    def args(self, out: torch.Tensor, parts: torch.Tensor, counters: torch.Tensor) -> tuple:
+        """The kernels' arguments up to the strides: x, w, w's and x's scales, out, bias (or
+        out), the split partials and counters, M, N, K and the row strides."""
+        bias = self.bias
+        return (self.x, self.w, self.w_scales, self.x_scales, out,
+                bias if bias is not None else out, parts, counters, self.M, self.N, self.K,
+                self.x.stride(0), self.w.stride(0), self.w_scales.stride(0),
+                self.x_scales.stride(0), out.stride(0), bias.stride(0) if bias is not None else 0)
+
+
+def _aligned_scales(scales: torch.Tensor) -> torch.Tensor:
+    scales = scales.contiguous()
+    return scales.clone() if scales.data_ptr() % 16 else scales
+
+
+def word_operands(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
+                  scale_a: torch.Tensor | None, scale_b: torch.Tensor) -> WordOperands:
+    """x (M, K) bf16, or with ``scale_a`` (x's scales) MXFP4 codes (M, K // 2); w the codes
+    (N, K // 2), scale_b their scales: x and w are read as 32-bit words, and a row's scale
+    bytes of a group as one word, so rows a whole number of words apart and 16-byte aligned
+    (a copy otherwise), which a recording's 16-byte alignment check (_replay) then covers."""
+    x_mxfp4 = scale_a is not None
+    per_word = 4 if x_mxfp4 else 2  # x's elements (code bytes or bf16) a word
+    x = x if x.stride(1) == 1 and x.stride(0) % per_word == 0 else x.contiguous()
+    aligned_w = w if w.stride(1) == 1 and w.stride(0) % 4 == 0 else w.contiguous()
+    x = x.clone() if x.data_ptr() % 16 else x
+    aligned_w = aligned_w.clone() if aligned_w.data_ptr() % 16 else aligned_w
+    w_scales = _aligned_scales(scale_b)
+    x_scales = _aligned_scales(scale_a) if x_mxfp4 else w_scales
+    bias = bias if bias is None or bias.stride(0) == 1 else bias.contiguous()
+    K = x.shape[1] * 2 if x_mxfp4 else x.shape[1]
+    return WordOperands(x, aligned_w, w_scales, x_scales, bias, x.shape[0], w.shape[0], K,
+                        aligned_w is not w or w_scales is not scale_b)
+
+
+def why_not_gluon_call(kernel: str, dtype: torch.dtype, out_dtype: torch.dtype,
+                       packed_only: bool = False) -> str | None:
+    """Why a Gluon MXFP4 kernel (``kernel``, its words) cannot write ``out_dtype`` for x of
+    ``dtype`` (bf16 x: x's dtype; MXFP4 x, uint8: bf16, fp16 or fp32) or cannot run in this
+    process, or None; the backends it names instead are for its weight layouts
+    (``packed_only``: packed weights alone)."""
+    from gemmtune.kernels.triton._swapped import why_not_here
+
+    if dtype == torch.uint8:
+        if out_dtype not in _OUT_DTYPES_OF_MXFP4_X:
+            return f"with MXFP4 x the kernel writes bf16, fp16 or fp32, not {out_dtype}"
+    elif out_dtype != dtype:
+        return f"the {kernel} writes x's dtype ({dtype}), not {out_dtype}"
+    backend = "dequant_mm" if dtype == torch.uint8 else "dequant_linear"
+    instead = (f"a triton.w4 config or torch.unpack_{backend}" if packed_only else
+               f"a triton.w4 config or torch.{backend} (packed weights: torch.unpack_{backend})")
+    return why_not_here(kernel, instead)

@@ -1,8 +1,8 @@
 """A Triton config name (``triton.tile:...``, ``triton.splitk:...``, ``triton.gemv:...``,
 ``triton.persistent:...``, ``triton.frag:...``, ``triton.ring:...``, ``triton.wsring:...``, the
 last three Gluon kernels;
-``triton.w4:...``, ``triton.w4frag:...`` and ``triton.w4wg:...`` (Gluon) and
-``triton.w4deq:...`` of MXFP4 weights)
+``triton.w4:...``, ``triton.w4frag:...``, ``triton.w4xa:...`` and ``triton.w4wg:...`` (Gluon)
+and ``triton.w4deq:...`` of MXFP4 weights)
 as a callable for dispatch: checked once per problem, then each call only allocates and
 launches; each kernel of one launch replays its first launch of a shape through the compiled
 kernel's own launcher (``_replay``; ``triton.w4deq``, two launches, is not replayed). Called
@@ -32,9 +32,11 @@ W4_PREFIX = "triton.w4"
 W4FRAG_PREFIX = "triton.w4frag"
 W4DEQ_PREFIX = "triton.w4deq"
 W4WG_PREFIX = "triton.w4wg"
-MXFP4_PREFIXES = (W4_PREFIX, W4FRAG_PREFIX, W4DEQ_PREFIX, W4WG_PREFIX)
+W4XA_PREFIX = "triton.w4xa"
+MXFP4_PREFIXES = (W4_PREFIX, W4FRAG_PREFIX, W4DEQ_PREFIX, W4WG_PREFIX, W4XA_PREFIX)
 # Gluon kernels: compiled for Hopper only, never in Triton's interpreter.
-GLUON_PREFIXES = ("triton.frag", "triton.ring", "triton.wsring", W4FRAG_PREFIX, W4WG_PREFIX)
+GLUON_PREFIXES = ("triton.frag", "triton.ring", "triton.wsring", W4FRAG_PREFIX, W4WG_PREFIX,
+                  W4XA_PREFIX)
 
 
 class _KernelModule(NamedTuple):
@@ -106,6 +108,12 @@ def _kernel_module(prefix: str) -> _KernelModule:
         # A config that dequantises MXFP4 x first makes two launches: not replayed.
         return _KernelModule(m, m.W4FragConfig, m.launch_gemm_w4frag, m.gemm_w4frag_scaled,
                              m.w4frag_call, mxfp4_weights=True, replayed=m.replayed)
+    if prefix == W4XA_PREFIX:
+        from gemmtune.kernels.triton import gemm_w4xa as m
+
+        # Packed weights only (its configs name that layout: ``packed``).
+        return _KernelModule(m, m.W4XaConfig, m.launch_gemm_w4xa, m.gemm_w4xa_scaled,
+                             m.w4xa_call, mxfp4_weights=True)
     if prefix == W4WG_PREFIX:
         from gemmtune.kernels.triton import gemm_w4wg as m
 
@@ -160,7 +168,8 @@ class TritonKernel:
         self._validating_kwargs = {"block_scales": True} if block_scales else {}
         self._launch_kwargs = {**self._validating_kwargs, **({"w_tiled": True} if w_tiled else {})}
         # An MXFP4 config may name its own weight layout (a ``packed`` field: triton.w4frag,
-        # triton.w4deq); the problems it takes must have that layout.
+        # triton.w4deq; triton.w4xa's is always packed); the problems it takes must have that
+        # layout.
         self._w_tiled = w_tiled or bool(getattr(self.config, "packed", 0))
 
     def __repr__(self) -> str:

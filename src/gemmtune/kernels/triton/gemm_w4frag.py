@@ -14,9 +14,9 @@ whose bits ``mxfp4.prepack`` placed, masks and shifts: 7 ALU instructions, 4 int
 multiplies and 4 bf16 multiplies: 0.99-1.19x, 1.095x geomean on an H200) makes them bf16 in the A
 layout (exact: E2M1 values are 0-6 with one mantissa bit); x's 32 x BLOCK_M block comes in the
 B layout; ``mma.sync`` multiplies them from zero into fp32, and the product is scaled by the
-block's power of two (of x's row too, for MXFP4 x) in fp32, exact for every scale byte, before
-its add. A NaN scale (byte 255) makes its row's outputs NaN. As quantised, there is no shared
-memory in the loop and no barrier.
+block's power of two (of x's row too, for MXFP4 x with w as quantised) in fp32, exact for every
+scale byte, before its add. A NaN scale (byte 255) makes its row's outputs NaN. As quantised,
+there is no shared memory in the loop and no barrier.
 
 As quantised, both operands use the MMA's K order with 8 consecutive elements a thread
 (``k_width`` 8): the sum over K is the same in any order, so w's codes load as one 32-bit word
@@ -32,7 +32,11 @@ kernels. x must then come in K order, which global loads straight into registers
 bytes at a time: it goes through shared memory instead, a group of 4 blocks at a time, loaded
 once a program (not once a warp) while the group before it multiplies, stored once every warp
 has read the slot (two barriers a group) and read by ``ldmatrix``; MXFP4 x's codes are decoded
-as they are stored (once a program instead of once a warp).
+and scaled (in bf16: exact, its range fp32's) as they are stored, once a program instead of
+once a warp, so that each block's product takes w's scale alone as with bf16 x (1.07-1.14x
+the best config per shape where x was scaled in each product, H200, docs/benchmarks.md,
+session 40). An x past bf16's range is then infinite before the MMA, and its row NaN, as in
+the fp32 reference's matmul.
 
 Why: the ``tl.dot_scaled`` route (``triton.w4`` DS1) spends about 11 instructions a weight
 element in its scale broadcast and layout changes and reached 0.6 TB/s; Triton's own E2M1
@@ -61,14 +65,16 @@ from gemmtune.kernels.triton._splits import (PDL_OFF, launch_mode, split_for,
                                              why_not_wait_pdl, workspace)
 from gemmtune.kernels.triton._swapped import (BLOCK_N, NUM_WARPS, barrier, finish_tile,
                                               partials_per_load, release_then_wait,
-                                              split_steps, why_not_add_splits, why_not_grid,
-                                              why_not_here)
+                                              split_steps, why_not_add_splits, why_not_grid)
 from gemmtune.kernels.triton._e2m1_ptx import E2M1_TO_BF16_ASM, e2m1_tables, placed_to_bf16
-from gemmtune.kernels.triton._mxfp4_calls import scaled_launcher, validated_launch
+from gemmtune.kernels.triton._w4_gluon import (halves, joined_codes, x_group_stride, x_in_bf16,
+                                               x_scale_bytes, x_scale_pointers, x_tile,
+                                               x_tile_layout, x_tile_pointers, x_words)
+from gemmtune.kernels.triton._mxfp4_calls import (scaled_launcher, validated_launch,
+                                                  why_not_gluon_call, word_operands)
 from gemmtune.kernels.triton.gemm_w4deq import W4DeqConfig, dequantize
 
 KERNEL_PREFIX = "triton.w4frag"
-_OUT_DTYPES_OF_MXFP4_X = (torch.bfloat16, torch.float16, torch.float32)
 _BN = gl.constexpr(BLOCK_N)
 _BLOCK = gl.constexpr(mxfp4.BLOCK)
 # x's rows per program: the MMA's N in blocks of 8. From 64, x's step alone would take 128
@@ -162,15 +168,7 @@ def why_not_supported(config: W4FragConfig, M: int, N: int, K: int, dtype: torch
                       out_dtype: torch.dtype) -> str | None:
     """``why_not_fits``, the output (x's dtype; with MXFP4 x, ``dtype`` uint8, bf16, fp16 or
     fp32), and whether the kernel can run here."""
-    if dtype == torch.uint8:
-        if out_dtype not in _OUT_DTYPES_OF_MXFP4_X:
-            return f"with MXFP4 x the kernel writes bf16, fp16 or fp32, not {out_dtype}"
-    elif out_dtype != dtype:
-        return f"the register-direct MXFP4 kernel writes x's dtype ({dtype}), not {out_dtype}"
-    torch_backend = "dequant_mm" if dtype == torch.uint8 else "dequant_linear"
-    return (why_not_here("register-direct MXFP4 kernel",
-                         f"a triton.w4 config or torch.{torch_backend} (packed weights: "
-                         f"torch.unpack_{torch_backend})")
+    return (why_not_gluon_call("register-direct MXFP4 kernel", dtype, out_dtype)
             or why_not_fits(config, M, N, K, dtype))
 
 
@@ -269,15 +267,6 @@ def _nan_scales(seen, word):
     return seen | ((~word - 0x01010101) & word & -0x7F7F7F80)  # 0x80808080 as int32
 
 
-
-
-@gluon.jit
-def _halves(pair):
-    """An int32 tensor of bf16 pairs as (..., 2) bf16, the low half first."""
-    return gl.join(pair.to(gl.int16).to(gl.bfloat16, bitcast=True),
-                   (pair >> 16).to(gl.int16).to(gl.bfloat16, bitcast=True))
-
-
 @gluon.jit
 def _e2m1_codes(words, tables, PLACED: gl.constexpr):
     """(R, T) int32 words of 8 codes each -> (R, T, 2, 2, 2) bf16, code i of a word at
@@ -290,9 +279,7 @@ def _e2m1_codes(words, tables, PLACED: gl.constexpr):
         r = gl.inline_asm_elementwise(E2M1_TO_BF16_ASM, "=r,=r,=r,=r,r,r,r",
                                       [words, tables[0], tables[1]], dtype=(gl.int32,) * 4,
                                       is_pure=True, pack=1)
-    # Register i is codes 2 i (low half) and 2 i + 1: taken apart here, put back together as
-    # they were for the MMA (no instruction).
-    return gl.join(gl.join(_halves(r[0]), _halves(r[1])), gl.join(_halves(r[2]), _halves(r[3])))
+    return joined_codes(r)
 
 
 @gluon.jit
@@ -331,7 +318,8 @@ def _add_block(acc, words, scale, x, x_scale, a_layout: gl.constexpr, b_layout: 
         w = gl.convert_layout(e2m1_to_bf16(words, tables[0], False), a_layout,
                               assert_trivial=True)
     # From zero per block: the block's scales multiply its product exactly in fp32. Packed,
-    # x is already the B operand (from shared memory, ``_x_blocks``; MXFP4 x's codes decoded).
+    # x is already the B operand (from shared memory, ``_x_blocks``; MXFP4 x's codes decoded
+    # and scaled: the caller passes X_MXFP4 false).
     if X_BY_BLOCK:
         xb = x.permute((1, 0)).load(b_layout)
     elif PACKED:
@@ -356,57 +344,6 @@ def _in_k_order(codes):
     # (R, t, i % 2, r % 2, r // 2) -> (R, r // 2, r % 2, t, i % 2)
     codes = gl.permute(codes, [0, 4, 3, 1, 2])
     return gl.reshape(codes, [codes.shape[0], 8 * codes.shape[3]])
-
-
-@gluon.constexpr_function
-def _x_tile_layout(warps, x_mxfp4):
-    """x's group (4 blocks x BLOCK_M rows, 32 elements) as the program's threads load it: bf16
-    16 bytes a thread, a row's block over 4 threads; MXFP4 x's (.., 4) words of 8 codes, one a
-    thread."""
-    return gl.BlockedLayout([1, 1 if x_mxfp4 else 8], [8, 4], [warps, 1], [1, 0])
-
-
-@gluon.jit
-def _x_tile_pointers(x_ptr, pid_m, M, stride_xm, BLOCK_M: gl.constexpr, X_MXFP4: gl.constexpr,
-                     tile_layout: gl.constexpr):
-    """Where x's first group loads from, in ``tile_layout``: row j BLOCK_M + m is block j of
-    x's row m (rows past M read row M - 1); bf16 elements, or MXFP4 x's 32-bit code words
-    (rows 4-byte aligned: w4frag_call)."""
-    row = gl.arange(0, 4 * BLOCK_M, layout=gl.SliceLayout(1, tile_layout))
-    m = gl.minimum(pid_m * BLOCK_M + row % BLOCK_M, M - 1).to(gl.int64)
-    per_block: gl.constexpr = _x_words(X_MXFP4) if X_MXFP4 else _BLOCK
-    col = gl.arange(0, per_block, layout=gl.SliceLayout(0, tile_layout))
-    if X_MXFP4:
-        ptrs = x_ptr.to(gl.pointer_type(gl.int32)) \
-            + (m * (stride_xm // 4) + (row // BLOCK_M) * per_block)[:, None] + col[None, :]
-    else:
-        ptrs = x_ptr + (m * stride_xm + (row // BLOCK_M) * per_block)[:, None] + col[None, :]
-    return ptrs
-
-
-@gluon.jit
-def _x_in_bf16(raw, tables, X_MXFP4: gl.constexpr):
-    """A group of x as loaded (``_x_tile_pointers``) as (4 BLOCK_M, 32) bf16: MXFP4 x's codes
-    decoded (unscaled: the block's product is scaled, x's scale too, in fp32)."""
-    if X_MXFP4:
-        tile = e2m1_to_bf16(raw, tables, False)
-    else:
-        tile = raw
-    return tile
-
-
-@gluon.jit
-def _x_tile(ptrs, group, tables, X_MXFP4: gl.constexpr):
-    """Group ``group`` of x as (4 BLOCK_M, 32) bf16 (``_x_in_bf16``)."""
-    return _x_in_bf16(gl.load(ptrs + group.to(gl.int64) * _x_group_stride(X_MXFP4)), tables,
-                      X_MXFP4)
-
-
-@gluon.constexpr_function
-def _x_group_stride(x_mxfp4):
-    """How far a group of x's pointers (``_x_tile_pointers``) move along K: 128 bf16, or 16
-    words of MXFP4 codes."""
-    return 16 if x_mxfp4 else 128
 
 
 @gluon.jit
@@ -462,14 +399,14 @@ def _load_x(x_ptrs, block, X_MXFP4: gl.constexpr):
     """x's 32-element block as int32 words (so that a block carried to the next iteration
     stays whole registers): (16, BLOCK_M), two bf16 a word; with ``X_MXFP4`` (4, BLOCK_M), 8
     codes a word."""
-    return gl.load(x_ptrs + block.to(gl.int64) * _x_words(X_MXFP4))
+    return gl.load(x_ptrs + block.to(gl.int64) * x_words(X_MXFP4))
 
 
 @gluon.jit
 def _x_bf16(words, b_layout: gl.constexpr):
     """A block of x's words (16, BLOCK_M) as (32, BLOCK_M) bf16 in the B layout (no
     instruction: the conversion is checked trivial)."""
-    pairs = gl.permute(_halves(words), [0, 2, 1])  # (word, half, row)
+    pairs = gl.permute(halves(words), [0, 2, 1])  # (word, half, row)
     return gl.convert_layout(gl.reshape(pairs, [2 * words.shape[0], words.shape[1]]), b_layout,
                              assert_trivial=True)
 
@@ -520,12 +457,6 @@ def _load_x_group(x_ptrs, xs_ptrs, group, no_scales, X_MXFP4: gl.constexpr):
     return (_load_x(x_ptrs, group * 4, X_MXFP4), _load_x(x_ptrs, group * 4 + 1, X_MXFP4),
             _load_x(x_ptrs, group * 4 + 2, X_MXFP4), _load_x(x_ptrs, group * 4 + 3, X_MXFP4),
             _x_scale_word(xs_ptrs, group, no_scales, X_MXFP4))
-
-
-@gluon.constexpr_function
-def _x_words(x_mxfp4):
-    """A row of x's words in a 32-element block: 16 (two bf16 each), MXFP4 x 4 (8 codes)."""
-    return 4 if x_mxfp4 else 16
 
 
 @gluon.constexpr_function
@@ -652,7 +583,7 @@ def gemm_w4frag_kernel(
     # B layout's places. Rows of x past M read row M - 1 (their outputs are never stored): no
     # mask in the loop.
     x_layout: gl.constexpr = _x_layout(BLOCK_M, X_MXFP4, WARPS_HERE)
-    X_ROW_WORDS: gl.constexpr = _x_words(X_MXFP4)
+    X_ROW_WORDS: gl.constexpr = x_words(X_MXFP4)
     xm = gl.minimum(pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, x_layout)),
                     M - 1)
     x_ptrs = x_ptr.to(gl.pointer_type(gl.int32)) \
@@ -679,29 +610,32 @@ def gemm_w4frag_kernel(
         # one below, and one Triton adds before the store (the slot is chosen at run time, so
         # it cannot tell the slots apart). A group an iteration: two, as below, with the slots
         # fixed (one barrier a group), took more registers and lost up to 1.4x (H200).
-        tile_layout: gl.constexpr = _x_tile_layout(WARPS_HERE, X_MXFP4)
+        tile_layout: gl.constexpr = x_tile_layout(WARPS_HERE, X_MXFP4)
         tiles = gl.allocate_shared_memory(gl.bfloat16, [2, 4 * BLOCK_M, _BLOCK],
                                           gl.SwizzledSharedLayout(8, 2, 4, [1, 0]))
-        tile_ptrs = _x_tile_pointers(x_ptr, pid_m, M, stride_xm, BLOCK_M, X_MXFP4, tile_layout)
-        x_tables = e2m1_tables(gl.full([4 * BLOCK_M, _x_words(X_MXFP4)], 0, gl.int32,
+        tile_ptrs = x_tile_pointers(x_ptr, pid_m, M, stride_xm, BLOCK_M, X_MXFP4, tile_layout)
+        # MXFP4 x's codes scaled as they are stored (exact in bf16): the MMAs then take x as
+        # they take bf16 x, each block's product scaled by w's row's scale alone
+        xs_tile_ptrs = x_scale_pointers(xs_ptr, pid_m, M, stride_xsm, BLOCK_M, tile_layout)
+        x_tables = e2m1_tables(gl.full([4 * BLOCK_M, x_words(X_MXFP4)], 0, gl.int32,
                                        tile_layout) + (K >> 31))
-        xw = _x_scale_word(xs_ptrs, g_lo, no_scales, X_MXFP4)
-        tiles.index(0).store(_x_tile(tile_ptrs, g_lo, x_tables, X_MXFP4))
+        tiles.index(0).store(x_tile(tile_ptrs, xs_tile_ptrs, g_lo, x_tables, X_MXFP4))
         for group in range(g_lo, last + 1):
             ahead = gl.minimum(group + 1, last)
             word_b, b0, b1, b2, b3 = _load_group(w_ptrs, s_ptrs, ahead, PACKED, word_layout)
-            xw_b = _x_scale_word(xs_ptrs, ahead, no_scales, X_MXFP4)
-            x_ahead = gl.load(tile_ptrs + ahead.to(gl.int64) * _x_group_stride(X_MXFP4))
+            x_ahead = gl.load(tile_ptrs + ahead.to(gl.int64) * x_group_stride(X_MXFP4))
+            xs_ahead = x_scale_bytes(xs_tile_ptrs, ahead, X_MXFP4)
             slot = (group - g_lo) % 2
             barrier()  # the slot's stores done, and the other slot's reads
             if X_BY_BLOCK:  # read by _add_block, each just before its MMA
                 x0, x1, x2, x3 = _x_places(tiles.index(slot), BLOCK_M)
             else:
                 x0, x1, x2, x3 = _x_blocks(tiles.index(slot), BLOCK_M, b_layout)
-            acc, nan_seen = _add_group(acc, nan_seen, word, c0, c1, c2, c3, x0, x1, x2, x3, xw,
-                                       a_layout, b_layout, tables, X_MXFP4, PACKED, X_BY_BLOCK)
-            tiles.index(1 - slot).store(_x_in_bf16(x_ahead, x_tables, X_MXFP4))
-            word, c0, c1, c2, c3, xw = word_b, b0, b1, b2, b3, xw_b
+            acc, nan_seen = _add_group(acc, nan_seen, word, c0, c1, c2, c3, x0, x1, x2, x3,
+                                       no_scales, a_layout, b_layout, tables, False, PACKED,
+                                       X_BY_BLOCK)
+            tiles.index(1 - slot).store(x_in_bf16(x_ahead, xs_ahead, x_tables, X_MXFP4))
+            word, c0, c1, c2, c3 = word_b, b0, b1, b2, b3
     elif SCALE_BYTES == 4:
         # Groups of 4 blocks, two an iteration in a software pipeline: each group's loads
         # (w's, the HBM stream, and up to 16 rows of x's) are issued before the group ahead of
@@ -753,11 +687,6 @@ def gemm_w4frag_kernel(
                 PER_LOAD, ADD_SPLITS)
 
 
-def _aligned_scales(scales: torch.Tensor) -> torch.Tensor:
-    scales = scales.contiguous()
-    return scales.clone() if scales.data_ptr() % 16 else scales
-
-
 def w4frag_call(x, w, bias, out, scale_a, scale_b, config: W4FragConfig,
                 counters: torch.Tensor | None = None, warmup: bool = False,
                 block_scales: bool = False) -> KernelCall:
@@ -765,37 +694,18 @@ def w4frag_call(x, w, bias, out, scale_a, scale_b, config: W4FragConfig,
     replays): x (M, K) bf16, w the codes (two a byte, (N, K // 2); in the packed layout for a
     packed config), scale_b their scales (N, K // 32), out (M, N); scale_a None, or x's scales
     (M, K // 32) with x MXFP4 too, its codes (M, K // 2)."""
-    x_mxfp4 = scale_a is not None
-    M = x.shape[0]
-    K = x.shape[1] * 2 if x_mxfp4 else x.shape[1]
-    N = w.shape[0]
-    # x and w are read as 32-bit words: rows a whole number of words apart and 16-byte aligned
-    # (a copy otherwise), which a recording's alignment check then covers.
-    per_word = 4 if x_mxfp4 else 2  # x's elements (code bytes or bf16) a word
-    x = x if x.stride(1) == 1 and x.stride(0) % per_word == 0 else x.contiguous()
-    given_w, given_scales = w, scale_b
-    w = w if w.stride(1) == 1 and w.stride(0) % 4 == 0 else w.contiguous()
-    x = x.clone() if x.data_ptr() % 16 else x
-    w = w.clone() if w.data_ptr() % 16 else w
-    # A step's scale bytes of a row load as one word of up to 4 bytes: rows a whole number of
-    # words apart (contiguous: K // 32, a multiple of the word) and, so that a recording's
-    # 16-byte alignment check (_replay) covers the word's, 16-byte aligned (a copy otherwise).
-    scale_b = _aligned_scales(scale_b)
-    x_scales = _aligned_scales(scale_a) if x_mxfp4 else scale_b  # unused without MXFP4 x
-    bias = bias if bias is None or bias.stride(0) == 1 else bias.contiguous()
+    ops = word_operands(x, w, bias, scale_a, scale_b)
     c = config
-    n_tiles, m_tiles = triton.cdiv(N, BLOCK_N), triton.cdiv(M, c.block_m)
-    parts, counters, per_call = workspace(x, out, n_tiles * m_tiles, BLOCK_N * c.block_m,
+    n_tiles, m_tiles = triton.cdiv(ops.N, BLOCK_N), triton.cdiv(ops.M, c.block_m)
+    parts, counters, per_call = workspace(ops.x, out, n_tiles * m_tiles, BLOCK_N * c.block_m,
                                           c.split_k, counters, warmup, bool(c.add_splits))
-    pdl = launch_mode(c.pdl, x.device, w is not given_w or scale_b is not given_scales)
-    args = (x, w, scale_b, x_scales, out, bias if bias is not None else out, parts, counters,
-            M, N, K, x.stride(0), w.stride(0), scale_b.stride(0), x_scales.stride(0),
-            out.stride(0), bias.stride(0) if bias is not None else 0)
-    constexprs = dict(HAS_BIAS=bias is not None, SPLIT_K=c.split_k, BLOCK_M=c.block_m,
+    pdl = launch_mode(c.pdl, ops.x.device, ops.copied_w)
+    args = ops.args(out, parts, counters)
+    constexprs = dict(HAS_BIAS=ops.bias is not None, SPLIT_K=c.split_k, BLOCK_M=c.block_m,
                       BLOCK_K=c.block_k, PDL=pdl != PDL_OFF,
                       PER_LOAD=partials_per_load(c.split_k, BLOCK_N, c.block_m, c.warps),
-                      ADD_SPLITS=bool(c.add_splits), PACKED=bool(c.packed), X_MXFP4=x_mxfp4,
-                      X_BY_BLOCK=bool(c.x_by_block))
+                      ADD_SPLITS=bool(c.add_splits), PACKED=bool(c.packed),
+                      X_MXFP4=scale_a is not None, X_BY_BLOCK=bool(c.x_by_block))
     return KernelCall(gemm_w4frag_kernel, (n_tiles, c.split_k, m_tiles), args, constexprs,
                       dict(num_warps=c.warps), launch_pdl=pdl != PDL_OFF,
                       replayable=not per_call)
@@ -828,7 +738,6 @@ def gemm_w4frag(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
     launches."""
     return validated_launch("gemm_w4frag", launch_gemm_w4frag, default_config, why_not_supported,
                             x, wq, w_scale, bias, config, out)
-
 
 
 # Called as every kernel module's validating launcher is (dispatchable)

@@ -57,7 +57,7 @@ from gemmtune.kernels.triton._replay import KernelCall, launch
 from gemmtune.kernels.triton._swapped import barrier, why_not_here
 from gemmtune.kernels.triton._e2m1_ptx import (e2m1_scaled_bf16, e2m1_tables,
                                                placed_scaled_bf16)
-from gemmtune.kernels.triton.gemm_w4frag import _halves
+from gemmtune.kernels.triton._w4_gluon import halves
 
 KERNEL_PREFIX = "triton.w4wg"
 BLOCK_K = 64  # K a step: a TMA box row of x is 128 bytes (the widest swizzle)
@@ -250,7 +250,7 @@ def _decode_step(words, scale_bytes, selector, tables, a_layout: gl.constexpr,
                                          is_pure=True, pack=1)
         r = e2m1_scaled_bf16(mine, tables, scale_bytes)
     # Register i holds byte i's 2 codes: K 8 i + 2 t + (0, 1) of the block.
-    codes = gl.join(gl.join(_halves(r[0]), _halves(r[1])), gl.join(_halves(r[2]), _halves(r[3])))
+    codes = gl.join(gl.join(halves(r[0]), halves(r[1])), gl.join(halves(r[2]), halves(r[3])))
     # (row, block, t, code % 2, byte % 2, byte // 2) -> (row, block, byte // 2, byte % 2, t, ..)
     codes = gl.permute(codes, [0, 1, 5, 4, 2, 3])
     return gl.convert_layout(gl.reshape(codes, [words.shape[0], _BK]), a_layout,

@@ -1,0 +1,130 @@
+"""What the Gluon MXFP4 kernels share (``triton.w4frag``, ``triton.w4xa``, ``triton.w4wg``):
+the decode's registers as bf16 (pairs of codes put back together for the MMA), and x staged in
+shared memory a group of 4 blocks at a time: its pointers, its scale bytes, MXFP4 x decoded and
+scaled as it is stored.
+
+A group of x as loaded is (4 BLOCK_M, 32): row j BLOCK_M + m is block j of x's row m (rows past
+M read row M - 1), bf16 elements or MXFP4 x's 32-bit code words. Compiled only (Gluon does not
+run in Triton's interpreter).
+"""
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+
+from gemmtune.kernels import mxfp4
+from gemmtune.kernels.triton._e2m1_ptx import e2m1_scaled_asm
+
+_BLOCK = gl.constexpr(mxfp4.BLOCK)
+
+
+@gluon.jit
+def halves(pair):
+    """An int32 tensor of bf16 pairs as (..., 2) bf16, the low half first."""
+    return gl.join(pair.to(gl.int16).to(gl.bfloat16, bitcast=True),
+                   (pair >> 16).to(gl.int16).to(gl.bfloat16, bitcast=True))
+
+
+@gluon.jit
+def joined_codes(r):
+    """4 int32 registers of bf16 pairs (register i: codes 2 i, low half, and 2 i + 1) of words
+    (R, T) as (R, T, 2, 2, 2) bf16, code 2 i + h at (h, i % 2, i // 2): taken apart here, put
+    back together as they were for the MMA (no instruction)."""
+    return gl.join(gl.join(halves(r[0]), halves(r[1])), gl.join(halves(r[2]), halves(r[3])))
+
+
+# The scaled decode of x's words as quantised, by its scale byte (byte 0 of each row's int32)
+_E2M1_SCALED = gl.constexpr(e2m1_scaled_asm(0))
+
+
+@gluon.jit
+def x_scaled_bf16(words, scale_bytes, tables):
+    """MXFP4 x's words (rows, 4; word t holding elements 8 t to 8 t + 7, as quantised) times
+    their rows' block scales (``scale_bytes``, int32, one a row) as (rows, 32) bf16 in K order:
+    exact for every finite value, NaN for byte 255, infinite past bf16's range."""
+    r = gl.inline_asm_elementwise(_E2M1_SCALED, "=r,=r,=r,=r,r,r,r,r",
+                                  [words, tables[0], tables[1],
+                                   gl.broadcast(scale_bytes[:, None], words)[0]],
+                                  dtype=(gl.int32,) * 4, is_pure=True, pack=1)
+    # (R, t, h, i % 2, i // 2) -> (R, t, i // 2, i % 2, h): element 8 t + 2 i + h
+    codes = gl.permute(joined_codes(r), [0, 1, 4, 3, 2])
+    return gl.reshape(codes, [words.shape[0], 32])
+
+
+@gluon.constexpr_function
+def x_tile_layout(warps, x_mxfp4):
+    """x's group (4 blocks x BLOCK_M rows, 32 elements) as the program's threads load it: bf16
+    16 bytes a thread, a row's block over 4 threads; MXFP4 x's (.., 4) words of 8 codes, one a
+    thread."""
+    return gl.BlockedLayout([1, 1 if x_mxfp4 else 8], [8, 4], [warps, 1], [1, 0])
+
+
+@gluon.constexpr_function
+def x_words(x_mxfp4):
+    """A row of x's words in a 32-element block: 16 (two bf16 each), MXFP4 x 4 (8 codes)."""
+    return 4 if x_mxfp4 else 16
+
+
+@gluon.jit
+def x_tile_pointers(x_ptr, pid_m, M, stride_xm, BLOCK_M: gl.constexpr, X_MXFP4: gl.constexpr,
+                     tile_layout: gl.constexpr):
+    """Where x's first group loads from, in ``tile_layout``: row j BLOCK_M + m is block j of
+    x's row m (rows past M read row M - 1); bf16 elements, or MXFP4 x's 32-bit code words
+    (rows 4-byte aligned: w4frag_call)."""
+    row = gl.arange(0, 4 * BLOCK_M, layout=gl.SliceLayout(1, tile_layout))
+    m = gl.minimum(pid_m * BLOCK_M + row % BLOCK_M, M - 1).to(gl.int64)
+    per_block: gl.constexpr = x_words(X_MXFP4) if X_MXFP4 else _BLOCK
+    col = gl.arange(0, per_block, layout=gl.SliceLayout(0, tile_layout))
+    if X_MXFP4:
+        ptrs = x_ptr.to(gl.pointer_type(gl.int32)) \
+            + (m * (stride_xm // 4) + (row // BLOCK_M) * per_block)[:, None] + col[None, :]
+    else:
+        ptrs = x_ptr + (m * stride_xm + (row // BLOCK_M) * per_block)[:, None] + col[None, :]
+    return ptrs
+
+
+@gluon.constexpr_function
+def x_group_stride(x_mxfp4):
+    """How far a group of x's pointers (``x_tile_pointers``) move along K: 128 bf16, or 16
+    words of MXFP4 codes."""
+    return 16 if x_mxfp4 else 128
+
+
+@gluon.jit
+def x_scale_pointers(xs_ptr, pid_m, M, stride_xsm, BLOCK_M: gl.constexpr,
+                     tile_layout: gl.constexpr):
+    """Where the scale bytes of x's first group load from, a row of the group as loaded
+    (``x_tile_pointers``: row j BLOCK_M + m is block j of x's row m; rows past M read row
+    M - 1)."""
+    row = gl.arange(0, 4 * BLOCK_M, layout=gl.SliceLayout(1, tile_layout))
+    m = gl.minimum(pid_m * BLOCK_M + row % BLOCK_M, M - 1).to(gl.int64)
+    return xs_ptr + m * stride_xsm + row // BLOCK_M
+
+
+@gluon.jit
+def x_scale_bytes(xs_ptrs, group, X_MXFP4: gl.constexpr):
+    """MXFP4 x's scale byte of each row of a group as loaded (``x_scale_pointers``) as int32;
+    0 (unused) without MXFP4 x."""
+    if X_MXFP4:
+        scale_bytes = gl.load(xs_ptrs + group * 4).to(gl.int32)
+    else:
+        scale_bytes = 0
+    return scale_bytes
+
+
+@gluon.jit
+def x_in_bf16(raw, scale_bytes, tables, X_MXFP4: gl.constexpr):
+    """A group of x as loaded (``x_tile_pointers``) as (4 BLOCK_M, 32) bf16: MXFP4 x's codes
+    decoded and times their rows' block scales (``scale_bytes``: ``x_scale_bytes``), bf16 x as
+    it is."""
+    if X_MXFP4:
+        tile = x_scaled_bf16(raw, scale_bytes, tables)
+    else:
+        tile = raw
+    return tile
+
+
+@gluon.jit
+def x_tile(ptrs, xs_ptrs, group, tables, X_MXFP4: gl.constexpr):
+    """Group ``group`` of x as (4 BLOCK_M, 32) bf16 (``x_in_bf16``)."""
+    return x_in_bf16(gl.load(ptrs + group.to(gl.int64) * x_group_stride(X_MXFP4)),
+                     x_scale_bytes(xs_ptrs, group, X_MXFP4), tables, X_MXFP4)
