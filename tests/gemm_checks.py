@@ -114,6 +114,23 @@ def mxfp4_x_kernel_matches_reference(launch_only, M, N, K, config, out_dtype, pa
                                  quant.dequant_mxfp4(wq, w_scale))
 
 
+def mxfp4_x_at_large_scales(launch_only, config, packed, x_byte=240, w_byte=90):
+    """GPU: MXFP4 x at scale byte ``x_byte`` (|x| to 6 x 2^113 at 240) times w at a small one
+    (``w_byte``): the outputs finite and right against the dequantised reference, also where
+    x's values are scaled before the MMA and a block's sums meet w's scale only after it."""
+    M, N, K = 5, 70, 256
+    gen = generator(11)
+    xq, _ = quant.mxfp4(randn(M, K, gen=gen))
+    wq, _ = quant.mxfp4(randn(N, K, gen=gen))
+    x_scale = torch.full((M, K // 32), x_byte, dtype=torch.uint8, device=DEVICE)
+    w_scale = torch.full((N, K // 32), w_byte, dtype=torch.uint8, device=DEVICE)
+    stored = quant.prepack_mxfp4(wq, w_scale)[0] if packed else wq
+    out = poisoned(M, N, torch.float32)
+    launch_only(xq, stored, None, out, x_scale, w_scale, config)
+    assert_matches_reference(out, quant.dequant_mxfp4(xq, x_scale),
+                             quant.dequant_mxfp4(wq, w_scale))
+
+
 def mxfp4_every_code_at_every_scale_byte(gemm, config, K, packed, scaled_before_mma):
     """GPU: row n of w has scale byte n (0-255) on all its blocks and the 16 codes over and
     over, each block's codes shifted by its index; x is the identity, so y is w dequantised,

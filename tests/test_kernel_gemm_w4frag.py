@@ -269,6 +269,16 @@ def test_gpu_every_x_code_at_every_x_scale_byte_exactly(x_first, packed):
 
 @on_hopper
 @pytest.mark.gpu
+@pytest.mark.parametrize("packed", [0, 1])
+def test_gpu_mxfp4_x_at_large_scales(packed):
+    """Packed, x is scaled as it is stored: right up to x's byte 240 (the module's docstring
+    says where a block's sum can overflow before w's scale)."""
+    gemm_checks.mxfp4_x_at_large_scales(launch_gemm_w4frag, W4FragConfig(8, 128, 1, packed=packed),
+                                        packed=packed)
+
+
+@on_hopper
+@pytest.mark.gpu
 def test_gpu_real_sizes_and_default_config():
     for M, N, K in ((1, 4096, 4096), (16, 1280, 8192), (32, 2880, 2880)):
         gen = generator(M + N)

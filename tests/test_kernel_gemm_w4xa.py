@@ -142,7 +142,7 @@ _SHAPES = [
     (16, 70, 128, W4XaConfig(8, 1, 1)),                 # N ragged, one group
     (9, 200, 1024, W4XaConfig(4, 2, 3)),                # split 3 (uneven groups)
     (13, 130, 2048, W4XaConfig(8, 4, 5, PDL_WAIT, 1)),  # added splits, PDL, N past a program
-    (16, 600, 7168, W4XaConfig(4, 1, 28, 0, 1)),        # added: 28 splits, a group or two each
+    (16, 600, 7168, W4XaConfig(4, 1, 28, 0, 1)),        # added: 28 splits, two groups each
     (11, 256, 4096, W4XaConfig(8, 2, 32, PDL_WAIT)),    # 32 splits in order, one group each
     (3, 96, 768, W4XaConfig(4, 4, 2)),                  # under 16 rows of x
     (16, 330, 1536, W4XaConfig(2, 4, 6, PDL_WAIT, 1)),  # 2 tiles a warp, added, PDL
@@ -190,6 +190,13 @@ def test_gpu_every_x_code_at_every_x_scale_byte_exactly():
 
 @on_hopper
 @pytest.mark.gpu
+def test_gpu_mxfp4_x_at_large_scales():
+    """x and w both scaled before the MMA: the sums are of the true products."""
+    gemm_checks.mxfp4_x_at_large_scales(launch_gemm_w4xa, W4XaConfig(4, 2, 1), packed=True)
+
+
+@on_hopper
+@pytest.mark.gpu
 @pytest.mark.parametrize("config", [W4XaConfig(8, 1, 2), W4XaConfig(4, 4, 1, PDL_WAIT)],
                          ids=lambda c: c.name)
 def test_gpu_a_nan_scale_makes_its_row_nan_and_no_other(config):
@@ -199,7 +206,9 @@ def test_gpu_a_nan_scale_makes_its_row_nan_and_no_other(config):
     test_gpu_every_code_at_every_scale_byte_exactly covers)."""
     M, N, K = 16, 64, 512
     x, wq, w_scale, _ = mxfp4_weight_operands(M, N, K, generator(7), False)
-    nan_rows = {5: 0, 17: 1, 30: 6, 41: 15}  # row: block (the word's byte: block % 4)
+    # row: block (the word's byte: block % 4); rows 40 (byte 0) and 41 (byte 200) checked for
+    # their values
+    nan_rows = {5: 0, 17: 1, 30: 6, 60: 15}
     w_scale = with_nan_scales(w_scale, nan_rows, 200)
     y = gemm_w4xa(x, quant.prepack_mxfp4(wq, w_scale)[0], w_scale, None, config)
     assert_only_nan_rows_are_nan(y, nan_rows, x, wq, w_scale)

@@ -227,9 +227,9 @@ def mxfp4_candidates(p: GemmProblem, wanted: frozenset[str], baseline: str,
             from gemmtune.kernels.triton import gemm_w4deq, gemm_w4frag, gemm_w4wg, gemm_w4xa
             from gemmtune.kernels.triton._splits import pdl_where_supported
 
-            split = [c for module in (gemm_w4frag, gemm_w4xa) for c in module.candidates(
+            decode_configs = [c for module in (gemm_w4frag, gemm_w4xa) for c in module.candidates(
                 p.m, p.n, p.k, p.dtype, pdl=pdl_where_supported(), packed=p.preshuffled)]
-            configs += [Candidate(c.name, "triton", splitk=c.split_k) for c in split
+            configs += [Candidate(c.name, "triton", splitk=c.split_k) for c in decode_configs
                         if registry.can_run(c.name, p)]
             for module in (gemm_w4wg, gemm_w4deq):
                 configs += [Candidate(c.name, "triton") for c in module.candidates(

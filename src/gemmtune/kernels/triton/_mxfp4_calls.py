@@ -154,6 +154,8 @@ def why_not_gluon_call(kernel: str, dtype: torch.dtype, out_dtype: torch.dtype,
     ``dtype`` (bf16 x: x's dtype; MXFP4 x, uint8: bf16, fp16 or fp32) or cannot run in this
     process, or None; the backends it names instead are for its weight layouts
     (``packed_only``: packed weights alone)."""
+    # Here, not at the top: _swapped holds Gluon pieces, which the Triton MXFP4 modules that
+    # import this one (gemm_w4, gemm_w4deq: they run in the interpreter on the CPU) never need.
     from gemmtune.kernels.triton._swapped import why_not_here
 
     if dtype == torch.uint8:
@@ -162,6 +164,8 @@ def why_not_gluon_call(kernel: str, dtype: torch.dtype, out_dtype: torch.dtype,
     elif out_dtype != dtype:
         return f"the {kernel} writes x's dtype ({dtype}), not {out_dtype}"
     backend = "dequant_mm" if dtype == torch.uint8 else "dequant_linear"
-    instead = (f"a triton.w4 config or torch.unpack_{backend}" if packed_only else
-               f"a triton.w4 config or torch.{backend} (packed weights: torch.unpack_{backend})")
+    # triton.w4 reads weights as quantised only, triton.w4deq either layout
+    instead = (f"a triton.w4deq config or torch.unpack_{backend}" if packed_only else
+               f"a triton.w4 config or torch.{backend} (packed weights: a triton.w4deq config "
+               f"or torch.unpack_{backend})")
     return why_not_here(kernel, instead)

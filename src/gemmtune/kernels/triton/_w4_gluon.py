@@ -12,7 +12,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 from gemmtune.kernels import mxfp4
-from gemmtune.kernels.triton._e2m1_ptx import e2m1_scaled_asm
+from gemmtune.kernels.triton._e2m1_ptx import e2m1_scaled_bf16
 
 _BLOCK = gl.constexpr(mxfp4.BLOCK)
 
@@ -32,8 +32,28 @@ def joined_codes(r):
     return gl.join(gl.join(halves(r[0]), halves(r[1])), gl.join(halves(r[2]), halves(r[3])))
 
 
-# The scaled decode of x's words as quantised, by its scale byte (byte 0 of each row's int32)
-_E2M1_SCALED = gl.constexpr(e2m1_scaled_asm(0))
+@gluon.jit
+def in_k_order(codes):
+    """(R, T, 2, 2, 2) bf16 codes (``joined_codes``) of packed words, which hold elements
+    8 r + 2 t and 8 r + 2 t + 1 of a block as codes 2 r and 2 r + 1 -> (R, 8 T) in K order (the
+    MMA's natural fragments, ``k_width`` 2)."""
+    # (R, t, i % 2, r % 2, r // 2) -> (R, r // 2, r % 2, t, i % 2)
+    codes = gl.permute(codes, [0, 4, 3, 1, 2])
+    return gl.reshape(codes, [codes.shape[0], 8 * codes.shape[3]])
+
+
+@gluon.jit
+def packed_blocks(group, rows: gl.constexpr, word_layout: gl.constexpr):
+    """A packed group's words (rows, 16; stored word 4 t + j is word t of block j,
+    ``mxfp4.prepack``) as its 4 blocks' (rows, 4) words in ``word_layout``. Registers only:
+    the conversions are checked trivial."""
+    even, odd = gl.split(gl.reshape(group, [rows, 4, 2, 2]))  # (row, t, j // 2, j % 2)
+    b0, b2 = gl.split(even)
+    b1, b3 = gl.split(odd)
+    return (gl.convert_layout(b0, word_layout, assert_trivial=True),
+            gl.convert_layout(b1, word_layout, assert_trivial=True),
+            gl.convert_layout(b2, word_layout, assert_trivial=True),
+            gl.convert_layout(b3, word_layout, assert_trivial=True))
 
 
 @gluon.jit
@@ -41,10 +61,7 @@ def x_scaled_bf16(words, scale_bytes, tables):
     """MXFP4 x's words (rows, 4; word t holding elements 8 t to 8 t + 7, as quantised) times
     their rows' block scales (``scale_bytes``, int32, one a row) as (rows, 32) bf16 in K order:
     exact for every finite value, NaN for byte 255, infinite past bf16's range."""
-    r = gl.inline_asm_elementwise(_E2M1_SCALED, "=r,=r,=r,=r,r,r,r,r",
-                                  [words, tables[0], tables[1],
-                                   gl.broadcast(scale_bytes[:, None], words)[0]],
-                                  dtype=(gl.int32,) * 4, is_pure=True, pack=1)
+    r = e2m1_scaled_bf16(words, tables, gl.broadcast(scale_bytes[:, None], words)[0])
     # (R, t, h, i % 2, i // 2) -> (R, t, i // 2, i % 2, h): element 8 t + 2 i + h
     codes = gl.permute(joined_codes(r), [0, 1, 4, 3, 2])
     return gl.reshape(codes, [words.shape[0], 32])
@@ -69,7 +86,7 @@ def x_tile_pointers(x_ptr, pid_m, M, stride_xm, BLOCK_M: gl.constexpr, X_MXFP4: 
                      tile_layout: gl.constexpr):
     """Where x's first group loads from, in ``tile_layout``: row j BLOCK_M + m is block j of
     x's row m (rows past M read row M - 1); bf16 elements, or MXFP4 x's 32-bit code words
-    (rows 4-byte aligned: w4frag_call)."""
+    (rows 4-byte aligned: _mxfp4_calls.word_operands)."""
     row = gl.arange(0, 4 * BLOCK_M, layout=gl.SliceLayout(1, tile_layout))
     m = gl.minimum(pid_m * BLOCK_M + row % BLOCK_M, M - 1).to(gl.int64)
     per_block: gl.constexpr = x_words(X_MXFP4) if X_MXFP4 else _BLOCK

@@ -32,11 +32,14 @@ kernels. x must then come in K order, which global loads straight into registers
 bytes at a time: it goes through shared memory instead, a group of 4 blocks at a time, loaded
 once a program (not once a warp) while the group before it multiplies, stored once every warp
 has read the slot (two barriers a group) and read by ``ldmatrix``; MXFP4 x's codes are decoded
-and scaled (in bf16: exact, its range fp32's) as they are stored, once a program instead of
-once a warp, so that each block's product takes w's scale alone as with bf16 x (1.07-1.14x
+and scaled (in bf16, exactly: its range is fp32's) as they are stored, once a program instead
+of once a warp, so that each block's product takes w's scale alone as with bf16 x (1.07-1.14x
 the best config per shape where x was scaled in each product, H200, docs/benchmarks.md,
-session 40). An x past bf16's range is then infinite before the MMA, and its row NaN, as in
-the fp32 reference's matmul.
+session 40). As with bf16 x, a block's sum of x's values times w's codes (at most 6) must then
+stay within fp32's range before w's scale multiplies it: from x's scale byte 245 or so (|x|
+past 2^118) it can overflow to infinity where the reference's is finite. An x past bf16's
+range is infinite before the MMA, its outputs infinite or NaN, as in the fp32 reference's
+matmul.
 
 Why: the ``tl.dot_scaled`` route (``triton.w4`` DS1) spends about 11 instructions a weight
 element in its scale broadcast and layout changes and reached 0.6 TB/s; Triton's own E2M1
@@ -67,9 +70,10 @@ from gemmtune.kernels.triton._swapped import (BLOCK_N, NUM_WARPS, barrier, finis
                                               partials_per_load, release_then_wait,
                                               split_steps, why_not_add_splits, why_not_grid)
 from gemmtune.kernels.triton._e2m1_ptx import E2M1_TO_BF16_ASM, e2m1_tables, placed_to_bf16
-from gemmtune.kernels.triton._w4_gluon import (halves, joined_codes, x_group_stride, x_in_bf16,
-                                               x_scale_bytes, x_scale_pointers, x_tile,
-                                               x_tile_layout, x_tile_pointers, x_words)
+from gemmtune.kernels.triton._w4_gluon import (halves, in_k_order, joined_codes, packed_blocks,
+                                               x_group_stride, x_in_bf16, x_scale_bytes,
+                                               x_scale_pointers, x_tile, x_tile_layout,
+                                               x_tile_pointers, x_words)
 from gemmtune.kernels.triton._mxfp4_calls import (scaled_launcher, validated_launch,
                                                   why_not_gluon_call, word_operands)
 from gemmtune.kernels.triton.gemm_w4deq import W4DeqConfig, dequantize
@@ -312,7 +316,7 @@ def _add_block(acc, words, scale, x, x_scale, a_layout: gl.constexpr, b_layout: 
     scales with ``X_MXFP4`` (else unused). ``tables``: e2m1_tables for w's words and for
     x's."""
     if PACKED:
-        w = gl.convert_layout(_in_k_order(_e2m1_codes(words, tables[0], True)), a_layout,
+        w = gl.convert_layout(in_k_order(_e2m1_codes(words, tables[0], True)), a_layout,
                               assert_trivial=True)
     else:
         w = gl.convert_layout(e2m1_to_bf16(words, tables[0], False), a_layout,
@@ -334,16 +338,6 @@ def _add_block(acc, words, scale, x, x_scale, a_layout: gl.constexpr, b_layout: 
     else:
         acc = acc + product * scale[:, None]
     return acc
-
-
-@gluon.jit
-def _in_k_order(codes):
-    """(R, T, 2, 2, 2) bf16 codes of words that hold elements 8 r + 2 t and 8 r + 2 t + 1 of a
-    block as codes 2 r and 2 r + 1 (the packed layout's, ``_e2m1_codes``'s order) -> (R, 8 T)
-    in K order (the MMA's natural fragments, ``k_width`` 2)."""
-    # (R, t, i % 2, r % 2, r // 2) -> (R, r // 2, r % 2, t, i % 2)
-    codes = gl.permute(codes, [0, 4, 3, 1, 2])
-    return gl.reshape(codes, [codes.shape[0], 8 * codes.shape[3]])
 
 
 @gluon.jit
@@ -371,27 +365,6 @@ def _x_places(tile, BLOCK_M: gl.constexpr):
     yet read (``_add_block`` reads each as its B operand)."""
     return (tile.slice(0, BLOCK_M), tile.slice(BLOCK_M, BLOCK_M),
             tile.slice(2 * BLOCK_M, BLOCK_M), tile.slice(3 * BLOCK_M, BLOCK_M))
-
-
-@gluon.jit
-def _packed_blocks(group, word_layout: gl.constexpr):
-    """The 4 blocks' words (64, 4) in ``word_layout`` of a packed group's words (64, 16):
-    stored word 4 t + j is word t of block j (``mxfp4.prepack``)."""
-    return _split_blocks(gl.reshape(group, [_BN, 4, 2, 2]), word_layout)  # (row, t, j // 2, j % 2)
-
-
-@gluon.jit
-def _split_blocks(group, word_layout: gl.constexpr):
-    """A group's words as (64 rows, t, j // 2, j % 2) -> the 4 blocks' (64, 4) words in
-    ``word_layout``. Each step here moves registers only (the conversions are checked
-    trivial)."""
-    even, odd = gl.split(group)
-    b0, b2 = gl.split(even)
-    b1, b3 = gl.split(odd)
-    return (gl.convert_layout(b0, word_layout, assert_trivial=True),
-            gl.convert_layout(b1, word_layout, assert_trivial=True),
-            gl.convert_layout(b2, word_layout, assert_trivial=True),
-            gl.convert_layout(b3, word_layout, assert_trivial=True))
 
 
 @gluon.jit
@@ -441,7 +414,7 @@ def _load_group(w_ptrs, s_ptrs, group, PACKED: gl.constexpr, word_layout: gl.con
         # H200, bf16 and MXFP4 x: 1.00-1.10x the best config per shape (1.04 geomean); on
         # weights as quantised 0.93-1.05x by config, not taken (docs/benchmarks.md, session 37).
         codes = gl.load(w_ptrs + group.to(gl.int64) * 16, eviction_policy="evict_first")
-        c0, c1, c2, c3 = _packed_blocks(codes, word_layout)
+        c0, c1, c2, c3 = packed_blocks(codes, _BN, word_layout)
     else:
         c0 = gl.load(w_ptrs + (group * 16).to(gl.int64))
         c1 = gl.load(w_ptrs + (group * 16 + 4).to(gl.int64))

@@ -13,7 +13,7 @@ A program's ``warps`` warps take 8 x ``tiles`` rows of w each; x's group of 4 bl
 through shared memory once a program (two slots: the next group loads while this one
 multiplies), MXFP4 x's codes decoded and scaled as they are stored. w's packed words are the
 MMA's natural B fragments (word t of a block holds its elements 8 r + 2 t and 8 r + 2 t + 1),
-decoded by masks and shifts (``_e2m1_ptx.placed_to_bf16``) and scaled by their block's power of
+decoded by masks and shifts and scaled by their block's power of
 two in bf16 before the MMA (exact: bf16 has fp32's exponent range), so the MMA accumulates
 across blocks and a NaN scale (byte 255) makes its values NaN. K split over the grid's second
 axis, x's blocks of 16 rows on its third; the end (bias, output dtype, the splits' sum in order
@@ -44,9 +44,10 @@ from gemmtune.kernels.triton._splits import (PDL_OFF, launch_mode, split_for,
 from gemmtune.kernels.triton._swapped import (barrier, finish_tile, partials_per_load,
                                               release_then_wait, split_steps,
                                               why_not_add_splits, why_not_grid)
-from gemmtune.kernels.triton._w4_gluon import (joined_codes, x_group_stride, x_in_bf16,
-                                               x_scale_bytes, x_scale_pointers, x_tile,
-                                               x_tile_layout, x_tile_pointers)
+from gemmtune.kernels.triton._w4_gluon import (in_k_order, joined_codes, packed_blocks,
+                                               x_group_stride, x_in_bf16, x_scale_bytes,
+                                               x_scale_pointers, x_tile, x_tile_layout,
+                                               x_tile_pointers)
 
 KERNEL_PREFIX = "triton.w4xa"
 ROWS_OF_X = 16  # the MMA's M: x's rows a program
@@ -56,7 +57,7 @@ _GROUP_K = gl.constexpr(GROUP_K)
 _BLOCK = gl.constexpr(mxfp4.BLOCK)
 TILES = (2, 4, 8)  # tiles of 8 rows of w a warp
 WARPS = (1, 2, 4)
-MIN_BLOCK_N = 32  # rows of w a program, at least
+MIN_BLOCK_N = 32  # rows of w a program, at least (16 was never timed or tested)
 MAX_SPLIT_K = 32
 # Rows of x up to which the tuner offers it (past them the swapped kernels' blocks of x fit)
 MAX_M = 16
@@ -112,7 +113,7 @@ def why_not_fits(config: W4XaConfig, M: int, N: int, K: int,
     if c.warps not in WARPS:
         return f"warps={c.warps} must be one of {WARPS}"
     if c.block_n < MIN_BLOCK_N:
-        # _swapped.finish_tile's end holds a warp's lanes down 32 rows of w
+        # A program of 16 rows (2 tiles on one warp) was never timed or run on a GPU
         return (f"tiles={c.tiles} with warps={c.warps}: {c.block_n} rows of w a program; the "
                 f"kernel takes at least {MIN_BLOCK_N} (8 x tiles x warps)")
     problem = why_not_wait_pdl(c.pdl) or why_not_add_splits(c) or mxfp4.why_not_quantisable(K)
@@ -134,7 +135,7 @@ def why_not_supported(config: W4XaConfig, M: int, N: int, K: int, dtype: torch.d
 
 # What the tuner offers: 16-32 rows of w a warp and 2-4 warps a program, K split for about 2, 4
 # or 8 programs an SM. On an H200 at 9-16 rows of x the best configs were T4.W4, T2.W4 and T4.W2
-# at 3-8 programs an SM; 8 tiles a warp (230-250 registers a thread) lost 5-30% to 4, one warp
+# at 3-8 programs an SM; 8 tiles a warp (222-248 registers a thread) lost 5-30% to 4, one warp
 # a program 10-60% to four (docs/benchmarks.md, session 40).
 _TILES_OFFERED = (2, 4)
 _WARPS_OFFERED = (2, 4)
@@ -215,22 +216,8 @@ def _w_operand(words, scale_word, j: gl.constexpr, b_layout: gl.constexpr):
     r = gl.inline_asm_elementwise(_PLACED_SCALED[j], "=r,=r,=r,=r,r,r",
                                   [words, gl.broadcast(scale_word[:, None], words)[0]],
                                   dtype=(gl.int32,) * 4, is_pure=True, pack=1)
-    # (R, t, h, r % 2, r // 2) -> (R, r // 2, r % 2, t, h): element 8 r + 2 t + h
-    codes = gl.reshape(gl.permute(joined_codes(r), [0, 4, 3, 1, 2]), [words.shape[0], 32])
-    return gl.convert_layout(gl.permute(codes, [1, 0]), b_layout, assert_trivial=True)
-
-
-@gluon.jit
-def _blocks_of(group, rows: gl.constexpr, word_layout: gl.constexpr):
-    """A packed group's words (rows, 16) as its 4 blocks' (rows, 4) words in ``word_layout``
-    (stored word 4 t + j is word t of block j); registers only (checked trivial)."""
-    even, odd = gl.split(gl.reshape(group, [rows, 4, 2, 2]))  # (row, t, j // 2, j % 2)
-    b0, b2 = gl.split(even)
-    b1, b3 = gl.split(odd)
-    return (gl.convert_layout(b0, word_layout, assert_trivial=True),
-            gl.convert_layout(b1, word_layout, assert_trivial=True),
-            gl.convert_layout(b2, word_layout, assert_trivial=True),
-            gl.convert_layout(b3, word_layout, assert_trivial=True))
+    return gl.convert_layout(gl.permute(in_k_order(joined_codes(r)), [1, 0]), b_layout,
+                             assert_trivial=True)
 
 
 @gluon.jit
@@ -239,7 +226,7 @@ def _load_w_group(w_ptrs, s_ptrs, group, rows: gl.constexpr, word_layout: gl.con
     scales = gl.load(s_ptrs + group)
     # First to leave the caches: w is read once, x again by every program.
     codes = gl.load(w_ptrs + group.to(gl.int64) * 16, eviction_policy="evict_first")
-    c0, c1, c2, c3 = _blocks_of(codes, rows, word_layout)
+    c0, c1, c2, c3 = packed_blocks(codes, rows, word_layout)
     return scales, c0, c1, c2, c3
 
 
@@ -306,13 +293,13 @@ def gemm_w4xa_kernel(
     # next group while this one multiplies and stores it once every warp has read its slot.
     # Rows of x past M read row M - 1 (their outputs are never stored).
     tile_layout: gl.constexpr = x_tile_layout(WARPS, X_MXFP4)
-    tiles = gl.allocate_shared_memory(gl.bfloat16, [2, 4 * _BM, _BLOCK],
+    x_slots = gl.allocate_shared_memory(gl.bfloat16, [2, 4 * _BM, _BLOCK],
                                       gl.SwizzledSharedLayout(8, 2, 4, [1, 0]))
     tile_ptrs = x_tile_pointers(x_ptr, pid_m, M, stride_xm, _BM, X_MXFP4, tile_layout)
     xs_ptrs = x_scale_pointers(xs_ptr, pid_m, M, stride_xsm, _BM, tile_layout)
     # K >> 31 is 0 (K > 0), unknown to the compiler (e2m1_tables)
     x_tables = e2m1_tables(gl.full([4 * _BM, 4], 0, gl.int32, tile_layout) + (K >> 31))
-    tiles.index(0).store(x_tile(tile_ptrs, xs_ptrs, g_lo, x_tables, X_MXFP4))
+    x_slots.index(0).store(x_tile(tile_ptrs, xs_ptrs, g_lo, x_tables, X_MXFP4))
     acc = gl.zeros([_BM, BLOCK_N], gl.float32, layout=mma)
     for group in range(g_lo, last + 1):
         ahead = gl.minimum(group + 1, last)
@@ -321,8 +308,8 @@ def gemm_w4xa_kernel(
         xs_ahead = x_scale_bytes(xs_ptrs, ahead, X_MXFP4)
         slot = (group - g_lo) % 2
         barrier()  # the slot's stores done, and the other slot's reads
-        acc = _add_group(acc, scales, c0, c1, c2, c3, tiles.index(slot), a_layout, b_layout)
-        tiles.index(1 - slot).store(x_in_bf16(x_ahead, xs_ahead, x_tables, X_MXFP4))
+        acc = _add_group(acc, scales, c0, c1, c2, c3, x_slots.index(slot), a_layout, b_layout)
+        x_slots.index(1 - slot).store(x_in_bf16(x_ahead, xs_ahead, x_tables, X_MXFP4))
         scales, c0, c1, c2, c3 = scales_b, b0, b1, b2, b3
 
     finish_tile(gl.permute(acc, [1, 0]), pid_n, split, pid_m, y_ptr, bias_ptr, x_ptr, x_ptr,
