@@ -148,6 +148,15 @@ def word_operands(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
                         aligned_w is not w or w_scales is not scale_b)
 
 
+def why_not_gluon_x(kernel: str, dtype: torch.dtype) -> str | None:
+    """Why a Gluon MXFP4 kernel (``kernel``, its words: its MMA is bf16) cannot take x of
+    ``dtype`` (bf16, or MXFP4 codes as uint8), or None."""
+    if dtype not in (torch.bfloat16, torch.uint8):
+        return (f"x of {dtype}: the {kernel} takes bf16 x or MXFP4 x (uint8 codes; its MMA is "
+                f"bf16); use a triton.w4 config")
+    return None
+
+
 def why_not_gluon_call(kernel: str, dtype: torch.dtype, out_dtype: torch.dtype,
                        packed_only: bool = False) -> str | None:
     """Why a Gluon MXFP4 kernel (``kernel``, its words) cannot write ``out_dtype`` for x of

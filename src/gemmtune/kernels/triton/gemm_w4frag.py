@@ -75,7 +75,8 @@ from gemmtune.kernels.triton._w4_gluon import (halves, in_k_order, joined_codes,
                                                x_scale_pointers, x_tile, x_tile_layout,
                                                x_tile_pointers, x_words)
 from gemmtune.kernels.triton._mxfp4_calls import (scaled_launcher, validated_launch,
-                                                  why_not_gluon_call, word_operands)
+                                                  why_not_gluon_call, why_not_gluon_x,
+                                                  word_operands)
 from gemmtune.kernels.triton.gemm_w4deq import W4DeqConfig, dequantize
 
 KERNEL_PREFIX = "triton.w4frag"
@@ -134,9 +135,9 @@ def why_not_fits(config: W4FragConfig, M: int, N: int, K: int,
                  dtype: torch.dtype) -> str | None:
     """The first constraint ``config`` breaks for an (M, N, K) GEMM with ``dtype`` x, or None."""
     c = config
-    if dtype not in (torch.bfloat16, torch.uint8):
-        return (f"x of {dtype}: the register-direct MXFP4 kernel takes bf16 x or MXFP4 x (uint8 "
-                f"codes; its MMA is bf16); use a triton.w4 config")
+    why = why_not_gluon_x("register-direct MXFP4 kernel", dtype)
+    if why is not None:
+        return why
     if c.block_m not in BLOCK_MS:
         return f"block_m={c.block_m} must be one of {BLOCK_MS}"
     if c.block_k not in BLOCK_KS:

@@ -37,7 +37,8 @@ from gemmtune.kernels._names import Field, NameCodec, NamedConfig
 from gemmtune.kernels.triton import _checks
 from gemmtune.kernels.triton._e2m1_ptx import e2m1_tables, placed_scaled_asm
 from gemmtune.kernels.triton._mxfp4_calls import (scaled_launcher, validated_launch,
-                                                  why_not_gluon_call, word_operands)
+                                                  why_not_gluon_call, why_not_gluon_x,
+                                                  word_operands)
 from gemmtune.kernels.triton._replay import KernelCall, launch
 from gemmtune.kernels.triton._splits import (PDL_OFF, launch_mode, split_for,
                                              why_not_wait_pdl, workspace)
@@ -105,9 +106,9 @@ def why_not_fits(config: W4XaConfig, M: int, N: int, K: int,
                  dtype: torch.dtype) -> str | None:
     """The first constraint ``config`` breaks for an (M, N, K) GEMM with ``dtype`` x, or None."""
     c = config
-    if dtype not in (torch.bfloat16, torch.uint8):
-        return (f"x of {dtype}: the x-as-A MXFP4 kernel takes bf16 x or MXFP4 x (uint8 codes; "
-                f"its MMA is bf16); use a triton.w4 config")
+    why = why_not_gluon_x("x-as-A MXFP4 kernel", dtype)
+    if why is not None:
+        return why
     if c.tiles not in TILES:
         return f"tiles={c.tiles} must be one of {TILES} (tiles of 8 rows of w a warp)"
     if c.warps not in WARPS:
