@@ -6,8 +6,9 @@ L2, the best config per shape.
     PYTHONPATH=src python3 benchmarks/w4_probe.py [--shapes M,N,K ...] [--configs NAME ...]
         [--all-times FILE]
 
-``--configs``: time these configs (``triton.w4``, ``triton.w4frag``, ``triton.w4wg`` and
-``triton.w4deq`` names; those that fit each shape) instead of the kernels' candidates.
+``--configs``: time these configs (``triton.w4``, ``triton.w4frag``, ``triton.w4xa``,
+``triton.w4wg`` and ``triton.w4deq`` names; those that fit each shape) instead of the kernels'
+candidates. ``--only GLOB ...``: of those, the configs whose names match one of the patterns.
 ``--all-times``: every config's time per shape, as CSV. Session 22 timed six shapes with twelve
 unsplit configs: 0.45-0.60x F.linear.
 """
