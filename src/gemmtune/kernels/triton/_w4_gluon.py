@@ -1,7 +1,7 @@
 """What the Gluon MXFP4 kernels share (``triton.w4frag``, ``triton.w4xa``, ``triton.w4wg``):
 the decode's registers as bf16 (pairs of codes put back together for the MMA), and x staged in
-shared memory a group of 4 blocks at a time: its pointers, its scale bytes, MXFP4 x decoded and
-scaled as it is stored.
+shared memory a group of 4 blocks at a time in two slots (``x_staged``, then each later group
+by ``x_group_loads`` and ``x_in_bf16``), MXFP4 x decoded and scaled as it is stored.
 
 A group of x as loaded is (4 BLOCK_M, 32): row j BLOCK_M + m is block j of x's row m (rows past
 M read row M - 1), bf16 elements or MXFP4 x's 32-bit code words. Compiled only (Gluon does not
@@ -12,7 +12,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 from gemmtune.kernels import mxfp4
-from gemmtune.kernels.triton._e2m1_ptx import e2m1_scaled_bf16
+from gemmtune.kernels.triton._e2m1_ptx import e2m1_scaled_bf16, e2m1_tables
 
 _BLOCK = gl.constexpr(mxfp4.BLOCK)
 
@@ -57,7 +57,7 @@ def packed_blocks(group, rows: gl.constexpr, word_layout: gl.constexpr):
 
 
 @gluon.jit
-def x_scaled_bf16(words, scale_bytes, tables):
+def _x_scaled_bf16(words, scale_bytes, tables):
     """MXFP4 x's words (rows, 4; word t holding elements 8 t to 8 t + 7, as quantised) times
     their rows' block scales (``scale_bytes``, int32, one a row) as (rows, 32) bf16 in K order:
     exact for every finite value, NaN for byte 255, infinite past bf16's range."""
@@ -68,7 +68,7 @@ def x_scaled_bf16(words, scale_bytes, tables):
 
 
 @gluon.constexpr_function
-def x_tile_layout(warps, x_mxfp4):
+def _x_tile_layout(warps, x_mxfp4):
     """x's group (4 blocks x BLOCK_M rows, 32 elements) as the program's threads load it: bf16
     16 bytes a thread, a row's block over 4 threads; MXFP4 x's (.., 4) words of 8 codes, one a
     thread."""
@@ -82,7 +82,7 @@ def x_words(x_mxfp4):
 
 
 @gluon.jit
-def x_tile_pointers(x_ptr, pid_m, M, stride_xm, BLOCK_M: gl.constexpr, X_MXFP4: gl.constexpr,
+def _x_tile_pointers(x_ptr, pid_m, M, stride_xm, BLOCK_M: gl.constexpr, X_MXFP4: gl.constexpr,
                      tile_layout: gl.constexpr):
     """Where x's first group loads from, in ``tile_layout``: row j BLOCK_M + m is block j of
     x's row m (rows past M read row M - 1); bf16 elements, or MXFP4 x's 32-bit code words
@@ -100,17 +100,17 @@ def x_tile_pointers(x_ptr, pid_m, M, stride_xm, BLOCK_M: gl.constexpr, X_MXFP4: 
 
 
 @gluon.constexpr_function
-def x_group_stride(x_mxfp4):
-    """How far a group of x's pointers (``x_tile_pointers``) move along K: 128 bf16, or 16
+def _x_group_stride(x_mxfp4):
+    """How far a group of x's pointers (``_x_tile_pointers``) move along K: 128 bf16, or 16
     words of MXFP4 codes."""
     return 16 if x_mxfp4 else 128
 
 
 @gluon.jit
-def x_scale_pointers(xs_ptr, pid_m, M, stride_xsm, BLOCK_M: gl.constexpr,
+def _x_scale_pointers(xs_ptr, pid_m, M, stride_xsm, BLOCK_M: gl.constexpr,
                      tile_layout: gl.constexpr):
     """Where the scale bytes of x's first group load from, a row of the group as loaded
-    (``x_tile_pointers``: row j BLOCK_M + m is block j of x's row m; rows past M read row
+    (``_x_tile_pointers``: row j BLOCK_M + m is block j of x's row m; rows past M read row
     M - 1)."""
     row = gl.arange(0, 4 * BLOCK_M, layout=gl.SliceLayout(1, tile_layout))
     m = gl.minimum(pid_m * BLOCK_M + row % BLOCK_M, M - 1).to(gl.int64)
@@ -118,8 +118,8 @@ def x_scale_pointers(xs_ptr, pid_m, M, stride_xsm, BLOCK_M: gl.constexpr,
 
 
 @gluon.jit
-def x_scale_bytes(xs_ptrs, group, X_MXFP4: gl.constexpr):
-    """MXFP4 x's scale byte of each row of a group as loaded (``x_scale_pointers``) as int32;
+def _x_scale_bytes(xs_ptrs, group, X_MXFP4: gl.constexpr):
+    """MXFP4 x's scale byte of each row of a group as loaded (``_x_scale_pointers``) as int32;
     0 (unused) without MXFP4 x."""
     if X_MXFP4:
         scale_bytes = gl.load(xs_ptrs + group * 4).to(gl.int32)
@@ -130,18 +130,45 @@ def x_scale_bytes(xs_ptrs, group, X_MXFP4: gl.constexpr):
 
 @gluon.jit
 def x_in_bf16(raw, scale_bytes, tables, X_MXFP4: gl.constexpr):
-    """A group of x as loaded (``x_tile_pointers``) as (4 BLOCK_M, 32) bf16: MXFP4 x's codes
-    decoded and times their rows' block scales (``scale_bytes``: ``x_scale_bytes``), bf16 x as
+    """A group of x as loaded (``_x_tile_pointers``) as (4 BLOCK_M, 32) bf16: MXFP4 x's codes
+    decoded and times their rows' block scales (``scale_bytes``: ``_x_scale_bytes``), bf16 x as
     it is."""
     if X_MXFP4:
-        tile = x_scaled_bf16(raw, scale_bytes, tables)
+        tile = _x_scaled_bf16(raw, scale_bytes, tables)
     else:
         tile = raw
     return tile
 
 
 @gluon.jit
-def x_tile(ptrs, xs_ptrs, group, tables, X_MXFP4: gl.constexpr):
+def _x_tile(ptrs, xs_ptrs, group, tables, X_MXFP4: gl.constexpr):
     """Group ``group`` of x as (4 BLOCK_M, 32) bf16 (``x_in_bf16``)."""
-    return x_in_bf16(gl.load(ptrs + group.to(gl.int64) * x_group_stride(X_MXFP4)),
-                     x_scale_bytes(xs_ptrs, group, X_MXFP4), tables, X_MXFP4)
+    return x_in_bf16(gl.load(ptrs + group.to(gl.int64) * _x_group_stride(X_MXFP4)),
+                     _x_scale_bytes(xs_ptrs, group, X_MXFP4), tables, X_MXFP4)
+
+
+@gluon.jit
+def x_staged(x_ptr, xs_ptr, pid_m, M, K, stride_xm, stride_xsm, first,
+             BLOCK_M: gl.constexpr, X_MXFP4: gl.constexpr):
+    """x's two slots of a group in shared memory, group ``first`` stored in slot 0 (rows of x
+    past M read row M - 1, their outputs never stored), and what later groups load and decode
+    with (``x_group_loads``, ``x_in_bf16``): (slots, x's pointers, its scales' pointers, the
+    decode's tables)."""
+    tile_layout: gl.constexpr = _x_tile_layout(gl.num_warps(), X_MXFP4)
+    slots = gl.allocate_shared_memory(gl.bfloat16, [2, 4 * BLOCK_M, _BLOCK],
+                                      gl.SwizzledSharedLayout(8, 2, 4, [1, 0]))
+    tile_ptrs = _x_tile_pointers(x_ptr, pid_m, M, stride_xm, BLOCK_M, X_MXFP4, tile_layout)
+    xs_ptrs = _x_scale_pointers(xs_ptr, pid_m, M, stride_xsm, BLOCK_M, tile_layout)
+    # K >> 31 is 0 (K > 0), unknown to the compiler (e2m1_tables); used with MXFP4 x only
+    tables = e2m1_tables(gl.full([4 * BLOCK_M, x_words(X_MXFP4)], 0, gl.int32, tile_layout)
+                         + (K >> 31))
+    slots.index(0).store(_x_tile(tile_ptrs, xs_ptrs, first, tables, X_MXFP4))
+    return slots, tile_ptrs, xs_ptrs, tables
+
+
+@gluon.jit
+def x_group_loads(tile_ptrs, xs_ptrs, group, X_MXFP4: gl.constexpr):
+    """Group ``group`` of x as loaded (``x_staged``'s pointers) and, MXFP4 x, its rows' scale
+    bytes: what ``x_in_bf16`` stores."""
+    return (gl.load(tile_ptrs + group.to(gl.int64) * _x_group_stride(X_MXFP4)),
+            _x_scale_bytes(xs_ptrs, group, X_MXFP4))

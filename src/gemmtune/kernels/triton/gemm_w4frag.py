@@ -71,9 +71,7 @@ from gemmtune.kernels.triton._swapped import (BLOCK_N, NUM_WARPS, barrier, finis
                                               split_steps, why_not_add_splits, why_not_grid)
 from gemmtune.kernels.triton._e2m1_ptx import E2M1_TO_BF16_ASM, e2m1_tables, placed_to_bf16
 from gemmtune.kernels.triton._w4_gluon import (halves, in_k_order, joined_codes, packed_blocks,
-                                               x_group_stride, x_in_bf16, x_scale_bytes,
-                                               x_scale_pointers, x_tile, x_tile_layout,
-                                               x_tile_pointers, x_words)
+                                               x_group_loads, x_in_bf16, x_staged, x_words)
 from gemmtune.kernels.triton._mxfp4_calls import (scaled_launcher, validated_launch,
                                                   why_not_gluon_call, why_not_gluon_x,
                                                   word_operands)
@@ -584,21 +582,14 @@ def gemm_w4frag_kernel(
         # one below, and one Triton adds before the store (the slot is chosen at run time, so
         # it cannot tell the slots apart). A group an iteration: two, as below, with the slots
         # fixed (one barrier a group), took more registers and lost up to 1.4x (H200).
-        tile_layout: gl.constexpr = x_tile_layout(WARPS_HERE, X_MXFP4)
-        tiles = gl.allocate_shared_memory(gl.bfloat16, [2, 4 * BLOCK_M, _BLOCK],
-                                          gl.SwizzledSharedLayout(8, 2, 4, [1, 0]))
-        tile_ptrs = x_tile_pointers(x_ptr, pid_m, M, stride_xm, BLOCK_M, X_MXFP4, tile_layout)
         # MXFP4 x's codes scaled as they are stored (exact in bf16): the MMAs then take x as
         # they take bf16 x, each block's product scaled by w's row's scale alone
-        xs_tile_ptrs = x_scale_pointers(xs_ptr, pid_m, M, stride_xsm, BLOCK_M, tile_layout)
-        x_tables = e2m1_tables(gl.full([4 * BLOCK_M, x_words(X_MXFP4)], 0, gl.int32,
-                                       tile_layout) + (K >> 31))
-        tiles.index(0).store(x_tile(tile_ptrs, xs_tile_ptrs, g_lo, x_tables, X_MXFP4))
+        tiles, tile_ptrs, xs_tile_ptrs, x_tables = x_staged(
+            x_ptr, xs_ptr, pid_m, M, K, stride_xm, stride_xsm, g_lo, BLOCK_M, X_MXFP4)
         for group in range(g_lo, last + 1):
             ahead = gl.minimum(group + 1, last)
             word_b, b0, b1, b2, b3 = _load_group(w_ptrs, s_ptrs, ahead, PACKED, word_layout)
-            x_ahead = gl.load(tile_ptrs + ahead.to(gl.int64) * x_group_stride(X_MXFP4))
-            xs_ahead = x_scale_bytes(xs_tile_ptrs, ahead, X_MXFP4)
+            x_ahead, xs_ahead = x_group_loads(tile_ptrs, xs_tile_ptrs, ahead, X_MXFP4)
             slot = (group - g_lo) % 2
             barrier()  # the slot's stores done, and the other slot's reads
             if X_BY_BLOCK:  # read by _add_block, each just before its MMA

@@ -35,7 +35,7 @@ from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 from gemmtune.kernels import mxfp4
 from gemmtune.kernels._names import Field, NameCodec, NamedConfig
 from gemmtune.kernels.triton import _checks
-from gemmtune.kernels.triton._e2m1_ptx import e2m1_tables, placed_scaled_asm
+from gemmtune.kernels.triton._e2m1_ptx import placed_scaled_asm
 from gemmtune.kernels.triton._mxfp4_calls import (scaled_launcher, validated_launch,
                                                   why_not_gluon_call, why_not_gluon_x,
                                                   word_operands)
@@ -46,16 +46,13 @@ from gemmtune.kernels.triton._swapped import (barrier, finish_tile, partials_per
                                               release_then_wait, split_steps,
                                               why_not_add_splits, why_not_grid)
 from gemmtune.kernels.triton._w4_gluon import (in_k_order, joined_codes, packed_blocks,
-                                               x_group_stride, x_in_bf16, x_scale_bytes,
-                                               x_scale_pointers, x_tile, x_tile_layout,
-                                               x_tile_pointers)
+                                               x_group_loads, x_in_bf16, x_staged)
 
 KERNEL_PREFIX = "triton.w4xa"
 ROWS_OF_X = 16  # the MMA's M: x's rows a program
 _BM = gl.constexpr(ROWS_OF_X)
 GROUP_K = mxfp4.PACK_GROUP  # K a loop step: a packed group of 4 blocks
 _GROUP_K = gl.constexpr(GROUP_K)
-_BLOCK = gl.constexpr(mxfp4.BLOCK)
 TILES = (2, 4, 8)  # tiles of 8 rows of w a warp
 WARPS = (1, 2, 4)
 MIN_BLOCK_N = 32  # rows of w a program, at least (16 was never timed or tested)
@@ -293,20 +290,13 @@ def gemm_w4xa_kernel(
     # x through shared memory, a group of 4 blocks a slot, two slots: the program loads the
     # next group while this one multiplies and stores it once every warp has read its slot.
     # Rows of x past M read row M - 1 (their outputs are never stored).
-    tile_layout: gl.constexpr = x_tile_layout(WARPS, X_MXFP4)
-    x_slots = gl.allocate_shared_memory(gl.bfloat16, [2, 4 * _BM, _BLOCK],
-                                      gl.SwizzledSharedLayout(8, 2, 4, [1, 0]))
-    tile_ptrs = x_tile_pointers(x_ptr, pid_m, M, stride_xm, _BM, X_MXFP4, tile_layout)
-    xs_ptrs = x_scale_pointers(xs_ptr, pid_m, M, stride_xsm, _BM, tile_layout)
-    # K >> 31 is 0 (K > 0), unknown to the compiler (e2m1_tables)
-    x_tables = e2m1_tables(gl.full([4 * _BM, 4], 0, gl.int32, tile_layout) + (K >> 31))
-    x_slots.index(0).store(x_tile(tile_ptrs, xs_ptrs, g_lo, x_tables, X_MXFP4))
+    x_slots, tile_ptrs, xs_ptrs, x_tables = x_staged(x_ptr, xs_ptr, pid_m, M, K, stride_xm,
+                                                     stride_xsm, g_lo, _BM, X_MXFP4)
     acc = gl.zeros([_BM, BLOCK_N], gl.float32, layout=mma)
     for group in range(g_lo, last + 1):
         ahead = gl.minimum(group + 1, last)
         scales_b, b0, b1, b2, b3 = _load_w_group(w_ptrs, s_ptrs, ahead, BLOCK_N, word_layout)
-        x_ahead = gl.load(tile_ptrs + ahead.to(gl.int64) * x_group_stride(X_MXFP4))
-        xs_ahead = x_scale_bytes(xs_ptrs, ahead, X_MXFP4)
+        x_ahead, xs_ahead = x_group_loads(tile_ptrs, xs_ptrs, ahead, X_MXFP4)
         slot = (group - g_lo) % 2
         barrier()  # the slot's stores done, and the other slot's reads
         acc = _add_group(acc, scales, c0, c1, c2, c3, x_slots.index(slot), a_layout, b_layout)
