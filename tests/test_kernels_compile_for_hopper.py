@@ -641,16 +641,34 @@ def test_mxfp4_weight_kernel_compiles_for_hopper():
 
 
 
-W4FRAG_SCRIPT = PTXAS_REPORT + textwrap.dedent("""
+
+# The word-reading Gluon MXFP4 kernels (w4frag, w4xa) compiled for sm_90: x bf16 or MXFP4 codes,
+# the codes and scales uint8, 16-byte aligned pointers, K and row strides; the rest i32 or
+# constexpr.
+MXFP4_WORD_COMPILE = textwrap.dedent("""
     import inspect
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental import gluon
+
+    def compile_mxfp4_words(kernel, x_mxfp4, constexprs, warps):
+        names = inspect.signature(kernel.fn).parameters
+        aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+                   if n.endswith("_ptr") or n in ("K", "stride_xm", "stride_wn")}
+        pointers = {"x_ptr": "*u8" if x_mxfp4 else "*bf16", "wq_ptr": "*u8", "ws_ptr": "*u8",
+                    "xs_ptr": "*u8", "y_ptr": "*bf16", "bias_ptr": "*bf16",
+                    "part_ptr": "*fp32", "count_ptr": "*i32"}
+        signature = {n: pointers.get(n, "constexpr" if n in constexprs else "i32")
+                     for n in names}
+        return triton.compile(gluon._runtime.GluonASTSource(
+            fn=kernel, signature=signature, attrs=aligned, constexprs=constexprs),
+            target=GPUTarget("cuda", 90, 128), options={"num_warps": warps}).asm["ptx"]
+""")
+
+
+W4FRAG_SCRIPT = PTXAS_REPORT + MXFP4_WORD_COMPILE + textwrap.dedent("""
     from gemmtune.kernels.triton import gemm_w4frag
 
-    names = inspect.signature(gemm_w4frag.gemm_w4frag_kernel.fn).parameters
-    aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
-               if n.endswith("_ptr") or n in ("K", "stride_xm", "stride_wn")}
     # (block_m, block_k, split_k (negative: added), pdl, bias, packed w, MXFP4 x, warps[, x
     # read from shared memory a block at a time])
     for block_m, block_k, split_k, pdl, bias, packed, x_mxfp4, warps, *by_block in (
@@ -664,22 +682,13 @@ W4FRAG_SCRIPT = PTXAS_REPORT + textwrap.dedent("""
             (16, 128, -9, True, False, True, False, 2, True),
             (8, 256, 2, False, True, True, False, 2, True)):
         by_block = bool(by_block and by_block[0])
-        pointers = {"x_ptr": "*u8" if x_mxfp4 else "*bf16", "wq_ptr": "*u8", "ws_ptr": "*u8",
-                    "xs_ptr": "*u8", "y_ptr": "*bf16", "bias_ptr": "*bf16",
-                    "part_ptr": "*fp32", "count_ptr": "*i32"}
         constexprs = dict(HAS_BIAS=bias, SPLIT_K=abs(split_k), BLOCK_M=block_m,
                           BLOCK_K=block_k, PDL=pdl,
                           PER_LOAD=gemm_w4frag.partials_per_load(abs(split_k), 64, block_m,
                                                                  warps),
                           ADD_SPLITS=split_k < 0, PACKED=packed, X_MXFP4=x_mxfp4,
                           X_BY_BLOCK=by_block)
-        signature = {n: pointers.get(n, "constexpr" if n in constexprs else "i32")
-                     for n in names}
-        kernel = triton.compile(gluon._runtime.GluonASTSource(
-            fn=gemm_w4frag.gemm_w4frag_kernel, signature=signature, attrs=aligned,
-            constexprs=constexprs), target=GPUTarget("cuda", 90, 128),
-            options={"num_warps": warps})
-        text = kernel.asm["ptx"]
+        text = compile_mxfp4_words(gemm_w4frag.gemm_w4frag_kernel, x_mxfp4, constexprs, warps)
         loop = text[text.find("mma.sync"):text.rfind("mma.sync")]
         # Per scale block, each thread loads one 32-bit word of codes for each of its 2 rows
         # of each 16 its warp takes (4 // warps MMAs down w's 64 rows; packed: one 16-byte
@@ -876,35 +885,19 @@ def test_mxfp4_warpgroup_mma_kernel_compiles_for_hopper():
     compiles_for_hopper(W4WG_SCRIPT)
 
 
-W4XA_SCRIPT = PTXAS_REPORT + textwrap.dedent("""
-    import inspect
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental import gluon
+W4XA_SCRIPT = PTXAS_REPORT + MXFP4_WORD_COMPILE + textwrap.dedent("""
     from gemmtune.kernels.triton import gemm_w4xa
 
-    names = inspect.signature(gemm_w4xa.gemm_w4xa_kernel.fn).parameters
-    aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
-               if n.endswith("_ptr") or n in ("K", "stride_xm", "stride_wn")}
     # (tiles, warps, split_k (negative: added), pdl, bias, MXFP4 x)
     for tiles, warps, split_k, pdl, bias, x_mxfp4 in (
             (2, 4, 4, True, False, False), (4, 4, -4, True, False, True),
             (4, 2, 1, False, True, False), (8, 1, 2, True, False, True),
             (2, 2, -9, False, True, True), (4, 1, 3, True, False, False)):
-        pointers = {"x_ptr": "*u8" if x_mxfp4 else "*bf16", "wq_ptr": "*u8", "ws_ptr": "*u8",
-                    "xs_ptr": "*u8", "y_ptr": "*bf16", "bias_ptr": "*bf16",
-                    "part_ptr": "*fp32", "count_ptr": "*i32"}
         constexprs = dict(HAS_BIAS=bias, SPLIT_K=abs(split_k), TILES=tiles, PDL=pdl,
                           PER_LOAD=gemm_w4xa.partials_per_load(abs(split_k), 8 * tiles * warps,
                                                                16, warps),
                           ADD_SPLITS=split_k < 0, X_MXFP4=x_mxfp4)
-        signature = {n: pointers.get(n, "constexpr" if n in constexprs else "i32")
-                     for n in names}
-        kernel = triton.compile(gluon._runtime.GluonASTSource(
-            fn=gemm_w4xa.gemm_w4xa_kernel, signature=signature, attrs=aligned,
-            constexprs=constexprs), target=GPUTarget("cuda", 90, 128),
-            options={"num_warps": warps})
-        text = kernel.asm["ptx"]
+        text = compile_mxfp4_words(gemm_w4xa.gemm_w4xa_kernel, x_mxfp4, constexprs, warps)
         case = (tiles, warps, split_k, pdl, x_mxfp4)
         # A group of 4 blocks a loop iteration: x's A operand read by ldmatrix once a block
         # (16 rows x 32: two x4), multiplied with each of the warp's tiles of w (two k16
