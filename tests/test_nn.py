@@ -354,21 +354,53 @@ def test_mxfp4_weights_are_packed_where_the_table_tuned_packed_rows(tmp_path, mo
      False),
     # packed rows only: nothing to compare them with
     ([(1, True, "triton.w4frag:BM8.BK128.SK1.P0.R0.L1", 5.0)], False),
+    # each M's two rows from one GPU model: at M = 1 a faster card's packed row beside a slower
+    # one's as quantised is left out, and at M = 64 (one card) the packed row is slower
+    ([(1, True, "triton.w4frag:BM8.BK128.SK1.P0.R0.L1", 5.0, "H200"),
+      (1, False, "triton.w4frag:BM8.BK128.SK1", 20.0, "H100"),
+      (64, True, "triton.w4wg:BN64.BM64.W4.S3.L1.O1", 30.0, "H100"),
+      (64, False, "triton.w4wg:BN64.BM64.W4.S3.L0.O1", 20.0, "H100")], False),
+    ([(1, True, "triton.w4frag:BM8.BK128.SK1.P0.R0.L1", 5.0, "H200"),
+      (1, False, "triton.w4frag:BM8.BK128.SK1", 6.0, "H200"),
+      (64, True, "triton.w4wg:BN64.BM64.W4.S3.L1.O1", 30.0, "H100"),
+      (64, False, "triton.w4wg:BN64.BM64.W4.S3.L0.O1", 30.0, "H100")], True),
 ])
 def test_mxfp4_layout_follows_the_faster_rows(tmp_path, monkeypatch, rows, packs):
     from gemmtune.families.a16w4.op import packed_layout_tuned
 
     dev = gemmtune.current_device()
     path = tmp_path / "a16w4.csv"
-    header = "arch,cu_num,M,N,K,dtype,packed,libtype,solidx,splitK,us,kernelName\n"
+    header = "arch,cu_num,gpu,M,N,K,dtype,packed,libtype,solidx,splitK,us,kernelName\n"
     path.write_text(header + "".join(
-        f"{dev.arch},{dev.cu_num},{m},96,128,torch.bfloat16,{packed},x,0,0,{us},{name}\n"
-        for m, packed, name, us in rows))
+        f"{dev.arch},{dev.cu_num},{gpu},{m},96,128,torch.bfloat16,{packed},x,0,0,{us},{name}\n"
+        for m, packed, name, us, gpu in (row + ("",) * (5 - len(row)) for row in rows)))
     monkeypatch.setenv("GEMMTUNE_CONFIG_A16W4", f"replace:{path}")
     gemmtune.reset()
     assert packed_layout_tuned(96, 128, torch.bfloat16) is packs
     assert packed_layout_tuned(96, 96, torch.bfloat16) is False  # K without a packed layout
     assert packed_layout_tuned(64, 128, torch.bfloat16) is False  # no rows
+
+
+def test_mxfp4_layout_follows_this_gpus_own_rows_first(tmp_path, monkeypatch):
+    """This GPU model's rows of both layouts decide where it has any (packed faster at M = 1);
+    the similar GPU's (as quantised faster at M = 64, and by more) only where it has none."""
+    from gemmtune.families.a16w4.op import packed_layout_tuned
+
+    path = tmp_path / "a16w4.csv"
+    rows = [(1, True, "triton.w4frag:BM8.BK128.SK1.P0.R0.L1", 5.0, "H200"),
+            (64, True, "triton.w4wg:BN64.BM64.W4.S3.L1.O1", 30.0, "H100"),
+            (64, False, "triton.w4wg:BN64.BM64.W4.S3.L0.O1", 20.0, "H100")]
+    own_plain = (1, False, "triton.w4frag:BM8.BK128.SK1", 6.0, "H200")
+    header = "arch,cu_num,gpu,M,N,K,dtype,packed,libtype,solidx,splitK,us,kernelName\n"
+    monkeypatch.setenv("GEMMTUNE_CONFIG_A16W4", f"replace:{path}")
+    monkeypatch.setenv("GEMMTUNE_DEVICE", "cpu:0:H200")
+    for table, packs in ((rows, False), (rows + [own_plain], True)):
+        path.write_text(header + "".join(
+            f"cpu,0,{gpu},{m},96,128,torch.bfloat16,{packed},x,0,0,{us},{name}\n"
+            for m, packed, name, us, gpu in table))
+        gemmtune.reset()
+        assert packed_layout_tuned(96, 128, torch.bfloat16) is packs
+    gemmtune.reset()
 
 
 def test_patched_layers_take_their_input_by_nn_linears_name():

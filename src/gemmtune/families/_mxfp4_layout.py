@@ -64,19 +64,37 @@ def packed_layout_tuned(schema: Schema, names: TorchBackends, n: int, k: int,
     (e.g. x's dtype): there are rows for it packed, their kernels read packed weights themselves
     (none is the unpacking torch backend), and over the M that timed rows of both layouts have
     (at least one), the packed ones take no longer in all (one layout serves every M of a
-    weight)."""
+    weight). Both rows of an M must come from one GPU model, this GPU's own where it has any
+    such M, else a similar one's: a faster card's rows of one layout beside a slower card's of
+    the other would compare the cards, not the layouts."""
     if mxfp4.why_not_packable(k) is not None:
         return False
-    rows = [row for row in table_index(schema).rows()
-            if row.key.N == n and row.key.K == k and same_weight(row.key)]
+    index = table_index(schema)
+
+    def of_weight(row) -> bool:
+        return row.key.N == n and row.key.K == k and same_weight(row.key)
+
+    packed = [row for row in index.rows() if of_weight(row) and row.key.packed]
+    if not packed or any(names.packed in row.kernel_names(schema) for row in packed):
+        return False
+    for tier in index.tiers():
+        verdict = _packed_no_slower([row for row in tier if of_weight(row)])
+        if verdict is not None:
+            return verdict
+    return False
+
+
+def _packed_no_slower(rows: list) -> bool | None:
+    """Whether ``rows``' packed ones take no longer in all than those as quantised, over the M
+    both layouts have timed rows of one GPU model for; None where no M has."""
     packed = {row.key.M: row for row in rows if row.key.packed}
     plain = {row.key.M: row for row in rows if not row.key.packed}
-    if not packed or any(names.packed in row.kernel_names(schema) for row in packed.values()):
-        return False
     timed = [m for m in packed.keys() & plain.keys()
-             if _timed(packed[m]) is not None and _timed(plain[m]) is not None]
-    return bool(timed) and \
-        sum(_timed(packed[m]) for m in timed) <= sum(_timed(plain[m]) for m in timed)
+             if packed[m].gpu == plain[m].gpu
+             and _timed(packed[m]) is not None and _timed(plain[m]) is not None]
+    if not timed:
+        return None
+    return sum(_timed(packed[m]) for m in timed) <= sum(_timed(plain[m]) for m in timed)
 
 
 def _timed(row) -> float | None:

@@ -105,6 +105,10 @@ class TableIndex:
     def same_gpu_rows(self) -> int:
         return len(self._same.exact)
 
+    def tiers(self) -> tuple[list[Row], list[Row]]:
+        """This GPU model's rows, then the similar GPUs' (a key's row in each tier it has one)."""
+        return list(self._same.exact.values()), list(self._similar.exact.values())
+
     def rows(self) -> list[Row]:
         """The row a call with each key held here would find exactly: this GPU model's, else
         the similar GPU's."""
