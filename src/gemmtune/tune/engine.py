@@ -37,7 +37,8 @@ from gemmtune.tune.family import (CRASHING, Candidate, Evaluation, Status, Famil
 from gemmtune.measure.gpulock import GpuLock
 from gemmtune.tune.progress import Progress
 from gemmtune.tune.records import CrashMemo, ProfileLog
-from gemmtune.tune.workers import START_TIMEOUT_S, Worker, WorkerLost, WorkerSpec
+from gemmtune.tune.workers import (START_TIMEOUT_S, Worker, WorkerLost, WorkerSpec,
+                                   close_all)
 
 # A candidate must beat the simplest valid one by more than this (or than the measured spread,
 # whichever is larger) to be kept: below it, run-to-run drift on a shared GPU decides.
@@ -198,8 +199,7 @@ class Tuner:
             self.summary.unsaved = f"could not write {self.config.output} ({e})"
         finally:
             self._stop.set()  # threads still inside a call must not take its end for a crash
-            for w in workers:
-                w.close()
+            close_all(workers)
             restore()
             self._save_pending()
             self.summary.wall_s = time.monotonic() - start
@@ -219,12 +219,13 @@ class Tuner:
             return lambda: None
 
         def stop(signum, frame):
-            self.summary.interrupted = True
             if self._stop.is_set():
                 # Already stopping: a second signal (coreutils' timeout sends SIGTERM to the
                 # child and then to its whole process group) must not break off the clean-up,
-                # which saves the rows not yet written.
+                # which saves the rows not yet written; nor does a signal during the clean-up
+                # of a run whose every shape is done make it an interrupted one.
                 return
+            self.summary.interrupted = True
             self._stop.set()
             raise KeyboardInterrupt
 
