@@ -260,6 +260,22 @@ for what in "$@"; do
             m_arg=(); [[ -n ${BENCH_M:-} ]] && m_arg=(--M "$BENCH_M")
             TAIL=40 stage "benchf_${family}_$model" 400 python3 -m gemmtune.cli bench "$family" \
                 --model "$model" --tp "$tp" "${m_arg[@]}" -o "$OUT/benchf_${family}_${model}_tp$tp" ;;
+        rows:*)  # rows:FAMILY:MODEL[:TP]: this GPU's rows for one preset into FAMILY's shipped
+            # table, at MS (default 1,2,4,8,16), MXFP4 weights in LAYOUTS (both, default;
+            # packed; plain); resumable (rows already there skipped): carry the table back
+            rest=${what#rows:}; family=${rest%%:*}; model_and_tp "${rest#*:}"
+            stem=${family//-/_}; dir="$OUT/rows_${stem}_${model}_tp$tp"; mkdir -p "$dir"
+            python3 -m gemmtune.cli shapes --model "$model" --tp "$tp" --nsets "${MS:-1,2,4,8,16}" \
+                --families "$family" -o "$dir" > /dev/null
+            case ${LAYOUTS:-both} in
+                packed) grep -v ',False$' "$dir/${stem}_untuned_gemm.csv" > "$dir/untuned.csv" ;;
+                plain) grep -v ',True$' "$dir/${stem}_untuned_gemm.csv" > "$dir/untuned.csv" ;;
+                *) cp "$dir/${stem}_untuned_gemm.csv" "$dir/untuned.csv" ;;
+            esac
+            stage "rows_${stem}_$model" "${ROWS_LIMIT:-420}" python3 -m gemmtune.cli tune \
+                "$family" -i "$dir/untuned.csv" -o "src/gemmtune/configs/${stem}_tuned_gemm.csv" \
+                -o2 "$dir/profile.csv" --sort --mp "${MP:-14}" --timeout 60
+            cp "src/gemmtune/configs/${stem}_tuned_gemm.csv" "$OUT/" ;;
         benchbs:*)  # the same for a8w8-blockscale through its shipped table
             model_and_tp "${what#benchbs:}"
             TAIL=40 stage "benchbs_$model" 400 python3 -m gemmtune.cli bench a8w8-blockscale \
