@@ -455,6 +455,9 @@ for what in "$@"; do
             TAIL=30 stage probe 200 python3 benchmarks/host_cost_probe.py ;;
         firstcall)  # a Triton row's first call in a fresh process, with and without precompile
             TAIL=12 stage firstcall 400 python3 benchmarks/first_call.py ;;
+        l2prefetch)  # issue 16: each e2e weight prefetched into L2 while a stand-in for the
+            # step's other kernels runs, against cold and hot (benchmarks/l2_prefetch_probe.py)
+            TAIL=14 stage l2prefetch "${L2_LIMIT:-300}" python3 benchmarks/l2_prefetch_probe.py ;;
         e2emxfp4)  # issue 16: the Llama decode step, bf16 against MXFP4 (and its siblings fused)
             TAIL=12 stage e2emxfp4 "${E2E_LIMIT:-400}" python3 benchmarks/e2e_hf_mxfp4.py ;;
         e2ediag)  # e2e with variants on torch's kernels that take the patched layer's path apart
