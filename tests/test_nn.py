@@ -381,26 +381,46 @@ def test_mxfp4_layout_follows_the_faster_rows(tmp_path, monkeypatch, rows, packs
     assert packed_layout_tuned(64, 128, torch.bfloat16) is False  # no rows
 
 
-def test_mxfp4_layout_follows_this_gpus_own_rows_first(tmp_path, monkeypatch):
-    """This GPU model's rows of both layouts decide where it has any (packed faster at M = 1);
-    the similar GPU's (as quantised faster at M = 64, and by more) only where it has none."""
+_FRAG_L1 = "triton.w4frag:BM8.BK128.SK1.P0.R0.L1"
+_FRAG_L0 = "triton.w4frag:BM8.BK128.SK1"
+
+
+@pytest.mark.parametrize("device, rows, packs", [
+    # this GPU's own pair at an M beats another model's pair there
+    ("cpu:0:H200", [(1, True, 5.0, "H200"), (1, False, 6.0, "H200"),
+                    (1, True, 7.0, "H100"), (1, False, 5.0, "H100")], True),
+    # other Ms still count, each by the pair of one model: H100's at M = 64 outweighs
+    ("cpu:0:H200", [(1, True, 5.0, "H200"), (1, False, 5.1, "H200"),
+                    (64, True, 50.0, "H100"), (64, False, 30.0, "H100")], False),
+    # a card with neither model's rows: the H200's packed row is faster than the H100's at
+    # M = 1, but only the H100 has both layouts there
+    ("cpu:0:H800", [(1, True, 5.0, "H100"), (1, False, 6.0, "H100"), (1, True, 4.0, "H200"),
+                    (16, True, 10.0, "H100"), (16, False, 8.0, "H100")], False),
+    ("cpu:0:H800", [(1, True, 5.0, "H100"), (1, False, 6.0, "H100"), (1, True, 7.0, "H200")],
+     True),
+    # no model has both layouts anywhere: the rows dispatch takes, compared as they are
+    ("cpu:0:H200", [(1, True, 4.0, "H200"), (1, False, 6.0, "H100")], True),
+    ("cpu:0:H200", [(1, True, 7.0, "H200"), (1, False, 6.0, "")], False),
+    # rows of no named model pair among themselves
+    ("cpu:0:H200", [(1, True, 5.0, ""), (1, False, 6.0, ""), (1, True, 9.0, "H100")], True),
+])
+def test_mxfp4_layout_compares_one_gpu_models_rows_at_each_m(tmp_path, monkeypatch, device,
+                                                               rows, packs):
     from gemmtune.families.a16w4.op import packed_layout_tuned
 
     path = tmp_path / "a16w4.csv"
-    rows = [(1, True, "triton.w4frag:BM8.BK128.SK1.P0.R0.L1", 5.0, "H200"),
-            (64, True, "triton.w4wg:BN64.BM64.W4.S3.L1.O1", 30.0, "H100"),
-            (64, False, "triton.w4wg:BN64.BM64.W4.S3.L0.O1", 20.0, "H100")]
-    own_plain = (1, False, "triton.w4frag:BM8.BK128.SK1", 6.0, "H200")
     header = "arch,cu_num,gpu,M,N,K,dtype,packed,libtype,solidx,splitK,us,kernelName\n"
+    path.write_text(header + "".join(
+        f"cpu,0,{gpu},{m},96,128,torch.bfloat16,{packed},x,0,0,{us},"
+        f"{_FRAG_L1 if packed else _FRAG_L0}\n" for m, packed, us, gpu in rows))
     monkeypatch.setenv("GEMMTUNE_CONFIG_A16W4", f"replace:{path}")
-    monkeypatch.setenv("GEMMTUNE_DEVICE", "cpu:0:H200")
-    for table, packs in ((rows, False), (rows + [own_plain], True)):
-        path.write_text(header + "".join(
-            f"cpu,0,{gpu},{m},96,128,torch.bfloat16,{packed},x,0,0,{us},{name}\n"
-            for m, packed, name, us, gpu in table))
-        gemmtune.reset()
-        assert packed_layout_tuned(96, 128, torch.bfloat16) is packs
+    monkeypatch.setenv("GEMMTUNE_DEVICE", device)
     gemmtune.reset()
+    try:
+        assert packed_layout_tuned(96, 128, torch.bfloat16) is packs
+    finally:
+        monkeypatch.delenv("GEMMTUNE_DEVICE")
+        gemmtune.reset()
 
 
 def test_patched_layers_take_their_input_by_nn_linears_name():

@@ -11,6 +11,7 @@ from gemmtune.families._gemm import gemm_registry
 from gemmtune.kernels import mxfp4
 from gemmtune.kernels.problem import GemmProblem
 from gemmtune.tables.schema import Column, Kind, Schema
+from gemmtune.tables.store import Row
 
 # A key's weight layout: False as quantised, True packed (one layout per (N, K) is what a model
 # stores). Tables written before a family took packed weights have no such column: as quantised.
@@ -64,9 +65,10 @@ def packed_layout_tuned(schema: Schema, names: TorchBackends, n: int, k: int,
     (e.g. x's dtype): there are rows for it packed, their kernels read packed weights themselves
     (none is the unpacking torch backend), and over the M that timed rows of both layouts have
     (at least one), the packed ones take no longer in all (one layout serves every M of a
-    weight). Both rows of an M must come from one GPU model, this GPU's own where it has any
-    such M, else a similar one's: a faster card's rows of one layout beside a slower card's of
-    the other would compare the cards, not the layouts."""
+    weight). Both rows of an M come from one GPU model where any model has both: this GPU's
+    own, else another's (``TableIndex.rows_by_model``'s order), since a faster card's row of one
+    layout beside a slower card's of the other compares the cards, not the layouts. Only where
+    no model has both layouts at any M are the rows dispatch would take compared as they are."""
     if mxfp4.why_not_packable(k) is not None:
         return False
     index = table_index(schema)
@@ -74,27 +76,25 @@ def packed_layout_tuned(schema: Schema, names: TorchBackends, n: int, k: int,
     def of_weight(row) -> bool:
         return row.key.N == n and row.key.K == k and same_weight(row.key)
 
-    packed = [row for row in index.rows() if of_weight(row) and row.key.packed]
+    rows = [row for row in index.rows() if of_weight(row)]
+    packed = [row for row in rows if row.key.packed]
     if not packed or any(names.packed in row.kernel_names(schema) for row in packed):
         return False
-    for tier in index.tiers():
-        verdict = _packed_no_slower([row for row in tier if of_weight(row)])
-        if verdict is not None:
-            return verdict
-    return False
-
-
-def _packed_no_slower(rows: list) -> bool | None:
-    """Whether ``rows``' packed ones take no longer in all than those as quantised, over the M
-    both layouts have timed rows of one GPU model for; None where no M has."""
-    packed = {row.key.M: row for row in rows if row.key.packed}
-    plain = {row.key.M: row for row in rows if not row.key.packed}
-    timed = [m for m in packed.keys() & plain.keys()
-             if packed[m].gpu == plain[m].gpu
-             and _timed(packed[m]) is not None and _timed(plain[m]) is not None]
+    timed: dict[int, tuple[float, float]] = {}
+    for model_rows in index.rows_by_model():
+        for m, pair in _timed_pairs([row for row in model_rows if of_weight(row)]).items():
+            timed.setdefault(m, pair)
     if not timed:
-        return None
-    return sum(_timed(packed[m]) for m in timed) <= sum(_timed(plain[m]) for m in timed)
+        timed = _timed_pairs(rows)
+    return bool(timed) and sum(p for p, _ in timed.values()) <= sum(q for _, q in timed.values())
+
+
+def _timed_pairs(rows: list[Row]) -> dict[int, tuple[float, float]]:
+    """(packed µs, as quantised µs) of each M where ``rows`` have a timed row of both layouts."""
+    packed = {row.key.M: _timed(row) for row in rows if row.key.packed}
+    plain = {row.key.M: _timed(row) for row in rows if not row.key.packed}
+    return {m: (packed[m], plain[m]) for m in packed.keys() & plain.keys()
+            if packed[m] is not None and plain[m] is not None}
 
 
 def _timed(row) -> float | None:
