@@ -615,21 +615,24 @@ def test_a_second_stop_signal_does_not_break_off_the_save(tmp_path):
 
 def test_a_stop_signal_during_a_finished_runs_clean_up_does_not_make_it_interrupted(tmp_path):
     """A time limit can fire while a run whose every shape is done closes its workers: it stays
-    a complete run (its log does not ask for a resume)."""
+    a complete run (its log does not ask for a resume). A signal after an engine error stopped
+    the run, with shapes left, still marks it interrupted."""
     config = TuneConfig(input=tmp_path / "in.csv", output=tmp_path / "out.csv")
-    tuner = Tuner(FaultyFamily, config, out=io.StringIO())
-    restore = tuner._handle_stop_signals()
-    try:
-        tuner._stop.set()  # what the run does once its shapes are done, before closing workers
-        signal.getsignal(signal.SIGTERM)(signal.SIGTERM, None)  # returns: the clean-up goes on
-        assert not tuner.summary.interrupted
-    finally:
-        restore()
+    for finished, interrupted in ((True, False), (False, True)):
+        tuner = Tuner(FaultyFamily, config, out=io.StringIO())
+        restore = tuner._handle_stop_signals()
+        try:
+            tuner._finished = finished
+            tuner._stop.set()  # the clean-up's, or an engine error's
+            signal.getsignal(signal.SIGTERM)(signal.SIGTERM, None)  # returns: clean-up goes on
+            assert tuner.summary.interrupted is interrupted
+        finally:
+            restore()
 
 
 def test_workers_are_told_to_stop_before_any_is_waited_for():
-    """Each worker's exit takes a CUDA context's teardown on a GPU: closing them together
-    overlaps those instead of adding them up (14 workers took ~15 s closed one by one)."""
+    """Each worker's exit takes its CUDA teardown on a GPU: closing them together overlaps
+    those instead of adding them up."""
     from gemmtune.tune.workers import Worker, WorkerSpec, close_all
 
     events = []
@@ -652,6 +655,28 @@ def test_workers_are_told_to_stop_before_any_is_waited_for():
     assert not any(w.alive for w in workers)
     with pytest.raises(Exception, match="was closed"):
         workers[0].call("device", timeout=5)
+
+
+def test_closing_survives_workers_in_any_state():
+    """A process made but not started (a start racing the close), one that never existed and
+    one whose close fails: every other worker is still closed, the error comes after, and a
+    closed worker cannot be started again (a restart racing the close)."""
+    from gemmtune.tune.workers import Worker, WorkerLost, WorkerSpec, close_all
+
+    spec = WorkerSpec(FaultyFamily, (("CUDA_VISIBLE_DEVICES", ""),))
+    made, never, failing, running = (Worker(spec, f"w{i}") for i in range(4))
+    made._proc = made._ctx.Process(target=time.sleep, args=(0,))  # made, not started
+    running.start()
+
+    def fail(wait_s):
+        raise OSError("cannot close")
+
+    failing.finish_closing = fail
+    with pytest.raises(OSError, match="cannot close"):
+        close_all([made, never, failing, running])
+    assert not running.alive and not made.alive
+    with pytest.raises(WorkerLost, match="was closed"):
+        running.start()
 
 
 def test_workers_sharing_a_device_never_time_at_once(tmp_path, monkeypatch):

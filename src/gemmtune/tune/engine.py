@@ -163,6 +163,7 @@ class Tuner:
         self._pending: list[Row] = []
         self._lock = threading.RLock()  # _record checkpoints while holding it
         self._stop = threading.Event()
+        self._finished = False  # every shape of the run tuned (set before the clean-up)
         self._progress: Progress | None = None
         self._finished_keys: list[tuple] = []
         self._retune_log = RetuneLog(config)
@@ -193,16 +194,19 @@ class Tuner:
                       f"{len(workers)} worker(s); "
                       f"{self.summary.skipped} already tuned")
             self._tune_all(todo, workers, existing)
+            self._finished = True
         except KeyboardInterrupt:
             self.summary.interrupted = True
         except OSError as e:  # the output became unwritable mid-run: its rows are rescued below
             self.summary.unsaved = f"could not write {self.config.output} ({e})"
         finally:
             self._stop.set()  # threads still inside a call must not take its end for a crash
-            close_all(workers)
-            restore()
-            self._save_pending()
-            self.summary.wall_s = time.monotonic() - start
+            try:
+                close_all(workers)
+            finally:  # whatever the closing met, the finished rows are saved
+                restore()
+                self._save_pending()
+                self.summary.wall_s = time.monotonic() - start
         if not self.summary.interrupted:
             self._retune_log.remove()
         self._report()
@@ -219,13 +223,14 @@ class Tuner:
             return lambda: None
 
         def stop(signum, frame):
+            if self._finished:
+                return  # every shape is done: the clean-up goes on and the run stays complete
+            self.summary.interrupted = True
             if self._stop.is_set():
                 # Already stopping: a second signal (coreutils' timeout sends SIGTERM to the
                 # child and then to its whole process group) must not break off the clean-up,
-                # which saves the rows not yet written; nor does a signal during the clean-up
-                # of a run whose every shape is done make it an interrupted one.
+                # which saves the rows not yet written.
                 return
-            self.summary.interrupted = True
             self._stop.set()
             raise KeyboardInterrupt
 
@@ -454,6 +459,8 @@ class Tuner:
         return ev
 
     def _recover(self, worker: Worker) -> None:
+        if self._stop.is_set():
+            return  # the run is closing its workers: a replacement would only be closed again
         try:
             worker.restart()
         except RuntimeError as e:

@@ -212,7 +212,8 @@ def _worker_main(conn, spec: WorkerSpec) -> None:
 
 # ------------------------------------------------------------------------ in the parent process
 _ENVIRON_LOCK = threading.Lock()
-# How long closing workers wait for them to exit before killing them
+# How long closing waits for the workers to exit before killing them (one mid-call finishes
+# the call first): it bounds a run's clean-up, whose rows are saved only after it
 CLOSE_WAIT_S = 5.0
 
 
@@ -250,6 +251,8 @@ class Worker:
         return self._proc is not None and self._proc.is_alive()
 
     def start(self) -> None:
+        if self._closed:  # a restart racing close_all must not leave a process behind
+            raise WorkerLost(Status.crash, f"{self.label} was closed")
         parent, child = self._ctx.Pipe()
         self._proc = self._ctx.Process(target=_worker_main, args=(child, self.spec),
                                        name=f"gemmtune-{self.label}", daemon=True)
@@ -316,31 +319,39 @@ class Worker:
     def ask_to_stop(self) -> None:
         """Closed from now on; the process is told to exit once its call (if any) is done."""
         self._closed = True
-        if self.alive:
+        conn = self._conn
+        if self.alive and conn is not None:
             try:
-                self._conn.send(None)
+                conn.send(None)
             except (BrokenPipeError, OSError):
                 pass
 
     def finish_closing(self, wait_s: float) -> None:
         """Wait up to ``wait_s`` for the process to exit, then kill it if it has not."""
-        if self._proc is not None:
-            self._proc.join(wait_s)
+        proc = self._proc
+        if proc is not None and proc.is_alive():  # a process made but not started cannot join
+            proc.join(wait_s)
         self.kill()
-
-    def close(self) -> None:
-        self.ask_to_stop()
-        self.finish_closing(CLOSE_WAIT_S)
 
 
 def close_all(workers: list[Worker]) -> None:
     """Close ``workers`` together: all are told to exit before any is waited for, so their
-    exits (each a CUDA context's teardown, about a second) overlap instead of adding up."""
+    exits (each process's CUDA teardown) overlap instead of adding up. One that fails to close
+    does not keep the others open; its error is raised once all are done."""
+    errors = []
     for w in workers:
-        w.ask_to_stop()
+        try:
+            w.ask_to_stop()
+        except Exception as e:  # the others must still be closed
+            errors.append(e)
     deadline = time.monotonic() + CLOSE_WAIT_S
     for w in workers:
-        w.finish_closing(max(0.0, deadline - time.monotonic()))
+        try:
+            w.finish_closing(max(0.0, deadline - time.monotonic()))
+        except Exception as e:
+            errors.append(e)
+    if errors:
+        raise errors[0]
 
 
 def _exit_text(code: int | None) -> str:
