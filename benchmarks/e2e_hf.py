@@ -106,11 +106,19 @@ def tune_into_overlay(family: str, variable: str, header: str, lines: list[str],
     use_overlay(variable, tuned)
 
 
-def tune_missing(names: list[str], out_dir: Path) -> None:
-    """Tune the shapes with no exact row in the tables in force into $OUT/e2e_tuned.csv, and
-    make it an overlay of the bf16 table for this run."""
-    from gemmtune.families.bf16.op import DISPATCH
+def tuned_here(dispatch, key) -> bool:
+    """Whether the tables in force have an exact row for ``key`` measured on this GPU model (a
+    similar GPU's row would serve the call, but its kernel was not timed here)."""
     from gemmtune.tables.lookup import Rule
+
+    decision = dispatch.decide(key)
+    return decision.rule is Rule.exact and decision.row.gpu == gemmtune.current_device().gpu
+
+
+def tune_missing(names: list[str], out_dir: Path) -> None:
+    """Tune the shapes with no exact row of this GPU model in the tables in force into
+    $OUT/e2e_tuned.csv, and make it an overlay of the bf16 table for this run."""
+    from gemmtune.families.bf16.op import DISPATCH
 
     tuned = out_dir / "e2e_tuned.csv"
     use_overlay("GEMMTUNE_CONFIG_BF16", tuned)  # an earlier run's, before looking for gaps
@@ -118,7 +126,7 @@ def tune_missing(names: list[str], out_dir: Path) -> None:
     for name in names:
         for m, n, k in gemm_shapes(name):
             key = (m, n, k, False, "torch.bfloat16", "torch.bfloat16", False, False)
-            if DISPATCH.decide(key).rule is not Rule.exact:
+            if not tuned_here(DISPATCH, key):
                 missing.add((m, n, k))
     tune_into_overlay("bf16", "GEMMTUNE_CONFIG_BF16",
                       "M,N,K,bias,dtype,outdtype,scaleAB,bpreshuffle\n",

@@ -6,9 +6,9 @@ in alternation (``ROUNDS`` rounds of ``GRAPH_REPLAYS``); speed-up = bf16 ms / MX
 median over the rounds of each round's ratio.
 
 First the a16w4 rows the decode step needs (the Hugging Face layout's projections and the
-lm_head at M = batch, both weight layouts) are tuned where the tables in force have none
-(``gemmtune tune a16w4`` into $OUT/e2e_mxfp4_tuned.csv, an overlay for this run), so that
-``patch_linear`` picks each weight's layout from them.
+lm_head at M = batch, both weight layouts) are tuned where the tables in force have none of
+this GPU model (``gemmtune tune a16w4`` into $OUT/e2e_mxfp4_tuned.csv, an overlay for this
+run), so that ``patch_linear`` picks each weight's layout from them.
 
 Two more models have their sibling projections fused (``gemmtune.fuse_siblings``: q, k and v
 as one GEMM, gate and up as one, as serving engines store them), timed in the same rounds: the
@@ -44,7 +44,7 @@ import gemmtune
 from gemmtune import quant
 
 from e2e_hf import (MODELS, DecodePoint, capture, graph_of, ms_per_call, rel_err,
-                    tune_into_overlay, use_overlay)
+                    tune_into_overlay, tuned_here, use_overlay)
 
 NAME = "llama3-8b"
 LAYERS = 8
@@ -73,16 +73,15 @@ def weight_shapes(name: str) -> list[tuple[int, int]]:
 
 
 def tune_missing(name: str, batch: int, out_dir: Path) -> None:
-    """The a16w4 rows at M = ``batch`` that the tables in force lack (both layouts), tuned into
-    $OUT/e2e_mxfp4_tuned.csv, made an overlay of the a16w4 table for this run."""
+    """The a16w4 rows at M = ``batch`` that the tables in force lack for this GPU model (both
+    layouts), tuned into $OUT/e2e_mxfp4_tuned.csv, made an overlay of the a16w4 table for this
+    run."""
     from gemmtune.families.a16w4.op import DISPATCH, A16w4Key
-    from gemmtune.tables.lookup import Rule
 
     tuned = out_dir / "e2e_mxfp4_tuned.csv"
     use_overlay("GEMMTUNE_CONFIG_A16W4", tuned)  # an earlier run's, before looking for gaps
     missing = [(n, k, packed) for n, k in weight_shapes(name) for packed in (False, True)
-               if DISPATCH.decide(A16w4Key(batch, n, k, "torch.bfloat16", packed)).rule
-               is not Rule.exact]
+               if not tuned_here(DISPATCH, A16w4Key(batch, n, k, "torch.bfloat16", packed))]
     tune_into_overlay("a16w4", "GEMMTUNE_CONFIG_A16W4", "M,N,K,dtype,packed\n",
                       [f"{batch},{n},{k},torch.bfloat16,{packed}\n" for n, k, packed in missing],
                       tuned, "--timeout", "60")
