@@ -17,8 +17,9 @@ one-thread spin of ``WINDOW`` µs, ``torch.cuda._sleep``):
 - ``hot``: the GEMM alone on one weight replayed (all of it in L2 where it fits): the ceiling.
 
 The GEMM's cost in the step is (``cold`` or ``prefetched``) less ``window``. One CUDA graph per
-variant, replayed in alternation; µs per call, medians. The outputs are checked against the
-cold GEMM's.
+variant, replayed in alternation; µs per call, medians. The prefetched GEMM's output is checked
+against the cold one's (within 1e-2: split sums added in arrival order may differ in the last
+bits).
 
     PYTHONPATH=src python3 benchmarks/l2_prefetch_probe.py [--windows 5,20] [--budget-mb 40]
 """
@@ -123,7 +124,10 @@ def probe(name: str, n: int, k: int, window_us: float, cycles_per_us: float, bud
     def window_prefetch(inp):
         side_prefetch(inp[0])
 
-    torch.testing.assert_close(prefetched(sets[0]), cold(sets[0]), rtol=0, atol=0)
+    a, b = prefetched(sets[0]).float(), cold(sets[0]).float()
+    # Split sums added in arrival order may move the last bits; a wrong result moves them all
+    if float((a - b).norm() / b.norm()) > 1e-2:
+        raise RuntimeError(f"{name}: the prefetched GEMM's output differs from the cold one's")
     (c, _), (p, _), (wi, _), (wp, _) = interleaved_graph_us(
         [cold, prefetched, window, window_prefetch], sets)
     hot, _ = interleaved_graph_us([lambda inp: gemm(inp[0])], sets[:1])[0]
