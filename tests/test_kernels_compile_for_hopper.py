@@ -126,11 +126,12 @@ def test_moe_stage_kernels_and_the_fp8_quantiser_compile_for_sm90():
     compiles_for_hopper(SCRIPT)
 
 
-def compiles_for_hopper(script: str) -> None:
-    """Run ``script`` (it compiles kernels for sm_90 and prints "ok") outside the interpreter."""
+def compiles_for_hopper(script: str, *args: str) -> None:
+    """Run ``script`` (it compiles kernels for sm_90 and prints "ok") outside the interpreter,
+    ``args`` its command line."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = str(SRC)
-    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+    done = subprocess.run([sys.executable, "-c", script, *args], env=env, capture_output=True,
                           text=True, timeout=600)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
 
@@ -244,6 +245,35 @@ def test_gluon_probe_loads_w_fragments_straight_into_wgmma_registers():
         assert rowreg["ld.global.b32"] > 0, line
         assert (frag["ld.shared"], frag["st.shared"]) == (rowreg["ld.shared"],
                                                           rowreg["st.shared"]), line
+
+
+PREFETCH_SCRIPT = textwrap.dedent("""
+    import sys
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    sys.path.insert(0, sys.argv[1])
+    import l2_prefetch_probe as probe
+
+    kernel = triton.compile(
+        ASTSource(fn=probe._prefetch_l2,
+                  signature={"ptr": "*u8", "n_chunks": "i32", "CHUNK_BYTES": "constexpr",
+                             "BLOCK": "constexpr"},
+                  constexprs={"CHUNK_BYTES": probe.CHUNK, "BLOCK": probe.THREADS}),
+        target=GPUTarget("cuda", 90, 32))
+    ptx = kernel.asm["ptx"]
+    # One bulk prefetch a thread (4 warps, one chunk each), kept though nothing reads its result
+    assert ptx.count("cp.async.bulk.prefetch.L2.global [") == 1, ptx
+    assert f"], {probe.CHUNK};" in ptx, ptx
+    assert kernel.asm.get("cubin"), "ptxas refused it"
+    print("ok")
+""")
+
+
+def test_the_l2_prefetch_probes_kernel_keeps_its_bulk_prefetch():
+    """benchmarks/l2_prefetch_probe.py's kernel, whose asm result nothing reads: compiled for
+    sm_90, its prefetch stays and ptxas takes it (a GPU run of the probe is rare)."""
+    compiles_for_hopper(PREFETCH_SCRIPT, str(Path(__file__).parent.parent / "benchmarks"))
 
 
 # What the Gluon scripts share: ptxas's report of a kernel's PTX (its registers and spills are
