@@ -177,6 +177,9 @@ def successors_prefetched(weights: list[tuple[torch.Tensor, torch.Tensor]], budg
 
     def prefetching(op):
         def call(x, wq, w_scale, *args, **kwargs):
+            if wq.data_ptr() != weights[state["next"]][0].data_ptr():
+                raise RuntimeError(f"call {state['next']} of the step reads another weight than "
+                                   "the recorded step's: its order changed")
             main = torch.cuda.current_stream()
             if state["pending"]:
                 main.wait_stream(side)
@@ -297,6 +300,10 @@ def main() -> None:
               f"vs bf16 {rel_err(logits[label], logits['bf16']):.1e}")
     print(f"mxfp4 fused over bf16 fused: {statistics.median(fused_over_fused):.3f} (rounds "
           f"{min(fused_over_fused):.3f}-{max(fused_over_fused):.3f})")
+    if "mxfp4 fused prefetched" in times:
+        gain = [f / p for f, p in zip(times["mxfp4 fused"], times["mxfp4 fused prefetched"])]
+        print(f"mxfp4 fused prefetched over mxfp4 fused: {statistics.median(gain):.3f} (rounds "
+              f"{min(gain):.3f}-{max(gain):.3f})")
     for label in alone:
         print(f"{label}: {statistics.median(times[label]):.3f} ms (one graph of the step's "
               f"Linear calls in order)")
