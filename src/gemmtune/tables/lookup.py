@@ -88,18 +88,15 @@ class TableIndex:
         self._m = schema.m_index
         self._n = schema.key_names.index("N") if "N" in schema.key_names else None
         self._same, self._similar = _Rows(self._m), _Rows(self._m)
-        self._by_model: dict[str, dict[tuple, Row]] = {}
+        self._held: list[Row] = []
         for row in rows:
             if row.cu_num != device.cu_num or (row.arch and row.arch != device.arch):
                 continue
+            self._held.append(row)
             tier = self._same if device.gpu and row.gpu == device.gpu else self._similar
             old = tier.exact.get(row.key)
             if old is None or _preferred(row, old):
                 tier.add(row)
-            model = self._by_model.setdefault(row.gpu, {})
-            old = model.get(row.key)
-            if old is None or _preferred(row, old):
-                model[row.key] = row
         self._same.done()
         self._similar.done()
 
@@ -115,9 +112,15 @@ class TableIndex:
         GPU's own first, then the others by name (rows of none named last). Where the look-up
         rules take a key's row from whichever similar model measured it fastest, these keep
         each card's rows apart, for comparing two of one card's measurements."""
+        by_model: dict[str, dict[tuple, Row]] = {}
+        for row in self._held:
+            model = by_model.setdefault(row.gpu, {})
+            old = model.get(row.key)
+            if old is None or _preferred(row, old):
+                model[row.key] = row
         own = self.device.gpu
-        names = sorted(self._by_model, key=lambda gpu: (gpu != own or not own, not gpu, gpu))
-        return [list(self._by_model[gpu].values()) for gpu in names]
+        names = sorted(by_model, key=lambda gpu: (gpu != own or not own, not gpu, gpu))
+        return [list(by_model[gpu].values()) for gpu in names]
 
     def rows(self) -> list[Row]:
         """The row a call with each key held here would find exactly: this GPU model's, else

@@ -77,6 +77,14 @@ def splits_around(tiles: int, k_steps: int, num_sms: int, per_sm_counts,
     return found
 
 
+def launch_variants(split_k: int, pdl: int) -> list[tuple[int, int]]:
+    """The (PDL mode, add_splits) pairs a tuner offers beside a config split ``split_k`` ways:
+    without PDL and with ``pdl``, each with the split sums in order and, where K is split,
+    added."""
+    return [(mode, add) for mode in sorted({PDL_OFF, pdl})
+            for add in sorted({0, int(split_k > 1)})]
+
+
 def why_not_wait_pdl(pdl: int) -> str | None:
     """Why ``pdl`` is not a launch mode of a kernel without row prefetch (PDL_OFF or PDL_WAIT),
     or None."""

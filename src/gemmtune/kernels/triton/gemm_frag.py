@@ -43,7 +43,7 @@ from gemmtune.kernels.triton import _checks
 from gemmtune.kernels.triton._epilogue import (PER_BLOCK, SCALE_BLOCK, epilogue_constexprs,
                                                 epilogue_operands)
 from gemmtune.kernels.triton._replay import KernelCall, launch
-from gemmtune.kernels.triton._splits import (PDL_OFF, launch_mode, split_for,
+from gemmtune.kernels.triton._splits import (PDL_OFF, launch_mode, launch_variants, split_for,
                                              why_not_wait_pdl, workspace)
 from gemmtune.kernels.triton._swapped import (BLOCK_MS, BLOCK_N, NUM_WARPS, barrier,
                                               block_m_for, finish_tile, partials_per_load,
@@ -152,11 +152,10 @@ def candidates(M: int, N: int, K: int, dtype: torch.dtype, num_sms: int | None =
         for per_sm in _PROGRAMS_PER_SM:
             split = split_for(tiles, K // bk, per_sm * num_sms, MAX_SPLIT_K)
             for ahead in range(1, MAX_AHEAD + 1):
-                for mode in sorted({PDL_OFF, pdl}):
-                    for add in sorted({0, int(split > 1)}):
-                        cfg = FragConfig(bm, bk, split, ahead, mode, add)
-                        if fits(cfg, M, N, K, dtype):
-                            found[cfg] = None
+                for mode, add in launch_variants(split, pdl):
+                    cfg = FragConfig(bm, bk, split, ahead, mode, add)
+                    if fits(cfg, M, N, K, dtype):
+                        found[cfg] = None
     return list(found)
 
 

@@ -64,7 +64,7 @@ from gemmtune.kernels import mxfp4
 from gemmtune.kernels._names import Field, NameCodec, NamedConfig
 from gemmtune.kernels.triton import _checks
 from gemmtune.kernels.triton._replay import KernelCall, launch
-from gemmtune.kernels.triton._splits import (PDL_OFF, launch_mode, split_for,
+from gemmtune.kernels.triton._splits import (PDL_OFF, launch_mode, launch_variants, split_for,
                                              why_not_wait_pdl, workspace)
 from gemmtune.kernels.triton._swapped import (BLOCK_N, NUM_WARPS, barrier, finish_tile,
                                               partials_per_load, release_then_wait,
@@ -198,15 +198,14 @@ def candidates(M: int, N: int, K: int, dtype: torch.dtype, num_sms: int | None =
     for bk in steps:
         for per_sm in _PROGRAMS_PER_SM:
             split = split_for(tiles, K // bk, per_sm * num_sms, MAX_SPLIT_K)
-            for mode in sorted({PDL_OFF, pdl}):
-                for add in sorted({0, int(split > 1)}):
-                    for x_first in (0, 1) if dtype == torch.uint8 else (0,):
-                        for warps in _warps_to_try(bm, mode == pdl and add == int(split > 1)):
-                            for by_block in _x_by_block_to_try(packed, warps, dtype):
-                                cfg = W4FragConfig(bm, bk, split, mode, add, int(packed),
-                                                   x_first, warps, by_block)
-                                if why_not_fits(cfg, M, N, K, dtype) is None:
-                                    found[cfg] = None
+            for mode, add in launch_variants(split, pdl):
+                for x_first in (0, 1) if dtype == torch.uint8 else (0,):
+                    for warps in _warps_to_try(bm, mode == pdl and add == int(split > 1)):
+                        for by_block in _x_by_block_to_try(packed, warps, dtype):
+                            cfg = W4FragConfig(bm, bk, split, mode, add, int(packed), x_first,
+                                               warps, by_block)
+                            if why_not_fits(cfg, M, N, K, dtype) is None:
+                                found[cfg] = None
     return list(found)
 
 

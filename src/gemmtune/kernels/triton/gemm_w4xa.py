@@ -40,7 +40,7 @@ from gemmtune.kernels.triton._mxfp4_calls import (scaled_launcher, validated_lau
                                                   why_not_gluon_call, why_not_gluon_x,
                                                   word_operands)
 from gemmtune.kernels.triton._replay import KernelCall, launch
-from gemmtune.kernels.triton._splits import (PDL_OFF, launch_mode, split_for,
+from gemmtune.kernels.triton._splits import (PDL_OFF, launch_mode, launch_variants, split_for,
                                              why_not_wait_pdl, workspace)
 from gemmtune.kernels.triton._swapped import (barrier, finish_tile, partials_per_load,
                                               release_then_wait, split_steps,
@@ -155,11 +155,10 @@ def candidates(M: int, N: int, K: int, dtype: torch.dtype, num_sms: int | None =
             n_tiles = triton.cdiv(N, 8 * tiles * warps)
             for per_sm in _PROGRAMS_PER_SM:
                 split = split_for(n_tiles, max(1, K // GROUP_K), per_sm * num_sms, MAX_SPLIT_K)
-                for mode in sorted({PDL_OFF, pdl}):
-                    for add in sorted({0, int(split > 1)}):
-                        cfg = W4XaConfig(tiles, warps, split, mode, add)
-                        if why_not_fits(cfg, M, N, K, dtype) is None:
-                            found[cfg] = None
+                for mode, add in launch_variants(split, pdl):
+                    cfg = W4XaConfig(tiles, warps, split, mode, add)
+                    if why_not_fits(cfg, M, N, K, dtype) is None:
+                        found[cfg] = None
     return list(found)
 
 
