@@ -352,8 +352,15 @@ def test_mxfp4_weights_are_packed_where_the_table_tuned_packed_rows(tmp_path, mo
     # the packed winner is the unpacking torch backend: every call would unpack
     ([(1, True, "torch.unpack_dequant_linear", 5.0), (1, False, "torch.dequant_linear", 9.0)],
      False),
-    # packed rows only: nothing to compare them with
-    ([(1, True, "triton.w4frag:BM8.BK128.SK1.P0.R0.L1", 5.0)], False),
+    # packed rows only: the weight takes the layout its rows are for
+    ([(1, True, "triton.w4frag:BM8.BK128.SK1.P0.R0.L1", 5.0)], True),
+    # no M with rows of both layouts: the layout whose rows cover more M
+    ([(1, True, "triton.w4frag:BM8.BK128.SK1.P0.R0.L1", 5.0),
+      (8, False, "triton.w4frag:BM8.BK128.SK1", 9.0),
+      (16, False, "triton.w4frag:BM16.BK128.SK1", 9.0)], False),
+    ([(1, True, "triton.w4frag:BM8.BK128.SK1.P0.R0.L1", 5.0),
+      (8, True, "triton.w4frag:BM8.BK128.SK1.P0.R0.L1", 5.0),
+      (16, False, "triton.w4frag:BM16.BK128.SK1", 4.0)], True),
     # each M's two rows from one GPU model: at M = 1 a faster card's packed row beside a slower
     # one's as quantised is left out, and at M = 64 (one card) the packed row is slower
     ([(1, True, "triton.w4frag:BM8.BK128.SK1.P0.R0.L1", 5.0, "H200"),

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import gemmtune
-from gemm_checks import DEVICE, generator, install_user_table, randn
+from gemm_checks import DEVICE, generator, install_user_table, mxfp4_default_kernel, randn
 from gemmtune import quant
 from gemmtune.dispatch import KernelNameError
 from gemmtune.families.a16w4.op import DISPATCH, A16w4Key
@@ -47,15 +47,19 @@ def assert_close_to_reference(y, x, wq, ws, bias):
     assert rel < 1e-2, rel  # the output's rounding: ~2e-3 in norm for bf16
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_default_is_torch_and_matches_reference(dtype):
-    x, wq, ws, bias = operands(7, 40, 96, dtype)
-    y = gemmtune.gemm_a16w4(x.reshape(7, 1, 96), wq, ws, bias)
-    assert y.dtype == dtype and y.shape == (7, 1, 40)
+@pytest.mark.parametrize("M, dtype", [(7, torch.bfloat16), (7, torch.float16),
+                                      (129, torch.bfloat16)])
+def test_default_matches_reference(M, dtype):
+    """Without a row: on a Hopper, the decode kernel's default config up to M = 128 for bf16 x;
+    elsewhere (fp16 x, larger M, the CPU) the torch backend."""
+    x, wq, ws, bias = operands(M, 40, 96, dtype)
+    y = gemmtune.gemm_a16w4(x.reshape(M, 1, 96), wq, ws, bias)
+    assert y.dtype == dtype and y.shape == (M, 1, 40)
     assert_close_to_reference(y, x, wq, ws, bias)
     (plan,) = DISPATCH.plans.values()
     assert plan.decision.rule is Rule.default
-    assert plan.decision.kernel_name == TORCH_DEQUANT_LINEAR
+    assert plan.decision.kernel_name == mxfp4_default_kernel(M, 40, 96, dtype, False,
+                                                             TORCH_DEQUANT_LINEAR)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -171,13 +175,16 @@ def test_a_prefill_row_dequantises_then_runs_cublas(a16w4_table, packed):
 # --- the packed layout -------------------------------------------------------------------------
 
 
-def test_packed_weights_default_to_the_unpacking_torch_backend():
+def test_packed_weights_default_to_a_kernel_that_reads_them():
+    """Without a row: the decode kernel's default config reading packed weights on a Hopper,
+    else the unpacking torch backend."""
     x, wq, ws, bias = operands(5, 40, 256, seed=3)
     packed, _ = quant.prepack_mxfp4(wq, ws)
     y = gemmtune.gemm_a16w4(x, packed, ws, bias, packed=True)
     assert_close_to_reference(y, x, wq, ws, bias)
     (plan,) = DISPATCH.plans.values()
-    assert plan.decision.kernel_name == TORCH_UNPACK_DEQUANT_LINEAR
+    assert plan.decision.kernel_name == mxfp4_default_kernel(5, 40, 256, torch.bfloat16, True,
+                                                             TORCH_UNPACK_DEQUANT_LINEAR)
     assert plan.decision.key == A16w4Key(5, 40, 256, "torch.bfloat16", True)
 
 
@@ -196,7 +203,9 @@ def test_a_row_for_the_other_layout_is_not_used(a16w4_table):
         y = gemmtune.gemm_a16w4(x, wq, ws, bias)
     assert_close_to_reference(y, x, wq, ws, bias)
     names = {plan.decision.kernel_name for plan in DISPATCH.plans.values()}
-    assert names == {TORCH_DEQUANT_LINEAR, TORCH_UNPACK_DEQUANT_LINEAR}
+    # the family's defaults for each layout (the torch backends but on a Hopper)
+    assert names == {mxfp4_default_kernel(M, N, K, torch.bfloat16, False, TORCH_DEQUANT_LINEAR),
+                     mxfp4_default_kernel(M, N, K, torch.bfloat16, True, TORCH_UNPACK_DEQUANT_LINEAR)}
 
 
 def test_packed_needs_k_a_multiple_of_128_and_passes_gradients():

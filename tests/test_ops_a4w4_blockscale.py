@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import gemmtune
-from gemm_checks import DEVICE, generator, install_user_table, randn
+from gemm_checks import DEVICE, generator, install_user_table, mxfp4_default_kernel, randn
 from gemmtune import quant
 from gemmtune.families.a4w4_blockscale.op import DISPATCH, A4w4Key
 from gemmtune.kernels.torch_ref import TORCH_DEQUANT_MM, TORCH_UNPACK_DEQUANT_MM, gemm_a4w4_ref
@@ -48,13 +48,19 @@ def assert_close_to_reference(y, xq, xs, wq, ws):
     assert rel < 1e-2, rel  # the output's rounding: ~2e-3 in norm for bf16
 
 
-def test_default_is_torch_and_matches_reference():
-    xq, xs, wq, ws = operands(6, 40, 96)
-    y = gemmtune.gemm_a4w4_blockscale(xq.reshape(2, 3, 48), wq, xs.reshape(2, 3, 3), ws)
-    assert y.dtype == torch.bfloat16 and y.shape == (2, 3, 40)
+@pytest.mark.parametrize("M", [6, 130])
+def test_default_matches_reference(M):
+    """Without a row: on a Hopper, the decode kernel's default config up to M = 128; elsewhere
+    (larger M, the CPU) the torch backend."""
+    xq, xs, wq, ws = operands(M, 40, 96)
+    y = gemmtune.gemm_a4w4_blockscale(xq.reshape(2, M // 2, 48), wq, xs.reshape(2, M // 2, 3),
+                                      ws)
+    assert y.dtype == torch.bfloat16 and y.shape == (2, M // 2, 40)
     assert_close_to_reference(y, xq, xs, wq, ws)
     (plan,) = DISPATCH.plans.values()
-    assert plan.decision.rule is Rule.default and plan.decision.kernel_name == TORCH_DEQUANT_MM
+    assert plan.decision.rule is Rule.default
+    assert plan.decision.kernel_name == mxfp4_default_kernel(M, 40, 96, torch.uint8, False,
+                                                             TORCH_DEQUANT_MM)
 
 
 @pytest.mark.parametrize("kernel", ["triton.w4:BM16.BN32.BK64.W4.S1",
@@ -213,13 +219,16 @@ def test_one_huge_and_one_tiny_scale_multiply_without_overflow(kernel):
 # --- the packed layout -------------------------------------------------------------------------
 
 
-def test_packed_weights_default_to_the_unpacking_torch_backend():
+def test_packed_weights_default_to_a_kernel_that_reads_them():
+    """Without a row: the decode kernel's default config reading packed weights on a Hopper,
+    else the unpacking torch backend."""
     xq, xs, wq, ws = operands(5, 40, 256, seed=3)
     packed, _ = quant.prepack_mxfp4(wq, ws)
     y = gemmtune.gemm_a4w4_blockscale(xq, packed, xs, ws, packed=True)
     assert_close_to_reference(y, xq, xs, wq, ws)
     (plan,) = DISPATCH.plans.values()
-    assert plan.decision.kernel_name == TORCH_UNPACK_DEQUANT_MM
+    assert plan.decision.kernel_name == mxfp4_default_kernel(5, 40, 256, torch.uint8, True,
+                                                             TORCH_UNPACK_DEQUANT_MM)
     assert plan.decision.key == A4w4Key(5, 40, 256, True)
 
 
@@ -255,7 +264,9 @@ def test_a_row_for_the_other_layout_is_not_used(a4w4_table):
         y = gemmtune.gemm_a4w4_blockscale(xq, wq, xs, ws)
     assert_close_to_reference(y, xq, xs, wq, ws)
     names = {plan.decision.kernel_name for plan in DISPATCH.plans.values()}
-    assert names == {TORCH_DEQUANT_MM, TORCH_UNPACK_DEQUANT_MM}
+    # the family's defaults for each layout (the torch backends but on a Hopper)
+    assert names == {mxfp4_default_kernel(M, N, K, torch.uint8, False, TORCH_DEQUANT_MM),
+                     mxfp4_default_kernel(M, N, K, torch.uint8, True, TORCH_UNPACK_DEQUANT_MM)}
 
 
 def test_packed_needs_k_a_multiple_of_128_and_compiles_to_the_custom_op():

@@ -63,12 +63,13 @@ def packed_layout_tuned(schema: Schema, names: TorchBackends, n: int, k: int,
     """Whether an (N, K) weight is best stored packed, by ``schema``'s rows for this GPU (its
     own model's, else a similar one's, as dispatch finds them) whose keys pass ``same_weight``
     (e.g. x's dtype): there are rows for it packed, their kernels read packed weights themselves
-    (none is the unpacking torch backend), and over the M that timed rows of both layouts have
-    (at least one), the packed ones take no longer in all (one layout serves every M of a
+    (none is the unpacking torch backend), and over the M that timed rows of both layouts have,
+    the packed ones take no longer in all (one layout serves every M of a
     weight). Both rows of an M come from one GPU model where any model has both: this GPU's
     own, else another's (``TableIndex.rows_by_model``'s order), since a faster card's row of one
     layout beside a slower card's of the other compares the cards, not the layouts. Only where
-    no model has both layouts at any M are the rows dispatch would take compared as they are."""
+    no model has both layouts at any M are the rows dispatch would take compared as they are;
+    where no M has rows of both, the layout whose rows cover more M (``_covers_more_m``)."""
     if mxfp4.why_not_packable(k) is not None:
         return False
     index = table_index(schema)
@@ -86,7 +87,16 @@ def packed_layout_tuned(schema: Schema, names: TorchBackends, n: int, k: int,
             timed.setdefault(m, pair)
     if not timed:
         timed = _timed_pairs(rows)
-    return bool(timed) and sum(p for p, _ in timed.values()) <= sum(q for _, q in timed.values())
+    if not timed:
+        return _covers_more_m(packed, [row for row in rows if not row.key.packed])
+    return sum(p for p, _ in timed.values()) <= sum(q for _, q in timed.values())
+
+
+def _covers_more_m(packed: list[Row], plain: list[Row]) -> bool:
+    """With no M timed in both layouts: whether the packed rows cover at least as many M as
+    those as quantised. A weight with rows of one layout alone takes that layout: stored the
+    other way, every call would miss its rows and run the family's default kernel."""
+    return len({row.key.M for row in packed}) >= len({row.key.M for row in plain})
 
 
 def _timed_pairs(rows: list[Row]) -> dict[int, tuple[float, float]]:

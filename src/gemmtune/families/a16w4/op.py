@@ -21,6 +21,7 @@ import torch
 from gemmtune.device import DeviceId
 from gemmtune.dispatch import Dispatcher
 from gemmtune.families._gemm import gemm_schema
+from gemmtune.families._mxfp4_default import default_kernel_name
 from gemmtune.families._mxfp4_layout import PACKED_COLUMN, TorchBackends, mxfp4_registry
 from gemmtune.families._mxfp4_layout import packed_layout_tuned as layout_tuned
 from gemmtune.families._switches import compiler as _compiler
@@ -65,8 +66,7 @@ def _to_table_key(raw: tuple) -> A16w4Key:
 
 
 def _default_kernel(key: A16w4Key, device: DeviceId) -> str:
-    # Right for every shape; tuned rows name the kernels that beat it.
-    return _TORCH.of(key.packed)
+    return default_kernel_name(REGISTRY, _TORCH, problem_of(key))
 
 
 DISPATCH = Dispatcher(SCHEMA, REGISTRY, _to_table_key, problem_of, _default_kernel)
