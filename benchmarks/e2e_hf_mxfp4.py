@@ -16,12 +16,6 @@ MXFP4 one, and the bf16 one through ``patch_linear`` (the tuned bf16 op), so tha
 gains and what MXFP4 gains show apart; the issue's baseline stays the bf16 model as Hugging
 Face writes it.
 
-With ``--prefetch-mb MB`` one more model is timed: the fused MXFP4 one with each GEMM's
-successor in the step (its codes, then its scales, up to MB) prefetched into L2 by a side
-stream while the kernels between the two run (``benchmarks/l2_prefetch_probe.py``'s bulk
-prefetch); each GEMM waits for its own prefetch first. Its logits must stay within 2e-2 of the
-fused model's.
-
 Each model's GEMMs are also timed alone: the Linear layers' calls of one step, recorded with
 their inputs and replayed in order as one CUDA graph; beside "the step less the step without
 GEMMs" this tells whether the difference is the GEMM kernels' own time or work around them.
@@ -33,13 +27,12 @@ Checks: the MXFP4 model's logits against the same model with each weight replace
 dequantised MXFP4 value in bf16 (``F.linear``): within 2e-2 relative (bf16 sums in another
 order); and how far MXFP4 moves the logits from the bf16 model's (reported).
 
-    PYTHONPATH=src python3 benchmarks/e2e_hf_mxfp4.py [--no-tune] [--batch 1] [--prefetch-mb 40]
+    PYTHONPATH=src python3 benchmarks/e2e_hf_mxfp4.py [--no-tune] [--batch 1]
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import statistics
 from pathlib import Path
@@ -130,75 +123,6 @@ def gemms_alone_graph(calls: list[tuple[nn.Module, torch.Tensor]]) -> torch.cuda
     return graph_of(run)[0]
 
 
-@contextlib.contextmanager
-def _a16w4_calls_through(wrap):
-    """The patched layers' ``gemm_a16w4`` calls (nn's and the fused siblings') go through
-    ``wrap(op)`` while active."""
-    import gemmtune.nn
-    import gemmtune.siblings
-
-    modules = (gemmtune.nn, gemmtune.siblings)
-    originals = [module.gemm_a16w4 for module in modules]
-    for module, op in zip(modules, originals):
-        module.gemm_a16w4 = wrap(op)
-    try:
-        yield
-    finally:
-        for module, op in zip(modules, originals):
-            module.gemm_a16w4 = op
-
-
-def gemm_weights(point, model) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The (codes, scales) each ``gemm_a16w4`` call of one eager step reads, in order."""
-    seen = []
-
-    def recording(op):
-        def call(x, wq, w_scale, *args, **kwargs):
-            seen.append((wq, w_scale))
-            return op(x, wq, w_scale, *args, **kwargs)
-        return call
-
-    with _a16w4_calls_through(recording):
-        point.rewind()
-        point.step(model)
-    return seen
-
-
-@contextlib.contextmanager
-def successors_prefetched(weights: list[tuple[torch.Tensor, torch.Tensor]], budget: int):
-    """While active (a step's capture), the step's i-th ``gemm_a16w4`` call is followed by a
-    side stream's L2 prefetch of the (i + 1)-th call's weight (``weights``: ``gemm_weights``),
-    codes then scales up to ``budget`` bytes, and the (i + 1)-th call waits for it first. The
-    step's last call prefetches nothing, so every fork is joined within the step."""
-    from l2_prefetch_probe import prefetch
-
-    side = torch.cuda.Stream()
-    state = {"next": 0, "pending": False}
-
-    def prefetching(op):
-        def call(x, wq, w_scale, *args, **kwargs):
-            if wq.data_ptr() != weights[state["next"]][0].data_ptr():
-                raise RuntimeError(f"call {state['next']} of the step reads another weight than "
-                                   "the recorded step's: its order changed")
-            main = torch.cuda.current_stream()
-            if state["pending"]:
-                main.wait_stream(side)
-                state["pending"] = False
-            y = op(x, wq, w_scale, *args, **kwargs)
-            state["next"] = (state["next"] + 1) % len(weights)
-            if state["next"]:
-                side.wait_stream(main)
-                with torch.cuda.stream(side):
-                    codes, scales = weights[state["next"]]
-                    prefetch(scales, budget - prefetch(codes, budget))
-                state["pending"] = True
-            return y
-        return call
-
-    with _a16w4_calls_through(prefetching):
-        yield
-
-
 def dequantised(model):
     """``model`` with every Linear's weight replaced by its MXFP4 value in bf16, in place."""
     for module in model.modules():
@@ -213,9 +137,6 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--no-tune", action="store_true")
     parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--prefetch-mb", type=float, default=0.0,
-                        help="also time the fused MXFP4 model with each GEMM's successor "
-                             "prefetched into L2, up to this many MB (0: not)")
     args = parser.parse_args()
     out_dir = Path(os.environ.get("OUT", "out"))
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -256,22 +177,6 @@ def main() -> None:
         ("bf16", bf16), ("bf16 fused", bf16_fused), ("mxfp4", mxfp4), ("mxfp4 fused", fused),
         ("no GEMM", no_gemm))}
     ratios = {"mxfp4": [], "mxfp4 fused": [], "bf16 fused": []}
-    if args.prefetch_mb > 0:
-        weights = gemm_weights(point, fused)
-        with successors_prefetched(weights, int(args.prefetch_mb * 2**20)):
-            graph, out = capture(point, fused)
-        point.rewind()
-        graph.replay()
-        torch.cuda.synchronize()
-        # Split sums added in arrival order may move the last bits: the fused model's bound
-        err = rel_err(out, logits["mxfp4 fused"])
-        if err > 2e-2:
-            raise RuntimeError(f"the prefetched model's logits off the fused model's by {err:.2e}")
-        graphs["mxfp4 fused prefetched"] = graph
-        logits["mxfp4 fused prefetched"] = out.clone()
-        ratios["mxfp4 fused prefetched"] = []
-        print(f"prefetched: {len(weights)} GEMMs a step, each successor's first "
-              f"{args.prefetch_mb:g} MB")
     alone = {f"{label} GEMMs alone": gemms_alone_graph(linear_calls(point, model))
              for label, model in (("bf16", bf16), ("mxfp4", mxfp4), ("mxfp4 fused", fused))}
     graphs.update(alone)
@@ -300,10 +205,6 @@ def main() -> None:
               f"vs bf16 {rel_err(logits[label], logits['bf16']):.1e}")
     print(f"mxfp4 fused over bf16 fused: {statistics.median(fused_over_fused):.3f} (rounds "
           f"{min(fused_over_fused):.3f}-{max(fused_over_fused):.3f})")
-    if "mxfp4 fused prefetched" in times:
-        gain = [f / p for f, p in zip(times["mxfp4 fused"], times["mxfp4 fused prefetched"])]
-        print(f"mxfp4 fused prefetched over mxfp4 fused: {statistics.median(gain):.3f} (rounds "
-              f"{min(gain):.3f}-{max(gain):.3f})")
     for label in alone:
         print(f"{label}: {statistics.median(times[label]):.3f} ms (one graph of the step's "
               f"Linear calls in order)")

@@ -460,10 +460,6 @@ for what in "$@"; do
             TAIL=14 stage l2prefetch "${L2_LIMIT:-300}" python3 benchmarks/l2_prefetch_probe.py ;;
         e2emxfp4)  # issue 16: the Llama decode step, bf16 against MXFP4 (and its siblings fused)
             TAIL=12 stage e2emxfp4 "${E2E_LIMIT:-400}" python3 benchmarks/e2e_hf_mxfp4.py ;;
-        e2eprefetch)  # e2emxfp4 with one more model: each GEMM's successor prefetched into L2
-            # (PREFETCH_MB, default 40) while the kernels between them run
-            TAIL=14 stage e2eprefetch "${E2E_LIMIT:-400}" python3 benchmarks/e2e_hf_mxfp4.py \
-                --prefetch-mb "${PREFETCH_MB:-40}" ;;
         e2ediag)  # e2e with variants on torch's kernels that take the patched layer's path apart
             TAIL=16 stage e2ediag 500 python3 benchmarks/e2e_hf_diag.py --variants ;;
         e2elayers)  # per linear shape of the e2e models: host cost to issue, patched and not
