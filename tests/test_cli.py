@@ -224,6 +224,23 @@ def test_geomean_and_summary_by_m_range():
     assert "d 128x8x8 0.909;" in below and "1 of them measurement spread" in below
 
 
+def test_summary_names_the_shapes_no_row_served():
+    """A shape the family default ran (no table row) is named with its kernel, so that a bench
+    of untuned shapes does not pass for the tuned op's; past six the rest are counted."""
+    from dataclasses import replace
+
+    from gemmtune.bench import summarize
+
+    rows = [bench_row("a", 1, 10.0, 5.0)] + [
+        replace(bench_row(f"u{i}", 1 + i, 10.0, 900.0, kernel="torch.dequant_mm"), rule="default")
+        for i in range(8)]
+    (line,) = [line for line in summarize(rows) if line.startswith("no row")]
+    assert line.startswith("no row: 8 of 9 shape(s) ran the family's default kernel: "
+                           "u0 1x8x8 (torch.dequant_mm), u1 2x8x8 (torch.dequant_mm)"), line
+    assert "u5 6x8x8" in line and "u6" not in line and "and 2 more; tune them" in line
+    assert not any(line.startswith("no row") for line in summarize(rows[:1]))
+
+
 def test_both_floors_and_capped_efficiency_geomeans():
     from gemmtune.bench import summarize
 

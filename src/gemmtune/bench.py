@@ -30,6 +30,7 @@ from gemmtune.measure.accuracy import TOLERANCES
 from gemmtune.measure.ceilings import Ceilings, Floors, floors, measure_ceilings
 from gemmtune.measure.gpulock import GpuLock, gpu_label
 from gemmtune.measure.timing import copies_for_each, interleaved_graph_us
+from gemmtune.tables.lookup import Rule
 from gemmtune.tables.store import read_table, write_table
 
 class BenchShape(NamedTuple):
@@ -219,6 +220,7 @@ def summarize(rows: list[BenchRow], gpu: bool = True) -> list[str]:
             f"{capped_geomean([r.attainable_efficiency for r in sel]):.3f}, torch "
             f"{torch_eff}{apart}")
     lines += compared_summary(rows)
+    lines += untuned_summary(rows)
     below_floor = [r for r in rows if r.below_floor]
     if below_floor:
         lines.append("faster than the attainable floor (launch overlapped; counted as 1.0): "
@@ -233,6 +235,23 @@ def summarize(rows: list[BenchRow], gpu: bool = True) -> list[str]:
                                     else "") for r in slower)
                      + (f"; {noise} of them measurement spread" if noise else ""))
     return lines
+
+
+# Shapes the untuned line names before it only counts the rest
+_UNTUNED_NAMED = 6
+
+
+def untuned_summary(rows: list[BenchRow]) -> list[str]:
+    """The shapes no table row served (the family's default kernel ran them, whatever it is on
+    this GPU), if any: a bench of untuned shapes says little about the tuned op."""
+    untuned = [r for r in rows if r.rule == Rule.default.value]
+    if not untuned:
+        return []
+    named = ", ".join(f"{r.name} {r.M}x{r.N}x{r.K} ({r.kernel})"
+                      for r in untuned[:_UNTUNED_NAMED])
+    more = f" and {len(untuned) - _UNTUNED_NAMED} more" if len(untuned) > _UNTUNED_NAMED else ""
+    return [f"no row: {len(untuned)} of {len(rows)} shape(s) ran the family's default kernel: "
+            f"{named}{more}; tune them (gemmtune shapes, then gemmtune tune) for tuned numbers"]
 
 
 def _record(r: BenchRow) -> dict:
