@@ -62,6 +62,18 @@ def test_default_matches_reference(M, dtype):
                                                              TORCH_DEQUANT_LINEAR)
 
 
+@pytest.mark.parametrize("M, N, K", [(0, 40, 96), (3, 0, 96), (3, 40, 0)])
+def test_empty_gemms_need_no_kernel(M, N, K):
+    """No table holds an empty GEMM: the default runs it (the bias where K is 0)."""
+    x, _, _, _ = operands(M, N, 96, seed=5)
+    wq = torch.zeros(N, K // 2, dtype=torch.uint8, device=DEVICE)
+    ws = torch.zeros(N, K // 32, dtype=torch.uint8, device=DEVICE)
+    bias = randn(N, gen=generator(6)).to(torch.bfloat16)
+    y = gemmtune.gemm_a16w4(x[:, :K].contiguous(), wq, ws, bias)
+    assert y.shape == (M, N) and y.dtype == torch.bfloat16
+    assert torch.equal(y, bias.expand(M, N))
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_table_row_picks_the_triton_kernel(a16w4_table, dtype):
     M, N, K = 5, 70, 160

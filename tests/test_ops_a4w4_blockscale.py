@@ -48,6 +48,17 @@ def assert_close_to_reference(y, xq, xs, wq, ws):
     assert rel < 1e-2, rel  # the output's rounding: ~2e-3 in norm for bf16
 
 
+@pytest.mark.parametrize("M, N, K", [(0, 40, 96), (3, 0, 96), (3, 40, 0)])
+def test_empty_gemms_need_no_kernel(M, N, K):
+    """No table holds an empty GEMM: the default runs it (zeros where K is 0)."""
+    xq = torch.zeros(M, K // 2, dtype=torch.uint8, device=DEVICE)
+    xs = torch.zeros(M, K // 32, dtype=torch.uint8, device=DEVICE)
+    wq = torch.zeros(N, K // 2, dtype=torch.uint8, device=DEVICE)
+    ws = torch.zeros(N, K // 32, dtype=torch.uint8, device=DEVICE)
+    y = gemmtune.gemm_a4w4_blockscale(xq, wq, xs, ws)
+    assert y.shape == (M, N) and y.dtype == torch.bfloat16 and not y.any()
+
+
 @pytest.mark.parametrize("M", [6, 130])
 def test_default_matches_reference(M):
     """Without a row: on a Hopper, the decode kernel's default config up to M = 128; elsewhere

@@ -1,9 +1,10 @@
-"""The kernel an MXFP4 family runs for a shape its table has no row for: up to
-``triton.w4frag``'s largest M, that register-direct decode kernel's default config for the
-weight's layout, where it can run (Hopper, x of a dtype it takes); else the family's torch
-backend for the layout, which dequantises the whole weight on every call: right for every
-shape, but at decode sizes ~100x the decode kernel's time (H200, docs/benchmarks.md,
-session 42)."""
+"""The kernel an MXFP4 family runs for a shape its table has no row for, on a GPU where it can
+run (Hopper; x of a dtype it takes): up to ``triton.w4frag``'s largest M, that register-direct
+decode kernel's default config; above, ``triton.w4deq``'s (the weight dequantised to bf16 by
+PTX, then cuBLAS), the config most prefill rows name. Each reads the weight in its layout.
+Else (fp16 x, the CPU, other GPUs) the family's torch backend for the layout: right for every
+shape, but it dequantises the whole weight in several passes on every call, ~100x the decode
+kernel's time at decode sizes (H200, docs/benchmarks.md, session 42)."""
 
 from __future__ import annotations
 
@@ -19,12 +20,16 @@ def default_kernel_name(registry: KernelRegistry, torch_names: TorchBackends,
     """The kernelName ``registry`` runs ``problem`` with when no row names one."""
     # Imported here, not at the top: importing a Triton kernel module fixes, for the process,
     # whether its kernels are interpreted (TRITON_INTERPRET)
-    from gemmtune.kernels.triton import gemm_w4frag
+    from gemmtune.kernels.triton import gemm_w4deq, gemm_w4frag
 
     torch_name = torch_names.of(problem.preshuffled)
-    if problem.m > gemm_w4frag.MAX_M:
+    if min(problem.m, problem.n, problem.k) < 1:  # an empty GEMM: no kernel to launch
         return torch_name
-    config = dataclasses.replace(
-        gemm_w4frag.default_config(problem.m, problem.n, problem.k, problem.dtype),
-        packed=int(problem.preshuffled))
+    packed = int(problem.preshuffled)
+    if problem.m <= gemm_w4frag.MAX_M:
+        config = dataclasses.replace(
+            gemm_w4frag.default_config(problem.m, problem.n, problem.k, problem.dtype),
+            packed=packed)
+    else:
+        config = gemm_w4deq.W4DeqConfig(8, 512, 4, packed, asm=1)
     return config.name if registry.can_run(config.name, problem) else torch_name

@@ -10,6 +10,7 @@ copy. A ``*_ref`` function computes the same product in fp32, cast to ``out_dtyp
 
 from __future__ import annotations
 
+import math
 import warnings
 from typing import NamedTuple
 
@@ -309,7 +310,8 @@ def dequant_mm_torch(xq, wq, bias, out_dtype, scale_a, scale_b, out=None):
     (to bf16 for a bf16 output, exact but for scales past bf16's range; else fp32), then
     ``F.linear`` (the reference a real kernel is measured against, not a fast path)."""
     dtype = torch.bfloat16 if out_dtype == torch.bfloat16 else torch.float32
-    x = mxfp4.dequantize(xq.reshape(-1, xq.shape[-1]), scale_a.reshape(-1, scale_a.shape[-1]))
+    rows = math.prod(xq.shape[:-1])  # not -1: with K = 0 it would be ambiguous
+    x = mxfp4.dequantize(xq.reshape(rows, xq.shape[-1]), scale_a.reshape(rows, scale_a.shape[-1]))
     y = F.linear(x.to(dtype), mxfp4.dequantize(wq, scale_b).to(dtype))
     y = y.reshape(*xq.shape[:-1], wq.shape[0])
     if bias is not None:

@@ -125,7 +125,8 @@ def _plan(xq, wq, x_scale, w_scale, dtype, kernel, packed):
 
 
 def _flat_scale(x_scale: torch.Tensor) -> torch.Tensor:
-    return x_scale.reshape(-1, x_scale.shape[-1])
+    # Rows counted, not -1: with K = 0 a row has no scale, and -1 would be ambiguous
+    return x_scale.reshape(math.prod(x_scale.shape[:-1]), x_scale.shape[-1])
 
 
 def _run(xq, wq, x_scale, w_scale, dtype, kernel, packed):
