@@ -22,7 +22,7 @@ variant, replayed in alternation; µs per call, medians. The prefetched GEMM's o
 against the cold one's (within 1e-2: split sums added in arrival order may differ in the last
 bits).
 
-On an H200 the answer was no: hot was within 0.3-1.7% of cold, prefetched 0.93-1.05x cold
+On an H200 the answer was no: hot took 0.94-1.00 of cold's time, prefetched 0.95-1.08
 (docs/benchmarks.md, session 42); the decode kernels are not waiting on DRAM.
 
     PYTHONPATH=src python3 benchmarks/l2_prefetch_probe.py [--windows 5,20] [--budget-mb 16,40]

@@ -59,10 +59,11 @@ def mxfp4_default_kernel(M, N, K, x_dtype, packed, torch_name):
     MXFP4 (uint8) x, triton.w4frag's default config up to M = 128, above it triton.w4deq's PTX
     one (BN8.BK512.W4), in the weight's layout; else ``torch_name``, the family's torch
     backend for the layout."""
+    from gemmtune.kernels.triton._checks import interpreted
     from gemmtune.kernels.triton.gemm_w4frag import MAX_M, W4FragConfig, default_config
 
     hopper = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-    if not hopper or x_dtype not in (torch.bfloat16, torch.uint8):
+    if not hopper or interpreted() or x_dtype not in (torch.bfloat16, torch.uint8):
         return torch_name
     if M > MAX_M:
         return f"triton.w4deq:BN8.BK512.W4.L{int(packed)}.A1"

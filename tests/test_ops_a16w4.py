@@ -9,6 +9,7 @@ import torch
 import gemmtune
 from gemm_checks import DEVICE, generator, install_user_table, mxfp4_default_kernel, randn
 from gemmtune import quant
+from gemmtune.device import DeviceId
 from gemmtune.dispatch import KernelNameError
 from gemmtune.families.a16w4.op import DISPATCH, A16w4Key
 from gemmtune.kernels.torch_ref import (TORCH_DEQUANT_LINEAR, TORCH_UNPACK_DEQUANT_LINEAR,
@@ -60,6 +61,19 @@ def test_default_matches_reference(M, dtype):
     assert plan.decision.rule is Rule.default
     assert plan.decision.kernel_name == mxfp4_default_kernel(M, 40, 96, dtype, False,
                                                              TORCH_DEQUANT_LINEAR)
+
+
+def test_calls_on_the_cpu_and_other_devices_default_to_torch():
+    """The default's Triton kernels are for a Hopper's tensors: a call with CPU tensors runs the
+    torch backend whatever GPU the process has, and so does a key looked up for another arch."""
+    x, wq, ws, bias = operands(5, 40, 256, seed=7)
+    cpu = [t.cpu() for t in (x, wq, ws, bias)]
+    assert_close_to_reference(gemmtune.gemm_a16w4(*cpu), *cpu)
+    (plan,) = [p for p in DISPATCH.plans.values() if p.decision.key.M == 5]
+    assert plan.decision.kernel_name == TORCH_DEQUANT_LINEAR
+    for packed, name in ((False, TORCH_DEQUANT_LINEAR), (True, TORCH_UNPACK_DEQUANT_LINEAR)):
+        key = A16w4Key(5, 40, 256, "torch.bfloat16", packed)
+        assert DISPATCH.decide(key, DeviceId("sm_80", 108)).kernel_name == name
 
 
 @pytest.mark.parametrize("M, N, K", [(0, 40, 96), (3, 0, 96), (3, 40, 0)])
@@ -216,8 +230,9 @@ def test_a_row_for_the_other_layout_is_not_used(a16w4_table):
     assert_close_to_reference(y, x, wq, ws, bias)
     names = {plan.decision.kernel_name for plan in DISPATCH.plans.values()}
     # the family's defaults for each layout (the torch backends but on a Hopper)
-    assert names == {mxfp4_default_kernel(M, N, K, torch.bfloat16, False, TORCH_DEQUANT_LINEAR),
-                     mxfp4_default_kernel(M, N, K, torch.bfloat16, True, TORCH_UNPACK_DEQUANT_LINEAR)}
+    bf16 = torch.bfloat16
+    assert names == {mxfp4_default_kernel(M, N, K, bf16, False, TORCH_DEQUANT_LINEAR),
+                     mxfp4_default_kernel(M, N, K, bf16, True, TORCH_UNPACK_DEQUANT_LINEAR)}
 
 
 def test_packed_needs_k_a_multiple_of_128_and_passes_gradients():

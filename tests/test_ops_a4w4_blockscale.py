@@ -9,6 +9,7 @@ import torch
 import gemmtune
 from gemm_checks import DEVICE, generator, install_user_table, mxfp4_default_kernel, randn
 from gemmtune import quant
+from gemmtune.device import DeviceId
 from gemmtune.families.a4w4_blockscale.op import DISPATCH, A4w4Key
 from gemmtune.kernels.torch_ref import TORCH_DEQUANT_MM, TORCH_UNPACK_DEQUANT_MM, gemm_a4w4_ref
 from gemmtune.tables.lookup import Rule
@@ -46,6 +47,19 @@ def assert_close_to_reference(y, xq, xs, wq, ws):
     assert not torch.isnan(y).any()
     rel = ((y.float() - ref).norm() / ref.norm()).item()
     assert rel < 1e-2, rel  # the output's rounding: ~2e-3 in norm for bf16
+
+
+def test_calls_on_the_cpu_and_other_devices_default_to_torch():
+    """The default's Triton kernels are for a Hopper's tensors: a call with CPU tensors runs the
+    torch backend whatever GPU the process has, and so does a key looked up for another arch."""
+    cpu = [t.cpu() for t in operands(5, 40, 256, seed=7)]
+    xq, xs, wq, ws = cpu
+    assert_close_to_reference(gemmtune.gemm_a4w4_blockscale(xq, wq, xs, ws), *cpu)
+    (plan,) = [p for p in DISPATCH.plans.values() if p.decision.key.M == 5]
+    assert plan.decision.kernel_name == TORCH_DEQUANT_MM
+    for packed, name in ((False, TORCH_DEQUANT_MM), (True, TORCH_UNPACK_DEQUANT_MM)):
+        key = A4w4Key(5, 40, 256, packed)
+        assert DISPATCH.decide(key, DeviceId("sm_80", 108)).kernel_name == name
 
 
 @pytest.mark.parametrize("M, N, K", [(0, 40, 96), (3, 0, 96), (3, 40, 0)])

@@ -2,8 +2,7 @@
 (``tuner``) and how the bench runs it (each weight in the layout ``patch_linear`` would store it
 in, beside bf16 ``F.linear`` and the FP8 per-token op; ``--run_config`` times a table's
 unpacked rows only). Model shapes list each GEMM in both weight layouts (``other_layouts``). A
-shape without a row runs the torch backend (the weight dequantised on every call, then
-``F.linear``)."""
+shape without a row runs the family default (``op``)."""
 
 from __future__ import annotations
 

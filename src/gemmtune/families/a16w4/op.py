@@ -7,7 +7,8 @@ elements per byte, one E8M0 scale per 32 along K), or with ``packed`` wq as
 loads); x (..., K); bias (N,). Dispatched per shape through ``a16w4_tuned_gemm.csv`` (key
 ``A16w4Key``: M, N, K, x's dtype and the weight's layout, ``packed``: one layout per (N, K) is
 what a model stores, ``patch_linear`` picks it from the table); a shape without a row runs the
-torch backend (the weight dequantised on every call, unpacked first if packed, then
+family default (``_mxfp4_default``: on a Hopper a Triton kernel's default config, else the
+torch backend, the weight dequantised on every call, unpacked first if packed, then
 ``F.linear``). Registered as ``torch.ops.gemmtune.gemm_a16w4``.
 """
 
@@ -66,7 +67,7 @@ def _to_table_key(raw: tuple) -> A16w4Key:
 
 
 def _default_kernel(key: A16w4Key, device: DeviceId) -> str:
-    return default_kernel_name(REGISTRY, _TORCH, problem_of(key))
+    return default_kernel_name(REGISTRY, _TORCH, problem_of(key), device)
 
 
 DISPATCH = Dispatcher(SCHEMA, REGISTRY, _to_table_key, problem_of, _default_kernel)

@@ -2,7 +2,7 @@
 (``op``), its tuner (``tuner``) and how the bench runs it (each weight in the layout its table's
 rows favour, beside bf16 ``F.linear`` and the FP8 per-token op; ``--run_config`` times a table's
 unpacked rows only). Model shapes list each GEMM in both weight layouts (``other_layouts``). A
-shape without a row runs the torch backend (both operands dequantised on every call)."""
+shape without a row runs the family default (``op``)."""
 
 from __future__ import annotations
 

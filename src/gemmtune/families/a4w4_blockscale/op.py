@@ -7,7 +7,8 @@ row), or with ``packed`` wq as ``gemmtune.quant.prepack_mxfp4`` reorders it (the
 kernel reads it in 16-byte loads and decodes it with fewer instructions). Dispatched per shape
 through ``a4w4_blockscale_tuned_gemm.csv`` (key ``A4w4Key``: M, N, K, with K the elements,
 twice xq's last dimension, and the weight's layout, ``packed``); a shape without a row runs the
-torch backend (both dequantised on every call, a packed weight unpacked first). Registered as
+family default (``_mxfp4_default``: on a Hopper a Triton kernel's default config, else the
+torch backend, both dequantised on every call, a packed weight unpacked first). Registered as
 ``torch.ops.gemmtune.gemm_a4w4_blockscale``.
 """
 
@@ -65,7 +66,7 @@ def _to_table_key(raw: tuple) -> A4w4Key:
 
 
 def _default_kernel(key: A4w4Key, device: DeviceId) -> str:
-    return default_kernel_name(REGISTRY, _TORCH, problem_of(key))
+    return default_kernel_name(REGISTRY, _TORCH, problem_of(key), device)
 
 
 DISPATCH = Dispatcher(SCHEMA, REGISTRY, _to_table_key, problem_of, _default_kernel)
