@@ -64,12 +64,12 @@ def packed_layout_tuned(schema: Schema, names: TorchBackends, n: int, k: int,
     own model's, else a similar one's, as dispatch finds them) whose keys pass ``same_weight``
     (e.g. x's dtype): there are rows for it packed, their kernels read packed weights themselves
     (none is the unpacking torch backend), and over the M that timed rows of both layouts have,
-    the packed ones take no longer in all (one layout serves every M of a
-    weight). Both rows of an M come from one GPU model where any model has both: this GPU's
-    own, else another's (``TableIndex.rows_by_model``'s order), since a faster card's row of one
-    layout beside a slower card's of the other compares the cards, not the layouts. Only where
-    no model has both layouts at any M are the rows dispatch would take compared as they are;
-    where no M has rows of both, the layout whose rows cover more M (``_covers_more_m``)."""
+    the packed ones take no longer in all (one layout serves every M of a weight). Both rows of
+    an M come from one GPU model where any model has both: this GPU's own, else another's
+    (``TableIndex.rows_by_model``'s order), since a faster card's row of one layout beside a
+    slower card's of the other compares the cards, not the layouts. Only where no model has
+    both layouts at any M are the rows dispatch would take compared as they are; where no M has
+    timed rows of both, the layout whose rows cover more M (``_covers_more_m``)."""
     if mxfp4.why_not_packable(k) is not None:
         return False
     index = table_index(schema)
