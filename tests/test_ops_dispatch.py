@@ -539,6 +539,35 @@ def test_an_empty_gemm_runs_the_default_and_is_not_captured(tmp_path, monkeypatc
     assert not (tmp_path / "shards").exists()  # no untuned row the tuner could not read
 
 
+@pytest.mark.parametrize("M, N, K", [(0, 8, 256), (3, 0, 256), (3, 8, 0)])
+def test_empty_scaled_gemms_give_zeros_plus_bias(M, N, K):
+    """FP8 GEMMs with M, N or K of 0 (x of 3 dimensions) return their shape: zeros plus the
+    bias, for per-token and block scales alike (``reshape(-1, 0)`` had made K = 0 raise)."""
+    fp8 = torch.float8_e4m3fn
+    xq, wq = fresh(M, 2, K, seed=2).to(fp8), fresh(N, K, seed=3).to(fp8)
+    bias = fresh(N, seed=4).to(torch.bfloat16)
+    y = gemmtune.gemm_a8w8(xq, wq, fresh(M, 2, 1, seed=5).abs(), fresh(1, N, seed=6).abs(), bias)
+    assert y.shape == (M, 2, N)
+    if K == 0:
+        torch.testing.assert_close(y, bias.expand(M, 2, N))
+    blocks = -(-K // 128)
+    y = gemmtune.gemm_a8w8_blockscale(xq, wq, fresh(M, 2, blocks, seed=7).abs(),
+                                      fresh(-(-N // 128), blocks, seed=8).abs())
+    assert y.shape == (M, 2, N) and (K > 0 or not y.any())
+
+
+@pytest.mark.parametrize("N, K", [(0, 16), (5, 0)])
+def test_gradients_of_empty_gemms_have_their_inputs_shapes(N, K):
+    """Backward through an empty GEMM (x of 3 dimensions): gradients of each input's shape,
+    zero for x and w, the 6 rows' sum for the bias (``reshape(-1, 0)`` had made N = 0 raise)."""
+    x = fresh(3, 2, K).requires_grad_()
+    w, b = fresh(N, K, seed=1).requires_grad_(), fresh(N, seed=2).requires_grad_()
+    gemmtune.gemm_a16w16(x, w, b).sum().backward()
+    assert x.grad.shape == x.shape and w.grad.shape == w.shape
+    assert not x.grad.any() and not w.grad.any()
+    assert torch.equal(b.grad, torch.full((N,), 6.0, device=DEVICE))
+
+
 def test_cublaslt_rows_without_nvmath_fall_back_with_one_warning_in_all(user_table,
                                                                         monkeypatch):
     from gemmtune.kernels.cublaslt import kernels as lt_kernels

@@ -32,6 +32,11 @@ _FP8 = {getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2") if hasattr(t
 _MM_HAS_OUT_DTYPE = "dtype" in torch.ops.aten.mm.overloads()
 
 
+def as_rows(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (..., k) as (rows, k), the rows counted: ``reshape(-1, k)`` is ambiguous for an
+    empty ``t`` with k = 0 (a GEMM with K = 0 is valid: its product is zeros, plus any bias)."""
+    return t.reshape(math.prod(t.shape[:-1]), t.shape[-1])
+
 def gemm_a16w16_ref(x, w, bias=None, out_dtype=None, scale_a=None, scale_b=None):
     """``x @ w.T * scale_a * scale_b + bias`` computed in fp32, cast to ``out_dtype``."""
     y = x.float() @ w.float().t()
@@ -86,7 +91,7 @@ def _linear_torch(x, w, bias, out_dtype, scale_a, scale_b):
         # other shapes take the reference path.
         one = torch.ones((), device=x.device, dtype=torch.float32)
         y = torch._scaled_mm(
-            x.reshape(-1, k).contiguous(), w.contiguous().t(),
+            as_rows(x).contiguous(), w.contiguous().t(),
             scale_a=scale_a.reshape(()) if scale_a is not None else one,
             scale_b=scale_b.reshape(()) if scale_b is not None else one,
             out_dtype=torch.float32 if bias is not None else out_dtype,
@@ -96,7 +101,7 @@ def _linear_torch(x, w, bias, out_dtype, scale_a, scale_b):
     if not scaled and x.is_cuda and out_dtype == torch.float32 and x.dtype in (
             torch.bfloat16, torch.float16) and _MM_HAS_OUT_DTYPE:
         # cuBLAS writes the fp32 accumulator directly: no rounding through the input dtype.
-        y = torch.mm(x.reshape(-1, k), w.t(), out_dtype=torch.float32)
+        y = torch.mm(as_rows(x), w.t(), out_dtype=torch.float32)
         y = y + bias.float() if bias is not None else y
         return y.view(*x.shape[:-1], n)
     return gemm_a16w16_ref(x, w, bias, out_dtype, scale_a, scale_b)
@@ -104,8 +109,8 @@ def _linear_torch(x, w, bias, out_dtype, scale_a, scale_b):
 
 def gemm_a8w8_ref(xq, wq, x_scale, w_scale, bias=None, out_dtype=torch.bfloat16):
     """The dequantised product in fp32, cast to ``out_dtype``: what every backend must match."""
-    k, n = xq.shape[-1], wq.shape[0]
-    y = (xq.reshape(-1, k).float() @ wq.float().t()) * x_scale.reshape(-1, 1).float() \
+    n = wq.shape[0]
+    y = (as_rows(xq).float() @ wq.float().t()) * x_scale.reshape(-1, 1).float() \
         * w_scale.reshape(1, -1).float()
     if bias is not None:
         y = y + bias.float()
@@ -127,7 +132,7 @@ def scaled_mm_torch(xq, wq, bias, out_dtype, x_scale, w_scale, out=None):  # xq 
     ``torch._int_mm`` (INT8) on CUDA where their shape rules hold, the fp32 reference elsewhere.
     Bias is added after the product (``_scaled_mm``'s own bias does not take every scale layout)."""
     k, n = xq.shape[-1], wq.shape[0]
-    x2 = xq.reshape(-1, k)
+    x2 = as_rows(xq)
     m = x2.shape[0]
     y = None
     fast = torch_fast_path(m, n, k, xq.dtype, xq.is_cuda)
@@ -192,7 +197,7 @@ _BLOCK = 128  # K extent of an FP8 block scale (x per 1x128, w per 128x128)
 def gemm_a8w8_blockscale_ref(xq, wq, x_scale, w_scale, out_dtype=torch.bfloat16):
     """The dequantised product in fp32 (each element times its block's scale), cast."""
     k, n = xq.shape[-1], wq.shape[0]
-    x2, xs = xq.reshape(-1, k).float(), x_scale.reshape(-1, x_scale.shape[-1])
+    x2, xs = as_rows(xq).float(), as_rows(x_scale)
     x_deq = x2 * xs.repeat_interleave(_BLOCK, dim=1)[:, :k]
     w_deq = wq.float() * w_scale.repeat_interleave(_BLOCK, dim=0)[:n].repeat_interleave(
         _BLOCK, dim=1)[:, :k]
@@ -217,7 +222,7 @@ def blockscale_torch(xq, wq, bias, out_dtype, x_scale, w_scale, out=None):
     as (K/128, N/128)); elsewhere the dequantised fp32 reference, correct and slow."""
     k, n = xq.shape[-1], wq.shape[0]
     # cuBLAS takes a row-major x and a column-major w.T (no-ops for contiguous operands).
-    x2, xs = xq.reshape(-1, k).contiguous(), x_scale.reshape(-1, x_scale.shape[-1])
+    x2, xs = as_rows(xq).contiguous(), as_rows(x_scale)
     wq = wq.contiguous()
     m = x2.shape[0]
     y = None
@@ -310,8 +315,7 @@ def dequant_mm_torch(xq, wq, bias, out_dtype, scale_a, scale_b, out=None):
     (to bf16 for a bf16 output, exact but for scales past bf16's range; else fp32), then
     ``F.linear`` (the reference a real kernel is measured against, not a fast path)."""
     dtype = torch.bfloat16 if out_dtype == torch.bfloat16 else torch.float32
-    rows = math.prod(xq.shape[:-1])  # not -1: with K = 0 it would be ambiguous
-    x = mxfp4.dequantize(xq.reshape(rows, xq.shape[-1]), scale_a.reshape(rows, scale_a.shape[-1]))
+    x = mxfp4.dequantize(as_rows(xq), as_rows(scale_a))
     y = F.linear(x.to(dtype), mxfp4.dequantize(wq, scale_b).to(dtype))
     y = y.reshape(*xq.shape[:-1], wq.shape[0])
     if bias is not None:

@@ -31,7 +31,7 @@ from gemmtune.families._switches import grad_enabled as _grad_enabled
 from gemmtune.kernels import mxfp4
 from gemmtune.kernels.problem import GemmProblem, Scaling
 from gemmtune.kernels.torch_ref import (TORCH_DEQUANT_LINEAR, TORCH_UNPACK_DEQUANT_LINEAR,
-                                        dequant_linear_torch)
+                                        as_rows, dequant_linear_torch)
 from gemmtune.kernels.triton.dispatchable import MXFP4_PREFIXES
 from gemmtune.tables.schema import Column, Kind
 from gemmtune.tables.values import DTYPE_NAMES, to_torch_dtype
@@ -153,7 +153,7 @@ def _backward(ctx, grad):
     wq, w_scale = ctx.saved_tensors
     codes = mxfp4.unpack(wq) if ctx.packed else wq
     grad_x = grad @ mxfp4.dequantize(codes, w_scale).to(grad.dtype)
-    grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0).to(ctx.bias_dtype) \
+    grad_bias = as_rows(grad).sum(0).to(ctx.bias_dtype) \
         if ctx.has_bias else None
     return grad_x, None, None, grad_bias, None, None
 

@@ -30,7 +30,8 @@ from gemmtune.families._switches import compiler as _compiler
 from gemmtune.families._switches import dynamo_compiling as _dynamo_compiling
 from gemmtune.kernels import mxfp4
 from gemmtune.kernels.problem import GemmProblem, Scaling
-from gemmtune.kernels.torch_ref import TORCH_DEQUANT_MM, TORCH_UNPACK_DEQUANT_MM, dequant_mm_torch
+from gemmtune.kernels.torch_ref import (TORCH_DEQUANT_MM, TORCH_UNPACK_DEQUANT_MM, as_rows,
+                                        dequant_mm_torch)
 from gemmtune.kernels.triton.dispatchable import (W4_PREFIX, W4DEQ_PREFIX, W4FRAG_PREFIX,
                                                   W4XA_PREFIX)
 
@@ -125,14 +126,9 @@ def _plan(xq, wq, x_scale, w_scale, dtype, kernel, packed):
     return DISPATCH.plan_for(key, device, kernel, _check, args)
 
 
-def _flat_scale(x_scale: torch.Tensor) -> torch.Tensor:
-    # Rows counted, not -1: with K = 0 a row has no scale, and -1 would be ambiguous
-    return x_scale.reshape(math.prod(x_scale.shape[:-1]), x_scale.shape[-1])
-
-
 def _run(xq, wq, x_scale, w_scale, dtype, kernel, packed):
     plan = _plan(xq, wq, x_scale, w_scale, dtype, kernel, packed)
-    return plan.run(xq, wq, None, dtype, _flat_scale(x_scale), w_scale)
+    return plan.run(xq, wq, None, dtype, as_rows(x_scale), w_scale)
 
 
 def _run_and_remember(call_key: tuple, xq, wq, x_scale, w_scale, dtype, kernel, packed):
@@ -140,7 +136,7 @@ def _run_and_remember(call_key: tuple, xq, wq, x_scale, w_scale, dtype, kernel, 
     bound to the key for the calls after it (x_scale as the kernels take it: (M, K / 32))."""
     _check(xq, wq, x_scale, w_scale, dtype, packed)
     plan = _plan(xq, wq, x_scale, w_scale, dtype, kernel, packed)
-    xs = _flat_scale(x_scale)
+    xs = as_rows(x_scale)
     run = DISPATCH.remember(call_key, plan, (xq, wq, None, dtype, xs, w_scale))
     return run(xq, wq, None, xs, w_scale)
 
@@ -175,4 +171,4 @@ def gemm_a4w4_blockscale(xq: torch.Tensor, wq: torch.Tensor, x_scale: torch.Tens
     run = _CALLS.get(call_key)
     if run is None:
         return _run_and_remember(call_key, xq, wq, x_scale, w_scale, dtype, kernel, packed)
-    return run(xq, wq, None, _flat_scale(x_scale), w_scale)
+    return run(xq, wq, None, as_rows(x_scale), w_scale)

@@ -23,7 +23,8 @@ from gemmtune.families._gemm import (OUT_DTYPES, TUNED_OUT_DTYPE, check_multiply
 from gemmtune.families._switches import compiler as _compiler
 from gemmtune.families._switches import dynamo_compiling as _dynamo_compiling
 from gemmtune.kernels.problem import GemmProblem, Scaling
-from gemmtune.kernels.torch_ref import TORCH_BLOCKSCALE, bind_blockscale, blockscale_torch
+from gemmtune.kernels.torch_ref import (TORCH_BLOCKSCALE, as_rows, bind_blockscale,
+                                        blockscale_torch)
 
 
 
@@ -78,8 +79,8 @@ def _check(xq, wq, x_scale, w_scale, dtype) -> None:
 
     check_multiply("gemm_a8w8_blockscale", xq, wq)
     check_out_dtype_and_device("gemm_a8w8_blockscale", xq, wq, dtype, OUT_DTYPES)
-    x2 = xq.reshape(-1, xq.shape[-1])
-    xs = x_scale.reshape(-1, x_scale.shape[-1]) if isinstance(x_scale, torch.Tensor) \
+    x2 = as_rows(xq)
+    xs = as_rows(x_scale) if isinstance(x_scale, torch.Tensor) \
         and x_scale.dim() >= 1 else x_scale
     validate_block_scales("gemm_a8w8_blockscale", x2, wq, xs, w_scale)
 
@@ -104,7 +105,7 @@ def _plan(xq, wq, x_scale, w_scale, dtype, kernel):
 
 def _run(xq, wq, x_scale, w_scale, dtype, kernel):
     plan = _plan(xq, wq, x_scale, w_scale, dtype, kernel)
-    xs = x_scale.reshape(-1, x_scale.shape[-1])
+    xs = as_rows(x_scale)
     return plan.run(xq, wq, None, dtype, xs, w_scale)
 
 
@@ -113,7 +114,7 @@ def _run_and_remember(call_key: tuple, xq, wq, x_scale, w_scale, dtype, kernel):
     bound to the key for the calls after it (x_scale as the kernels take it: (M, K/128))."""
     _check(xq, wq, x_scale, w_scale, dtype)
     plan = _plan(xq, wq, x_scale, w_scale, dtype, kernel)
-    xs = x_scale.reshape(-1, x_scale.shape[-1])
+    xs = as_rows(x_scale)
     run = DISPATCH.remember(call_key, plan, (xq, wq, None, dtype, xs, w_scale))
     return run(xq, wq, None, xs, w_scale)
 
@@ -148,5 +149,5 @@ def gemm_a8w8_blockscale(xq: torch.Tensor, wq: torch.Tensor, x_scale: torch.Tens
     if run is None:
         return _run_and_remember(call_key, xq, wq, x_scale, w_scale, dtype, kernel)
     if xq.dim() != 2:  # a reshape, as _run_and_remember's: a strided scale may not view
-        x_scale = x_scale.reshape(-1, x_scale.shape[-1])
+        x_scale = as_rows(x_scale)
     return run(xq, wq, None, x_scale, w_scale)

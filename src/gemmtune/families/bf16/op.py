@@ -21,7 +21,7 @@ from gemmtune.families._switches import compiler as _compiler
 from gemmtune.families._switches import dynamo_compiling as _dynamo_compiling
 from gemmtune.families._switches import grad_enabled as _grad_enabled
 from gemmtune.kernels.problem import GemmProblem, Scaling
-from gemmtune.kernels.torch_ref import TORCH_LINEAR, bind_linear, linear_torch
+from gemmtune.kernels.torch_ref import TORCH_LINEAR, as_rows, bind_linear, linear_torch
 from gemmtune.kernels.triton.dispatchable import PREFIXES as TRITON_PREFIXES
 from gemmtune.tables.schema import Column, Kind
 from gemmtune.tables.values import DTYPE_NAMES, to_torch_dtype
@@ -184,9 +184,9 @@ def _backward(ctx, grad):
     if ctx.scaled:
         raise RuntimeError("gemm_a16w16: no gradient through per-tensor-scaled (fp8) inputs")
     x, w = ctx.saved_tensors
-    g = grad.reshape(-1, grad.shape[-1]).to(x.dtype)  # (M, N)
+    g = as_rows(grad).to(x.dtype)  # (M, N)
     grad_x = (g @ w).view(x.shape) if ctx.needs_input_grad[0] else None
-    grad_w = g.t() @ x.reshape(-1, x.shape[-1]) if ctx.needs_input_grad[1] else None
+    grad_w = g.t() @ as_rows(x) if ctx.needs_input_grad[1] else None
     grad_b = g.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
     return grad_x, grad_w, grad_b, None, None, None, None
 
