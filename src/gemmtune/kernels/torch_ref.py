@@ -35,7 +35,9 @@ _MM_HAS_OUT_DTYPE = "dtype" in torch.ops.aten.mm.overloads()
 def as_rows(t: torch.Tensor) -> torch.Tensor:
     """``t`` (..., k) as (rows, k), the rows counted: ``reshape(-1, k)`` is ambiguous for an
     empty ``t`` with k = 0 (a GEMM with K = 0 is valid: its product is zeros, plus any bias)."""
-    return t.reshape(math.prod(t.shape[:-1]), t.shape[-1])
+    k = t.shape[-1]
+    # The rows are counted only where k = 0: on the eager hot path (3-D x) -1 costs less
+    return t.reshape(-1, k) if k else t.reshape(math.prod(t.shape[:-1]), 0)
 
 def gemm_a16w16_ref(x, w, bias=None, out_dtype=None, scale_a=None, scale_b=None):
     """``x @ w.T * scale_a * scale_b + bias`` computed in fp32, cast to ``out_dtype``."""
