@@ -11,8 +11,9 @@ from gemm_checks import DEVICE, generator, install_user_table, mxfp4_default_ker
 from gemmtune import quant
 from gemmtune.device import DeviceId
 from gemmtune.dispatch import KernelNameError
-from gemmtune.families.a16w4.op import DISPATCH, A16w4Key
-from gemmtune.kernels.torch_ref import (TORCH_DEQUANT_LINEAR, TORCH_UNPACK_DEQUANT_LINEAR,
+from gemmtune.families.a16w4.op import DISPATCH, REGISTRY, A16w4Key
+from gemmtune.kernels.torch_ref import (TORCH_DEQUANT_LINEAR, TORCH_DEQUANT_MM,
+                                        TORCH_UNPACK_DEQUANT_LINEAR, TORCH_UNPACK_DEQUANT_MM,
                                         gemm_a16w4_ref)
 from gemmtune.tables.lookup import Rule
 
@@ -74,6 +75,40 @@ def test_calls_on_the_cpu_and_other_devices_default_to_torch():
     for packed, name in ((False, TORCH_DEQUANT_LINEAR), (True, TORCH_UNPACK_DEQUANT_LINEAR)):
         key = A16w4Key(5, 40, 256, "torch.bfloat16", packed)
         assert DISPATCH.decide(key, DeviceId("sm_80", 108)).kernel_name == name
+
+
+@pytest.mark.parametrize("x_dtype, torch_names", [
+    (torch.bfloat16, (TORCH_DEQUANT_LINEAR, TORCH_UNPACK_DEQUANT_LINEAR)),
+    (torch.uint8, (TORCH_DEQUANT_MM, TORCH_UNPACK_DEQUANT_MM))])
+def test_the_default_on_a_hopper(monkeypatch, x_dtype, torch_names):
+    """Where every kernel can run (as on a Hopper, here pretended): triton.w4frag's default
+    config for the device's SMs in the weight's layout up to M = 128, triton.w4deq's PTX config
+    above; the torch backend of the layout for another arch and for empty GEMMs."""
+    from gemmtune.dispatch import KernelRegistry
+    from gemmtune.families._mxfp4_default import default_kernel_name
+    from gemmtune.families._mxfp4_layout import TorchBackends
+    from gemmtune.kernels.problem import GemmProblem, Scaling
+    from gemmtune.kernels.triton.gemm_w4frag import W4FragConfig, default_config
+
+    monkeypatch.setattr(KernelRegistry, "can_run", lambda self, name, problem: True)
+    names = TorchBackends(*torch_names)
+    hopper, ampere = DeviceId("sm_90", 132, "H200"), DeviceId("sm_80", 108)
+    out = torch.bfloat16 if x_dtype == torch.uint8 else x_dtype
+    for packed in (False, True):
+        def default(m, n, k, device=hopper):
+            problem = GemmProblem(m, n, k, x_dtype, out, scaling=Scaling.mxfp4,
+                                  preshuffled=packed)
+            return default_kernel_name(REGISTRY, names, problem, device)
+
+        c = default_config(5, 4096, 4096, x_dtype, num_sms=132)
+        assert default(5, 4096, 4096) == W4FragConfig(c.block_m, c.block_k, c.split_k,
+                                                      packed=int(packed)).name
+        assert default(130, 4096, 4096) == f"triton.w4deq:BN8.BK512.W4.L{int(packed)}.A1"
+        for m, n, k, device in ((5, 4096, 4096, ampere), (0, 4096, 4096, hopper),
+                                (5, 0, 4096, hopper), (5, 4096, 0, hopper)):
+            assert default(m, n, k, device) == names.of(packed)
+    monkeypatch.setattr(KernelRegistry, "can_run", lambda self, name, problem: False)
+    assert default(5, 4096, 4096) == names.of(True)
 
 
 @pytest.mark.parametrize("M, N, K", [(0, 40, 96), (3, 0, 96), (3, 40, 0)])

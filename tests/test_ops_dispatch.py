@@ -539,21 +539,36 @@ def test_an_empty_gemm_runs_the_default_and_is_not_captured(tmp_path, monkeypatc
     assert not (tmp_path / "shards").exists()  # no untuned row the tuner could not read
 
 
-@pytest.mark.parametrize("M, N, K", [(0, 8, 256), (3, 0, 256), (3, 8, 0)])
+@pytest.mark.parametrize("M, N, K", [(0, 8, 256), (3, 0, 256), (3, 8, 0), (3, 128, 0)])
 def test_empty_scaled_gemms_give_zeros_plus_bias(M, N, K):
     """FP8 GEMMs with M, N or K of 0 (x of 3 dimensions) return their shape: zeros plus the
-    bias, for per-token and block scales alike (``reshape(-1, 0)`` had made K = 0 raise)."""
+    bias, for per-token and block scales alike (``reshape(-1, 0)`` had made K = 0 raise), on
+    the first call and on the remembered one after it (N = 128: the block-wise cuBLAS path's
+    N)."""
     fp8 = torch.float8_e4m3fn
     xq, wq = fresh(M, 2, K, seed=2).to(fp8), fresh(N, K, seed=3).to(fp8)
     bias = fresh(N, seed=4).to(torch.bfloat16)
-    y = gemmtune.gemm_a8w8(xq, wq, fresh(M, 2, 1, seed=5).abs(), fresh(1, N, seed=6).abs(), bias)
-    assert y.shape == (M, 2, N)
-    if K == 0:
-        torch.testing.assert_close(y, bias.expand(M, 2, N))
+    x_scale, w_scale = fresh(M, 2, 1, seed=5).abs(), fresh(1, N, seed=6).abs()
     blocks = -(-K // 128)
-    y = gemmtune.gemm_a8w8_blockscale(xq, wq, fresh(M, 2, blocks, seed=7).abs(),
-                                      fresh(-(-N // 128), blocks, seed=8).abs())
-    assert y.shape == (M, 2, N) and (K > 0 or not y.any())
+    xs_blocks, ws_blocks = fresh(M, 2, blocks, seed=7).abs(), fresh(-(-N // 128), blocks,
+                                                                    seed=8).abs()
+    for _ in range(2):
+        y = gemmtune.gemm_a8w8(xq, wq, x_scale, w_scale, bias)
+        assert y.shape == (M, 2, N)
+        if K == 0:
+            torch.testing.assert_close(y, bias.expand(M, 2, N))
+        y = gemmtune.gemm_a8w8_blockscale(xq, wq, xs_blocks, ws_blocks)
+        assert y.shape == (M, 2, N) and (K > 0 or not y.any())
+
+
+def test_a_forced_triton_kernel_takes_an_empty_sum():
+    """A Triton kernel named for a GEMM with K = 0 (x of 3 dimensions), as a call may force it
+    or a Triton JSON default may name it: the bias, twice."""
+    b = fresh(8)
+    for _ in range(2):
+        y = gemmtune.gemm_a16w16(fresh(2, 3, 0), fresh(8, 0), b,
+                                 kernel="triton.splitk:BM16.BN32.BK64.SK1.W4.S2")
+        torch.testing.assert_close(y, b.expand(2, 3, 8))
 
 
 @pytest.mark.parametrize("N, K", [(0, 16), (5, 0)])

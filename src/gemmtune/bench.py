@@ -196,8 +196,9 @@ def summarize(rows: list[BenchRow], gpu: bool = True) -> list[str]:
     """Per M range: speed-up geomean and both efficiencies' geomeans (each capped at 1.0), for
     the tuned op and torch. Shapes whose torch column ran the fp32 reference are left out of the
     speed-up and of torch's efficiencies (neither says anything about cuBLAS there) and counted
-    apart. Then the family's comparisons (``compared_summary``) and, if any: the rows faster
-    than their attainable floor, the shapes below 0.98x torch."""
+    apart. Then the family's comparisons (``compared_summary``) and, if any: the shapes no row
+    served (``untuned_summary``), the rows faster than their attainable floor, the shapes below
+    0.98x torch."""
     if not gpu:
         return cpu_summary([r.ok for r in rows])
     lines = []

@@ -122,7 +122,7 @@ def gemm_a8w8_ref(xq, wq, x_scale, w_scale, bias=None, out_dtype=torch.bfloat16)
 def torch_fast_path(m: int, n: int, k: int, q_dtype: torch.dtype, cuda: bool = True) -> bool:
     """Whether the torch backend runs (M, N, K) through cuBLAS (``_scaled_mm`` needs N and K
     multiples of 16, ``_int_mm`` M > 16 and N, K multiples of 8), not the fp32 reference."""
-    if not cuda:
+    if not cuda or not (m and n and k):  # _int_mm refuses empty operands
         return False
     if q_dtype == torch.float8_e4m3fn:
         return k % 16 == 0 and n % 16 == 0
@@ -215,7 +215,7 @@ def cublas_block_wise(n: int, k: int) -> bool:
     H100 (torch 2.11, cuBLAS 13.1): it needs N and K multiples of 128 and K/128 a multiple of 4
     (K = 256 and 2304 returned wrong numbers with no error; padding w's scale rows to 4 was
     refused as an invalid scaling configuration)."""
-    return n % _BLOCK == 0 and k % (4 * _BLOCK) == 0 and (n, k) not in _refused
+    return k > 0 and n % _BLOCK == 0 and k % (4 * _BLOCK) == 0 and (n, k) not in _refused
 
 
 def blockscale_torch(xq, wq, bias, out_dtype, x_scale, w_scale, out=None):

@@ -22,6 +22,7 @@ import torch
 
 from gemmtune import _env
 from gemmtune.kernels.problem import GemmProblem, Scaling
+from gemmtune.kernels.torch_ref import as_rows
 from gemmtune.kernels.triton import _checks
 from gemmtune.kernels.triton._replay import Replay, launch
 
@@ -205,7 +206,7 @@ class TritonKernel:
 
     def warmup(self, x, w, bias, out_dtype, scale_a, scale_b) -> None:
         """Compile for this call's arguments without running anything on the GPU."""
-        x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+        x2 = x if x.dim() == 2 else as_rows(x)
         y = torch.empty((x2.shape[0], w.shape[0]), dtype=out_dtype, device=x.device)
         if y.numel() and not _checks.interpreted():
             self._launch(x2, w, bias, y, scale_a, scale_b, self.config, warmup=True,
@@ -217,7 +218,7 @@ class TritonKernel:
             return self._validating_launch(x, w, bias, out_dtype, scale_a, scale_b, self.config,
                                            **self._validating_kwargs)
         n = w.shape[0]
-        x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+        x2 = x if x.dim() == 2 else as_rows(x)
         y = torch.empty((x2.shape[0], n), dtype=out_dtype, device=x.device) if out is None \
             else out.view(x2.shape[0], n)
         if y.numel():
@@ -239,7 +240,9 @@ class TritonKernel:
                     else (scale_a is None) != (scale_b is None))
                 or not math.prod(out_shape)):
             return None
-        k = x.shape[-1]
+        # x's rows and K: reshape(-1, 0) would be ambiguous where K is 0 (a default or a
+        # forced kernel may take an empty sum)
+        rows, k = math.prod(out_shape[:-1]), x.shape[-1]
         # The output: torch parses a shape given as separate ints, and no dtype or device, fastest
         # (x.new_empty(M, N) ~1.5 µs less than torch.empty((M, N), device="cuda:0", dtype=...)
         # on an H100 host; docs/benchmarks.md, session 13).
@@ -252,7 +255,7 @@ class TritonKernel:
                 empty(*out_shape, dtype=out_dtype, device=where)
             replay = recording[0]
             if replay is None or not replay.launch_fast((x, w, y, bias, scale_a, scale_b)):
-                x2 = x if x.dim() == 2 else x.reshape(-1, k)
+                x2 = x if x.dim() == 2 else x.reshape(rows, k)
                 recording[0] = self._launch_or_replay(
                     x2, w, bias, y.view(-1, n), _dense(scale_a), _dense(scale_b),
                     replayable=True)
