@@ -697,7 +697,7 @@ MXFP4_WORD_COMPILE = textwrap.dedent("""
 
 
 W4FRAG_SCRIPT = PTXAS_REPORT + MXFP4_WORD_COMPILE + textwrap.dedent("""
-    from gemmtune.kernels.triton import gemm_w4frag
+    from gemmtune.kernels.triton import _swapped, gemm_w4frag
 
     # (block_m, block_k, split_k (negative: added), pdl, bias, packed w, MXFP4 x, warps[, x
     # read from shared memory a block at a time])
@@ -714,8 +714,8 @@ W4FRAG_SCRIPT = PTXAS_REPORT + MXFP4_WORD_COMPILE + textwrap.dedent("""
         by_block = bool(by_block and by_block[0])
         constexprs = dict(HAS_BIAS=bias, SPLIT_K=abs(split_k), BLOCK_M=block_m,
                           BLOCK_K=block_k, PDL=pdl,
-                          PER_LOAD=gemm_w4frag.partials_per_load(abs(split_k), 64, block_m,
-                                                                 warps),
+                          PER_LOAD=_swapped.partials_per_load(abs(split_k), 64, block_m,
+                                                              warps),
                           ADD_SPLITS=split_k < 0, PACKED=packed, X_MXFP4=x_mxfp4,
                           X_BY_BLOCK=by_block)
         text = compile_mxfp4_words(gemm_w4frag.gemm_w4frag_kernel, x_mxfp4, constexprs, warps)
@@ -916,7 +916,7 @@ def test_mxfp4_warpgroup_mma_kernel_compiles_for_hopper():
 
 
 W4XA_SCRIPT = PTXAS_REPORT + MXFP4_WORD_COMPILE + textwrap.dedent("""
-    from gemmtune.kernels.triton import gemm_w4xa
+    from gemmtune.kernels.triton import _swapped, gemm_w4xa
 
     # (tiles, warps, split_k (negative: added), pdl, bias, MXFP4 x)
     for tiles, warps, split_k, pdl, bias, x_mxfp4 in (
@@ -924,8 +924,8 @@ W4XA_SCRIPT = PTXAS_REPORT + MXFP4_WORD_COMPILE + textwrap.dedent("""
             (4, 2, 1, False, True, False), (8, 1, 2, True, False, True),
             (2, 2, -9, False, True, True), (4, 1, 3, True, False, False)):
         constexprs = dict(HAS_BIAS=bias, SPLIT_K=abs(split_k), TILES=tiles, PDL=pdl,
-                          PER_LOAD=gemm_w4xa.partials_per_load(abs(split_k), 8 * tiles * warps,
-                                                               16, warps),
+                          PER_LOAD=_swapped.partials_per_load(abs(split_k), 8 * tiles * warps,
+                                                              16, warps),
                           ADD_SPLITS=split_k < 0, X_MXFP4=x_mxfp4)
         text = compile_mxfp4_words(gemm_w4xa.gemm_w4xa_kernel, x_mxfp4, constexprs, warps)
         case = (tiles, warps, split_k, pdl, x_mxfp4)

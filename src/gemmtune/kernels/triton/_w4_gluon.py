@@ -1,18 +1,24 @@
 """What the Gluon MXFP4 kernels share (``triton.w4frag``, ``triton.w4xa``, ``triton.w4wg``):
 the decode's registers as bf16 (pairs of codes put back together for the MMA), and x staged in
 shared memory a group of 4 blocks at a time in two slots (``x_staged``, then each later group
-by ``x_group_loads`` and ``x_in_bf16``), MXFP4 x decoded and scaled as it is stored.
+by ``x_group_loads`` and ``x_in_bf16``), MXFP4 x decoded and scaled as it is stored; and the
+launch of the two that split K (``split_k_call``).
 
 A group of x as loaded is (4 BLOCK_M, 32): row j BLOCK_M + m is block j of x's row m (rows past
 M read row M - 1), bf16 elements or MXFP4 x's 32-bit code words. Compiled only (Gluon does not
 run in Triton's interpreter).
 """
 
+import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 from gemmtune.kernels import mxfp4
 from gemmtune.kernels.triton._e2m1_ptx import e2m1_scaled_bf16, e2m1_tables
+from gemmtune.kernels.triton._mxfp4_calls import word_operands
+from gemmtune.kernels.triton._replay import KernelCall
+from gemmtune.kernels.triton._splits import PDL_OFF, launch_mode, workspace
+from gemmtune.kernels.triton._swapped import partials_per_load
 
 _BLOCK = gl.constexpr(mxfp4.BLOCK)
 
@@ -172,3 +178,25 @@ def x_group_loads(tile_ptrs, xs_ptrs, group, X_MXFP4: gl.constexpr):
     bytes: what ``x_in_bf16`` stores."""
     return (gl.load(tile_ptrs + group.to(gl.int64) * _x_group_stride(X_MXFP4)),
             _x_scale_bytes(xs_ptrs, group, X_MXFP4))
+
+
+def split_k_call(kernel, x, w, bias, out, scale_a, scale_b, config, block_n: int, block_m: int,
+                 counters, warmup: bool, **constexprs) -> KernelCall:
+    """The launch of a word-reading decode kernel that splits K (``triton.w4frag``,
+    ``triton.w4xa``) as data: programs of ``block_n`` rows of w and ``block_m`` rows of x on the
+    grid's first and third axes, ``config.split_k`` splits on its second (with ``config``'s
+    ``pdl``, ``add_splits`` and ``warps``), the splits' workspace, and the constexprs both
+    kernels take (HAS_BIAS, SPLIT_K, PDL, PER_LOAD, ADD_SPLITS, X_MXFP4) beside the kernel's
+    own (``constexprs``). Operands as ``w4frag_call`` takes them."""
+    ops = word_operands(x, w, bias, scale_a, scale_b)
+    c = config
+    n_tiles, m_tiles = triton.cdiv(ops.N, block_n), triton.cdiv(ops.M, block_m)
+    parts, counters, per_call = workspace(ops.x, out, n_tiles * m_tiles, block_n * block_m,
+                                          c.split_k, counters, warmup, bool(c.add_splits))
+    pdl = launch_mode(c.pdl, ops.x.device, ops.copied_w)
+    constexprs.update(HAS_BIAS=ops.bias is not None, SPLIT_K=c.split_k, PDL=pdl != PDL_OFF,
+                      PER_LOAD=partials_per_load(c.split_k, block_n, block_m, c.warps),
+                      ADD_SPLITS=bool(c.add_splits), X_MXFP4=scale_a is not None)
+    return KernelCall(kernel, (n_tiles, c.split_k, m_tiles), ops.args(out, parts, counters),
+                      constexprs, dict(num_warps=c.warps), launch_pdl=pdl != PDL_OFF,
+                      replayable=not per_call)

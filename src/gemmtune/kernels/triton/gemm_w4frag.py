@@ -64,17 +64,17 @@ from gemmtune.kernels import mxfp4
 from gemmtune.kernels._names import Field, NameCodec, NamedConfig
 from gemmtune.kernels.triton import _checks
 from gemmtune.kernels.triton._replay import KernelCall, launch
-from gemmtune.kernels.triton._splits import (PDL_OFF, launch_mode, launch_variants, split_for,
-                                             why_not_wait_pdl, workspace)
+from gemmtune.kernels.triton._splits import (PDL_OFF, launch_variants, split_for,
+                                             why_not_wait_pdl)
 from gemmtune.kernels.triton._swapped import (BLOCK_N, NUM_WARPS, barrier, finish_tile,
-                                              partials_per_load, release_then_wait,
-                                              split_steps, why_not_add_splits, why_not_grid)
+                                              release_then_wait, split_steps,
+                                              why_not_add_splits, why_not_grid)
 from gemmtune.kernels.triton._e2m1_ptx import E2M1_TO_BF16_ASM, e2m1_tables, placed_to_bf16
 from gemmtune.kernels.triton._w4_gluon import (halves, in_k_order, joined_codes, packed_blocks,
-                                               x_group_loads, x_in_bf16, x_staged, x_words)
+                                               split_k_call, x_group_loads, x_in_bf16,
+                                               x_staged, x_words)
 from gemmtune.kernels.triton._mxfp4_calls import (scaled_launcher, validated_launch,
-                                                  why_not_gluon_call, why_not_gluon_x,
-                                                  word_operands)
+                                                  why_not_gluon_call, why_not_gluon_x)
 from gemmtune.kernels.triton.gemm_w4deq import W4DeqConfig, dequantize
 
 KERNEL_PREFIX = "triton.w4frag"
@@ -658,21 +658,10 @@ def w4frag_call(x, w, bias, out, scale_a, scale_b, config: W4FragConfig,
     replays): x (M, K) bf16, w the codes (two a byte, (N, K // 2); in the packed layout for a
     packed config), scale_b their scales (N, K // 32), out (M, N); scale_a None, or x's scales
     (M, K // 32) with x MXFP4 too, its codes (M, K // 2)."""
-    ops = word_operands(x, w, bias, scale_a, scale_b)
     c = config
-    n_tiles, m_tiles = triton.cdiv(ops.N, BLOCK_N), triton.cdiv(ops.M, c.block_m)
-    parts, counters, per_call = workspace(ops.x, out, n_tiles * m_tiles, BLOCK_N * c.block_m,
-                                          c.split_k, counters, warmup, bool(c.add_splits))
-    pdl = launch_mode(c.pdl, ops.x.device, ops.copied_w)
-    args = ops.args(out, parts, counters)
-    constexprs = dict(HAS_BIAS=ops.bias is not None, SPLIT_K=c.split_k, BLOCK_M=c.block_m,
-                      BLOCK_K=c.block_k, PDL=pdl != PDL_OFF,
-                      PER_LOAD=partials_per_load(c.split_k, BLOCK_N, c.block_m, c.warps),
-                      ADD_SPLITS=bool(c.add_splits), PACKED=bool(c.packed),
-                      X_MXFP4=scale_a is not None, X_BY_BLOCK=bool(c.x_by_block))
-    return KernelCall(gemm_w4frag_kernel, (n_tiles, c.split_k, m_tiles), args, constexprs,
-                      dict(num_warps=c.warps), launch_pdl=pdl != PDL_OFF,
-                      replayable=not per_call)
+    return split_k_call(gemm_w4frag_kernel, x, w, bias, out, scale_a, scale_b, c, BLOCK_N,
+                        c.block_m, counters, warmup, BLOCK_M=c.block_m, BLOCK_K=c.block_k,
+                        PACKED=bool(c.packed), X_BY_BLOCK=bool(c.x_by_block))
 
 
 # x's dequantising launch of x_first configs: programs of 8 rows x 512 elements (M <= 32),

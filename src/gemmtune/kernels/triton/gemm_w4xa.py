@@ -37,16 +37,14 @@ from gemmtune.kernels._names import Field, NameCodec, NamedConfig
 from gemmtune.kernels.triton import _checks
 from gemmtune.kernels.triton._e2m1_ptx import placed_scaled_asm
 from gemmtune.kernels.triton._mxfp4_calls import (scaled_launcher, validated_launch,
-                                                  why_not_gluon_call, why_not_gluon_x,
-                                                  word_operands)
+                                                  why_not_gluon_call, why_not_gluon_x)
 from gemmtune.kernels.triton._replay import KernelCall, launch
-from gemmtune.kernels.triton._splits import (PDL_OFF, launch_mode, launch_variants, split_for,
-                                             why_not_wait_pdl, workspace)
-from gemmtune.kernels.triton._swapped import (barrier, finish_tile, partials_per_load,
-                                              release_then_wait, split_steps,
-                                              why_not_add_splits, why_not_grid)
+from gemmtune.kernels.triton._splits import (PDL_OFF, launch_variants, split_for,
+                                             why_not_wait_pdl)
+from gemmtune.kernels.triton._swapped import (barrier, finish_tile, release_then_wait,
+                                              split_steps, why_not_add_splits, why_not_grid)
 from gemmtune.kernels.triton._w4_gluon import (in_k_order, joined_codes, packed_blocks,
-                                               x_group_loads, x_in_bf16, x_staged)
+                                               split_k_call, x_group_loads, x_in_bf16, x_staged)
 
 KERNEL_PREFIX = "triton.w4xa"
 ROWS_OF_X = 16  # the MMA's M: x's rows a program
@@ -314,20 +312,8 @@ def w4xa_call(x, w, bias, out, scale_a, scale_b, config: W4XaConfig,
     x (M, K) bf16, w the packed codes (``mxfp4.prepack``), scale_b their scales (N, K // 32),
     out (M, N); scale_a None, or x's scales (M, K // 32) with x MXFP4 too, its codes
     (M, K // 2)."""
-    ops = word_operands(x, w, bias, scale_a, scale_b)
-    c = config
-    n_tiles, m_tiles = triton.cdiv(ops.N, c.block_n), triton.cdiv(ops.M, ROWS_OF_X)
-    parts, counters, per_call = workspace(ops.x, out, n_tiles * m_tiles, c.block_n * ROWS_OF_X,
-                                          c.split_k, counters, warmup, bool(c.add_splits))
-    pdl = launch_mode(c.pdl, ops.x.device, ops.copied_w)
-    args = ops.args(out, parts, counters)
-    constexprs = dict(HAS_BIAS=ops.bias is not None, SPLIT_K=c.split_k, TILES=c.tiles,
-                      PDL=pdl != PDL_OFF,
-                      PER_LOAD=partials_per_load(c.split_k, c.block_n, ROWS_OF_X, c.warps),
-                      ADD_SPLITS=bool(c.add_splits), X_MXFP4=scale_a is not None)
-    return KernelCall(gemm_w4xa_kernel, (n_tiles, c.split_k, m_tiles), args, constexprs,
-                      dict(num_warps=c.warps), launch_pdl=pdl != PDL_OFF,
-                      replayable=not per_call)
+    return split_k_call(gemm_w4xa_kernel, x, w, bias, out, scale_a, scale_b, config,
+                        config.block_n, ROWS_OF_X, counters, warmup, TILES=config.tiles)
 
 
 def launch_gemm_w4xa(x, w, bias, out, scale_a, scale_b, config: W4XaConfig,
